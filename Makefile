@@ -1,0 +1,25 @@
+# Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
+# Both create .venv on first use; `make setup` alone is idempotent.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup repro test clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+repro: setup
+	DVC_NO_ANALYTICS=1 $(BIN)/dvc repro
+
+test: setup
+	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)
