@@ -1,0 +1,130 @@
+"""Checksummed safetensors artifacts and atomic writes.
+
+Every artifact is one safetensors file whose header metadata holds the artifact's own metadata (JSON) and a
+SHA-256 of the whole file as written with the digest field zeroed. So the checksum covers every byte:
+tensor data, tensor names, dtypes, shapes and the metadata that gives them meaning. A flipped byte anywhere
+is refused at load with an error naming the file. Files are written under a temporary name in the same
+folder and renamed when complete, so an interrupted write never appears under the final name.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+# One header key only: safetensors does not keep the order of metadata keys, and the bytes must be
+# deterministic. Its value is JSON {"meta": <the artifact's metadata>, "sha256": <digest>}.
+HEADER_KEY = "kv-handoff"
+_ZERO_DIGEST = "0" * 64
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is missing, truncated, corrupted or not what the reader expects."""
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it to `path` only if the block completes."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _header(raw: bytes, path: Path) -> dict:
+    if len(raw) < 8:
+        raise ArtifactError(f"{path}: truncated artifact ({len(raw)} bytes)")
+    (length,) = struct.unpack("<Q", raw[:8])
+    if 8 + length > len(raw):
+        raise ArtifactError(f"{path}: corrupted artifact (header length {length} exceeds the file)")
+    try:
+        return json.loads(raw[8 : 8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ArtifactError(f"{path}: corrupted artifact header ({err})") from None
+
+
+def artifact_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> bytes:
+    """The exact bytes `save_artifact` writes (deterministic for the same tensors and metadata)."""
+    header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    unsigned = st_save(cpu, metadata=header_meta)
+    header_end = 8 + struct.unpack("<Q", unsigned[:8])[0]
+    if unsigned[:header_end].count(_ZERO_DIGEST.encode()) != 1:
+        raise ValueError("artifact metadata must not contain a run of 64 zeros")
+    digest = hashlib.sha256(unsigned).hexdigest()
+    return unsigned.replace(_ZERO_DIGEST.encode(), digest.encode(), 1)
+
+
+def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
+    """Write tensors plus JSON-serializable metadata; return the file's digest."""
+    data = artifact_bytes(tensors, metadata)
+    write_bytes_atomic(path, data)
+    return _stored(data, Path(path))[1]
+
+
+def _stored(raw: bytes, path: Path) -> tuple[dict, str]:
+    header = _header(raw, path)
+    stored = header.get("__metadata__", {}).get(HEADER_KEY) if isinstance(header, dict) else None
+    try:
+        content = json.loads(stored) if isinstance(stored, str) else None
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path}: corrupted artifact metadata ({err})") from None
+    if not isinstance(content, dict) or not isinstance(content.get("sha256"), str) or "meta" not in content:
+        raise ArtifactError(f"{path}: not a checksummed artifact (no {HEADER_KEY!r} entry in its header)")
+    return content["meta"], content["sha256"]
+
+
+def verify_bytes(raw: bytes, path: Path) -> tuple[dict, str]:
+    """Check the digest of an artifact's raw bytes; return (metadata, digest)."""
+    metadata, digest = _stored(raw, path)
+    header_end = 8 + struct.unpack("<Q", raw[:8])[0]
+    if len(digest) != 64 or raw[:header_end].count(digest.encode()) != 1:
+        raise ArtifactError(f"{path}: corrupted artifact (malformed checksum field)")
+    actual = hashlib.sha256(raw.replace(digest.encode(), _ZERO_DIGEST.encode(), 1)).hexdigest()
+    if actual != digest:
+        raise ArtifactError(
+            f"{path}: checksum mismatch (stored {digest[:12]}..., content {actual[:12]}...): the file is corrupted "
+            f"or was modified after writing; regenerate it (dvc repro -f the stage that writes it)"
+        )
+    return metadata, digest
+
+
+def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read and verify an artifact; return (tensors, metadata). Raises ArtifactError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: artifact not found")
+    raw = path.read_bytes()
+    metadata, _ = verify_bytes(raw, path)
+    try:
+        tensors = st_load(raw)
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise ArtifactError(f"{path}: unreadable tensors ({err})") from None
+    return {name: t.to(device) for name, t in tensors.items()}, metadata

@@ -1,0 +1,192 @@
+"""The handoff under the last-token protocol, in every mode the study compares.
+
+For context tokens c[0..n-1] and a continuation e (PROTOCOL.md, "Handoff"):
+
+    source body:  c[0] ... c[n-2]                 -> cache (no logits computed)
+                  strip source RoPE -> map -> [shuffle] -> apply target RoPE -> cast to target dtype
+    target:       cache + c[n-1] e[0] ... e[m-2]  -> logits scoring e[0] ... e[m-1]
+
+Modes: `oracle` (the target's own prefill of c[0..n-2]), `direct` (the source cache unmapped; needs equal KV
+geometry), `mapped` (through a fitted mapper), and the null controls `zero` (an all-zero cache of the
+target's shape) and `shuffled` (what `mapped` would inject, or the source cache without a mapper, with its
+token order permuted by a seeded permutation in content space, before the target's RoPE).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pipeline.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layers_to_cache
+from pipeline.mapper import Mapper
+from pipeline.models import IncompatiblePairError
+from pipeline.rope import RotarySpec, apply_rope, strip_rope
+
+MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
+
+
+class Handoff:
+    """Builds the target's prefix cache in one of MODES and scores tokens after it."""
+
+    def __init__(self, target, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})")
+        self.target, self.source, self.mode, self.mapper, self.shuffle_seed = target, source, mode, mapper, shuffle_seed
+        self.target_spec = RotarySpec.from_config(target.config)
+        self.target_geometry = kv_geometry(target.config)
+        self.source_prefills = 0  # counted so tests can check that shared contexts share one prefill
+        if mode in ("oracle", "zero"):
+            return
+        if source is None:
+            raise ValueError(f"transfer mode {mode!r} needs a source model")
+        self.source_spec = RotarySpec.from_config(source.config)
+        self.source_geometry = kv_geometry(source.config)
+        names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
+        if source.config.vocab_size != target.config.vocab_size:
+            raise IncompatiblePairError(f"incompatible pair: {names} have different vocabulary sizes")
+        if mode == "mapped" and mapper is None:
+            raise ValueError("transfer mode 'mapped' needs a mapper")
+        if mapper is not None:
+            if (mapper.source_geometry, mapper.target_geometry) != (self.source_geometry, self.target_geometry):
+                raise IncompatiblePairError(
+                    f"mapper was fitted for KV geometry {mapper.source_geometry} -> {mapper.target_geometry}, "
+                    f"but {names} have {self.source_geometry} -> {self.target_geometry}"
+                )
+        elif self.source_geometry != self.target_geometry:
+            raise IncompatiblePairError(
+                f"transfer mode {mode!r} without a mapper needs equal KV geometry, but {names} have "
+                f"{self.source_geometry} vs {self.target_geometry}; use transfer=mapped with a fitted mapper"
+            )
+
+    @property
+    def device(self):
+        return self.target.device
+
+    @torch.no_grad()
+    def prefix_layers(self, prefix_ids: torch.Tensor) -> Layers | None:
+        """Target-space cache (rotated, target dtype) for prefix_ids (1, P); None for an empty prefix."""
+        prefix_ids = prefix_ids.to(self.device)
+        length = prefix_ids.shape[1]
+        if length == 0:
+            return None
+        dtype = self.target.dtype
+        if self.mode == "oracle":
+            return cache_to_layers(self.target.model(input_ids=prefix_ids, use_cache=True).cache)
+        if self.mode == "zero":
+            shape = (1, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
+            zeros = torch.zeros(shape, dtype=dtype, device=self.device)
+            return [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
+
+        self.source_prefills += 1
+        source_layers = cache_to_layers(self.source.model(input_ids=prefix_ids.to(self.source.device), use_cache=True).cache)
+        if self.mode == "direct" and self.source_spec == self.target_spec:
+            return [(k.to(self.device, dtype), v.to(self.device, dtype)) for k, v in source_layers]
+
+        positions = torch.arange(length, device=self.source.device)
+        content = [(strip_rope(k.float(), positions, self.source_spec), v.float()) for k, v in source_layers]
+        if self.mapper is not None and self.mode in ("mapped", "shuffled"):
+            content = self.mapper.apply(content, positions)
+        if self.mode == "shuffled":
+            generator = torch.Generator().manual_seed(self.shuffle_seed)
+            order = torch.randperm(length, generator=generator).to(positions.device)
+            content = [(k[:, :, order], v[:, :, order]) for k, v in content]  # permute tokens, (B, H, T, D)
+        positions = positions.to(self.device)
+        return [
+            (apply_rope(k.to(self.device), positions, self.target_spec).to(dtype), v.to(self.device, dtype))
+            for k, v in content
+        ]
+
+    def target_cache(self, layers: Layers | None, batch: int = 1):
+        if layers is None:
+            return None
+        return layers_to_cache(expand_batch(layers, batch), self.target.config, self.target.dtype, self.device)
+
+    @torch.no_grad()
+    def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache."""
+        cache = self.target_cache(layers, tokens.shape[0])
+        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None).logits
+        return F.log_softmax(logits.float(), dim=-1)
+
+
+def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
+    """The context left after lm-eval's left-truncation of context + continuation to max_length + 1 tokens."""
+    if len(continuation) > max_length:
+        raise ValueError(f"continuation of {len(continuation)} tokens exceeds the model's {max_length}")
+    whole = (list(context) + list(continuation))[-(max_length + 1) :]
+    return whole[: len(whole) - len(continuation)]
+
+
+def score_continuations(
+    handoff: Handoff,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> list[tuple[float, bool]]:
+    """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
+
+    Requests that share a context share one prefix cache (one source prefill): HellaSwag's four endings
+    cost one prefill, not four. Within a context, continuations are batched with right padding, which
+    causal attention never lets earlier positions see.
+    """
+    max_length = max_length or handoff.target.config.max_position_embeddings
+    groups: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+    for index, (context, continuation) in enumerate(requests):
+        if not continuation:
+            raise ValueError(f"request {index} has an empty continuation")
+        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
+
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", disable=not progress)
+    for context, members in groups.items():
+        if not context:
+            raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
+        layers = handoff.prefix_layers(torch.tensor([context[:-1]], dtype=torch.long))
+        for start in range(0, len(members), batch_size):
+            chunk = members[start : start + batch_size]
+            conts = [list(requests[i][1]) for i in chunk]
+            width = max(len(c) for c in conts)
+            # step tokens: c[n-1] e[0] ... e[m-2], right-padded; position j scores e[j]
+            steps = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, cont in enumerate(conts):
+                steps[row, : len(cont)] = torch.tensor([context[-1]] + cont[:-1])
+            logprobs = handoff.step_logprobs(layers, steps)  # (B, width, V)
+            for row, (index, cont) in enumerate(zip(chunk, conts)):
+                target_ids = torch.tensor(cont, device=logprobs.device)
+                rows = logprobs[row, : len(cont)]  # (m, V)
+                total = rows.gather(-1, target_ids[:, None]).sum().item()
+                greedy = bool((rows.argmax(-1) == target_ids).all())
+                results[index] = (total, greedy)
+            bar.update(len(chunk))
+    bar.close()
+    return results  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def greedy_generate(
+    handoff: Handoff,
+    context: Sequence[int],
+    max_new_tokens: int,
+    should_stop: Callable[[list[int]], bool] = lambda tokens: False,
+) -> list[int]:
+    """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1]."""
+    layers = handoff.prefix_layers(torch.tensor([list(context[:-1])], dtype=torch.long))
+    cache = handoff.target_cache(layers)
+    if cache is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=handoff.target.config)
+    generated: list[int] = []
+    next_input = torch.tensor([[context[-1]]], device=handoff.device)
+    for _ in range(max_new_tokens):
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())
+        generated.append(token)
+        if should_stop(generated):
+            break
+        next_input = torch.tensor([[token]], device=handoff.device)
+    return generated

@@ -1,0 +1,39 @@
+"""Per-layer keys/values out of a transformers cache, and a transformers cache built from tensors.
+
+Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, tokens, head_dim).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def cache_to_layers(cache) -> Layers:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> DynamicCache:
+    """A fresh DynamicCache for the model of `config`, holding `layers` cast to its dtype and device."""
+    if len(layers) != config.num_hidden_layers:
+        raise ValueError(f"{len(layers)} cache layers for a model of {config.num_hidden_layers} layers")
+    expected = (config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    for index, (keys, values) in enumerate(layers):
+        if (keys.shape[1], keys.shape[3]) != expected or keys.shape != values.shape:
+            raise ValueError(
+                f"cache layer {index}: keys {tuple(keys.shape)}, values {tuple(values.shape)} do not fit "
+                f"(batch, {expected[0]} kv heads, tokens, head_dim {expected[1]})"
+            )
+    cast = [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)) for k, v in layers]
+    return DynamicCache(cast, config=config)
+
+
+def expand_batch(layers: Layers, batch: int) -> Layers:
+    """Repeat a batch-1 cache `batch` times (requests sharing one context share one prefill)."""
+    return [(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()) for k, v in layers]
+
+
+def kv_geometry(config) -> dict:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {"layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads, "head_dim": head_dim}

@@ -1,0 +1,167 @@
+"""The lm-eval model `kv-transfer`: tasks scored by the target after a KV-cache handoff.
+
+Importing this module registers the model. Tokenization and the context/continuation split come from
+lm-eval's `TemplateLM`, exactly as for its stock `hf` model; only the scoring hook differs, and it runs the
+last-token protocol of `pipeline.handoff`. Model args (comma-separated `key=value`, as lm-eval passes them):
+
+    target=<hub id or path>  source=<hub id or path>  transfer=oracle|direct|mapped|zero|shuffled
+    mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
+    target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
+
+Run lm-eval's own command line with this model registered:
+
+    python -m pipeline.lm_eval_model --model kv-transfer --model_args target=...,source=...,transfer=mapped,mapper=... \
+        --tasks hellaswag,piqa
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+from tqdm.auto import tqdm
+
+from pipeline.handoff import MODES, Handoff, greedy_generate, score_continuations
+from pipeline.mapper import load_mapper
+from pipeline.models import check_pair, default_device, load_model, load_tokenizer
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+@register_model("kv-transfer")
+class KVTransferLM(TemplateLM):
+    def __init__(
+        self,
+        target: str,
+        source: str | None = None,
+        transfer: str = "oracle",
+        mapper: str | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        batch_size: int | str = 8,
+        target_revision: str | None = None,
+        source_revision: str | None = None,
+        shuffle_seed: int | str = 0,
+        max_length: int | str | None = None,
+        **unknown,
+    ):
+        super().__init__()
+        if unknown:
+            raise TypeError(f"kv-transfer: unknown model args {sorted(unknown)}")
+        if transfer not in MODES:
+            raise ValueError(f"kv-transfer: transfer={transfer!r} is not one of {', '.join(MODES)}")
+        if transfer != "oracle" and not source:
+            raise ValueError(f"kv-transfer: transfer={transfer} needs source=<model>")
+        if transfer == "mapped" and not mapper:
+            raise ValueError("kv-transfer: transfer=mapped needs mapper=<path to a mapper file>")
+        device = device or default_device()
+        self.tokenizer = load_tokenizer(target, target_revision)
+        target_model = load_model(target, target_revision, dtype, device)
+        source_model = None
+        if source and transfer != "oracle":
+            check_pair(source, load_tokenizer(source, source_revision), target, self.tokenizer)
+            source_model = load_model(source, source_revision, dtype, device)
+        fitted = load_mapper(mapper, device=device) if mapper and transfer in ("mapped", "shuffled") else None
+        self.handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed))
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self._max_length = int(max_length) if max_length else target_model.config.max_position_embeddings
+        self._device = torch.device(device)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KVTransferLM":
+        # lm-eval also passes its own --batch_size/--device; explicit model args win over them
+        shared = {k: v for k, v in (additional_config or {}).items() if k in ("batch_size", "device") and v is not None}
+        return cls(**{**shared, **arg_dict})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "KVTransferLM":
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        # as lm-eval's HFLM: BOS when the tokenizer has one, else EOS
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return self._device
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        bos = self.tokenizer.bos_token
+        if add_special_tokens is None and bos is not None and string.startswith(bos):
+            options["add_special_tokens"] = False
+        return self.tokenizer.encode(string, **options)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        pairs = [(context, continuation) for _, context, continuation in requests]
+        results = score_continuations(
+            self.handoff, pairs, self.batch_size, max_length=self.max_length, progress=not disable_tqdm
+        )
+        for (request, _, _), result in zip(requests, results):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        totals = []
+        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="rolling loglikelihood"):
+            windows = [
+                (None, *make_disjoint_window(window))
+                for window in get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            total = sum(ll for ll, _ in self._loglikelihood_tokens(windows, disable_tqdm=True))
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            totals.append(total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        outputs = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
+            options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+            until = handle_stop_sequences(options.pop("until", None), eos=eos)
+            max_new = int(options.pop("max_gen_toks"))
+            context_ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+
+            def should_stop(tokens: list[int]) -> bool:
+                return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
+
+            tokens = greedy_generate(self.handoff, context_ids, max_new, should_stop)
+            text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            outputs.append(text)
+        return outputs
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's own command line, with `kv-transfer` registered by the import above."""
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

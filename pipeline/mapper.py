@@ -1,0 +1,161 @@
+"""Maps from the source model's content-space KV cache to the target's, and their file format.
+
+A mapper takes the source cache with RoPE stripped (a list over source layers of (keys, values), each
+(batch, kv_heads_s, tokens, head_dim_s)) and returns the target's content-space cache (a list over target
+layers, each (batch, kv_heads_t, tokens, head_dim_t)). Families:
+
+- `identity`: the source cache as it is (defined only when the KV geometry matches);
+- `linear`: per target layer l, keys and values each predicted from the k chosen source layers, all source
+  KV heads concatenated: input width k * kv_heads_s * head_dim_s, one (input -> head_dim_t) map per target
+  head, with bias. k=1 is V0's per-head linear map.
+- `head_matched`: like `linear`, but target head h reads only source head h of the chosen layers
+  (input width k * head_dim_s); needs equal KV head counts.
+
+File: a checksummed artifact (see `artifacts`) with tensors `{keys,values}.{layer}.{weight,bias}` and
+metadata naming the source and target, k, lambda, the chosen source layers per target layer and both
+models' rotary settings and KV geometry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipeline.artifacts import ArtifactError, load_artifact, save_artifact
+from pipeline.kvcache import Layers
+
+FORMAT = "kv-handoff/mapper/v1"
+FAMILIES = ("identity", "linear", "head_matched")
+
+
+@dataclass
+class Mapper:
+    family: str
+    source: str
+    target: str
+    source_geometry: dict
+    target_geometry: dict
+    rotary_source: dict
+    rotary_target: dict
+    k: int = 0
+    ridge_lambda: float = 0.0
+    source_layers: list[list[int]] = field(default_factory=list)  # per target layer: the k source layers
+    # per target layer: (weight (kv_heads_t, in_width, head_dim_t), bias (kv_heads_t, head_dim_t))
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown mapper family {self.family!r} (known: {', '.join(FAMILIES)})")
+        if self.family == "identity" and self.source_geometry != self.target_geometry:
+            raise ValueError(
+                f"identity map needs equal KV geometry: {self.source} {self.source_geometry} vs "
+                f"{self.target} {self.target_geometry}"
+            )
+        if self.family == "head_matched" and self.source_geometry["kv_heads"] != self.target_geometry["kv_heads"]:
+            raise ValueError("head-matched map needs equal KV head counts")
+
+    def metadata(self) -> dict:
+        return {
+            "format": FORMAT,
+            "family": self.family,
+            "source": self.source,
+            "target": self.target,
+            "source_geometry": self.source_geometry,
+            "target_geometry": self.target_geometry,
+            "rotary_source": self.rotary_source,
+            "rotary_target": self.rotary_target,
+            "k": self.k,
+            "lambda": self.ridge_lambda,
+            "source_layers": self.source_layers,
+            "extra": self.extra,
+        }
+
+    def parameter_count(self) -> int:
+        return sum(w.numel() + b.numel() for w, b in self.keys + self.values)
+
+    def apply(self, source_layers: Layers, positions: torch.Tensor) -> Layers:
+        """Content-space source cache -> content-space target cache. `positions` (T,) are the tokens'
+        positions; the maps here are position-free, richer families may use them."""
+        del positions
+        if self.family == "identity":
+            return list(source_layers)
+        mapped = []
+        for layer, chosen in enumerate(self.source_layers):
+            key_in = self._inputs([source_layers[s][0] for s in chosen])
+            value_in = self._inputs([source_layers[s][1] for s in chosen])
+            mapped.append((self._project(key_in, *self.keys[layer]), self._project(value_in, *self.values[layer])))
+        return mapped
+
+    def _inputs(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.family == "head_matched":
+            return torch.cat(tensors, dim=-1)  # (B, H, T, k*D_s): head h sees only source head h
+        batch, heads, tokens, dim = tensors[0].shape
+        flat = [t.transpose(1, 2).reshape(batch, tokens, heads * dim) for t in tensors]  # (B, T, H_s*D_s) each
+        return torch.cat(flat, dim=-1)  # (B, T, k*H_s*D_s)
+
+    def _project(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        inputs = inputs.to(weight.dtype)
+        if self.family == "head_matched":
+            out = torch.einsum("bhtf,hfd->bhtd", inputs, weight)  # one batched matmul for all heads
+        else:
+            out = torch.einsum("btf,hfd->bhtd", inputs, weight)  # (B, H_t, T, D_t)
+        return out + bias[None, :, None, :]
+
+    def to(self, device=None, dtype=None) -> "Mapper":
+        move = lambda pairs: [(w.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)) for w, b in pairs]  # noqa: E731
+        self.keys, self.values = move(self.keys), move(self.values)
+        return self
+
+
+def identity_mapper(source: str, target: str, source_config, target_config) -> Mapper:
+    from pipeline.kvcache import kv_geometry
+    from pipeline.rope import RotarySpec
+
+    return Mapper(
+        family="identity",
+        source=source,
+        target=target,
+        source_geometry=kv_geometry(source_config),
+        target_geometry=kv_geometry(target_config),
+        rotary_source=RotarySpec.from_config(source_config).to_dict(),
+        rotary_target=RotarySpec.from_config(target_config).to_dict(),
+    )
+
+
+def save_mapper(mapper: Mapper, path) -> str:
+    tensors = {}
+    for kind, pairs in (("keys", mapper.keys), ("values", mapper.values)):
+        for layer, (weight, bias) in enumerate(pairs):
+            tensors[f"{kind}.{layer}.weight"] = weight
+            tensors[f"{kind}.{layer}.bias"] = bias
+    return save_artifact(path, tensors, mapper.metadata())
+
+
+def load_mapper(path, device="cpu") -> Mapper:
+    tensors, meta = load_artifact(path, device=device)
+    if meta.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a mapper file (format {meta.get('format')!r}, expected {FORMAT!r})")
+    layers = len(meta["source_layers"])
+    try:
+        keys = [(tensors[f"keys.{l}.weight"], tensors[f"keys.{l}.bias"]) for l in range(layers)]
+        values = [(tensors[f"values.{l}.weight"], tensors[f"values.{l}.bias"]) for l in range(layers)]
+    except KeyError as err:
+        raise ArtifactError(f"{path}: mapper is missing tensor {err}") from None
+    return Mapper(
+        family=meta["family"],
+        source=meta["source"],
+        target=meta["target"],
+        source_geometry=meta["source_geometry"],
+        target_geometry=meta["target_geometry"],
+        rotary_source=meta["rotary_source"],
+        rotary_target=meta["rotary_target"],
+        k=meta["k"],
+        ridge_lambda=meta["lambda"],
+        source_layers=meta["source_layers"],
+        keys=keys,
+        values=values,
+        extra=meta.get("extra", {}),
+    )

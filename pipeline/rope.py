@@ -1,0 +1,83 @@
+"""Rotary position encoding of cached keys: read the settings from a config, strip and apply.
+
+Cached keys in transformers' Qwen3 are stored after k_norm and after RoPE. `strip` rotates them back to
+content space (position-free); `apply` rotates content-space keys forward to given positions. The math
+is done in float32 and cast back, so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+class UnsupportedRopeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """What a model's rotary embedding needs: base, rotated width and the position range it was built for."""
+
+    rope_type: str
+    theta: float
+    head_dim: int
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, config) -> "RotarySpec":
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedRopeError(
+                f"rope_type {rope_type!r} of model {getattr(config, '_name_or_path', '?')!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); stripping it would silently corrupt the cache"
+            )
+        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+        if theta is None:
+            raise UnsupportedRopeError(f"no rope_theta in the config of {getattr(config, '_name_or_path', '?')!r}")
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedRopeError("partial rotary embeddings are not supported")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(rope_type, float(theta), int(head_dim), int(config.max_position_embeddings))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def inv_freq(self, device) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.theta**exponents)  # (head_dim/2,)
+
+
+def _cos_sin(spec: RotarySpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Same construction as transformers' default rotary embedding: angles duplicated over both halves.
+    angles = positions.to(torch.float32)[:, None] * spec.inv_freq(positions.device)  # (T, head_dim/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _rotate(keys: torch.Tensor, positions: torch.Tensor, spec: RotarySpec, sign: float) -> torch.Tensor:
+    if keys.shape[-1] != spec.head_dim:
+        raise ValueError(f"keys have head_dim {keys.shape[-1]}, rotary settings say {spec.head_dim}")
+    if keys.shape[-2] != positions.shape[0]:
+        raise ValueError(f"{keys.shape[-2]} cached tokens but {positions.shape[0]} positions")
+    cos, sin = _cos_sin(spec, positions.to(keys.device))  # (T, head_dim), broadcast over (B, H, T, head_dim)
+    keys32 = keys.to(torch.float32)
+    return (keys32 * cos + sign * _rotate_half(keys32) * sin).to(keys.dtype)
+
+
+def apply_rope(keys_content: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    """Rotate content-space keys (..., T, head_dim) forward to `positions` (T,)."""
+    return _rotate(keys_content, positions, spec, sign=1.0)
+
+
+def strip_rope(keys_rotated: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    """Rotate cached keys (..., T, head_dim) back by their `positions` (T,): the inverse rotation."""
+    return _rotate(keys_rotated, positions, spec, sign=-1.0)

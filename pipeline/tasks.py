@@ -1,0 +1,45 @@
+"""lm-eval's own HellaSwag and PIQA task definitions, pointed at local data files.
+
+Each generated task config `include`s the task's YAML shipped with lm-eval (so prompt rendering,
+preprocessing and metrics are lm-eval's) and overrides only where the documents come from.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import lm_eval
+import yaml
+
+BUILTIN = {"hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml"}
+CHANCE = {"hellaswag": 0.25, "piqa": 0.5}
+
+
+def builtin_yaml(task: str) -> Path:
+    if task not in BUILTIN:
+        raise ValueError(f"unknown task {task!r} (known: {', '.join(BUILTIN)})")
+    return Path(lm_eval.__file__).parent / "tasks" / BUILTIN[task]
+
+
+def write_task_config(folder: str | Path, task: str, name: str, data_file: str | Path) -> Path:
+    """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file`
+    (.jsonl/.json or .parquet). Returns the YAML path; pass `folder` as TaskManager's include_path."""
+    data_file = Path(data_file).resolve()
+    if not data_file.is_file():
+        raise FileNotFoundError(f"task data file {data_file} not found (task {task})")
+    kind = "parquet" if data_file.suffix == ".parquet" else "json"
+    config = {
+        "task": name,
+        "include": str(builtin_yaml(task)),
+        "tag": [],
+        "dataset_path": kind,
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": {"validation": str(data_file)}},
+        "training_split": None,
+        "validation_split": "validation",
+        "test_split": None,
+    }
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

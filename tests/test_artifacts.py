@@ -1,0 +1,73 @@
+"""Checksummed artifacts: round trip, any flipped byte refused with the file's name, atomic writes."""
+import os
+
+import pytest
+import torch
+
+from pipeline import artifacts
+from pipeline.artifacts import ArtifactError, load_artifact, save_artifact
+
+
+def _artifact(tmp_path):
+    path = tmp_path / "thing.safetensors"
+    tensors = {"weight": torch.randn(4, 8), "bias": torch.arange(6, dtype=torch.int64)}
+    save_artifact(path, tensors, {"k": 4, "source_layers": [[0, 1, 2, 3]]})
+    return path, tensors
+
+
+def test_round_trip_is_bit_identical(tmp_path):
+    path, tensors = _artifact(tmp_path)
+    loaded, meta = load_artifact(path)
+    assert meta == {"k": 4, "source_layers": [[0, 1, 2, 3]]}
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor)
+
+
+def test_writing_is_deterministic(tmp_path):
+    tensors = {"w": torch.randn(3, 3)}
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_artifact(a, tensors, {"x": 1})
+    save_artifact(b, tensors, {"x": 1})
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_every_flipped_byte_is_refused_naming_the_file(tmp_path):
+    path, _ = _artifact(tmp_path)
+    raw = path.read_bytes()
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    for offset in range(len(raw)):  # header length, header JSON (metadata, checksum) and tensor bytes
+        corrupted = bytearray(raw)
+        corrupted[offset] ^= 0x01
+        path.write_bytes(corrupted)
+        with pytest.raises(ArtifactError, match="thing.safetensors"):
+            load_artifact(path)
+    assert header_end < len(raw)
+
+
+def test_missing_and_truncated_files_are_refused(tmp_path):
+    with pytest.raises(ArtifactError, match="nothing.safetensors"):
+        load_artifact(tmp_path / "nothing.safetensors")
+    path, _ = _artifact(tmp_path)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(ArtifactError, match="thing.safetensors"):
+        load_artifact(path)
+
+
+def test_interrupted_write_never_appears_under_final_name(tmp_path, monkeypatch):
+    def crash(_fd):
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(artifacts.os, "fsync", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_artifact(tmp_path / "half.safetensors", {"w": torch.randn(100)}, {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupted_write_keeps_the_previous_version(tmp_path, monkeypatch):
+    path, tensors = _artifact(tmp_path)
+    before = path.read_bytes()
+    monkeypatch.setattr(artifacts.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        save_artifact(path, {"other": torch.zeros(2)}, {})
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["thing.safetensors"]

@@ -1,0 +1,124 @@
+"""The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals."""
+import pytest
+import torch
+
+from conftest import build_model, periodic_batch, tiny_config
+from pipeline.handoff import Handoff, greedy_generate, score_continuations
+from pipeline.mapper import identity_mapper
+from pipeline.models import IncompatiblePairError
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_model(tiny_config(VOCAB, 64), seed=1)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return build_model(tiny_config(VOCAB, 32), seed=2)
+
+
+def _requests(n_contexts=4, endings=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    requests = []
+    for _ in range(n_contexts):
+        context = torch.randint(0, VOCAB, (int(torch.randint(2, 40, (1,), generator=generator)),), generator=generator)
+        for _ in range(endings):
+            ending = torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
+            requests.append((context.tolist(), ending.tolist()))
+    return requests
+
+
+def _full_forward_scores(model, requests):
+    scores = []
+    for context, continuation in requests:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([context + continuation])).logits.float(), -1)[0]
+        rows = logprobs[len(context) - 1 : len(context) + len(continuation) - 1]  # position j-1 scores token j
+        scores.append(rows.gather(-1, torch.tensor(continuation)[:, None]).sum().item())
+    return scores
+
+
+def test_oracle_handoff_matches_full_forward(target):
+    requests = _requests()
+    results = score_continuations(Handoff(target), requests, batch_size=2, progress=False)
+    for (score, _), reference in zip(results, _full_forward_scores(target, requests)):
+        assert score == pytest.approx(reference, abs=1e-4)
+
+
+def test_direct_with_source_equal_to_target_matches_oracle(target):
+    requests = _requests(seed=1)
+    oracle = score_continuations(Handoff(target), requests, progress=False)
+    direct = score_continuations(Handoff(target, target, "direct"), requests, progress=False)
+    assert direct == oracle
+
+
+def test_identity_mapper_through_strip_map_apply_reproduces_direct(target, source):
+    requests = _requests(seed=2)
+    direct = score_continuations(Handoff(target, source, "direct"), requests, progress=False)
+    mapper = identity_mapper("source", "target", source.config, target.config)
+    mapped = score_continuations(Handoff(target, source, "mapped", mapper), requests, progress=False)
+    for (a, greedy_a), (b, greedy_b) in zip(direct, mapped):
+        assert a == pytest.approx(b, abs=1e-4)
+        assert greedy_a == greedy_b
+
+
+def test_shared_context_costs_one_source_prefill(target, source):
+    handoff = Handoff(target, source, "direct")
+    requests = _requests(n_contexts=5, endings=4, seed=3)
+    score_continuations(handoff, requests, batch_size=3, progress=False)
+    assert handoff.source_prefills == 5
+
+
+def test_null_controls_really_replace_the_cache(periodic_model):
+    sequences = periodic_batch(torch.Generator().manual_seed(1), 24, 30, 32).tolist()
+    requests = [(s[:24], s[24:]) for s in sequences]
+    mean = lambda mode: sum(score for score, _ in score_continuations(  # noqa: E731
+        Handoff(periodic_model, periodic_model, mode), requests, progress=False)) / len(requests)
+    oracle, zero, shuffled = mean("oracle"), mean("zero"), mean("shuffled")
+    assert oracle > -0.5 * 6 * 2  # the model did learn to use the prefix (< 2 nats per token)
+    assert zero < oracle - 3.0
+    assert shuffled < oracle - 3.0
+
+
+def test_shuffled_is_seeded(periodic_model):
+    requests = [(list(range(1, 20)), [5, 6])]
+    run = lambda seed: score_continuations(  # noqa: E731
+        Handoff(periodic_model, periodic_model, "shuffled", shuffle_seed=seed), requests, progress=False)
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_greedy_generation_from_oracle_cache_matches_plain_greedy(target):
+    context = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    tokens = greedy_generate(Handoff(target), context, max_new_tokens=8)
+    expected, sequence = [], list(context)
+    for _ in range(8):
+        with torch.no_grad():
+            token = int(target(torch.tensor([sequence])).logits[0, -1].argmax())
+        expected.append(token)
+        sequence.append(token)
+    assert tokens == expected
+
+
+def test_direct_refused_when_kv_geometry_differs(target):
+    other = build_model(tiny_config(VOCAB, 64, layers=3), seed=3)
+    with pytest.raises(IncompatiblePairError, match="geometry"):
+        Handoff(target, other, "direct")
+
+
+def test_modes_that_need_a_source_or_mapper_say_so(target, source):
+    with pytest.raises(ValueError, match="needs a source"):
+        Handoff(target, None, "direct")
+    with pytest.raises(ValueError, match="needs a mapper"):
+        Handoff(target, source, "mapped")
+    with pytest.raises(ValueError, match="unknown transfer mode"):
+        Handoff(target, source, "telepathy")
+
+
+def test_vocabulary_size_mismatch_is_refused(target):
+    other = build_model(tiny_config(VOCAB + 1, 32), seed=4)
+    with pytest.raises(IncompatiblePairError, match="vocabulary"):
+        Handoff(target, other, "direct")

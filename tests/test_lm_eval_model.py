@@ -1,0 +1,150 @@
+"""The `kv-transfer` lm-eval model: the exactness gate against lm-eval's stock `hf` model on real
+HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+from conftest import hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.models import IncompatiblePairError, ModelNotAvailableError
+from pipeline.tasks import write_task_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCES = yaml.safe_load((ROOT / "params.yaml").read_text())["tolerances"]
+TASKS = ["hellaswag_local", "piqa_local"]
+N_ITEMS = 40
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tasks")
+    write_task_config(root, "hellaswag", "hellaswag_local", write_jsonl(root / "hs.jsonl", hellaswag_rows(N_ITEMS)))
+    write_task_config(root, "piqa", "piqa_local", write_jsonl(root / "pq.jsonl", piqa_rows(N_ITEMS)))
+    return root
+
+
+def evaluate(lm, task_dir) -> dict:
+    """Per task: per-document list of (loglikelihood, is_greedy) per choice, and the acc/acc_norm decisions."""
+    out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir)),
+                          num_fewshot=0, log_samples=True, bootstrap_iters=0)
+    per_task = {}
+    for task in TASKS:
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        per_task[task] = {
+            "choices": [[(float(r[0][0]), bool(r[0][1])) for r in s["resps"]] for s in samples],
+            "acc": [s["acc"] for s in samples],
+            "acc_norm": [s["acc_norm"] for s in samples],
+        }
+    return per_task
+
+
+def stock_hf(path, dtype):
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return HFLM(pretrained=model, tokenizer=__import__("transformers").AutoTokenizer.from_pretrained(path),
+                batch_size=8, device="cpu")
+
+
+def max_delta(ours, reference):
+    return max(abs(a[0] - b[0]) for task in TASKS
+               for doc_a, doc_b in zip(ours[task]["choices"], reference[task]["choices"])
+               for a, b in zip(doc_a, doc_b))
+
+
+@pytest.fixture(scope="module")
+def reference_float32(tiny_pair, task_dir):
+    return evaluate(stock_hf(tiny_pair["target"], torch.float32), task_dir)
+
+
+@pytest.mark.parametrize("transfer", ["oracle", "direct"])
+def test_exactness_gate_float32(tiny_pair, task_dir, reference_float32, transfer):
+    source = {"source": str(tiny_pair["target"])} if transfer == "direct" else {}
+    lm = KVTransferLM(target=str(tiny_pair["target"]), transfer=transfer, dtype="float32", device="cpu", **source)
+    ours = evaluate(lm, task_dir)
+    delta = max_delta(ours, reference_float32)
+    print(f"\nexactness gate float32 {transfer}: max |delta loglikelihood| = {delta:.2e}")
+    assert delta <= TOLERANCES["float32"]["loglikelihood_abs"]
+    for task in TASKS:
+        assert len(ours[task]["choices"]) == N_ITEMS
+        assert [[g for _, g in doc] for doc in ours[task]["choices"]] == \
+               [[g for _, g in doc] for doc in reference_float32[task]["choices"]]
+        assert ours[task]["acc"] == reference_float32[task]["acc"]
+        assert ours[task]["acc_norm"] == reference_float32[task]["acc_norm"]
+    if transfer == "direct":  # HellaSwag's four endings and PIQA's two share one source prefill
+        assert lm.handoff.source_prefills == 2 * N_ITEMS
+
+
+def test_exactness_gate_bfloat16(tiny_pair, task_dir):
+    epsilon = TOLERANCES["bfloat16"]["decision_margin"]
+    ours = evaluate(KVTransferLM(target=str(tiny_pair["target"]), dtype="bfloat16", device="cpu"), task_dir)
+    reference = evaluate(stock_hf(tiny_pair["target"], torch.bfloat16), task_dir)
+    flipped, near_ties = 0, 0
+    for task in TASKS:
+        for doc_ours, doc_ref in zip(ours[task]["choices"], reference[task]["choices"]):
+            scores = sorted(ll for ll, _ in doc_ref)
+            near_tie = scores[-1] - scores[-2] < epsilon
+            near_ties += near_tie
+            if max(range(len(doc_ours)), key=lambda i: doc_ours[i][0]) != \
+               max(range(len(doc_ref)), key=lambda i: doc_ref[i][0]):
+                flipped += 1
+                assert near_tie, "a bfloat16 decision flipped on an item with a clear margin"
+    print(f"\nexactness gate bfloat16: max |delta| = {max_delta(ours, reference):.3e}, "
+          f"items under margin {epsilon}: {near_ties}, decisions flipped: {flipped}")
+
+
+def test_incompatible_tokenizers_fail_closed_naming_both(tmp_path, tiny_pair):
+    other = train_tokenizer(["a small different corpus for another vocabulary"] * 10, vocab_size=300)
+    source = tmp_path / "other-source"
+    __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_pair["source"]).save_pretrained(source)
+    other.save_pretrained(source)
+    with pytest.raises(IncompatiblePairError, match="other-source") as info:
+        KVTransferLM(target=str(tiny_pair["target"]), source=str(source), transfer="direct", device="cpu")
+    assert str(tiny_pair["target"]) in str(info.value)
+
+
+def test_missing_model_is_named_and_fails_fast():
+    with pytest.raises(ModelNotAvailableError, match="no-such-org/no-such-model"):
+        KVTransferLM(target="no-such-org/no-such-model", device="cpu")
+
+
+def test_bad_model_args_are_refused(tiny_pair):
+    with pytest.raises(ValueError, match="needs mapper"):
+        KVTransferLM(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer="mapped")
+    with pytest.raises(TypeError, match="unknown model args"):
+        KVTransferLM(target=str(tiny_pair["target"]), tranfser="direct")
+
+
+def test_generate_until_stops_and_matches_stock_hf(tiny_pair):
+    from lm_eval.api.instance import Instance
+
+    request = Instance("generate_until", {}, ("Question: how do you boil water?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12}), 0)
+    ours = KVTransferLM(target=str(tiny_pair["target"]), device="cpu").generate_until([request])
+    reference = stock_hf(tiny_pair["target"], torch.float32).generate_until([request])
+    assert ours == reference
+
+
+def test_command_line_runs_lm_eval_with_kv_transfer(tiny_pair, task_dir):
+    args = ["--model", "kv-transfer", "--model_args", f"target={tiny_pair['target']},source={tiny_pair['source']},"
+            "transfer=zero,device=cpu", "--tasks", "piqa_local", "--include_path", str(task_dir), "--limit", "4"]
+    run = subprocess.run([sys.executable, "-m", "pipeline.lm_eval_model", *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "piqa_local" in run.stdout and "acc" in run.stdout
+
+
+def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):
+    from lm_eval.api.instance import Instance
+
+    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "wiki.test.raw").read_text()[:3000]
+    requests = [Instance("loglikelihood_rolling", {}, (chunk,), i) for i, chunk in enumerate([text[:400], text[400:3000]])]
+    ours = KVTransferLM(target=str(tiny_pair["target"]), device="cpu", max_length=64).loglikelihood_rolling(requests)
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_pair["target"]).eval()
+    reference = HFLM(pretrained=model, tokenizer=__import__("transformers").AutoTokenizer.from_pretrained(
+        tiny_pair["target"]), batch_size=4, device="cpu", max_length=64).loglikelihood_rolling(requests)
+    assert ours == pytest.approx(reference, abs=1e-3)

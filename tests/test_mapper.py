@@ -1,0 +1,70 @@
+"""Mapper families: batched application equals the per-head definition; the file format round-trips."""
+import pytest
+import torch
+
+from pipeline.artifacts import ArtifactError
+from pipeline.mapper import Mapper, load_mapper, save_mapper
+
+SOURCE = {"layers": 3, "kv_heads": 2, "head_dim": 4}
+TARGET = {"layers": 2, "kv_heads": 2, "head_dim": 6}
+ROTARY = {"rope_type": "default", "theta": 10000.0, "head_dim": 4, "max_positions": 64}
+
+
+def _mapper(family: str, k: int = 2) -> Mapper:
+    generator = torch.Generator().manual_seed(0)
+    width = k * SOURCE["head_dim"] * (1 if family == "head_matched" else SOURCE["kv_heads"])
+    pair = lambda: (torch.randn(TARGET["kv_heads"], width, TARGET["head_dim"], generator=generator),  # noqa: E731
+                    torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
+    return Mapper(family, "src", "tgt", SOURCE, TARGET, ROTARY, dict(ROTARY, head_dim=6), k=k, ridge_lambda=0.1,
+                  source_layers=[[0, 2], [1, 2]], keys=[pair(), pair()], values=[pair(), pair()])
+
+
+def _source_cache(tokens=5):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(1, 2, tokens, 4, generator=generator), torch.randn(1, 2, tokens, 4, generator=generator))
+            for _ in range(SOURCE["layers"])]
+
+
+def test_linear_map_equals_per_head_definition():
+    mapper, cache = _mapper("linear"), _source_cache()
+    mapped = mapper.apply(cache, torch.arange(5))
+    for layer, chosen in enumerate(mapper.source_layers):
+        # input row per token: all source heads of each chosen layer, concatenated in layer order
+        x = torch.cat([cache[s][0][0].transpose(0, 1).reshape(5, -1) for s in chosen], dim=-1)  # (T, k*H*D)
+        for head in range(TARGET["kv_heads"]):
+            weight, bias = mapper.keys[layer][0][head], mapper.keys[layer][1][head]
+            assert torch.allclose(mapped[layer][0][0, head], x @ weight + bias, atol=1e-5)
+
+
+def test_head_matched_map_reads_only_its_own_source_head():
+    mapper, cache = _mapper("head_matched"), _source_cache()
+    mapped = mapper.apply(cache, torch.arange(5))
+    for layer, chosen in enumerate(mapper.source_layers):
+        for head in range(TARGET["kv_heads"]):
+            x = torch.cat([cache[s][1][0, head] for s in chosen], dim=-1)  # (T, k*D)
+            weight, bias = mapper.values[layer][0][head], mapper.values[layer][1][head]
+            assert torch.allclose(mapped[layer][1][0, head], x @ weight + bias, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["linear", "head_matched"])
+def test_mapper_file_round_trip(tmp_path, family):
+    mapper = _mapper(family)
+    save_mapper(mapper, tmp_path / "m.safetensors")
+    loaded = load_mapper(tmp_path / "m.safetensors")
+    assert loaded.metadata() == mapper.metadata()
+    cache = _source_cache()
+    for (k1, v1), (k2, v2) in zip(mapper.apply(cache, torch.arange(5)), loaded.apply(cache, torch.arange(5))):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_non_mapper_artifact_is_refused(tmp_path):
+    from pipeline.artifacts import save_artifact
+
+    save_artifact(tmp_path / "x.safetensors", {"w": torch.zeros(1)}, {"format": "something-else"})
+    with pytest.raises(ArtifactError, match="not a mapper file"):
+        load_mapper(tmp_path / "x.safetensors")
+
+
+def test_identity_needs_equal_geometry():
+    with pytest.raises(ValueError, match="equal KV geometry"):
+        Mapper("identity", "src", "tgt", SOURCE, TARGET, ROTARY, ROTARY)
