@@ -1,0 +1,133 @@
+"""Typed, validated parameters: each stage parses the sections of params.yaml it reads into dataclasses.
+
+Validation happens when a stage starts: unknown keys, missing keys, wrong types and out-of-range values are
+errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`), never a silent default. Ranges and
+choices are declared on the dataclass fields with `spec(...)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+PARAMS_FILE = Path("params.yaml")
+
+
+class ParamError(ValueError):
+    pass
+
+
+def spec(default: Any = dataclasses.MISSING, *, min: float | None = None, max: float | None = None,
+         positive: bool = False) -> Any:
+    """A dataclass field with a declared range; `positive` means > 0."""
+    metadata = {"min": min, "max": max, "positive": positive}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def read_params(path: str | Path = PARAMS_FILE) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamError(f"{path} not found: run from the repository root")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ParamError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
+    """Parse section `name` (dots for nesting) of params.yaml into `cls`."""
+    data: Any = read_params(path)
+    for part in name.split("."):
+        if not isinstance(data, dict) or part not in data:
+            raise ParamError(f"{path}: missing section {name!r}")
+        data = data[part]
+    return parse(cls, data, name)
+
+
+def parse(cls: type[T], data: Any, where: str) -> T:
+    if not isinstance(data, Mapping):
+        raise ParamError(f"{where}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ParamError(f"{where}.{unknown[0]}: unknown parameter (known: {', '.join(fields)})")
+    values = {}
+    for name, field in fields.items():
+        key = f"{where}.{name}"
+        if name not in data:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise ParamError(f"{key}: missing parameter")
+            continue
+        values[name] = _check_range(_convert(hints[name], data[name], key), field.metadata, key)
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(option, value, key)
+            except ParamError as err:
+                errors.append(str(err))
+        raise ParamError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ParamError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ParamError(f"{key}: expected a list, got {value!r}")
+        return [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ParamError(f"{key}: expected a mapping, got {value!r}")
+        return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return parse(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ParamError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ParamError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ParamError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ParamError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported parameter type {hint!r}")
+
+
+def _check_range(value: Any, metadata: Mapping, key: str) -> Any:
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue
+        name = f"{key}[{i}]" if isinstance(value, list) else key
+        low, high = metadata.get("min"), metadata.get("max")
+        if metadata.get("positive") and not item > 0:
+            raise ParamError(f"{name}: expected a number > 0, got {item!r}")
+        if low is not None and item < low:
+            raise ParamError(f"{name}: expected a number >= {low}, got {item!r}")
+        if high is not None and item > high:
+            raise ParamError(f"{name}: expected a number <= {high}, got {item!r}")
+    return value
