@@ -1,0 +1,25 @@
+"""A word-level tokenizer for the tiny world, trained on its corpus, in Hugging Face format.
+
+Byte-level pre-tokenization (GPT-2's split: a word keeps its leading space, `" ann"`) with one vocabulary
+entry per whole pre-token, so the text round-trips exactly, newlines and spaces included, and encoding
+`context + " " + ending` splits at the word boundary: the tokens of the context are a prefix of the tokens
+of the whole, which is how lm-eval separates context from continuation. No special token is added on
+encoding (like Qwen3's tokenizer): the models are trained on documents that start without BOS and end
+with EOS, and lm-eval scores them the same way.
+"""
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL = {"unk_token": "<unk>", "pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def train_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk_token"]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=list(SPECIAL.values())))
+    # clean_up_tokenization_spaces would turn " ." into "." on decode and break the round trip
+    return PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False, **SPECIAL)
