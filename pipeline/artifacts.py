@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -44,6 +45,25 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty staging folder beside `path`; it replaces `path` only if the block completes."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield staging
+        if final.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+            os.replace(final, retired / final.name)
+            os.replace(staging, final)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -13,6 +13,9 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -20,6 +23,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelNotAvailableError(RuntimeError):
     pass
+
+
+@dataclass
+class ModelsParams:
+    """The `models` section: where the pair comes from and how it runs.
+
+    kind `trained`: the tiny pair trained by prepare_models (source/target are unused names);
+    kind `hub`: hub ids, revisions pinned by prepare_models; kind `random`: shape names in pipeline/configs.
+    Downstream stages always load `models/source` and `models/target`, which for `hub` and `random` hold
+    a pointer file (hub.json / random.json) instead of weights.
+    """
+
+    kind: Literal["trained", "hub", "random"]
+    source: str
+    target: str
+    source_revision: str | None = None
+    target_revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+
+    @property
+    def torch_device(self) -> str:
+        return default_device() if self.device == "auto" else self.device
 
 
 class IncompatiblePairError(ValueError):
@@ -38,7 +64,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     from huggingface_hub import constants
 
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
@@ -60,7 +86,7 @@ def resolve(name_or_path: str, revision: str | None = None) -> str:
     except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    if offline or not _hub_reachable():
+    if offline or not hub_reachable():
         raise ModelNotAvailableError(
             f"model {name_or_path!r}{f' (revision {revision})' if revision else ''} is neither a local folder nor "
             f"in the local Hugging Face cache, and the hub is {'disabled (HF_HUB_OFFLINE)' if offline else 'unreachable'}. "
@@ -72,9 +98,27 @@ def resolve(name_or_path: str, revision: str | None = None) -> str:
         raise ModelNotAvailableError(f"model {name_or_path!r} could not be fetched from the hub: {err}") from err
 
 
+def read_pointer(folder: str | Path) -> dict | None:
+    """The pointer a prepared model folder holds instead of weights (hub.json or random.json), if any."""
+    for name in ("hub.json", "random.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            return {"kind": name.split(".")[0], **json.loads(path.read_text())}
+    return None
+
+
 def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None):
     from transformers import AutoModelForCausalLM
 
+    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
+    if pointer and pointer["kind"] == "hub":
+        return load_model(pointer["id"], pointer["revision"], dtype, device)
+    if pointer and pointer["kind"] == "random":
+        from pipeline.shapes import random_model, shape_config
+
+        model = random_model(shape_config(pointer["shape"]), parse_dtype(dtype), device or default_device(), pointer["seed"])
+        model.config._name_or_path = f"random:{pointer['shape']}"
+        return model.eval()
     folder = resolve(name_or_path, revision)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype))
     model.config._name_or_path = name_or_path
@@ -84,6 +128,9 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
 def load_tokenizer(name_or_path: str, revision: str | None = None):
     from transformers import AutoTokenizer
 
+    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
+    if pointer and pointer["kind"] == "hub":
+        return load_tokenizer(pointer["id"], pointer["revision"])
     return AutoTokenizer.from_pretrained(resolve(name_or_path, revision))
 
 

@@ -92,6 +92,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ParamError(f"{key}: expected a list, got {value!r}")
         return [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ParamError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(hint_i, item, f"{key}[{i}]") for i, (hint_i, item) in enumerate(zip(args, value)))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ParamError(f"{key}: expected a mapping, got {value!r}")
@@ -118,11 +122,11 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
 
 
 def _check_range(value: Any, metadata: Mapping, key: str) -> Any:
-    items = value if isinstance(value, list) else [value]
+    items = value if isinstance(value, (list, tuple)) else [value]
     for i, item in enumerate(items):
         if not isinstance(item, (int, float)) or isinstance(item, bool):
             continue
-        name = f"{key}[{i}]" if isinstance(value, list) else key
+        name = f"{key}[{i}]" if isinstance(value, (list, tuple)) else key
         low, high = metadata.get("min"), metadata.get("max")
         if metadata.get("positive") and not item > 0:
             raise ParamError(f"{name}: expected a number > 0, got {item!r}")

@@ -1,0 +1,249 @@
+"""Stage `prepare_data`: the sequence sets and task items of the study, as Parquet under data/.
+
+Writes `fit`, `select`, `eval` (token sequences: doc_id, text, token_ids, content_hash; eval also
+prompt_ids and continuation_ids) and HellaSwag / PIQA items in lm-eval's own schemas, each in a `dev` and an
+`eval` part, plus the tokenizer the ids were made with (data/tokenizer). Two sources:
+
+- `generated` (tiny profile): the tiny world (`pipeline.world`), its tokenizer trained on its corpus, and
+  the training corpus (data/corpus.parquet) the tiny models learn from;
+- `hub` (V0 profile): a text corpus and the HellaSwag / PIQA validation splits from the Hugging Face hub,
+  or from local files (`path`), tokenized with the target model's tokenizer (no corpus is written: the
+  models are not trained here).
+
+Subsamples are seeded and nested (the first n of a larger draw are the smaller draw) and every split is
+checked disjoint from every other by document id and content hash before anything is written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+
+from pipeline.artifacts import atomic_dir, atomic_path
+from pipeline.models import ModelNotAvailableError, hub_reachable, load_tokenizer
+from pipeline.params import ParamError, load_section, spec
+from pipeline.world import WorldConfig, check_disjoint, generate_world
+
+SEQUENCE_SPLITS = ("fit", "select", "eval")
+TASK_PARTS = ("dev", "eval")
+
+
+@dataclass
+class HubDataset:
+    dataset: str | None = None  # hub id, used when `path` is not given
+    config: str | None = None
+    split: str = "validation"
+    path: str | None = None  # a local .jsonl/.json/.parquet (or .txt / .raw for a corpus) instead of the hub
+    labels_path: str | None = None  # PIQA's line-aligned labels file, when `path` has no label column
+
+
+@dataclass
+class WorldParams:
+    seed: int = 0
+    corpus_docs: int = spec(16000, positive=True)
+    facts: tuple[int, int] = (6, 10)
+    story_statements: tuple[int, int] = (6, 10)
+    context_statements: tuple[int, int] = (0, 3)
+    repeat_share: float = spec(0.7, min=0.0, max=1.0)
+    knowledge_doc_share: float = spec(0.8, min=0.0, max=1.0)
+    recall_share: float = spec(0.4, min=0.0, max=1.0)
+    gist_share: float = spec(0.3, min=0.0, max=1.0)
+
+
+@dataclass
+class DataParams:
+    kind: Literal["generated", "hub"]
+    seed: int = 0
+    fit_sequences: int = spec(50, positive=True)
+    select_sequences: int = spec(25, positive=True)
+    eval_prompts: int = spec(100, positive=True)
+    sequence_length: int = spec(256, positive=True)  # tokens per fit/select sequence (at most)
+    prompt_length: int = spec(128, positive=True)  # eval prompts: tokens before the continuation
+    continuation_length: int = spec(32, positive=True)
+    dev_items: int = spec(100, positive=True)  # per task
+    eval_items: int = spec(500, positive=True)  # per task
+    world: WorldParams | None = None
+    tokenizer: str | None = None  # hub profile: the target's id or a local path
+    tokenizer_revision: str | None = None
+    corpus: HubDataset | None = None
+    hellaswag: HubDataset | None = None
+    piqa: HubDataset | None = None
+
+    def __post_init__(self):
+        needed = ("world",) if self.kind == "generated" else ("tokenizer", "corpus", "hellaswag", "piqa")
+        for name in needed:
+            if getattr(self, name) is None:
+                raise ParamError(f"data.{name}: required when data.kind is {self.kind!r}")
+
+
+def content_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---- generated (tiny world) ----
+
+def generated(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
+    from pipeline.tokenizer import train_tokenizer
+
+    world_cfg = WorldConfig(
+        **vars(params.world), fit=params.fit_sequences, select=params.select_sequences,
+        # eval documents shorter than prompt + continuation are skipped: draw spares, keep the first n
+        eval=3 * params.eval_prompts, items_per_part=max(params.dev_items, params.eval_items),
+    )
+    world = generate_world(world_cfg)
+    tokenizer = train_tokenizer(world["corpus"]["text"])
+    frames = {"corpus": world["corpus"]}
+    for split in SEQUENCE_SPLITS:
+        frames[split] = tokenize_sequences(world[split], tokenizer, params, split)
+    frames["eval"] = frames["eval"].head(params.eval_prompts)
+    for task in ("hellaswag", "piqa"):
+        frames[f"{task}_dev"] = world[f"{task}_dev"].head(params.dev_items).reset_index(drop=True)
+        frames[f"{task}_eval"] = world[f"{task}_eval"].head(params.eval_items).reset_index(drop=True)
+    return frames, tokenizer
+
+
+def tokenize_sequences(docs: pd.DataFrame, tokenizer, params: DataParams, split: str) -> pd.DataFrame:
+    """Token ids of each document, cut to sequence_length; eval documents split into prompt and continuation."""
+    rows = []
+    for doc in docs.itertuples(index=False):
+        ids = tokenizer.encode(doc.text)[: params.sequence_length]
+        row = dict(doc_id=doc.doc_id, text=doc.text, token_ids=ids, content_hash=doc.content_hash)
+        if split == "eval":
+            needed = params.prompt_length + params.continuation_length
+            if len(ids) < needed:
+                continue
+            row["prompt_ids"] = ids[: params.prompt_length]
+            row["continuation_ids"] = ids[params.prompt_length : needed]
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    if split == "eval" and len(frame) < params.eval_prompts:
+        raise ParamError(
+            f"data.prompt_length + data.continuation_length = {params.prompt_length + params.continuation_length} "
+            f"tokens: only {len(frame)} of {len(docs)} eval documents are that long; shorten them"
+        )
+    return frame
+
+
+# ---- hub (V0) ----
+
+def _load_rows(source: HubDataset, what: str) -> list[dict]:
+    """Rows of a dataset from a local file or the hub; a clear error naming it when neither is available."""
+    if source.path:
+        path = Path(source.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.{what}.path: {path} not found")
+        if path.suffix == ".parquet":
+            rows = pd.read_parquet(path).to_dict("records")
+        elif path.suffix in (".jsonl", ".json"):
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            rows = [{"text": path.read_text()}]
+    else:
+        if not source.dataset:
+            raise ParamError(f"data.{what}: give a hub `dataset` or a local `path`")
+        if not hub_reachable():
+            raise ModelNotAvailableError(
+                f"dataset {source.dataset!r} ({what}) cannot be fetched: the Hugging Face hub is unreachable. "
+                f"Download it where the hub is reachable, or set data.{what}.path to a local file "
+                f"(.jsonl/.parquet; for the corpus also plain text)"
+            )
+        import datasets
+
+        rows = list(datasets.load_dataset(source.dataset, source.config, split=source.split))
+    if source.labels_path:
+        labels = Path(source.labels_path).read_text().split()
+        if len(labels) != len(rows):
+            raise ValueError(f"data.{what}.labels_path: {len(labels)} labels for {len(rows)} rows")
+        rows = [dict(row, label=int(label)) for row, label in zip(rows, labels)]
+    return rows
+
+
+_HEADING = re.compile(r"^ = [^=].* = $")
+
+
+def corpus_documents(rows: list[dict]) -> list[str]:
+    """Articles of a WikiText-style corpus (split at top-level ` = Title = ` lines), or one row per document."""
+    lines = [line for row in rows for line in row["text"].splitlines()]
+    if not any(_HEADING.match(line) for line in lines):
+        return [row["text"] for row in rows if row["text"].strip()]
+    documents, current = [], []
+    for line in lines:
+        if _HEADING.match(line) and current:
+            documents.append("\n".join(current))
+            current = []
+        current.append(line)
+    documents.append("\n".join(current))
+    return [d for d in documents if d.strip()]
+
+
+def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:
+    """A seeded permutation of keys dealt into `parts` streams: each stream's first n are nested draws."""
+    order = sorted(keys)
+    random.Random(seed).shuffle(order)
+    return [order[i::parts] for i in range(parts)]
+
+
+def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
+    tokenizer = load_tokenizer(params.tokenizer, params.tokenizer_revision)
+    documents = corpus_documents(_load_rows(params.corpus, "corpus"))
+    docs = pd.DataFrame({"doc_id": [f"doc-{i:06d}" for i in range(len(documents))], "text": documents})
+    docs["content_hash"] = docs["text"].map(content_hash)
+    docs = docs.drop_duplicates("content_hash")
+    streams = _interleaved(list(docs["doc_id"]), params.seed, len(SEQUENCE_SPLITS))
+    by_id = docs.set_index("doc_id")
+    frames = {}
+    for split, stream, wanted in zip(SEQUENCE_SPLITS, streams, (params.fit_sequences, params.select_sequences, params.eval_prompts)):
+        chosen = []
+        for doc_id in stream:  # in stream order, so the selection stays nested; skip documents too short
+            if len(chosen) == wanted:
+                break
+            ids = tokenizer.encode(by_id.at[doc_id, "text"])
+            if len(ids) >= (params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length):
+                chosen.append(doc_id)
+        if len(chosen) < wanted:
+            raise ParamError(f"data: only {len(chosen)} corpus documents are long enough for {wanted} {split} sequences")
+        frames[split] = tokenize_sequences(by_id.loc[chosen].reset_index(), tokenizer, params, split)
+    for task, group_of in (("hellaswag", lambda r: str(r.get("source_id") or r["ind"])), ("piqa", lambda r: r["goal"])):
+        rows = _load_rows(getattr(params, task), task)
+        for index, row in enumerate(rows):
+            row.setdefault("ind", index)
+            row["doc_id"] = f"{task}-{group_of(row)}"
+            row["content_hash"] = content_hash(json.dumps({k: row[k] for k in sorted(row) if k not in ("doc_id",)}, default=str))
+            row["kind"] = None
+        groups: dict[str, list[dict]] = {}
+        for row in rows:
+            groups.setdefault(row["doc_id"], []).append(row)
+        streams = _interleaved(list(groups), params.seed, 2)
+        for part, stream, wanted in zip(("eval", "dev"), streams, (params.eval_items, params.dev_items)):
+            items = [row for key in stream for row in groups[key]][:wanted]
+            if len(items) < wanted:
+                raise ParamError(f"data: {task} has only {len(items)} items for its {part} part, {wanted} asked")
+            frames[f"{task}_{part}"] = pd.DataFrame(items)
+    return frames, tokenizer
+
+
+def run(params: DataParams, out: Path) -> dict[str, int]:
+    frames, tokenizer = generated(params) if params.kind == "generated" else hub(params)
+    check_disjoint(frames)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, frame in frames.items():
+        with atomic_path(out / f"{name}.parquet") as tmp:
+            frame.to_parquet(tmp, index=False)
+    with atomic_dir(out / "tokenizer") as staging:
+        tokenizer.save_pretrained(staging)
+    return {name: len(frame) for name, frame in frames.items()}
+
+
+def main() -> None:
+    counts = run(load_section(DataParams, "data"), Path("data"))
+    print(json.dumps(counts, indent=2))
+
+
+if __name__ == "__main__":
+    main()

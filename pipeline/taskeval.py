@@ -1,0 +1,66 @@
+"""Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
+
+Returns lm-eval's aggregate metrics (acc, acc_norm and their stderr) and one row per item (acc, acc_norm,
+the choices' log-likelihoods, and the item's `kind` where the data marks one) for paired statistics.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+from pipeline.tasks import write_task_config
+
+PREFIX = "kvh_"
+
+
+def evaluate_tasks(lm, files: dict[str, Path]) -> tuple[dict, pd.DataFrame]:
+    """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame)."""
+    with tempfile.TemporaryDirectory(prefix="tasks-") as folder:
+        for task, path in files.items():
+            write_task_config(folder, task, PREFIX + task, path)
+        out = simple_evaluate(
+            model=lm,
+            tasks=[PREFIX + task for task in files],
+            task_manager=TaskManager(include_path=folder),
+            num_fewshot=0,
+            log_samples=True,
+            cache_requests=False,
+            bootstrap_iters=1000,
+        )
+    summary, rows = {}, []
+    for task, path in files.items():
+        result = out["results"][PREFIX + task]
+        summary[task] = {
+            "acc": float(result["acc,none"]),
+            "acc_stderr": float(result["acc_stderr,none"]),
+            "acc_norm": float(result["acc_norm,none"]),
+            "acc_norm_stderr": float(result["acc_norm_stderr,none"]),
+            "n": len(out["samples"][PREFIX + task]),
+        }
+        items = pd.read_parquet(path)
+        for sample in out["samples"][PREFIX + task]:
+            item = items.iloc[sample["doc_id"]]
+            rows.append({
+                "task": task,
+                "item": int(sample["doc_id"]),
+                "doc_id": str(item.get("doc_id", sample["doc_id"])),
+                "kind": item.get("kind") if isinstance(item.get("kind"), str) else None,
+                "acc": float(sample["acc"]),
+                "acc_norm": float(sample["acc_norm"]),
+                "loglikelihoods": [float(r[0][0]) for r in sample["resps"]],
+            })
+    return summary, pd.DataFrame(rows)
+
+
+def by_kind(frame: pd.DataFrame, metric: str = "acc") -> dict[str, float]:
+    """Accuracy per task and per task/kind, flat: {'hellaswag': .., 'hellaswag/recall': .., ...}."""
+    out = {}
+    for task, group in frame.groupby("task", sort=True):
+        out[task] = float(group[metric].mean())
+        for kind, part in group.dropna(subset=["kind"]).groupby("kind", sort=True):
+            out[f"{task}/{kind}"] = float(part[metric].mean())
+    return out

@@ -1,0 +1,111 @@
+"""Stage prepare_data: the generated world and the hub path (on the real rows in ../shared/data)."""
+import pandas as pd
+import pytest
+from lm_eval.tasks import TaskManager, get_task_dict
+
+from conftest import shared_file
+from pipeline.models import ModelNotAvailableError
+from pipeline.params import ParamError, parse
+from pipeline.prepare_data import DataParams, run
+from pipeline.tasks import write_task_config
+from pipeline.world import OverlapError, check_disjoint
+
+SMALL_WORLD = {"seed": 0, "corpus_docs": 300}
+SPLITS = ["fit", "select", "eval", "hellaswag_dev", "hellaswag_eval", "piqa_dev", "piqa_eval"]
+
+
+def generated_params(**overrides) -> DataParams:
+    data = dict(kind="generated", fit_sequences=6, select_sequences=4, eval_prompts=5, sequence_length=64,
+                prompt_length=30, continuation_length=10, dev_items=12, eval_items=10, world=SMALL_WORLD)
+    return parse(DataParams, {**data, **overrides}, "data")
+
+
+def hub_params(tmp_path, tokenizer, **overrides) -> DataParams:
+    tokenizer.save_pretrained(tmp_path / "tok")
+    data = dict(
+        kind="hub", fit_sequences=4, select_sequences=3, eval_prompts=5, sequence_length=64, prompt_length=32,
+        continuation_length=16, dev_items=20, eval_items=30, tokenizer=str(tmp_path / "tok"),
+        corpus={"path": str(shared_file("wikitext2", "wiki.test.raw"))},
+        hellaswag={"path": str(shared_file("hellaswag", "hellaswag_val_1000.jsonl"))},
+        piqa={"path": str(shared_file("piqa", "valid.jsonl")), "labels_path": str(shared_file("piqa", "valid-labels.lst"))},
+    )
+    return parse(DataParams, {**data, **overrides}, "data")
+
+
+def frames(folder):
+    return {name: pd.read_parquet(folder / f"{name}.parquet") for name in SPLITS}
+
+
+def test_generated_data_is_deterministic_and_disjoint(tmp_path):
+    run(generated_params(), tmp_path / "a")
+    run(generated_params(), tmp_path / "b")
+    a, b = frames(tmp_path / "a"), frames(tmp_path / "b")
+    for name in SPLITS:
+        pd.testing.assert_frame_equal(a[name], b[name])
+    check_disjoint(a)
+    assert (tmp_path / "a" / "corpus.parquet").is_file() and (tmp_path / "a" / "tokenizer").is_dir()
+    assert all(len(ids) == 10 for ids in a["eval"].continuation_ids)
+
+
+def test_generated_subsamples_are_nested(tmp_path):
+    run(generated_params(), tmp_path / "small")
+    run(generated_params(fit_sequences=9, dev_items=20), tmp_path / "large")
+    small, large = frames(tmp_path / "small"), frames(tmp_path / "large")
+    pd.testing.assert_frame_equal(small["fit"], large["fit"].head(6))
+    pd.testing.assert_frame_equal(small["hellaswag_dev"], large["hellaswag_dev"].head(12))
+    pd.testing.assert_frame_equal(small["select"], large["select"])
+
+
+def test_hub_path_reads_local_real_rows(tmp_path, tokenizer):
+    run(hub_params(tmp_path, tokenizer), tmp_path / "data")
+    data = frames(tmp_path / "data")
+    check_disjoint(data)
+    assert [len(data[n]) for n in SPLITS] == [4, 3, 5, 20, 30, 20, 30]
+    assert not (tmp_path / "data" / "corpus.parquet").exists()
+    assert set(data["piqa_eval"].label) <= {0, 1}
+    # lm-eval's own task definitions read the written files
+    for task in ("hellaswag", "piqa"):
+        write_task_config(tmp_path / "tasks", task, f"{task}_check", tmp_path / "data" / f"{task}_eval.parquet")
+    tasks = get_task_dict(["hellaswag_check", "piqa_check"], TaskManager(include_path=str(tmp_path / "tasks")))
+    hs = list(tasks["hellaswag_check"].validation_docs())
+    assert len(hs) == 30 and hs[0]["query"] and len(hs[0]["choices"]) == 4
+    pq = tasks["piqa_check"]
+    assert pq.doc_to_text(list(pq.validation_docs())[0]).startswith("Question: ")
+
+
+def test_hub_subsamples_are_nested(tmp_path, tokenizer):
+    run(hub_params(tmp_path, tokenizer), tmp_path / "small")
+    run(hub_params(tmp_path, tokenizer, eval_items=40, fit_sequences=5), tmp_path / "large")
+    small, large = frames(tmp_path / "small"), frames(tmp_path / "large")
+    assert list(small["hellaswag_eval"].ind) == list(large["hellaswag_eval"].ind[:30])
+    assert list(small["fit"].doc_id) == list(large["fit"].doc_id[:4])
+
+
+def test_missing_hub_dataset_fails_fast_naming_it(tmp_path, tokenizer):
+    params = hub_params(tmp_path, tokenizer, hellaswag={"dataset": "Rowan/hellaswag"})
+    with pytest.raises(ModelNotAvailableError, match="Rowan/hellaswag"):
+        run(params, tmp_path / "data")
+
+
+def test_missing_local_file_is_named(tmp_path, tokenizer):
+    params = hub_params(tmp_path, tokenizer, piqa={"path": str(tmp_path / "nope.jsonl")})
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        run(params, tmp_path / "data")
+
+
+def test_deliberate_overlap_is_caught():
+    fit = pd.DataFrame({"doc_id": ["a", "b"], "content_hash": ["1", "2"]})
+    select = pd.DataFrame({"doc_id": ["c"], "content_hash": ["2"]})
+    with pytest.raises(OverlapError, match="content_hash"):
+        check_disjoint({"fit": fit, "select": select})
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"kind": "generated", "world": SMALL_WORLD, "fit_sequencs": 3}, r"data\.fit_sequencs: unknown parameter"),
+    ({"kind": "generated"}, r"data\.world: required"),
+    ({"kind": "hub", "tokenizer": "x", "corpus": {}, "hellaswag": {}, "piqa": {"pth": "x"}}, r"data\.piqa\.pth: unknown"),
+    ({"kind": "generated", "world": SMALL_WORLD, "eval_items": 0}, r"data\.eval_items: expected a number > 0"),
+])
+def test_bad_data_params_are_named(data, message):
+    with pytest.raises(ParamError, match=message):
+        parse(DataParams, data, "data")

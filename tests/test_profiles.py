@@ -1,0 +1,45 @@
+"""Profiles: the committed params.yaml is what the default Hydra profile composes to, and every profile
+composes to parameters that validate."""
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from dvc.utils.hydra import compose_and_dump
+
+from pipeline.models import ModelsParams
+from pipeline.params import parse
+from pipeline.prepare_data import DataParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = sorted(p.stem for p in (ROOT / "conf" / "profile").glob("*.yaml"))
+
+
+def compose(tmp_path, *overrides) -> dict:
+    out = tmp_path / "params.yaml"
+    compose_and_dump(out, str(ROOT / "conf"), None, "config", "", list(overrides))
+    return yaml.safe_load(out.read_text())
+
+
+def test_committed_params_equal_the_default_profile(tmp_path):
+    assert yaml.safe_load((ROOT / "params.yaml").read_text()) == compose(tmp_path)
+
+
+def test_three_profiles_exist():
+    assert PROFILES == ["qwen3-shapes", "qwen3-v0", "tiny"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_profile_validates(tmp_path, profile):
+    params = compose(tmp_path, f"profile={profile}")
+    assert params["profile"] == profile
+    parse(DataParams, params["data"], "data")
+    parse(ModelsParams, params["models"], "models")
+
+
+def test_v0_profile_declares_the_v0_protocol(tmp_path):
+    params = compose(tmp_path, "profile=qwen3-v0")
+    assert params["models"]["source"] == "Qwen/Qwen3-0.6B" and params["models"]["target"] == "Qwen/Qwen3-1.7B"
+    assert params["models"]["dtype"] == "bfloat16"
+    data = params["data"]
+    assert (data["fit_sequences"], data["select_sequences"], data["eval_prompts"], data["eval_items"]) == (50, 25, 100, 500)
