@@ -67,16 +67,16 @@ class Handoff:
 
     @torch.no_grad()
     def prefix_layers(self, prefix_ids: torch.Tensor) -> Layers | None:
-        """Target-space cache (rotated, target dtype) for prefix_ids (1, P); None for an empty prefix."""
+        """Target-space cache (rotated, target dtype) for prefix_ids (B, P); None for an empty prefix."""
         prefix_ids = prefix_ids.to(self.device)
-        length = prefix_ids.shape[1]
+        batch, length = prefix_ids.shape
         if length == 0:
             return None
         dtype = self.target.dtype
         if self.mode == "oracle":
             return cache_to_layers(self.target.model(input_ids=prefix_ids, use_cache=True).cache)
         if self.mode == "zero":
-            shape = (1, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
+            shape = (batch, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
             zeros = torch.zeros(shape, dtype=dtype, device=self.device)
             return [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
 
@@ -100,9 +100,12 @@ class Handoff:
         ]
 
     def target_cache(self, layers: Layers | None, batch: int = 1):
+        """A fresh target cache holding `layers`; a batch-1 prefix is shared by `batch` rows."""
         if layers is None:
             return None
-        return layers_to_cache(expand_batch(layers, batch), self.target.config, self.target.dtype, self.device)
+        if layers[0][0].shape[0] != batch:
+            layers = expand_batch(layers, batch)
+        return layers_to_cache(layers, self.target.config, self.target.dtype, self.device)
 
     @torch.no_grad()
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor) -> torch.Tensor:
@@ -166,6 +169,29 @@ def score_continuations(
     return results  # type: ignore[return-value]
 
 
+def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
+    """The target cache to decode from: the handoff of contexts[:, :-1], or an empty cache."""
+    cache = handoff.target_cache(handoff.prefix_layers(contexts[:, :-1]), contexts.shape[0])
+    if cache is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=handoff.target.config)
+    return cache
+
+
+@torch.no_grad()
+def greedy_rollout(handoff: Handoff, contexts: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy tokens (B, steps) after the handed-off cache of contexts[:, :-1] (B, n) and contexts[:, -1]."""
+    contexts = contexts.to(handoff.device)
+    cache = _decoding_cache(handoff, contexts)
+    tokens, next_input = [], contexts[:, -1:]
+    for _ in range(steps):
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+        next_input = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        tokens.append(next_input)
+    return torch.cat(tokens, dim=1)
+
+
 @torch.no_grad()
 def greedy_generate(
     handoff: Handoff,
@@ -173,13 +199,9 @@ def greedy_generate(
     max_new_tokens: int,
     should_stop: Callable[[list[int]], bool] = lambda tokens: False,
 ) -> list[int]:
-    """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1]."""
-    layers = handoff.prefix_layers(torch.tensor([list(context[:-1])], dtype=torch.long))
-    cache = handoff.target_cache(layers)
-    if cache is None:
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=handoff.target.config)
+    """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1],
+    stopping early when should_stop(tokens so far) says so."""
+    cache = _decoding_cache(handoff, torch.tensor([list(context)], dtype=torch.long))
     generated: list[int] = []
     next_input = torch.tensor([[context[-1]]], device=handoff.device)
     for _ in range(max_new_tokens):

@@ -1,0 +1,100 @@
+"""A variant against the oracle on held-out prompts: the V0 column and the metrics beside it.
+
+For each prompt (context c, continuation e) under the last-token protocol, the oracle's outputs are computed
+once and stored compactly: per continuation position the top-K log-probabilities and their token ids
+(K >= vocabulary keeps the whole distribution), and the oracle's greedy rollout. Every variant is compared
+against that stored copy:
+
+- perplexity: exp(total NLL / total tokens) of e, pooled over prompts;
+- next_token_top1 (V0's column): share of prompts whose argmax at the first position after the prompt
+  equals the oracle's;
+- agreement: the same over all teacher-forced continuation positions;
+- mean KL(oracle || variant) per position, on the oracle's top-K tokens plus one bucket for the rest of
+  the vocabulary (exact when K covers the vocabulary, otherwise a lower bound of the full KL);
+- rollout agreement: share of greedy tokens over a fixed horizon identical to the oracle's greedy tokens.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.handoff import Handoff, greedy_rollout
+
+Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
+
+
+def teacher_forced(handoff: Handoff, context: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """Log-probabilities (m, V) at the m positions that score the continuation."""
+    layers = handoff.prefix_layers(torch.tensor([list(context[:-1])]))
+    steps = torch.tensor([[context[-1], *continuation[:-1]]])  # c[n-1] e[0] ... e[m-2]
+    return handoff.step_logprobs(layers, steps)[0]
+
+
+def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, progress: bool = True) -> dict:
+    """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon)."""
+    if handoff.mode != "oracle":
+        raise ValueError("oracle outputs must come from the oracle handoff")
+    width = max(len(cont) for _, cont in prompts)
+    k = min(top_k, handoff.target.config.vocab_size)
+    top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
+    top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
+    greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
+    for i, (context, continuation) in enumerate(tqdm(prompts, desc="oracle", disable=not progress)):
+        values, ids = teacher_forced(handoff, context, continuation).topk(k, dim=-1)  # (m, K)
+        top_ids[i, : len(continuation)], top_logprobs[i, : len(continuation)] = ids.cpu(), values.cpu()
+        greedy[i] = greedy_rollout(handoff, torch.tensor([list(context)]), horizon)[0].cpu()
+    lengths = torch.tensor([len(cont) for _, cont in prompts])
+    return {"top_ids": top_ids, "top_logprobs": top_logprobs, "lengths": lengths, "greedy": greedy}
+
+
+def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(oracle || variant) per position (m,), on the oracle's top-K tokens plus a bucket for the rest."""
+    p = oracle_logprobs.exp()  # (m, K)
+    q_logprobs = variant_logprobs.gather(-1, oracle_ids)  # (m, K)
+    p_rest = (1 - p.sum(-1)).clamp_min(0.0)  # (m,)
+    q_rest = (1 - q_logprobs.exp().sum(-1)).clamp_min(1e-12)
+    top = (p * (oracle_logprobs - q_logprobs)).sum(-1)
+    rest = torch.where(p_rest > 1e-9, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()), torch.zeros_like(p_rest))
+    return (top + rest).clamp_min(0.0)
+
+
+def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, progress: bool = True) -> pd.DataFrame:
+    """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle."""
+    horizon = oracle["greedy"].shape[1]
+    rows = []
+    for i, (context, continuation) in enumerate(tqdm(prompts, desc=f"compare ({handoff.mode})", disable=not progress)):
+        m = len(continuation)
+        logprobs = teacher_forced(handoff, context, continuation).cpu()  # (m, V)
+        targets = torch.tensor(list(continuation))
+        agree = (logprobs.argmax(-1) == oracle["top_ids"][i, :m, 0]).to(torch.int64)  # (m,)
+        kl = _kl_on_top(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m], logprobs)
+        rollout = greedy_rollout(handoff, torch.tensor([list(context)]), horizon)[0].cpu()
+        rows.append({
+            "prompt": i,
+            "tokens": m,
+            "nll": float(-logprobs.gather(-1, targets[:, None]).sum()),
+            "first_agree": int(agree[0]),
+            "agree": int(agree.sum()),
+            "agree_by_position": agree.tolist(),
+            "kl": float(kl.sum()),
+            "rollout_agree": int((rollout == oracle["greedy"][i]).sum()),
+            "horizon": horizon,
+        })
+    return pd.DataFrame(rows)
+
+
+def summarize(rows: pd.DataFrame) -> dict[str, float]:
+    tokens = rows.tokens.sum()
+    return {
+        "perplexity": float(np.exp(rows.nll.sum() / tokens)),
+        "next_token_top1": float(rows.first_agree.mean()),
+        "agreement": float(rows.agree.sum() / tokens),
+        "mean_kl": float(rows.kl.sum() / tokens),
+        "rollout_agreement": float(rows.rollout_agree.sum() / rows.horizon.sum()),
+        "prompts": int(len(rows)),
+        "tokens": int(tokens),
+    }

@@ -1,0 +1,120 @@
+"""Stage `select`: score every fitted mapper on the select split and choose one by the declared rule.
+
+Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
+(the rest); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
+outputs (`pipeline.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
+mean KL. The rule (default: highest agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
+for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
+V0 rows k=1 and k=4 whatever the rule picks.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+import torch
+
+from pipeline.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
+from pipeline.compare import oracle_outputs, summarize, variant_rows
+from pipeline.handoff import Handoff
+from pipeline.mapper import load_mapper
+from pipeline.models import ModelsParams, load_model
+from pipeline.params import load_section, spec
+
+MAPPERS = Path("models/mappers")
+SELECTED = Path("models/mapper.safetensors")
+BEST = Path("models/best")
+
+
+@dataclass
+class SelectParams:
+    prompt_fraction: float = spec(0.5, min=0.05, max=0.95)
+    top_k: int = spec(64, positive=True)
+    horizon: int = spec(8, positive=True)
+    rule: Literal["agreement", "perplexity", "kl"] = "agreement"
+    threads: int = spec(1, positive=True)
+
+
+def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
+    prompts = []
+    for ids in token_lists:
+        ids = list(ids)
+        cut = max(2, int(len(ids) * prompt_fraction))
+        if len(ids) - cut >= 1:
+            prompts.append((ids[:cut], ids[cut:]))
+    if not prompts:
+        raise ValueError("no select sequence is long enough to split into context and continuation")
+    return prompts
+
+
+def rank_key(rule: str):
+    """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters."""
+    primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"], "kl": lambda s: s["mean_kl"]}[rule]
+    return lambda s: (primary(s), s["perplexity"], s["parameters"])
+
+
+def score_candidates(target, source, prompts, params: SelectParams, candidates: list[Path]) -> tuple[dict, list[dict]]:
+    oracle_handoff = Handoff(target)
+    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon)
+    oracle_summary = summarize(variant_rows(oracle_handoff, prompts, oracle))
+    scores = []
+    for path in candidates:
+        mapper = load_mapper(path, device=target.device)
+        summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper), prompts, oracle))
+        summary.update(
+            name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
+            parameters=mapper.parameter_count(), ppl_ratio=summary["perplexity"] / oracle_summary["perplexity"],
+        )
+        scores.append(summary)
+    return oracle_summary, scores
+
+
+def choose(scores: list[dict], rule: str) -> tuple[dict, dict[int, dict]]:
+    ranked = sorted(scores, key=rank_key(rule))
+    best_per_k: dict[int, dict] = {}
+    for score in ranked:
+        if score["family"] == "linear":
+            best_per_k.setdefault(score["k"], score)
+    return ranked[0], best_per_k
+
+
+def copy_verified(source: Path, destination: Path) -> None:
+    load_artifact(source)  # refuses a corrupted candidate before it is promoted
+    with atomic_path(destination) as tmp:
+        shutil.copyfile(source, tmp)
+
+
+def main() -> None:
+    params = load_section(SelectParams, "select")
+    models = load_section(ModelsParams, "models")
+    torch.set_num_threads(params.threads)
+    candidates = sorted(MAPPERS.glob("*.safetensors"))
+    if not candidates:
+        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+    device = models.torch_device
+    target = load_model("models/target", dtype=models.dtype, device=device)
+    source = load_model("models/source", dtype=models.dtype, device=device)
+    prompts = select_prompts(pd.read_parquet("data/select.parquet").token_ids, params.prompt_fraction)
+    oracle_summary, scores = score_candidates(target, source, prompts, params, candidates)
+    chosen, best_per_k = choose(scores, params.rule)
+    copy_verified(MAPPERS / f"{chosen['name']}.safetensors", SELECTED)
+    with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
+        for k, score in best_per_k.items():
+            copy_verified(MAPPERS / f"{score['name']}.safetensors", staging / f"mapped_k{k}.safetensors")
+    metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": len(prompts),
+                                             "oracle_perplexity": round(oracle_summary["perplexity"], 4)}
+    for score in scores:
+        for key in ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement"):
+            metrics[f"{score['name']}_{key}"] = round(score[key], 4)
+    for k, score in best_per_k.items():
+        metrics[f"best_k{k}"] = score["name"]
+    write_json_atomic("metrics/select.json", metrics)
+    print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main()
