@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -65,10 +64,23 @@ class KVTransferLM(TemplateLM):
             check_pair(source, load_tokenizer(source, source_revision), target, self.tokenizer)
             source_model = load_model(source, source_revision, dtype, device)
         fitted = load_mapper(mapper, device=device) if mapper and transfer in ("mapped", "shuffled") else None
-        self.handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed))
+        handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed))
+        self._setup(handoff, batch_size, max_length)
+
+    @classmethod
+    def from_handoff(cls, handoff: Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None) -> "KVTransferLM":
+        """Wrap an already built handoff (the pipeline's stages load the models once for every metric)."""
+        lm = cls.__new__(cls)
+        TemplateLM.__init__(lm)
+        lm.tokenizer = tokenizer
+        lm._setup(handoff, batch_size, max_length)
+        return lm
+
+    def _setup(self, handoff: Handoff, batch_size: int | str, max_length: int | str | None) -> None:
+        self.handoff = handoff
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self._max_length = int(max_length) if max_length else target_model.config.max_position_embeddings
-        self._device = torch.device(device)
+        self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
+        self._device = handoff.device
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KVTransferLM":

@@ -1,0 +1,139 @@
+"""Stage `evaluate`: one variant of the handoff on the eval prompts and the task items' eval part.
+
+    python -m pipeline.evaluate <variant>
+
+Variants: `oracle` (the target's own cache; it also computes and stores the oracle's outputs that every
+other variant is compared with), `direct`, `source` (the source model alone), `zero`, and the mapped
+variants: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen by `select`) and
+`shuffled` (the selected mapper's cache with its token order permuted). Every variant needs the controls to
+have passed (metrics/controls.json).
+
+Writes metrics/eval/<variant>.json (small, flat), eval/<variant>/prompts.parquet (per prompt) and
+eval/<variant>/items.parquet (per task item, for the paired statistics of the report).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from pipeline.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
+from pipeline.compare import oracle_outputs, summarize, variant_rows
+from pipeline.handoff import Handoff
+from pipeline.mapper import load_mapper
+from pipeline.models import ModelsParams, load_model, load_tokenizer
+from pipeline.params import load_section, spec
+from pipeline.taskeval import by_kind, evaluate_tasks
+
+ORACLE_OUTPUTS = Path("eval/oracle_outputs.safetensors")
+CONTROLS = Path("metrics/controls.json")
+TASKS = ("hellaswag", "piqa")
+BASELINES = ("oracle", "direct", "source", "zero")
+
+
+@dataclass
+class EvaluateParams:
+    baselines: list[str] = field(default_factory=lambda: ["direct", "source", "zero"])
+    mapped: dict[str, str] = field(default_factory=dict)  # variant -> mapper file
+    top_k: int = spec(64, positive=True)
+    horizon: int = spec(16, positive=True)
+    batch_size: int = spec(16, positive=True)
+    shuffle_seed: int = 0
+    threads: int = spec(1, positive=True)
+
+    def __post_init__(self):
+        from pipeline.params import ParamError
+
+        for name in self.baselines:
+            if name not in BASELINES[1:]:
+                raise ParamError(f"evaluate.baselines: unknown variant {name!r} (known: {', '.join(BASELINES[1:])})")
+        for name in self.mapped:
+            if name in BASELINES:
+                raise ParamError(f"evaluate.mapped.{name}: a mapped variant cannot take a baseline's name")
+
+
+def require_controls_passed(path: Path = CONTROLS) -> None:
+    if not path.is_file():
+        raise RuntimeError(f"{path} not found: run the controls stage before evaluating")
+    failed = [name for name, entry in json.loads(path.read_text()).items()
+              if isinstance(entry, dict) and not entry.get("passed", False)]
+    if failed:
+        raise RuntimeError(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass")
+
+
+def eval_prompts() -> list[tuple[list[int], list[int]]]:
+    frame = pd.read_parquet("data/eval.parquet")
+    return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
+
+
+def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) -> Handoff:
+    device = models.torch_device
+    load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device)  # noqa: E731
+    if variant == "oracle":
+        return Handoff(load("target"))
+    if variant == "source":
+        return Handoff(load("source"))  # the source alone: its own cache, its own predictions
+    if variant == "zero":
+        return Handoff(load("target"), mode="zero")
+    if variant == "direct":
+        return Handoff(load("target"), load("source"), "direct")
+    if variant not in params.mapped:
+        raise ValueError(f"unknown variant {variant!r}: not a baseline and not in evaluate.mapped")
+    mapper = load_mapper(params.mapped[variant], device=device)
+    mode = "shuffled" if variant == "shuffled" else "mapped"
+    return Handoff(load("target"), load("source"), mode, mapper, shuffle_seed=params.shuffle_seed)
+
+
+def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
+    require_controls_passed()
+    torch.set_num_threads(params.threads)
+    started = time.perf_counter()
+    handoff = build_handoff(variant, params, models)
+    prompts = eval_prompts()
+    if variant == "oracle":
+        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon)
+        save_artifact(ORACLE_OUTPUTS, oracle, {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
+    else:
+        oracle, meta = load_artifact(ORACLE_OUTPUTS)
+        if meta["prompts"] != len(prompts):
+            raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
+    rows = variant_rows(handoff, prompts, oracle)
+    metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v for k, v in summarize(rows).items()}
+
+    from pipeline.lm_eval_model import KVTransferLM
+
+    lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size)
+    tasks, items = evaluate_tasks(lm, {task: Path(f"data/{task}_eval.parquet") for task in TASKS})
+    for task, result in tasks.items():
+        for key, value in result.items():
+            metrics[f"{task}_{key}"] = round(value, 6) if isinstance(value, float) else value
+    for key, value in by_kind(items).items():
+        if "/" in key:
+            metrics[key.replace("/", "_") + "_acc"] = round(value, 6)
+    for key, value in by_kind(items, "acc_norm").items():
+        if "/" in key:
+            metrics[key.replace("/", "_") + "_acc_norm"] = round(value, 6)
+    metrics["seconds"] = round(time.perf_counter() - started, 1)
+
+    with atomic_dir(Path("eval") / variant) as staging:
+        rows.to_parquet(staging / "prompts.parquet", index=False)
+        items.to_parquet(staging / "items.parquet", index=False)
+    write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m pipeline.evaluate <variant>")
+    metrics = run(argv[0], load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models"))
+    print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Report arithmetic: retention exactly as PROTOCOL defines it, checked on V0's own figures."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.report import V0, Gates, ReportParams, build, mean_retention, retention
+
+
+def test_retention_reproduces_v0_headline():
+    oracle = {"hellaswag": V0["oracle"][2], "piqa": V0["oracle"][3]}
+    k1 = {"hellaswag": V0["mapped_k1"][2], "piqa": V0["mapped_k1"][3]}
+    k4 = {"hellaswag": V0["mapped_k4"][2], "piqa": V0["mapped_k4"][3]}
+    assert retention(0.546, 0.594, 0.25) == pytest.approx(0.8605, abs=1e-4)
+    assert round(100 * mean_retention(k1, oracle), 1) == 85.1
+    assert round(100 * mean_retention(k4, oracle), 1) == 76.4
+
+
+def _fake_variant(rng, acc_hs, acc_pq, agree, n=300, prompts=60):
+    items = pd.DataFrame({"task": ["hellaswag"] * n + ["piqa"] * n, "item": list(range(n)) * 2,
+                          "acc": np.r_[rng.random(n) < acc_hs, rng.random(n) < acc_pq].astype(float)})
+    items["acc_norm"] = items.acc
+    prompt_rows = pd.DataFrame({"prompt": range(prompts), "first_agree": (rng.random(prompts) < agree).astype(int)})
+    metrics = {"perplexity": 10 / max(agree, 0.1), "next_token_top1": agree, "agreement": agree, "mean_kl": 1 - agree,
+               "rollout_agreement": agree, "prompts": prompts}
+    for task, frame in items.groupby("task"):
+        metrics.update({f"{task}_acc": frame.acc.mean(), f"{task}_acc_norm": frame.acc.mean(), f"{task}_n": n})
+    return metrics, items, prompt_rows
+
+
+def test_gates_follow_the_numbers():
+    rng = np.random.default_rng(0)
+    spec = {"oracle": (0.9, 0.95, 1.0), "selected": (0.85, 0.9, 0.9), "source": (0.4, 0.6, 0.3),
+            "zero": (0.25, 0.5, 0.05), "shuffled": (0.3, 0.5, 0.1)}
+    metrics, items, prompts = {}, {}, {}
+    for name, args in spec.items():
+        metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
+    controls = {"compatibility": {"passed": True}}
+    report = build(ReportParams(gates=Gates(noninferiority_margin=0.2)), metrics, items, prompts, controls)
+    gates = report["gates"]
+    assert gates["beats_source_and_nulls"]["passed"] and gates["controls_passed"]["passed"]
+    assert gates["retention_floor"]["passed"] and gates["noninferiority"]["passed"]
+    assert report["variants"]["oracle"]["retention"] == pytest.approx(1.0)
+    broken = build(ReportParams(), metrics, items, prompts, {"compatibility": {"passed": False}})
+    assert not broken["gates"]["controls_passed"]["passed"]
+    metrics["source"], items["source"], prompts["source"] = _fake_variant(rng, 0.85, 0.9, 0.9)
+    assert not build(ReportParams(), metrics, items, prompts, controls)["gates"]["beats_source_and_nulls"]["passed"]
