@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from pipeline import ridge
 from pipeline.artifacts import atomic_path, write_json_atomic
 from pipeline.cachefiles import KINDS, Shard, paired_split, read_manifest
-from pipeline.mapper import TENSOR_NAMES, Mapper, save_mapper
+from pipeline.mapper import Mapper, save_mapper
 from pipeline.mlpfit import MlpSettings, train_mlp
 from pipeline.models import load_model
 from pipeline.params import load_section, spec

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pipeline.artifacts import ArtifactError, load_artifact, save_artifact
+from pipeline.artifacts import ArtifactError, load_artifact, stream_artifact
 from pipeline.kvcache import Layers
 
 FORMAT = "kv-handoff/mapper/v1"
@@ -149,7 +149,7 @@ def save_mapper(mapper: Mapper, path) -> str:
         for layer, layer_tensors in enumerate(layers):
             for name, tensor in zip(names, layer_tensors, strict=True):
                 tensors[f"{kind}.{layer}.{name}"] = tensor
-    return save_artifact(path, tensors, mapper.metadata())
+    return stream_artifact(path, tensors, mapper.metadata())  # streamed: a k=8 mapper at Qwen3 shapes is ~2 GB
 
 
 def load_mapper(path, device="cpu") -> Mapper:
