@@ -121,18 +121,25 @@ def _stored(raw: bytes, path: Path) -> tuple[dict, str]:
     return content["meta"], content["sha256"]
 
 
-def verify_bytes(raw: bytes, path: Path) -> tuple[dict, str]:
-    """Check the digest of an artifact's raw bytes; return (metadata, digest)."""
+def _mismatch(path: Path, stored: str, actual: str) -> str:
+    return (
+        f"{path}: checksum mismatch (stored {stored[:12]}..., content {actual[:12]}...): the file is corrupted "
+        f"or was modified after writing; regenerate it (dvc repro -f the stage that writes it)"
+    )
+
+
+def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dict, str]:
+    """Check the digest of an artifact's raw bytes; return (metadata, digest). With `header_only`, `raw` is
+    the length prefix and header alone: only the checksum field is checked, the caller hashes the rest."""
     metadata, digest = _stored(raw, path)
     header_end = 8 + struct.unpack("<Q", raw[:8])[0]
     if len(digest) != 64 or raw[:header_end].count(digest.encode()) != 1:
         raise ArtifactError(f"{path}: corrupted artifact (malformed checksum field)")
+    if header_only:
+        return metadata, digest
     actual = hashlib.sha256(raw.replace(digest.encode(), _ZERO_DIGEST.encode(), 1)).hexdigest()
     if actual != digest:
-        raise ArtifactError(
-            f"{path}: checksum mismatch (stored {digest[:12]}..., content {actual[:12]}...): the file is corrupted "
-            f"or was modified after writing; regenerate it (dvc repro -f the stage that writes it)"
-        )
+        raise ArtifactError(_mismatch(path, digest, actual))
     return metadata, digest
 
 
@@ -148,3 +155,69 @@ def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torc
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         raise ArtifactError(f"{path}: unreadable tensors ({err})") from None
     return {name: t.to(device) for name, t in tensors.items()}, metadata
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_CHUNK = 1 << 24
+
+
+def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
+    """Write an artifact tensor by tensor, hashing while writing, without building the file in memory.
+
+    Same format and checksum as `save_artifact` (so `load_artifact` reads it): the header carries a zeroed
+    digest while the bytes go out and are hashed, then the digest is written into its place. Tensors are laid
+    out in sorted-name order, so the bytes are deterministic. Returns the digest.
+    """
+    names = sorted(tensors)
+    offsets, position = {}, 0
+    for name in names:
+        tensor = tensors[name]
+        if tensor.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} not supported in streamed artifacts")
+        size = tensor.numel() * tensor.element_size()
+        offsets[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [position, position + size]}
+        position += size
+    header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
+    header = json.dumps({"__metadata__": header_meta, **offsets}, sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes
+    if header.count(_ZERO_DIGEST.encode()) != 1:
+        raise ValueError("artifact metadata must not contain a run of 64 zeros")
+    prefix = struct.pack("<Q", len(header)) + header
+    hasher = hashlib.sha256(prefix)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as out:
+            out.write(prefix)
+            for name in names:
+                # a byte view of the tensor's own storage: no copy beyond what contiguity needs
+                data = tensors[name].detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+                for start in range(0, len(data), _CHUNK):
+                    chunk = memoryview(data[start : start + _CHUNK])
+                    hasher.update(chunk)
+                    out.write(chunk)
+            digest = hasher.hexdigest()
+            out.seek(prefix.index(_ZERO_DIGEST.encode()))
+            out.write(digest.encode())
+            out.flush()
+            os.fsync(out.fileno())
+    return digest
+
+
+def verify_file(path: str | os.PathLike) -> tuple[dict, str]:
+    """Check an artifact's digest reading it in chunks (memory independent of its size); return (metadata, digest)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: artifact not found")
+    with open(path, "rb") as f:
+        start = f.read(8)
+        if len(start) < 8:
+            raise ArtifactError(f"{path}: truncated artifact ({len(start)} bytes)")
+        header = f.read(struct.unpack("<Q", start)[0])
+        metadata, digest = verify_bytes(start + header, path, header_only=True)
+        hasher = hashlib.sha256(start + header.replace(digest.encode(), _ZERO_DIGEST.encode(), 1))
+        while chunk := f.read(_CHUNK):
+            hasher.update(chunk)
+    actual = hasher.hexdigest()
+    if actual != digest:
+        raise ArtifactError(_mismatch(path, digest, actual))
+    return metadata, digest

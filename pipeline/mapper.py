@@ -10,9 +10,13 @@ layers, each (batch, kv_heads_t, tokens, head_dim_t)). Families:
   head, with bias. k=1 is V0's per-head linear map.
 - `head_matched`: like `linear`, but target head h reads only source head h of the chosen layers
   (input width k * head_dim_s); needs equal KV head counts.
+- `mlp`: like `linear`, but through one hidden layer shared by the target heads of a layer:
+  hidden = gelu(x @ in_weight + in_bias), then the per-head output projection of `linear` from the hidden
+  width. Per target layer and kind: (in_weight (in_width, hidden), in_bias (hidden,), weight
+  (kv_heads_t, hidden, head_dim_t), bias (kv_heads_t, head_dim_t)).
 
-File: a checksummed artifact (see `artifacts`) with tensors `{keys,values}.{layer}.{weight,bias}` and
-metadata naming the source and target, k, lambda, the chosen source layers per target layer and both
+File: a checksummed artifact (see `artifacts`) with tensors `{keys,values}.{layer}.{name}` (names in
+TENSOR_NAMES) and metadata naming the source and target, k, lambda, the chosen source layers per target layer and both
 models' rotary settings and KV geometry.
 """
 from __future__ import annotations
@@ -22,11 +26,13 @@ from typing import Any
 
 import torch
 
-from pipeline.artifacts import ArtifactError, load_artifact, save_artifact
+from pipeline.artifacts import ArtifactError, load_artifact, stream_artifact
 from pipeline.kvcache import Layers
 
 FORMAT = "kv-handoff/mapper/v1"
-FAMILIES = ("identity", "linear", "head_matched")
+FAMILIES = ("identity", "linear", "head_matched", "mlp")
+TENSOR_NAMES = {"identity": (), "linear": ("weight", "bias"), "head_matched": ("weight", "bias"),
+                "mlp": ("in_weight", "in_bias", "weight", "bias")}
 
 
 @dataclass
@@ -41,9 +47,10 @@ class Mapper:
     k: int = 0
     ridge_lambda: float = 0.0
     source_layers: list[list[int]] = field(default_factory=list)  # per target layer: the k source layers
-    # per target layer: (weight (kv_heads_t, in_width, head_dim_t), bias (kv_heads_t, head_dim_t))
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # per target layer: the family's tensors in TENSOR_NAMES order; for linear and head_matched
+    # (weight (kv_heads_t, in_width, head_dim_t), bias (kv_heads_t, head_dim_t))
+    keys: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    values: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,7 +81,13 @@ class Mapper:
         }
 
     def parameter_count(self) -> int:
-        return sum(w.numel() + b.numel() for w, b in self.keys + self.values)
+        return sum(t.numel() for tensors in self.keys + self.values for t in tensors)
+
+    def macs_per_token(self) -> int:
+        """Multiply-adds to map one token's cache: one per weight entry (biases are adds)."""
+        names = TENSOR_NAMES[self.family]
+        return sum(t.numel() for tensors in self.keys + self.values
+                   for name, t in zip(names, tensors) if not name.endswith("bias"))
 
     def apply(self, source_layers: Layers, positions: torch.Tensor) -> Layers:
         """Content-space source cache -> content-space target cache. `positions` (T,) are the tokens'
@@ -96,8 +109,12 @@ class Mapper:
         flat = [t.transpose(1, 2).reshape(batch, tokens, heads * dim) for t in tensors]  # (B, T, H_s*D_s) each
         return torch.cat(flat, dim=-1)  # (B, T, k*H_s*D_s)
 
-    def _project(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def _project(self, inputs: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        weight, bias = tensors[-2:]
         inputs = inputs.to(weight.dtype)
+        if self.family == "mlp":
+            in_weight, in_bias = tensors[:2]
+            inputs = torch.nn.functional.gelu(inputs @ in_weight + in_bias)  # (B, T, hidden)
         if self.family == "head_matched":
             out = torch.einsum("bhtf,hfd->bhtd", inputs, weight)  # one batched matmul for all heads
         else:
@@ -105,7 +122,7 @@ class Mapper:
         return out + bias[None, :, None, :]
 
     def to(self, device=None, dtype=None) -> "Mapper":
-        move = lambda pairs: [(w.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)) for w, b in pairs]  # noqa: E731
+        move = lambda layers: [tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]  # noqa: E731
         self.keys, self.values = move(self.keys), move(self.values)
         return self
 
@@ -127,11 +144,12 @@ def identity_mapper(source: str, target: str, source_config, target_config) -> M
 
 def save_mapper(mapper: Mapper, path) -> str:
     tensors = {}
-    for kind, pairs in (("keys", mapper.keys), ("values", mapper.values)):
-        for layer, (weight, bias) in enumerate(pairs):
-            tensors[f"{kind}.{layer}.weight"] = weight
-            tensors[f"{kind}.{layer}.bias"] = bias
-    return save_artifact(path, tensors, mapper.metadata())
+    names = TENSOR_NAMES[mapper.family]
+    for kind, layers in (("keys", mapper.keys), ("values", mapper.values)):
+        for layer, layer_tensors in enumerate(layers):
+            for name, tensor in zip(names, layer_tensors, strict=True):
+                tensors[f"{kind}.{layer}.{name}"] = tensor
+    return stream_artifact(path, tensors, mapper.metadata())  # streamed: a k=8 mapper at Qwen3 shapes is ~2 GB
 
 
 def load_mapper(path, device="cpu") -> Mapper:
@@ -139,9 +157,10 @@ def load_mapper(path, device="cpu") -> Mapper:
     if meta.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not a mapper file (format {meta.get('format')!r}, expected {FORMAT!r})")
     layers = len(meta["source_layers"])
+    names = TENSOR_NAMES.get(meta.get("family"), ())
     try:
-        keys = [(tensors[f"keys.{l}.weight"], tensors[f"keys.{l}.bias"]) for l in range(layers)]
-        values = [(tensors[f"values.{l}.weight"], tensors[f"values.{l}.bias"]) for l in range(layers)]
+        keys = [tuple(tensors[f"keys.{l}.{name}"] for name in names) for l in range(layers)]
+        values = [tuple(tensors[f"values.{l}.{name}"] for name in names) for l in range(layers)]
     except KeyError as err:
         raise ArtifactError(f"{path}: mapper is missing tensor {err}") from None
     return Mapper(

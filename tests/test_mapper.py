@@ -68,3 +68,24 @@ def test_non_mapper_artifact_is_refused(tmp_path):
 def test_identity_needs_equal_geometry():
     with pytest.raises(ValueError, match="equal KV geometry"):
         Mapper("identity", "src", "tgt", SOURCE, TARGET, ROTARY, ROTARY)
+
+
+def test_mlp_map_round_trips_and_applies_one_hidden_layer(tmp_path):
+    generator = torch.Generator().manual_seed(2)
+    width, hidden = 2 * SOURCE["kv_heads"] * SOURCE["head_dim"], 5
+    layer = lambda: (torch.randn(width, hidden, generator=generator), torch.randn(hidden, generator=generator),  # noqa: E731
+                     torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
+                     torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
+    mapper = Mapper("mlp", "src", "tgt", SOURCE, TARGET, ROTARY, dict(ROTARY, head_dim=6), k=2,
+                    source_layers=[[0, 2], [1, 2]], keys=[layer(), layer()], values=[layer(), layer()])
+    save_mapper(mapper, tmp_path / "m.safetensors")
+    loaded = load_mapper(tmp_path / "m.safetensors")
+    cache = _source_cache()
+    mapped = loaded.apply(cache, torch.arange(5))
+    for index, chosen in enumerate(mapper.source_layers):
+        x = torch.cat([cache[s][0][0].transpose(0, 1).reshape(5, -1) for s in chosen], dim=-1)  # (T, k*H*D)
+        in_weight, in_bias, weight, bias = mapper.keys[index]
+        hidden_rows = torch.nn.functional.gelu(x @ in_weight + in_bias)  # (T, hidden)
+        for head in range(TARGET["kv_heads"]):
+            assert torch.allclose(mapped[index][0][0, head], hidden_rows @ weight[head] + bias[head], atol=1e-5)
+    assert loaded.macs_per_token() == 4 * (width * hidden + hidden * TARGET["kv_heads"] * TARGET["head_dim"])

@@ -1,0 +1,150 @@
+"""Stage `extract`: one model's KV caches over the fit and select sequences, sharded on disk.
+
+    python -m pipeline.extract source|target
+
+Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
+`metrics/extract_<model>.json`. Only the decoder body runs (no logits). Keys are RoPE-stripped in float32
+(content space), values kept as cached; both stored in `extract.dtype`. Shards are hashed and written on a
+background thread while the model computes the next one, so extraction should cost little more than the
+slower of its two floors, measured in the same run: a plain forward over the same tokens, and a plain write
+of the same bytes to the same disk.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.artifacts import write_json_atomic
+from pipeline.cachefiles import MANIFEST, ShardWriter
+from pipeline.kvcache import cache_to_layers, kv_geometry
+from pipeline.models import load_model, parse_dtype
+from pipeline.params import load_section, spec
+from pipeline.rope import RotarySpec, strip_rope
+
+MODELS = ("source", "target")
+
+
+@dataclass
+class ExtractParams:
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # storage dtype of the cached keys and values
+    shard_sequences: int = spec(8, min=1)  # sequences per shard: memory is bounded by about three shards
+    splits: list[str] = spec(["fit", "select"])
+    threads: int = spec(1, min=1)
+
+
+def read_sequences(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run the data stage first")
+    frame = pd.read_parquet(path, columns=["doc_id", "token_ids", "content_hash"])
+    empty = frame.index[frame.token_ids.map(len) == 0].tolist()
+    if empty:
+        raise ValueError(f"{path}: sequence {frame.doc_id[empty[0]]!r} has no tokens")
+    return frame
+
+
+@torch.no_grad()
+def content_cache(model, spec: RotarySpec, token_ids) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer (tokens, kv_heads, head_dim) keys in content space (float32) and values (model dtype)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)[None]  # (1, T)
+    layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)  # (1, H, T, D) each
+    positions = torch.arange(ids.shape[1], device=model.device)
+    keys_content = [strip_rope(k.float(), positions, spec)[0].transpose(0, 1).cpu() for k, _ in layers]  # (T, H, D)
+    values = [v[0].transpose(0, 1).cpu() for _, v in layers]  # (T, H, D)
+    return keys_content, values
+
+
+@torch.no_grad()
+def forward_floor(model, sequences: list) -> float:
+    """Seconds for the plain decoder-body forward over `sequences`, nothing kept."""
+    start = time.perf_counter()
+    for token_ids in sequences:
+        model.model(input_ids=torch.tensor(token_ids, dtype=torch.long, device=model.device)[None], use_cache=True)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def write_floor(folder: Path, sizes: list[int]) -> float:
+    """Seconds to write files of `sizes` bytes into `folder` (same disk), each flushed to disk like a shard."""
+    block = os.urandom(1 << 24)
+    path = folder / ".write-floor.tmp"
+    start = time.perf_counter()
+    try:
+        for size in sizes:
+            with open(path, "wb") as out:
+                for offset in range(0, size, len(block)):
+                    out.write(block[: min(len(block), size - offset)])
+                out.flush()
+                os.fsync(out.fileno())
+    finally:
+        path.unlink(missing_ok=True)
+    return time.perf_counter() - start
+
+
+def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams) -> dict:
+    torch.set_num_threads(params.threads)
+    model = load_model(str(model_dir), dtype="float32")
+    spec = RotarySpec.from_config(model.config)
+    geometry = kv_geometry(model.config)
+    frames = {split: read_sequences(data_dir / f"{split}.parquet") for split in params.splits}
+    all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
+    tokens = sum(len(ids) for ids in all_ids)
+
+    forward_floor(model, all_ids[:1])  # warm-up, so neither timing below pays first-call costs
+    forward_s = forward_floor(model, all_ids)
+
+    base = {"model": name, "model_path": str(model_dir), "geometry": geometry, "rotary": spec.to_dict(),
+            "dtype": params.dtype, "keys": "content (RoPE stripped)"}
+    manifest = dict(base, splits={})
+    bar = tqdm(total=len(all_ids), desc=f"extract {name}", unit="seq")
+    start = time.perf_counter()
+    for split, frame in frames.items():
+        for stale in (out_dir / split).glob("shard-*.safetensors"):
+            stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
+        writer = ShardWriter(out_dir / split, dict(base, split=split), params.shard_sequences, parse_dtype(params.dtype))
+        for doc_id, token_ids, content_hash in zip(frame.doc_id, frame.token_ids, frame.content_hash):
+            writer.add(str(doc_id), str(content_hash), *content_cache(model, spec, token_ids))
+            bar.update(1)
+        records = writer.close()
+        manifest["splits"][split] = {"sequences": len(frame), "tokens": sum(r["tokens"] for r in records),
+                                     "shards": records}
+    extract_s = time.perf_counter() - start
+    bar.close()
+
+    sizes = [r["bytes"] for split in manifest["splits"].values() for r in split["shards"]]
+    write_s = write_floor(out_dir, sizes)
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    floor = max(forward_s, write_s)
+    return {
+        "sequences": len(all_ids),
+        "tokens": tokens,
+        "bytes_written": sum(sizes),
+        "extract_s": round(extract_s, 4),
+        "forward_floor_s": round(forward_s, 4),
+        "write_floor_s": round(write_s, 4),
+        "ratio_to_floor": round(extract_s / floor, 4),
+        "target_ratio": 1.3,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] not in MODELS:
+        raise SystemExit(f"usage: python -m pipeline.extract {'|'.join(MODELS)}")
+    name = argv[0]
+    params = load_section(ExtractParams, "extract")
+    metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params)
+    write_json_atomic(Path("metrics") / f"extract_{name}.json", metrics)
+    print(metrics)
+
+
+if __name__ == "__main__":
+    main()

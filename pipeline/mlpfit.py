@@ -1,0 +1,71 @@
+"""Training the `mlp` mapper family for one target layer and kind: one hidden layer, Adam, early stopping.
+
+Inputs are standardized per feature and outputs centered and scaled by one pooled standard deviation (so the
+loss is proportional to the residual sum of squares that R² pools); after training both affine maps are
+folded into the weights, so the saved mapper reads raw content-space rows. Early stopping keeps the weights
+of the epoch with the lowest loss on held-out fit sequences. Deterministic given the seed and the thread
+count: initialization and batch order come from one seeded generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MlpSettings:
+    hidden: int
+    lr: float
+    batch_rows: int
+    max_epochs: int
+    patience: int
+    seed: int
+
+
+def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
+              heads: int, settings: MlpSettings) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """Fit rows x (N, F) -> y (N, heads * head_dim). Returns the mapper tensors (in_weight (F, hidden),
+    in_bias (hidden,), weight (heads, hidden, head_dim), bias (heads, head_dim)) and training facts."""
+    generator = torch.Generator().manual_seed(settings.seed)
+    x_mean, x_std = x_train.mean(0), x_train.std(0).clamp_min(1e-6)  # (F,)
+    y_mean, y_scale = y_train.mean(0), (y_train - y_train.mean(0)).pow(2).mean().sqrt().clamp_min(1e-6)
+    standardize = lambda x, y: ((x - x_mean) / x_std, (y - y_mean) / y_scale)  # noqa: E731
+    x_train_s, y_train_s = standardize(x_train, y_train)
+    x_val_s, y_val_s = standardize(x_val, y_val)
+
+    in_width, out_width = x_train.shape[1], y_train.shape[1]
+    w1 = (torch.randn(in_width, settings.hidden, generator=generator) / in_width**0.5).requires_grad_()
+    b1 = torch.zeros(settings.hidden, requires_grad=True)
+    w2 = (torch.randn(settings.hidden, out_width, generator=generator) / settings.hidden**0.5).requires_grad_()
+    b2 = torch.zeros(out_width, requires_grad=True)
+    params = [w1, b1, w2, b2]
+    optimizer = torch.optim.Adam(params, lr=settings.lr)
+    predict = lambda x: F.gelu(x @ w1 + b1) @ w2 + b2  # noqa: E731  (N, out_width)
+
+    best_loss, best_epoch, best = float("inf"), -1, [p.detach().clone() for p in params]
+    for epoch in range(settings.max_epochs):
+        order = torch.randperm(x_train_s.shape[0], generator=generator)
+        for start in range(0, len(order), settings.batch_rows):
+            rows = order[start : start + settings.batch_rows]
+            loss = F.mse_loss(predict(x_train_s[rows]), y_train_s[rows])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            val_loss = F.mse_loss(predict(x_val_s), y_val_s).item()
+        if val_loss < best_loss:
+            best_loss, best_epoch, best = val_loss, epoch, [p.detach().clone() for p in params]
+        elif epoch - best_epoch >= settings.patience:
+            break
+
+    w1, b1, w2, b2 = best
+    # fold the standardization: gelu(((x - m) / s) W1 + b1) = gelu(x (W1 / s) + (b1 - (m / s) W1))
+    in_weight = w1 / x_std[:, None]  # (F, hidden)
+    in_bias = b1 - (x_mean / x_std) @ w1  # (hidden,)
+    head_dim = out_width // heads
+    weight = (w2 * y_scale).reshape(settings.hidden, heads, head_dim).permute(1, 0, 2).contiguous()  # (H, hidden, D)
+    bias = (b2 * y_scale + y_mean).reshape(heads, head_dim)  # (H, D)
+    facts = {"best_epoch": best_epoch, "epochs": epoch + 1, "val_loss": best_loss}
+    return (in_weight, in_bias, weight, bias), facts

@@ -1,0 +1,89 @@
+"""Ridge regression from streamed moments: accumulate in float64 over shards, solve once, score from moments.
+
+A regression X (N, F) -> Y (N, O) is summarized by its moments: n, sum x, sum y, X^T X, X^T Y and the sum of
+y^2 per output. Memory is independent of N, shards add up, and every sub-problem (a subset of input
+features, a subset of outputs) is an index selection of the moments, so one accumulation serves every
+k up to the largest and the head-matched family too.
+
+The bias is fitted and not penalized: solve the centered system (Cxx + lambda I) W = Cxy with
+Cxx = X^T X - n mx mx^T, Cxy = X^T Y - n mx my^T, then b = my - mx W. Lambda is on the unnormalized sum of
+squares (as scikit-learn's Ridge alpha). All output columns share X, so one solve with all columns is exactly
+the separate per-column (per-head) fits. Residual sums of squares of any (W, b) on any data follow from that
+data's moments, so held-out R² needs no second pass over the rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPE = torch.float64
+
+
+@dataclass
+class Moments:
+    n: int
+    sum_x: torch.Tensor  # (F,)
+    sum_y: torch.Tensor  # (O,)
+    xtx: torch.Tensor  # (F, F)
+    xty: torch.Tensor  # (F, O)
+    sum_yy: torch.Tensor  # (O,)
+
+    @classmethod
+    def zeros(cls, in_width: int, out_width: int) -> "Moments":
+        return cls(0, torch.zeros(in_width, dtype=DTYPE), torch.zeros(out_width, dtype=DTYPE),
+                   torch.zeros(in_width, in_width, dtype=DTYPE), torch.zeros(in_width, out_width, dtype=DTYPE),
+                   torch.zeros(out_width, dtype=DTYPE))
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add rows x (N, F), y (N, O)."""
+        x, y = x.to(DTYPE), y.to(DTYPE)
+        self.n += x.shape[0]
+        self.sum_x += x.sum(0)
+        self.sum_y += y.sum(0)
+        self.xtx += x.T @ x  # (F, F)
+        self.xty += x.T @ y  # (F, O)
+        self.sum_yy += (y * y).sum(0)
+
+    def select(self, inputs: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> "Moments":
+        """The moments of the sub-problem reading input features `inputs` and predicting outputs `outputs`."""
+        i = slice(None) if inputs is None else inputs
+        o = slice(None) if outputs is None else outputs
+        return Moments(self.n, self.sum_x[i], self.sum_y[o], self.xtx[i][:, i], self.xty[i][:, o], self.sum_yy[o])
+
+
+def solve(m: Moments, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge fit with unpenalized bias: weight (F, O), bias (O,), float64."""
+    if m.n < 2:
+        raise ValueError(f"ridge fit needs at least 2 rows, got {m.n}")
+    mean_x, mean_y = m.sum_x / m.n, m.sum_y / m.n
+    cov_xx = m.xtx - m.n * torch.outer(mean_x, mean_x)  # (F, F)
+    cov_xy = m.xty - m.n * torch.outer(mean_x, mean_y)  # (F, O)
+    system = cov_xx + ridge_lambda * torch.eye(cov_xx.shape[0], dtype=DTYPE)
+    factor, info = torch.linalg.cholesky_ex(system)
+    if info.item() != 0:
+        raise ValueError(
+            f"ridge system ({system.shape[0]} features, {m.n} rows, lambda {ridge_lambda}) is not positive definite: "
+            f"the inputs are collinear; use a lambda > 0"
+        )
+    weight = torch.cholesky_solve(cov_xy, factor)  # (F, O)
+    return weight, mean_y - mean_x @ weight
+
+
+def residual_ss(m: Moments, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Sum over the rows `m` summarizes of (y - x W - b)^2, per output column (O,)."""
+    # sum (y - xW - b)^2 = yy - 2 diag(W^T X^T Y) - 2 b.sy + diag(W^T X^T X W) + 2 b (sx W) + n b^2
+    xw_cross = (weight * m.xty).sum(0)  # (O,) diag(W^T X^T Y)
+    xw_square = ((m.xtx @ weight) * weight).sum(0)  # (O,) diag(W^T X^T X W)
+    xw_sum = m.sum_x @ weight  # (O,)
+    return m.sum_yy - 2 * xw_cross - 2 * bias * m.sum_y + xw_square + 2 * bias * xw_sum + m.n * bias * bias
+
+
+def total_ss(m: Moments) -> torch.Tensor:
+    """Sum of (y - mean y)^2 per output column (O,)."""
+    return m.sum_yy - m.sum_y * m.sum_y / m.n
+
+
+def pooled_r2(sse: torch.Tensor, sst: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """R² of each of `groups` equal column groups (e.g. heads): 1 - pooled SSE / pooled SST, (groups,)."""
+    return 1.0 - sse.reshape(groups, -1).sum(1) / sst.reshape(groups, -1).sum(1)

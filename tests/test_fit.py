@@ -1,0 +1,160 @@
+"""Fit stage: the ridge math against direct solves, probes that find a planted layer, determinism, corruption."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kvworld import make_world
+
+from pipeline import ridge
+from pipeline.artifacts import ArtifactError
+from pipeline.cachefiles import MANIFEST, ShardWriter, paired_split
+from pipeline.extract import ExtractParams
+from pipeline.extract import run as extract
+from pipeline.fit import FitParams, MlpParams, holdout_sequences, probe_r2, ranking
+from pipeline.fit import run as fit
+from pipeline.mapper import load_mapper
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _data(rows=200, features=6, outputs=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, features, generator=generator, dtype=torch.float64) * 3 + 1
+    y = x @ torch.randn(features, outputs, generator=generator, dtype=torch.float64) + 5
+    return x, y + 0.5 * torch.randn(rows, outputs, generator=generator, dtype=torch.float64)
+
+
+def _moments(x, y, chunks=1):
+    m = ridge.Moments.zeros(x.shape[1], y.shape[1])
+    for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+        m.update(xs, ys)
+    return m
+
+
+def test_ridge_equals_least_squares_on_the_augmented_system():
+    x, y = _data()
+    lam = 3.0
+    weight, bias = ridge.solve(_moments(x, y), lam)
+    # [X - mean, 1; sqrt(lam) I, 0] [W; b'] = [Y; 0]: penalty on W only, bias free
+    xc = x - x.mean(0)
+    a = torch.cat([torch.cat([xc, torch.ones(len(x), 1, dtype=x.dtype)], 1),
+                   torch.cat([lam**0.5 * torch.eye(x.shape[1], dtype=x.dtype), torch.zeros(x.shape[1], 1, dtype=x.dtype)], 1)])
+    b = torch.cat([y, torch.zeros(x.shape[1], y.shape[1], dtype=x.dtype)])
+    solution = torch.linalg.lstsq(a, b).solution
+    assert torch.allclose(weight, solution[:-1], atol=1e-9)
+    assert torch.allclose(bias, solution[-1] - x.mean(0) @ solution[:-1], atol=1e-9)
+
+
+def test_streamed_accumulation_equals_one_shot_fit():
+    x, y = _data()
+    one = ridge.solve(_moments(x, y), 0.1)
+    streamed = ridge.solve(_moments(x, y, chunks=7), 0.1)
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(one, streamed))
+
+
+def test_one_layer_solve_equals_separate_per_head_solves():
+    x, y = _data(outputs=6)  # 3 heads of width 2
+    m = _moments(x, y)
+    weight, bias = ridge.solve(m, 1.0)
+    for head in range(3):
+        cols = torch.arange(2 * head, 2 * head + 2)
+        w_head, b_head = ridge.solve(m.select(outputs=cols), 1.0)
+        assert torch.allclose(weight[:, cols], w_head, atol=1e-12) and torch.allclose(bias[cols], b_head, atol=1e-12)
+
+
+def test_residuals_from_moments_equal_direct_residuals():
+    x, y = _data()
+    weight, bias = ridge.solve(_moments(x, y), 1.0)
+    x2, y2 = _data(seed=1)
+    direct = ((y2 - x2 @ weight - bias) ** 2).sum(0)
+    assert torch.allclose(ridge.residual_ss(_moments(x2, y2), weight, bias), direct, rtol=1e-9)
+    assert torch.allclose(ridge.total_ss(_moments(x2, y2)), ((y2 - y2.mean(0)) ** 2).sum(0), rtol=1e-9)
+
+
+def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences=8, length=30) -> None:
+    """Random source caches; target layer l is an exact linear map of source layer planted[l] (keys and values)."""
+    generator = torch.Generator().manual_seed(0)
+    heads, dim = 2, 4
+    maps = {l: torch.randn(heads * dim, heads * dim, generator=generator) for l in planted}
+    for name in ("source", "target"):
+        meta = {"model": name, "model_path": name, "geometry": {"layers": source_layers if name == "source" else len(planted),
+                "kv_heads": heads, "head_dim": dim}, "rotary": {}, "dtype": "float32"}
+        writer = ShardWriter(root / name / "fit", meta, 3, torch.float32)
+        gen = torch.Generator().manual_seed(1)
+        for seq in range(sequences):
+            source = [torch.randn(length, heads, dim, generator=gen) for _ in range(2 * source_layers)]
+            layers = source if name == "source" else [
+                (source[2 * p + kind].reshape(length, -1) @ maps[l]).reshape(length, heads, dim)
+                for l, p in planted.items() for kind in (0, 1)]
+            writer.add(f"d{seq}", f"h{seq}", layers[0::2], layers[1::2])
+        records = writer.close()
+        (root / name / MANIFEST).write_text(json.dumps(dict(meta, splits={"fit": {"shards": records}})))
+
+
+def test_probe_picks_the_planted_source_layer(tmp_path):
+    planted = {0: 2, 1: 0, 2: 3}
+    _fake_caches(tmp_path, planted)
+    pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
+    held = holdout_sequences(pairs, 0.25, seed=0)
+    scores = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1)  # budget forces one target layer per pass
+    assert [order[0] for order in ranking(scores)] == [planted[l] for l in range(3)]
+    for l, p in planted.items():
+        assert scores["keys"][l, p] > 0.999 and scores["values"][l, p] > 0.999
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    root = make_world(tmp_path_factory.mktemp("fit"), fit=10, select=4, length=24)
+    for name in ("source", "target"):
+        extract(root / "models" / name, name, root / "data", root / "caches" / name, ExtractParams(shard_sequences=4))
+    (root / "params.yaml").write_text(
+        "fit:\n  ks: [1, 2]\n  lambdas: [0.01, 1.0]\n  families: [linear, head_matched]\n  timing_repeats: 1\n"
+        "  mlp:\n    ks: [1]\n    hidden: 16\n    max_epochs: 5\n")
+    return root
+
+
+def _fit_params():
+    return FitParams(mlp=MlpParams(ks=[1], hidden=16, max_epochs=5), ks=[1, 2], lambdas=[0.01, 1.0], timing_repeats=1)
+
+
+def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
+    metrics = fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
+                  extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params())
+    names = sorted(p.stem for p in (tmp_path / "mappers").glob("*.safetensors"))
+    assert names == sorted([f"{f}_k{k}_lam{lam}" for f in ("linear", "head_matched") for k in (1, 2)
+                            for lam in ("0.01", "1")] + ["mlp_k1"])
+    mapper = load_mapper(tmp_path / "mappers" / "linear_k2_lam0.01.safetensors")
+    assert mapper.k == 2 and all(len(chosen) == 2 for chosen in mapper.source_layers)
+    assert metrics["linear_k2_lam0.01/params"] == mapper.parameter_count()
+    layers_csv = (tmp_path / "metrics" / "fit_layers.csv").read_text().splitlines()
+    assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio"
+    assert len(layers_csv) == 1 + 9 * 2 * 2 * 2  # candidates x layers x heads x kinds
+
+
+def test_fitting_twice_in_two_processes_gives_identical_files(extracted):
+    for run_dir in ("run1", "run2"):
+        subprocess.run([sys.executable, "-c", "import pipeline.fit as f; f.main()"], cwd=extracted, check=True,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+                       capture_output=True)
+        (extracted / "models" / "mappers").rename(extracted / run_dir)
+    first = sorted((extracted / "run1").glob("*.safetensors"))
+    assert len(first) == 9
+    for path in first:
+        assert path.read_bytes() == (extracted / "run2" / path.name).read_bytes(), path.name
+
+
+def test_corrupted_cache_shard_stops_fit_naming_it(extracted, tmp_path):
+    import shutil
+
+    caches = tmp_path / "caches"
+    shutil.copytree(extracted / "caches", caches)
+    shard = caches / "target" / "fit" / "shard-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match="shard-00001.safetensors: checksum mismatch"):
+        fit(caches / "source", caches / "target", extracted / "models/source", extracted / "data/select.parquet",
+            tmp_path / "mappers", tmp_path / "metrics", _fit_params())
