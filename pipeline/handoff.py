@@ -80,11 +80,22 @@ class Handoff:
             zeros = torch.zeros(shape, dtype=dtype, device=self.device)
             return [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
 
+        return self.to_target(self.source_prefill(prefix_ids))
+
+    @torch.no_grad()
+    def source_prefill(self, prefix_ids: torch.Tensor) -> Layers:
+        """The source's own cache for prefix_ids (1, P): its decoder body only, no logits."""
         self.source_prefills += 1
-        source_layers = cache_to_layers(self.source.model(input_ids=prefix_ids.to(self.source.device), use_cache=True).cache)
+        return cache_to_layers(self.source.model(input_ids=prefix_ids.to(self.source.device), use_cache=True).cache)
+
+    @torch.no_grad()
+    def to_target(self, source_layers: Layers) -> Layers:
+        """Source cache -> target-space cache (rotated, target dtype), per this handoff's mode."""
+        dtype = self.target.dtype
         if self.mode == "direct" and self.source_spec == self.target_spec:
             return [(k.to(self.device, dtype), v.to(self.device, dtype)) for k, v in source_layers]
 
+        length = source_layers[0][0].shape[2]
         positions = torch.arange(length, device=self.source.device)
         content = [(strip_rope(k.float(), positions, self.source_spec), v.float()) for k, v in source_layers]
         if self.mapper is not None and self.mode in ("mapped", "shuffled"):

@@ -1,0 +1,75 @@
+"""Multiply-add counts of target prefill and of the handoff, and the speedup bound they imply.
+
+Counted per PROTOCOL.md ("Latency study"): the linear layers (q, k, v, o and the MLP; embeddings are
+lookups), attention over the prefix (q.k and the weighted sum of values, per query head, over every earlier
+position and its own), the mapper's matrices, and the logits of the last position only (the source computes
+none). Norms, RoPE and activations are elementwise and left out: under 1% at these shapes.
+
+    target prefill:  c[0] ... c[n-1]                       n tokens + 1 logit row
+    handoff:         source c[0] ... c[n-2]                n-1 tokens, no logits
+                     map                                   n-1 tokens
+                     target step c[n-1] over n-1 cached    1 token + 1 logit row
+
+The bound is the ratio of the two totals: what the handoff could gain if time were proportional to work.
+"""
+from __future__ import annotations
+
+from pipeline.kvcache import kv_geometry
+
+
+def linear_macs_per_token(config) -> int:
+    """Multiply-adds per token of all non-embedding linear layers."""
+    head_dim = kv_geometry(config)["head_dim"]
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    query = config.num_attention_heads * head_dim
+    key_value = config.num_key_value_heads * head_dim
+    attention = hidden * query + 2 * hidden * key_value + query * hidden  # q, k, v, o projections
+    mlp = 3 * hidden * config.intermediate_size  # gate, up, down
+    return layers * (attention + mlp)
+
+
+def attention_macs(config, start: int, end: int) -> int:
+    """Multiply-adds of attention for the tokens at positions start..end-1, each over itself and all before.
+
+    Position p reads p + 1 keys and values: sum over p of (p + 1) = (end (end + 1) - start (start + 1)) / 2.
+    """
+    width = config.num_attention_heads * kv_geometry(config)["head_dim"]
+    keys_read = (end * (end + 1) - start * (start + 1)) // 2
+    return 2 * width * config.num_hidden_layers * keys_read  # q.k and the sum over values
+
+
+def logits_macs(config) -> int:
+    return config.hidden_size * config.vocab_size
+
+
+def mapper_weight_count(source_config, target_config, k: int, family: str) -> int:
+    """Multiply-adds per token of a keys+values mapper: one per weight (see `mapper.Mapper`)."""
+    source, target = kv_geometry(source_config), kv_geometry(target_config)
+    heads_in = 1 if family == "head_matched" else source["kv_heads"]
+    per_head = k * heads_in * source["head_dim"] * target["head_dim"]
+    return 2 * target["layers"] * target["kv_heads"] * per_head  # keys and values
+
+
+def target_prefill_macs(target_config, length: int) -> int:
+    return length * linear_macs_per_token(target_config) + attention_macs(target_config, 0, length) + logits_macs(
+        target_config
+    )
+
+
+def handoff_macs(source_config, target_config, mapper_macs_per_token: int, length: int) -> dict[str, int]:
+    """Multiply-adds of the handoff's three parts for a prompt of `length` tokens."""
+    prefix = length - 1
+    return {
+        "source": prefix * linear_macs_per_token(source_config) + attention_macs(source_config, 0, prefix),
+        "map": prefix * mapper_macs_per_token,
+        "step": linear_macs_per_token(target_config)
+        + attention_macs(target_config, prefix, length)
+        + logits_macs(target_config),
+    }
+
+
+def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int) -> float:
+    if length < 2:
+        raise ValueError(f"prompt length {length}: the handoff needs at least 2 tokens (a prefix and the last)")
+    handoff = sum(handoff_macs(source_config, target_config, mapper_macs_per_token, length).values())
+    return target_prefill_macs(target_config, length) / handoff

@@ -1,0 +1,49 @@
+"""The FLOP model against PROTOCOL.md's figures for the Qwen3-0.6B -> Qwen3-1.7B pair."""
+import pytest
+
+from pipeline.flops import (attention_macs, handoff_macs, linear_macs_per_token, mapper_weight_count,
+                            speedup_bound, target_prefill_macs)
+from pipeline.shapes import pair_configs, random_mapper
+
+SOURCE, TARGET = pair_configs("qwen3-v0")
+
+
+def test_linear_layers_cost_440m_and_1410m_multiply_adds_per_token():
+    assert linear_macs_per_token(SOURCE) / 1e6 == pytest.approx(440, rel=0.005)
+    assert linear_macs_per_token(TARGET) / 1e6 == pytest.approx(1410, rel=0.005)
+
+
+def test_attention_costs_57k_per_token_per_prefix_token_in_both_models():
+    for config in (SOURCE, TARGET):
+        per_token_per_prefix = attention_macs(config, 0, 2048) / 2048 / 2048  # average token reads n/2 keys
+        assert per_token_per_prefix / 1e3 == pytest.approx(57.3, rel=0.01)
+
+
+@pytest.mark.parametrize("k, family, millions", [(1, "linear", 59), (1, "head_matched", 7), (4, "linear", 235)])
+def test_mapper_multiply_adds_per_token_match_protocol(k, family, millions):
+    assert mapper_weight_count(SOURCE, TARGET, k, family) / 1e6 == pytest.approx(millions, rel=0.05)
+
+
+def test_mapper_count_from_configs_equals_a_built_mappers_weights():
+    mapper = random_mapper(SOURCE, TARGET, k=2)
+    assert mapper_weight_count(SOURCE, TARGET, 2, "linear") == sum(w.numel() for w, _ in mapper.keys + mapper.values)
+
+
+@pytest.mark.parametrize("length, bound", [(128, 2.8), (2048, 2.5), (8192, 1.9)])
+def test_k1_bound_matches_protocol(length, bound):
+    assert speedup_bound(SOURCE, TARGET, mapper_weight_count(SOURCE, TARGET, 1, "linear"), length) == pytest.approx(
+        bound, abs=0.06)
+
+
+def test_handoff_step_reads_the_whole_prefix_once_and_source_computes_no_logits():
+    parts = handoff_macs(SOURCE, TARGET, 0, 100)
+    assert parts["step"] == linear_macs_per_token(TARGET) + attention_macs(TARGET, 99, 100) + 2048 * 151936
+    assert parts["source"] == 99 * linear_macs_per_token(SOURCE) + attention_macs(SOURCE, 0, 99)
+    # target prefill = target over the prefix + the same last step: the decomposition is exact
+    assert target_prefill_macs(TARGET, 100) == 99 * linear_macs_per_token(TARGET) + attention_macs(
+        TARGET, 0, 99) + parts["step"]
+
+
+def test_bound_refuses_a_prompt_without_a_prefix():
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        speedup_bound(SOURCE, TARGET, 0, 1)
