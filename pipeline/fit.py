@@ -22,6 +22,7 @@ assembled and written, so memory holds the accumulators of one group of layers p
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import resource
 import shutil
@@ -356,11 +357,15 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
             writer.writerows(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
+    args = parser.parse_args(argv)
     params = load_section(FitParams, "fit")
+    out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
-                  Path("models/mappers"), Path("metrics"), params)
-    write_json_atomic(Path("metrics/fit.json"), metrics)
+                  out, metrics_dir, params)
+    write_json_atomic(metrics_dir / "fit.json", metrics)
     print({k: v for k, v in metrics.items() if "/" not in k})
 
 

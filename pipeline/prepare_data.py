@@ -7,8 +7,8 @@ prompt_ids and continuation_ids) and HellaSwag / PIQA items in lm-eval's own sch
 - `generated` (tiny profile): the tiny world (`pipeline.world`), its tokenizer trained on its corpus, and
   the training corpus (data/corpus.parquet) the tiny models learn from;
 - `hub` (V0 profile): a text corpus and the HellaSwag / PIQA validation splits from the Hugging Face hub,
-  or from local files (`path`), tokenized with the target model's tokenizer (no corpus is written: the
-  models are not trained here).
+  or from local files (`path`), tokenized with the target model's tokenizer (data/corpus.parquet is
+  written empty: the models are not trained here).
 
 Subsamples are seeded and nested (the first n of a larger draw are the smaller draw) and every split is
 checked disjoint from every other by document id and content hash before anything is written.
@@ -197,7 +197,8 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     docs = docs.drop_duplicates("content_hash")
     streams = _interleaved(list(docs["doc_id"]), params.seed, len(SEQUENCE_SPLITS))
     by_id = docs.set_index("doc_id")
-    frames = {}
+    # the models come from the hub, not from training here: the training corpus is empty (same schema)
+    frames = {"corpus": pd.DataFrame({"doc_id": [], "kind": [], "text": [], "loss_from": [], "content_hash": []})}
     for split, stream, wanted in zip(SEQUENCE_SPLITS, streams, (params.fit_sequences, params.select_sequences, params.eval_prompts)):
         chosen = []
         for doc_id in stream:  # in stream order, so the selection stays nested; skip documents too short

@@ -145,8 +145,9 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
     pairs = {f"{mapped}_minus_{other}": (mapped, other) for other in ("source", "zero", "shuffled", "direct") if other in metrics}
-    if "mapped_k1" in metrics and "mapped_k4" in metrics:
-        pairs["k1_minus_k4"] = ("mapped_k1", "mapped_k4")
+    larger_k = sorted((int(v[8:]) for v in metrics if v.startswith("mapped_k") and v != "mapped_k1"))
+    if "mapped_k1" in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layer count
+        pairs[f"k1_minus_k{larger_k[-1]}"] = ("mapped_k1", f"mapped_k{larger_k[-1]}")
     pairs[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, prompts, a, b, "acc", params.bootstrap_iters, params.seed) for name, (a, b) in pairs.items()}
 
@@ -255,9 +256,9 @@ def reading(report: dict, context: dict) -> str:
     parts.append(f"Non-inferiority to the oracle within {g['noninferiority']['threshold']} is "
                  f"{'established' if g['noninferiority']['passed'] else 'not established'} "
                  f"(upper bound of the oracle's lead {100 * ni['tasks_high']:.1f} points).")
-    if "k1_minus_k4" in c:
-        k = c["k1_minus_k4"]
-        parts.append(f"k=1 vs k=4: {100 * k['tasks_diff']:+.1f} points on tasks [{100 * k['tasks_low']:+.1f}, {100 * k['tasks_high']:+.1f}]"
+    for name in [n for n in c if n.startswith("k1_minus_k")]:
+        k = c[name]
+        parts.append(f"k=1 vs k={name[len('k1_minus_k'):]}: {100 * k['tasks_diff']:+.1f} points on tasks [{100 * k['tasks_low']:+.1f}, {100 * k['tasks_high']:+.1f}]"
                      f"{'' if k['tasks_low'] > 0 or k['tasks_high'] < 0 else ', not distinguishable here'}.")
     failed = [name for name, gate in g.items() if not gate["passed"] and not gate.get("milestone")]
     parts.append("All gates pass." if not failed else f"Gates not passed: {', '.join(failed)}.")
@@ -348,7 +349,7 @@ def optional_sections() -> list[str]:
         for n in lengths:
             get = lambda key: data.get(f"len{n}_{key}", float("nan"))  # noqa: E731
             lines.append(f"| {n} | {get('target_ms'):.2f} | {get('handoff_ms'):.2f} | {get('speedup'):.2f}x | {get('bound'):.2f}x | {_pct(get('fraction_of_bound'))} |")
-        lines += ["", "![TTFT against prompt length](report/latency.png)", ""]
+        lines += ["", "![TTFT against prompt length](plots/latency.png)", ""]
     return lines
 
 
