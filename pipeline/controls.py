@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.artifacts import ArtifactError, load_artifact, save_artifact, write_json_atomic
+from pipeline.artifacts import load_artifact, save_artifact, write_json_atomic
 from pipeline.handoff import Handoff, greedy_rollout
 from pipeline.kvcache import cache_to_layers, kv_geometry
 from pipeline.mapper import load_mapper
@@ -138,7 +138,7 @@ def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_map
         try:
             loader(copy)
             accepted.append(position)
-        except ArtifactError:
+        except Exception:  # noqa: BLE001 - any refusal counts; only a silent load is a failure
             pass
     return {"passed": not accepted, "flips_tested": len(positions), "flips_accepted": len(accepted),
             "file": str(path)}
@@ -154,15 +154,17 @@ def rope_round_trip(layers, spec_: RotarySpec, tolerance: float = 1e-5) -> dict:
     return {"passed": worst <= tolerance, "max_abs_error": worst, "positions": int(layers[0][0].shape[2])}
 
 
-def deterministic_refit(mapper: Path, folder: Path, runs: int = 2) -> dict:
+def refit_in_subprocess(out: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pipeline.fit", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+
+
+def deterministic_refit(mapper: Path, name: str, folder: Path, runs: int = 2, refit=refit_in_subprocess) -> dict:
     """Refit every candidate from the same caches in `runs` separate processes; the selected mapper's file
-    must come out byte-identical each time and identical to the one the pipeline selected."""
-    name = json.loads(Path("metrics/select.json").read_text())["selected"]
+    (candidate `name`) must come out byte-identical each time and identical to the one the pipeline selected."""
     digests = []
     for run in range(runs):
         out = folder / f"refit-{run}"
-        subprocess.run([sys.executable, "-m", "pipeline.fit", "--out", str(out)], check=True,
-                       stdout=subprocess.DEVNULL)
+        refit(out)
         digests.append(hashlib.sha256((out / f"{name}.safetensors").read_bytes()).hexdigest())
     selected = hashlib.sha256(mapper.read_bytes()).hexdigest()
     return {"passed": len(set(digests)) == 1 and digests[0] == selected, "processes": runs, "candidate": name,
@@ -202,7 +204,8 @@ def main() -> None:
         }
         results["rope_round_trip"]["passed"] = all(v["passed"] for v in results["rope_round_trip"].values())
         results["rope_round_trip"]["positions_checked"] = longest
-        results["deterministic_mapper"] = deterministic_refit(MAPPER, folder)
+        selected = json.loads(Path("metrics/select.json").read_text())["selected"]
+        results["deterministic_mapper"] = deterministic_refit(MAPPER, selected, folder)
     write_json_atomic("metrics/controls.json", results)
     failed = [name for name, entry in results.items() if not entry["passed"]]
     print(json.dumps({name: entry["passed"] for name, entry in results.items()}, indent=2))
