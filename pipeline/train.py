@@ -93,7 +93,7 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tokenizer)
     docs, loss_from = encode_corpus(tokenizer, corpus)
-    copy_docs = [i for i, kind in enumerate(corpus.kind) if kind == "copy"]
+    copy_docs, all_docs = [i for i, kind in enumerate(corpus.kind) if kind == "copy"], range(len(docs))
     sampler = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total = cfg.copy_steps + cfg.mixed_steps
@@ -101,9 +101,8 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
     started, eval_seconds, running = time.perf_counter(), 0.0, None
     bar = tqdm(range(total), desc=f"train h{cfg.hidden}", mininterval=5)
     for step in bar:
-        pool = copy_docs if step < cfg.copy_steps else None
-        draw = torch.randint(len(pool) if pool else len(docs), (cfg.batch,), generator=sampler).tolist()
-        picks = [pool[i] for i in draw] if pool else draw
+        pool = copy_docs if step < cfg.copy_steps else all_docs
+        picks = [pool[i] for i in torch.randint(len(pool), (cfg.batch,), generator=sampler).tolist()]
         input_ids, labels = make_batch(docs, loss_from, picks, tokenizer.pad_token_id)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -116,7 +115,7 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         bar.set_postfix(loss=f"{running:.3f}")
         if (step + 1) % 50 == 0:
-            stats["loss"].append({"step": step + 1, "loss": round(running, 4)})
+            stats["loss"].append({"step": step + 1, "loss": round(running, 4)})  # smoothed training loss
         if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
             t0 = time.perf_counter()
             record = {"step": step + 1, **dev_summary(model, tokenizer, dev_items)}
