@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from pipeline.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layers_to_cache
 from pipeline.mapper import Mapper
 from pipeline.models import IncompatiblePairError
-from pipeline.rope import RotarySpec, apply_rope, strip_rope
+from pipeline.rope import Rotation, RotarySpec
 
 MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
 
@@ -97,18 +97,25 @@ class Handoff:
 
         length = source_layers[0][0].shape[2]
         positions = torch.arange(length, device=self.source.device)
-        content = [(strip_rope(k.float(), positions, self.source_spec), v.float()) for k, v in source_layers]
-        if self.mapper is not None and self.mode in ("mapped", "shuffled"):
-            content = self.mapper.apply(content, positions)
+        source_rotation = Rotation(self.source_spec, positions)
+        content = [(source_rotation.strip(k.float()), v.float()) for k, v in source_layers]  # float32 content space
+        order = None
         if self.mode == "shuffled":
             generator = torch.Generator().manual_seed(self.shuffle_seed)
             order = torch.randperm(length, generator=generator).to(positions.device)
-            content = [(k[:, :, order], v[:, :, order]) for k, v in content]  # permute tokens, (B, H, T, D)
-        positions = positions.to(self.device)
-        return [
-            (apply_rope(k.to(self.device), positions, self.target_spec).to(dtype), v.to(self.device, dtype))
-            for k, v in content
-        ]
+        mapper = self.mapper if self.mode in ("mapped", "shuffled") else None
+        target_rotation = Rotation(self.target_spec, positions.to(self.device))
+        layers = []
+        # one target layer at a time, from content space to the target's dtype: only one layer's float32
+        # intermediates live at once beside the stripped source cache
+        for layer in range(mapper.target_layers(content) if mapper else len(content)):
+            keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
+            if order is not None:
+                keys, values = keys[:, :, order], values[:, :, order]  # permute tokens, (B, H, T, D)
+            # the map leaves values in (B, T, H, D) memory order; lay them out now, while only this layer is live
+            values = values.to(self.device, dtype, memory_format=torch.contiguous_format)
+            layers.append((target_rotation.apply(keys.to(self.device)).to(dtype), values))
+        return layers
 
     def target_cache(self, layers: Layers | None, batch: int = 1):
         """A fresh target cache holding `layers`; a batch-1 prefix is shared by `batch` rows."""

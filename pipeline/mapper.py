@@ -92,22 +92,27 @@ class Mapper:
     def apply(self, source_layers: Layers, positions: torch.Tensor) -> Layers:
         """Content-space source cache -> content-space target cache. `positions` (T,) are the tokens'
         positions; the maps here are position-free, richer families may use them."""
+        return [self.apply_layer(source_layers, layer, positions) for layer in range(self.target_layers(source_layers))]
+
+    def target_layers(self, source_layers: Layers) -> int:
+        return len(source_layers) if self.family == "identity" else len(self.source_layers)
+
+    def apply_layer(self, source_layers: Layers, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer `layer` of `apply`: one at a time, so a caller can finish each layer before the next."""
         del positions
         if self.family == "identity":
-            return list(source_layers)
-        mapped = []
-        for layer, chosen in enumerate(self.source_layers):
-            key_in = self._inputs([source_layers[s][0] for s in chosen])
-            value_in = self._inputs([source_layers[s][1] for s in chosen])
-            mapped.append((self._project(key_in, *self.keys[layer]), self._project(value_in, *self.values[layer])))
-        return mapped
+            return source_layers[layer]
+        chosen = self.source_layers[layer]
+        key_in = self._inputs([source_layers[s][0] for s in chosen])
+        value_in = self._inputs([source_layers[s][1] for s in chosen])
+        return self._project(key_in, *self.keys[layer]), self._project(value_in, *self.values[layer])
 
     def _inputs(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.family == "head_matched":
-            return torch.cat(tensors, dim=-1)  # (B, H, T, k*D_s): head h sees only source head h
+            return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-1)  # (B, H, T, k*D_s): own head only
         batch, heads, tokens, dim = tensors[0].shape
         flat = [t.transpose(1, 2).reshape(batch, tokens, heads * dim) for t in tensors]  # (B, T, H_s*D_s) each
-        return torch.cat(flat, dim=-1)  # (B, T, k*H_s*D_s)
+        return flat[0] if len(flat) == 1 else torch.cat(flat, dim=-1)  # (B, T, k*H_s*D_s); k=1 skips a copy
 
     def _project(self, inputs: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         weight, bias = tensors[-2:]

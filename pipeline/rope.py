@@ -51,33 +51,44 @@ class RotarySpec:
         return 1.0 / (self.theta**exponents)  # (head_dim/2,)
 
 
-def _cos_sin(spec: RotarySpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Same construction as transformers' default rotary embedding: angles duplicated over both halves.
-    angles = positions.to(torch.float32)[:, None] * spec.inv_freq(positions.device)  # (T, head_dim/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, head_dim)
-    return angles.cos(), angles.sin()
+class Rotation:
+    """The rotation of one set of positions (T,) under one spec: angles computed once, used for every layer.
 
+    Same values as transformers' default rotary embedding, which duplicates the angles over both halves of
+    the head dim and rotates with rotate_half; written on the halves, so no full-width copies:
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+        first, second = keys[..., :D/2], keys[..., D/2:]
+        rotated = [first * cos - second * sin,  second * cos + first * sin]
+    """
 
+    def __init__(self, spec: RotarySpec, positions: torch.Tensor):
+        self.spec, self.tokens = spec, positions.shape[0]
+        angles = positions.to(torch.float32)[:, None] * spec.inv_freq(positions.device)  # (T, head_dim/2)
+        self.cos, self.sin = angles.cos(), angles.sin()
 
-def _rotate(keys: torch.Tensor, positions: torch.Tensor, spec: RotarySpec, sign: float) -> torch.Tensor:
-    if keys.shape[-1] != spec.head_dim:
-        raise ValueError(f"keys have head_dim {keys.shape[-1]}, rotary settings say {spec.head_dim}")
-    if keys.shape[-2] != positions.shape[0]:
-        raise ValueError(f"{keys.shape[-2]} cached tokens but {positions.shape[0]} positions")
-    cos, sin = _cos_sin(spec, positions.to(keys.device))  # (T, head_dim), broadcast over (B, H, T, head_dim)
-    keys32 = keys.to(torch.float32)
-    return (keys32 * cos + sign * _rotate_half(keys32) * sin).to(keys.dtype)
+    def apply(self, keys_content: torch.Tensor) -> torch.Tensor:
+        """Rotate content-space keys (..., T, head_dim) forward to the positions."""
+        return self._rotate(keys_content, self.sin)
+
+    def strip(self, keys_rotated: torch.Tensor) -> torch.Tensor:
+        """Rotate cached keys (..., T, head_dim) back by the positions: the inverse rotation."""
+        return self._rotate(keys_rotated, -self.sin)
+
+    def _rotate(self, keys: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if keys.shape[-1] != self.spec.head_dim:
+            raise ValueError(f"keys have head_dim {keys.shape[-1]}, rotary settings say {self.spec.head_dim}")
+        if keys.shape[-2] != self.tokens:
+            raise ValueError(f"{keys.shape[-2]} cached tokens but {self.tokens} positions")
+        cos, sin = self.cos.to(keys.device), sin.to(keys.device)  # (T, head_dim/2), broadcast over (..., T, head_dim/2)
+        first, second = keys.to(torch.float32).chunk(2, dim=-1)  # (..., T, head_dim/2) each
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(keys.dtype)
 
 
 def apply_rope(keys_content: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
     """Rotate content-space keys (..., T, head_dim) forward to `positions` (T,)."""
-    return _rotate(keys_content, positions, spec, sign=1.0)
+    return Rotation(spec, positions).apply(keys_content)
 
 
 def strip_rope(keys_rotated: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
     """Rotate cached keys (..., T, head_dim) back by their `positions` (T,): the inverse rotation."""
-    return _rotate(keys_rotated, positions, spec, sign=-1.0)
+    return Rotation(spec, positions).strip(keys_rotated)

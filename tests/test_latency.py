@@ -1,0 +1,118 @@
+"""The latency stage on tiny random models: outputs, what each timer covers, memory accounting, refusals.
+
+No test asserts a speed: timings on a shared CPU are noise at these sizes.
+"""
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from conftest import build_model, tiny_config
+from pipeline import latency
+from pipeline.handoff import Handoff
+from pipeline.mapper import identity_mapper, save_mapper
+from pipeline.params import ParamError
+from pipeline.shapes import random_mapper
+
+VOCAB = 97
+LENGTHS = [8, 40]
+PER_LENGTH = ("target_ms", "target_iqr_ms", "handoff_ms", "handoff_iqr_ms", "source_ms", "map_ms", "step_ms",
+              "map_share", "speedup", "bound", "fraction_of_bound", "cache_mib", "target_peak_mib", "handoff_peak_mib")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_model(tiny_config(VOCAB, 64), seed=1), build_model(tiny_config(VOCAB, 32), seed=2)
+
+
+@pytest.fixture
+def stage_dir(tmp_path, monkeypatch, pair):
+    target, source = pair
+    target.save_pretrained(tmp_path / "models" / "target")
+    source.save_pretrained(tmp_path / "models" / "source")
+    save_mapper(random_mapper(source.config, target.config, k=1), tmp_path / "models" / "mapper.safetensors")
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)  # the stage sets the process's thread count
+
+
+def _write_params(root, **section):
+    settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "threads": 1, "dtype": "float32", "device": "cpu"}
+    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}}))
+
+
+def test_stage_writes_every_expected_key_finite_and_positive(stage_dir):
+    _write_params(stage_dir)
+    latency.main([])
+    metrics = json.loads((stage_dir / "metrics" / "latency.json").read_text())
+    for length in LENGTHS:
+        for name in PER_LENGTH:
+            value = metrics[f"len{length}_{name}"]
+            assert math.isfinite(value) and value > 0, f"len{length}_{name} = {value}"
+    assert metrics["threads"] == 1 and metrics["device"] == "cpu" and metrics["dtype"] == "float32"
+    assert metrics["torch_version"] == torch.__version__
+    table = (stage_dir / "plots" / "latency.csv").read_text().splitlines()
+    assert table[0].startswith("length,target_ms,") and len(table) == 1 + len(LENGTHS)
+    assert (stage_dir / "plots" / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_handoff_parts_sum_to_its_total(stage_dir):
+    _write_params(stage_dir)
+    latency.main([])
+    metrics = json.loads((stage_dir / "metrics" / "latency.json").read_text())
+    for length in LENGTHS:
+        parts = sum(metrics[f"len{length}_{part}_ms"] for part in ("source", "map", "step"))
+        # with two repeats the median is the mean, and the parts of each repeat tile its total exactly
+        assert parts == pytest.approx(metrics[f"len{length}_handoff_ms"], rel=1e-9)
+
+
+def test_each_handoff_timer_brackets_only_its_own_part(pair, monkeypatch):
+    target, source = pair
+    handoff = Handoff(target, source, "mapped", random_mapper(source.config, target.config, k=1))
+    ticks, calls = [], []
+    monkeypatch.setattr(latency, "_clock", lambda device: ticks.append(len(ticks)) or len(ticks) - 1)
+    for name in ("source_prefill", "to_target"):
+        method = getattr(handoff, name)
+        monkeypatch.setattr(handoff, name, lambda *a, _m=method, _n=name: calls.append((_n, len(ticks))) or _m(*a))
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **kw: calls.append(("step", len(ticks))) or forward(*a, **kw))
+    parts = latency.time_handoff(handoff, torch.arange(12)[None])
+    # the clock was read once before each part and once after the last: each part ran inside its own interval
+    assert calls == [("source_prefill", 1), ("to_target", 2), ("step", 3)]
+    assert parts == {"handoff": 3e-6, "source": 1e-6, "map": 1e-6, "step": 1e-6}
+
+
+def test_handoff_path_with_the_targets_own_cache_gives_the_targets_first_logits(pair):
+    target, _ = pair
+    handoff = Handoff(target, target, "mapped", identity_mapper("t", "t", target.config, target.config))
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    full = latency.target_first_token(target, ids).logits[0, -1]
+    handed = latency.handoff_first_token(handoff, ids).logits[0, -1]
+    assert torch.allclose(full, handed, atol=1e-4)
+
+
+def test_cpu_peak_bytes_sees_a_tensor_held_by_the_result():
+    mib = 2**20
+    peak = latency.peak_bytes(lambda: torch.ones(4 * mib // 4), torch.device("cpu"))
+    assert 4 * mib <= peak < 5 * mib
+
+
+@pytest.mark.parametrize("lengths, message", [
+    ([1, 128], r"latency.lengths\[0\]: expected a number >= 2"),
+    ([], "latency.lengths: expected at least one prompt length"),
+    ([128, 128], "repeated prompt length"),
+    (["128"], r"latency.lengths\[0\]: expected an integer"),
+])
+def test_bad_length_param_is_refused_naming_the_key(stage_dir, lengths, message):
+    _write_params(stage_dir, lengths=lengths)
+    with pytest.raises(ParamError, match=message):
+        latency.main([])
+
+
+def test_bad_cli_length_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        latency.main(["--config-shapes", "qwen3-v0", "--device", "cpu", "--lengths", "512,1"])
+    assert "--lengths[1]: expected an integer >= 2" in capsys.readouterr().err
