@@ -56,7 +56,8 @@ def parse(cls: type[T], data: Any, where: str) -> T:
     if not isinstance(data, Mapping):
         raise ParamError(f"{where}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    # a dataclass may keep fields that params must not set (set by the stage from other keys)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in getattr(cls, "NOT_PARAMS", ())}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ParamError(f"{where}.{unknown[0]}: unknown parameter (known: {', '.join(fields)})")

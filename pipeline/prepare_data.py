@@ -19,7 +19,7 @@ import hashlib
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -44,19 +44,6 @@ class HubDataset:
 
 
 @dataclass
-class WorldParams:
-    seed: int = 0
-    corpus_docs: int = spec(16000, positive=True)
-    facts: tuple[int, int] = (6, 10)
-    story_statements: tuple[int, int] = (6, 10)
-    context_statements: tuple[int, int] = (0, 3)
-    repeat_share: float = spec(0.7, min=0.0, max=1.0)
-    knowledge_doc_share: float = spec(0.8, min=0.0, max=1.0)
-    recall_share: float = spec(0.4, min=0.0, max=1.0)
-    gist_share: float = spec(0.3, min=0.0, max=1.0)
-
-
-@dataclass
 class DataParams:
     kind: Literal["generated", "hub"]
     seed: int = 0
@@ -68,7 +55,7 @@ class DataParams:
     continuation_length: int = spec(32, positive=True)
     dev_items: int = spec(100, positive=True)  # per task
     eval_items: int = spec(500, positive=True)  # per task
-    world: WorldParams | None = None
+    world: WorldConfig | None = None  # the generator's settings; its counts come from the keys above
     tokenizer: str | None = None  # hub profile: the target's id or a local path
     tokenizer_revision: str | None = None
     corpus: HubDataset | None = None
@@ -91,8 +78,8 @@ def content_hash(text: str) -> str:
 def generated(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     from pipeline.tokenizer import train_tokenizer
 
-    world_cfg = WorldConfig(
-        **vars(params.world), fit=params.fit_sequences, select=params.select_sequences,
+    world_cfg = replace(
+        params.world, fit=params.fit_sequences, select=params.select_sequences,
         # eval documents shorter than prompt + continuation are skipped: draw spares, keep the first n
         eval=3 * params.eval_prompts, items_per_part=max(params.dev_items, params.eval_items),
     )

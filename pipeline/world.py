@@ -32,6 +32,7 @@ documents of a larger draw are the smaller draw, and the splits cannot depend on
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pandas as pd
 
@@ -65,6 +66,9 @@ HELLASWAG_LABEL = "story"
 @dataclass(frozen=True)
 class WorldConfig:
     """Everything the generator draws from; ranges are inclusive (low, high)."""
+
+    # counts come from data.fit_sequences, data.select_sequences, ... so they are not `data.world` params
+    NOT_PARAMS: ClassVar[tuple[str, ...]] = ("fit", "select", "eval", "items_per_part")
 
     seed: int = 0
     corpus_docs: int = 16000

@@ -109,3 +109,8 @@ def test_deliberate_overlap_is_caught():
 def test_bad_data_params_are_named(data, message):
     with pytest.raises(ParamError, match=message):
         parse(DataParams, data, "data")
+
+
+def test_world_counts_are_not_world_params():
+    with pytest.raises(ParamError, match=r"data\.world\.fit: unknown parameter"):
+        parse(DataParams, {"kind": "generated", "world": {"fit": 10}}, "data")
