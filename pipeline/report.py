@@ -230,6 +230,10 @@ def markdown(report: dict, context: dict) -> str:
     return "\n".join(lines)
 
 
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
           "direct": "direct injection"}
 
@@ -248,9 +252,9 @@ def reading(report: dict, context: dict) -> str:
         if key in c:
             (established if c[key]["tasks_low"] > 0 else open_).append(RIVALS[other])
     if established:
-        parts.append(f"It beats {', '.join(established)} on task accuracy with intervals that exclude 0.")
+        parts.append(f"It beats {_and(established)} on task accuracy with intervals that exclude 0.")
     if open_:
-        parts.append(f"It is not shown to beat {', '.join(open_)}: those intervals include 0, so at this sample size the "
+        parts.append(f"It is not shown to beat {_and(open_)}: those intervals include 0, so at this sample size the "
                      f"difference may be noise (or, for the source alone, the handoff adds nothing the source did not read).")
     ni = c[f"oracle_minus_{mapped}"]
     parts.append(f"Non-inferiority to the oracle within {g['noninferiority']['threshold']} is "

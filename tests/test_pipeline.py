@@ -70,7 +70,10 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
         expected = ((entry["hellaswag"] - 0.25) / (variants["oracle"]["hellaswag"] - 0.25)
                     + (entry["piqa"] - 0.5) / (variants["oracle"]["piqa"] - 0.5)) / 2
         assert entry["retention"] == pytest.approx(expected, nan_ok=True), name
-    assert (repo / "report.md").read_text().count("| Target full-prefill oracle |") == 1
+    markdown = (repo / "report.md").read_text()
+    assert "| Variant | Perplexity | Next-token top-1 | HellaSwag | PIQA |" in markdown
+    assert all(f"| {row} |" in markdown for row in ("Target full-prefill oracle", "Null control: zero cache",
+                                                      "Null control: shuffled cache", "Source model alone"))
     status = run(DVC + ["status", "--json"], repo)
     assert json.loads(status) == {}, status
 
