@@ -113,7 +113,7 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
-        bar.set_postfix(loss=f"{running:.3f}")
+        bar.set_postfix(loss=f"{running:.3f}", refresh=False)
         if (step + 1) % 50 == 0:
             stats["loss"].append({"step": step + 1, "loss": round(running, 4)})  # smoothed training loss
         if (step + 1) % cfg.eval_every == 0 or step + 1 == total:

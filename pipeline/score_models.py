@@ -1,0 +1,101 @@
+"""Stage `score_models`: metrics/models.json, what each prepared model is and how well it does alone.
+
+Per model its parameter count, and for the trained tiny pair its training loss and time; then accuracy on
+the task items' dev part (never eval) scored through lm-eval with the `kv-transfer` model: the target in
+oracle mode, the source alone, and direct injection of the source cache (when the KV geometry allows it),
+per task and per item kind, with paired-bootstrap intervals of the target's lead.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from pipeline.artifacts import write_json_atomic
+from pipeline.models import ModelsParams, load_model
+from pipeline.params import load_section
+from pipeline.stats import paired_bootstrap
+
+MODELS = Path("models")
+DATA = Path("data")
+TASKS = ("hellaswag", "piqa")
+
+
+def dev_accuracy(models: ModelsParams) -> tuple[dict, pd.DataFrame]:
+    """Dev-part accuracy of the target (oracle), the source alone and direct injection, per item."""
+    from pipeline.lm_eval_model import KVTransferLM
+    from pipeline.taskeval import evaluate_tasks
+
+    files = {task: DATA / f"{task}_dev.parquet" for task in TASKS}
+    common = dict(dtype=models.dtype, device=models.torch_device, batch_size=16)
+    runs = {
+        "target": dict(target=str(MODELS / "target"), transfer="oracle"),
+        "source": dict(target=str(MODELS / "source"), transfer="oracle"),
+        "direct": dict(target=str(MODELS / "target"), source=str(MODELS / "source"), transfer="direct"),
+    }
+    summaries, frames = {}, []
+    for variant, args in runs.items():
+        try:
+            lm = KVTransferLM(**args, **common)
+        except ValueError as err:  # direct injection undefined for this pair's KV geometry
+            print(f"skipping {variant}: {err}")
+            continue
+        summaries[variant], frame = evaluate_tasks(lm, files)
+        frames.append(frame.assign(variant=variant))
+        del lm
+    return summaries, pd.concat(frames, ignore_index=True)
+
+
+def models_metrics(models: ModelsParams, seed: int = 0) -> dict:
+    metrics: dict[str, float | int | str] = {"kind": models.kind}
+    for name in ("source", "target"):
+        model = load_model(str(MODELS / name), dtype=models.dtype, device="cpu")
+        metrics[f"{name}_parameters"] = sum(p.numel() for p in model.parameters())
+        del model
+        stats_file = MODELS / name / "train_stats.json"
+        if stats_file.is_file():  # the trained tiny pair; hub and random models were not trained here
+            stats = json.loads(stats_file.read_text())
+            metrics[f"{name}_final_loss"] = stats["final_loss"]
+            metrics[f"{name}_train_seconds"] = stats["train_seconds"]
+    summaries, items = dev_accuracy(models)
+    for variant, per_task in summaries.items():
+        for task, result in per_task.items():
+            for metric in ("acc", "acc_norm"):
+                metrics[f"{variant}_{task}_{metric}"] = round(result[metric], 4)
+            metrics[f"{variant}_{task}_n"] = result["n"]
+        for key, value in _kinds(items[items.variant == variant]).items():
+            metrics[f"{variant}_{key}"] = round(value, 4)
+    for other in ("source", "direct"):
+        if other not in summaries:
+            continue
+        for task in TASKS:
+            a = items[(items.variant == "target") & (items.task == task)].sort_values("item").acc.to_numpy()
+            b = items[(items.variant == other) & (items.task == task)].sort_values("item").acc.to_numpy()
+            interval = paired_bootstrap(a, b, seed=seed)
+            metrics[f"target_minus_{other}_{task}_acc"] = round(interval["diff"], 4)
+            metrics[f"target_minus_{other}_{task}_low"] = round(interval["low"], 4)
+            metrics[f"target_minus_{other}_{task}_high"] = round(interval["high"], 4)
+    return metrics
+
+
+def _kinds(frame: pd.DataFrame) -> dict[str, float]:
+    from pipeline.taskeval import by_kind
+
+    return {key.replace("/", "_") + "_acc": value for key, value in by_kind(frame).items() if "/" in key}
+
+
+def main() -> None:
+    models = load_section(ModelsParams, "models")
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    metrics = models_metrics(models)
+    metrics["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic("metrics/models.json", metrics)
+    print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main()
