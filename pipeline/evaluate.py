@@ -8,8 +8,9 @@ variants: `mapped_k<k>` (the best ridge strength for that k), `selected` (the ma
 `shuffled` (the selected mapper's cache with its token order permuted). Every variant needs the controls to
 have passed (metrics/controls.json).
 
-Writes metrics/eval/<variant>.json (small, flat), eval/<variant>/prompts.parquet (per prompt) and
-eval/<variant>/items.parquet (per task item, for the paired statistics of the report).
+Writes metrics/eval/<variant>.json (small, flat), eval/<variant>/prompts.parquet (per prompt),
+eval/<variant>/items.parquet (per task item, for the paired statistics of the report) and lm-eval's own
+results and samples (eval/<variant>/lm_eval/).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from pipeline.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
 from pipeline.compare import oracle_outputs, summarize, variant_rows
 from pipeline.handoff import Handoff
+from pipeline.lm_eval_model import KVTransferLM
 from pipeline.mapper import load_mapper
 from pipeline.models import ModelsParams, load_model, load_tokenizer
 from pipeline.params import load_section, spec
@@ -104,25 +106,20 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
             raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
     rows = variant_rows(handoff, prompts, oracle)
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v for k, v in summarize(rows).items()}
-
-    from pipeline.lm_eval_model import KVTransferLM
-
     lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size)
-    tasks, items = evaluate_tasks(lm, {task: Path(f"data/{task}_eval.parquet") for task in TASKS})
+    with atomic_dir(Path("eval") / variant) as staging:
+        files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
+        tasks, items = evaluate_tasks(lm, files, raw_to=staging / "lm_eval")
+        rows.to_parquet(staging / "prompts.parquet", index=False)
+        items.to_parquet(staging / "items.parquet", index=False)
     for task, result in tasks.items():
         for key, value in result.items():
             metrics[f"{task}_{key}"] = round(value, 6) if isinstance(value, float) else value
-    for key, value in by_kind(items).items():
-        if "/" in key:
-            metrics[key.replace("/", "_") + "_acc"] = round(value, 6)
-    for key, value in by_kind(items, "acc_norm").items():
-        if "/" in key:
-            metrics[key.replace("/", "_") + "_acc_norm"] = round(value, 6)
+    for metric in ("acc", "acc_norm"):
+        for key, value in by_kind(items, metric).items():
+            if "/" in key:
+                metrics[f"{key.replace('/', '_')}_{metric}"] = round(value, 6)
     metrics["seconds"] = round(time.perf_counter() - started, 1)
-
-    with atomic_dir(Path("eval") / variant) as staging:
-        rows.to_parquet(staging / "prompts.parquet", index=False)
-        items.to_parquet(staging / "items.parquet", index=False)
     write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
     return metrics
 

@@ -5,6 +5,7 @@ the choices' log-likelihoods, and the item's `kind` where the data marks one) fo
 """
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from pipeline.tasks import write_task_config
 PREFIX = "kvh_"
 
 
-def evaluate_tasks(lm, files: dict[str, Path]) -> tuple[dict, pd.DataFrame]:
-    """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame)."""
+def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict, pd.DataFrame]:
+    """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame).
+    With `raw_to` (a folder), lm-eval's own results and samples are written there too."""
     with tempfile.TemporaryDirectory(prefix="tasks-") as folder:
         for task, path in files.items():
             write_task_config(folder, task, PREFIX + task, path)
@@ -31,6 +33,15 @@ def evaluate_tasks(lm, files: dict[str, Path]) -> tuple[dict, pd.DataFrame]:
             cache_requests=False,
             bootstrap_iters=1000,
         )
+    if raw_to is not None:
+        raw_to.mkdir(parents=True, exist_ok=True)
+        (raw_to / "lm_eval_results.json").write_text(json.dumps(
+            {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out},
+            indent=2, default=str))
+        for task in files:
+            with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
+                for sample in out["samples"][PREFIX + task]:
+                    handle.write(json.dumps(sample, default=str) + "\n")
     summary, rows = {}, []
     for task, path in files.items():
         result = out["results"][PREFIX + task]

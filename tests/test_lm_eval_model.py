@@ -47,8 +47,9 @@ def evaluate(lm, task_dir) -> dict:
 
 def stock_hf(path, dtype):
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # log-softmax in float32 as kv-transfer does: the comparison is of the cache path, not of softmax rounding
     return HFLM(pretrained=model, tokenizer=__import__("transformers").AutoTokenizer.from_pretrained(path),
-                batch_size=8, device="cpu")
+                batch_size=8, device="cpu", softmax_dtype="float32")
 
 
 def max_delta(ours, reference):

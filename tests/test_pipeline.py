@@ -84,14 +84,27 @@ def set_horizon(repo, horizon: int) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-@pytest.mark.slow
-def test_changing_an_evaluation_parameter_reruns_only_evaluation(repo):
+def stale_after(repo, change) -> set[str]:
+    """Stages `dvc status` reports after `change(params)`, with params.yaml restored afterwards."""
     before = (repo / "params.yaml").read_text()
-    set_horizon(repo, 3)
-    stale = set(json.loads(run(DVC + ["status", "--json"], repo)))
-    (repo / "params.yaml").write_text(before)
-    assert stale and all(name.startswith(("evaluate", "report")) for name in stale), stale
-    assert {"evaluate_oracle", "report"} <= stale
+    params = yaml.safe_load(before)
+    change(params)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        return set(json.loads(run(DVC + ["status", "--json"], repo)))
+    finally:
+        (repo / "params.yaml").write_text(before)
+
+
+@pytest.mark.slow
+def test_a_parameter_change_reruns_only_what_it_affects(repo):
+    evaluation = stale_after(repo, lambda p: p["evaluate"].__setitem__("horizon", 3))
+    assert evaluation and all(name.startswith(("evaluate", "report")) for name in evaluation), evaluation
+    assert {"evaluate_oracle", "report"} <= evaluation
+    selection = stale_after(repo, lambda p: p["select"].__setitem__("horizon", 3))
+    assert "select" in selection and not any(name.startswith(("extract", "fit", "prepare")) for name in selection)
+    training = stale_after(repo, lambda p: p["train"]["target"].__setitem__("lr", 1e-3))
+    assert "prepare_models" in training and "prepare_data" not in training, training
 
 
 @pytest.mark.slow

@@ -16,20 +16,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 16 * 1024
-QWEN3 = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
-             max_position_embeddings=40960, tie_word_embeddings=True, rms_norm_eps=1e-6)
-SIZES = {"source": dict(hidden_size=1024, intermediate_size=3072), "target": dict(hidden_size=2048, intermediate_size=6144)}
-
 SETUP = """
-import sys, torch, hashlib, pandas as pd
+import sys, torch, pandas as pd
 from pathlib import Path
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from pipeline.shapes import random_model, shape_config
 root, layers, config = Path(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
-for name, size in config['sizes'].items():
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **config['qwen3'], **size)).to(torch.bfloat16)
-    model.save_pretrained(root / 'models' / name)
-    del model
+for name, shape in (('source', 'qwen3-0.6b'), ('target', 'qwen3-1.7b')):
+    cfg = shape_config(shape)
+    cfg.num_hidden_layers = layers
+    random_model(cfg, 'bfloat16', 'cpu', seed=0).save_pretrained(root / 'models' / name)
 for split, count in (('fit', 50), ('select', 25)):
     g = torch.Generator().manual_seed(len(split))
     rows = [dict(doc_id=f'{split}-{i}', text='', token_ids=torch.randint(0, 151936, (config['length'],), generator=g).tolist(),
@@ -75,7 +70,7 @@ def _peak(command: list[str], cwd: Path) -> float:
 
 
 def _world(root: Path, layers: int, length: int) -> None:
-    config = repr({"qwen3": QWEN3, "sizes": SIZES, "length": length})
+    config = repr({"length": length})
     subprocess.run([sys.executable, "-c", SETUP, str(root), str(layers), config], check=True,
                    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     (root / "params.yaml").write_text(PARAMS)
