@@ -97,8 +97,10 @@ def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[object, li
     marks = [_clock(device)]
     source_layers = handoff.source_prefill(ids[:, :-1])
     marks.append(_clock(device))
-    cache = handoff.target_cache(handoff.to_target(source_layers))
-    del source_layers  # a server would free the source cache here, before the target's step
+    target_layers = handoff.to_target(source_layers)
+    del source_layers  # a server frees the source cache once it is mapped
+    cache = handoff.target_cache(target_layers)
+    del target_layers  # DynamicCache holds its own copy
     marks.append(_clock(device))
     output = handoff.target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1)
     output.logits[0, -1].argmax().item()
