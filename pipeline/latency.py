@@ -36,7 +36,7 @@ from pipeline.artifacts import atomic_path, write_bytes_atomic, write_json_atomi
 from pipeline.flops import speedup_bound
 from pipeline.handoff import Handoff
 from pipeline.kvcache import kv_geometry
-from pipeline.mapper import Mapper, load_mapper
+from pipeline.mapper import load_mapper
 from pipeline.models import DTYPES, default_device, load_model
 from pipeline.params import ParamError, load_section, spec
 from pipeline.shapes import PAIRS, pair_configs, random_mapper, random_model
@@ -158,6 +158,10 @@ def _quantile(samples: list[float], q: float) -> float:
     return float(torch.tensor(samples, dtype=torch.float64).quantile(q))
 
 
+def _iqr(samples: list[float]) -> float:
+    return _quantile(samples, 0.75) - _quantile(samples, 0.25)
+
+
 def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
             progress: bool = True) -> list[dict]:
     """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths.
@@ -179,8 +183,8 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
             )
         ids = torch.randint(0, target.config.vocab_size, (1, length), generator=generator).to(handoff.device)
         samples: dict[str, list[float]] = {"target": [], "handoff": [], "source": [], "map": [], "step": []}
+        bar.set_description(f"latency n={length}")
         for repeat in range(warmup + repeats):
-            bar.set_description(f"latency n={length}")
             target_ms, handoff_ms = time_target(target, ids), time_handoff(handoff, ids)
             if repeat >= warmup:
                 samples["target"].append(target_ms)
@@ -193,9 +197,9 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
         rows.append({
             "length": length,
             "target_ms": median["target"],
-            "target_iqr_ms": _quantile(samples["target"], 0.75) - _quantile(samples["target"], 0.25),
+            "target_iqr_ms": _iqr(samples["target"]),
             "handoff_ms": median["handoff"],
-            "handoff_iqr_ms": _quantile(samples["handoff"], 0.75) - _quantile(samples["handoff"], 0.25),
+            "handoff_iqr_ms": _iqr(samples["handoff"]),
             "source_ms": median["source"],
             "map_ms": median["map"],
             "step_ms": median["step"],
@@ -224,7 +228,9 @@ def environment(handoff: Handoff, repeats: int, warmup: int) -> dict:
         "warmup": warmup,
         "mapper_family": mapper.family,
         "mapper_k": mapper.k,
-        "memory_method": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events",
+        "memory_method": (
+            "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
+        ),
     }
 
 
@@ -287,9 +293,10 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True) -> tuple[list[dict], dict]:
-    rows = measure(handoff, lengths, warmup, repeats, memory)
-    return rows, flat_metrics(rows, environment(handoff, repeats, warmup))
+def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int,
+        memory: bool = True) -> tuple[list[dict], dict]:
+    """Rows of `measure` and the environment they were measured in."""
+    return measure(handoff, lengths, warmup, repeats, memory), environment(handoff, repeats, warmup)
 
 
 def stage(params: LatencyParams) -> dict:
@@ -298,8 +305,8 @@ def stage(params: LatencyParams) -> dict:
     target = load_model(params.target, dtype=params.dtype, device=device)
     source = load_model(params.source, dtype=params.dtype, device=device)
     handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
-    rows, metrics = run(handoff, params.lengths, params.warmup, params.repeats)
-    env = environment(handoff, params.repeats, params.warmup)
+    rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
+    metrics = flat_metrics(rows, env)
     write_json_atomic(METRICS, metrics)
     write_table(rows, TABLE)
     write_plot(rows, env, PLOT)
@@ -312,11 +319,11 @@ def shapes_benchmark(args: argparse.Namespace) -> dict:
     source_config, target_config = pair_configs(args.config_shapes)
     target = random_model(target_config, args.dtype, args.device, seed=1)
     source = random_model(source_config, args.dtype, args.device, seed=2)
-    mapper: Mapper = random_mapper(source_config, target_config, args.k, args.family).to(args.device)
+    mapper = random_mapper(source_config, target_config, args.k, args.family).to(args.device)
     handoff = Handoff(target, source, "mapped", mapper)
-    rows, metrics = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
-    metrics["pair"] = args.config_shapes
-    print(format_table(rows, environment(handoff, args.repeats, args.warmup)))
+    rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
+    metrics = {**flat_metrics(rows, env), "pair": args.config_shapes}
+    print(format_table(rows, env))
     if args.out:
         write_json_atomic(args.out, metrics)
     return metrics

@@ -84,7 +84,8 @@ class Mapper:
     def target_layers(self, source_layers: Layers) -> int:
         return len(source_layers) if self.family == "identity" else len(self.source_layers)
 
-    def apply_layer(self, source_layers: Layers, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply_layer(self, source_layers: Layers, layer: int,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target layer `layer` of `apply`: one at a time, so a caller can finish each layer before the next."""
         del positions
         if self.family == "identity":
