@@ -112,7 +112,8 @@ class Handoff:
             keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
             if order is not None:
                 keys, values = keys[:, :, order], values[:, :, order]  # permute tokens, (B, H, T, D)
-            # the map leaves values in (B, T, H, D) memory order; lay them out now, while only this layer is live
+            # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this
+            # layer is live, not all at once when the cache is built
             values = values.to(self.device, dtype, memory_format=torch.contiguous_format)
             layers.append((target_rotation.apply(keys.to(self.device)).to(dtype), values))
         return layers

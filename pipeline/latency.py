@@ -36,7 +36,7 @@ from pipeline.artifacts import atomic_path, write_bytes_atomic, write_json_atomi
 from pipeline.flops import speedup_bound
 from pipeline.handoff import Handoff
 from pipeline.kvcache import kv_geometry
-from pipeline.mapper import Mapper, load_mapper
+from pipeline.mapper import load_mapper
 from pipeline.models import DTYPES, default_device, load_model
 from pipeline.params import ParamError, load_section, spec
 from pipeline.shapes import PAIRS, pair_configs, random_mapper, random_model
@@ -86,24 +86,26 @@ def _clock(device: torch.device) -> int:
 def target_first_token(target, ids: torch.Tensor):
     """Path (a): the target prefills ids (1, n); returns its output (cache and last logits)."""
     output = target(input_ids=ids, use_cache=True, logits_to_keep=1)
-    output.logits[0, -1].argmax().item()
+    output.logits[0, -1].argmax().item()  # the first token, on the host as a server would need it
     return output
 
 
 @torch.no_grad()
-def handoff_first_token(handoff: Handoff, ids: torch.Tensor, marks: list[int] | None = None):
-    """Path (b) for ids (1, n); appends a clock reading to `marks` before, between and after its three parts."""
-    mark = (lambda: marks.append(_clock(handoff.device))) if marks is not None else (lambda: None)  # noqa: E731
-    mark()
+def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[object, list[int]]:
+    """Path (b) for ids (1, n): the target's output and clock readings (ns) around and between its parts."""
+    device = handoff.device
+    marks = [_clock(device)]
     source_layers = handoff.source_prefill(ids[:, :-1])
-    mark()
-    cache = handoff.target_cache(handoff.to_target(source_layers))
-    del source_layers  # a server would free the source cache here, before the target's step
-    mark()
-    output = handoff.target(input_ids=ids[:, -1:].to(handoff.device), cache=cache, use_cache=True, logits_to_keep=1)
+    marks.append(_clock(device))
+    target_layers = handoff.to_target(source_layers)
+    del source_layers  # a server frees the source cache once it is mapped
+    cache = handoff.target_cache(target_layers)
+    del target_layers  # DynamicCache holds its own copy
+    marks.append(_clock(device))
+    output = handoff.target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1)
     output.logits[0, -1].argmax().item()
-    mark()
-    return output
+    marks.append(_clock(device))
+    return output, marks
 
 
 def time_target(target, ids: torch.Tensor) -> float:
@@ -114,8 +116,7 @@ def time_target(target, ids: torch.Tensor) -> float:
 
 def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
     """Milliseconds of path (b) and of each of its parts, from one run."""
-    marks: list[int] = []
-    handoff_first_token(handoff, ids, marks)
+    _, marks = handoff_first_token(handoff, ids)
     parts = {name: (marks[i + 1] - marks[i]) / 1e6 for i, name in enumerate(("source", "map", "step"))}
     return {"handoff": (marks[-1] - marks[0]) / 1e6, **parts}
 
@@ -157,8 +158,15 @@ def _quantile(samples: list[float], q: float) -> float:
     return float(torch.tensor(samples, dtype=torch.float64).quantile(q))
 
 
-def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, progress: bool = True) -> list[dict]:
-    """One row per length: timings (ms), the FLOP bound and peak memory (MiB) of both paths."""
+def _iqr(samples: list[float]) -> float:
+    return _quantile(samples, 0.75) - _quantile(samples, 0.25)
+
+
+def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
+            progress: bool = True) -> list[dict]:
+    """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths.
+
+    Memory takes one more (untimed, profiled on a CPU) run of each path per length."""
     target, source, mapper = handoff.target, handoff.source, handoff.mapper
     mapper_macs = sum(weight.numel() for weight, _ in mapper.keys + mapper.values)
     geometry = kv_geometry(target.config)
@@ -175,8 +183,8 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, pro
             )
         ids = torch.randint(0, target.config.vocab_size, (1, length), generator=generator).to(handoff.device)
         samples: dict[str, list[float]] = {"target": [], "handoff": [], "source": [], "map": [], "step": []}
+        bar.set_description(f"latency n={length}")
         for repeat in range(warmup + repeats):
-            bar.set_description(f"latency n={length}")
             target_ms, handoff_ms = time_target(target, ids), time_handoff(handoff, ids)
             if repeat >= warmup:
                 samples["target"].append(target_ms)
@@ -189,9 +197,9 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, pro
         rows.append({
             "length": length,
             "target_ms": median["target"],
-            "target_iqr_ms": _quantile(samples["target"], 0.75) - _quantile(samples["target"], 0.25),
+            "target_iqr_ms": _iqr(samples["target"]),
             "handoff_ms": median["handoff"],
-            "handoff_iqr_ms": _quantile(samples["handoff"], 0.75) - _quantile(samples["handoff"], 0.25),
+            "handoff_iqr_ms": _iqr(samples["handoff"]),
             "source_ms": median["source"],
             "map_ms": median["map"],
             "step_ms": median["step"],
@@ -200,9 +208,10 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, pro
             "bound": bound,
             "fraction_of_bound": speedup / bound,
             "cache_mib": length * cache_bytes_per_token / MIB,
-            "target_peak_mib": peak_bytes(lambda: target_first_token(target, ids), handoff.device) / MIB,
-            "handoff_peak_mib": peak_bytes(lambda: handoff_first_token(handoff, ids), handoff.device) / MIB,
         })
+        if memory:
+            rows[-1]["target_peak_mib"] = peak_bytes(lambda: target_first_token(target, ids), handoff.device) / MIB
+            rows[-1]["handoff_peak_mib"] = peak_bytes(lambda: handoff_first_token(handoff, ids), handoff.device) / MIB
     bar.close()
     return rows
 
@@ -219,7 +228,9 @@ def environment(handoff: Handoff, repeats: int, warmup: int) -> dict:
         "warmup": warmup,
         "mapper_family": mapper.family,
         "mapper_k": mapper.k,
-        "memory_method": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events",
+        "memory_method": (
+            "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
+        ),
     }
 
 
@@ -235,6 +246,7 @@ def flat_metrics(rows: list[dict], env: dict) -> dict:
 def format_table(rows: list[dict], env: dict) -> str:
     columns = ("length", "target_ms", "handoff_ms", "source_ms", "map_ms", "step_ms", "speedup", "bound",
                "fraction_of_bound", "map_share", "target_peak_mib", "handoff_peak_mib")
+    columns = [name for name in columns if name in rows[0]]
     lines = [
         f"device {env['device']}, dtype {env['dtype']}, {env['threads']} threads, torch {env['torch_version']}, "
         f"median of {env['repeats']} after {env['warmup']} warm-up, mapper {env['mapper_family']} k={env['mapper_k']}",
@@ -256,6 +268,7 @@ def write_plot(rows: list[dict], env: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     lengths = [row["length"] for row in rows]
     figure, axes = plt.subplots(figsize=(6, 4))
@@ -265,7 +278,8 @@ def write_plot(rows: list[dict], env: dict, path: Path) -> None:
     axes.plot(lengths, [row["target_ms"] / row["bound"] for row in rows], "k--", linewidth=1,
               label="(b) at the FLOP bound")
     axes.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (ms)",
-             title=f"TTFT, {env['device']} {env['dtype']}, {env['threads']} threads")
+             title=f"TTFT (median, bars: IQR), {env['device']} {env['dtype']}, threads={env['threads']}")
+    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes.set_xticks(lengths, [str(n) for n in lengths])
     axes.legend()
     figure.tight_layout()
@@ -279,9 +293,10 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, progress: bool = True) -> tuple[list[dict], dict]:
-    rows = measure(handoff, lengths, warmup, repeats, progress)
-    return rows, flat_metrics(rows, environment(handoff, repeats, warmup))
+def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int,
+        memory: bool = True) -> tuple[list[dict], dict]:
+    """Rows of `measure` and the environment they were measured in."""
+    return measure(handoff, lengths, warmup, repeats, memory), environment(handoff, repeats, warmup)
 
 
 def stage(params: LatencyParams) -> dict:
@@ -290,8 +305,8 @@ def stage(params: LatencyParams) -> dict:
     target = load_model(params.target, dtype=params.dtype, device=device)
     source = load_model(params.source, dtype=params.dtype, device=device)
     handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
-    rows, metrics = run(handoff, params.lengths, params.warmup, params.repeats)
-    env = environment(handoff, params.repeats, params.warmup)
+    rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
+    metrics = flat_metrics(rows, env)
     write_json_atomic(METRICS, metrics)
     write_table(rows, TABLE)
     write_plot(rows, env, PLOT)
@@ -304,11 +319,11 @@ def shapes_benchmark(args: argparse.Namespace) -> dict:
     source_config, target_config = pair_configs(args.config_shapes)
     target = random_model(target_config, args.dtype, args.device, seed=1)
     source = random_model(source_config, args.dtype, args.device, seed=2)
-    mapper: Mapper = random_mapper(source_config, target_config, args.k, args.family).to(args.device)
+    mapper = random_mapper(source_config, target_config, args.k, args.family).to(args.device)
     handoff = Handoff(target, source, "mapped", mapper)
-    rows, metrics = run(handoff, args.lengths, args.warmup, args.repeats)
-    metrics["pair"] = args.config_shapes
-    print(format_table(rows, environment(handoff, args.repeats, args.warmup)))
+    rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
+    metrics = {**flat_metrics(rows, env), "pair": args.config_shapes}
+    print(format_table(rows, env))
     if args.out:
         write_json_atomic(args.out, metrics)
     return metrics
@@ -347,6 +362,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
     parser.add_argument("--k", type=int, default=1, help="source layers per target layer in the random mapper")
     parser.add_argument("--family", choices=("linear", "head_matched"), default="linear")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory runs (one more run of each path per length)")
     parser.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.threads < 0:

@@ -92,12 +92,14 @@ class Mapper:
     def apply(self, source_layers: Layers, positions: torch.Tensor) -> Layers:
         """Content-space source cache -> content-space target cache. `positions` (T,) are the tokens'
         positions; the maps here are position-free, richer families may use them."""
-        return [self.apply_layer(source_layers, layer, positions) for layer in range(self.target_layers(source_layers))]
+        layers = range(self.target_layers(source_layers))
+        return [self.apply_layer(source_layers, layer, positions) for layer in layers]
 
     def target_layers(self, source_layers: Layers) -> int:
         return len(source_layers) if self.family == "identity" else len(self.source_layers)
 
-    def apply_layer(self, source_layers: Layers, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply_layer(self, source_layers: Layers, layer: int,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target layer `layer` of `apply`: one at a time, so a caller can finish each layer before the next."""
         del positions
         if self.family == "identity":

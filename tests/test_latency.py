@@ -90,7 +90,7 @@ def test_handoff_path_with_the_targets_own_cache_gives_the_targets_first_logits(
     handoff = Handoff(target, target, "mapped", identity_mapper("t", "t", target.config, target.config))
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
     full = latency.target_first_token(target, ids).logits[0, -1]
-    handed = latency.handoff_first_token(handoff, ids).logits[0, -1]
+    handed = latency.handoff_first_token(handoff, ids)[0].logits[0, -1]
     assert torch.allclose(full, handed, atol=1e-4)
 
 
