@@ -39,7 +39,8 @@ from pipeline.kvcache import kv_geometry
 from pipeline.mapper import load_mapper
 from pipeline.models import DTYPES, default_device, load_model
 from pipeline.params import ParamError, load_section, spec
-from pipeline.shapes import PAIRS, pair_configs, random_mapper, random_model
+from pipeline.mapper import random_mapper
+from pipeline.shapes import PAIRS, pair_configs, random_model
 
 METRICS = Path("metrics/latency.json")
 TABLE = Path("plots/latency.csv")

@@ -21,13 +21,15 @@ models' rotary settings and KV geometry.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pipeline.artifacts import ArtifactError, load_artifact, stream_artifact
-from pipeline.kvcache import Layers
+from pipeline.kvcache import Layers, kv_geometry
+from pipeline.rope import RotarySpec
 
 FORMAT = "kv-handoff/mapper/v1"
 FAMILIES = ("identity", "linear", "head_matched", "mlp")
@@ -135,9 +137,6 @@ class Mapper:
 
 
 def identity_mapper(source: str, target: str, source_config, target_config) -> Mapper:
-    from pipeline.kvcache import kv_geometry
-    from pipeline.rope import RotarySpec
-
     return Mapper(
         family="identity",
         source=source,
@@ -184,4 +183,43 @@ def load_mapper(path, device="cpu") -> Mapper:
         keys=keys,
         values=values,
         extra=meta.get("extra", {}),
+    )
+
+
+def random_mapper(source_config, target_config, k: int = 1, family: str = "linear", seed: int = 0) -> Mapper:
+    """A mapper of the right shape for the pair, with random weights: times like a fitted one of the same k.
+
+    Target layer l reads the k source layers starting at the one of the same relative depth.
+    """
+    source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
+    if not 1 <= k <= source_geometry["layers"]:
+        raise ValueError(f"k={k}: expected 1 <= k <= {source_geometry['layers']} (the source's layer count)")
+    if family not in ("linear", "head_matched"):
+        raise ValueError(f"random mapper family {family!r}: expected 'linear' or 'head_matched'")
+    heads_in = 1 if family == "head_matched" else source_geometry["kv_heads"]
+    width = k * heads_in * source_geometry["head_dim"]
+    heads, head_dim = target_geometry["kv_heads"], target_geometry["head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def pair() -> tuple[torch.Tensor, torch.Tensor]:
+        weight = torch.randn(heads, width, head_dim, generator=generator) / math.sqrt(width)  # (H_t, F, D_t)
+        return weight, torch.zeros(heads, head_dim)
+
+    source_layers = []
+    for layer in range(target_geometry["layers"]):
+        first = min(layer * source_geometry["layers"] // target_geometry["layers"], source_geometry["layers"] - k)
+        source_layers.append(list(range(first, first + k)))
+    return Mapper(
+        family=family,
+        source=source_config._name_or_path,
+        target=target_config._name_or_path,
+        source_geometry=source_geometry,
+        target_geometry=target_geometry,
+        rotary_source=RotarySpec.from_config(source_config).to_dict(),
+        rotary_target=RotarySpec.from_config(target_config).to_dict(),
+        k=k,
+        source_layers=source_layers,
+        keys=[pair() for _ in source_layers],
+        values=[pair() for _ in source_layers],
+        extra={"random": True, "seed": seed},
     )

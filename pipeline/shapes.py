@@ -1,4 +1,4 @@
-"""Real model shapes without the hub: stored Qwen3 configs, random models and random mappers of those shapes.
+"""Real model shapes without the hub: stored Qwen3 configs and random models of those shapes.
 
 `configs/qwen3-0.6b.json` and `configs/qwen3-1.7b.json` are the public config.json files of Qwen3-0.6B and
 Qwen3-1.7B. A model built from one has the exact architecture, parameter count and KV geometry of the real
@@ -8,17 +8,13 @@ memory, shapes: the `qwen3-shapes` smoke profile and the latency study), meaning
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.initialization import no_init_weights
 
-from pipeline.kvcache import kv_geometry
-from pipeline.mapper import Mapper
 from pipeline.models import parse_dtype
-from pipeline.rope import RotarySpec
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # source, target: the pairs a profile can name
@@ -77,42 +73,3 @@ def random_model(config: Qwen3Config, dtype="float32", device="cpu", seed: int =
         flat[:whole].view(-1, POOL_SIZE).copy_(pool)  # (numel // P, P), pool broadcast over rows
         flat[whole:].copy_(pool[: flat.numel() - whole])
     return model.eval()
-
-
-def random_mapper(source_config, target_config, k: int = 1, family: str = "linear", seed: int = 0) -> Mapper:
-    """A mapper of the right shape for the pair, with random weights: times like a fitted one of the same k.
-
-    Target layer l reads the k source layers starting at the one of the same relative depth.
-    """
-    source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
-    if not 1 <= k <= source_geometry["layers"]:
-        raise ValueError(f"k={k}: expected 1 <= k <= {source_geometry['layers']} (the source's layer count)")
-    if family not in ("linear", "head_matched"):
-        raise ValueError(f"random mapper family {family!r}: expected 'linear' or 'head_matched'")
-    heads_in = 1 if family == "head_matched" else source_geometry["kv_heads"]
-    width = k * heads_in * source_geometry["head_dim"]
-    heads, head_dim = target_geometry["kv_heads"], target_geometry["head_dim"]
-    generator = torch.Generator().manual_seed(seed)
-
-    def pair() -> tuple[torch.Tensor, torch.Tensor]:
-        weight = torch.randn(heads, width, head_dim, generator=generator) / math.sqrt(width)  # (H_t, F, D_t)
-        return weight, torch.zeros(heads, head_dim)
-
-    source_layers = []
-    for layer in range(target_geometry["layers"]):
-        first = min(layer * source_geometry["layers"] // target_geometry["layers"], source_geometry["layers"] - k)
-        source_layers.append(list(range(first, first + k)))
-    return Mapper(
-        family=family,
-        source=source_config._name_or_path,
-        target=target_config._name_or_path,
-        source_geometry=source_geometry,
-        target_geometry=target_geometry,
-        rotary_source=RotarySpec.from_config(source_config).to_dict(),
-        rotary_target=RotarySpec.from_config(target_config).to_dict(),
-        k=k,
-        source_layers=source_layers,
-        keys=[pair() for _ in source_layers],
-        values=[pair() for _ in source_layers],
-        extra={"random": True, "seed": seed},
-    )

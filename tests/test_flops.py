@@ -3,7 +3,8 @@ import pytest
 
 from pipeline.flops import (attention_macs, handoff_macs, linear_macs_per_token, mapper_weight_count,
                             speedup_bound, target_prefill_macs)
-from pipeline.shapes import pair_configs, random_mapper
+from pipeline.mapper import random_mapper
+from pipeline.shapes import pair_configs
 
 SOURCE, TARGET = pair_configs("qwen3-v0")
 

@@ -14,7 +14,7 @@ from pipeline import latency
 from pipeline.handoff import Handoff
 from pipeline.mapper import identity_mapper, save_mapper
 from pipeline.params import ParamError
-from pipeline.shapes import random_mapper
+from pipeline.mapper import random_mapper
 
 VOCAB = 97
 LENGTHS = [8, 40]

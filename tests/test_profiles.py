@@ -1,6 +1,5 @@
 """Profiles: the committed params.yaml is what the default Hydra profile composes to, and every profile
 composes to parameters that validate."""
-import os
 from pathlib import Path
 
 import pytest

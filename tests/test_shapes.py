@@ -5,7 +5,8 @@ from transformers import Qwen3ForCausalLM
 
 from conftest import tiny_config
 from pipeline.kvcache import kv_geometry
-from pipeline.shapes import pair_configs, random_mapper, random_model, shape_config
+from pipeline.mapper import random_mapper
+from pipeline.shapes import pair_configs, random_model, shape_config
 
 
 @pytest.mark.parametrize("name, hidden, intermediate, parameters", [
