@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup repro test clean-venv
+.PHONY: setup repro test test-realshape clean-venv
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ repro: setup
 
 test: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q
+
+test-realshape: setup
+	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -s -m realshape
 
 clean-venv:
 	rm -rf $(VENV)

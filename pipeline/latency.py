@@ -169,7 +169,7 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
 
     Memory takes one more (untimed, profiled on a CPU) run of each path per length."""
     target, source, mapper = handoff.target, handoff.source, handoff.mapper
-    mapper_macs = sum(weight.numel() for weight, _ in mapper.keys + mapper.values)
+    mapper_macs = mapper.macs_per_token()
     geometry = kv_geometry(target.config)
     cache_bytes_per_token = 2 * geometry["layers"] * geometry["kv_heads"] * geometry["head_dim"] * target.dtype.itemsize
     generator = torch.Generator().manual_seed(0)
