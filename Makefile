@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# dvc runs each stage's `python -m ...` through PATH: it must find this environment's python
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: setup repro test test-realshape clean-venv
 

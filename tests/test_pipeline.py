@@ -34,7 +34,9 @@ def merge(base: dict, override: dict) -> dict:
 
 
 def run(cmd, cwd, **kw):
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, **kw)
+    # dvc runs the stages' `python -m ...` through PATH: put this interpreter's environment first
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kw)
     assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result.stdout
 
