@@ -111,10 +111,12 @@ def comparison(items, prompts, a: str, b: str, metric: str, iters: int, seed: in
             "next_token_mcnemar_p": mcnemar(pa.first_agree.to_numpy(), pb.first_agree.to_numpy())}
 
 
-def load_variants() -> tuple[dict, dict, dict]:
+def load_variants(variants: list[str]) -> tuple[dict, dict, dict]:
+    """The declared variants' metrics and per-item results (not whatever else metrics/eval holds: a profile
+    with other k candidates leaves other files there)."""
     metrics, items, prompts = {}, {}, {}
-    for path in sorted(Path("metrics/eval").glob("*.json")):
-        variant = path.stem
+    for variant in variants:
+        path = Path("metrics/eval") / f"{variant}.json"
         metrics[variant] = json.loads(path.read_text())
         items[variant] = pd.read_parquet(Path("eval") / variant / "items.parquet")
         prompts[variant] = pd.read_parquet(Path("eval") / variant / "prompts.parquet")
@@ -360,7 +362,8 @@ def optional_sections() -> list[str]:
 def main() -> None:
     params = load_section(ReportParams, "report")
     everything = read_params()
-    metrics, items, prompts = load_variants()
+    evaluate = everything["evaluate"]
+    metrics, items, prompts = load_variants(["oracle", *evaluate["baselines"], *evaluate["mapped"]])
     controls = json.loads(Path("metrics/controls.json").read_text())
     report = build(params, metrics, items, prompts, controls)
     select = json.loads(Path("metrics/select.json").read_text()) if Path("metrics/select.json").is_file() else {}
