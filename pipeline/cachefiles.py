@@ -125,27 +125,32 @@ class ShardWriter:
 
     def _flush(self) -> None:
         self._raise_if_failed()
-        layers = len(self._pending[0][2])
-        tensors = {"lengths": torch.tensor([seq[2][0].shape[0] for seq in self._pending], dtype=torch.int64)}
-        for kind, slot in (("keys", 2), ("values", 3)):
-            for layer in range(layers):
-                tensors[f"{kind}.{layer}"] = torch.cat([seq[slot][layer] for seq in self._pending])  # (tokens, H, D)
+        lengths = [seq[2][0].shape[0] for seq in self._pending]
         meta = dict(self.metadata, format=SHARD_FORMAT, shard=len(self.records),
                     doc_ids=[seq[0] for seq in self._pending], content_hashes=[seq[1] for seq in self._pending],
-                    lengths=tensors["lengths"].tolist())
+                    lengths=lengths)
         name = f"shard-{len(self.records):05d}.safetensors"
-        self.records.append({"file": name, "sequences": len(self._pending), "tokens": sum(meta["lengths"]),
+        self.records.append({"file": name, "sequences": len(self._pending), "tokens": sum(lengths),
                              "bytes": None, "sha256": None})
+        self._queue.put((self.folder / name, self._pending, meta, self.records[-1]))
         self._pending = []
-        self._queue.put((self.folder / name, tensors, meta, self.records[-1]))
+
+    @staticmethod
+    def _shard_tensors(sequences: list, lengths: list[int]) -> dict[str, torch.Tensor]:
+        """The shard's tensors: per layer, the sequences' rows concatenated (on the writer thread)."""
+        tensors = {"lengths": torch.tensor(lengths, dtype=torch.int64)}
+        for kind, slot in (("keys", 2), ("values", 3)):
+            for layer in range(len(sequences[0][slot])):
+                tensors[f"{kind}.{layer}"] = torch.cat([seq[slot][layer] for seq in sequences])  # (tokens, H, D)
+        return tensors
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:
                 continue
-            path, tensors, meta, record = item
+            path, sequences, meta, record = item
             try:
-                record["sha256"] = stream_artifact(path, tensors, meta)
+                record["sha256"] = stream_artifact(path, self._shard_tensors(sequences, meta["lengths"]), meta)
                 record["bytes"] = path.stat().st_size
             except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
                 self._error = err

@@ -66,6 +66,14 @@ class Rotation:
         angles = positions.to(torch.float32)[:, None] * spec.inv_freq(positions.device)  # (T, head_dim/2)
         self.cos, self.sin = angles.cos(), angles.sin()
 
+    def first(self, tokens: int) -> "Rotation":
+        """The rotation of the first `tokens` positions: one rotation built for the longest sequence serves all."""
+        if tokens > self.tokens:
+            raise ValueError(f"{tokens} tokens but this rotation covers {self.tokens} positions")
+        prefix = object.__new__(Rotation)
+        prefix.spec, prefix.tokens, prefix.cos, prefix.sin = self.spec, tokens, self.cos[:tokens], self.sin[:tokens]
+        return prefix
+
     def apply(self, keys_content: torch.Tensor) -> torch.Tensor:
         """Rotate content-space keys (..., T, head_dim) forward to the positions."""
         return self._rotate(keys_content, self.sin)

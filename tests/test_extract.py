@@ -54,3 +54,13 @@ def test_metrics_report_extraction_beside_both_floors(world):
     assert metrics["forward_floor_s"] > 0 and metrics["write_floor_s"] > 0
     assert metrics["ratio_to_floor"] == pytest.approx(
         metrics["extract_s"] / max(metrics["forward_floor_s"], metrics["write_floor_s"]), rel=1e-2)
+
+
+def test_repeated_timing_rewrites_the_same_bytes(world, tmp_path):
+    root, _ = world
+    metrics = run(root / "models" / "source", "source", root / "data", tmp_path, ExtractParams(shard_sequences=3, repeats=2))
+    assert metrics["repeats"] == 2
+    once = open_split(root / "caches" / "source", "fit")
+    twice = open_split(tmp_path, "fit")
+    assert [s.path.read_bytes() for s in once] == [s.path.read_bytes() for s in twice]
+    assert sorted(p.name for p in (tmp_path / "fit").iterdir()) == [s.path.name for s in twice]  # no leftovers

@@ -4,7 +4,7 @@ import torch
 from transformers import Qwen3Config
 
 from conftest import build_model, tiny_config
-from pipeline.rope import RotarySpec, UnsupportedRopeError, apply_rope, strip_rope
+from pipeline.rope import Rotation, RotarySpec, UnsupportedRopeError, apply_rope, strip_rope
 from pipeline.kvcache import cache_to_layers
 
 QWEN3_ROPE = RotarySpec(rope_type="default", theta=1_000_000.0, head_dim=128, max_positions=40960)
@@ -18,6 +18,15 @@ def test_strip_then_apply_is_identity_up_to_max_positions(spec):
     round_trip = apply_rope(strip_rope(keys, positions, spec), positions, spec)
     assert (round_trip - keys).abs().max().item() < 1e-5
     assert (strip_rope(apply_rope(keys, positions, spec), positions, spec) - keys).abs().max().item() < 1e-5
+
+
+def test_prefix_of_a_long_rotation_is_the_short_rotation():
+    keys = torch.randn(3, 2, 40, QWEN3_ROPE.head_dim)
+    long = Rotation(QWEN3_ROPE, torch.arange(100))
+    assert torch.equal(long.first(40).strip(keys), strip_rope(keys, torch.arange(40), QWEN3_ROPE))
+    assert torch.equal(long.first(40).apply(keys), apply_rope(keys, torch.arange(40), QWEN3_ROPE))
+    with pytest.raises(ValueError, match="101 tokens but this rotation covers 100"):
+        long.first(101)
 
 
 def test_bfloat16_round_trip_compared_in_float32_after_the_cast():
