@@ -1,6 +1,6 @@
 """Peak host memory of extract and fit at the exact Qwen3-0.6B / 1.7B shapes (random weights), in subprocesses.
 
-Real-shape and long (about half an hour on two cores), so not part of the default run:
+Real-shape and long (about 25 minutes on two cores), so not part of the default run:
 `make test-realshape` prints the figures. Extraction and fit run the exact configs (28 layers, 8 KV heads x
 head_dim 128, vocab 151936) over 50 fit and 25 select sequences (16 tokens each: time, not memory, grows
 with length, since shards bound what is held), with k up to 8 (8192-wide float64 moments per layer).
