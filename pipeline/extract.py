@@ -3,7 +3,7 @@
     python -m pipeline.extract source|target
 
 Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
-`metrics/extract_<model>.json`. Only the decoder body runs (no logits). Keys are RoPE-stripped in float32
+`metrics/extract_<model>.json`. Only the decoder body runs (no logits), in `models.dtype` on `models.device`. Keys are RoPE-stripped in float32
 (content space), values kept as cached; both stored in `extract.dtype`. Shards are hashed and written on a
 background thread while the model computes the next one, so extraction should cost little more than the
 slower of its two floors, measured in the same run: a plain forward over the same tokens, and a plain write
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from pipeline.artifacts import write_json_atomic
 from pipeline.cachefiles import MANIFEST, ShardWriter
 from pipeline.kvcache import cache_to_layers, kv_geometry
-from pipeline.models import load_model, parse_dtype
+from pipeline.models import ModelsParams, load_model, parse_dtype
 from pipeline.params import load_section, spec
 from pipeline.rope import Rotation, RotarySpec
 
@@ -111,17 +111,22 @@ def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], o
     return splits
 
 
-def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams) -> dict:
+def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
+        model_dtype: str = "float32", device: str | None = None) -> dict:
     """Extract, timing it beside both floors; with `repeats` > 1 the three are measured in turn, repeat by repeat
-    (each extraction rewrites the same bytes), and the medians reported, so drift and noise hit all three alike."""
+    (each extraction rewrites the same bytes), and the medians reported, so drift and noise hit all three alike.
+
+    The model runs in `model_dtype` (`models.dtype`, as every later stage runs it, so the map is fitted on the
+    caches it will be given); only the RoPE strip is float32 math."""
     torch.set_num_threads(params.threads)
-    model = load_model(str(model_dir), dtype="float32")
+    model = load_model(str(model_dir), dtype=model_dtype, device=device)
     spec = RotarySpec.from_config(model.config)
     frames = {split: read_sequences(data_dir / f"{split}.parquet") for split in params.splits}
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
     rotation = Rotation(spec, torch.arange(max(len(ids) for ids in all_ids), device=model.device))
     base = {"model": name, "model_path": str(model_dir), "geometry": kv_geometry(model.config),
-            "rotary": spec.to_dict(), "dtype": params.dtype, "keys": "content (RoPE stripped)"}
+            "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,
+            "keys": "content (RoPE stripped)"}
 
     forward_floor(model, all_ids[:1])  # warm-up, so neither timing below pays first-call costs
     times = {"forward": [], "extract": [], "write": []}
@@ -156,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"usage: python -m pipeline.extract {'|'.join(MODELS)}")
     name = argv[0]
     params = load_section(ExtractParams, "extract")
-    metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params)
+    models = load_section(ModelsParams, "models")
+    metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params, models.dtype,
+                  models.torch_device)
     write_json_atomic(Path("metrics") / f"extract_{name}.json", metrics)
     print(metrics)
 

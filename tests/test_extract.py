@@ -64,3 +64,21 @@ def test_repeated_timing_rewrites_the_same_bytes(world, tmp_path):
     twice = open_split(tmp_path, "fit")
     assert [s.path.read_bytes() for s in once] == [s.path.read_bytes() for s in twice]
     assert sorted(p.name for p in (tmp_path / "fit").iterdir()) == [s.path.name for s in twice]  # no leftovers
+
+
+def test_model_runs_in_the_declared_dtype_and_only_the_strip_is_float32(world, tmp_path):
+    root, _ = world
+    run(root / "models" / "source", "source", root / "data", tmp_path, ExtractParams(shard_sequences=3), "bfloat16")
+    assert json.loads((tmp_path / "manifest.json").read_text())["model_dtype"] == "bfloat16"
+    model = load_model(str(root / "models" / "source"), dtype="bfloat16", device="cpu")
+    spec = RotarySpec.from_config(model.config)
+    token_ids = pd.read_parquet(root / "data" / "fit.parquet").token_ids[0].tolist()
+    with torch.no_grad():
+        cached = cache_to_layers(model.model(input_ids=torch.tensor([token_ids]), use_cache=True).cache)
+    shard = open_split(tmp_path, "fit")[0]
+    length, heads, dim = len(token_ids), model.config.num_key_value_heads, model.config.head_dim
+    for layer, (keys, values) in enumerate(cached):  # the bfloat16 model's own cache, not a float32 forward's
+        stored_values = shard.read("values", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)
+        assert torch.equal(stored_values, values[0].float())
+        keys_content = shard.read("keys", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)
+        assert torch.allclose(apply_rope(keys_content, torch.arange(length), spec), keys[0].float(), atol=1e-5)

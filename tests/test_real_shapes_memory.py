@@ -38,7 +38,8 @@ try:
 finally:
     print('PEAK_MIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
-PARAMS = """extract: {dtype: bfloat16, shard_sequences: 8, threads: 2}
+PARAMS = """models: {kind: random, source: qwen3-0.6b, target: qwen3-1.7b, dtype: bfloat16, device: cpu}
+extract: {dtype: bfloat16, shard_sequences: 8, threads: 2}
 fit:
   ks: [1, 8]
   lambdas: [1.0]
