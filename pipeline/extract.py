@@ -3,11 +3,11 @@
     python -m pipeline.extract source|target
 
 Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
-`metrics/extract_<model>.json`. Only the decoder body runs (no logits), in `models.dtype` on `models.device`. Keys are RoPE-stripped in float32
-(content space), values kept as cached; both stored in `extract.dtype`. Shards are hashed and written on a
-background thread while the model computes the next one, so extraction should cost little more than the
-slower of its two floors, measured in the same run: a plain forward over the same tokens, and a plain write
-of the same bytes to the same disk.
+`metrics/extract_<model>.json`. Only the decoder body runs (no logits), in `models.dtype` on `models.device`.
+Keys are RoPE-stripped in float32 (content space), values kept as cached; both stored in `extract.dtype`.
+Shards are hashed and written on a background thread while the model computes the next one, so extraction
+should cost little more than the slower of its two floors, measured in the same run: a plain forward over
+the same tokens, and a plain write of the same bytes to the same disk.
 """
 from __future__ import annotations
 

@@ -244,11 +244,15 @@ def sequences(cfg: WorldConfig, split: str, n: int) -> pd.DataFrame:
 
 # ---- task items ----
 
-def _hellaswag_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str) -> dict:
-    """ctx_b is the query, lowercase: lm-eval capitalizes it (str.capitalize lowercases the rest)."""
+def _item_context(rng: random.Random, cfg: WorldConfig) -> tuple[Scene, set[str], str]:
+    """A task item's scene, the names it uses, and its context: the scene's facts, then a few statements."""
     scene = _scene(rng, cfg)
     used = {f.name for f in scene.facts}
-    ctx_a = _join(scene.text(), _sentences(_statements(rng, cfg, scene, rng.randint(*cfg.context_statements), used)))
+    return scene, used, _join(scene.text(), _sentences(_statements(rng, cfg, scene, rng.randint(*cfg.context_statements), used)))
+
+def _hellaswag_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str) -> dict:
+    """ctx_b is the query, lowercase: lm-eval capitalizes it (str.capitalize lowercases the rest)."""
+    scene, used, ctx_a = _item_context(rng, cfg)
     if kind == "recall":
         fact = rng.choice(scene.facts)
         same_colour = [f for f in scene.facts if f.colour == fact.colour and f != fact]
@@ -284,9 +288,7 @@ def _town_distractors(rng: random.Random, towns: dict, scene: Scene, fact: Fact,
 def _piqa_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str) -> dict:
     """Also the generator of qa documents. A recall or gist answer restates the subject (`ann teal cup .`),
     so the two solutions differ only in the tokens the kind is about."""
-    scene = _scene(rng, cfg)
-    used = {f.name for f in scene.facts}
-    context = _join(scene.text(), _sentences(_statements(rng, cfg, scene, rng.randint(*cfg.context_statements), used)))
+    scene, used, context = _item_context(rng, cfg)
     if kind == "recall":
         fact = rng.choice(scene.facts)
         same_colour = [f for f in scene.facts if f.colour == fact.colour and f != fact]
