@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load as st_load
@@ -159,6 +160,58 @@ def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torc
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 _CHUNK = 1 << 24
+TensorSpec = tuple[torch.dtype, Sequence[int]]  # dtype and shape of a tensor to be written
+
+
+def data_layout(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
+    """Byte range of each tensor in a streamed artifact's data section: tensors in sorted-name order, packed."""
+    ranges, position = {}, 0
+    for name in sorted(specs):
+        dtype, shape = specs[name]
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} not supported in streamed artifacts")
+        size = math.prod(shape) * dtype.itemsize
+        ranges[name] = (position, position + size)
+        position += size
+    return ranges
+
+
+def artifact_prefix(specs: dict[str, TensorSpec], metadata: dict[str, Any]) -> bytes:
+    """The bytes before the data of an artifact holding tensors of `specs` (dtype, shape) laid out as
+    `data_layout` says: the header's length, then the header with a zeroed digest, padded to 8 bytes."""
+    offsets = {name: {"dtype": _ST_DTYPES[specs[name][0]], "shape": list(specs[name][1]), "data_offsets": list(span)}
+               for name, span in data_layout(specs).items()}
+    header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
+    header = json.dumps({"__metadata__": header_meta, **offsets}, sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes
+    if header.count(_ZERO_DIGEST.encode()) != 1:
+        raise ValueError("artifact metadata must not contain a run of 64 zeros")
+    return struct.pack("<Q", len(header)) + header
+
+
+def write_streamed(path: str | os.PathLike, prefix: bytes, chunks: Iterable[memoryview]) -> str:
+    """Write an artifact from its `prefix` and its data `chunks`, hashing while writing, then write the digest
+    into its place in the header; atomic (temporary name, renamed when complete). Returns the digest."""
+    hasher = hashlib.sha256(prefix)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as out:
+            out.write(prefix)
+            for chunk in chunks:
+                hasher.update(chunk)
+                out.write(chunk)
+            digest = hasher.hexdigest()
+            out.seek(prefix.index(_ZERO_DIGEST.encode()))
+            out.write(digest.encode())
+            out.flush()
+            os.fsync(out.fileno())
+    return digest
+
+
+def byte_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """A tensor's bytes, in order, as views of its own storage (no copy beyond what contiguity needs)."""
+    data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+    for start in range(0, len(data), _CHUNK):
+        yield memoryview(data[start : start + _CHUNK])
 
 
 def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
@@ -168,39 +221,8 @@ def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], m
     digest while the bytes go out and are hashed, then the digest is written into its place. Tensors are laid
     out in sorted-name order, so the bytes are deterministic. Returns the digest.
     """
-    names = sorted(tensors)
-    offsets, position = {}, 0
-    for name in names:
-        tensor = tensors[name]
-        if tensor.dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} not supported in streamed artifacts")
-        size = tensor.numel() * tensor.element_size()
-        offsets[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                         "data_offsets": [position, position + size]}
-        position += size
-    header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
-    header = json.dumps({"__metadata__": header_meta, **offsets}, sort_keys=True, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes
-    if header.count(_ZERO_DIGEST.encode()) != 1:
-        raise ValueError("artifact metadata must not contain a run of 64 zeros")
-    prefix = struct.pack("<Q", len(header)) + header
-    hasher = hashlib.sha256(prefix)
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as out:
-            out.write(prefix)
-            for name in names:
-                # a byte view of the tensor's own storage: no copy beyond what contiguity needs
-                data = tensors[name].detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-                for start in range(0, len(data), _CHUNK):
-                    chunk = memoryview(data[start : start + _CHUNK])
-                    hasher.update(chunk)
-                    out.write(chunk)
-            digest = hasher.hexdigest()
-            out.seek(prefix.index(_ZERO_DIGEST.encode()))
-            out.write(digest.encode())
-            out.flush()
-            os.fsync(out.fileno())
-    return digest
+    prefix = artifact_prefix({name: (t.dtype, t.shape) for name, t in tensors.items()}, metadata)
+    return write_streamed(path, prefix, (chunk for name in sorted(tensors) for chunk in byte_chunks(tensors[name])))
 
 
 def verify_file(path: str | os.PathLike) -> tuple[dict, str]:

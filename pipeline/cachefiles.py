@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.artifacts import ArtifactError, stream_artifact, verify_file
+from pipeline.artifacts import ArtifactError, artifact_prefix, byte_chunks, data_layout, verify_file, write_streamed
 
 SHARD_FORMAT = "kv-handoff/cache-shard/v1"
 MANIFEST = "manifest.json"
@@ -87,74 +87,147 @@ def paired_split(source_root: Path, target_root: Path, split: str) -> list[tuple
 
 
 @dataclass
-class ShardWriter:
-    """Collects sequences into shards and writes each full shard on a background thread.
+class _Image:
+    """A shard being filled: the data section of its file, with the keys and the values region each viewed as
+    (layers in file order, tokens, kv_heads, head_dim)."""
 
-    The model computes the next shard while the previous one is hashed and written (both release the GIL).
-    Memory: the shard being filled, at most one waiting in the queue and the one being written.
+    path: Path
+    lengths: list[int]
+    specs: dict
+    buffer: torch.Tensor  # uint8; reused from shard to shard
+    data: torch.Tensor  # uint8, the first bytes of buffer: the file's data section
+    regions: dict[str, torch.Tensor]
+    positions: torch.Tensor | None  # position of each layer's block within its region; None: layer order
+    doc_ids: list[str] = field(default_factory=list)
+    content_hashes: list[str] = field(default_factory=list)
+    filled: int = 0  # tokens placed so far
+
+
+@dataclass
+class ShardWriter:
+    """Writes each split's sequences into shards under `root/<split>/`, on one background thread.
+
+    Each split is declared with its sequences' lengths (`begin`), so a shard's file layout is known before its
+    first sequence arrives: `add` copies the sequence's keys and values straight into their place in the
+    shard's data section (one copy per kind, converting to the storage dtype), and the background thread
+    hashes and writes a full shard in one piece while the model computes the next. So the writer thread holds
+    the GIL only a few times per shard (the model thread, at small shapes, runs Python between every op), and
+    one thread serves every split, so only the very last shard is not overlapped with computing. Memory: the
+    shard being filled, at most one waiting in the queue and the one being written (their buffers are reused).
     """
 
-    folder: Path
+    root: Path
     metadata: dict
     shard_sequences: int
     dtype: torch.dtype
-    records: list[dict] = field(default_factory=list)
+    records: dict[str, list[dict]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.folder = Path(self.folder)
-        self._pending: list[tuple[str, str, list[torch.Tensor], list[torch.Tensor]]] = []
+        self.root = Path(self.root)
+        self._split: str | None = None
+        self._lengths: list[int] = []
+        self._added = 0
+        self._image: _Image | None = None
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # buffers of written shards, for reuse
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._write_loop, daemon=True)
         self._thread.start()
 
-    def add(self, doc_id: str, content_hash: str, keys_content: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """One sequence: per layer (tokens, kv_heads, head_dim) content-space keys and values."""
-        self._pending.append((doc_id, content_hash, [k.to(self.dtype) for k in keys_content],
-                              [v.to(self.dtype) for v in values]))
-        if len(self._pending) == self.shard_sequences:
+    def begin(self, split: str, lengths: list[int]) -> None:
+        """Start `split`, whose sequences (added next, in order) have these token counts."""
+        self._end_split()
+        if split in self.records:
+            raise ValueError(f"split {split!r} was already written")
+        if any(length < 1 for length in lengths):
+            raise ValueError(f"split {split!r}: every sequence needs at least one token")
+        self._split, self._lengths, self._added = split, list(lengths), 0
+        self.records[split] = []
+
+    def add(self, doc_id: str, content_hash: str, keys_content: torch.Tensor, values: torch.Tensor) -> None:
+        """The next sequence of the split: (layers, tokens, kv_heads, head_dim) content-space keys and values."""
+        if self._split is None or self._added == len(self._lengths):
+            raise ValueError(f"more sequences added than declared for split {self._split!r} ({len(self._lengths)})")
+        expected = self._lengths[self._added]
+        if keys_content.shape != values.shape or keys_content.ndim != 4 or keys_content.shape[1] != expected:
+            raise ValueError(f"sequence {doc_id!r}: keys {tuple(keys_content.shape)} and values {tuple(values.shape)}, "
+                             f"expected both (layers, {expected}, kv_heads, head_dim)")
+        if self._image is None:
+            self._image = self._open_image(keys_content.shape)
+        image = self._image
+        span = slice(image.filled, image.filled + expected)
+        for kind, rows in (("keys", keys_content), ("values", values)):
+            if image.positions is None:  # layers lie in file order (fewer than 11 layers): a plain copy
+                image.regions[kind][:, span].copy_(rows)
+            else:
+                image.regions[kind][:, span].index_copy_(0, image.positions, rows.to(self.dtype))
+        image.doc_ids.append(doc_id)
+        image.content_hashes.append(content_hash)
+        image.filled += expected
+        self._added += 1
+        if len(image.doc_ids) == len(image.lengths):
             self._flush()
 
-    def close(self) -> list[dict]:
-        if self._pending:
-            self._flush()
+    def close(self) -> dict[str, list[dict]]:
+        """Wait for every shard to be written; returns each split's shard records (file, sequences, tokens,
+        bytes, sha256) in order."""
+        self._end_split()
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
         return self.records
 
+    def _end_split(self) -> None:
+        if self._added != len(self._lengths):
+            raise ValueError(f"split {self._split!r}: {self._added} of {len(self._lengths)} declared sequences added")
+
+    def _open_image(self, shape: torch.Size) -> _Image:
+        layers, _, heads, dim = shape
+        index = len(self.records[self._split])
+        lengths = self._lengths[self._added : self._added + self.shard_sequences]
+        tokens = sum(lengths)
+        specs = {f"{kind}.{layer}": (self.dtype, (tokens, heads, dim)) for kind in KINDS for layer in range(layers)}
+        specs["lengths"] = (torch.int64, (len(lengths),))
+        ranges = data_layout(specs)
+        size = max(end for _, end in ranges.values())
+        try:
+            buffer = self._free.get_nowait()
+        except queue.Empty:
+            buffer = None
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        data = buffer[:size]
+        in_file = sorted(range(layers), key=str)  # files order tensors by name: keys.10 comes before keys.2
+        regions = {kind: data[ranges[f"{kind}.{in_file[0]}"][0] : ranges[f"{kind}.{in_file[-1]}"][1]]
+                   .view(self.dtype).view(layers, tokens, heads, dim) for kind in KINDS}
+        positions = None if in_file == list(range(layers)) else torch.tensor([in_file.index(l) for l in range(layers)])
+        start, end = ranges["lengths"]
+        data[start:end].copy_(torch.tensor(lengths, dtype=torch.int64).view(torch.uint8))
+        return _Image(self.root / self._split / f"shard-{index:05d}.safetensors", lengths, specs, buffer, data, regions,
+                      positions)
+
     def _flush(self) -> None:
         self._raise_if_failed()
-        lengths = [seq[2][0].shape[0] for seq in self._pending]
-        meta = dict(self.metadata, format=SHARD_FORMAT, shard=len(self.records),
-                    doc_ids=[seq[0] for seq in self._pending], content_hashes=[seq[1] for seq in self._pending],
-                    lengths=lengths)
-        name = f"shard-{len(self.records):05d}.safetensors"
-        self.records.append({"file": name, "sequences": len(self._pending), "tokens": sum(lengths),
-                             "bytes": None, "sha256": None})
-        self._queue.put((self.folder / name, self._pending, meta, self.records[-1]))
-        self._pending = []
-
-    @staticmethod
-    def _shard_tensors(sequences: list, lengths: list[int]) -> dict[str, torch.Tensor]:
-        """The shard's tensors: per layer, the sequences' rows concatenated (on the writer thread)."""
-        tensors = {"lengths": torch.tensor(lengths, dtype=torch.int64)}
-        for kind, slot in (("keys", 2), ("values", 3)):
-            for layer in range(len(sequences[0][slot])):
-                tensors[f"{kind}.{layer}"] = torch.cat([seq[slot][layer] for seq in sequences])  # (tokens, H, D)
-        return tensors
+        image, self._image = self._image, None
+        meta = dict(self.metadata, split=self._split, format=SHARD_FORMAT, shard=len(self.records[self._split]),
+                    doc_ids=image.doc_ids, content_hashes=image.content_hashes, lengths=image.lengths)
+        prefix = artifact_prefix(image.specs, meta)
+        record = {"file": image.path.name, "sequences": len(image.lengths), "tokens": image.filled,
+                  "bytes": len(prefix) + image.data.numel(), "sha256": None}
+        self.records[self._split].append(record)
+        self._queue.put((image, prefix, record))
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:
                 continue
-            path, sequences, meta, record = item
+            image, prefix, record = item
             try:
-                record["sha256"] = stream_artifact(path, self._shard_tensors(sequences, meta["lengths"]), meta)
-                record["bytes"] = path.stat().st_size
+                record["sha256"] = write_streamed(image.path, prefix, byte_chunks(image.data))
+                self._free.put(image.buffer)
             except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
                 self._error = err
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"writing a cache shard under {self.folder} failed: {self._error}") from self._error
+            raise RuntimeError(f"writing a cache shard under {self.root} failed: {self._error}") from self._error

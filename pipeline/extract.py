@@ -5,7 +5,7 @@
 Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
 `metrics/extract_<model>.json`. Only the decoder body runs (no logits), in `models.dtype` on `models.device`.
 Keys are RoPE-stripped in float32 (content space), values kept as cached; both stored in `extract.dtype`.
-Shards are hashed and written on a background thread while the model computes the next one, so extraction
+Shards are hashed and written on a background thread while the model computes the next ones, so extraction
 should cost little more than the slower of its two floors, measured in the same run: a plain forward over
 the same tokens, and a plain write of the same bytes to the same disk.
 """
@@ -53,8 +53,8 @@ def read_sequences(path: Path) -> pd.DataFrame:
 
 
 @torch.no_grad()
-def content_cache(model, rotation: Rotation, token_ids) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer (tokens, kv_heads, head_dim) keys in content space (float32) and values (model dtype).
+def content_cache(model, rotation: Rotation, token_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layers, tokens, kv_heads, head_dim) keys in content space (float32) and values (model dtype), on the CPU.
 
     `rotation` covers at least positions 0..len(token_ids)-1. All layers are stripped in one call: at small
     shapes the per-call overhead, not the arithmetic, is what extraction adds to the forward pass.
@@ -64,7 +64,7 @@ def content_cache(model, rotation: Rotation, token_ids) -> tuple[list[torch.Tens
     keys = torch.cat([k for k, _ in layers]).float()  # (layers, H, T, D)
     keys_content = rotation.first(ids.shape[1]).strip(keys).transpose(1, 2).cpu()  # (layers, T, H, D)
     values = torch.cat([v for _, v in layers]).transpose(1, 2).cpu()  # (layers, T, H, D)
-    return list(keys_content.unbind(0)), list(values.unbind(0))
+    return keys_content, values
 
 
 @torch.no_grad()
@@ -98,17 +98,18 @@ def write_floor(folder: Path, sizes: list[int]) -> float:
 def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], out_dir: Path, base: dict,
                    params: ExtractParams, bar) -> dict:
     """Write every split's shards under `out_dir`; returns the manifest's `splits` entry."""
-    splits = {}
-    for split, frame in frames.items():
+    for split in frames:
         for stale in (out_dir / split).glob("shard-*.safetensors"):
             stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
-        writer = ShardWriter(out_dir / split, dict(base, split=split), params.shard_sequences, parse_dtype(params.dtype))
+    writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
+    for split, frame in frames.items():
+        writer.begin(split, [len(ids) for ids in frame.token_ids])
         for doc_id, token_ids, content_hash in zip(frame.doc_id, frame.token_ids, frame.content_hash):
             writer.add(str(doc_id), str(content_hash), *content_cache(model, rotation, token_ids))
             bar.update(1)
-        records = writer.close()
-        splits[split] = {"sequences": len(frame), "tokens": sum(r["tokens"] for r in records), "shards": records}
-    return splits
+    records = writer.close()
+    return {split: {"sequences": len(frame), "tokens": sum(r["tokens"] for r in records[split]),
+                    "shards": records[split]} for split, frame in frames.items()}
 
 
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,

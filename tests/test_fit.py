@@ -82,16 +82,17 @@ def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences
     for name in ("source", "target"):
         meta = {"model": name, "model_path": name, "geometry": {"layers": source_layers if name == "source" else len(planted),
                 "kv_heads": heads, "head_dim": dim}, "rotary": {}, "dtype": "float32"}
-        writer = ShardWriter(root / name / "fit", meta, 3, torch.float32)
+        writer = ShardWriter(root / name, meta, 3, torch.float32)
         gen = torch.Generator().manual_seed(1)
+        writer.begin("fit", [length] * sequences)
         for seq in range(sequences):
             source = [torch.randn(length, heads, dim, generator=gen) for _ in range(2 * source_layers)]
             layers = source if name == "source" else [
                 (source[2 * p + kind].reshape(length, -1) @ maps[l]).reshape(length, heads, dim)
                 for l, p in planted.items() for kind in (0, 1)]
-            writer.add(f"d{seq}", f"h{seq}", layers[0::2], layers[1::2])
+            writer.add(f"d{seq}", f"h{seq}", torch.stack(layers[0::2]), torch.stack(layers[1::2]))
         records = writer.close()
-        (root / name / MANIFEST).write_text(json.dumps(dict(meta, splits={"fit": {"shards": records}})))
+        (root / name / MANIFEST).write_text(json.dumps(dict(meta, splits={"fit": {"shards": records["fit"]}})))
 
 
 def test_probe_picks_the_planted_source_layer(tmp_path):
