@@ -248,7 +248,9 @@ def _item_context(rng: random.Random, cfg: WorldConfig) -> tuple[Scene, set[str]
     """A task item's scene, the names it uses, and its context: the scene's facts, then a few statements."""
     scene = _scene(rng, cfg)
     used = {f.name for f in scene.facts}
-    return scene, used, _join(scene.text(), _sentences(_statements(rng, cfg, scene, rng.randint(*cfg.context_statements), used)))
+    statements = _statements(rng, cfg, scene, rng.randint(*cfg.context_statements), used)
+    return scene, used, _join(scene.text(), _sentences(statements))
+
 
 def _hellaswag_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str) -> dict:
     """ctx_b is the query, lowercase: lm-eval capitalizes it (str.capitalize lowercases the rest)."""
