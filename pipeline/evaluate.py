@@ -17,40 +17,38 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
 
-from pipeline.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
-from pipeline.compare import oracle_outputs, summarize, variant_rows
-from pipeline.handoff import Handoff
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import load_mapper
 from pipeline.lm_eval_model import KVTransferLM
-from pipeline.mapper import load_mapper
-from pipeline.models import ModelsParams, load_model, load_tokenizer
-from pipeline.params import load_section, spec
-from pipeline.taskeval import by_kind, evaluate_tasks
+from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
+from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.store.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
+from pipeline.store.models import ModelsParams, load_model, load_tokenizer
+from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.splits import TASKS
 
 ORACLE_OUTPUTS = Path("eval/oracle_outputs.safetensors")
+EVAL_PROMPTS = Path("data/eval.parquet")
 CONTROLS = Path("metrics/controls.json")
-TASKS = ("hellaswag", "piqa")
 BASELINES = ("oracle", "direct", "source", "zero")
 
 
 @dataclass
 class EvaluateParams:
-    baselines: list[str] = field(default_factory=lambda: ["direct", "source", "zero"])
-    mapped: dict[str, str] = field(default_factory=dict)  # variant -> mapper file
-    top_k: int = spec(64, positive=True)
-    horizon: int = spec(16, positive=True)
-    batch_size: int = spec(16, positive=True)
-    shuffle_seed: int = 0
-    threads: int = spec(1, positive=True)
+    baselines: list[str]
+    mapped: dict[str, str]  # variant -> mapper file
+    top_k: int = spec(positive=True)
+    horizon: int = spec(positive=True)
+    batch_size: int = spec(positive=True)
+    shuffle_seed: int
+    threads: int = spec(positive=True)
 
     def __post_init__(self):
-        from pipeline.params import ParamError
-
         for name in self.baselines:
             if name not in BASELINES[1:]:
                 raise ParamError(f"evaluate.baselines: unknown variant {name!r} (known: {', '.join(BASELINES[1:])})")
@@ -66,11 +64,6 @@ def require_controls_passed(path: Path = CONTROLS) -> None:
               if isinstance(entry, dict) and not entry.get("passed", False)]
     if failed:
         raise RuntimeError(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass")
-
-
-def eval_prompts() -> list[tuple[list[int], list[int]]]:
-    frame = pd.read_parquet("data/eval.parquet")
-    return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
 def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) -> Handoff:
@@ -96,16 +89,19 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
     torch.set_num_threads(params.threads)
     started = time.perf_counter()
     handoff = build_handoff(variant, params, models)
-    prompts = eval_prompts()
+    prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
         oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon)
-        save_artifact(ORACLE_OUTPUTS, oracle, {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
+        save_artifact(ORACLE_OUTPUTS, oracle,
+                      {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     else:
         oracle, meta = load_artifact(ORACLE_OUTPUTS)
         if meta["prompts"] != len(prompts):
-            raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
+            raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
+                               f"data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
     rows = variant_rows(handoff, prompts, oracle)
-    metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v for k, v in summarize(rows).items()}
+    metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
+                                       for k, v in summarize(rows).items()}
     lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size)
     with atomic_dir(Path("eval") / variant) as staging:
         files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}

@@ -23,23 +23,24 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import write_json_atomic
-from pipeline.cachefiles import MANIFEST, ShardWriter
-from pipeline.kvcache import cache_to_layers, kv_geometry
-from pipeline.models import ModelsParams, load_model, parse_dtype
-from pipeline.params import load_section, spec
-from pipeline.rope import Rotation, RotarySpec
+from pipeline.kv.kvcache import cache_to_layers, kv_geometry
+from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.cachefiles import MANIFEST, ShardWriter
+from pipeline.store.devices import parse_dtype
+from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.params import load_section, spec
 
 MODELS = ("source", "target")
 
 
 @dataclass
 class ExtractParams:
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # storage dtype of the cached keys and values
-    shard_sequences: int = spec(8, min=1)  # sequences per shard: memory is bounded by about three shards
-    splits: list[str] = spec(["fit", "select"])
-    threads: int = spec(1, min=1)
-    repeats: int = spec(1, min=1)  # timed extractions, each beside both floors; medians reported
+    dtype: Literal["float32", "bfloat16", "float16"]  # storage dtype of the cached keys and values
+    shard_sequences: int = spec(min=1)  # sequences per shard: memory is bounded by about three shards
+    splits: list[str]
+    threads: int = spec(min=1)
+    repeats: int = spec(min=1)  # timed extractions, each beside both floors; medians reported
 
 
 def read_sequences(path: Path) -> pd.DataFrame:

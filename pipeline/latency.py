@@ -1,292 +1,56 @@
-"""Stage `latency`: time to first token (TTFT) of the handoff against ordinary target prefill.
+"""Stage `latency`: time to first token of the handoff against ordinary target prefill (`measure.latency`).
 
-For a prompt c[0..n-1] (PROTOCOL.md, "Latency study"):
-
-    (a) target:   target(c[0..n-1]), last position's logits only                    -> first token
-    (b) handoff:  source body(c[0..n-2]) | strip, map, apply RoPE, cast | target(c[n-1]) -> first token
-                  "source"                 "map"                          "step"
-
-Both paths run in one process on the same inputs, alternating repeat by repeat, so drift and other
-processes' load fall on both alike; each length gets warm-up runs first. Clocks are read after a CUDA
-synchronize on a GPU. Reported per length: median and interquartile range of each path, the medians of
-(b)'s parts, speedup (a)/(b) beside the FLOP-model bound (`flops`) and the achieved fraction of it.
-
-Memory: the peak of torch-allocated bytes during one untimed run of each path, above what was allocated
-before it (the weights): `torch.cuda.max_memory_allocated` on a GPU; on a CPU the running sum of the CPU
-allocator's allocation and free events recorded by `torch.profiler`. Memory allocated outside torch's
-allocator (Python objects, BLAS scratch) is not counted.
-
-    python -m pipeline.latency          the DVC stage: params.yaml `latency`, the fitted pair and mapper
-    python -m pipeline.latency --config-shapes qwen3-v0 --device cpu [--lengths 512,2048] [--dtype bfloat16]
-                                        the same on random models of real shapes and a random mapper
+    python -m pipeline.latency
+        the DVC stage: params.yaml `latency`, the prepared pair (models/) and the mapper `latency.mapper`;
+        writes metrics/latency.json, plots/latency.csv and plots/latency.png
+    python -m pipeline.latency --config-shapes qwen3-v0 [--device cpu] [--dtype bfloat16] [--lengths 512,2048]
+        the same measurement on random models of a pair's real shapes with a random mapper; prints the
+        table (and writes --out), touches no stage output
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
-from tqdm.auto import tqdm
 
-from pipeline.artifacts import atomic_path, write_bytes_atomic, write_json_atomic
-from pipeline.flops import speedup_bound
-from pipeline.handoff import Handoff
-from pipeline.kvcache import kv_geometry
-from pipeline.mapper import load_mapper
-from pipeline.models import DTYPES, default_device, load_model
-from pipeline.params import ParamError, load_section, spec
-from pipeline.mapper import random_mapper
-from pipeline.shapes import PAIRS, pair_configs, random_model
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import load_mapper
+from pipeline.measure.latency import (
+    check_lengths,
+    flat_metrics,
+    format_table,
+    random_pair_handoff,
+    run,
+    write_plot,
+    write_table,
+)
+from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.devices import DTYPES, default_device
+from pipeline.store.models import load_model
+from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.shapes import PAIRS
 
 METRICS = Path("metrics/latency.json")
 TABLE = Path("plots/latency.csv")
 PLOT = Path("plots/latency.png")
-MIB = 2**20
 
 
 @dataclass
 class LatencyParams:
-    lengths: list[int] = spec([128, 512, 2048], min=2)  # prompt lengths n; the handoff needs n >= 2
-    warmup: int = spec(1, min=0)  # untimed runs of both paths per length
-    repeats: int = spec(5, min=1)  # timed runs of both paths per length
-    threads: int = spec(1, min=0)  # torch CPU threads; 0 keeps torch's default
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    source: str = "models/source"
-    target: str = "models/target"
-    mapper: str = "models/mapper.safetensors"
+    lengths: list[int] = spec(min=2)  # prompt lengths n; the handoff needs n >= 2
+    warmup: int = spec(min=0)  # untimed runs of both paths per length
+    repeats: int = spec(min=1)  # timed runs of both paths per length
+    threads: int = spec(min=0)  # torch CPU threads; 0 keeps torch's default
+    dtype: Literal["float32", "bfloat16", "float16"]
+    device: Literal["auto", "cpu", "cuda"]
+    mapper: str  # the mapper file timed (a stage output: models/best/... or models/mapper.safetensors)
 
     def __post_init__(self) -> None:
         check_lengths(self.lengths, "latency.lengths")
-
-
-def check_lengths(lengths: list[int], where: str) -> None:
-    if not lengths:
-        raise ParamError(f"{where}: expected at least one prompt length")
-    for index, length in enumerate(lengths):
-        if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-            raise ParamError(
-                f"{where}[{index}]: expected an integer >= 2 (a prefix for the source and a last token for the "
-                f"target), got {length!r}"
-            )
-    if len(set(lengths)) != len(lengths):
-        raise ParamError(f"{where}: repeated prompt length in {lengths}; list each length once")
-
-
-def _clock(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter_ns()
-
-
-@torch.no_grad()
-def target_first_token(target, ids: torch.Tensor):
-    """Path (a): the target prefills ids (1, n); returns its output (cache and last logits)."""
-    output = target(input_ids=ids, use_cache=True, logits_to_keep=1)
-    output.logits[0, -1].argmax().item()  # the first token, on the host as a server would need it
-    return output
-
-
-@torch.no_grad()
-def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[object, list[int]]:
-    """Path (b) for ids (1, n): the target's output and clock readings (ns) around and between its parts."""
-    device = handoff.device
-    marks = [_clock(device)]
-    source_layers = handoff.source_prefill(ids[:, :-1])
-    marks.append(_clock(device))
-    target_layers = handoff.to_target(source_layers)
-    del source_layers  # a server frees the source cache once it is mapped
-    cache = handoff.target_cache(target_layers)
-    del target_layers  # DynamicCache holds its own copy
-    marks.append(_clock(device))
-    output = handoff.target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1)
-    output.logits[0, -1].argmax().item()
-    marks.append(_clock(device))
-    return output, marks
-
-
-def time_target(target, ids: torch.Tensor) -> float:
-    start = _clock(target.device)
-    target_first_token(target, ids)
-    return (_clock(target.device) - start) / 1e6
-
-
-def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of path (b) and of each of its parts, from one run."""
-    _, marks = handoff_first_token(handoff, ids)
-    parts = {name: (marks[i + 1] - marks[i]) / 1e6 for i, name in enumerate(("source", "map", "step"))}
-    return {"handoff": (marks[-1] - marks[0]) / 1e6, **parts}
-
-
-def peak_bytes(run: Callable[[], object], device: torch.device) -> int:
-    """Peak torch-allocated bytes above the level before `run`, while it runs and while its result lives."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        result = run()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        del result
-        return peak
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        result = run()
-    del result
-    events = sorted(
-        (event.start_ns(), event.nbytes())
-        for event in profiler.profiler.kineto_results.events()
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    )
-    if not events:
-        raise RuntimeError(
-            "torch.profiler recorded no CPU memory events; this torch version does not expose them as expected, "
-            "so CPU peak memory cannot be measured (use a GPU, or update peak_bytes for this torch)"
-        )
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
-def _quantile(samples: list[float], q: float) -> float:
-    return float(torch.tensor(samples, dtype=torch.float64).quantile(q))
-
-
-def _iqr(samples: list[float]) -> float:
-    return _quantile(samples, 0.75) - _quantile(samples, 0.25)
-
-
-def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
-            progress: bool = True) -> list[dict]:
-    """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths.
-
-    Memory takes one more (untimed, profiled on a CPU) run of each path per length."""
-    target, source, mapper = handoff.target, handoff.source, handoff.mapper
-    mapper_macs = mapper.macs_per_token()
-    geometry = kv_geometry(target.config)
-    cache_bytes_per_token = 2 * geometry["layers"] * geometry["kv_heads"] * geometry["head_dim"] * target.dtype.itemsize
-    generator = torch.Generator().manual_seed(0)
-    rows = []
-    bar = tqdm(total=len(lengths) * (warmup + repeats), desc="latency", disable=not progress)
-    for length in lengths:
-        if length > target.config.max_position_embeddings:
-            print(
-                f"note: length {length} exceeds the target's max_position_embeddings "
-                f"({target.config.max_position_embeddings}); timed anyway, as time does not depend on the values",
-                file=sys.stderr,
-            )
-        ids = torch.randint(0, target.config.vocab_size, (1, length), generator=generator).to(handoff.device)
-        samples: dict[str, list[float]] = {"target": [], "handoff": [], "source": [], "map": [], "step": []}
-        bar.set_description(f"latency n={length}")
-        for repeat in range(warmup + repeats):
-            target_ms, handoff_ms = time_target(target, ids), time_handoff(handoff, ids)
-            if repeat >= warmup:
-                samples["target"].append(target_ms)
-                for name, value in handoff_ms.items():
-                    samples[name].append(value)
-            bar.update()
-        median = {name: _quantile(values, 0.5) for name, values in samples.items()}
-        bound = speedup_bound(source.config, target.config, mapper_macs, length)
-        speedup = median["target"] / median["handoff"]
-        rows.append({
-            "length": length,
-            "target_ms": median["target"],
-            "target_iqr_ms": _iqr(samples["target"]),
-            "handoff_ms": median["handoff"],
-            "handoff_iqr_ms": _iqr(samples["handoff"]),
-            "source_ms": median["source"],
-            "map_ms": median["map"],
-            "step_ms": median["step"],
-            "map_share": median["map"] / median["handoff"],
-            "speedup": speedup,
-            "bound": bound,
-            "fraction_of_bound": speedup / bound,
-            "cache_mib": length * cache_bytes_per_token / MIB,
-        })
-        if memory:
-            rows[-1]["target_peak_mib"] = peak_bytes(lambda: target_first_token(target, ids), handoff.device) / MIB
-            rows[-1]["handoff_peak_mib"] = peak_bytes(lambda: handoff_first_token(handoff, ids), handoff.device) / MIB
-    bar.close()
-    return rows
-
-
-def environment(handoff: Handoff, repeats: int, warmup: int) -> dict:
-    device = handoff.device
-    mapper = handoff.mapper
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(handoff.target.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "repeats": repeats,
-        "warmup": warmup,
-        "mapper_family": mapper.family,
-        "mapper_k": mapper.k,
-        "memory_method": (
-            "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
-        ),
-    }
-
-
-def flat_metrics(rows: list[dict], env: dict) -> dict:
-    metrics = dict(env)
-    for row in rows:
-        for key, value in row.items():
-            if key != "length":
-                metrics[f"len{row['length']}_{key}"] = value
-    return metrics
-
-
-def format_table(rows: list[dict], env: dict) -> str:
-    columns = ("length", "target_ms", "handoff_ms", "source_ms", "map_ms", "step_ms", "speedup", "bound",
-               "fraction_of_bound", "map_share", "target_peak_mib", "handoff_peak_mib")
-    columns = [name for name in columns if name in rows[0]]
-    lines = [
-        f"device {env['device']}, dtype {env['dtype']}, {env['threads']} threads, torch {env['torch_version']}, "
-        f"median of {env['repeats']} after {env['warmup']} warm-up, mapper {env['mapper_family']} k={env['mapper_k']}",
-        " ".join(f"{name:>17}" for name in columns),
-    ]
-    for row in rows:
-        lines.append(" ".join(f"{row[name]:>17}" if name == "length" else f"{row[name]:>17.3f}" for name in columns))
-    return "\n".join(lines)
-
-
-def write_table(rows: list[dict], path: Path) -> None:
-    columns = list(rows[0])
-    text = ",".join(columns) + "\n" + "".join(",".join(f"{row[c]:.6g}" for c in columns) + "\n" for row in rows)
-    write_bytes_atomic(path, text.encode())
-
-
-def write_plot(rows: list[dict], env: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    lengths = [row["length"] for row in rows]
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for name, label in (("target", "(a) target prefill"), ("handoff", "(b) handoff")):
-        axes.errorbar(lengths, [row[f"{name}_ms"] for row in rows], yerr=[row[f"{name}_iqr_ms"] / 2 for row in rows],
-                      marker="o", capsize=3, label=label)
-    axes.plot(lengths, [row["target_ms"] / row["bound"] for row in rows], "k--", linewidth=1,
-              label="(b) at the FLOP bound")
-    axes.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (ms)",
-             title=f"TTFT (median, bars: IQR), {env['device']} {env['dtype']}, threads={env['threads']}")
-    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    axes.set_xticks(lengths, [str(n) for n in lengths])
-    axes.legend()
-    figure.tight_layout()
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
-    plt.close(figure)
 
 
 def _set_threads(threads: int) -> None:
@@ -294,17 +58,11 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int,
-        memory: bool = True) -> tuple[list[dict], dict]:
-    """Rows of `measure` and the environment they were measured in."""
-    return measure(handoff, lengths, warmup, repeats, memory), environment(handoff, repeats, warmup)
-
-
 def stage(params: LatencyParams) -> dict:
     _set_threads(params.threads)
     device = default_device() if params.device == "auto" else params.device
-    target = load_model(params.target, dtype=params.dtype, device=device)
-    source = load_model(params.source, dtype=params.dtype, device=device)
+    target = load_model("models/target", dtype=params.dtype, device=device)
+    source = load_model("models/source", dtype=params.dtype, device=device)
     handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
     rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
     metrics = flat_metrics(rows, env)
@@ -317,11 +75,7 @@ def stage(params: LatencyParams) -> dict:
 
 def shapes_benchmark(args: argparse.Namespace) -> dict:
     _set_threads(args.threads)
-    source_config, target_config = pair_configs(args.config_shapes)
-    target = random_model(target_config, args.dtype, args.device, seed=1)
-    source = random_model(source_config, args.dtype, args.device, seed=2)
-    mapper = random_mapper(source_config, target_config, args.k, args.family).to(args.device)
-    handoff = Handoff(target, source, "mapped", mapper)
+    handoff = random_pair_handoff(args.config_shapes, args.dtype, args.device, args.k, args.family)
     rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
     metrics = {**flat_metrics(rows, env), "pair": args.config_shapes}
     print(format_table(rows, env))
@@ -351,33 +105,36 @@ def _device(name: str) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.latency",
-        description="TTFT of the KV handoff vs target prefill on random models of real shapes. "
-        "Without arguments: the DVC stage (params.yaml, section latency).",
+        description="TTFT of the KV handoff vs target prefill. Without arguments: the DVC stage (params.yaml, "
+        "section latency). With --config-shapes: random models of a pair's real shapes, no stage output.",
     )
-    parser.add_argument("--config-shapes", required=True, choices=sorted(PAIRS), help="model pair to build")
-    parser.add_argument("--device", type=_device, default=default_device())
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--lengths", type=_lengths, default=[512, 2048, 8192], help="comma-separated prompt lengths")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
-    parser.add_argument("--k", type=int, default=1, help="source layers per target layer in the random mapper")
-    parser.add_argument("--family", choices=("linear", "head_matched"), default="linear")
-    parser.add_argument("--no-memory", action="store_true",
-                        help="skip the peak-memory runs (one more run of each path per length)")
-    parser.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")
+    bench = parser.add_argument_group("real-shape benchmark (only with --config-shapes)")
+    bench.add_argument("--config-shapes", choices=sorted(PAIRS), help="model pair whose shapes to build")
+    bench.add_argument("--device", type=_device, default=default_device())
+    bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    bench.add_argument("--lengths", type=_lengths, default=[512, 2048, 8192], help="comma-separated prompt lengths")
+    bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
+    bench.add_argument("--k", type=int, default=1, help="source layers per target layer in the random mapper")
+    bench.add_argument("--family", choices=("linear", "head_matched"), default="linear")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="skip the peak-memory runs (one more run of each path per length)")
+    bench.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")
     args = parser.parse_args(argv)
+    if args.config_shapes is None and argv:
+        parser.error("benchmark options need --config-shapes; the stage takes no arguments (it reads params.yaml)")
     if args.repeats < 1 or args.warmup < 0 or args.threads < 0:
         parser.error("--repeats must be >= 1, --warmup and --threads >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv:
-        shapes_benchmark(parse_args(argv))
-    else:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.config_shapes is None:
         stage(load_section(LatencyParams, "latency"))
+    else:
+        shapes_benchmark(args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Importing this module registers the model. Tokenization and the context/continuation split come from
 lm-eval's `TemplateLM`, exactly as for its stock `hf` model; only the scoring hook differs, and it runs the
-last-token protocol of `pipeline.handoff`. Model args (comma-separated `key=value`, as lm-eval passes them):
+last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=value`, as lm-eval passes them):
 
     target=<hub id or path>  source=<hub id or path>  transfer=oracle|direct|mapped|zero|shuffled
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import sys
 
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
-from pipeline.handoff import MODES, Handoff, greedy_generate, score_continuations
-from pipeline.mapper import load_mapper
-from pipeline.models import check_pair, default_device, load_model, load_tokenizer
+from pipeline.kv.handoff import MODES, Handoff, greedy_generate, score_continuations
+from pipeline.kv.mapper import load_mapper
+from pipeline.store.models import check_pair, default_device, load_model, load_tokenizer
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -68,7 +69,8 @@ class KVTransferLM(TemplateLM):
         self._setup(handoff, batch_size, max_length)
 
     @classmethod
-    def from_handoff(cls, handoff: Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None) -> "KVTransferLM":
+    def from_handoff(cls, handoff: Handoff, tokenizer, batch_size: int = 8,
+                     max_length: int | None = None) -> "KVTransferLM":
         """Wrap an already built handoff (the pipeline's stages load the models once for every metric)."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
@@ -169,8 +171,6 @@ class KVTransferLM(TemplateLM):
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's own command line, with `kv-transfer` registered by the import above."""
-    from lm_eval.__main__ import cli_evaluate
-
     sys.argv = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
     cli_evaluate()
 

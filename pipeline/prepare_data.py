@@ -4,7 +4,7 @@ Writes `fit`, `select`, `eval` (token sequences: doc_id, text, token_ids, conten
 prompt_ids and continuation_ids) and HellaSwag / PIQA items in lm-eval's own schemas, each in a `dev` and an
 `eval` part, plus the tokenizer the ids were made with (data/tokenizer). Two sources:
 
-- `generated` (tiny profile): the tiny world (`pipeline.world`), its tokenizer trained on its corpus, and
+- `generated` (tiny profile): the tiny world (`pipeline.tiny.world`), its tokenizer trained on its corpus, and
   the training corpus (data/corpus.parquet) the tiny models learn from;
 - `hub` (V0 profile): a text corpus and the HellaSwag / PIQA validation splits from the Hugging Face hub,
   or from local files (`path`), tokenized with the target model's tokenizer (data/corpus.parquet is
@@ -15,52 +15,51 @@ checked disjoint from every other by document id and content hash before anythin
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import datasets
 import pandas as pd
 
-from pipeline.artifacts import atomic_dir, atomic_path
-from pipeline.models import ModelNotAvailableError, hub_reachable, load_tokenizer
-from pipeline.params import ParamError, load_section, spec
-from pipeline.world import WorldConfig, check_disjoint, generate_world
-
-SEQUENCE_SPLITS = ("fit", "select", "eval")
-TASK_PARTS = ("dev", "eval")
+from pipeline.store.artifacts import atomic_dir, atomic_path
+from pipeline.store.models import ModelNotAvailableError, hub_reachable, load_tokenizer
+from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.splits import SEQUENCE_SPLITS, TASKS, check_disjoint, content_hash
+from pipeline.tiny.tokenizer import train_tokenizer
+from pipeline.tiny.world import WorldConfig, generate_world
 
 
 @dataclass
 class HubDataset:
-    dataset: str | None = None  # hub id, used when `path` is not given
-    config: str | None = None
-    split: str = "validation"
-    path: str | None = None  # a local .jsonl/.json/.parquet (or .txt / .raw for a corpus) instead of the hub
-    labels_path: str | None = None  # PIQA's line-aligned labels file, when `path` has no label column
+    dataset: str | None  # hub id, used when `path` is null
+    config: str | None
+    split: str
+    path: str | None  # a local .jsonl/.json/.parquet (or .txt / .raw for a corpus) instead of the hub
+    labels_path: str | None  # PIQA's line-aligned labels file, when `path` has no label column
 
 
 @dataclass
 class DataParams:
     kind: Literal["generated", "hub"]
-    seed: int = 0
-    fit_sequences: int = spec(50, positive=True)
-    select_sequences: int = spec(25, positive=True)
-    eval_prompts: int = spec(100, positive=True)
-    sequence_length: int = spec(256, positive=True)  # tokens per fit/select sequence (at most)
-    prompt_length: int = spec(128, positive=True)  # eval prompts: tokens before the continuation
-    continuation_length: int = spec(32, positive=True)
-    dev_items: int = spec(100, positive=True)  # per task
-    eval_items: int = spec(500, positive=True)  # per task
-    world: WorldConfig | None = None  # the generator's settings; its counts come from the keys above
-    tokenizer: str | None = None  # hub profile: the target's id or a local path
-    tokenizer_revision: str | None = None
-    corpus: HubDataset | None = None
-    hellaswag: HubDataset | None = None
-    piqa: HubDataset | None = None
+    seed: int
+    fit_sequences: int = spec(positive=True)
+    select_sequences: int = spec(positive=True)
+    eval_prompts: int = spec(positive=True)
+    sequence_length: int = spec(positive=True)  # tokens per fit/select sequence (at most)
+    prompt_length: int = spec(positive=True)  # eval prompts: tokens before the continuation
+    continuation_length: int = spec(positive=True)
+    dev_items: int = spec(positive=True)  # per task
+    eval_items: int = spec(positive=True)  # per task
+    world: WorldConfig | None  # generated: the generator's settings; its counts come from the keys above
+    tokenizer: str | None  # hub: the target's id or a local path
+    tokenizer_revision: str | None
+    corpus: HubDataset | None
+    hellaswag: HubDataset | None
+    piqa: HubDataset | None
 
     def __post_init__(self):
         needed = ("world",) if self.kind == "generated" else ("tokenizer", "corpus", "hellaswag", "piqa")
@@ -69,27 +68,18 @@ class DataParams:
                 raise ParamError(f"data.{name}: required when data.kind is {self.kind!r}")
 
 
-def content_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 # ---- generated (tiny world) ----
 
 def generated(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
-    from pipeline.tokenizer import train_tokenizer
-
-    world_cfg = replace(
-        params.world, fit=params.fit_sequences, select=params.select_sequences,
-        # eval documents shorter than prompt + continuation are skipped: draw spares, keep the first n
-        eval=3 * params.eval_prompts, items_per_part=max(params.dev_items, params.eval_items),
-    )
-    world = generate_world(world_cfg)
+    # eval documents shorter than prompt + continuation are skipped: draw spares, keep the first n
+    counts = {"fit": params.fit_sequences, "select": params.select_sequences, "eval": 3 * params.eval_prompts}
+    world = generate_world(params.world, counts, max(params.dev_items, params.eval_items))
     tokenizer = train_tokenizer(world["corpus"]["text"])
     frames = {"corpus": world["corpus"]}
     for split in SEQUENCE_SPLITS:
         frames[split] = tokenize_sequences(world[split], tokenizer, params, split)
     frames["eval"] = frames["eval"].head(params.eval_prompts)
-    for task in ("hellaswag", "piqa"):
+    for task in TASKS:
         frames[f"{task}_dev"] = world[f"{task}_dev"].head(params.dev_items).reset_index(drop=True)
         frames[f"{task}_eval"] = world[f"{task}_eval"].head(params.eval_items).reset_index(drop=True)
     return frames, tokenizer
@@ -140,8 +130,6 @@ def _load_rows(source: HubDataset, what: str) -> list[dict]:
                 f"Download it where the hub is reachable, or set data.{what}.path to a local file "
                 f"(.jsonl/.parquet; for the corpus also plain text)"
             )
-        import datasets
-
         rows = list(datasets.load_dataset(source.dataset, source.config, split=source.split))
     if source.labels_path:
         labels = Path(source.labels_path).read_text().split()
@@ -186,23 +174,27 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     by_id = docs.set_index("doc_id")
     # the models come from the hub, not from training here: the training corpus is empty (same schema)
     frames = {"corpus": pd.DataFrame({"doc_id": [], "kind": [], "text": [], "loss_from": [], "content_hash": []})}
-    for split, stream, wanted in zip(SEQUENCE_SPLITS, streams, (params.fit_sequences, params.select_sequences, params.eval_prompts)):
+    for split, stream, wanted in zip(SEQUENCE_SPLITS, streams,
+                                     (params.fit_sequences, params.select_sequences, params.eval_prompts)):
         chosen = []
         for doc_id in stream:  # in stream order, so the selection stays nested; skip documents too short
             if len(chosen) == wanted:
                 break
             ids = tokenizer.encode(by_id.at[doc_id, "text"])
-            if len(ids) >= (params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length):
+            if len(ids) >= (params.prompt_length + params.continuation_length if split == "eval"
+                            else params.sequence_length):
                 chosen.append(doc_id)
         if len(chosen) < wanted:
-            raise ParamError(f"data: only {len(chosen)} corpus documents are long enough for {wanted} {split} sequences")
+            raise ParamError(f"data: only {len(chosen)} corpus documents are long enough "
+                             f"for {wanted} {split} sequences")
         frames[split] = tokenize_sequences(by_id.loc[chosen].reset_index(), tokenizer, params, split)
     for task, group_of in (("hellaswag", lambda r: str(r.get("source_id") or r["ind"])), ("piqa", lambda r: r["goal"])):
         rows = _load_rows(getattr(params, task), task)
         for index, row in enumerate(rows):
             row.setdefault("ind", index)
             row["doc_id"] = f"{task}-{group_of(row)}"
-            row["content_hash"] = content_hash(json.dumps({k: row[k] for k in sorted(row) if k not in ("doc_id",)}, default=str))
+            row["content_hash"] = content_hash(json.dumps({k: row[k] for k in sorted(row) if k not in ("doc_id",)},
+                                                          default=str))
             row["kind"] = None
         groups: dict[str, list[dict]] = {}
         for row in rows:

@@ -15,34 +15,33 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
+from huggingface_hub import HfApi
+from transformers import AutoTokenizer
 
-from pipeline.artifacts import atomic_dir, write_json_atomic
-from pipeline.models import ModelNotAvailableError, ModelsParams, check_pair, hub_reachable, load_tokenizer
-from pipeline.params import load_section, spec
-from pipeline.train import TrainConfig
+from pipeline.store.artifacts import atomic_dir, write_json_atomic
+from pipeline.store.models import ModelNotAvailableError, ModelsParams, check_pair, hub_reachable, load_tokenizer
+from pipeline.store.params import load_section, spec
+from pipeline.store.shapes import shape_config
+from pipeline.store.splits import TASKS
+from pipeline.tiny.train import TrainConfig, train_model
 
 MODELS = Path("models")
 DATA = Path("data")
-TASKS = ("hellaswag", "piqa")  # their dev items are scored during training
 
 
 @dataclass
 class TrainParams:
-    threads: int = spec(1, positive=True)
-    source: TrainConfig | None = None
-    target: TrainConfig | None = None
+    threads: int = spec(positive=True)
+    source: TrainConfig | None  # required when models.kind is `trained`
+    target: TrainConfig | None
 
 
 def train_pair(train: TrainParams) -> dict:
-    from transformers import AutoTokenizer
-
-    from pipeline.train import train_model
-
     if train.source is None or train.target is None:
         raise ValueError("train.source and train.target are required when models.kind is 'trained'")
     tokenizer = AutoTokenizer.from_pretrained(DATA / "tokenizer")
@@ -50,7 +49,7 @@ def train_pair(train: TrainParams) -> dict:
     dev = {task: pd.read_parquet(DATA / f"{task}_dev.parquet") for task in TASKS}
     stats = {}
     for name, cfg in (("source", train.source), ("target", train.target)):
-        model, stats[name] = train_model(replace(cfg, threads=train.threads), tokenizer, corpus, dev)
+        model, stats[name] = train_model(cfg, tokenizer, corpus, dev, train.threads)
         with atomic_dir(MODELS / name) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
@@ -59,8 +58,6 @@ def train_pair(train: TrainParams) -> dict:
 
 
 def pin_hub_pair(models: ModelsParams) -> None:
-    from huggingface_hub import HfApi
-
     for name, model_id, revision in (("source", models.source, models.source_revision),
                                      ("target", models.target, models.target_revision)):
         if not hub_reachable():
@@ -71,19 +68,17 @@ def pin_hub_pair(models: ModelsParams) -> None:
         sha = HfApi().model_info(model_id, revision=revision).sha
         with atomic_dir(MODELS / name) as staging:
             write_json_atomic(staging / "hub.json", {"id": model_id, "revision": sha})
-    check_pair(models.source, load_tokenizer(str(MODELS / "source")), models.target, load_tokenizer(str(MODELS / "target")))
+    check_pair(models.source, load_tokenizer(str(MODELS / "source")),
+               models.target, load_tokenizer(str(MODELS / "target")))
 
 
 def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
-    from transformers import AutoTokenizer
-
-    from pipeline.shapes import shape_config
-
     tokenizer = AutoTokenizer.from_pretrained(DATA / "tokenizer")
     for offset, (name, shape) in enumerate((("source", models.source), ("target", models.target))):
         config = shape_config(shape)  # fails here, naming the shape, if it does not exist
         if len(tokenizer) > config.vocab_size:
-            raise ValueError(f"tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} (vocab {config.vocab_size})")
+            raise ValueError(f"tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} "
+                             f"(vocab {config.vocab_size})")
         with atomic_dir(MODELS / name) as staging:
             write_json_atomic(staging / "random.json", {"shape": shape, "seed": seed + offset})
             tokenizer.save_pretrained(staging)

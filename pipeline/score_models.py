@@ -14,21 +14,20 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from pipeline.artifacts import write_json_atomic
-from pipeline.models import ModelsParams, load_model
-from pipeline.params import load_section
-from pipeline.stats import paired_bootstrap
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure.stats import paired_bootstrap
+from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.params import load_section
+from pipeline.store.splits import TASKS
 
 MODELS = Path("models")
 DATA = Path("data")
-TASKS = ("hellaswag", "piqa")
 
 
 def dev_accuracy(models: ModelsParams) -> tuple[dict, pd.DataFrame]:
     """Dev-part accuracy of the target (oracle), the source alone and direct injection, per item."""
-    from pipeline.lm_eval_model import KVTransferLM
-    from pipeline.taskeval import evaluate_tasks
-
     files = {task: DATA / f"{task}_dev.parquet" for task in TASKS}
     common = dict(dtype=models.dtype, device=models.torch_device, batch_size=16)
     runs = {
@@ -82,8 +81,6 @@ def models_metrics(models: ModelsParams, seed: int = 0) -> dict:
 
 
 def _kinds(frame: pd.DataFrame) -> dict[str, float]:
-    from pipeline.taskeval import by_kind
-
     return {key.replace("/", "_") + "_acc": value for key, value in by_kind(frame).items() if "/" in key}
 
 

@@ -2,7 +2,7 @@
 
 Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
 (the rest); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
-outputs (`pipeline.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
+outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
 mean KL. The rule (default: highest agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
 for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
 V0 rows k=1 and k=4 whatever the rule picks.
@@ -18,12 +18,12 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from pipeline.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
-from pipeline.compare import oracle_outputs, summarize, variant_rows
-from pipeline.handoff import Handoff
-from pipeline.mapper import load_mapper
-from pipeline.models import ModelsParams, load_model
-from pipeline.params import load_section, spec
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import load_mapper
+from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
+from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
+from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.params import load_section, spec
 
 MAPPERS = Path("models/mappers")
 SELECTED = Path("models/mapper.safetensors")
@@ -32,11 +32,11 @@ BEST = Path("models/best")
 
 @dataclass
 class SelectParams:
-    prompt_fraction: float = spec(0.5, min=0.05, max=0.95)
-    top_k: int = spec(64, positive=True)
-    horizon: int = spec(8, positive=True)
-    rule: Literal["agreement", "perplexity", "kl"] = "agreement"
-    threads: int = spec(1, positive=True)
+    prompt_fraction: float = spec(min=0.05, max=0.95)
+    top_k: int = spec(positive=True)
+    horizon: int = spec(positive=True)
+    rule: Literal["agreement", "perplexity", "kl"]
+    threads: int = spec(positive=True)
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
@@ -53,7 +53,8 @@ def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int],
 
 def rank_key(rule: str):
     """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters."""
-    primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"], "kl": lambda s: s["mean_kl"]}[rule]
+    primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"],
+               "kl": lambda s: s["mean_kl"]}[rule]
     return lambda s: (primary(s), s["perplexity"], s["parameters"])
 
 

@@ -1,46 +1,63 @@
-"""dvc.yaml lists, for every stage, the stage's module and every pipeline module it imports (transitively),
-so a code change reruns exactly the stages it can affect."""
+"""dvc.yaml lists, for every stage, the stage's module and every pipeline module it imports (transitively,
+counting `python -m pipeline.X` subprocesses as imports), so a code change reruns exactly the stages it can
+affect; and every params section a stage loads is declared in its `params:`."""
 import ast
 from pathlib import Path
 
 import yaml
+from importgraph import closure, graph, modules
 
 ROOT = Path(__file__).resolve().parents[1]
+STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
-def imports(module: str) -> set[str]:
-    tree = ast.parse((ROOT / "pipeline" / f"{module}.py").read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeline."):
-            found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.ImportFrom) and node.module == "pipeline":
-            found |= {alias.name for alias in node.names}
-    return found
+def body(stage: dict) -> dict:
+    return stage.get("do", stage)
 
 
-def closure(module: str) -> set[str]:
-    seen, todo = set(), [module]
-    while todo:
-        current = todo.pop()
-        if current not in seen:
-            seen.add(current)
-            todo += imports(current)
-    return seen
-
-
-def stage_modules(stage: dict) -> tuple[str, set[str]]:
-    body = stage.get("do", stage)
-    module = body["cmd"].split("-m pipeline.")[1].split()[0]
-    listed = {Path(d).stem for d in body["deps"] if isinstance(d, str) and d.startswith("pipeline/")}
-    return module, listed
+def stage_module(stage: dict) -> str:
+    return "pipeline." + body(stage)["cmd"].split("-m pipeline.")[1].split()[0]
 
 
 def test_every_stage_depends_on_the_modules_it_imports():
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    for name, stage in stages.items():
-        module, listed = stage_modules(stage)
-        missing = closure(module) - listed
-        assert not missing, f"stage {name}: deps lack pipeline/{', pipeline/'.join(sorted(missing))}"
-        extra = listed - closure(module)
-        assert not extra, f"stage {name}: deps list modules it does not import: {sorted(extra)}"
+    known, imports = modules(ROOT), graph(ROOT, subprocess=True)
+    for name, stage in STAGES.items():
+        needed = {str(known[m].relative_to(ROOT)) for m in closure(stage_module(stage), imports)}
+        listed = {d for d in body(stage)["deps"] if isinstance(d, str) and d.startswith("pipeline/")}
+        assert not needed - listed, f"stage {name}: deps lack {sorted(needed - listed)}"
+        assert not listed - needed, f"stage {name}: deps list modules it does not import: {sorted(listed - needed)}"
+
+
+def test_the_controls_refit_counts_as_an_import_of_the_fit_stage():
+    assert "pipeline.fit" in closure("pipeline.controls", graph(ROOT, subprocess=True))
+    assert "pipeline.fit" not in closure("pipeline.controls", graph(ROOT))
+
+
+def sections_read(path: Path) -> set[str]:
+    """Params keys a module reads: the string argument of load_section(..., "x") and read_key("x")."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if node.func.id == "load_section" and args:
+                found.add(args[-1])
+            elif node.func.id == "read_key" and args:
+                found.add(args[0])
+            elif node.func.id == "read_params":
+                found.add("<everything>")
+    return found
+
+
+def declared(key: str, params: list) -> bool:
+    """`key` is declared when it, a section above it or keys below it are listed."""
+    names = [p for p in params if isinstance(p, str)]
+    return any(key == p or key.startswith(p + ".") or p.startswith(key + ".") for p in names)
+
+
+def test_every_params_section_a_stage_reads_is_declared():
+    for name, stage in STAGES.items():
+        module = stage_module(stage)
+        path = ROOT / (module.replace(".", "/") + ".py")
+        params = body(stage).get("params", [])
+        for key in sections_read(path):
+            assert declared(key, params), f"stage {name} reads params {key!r} but dvc.yaml does not declare it"

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipeline.kv.mapper import mlp_hidden
+
 
 @dataclass
 class MlpSettings:
@@ -42,7 +44,7 @@ def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     b2 = torch.zeros(out_width, requires_grad=True)
     params = [w1, b1, w2, b2]
     optimizer = torch.optim.Adam(params, lr=settings.lr)
-    predict = lambda x: F.gelu(x @ w1 + b1) @ w2 + b2  # noqa: E731  (N, out_width)
+    predict = lambda x: mlp_hidden(x, w1, b1) @ w2 + b2  # noqa: E731  (N, out_width)
 
     best_loss, best_epoch, best = float("inf"), -1, [p.detach().clone() for p in params]
     for epoch in range(settings.max_epochs):

@@ -19,11 +19,12 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
-from pipeline.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layers_to_cache
-from pipeline.mapper import Mapper
-from pipeline.models import IncompatiblePairError
-from pipeline.rope import Rotation, RotarySpec
+from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layers_to_cache
+from pipeline.kv.mapper import Mapper
+from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.store.models import IncompatiblePairError
 
 MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
 
@@ -192,8 +193,6 @@ def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
     """The target cache to decode from: the handoff of contexts[:, :-1], or an empty cache."""
     cache = handoff.target_cache(handoff.prefix_layers(contexts[:, :-1]), contexts.shape[0])
     if cache is None:
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=handoff.target.config)
     return cache
 

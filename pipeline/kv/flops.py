@@ -14,7 +14,7 @@ The bound is the ratio of the two totals: what the handoff could gain if time we
 """
 from __future__ import annotations
 
-from pipeline.kvcache import kv_geometry
+from pipeline.kv.kvcache import kv_geometry
 
 
 def linear_macs_per_token(config) -> int:

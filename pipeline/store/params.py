@@ -1,8 +1,9 @@
 """Typed, validated parameters: each stage parses the sections of params.yaml it reads into dataclasses.
 
 Validation happens when a stage starts: unknown keys, missing keys, wrong types and out-of-range values are
-errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`), never a silent default. Ranges and
-choices are declared on the dataclass fields with `spec(...)`.
+errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`). Values live only in params.yaml
+(composed from conf/): a parameter dataclass declares types, ranges and choices (`spec(...)`), never a
+default, so every field must be present; `null` is a value where the type allows it.
 """
 from __future__ import annotations
 
@@ -23,13 +24,9 @@ class ParamError(ValueError):
     pass
 
 
-def spec(default: Any = dataclasses.MISSING, *, min: float | None = None, max: float | None = None,
-         positive: bool = False) -> Any:
-    """A dataclass field with a declared range; `positive` means > 0."""
-    metadata = {"min": min, "max": max, "positive": positive}
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+def spec(*, min: float | None = None, max: float | None = None, positive: bool = False) -> Any:
+    """A required dataclass field with a declared range; `positive` means > 0."""
+    return dataclasses.field(metadata={"min": min, "max": max, "positive": positive})
 
 
 def read_params(path: str | Path = PARAMS_FILE) -> dict:
@@ -42,22 +39,26 @@ def read_params(path: str | Path = PARAMS_FILE) -> dict:
     return data
 
 
-def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
-    """Parse section `name` (dots for nesting) of params.yaml into `cls`."""
+def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
+    """The raw value at `name` (dots for nesting) of params.yaml."""
     data: Any = read_params(path)
     for part in name.split("."):
         if not isinstance(data, dict) or part not in data:
-            raise ParamError(f"{path}: missing section {name!r}")
+            raise ParamError(f"{path}: missing {name!r}")
         data = data[part]
-    return parse(cls, data, name)
+    return data
+
+
+def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
+    """Parse section `name` (dots for nesting) of params.yaml into `cls`."""
+    return parse(cls, read_key(name, path), name)
 
 
 def parse(cls: type[T], data: Any, where: str) -> T:
     if not isinstance(data, Mapping):
         raise ParamError(f"{where}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
-    # a dataclass may keep fields that params must not set (set by the stage from other keys)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in getattr(cls, "NOT_PARAMS", ())}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ParamError(f"{where}.{unknown[0]}: unknown parameter (known: {', '.join(fields)})")
@@ -65,9 +66,7 @@ def parse(cls: type[T], data: Any, where: str) -> T:
     for name, field in fields.items():
         key = f"{where}.{name}"
         if name not in data:
-            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-                raise ParamError(f"{key}: missing parameter")
-            continue
+            raise ParamError(f"{key}: missing parameter (every parameter is set in params.yaml / conf/)")
         values[name] = _check_range(_convert(hints[name], data[name], key), field.metadata, key)
     return cls(**values)
 

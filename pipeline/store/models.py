@@ -10,15 +10,16 @@ import hashlib
 import json
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
 
-from dataclasses import dataclass
-from typing import Literal
+from huggingface_hub import constants, snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from pipeline.store.devices import default_device, parse_dtype
+from pipeline.store.shapes import random_model, shape_config
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -30,7 +31,7 @@ class ModelsParams:
     """The `models` section: where the pair comes from and how it runs.
 
     kind `trained`: the tiny pair trained by prepare_models (source/target are unused names);
-    kind `hub`: hub ids, revisions pinned by prepare_models; kind `random`: shape names in pipeline/configs.
+    kind `hub`: hub ids, revisions pinned by prepare_models; kind `random`: shape names in pipeline/store/configs.
     Downstream stages always load `models/source` and `models/target`, which for `hub` and `random` hold
     a pointer file (hub.json / random.json) instead of weights.
     """
@@ -38,10 +39,10 @@ class ModelsParams:
     kind: Literal["trained", "hub", "random"]
     source: str
     target: str
-    source_revision: str | None = None
-    target_revision: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: Literal["cpu", "cuda", "auto"] = "auto"
+    source_revision: str | None  # hub: null resolves the current revision (recorded in models/*/hub.json)
+    target_revision: str | None
+    dtype: Literal["float32", "bfloat16", "float16"]
+    device: Literal["cpu", "cuda", "auto"]
 
     @property
     def torch_device(self) -> str:
@@ -52,21 +53,7 @@ class IncompatiblePairError(ValueError):
     pass
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})")
-    return DTYPES[name]
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def hub_reachable(timeout: float = 3.0) -> bool:
-    from huggingface_hub import constants
-
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.create_connection((host, 443), timeout=timeout).close()
@@ -79,8 +66,6 @@ def resolve(name_or_path: str, revision: str | None = None) -> str:
     """A local folder holding the model files: the path itself, or the hub snapshot for an id."""
     if Path(name_or_path).is_dir():
         return str(name_or_path)
-    from huggingface_hub import snapshot_download
-
     try:
         return snapshot_download(name_or_path, revision=revision, local_files_only=True)
     except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
@@ -89,7 +74,8 @@ def resolve(name_or_path: str, revision: str | None = None) -> str:
     if offline or not hub_reachable():
         raise ModelNotAvailableError(
             f"model {name_or_path!r}{f' (revision {revision})' if revision else ''} is neither a local folder nor "
-            f"in the local Hugging Face cache, and the hub is {'disabled (HF_HUB_OFFLINE)' if offline else 'unreachable'}. "
+            f"in the local Hugging Face cache, and the hub is "
+            f"{'disabled (HF_HUB_OFFLINE)' if offline else 'unreachable'}. "
             f"Download it on a machine with the hub (`huggingface-cli download {name_or_path}`) or pass a local path."
         )
     try:
@@ -108,15 +94,12 @@ def read_pointer(folder: str | Path) -> dict | None:
 
 
 def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None):
-    from transformers import AutoModelForCausalLM
-
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
         return load_model(pointer["id"], pointer["revision"], dtype, device)
     if pointer and pointer["kind"] == "random":
-        from pipeline.shapes import random_model, shape_config
-
-        model = random_model(shape_config(pointer["shape"]), parse_dtype(dtype), device or default_device(), pointer["seed"])
+        model = random_model(shape_config(pointer["shape"]), parse_dtype(dtype), device or default_device(),
+                             pointer["seed"])
         model.config._name_or_path = f"random:{pointer['shape']}"
         return model.eval()
     folder = resolve(name_or_path, revision)
@@ -126,8 +109,6 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None):
-    from transformers import AutoTokenizer
-
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
         return load_tokenizer(pointer["id"], pointer["revision"])

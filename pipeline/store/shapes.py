@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.initialization import no_init_weights
 
-from pipeline.models import parse_dtype
+from pipeline.store.devices import parse_dtype
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # source, target: the pairs a profile can name

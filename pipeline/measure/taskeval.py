@@ -13,7 +13,7 @@ import pandas as pd
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-from pipeline.tasks import write_task_config
+from pipeline.measure.tasks import write_task_config
 
 PREFIX = "kvh_"
 

@@ -21,30 +21,29 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from pipeline.world import render_hellaswag, render_piqa
+from pipeline.tiny.world import render_hellaswag, render_piqa
 
 RENDER = {"hellaswag": render_hellaswag, "piqa": render_piqa}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    layers: int = 3
-    hidden: int = 128
-    intermediate: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 32
-    rope_theta: float = 10000.0
-    max_positions: int = 256
-    copy_steps: int = 400  # phase 1: copy documents only
-    mixed_steps: int = 1600  # phase 2: the whole corpus
-    lr: float = 2e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.1
-    batch: int = 32
-    seed: int = 0
-    threads: int = 1
-    eval_every: int = 200
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    max_positions: int
+    copy_steps: int  # phase 1: copy documents only
+    mixed_steps: int  # phase 2: the whole corpus
+    lr: float
+    warmup: int
+    min_lr_ratio: float
+    batch: int
+    seed: int
+    eval_every: int
 
 
 def build_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
@@ -66,7 +65,8 @@ def encode_corpus(tokenizer: PreTrainedTokenizerFast, corpus: pd.DataFrame) -> t
     return docs, [len(h) for h in heads]
 
 
-def make_batch(docs: list[torch.Tensor], loss_from: list[int], picks: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(docs: list[torch.Tensor], loss_from: list[int], picks: list[int],
+               pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded batch: causal attention never lets a real token see the padding after it, so no mask."""
     width = max(len(docs[i]) for i in picks)
     input_ids = torch.full((len(picks), width), pad_id)  # (B, T)
@@ -86,10 +86,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd.DataFrame,
-                dev_items: dict[str, pd.DataFrame]) -> tuple[Qwen3ForCausalLM, dict]:
+                dev_items: dict[str, pd.DataFrame], threads: int) -> tuple[Qwen3ForCausalLM, dict]:
     """Train from scratch; dev_items maps a task name ('hellaswag', 'piqa') to its dev frame, scored every
-    eval_every steps. Deterministic given cfg (seed and threads)."""
-    torch.set_num_threads(cfg.threads)
+    eval_every steps. Deterministic given cfg and the thread count."""
+    torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tokenizer)
     docs, loss_from = encode_corpus(tokenizer, corpus)
@@ -97,7 +97,8 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
     sampler = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total = cfg.copy_steps + cfg.mixed_steps
-    stats = {"config": asdict(cfg), "parameters": sum(p.numel() for p in model.parameters()), "loss": [], "dev": []}
+    stats = {"config": {**asdict(cfg), "threads": threads}, "parameters": sum(p.numel() for p in model.parameters()),
+             "loss": [], "dev": []}
     started, eval_seconds, running = time.perf_counter(), 0.0, None
     bar = tqdm(range(total), desc=f"train h{cfg.hidden}", mininterval=5)
     for step in bar:
@@ -188,5 +189,6 @@ def decide(encoded: list[dict], lls: list[float], items: pd.DataFrame) -> pd.Dat
         cursor += len(ll)
         pick = max(range(len(ll)), key=ll.__getitem__)
         pick_norm = max(range(len(ll)), key=lambda i: ll[i] / e["lengths"][i])
-        rows.append(dict(kind=kind, gold=e["gold"], ll=ll, acc=float(pick == e["gold"]), acc_norm=float(pick_norm == e["gold"])))
+        rows.append(dict(kind=kind, gold=e["gold"], ll=ll, acc=float(pick == e["gold"]),
+                         acc_norm=float(pick_norm == e["gold"])))
     return pd.DataFrame(rows, index=items.index)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from pipeline.artifacts import ArtifactError, load_artifact, stream_artifact
-from pipeline.kvcache import Layers, kv_geometry
-from pipeline.rope import RotarySpec
+from pipeline.kv.kvcache import Layers, kv_geometry
+from pipeline.kv.rope import RotarySpec
+from pipeline.store.artifacts import ArtifactError, load_artifact, stream_artifact
 
 FORMAT = "kv-handoff/mapper/v1"
 FAMILIES = ("identity", "linear", "head_matched", "mlp")
@@ -119,21 +119,31 @@ class Mapper:
         return flat[0] if len(flat) == 1 else torch.cat(flat, dim=-1)  # (B, T, k*H_s*D_s); k=1 skips a copy
 
     def _project(self, inputs: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        weight, bias = tensors[-2:]
-        inputs = inputs.to(weight.dtype)
-        if self.family == "mlp":
-            in_weight, in_bias = tensors[:2]
-            inputs = torch.nn.functional.gelu(inputs @ in_weight + in_bias)  # (B, T, hidden)
-        if self.family == "head_matched":
-            out = torch.einsum("bhtf,hfd->bhtd", inputs, weight)  # one batched matmul for all heads
-        else:
-            out = torch.einsum("btf,hfd->bhtd", inputs, weight)  # (B, H_t, T, D_t)
-        return out + bias[None, :, None, :]
+        return project(self.family, inputs, *tensors)
 
     def to(self, device=None, dtype=None) -> "Mapper":
         move = lambda layers: [tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]  # noqa: E731
         self.keys, self.values = move(self.keys), move(self.values)
         return self
+
+
+def mlp_hidden(inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.Tensor) -> torch.Tensor:
+    """The mlp family's hidden layer, (..., F) -> (..., hidden): the same op when fitting and when mapping."""
+    return torch.nn.functional.gelu(inputs @ in_weight + in_bias)
+
+
+def project(family: str, inputs: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """One target layer's keys or values from its inputs: (B, T, F) -> (B, H_t, T, D_t); for head_matched
+    the inputs are per head, (B, H, T, k*D_s). `tensors` are the family's, in TENSOR_NAMES order."""
+    weight, bias = tensors[-2:]
+    inputs = inputs.to(weight.dtype)
+    if family == "mlp":
+        inputs = mlp_hidden(inputs, *tensors[:2])  # (B, T, hidden)
+    if family == "head_matched":
+        out = torch.einsum("bhtf,hfd->bhtd", inputs, weight)  # one batched matmul for all heads
+    else:
+        out = torch.einsum("btf,hfd->bhtd", inputs, weight)  # (B, H_t, T, D_t)
+    return out + bias[None, :, None, :]
 
 
 def identity_mapper(source: str, target: str, source_config, target_config) -> Mapper:
@@ -165,8 +175,8 @@ def load_mapper(path, device="cpu") -> Mapper:
     layers = len(meta["source_layers"])
     names = TENSOR_NAMES.get(meta.get("family"), ())
     try:
-        keys = [tuple(tensors[f"keys.{l}.{name}"] for name in names) for l in range(layers)]
-        values = [tuple(tensors[f"values.{l}.{name}"] for name in names) for l in range(layers)]
+        keys = [tuple(tensors[f"keys.{layer}.{name}"] for name in names) for layer in range(layers)]
+        values = [tuple(tensors[f"values.{layer}.{name}"] for name in names) for layer in range(layers)]
     except KeyError as err:
         raise ArtifactError(f"{path}: mapper is missing tensor {err}") from None
     return Mapper(

@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.artifacts import ArtifactError, artifact_prefix, byte_chunks, data_layout, verify_file, write_streamed
+from pipeline.store.artifacts import (
+    ArtifactError,
+    artifact_prefix,
+    byte_chunks,
+    data_layout,
+    verify_file,
+    write_streamed,
+)
 
 SHARD_FORMAT = "kv-handoff/cache-shard/v1"
 MANIFEST = "manifest.json"
@@ -56,6 +63,16 @@ def open_shard(path: Path) -> Shard:
     if meta.get("format") != SHARD_FORMAT:
         raise ArtifactError(f"{path}: not a cache shard (format {meta.get('format')!r}, expected {SHARD_FORMAT!r})")
     return Shard(Path(path), meta["doc_ids"], meta["content_hashes"], meta["lengths"])
+
+
+def first_sequence(shard: Shard, layers: int, heads: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The shard's first sequence as a content-space cache: per layer (keys, values), each (1, heads, T, head_dim)."""
+    length = shard.lengths[0]
+    out = []
+    for layer in range(layers):
+        keys, values = (shard.read(kind, [layer])[0][:length] for kind in KINDS)  # (T, H*D)
+        out.append(tuple(t.reshape(1, length, heads, head_dim).transpose(1, 2) for t in (keys, values)))
+    return out
 
 
 def read_manifest(root: Path) -> dict:
@@ -200,7 +217,8 @@ class ShardWriter:
         in_file = sorted(range(layers), key=str)  # files order tensors by name: keys.10 comes before keys.2
         regions = {kind: data[ranges[f"{kind}.{in_file[0]}"][0] : ranges[f"{kind}.{in_file[-1]}"][1]]
                    .view(self.dtype).view(layers, tokens, heads, dim) for kind in KINDS}
-        positions = None if in_file == list(range(layers)) else torch.tensor([in_file.index(l) for l in range(layers)])
+        positions = (None if in_file == list(range(layers))
+                     else torch.tensor([in_file.index(layer) for layer in range(layers)]))
         start, end = ranges["lengths"]
         data[start:end].copy_(torch.tensor(lengths, dtype=torch.int64).view(torch.uint8))
         return _Image(self.root / self._split / f"shard-{index:05d}.safetensors", lengths, specs, buffer, data, regions,

@@ -29,12 +29,12 @@ Every document is drawn from its own random stream, seeded by (world seed, split
 documents of a larger draw are the smaller draw, and the splits cannot depend on each other.
 """
 
-import hashlib
 import random
 from dataclasses import dataclass
-from typing import ClassVar
 
 import pandas as pd
+
+from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
 
 NAMES = (
     "ann", "bob", "tom", "sam", "eve", "amy", "ben", "dan", "ian", "joe",
@@ -57,45 +57,37 @@ TOWNS = (
     "seoul", "miami", "boise", "omaha", "tulsa", "kyoto", "sofia", "minsk", "accra", "paris",
 )
 OBJECT_CLASSES = 4  # the town of a name depends on its object's index modulo this: 40 x 4 = 160 global facts
-KINDS = ("recall", "gist", "knowledge")
-SEQUENCE_SPLITS = ("fit", "select", "eval")
-TASK_PARTS = ("dev", "eval")
 HELLASWAG_LABEL = "story"
 
 
 @dataclass(frozen=True)
 class WorldConfig:
-    """Everything the generator draws from; ranges are inclusive (low, high)."""
+    """Everything the generator draws from (params.yaml `data.world`); ranges are inclusive (low, high)."""
 
-    # counts come from data.fit_sequences, data.select_sequences, ... so they are not `data.world` params
-    NOT_PARAMS: ClassVar[tuple[str, ...]] = ("fit", "select", "eval", "items_per_part")
-
-    seed: int = 0
-    corpus_docs: int = 16000
-    story_share: float = 0.40
-    qa_share: float = 0.30
-    bio_share: float = 0.25  # the rest of the corpus is copy documents
-    facts: tuple[int, int] = (6, 10)
-    story_statements: tuple[int, int] = (6, 10)
-    context_statements: tuple[int, int] = (0, 3)  # statements between the facts and an item's query
-    repeat_share: float = 0.7  # of statements; the rest introduce a new name
-    knowledge_doc_share: float = 0.8  # story documents that state one or two global facts
-    bio_lines: tuple[int, int] = (12, 20)
-    copy_words: tuple[int, int] = (10, 30)
-    recall_share: float = 0.4
-    gist_share: float = 0.3  # of items and of qa documents; the rest are knowledge
-    fit: int = 50
-    select: int = 25
-    eval: int = 100
-    items_per_part: int = 200
+    seed: int
+    corpus_docs: int
+    story_share: float
+    qa_share: float
+    bio_share: float  # the rest of the corpus is copy documents
+    facts: tuple[int, int]
+    story_statements: tuple[int, int]
+    context_statements: tuple[int, int]  # statements between the facts and an item's query
+    repeat_share: float  # of statements; the rest introduce a new name
+    knowledge_doc_share: float  # story documents that state one or two global facts
+    bio_lines: tuple[int, int]
+    copy_words: tuple[int, int]
+    recall_share: float
+    gist_share: float  # of items and of qa documents; the rest are knowledge
 
     def __post_init__(self):
         for name in ("facts", "story_statements", "context_statements", "bio_lines", "copy_words"):
             low, high = getattr(self, name)
             if not 0 <= low <= high:
-                raise ValueError(f"WorldConfig.{name} must be a range (low, high) with 0 <= low <= high, got {(low, high)}")
+                raise ValueError(f"WorldConfig.{name} must be a range (low, high) with 0 <= low <= high, "
+                                 f"got {(low, high)}")
         if self.facts[0] < 4 or self.facts[1] > len(OBJECTS):
-            raise ValueError(f"WorldConfig.facts must lie in [4, {len(OBJECTS)}] (distractors need 3 other facts), got {self.facts}")
+            raise ValueError(f"WorldConfig.facts must lie in [4, {len(OBJECTS)}] (distractors need 3 other facts), "
+                             f"got {self.facts}")
         if self.story_share + self.qa_share + self.bio_share > 1 or self.recall_share + self.gist_share > 1:
             raise ValueError("WorldConfig shares of corpus kinds and of item kinds must each sum to at most 1")
 
@@ -124,10 +116,6 @@ def global_towns(seed: int) -> dict[tuple[str, int], str]:
     """The global facts: (name, object class) -> town, four distinct towns per name."""
     rng = random.Random(f"{seed}/towns")
     return {(name, c): town for name in NAMES for c, town in enumerate(rng.sample(TOWNS, OBJECT_CLASSES))}
-
-
-def content_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _stream(cfg: WorldConfig, split: str, index: int) -> random.Random:
@@ -226,7 +214,8 @@ def corpus(cfg: WorldConfig) -> pd.DataFrame:
     rows = []
     for i in range(cfg.corpus_docs):
         kind, text, loss_from = _corpus_doc(_stream(cfg, "corpus", i), cfg, towns)
-        rows.append(dict(doc_id=f"corpus-{i:06d}", kind=kind, text=text, loss_from=loss_from, content_hash=content_hash(text)))
+        rows.append(dict(doc_id=f"corpus-{i:06d}", kind=kind, text=text, loss_from=loss_from,
+                         content_hash=content_hash(text)))
     return pd.DataFrame(rows)
 
 
@@ -273,7 +262,8 @@ def _hellaswag_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str
     endings = wrong[:]
     label = rng.randint(0, 3)
     endings.insert(label, gold)
-    return dict(activity_label=HELLASWAG_LABEL, ctx_a=ctx_a, ctx_b=ctx_b, ctx=f"{ctx_a} {ctx_b}", endings=endings, label=str(label), kind=kind)
+    return dict(activity_label=HELLASWAG_LABEL, ctx_a=ctx_a, ctx_b=ctx_b, ctx=f"{ctx_a} {ctx_b}", endings=endings,
+                label=str(label), kind=kind)
 
 
 def _town_distractors(rng: random.Random, towns: dict, scene: Scene, fact: Fact, n: int) -> list[str]:
@@ -346,32 +336,16 @@ def render_piqa(item) -> tuple[str, list[str], int]:
     return f"Question: {item['goal']}\nAnswer:", [item["sol1"], item["sol2"]], int(item["label"])
 
 
-def generate_world(cfg: WorldConfig) -> dict[str, pd.DataFrame]:
-    """All frames of the world, keyed: corpus, fit, select, eval, hellaswag_dev, hellaswag_eval, piqa_dev,
-    piqa_eval. Checked disjoint by document id and content hash."""
+def generate_world(cfg: WorldConfig, sequences_per_split: dict[str, int],
+                   items_per_part: int) -> dict[str, pd.DataFrame]:
+    """All frames of the world, keyed: corpus, fit, select, eval (as many documents as `sequences_per_split`
+    says), hellaswag_dev, hellaswag_eval, piqa_dev, piqa_eval (`items_per_part` each). Checked disjoint by
+    document id and content hash."""
     world = {"corpus": corpus(cfg)}
     for split in SEQUENCE_SPLITS:
-        world[split] = sequences(cfg, split, getattr(cfg, split))
-    for task in ("hellaswag", "piqa"):
+        world[split] = sequences(cfg, split, sequences_per_split[split])
+    for task in TASKS:
         for part in TASK_PARTS:
-            world[f"{task}_{part}"] = task_items(cfg, task, part, cfg.items_per_part)
+            world[f"{task}_{part}"] = task_items(cfg, task, part, items_per_part)
     check_disjoint(world)
     return world
-
-
-class OverlapError(ValueError):
-    pass
-
-
-def check_disjoint(frames: dict[str, pd.DataFrame]) -> None:
-    """Raise OverlapError if any document id or content hash appears in two of the frames."""
-    for column in ("doc_id", "content_hash"):
-        seen: dict[str, str] = {}
-        for name, frame in frames.items():
-            if column not in frame:
-                raise ValueError(f"frame {name!r} has no {column!r} column; cannot check disjointness")
-            for value in frame[column].unique():
-                if value in seen:
-                    raise OverlapError(f"{column} {value!r} is in both {seen[value]!r} and {name!r}: "
-                                       "the splits overlap; regenerate them from distinct streams")
-                seen[value] = name

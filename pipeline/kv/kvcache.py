@@ -18,7 +18,8 @@ def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> Dynam
     """A fresh DynamicCache for the model of `config`, holding `layers` cast to its dtype and device."""
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{len(layers)} cache layers for a model of {config.num_hidden_layers} layers")
-    expected = (config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    expected = (config.num_key_value_heads,
+                getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     for index, (keys, values) in enumerate(layers):
         if (keys.shape[1], keys.shape[3]) != expected or keys.shape != values.shape:
             raise ValueError(

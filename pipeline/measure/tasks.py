@@ -10,8 +10,8 @@ from pathlib import Path
 import lm_eval
 import yaml
 
-BUILTIN = {"hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml"}
-CHANCE = {"hellaswag": 0.25, "piqa": 0.5}
+BUILTIN = {"hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml"}  # lm-eval's own definitions
+CHANCE = {"hellaswag": 0.25, "piqa": 0.5}  # accuracy of a uniform guess: 4 and 2 choices
 
 
 def builtin_yaml(task: str) -> Path:

@@ -15,6 +15,7 @@ against that stored copy:
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -22,9 +23,15 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.handoff import Handoff, greedy_rollout
+from pipeline.kv.handoff import Handoff, greedy_rollout
 
 Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
+
+
+def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
+    """The eval prompts of a sequence file (data/eval.parquet): (prompt_ids, continuation_ids) per row."""
+    frame = pd.read_parquet(path, columns=["prompt_ids", "continuation_ids"])
+    return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
 def teacher_forced(handoff: Handoff, context: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""Every candidate map for one target layer: the ridge families from shared moments, the MLP by training.
+
+- Ridge (`linear`, `head_matched`): the moments of the `max(k)` chosen source layers' inputs are accumulated
+  on all fit sequences and, separately, on the select split; every k (its top-k layers), every lambda and
+  the head-matched family are index selections of them: solved once per layer and scored in and out of
+  sample from moments, with no further pass.
+- MLP: rows of the k chosen layers are gathered and a one-hidden-layer map is trained (`mlpfit`),
+  early-stopped on the probes' held-out fit sequences.
+
+Each candidate's per-layer tensors are spilled to disk as soon as solved (`Parts`), so memory holds the
+accumulators of one layer plus one mapper; R² per candidate, layer, head and kind go to an `R2Table`.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.fitting import ridge
+from pipeline.fitting.mlpfit import MlpSettings, train_mlp
+from pipeline.fitting.probes import Pairs, held_rows
+from pipeline.kv.mapper import project
+from pipeline.store.cachefiles import KINDS
+
+
+class Candidate(NamedTuple):
+    name: str
+    family: str
+    k: int
+    ridge_lambda: float
+
+
+def ridge_candidates(families: list[str], ks: list[int], lambdas: list[float]) -> list[Candidate]:
+    return [Candidate(f"{family}_k{k}_lam{lam:g}", family, k, lam)
+            for family in families for k in ks for lam in lambdas]
+
+
+def mlp_candidates(ks: list[int]) -> list[Candidate]:
+    return [Candidate(f"mlp_k{k}", "mlp", k, 0.0) for k in ks]
+
+
+@dataclass
+class Geometry:
+    """KV heads and head_dim of source (s) and target (t)."""
+
+    heads_s: int
+    dim_s: int
+    heads_t: int
+    dim_t: int
+
+
+@dataclass
+class R2Table:
+    """R² rows (candidate, layer, head, kind, in and out of sample) and held-out R² per (candidate, kind)."""
+
+    rows: list[dict] = field(default_factory=list)
+    heldout: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+    def record(self, name: str, layer: int, kind: str, r2_fit: torch.Tensor, r2_sel: torch.Tensor,
+               ratio: float) -> None:
+        for head, (r_in, r_out) in enumerate(zip(r2_fit.tolist(), r2_sel.tolist())):
+            self.rows.append({"candidate": name, "layer": layer, "head": head, "kind": kind,
+                              "r2_in_sample": round(r_in, 6), "r2_heldout": round(r_out, 6),
+                              "param_to_sample_ratio": round(ratio, 6)})
+        self.heldout.setdefault((name, kind), []).extend(r2_sel.tolist())
+
+
+class Parts:
+    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+
+    def put(self, candidate: str, layer: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
+        named = {str(i): t.to(torch.float32).contiguous() for i, t in enumerate(tensors)}
+        save_file(named, str(self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"))
+
+    def take(self, candidate: str, layers: int, kind: str) -> list[tuple[torch.Tensor, ...]]:
+        out = []
+        for layer in range(layers):
+            path = self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"
+            named = load_file(str(path))
+            out.append(tuple(named[str(i)] for i in range(len(named))))
+            path.unlink()
+        return out
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder)
+
+
+def layer_moments(pairs: Pairs, layer: int, chosen: list[int], kind: str) -> ridge.Moments:
+    moments = None
+    for source, target in pairs:
+        x = torch.cat(source.read(kind, chosen), dim=1)  # (tokens, k * Hs*Ds), layer-major as the mapper reads
+        (y,) = target.read(kind, [layer])  # (tokens, Ht*Dt)
+        if moments is None:
+            moments = ridge.Moments.zeros(x.shape[1], y.shape[1])
+        moments.update(x, y)
+    return moments
+
+
+def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs: Pairs,
+                    candidates: list[Candidate], geometry: Geometry, parts: Parts, table: R2Table) -> None:
+    """Every ridge candidate for one target layer: one accumulation at max(k), sub-block solves."""
+    g = geometry
+    chosen_max = sorted(order[: max(c.k for c in candidates)])
+    width_s = g.heads_s * g.dim_s
+    for kind in KINDS:
+        fit_m = layer_moments(fit_pairs, layer, chosen_max, kind)
+        select_m = layer_moments(select_pairs, layer, chosen_max, kind)
+        for name, family, k, lam in candidates:
+            blocks = [chosen_max.index(p) for p in sorted(order[:k])]
+            if family == "linear":
+                inputs = torch.cat([torch.arange(b * width_s, (b + 1) * width_s) for b in blocks])  # (k*Hs*Ds,)
+                weight, bias = ridge.solve(fit_m.select(inputs), lam)  # (F, Ht*Dt), (Ht*Dt,): all heads, one solve
+                sse_fit = ridge.residual_ss(fit_m.select(inputs), weight, bias)
+                sse_sel = ridge.residual_ss(select_m.select(inputs), weight, bias)
+                tensors = (weight.reshape(-1, g.heads_t, g.dim_t).permute(1, 0, 2), bias.reshape(g.heads_t, g.dim_t))
+            else:  # head_matched: target head h reads source head h of each chosen layer: its own solve
+                weights, biases, sse_fit, sse_sel = [], [], [], []
+                for head in range(g.heads_t):
+                    inputs = torch.cat([torch.arange(b * width_s + head * g.dim_s, b * width_s + (head + 1) * g.dim_s)
+                                        for b in blocks])  # (k*Ds,)
+                    outputs = torch.arange(head * g.dim_t, (head + 1) * g.dim_t)
+                    weight, bias = ridge.solve(fit_m.select(inputs, outputs), lam)  # (k*Ds, Dt), (Dt,)
+                    sse_fit.append(ridge.residual_ss(fit_m.select(inputs, outputs), weight, bias))
+                    sse_sel.append(ridge.residual_ss(select_m.select(inputs, outputs), weight, bias))
+                    weights.append(weight)
+                    biases.append(bias)
+                sse_fit, sse_sel = torch.cat(sse_fit), torch.cat(sse_sel)
+                tensors = (torch.stack(weights), torch.stack(biases))  # (H, k*Ds, Dt), (H, Dt)
+            per_head_params = inputs.numel() + 1
+            parts.put(name, layer, kind, tensors)
+            r2_fit = ridge.pooled_r2(sse_fit, ridge.total_ss(fit_m), g.heads_t)
+            r2_sel = ridge.pooled_r2(sse_sel, ridge.total_ss(select_m), g.heads_t)
+            table.record(name, layer, kind, r2_fit, r2_sel, per_head_params / fit_m.n)
+
+
+def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: set[str]):
+    """x (N, k*Hs*Ds), y (N, Ht*Dt) float32 rows of a split and (N,) bool: rows of `held` sequences."""
+    xs, ys, masks = [], [], []
+    for source, target in pairs:
+        xs.append(torch.cat(source.read(kind, chosen), dim=1))
+        ys.append(target.read(kind, [layer])[0])
+        masks.append(held_rows(source, held))
+    return torch.cat(xs), torch.cat(ys), torch.cat(masks)
+
+
+def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mlp map on rows: x (N, F) -> (N, Ht*Dt), as the mapper computes it."""
+    out = project("mlp", x[None], *tensors)[0]  # (Ht, N, Dt)
+    return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+def fit_mlp_layer(layer: int, order: list[int], k: int, fit_pairs: Pairs, select_pairs: Pairs, held: set[str],
+                  settings: MlpSettings, heads_t: int, parts: Parts, table: R2Table) -> dict:
+    """The `mlp_k<k>` candidate for one target layer: per kind, trained with its own seed; returns the
+    training facts per kind. `settings.seed` is the fit's seed; each (layer, kind) derives its own."""
+    name = f"mlp_k{k}"
+    chosen = sorted(order[:k])
+    facts = {}
+    for kind_index, kind in enumerate(KINDS):
+        x, y, mask = gather_rows(fit_pairs, layer, chosen, kind, held)
+        own = replace(settings, seed=settings.seed * 100003 + layer * 2 + kind_index)
+        tensors, facts[kind] = train_mlp(x[~mask], y[~mask], x[mask], y[mask], heads_t, own)
+        parts.put(name, layer, kind, tensors)
+        x_sel, y_sel, _ = gather_rows(select_pairs, layer, chosen, kind, set())
+        with torch.no_grad():
+            sse = lambda x_, y_: ((y_ - predict_rows(x_, tensors)) ** 2).double().sum(0)  # noqa: E731
+            sst = lambda y_: ((y_ - y_.mean(0)) ** 2).double().sum(0)  # noqa: E731
+            r2_fit = ridge.pooled_r2(sse(x[~mask], y[~mask]), sst(y[~mask]), heads_t)
+            r2_sel = ridge.pooled_r2(sse(x_sel, y_sel), sst(y_sel), heads_t)
+        n_params = sum(t.numel() for t in tensors)
+        table.record(name, layer, kind, r2_fit, r2_sel, n_params / (int((~mask).sum()) * y.shape[1]))
+    return facts

@@ -1,0 +1,72 @@
+"""Single-layer ridge probes: which source layers predict each target layer's cache, scored on held-out
+whole sequences.
+
+Some fit sequences (a seeded share) are held out; for every target layer l and source layer p a
+single-layer ridge is fitted on the rest and scored on them (R², per kind). One pass over the shards
+serves a group of target layers for all source layers, the group sized so the float64 accumulators fit a
+byte budget; `ranking` orders the source layers for each target layer from best to worst.
+"""
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.fitting import ridge
+from pipeline.store.cachefiles import KINDS, Shard
+
+Pairs = list[tuple[Shard, Shard]]
+
+
+def holdout_sequences(pairs: Pairs, fraction: float, seed: int) -> set[str]:
+    """doc_ids of a seeded share of the split's sequences (at least one, never all)."""
+    doc_ids = [doc for source, _ in pairs for doc in source.doc_ids]
+    if len(doc_ids) < 2:
+        raise ValueError(f"the fit split has {len(doc_ids)} sequence(s); holding out whole sequences needs 2 or more")
+    count = min(len(doc_ids) - 1, max(1, round(fraction * len(doc_ids))))
+    order = torch.randperm(len(doc_ids), generator=torch.Generator().manual_seed(seed))
+    return {doc_ids[i] for i in order[:count].tolist()}
+
+
+def held_rows(shard: Shard, held: set[str]) -> torch.Tensor:
+    """(tokens,) bool: rows of the shard's sequences that are in `held`."""
+    flags = torch.tensor([doc in held for doc in shard.doc_ids])
+    return flags.repeat_interleave(torch.tensor(shard.lengths))
+
+
+def _groups(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
+             ridge_lambda: float, budget_bytes: float) -> dict[str, torch.Tensor]:
+    """Held-out R² of single-layer ridge probes: per kind (target_layers, source_layers)."""
+    # per pass: 2 kinds x (train, held) x source_layers x (X^T X + X^T Y over the group's target columns)
+    fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
+    group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
+    scores = {kind: torch.zeros(target_layers, source_layers, dtype=torch.float64) for kind in KINDS}
+    for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes"):
+        out_width = len(targets) * width_t
+        moments = {(kind, split, p): ridge.Moments.zeros(width_s, out_width)
+                   for kind in KINDS for split in ("train", "held") for p in range(source_layers)}
+        for source, target in pairs:
+            mask = held_rows(source, held)
+            for kind in KINDS:
+                y = torch.cat(target.read(kind, targets), dim=1)  # (tokens, G * Ht*Dt)
+                for p in range(source_layers):
+                    (x,) = source.read(kind, [p])  # (tokens, Hs*Ds)
+                    moments[kind, "train", p].update(x[~mask], y[~mask])
+                    moments[kind, "held", p].update(x[mask], y[mask])
+        for kind in KINDS:
+            for p in range(source_layers):
+                weight, bias = ridge.solve(moments[kind, "train", p], ridge_lambda)
+                held_m = moments[kind, "held", p]
+                r2 = ridge.pooled_r2(ridge.residual_ss(held_m, weight, bias), ridge.total_ss(held_m), len(targets))
+                scores[kind][targets, p] = r2
+        del moments
+    return scores
+
+
+def ranking(scores: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Per target layer, source layers from best to worst probe (mean of key and value R²; ties to lower index)."""
+    mean = sum(scores.values()) / len(scores)  # (L_t, L_s)
+    return [torch.sort(-row, stable=True).indices.tolist() for row in mean]

@@ -1,0 +1,1 @@
+"""Measuring a variant: paired statistics, lm-eval tasks on local files, agreement with the oracle, latency."""

@@ -1,0 +1,1 @@
+"""The embedded tiny world: its tokenizer, its generator, and the training of the tiny pair."""

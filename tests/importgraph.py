@@ -1,0 +1,86 @@
+"""The import graph of a package tree, read from source (nothing is imported): modules by dotted name, their
+`pipeline.*` imports, and `python -m pipeline.X` subprocess calls, which the dvc.yaml deps count as imports."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+
+def modules(root: Path, package: str = "pipeline") -> dict[str, Path]:
+    """Dotted name -> file for every module under root/package (package __init__ files left out)."""
+    base = root / package
+    return {".".join(path.relative_to(root).with_suffix("").parts): path
+            for path in sorted(base.rglob("*.py")) if path.name != "__init__.py"}
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    return name if name in known else None
+
+
+def edges(path: Path, known: dict[str, Path], package: str = "pipeline") -> dict[str, list[tuple[str, int, bool]]]:
+    """Imports of one file: {"import": [(module, line, inside_function)], "subprocess": [(module, line, False)]}."""
+    tree = ast.parse(path.read_text())
+    found: dict[str, list[tuple[str, int, bool]]] = {"import": [], "subprocess": []}
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nested = {id(inner) for fn in functions for inner in ast.walk(fn) if inner is not fn}
+    for node in ast.walk(tree):
+        inside = id(node) in nested
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                     for alias in node.names]
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            items = [e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else None for e in node.elts]
+            for flag, target in zip(items, items[1:]):
+                if flag == "-m" and target and target.split(".")[0] == package:
+                    found["subprocess"].append((target, node.lineno, False))
+            continue
+        for name in names:
+            if name.split(".")[0] == package and _resolve(name, known):
+                found["import"].append((name, node.lineno, inside))
+    return found
+
+
+def graph(root: Path, package: str = "pipeline", subprocess: bool = False) -> dict[str, set[str]]:
+    known = modules(root, package)
+    out = {}
+    for name, path in known.items():
+        found = edges(path, known, package)
+        out[name] = ({m for m, _, _ in found["import"]}
+                     | ({m for m, _, _ in found["subprocess"]} if subprocess else set()))
+    return out
+
+
+def closure(start: str, graph_: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += graph_[current]
+    return seen
+
+
+def cycle(graph_: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph_[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph_):
+        if node not in state and (found := visit(node)):
+            return found
+    return None

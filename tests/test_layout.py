@@ -1,0 +1,97 @@
+"""The house rules of pipeline/: stages at the top import wings; wings never import a stage or the lm-eval
+face; inside the wings imports only go down the one order `pipeline.WINGS` declares; no cycle, no import
+hidden in a function. Checked from source on the real tree, and shown to catch each breach on a fake one."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+from importgraph import cycle, edges, graph, modules
+
+from pipeline import WINGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dvc_stages(root: Path) -> set[str]:
+    """Stage modules: the `python -m pipeline.<module>` of each dvc.yaml stage."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    return {"pipeline." + s.get("do", s)["cmd"].split("-m pipeline.")[1].split()[0] for s in stages.values()}
+
+
+def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) -> list[str]:
+    known = modules(root)
+    order = [f"pipeline.{wing}.{name}" for wing, names in wings.items() for name in names]
+    rank = {name: i for i, name in enumerate(order)}
+    found = []
+    for wing, names in wings.items():
+        present = {p.stem for p in (root / "pipeline" / wing).glob("*.py") if p.name != "__init__.py"}
+        if present != set(names):
+            found.append(f"wing {wing}: files {sorted(present)} but pipeline.WINGS lists {sorted(names)}")
+        init = root / "pipeline" / wing / "__init__.py"
+        if any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(ast.parse(init.read_text()))):
+            found.append(f"{init.relative_to(root)}: a wing's __init__ holds its docstring only, no imports")
+    top = {name for name in known if name.count(".") == 1}
+    for name, path in known.items():
+        for target, line, inside in edges(path, known)["import"]:
+            where = f"{path.relative_to(root)}:{line}"
+            if inside:
+                found.append(f"{where}: imports {target} inside a function (a hidden dependency)")
+            if name in rank and target in top:
+                found.append(f"{where}: wing module {name} imports {target}, which is not a wing")
+            elif name in rank and rank.get(target, -1) >= rank[name]:
+                found.append(f"{where}: {name} imports {target}, which is not before it in pipeline.WINGS")
+            elif name in stages and target in stages:
+                found.append(f"{where}: stage {name} imports stage {target}")
+    loop = cycle(graph(root))
+    if loop:
+        found.append("import cycle: " + " -> ".join(loop))
+    return found
+
+
+def test_the_real_tree_keeps_the_house_rules():
+    assert violations(ROOT, dvc_stages(ROOT), WINGS) == []
+
+
+def test_every_top_level_module_is_a_stage_or_the_lm_eval_face():
+    top = {name for name in modules(ROOT) if name.count(".") == 1}
+    assert top - dvc_stages(ROOT) == {"pipeline.lm_eval_model"}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """A tree that keeps the rules: wings a < b, a stage s importing b.top."""
+    files = {"pipeline/__init__.py": "", "pipeline/s.py": "from pipeline.b.top import f\n",
+             "pipeline/t.py": "", "pipeline/a/__init__.py": '"""a."""\n', "pipeline/a/low.py": "",
+             "pipeline/a/high.py": "from pipeline.a import low\n", "pipeline/b/__init__.py": "",
+             "pipeline/b/top.py": "from pipeline.a.high import g\n\n\ndef f():\n    return g\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def check(**edits) -> list[str]:
+        for name, text in edits.items():
+            (tmp_path / name).write_text(text)
+        return violations(tmp_path, {"pipeline.s", "pipeline.t"}, {"a": ("low", "high"), "b": ("top",)})
+    return check
+
+
+def test_the_fake_tree_passes(fake):
+    assert fake() == []
+
+
+@pytest.mark.parametrize("edits, message", [
+    ({"pipeline/a/low.py": "from pipeline import s\n"}, "wing module pipeline.a.low imports pipeline.s"),
+    ({"pipeline/a/low.py": "from pipeline.a.high import g\n"},
+     "pipeline.a.low imports pipeline.a.high, which is not before"),
+    ({"pipeline/a/high.py": "import pipeline.b.top\n"}, "pipeline.a.high imports pipeline.b.top, which is not before"),
+    ({"pipeline/s.py": "from pipeline.t import x\n"}, "stage pipeline.s imports stage pipeline.t"),
+    ({"pipeline/s.py": "def f():\n    from pipeline.a import low\n"}, "imports pipeline.a.low inside a function"),
+    ({"pipeline/s.py": "from pipeline.t import x\n", "pipeline/t.py": "from pipeline import s\n"}, "import cycle"),
+    ({"pipeline/a/extra.py": ""}, "wing a: files"),
+    ({"pipeline/a/__init__.py": "from pipeline.a import low\n"}, "holds its docstring only"),
+])
+def test_each_breach_is_named(fake, edits, message):
+    assert any(message in v for v in fake(**edits)), fake(**edits)
