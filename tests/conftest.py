@@ -1,12 +1,15 @@
 """Shared fixtures: a locally trained tokenizer and tiny Qwen3 models built in the test, no network."""
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -15,25 +18,43 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"  # real rows with their provenance: tests/data/README.md
+HELLASWAG = DATA / "hellaswag" / "hellaswag_val_300.jsonl"
+PIQA, PIQA_LABELS = DATA / "piqa" / "valid_300.jsonl", DATA / "piqa" / "valid-labels_300.lst"
+WIKITEXT = DATA / "wikitext2" / "wiki.test.first15.raw"
 EOS = "<|endoftext|>"
 
 
-def shared_file(*parts: str) -> Path:
-    path = SHARED.joinpath(*parts)
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: the tests read real rows from ../shared/data")
-    return path
-
-
 def hellaswag_rows(n: int) -> list[dict]:
-    with open(shared_file("hellaswag", "hellaswag_val_1000.jsonl")) as f:
-        return [json.loads(line) for _, line in zip(range(n), f)]
+    with open(HELLASWAG) as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f)]
+    assert len(rows) == n, f"{HELLASWAG} has {len(rows)} rows, {n} asked"
+    return rows
 
 
 def piqa_rows(n: int) -> list[dict]:
-    with open(shared_file("piqa", "valid.jsonl")) as f, open(shared_file("piqa", "valid-labels.lst")) as g:
-        return [dict(json.loads(line), label=int(label)) for _, line, label in zip(range(n), f, g)]
+    with open(PIQA) as f, open(PIQA_LABELS) as g:
+        rows = [dict(json.loads(line), label=int(label)) for _, line, label in zip(range(n), f, g)]
+    assert len(rows) == n, f"{PIQA} has {len(rows)} rows, {n} asked"
+    return rows
+
+
+def merge(base: dict, override: dict) -> dict:
+    """`base` with `override` merged in: nested mappings merge, any other value replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
+def committed(section: str, **overrides) -> dict:
+    """A section of the committed params.yaml (dots for nesting) with `overrides` merged in: tests start from
+    the values the pipeline runs with, since parameter classes have no defaults."""
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for part in section.split("."):
+        data = data[part]
+    return merge(data, overrides)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -54,9 +75,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 def task_texts() -> list[str]:
     texts = []
-    for row in hellaswag_rows(1000):
+    for row in hellaswag_rows(300):
         texts += [row["activity_label"], row["ctx"], *row["endings"]]
-    for row in piqa_rows(1838):
+    for row in piqa_rows(300):
         texts += [f"Question: {row['goal']}\nAnswer:", row["sol1"], row["sol2"]]
     return texts
 
@@ -110,8 +131,7 @@ def periodic_batch(generator: torch.Generator, batch: int, length: int, vocab: i
     return torch.stack(rows)  # (batch, length)
 
 
-@pytest.fixture(scope="session")
-def periodic_model() -> Qwen3ForCausalLM:
+def train_periodic_model() -> Qwen3ForCausalLM:
     """A tiny model trained briefly on periodic text, so its continuations depend on the cached prefix."""
     vocab, length = 32, 40
     model = build_model(tiny_config(vocab, 64), seed=0).train()
@@ -124,3 +144,18 @@ def periodic_model() -> Qwen3ForCausalLM:
         loss.backward()
         optimizer.step()
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def periodic_model(request) -> Qwen3ForCausalLM:
+    """`train_periodic_model`'s result, cached in pytest's cache folder (.pytest_cache) keyed by the source of
+    the code that trains it and the torch version: training is not what the tests that use it check."""
+    code = "".join(inspect.getsource(f) for f in (train_periodic_model, periodic_batch, tiny_config, build_model))
+    key = hashlib.sha256(f"{code}{torch.__version__}".encode()).hexdigest()[:16]
+    cache = getattr(request.config, "cache", None)
+    if cache is None:  # pytest run with -p no:cacheprovider
+        return train_periodic_model()
+    folder = cache.mkdir("periodic_model") / key
+    if not (folder / "config.json").is_file():
+        train_periodic_model().save_pretrained(folder)
+    return Qwen3ForCausalLM.from_pretrained(folder).eval()
