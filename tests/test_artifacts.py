@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from pipeline import artifacts
-from pipeline.artifacts import ArtifactError, load_artifact, save_artifact
+from pipeline.store import artifacts
+from pipeline.store.artifacts import ArtifactError, load_artifact, save_artifact
 
 
 def _artifact(tmp_path):

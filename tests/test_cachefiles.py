@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from pipeline.artifacts import load_artifact, stream_artifact
-from pipeline.cachefiles import SHARD_FORMAT, ShardWriter, open_split
+from pipeline.store.artifacts import load_artifact, stream_artifact
+from pipeline.store.cachefiles import SHARD_FORMAT, ShardWriter, open_split
 
 
 def _sequences(layers: int, lengths: list[int], seed: int = 0):

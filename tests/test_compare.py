@@ -1,10 +1,10 @@
 """Agreement with the stored oracle: the oracle agrees with itself, nulls do not, KL is exact on a full top-K."""
 import pytest
 import torch
-
 from conftest import periodic_batch
-from pipeline.compare import _kl_on_top, oracle_outputs, summarize, variant_rows
-from pipeline.handoff import Handoff
+
+from pipeline.kv.handoff import Handoff
+from pipeline.measure.compare import _kl_on_top, oracle_outputs, summarize, variant_rows
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def test_oracle_against_itself_is_perfect(periodic_model, prompts):
 def test_null_controls_lose_agreement(periodic_model, prompts):
     stored = oracle_outputs(Handoff(periodic_model), prompts, top_k=64, horizon=6, progress=False)
     for mode in ("zero", "shuffled"):
-        summary = summarize(variant_rows(Handoff(periodic_model, periodic_model, mode), prompts, stored, progress=False))
+        summary = summarize(variant_rows(Handoff(periodic_model, periodic_model, mode), prompts, stored,
+                                         progress=False))
         assert summary["agreement"] < 0.8 and summary["mean_kl"] > 0.1
 
 

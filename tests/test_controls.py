@@ -3,16 +3,24 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import build_model, tiny_config, train_tokenizer
-from pipeline import controls
-from pipeline.artifacts import save_artifact
-from pipeline.controls import Tolerances, cached_decode, compatibility, corruption, deterministic_refit, rope_round_trip, serialization
-from pipeline.handoff import Handoff
-from pipeline.kvcache import cache_to_layers
-from pipeline.rope import RotarySpec
-from pipeline.mapper import save_mapper
 from test_select import linear_copy_mapper
+
+from pipeline import controls
+from pipeline.controls import (
+    Float32Tolerance,
+    cached_decode,
+    compatibility,
+    corruption,
+    deterministic_refit,
+    rope_round_trip,
+    serialization,
+)
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import cache_to_layers
+from pipeline.kv.mapper import save_mapper
+from pipeline.kv.rope import RotarySpec
+from pipeline.store.artifacts import save_artifact
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +58,10 @@ class NoisyHandoff(Handoff):
 
 def test_cached_decode(tmp_path, model):
     generator = torch.Generator().manual_seed(0)
-    prompts = [(torch.randint(0, 97, (20,), generator=generator).tolist(), torch.randint(0, 97, (6,), generator=generator).tolist())
+    prompts = [(torch.randint(0, 97, (20,), generator=generator).tolist(),
+                torch.randint(0, 97, (6,), generator=generator).tolist())
                for _ in range(4)]
-    tolerance = Tolerances(loglikelihood_abs=1e-4, decision_margin=0.0)
+    tolerance = Float32Tolerance(loglikelihood_abs=1e-4)
     good = cached_decode(model, prompts, tolerance, horizon=4, folder=tmp_path)
     assert good["passed"] and good["max_abs_delta_logprob"] < 1e-4
     torch.manual_seed(0)

@@ -4,20 +4,26 @@ import json
 import pandas as pd
 import pytest
 import torch
+from conftest import committed
 from kvworld import make_world
 
-from pipeline.cachefiles import open_split
 from pipeline.extract import ExtractParams, run
-from pipeline.kvcache import cache_to_layers
-from pipeline.models import load_model
-from pipeline.rope import RotarySpec, apply_rope
+from pipeline.kv.kvcache import cache_to_layers
+from pipeline.kv.rope import RotarySpec, apply_rope
+from pipeline.store.cachefiles import open_split
+from pipeline.store.models import load_model
+from pipeline.store.params import parse
+
+
+def extract_params(**overrides) -> ExtractParams:
+    return parse(ExtractParams, committed("extract", **{"dtype": "float32", "repeats": 1, **overrides}), "extract")
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = make_world(tmp_path_factory.mktemp("extract"), fit=7, select=3, length=20)
     metrics = run(root / "models" / "source", "source", root / "data", root / "caches" / "source",
-                  ExtractParams(shard_sequences=3))
+                  extract_params(shard_sequences=3))
     return root, metrics
 
 
@@ -58,7 +64,8 @@ def test_metrics_report_extraction_beside_both_floors(world):
 
 def test_repeated_timing_rewrites_the_same_bytes(world, tmp_path):
     root, _ = world
-    metrics = run(root / "models" / "source", "source", root / "data", tmp_path, ExtractParams(shard_sequences=3, repeats=2))
+    metrics = run(root / "models" / "source", "source", root / "data", tmp_path,
+                  extract_params(shard_sequences=3, repeats=2))
     assert metrics["repeats"] == 2
     once = open_split(root / "caches" / "source", "fit")
     twice = open_split(tmp_path, "fit")
@@ -68,7 +75,7 @@ def test_repeated_timing_rewrites_the_same_bytes(world, tmp_path):
 
 def test_model_runs_in_the_declared_dtype_and_only_the_strip_is_float32(world, tmp_path):
     root, _ = world
-    run(root / "models" / "source", "source", root / "data", tmp_path, ExtractParams(shard_sequences=3), "bfloat16")
+    run(root / "models" / "source", "source", root / "data", tmp_path, extract_params(shard_sequences=3), "bfloat16")
     assert json.loads((tmp_path / "manifest.json").read_text())["model_dtype"] == "bfloat16"
     model = load_model(str(root / "models" / "source"), dtype="bfloat16", device="cpu")
     spec = RotarySpec.from_config(model.config)

@@ -6,18 +6,24 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from conftest import committed
 from kvworld import make_world
 
-from pipeline import ridge
-from pipeline.artifacts import ArtifactError
-from pipeline.cachefiles import MANIFEST, ShardWriter, paired_split
 from pipeline.extract import ExtractParams
 from pipeline.extract import run as extract
-from pipeline.fit import FitParams, MlpParams, holdout_sequences, probe_r2, ranking
+from pipeline.fit import FitParams
 from pipeline.fit import run as fit
-from pipeline.mapper import load_mapper
+from pipeline.fitting import ridge
+from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking
+from pipeline.kv.mapper import load_mapper
+from pipeline.store.artifacts import ArtifactError
+from pipeline.store.cachefiles import MANIFEST, ShardWriter, paired_split
+from pipeline.store.params import parse
 
 REPO = Path(__file__).resolve().parents[1]
+FIT = committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], families=["linear", "head_matched"], timing_repeats=1, threads=1,
+                mlp={"ks": [1], "hidden": 16, "max_epochs": 5})
 
 
 def _data(rows=200, features=6, outputs=4, seed=0):
@@ -41,7 +47,8 @@ def test_ridge_equals_least_squares_on_the_augmented_system():
     # [X - mean, 1; sqrt(lam) I, 0] [W; b'] = [Y; 0]: penalty on W only, bias free
     xc = x - x.mean(0)
     a = torch.cat([torch.cat([xc, torch.ones(len(x), 1, dtype=x.dtype)], 1),
-                   torch.cat([lam**0.5 * torch.eye(x.shape[1], dtype=x.dtype), torch.zeros(x.shape[1], 1, dtype=x.dtype)], 1)])
+                   torch.cat([lam**0.5 * torch.eye(x.shape[1], dtype=x.dtype),
+                              torch.zeros(x.shape[1], 1, dtype=x.dtype)], 1)])
     b = torch.cat([y, torch.zeros(x.shape[1], y.shape[1], dtype=x.dtype)])
     solution = torch.linalg.lstsq(a, b).solution
     assert torch.allclose(weight, solution[:-1], atol=1e-9)
@@ -78,18 +85,19 @@ def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences
     """Random source caches; target layer l is an exact linear map of source layer planted[l] (keys and values)."""
     generator = torch.Generator().manual_seed(0)
     heads, dim = 2, 4
-    maps = {l: torch.randn(heads * dim, heads * dim, generator=generator) for l in planted}
+    maps = {layer: torch.randn(heads * dim, heads * dim, generator=generator) for layer in planted}
     for name in ("source", "target"):
-        meta = {"model": name, "model_path": name, "geometry": {"layers": source_layers if name == "source" else len(planted),
-                "kv_heads": heads, "head_dim": dim}, "rotary": {}, "dtype": "float32"}
+        meta = {"model": name, "model_path": name,
+                "geometry": {"layers": source_layers if name == "source" else len(planted),
+                             "kv_heads": heads, "head_dim": dim}, "rotary": {}, "dtype": "float32"}
         writer = ShardWriter(root / name, meta, 3, torch.float32)
         gen = torch.Generator().manual_seed(1)
         writer.begin("fit", [length] * sequences)
         for seq in range(sequences):
             source = [torch.randn(length, heads, dim, generator=gen) for _ in range(2 * source_layers)]
             layers = source if name == "source" else [
-                (source[2 * p + kind].reshape(length, -1) @ maps[l]).reshape(length, heads, dim)
-                for l, p in planted.items() for kind in (0, 1)]
+                (source[2 * p + kind].reshape(length, -1) @ maps[layer]).reshape(length, heads, dim)
+                for layer, p in planted.items() for kind in (0, 1)]
             writer.add(f"d{seq}", f"h{seq}", torch.stack(layers[0::2]), torch.stack(layers[1::2]))
         records = writer.close()
         (root / name / MANIFEST).write_text(json.dumps(dict(meta, splits={"fit": {"shards": records["fit"]}})))
@@ -101,24 +109,23 @@ def test_probe_picks_the_planted_source_layer(tmp_path):
     pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
     held = holdout_sequences(pairs, 0.25, seed=0)
     scores = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1)  # budget forces one target layer per pass
-    assert [order[0] for order in ranking(scores)] == [planted[l] for l in range(3)]
-    for l, p in planted.items():
-        assert scores["keys"][l, p] > 0.999 and scores["values"][l, p] > 0.999
+    assert [order[0] for order in ranking(scores)] == [planted[layer] for layer in range(3)]
+    for layer, p in planted.items():
+        assert scores["keys"][layer, p] > 0.999 and scores["values"][layer, p] > 0.999
 
 
 @pytest.fixture(scope="module")
 def extracted(tmp_path_factory):
     root = make_world(tmp_path_factory.mktemp("fit"), fit=10, select=4, length=24)
     for name in ("source", "target"):
-        extract(root / "models" / name, name, root / "data", root / "caches" / name, ExtractParams(shard_sequences=4))
-    (root / "params.yaml").write_text(
-        "fit:\n  ks: [1, 2]\n  lambdas: [0.01, 1.0]\n  families: [linear, head_matched]\n  timing_repeats: 1\n"
-        "  mlp:\n    ks: [1]\n    hidden: 16\n    max_epochs: 5\n")
+        extract(root / "models" / name, name, root / "data", root / "caches" / name,
+                parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"))
+    (root / "params.yaml").write_text(yaml.safe_dump({"fit": FIT}))
     return root
 
 
 def _fit_params():
-    return FitParams(mlp=MlpParams(ks=[1], hidden=16, max_epochs=5), ks=[1, 2], lambdas=[0.01, 1.0], timing_repeats=1)
+    return parse(FitParams, FIT, "fit")
 
 
 def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):

@@ -1,10 +1,16 @@
 """The FLOP model against PROTOCOL.md's figures for the Qwen3-0.6B -> Qwen3-1.7B pair."""
 import pytest
 
-from pipeline.flops import (attention_macs, handoff_macs, linear_macs_per_token, mapper_weight_count,
-                            speedup_bound, target_prefill_macs)
-from pipeline.mapper import random_mapper
-from pipeline.shapes import pair_configs
+from pipeline.kv.flops import (
+    attention_macs,
+    handoff_macs,
+    linear_macs_per_token,
+    mapper_weight_count,
+    speedup_bound,
+    target_prefill_macs,
+)
+from pipeline.kv.mapper import random_mapper
+from pipeline.store.shapes import pair_configs
 
 SOURCE, TARGET = pair_configs("qwen3-v0")
 

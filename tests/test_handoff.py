@@ -1,11 +1,11 @@
 """The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals."""
 import pytest
 import torch
-
 from conftest import build_model, periodic_batch, tiny_config
-from pipeline.handoff import Handoff, greedy_generate, score_continuations
-from pipeline.mapper import identity_mapper
-from pipeline.models import IncompatiblePairError
+
+from pipeline.kv.handoff import Handoff, greedy_generate, score_continuations
+from pipeline.kv.mapper import identity_mapper
+from pipeline.store.models import IncompatiblePairError
 
 VOCAB = 97
 
@@ -26,7 +26,8 @@ def _requests(n_contexts=4, endings=3, seed=0):
     for _ in range(n_contexts):
         context = torch.randint(0, VOCAB, (int(torch.randint(2, 40, (1,), generator=generator)),), generator=generator)
         for _ in range(endings):
-            ending = torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
+            ending = torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=generator)),),
+                                   generator=generator)
             requests.append((context.tolist(), ending.tolist()))
     return requests
 

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 import yaml
-
 from conftest import build_model, tiny_config
+
 from pipeline import latency
-from pipeline.handoff import Handoff
-from pipeline.mapper import identity_mapper, save_mapper
-from pipeline.params import ParamError
-from pipeline.mapper import random_mapper
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
+from pipeline.measure import latency as measure
+from pipeline.store.params import ParamError
 
 VOCAB = 97
 LENGTHS = [8, 40]
@@ -40,7 +40,8 @@ def stage_dir(tmp_path, monkeypatch, pair):
 
 
 def _write_params(root, **section):
-    settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "threads": 1, "dtype": "float32", "device": "cpu"}
+    settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "threads": 1, "dtype": "float32", "device": "cpu",
+                "mapper": "models/mapper.safetensors"}
     (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}}))
 
 
@@ -73,13 +74,13 @@ def test_each_handoff_timer_brackets_only_its_own_part(pair, monkeypatch):
     target, source = pair
     handoff = Handoff(target, source, "mapped", random_mapper(source.config, target.config, k=1))
     ticks, calls = [], []
-    monkeypatch.setattr(latency, "_clock", lambda device: ticks.append(len(ticks)) or len(ticks) - 1)
+    monkeypatch.setattr(measure, "_clock", lambda device: ticks.append(len(ticks)) or len(ticks) - 1)
     for name in ("source_prefill", "to_target"):
         method = getattr(handoff, name)
         monkeypatch.setattr(handoff, name, lambda *a, _m=method, _n=name: calls.append((_n, len(ticks))) or _m(*a))
     forward = target.forward
     monkeypatch.setattr(target, "forward", lambda *a, **kw: calls.append(("step", len(ticks))) or forward(*a, **kw))
-    parts = latency.time_handoff(handoff, torch.arange(12)[None])
+    parts = measure.time_handoff(handoff, torch.arange(12)[None])
     # the clock was read once before each part and once after the last: each part ran inside its own interval
     assert calls == [("source_prefill", 1), ("to_target", 2), ("step", 3)]
     assert parts == {"handoff": 3e-6, "source": 1e-6, "map": 1e-6, "step": 1e-6}
@@ -89,14 +90,14 @@ def test_handoff_path_with_the_targets_own_cache_gives_the_targets_first_logits(
     target, _ = pair
     handoff = Handoff(target, target, "mapped", identity_mapper("t", "t", target.config, target.config))
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
-    full = latency.target_first_token(target, ids).logits[0, -1]
-    handed = latency.handoff_first_token(handoff, ids)[0].logits[0, -1]
+    full = measure.target_first_token(target, ids).logits[0, -1]
+    handed = measure.handoff_first_token(handoff, ids)[0].logits[0, -1]
     assert torch.allclose(full, handed, atol=1e-4)
 
 
 def test_cpu_peak_bytes_sees_a_tensor_held_by_the_result():
     mib = 2**20
-    peak = latency.peak_bytes(lambda: torch.ones(4 * mib // 4), torch.device("cpu"))
+    peak = measure.peak_bytes(lambda: torch.ones(4 * mib // 4), torch.device("cpu"))
     assert 4 * mib <= peak < 5 * mib
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import WIKITEXT, hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from conftest import hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
 from pipeline.lm_eval_model import KVTransferLM
-from pipeline.models import IncompatiblePairError, ModelNotAvailableError
-from pipeline.tasks import write_task_config
+from pipeline.measure.tasks import write_task_config
+from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = yaml.safe_load((ROOT / "params.yaml").read_text())["tolerances"]
@@ -124,7 +124,8 @@ def test_bad_model_args_are_refused(tiny_pair):
 def test_generate_until_stops_and_matches_stock_hf(tiny_pair):
     from lm_eval.api.instance import Instance
 
-    request = Instance("generate_until", {}, ("Question: how do you boil water?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12}), 0)
+    request = Instance("generate_until", {},
+                       ("Question: how do you boil water?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12}), 0)
     ours = KVTransferLM(target=str(tiny_pair["target"]), device="cpu").generate_until([request])
     reference = stock_hf(tiny_pair["target"], torch.float32).generate_until([request])
     assert ours == reference
@@ -142,8 +143,9 @@ def test_command_line_runs_lm_eval_with_kv_transfer(tiny_pair, task_dir):
 def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):
     from lm_eval.api.instance import Instance
 
-    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "wiki.test.raw").read_text()[:3000]
-    requests = [Instance("loglikelihood_rolling", {}, (chunk,), i) for i, chunk in enumerate([text[:400], text[400:3000]])]
+    text = WIKITEXT.read_text()[:3000]
+    requests = [Instance("loglikelihood_rolling", {}, (chunk,), i)
+                for i, chunk in enumerate([text[:400], text[400:3000]])]
     ours = KVTransferLM(target=str(tiny_pair["target"]), device="cpu", max_length=64).loglikelihood_rolling(requests)
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_pair["target"]).eval()
     reference = HFLM(pretrained=model, tokenizer=__import__("transformers").AutoTokenizer.from_pretrained(

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from pipeline.artifacts import ArtifactError
-from pipeline.mapper import Mapper, load_mapper, save_mapper
+from pipeline.kv.mapper import Mapper, load_mapper, save_mapper
+from pipeline.store.artifacts import ArtifactError
 
 SOURCE = {"layers": 3, "kv_heads": 2, "head_dim": 4}
 TARGET = {"layers": 2, "kv_heads": 2, "head_dim": 6}
@@ -58,7 +58,7 @@ def test_mapper_file_round_trip(tmp_path, family):
 
 
 def test_non_mapper_artifact_is_refused(tmp_path):
-    from pipeline.artifacts import save_artifact
+    from pipeline.store.artifacts import save_artifact
 
     save_artifact(tmp_path / "x.safetensors", {"w": torch.zeros(1)}, {"format": "something-else"})
     with pytest.raises(ArtifactError, match="not a mapper file"):

@@ -1,43 +1,112 @@
-"""Parameter validation: typos, wrong types and out-of-range values are errors naming the key."""
-from dataclasses import dataclass, field
+"""Parameter validation: typos, wrong types, out-of-range values and missing keys are errors naming the key;
+values come only from params.yaml (parameter classes declare no defaults)."""
+from dataclasses import MISSING, dataclass, fields
 from typing import Literal
 
 import pytest
+import yaml
+from conftest import ROOT, committed
 
-from pipeline.params import ParamError, parse, spec
+from pipeline.controls import ControlsParams, ToleranceParams
+from pipeline.evaluate import EvaluateParams
+from pipeline.extract import ExtractParams
+from pipeline.fit import FitParams
+from pipeline.latency import LatencyParams
+from pipeline.prepare_data import DataParams
+from pipeline.prepare_models import TrainParams
+from pipeline.report import ReportParams
+from pipeline.select import SelectParams
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import ParamError, parse, spec
+
+SECTIONS = {"data": DataParams, "models": ModelsParams, "train": TrainParams, "extract": ExtractParams,
+            "fit": FitParams, "select": SelectParams, "controls": ControlsParams, "evaluate": EvaluateParams,
+            "report": ReportParams, "latency": LatencyParams, "tolerances": ToleranceParams}
+MAPPINGS = {"evaluate.mapped"}  # a mapping of variant -> file, not a set of parameters
 
 
 @dataclass
 class Inner:
-    rate: float = spec(0.1, min=0.0, max=1.0)
+    rate: float = spec(min=0.0, max=1.0)
 
 
 @dataclass
 class Section:
     steps: int = spec(positive=True)
-    lambdas: list[float] = spec([1.0], min=0.0)
-    mode: Literal["a", "b"] = "a"
-    path: str | None = None
-    inner: Inner = field(default_factory=Inner)
+    lambdas: list[float] = spec(min=0.0)
+    mode: Literal["a", "b"]
+    path: str | None
+    inner: Inner
 
 
-def test_valid_section_parses_with_defaults():
-    parsed = parse(Section, {"steps": 3, "lambdas": [0, 2.5], "inner": {"rate": 1}}, "s")
-    assert parsed == Section(steps=3, lambdas=[0.0, 2.5], inner=Inner(rate=1.0))
+VALID = {"steps": 3, "lambdas": [0, 2.5], "mode": "a", "path": None, "inner": {"rate": 1}}
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"steps": 3, "stpes": 4}, r"s\.stpes: unknown parameter"),
-    ({}, r"s\.steps: missing parameter"),
+def test_valid_section_parses():
+    assert parse(Section, VALID, "s") == Section(steps=3, lambdas=[0.0, 2.5], mode="a", path=None, inner=Inner(1.0))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"stpes": 4}, r"s\.stpes: unknown parameter"),
     ({"steps": "3"}, r"s\.steps: expected an integer"),
     ({"steps": True}, r"s\.steps: expected an integer"),
     ({"steps": 0}, r"s\.steps: expected a number > 0"),
-    ({"steps": 1, "lambdas": [1, -1]}, r"s\.lambdas\[1\]: expected a number >= 0"),
-    ({"steps": 1, "lambdas": [float("nan")]}, r"s\.lambdas\[0\]: expected a finite number"),
-    ({"steps": 1, "mode": "c"}, r"s\.mode: expected one of 'a', 'b'"),
-    ({"steps": 1, "inner": {"rate": 2}}, r"s\.inner\.rate: expected a number <= 1"),
-    ({"steps": 1, "inner": {"rat": 0.5}}, r"s\.inner\.rat: unknown parameter"),
+    ({"lambdas": [1, -1]}, r"s\.lambdas\[1\]: expected a number >= 0"),
+    ({"lambdas": [float("nan")]}, r"s\.lambdas\[0\]: expected a finite number"),
+    ({"mode": "c"}, r"s\.mode: expected one of 'a', 'b'"),
+    ({"inner": {"rate": 2}}, r"s\.inner\.rate: expected a number <= 1"),
+    ({"inner": {"rat": 0.5}}, r"s\.inner\.rat: unknown parameter"),
+    ({"inner": {}}, r"s\.inner\.rate: missing parameter"),
 ])
-def test_bad_parameters_are_named(data, message):
+def test_bad_parameters_are_named(change, message):
     with pytest.raises(ParamError, match=message):
-        parse(Section, data, "s")
+        parse(Section, {**VALID, **change}, "s")
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(Section)])
+def test_a_missing_key_is_an_error_even_where_null_is_allowed(name):
+    with pytest.raises(ParamError, match=rf"s\.{name}: missing parameter"):
+        parse(Section, {k: v for k, v in VALID.items() if k != name}, "s")
+
+
+def test_parameter_classes_declare_no_default():
+    def walk(cls):
+        for f in fields(cls):
+            yield cls, f
+            for option in getattr(f.type, "__args__", ()) + (f.type,):
+                if isinstance(option, type) and hasattr(option, "__dataclass_fields__"):
+                    yield from walk(option)
+    with_defaults = [f"{cls.__name__}.{f.name}" for section in SECTIONS.values() for cls, f in walk(section)
+                     if f.default is not MISSING or f.default_factory is not MISSING]
+    assert with_defaults == []
+
+
+def leaves(data: dict, prefix: str = ""):
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        yield name
+        if isinstance(value, dict) and name not in MAPPINGS:
+            yield from leaves(value, name + ".")
+
+
+def drop(data: dict, dotted: str) -> dict:
+    head, _, rest = dotted.partition(".")
+    return {k: (drop(v, rest) if k == head and rest else v) for k, v in data.items() if not (k == head and not rest)}
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_every_committed_key_is_required(section):
+    data = committed(section)
+    parse(SECTIONS[section], data, section)
+    for key in leaves(data, section + "."):
+        with pytest.raises(ParamError, match=rf"^{key}: missing parameter"):
+            parse(SECTIONS[section], drop(data, key.split(".", 1)[1]), section)
+
+
+def test_an_empty_mlp_section_names_its_first_key():
+    with pytest.raises(ParamError, match=r"fit\.mlp\.ks: missing parameter"):
+        parse(FitParams, committed("fit", mlp={}) | {"mlp": {}}, "fit")
+
+
+def test_every_section_of_params_yaml_has_a_parameter_class():
+    assert set(yaml.safe_load((ROOT / "params.yaml").read_text())) == set(SECTIONS) | {"profile"}

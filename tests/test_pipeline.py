@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import merge
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
@@ -26,18 +27,12 @@ REDUCED = {
 }
 
 
-def merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return out
-
-
 def run(cmd, cwd, **kw):
     # dvc runs the stages' `python -m ...` through PATH: put this interpreter's environment first
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kw)
-    assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-6000:]}")
     return result.stdout
 
 

@@ -1,33 +1,37 @@
-"""Stage prepare_data: the generated world and the hub path (on the real rows in ../shared/data)."""
+"""Stage prepare_data: the generated world and the hub path (on the real rows in tests/data)."""
 import pandas as pd
 import pytest
+from conftest import HELLASWAG, PIQA, PIQA_LABELS, WIKITEXT, committed
 from lm_eval.tasks import TaskManager, get_task_dict
 
-from conftest import shared_file
-from pipeline.models import ModelNotAvailableError
-from pipeline.params import ParamError, parse
+from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import DataParams, run
-from pipeline.tasks import write_task_config
-from pipeline.world import OverlapError, check_disjoint
+from pipeline.store.models import ModelNotAvailableError
+from pipeline.store.params import ParamError, parse
+from pipeline.store.splits import OverlapError, check_disjoint
 
-SMALL_WORLD = {"seed": 0, "corpus_docs": 300}
+SMALL_WORLD = committed("data.world", corpus_docs=300)
 SPLITS = ["fit", "select", "eval", "hellaswag_dev", "hellaswag_eval", "piqa_dev", "piqa_eval"]
 
 
 def generated_params(**overrides) -> DataParams:
-    data = dict(kind="generated", fit_sequences=6, select_sequences=4, eval_prompts=5, sequence_length=64,
-                prompt_length=30, continuation_length=10, dev_items=12, eval_items=10, world=SMALL_WORLD)
+    data = committed("data", kind="generated", fit_sequences=6, select_sequences=4, eval_prompts=5, sequence_length=64,
+                     prompt_length=30, continuation_length=10, dev_items=12, eval_items=10, world=SMALL_WORLD)
     return parse(DataParams, {**data, **overrides}, "data")
+
+
+def local(path, labels_path=None) -> dict:
+    """A `data.<name>` entry reading a local file instead of the hub."""
+    return {"dataset": None, "config": None, "split": "validation", "path": str(path),
+            "labels_path": None if labels_path is None else str(labels_path)}
 
 
 def hub_params(tmp_path, tokenizer, **overrides) -> DataParams:
     tokenizer.save_pretrained(tmp_path / "tok")
-    data = dict(
-        kind="hub", fit_sequences=4, select_sequences=3, eval_prompts=5, sequence_length=64, prompt_length=32,
-        continuation_length=16, dev_items=20, eval_items=30, tokenizer=str(tmp_path / "tok"),
-        corpus={"path": str(shared_file("wikitext2", "wiki.test.raw"))},
-        hellaswag={"path": str(shared_file("hellaswag", "hellaswag_val_1000.jsonl"))},
-        piqa={"path": str(shared_file("piqa", "valid.jsonl")), "labels_path": str(shared_file("piqa", "valid-labels.lst"))},
+    data = committed(
+        "data", kind="hub", world=None, fit_sequences=4, select_sequences=3, eval_prompts=5, sequence_length=64,
+        prompt_length=32, continuation_length=16, dev_items=20, eval_items=30, tokenizer=str(tmp_path / "tok"),
+        corpus=local(WIKITEXT), hellaswag=local(HELLASWAG), piqa=local(PIQA, PIQA_LABELS),
     )
     return parse(DataParams, {**data, **overrides}, "data")
 
@@ -82,13 +86,13 @@ def test_hub_subsamples_are_nested(tmp_path, tokenizer):
 
 
 def test_missing_hub_dataset_fails_fast_naming_it(tmp_path, tokenizer):
-    params = hub_params(tmp_path, tokenizer, hellaswag={"dataset": "Rowan/hellaswag"})
+    params = hub_params(tmp_path, tokenizer, hellaswag={**local(HELLASWAG), "dataset": "Rowan/hellaswag", "path": None})
     with pytest.raises(ModelNotAvailableError, match="Rowan/hellaswag"):
         run(params, tmp_path / "data")
 
 
 def test_missing_local_file_is_named(tmp_path, tokenizer):
-    params = hub_params(tmp_path, tokenizer, piqa={"path": str(tmp_path / "nope.jsonl")})
+    params = hub_params(tmp_path, tokenizer, piqa=local(tmp_path / "nope.jsonl"))
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         run(params, tmp_path / "data")
 
@@ -101,16 +105,17 @@ def test_deliberate_overlap_is_caught():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"kind": "generated", "world": SMALL_WORLD, "fit_sequencs": 3}, r"data\.fit_sequencs: unknown parameter"),
-    ({"kind": "generated"}, r"data\.world: required"),
-    ({"kind": "hub", "tokenizer": "x", "corpus": {}, "hellaswag": {}, "piqa": {"pth": "x"}}, r"data\.piqa\.pth: unknown"),
-    ({"kind": "generated", "world": SMALL_WORLD, "eval_items": 0}, r"data\.eval_items: expected a number > 0"),
+    ({"fit_sequencs": 3}, r"data\.fit_sequencs: unknown parameter"),
+    ({"world": None}, r"data\.world: required when data\.kind is 'generated'"),
+    ({"kind": "hub", "tokenizer": "x", "corpus": local("c.txt"), "hellaswag": local("h.jsonl"), "piqa": {"pth": "x"}},
+     r"data\.piqa\.pth: unknown"),
+    ({"eval_items": 0}, r"data\.eval_items: expected a number > 0"),
 ])
 def test_bad_data_params_are_named(data, message):
     with pytest.raises(ParamError, match=message):
-        parse(DataParams, data, "data")
+        parse(DataParams, committed("data", **data), "data")
 
 
 def test_world_counts_are_not_world_params():
     with pytest.raises(ParamError, match=r"data\.world\.fit: unknown parameter"):
-        parse(DataParams, {"kind": "generated", "world": {"fit": 10}}, "data")
+        parse(DataParams, committed("data", world={"fit": 10}), "data")

@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 from dvc.utils.hydra import compose_and_dump
+from test_params import SECTIONS
 
-from pipeline.models import ModelsParams
-from pipeline.params import parse
-from pipeline.prepare_data import DataParams
+from pipeline.store.params import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted(p.stem for p in (ROOT / "conf" / "profile").glob("*.yaml"))
@@ -29,11 +28,18 @@ def test_three_profiles_exist():
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_every_profile_validates(tmp_path, profile):
+def test_every_profile_validates_in_every_section(tmp_path, profile):
     params = compose(tmp_path, f"profile={profile}")
     assert params["profile"] == profile
-    parse(DataParams, params["data"], "data")
-    parse(ModelsParams, params["models"], "models")
+    assert set(params) == set(SECTIONS) | {"profile"}
+    for section, cls in SECTIONS.items():
+        parse(cls, params[section], section)
+
+
+def test_the_shapes_profile_is_v0_with_the_tiny_worlds_data(tmp_path):
+    v0, shapes = compose(tmp_path, "profile=qwen3-v0"), compose(tmp_path, "profile=qwen3-shapes")
+    assert shapes["fit"]["ks"] == v0["fit"]["ks"] and shapes["models"]["dtype"] == v0["models"]["dtype"]
+    assert shapes["data"]["world"] == dict(compose(tmp_path)["data"]["world"], corpus_docs=2000)
 
 
 def test_v0_profile_declares_the_v0_protocol(tmp_path):
@@ -41,4 +47,5 @@ def test_v0_profile_declares_the_v0_protocol(tmp_path):
     assert params["models"]["source"] == "Qwen/Qwen3-0.6B" and params["models"]["target"] == "Qwen/Qwen3-1.7B"
     assert params["models"]["dtype"] == "bfloat16"
     data = params["data"]
-    assert (data["fit_sequences"], data["select_sequences"], data["eval_prompts"], data["eval_items"]) == (50, 25, 100, 500)
+    assert ((data["fit_sequences"], data["select_sequences"], data["eval_prompts"], data["eval_items"])
+            == (50, 25, 100, 500))

@@ -11,13 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from conftest import merge
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 16 * 1024
 SETUP = """
 import sys, torch, pandas as pd
 from pathlib import Path
-from pipeline.shapes import random_model, shape_config
+from pipeline.store.shapes import random_model, shape_config
 root, layers, config = Path(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
 for name, shape in (('source', 'qwen3-0.6b'), ('target', 'qwen3-1.7b')):
     cfg = shape_config(shape)
@@ -25,7 +27,8 @@ for name, shape in (('source', 'qwen3-0.6b'), ('target', 'qwen3-1.7b')):
     random_model(cfg, 'bfloat16', 'cpu', seed=0).save_pretrained(root / 'models' / name)
 for split, count in (('fit', 50), ('select', 25)):
     g = torch.Generator().manual_seed(len(split))
-    rows = [dict(doc_id=f'{split}-{i}', text='', token_ids=torch.randint(0, 151936, (config['length'],), generator=g).tolist(),
+    rows = [dict(doc_id=f'{split}-{i}', text='',
+                 token_ids=torch.randint(0, 151936, (config['length'],), generator=g).tolist(),
                  content_hash=str(i)) for i in range(count)]
     (root / 'data').mkdir(exist_ok=True)
     pd.DataFrame(rows).to_parquet(root / 'data' / f'{split}.parquet')
@@ -38,17 +41,12 @@ try:
 finally:
     print('PEAK_MIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
-PARAMS = """models: {kind: random, source: qwen3-0.6b, target: qwen3-1.7b, dtype: bfloat16, device: cpu}
-extract: {dtype: bfloat16, shard_sequences: 8, threads: 2}
-fit:
-  ks: [1, 8]
-  lambdas: [1.0]
-  families: [linear, head_matched]
-  accumulator_gib: 2.0
-  threads: 2
-  timing_repeats: 1
-  mlp: {ks: []}
-"""
+PARAMS = {  # the committed params with the real shapes and the memory-bound settings of this test
+    "models": {"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b", "dtype": "bfloat16", "device": "cpu"},
+    "extract": {"dtype": "bfloat16", "shard_sequences": 8, "threads": 2, "repeats": 1},
+    "fit": {"ks": [1, 8], "lambdas": [1.0], "families": ["linear", "head_matched"], "accumulator_gib": 2.0,
+            "threads": 2, "timing_repeats": 1, "mlp": {"ks": []}},
+}
 
 
 def _peak(command: list[str], cwd: Path) -> float:
@@ -62,7 +60,8 @@ def _world(root: Path, layers: int, length: int) -> None:
     config = repr({"length": length})
     subprocess.run([sys.executable, "-c", SETUP, str(root), str(layers), config], check=True,
                    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    (root / "params.yaml").write_text(PARAMS)
+    committed = yaml.safe_load((REPO / "params.yaml").read_text())
+    (root / "params.yaml").write_text(yaml.safe_dump(merge(committed, PARAMS)))
 
 
 @pytest.mark.realshape
@@ -73,6 +72,7 @@ def test_extract_and_fit_stay_under_16_gib_at_qwen3_shapes(tmp_path):
         figures[f"extract_{name}_peak_mib"] = _peak([sys.executable, "-c", MEASURE, "pipeline.extract", name], tmp_path)
         figures[f"extract_{name}"] = json.loads((tmp_path / "metrics" / f"extract_{name}.json").read_text())
     figures["fit_peak_mib"] = _peak([sys.executable, "-c", MEASURE, "pipeline.fit"], tmp_path)
-    figures["fit"] = {k: v for k, v in json.loads((tmp_path / "metrics" / "fit.json").read_text()).items() if "/" not in k}
+    figures["fit"] = {k: v for k, v in json.loads((tmp_path / "metrics" / "fit.json").read_text()).items()
+                      if "/" not in k}
     print(json.dumps(figures, indent=1))
     assert max(v for k, v in figures.items() if k.endswith("_mib")) < LIMIT_MIB

@@ -2,8 +2,11 @@
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import committed
 
-from pipeline.report import V0, Gates, ReportParams, build, mean_retention, retention
+from pipeline.measure.retention import mean_retention, retention
+from pipeline.report import V0, ReportParams, build
+from pipeline.store.params import parse
 
 
 def test_retention_reproduces_v0_headline():
@@ -27,6 +30,10 @@ def _fake_variant(rng, acc_hs, acc_pq, agree, n=300, prompts=60):
     return metrics, items, prompt_rows
 
 
+def report_params(**overrides) -> ReportParams:
+    return parse(ReportParams, committed("report", **overrides), "report")
+
+
 def test_gates_follow_the_numbers():
     rng = np.random.default_rng(0)
     spec = {"oracle": (0.9, 0.95, 1.0), "selected": (0.85, 0.9, 0.9), "source": (0.4, 0.6, 0.3),
@@ -35,12 +42,12 @@ def test_gates_follow_the_numbers():
     for name, args in spec.items():
         metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
     controls = {"compatibility": {"passed": True}}
-    report = build(ReportParams(gates=Gates(noninferiority_margin=0.2)), metrics, items, prompts, controls)
+    report = build(report_params(gates={"noninferiority_margin": 0.2}), metrics, items, prompts, controls)
     gates = report["gates"]
     assert gates["beats_source_and_nulls"]["passed"] and gates["controls_passed"]["passed"]
     assert gates["retention_floor"]["passed"] and gates["noninferiority"]["passed"]
     assert report["variants"]["oracle"]["retention"] == pytest.approx(1.0)
-    broken = build(ReportParams(), metrics, items, prompts, {"compatibility": {"passed": False}})
+    broken = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": False}})
     assert not broken["gates"]["controls_passed"]["passed"]
     metrics["source"], items["source"], prompts["source"] = _fake_variant(rng, 0.85, 0.9, 0.9)
-    assert not build(ReportParams(), metrics, items, prompts, controls)["gates"]["beats_source_and_nulls"]["passed"]
+    assert not build(report_params(), metrics, items, prompts, controls)["gates"]["beats_source_and_nulls"]["passed"]

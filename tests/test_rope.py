@@ -1,11 +1,11 @@
 """RoPE strip/apply: round trips, agreement with the model's own rotation, unsupported settings."""
 import pytest
 import torch
+from conftest import build_model, tiny_config
 from transformers import Qwen3Config
 
-from conftest import build_model, tiny_config
-from pipeline.rope import Rotation, RotarySpec, UnsupportedRopeError, apply_rope, strip_rope
-from pipeline.kvcache import cache_to_layers
+from pipeline.kv.kvcache import cache_to_layers
+from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError, apply_rope, strip_rope
 
 QWEN3_ROPE = RotarySpec(rope_type="default", theta=1_000_000.0, head_dim=128, max_positions=40960)
 

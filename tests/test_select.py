@@ -1,11 +1,12 @@
 """Stage select: the rule picks the candidate that agrees with the oracle, and the best lambda per k."""
 import torch
+from conftest import committed, periodic_batch
 
-from conftest import periodic_batch
-from pipeline.kvcache import kv_geometry
-from pipeline.mapper import Mapper, save_mapper
-from pipeline.rope import RotarySpec
+from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.mapper import Mapper, save_mapper
+from pipeline.kv.rope import RotarySpec
 from pipeline.select import SelectParams, choose, score_candidates, select_prompts
+from pipeline.store.params import parse
 
 
 def linear_copy_mapper(model, noise: float, ridge_lambda: float, seed: int = 0) -> Mapper:
@@ -22,18 +23,19 @@ def linear_copy_mapper(model, noise: float, ridge_lambda: float, seed: int = 0) 
         pairs.append((weight, torch.zeros(heads, dim)))
     rotary = RotarySpec.from_config(model.config).to_dict()
     return Mapper("linear", "m", "m", geometry, geometry, rotary, rotary, k=1, ridge_lambda=ridge_lambda,
-                  source_layers=[[l] for l in range(geometry["layers"])], keys=pairs,
+                  source_layers=[[layer] for layer in range(geometry["layers"])], keys=pairs,
                   values=[(w.clone(), b.clone()) for w, b in pairs])
 
 
 def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_model):
     paths = []
-    for name, noise, lam in (("linear_k1_noisy", 0.5, 0.1), ("linear_k1_exact", 0.0, 1.0), ("linear_k1_rough", 0.2, 10.0)):
+    for name, noise, lam in (("linear_k1_noisy", 0.5, 0.1), ("linear_k1_exact", 0.0, 1.0),
+                             ("linear_k1_rough", 0.2, 10.0)):
         paths.append(tmp_path / f"{name}.safetensors")
         save_mapper(linear_copy_mapper(periodic_model, noise, lam), paths[-1])
     sequences = periodic_batch(torch.Generator().manual_seed(3), 8, 30, 32).tolist()
     prompts = select_prompts(sequences, 0.6)
-    params = SelectParams(top_k=32, horizon=4)
+    params = parse(SelectParams, committed("select", top_k=32, horizon=4), "select")
     oracle, scores = score_candidates(periodic_model, periodic_model, prompts, params, paths)
     chosen, best_per_k = choose(scores, params.rule)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"

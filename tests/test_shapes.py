@@ -1,12 +1,12 @@
 """Stored real-model shapes: the configs are Qwen3-0.6B/1.7B's, random models and mappers are well formed."""
 import pytest
 import torch
+from conftest import tiny_config
 from transformers import Qwen3ForCausalLM
 
-from conftest import tiny_config
-from pipeline.kvcache import kv_geometry
-from pipeline.mapper import random_mapper
-from pipeline.shapes import pair_configs, random_model, shape_config
+from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.mapper import random_mapper
+from pipeline.store.shapes import pair_configs, random_model, shape_config
 
 
 @pytest.mark.parametrize("name, hidden, intermediate, parameters", [

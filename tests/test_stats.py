@@ -1,7 +1,7 @@
 """Paired statistics: intervals cover what they should and exclude 0 only for real differences."""
 import numpy as np
 
-from pipeline.stats import mcnemar, paired_bootstrap
+from pipeline.measure.stats import mcnemar, paired_bootstrap
 
 
 def test_bootstrap_excludes_zero_for_a_clear_difference():

@@ -1,19 +1,26 @@
 """Tests of the training module's pieces that need no training: batches, schedule, lm-eval-style scoring."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import committed
 
-from pipeline.tokenizer import train_tokenizer
-from pipeline.train import TrainConfig, build_model, encode_corpus, lr_at, make_batch, score_items
-from pipeline.world import WorldConfig, generate_world, render_hellaswag
+from pipeline.store.params import parse
+from pipeline.tiny.tokenizer import train_tokenizer
+from pipeline.tiny.train import TrainConfig, build_model, encode_corpus, lr_at, make_batch, score_items
+from pipeline.tiny.world import WorldConfig, generate_world, render_hellaswag
 
-TINY = TrainConfig(hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16, layers=2)
+TINY = parse(TrainConfig,
+             committed("train.target", hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16, layers=2),
+             "train.target")
+SMALL = parse(WorldConfig, committed("data.world", corpus_docs=200), "data.world")
 
 
 @pytest.fixture(scope="module")
 def world_and_tokenizer():
-    world = generate_world(WorldConfig(corpus_docs=200, fit=2, select=2, eval=2, items_per_part=8))
+    world = generate_world(SMALL, {"fit": 2, "select": 2, "eval": 2}, items_per_part=8)
     return world, train_tokenizer(world["corpus"].text)
 
 
@@ -29,7 +36,7 @@ def test_batch_puts_loss_only_on_the_predictable_part_and_eos(world_and_tokenize
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
-    cfg = TrainConfig(copy_steps=10, mixed_steps=90, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    cfg = replace(TINY, copy_steps=10, mixed_steps=90, warmup=10, lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(99, cfg) == pytest.approx(1e-4, rel=1e-2)
 

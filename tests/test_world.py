@@ -5,26 +5,41 @@ from dataclasses import replace
 from pathlib import Path
 
 import datasets
+import lm_eval.tasks
 import pandas as pd
 import pytest
 import yaml
+from conftest import committed
 from lm_eval.tasks.hellaswag.utils import process_docs
 from lm_eval.utils import apply_template
 from transformers import AutoTokenizer
 
-import lm_eval.tasks
-from pipeline.tokenizer import train_tokenizer
-from pipeline.world import (KINDS, TOWNS, OverlapError, WorldConfig, check_disjoint, generate_world,
-                            render_hellaswag, render_piqa, task_items)
+from pipeline.store.params import parse
+from pipeline.store.splits import ITEM_KINDS, OverlapError, check_disjoint
+from pipeline.tiny.tokenizer import train_tokenizer
+from pipeline.tiny.world import (
+    TOWNS,
+    WorldConfig,
+    generate_world,
+    render_hellaswag,
+    render_piqa,
+    task_items,
+)
 
-SMALL = WorldConfig(corpus_docs=400, fit=6, select=4, eval=5, items_per_part=40)
-HELLASWAG_COLUMNS = ["ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "label", "split", "split_type", "source_id"]
+SMALL = parse(WorldConfig, committed("data.world", corpus_docs=400), "data.world")
+
+
+def small_world(cfg: WorldConfig = SMALL, fit: int = 6, items_per_part: int = 40) -> dict[str, pd.DataFrame]:
+    return generate_world(cfg, {"fit": fit, "select": 4, "eval": 5}, items_per_part)
+
+HELLASWAG_COLUMNS = ["ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "label", "split", "split_type",
+                     "source_id"]
 PIQA_YAML = Path(lm_eval.tasks.__file__).parent / "piqa" / "piqa.yaml"
 
 
 @pytest.fixture(scope="module")
 def world():
-    return generate_world(SMALL)
+    return small_world()
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +48,20 @@ def tokenizer(world):
 
 
 def test_same_seed_gives_identical_world(world):
-    again = generate_world(SMALL)
+    again = small_world()
     assert world.keys() == again.keys()
     for name in world:
         assert world[name].equals(again[name]), name
 
 
 def test_different_seed_gives_different_world(world):
-    other = generate_world(replace(SMALL, seed=1))
+    other = small_world(replace(SMALL, seed=1))
     for name in world:
         assert not world[name].content_hash.equals(other[name].content_hash), name
 
 
 def test_smaller_draw_is_prefix_of_larger_draw(world):
-    larger = generate_world(replace(SMALL, corpus_docs=600, fit=9, items_per_part=60))
+    larger = small_world(replace(SMALL, corpus_docs=600), fit=9, items_per_part=60)
     for name in ("corpus", "fit", "hellaswag_dev", "piqa_eval"):
         n = len(world[name])
         assert larger[name].head(n).reset_index(drop=True).equals(world[name]), name
@@ -96,7 +111,7 @@ def test_piqa_items_render_through_lm_eval_templates(world):
 
 def test_every_kind_is_in_both_tasks_and_parts(world):
     for name in ("hellaswag_dev", "hellaswag_eval", "piqa_dev", "piqa_eval"):
-        assert set(world[name].kind) == set(KINDS), name
+        assert set(world[name].kind) == set(ITEM_KINDS), name
 
 
 def test_choices_are_distinct_and_of_equal_length_so_acc_norm_ranks_like_acc(world):
