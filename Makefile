@@ -1,5 +1,6 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
-# Both create .venv on first use; `make setup` alone is idempotent.
+# Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
+# `make lint` runs ruff (config in pyproject.toml).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 # dvc runs each stage's `python -m ...` through PATH: it must find this environment's python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test test-realshape clean-venv
+.PHONY: setup repro test test-fast lint test-realshape clean-venv
 
 setup: $(STAMP)
 
@@ -22,6 +23,12 @@ repro: setup
 
 test: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q
+
+test-fast: setup
+	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -m 'not slow and not realshape'
+
+lint: setup
+	$(BIN)/ruff check pipeline tests
 
 test-realshape: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -s -m realshape
