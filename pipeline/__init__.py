@@ -25,7 +25,7 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
 """
 
 WINGS = {
-    "store": ("artifacts", "params", "devices", "splits", "shapes", "models", "cachefiles"),
+    "store": ("cli", "artifacts", "params", "devices", "splits", "shapes", "models", "cachefiles"),
     "kv": ("rope", "kvcache", "flops", "mapper", "handoff"),
     "fitting": ("ridge", "mlpfit", "probes", "families"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),

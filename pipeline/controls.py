@@ -34,7 +34,8 @@ from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.rope import RotarySpec, apply_rope, strip_rope
 from pipeline.measure.compare import read_prompts
-from pipeline.store.artifacts import load_artifact, save_artifact, write_json_atomic
+from pipeline.store.artifacts import load_artifact, save_artifact, verify_file, write_json_atomic
+from pipeline.store.cli import Refusal, entry, no_arguments
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer, tokenizer_fingerprint
 from pipeline.store.params import load_section, spec
 
@@ -66,7 +67,7 @@ class ControlsParams:
     threads: int = spec(positive=True)
 
 
-class ControlFailed(RuntimeError):
+class ControlFailed(Refusal, RuntimeError):
     pass
 
 
@@ -186,10 +187,12 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, runs: int = 2, re
             "identical_refits": len(set(digests)) == 1, "matches_selected_file": digests[0] == selected}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.controls", __doc__, argv)
     params = load_section(ControlsParams, "controls")
     models = load_section(ModelsParams, "models")
     tolerances = load_section(ToleranceParams, "tolerances")
+    verify_file(MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
     torch.set_num_threads(params.threads)
     device = models.torch_device
     source_tok, target_tok = load_tokenizer("models/source"), load_tokenizer("models/target")
@@ -229,4 +232,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -15,7 +15,6 @@ results and samples (eval/<variant>/lm_eval/).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
+from pipeline.store.cli import entry, parser
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import ParamError, load_section, spec
 from pipeline.store.splits import TASKS
@@ -121,12 +121,12 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m pipeline.evaluate <variant>")
-    metrics = run(argv[0], load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models"))
+    cli = parser("pipeline.evaluate", __doc__)
+    cli.add_argument("variant", help="oracle, a baseline (evaluate.baselines) or a key of evaluate.mapped")
+    variant = cli.parse_args(argv).variant
+    metrics = run(variant, load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models"))
     print(json.dumps(metrics, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
+from pipeline.store.cli import entry, parser
 from pipeline.store.devices import parse_dtype
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import load_section, spec
@@ -38,7 +38,7 @@ MODELS = ("source", "target")
 class ExtractParams:
     dtype: Literal["float32", "bfloat16", "float16"]  # storage dtype of the cached keys and values
     shard_sequences: int = spec(min=1)  # sequences per shard: memory is bounded by about three shards
-    splits: list[str]
+    splits: list[str] = spec(nonempty=True)
     threads: int = spec(min=1)
     repeats: int = spec(min=1)  # timed extractions, each beside both floors; medians reported
 
@@ -162,10 +162,9 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] not in MODELS:
-        raise SystemExit(f"usage: python -m pipeline.extract {'|'.join(MODELS)}")
-    name = argv[0]
+    cli = parser("pipeline.extract", __doc__)
+    cli.add_argument("model", choices=MODELS, help="which prepared model's caches to extract")
+    name = cli.parse_args(argv).model
     params = load_section(ExtractParams, "extract")
     models = load_section(ModelsParams, "models")
     metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params, models.dtype,
@@ -175,4 +174,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -14,7 +14,6 @@ written and timed against the source's prefill (`measure.timing`).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import resource
 import statistics
@@ -42,6 +41,7 @@ from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import time_against_prefill
 from pipeline.store.artifacts import atomic_path, write_json_atomic
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
+from pipeline.store.cli import entry, parser
 from pipeline.store.models import load_model
 from pipeline.store.params import load_section, spec
 
@@ -59,8 +59,8 @@ class MlpParams:
 @dataclass
 class FitParams:
     mlp: MlpParams
-    ks: list[int] = spec(min=1)
-    lambdas: list[float] = spec(min=0)
+    ks: list[int] = spec(min=1, nonempty=True)
+    lambdas: list[float] = spec(min=0, nonempty=True)
     families: list[Literal["linear", "head_matched"]]
     probe_lambda: float = spec(min=0)
     probe_holdout: float = spec(positive=True, max=0.5)  # share of fit sequences held out of the probes
@@ -148,9 +148,9 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
-    args = parser.parse_args(argv)
+    cli = parser("pipeline.fit", __doc__)
+    cli.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
+    args = cli.parse_args(argv)
     params = load_section(FitParams, "fit")
     out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
@@ -160,4 +160,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

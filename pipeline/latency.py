@@ -29,6 +29,7 @@ from pipeline.measure.latency import (
     write_table,
 )
 from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.models import load_model
 from pipeline.store.params import ParamError, load_section, spec
@@ -103,12 +104,8 @@ def _device(name: str) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.latency",
-        description="TTFT of the KV handoff vs target prefill. Without arguments: the DVC stage (params.yaml, "
-        "section latency). With --config-shapes: random models of a pair's real shapes, no stage output.",
-    )
-    bench = parser.add_argument_group("real-shape benchmark (only with --config-shapes)")
+    cli = parser("pipeline.latency", __doc__)
+    bench = cli.add_argument_group("real-shape benchmark (only with --config-shapes)")
     bench.add_argument("--config-shapes", choices=sorted(PAIRS), help="model pair whose shapes to build")
     bench.add_argument("--device", type=_device, default=default_device())
     bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -121,11 +118,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory runs (one more run of each path per length)")
     bench.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")
-    args = parser.parse_args(argv)
+    args = cli.parse_args(argv)
     if args.config_shapes is None and argv:
-        parser.error("benchmark options need --config-shapes; the stage takes no arguments (it reads params.yaml)")
+        cli.error("benchmark options need --config-shapes; the stage takes no arguments (it reads params.yaml)")
     if args.repeats < 1 or args.warmup < 0 or args.threads < 0:
-        parser.error("--repeats must be >= 1, --warmup and --threads >= 0")
+        cli.error("--repeats must be >= 1, --warmup and --threads >= 0")
     return args
 
 
@@ -138,4 +135,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

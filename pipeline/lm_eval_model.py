@@ -8,10 +8,11 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
 
-Run lm-eval's own command line with this model registered:
+Run lm-eval's own command line with this model registered (`--device` defaults to the pipeline's choice:
+cuda when there is one, else cpu; the README shows the hub and the local-task forms):
 
-    python -m pipeline.lm_eval_model --model kv-transfer --model_args target=...,source=...,transfer=mapped,mapper=... \
-        --tasks hellaswag,piqa
+    python -m pipeline.lm_eval_model run --model kv-transfer \
+        --model_args target=...,source=...,transfer=mapped,mapper=... --tasks hellaswag,piqa
 """
 from __future__ import annotations
 
@@ -171,7 +172,10 @@ class KVTransferLM(TemplateLM):
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's own command line, with `kv-transfer` registered by the import above."""
-    sys.argv = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
+    args = list(argv if argv is not None else sys.argv[1:])
+    if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
+        args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
+    sys.argv = [sys.argv[0], *args]
     cli_evaluate()
 
 

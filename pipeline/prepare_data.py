@@ -25,10 +25,12 @@ from typing import Literal
 import datasets
 import pandas as pd
 
+from pipeline.measure.tasks import write_task_config
 from pipeline.store.artifacts import atomic_dir, atomic_path
+from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelNotAvailableError, hub_reachable, load_tokenizer
 from pipeline.store.params import ParamError, load_section, spec
-from pipeline.store.splits import SEQUENCE_SPLITS, TASKS, check_disjoint, content_hash
+from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
 from pipeline.tiny.tokenizer import train_tokenizer
 from pipeline.tiny.world import WorldConfig, generate_world
 
@@ -217,13 +219,18 @@ def run(params: DataParams, out: Path) -> dict[str, int]:
             frame.to_parquet(tmp, index=False)
     with atomic_dir(out / "tokenizer") as staging:
         tokenizer.save_pretrained(staging)
+    with atomic_dir(out / "tasks") as staging:  # lm-eval task configs of the task files, for --include_path
+        for task in TASKS:
+            for part in TASK_PARTS:
+                write_task_config(staging, task, f"kvh_{task}_{part}", out / f"{task}_{part}.parquet")
     return {name: len(frame) for name, frame in frames.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.prepare_data", __doc__, argv)
     counts = run(load_section(DataParams, "data"), Path("data"))
     print(json.dumps(counts, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -24,6 +24,7 @@ from huggingface_hub import HfApi
 from transformers import AutoTokenizer
 
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
+from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelNotAvailableError, ModelsParams, check_pair, hub_reachable, load_tokenizer
 from pipeline.store.params import load_section, spec
 from pipeline.store.shapes import shape_config
@@ -84,7 +85,8 @@ def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
             tokenizer.save_pretrained(staging)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.prepare_models", __doc__, argv)
     models = load_section(ModelsParams, "models")
     train = load_section(TrainParams, "train")
     torch.set_num_threads(train.threads)
@@ -99,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

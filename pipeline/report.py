@@ -24,6 +24,7 @@ import transformers
 
 from pipeline.measure.retention import comparison, mean_retention, retention_interval
 from pipeline.store.artifacts import atomic_path, write_bytes_atomic, write_json_atomic
+from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, read_key, spec
 from pipeline.store.splits import ITEM_KINDS, TASKS
@@ -169,24 +170,30 @@ def _interval(value: float, low: float, high: float, scale: float = 100, fmt: st
 
 def markdown(report: dict, context: dict) -> str:
     v, profile, order = report["variants"], context["profile"], _order(report["variants"])
+    generated = context["data_kind"] == "generated"
+    hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if generated else ("HellaSwag", "PIQA")
     lines = [f"# KV handoff report — profile `{profile}`", "",
              f"Source `{context['source']}` → target `{context['target']}`; {context['dtype']} on {context['device']}. "
-             f"Task metric for retention: `{report['retention_metric']}`, zero-shot, eval part only.", "",
-             "## The V0 table", ""]
+             f"Task metric for retention: `{report['retention_metric']}`, zero-shot, eval part only.", ""]
+    if generated:
+        lines += ["Tasks: the tiny world's HellaSwag-shaped and PIQA-shaped items (`pipeline/tiny/world.py`), scored "
+                  "by lm-eval's own `hellaswag` and `piqa` definitions; they are not the real benchmarks, so the V0 "
+                  "reference compares only as ratios.", ""]
+    lines += ["## The V0 table", ""]
     lines += md_table(
-        ["Variant", "Perplexity", "Next-token top-1", "HellaSwag", "PIQA", "Retention [95% CI]", "V0 reference"],
+        ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "V0 reference"],
         [[label(n), f"{v[n]['perplexity']:.4f}", _pct(v[n]["next_token_top1"]), _pct(v[n]["hellaswag"]),
           _pct(v[n]["piqa"]),
           f"{_pct(v[n]['retention'])} [{_pct(v[n]['retention_low'])}, {_pct(v[n]['retention_high'])}]",
           _v0_reference(n, v[n], profile)] for n in order])
     o = v["oracle"]
-    lines += ["", f"Items: HellaSwag {o['hellaswag_n']}, PIQA {o['piqa_n']}; eval prompts {o['prompts']}. "
+    lines += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. "
               f"V0 reference: perplexity / next-token top-1 / HellaSwag / PIQA as published (V0's own data; comparable "
               f"only as ratios{' — deltas shown' if profile == 'qwen3-v0' else ''}).", ""]
     lines += ["## Beside the V0 columns", ""]
     lines += md_table(
-        ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", "HellaSwag acc",
-         "PIQA acc"],
+        ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
+         f"{pq} acc"],
         [[label(n), f"{v[n]['ppl_ratio']:.3f}", _pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
           _pct(v[n]["rollout_agreement"]), _pct(v[n]["hellaswag_acc"]), _pct(v[n]["piqa_acc"])] for n in order])
     kinds = sorted({k for e in v.values() for k in e if k.endswith("_acc") and k.split("_")[1] in ITEM_KINDS})
@@ -205,7 +212,8 @@ def markdown(report: dict, context: dict) -> str:
           f"{c['next_token_mcnemar_p']:.3g}", c["next_token_n"]] for name, c in report["comparisons"].items()])
     lines += ["", "## Gates (declared in params before the run)", ""]
     lines += md_table(["Gate", "Threshold", "Measured", "Verdict"],
-                      [[name.replace("_", " "), gate["threshold"], _measured(gate), _verdict(gate)]
+                      [[GATE_NAMES.get(name, name.replace("_", " ")), gate["threshold"], _measured(gate),
+                        _verdict(gate)]
                        for name, gate in report["gates"].items()])
     lines += ["", "## Reading", "", reading(report, context), ""]
     lines += context.get("sections", [])
@@ -229,6 +237,7 @@ def _and(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
+GATE_NAMES = {"agreement_milestone": "agreement milestone (next-token top-1)"}
 RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
           "direct": "direct injection"}
 
@@ -350,7 +359,8 @@ def optional_sections() -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.report", __doc__, argv)
     params = load_section(ReportParams, "report")
     models = load_section(ModelsParams, "models")
     variants = ["oracle", *read_key("evaluate.baselines"), *read_key("evaluate.mapped")]
@@ -363,7 +373,8 @@ def main() -> None:
     for name, table in tables.items():
         with atomic_path(Path("plots") / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
-    context = {"profile": read_key("profile"), "source": models.source, "target": models.target,
+    context = {"profile": read_key("profile"), "data_kind": read_key("data.kind"), "source": models.source,
+               "target": models.target,
                "dtype": models.dtype, "device": models.device, "environment": environment(models),
                "selected_name": select.get("selected", params.mapped_variant), "sections": optional_sections()}
     write_json_atomic("metrics/report.json", report)
@@ -372,4 +383,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

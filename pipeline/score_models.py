@@ -18,6 +18,7 @@ from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import load_section
 from pipeline.store.splits import TASKS
@@ -84,7 +85,8 @@ def _kinds(frame: pd.DataFrame) -> dict[str, float]:
     return {key.replace("/", "_") + "_acc": value for key, value in by_kind(frame).items() if "/" in key}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.score_models", __doc__, argv)
     models = load_section(ModelsParams, "models")
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -95,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

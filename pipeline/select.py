@@ -22,6 +22,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
+from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import load_section, spec
 
@@ -89,7 +90,8 @@ def copy_verified(source: Path, destination: Path) -> None:
         shutil.copyfile(source, tmp)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.select", __doc__, argv)
     params = load_section(SelectParams, "select")
     models = load_section(ModelsParams, "models")
     torch.set_num_threads(params.threads)
@@ -118,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -71,3 +71,16 @@ def test_interrupted_write_keeps_the_previous_version(tmp_path, monkeypatch):
         save_artifact(path, {"other": torch.zeros(2)}, {})
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["thing.safetensors"]
+
+
+def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
+    final = tmp_path / "eval" / "zero"
+    leftover = tmp_path / "eval" / ".zero.abc123.tmp"
+    (leftover / "tasks").mkdir(parents=True)
+    (leftover / "tasks" / "half.yaml").write_text("x")
+    other = tmp_path / "eval" / ".oracle.abc123.tmp"
+    other.mkdir()
+    with artifacts.atomic_dir(final) as staging:
+        (staging / "items.parquet").write_text("done")
+    assert not leftover.exists() and other.exists()  # only this output's leftovers
+    assert sorted(p.name for p in final.parent.iterdir()) == [".oracle.abc123.tmp", "zero"]

@@ -3,7 +3,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import build_model, tiny_config, train_tokenizer
+from conftest import ROOT, build_model, tiny_config, train_tokenizer
 from test_select import linear_copy_mapper
 
 from pipeline import controls
@@ -20,7 +20,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.mapper import save_mapper
 from pipeline.kv.rope import RotarySpec
-from pipeline.store.artifacts import save_artifact
+from pipeline.store.artifacts import ArtifactError, save_artifact
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,15 @@ def test_deterministic_mapper(tmp_path, model):
     assert deterministic_refit(mapper, "cand", tmp_path / "a", refit=faithful)["passed"]
     result = deterministic_refit(mapper, "cand", tmp_path / "b", refit=drifting)
     assert not result["passed"] and not result["identical_refits"]
+
+
+def test_a_damaged_selected_mapper_is_named_by_its_checksum_first(tmp_path, model, monkeypatch):
+    (tmp_path / "models").mkdir()
+    save_mapper(linear_copy_mapper(model, 0.0, 1.0), tmp_path / "models" / "mapper.safetensors")
+    raw = bytearray((tmp_path / "models" / "mapper.safetensors").read_bytes())
+    raw[-3] ^= 0x01
+    (tmp_path / "models" / "mapper.safetensors").write_bytes(raw)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)  # no models, caches or data here: the checksum must stop it before they are read
+    with pytest.raises(ArtifactError, match=r"models/mapper\.safetensors.*(checksum|digest)"):
+        controls.main([])

@@ -50,8 +50,10 @@ def sections_read(path: Path) -> set[str]:
 
 def declared(key: str, params: list) -> bool:
     """`key` is declared when it, a section above it or keys below it are listed."""
+    if any(isinstance(p, dict) and "params.yaml" in p and not p["params.yaml"] for p in params):
+        return True  # `- params.yaml:` with no keys: every parameter of the file
     names = [p for p in params if isinstance(p, str)]
-    return any(key == p or key.startswith(p + ".") or p.startswith(key + ".") for p in names)
+    return key != "<everything>" and any(key == p or key.startswith(p + ".") or p.startswith(key + ".") for p in names)
 
 
 def test_every_params_section_a_stage_reads_is_declared():
@@ -61,3 +63,11 @@ def test_every_params_section_a_stage_reads_is_declared():
         params = body(stage).get("params", [])
         for key in sections_read(path):
             assert declared(key, params), f"stage {name} reads params {key!r} but dvc.yaml does not declare it"
+
+
+def test_every_table_plot_names_its_x_and_y():
+    entries = [entry for stage in STAGES.values() for entry in body(stage).get("plots", [])]
+    for entry in entries:
+        (path, options), = entry.items() if isinstance(entry, dict) else ((entry, {}),)
+        if path.endswith(".csv"):
+            assert options.get("x") and options.get("y"), f"plot {path} lacks x or y"

@@ -1,5 +1,8 @@
 """The `kv-transfer` lm-eval model: the exactness gate against lm-eval's stock `hf` model on real
 HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files."""
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,14 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import WIKITEXT, hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
+from conftest import WIKITEXT, committed, hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
+from transformers import AutoModelForCausalLM
 
+from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.tasks import write_task_config
+from pipeline.prepare_data import DataParams
+from pipeline.prepare_data import run as prepare_data_run
 from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
+from pipeline.store.params import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = yaml.safe_load((ROOT / "params.yaml").read_text())["tolerances"]
@@ -151,3 +159,31 @@ def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):
     reference = HFLM(pretrained=model, tokenizer=__import__("transformers").AutoTokenizer.from_pretrained(
         tiny_pair["target"]), batch_size=4, device="cpu", max_length=64).loglikelihood_rolling(requests)
     assert ours == pytest.approx(reference, abs=1e-3)
+
+
+def readme_command(marker: str) -> list[str]:
+    """The README's shell command containing `marker`, backslash continuations joined, split into words."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if marker in line)
+    return shlex.split(line)
+
+
+def test_the_readme_local_command_runs_offline_on_cpu(tmp_path, tiny_pair):
+    for name in ("source", "target"):
+        shutil.copytree(tiny_pair[name], tmp_path / "models" / name)
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
+    source = AutoModelForCausalLM.from_pretrained(tiny_pair["source"])
+    save_mapper(identity_mapper("source", "target", source.config, target.config),
+                tmp_path / "models" / "mapper.safetensors")
+    data = committed("data", fit_sequences=4, select_sequences=3, eval_prompts=3, sequence_length=48,
+                     prompt_length=20, continuation_length=8, dev_items=6, eval_items=6,
+                     world=committed("data.world", corpus_docs=300))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)  # the task configs name their files relative to the repository root
+        prepare_data_run(parse(DataParams, data, "data"), Path("data"))
+    words = readme_command("--include_path data/tasks")
+    assert words[:3] == [".venv/bin/python", "-m", "pipeline.lm_eval_model"]
+    run = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "kvh_hellaswag_eval" in run.stdout and "kvh_piqa_eval" in run.stdout

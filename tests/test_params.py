@@ -7,21 +7,10 @@ import pytest
 import yaml
 from conftest import ROOT, committed
 
-from pipeline.controls import ControlsParams, ToleranceParams
-from pipeline.evaluate import EvaluateParams
-from pipeline.extract import ExtractParams
+from pipeline.check_params import SECTIONS, check
 from pipeline.fit import FitParams
-from pipeline.latency import LatencyParams
-from pipeline.prepare_data import DataParams
-from pipeline.prepare_models import TrainParams
-from pipeline.report import ReportParams
-from pipeline.select import SelectParams
-from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, parse, spec
 
-SECTIONS = {"data": DataParams, "models": ModelsParams, "train": TrainParams, "extract": ExtractParams,
-            "fit": FitParams, "select": SelectParams, "controls": ControlsParams, "evaluate": EvaluateParams,
-            "report": ReportParams, "latency": LatencyParams, "tolerances": ToleranceParams}
 MAPPINGS = {"evaluate.mapped"}  # a mapping of variant -> file, not a set of parameters
 
 
@@ -110,3 +99,30 @@ def test_an_empty_mlp_section_names_its_first_key():
 
 def test_every_section_of_params_yaml_has_a_parameter_class():
     assert set(yaml.safe_load((ROOT / "params.yaml").read_text())) == set(SECTIONS) | {"profile"}
+
+
+def committed_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_the_whole_file_check_names_a_typo_in_any_section(section):
+    params = committed_params()
+    params[section]["typo_key"] = 1
+    with pytest.raises(ParamError, match=rf"^{section}\.typo_key: unknown parameter"):
+        check(params)
+
+
+@pytest.mark.parametrize("key", ["fit.lambdas", "fit.ks", "extract.splits"])
+def test_the_whole_file_check_refuses_an_empty_list(key):
+    params = committed_params()
+    section, name = key.split(".")
+    params[section][name] = []
+    with pytest.raises(ParamError, match=rf"^{key}: expected at least one value"):
+        check(params)
+
+
+def test_the_whole_file_check_refuses_an_unknown_section_and_passes_the_committed_file():
+    assert check(committed_params()) == ["profile", *SECTIONS]
+    with pytest.raises(ParamError, match=r"^fitt: unknown section of params.yaml"):
+        check({**committed_params(), "fitt": {}})

@@ -27,10 +27,14 @@ REDUCED = {
 }
 
 
-def run(cmd, cwd, **kw):
+def attempt(cmd, cwd, **kw) -> subprocess.CompletedProcess:
     # dvc runs the stages' `python -m ...` through PATH: put this interpreter's environment first
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kw)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kw)
+
+
+def run(cmd, cwd, **kw):
+    result = attempt(cmd, cwd, **kw)
     assert result.returncode == 0, (f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n"
                                     f"{result.stderr[-6000:]}")
     return result.stdout
@@ -52,6 +56,27 @@ def repo(tmp_path_factory):
     run(["git", "add", "-A"], copy)
     run(["git", "commit", "-qm", "reduced tiny profile"], copy)
     return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["evaluate"].__setitem__("horizn", 4), "error: evaluate.horizn: unknown parameter"),
+    (lambda p: p["fit"].__setitem__("lambdas", []), "error: fit.lambdas: expected at least one value"),
+    (lambda p: p["fit"].__setitem__("ks", []), "error: fit.ks: expected at least one value"),
+])
+def test_a_bad_parameter_stops_dvc_repro_before_any_stage_works(repo, change, message):
+    before = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(before)
+    change(params)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        done = attempt(DVC + ["repro"], repo, timeout=600)
+    finally:
+        (repo / "params.yaml").write_text(before)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and message in output, output[-3000:]
+    assert "Running stage 'check_params'" in output
+    assert output.count("Running stage") == 1, output[-3000:]  # nothing after the check started
 
 
 @pytest.mark.slow
@@ -82,15 +107,17 @@ def set_horizon(repo, horizon: int) -> None:
 
 
 def stale_after(repo, change) -> set[str]:
-    """Stages `dvc status` reports after `change(params)`, with params.yaml restored afterwards."""
+    """Stages `dvc status` reports after `change(params)`, besides check_params, with params.yaml restored."""
     before = (repo / "params.yaml").read_text()
     params = yaml.safe_load(before)
     change(params)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     try:
-        return set(json.loads(run(DVC + ["status", "--json"], repo)))
+        stale = set(json.loads(run(DVC + ["status", "--json"], repo)))
     finally:
         (repo / "params.yaml").write_text(before)
+    assert "check_params" in stale  # every change is validated first; its output stays the same
+    return stale - {"check_params"}
 
 
 @pytest.mark.slow

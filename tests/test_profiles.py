@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 from dvc.utils.hydra import compose_and_dump
-from test_params import SECTIONS
 
+from pipeline.check_params import SECTIONS
 from pipeline.store.params import parse
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pipeline.store.cli import Refusal
+
 SUPPORTED_ROPE_TYPES = ("default",)
 
 
-class UnsupportedRopeError(ValueError):
+class UnsupportedRopeError(Refusal, ValueError):
     pass
 
 

@@ -6,6 +6,8 @@ the choices' log-likelihoods, and the item's `kind` where the data marks one) fo
 from __future__ import annotations
 
 import json
+import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -16,12 +18,30 @@ from lm_eval.tasks import TaskManager
 from pipeline.measure.tasks import write_task_config
 
 PREFIX = "kvh_"
+ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
+
+
+def portable(value):
+    """lm-eval's stored results without what differs from run to run and machine to machine: paths under the
+    working directory made relative, object reprs stripped of their memory address."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if isinstance(value, str):
+        return ADDRESS.sub(">", value.replace(str(Path.cwd()) + os.sep, ""))
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    return portable(str(value))
 
 
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict, pd.DataFrame]:
     """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame).
-    With `raw_to` (a folder), lm-eval's own results and samples are written there too."""
-    with tempfile.TemporaryDirectory(prefix="tasks-") as folder:
+    With `raw_to` (a folder), lm-eval's own results and samples are written there too, and the generated task
+    configs live beside it while lm-eval runs (inside the caller's staging folder, so a killed run leaves
+    nothing in the system's temp folder)."""
+    scratch = None if raw_to is None else raw_to.parent
+    with tempfile.TemporaryDirectory(prefix=".tasks-", dir=scratch) as folder:
         for task, path in files.items():
             write_task_config(folder, task, PREFIX + task, path)
         out = simple_evaluate(
@@ -35,13 +55,13 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
         )
     if raw_to is not None:
         raw_to.mkdir(parents=True, exist_ok=True)
-        (raw_to / "lm_eval_results.json").write_text(json.dumps(
-            {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out},
-            indent=2, default=str))
+        (raw_to / "lm_eval_results.json").write_text(json.dumps(portable(
+            {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}),
+            indent=2))
         for task in files:
             with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
                 for sample in out["samples"][PREFIX + task]:
-                    handle.write(json.dumps(sample, default=str) + "\n")
+                    handle.write(json.dumps(portable(sample)) + "\n")
     summary, rows = {}, []
     for task, path in files.items():
         result = out["results"][PREFIX + task]

@@ -22,10 +22,14 @@ def builtin_yaml(task: str) -> Path:
 
 def write_task_config(folder: str | Path, task: str, name: str, data_file: str | Path) -> Path:
     """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file`
-    (.jsonl/.json or .parquet). Returns the YAML path; pass `folder` as TaskManager's include_path."""
+    (.jsonl/.json or .parquet). Returns the YAML path; pass `folder` as TaskManager's include_path (or as
+    lm-eval's --include_path). A data file under the working directory is named relative to it, so the
+    config works from the repository root wherever the clone is."""
     data_file = Path(data_file).resolve()
     if not data_file.is_file():
         raise FileNotFoundError(f"task data file {data_file} not found (task {task})")
+    if data_file.is_relative_to(Path.cwd()):
+        data_file = data_file.relative_to(Path.cwd())
     kind = "parquet" if data_file.suffix == ".parquet" else "json"
     config = {
         "task": name,

@@ -23,13 +23,15 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pipeline.store.cli import Refusal
+
 # One header key only: safetensors does not keep the order of metadata keys, and the bytes must be
 # deterministic. Its value is JSON {"meta": <the artifact's metadata>, "sha256": <digest>}.
 HEADER_KEY = "kv-handoff"
 _ZERO_DIGEST = "0" * 64
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(Refusal, RuntimeError):
     """An artifact is missing, truncated, corrupted or not what the reader expects."""
 
 
@@ -50,9 +52,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty staging folder beside `path`; it replaces `path` only if the block completes."""
+    """Yield an empty staging folder beside `path`; it replaces `path` only if the block completes.
+    Staging folders that a killed earlier run left beside `path` are removed first."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in [*final.parent.glob(f".{final.name}.*.tmp"), *final.parent.glob(f".{final.name}.*.old")]:
+        shutil.rmtree(leftover, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield staging

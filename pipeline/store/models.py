@@ -18,11 +18,12 @@ from urllib.parse import urlparse
 from huggingface_hub import constants, snapshot_download
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.store.cli import Refusal
 from pipeline.store.devices import default_device, parse_dtype
 from pipeline.store.shapes import random_model, shape_config
 
 
-class ModelNotAvailableError(RuntimeError):
+class ModelNotAvailableError(Refusal, RuntimeError):
     pass
 
 
@@ -49,7 +50,7 @@ class ModelsParams:
         return default_device() if self.device == "auto" else self.device
 
 
-class IncompatiblePairError(ValueError):
+class IncompatiblePairError(Refusal, ValueError):
     pass
 
 

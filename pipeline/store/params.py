@@ -16,17 +16,21 @@ from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin, get_typ
 
 import yaml
 
+from pipeline.store.cli import Refusal
+
 T = TypeVar("T")
 PARAMS_FILE = Path("params.yaml")
 
 
-class ParamError(ValueError):
+class ParamError(Refusal, ValueError):
     pass
 
 
-def spec(*, min: float | None = None, max: float | None = None, positive: bool = False) -> Any:
-    """A required dataclass field with a declared range; `positive` means > 0."""
-    return dataclasses.field(metadata={"min": min, "max": max, "positive": positive})
+def spec(*, min: float | None = None, max: float | None = None, positive: bool = False,
+         nonempty: bool = False) -> Any:
+    """A required dataclass field with a declared range; `positive` means > 0, `nonempty` a list of at least
+    one value."""
+    return dataclasses.field(metadata={"min": min, "max": max, "positive": positive, "nonempty": nonempty})
 
 
 def read_params(path: str | Path = PARAMS_FILE) -> dict:
@@ -122,6 +126,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
 
 
 def _check_range(value: Any, metadata: Mapping, key: str) -> Any:
+    if metadata.get("nonempty") and isinstance(value, (list, tuple)) and not value:
+        raise ParamError(f"{key}: expected at least one value, got an empty list")
     items = value if isinstance(value, (list, tuple)) else [value]
     for i, item in enumerate(items):
         if not isinstance(item, (int, float)) or isinstance(item, bool):

@@ -9,13 +9,15 @@ import hashlib
 
 import pandas as pd
 
+from pipeline.store.cli import Refusal
+
 SEQUENCE_SPLITS = ("fit", "select", "eval")  # token sequences: fit the maps, select one, evaluate it
 TASK_PARTS = ("dev", "eval")  # task items: dev scores the pair alone, eval every variant
 TASKS = ("hellaswag", "piqa")
 ITEM_KINDS = ("recall", "gist", "knowledge")  # the tiny world marks each task item with one (column `kind`)
 
 
-class OverlapError(ValueError):
+class OverlapError(Refusal, ValueError):
     pass
 
 

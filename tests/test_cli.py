@@ -1,0 +1,72 @@
+"""Every stage's command line: `--help` prints usage and touches nothing, unknown arguments are refused, and
+a refusal is one line on stderr (the traceback only with KVH_TRACEBACK=1)."""
+import hashlib
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+from test_layout import dvc_stages
+
+STAGES = sorted(dvc_stages(ROOT))
+
+
+def tree_digest(root: Path) -> str:
+    """Hash of every file git sees in the tree (tracked, and untracked but not ignored)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256()
+    for name in sorted(filter(None, listed.split("\0"))):
+        path = root / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"<gone>"))
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("module", STAGES)
+def test_help_prints_usage_and_changes_no_file(module, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    before = tree_digest(ROOT)
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main(["--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m {module}")
+    assert tree_digest(ROOT) == before
+
+
+@pytest.mark.parametrize("module", STAGES)
+def test_unknown_arguments_are_refused(module, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main(["source", "--no-such-option"])
+    assert done.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def run_stage(module: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+@pytest.fixture
+def typo(tmp_path) -> Path:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["select"]["horizn"] = params["select"].pop("horizon")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    return tmp_path
+
+
+def test_a_refusal_is_one_line_naming_the_key(typo):
+    done = run_stage("pipeline.select", typo)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: select.horizn: unknown parameter (known: prompt_fraction, top_k, horizon, rule, threads)"]
+
+
+def test_the_traceback_comes_when_asked(typo):
+    done = run_stage("pipeline.select", typo, KVH_TRACEBACK="1")
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr
+    assert "ParamError: select.horizn: unknown parameter" in done.stderr
