@@ -21,18 +21,22 @@ PREFIX = "kvh_"
 ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
 
 
-def portable(value):
+def portable(value, folders: dict[str, str] | None = None):
     """lm-eval's stored results without what differs from run to run and machine to machine: paths under the
-    working directory made relative, object reprs stripped of their memory address."""
+    working directory made relative, the temporary folders in `folders` (path -> stable name) renamed, object
+    reprs stripped of their memory address."""
     if isinstance(value, dict):
-        return {k: portable(v) for k, v in value.items()}
+        return {k: portable(v, folders) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [portable(v) for v in value]
+        return [portable(v, folders) for v in value]
     if isinstance(value, str):
-        return ADDRESS.sub(">", value.replace(str(Path.cwd()) + os.sep, ""))
+        value = value.replace(str(Path.cwd()) + os.sep, "")
+        for folder, name in (folders or {}).items():
+            value = value.replace(folder, name)
+        return ADDRESS.sub(">", value)
     if isinstance(value, (int, float, bool)) or value is None:
         return value
-    return portable(str(value))
+    return portable(str(value), folders)
 
 
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict, pd.DataFrame]:
@@ -55,13 +59,12 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
         )
     if raw_to is not None:
         raw_to.mkdir(parents=True, exist_ok=True)
-        (raw_to / "lm_eval_results.json").write_text(json.dumps(portable(
-            {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}),
-            indent=2))
+        stored = {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}
+        (raw_to / "lm_eval_results.json").write_text(json.dumps(portable(stored, {folder: "tasks"}), indent=2))
         for task in files:
             with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
                 for sample in out["samples"][PREFIX + task]:
-                    handle.write(json.dumps(portable(sample)) + "\n")
+                    handle.write(json.dumps(portable(sample, {folder: "tasks"})) + "\n")
     summary, rows = {}, []
     for task, path in files.items():
         result = out["results"][PREFIX + task]
