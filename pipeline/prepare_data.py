@@ -11,10 +11,14 @@ prompt_ids and continuation_ids) and HellaSwag / PIQA items in lm-eval's own sch
   written empty: the models are not trained here).
 
 Subsamples are seeded and nested (the first n of a larger draw are the smaller draw) and every split is
-checked disjoint from every other by document id and content hash before anything is written.
+checked disjoint from every other by document id and content hash before anything is written. Corpus
+documents are dealt to the splits whole; a split takes one sequence per document while its documents
+suffice, then further whole windows of its long documents (`<doc_id>/w<k>`), so a corpus of a few long
+documents (WikiText-2's test file) can still feed a large fit set.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -166,6 +170,38 @@ def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:
     return [order[i::parts] for i in range(parts)]
 
 
+def pick_windows(stream: list[str], wanted: int, windows_of) -> list[tuple[str, int]]:
+    """The first `wanted` (doc_id, window) pairs of a fixed order: window 0 of every document of the stream
+    that has one, in stream order (one sequence per document while there are enough), then window 1 of those
+    that have it, and so on; `windows_of(doc_id)` counts a document's whole windows. Nested: a smaller draw
+    is the start of a larger one, and a split's windows come only from its own documents."""
+    chosen, counts = [], {}
+    for doc_id in stream:
+        if len(chosen) == wanted:
+            return chosen
+        counts[doc_id] = windows_of(doc_id)
+        if counts[doc_id] >= 1:
+            chosen.append((doc_id, 0))
+    window = 1
+    while len(chosen) < wanted and any(count > window for count in counts.values()):
+        chosen += [(doc_id, window) for doc_id in stream if counts[doc_id] > window][: wanted - len(chosen)]
+        window += 1
+    return chosen
+
+
+def window_row(doc_id: str, window: int, ids: list[int], doc_hash: str, tokenizer, params: DataParams,
+               split: str) -> dict:
+    """A sequence row from window `window` (> 0) of a long document: its own doc_id and content hash."""
+    size = params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length
+    token_ids = ids[window * size : (window + 1) * size]
+    row = dict(doc_id=f"{doc_id}/w{window}", text=tokenizer.decode(token_ids), token_ids=token_ids,
+               content_hash=content_hash(f"{doc_hash}/w{window}"))
+    if split == "eval":
+        row["prompt_ids"] = token_ids[: params.prompt_length]
+        row["continuation_ids"] = token_ids[params.prompt_length :]
+    return row
+
+
 def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     tokenizer = load_tokenizer(params.tokenizer, params.tokenizer_revision)
     documents = corpus_documents(_load_rows(params.corpus, "corpus"))
@@ -178,18 +214,17 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     frames = {"corpus": pd.DataFrame({"doc_id": [], "kind": [], "text": [], "loss_from": [], "content_hash": []})}
     for split, stream, wanted in zip(SEQUENCE_SPLITS, streams,
                                      (params.fit_sequences, params.select_sequences, params.eval_prompts)):
-        chosen = []
-        for doc_id in stream:  # in stream order, so the selection stays nested; skip documents too short
-            if len(chosen) == wanted:
-                break
-            ids = tokenizer.encode(by_id.at[doc_id, "text"])
-            if len(ids) >= (params.prompt_length + params.continuation_length if split == "eval"
-                            else params.sequence_length):
-                chosen.append(doc_id)
+        size = params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length
+        encode = functools.cache(lambda doc_id: tokenizer.encode(by_id.at[doc_id, "text"]))
+        chosen = pick_windows(stream, wanted, lambda doc_id: len(encode(doc_id)) // size)
         if len(chosen) < wanted:
-            raise ParamError(f"data: only {len(chosen)} corpus documents are long enough "
-                             f"for {wanted} {split} sequences")
-        frames[split] = tokenize_sequences(by_id.loc[chosen].reset_index(), tokenizer, params, split)
+            raise ParamError(f"data: the corpus's {split} documents hold only {len(chosen)} windows of {size} tokens "
+                             f"for {wanted} {split} sequences; use a larger corpus or shorter sequences")
+        first = [doc_id for doc_id, window in chosen if window == 0]
+        frame = tokenize_sequences(by_id.loc[first].reset_index(), tokenizer, params, split)
+        later = [window_row(doc_id, window, encode(doc_id), by_id.at[doc_id, "content_hash"], tokenizer, params, split)
+                 for doc_id, window in chosen if window > 0]
+        frames[split] = pd.concat([frame, pd.DataFrame(later)], ignore_index=True) if later else frame
     for task, group_of in (("hellaswag", lambda r: str(r.get("source_id") or r["ind"])), ("piqa", lambda r: r["goal"])):
         rows = _load_rows(getattr(params, task), task)
         for index, row in enumerate(rows):

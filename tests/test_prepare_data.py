@@ -119,3 +119,23 @@ def test_bad_data_params_are_named(data, message):
 def test_world_counts_are_not_world_params():
     with pytest.raises(ParamError, match=r"data\.world\.fit: unknown parameter"):
         parse(DataParams, committed("data", world={"fit": 10}), "data")
+
+
+def test_a_corpus_of_few_long_documents_feeds_more_sequences_through_windows(tmp_path, tokenizer):
+    # 15 articles, dealt 5 to a split: 12 fit sequences need windows beyond the first of each document
+    run(hub_params(tmp_path, tokenizer, fit_sequences=12), tmp_path / "data")
+    fit = frames(tmp_path / "data")["fit"]
+    assert len(fit) == 12 and fit.doc_id.is_unique and fit.content_hash.is_unique
+    documents = {doc_id.split("/")[0] for doc_id in fit.doc_id}
+    assert len(documents) <= 5 and all(len(ids) == 64 for ids in fit.token_ids)
+    check_disjoint(frames(tmp_path / "data"))  # windows stay in their document's split
+    first = fit[~fit.doc_id.str.contains("/")]
+    run(hub_params(tmp_path, tokenizer, fit_sequences=len(first)), tmp_path / "small")
+    pd.testing.assert_frame_equal(frames(tmp_path / "small")["fit"], first)  # one per document while they suffice
+    run(hub_params(tmp_path, tokenizer, fit_sequences=9), tmp_path / "nine")
+    pd.testing.assert_frame_equal(frames(tmp_path / "nine")["fit"], fit.head(9))  # nested
+
+
+def test_too_few_windows_is_refused_naming_the_split(tmp_path, tokenizer):
+    with pytest.raises(ParamError, match=r"fit documents hold only \d+ windows of 64 tokens for 5000 fit"):
+        run(hub_params(tmp_path, tokenizer, fit_sequences=5000), tmp_path / "data")
