@@ -1,8 +1,9 @@
 """Stage `report`: normalized retention, paired statistics, gates, and the V0-style report.
 
 Reads every variant's metrics and per-item results (`evaluate`), the controls, the selection, the fit
-diagnostics and the latency study; writes metrics/report.json (top-level `variants`, `selected`,
-`comparisons`, `gates`), report.md (the V0 table with V0's published figures beside it, intervals, gates,
+diagnostics and the latency study; writes metrics/headline/<variant>.json (the few figures per variant that
+`dvc metrics show/diff` compare), metrics/report.json (everything: `variants`, `selected`, `comparisons`,
+`gates`), report.md (the V0 table with V0's published figures beside it, intervals, gates,
 environment and a reading generated from the numbers), PNG figures under report/, and small tables for
 `dvc plots` under plots/.
 """
@@ -23,7 +24,7 @@ import torch
 import transformers
 
 from pipeline.measure.retention import comparison, mean_retention, retention_interval
-from pipeline.store.artifacts import atomic_path, write_bytes_atomic, write_json_atomic
+from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, read_key, spec
@@ -37,6 +38,7 @@ V0 = {
     "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
 }
 matplotlib.use("Agg")
+HEADLINE = Path("metrics/headline")
 LABELS = {
     "oracle": "Target full-prefill oracle",
     "direct": "Direct source-cache injection",
@@ -131,6 +133,17 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
     }
     return {"variants": variants, "selected": mapped, "comparisons": comparisons, "gates": gates,
             "retention_metric": params.retention_metric}
+
+
+def headline(report: dict) -> dict[str, dict]:
+    """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
+    columns, retention with its interval, and the gap to the oracle in mean task accuracy."""
+    oracle = report["variants"]["oracle"]
+    return {name: {"perplexity": e["perplexity"], "next_token_top1": e["next_token_top1"],
+                   "hellaswag": e["hellaswag"], "piqa": e["piqa"], "retention": e["retention"],
+                   "retention_low": e["retention_low"], "retention_high": e["retention_high"],
+                   "gap": sum(oracle[t] - e[t] for t in TASKS) / len(TASKS)}
+            for name, e in report["variants"].items()}
 
 
 def _gate(passed: bool, threshold: float, measured: float) -> dict:
@@ -378,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
                "dtype": models.dtype, "device": models.device, "environment": environment(models),
                "selected_name": select.get("selected", params.mapped_variant), "sections": optional_sections()}
     write_json_atomic("metrics/report.json", report)
+    with atomic_dir(HEADLINE) as staging:
+        for variant, row in headline(report).items():
+            write_json_atomic(staging / f"{variant}.json", row)
     write_bytes_atomic("report.md", markdown(report, context).encode())
     print(markdown(report, context))
 
