@@ -11,6 +11,8 @@ import pytest
 import yaml
 from conftest import merge
 
+from pipeline.check_params import SECTIONS
+
 ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
 
@@ -58,9 +60,13 @@ def repo(tmp_path_factory):
     return copy
 
 
+def typo(section: str):
+    return lambda p: p[section].__setitem__("typo_key", 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
-    (lambda p: p["evaluate"].__setitem__("horizn", 4), "error: evaluate.horizn: unknown parameter"),
+    *[(typo(section), f"error: {section}.typo_key: unknown parameter") for section in sorted(SECTIONS)],
     (lambda p: p["fit"].__setitem__("lambdas", []), "error: fit.lambdas: expected at least one value"),
     (lambda p: p["fit"].__setitem__("ks", []), "error: fit.ks: expected at least one value"),
 ])
