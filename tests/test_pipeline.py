@@ -99,7 +99,10 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
                     + (entry["piqa"] - 0.5) / (variants["oracle"]["piqa"] - 0.5)) / 2
         assert entry["retention"] == pytest.approx(expected, nan_ok=True), name
     markdown = (repo / "report.md").read_text()
-    assert "| Variant | Perplexity | Next-token top-1 | HellaSwag | PIQA |" in markdown
+    # the tiny profile's tasks are named as the tiny world's, the milestone by its metric
+    assert "| Variant | Perplexity | Next-token top-1 | HellaSwag-shaped | PIQA-shaped |" in markdown
+    assert "Tasks: the tiny world's HellaSwag-shaped and PIQA-shaped items" in markdown
+    assert "| agreement milestone (next-token top-1) |" in markdown
     assert all(f"| {row} |" in markdown for row in ("Target full-prefill oracle", "Null control: zero cache",
                                                       "Null control: shuffled cache", "Source model alone"))
     status = run(DVC + ["status", "--json"], repo)
