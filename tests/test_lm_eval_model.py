@@ -168,6 +168,7 @@ def readme_command(marker: str) -> list[str]:
     return shlex.split(line)
 
 
+@pytest.mark.slow  # end to end: prepare_data, then lm-eval's command line in a subprocess
 def test_the_readme_local_command_runs_offline_on_cpu(tmp_path, tiny_pair):
     for name in ("source", "target"):
         shutil.copytree(tiny_pair[name], tmp_path / "models" / name)
