@@ -1,9 +1,20 @@
 """The import graph of a package tree, read from source (nothing is imported): modules by dotted name, their
-`pipeline.*` imports, and `python -m pipeline.X` subprocess calls, which the dvc.yaml deps count as imports."""
+`pipeline.*` imports, and `python -m pipeline.X` subprocess calls, which the dvc.yaml deps count as imports;
+and the module each dvc.yaml stage runs."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+
+def body(stage: dict) -> dict:
+    """A dvc.yaml stage's definition (the `do` of a foreach stage)."""
+    return stage.get("do", stage)
+
+
+def stage_module(stage: dict) -> str:
+    """The module a dvc.yaml stage runs: the X of its `python -m pipeline.X`."""
+    return "pipeline." + body(stage)["cmd"].split("-m pipeline.")[1].split()[0]
 
 
 def modules(root: Path, package: str = "pipeline") -> dict[str, Path]:

@@ -5,18 +5,12 @@ import ast
 from pathlib import Path
 
 import yaml
-from importgraph import closure, graph, modules
+from importgraph import body, closure, graph, modules, stage_module
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
-def body(stage: dict) -> dict:
-    return stage.get("do", stage)
-
-
-def stage_module(stage: dict) -> str:
-    return "pipeline." + body(stage)["cmd"].split("-m pipeline.")[1].split()[0]
 
 
 def test_every_stage_depends_on_the_modules_it_imports():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from importgraph import cycle, edges, graph, modules
+from importgraph import cycle, edges, graph, modules, stage_module
 
 from pipeline import WINGS
 
@@ -19,7 +19,7 @@ CHECKER = "pipeline.check_params"  # the one stage that reads the others' Params
 def dvc_stages(root: Path) -> set[str]:
     """Stage modules: the `python -m pipeline.<module>` of each dvc.yaml stage."""
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    return {"pipeline." + s.get("do", s)["cmd"].split("-m pipeline.")[1].split()[0] for s in stages.values()}
+    return {stage_module(stage) for stage in stages.values()}
 
 
 def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) -> list[str]:
