@@ -51,9 +51,9 @@ def check(params: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.check_params", __doc__, argv)
-    checked = check(read_params())
-    write_json_atomic(OUTPUT, {"valid": True, "checked": checked})
-    print(json.dumps({"valid": True, "checked": checked}))
+    result = {"valid": True, "checked": check(read_params())}
+    write_json_atomic(OUTPUT, result)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
