@@ -23,8 +23,8 @@ def test_committed_params_equal_the_default_profile(tmp_path):
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == compose(tmp_path)
 
 
-def test_three_profiles_exist():
-    assert PROFILES == ["qwen3-shapes", "qwen3-v0", "tiny"]
+def test_the_four_profiles_exist():
+    assert PROFILES == ["llama-shapes", "qwen3-shapes", "qwen3-v0", "tiny"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
