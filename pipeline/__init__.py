@@ -12,12 +12,14 @@ Stages (one module each, `python -m pipeline.<stage>`, one `dvc.yaml` entry each
     report          retention, paired statistics, gates and report.md
     latency         time to first token of the handoff against target prefill
 The lm-eval face: `lm_eval_model` registers the lm-eval model `kv-transfer`.
+The pair checker: `check_pair SOURCE TARGET` prints a pair's architecture contract from configs alone.
 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
     store/    files and settings: checksummed artifacts, params, dtypes/devices, split names, real shapes,
               model loading, sharded caches
-    kv/       the method: RoPE, cache <-> tensors, the FLOP model, mappers, the handoff (last-token protocol)
+    kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
+              the FLOP model, mappers, the handoff (last-token protocol)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
@@ -26,7 +28,7 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
 
 WINGS = {
     "store": ("cli", "artifacts", "params", "devices", "splits", "shapes", "models", "cachefiles"),
-    "kv": ("rope", "kvcache", "flops", "mapper", "handoff"),
+    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff"),
     "fitting": ("ridge", "mlpfit", "probes", "families"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),
     "tiny": ("tokenizer", "world", "train"),

@@ -6,7 +6,8 @@ Variants: `oracle` (the target's own cache; it also computes and stores the orac
 other variant is compared with), `direct`, `source` (the source model alone), `zero`, and the mapped
 variants: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen by `select`) and
 `shuffled` (the selected mapper's cache with its token order permuted). Every variant needs the controls to
-have passed (metrics/controls.json).
+have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined (`direct`
+between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
 
 Writes metrics/eval/<variant>.json (small, flat), eval/<variant>/prompts.parquet (per prompt),
 eval/<variant>/items.parquet (per task item, for the paired statistics of the report) and lm-eval's own
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
 from pipeline.lm_eval_model import KVTransferLM
@@ -28,7 +30,7 @@ from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, va
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
 from pipeline.store.cli import entry, parser
-from pipeline.store.models import ModelsParams, load_model, load_tokenizer
+from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import ParamError, load_section, spec
 from pipeline.store.splits import TASKS
 
@@ -36,6 +38,7 @@ ORACLE_OUTPUTS = Path("eval/oracle_outputs.safetensors")
 EVAL_PROMPTS = Path("data/eval.parquet")
 CONTROLS = Path("metrics/controls.json")
 BASELINES = ("oracle", "direct", "source", "zero")
+SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
 
 
 @dataclass
@@ -66,6 +69,22 @@ def require_controls_passed(path: Path = CONTROLS) -> None:
         raise RuntimeError(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass")
 
 
+def variant_mode(variant: str) -> str:
+    """The contract's mode of a variant (kv.contract.MODES)."""
+    if variant in BASELINES:
+        return variant
+    return "shuffled" if variant == "shuffled" else "mapped"
+
+
+def skip_reason(variant: str) -> str | None:
+    """Why the pair's architecture contract leaves this variant undefined (e.g. `direct` between unequal KV
+    geometries), read from the configs and tokenizers; None when it is defined."""
+    tokenizers = {name: load_tokenizer(f"models/{name}") for name in ("source", "target")}
+    contract = pair_contract(load_config("models/target"), load_config("models/source"), tokenizers["target"],
+                             tokenizers["source"])
+    return contract.reason(variant_mode(variant))
+
+
 def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) -> Handoff:
     device = models.torch_device
     load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device)  # noqa: E731
@@ -86,6 +105,13 @@ def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) ->
 
 def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
     require_controls_passed()
+    reason = skip_reason(variant)
+    if reason:  # recorded, and shown in the report, instead of failing the run
+        with atomic_dir(Path("eval") / variant) as staging:
+            (staging / SKIPPED).write_text(reason + "\n")
+        metrics = {"skipped": reason}
+        write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
+        return metrics
     torch.set_num_threads(params.threads)
     started = time.perf_counter()
     handoff = build_handoff(variant, params, models)

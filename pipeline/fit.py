@@ -3,9 +3,11 @@
     python -m pipeline.fit [--out FOLDER]
 
 Reads `caches/source`, `caches/target` (from `extract`), `models/source` and `data/select.parquet` (only to
-time the mappers against the source's prefill); writes `models/mappers/<candidate>.safetensors`,
-`metrics/fit.json`, `metrics/fit_layers.csv` (R² per candidate, target layer, head and kind) and
-`metrics/fit_probe.csv` (the single-layer probes that chose the source layers).
+time the mappers against the source's prefill), and both models' configs: a family the pair's architecture
+contract leaves undefined (head_matched between unequal KV head counts) is skipped, its reason in fit.json.
+Writes `models/mappers/<candidate>.safetensors`, `metrics/fit.json`, `metrics/fit_layers.csv` (R² per
+candidate, target layer, head and kind) and `metrics/fit_probe.csv` (the single-layer probes that chose the
+source layers).
 
 The recipe: single-layer probes rank the source layers for every target layer (`fitting.probes`); per target
 layer every ridge candidate is solved from shared moments and every MLP candidate trained
@@ -37,12 +39,13 @@ from pipeline.fitting.families import (
 )
 from pipeline.fitting.mlpfit import MlpSettings
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import time_against_prefill
 from pipeline.store.artifacts import atomic_path, write_json_atomic
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
-from pipeline.store.models import load_model
+from pipeline.store.models import load_config, load_model
 from pipeline.store.params import load_section, spec
 
 
@@ -71,7 +74,8 @@ class FitParams:
 
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
-        metrics_dir: Path, params: FitParams) -> dict:
+        metrics_dir: Path, params: FitParams, skipped: dict[str, str]) -> dict:
+    """Fit every candidate of params; `skipped` maps the families the pair's contract leaves undefined to why."""
     start = time.perf_counter()
     torch.set_num_threads(params.threads)
     torch.use_deterministic_algorithms(True)
@@ -81,9 +85,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     for k in params.ks + params.mlp.ks:
         if k > geo_s["layers"]:
             raise ValueError(f"fit: k={k} exceeds the source's {geo_s['layers']} layers; lower fit.ks / fit.mlp.ks")
-    if "head_matched" in params.families and geometry.heads_s != geometry.heads_t:
-        raise ValueError(f"fit.families has head_matched but KV head counts differ "
-                         f"({geometry.heads_s} vs {geometry.heads_t})")
+    families = [family for family in params.families if family not in skipped]
 
     fit_pairs = paired_split(source_root, target_root, "fit")
     select_pairs = paired_split(source_root, target_root, "select")
@@ -92,7 +94,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                       geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30)
     orders = ranking(scores)
 
-    ridge = ridge_candidates(params.families, params.ks, params.lambdas)
+    ridge = ridge_candidates(families, params.ks, params.lambdas)
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
     parts, table, mlp_facts = Parts(out_dir / ".parts"), R2Table(), {}
@@ -108,7 +110,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     content = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
     fit_tokens = sum(s.tokens for s, _ in fit_pairs)
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
-               "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held)}
+               "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
+               **{f"skipped/{family}": reason for family, reason in skipped.items()}}
     for name, family, k, lam in tqdm(ridge + mlp_candidates(params.mlp.ks), desc="write mappers"):
         extra = {"probe_lambda": params.probe_lambda, "fit_tokens": fit_tokens, "seed": params.seed}
         if family == "mlp":
@@ -152,9 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
     args = cli.parse_args(argv)
     params = load_section(FitParams, "fit")
+    contract = pair_contract(load_config("models/target"), load_config("models/source"))
+    skipped = {family: contract.families[family] for family in params.families if not contract.family_defined(family)}
     out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
-                  out, metrics_dir, params)
+                  out, metrics_dir, params, skipped)
     write_json_atomic(metrics_dir / "fit.json", metrics)
     print({k: v for k, v in metrics.items() if "/" not in k})
 

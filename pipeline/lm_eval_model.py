@@ -8,6 +8,9 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
 
+lm-eval's `--apply_chat_template` and `--system_instruction` work as for `hf`: prompts are rendered by the
+target tokenizer's chat template, then tokenized and handed off like any other prompt.
+
 Run lm-eval's own command line with this model registered (`--device` defaults to the pipeline's choice:
 cuda when there is one, else cpu; the README shows the hub and the local-task forms):
 
@@ -16,8 +19,10 @@ cuda when there is one, else cpu; the README shows the hub and the local-task fo
 """
 from __future__ import annotations
 
+import logging
 import sys
 
+import jinja2
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -25,11 +30,14 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import MODES, Handoff, greedy_generate, score_continuations
 from pipeline.kv.mapper import load_mapper
-from pipeline.store.models import check_pair, default_device, load_model, load_tokenizer
+from pipeline.store.models import default_device, load_config, load_model, load_tokenizer
 
 DEFAULT_MAX_GEN_TOKS = 256
+
+log = logging.getLogger(__name__)
 
 
 @register_model("kv-transfer")
@@ -60,13 +68,18 @@ class KVTransferLM(TemplateLM):
             raise ValueError("kv-transfer: transfer=mapped needs mapper=<path to a mapper file>")
         device = device or default_device()
         self.tokenizer = load_tokenizer(target, target_revision)
+        uses_source = transfer not in ("oracle", "zero")
+        source_tokenizer = load_tokenizer(source, source_revision) if uses_source else None
+        target_config = load_config(target, target_revision)
+        length = int(max_length) if max_length else target_config.max_position_embeddings
+        # the architecture contract, from configs and tokenizers: a refused pair costs no weight loading
+        pair_contract(target_config, load_config(source, source_revision) if uses_source else None, self.tokenizer,
+                      source_tokenizer, length).require(transfer)
         target_model = load_model(target, target_revision, dtype, device)
-        source_model = None
-        if source and transfer != "oracle":
-            check_pair(source, load_tokenizer(source, source_revision), target, self.tokenizer)
-            source_model = load_model(source, source_revision, dtype, device)
+        source_model = load_model(source, source_revision, dtype, device) if uses_source else None
         fitted = load_mapper(mapper, device=device) if mapper and transfer in ("mapped", "shuffled") else None
-        handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed))
+        handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed),
+                          tokenizers=(source_tokenizer, self.tokenizer), max_tokens=length)
         self._setup(handoff, batch_size, max_length)
 
     @classmethod
@@ -113,6 +126,32 @@ class KVTransferLM(TemplateLM):
     @property
     def device(self):
         return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        # lm-eval puts this name in its request-cache file names, hence no slashes (as `hf`)
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """`chat_history` rendered as text by the target tokenizer's chat template, as lm-eval's `hf` renders it.
+        `chat_template(...)`, the template lm-eval records, is TemplateLM's, read from the same tokenizer."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of "
+                             f"{self.tokenizer.name_or_path} has none; leave the flag out or use a chat model")
+
+        def render(messages: list[dict[str, str]]) -> str:
+            # without a generation prompt the history ends in the task's assistant prefix, left open to continue
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            # as `hf`: a template that refuses a system turn gets the history without it
+            log.warning("kv-transfer: the chat template of %s failed on this history; rendering it again without "
+                        "the system message", self.tokenizer.name_or_path)
+            return render([message for message in chat_history if message["role"] != "system"])
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}

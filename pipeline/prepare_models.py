@@ -23,9 +23,10 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoTokenizer
 
+from pipeline.kv.contract import pair_contract
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.models import ModelNotAvailableError, ModelsParams, check_pair, hub_reachable, load_tokenizer
+from pipeline.store.models import ModelNotAvailableError, ModelsParams, hub_reachable, load_config, load_tokenizer
 from pipeline.store.params import load_section, spec
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
@@ -69,8 +70,6 @@ def pin_hub_pair(models: ModelsParams) -> None:
         sha = HfApi().model_info(model_id, revision=revision).sha
         with atomic_dir(MODELS / name) as staging:
             write_json_atomic(staging / "hub.json", {"id": model_id, "revision": sha})
-    check_pair(models.source, load_tokenizer(str(MODELS / "source")),
-               models.target, load_tokenizer(str(MODELS / "target")))
 
 
 def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
@@ -85,6 +84,16 @@ def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
             tokenizer.save_pretrained(staging)
 
 
+def check_contract() -> dict:
+    """Refuse the prepared pair now, from its configs and tokenizers, unless the mapped handoff is defined for it;
+    returns the modes the contract defines (`direct` and `head_matched` need equal geometry, for instance)."""
+    contract = pair_contract(load_config(str(MODELS / "target")), load_config(str(MODELS / "source")),
+                             load_tokenizer(str(MODELS / "target")), load_tokenizer(str(MODELS / "source")))
+    contract.require("mapped")
+    return {"modes": sorted(m for m in contract.modes if contract.defined(m)),
+            "families": sorted(f for f in contract.families if contract.family_defined(f))}
+
+
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.prepare_models", __doc__, argv)
     models = load_section(ModelsParams, "models")
@@ -97,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         pin_hub_pair(models)
     else:
         record_random_pair(models)
-    print(json.dumps({"kind": models.kind, "seconds": round(time.perf_counter() - started, 1)}))
+    defined = check_contract()
+    print(json.dumps({"kind": models.kind, **defined, "seconds": round(time.perf_counter() - started, 1)}))
 
 
 if __name__ == "__main__":

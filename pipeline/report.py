@@ -25,7 +25,7 @@ import transformers
 
 from pipeline.measure.retention import comparison, mean_retention, retention_interval
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
-from pipeline.store.cli import entry, no_arguments
+from pipeline.store.cli import entry, md_table, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, read_key, spec
 from pipeline.store.splits import ITEM_KINDS, TASKS
@@ -72,18 +72,21 @@ def label(variant: str) -> str:
     return LABELS.get(variant, variant)
 
 
-def load_variants(variants: list[str]) -> tuple[dict, dict, dict]:
+def load_variants(variants: list[str]) -> tuple[dict, dict, dict, dict]:
     """The declared variants' metrics and per-item results (not whatever else metrics/eval holds: a profile
-    with other k candidates leaves other files there)."""
-    metrics, items, prompts = {}, {}, {}
+    with other k candidates leaves other files there), and the reasons of those the pair's contract skipped."""
+    metrics, items, prompts, skipped = {}, {}, {}, {}
     for variant in variants:
         path = Path("metrics/eval") / f"{variant}.json"
         metrics[variant] = json.loads(path.read_text())
+        if "skipped" in metrics[variant]:  # undefined for this pair (kv.contract): reported, not compared
+            skipped[variant] = metrics.pop(variant)["skipped"]
+            continue
         items[variant] = pd.read_parquet(Path("eval") / variant / "items.parquet")
         prompts[variant] = pd.read_parquet(Path("eval") / variant / "prompts.parquet")
     if "oracle" not in metrics:
         raise FileNotFoundError("metrics/eval/oracle.json not found: the report needs the oracle's evaluation")
-    return metrics, items, prompts
+    return metrics, items, prompts, skipped
 
 
 def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, controls: dict) -> dict:
@@ -160,12 +163,6 @@ def _order(variants: dict) -> list[str]:
     return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
 
 
-def md_table(header: list[str], rows: list[list[object]]) -> list[str]:
-    """A Markdown table's lines: header, separator, one line per row (cells already formatted)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
-
-
 def _v0_reference(name: str, e: dict, profile: str) -> str:
     ref = V0.get(name)
     if ref is None:
@@ -200,6 +197,9 @@ def markdown(report: dict, context: dict) -> str:
           f"{_pct(v[n]['retention'])} [{_pct(v[n]['retention_low'])}, {_pct(v[n]['retention_high'])}]",
           _v0_reference(n, v[n], profile)] for n in order])
     o = v["oracle"]
+    if report.get("skipped"):
+        lines += [""] + [f"Not run for this pair: {label(name)} — {reason}."
+                         for name, reason in report["skipped"].items()]
     lines += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. "
               f"V0 reference: perplexity / next-token top-1 / HellaSwag / PIQA as published (V0's own data; comparable "
               f"only as ratios{' — deltas shown' if profile == 'qwen3-v0' else ''}).", ""]
@@ -377,9 +377,10 @@ def main(argv: list[str] | None = None) -> None:
     params = load_section(ReportParams, "report")
     models = load_section(ModelsParams, "models")
     variants = ["oracle", *read_key("evaluate.baselines"), *read_key("evaluate.mapped")]
-    metrics, items, prompts = load_variants(variants)
+    metrics, items, prompts, skipped = load_variants(variants)
     controls = json.loads(Path("metrics/controls.json").read_text())
     report = build(params, metrics, items, prompts, controls)
+    report["skipped"] = skipped
     select = json.loads(Path("metrics/select.json").read_text()) if Path("metrics/select.json").is_file() else {}
     tables = figures(report, prompts, Path("report"))
     Path("plots").mkdir(exist_ok=True)

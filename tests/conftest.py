@@ -83,19 +83,10 @@ def task_texts() -> list[str]:
 
 
 def tiny_config(vocab_size: int, hidden: int, layers: int = 2, **extra) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        **extra,
-    )
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rope_theta=10000.0, tie_word_embeddings=True)
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, **{**fields, **extra})
 
 
 def build_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:

@@ -130,7 +130,7 @@ def _fit_params():
 
 def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
     metrics = fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
-                  extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params())
+                  extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {})
     names = sorted(p.stem for p in (tmp_path / "mappers").glob("*.safetensors"))
     assert names == sorted([f"{f}_k{k}_lam{lam}" for f in ("linear", "head_matched") for k in (1, 2)
                             for lam in ("0.01", "1")] + ["mlp_k1"])
@@ -140,6 +140,16 @@ def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
     layers_csv = (tmp_path / "metrics" / "fit_layers.csv").read_text().splitlines()
     assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio"
     assert len(layers_csv) == 1 + 9 * 2 * 2 * 2  # candidates x layers x heads x kinds
+
+
+def test_a_family_the_contract_leaves_undefined_is_skipped_with_its_reason(extracted, tmp_path):
+    reason = "head_matched needs equal KV head counts, but ..."
+    metrics = fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
+                  extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(),
+                  {"head_matched": reason})
+    names = sorted(p.stem for p in (tmp_path / "mappers").glob("*.safetensors"))
+    assert not [n for n in names if n.startswith("head_matched")] and "linear_k1_lam1" in names
+    assert metrics["skipped/head_matched"] == reason
 
 
 def test_fitting_twice_in_two_processes_gives_identical_files(extracted):
@@ -165,4 +175,4 @@ def test_corrupted_cache_shard_stops_fit_naming_it(extracted, tmp_path):
     shard.write_bytes(bytes(raw))
     with pytest.raises(ArtifactError, match="shard-00001.safetensors: checksum mismatch"):
         fit(caches / "source", caches / "target", extracted / "models/source", extracted / "data/select.parquet",
-            tmp_path / "mappers", tmp_path / "metrics", _fit_params())
+            tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {})

@@ -56,9 +56,9 @@ def test_the_real_tree_keeps_the_house_rules():
     assert violations(ROOT, dvc_stages(ROOT), WINGS) == []
 
 
-def test_every_top_level_module_is_a_stage_or_the_lm_eval_face():
+def test_every_top_level_module_is_a_stage_the_lm_eval_face_or_the_pair_checker():
     top = {name for name in modules(ROOT) if name.count(".") == 1}
-    assert top - dvc_stages(ROOT) == {"pipeline.lm_eval_model"}
+    assert top - dvc_stages(ROOT) == {"pipeline.lm_eval_model", "pipeline.check_pair"}
 
 
 @pytest.fixture

@@ -1,12 +1,14 @@
 """The `kv-transfer` lm-eval model: the exactness gate against lm-eval's stock `hf` model on real
 HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files."""
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -14,7 +16,7 @@ from conftest import WIKITEXT, committed, hellaswag_rows, piqa_rows, train_token
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.lm_eval_model import KVTransferLM
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = yaml.safe_load((ROOT / "params.yaml").read_text())["tolerances"]
 TASKS = ["hellaswag_local", "piqa_local"]
 N_ITEMS = 40
+FLOAT32_ABS = 1e-4  # |delta log-likelihood| of the kv-transfer oracle against stock hf, in float32 (PROTOCOL.md)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +41,11 @@ def task_dir(tmp_path_factory):
     return root
 
 
-def evaluate(lm, task_dir) -> dict:
-    """Per task: per-document list of (loglikelihood, is_greedy) per choice, and the acc/acc_norm decisions."""
+def evaluate(lm, task_dir, **options) -> dict:
+    """Per task: per-document list of (loglikelihood, is_greedy) per choice, the acc/acc_norm decisions and the
+    (context, continuation) requests. `options` go to `simple_evaluate` (`apply_chat_template=True`, ...)."""
     out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir)),
-                          num_fewshot=0, log_samples=True, bootstrap_iters=0)
+                          num_fewshot=0, log_samples=True, bootstrap_iters=0, **options)
     per_task = {}
     for task in TASKS:
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
@@ -49,6 +53,7 @@ def evaluate(lm, task_dir) -> dict:
             "choices": [[(float(r[0][0]), bool(r[0][1])) for r in s["resps"]] for s in samples],
             "acc": [s["acc"] for s in samples],
             "acc_norm": [s["acc_norm"] for s in samples],
+            "requests": [[tuple(a) for a in s["arguments"]] for s in samples],
         }
     return per_task
 
@@ -66,6 +71,16 @@ def max_delta(ours, reference):
                for a, b in zip(doc_a, doc_b))
 
 
+def beyond_float32_tolerance(ours, reference, tolerance: float) -> list[tuple[str, int, float, float]]:
+    """Choices whose loglikelihoods differ by more than `tolerance` plus two float32 steps at their size. Each
+    side sums its continuation's token log-probs in float32, in its own order: past 1024 the steps are 1.2e-4,
+    so a 180-token PIQA answer can land one step apart while its tokens agree to 1e-6."""
+    return [(task, doc, a[0], b[0]) for task in TASKS
+            for doc, (doc_a, doc_b) in enumerate(zip(ours[task]["choices"], reference[task]["choices"]))
+            for a, b in zip(doc_a, doc_b)
+            if abs(a[0] - b[0]) > tolerance + 2 * float(np.spacing(np.float32(abs(b[0]))))]
+
+
 @pytest.fixture(scope="module")
 def reference_float32(tiny_pair, task_dir):
     return evaluate(stock_hf(tiny_pair["target"], torch.float32), task_dir)
@@ -78,7 +93,7 @@ def test_exactness_gate_float32(tiny_pair, task_dir, reference_float32, transfer
     ours = evaluate(lm, task_dir)
     delta = max_delta(ours, reference_float32)
     print(f"\nexactness gate float32 {transfer}: max |delta loglikelihood| = {delta:.2e}")
-    assert delta <= TOLERANCES["float32"]["loglikelihood_abs"]
+    assert not beyond_float32_tolerance(ours, reference_float32, FLOAT32_ABS), delta
     for task in TASKS:
         assert len(ours[task]["choices"]) == N_ITEMS
         assert [[g for _, g in doc] for doc in ours[task]["choices"]] == \
@@ -105,6 +120,71 @@ def test_exactness_gate_bfloat16(tiny_pair, task_dir):
                 assert near_tie, "a bfloat16 decision flipped on an item with a clear margin"
     print(f"\nexactness gate bfloat16: max |delta| = {max_delta(ours, reference):.3e}, "
           f"items under margin {epsilon}: {near_ties}, decisions flipped: {flipped}")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+NO_SYSTEM_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                      + CHAT_TEMPLATE)
+SYSTEM = "Pick the most likely ending."
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny target, saved with a chat template that marks each turn with `<|role|>`."""
+    folder = tmp_path_factory.mktemp("chat") / "target"
+    shutil.copytree(tiny_pair["target"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_chat_templated_oracle_matches_stock_hf_with_the_same_template(chat_target, task_dir):
+    chat = {"apply_chat_template": True, "system_instruction": SYSTEM}
+    ours = evaluate(KVTransferLM(target=str(chat_target), transfer="oracle", device="cpu"), task_dir, **chat)
+    reference = evaluate(stock_hf(chat_target, torch.float32), task_dir, **chat)
+    delta = max_delta(ours, reference)
+    print(f"\nchat-templated oracle float32: max |delta loglikelihood| = {delta:.2e}")
+    assert not beyond_float32_tolerance(ours, reference, FLOAT32_ABS)
+    for task in TASKS:
+        assert ours[task]["requests"] == reference[task]["requests"]
+        for requests in ours[task]["requests"]:  # the template was applied, with the system instruction
+            for context, _ in requests:
+                assert context.startswith(f"<|system|>\n{SYSTEM}\n<|user|>\n")
+                assert context.endswith("<|assistant|>\n")
+        assert [[g for _, g in doc] for doc in ours[task]["choices"]] == \
+               [[g for _, g in doc] for doc in reference[task]["choices"]]
+        assert ours[task]["acc"] == reference[task]["acc"]
+        assert ours[task]["acc_norm"] == reference[task]["acc_norm"]
+
+
+def test_chat_template_renders_as_stock_hf_also_without_a_system_role(chat_target):
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question: why?\nAnswer:"}]
+    prefilled = [*history, {"role": "assistant", "content": "Because"}]
+    ours = KVTransferLM(target=str(chat_target), device="cpu")
+    wrapped = KVTransferLM.from_handoff(ours.handoff, AutoTokenizer.from_pretrained(chat_target))
+    reference = stock_hf(chat_target, torch.float32)
+    for lm in (ours, wrapped):
+        assert lm.tokenizer_name == reference.tokenizer_name and "/" not in lm.tokenizer_name
+        assert lm.chat_template(True) == reference.chat_template(True) == CHAT_TEMPLATE
+        assert lm.chat_template(False) is None
+        assert lm.apply_chat_template(history) == reference.apply_chat_template(history) == \
+               f"<|system|>\n{SYSTEM}\n<|user|>\nQuestion: why?\nAnswer:\n<|assistant|>\n"
+        # a task's assistant prefix (gen_prefix) is left open for the continuation
+        assert lm.apply_chat_template(prefilled, add_generation_prompt=False) == \
+               reference.apply_chat_template(prefilled, add_generation_prompt=False)
+        assert lm.apply_chat_template(prefilled, add_generation_prompt=False).endswith("<|assistant|>\nBecause")
+        lm.tokenizer.chat_template = reference.tokenizer.chat_template = NO_SYSTEM_TEMPLATE
+        assert lm.apply_chat_template(history) == reference.apply_chat_template(history) == \
+               "<|user|>\nQuestion: why?\nAnswer:\n<|assistant|>\n"
+        lm.tokenizer.chat_template = reference.tokenizer.chat_template = CHAT_TEMPLATE
+
+
+def test_a_target_without_a_chat_template_is_refused_naming_it(tiny_pair):
+    with pytest.raises(ValueError, match=re.escape(f"{tiny_pair['target']} has none")):
+        KVTransferLM(target=str(tiny_pair["target"]), device="cpu").apply_chat_template(
+            [{"role": "user", "content": "hi"}])
 
 
 def test_incompatible_tokenizers_fail_closed_naming_both(tmp_path, tiny_pair):

@@ -1,11 +1,13 @@
 """Report arithmetic: retention exactly as PROTOCOL defines it, checked on V0's own figures."""
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 from conftest import committed
 
 from pipeline.measure.retention import mean_retention, retention
-from pipeline.report import V0, ReportParams, build
+from pipeline.report import V0, ReportParams, build, load_variants, markdown
 from pipeline.store.params import parse
 
 
@@ -51,3 +53,26 @@ def test_gates_follow_the_numbers():
     assert not broken["gates"]["controls_passed"]["passed"]
     metrics["source"], items["source"], prompts["source"] = _fake_variant(rng, 0.85, 0.9, 0.9)
     assert not build(report_params(), metrics, items, prompts, controls)["gates"]["beats_source_and_nulls"]["passed"]
+
+
+def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compared(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "metrics/eval").mkdir(parents=True)
+    for name, args in {"oracle": (0.9, 0.95, 1.0), "selected": (0.85, 0.9, 0.9)}.items():
+        metrics, items, prompt_rows = _fake_variant(rng, *args)
+        (tmp_path / "eval" / name).mkdir(parents=True)
+        items.to_parquet(tmp_path / "eval" / name / "items.parquet")
+        prompt_rows.to_parquet(tmp_path / "eval" / name / "prompts.parquet")
+        (tmp_path / "metrics/eval" / f"{name}.json").write_text(json.dumps(metrics))
+    reason = "direct injection needs equal KV geometry, but ..."
+    (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": reason}))
+    metrics, items, prompts, skipped = load_variants(["oracle", "direct", "selected"])
+    assert skipped == {"direct": reason} and set(metrics) == {"oracle", "selected"}
+    report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
+    report["skipped"] = skipped
+    context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
+               "dtype": "bfloat16", "device": "cpu", "environment": {}}
+    text = markdown(report, context)
+    assert f"Not run for this pair: Direct source-cache injection — {reason}." in text
+    assert "| Direct source-cache injection |" not in text

@@ -7,10 +7,10 @@ from transformers import Qwen3Config
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError, apply_rope, strip_rope
 
-QWEN3_ROPE = RotarySpec(rope_type="default", theta=1_000_000.0, head_dim=128, max_positions=40960)
+QWEN3_ROPE = RotarySpec.default(theta=1_000_000.0, head_dim=128, max_positions=40960)
 
 
-@pytest.mark.parametrize("spec", [QWEN3_ROPE, RotarySpec("default", 10000.0, 16, 512)], ids=["qwen3", "tiny"])
+@pytest.mark.parametrize("spec", [QWEN3_ROPE, RotarySpec.default(10000.0, 16, 512)], ids=["qwen3", "tiny"])
 def test_strip_then_apply_is_identity_up_to_max_positions(spec):
     torch.manual_seed(0)
     positions = torch.arange(spec.max_positions)
@@ -65,8 +65,8 @@ def test_spec_reads_qwen3_config():
     assert RotarySpec.from_config(config) == QWEN3_ROPE
 
 
-def test_unsupported_rope_type_fails_clearly():
+def test_length_dependent_rope_type_fails_clearly():
     config = tiny_config(97, 64)
-    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    with pytest.raises(UnsupportedRopeError, match="yarn"):
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(UnsupportedRopeError, match="length-dependent RoPE"):
         RotarySpec.from_config(config)

@@ -50,6 +50,19 @@ def mapper_weight_count(source_config, target_config, k: int, family: str) -> in
     return 2 * target["layers"] * target["kv_heads"] * per_head  # keys and values
 
 
+def mapper_parameter_count(source_config, target_config, k: int, family: str, hidden: int | None = None) -> int:
+    """Parameters of a keys+values mapper of `family` (weights and biases; `hidden`: the mlp family's width)."""
+    source, target = kv_geometry(source_config), kv_geometry(target_config)
+    biases = 2 * target["layers"] * target["kv_heads"] * target["head_dim"]
+    if family != "mlp":
+        return mapper_weight_count(source_config, target_config, k, family) + biases
+    if not hidden:
+        raise ValueError("the mlp family's size needs its hidden width")
+    inputs = k * source["kv_heads"] * source["head_dim"]
+    per_kind = (inputs + 1) * hidden + target["kv_heads"] * hidden * target["head_dim"]
+    return 2 * target["layers"] * per_kind + biases
+
+
 def target_prefill_macs(target_config, length: int) -> int:
     return length * linear_macs_per_token(target_config) + attention_macs(target_config, 0, length) + logits_macs(
         target_config

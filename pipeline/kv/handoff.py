@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layers_to_cache
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation
@@ -32,24 +33,31 @@ MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
 class Handoff:
     """Builds the target's prefix cache in one of MODES and scores tokens after it."""
 
-    def __init__(self, target, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0):
+    def __init__(self, target, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
+                 tokenizers: tuple | None = None, max_tokens: int | None = None):
+        """`tokenizers`: (source, target) tokenizers, compared by the contract when given (otherwise only the
+        vocabulary sizes can be); `max_tokens`: the longest sequence this handoff will see (a sliding window
+        shorter than it is refused), by default the target's position range."""
         if mode not in MODES:
             raise ValueError(f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})")
+        if mode not in ("oracle", "zero") and source is None:
+            raise ValueError(f"transfer mode {mode!r} needs a source model")
+        if mode == "mapped" and mapper is None:
+            raise ValueError("transfer mode 'mapped' needs a mapper")
         self.target, self.source, self.mode, self.mapper, self.shuffle_seed = target, source, mode, mapper, shuffle_seed
-        self.target_spec = RotarySpec.from_config(target.config)
+        source_tokenizer, target_tokenizer = tokenizers or (None, None)
+        # the contract decides from the configs, before any forward; the rotary buffers are then checked
+        self.contract = pair_contract(target.config, source.config if mode not in ("oracle", "zero") else None,
+                                      target_tokenizer, source_tokenizer, max_tokens)
+        self.contract.require(mode)
+        self.target_spec = RotarySpec.from_model(target)
         self.target_geometry = kv_geometry(target.config)
         self.source_prefills = 0  # counted so tests can check that shared contexts share one prefill
         if mode in ("oracle", "zero"):
             return
-        if source is None:
-            raise ValueError(f"transfer mode {mode!r} needs a source model")
-        self.source_spec = RotarySpec.from_config(source.config)
+        self.source_spec = RotarySpec.from_model(source)
         self.source_geometry = kv_geometry(source.config)
         names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
-        if source.config.vocab_size != target.config.vocab_size:
-            raise IncompatiblePairError(f"incompatible pair: {names} have different vocabulary sizes")
-        if mode == "mapped" and mapper is None:
-            raise ValueError("transfer mode 'mapped' needs a mapper")
         if mapper is not None:
             if (mapper.source_geometry, mapper.target_geometry) != (self.source_geometry, self.target_geometry):
                 raise IncompatiblePairError(

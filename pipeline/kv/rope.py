@@ -1,56 +1,134 @@
-"""Rotary position encoding of cached keys: read the settings from a config, strip and apply.
+"""Rotary position encoding of cached keys: read the settings from a config, check them against the model,
+strip and apply.
 
-Cached keys in transformers' Qwen3 are stored after k_norm and after RoPE. `strip` rotates them back to
-content space (position-free); `apply` rotates content-space keys forward to given positions. The math
-is done in float32 and cast back, so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
+Cached keys in transformers' decoders are stored after RoPE (and, in Qwen3, after k_norm). `strip` rotates them
+back to content space (position-free); `apply` rotates content-space keys forward to given positions. The
+frequencies are computed in float32 from the config by transformers' own RoPE initialisers (so Llama-3's
+`llama3` scaling, linear scaling and static YaRN come with their `inv_freq` and attention factor), and
+`RotarySpec.from_model` checks them against the buffer the model actually rotates with: a model whose
+`inv_freq` was cast to bfloat16 by `.to(dtype)` after loading rotates with rounded frequencies, and is refused.
+The math is done in float32 and cast back, so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pipeline.store.cli import Refusal
 
-SUPPORTED_ROPE_TYPES = ("default",)
+# rope types whose frequencies are fixed at load time; `dynamic` and `longrope` change them with the length
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 class UnsupportedRopeError(Refusal, ValueError):
     pass
 
 
+def model_name(config) -> str:
+    return getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?")
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE settings as one flat dict (transformers 5 keeps them in `rope_parameters`)."""
+    return dict(getattr(config, "rope_parameters", None) or {})
+
+
+def rope_refusal(config) -> str | None:
+    """Why the keys of this config's model cannot be stripped and re-applied exactly; None when they can."""
+    params = rope_parameters(config)
+    if params and all(isinstance(value, dict) for value in params.values()):
+        return f"has per-layer-type RoPE parameters ({', '.join(params)}); one rotation per model is needed"
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    if float(partial) != 1.0:
+        return (f"rotates only part of each head (partial_rotary_factor {partial}); stripping it as full RoPE would "
+                f"corrupt the unrotated dimensions")
+    if rope_type in LENGTH_DEPENDENT_ROPE_TYPES:
+        return (f"uses length-dependent RoPE ({rope_type!r}): its frequencies change with the sequence length, so a "
+                f"cache stripped at one length is re-encoded at another")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"uses rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)})"
+    if params.get("rope_theta", getattr(config, "rope_theta", None)) is None:
+        return "has no rope_theta"
+    return None
+
+
 @dataclass(frozen=True)
 class RotarySpec:
-    """What a model's rotary embedding needs: base, rotated width and the position range it was built for."""
+    """What a model's rotary embedding does: its type, base, rotated width, position range, the scaling
+    parameters of a scaled type, and the resulting float32 inverse frequencies and attention factor."""
 
     rope_type: str
     theta: float
     head_dim: int
     max_positions: int
+    scaling: tuple[tuple[str, float], ...]  # sorted rope_parameters beyond type and theta; () for `default`
+    attention_scaling: float  # cos and sin are multiplied by it (YaRN's mscale); 1.0 otherwise
+    frequencies: tuple[float, ...]  # inv_freq, float32 values, (head_dim/2,)
+
+    @classmethod
+    def default(cls, theta: float, head_dim: int, max_positions: int) -> "RotarySpec":
+        """Plain RoPE: inv_freq[i] = theta ** (-2i / head_dim), computed as transformers does, in float32."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        inv_freq = 1.0 / (float(theta) ** exponents)  # (head_dim/2,)
+        return cls("default", float(theta), int(head_dim), int(max_positions), (), 1.0, tuple(inv_freq.tolist()))
 
     @classmethod
     def from_config(cls, config) -> "RotarySpec":
-        params = dict(getattr(config, "rope_parameters", None) or {})
+        refusal = rope_refusal(config)
+        if refusal:
+            raise UnsupportedRopeError(f"model {model_name(config)!r} {refusal}")
+        params = rope_parameters(config)
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedRopeError(
-                f"rope_type {rope_type!r} of model {getattr(config, '_name_or_path', '?')!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); stripping it would silently corrupt the cache"
-            )
-        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-        if theta is None:
-            raise UnsupportedRopeError(f"no rope_theta in the config of {getattr(config, '_name_or_path', '?')!r}")
-        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedRopeError("partial rotary embeddings are not supported")
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 0.0)))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(rope_type, float(theta), int(head_dim), int(config.max_position_embeddings))
+        if rope_type == "default":
+            return cls.default(theta, head_dim, config.max_position_embeddings)
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        scaling = tuple(sorted((key, float(value)) for key, value in params.items()
+                               if key not in ("rope_type", "type", "rope_theta") and value is not None
+                               and isinstance(value, (int, float))))
+        return cls(rope_type, theta, int(head_dim), int(config.max_position_embeddings), scaling,
+                   float(attention_scaling), tuple(inv_freq.to(torch.float32).tolist()))
+
+    @classmethod
+    def from_model(cls, model) -> "RotarySpec":
+        """The spec of `model`'s config, verified against the rotary embedding the model really runs."""
+        spec = cls.from_config(model.config)
+        rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+        name = model_name(model.config)
+        if rotary is None or not hasattr(rotary, "inv_freq"):
+            raise UnsupportedRopeError(f"model {name!r} has no rotary embedding module (model.rotary_emb.inv_freq)")
+        if rotary.inv_freq.dtype != torch.float32:
+            raise UnsupportedRopeError(
+                f"model {name!r} rotates with a {str(rotary.inv_freq.dtype).replace('torch.', '')} inv_freq (cast "
+                f"with .to(dtype) after loading), so its cached keys carry rounded angles; load it with "
+                f"from_pretrained(dtype=...) instead, which keeps the rotary buffers in float32")
+        measured = rotary.inv_freq.detach().cpu()
+        expected = spec.inv_freq("cpu")
+        if measured.shape != expected.shape or not torch.allclose(measured, expected, rtol=1e-6, atol=0.0):
+            raise UnsupportedRopeError(
+                f"model {name!r}: its rotary embedding's inv_freq {tuple(measured.shape)} differs from the one its "
+                f"config defines {tuple(expected.shape)}; the cache could not be re-encoded exactly")
+        if float(getattr(rotary, "attention_scaling", 1.0)) != spec.attention_scaling:
+            raise UnsupportedRopeError(
+                f"model {name!r}: attention scaling {rotary.attention_scaling} of its rotary embedding differs from "
+                f"its config's {spec.attention_scaling}")
+        return spec
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings recorded in mapper and cache metadata (plain RoPE keeps V0's four keys)."""
+        recorded = {"rope_type": self.rope_type, "theta": self.theta, "head_dim": self.head_dim,
+                    "max_positions": self.max_positions}
+        if self.rope_type != "default":
+            recorded.update(scaling=dict(self.scaling), attention_scaling=self.attention_scaling)
+        return recorded
 
     def inv_freq(self, device) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-        return 1.0 / (self.theta**exponents)  # (head_dim/2,)
+        return torch.tensor(self.frequencies, dtype=torch.float32, device=device)  # (head_dim/2,)
 
 
 class Rotation:
@@ -61,6 +139,9 @@ class Rotation:
 
         first, second = keys[..., :D/2], keys[..., D/2:]
         rotated = [first * cos - second * sin,  second * cos + first * sin]
+
+    A scaled type's attention factor multiplies cos and sin in the model, so `apply` scales by it and `strip`
+    divides it out.
     """
 
     def __init__(self, spec: RotarySpec, positions: torch.Tensor):
@@ -78,20 +159,21 @@ class Rotation:
 
     def apply(self, keys_content: torch.Tensor) -> torch.Tensor:
         """Rotate content-space keys (..., T, head_dim) forward to the positions."""
-        return self._rotate(keys_content, self.sin)
+        return self._rotate(keys_content, self.sin, self.spec.attention_scaling)
 
     def strip(self, keys_rotated: torch.Tensor) -> torch.Tensor:
         """Rotate cached keys (..., T, head_dim) back by the positions: the inverse rotation."""
-        return self._rotate(keys_rotated, -self.sin)
+        return self._rotate(keys_rotated, -self.sin, 1.0 / self.spec.attention_scaling)
 
-    def _rotate(self, keys: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, keys: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
         if keys.shape[-1] != self.spec.head_dim:
             raise ValueError(f"keys have head_dim {keys.shape[-1]}, rotary settings say {self.spec.head_dim}")
         if keys.shape[-2] != self.tokens:
             raise ValueError(f"{keys.shape[-2]} cached tokens but {self.tokens} positions")
         cos, sin = self.cos.to(keys.device), sin.to(keys.device)  # (T, head_dim/2), broadcast over (..., T, head_dim/2)
         first, second = keys.to(torch.float32).chunk(2, dim=-1)  # (..., T, head_dim/2) each
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(keys.dtype)
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return (rotated if scale == 1.0 else rotated * scale).to(keys.dtype)
 
 
 def apply_rope(keys_content: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:

@@ -40,3 +40,9 @@ def entry(main: Callable[[list[str]], object]) -> None:
             raise
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def md_table(header: list[str], rows: list[list[object]]) -> list[str]:
+    """A Markdown table's lines: header, separator, one line per row (cells already formatted)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]

@@ -16,7 +16,7 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from huggingface_hub import constants, snapshot_download
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.store.cli import Refusal
 from pipeline.store.devices import default_device, parse_dtype
@@ -63,12 +63,18 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def resolve(name_or_path: str, revision: str | None = None) -> str:
-    """A local folder holding the model files: the path itself, or the hub snapshot for an id."""
+CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab*",
+                "merges.txt", "*.model"]  # what describes a model without its weights
+
+
+def resolve(name_or_path: str, revision: str | None = None, config_only: bool = False) -> str:
+    """A local folder holding the model files: the path itself, or the hub snapshot for an id (with
+    `config_only`, a snapshot of the config and tokenizer files alone: no weights are fetched)."""
     if Path(name_or_path).is_dir():
         return str(name_or_path)
+    patterns = CONFIG_FILES if config_only else None
     try:
-        return snapshot_download(name_or_path, revision=revision, local_files_only=True)
+        return snapshot_download(name_or_path, revision=revision, local_files_only=True, allow_patterns=patterns)
     except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
@@ -80,7 +86,7 @@ def resolve(name_or_path: str, revision: str | None = None) -> str:
             f"Download it on a machine with the hub (`huggingface-cli download {name_or_path}`) or pass a local path."
         )
     try:
-        return snapshot_download(name_or_path, revision=revision)
+        return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
     except Exception as err:  # noqa: BLE001
         raise ModelNotAvailableError(f"model {name_or_path!r} could not be fetched from the hub: {err}") from err
 
@@ -109,6 +115,20 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
     return model.to(device or default_device()).eval()
 
 
+def load_config(name_or_path: str, revision: str | None = None):
+    """A model's config alone (no weights): what the architecture contract reads before anything is loaded."""
+    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
+    if pointer and pointer["kind"] == "hub":
+        return load_config(pointer["id"], pointer["revision"])
+    if pointer and pointer["kind"] == "random":
+        config = shape_config(pointer["shape"])
+        config._name_or_path = f"random:{pointer['shape']}"
+        return config
+    config = AutoConfig.from_pretrained(resolve(name_or_path, revision, config_only=True))
+    config._name_or_path = name_or_path
+    return config
+
+
 def load_tokenizer(name_or_path: str, revision: str | None = None):
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
@@ -123,14 +143,3 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "special": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
     }
     return hashlib.sha256(json.dumps(content).encode()).hexdigest()
-
-
-def check_pair(source_name: str, source_tokenizer, target_name: str, target_tokenizer) -> None:
-    """Fail closed unless the two models read and write the same token ids."""
-    if tokenizer_fingerprint(source_tokenizer) != tokenizer_fingerprint(target_tokenizer):
-        source_vocab, target_vocab = len(source_tokenizer.get_vocab()), len(target_tokenizer.get_vocab())
-        raise IncompatiblePairError(
-            f"incompatible pair: source {source_name!r} (vocabulary {source_vocab}) and target {target_name!r} "
-            f"(vocabulary {target_vocab}) have different tokenizers (vocabulary or special tokens differ); a cache "
-            f"handoff needs both models to share one tokenizer"
-        )

@@ -1,0 +1,112 @@
+"""`python -m pipeline.check_pair SOURCE TARGET`: the architecture contract of a pair, before any GPU hour.
+
+SOURCE and TARGET are hub ids, local folders, or `shape:<name>` for a stored real config (pipeline/store/configs).
+Only configs and tokenizers are read (a hub id fetches those files alone, no weights), so it answers in seconds;
+offline, a hub id that is not in the local cache is named as unreachable. It prints both geometries and rotary
+settings, whether the tokenizers are identical, which handoff modes and mapper families are defined (and why
+not), the mapper sizes per family and k, and the FLOP bound of the handoff's time to first token at a few
+prompt lengths; it exits non-zero when the mapped handoff is refused. The ks, the lengths and the mlp width
+default to params.yaml's fit.ks, latency.lengths and fit.mlp.hidden.
+"""
+from __future__ import annotations
+
+from pipeline.kv.contract import Contract, ModelCard, pair_contract
+from pipeline.kv.flops import handoff_macs, mapper_parameter_count, mapper_weight_count, speedup_bound
+from pipeline.store.cli import entry, md_table, parser
+from pipeline.store.models import load_config, load_tokenizer
+from pipeline.store.params import read_key
+from pipeline.store.shapes import shape_config
+
+SHAPE = "shape:"
+
+
+def read(name: str):
+    """(config, tokenizer or None) of a hub id, a local folder or a stored shape; never the weights."""
+    if name.startswith(SHAPE):
+        config = shape_config(name[len(SHAPE):])
+        config._name_or_path = name
+        return config, None
+    config = load_config(name)
+    try:
+        return config, load_tokenizer(name)
+    except (OSError, ValueError):  # a folder with a config and no tokenizer files
+        return config, None
+
+
+def rotary_cell(card: ModelCard) -> str:
+    if card.rotary is None:
+        return "—"
+    spec = card.rotary
+    scaling = ", ".join(f"{key} {value:g}" for key, value in spec.scaling)
+    return f"{spec.rope_type}, theta {spec.theta:g}" + (f" ({scaling})" if scaling else "")
+
+
+def model_rows(contract: Contract) -> list[list[object]]:
+    source, target = contract.source, contract.target
+    geometry = lambda card: ("—" if card.geometry is None else  # noqa: E731
+                             f"{card.geometry['layers']} / {card.geometry['kv_heads']} / {card.geometry['head_dim']}")
+    return [["model", source.name, target.name], ["family", source.model_type, target.model_type],
+            ["layers / KV heads / head_dim", geometry(source), geometry(target)],
+            ["rotary", rotary_cell(source), rotary_cell(target)],
+            ["verdict", source.refusal or "understood", target.refusal or "understood"]]
+
+
+def size_rows(contract: Contract, source_config, target_config, ks: list[int], hidden: int | None) -> list:
+    rows = []
+    for family in ("linear", "head_matched", "mlp"):
+        if not contract.family_defined(family) or (family == "mlp" and not hidden):
+            continue
+        for k in ks:
+            count = mapper_parameter_count(source_config, target_config, k, family, hidden)
+            rows.append([family, k, f"{count:,}", f"{4 * count / 2**20:,.1f} MiB"])
+    return rows
+
+
+def flop_rows(source_config, target_config, lengths: list[int]) -> list:
+    per_token = mapper_weight_count(source_config, target_config, 1, "linear")
+    rows = []
+    for length in lengths:
+        parts = handoff_macs(source_config, target_config, per_token, length)
+        rows.append([length, f"{parts['source']:.3g}", f"{parts['map']:.3g}", f"{parts['step']:.3g}",
+                     f"{speedup_bound(source_config, target_config, per_token, length):.2f}x"])
+    return rows
+
+
+def report(contract: Contract, source_config, target_config, ks: list[int], lengths: list[int],
+           hidden: int | None) -> str:
+    lines = [f"# {contract.source.name} -> {contract.target.name}", "",
+             *md_table(["", "source", "target"], model_rows(contract)), "",
+             f"tokenizers: {contract.tokenizers}", "",
+             *md_table(["mode", "defined"], [[mode, reason or "yes"] for mode, reason in contract.modes.items()]), "",
+             *md_table(["mapper family", "defined"],
+                       [[family, reason or "yes"] for family, reason in contract.families.items()])]
+    sizes = size_rows(contract, source_config, target_config, ks, hidden)
+    if sizes:
+        lines += ["", *md_table(["family", "k", "parameters", "float32 size"], sizes)]
+    if contract.defined("mapped"):
+        lines += ["", "Multiply-adds of the handoff (linear map, k=1) and the FLOP bound on its TTFT speedup over "
+                  "the target's prefill:", "",
+                  *md_table(["prompt tokens", "source prefill", "map", "target step", "speedup bound"],
+                            flop_rows(source_config, target_config, lengths))]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parser("pipeline.check_pair", __doc__)
+    cli.add_argument("source", help="source model: hub id, local folder or shape:<name>")
+    cli.add_argument("target", help="target model: hub id, local folder or shape:<name>")
+    cli.add_argument("--ks", type=int, nargs="+", help="source layers per target layer (default: fit.ks)")
+    cli.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default: latency.lengths)")
+    cli.add_argument("--mlp-hidden", type=int, help="the mlp family's hidden width (default: fit.mlp.hidden)")
+    args = cli.parse_args(argv)
+    ks = args.ks or read_key("fit.ks")
+    lengths = args.lengths or read_key("latency.lengths")
+    hidden = args.mlp_hidden or read_key("fit.mlp.hidden")
+    (source_config, source_tokenizer), (target_config, target_tokenizer) = read(args.source), read(args.target)
+    contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer)
+    print(report(contract, source_config, target_config, ks, lengths, hidden))
+    contract.require("mapped")
+
+
+if __name__ == "__main__":
+    entry(main)
