@@ -10,7 +10,7 @@ default to params.yaml's fit.ks, latency.lengths and fit.mlp.hidden.
 """
 from __future__ import annotations
 
-from pipeline.kv.contract import Contract, ModelCard, pair_contract
+from pipeline.kv.contract import Contract, ModelCard, pair_contract, which_pairs_work
 from pipeline.kv.flops import handoff_macs, mapper_parameter_count, mapper_weight_count, speedup_bound
 from pipeline.store.cli import entry, md_table, parser
 from pipeline.store.models import load_config, load_tokenizer
@@ -93,12 +93,18 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
 
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.check_pair", __doc__)
-    cli.add_argument("source", help="source model: hub id, local folder or shape:<name>")
-    cli.add_argument("target", help="target model: hub id, local folder or shape:<name>")
+    cli.add_argument("source", nargs="?", help="source model: hub id, local folder or shape:<name>")
+    cli.add_argument("target", nargs="?", help="target model: hub id, local folder or shape:<name>")
+    cli.add_argument("--which-pairs", action="store_true", help="print README's 'Which pairs work' section and exit")
     cli.add_argument("--ks", type=int, nargs="+", help="source layers per target layer (default: fit.ks)")
     cli.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default: latency.lengths)")
     cli.add_argument("--mlp-hidden", type=int, help="the mlp family's hidden width (default: fit.mlp.hidden)")
     args = cli.parse_args(argv)
+    if args.which_pairs:
+        print(which_pairs_work())
+        return
+    if not args.target:
+        cli.error("give a SOURCE and a TARGET model (or --which-pairs)")
     ks = args.ks or read_key("fit.ks")
     lengths = args.lengths or read_key("latency.lengths")
     hidden = args.mlp_hidden or read_key("fit.mlp.hidden")

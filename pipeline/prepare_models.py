@@ -3,13 +3,16 @@
 - `trained` (tiny profile): trains both Qwen3-architecture models on the generated corpus with the
   tokenizer from prepare_data, and saves them in Hugging Face format (models/source, models/target) with
   their training statistics (train_stats.json);
-- `hub` (V0 profile): resolves the hub ids to pinned revisions and records them (models/*/hub.json); the
-  weights stay in the Hugging Face cache, and downstream stages load by id and revision;
+- `hub` (V0 profile, or local checkpoint folders): writes the pointers to what `pin_models` pinned
+  (models/*/hub.json: id and commit; models/*/local.json: folder and content hash); the weights stay in the
+  Hugging Face cache or the folder, and downstream stages load through the pointers;
 - `random` (real-shape smoke run): records the shape and seed (models/*/random.json); downstream stages
   build randomly initialised models of that exact configuration.
 
-Scoring the pair is the next stage's work (`pipeline.score_models`), so that a change to the scoring code
-never retrains the models.
+Every kind ends with the pair's architecture contract (kv.contract), from configs and tokenizers: a pair for
+which the mapped handoff is undefined stops here, before any later stage loads a weight. Scoring the pair is
+the next stage's work (`pipeline.score_models`), so that a change to the scoring code never retrains the
+models.
 """
 from __future__ import annotations
 
@@ -20,19 +23,19 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from huggingface_hub import HfApi
 from transformers import AutoTokenizer
 
 from pipeline.kv.contract import pair_contract
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.models import ModelNotAvailableError, ModelsParams, hub_reachable, load_config, load_tokenizer
+from pipeline.store.models import ModelsParams, load_config, load_tokenizer
 from pipeline.store.params import load_section, spec
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
 from pipeline.tiny.train import TrainConfig, train_model
 
 MODELS = Path("models")
+PINS = MODELS / "pins.json"  # written by pin_models
 DATA = Path("data")
 
 
@@ -59,17 +62,14 @@ def train_pair(train: TrainParams) -> dict:
     return stats
 
 
-def pin_hub_pair(models: ModelsParams) -> None:
-    for name, model_id, revision in (("source", models.source, models.source_revision),
-                                     ("target", models.target, models.target_revision)):
-        if not hub_reachable():
-            raise ModelNotAvailableError(
-                f"cannot resolve model {model_id!r} ({name}): the Hugging Face hub is unreachable. The qwen3-v0 "
-                f"profile needs the hub (or a machine where `huggingface-cli download {model_id}` has been run)"
-            )
-        sha = HfApi().model_info(model_id, revision=revision).sha
+def point_at_pinned_pair(pins_file: Path) -> None:
+    """Write each side's pointer from the identities pin_models pinned: hub.json (id, commit) or local.json
+    (folder, content hash); downstream stages load through them."""
+    pins = json.loads(pins_file.read_text())
+    for name in ("source", "target"):
+        pinned = dict(pins[name])
         with atomic_dir(MODELS / name) as staging:
-            write_json_atomic(staging / "hub.json", {"id": model_id, "revision": sha})
+            write_json_atomic(staging / f"{pinned.pop('kind')}.json", pinned)
 
 
 def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     if models.kind == "trained":
         train_pair(train)
     elif models.kind == "hub":
-        pin_hub_pair(models)
+        point_at_pinned_pair(PINS)
     else:
         record_random_pair(models)
     defined = check_contract()

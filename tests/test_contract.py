@@ -1,19 +1,22 @@
 """The architecture contract: each supported family is handled exactly, each other model is refused up front."""
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from conftest import ROOT, build_model, tiny_config
 from lm_eval.api.instance import Instance
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipeline import check_pair
 from pipeline.controls import rope_against_model
 from pipeline.fitting import ridge
-from pipeline.kv.contract import TESTED_FAMILIES, UnsupportedModelError, pair_contract
+from pipeline.kv.contract import TESTED_FAMILIES, UnsupportedModelError, pair_contract, which_pairs_work
+from pipeline.kv.flops import mapper_parameter_count
 from pipeline.kv.handoff import Handoff, score_continuations
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.models import IncompatiblePairError
+from pipeline.store.shapes import pair_configs
 
 VOCAB = 97
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -264,3 +267,19 @@ def test_the_fitted_map_between_unequal_geometries_reproduces_the_oracle_through
     mapped = KVTransferLM.from_handoff(handoff, tokenizer).loglikelihood(requests, disable_tqdm=True)
     assert [ll for ll, _ in mapped] == pytest.approx([ll for ll, _ in oracle], abs=1e-4)
     assert [greedy for _, greedy in mapped] == [greedy for _, greedy in oracle]
+
+
+def test_readme_which_pairs_work_section_is_the_one_the_contract_generates():
+    assert which_pairs_work() in (ROOT / "README.md").read_text()
+
+
+def test_check_pair_prints_the_contract_from_stored_configs_and_exits_non_zero_on_a_refused_pair(capsys):
+    check_pair.main(["shape:llama-3.2-1b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512", "--mlp-hidden",
+                     "64"])
+    out = capsys.readouterr().out
+    assert "| layers / KV heads / head_dim | 16 / 8 / 64 | 28 / 8 / 128 |" in out
+    assert "| direct | direct injection needs equal KV geometry" in out
+    assert f"| linear | 1 | {mapper_parameter_count(*pair_configs('llama-3.2-1b-3b'), 1, 'linear'):,} |" in out
+    assert "llama3, theta 500000" in out and "speedup bound" in out
+    with pytest.raises(IncompatiblePairError, match="different vocabulary sizes"):
+        check_pair.main(["shape:qwen3-0.6b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512"])

@@ -16,9 +16,11 @@ from pipeline.fit import FitParams
 from pipeline.fit import run as fit
 from pipeline.fitting import ridge
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking
+from pipeline.kv.flops import mapper_parameter_count
 from pipeline.kv.mapper import load_mapper
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cachefiles import MANIFEST, ShardWriter, paired_split
+from pipeline.store.models import load_config
 from pipeline.store.params import parse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +139,10 @@ def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
     mapper = load_mapper(tmp_path / "mappers" / "linear_k2_lam0.01.safetensors")
     assert mapper.k == 2 and all(len(chosen) == 2 for chosen in mapper.source_layers)
     assert metrics["linear_k2_lam0.01/params"] == mapper.parameter_count()
+    configs = [load_config(str(extracted / "models" / name)) for name in ("source", "target")]
+    for name, family, k in (("linear_k2_lam0.01", "linear", 2), ("head_matched_k1_lam1", "head_matched", 1),
+                            ("mlp_k1", "mlp", 1)):  # the sizes check_pair predicts from configs alone
+        assert metrics[f"{name}/params"] == mapper_parameter_count(*configs, k, family, FIT["mlp"]["hidden"]), name
     layers_csv = (tmp_path / "metrics" / "fit_layers.csv").read_text().splitlines()
     assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio"
     assert len(layers_csv) == 1 + 9 * 2 * 2 * 2  # candidates x layers x heads x kinds

@@ -1,22 +1,70 @@
-"""Stage prepare_models: the V0 pair fails clearly without the hub; pointers load like models."""
+"""Stages pin_models and prepare_models: the V0 pair fails clearly without the hub; a local checkpoint or a cached
+hub id is pinned offline; pointers load like models; a moved checkpoint is named."""
 import json
+import shutil
 
 import pytest
-from conftest import committed
+from conftest import ROOT, committed
+from huggingface_hub import constants as hf_constants
 
-from pipeline import prepare_models
-from pipeline.store.models import ModelNotAvailableError, ModelsParams, load_model, load_tokenizer
+from pipeline import pin_models, prepare_models
+from pipeline.store.models import ModelNotAvailableError, ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import ParamError, parse
 
 
-def test_v0_pair_offline_fails_fast_naming_the_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_models, "MODELS", tmp_path / "models")
-    models = parse(ModelsParams,
-                   committed("models", **{"kind": "hub", "source": "Qwen/Qwen3-0.6B", "target": "Qwen/Qwen3-1.7B"}),
-                   "models")
+def hub_models(source: str, target: str) -> ModelsParams:
+    return parse(ModelsParams, committed("models", **{"kind": "hub", "source": source, "target": target}), "models")
+
+
+def test_v0_pair_offline_fails_fast_naming_the_model():
     with pytest.raises(ModelNotAvailableError, match="Qwen/Qwen3-0.6B"):
-        prepare_models.pin_hub_pair(models)
-    assert not (tmp_path / "models").exists()  # nothing half-written
+        pin_models.pins(hub_models("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"))
+
+
+def test_a_local_checkpoint_is_pinned_by_path_and_content_and_one_changed_byte_changes_its_pin(tmp_path):
+    folder = shutil.copytree(ROOT / "models" / "target", tmp_path / "ckpt")
+    pinned = pin_models.pin(str(folder), None)
+    assert pinned["kind"] == "local" and pinned["path"] == str(folder.resolve()) and len(pinned["sha256"]) == 64
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "lock").write_text("tool state, not the checkpoint")
+    assert pin_models.pin(str(folder), None) == pinned
+    weights = bytearray((folder / "model.safetensors").read_bytes())
+    weights[-1] ^= 0x01
+    (folder / "model.safetensors").write_bytes(bytes(weights))
+    assert pin_models.pin(str(folder), None)["sha256"] != pinned["sha256"]
+
+
+def test_a_hub_id_in_the_local_cache_is_pinned_offline_to_its_cached_commit(tmp_path, monkeypatch):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-target"
+    shutil.copytree(ROOT / "models" / "target", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pinned = pin_models.pin("someone/tiny-target", None)
+    assert pinned == {"kind": "hub", "id": "someone/tiny-target", "revision": commit}
+    assert load_config("someone/tiny-target", commit).num_hidden_layers == 3
+
+
+def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_named(tmp_path, monkeypatch):
+    for name in ("source", "target"):
+        shutil.copytree(ROOT / "models" / name, tmp_path / "ckpt" / name)
+    monkeypatch.setattr(prepare_models, "MODELS", tmp_path / "models")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pins = tmp_path / "models" / "pins.json"
+    pins.parent.mkdir()
+    pins.write_text(json.dumps(pin_models.pins(hub_models(str(tmp_path / "ckpt/source"),
+                                                          str(tmp_path / "ckpt/target")))))
+    prepare_models.point_at_pinned_pair(pins)
+    pointer = json.loads((tmp_path / "models" / "target" / "local.json").read_text())
+    assert pointer["path"] == str((tmp_path / "ckpt" / "target").resolve())
+    assert prepare_models.check_contract()["modes"] == ["direct", "mapped", "oracle", "shuffled", "source", "zero"]
+    model = load_model(str(tmp_path / "models" / "target"), device="cpu")
+    assert model.config.num_hidden_layers == load_config(str(ROOT / "models" / "target")).num_hidden_layers
+    (tmp_path / "ckpt").rename(tmp_path / "elsewhere")
+    with pytest.raises(ModelNotAvailableError, match="ckpt/target .*gone or has moved"):
+        load_model(str(tmp_path / "models" / "target"), device="cpu")
 
 
 def test_hub_pointer_offline_names_the_model(tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.kv.kvcache import kv_geometry
-from pipeline.kv.rope import RotarySpec, model_name, rope_refusal
+from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal
 from pipeline.store.cli import Refusal
 from pipeline.store.models import IncompatiblePairError, tokenizer_fingerprint
 
@@ -44,33 +44,85 @@ def active_window(config, max_tokens: int | None) -> int | None:
     return int(window) if int(window) < (max_tokens or config.max_position_embeddings) else None
 
 
-def model_refusal(config, max_tokens: int | None = None) -> str | None:
-    """Why this model's cache cannot be handed off (one sentence, naming the model); None when it can."""
-    name, model_type = model_name(config), getattr(config, "model_type", "?")
-    prefix = f"model {name!r} ({model_type})"
+def _no_kv_heads(config, max_tokens):
     if getattr(config, "num_key_value_heads", None) is None:
-        return (f"{prefix} has no num_key_value_heads: its attention cache is not the per-layer (batch, kv_heads, "
-                f"tokens, head_dim) layout the handoff reads")
+        return "has no num_key_value_heads"
+    return None
+
+
+def _latent_attention(config, max_tokens):
     mla = [key for key in MLA_KEYS if getattr(config, key, None)]
-    if mla:
-        return (f"{prefix} uses multi-head latent attention ({mla[0]}={getattr(config, mla[0])}): its cache holds a "
-                f"compressed latent, not per-head keys and values")
+    return f"uses multi-head latent attention ({mla[0]}={getattr(config, mla[0])})" if mla else None
+
+
+def _mixed_layers(config, max_tokens):
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and len(set(layer_types)) > 1:
-        return (f"{prefix} mixes attention types per layer ({', '.join(sorted(set(layer_types)))}); the handoff "
-                f"needs one full-attention layout for every layer")
-    window = active_window(config, max_tokens)
-    if window is not None:
-        return (f"{prefix} has a sliding window of {window} tokens, active at {max_tokens or 'its'} "
-                f"{'tokens' if max_tokens else 'position range'}; run at most {window} tokens or use a "
-                f"full-attention model")
-    rope = rope_refusal(config)
-    if rope:
-        return f"{prefix} {rope}"
-    if model_type not in TESTED_FAMILIES:
-        return (f"{prefix} is not a family whose cache layout the handoff is tested on "
-                f"({', '.join(TESTED_FAMILIES)}); add it to kv.contract.TESTED_FAMILIES with a test first")
+        return f"mixes attention types per layer ({', '.join(sorted(set(layer_types)))})"
     return None
+
+
+def _active_window(config, max_tokens):
+    window = active_window(config, max_tokens)
+    if window is None:
+        return None
+    return (f"has a sliding window of {window} tokens, active at {max_tokens or 'its'} "
+            f"{'tokens' if max_tokens else 'position range'}; run at most {window} tokens or use a full-attention "
+            f"model")
+
+
+def _rope(config, max_tokens):
+    return rope_refusal(config)
+
+
+def _untested_family(config, max_tokens):
+    if getattr(config, "model_type", "?") not in TESTED_FAMILIES:
+        return (f"is not a family whose cache layout the handoff is tested on ({', '.join(TESTED_FAMILIES)}); add it "
+                f"to kv.contract.TESTED_FAMILIES with a test first")
+    return None
+
+
+# (feature, why it is refused, check): checked in this order; the first that applies is the model's refusal
+RULES = (
+    ("no `num_key_value_heads` (GPT-NeoX, GPT-2)",
+     "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads", _no_kv_heads),
+    ("multi-head latent attention (DeepSeek-V2/V3)",
+     "the cache holds a compressed latent, not per-head keys and values", _latent_attention),
+    ("per-layer attention types (Gemma 2/3, Qwen3 with `use_sliding_window`)",
+     "the handoff needs one full-attention layout for every layer", _mixed_layers),
+    ("a sliding window shorter than the run (Mistral v0.1 past 4096 tokens)",
+     "positions past the window are masked by the model but not by a rebuilt cache", _active_window),
+    ("RoPE it cannot strip exactly: partial rotary (Phi, StableLM, GPT-NeoX), length-dependent scaling (dynamic "
+     "NTK, LongRoPE), per-layer-type RoPE, unknown types",
+     "stripping and re-applying such a rotation would silently corrupt the cache", _rope),
+    ("a family not in the tested list", "its cache layout and rotary embedding are unverified", _untested_family),
+)
+
+
+def model_refusal(config, max_tokens: int | None = None) -> str | None:
+    """Why this model's cache cannot be handed off (one sentence, naming the model); None when it can."""
+    for feature, why, check in RULES:
+        detail = check(config, max_tokens)
+        if detail:
+            prefix = f"model {model_name(config)!r} ({getattr(config, 'model_type', '?')})"
+            return f"{prefix} {detail}" + ("" if "; " in detail else f": {why}")
+    return None
+
+
+def which_pairs_work() -> str:
+    """README's "Which pairs work" section, generated from the rules above."""
+    lines = ["## Which pairs work", "",
+             "Generated from the architecture contract (`pipeline/kv/contract.py`; `python -m pipeline.check_pair "
+             "--which-pairs`). A pair is handled exactly when both models are full-attention decoders of a tested "
+             f"family ({', '.join(f'`{family}`' for family in TESTED_FAMILIES)}: Qwen2/2.5, Qwen3, Llama 1-3, "
+             "Mistral without an active window, OLMo2) with RoPE of a static type "
+             f"({', '.join(f'`{kind}`' for kind in STATIC_ROPE_TYPES)}: frequencies and attention factor are read "
+             "from the model and checked against its own rotary buffer, in float32) and share one tokenizer. "
+             "`mapped` then works at any geometry; `direct` and the `identity` map need equal KV geometry, "
+             "`head_matched` equal KV head counts. Everything else is refused before any weight is loaded, with "
+             "one sentence naming the model and the feature:", "",
+             "| refused | why |", "|---|---|", *(f"| {feature} | {why} |" for feature, why, _ in RULES)]
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)

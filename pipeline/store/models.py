@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from huggingface_hub import constants, snapshot_download
+from huggingface_hub import HfApi, constants, snapshot_download
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.store.cli import Refusal
@@ -32,9 +33,10 @@ class ModelsParams:
     """The `models` section: where the pair comes from and how it runs.
 
     kind `trained`: the tiny pair trained by prepare_models (source/target are unused names);
-    kind `hub`: hub ids, revisions pinned by prepare_models; kind `random`: shape names in pipeline/store/configs.
+    kind `hub`: hub ids (revisions pinned by pin_models, offline when the id is in the local cache) or local
+    checkpoint folders (pinned by path and content hash); kind `random`: shape names in pipeline/store/configs.
     Downstream stages always load `models/source` and `models/target`, which for `hub` and `random` hold
-    a pointer file (hub.json / random.json) instead of weights.
+    a pointer file (hub.json / local.json / random.json) instead of weights.
     """
 
     kind: Literal["trained", "hub", "random"]
@@ -67,6 +69,19 @@ CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_
                 "merges.txt", "*.model"]  # what describes a model without its weights
 
 
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def unavailable(name_or_path: str, revision: str | None) -> ModelNotAvailableError:
+    return ModelNotAvailableError(
+        f"model {name_or_path!r}{f' (revision {revision})' if revision else ''} is neither a local folder nor "
+        f"in the local Hugging Face cache, and the hub is "
+        f"{'disabled (HF_HUB_OFFLINE)' if hub_offline() else 'unreachable'}. "
+        f"Download it on a machine with the hub (`huggingface-cli download {name_or_path}`) or pass a local path."
+    )
+
+
 def resolve(name_or_path: str, revision: str | None = None, config_only: bool = False) -> str:
     """A local folder holding the model files: the path itself, or the hub snapshot for an id (with
     `config_only`, a snapshot of the config and tokenizer files alone: no weights are fetched)."""
@@ -77,26 +92,56 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
         return snapshot_download(name_or_path, revision=revision, local_files_only=True, allow_patterns=patterns)
     except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
         pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    if offline or not hub_reachable():
-        raise ModelNotAvailableError(
-            f"model {name_or_path!r}{f' (revision {revision})' if revision else ''} is neither a local folder nor "
-            f"in the local Hugging Face cache, and the hub is "
-            f"{'disabled (HF_HUB_OFFLINE)' if offline else 'unreachable'}. "
-            f"Download it on a machine with the hub (`huggingface-cli download {name_or_path}`) or pass a local path."
-        )
+    if hub_offline() or not hub_reachable():
+        raise unavailable(name_or_path, revision)
     try:
         return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
     except Exception as err:  # noqa: BLE001
         raise ModelNotAvailableError(f"model {name_or_path!r} could not be fetched from the hub: {err}") from err
 
 
+def pin_hub_id(model_id: str, revision: str | None) -> str:
+    """The commit a hub id's revision (None: the default branch) resolves to: from the local Hugging Face cache
+    when the id is there, so it works offline, else from the hub."""
+    try:
+        return Path(snapshot_download(model_id, revision=revision, local_files_only=True,
+                                      allow_patterns=CONFIG_FILES)).name  # .../snapshots/<commit>
+    except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
+        pass
+    if hub_offline() or not hub_reachable():
+        raise unavailable(model_id, revision)
+    return HfApi().model_info(model_id, revision=revision).sha
+
+
+def folder_digest(folder: str | Path) -> str:
+    """sha256 over a checkpoint folder's files (relative paths and contents; hidden entries skipped)."""
+    folder = Path(folder)
+    files = sorted(path for path in folder.rglob("*") if path.is_file()
+                   and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+    digest = hashlib.sha256()
+    with tqdm(total=sum(path.stat().st_size for path in files), unit="B", unit_scale=True,
+              desc=f"hashing {folder.name}") as bar:
+        for path in files:
+            digest.update(f"{path.relative_to(folder).as_posix()}\0".encode())
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    return digest.hexdigest()
+
+
 def read_pointer(folder: str | Path) -> dict | None:
-    """The pointer a prepared model folder holds instead of weights (hub.json or random.json), if any."""
-    for name in ("hub.json", "random.json"):
+    """The pointer a prepared model folder holds instead of weights (hub.json, local.json or random.json), if
+    any; a local checkpoint's pointer is followed to its folder, which must still be there."""
+    for name in ("hub.json", "local.json", "random.json"):
         path = Path(folder) / name
         if path.is_file():
-            return {"kind": name.split(".")[0], **json.loads(path.read_text())}
+            pointer = {"kind": name.split(".")[0], **json.loads(path.read_text())}
+            if pointer["kind"] == "local" and not Path(pointer["path"]).is_dir():
+                raise ModelNotAvailableError(
+                    f"model folder {pointer['path']} (pinned in {path}) is gone or has moved; point models.source / "
+                    f"models.target at its new place and run `dvc repro`")
+            return pointer
     return None
 
 
@@ -104,6 +149,8 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
         return load_model(pointer["id"], pointer["revision"], dtype, device)
+    if pointer and pointer["kind"] == "local":
+        return load_model(pointer["path"], None, dtype, device)
     if pointer and pointer["kind"] == "random":
         model = random_model(shape_config(pointer["shape"]), parse_dtype(dtype), device or default_device(),
                              pointer["seed"])
@@ -120,6 +167,8 @@ def load_config(name_or_path: str, revision: str | None = None):
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
         return load_config(pointer["id"], pointer["revision"])
+    if pointer and pointer["kind"] == "local":
+        return load_config(pointer["path"])
     if pointer and pointer["kind"] == "random":
         config = shape_config(pointer["shape"])
         config._name_or_path = f"random:{pointer['shape']}"
@@ -133,6 +182,8 @@ def load_tokenizer(name_or_path: str, revision: str | None = None):
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
         return load_tokenizer(pointer["id"], pointer["revision"])
+    if pointer and pointer["kind"] == "local":
+        return load_tokenizer(pointer["path"])
     return AutoTokenizer.from_pretrained(resolve(name_or_path, revision))
 
 

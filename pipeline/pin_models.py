@@ -1,0 +1,51 @@
+"""Stage `pin_models`: what the `models` section points at, pinned, at every `dvc repro`.
+
+    python -m pipeline.pin_models
+
+DVC cannot see a checkpoint outside the repository, so this stage runs every time (`always_changed`) and
+writes models/pins.json, the identity of each side; `prepare_models` depends on that file, so it (and all
+after it) reruns exactly when an identity changes, and never otherwise:
+
+- kind `hub`, a local folder: its absolute path and a sha256 over its files (config, tokenizer, weights);
+  a changed checkpoint changes the hash, a moved one is refused by name when a later stage loads it;
+- kind `hub`, a hub id: the commit of `models.*_revision` (null: the current one), read from the local
+  Hugging Face cache when the id is there (so it works offline), else asked from the hub;
+- kinds `trained` and `random`: nothing outside the repository, the names only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.cli import entry, no_arguments
+from pipeline.store.models import ModelsParams, folder_digest, pin_hub_id
+from pipeline.store.params import load_section
+
+PINS = Path("models/pins.json")
+
+
+def pin(name_or_path: str, revision: str | None) -> dict:
+    """The identity of one model: a local folder's path and content hash, or a hub id's commit."""
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        return {"kind": "local", "path": str(folder.resolve()), "sha256": folder_digest(folder)}
+    return {"kind": "hub", "id": name_or_path, "revision": pin_hub_id(name_or_path, revision)}
+
+
+def pins(models: ModelsParams) -> dict:
+    if models.kind != "hub":
+        return {"kind": models.kind, "source": models.source, "target": models.target}
+    return {"kind": "hub", "source": pin(models.source, models.source_revision),
+            "target": pin(models.target, models.target_revision)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.pin_models", __doc__, argv)
+    result = pins(load_section(ModelsParams, "models"))
+    write_json_atomic(PINS, result)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    entry(main)
