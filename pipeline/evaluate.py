@@ -94,13 +94,15 @@ def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) ->
         return Handoff(load("source"))  # the source alone: its own cache, its own predictions
     if variant == "zero":
         return Handoff(load("target"), mode="zero")
+    tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))  # the contract compares them
     if variant == "direct":
-        return Handoff(load("target"), load("source"), "direct")
+        return Handoff(load("target"), load("source"), "direct", tokenizers=tokenizers)
     if variant not in params.mapped:
         raise ValueError(f"unknown variant {variant!r}: not a baseline and not in evaluate.mapped")
     mapper = load_mapper(params.mapped[variant], device=device)
     mode = "shuffled" if variant == "shuffled" else "mapped"
-    return Handoff(load("target"), load("source"), mode, mapper, shuffle_seed=params.shuffle_seed)
+    return Handoff(load("target"), load("source"), mode, mapper, shuffle_seed=params.shuffle_seed,
+                   tokenizers=tokenizers)
 
 
 def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:

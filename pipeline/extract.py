@@ -22,13 +22,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import parse_dtype
-from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import load_section, spec
 
 MODELS = ("source", "target")
@@ -122,10 +123,12 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
     The model runs in `model_dtype` (`models.dtype`, as every later stage runs it, so the map is fitted on the
     caches it will be given); only the RoPE strip is float32 math."""
     torch.set_num_threads(params.threads)
-    model = load_model(str(model_dir), dtype=model_dtype, device=device)
-    spec = RotarySpec.from_config(model.config)
     frames = {split: read_sequences(data_dir / f"{split}.parquet") for split in params.splits}
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
+    # the contract, from the config: a model whose cache cannot be stripped is refused before it is loaded
+    pair_contract(load_config(str(model_dir)), max_tokens=max(len(ids) for ids in all_ids)).require("oracle")
+    model = load_model(str(model_dir), dtype=model_dtype, device=device)
+    spec = RotarySpec.from_model(model)
     rotation = Rotation(spec, torch.arange(max(len(ids) for ids in all_ids), device=model.device))
     base = {"model": name, "model_path": str(model_dir), "geometry": kv_geometry(model.config),
             "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,

@@ -23,7 +23,7 @@ from pipeline.kv.mapper import load_mapper
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import load_section, spec
 
 MAPPERS = Path("models/mappers")
@@ -59,14 +59,18 @@ def rank_key(rule: str):
     return lambda s: (primary(s), s["perplexity"], s["parameters"])
 
 
-def score_candidates(target, source, prompts, params: SelectParams, candidates: list[Path]) -> tuple[dict, list[dict]]:
+def score_candidates(target, source, prompts, params: SelectParams, candidates: list[Path],
+                     tokenizers: tuple | None) -> tuple[dict, list[dict]]:
+    """Every candidate's agreement with the oracle on the select prompts; `tokenizers` (source, target) are
+    compared by the architecture contract."""
     oracle_handoff = Handoff(target)
     oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon)
     oracle_summary = summarize(variant_rows(oracle_handoff, prompts, oracle))
     scores = []
     for path in candidates:
         mapper = load_mapper(path, device=target.device)
-        summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper), prompts, oracle))
+        summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper, tokenizers=tokenizers),
+                                               prompts, oracle))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
             parameters=mapper.parameter_count(), ppl_ratio=summary["perplexity"] / oracle_summary["perplexity"],
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     target = load_model("models/target", dtype=models.dtype, device=device)
     source = load_model("models/source", dtype=models.dtype, device=device)
     prompts = select_prompts(pd.read_parquet("data/select.parquet").token_ids, params.prompt_fraction)
-    oracle_summary, scores = score_candidates(target, source, prompts, params, candidates)
+    tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
+    oracle_summary, scores = score_candidates(target, source, prompts, params, candidates, tokenizers)
     chosen, best_per_k = choose(scores, params.rule)
     copy_verified(MAPPERS / f"{chosen['name']}.safetensors", SELECTED)
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file

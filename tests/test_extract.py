@@ -6,8 +6,11 @@ import pytest
 import torch
 from conftest import committed
 from kvworld import make_world
+from transformers import AutoConfig
 
+from pipeline import extract as extract_module
 from pipeline.extract import ExtractParams, run
+from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, apply_rope
 from pipeline.store.cachefiles import open_split
@@ -89,3 +92,15 @@ def test_model_runs_in_the_declared_dtype_and_only_the_strip_is_float32(world, t
         assert torch.equal(stored_values, values[0].float())
         keys_content = shard.read("keys", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)
         assert torch.allclose(apply_rope(keys_content, torch.arange(length), spec), keys[0].float(), atol=1e-5)
+
+
+def test_a_model_with_an_active_sliding_window_is_refused_before_it_is_loaded(tmp_path, monkeypatch):
+    root = make_world(tmp_path, fit=2, select=2, length=24)
+    config = AutoConfig.from_pretrained(root / "models" / "target")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    config.save_pretrained(root / "models" / "target")
+    monkeypatch.setattr(extract_module, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(UnsupportedModelError, match="sliding window of 8 tokens, active at 24"):
+        extract_module.run(root / "models" / "target", "target", root / "data", tmp_path / "caches",
+                           parse(ExtractParams, committed("extract", repeats=1), "extract"))
