@@ -14,8 +14,8 @@
 5. RoPE against the model: on real prompts, every layer's cached keys with RoPE stripped equal the keys the
    model computed before its rotary embedding (captured by a forward hook on k_norm, or k_proj without one),
    and strip then apply is the identity, on both models;
-6. deterministic mapper serialization: the selected mapper refitted from the same caches in two separate
-   processes is byte-identical to the committed file.
+6. deterministic mapper serialization: the selected candidate alone refitted from the same caches in two
+   fresh processes (`python -m pipeline.fit --only <candidate>`) is byte-identical to the selected file.
 
 metrics/controls.json holds one entry per control: `passed` and the figures it measured. A failed control
 fails the stage naming it, so no evaluate stage runs.
@@ -241,17 +241,19 @@ def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, toler
             "positions_checked": positions_checked}
 
 
-def refit_in_subprocess(out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pipeline.fit", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+def refit_in_subprocess(out: Path, name: str) -> None:
+    subprocess.run([sys.executable, "-m", "pipeline.fit", "--out", str(out), "--only", name], check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 def deterministic_refit(mapper: Path, name: str, folder: Path, runs: int = 2, refit=refit_in_subprocess) -> dict:
-    """Refit every candidate from the same caches in `runs` separate processes; the selected mapper's file
-    (candidate `name`) must come out byte-identical each time and identical to the one the pipeline selected."""
+    """Refit the selected candidate `name` alone (its family, k and lambda: fit's narrow refit) from the same
+    caches in `runs` fresh processes; its file must come out byte-identical each time and identical to the one
+    the pipeline selected."""
     digests = []
     for run in range(runs):
         out = folder / f"refit-{run}"
-        refit(out)
+        refit(out, name)
         digests.append(hashlib.sha256((out / f"{name}.safetensors").read_bytes()).hexdigest())
     selected = hashlib.sha256(mapper.read_bytes()).hexdigest()
     # no candidate name or digest here: a new mapper that passes must leave this file, which every evaluate

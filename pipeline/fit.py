@@ -1,6 +1,6 @@
 """Stage `fit`: per-layer maps from the source's content-space cache to the target's, one file per candidate.
 
-    python -m pipeline.fit [--out FOLDER]
+    python -m pipeline.fit [--out FOLDER] [--only CANDIDATE]
 
 Reads `caches/source`, `caches/target` (from `extract`), `models/source` and `data/select.parquet` (only to
 time the mappers against the source's prefill), and both models' configs: a family the pair's architecture
@@ -46,7 +46,7 @@ from pipeline.store.artifacts import atomic_path, write_json_atomic
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.models import load_config, load_model
-from pipeline.store.params import load_section, spec
+from pipeline.store.params import ParamError, load_section, spec
 
 
 @dataclass
@@ -74,8 +74,9 @@ class FitParams:
 
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
-        metrics_dir: Path, params: FitParams, skipped: dict[str, str]) -> dict:
-    """Fit every candidate of params; `skipped` maps the families the pair's contract leaves undefined to why."""
+        metrics_dir: Path, params: FitParams, skipped: dict[str, str], only: str | None = None) -> dict:
+    """Fit every candidate of params (or, with `only`, the one so named, byte-identical to its file from the
+    full fit); `skipped` maps the families the pair's contract leaves undefined to why."""
     start = time.perf_counter()
     torch.set_num_threads(params.threads)
     torch.use_deterministic_algorithms(True)
@@ -95,24 +96,33 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     orders = ranking(scores)
 
     ridge = ridge_candidates(families, params.ks, params.lambdas)
+    depth = max((c.k for c in ridge), default=0)
+    mlp_ks = params.mlp.ks
+    if only is not None:
+        known = [c.name for c in ridge + mlp_candidates(mlp_ks)]
+        if only not in known:
+            raise ParamError(f"fit --only {only}: not a candidate of the fit params (candidates: {', '.join(known)})")
+        ridge = [c for c in ridge if c.name == only]
+        mlp_ks = [k for k in mlp_ks if f"mlp_k{k}" == only]
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
     parts, table, mlp_facts = Parts(out_dir / ".parts"), R2Table(), {}
     for layer in tqdm(range(geo_t["layers"]), desc="fit layers"):
         if ridge:
-            fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, geometry, parts, table)
-        for k in params.mlp.ks:
+            fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table)
+        for k in mlp_ks:
             mlp_facts[(k, layer)] = fit_mlp_layer(layer, orders[layer], k, fit_pairs, select_pairs, held, mlp,
                                                   geometry.heads_t, parts, table)
 
-    source_model = load_model(str(source_model_dir), dtype="float32", device="cpu")
-    token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
-    content = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
+    if only is None:  # what the mappers are timed on
+        source_model = load_model(str(source_model_dir), dtype="float32", device="cpu")
+        token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
+        content = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
     fit_tokens = sum(s.tokens for s, _ in fit_pairs)
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
                "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
                **{f"skipped/{family}": reason for family, reason in skipped.items()}}
-    for name, family, k, lam in tqdm(ridge + mlp_candidates(params.mlp.ks), desc="write mappers"):
+    for name, family, k, lam in tqdm(ridge + mlp_candidates(mlp_ks), desc="write mappers"):
         extra = {"probe_lambda": params.probe_lambda, "fit_tokens": fit_tokens, "seed": params.seed}
         if family == "mlp":
             extra["mlp"] = {"hidden": params.mlp.hidden,
@@ -127,8 +137,9 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         metrics[f"{name}/r2_values_select"] = round(statistics.mean(table.heldout[(name, "values")]), 6)
         metrics[f"{name}/params"] = mapper.parameter_count()
         metrics[f"{name}/macs_per_token"] = mapper.macs_per_token()
-        metrics[f"{name}/time_vs_source_prefill"] = round(
-            time_against_prefill(mapper, source_model, token_ids, content, params.timing_repeats), 4)
+        if only is None:  # a narrow refit is about the file's bytes, not its speed
+            metrics[f"{name}/time_vs_source_prefill"] = round(
+                time_against_prefill(mapper, source_model, token_ids, content, params.timing_repeats), 4)
         del mapper
     parts.remove()
 
@@ -153,13 +164,15 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.fit", __doc__)
     cli.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
+    cli.add_argument("--only", metavar="CANDIDATE",
+                     help="refit only this candidate (e.g. linear_k1_lam1): the determinism control's narrow refit")
     args = cli.parse_args(argv)
     params = load_section(FitParams, "fit")
     contract = pair_contract(load_config("models/target"), load_config("models/source"))
     skipped = {family: contract.families[family] for family in params.families if not contract.family_defined(family)}
     out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
-                  out, metrics_dir, params, skipped)
+                  out, metrics_dir, params, skipped, args.only)
     write_json_atomic(metrics_dir / "fit.json", metrics)
     print({k: v for k, v in metrics.items() if "/" not in k})
 

@@ -156,13 +156,13 @@ def test_deterministic_mapper(tmp_path, model):
     mapper = tmp_path / "mapper.safetensors"
     save_mapper(linear_copy_mapper(model, 0.0, 1.0), mapper)
 
-    def faithful(out):
+    def faithful(out, name):
         out.mkdir(parents=True)
-        shutil.copyfile(mapper, out / "cand.safetensors")
+        shutil.copyfile(mapper, out / f"{name}.safetensors")
 
-    def drifting(out):
+    def drifting(out, name):
         out.mkdir(parents=True)
-        save_mapper(linear_copy_mapper(model, 1e-6, 1.0, seed=int(out.name[-1])), out / "cand.safetensors")
+        save_mapper(linear_copy_mapper(model, 1e-6, 1.0, seed=int(out.name[-1])), out / f"{name}.safetensors")
 
     assert deterministic_refit(mapper, "cand", tmp_path / "a", refit=faithful)["passed"]
     result = deterministic_refit(mapper, "cand", tmp_path / "b", refit=drifting)

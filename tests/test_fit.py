@@ -1,5 +1,6 @@
 """Fit stage: the ridge math against direct solves, probes that find a planted layer, determinism, corruption."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -158,16 +159,27 @@ def test_a_family_the_contract_leaves_undefined_is_skipped_with_its_reason(extra
     assert metrics["skipped/head_matched"] == reason
 
 
-def test_fitting_twice_in_two_processes_gives_identical_files(extracted):
+def test_fitting_twice_in_two_processes_gives_identical_files_and_a_narrow_refit_the_same_bytes(extracted):
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     for run_dir in ("run1", "run2"):
         subprocess.run([sys.executable, "-c", "import pipeline.fit as f; f.main()"], cwd=extracted, check=True,
-                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                       capture_output=True)
+                       env=env, capture_output=True)
         (extracted / "models" / "mappers").rename(extracted / run_dir)
     first = sorted((extracted / "run1").glob("*.safetensors"))
     assert len(first) == 9
     for path in first:
         assert path.read_bytes() == (extracted / "run2" / path.name).read_bytes(), path.name
+    # the determinism control's narrow refit: one candidate alone, the same bytes as from the whole grid
+    for name in ("linear_k1_lam0.01", "head_matched_k2_lam1", "mlp_k1"):
+        subprocess.run([sys.executable, "-m", "pipeline.fit", "--out", "narrow", "--only", name], cwd=extracted,
+                       check=True, env=env, capture_output=True)
+        assert [p.name for p in (extracted / "narrow").glob("*.safetensors")] == [f"{name}.safetensors"]
+        assert (extracted / "narrow" / f"{name}.safetensors").read_bytes() == \
+               (extracted / "run1" / f"{name}.safetensors").read_bytes(), name
+        shutil.rmtree(extracted / "narrow")
+    refused = subprocess.run([sys.executable, "-m", "pipeline.fit", "--out", "narrow", "--only", "linear_k9_lam1"],
+                             cwd=extracted, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "fit --only linear_k9_lam1: not a candidate" in refused.stderr
 
 
 def test_corrupted_cache_shard_stops_fit_naming_it(extracted, tmp_path):

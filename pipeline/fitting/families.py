@@ -106,10 +106,12 @@ def layer_moments(pairs: Pairs, layer: int, chosen: list[int], kind: str) -> rid
 
 
 def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs: Pairs,
-                    candidates: list[Candidate], geometry: Geometry, parts: Parts, table: R2Table) -> None:
-    """Every ridge candidate for one target layer: one accumulation at max(k), sub-block solves."""
+                    candidates: list[Candidate], depth: int, geometry: Geometry, parts: Parts, table: R2Table) -> None:
+    """The ridge candidates for one target layer: one accumulation over the top `depth` source layers (the
+    largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
+    then sub-block solves."""
     g = geometry
-    chosen_max = sorted(order[: max(c.k for c in candidates)])
+    chosen_max = sorted(order[:depth])
     width_s = g.heads_s * g.dim_s
     for kind in KINDS:
         fit_m = layer_moments(fit_pairs, layer, chosen_max, kind)
