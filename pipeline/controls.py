@@ -17,7 +17,8 @@
 6. deterministic mapper serialization: the selected candidate alone refitted from the same caches in two
    fresh processes (`python -m pipeline.fit --only <candidate>`) is byte-identical to the selected file.
 
-metrics/controls.json holds one entry per control: `passed` and the figures it measured. A failed control
+metrics/controls.json holds one entry per control: `passed` and the figures it measured;
+metrics/controls_usage.json the stage's wall time and peak memory. A failed control
 fails the stage naming it, so no evaluate stage runs.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from pipeline.kv.contract import Contract, pair_contract
@@ -42,6 +44,7 @@ from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.measure.compare import read_prompts
 from pipeline.store.artifacts import load_artifact, save_artifact, verify_file, write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
+from pipeline.store.devices import StageUsage
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import load_section, spec
 
@@ -140,7 +143,7 @@ def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedToleranc
     handoff = handoff_cls(target)
     max_delta, floor, largest, greedy_same, decisions, flips, near_ties = 0.0, 0.0, 0.0, 0, 0, 0, 0
     with torch.no_grad():
-        for context, continuation in prompts:
+        for context, continuation in tqdm(prompts, desc=f"cached decode {target.dtype}", unit="prompt"):
             cached = _reinjected_logprobs(handoff, context, continuation, folder)  # (m, V)
             full = full_logprobs(target, context, continuation)  # (m, V)
             max_delta = max(max_delta, float((cached - full).abs().max()))
@@ -270,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     verify_file(MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
     torch.set_num_threads(params.threads)
     device = models.torch_device
+    usage = StageUsage(device)
     source_tok, target_tok = load_tokenizer("models/source"), load_tokenizer("models/target")
     prompts = read_prompts(EVAL_PROMPTS)[: params.prompts]
     contract = pair_contract(load_config("models/target"), load_config("models/source"), target_tok, source_tok,
@@ -308,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         selected = json.loads(Path("metrics/select.json").read_text())["selected"]
         results["deterministic_mapper"] = deterministic_refit(MAPPER, selected, folder)
     write_json_atomic("metrics/controls.json", results)
+    write_json_atomic("metrics/controls_usage.json", usage.figures())
     failed = [name for name, entry in results.items() if not entry["passed"]]
     print(json.dumps({name: entry["passed"] for name, entry in results.items()}, indent=2))
     if failed:

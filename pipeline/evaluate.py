@@ -16,7 +16,6 @@ results and samples (eval/<variant>/lm_eval/).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, va
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
 from pipeline.store.cli import entry, parser
+from pipeline.store.devices import StageUsage
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import ParamError, load_section, spec
 from pipeline.store.splits import TASKS
@@ -115,7 +115,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
         write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
         return metrics
     torch.set_num_threads(params.threads)
-    started = time.perf_counter()
+    usage = StageUsage(models.torch_device)
     handoff = build_handoff(variant, params, models)
     prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
@@ -143,7 +143,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
         for key, value in by_kind(items, metric).items():
             if "/" in key:
                 metrics[f"{key.replace('/', '_')}_{metric}"] = round(value, 6)
-    metrics["seconds"] = round(time.perf_counter() - started, 1)
+    metrics.update(usage.figures())
     write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
     return metrics
 

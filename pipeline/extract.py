@@ -28,7 +28,7 @@ from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import parse_dtype
+from pipeline.store.devices import StageUsage, parse_dtype
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import load_section, spec
 
@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     name = cli.parse_args(argv).model
     params = load_section(ExtractParams, "extract")
     models = load_section(ModelsParams, "models")
+    usage = StageUsage(models.torch_device)
     metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params, models.dtype,
                   models.torch_device)
+    metrics.update(usage.figures())
     write_json_atomic(Path("metrics") / f"extract_{name}.json", metrics)
     print(metrics)
 

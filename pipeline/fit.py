@@ -17,9 +17,7 @@ written and timed against the source's prefill (`measure.timing`).
 from __future__ import annotations
 
 import csv
-import resource
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -45,6 +43,7 @@ from pipeline.measure.timing import time_against_prefill
 from pipeline.store.artifacts import atomic_path, write_json_atomic
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
+from pipeline.store.devices import StageUsage
 from pipeline.store.models import load_config, load_model
 from pipeline.store.params import ParamError, load_section, spec
 
@@ -77,7 +76,6 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], only: str | None = None) -> dict:
     """Fit every candidate of params (or, with `only`, the one so named, byte-identical to its file from the
     full fit); `skipped` maps the families the pair's contract leaves undefined to why."""
-    start = time.perf_counter()
     torch.set_num_threads(params.threads)
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = read_manifest(source_root), read_manifest(target_root)
@@ -107,7 +105,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
     parts, table, mlp_facts = Parts(out_dir / ".parts"), R2Table(), {}
-    for layer in tqdm(range(geo_t["layers"]), desc="fit layers"):
+    for layer in tqdm(range(geo_t["layers"]), desc="fit layers", unit="layer"):
         if ridge:
             fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table)
         for k in mlp_ks:
@@ -122,7 +120,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
                "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
                **{f"skipped/{family}": reason for family, reason in skipped.items()}}
-    for name, family, k, lam in tqdm(ridge + mlp_candidates(mlp_ks), desc="write mappers"):
+    for name, family, k, lam in tqdm(ridge + mlp_candidates(mlp_ks), desc="write mappers", unit="mapper"):
         extra = {"probe_lambda": params.probe_lambda, "fit_tokens": fit_tokens, "seed": params.seed}
         if family == "mlp":
             extra["mlp"] = {"hidden": params.mlp.hidden,
@@ -148,8 +146,6 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         {"target_layer": tl, "source_layer": sl, "r2_keys_heldout": round(scores["keys"][tl, sl].item(), 6),
          "r2_values_heldout": round(scores["values"][tl, sl].item(), 6)}
         for tl in range(geo_t["layers"]) for sl in range(geo_s["layers"])])
-    metrics["fit_wall_s"] = round(time.perf_counter() - start, 3)
-    metrics["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return metrics
 
 
@@ -171,8 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     contract = pair_contract(load_config("models/target"), load_config("models/source"))
     skipped = {family: contract.families[family] for family in params.families if not contract.family_defined(family)}
     out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
+    usage = StageUsage("cpu")  # the fit runs on the CPU
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
                   out, metrics_dir, params, skipped, args.only)
+    metrics.update(usage.figures())
     write_json_atomic(metrics_dir / "fit.json", metrics)
     print({k: v for k, v in metrics.items() if "/" not in k})
 

@@ -8,7 +8,6 @@ per task and per item kind, with paired-bootstrap intervals of the target's lead
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +18,7 @@ from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.devices import StageUsage
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import load_section
 from pipeline.store.splits import TASKS
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.score_models", __doc__, argv)
     models = load_section(ModelsParams, "models")
     torch.set_num_threads(1)
-    started = time.perf_counter()
+    usage = StageUsage(models.torch_device)
     metrics = models_metrics(models)
-    metrics["seconds"] = round(time.perf_counter() - started, 1)
+    metrics.update(usage.figures())
     write_json_atomic("metrics/models.json", metrics)
     print(json.dumps(metrics, indent=2))
 

@@ -17,12 +17,14 @@ from typing import Literal
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.devices import StageUsage
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import load_section, spec
 
@@ -67,7 +69,7 @@ def score_candidates(target, source, prompts, params: SelectParams, candidates: 
     oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon)
     oracle_summary = summarize(variant_rows(oracle_handoff, prompts, oracle))
     scores = []
-    for path in candidates:
+    for path in tqdm(candidates, desc="score candidates", unit="candidate"):
         mapper = load_mapper(path, device=target.device)
         summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper, tokenizers=tokenizers),
                                                prompts, oracle))
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
     device = models.torch_device
+    usage = StageUsage(device)
     target = load_model("models/target", dtype=models.dtype, device=device)
     source = load_model("models/source", dtype=models.dtype, device=device)
     prompts = select_prompts(pd.read_parquet("data/select.parquet").token_ids, params.prompt_fraction)
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics[f"{score['name']}_{key}"] = round(score[key], 4)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]
+    metrics.update(usage.figures())
     write_json_atomic("metrics/select.json", metrics)
     print(json.dumps(metrics, indent=2))
 

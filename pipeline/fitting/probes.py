@@ -44,7 +44,7 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
     scores = {kind: torch.zeros(target_layers, source_layers, dtype=torch.float64) for kind in KINDS}
-    for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes"):
+    for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes", unit="pass"):
         out_width = len(targets) * width_t
         moments = {(kind, split, p): ridge.Moments.zeros(width_s, out_width)
                    for kind in KINDS for split in ("train", "held") for p in range(source_layers)}

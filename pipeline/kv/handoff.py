@@ -172,7 +172,7 @@ def score_continuations(
         groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
 
     results: list[tuple[float, bool] | None] = [None] * len(requests)
-    bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", disable=not progress)
+    bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
     for context, members in groups.items():
         if not context:
             raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")

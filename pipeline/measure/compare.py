@@ -50,7 +50,7 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
     top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
     greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
-    for i, (context, continuation) in enumerate(tqdm(prompts, desc="oracle", disable=not progress)):
+    for i, (context, continuation) in enumerate(tqdm(prompts, desc="oracle", unit="prompt", disable=not progress)):
         values, ids = teacher_forced(handoff, context, continuation).topk(k, dim=-1)  # (m, K)
         top_ids[i, : len(continuation)], top_logprobs[i, : len(continuation)] = ids.cpu(), values.cpu()
         greedy[i] = greedy_rollout(handoff, torch.tensor([list(context)]), horizon)[0].cpu()
@@ -73,7 +73,8 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, progress
     """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle."""
     horizon = oracle["greedy"].shape[1]
     rows = []
-    for i, (context, continuation) in enumerate(tqdm(prompts, desc=f"compare ({handoff.mode})", disable=not progress)):
+    for i, (context, continuation) in enumerate(tqdm(prompts, desc=f"compare ({handoff.mode})", unit="prompt",
+                                                      disable=not progress)):
         m = len(continuation)
         logprobs = teacher_forced(handoff, context, continuation).cpu()  # (m, V)
         targets = torch.tensor(list(continuation))

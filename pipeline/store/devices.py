@@ -1,5 +1,8 @@
-"""Torch dtypes and devices by name, as params.yaml spells them."""
+"""Torch dtypes and devices by name, as params.yaml spells them, and what a stage used of its device."""
 from __future__ import annotations
+
+import resource
+import time
 
 import torch
 
@@ -16,3 +19,25 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class StageUsage:
+    """A stage's wall time and peak memory, for its metrics JSON: started when built, read by `figures()`.
+
+    Peak memory is the CUDA allocator's peak on a GPU (reset at the start) and the process's peak resident set
+    (ru_maxrss, since the process started) on the CPU, so `dvc metrics show` answers where time and memory went.
+    """
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        self.started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def figures(self) -> dict:
+        if self.device.type == "cuda":
+            peak, kind = torch.cuda.max_memory_allocated(self.device) / 2**20, "cuda allocator"
+        else:
+            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process rss"
+        return {"wall_s": round(time.perf_counter() - self.started, 2), "peak_memory_mib": round(peak, 1),
+                "peak_memory_of": kind, "device": str(self.device)}
