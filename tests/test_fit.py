@@ -106,6 +106,23 @@ def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences
         (root / name / MANIFEST).write_text(json.dumps(dict(meta, splits={"fit": {"shards": records["fit"]}})))
 
 
+def test_probes_in_many_passes_equal_one_pass_and_compute_each_inputs_gram_once(tmp_path, monkeypatch):
+    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3})
+    pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
+    held = holdout_sequences(pairs, 0.25, seed=0)
+    one_pass = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1e9)
+    grams = []
+    original = ridge.Moments.update
+    monkeypatch.setattr(ridge.Moments, "update",
+                        lambda self, x, y, inputs=True: (grams.append(inputs), original(self, x, y, inputs))[1])
+    three_passes = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1)
+    # the same R² (to float64 rounding: the solves see right-hand sides of other widths)
+    assert all(torch.allclose(one_pass[kind], three_passes[kind], rtol=1e-12, atol=1e-12) for kind in one_pass)
+    shards = len(pairs)
+    assert grams.count(True) == shards * 2 * 2 * 4  # shards x kinds x (train, held) x source layers, once
+    assert grams.count(False) == 2 * grams.count(True)  # the two later passes add only X^T Y
+
+
 def test_probe_picks_the_planted_source_layer(tmp_path):
     planted = {0: 2, 1: 0, 2: 3}
     _fake_caches(tmp_path, planted)

@@ -35,15 +35,21 @@ class Moments:
                    torch.zeros(in_width, in_width, dtype=DTYPE), torch.zeros(in_width, out_width, dtype=DTYPE),
                    torch.zeros(out_width, dtype=DTYPE))
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add rows x (N, F), y (N, O)."""
+    def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
+        """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass
+        whose input side (n, sum_x, X^T X) an earlier pass over the same rows accumulated (`with_inputs_of`)."""
         x, y = x.to(DTYPE), y.to(DTYPE)
-        self.n += x.shape[0]
-        self.sum_x += x.sum(0)
+        if inputs:
+            self.n += x.shape[0]
+            self.sum_x += x.sum(0)
+            self.xtx += x.T @ x  # (F, F)
         self.sum_y += y.sum(0)
-        self.xtx += x.T @ x  # (F, F)
         self.xty += x.T @ y  # (F, O)
         self.sum_yy += (y * y).sum(0)
+
+    def with_inputs_of(self, other: "Moments") -> "Moments":
+        """These output-side sums with `other`'s input side (same rows, other outputs)."""
+        return Moments(other.n, other.sum_x, self.sum_y, other.xtx, self.xty, self.sum_yy)
 
     def select(self, inputs: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> "Moments":
         """The moments of the sub-problem reading input features `inputs` and predicting outputs `outputs`."""
