@@ -17,6 +17,7 @@ written and timed against the source's prefill (`measure.timing`).
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from pipeline.store.artifacts import atomic_path, write_json_atomic
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import StageUsage
-from pipeline.store.models import load_config, load_model
+from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section, spec
 
 
@@ -73,10 +74,13 @@ class FitParams:
 
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
-        metrics_dir: Path, params: FitParams, skipped: dict[str, str], only: str | None = None) -> dict:
+        metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
+        only: str | None = None) -> dict:
     """Fit every candidate of params (or, with `only`, the one so named, byte-identical to its file from the
-    full fit); `skipped` maps the families the pair's contract leaves undefined to why."""
+    full fit); `skipped` maps the families the pair's contract leaves undefined to why. Moments, solves and the
+    MLP run on `device` (float64 and float32), the mappers are timed there against the source in `model_dtype`."""
     torch.set_num_threads(params.threads)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = read_manifest(source_root), read_manifest(target_root)
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
@@ -90,7 +94,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     select_pairs = paired_split(source_root, target_root, "select")
     held = holdout_sequences(fit_pairs, params.probe_holdout, params.seed)
     scores = probe_r2(fit_pairs, held, geo_s["layers"], geo_t["layers"], geometry.heads_s * geometry.dim_s,
-                      geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30)
+                      geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30, device)
     orders = ranking(scores)
 
     ridge = ridge_candidates(families, params.ks, params.lambdas)
@@ -107,15 +111,17 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     parts, table, mlp_facts = Parts(out_dir / ".parts"), R2Table(), {}
     for layer in tqdm(range(geo_t["layers"]), desc="fit layers", unit="layer"):
         if ridge:
-            fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table)
+            fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
+                            device)
         for k in mlp_ks:
             mlp_facts[(k, layer)] = fit_mlp_layer(layer, orders[layer], k, fit_pairs, select_pairs, held, mlp,
-                                                  geometry.heads_t, parts, table)
+                                                  geometry.heads_t, parts, table, device)
 
     if only is None:  # what the mappers are timed on
-        source_model = load_model(str(source_model_dir), dtype="float32", device="cpu")
+        source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
         token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
-        content = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
+        first = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
+        content = [tuple(t.to(device) for t in layer) for layer in first]
     fit_tokens = sum(s.tokens for s, _ in fit_pairs)
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
                "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
@@ -137,7 +143,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         metrics[f"{name}/macs_per_token"] = mapper.macs_per_token()
         if only is None:  # a narrow refit is about the file's bytes, not its speed
             metrics[f"{name}/time_vs_source_prefill"] = round(
-                time_against_prefill(mapper, source_model, token_ids, content, params.timing_repeats), 4)
+                time_against_prefill(mapper.to(device), source_model, token_ids, content, params.timing_repeats), 4)
         del mapper
     parts.remove()
 
@@ -167,9 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     contract = pair_contract(load_config("models/target"), load_config("models/source"))
     skipped = {family: contract.families[family] for family in params.families if not contract.family_defined(family)}
     out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
-    usage = StageUsage("cpu")  # the fit runs on the CPU
+    models = load_section(ModelsParams, "models")
+    usage = StageUsage(models.torch_device)
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
-                  out, metrics_dir, params, skipped, args.only)
+                  out, metrics_dir, params, skipped, models.torch_device, models.dtype, args.only)
     metrics.update(usage.figures())
     write_json_atomic(metrics_dir / "fit.json", metrics)
     print({k: v for k, v in metrics.items() if "/" not in k})

@@ -225,7 +225,7 @@ def _fit_linear_map(source, target, sequences):
     for layer in range(geometry_t["layers"]):
         fitted = []
         for kind in (0, 1):
-            moments = ridge.Moments.zeros(geometry_s["kv_heads"] * geometry_s["head_dim"], heads * dim)
+            moments = ridge.Moments.zeros(geometry_s["kv_heads"] * geometry_s["head_dim"], heads * dim, "cpu")
             for ids in sequences:
                 x = _content_cache(source, ids)[layer][kind][0].transpose(0, 1).flatten(1)  # (T, H_s*D_s)
                 y = _content_cache(target, ids)[layer][kind][0].transpose(0, 1).flatten(1)  # (T, H_t*D_t)

@@ -37,7 +37,7 @@ def _data(rows=200, features=6, outputs=4, seed=0):
 
 
 def _moments(x, y, chunks=1):
-    m = ridge.Moments.zeros(x.shape[1], y.shape[1])
+    m = ridge.Moments.zeros(x.shape[1], y.shape[1], "cpu")
     for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
         m.update(xs, ys)
     return m
@@ -110,12 +110,12 @@ def test_probes_in_many_passes_equal_one_pass_and_compute_each_inputs_gram_once(
     _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3})
     pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
     held = holdout_sequences(pairs, 0.25, seed=0)
-    one_pass = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1e9)
+    one_pass = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1e9, device="cpu")
     grams = []
     original = ridge.Moments.update
     monkeypatch.setattr(ridge.Moments, "update",
                         lambda self, x, y, inputs=True: (grams.append(inputs), original(self, x, y, inputs))[1])
-    three_passes = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1)
+    three_passes = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1, device="cpu")
     # the same R² (to float64 rounding: the solves see right-hand sides of other widths)
     assert all(torch.allclose(one_pass[kind], three_passes[kind], rtol=1e-12, atol=1e-12) for kind in one_pass)
     shards = len(pairs)
@@ -128,7 +128,8 @@ def test_probe_picks_the_planted_source_layer(tmp_path):
     _fake_caches(tmp_path, planted)
     pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
     held = holdout_sequences(pairs, 0.25, seed=0)
-    scores = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1)  # budget forces one target layer per pass
+    # the budget forces one target layer per pass
+    scores = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1, device="cpu")
     assert [order[0] for order in ranking(scores)] == [planted[layer] for layer in range(3)]
     for layer, p in planted.items():
         assert scores["keys"][layer, p] > 0.999 and scores["values"][layer, p] > 0.999
@@ -140,7 +141,7 @@ def extracted(tmp_path_factory):
     for name in ("source", "target"):
         extract(root / "models" / name, name, root / "data", root / "caches" / name,
                 parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"))
-    (root / "params.yaml").write_text(yaml.safe_dump({"fit": FIT}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"fit": FIT, "models": committed("models")}))
     return root
 
 
@@ -150,7 +151,8 @@ def _fit_params():
 
 def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
     metrics = fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
-                  extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {})
+                  extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {},
+                  "cpu", "float32")
     names = sorted(p.stem for p in (tmp_path / "mappers").glob("*.safetensors"))
     assert names == sorted([f"{f}_k{k}_lam{lam}" for f in ("linear", "head_matched") for k in (1, 2)
                             for lam in ("0.01", "1")] + ["mlp_k1"])
@@ -170,7 +172,7 @@ def test_a_family_the_contract_leaves_undefined_is_skipped_with_its_reason(extra
     reason = "head_matched needs equal KV head counts, but ..."
     metrics = fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
                   extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(),
-                  {"head_matched": reason})
+                  {"head_matched": reason}, "cpu", "float32")
     names = sorted(p.stem for p in (tmp_path / "mappers").glob("*.safetensors"))
     assert not [n for n in names if n.startswith("head_matched")] and "linear_k1_lam1" in names
     assert metrics["skipped/head_matched"] == reason
@@ -210,4 +212,4 @@ def test_corrupted_cache_shard_stops_fit_naming_it(extracted, tmp_path):
     shard.write_bytes(bytes(raw))
     with pytest.raises(ArtifactError, match="shard-00001.safetensors: checksum mismatch"):
         fit(caches / "source", caches / "target", extracted / "models/source", extracted / "data/select.parquet",
-            tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {})
+            tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {}, "cpu", "float32")

@@ -78,7 +78,7 @@ class Parts:
         folder.mkdir(parents=True)
 
     def put(self, candidate: str, layer: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
-        named = {str(i): t.to(torch.float32).contiguous() for i, t in enumerate(tensors)}
+        named = {str(i): t.to("cpu", torch.float32).contiguous() for i, t in enumerate(tensors)}
         save_file(named, str(self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"))
 
     def take(self, candidate: str, layers: int, kind: str) -> list[tuple[torch.Tensor, ...]]:
@@ -94,32 +94,34 @@ class Parts:
         shutil.rmtree(self.folder)
 
 
-def layer_moments(pairs: Pairs, layer: int, chosen: list[int], kind: str) -> ridge.Moments:
+def layer_moments(pairs: Pairs, layer: int, chosen: list[int], kind: str, device) -> ridge.Moments:
     moments = None
     for source, target in pairs:
         x = torch.cat(source.read(kind, chosen), dim=1)  # (tokens, k * Hs*Ds), layer-major as the mapper reads
         (y,) = target.read(kind, [layer])  # (tokens, Ht*Dt)
         if moments is None:
-            moments = ridge.Moments.zeros(x.shape[1], y.shape[1])
+            moments = ridge.Moments.zeros(x.shape[1], y.shape[1], device)
         moments.update(x, y)
     return moments
 
 
 def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs: Pairs,
-                    candidates: list[Candidate], depth: int, geometry: Geometry, parts: Parts, table: R2Table) -> None:
+                    candidates: list[Candidate], depth: int, geometry: Geometry, parts: Parts, table: R2Table,
+                    device: str | torch.device) -> None:
     """The ridge candidates for one target layer: one accumulation over the top `depth` source layers (the
     largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
-    then sub-block solves."""
+    then sub-block solves, on `device` in float64."""
     g = geometry
     chosen_max = sorted(order[:depth])
     width_s = g.heads_s * g.dim_s
     for kind in KINDS:
-        fit_m = layer_moments(fit_pairs, layer, chosen_max, kind)
-        select_m = layer_moments(select_pairs, layer, chosen_max, kind)
+        fit_m = layer_moments(fit_pairs, layer, chosen_max, kind, device)
+        select_m = layer_moments(select_pairs, layer, chosen_max, kind, device)
         for name, family, k, lam in candidates:
             blocks = [chosen_max.index(p) for p in sorted(order[:k])]
             if family == "linear":
-                inputs = torch.cat([torch.arange(b * width_s, (b + 1) * width_s) for b in blocks])  # (k*Hs*Ds,)
+                inputs = torch.cat([torch.arange(b * width_s, (b + 1) * width_s, device=device)
+                                    for b in blocks])  # (k*Hs*Ds,)
                 weight, bias = ridge.solve(fit_m.select(inputs), lam)  # (F, Ht*Dt), (Ht*Dt,): all heads, one solve
                 sse_fit = ridge.residual_ss(fit_m.select(inputs), weight, bias)
                 sse_sel = ridge.residual_ss(select_m.select(inputs), weight, bias)
@@ -127,9 +129,9 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
             else:  # head_matched: target head h reads source head h of each chosen layer: its own solve
                 weights, biases, sse_fit, sse_sel = [], [], [], []
                 for head in range(g.heads_t):
-                    inputs = torch.cat([torch.arange(b * width_s + head * g.dim_s, b * width_s + (head + 1) * g.dim_s)
-                                        for b in blocks])  # (k*Ds,)
-                    outputs = torch.arange(head * g.dim_t, (head + 1) * g.dim_t)
+                    inputs = torch.cat([torch.arange(b * width_s + head * g.dim_s, b * width_s + (head + 1) * g.dim_s,
+                                                     device=device) for b in blocks])  # (k*Ds,)
+                    outputs = torch.arange(head * g.dim_t, (head + 1) * g.dim_t, device=device)
                     weight, bias = ridge.solve(fit_m.select(inputs, outputs), lam)  # (k*Ds, Dt), (Dt,)
                     sse_fit.append(ridge.residual_ss(fit_m.select(inputs, outputs), weight, bias))
                     sse_sel.append(ridge.residual_ss(select_m.select(inputs, outputs), weight, bias))
@@ -161,18 +163,18 @@ def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Te
 
 
 def fit_mlp_layer(layer: int, order: list[int], k: int, fit_pairs: Pairs, select_pairs: Pairs, held: set[str],
-                  settings: MlpSettings, heads_t: int, parts: Parts, table: R2Table) -> dict:
+                  settings: MlpSettings, heads_t: int, parts: Parts, table: R2Table, device) -> dict:
     """The `mlp_k<k>` candidate for one target layer: per kind, trained with its own seed; returns the
     training facts per kind. `settings.seed` is the fit's seed; each (layer, kind) derives its own."""
     name = f"mlp_k{k}"
     chosen = sorted(order[:k])
     facts = {}
     for kind_index, kind in enumerate(KINDS):
-        x, y, mask = gather_rows(fit_pairs, layer, chosen, kind, held)
+        x, y, mask = (t.to(device) for t in gather_rows(fit_pairs, layer, chosen, kind, held))
         own = replace(settings, seed=settings.seed * 100003 + layer * 2 + kind_index)
         tensors, facts[kind] = train_mlp(x[~mask], y[~mask], x[mask], y[mask], heads_t, own)
         parts.put(name, layer, kind, tensors)
-        x_sel, y_sel, _ = gather_rows(select_pairs, layer, chosen, kind, set())
+        x_sel, y_sel = (t.to(device) for t in gather_rows(select_pairs, layer, chosen, kind, set())[:2])
         with torch.no_grad():
             sse = lambda x_, y_: ((y_ - predict_rows(x_, tensors)) ** 2).double().sum(0)  # noqa: E731
             sst = lambda y_: ((y_ - y_.mean(0)) ** 2).double().sum(0)  # noqa: E731

@@ -28,9 +28,11 @@ class MlpSettings:
 
 def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
               heads: int, settings: MlpSettings) -> tuple[tuple[torch.Tensor, ...], dict]:
-    """Fit rows x (N, F) -> y (N, heads * head_dim). Returns the mapper tensors (in_weight (F, hidden),
-    in_bias (hidden,), weight (heads, hidden, head_dim), bias (heads, head_dim)) and training facts."""
-    generator = torch.Generator().manual_seed(settings.seed)
+    """Fit rows x (N, F) -> y (N, heads * head_dim), on the rows' device. Returns the mapper tensors
+    (in_weight (F, hidden), in_bias (hidden,), weight (heads, hidden, head_dim), bias (heads, head_dim)) and
+    training facts."""
+    generator = torch.Generator().manual_seed(settings.seed)  # on the CPU: the same draws on every device
+    device = x_train.device
     x_mean, x_std = x_train.mean(0), x_train.std(0).clamp_min(1e-6)  # (F,)
     y_mean, y_scale = y_train.mean(0), (y_train - y_train.mean(0)).pow(2).mean().sqrt().clamp_min(1e-6)
     standardize = lambda x, y: ((x - x_mean) / x_std, (y - y_mean) / y_scale)  # noqa: E731
@@ -38,17 +40,18 @@ def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     x_val_s, y_val_s = standardize(x_val, y_val)
 
     in_width, out_width = x_train.shape[1], y_train.shape[1]
-    w1 = (torch.randn(in_width, settings.hidden, generator=generator) / in_width**0.5).requires_grad_()
-    b1 = torch.zeros(settings.hidden, requires_grad=True)
-    w2 = (torch.randn(settings.hidden, out_width, generator=generator) / settings.hidden**0.5).requires_grad_()
-    b2 = torch.zeros(out_width, requires_grad=True)
+    w1 = (torch.randn(in_width, settings.hidden, generator=generator) / in_width**0.5).to(device).requires_grad_()
+    b1 = torch.zeros(settings.hidden, device=device, requires_grad=True)
+    w2 = (torch.randn(settings.hidden, out_width, generator=generator) / settings.hidden**0.5).to(device)
+    w2.requires_grad_()
+    b2 = torch.zeros(out_width, device=device, requires_grad=True)
     params = [w1, b1, w2, b2]
     optimizer = torch.optim.Adam(params, lr=settings.lr)
     predict = lambda x: mlp_hidden(x, w1, b1) @ w2 + b2  # noqa: E731  (N, out_width)
 
     best_loss, best_epoch, best = float("inf"), -1, [p.detach().clone() for p in params]
     for epoch in range(settings.max_epochs):
-        order = torch.randperm(x_train_s.shape[0], generator=generator)
+        order = torch.randperm(x_train_s.shape[0], generator=generator).to(device)
         for start in range(0, len(order), settings.batch_rows):
             rows = order[start : start + settings.batch_rows]
             loss = F.mse_loss(predict(x_train_s[rows]), y_train_s[rows])

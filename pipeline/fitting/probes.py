@@ -39,8 +39,9 @@ def _groups(items: list[int], size: int) -> list[list[int]]:
 
 
 def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
-             ridge_lambda: float, budget_bytes: float) -> dict[str, torch.Tensor]:
-    """Held-out R² of single-layer ridge probes: per kind (target_layers, source_layers)."""
+             ridge_lambda: float, budget_bytes: float, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Held-out R² of single-layer ridge probes: per kind (target_layers, source_layers), on the CPU; the
+    moments and solves run on `device`."""
     # per pass: 2 kinds x (train, held) x source_layers x (X^T X + X^T Y over the group's target columns)
     fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
@@ -49,7 +50,7 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes", unit="pass"):
         out_width = len(targets) * width_t
         first = not inputs
-        moments = {(kind, split, p): ridge.Moments.zeros(width_s, out_width)
+        moments = {(kind, split, p): ridge.Moments.zeros(width_s, out_width, device)
                    for kind in KINDS for split in ("train", "held") for p in range(source_layers)}
         for source, target in pairs:
             mask = held_rows(source, held)
@@ -67,7 +68,7 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
                 weight, bias = ridge.solve(moments[kind, "train", p], ridge_lambda)
                 held_m = moments[kind, "held", p]
                 r2 = ridge.pooled_r2(ridge.residual_ss(held_m, weight, bias), ridge.total_ss(held_m), len(targets))
-                scores[kind][targets, p] = r2
+                scores[kind][targets, p] = r2.cpu()
         del moments
     return scores
 

@@ -30,15 +30,15 @@ class Moments:
     sum_yy: torch.Tensor  # (O,)
 
     @classmethod
-    def zeros(cls, in_width: int, out_width: int) -> "Moments":
-        return cls(0, torch.zeros(in_width, dtype=DTYPE), torch.zeros(out_width, dtype=DTYPE),
-                   torch.zeros(in_width, in_width, dtype=DTYPE), torch.zeros(in_width, out_width, dtype=DTYPE),
-                   torch.zeros(out_width, dtype=DTYPE))
+    def zeros(cls, in_width: int, out_width: int, device: str | torch.device) -> "Moments":
+        """Empty moments on `device`: rows added later are moved there, so the float64 products run there."""
+        new = lambda *shape: torch.zeros(*shape, dtype=DTYPE, device=device)  # noqa: E731
+        return cls(0, new(in_width), new(out_width), new(in_width, in_width), new(in_width, out_width), new(out_width))
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
         """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass
         whose input side (n, sum_x, X^T X) an earlier pass over the same rows accumulated (`with_inputs_of`)."""
-        x, y = x.to(DTYPE), y.to(DTYPE)
+        x, y = x.to(self.xtx.device, DTYPE), y.to(self.xtx.device, DTYPE)
         if inputs:
             self.n += x.shape[0]
             self.sum_x += x.sum(0)
@@ -65,7 +65,7 @@ def solve(m: Moments, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
     mean_x, mean_y = m.sum_x / m.n, m.sum_y / m.n
     cov_xx = m.xtx - m.n * torch.outer(mean_x, mean_x)  # (F, F)
     cov_xy = m.xty - m.n * torch.outer(mean_x, mean_y)  # (F, O)
-    system = cov_xx + ridge_lambda * torch.eye(cov_xx.shape[0], dtype=DTYPE)
+    system = cov_xx + ridge_lambda * torch.eye(cov_xx.shape[0], dtype=DTYPE, device=cov_xx.device)
     factor, info = torch.linalg.cholesky_ex(system)
     if info.item() != 0:
         raise ValueError(
