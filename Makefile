@@ -1,6 +1,6 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
 # Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
-# `make lint` runs ruff (config in pyproject.toml).
+# `make lint` runs ruff (config in pyproject.toml); `make gpu-check` is the prepared check for a machine with a GPU.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # dvc runs each stage's `python -m ...` through PATH: it must find this environment's python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test test-fast lint test-realshape clean-venv
+.PHONY: setup repro test test-fast lint test-realshape gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ lint: setup
 
 test-realshape: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -s -m realshape
+
+# on a machine with one GPU: qwen3-shapes through report in bf16, then TTFT at 512/2048/8192 tokens (tests/gpu_check.py)
+gpu-check: setup
+	DVC_NO_ANALYTICS=1 $(BIN)/python tests/gpu_check.py
 
 clean-venv:
 	rm -rf $(VENV)

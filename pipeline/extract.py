@@ -39,6 +39,7 @@ MODELS = ("source", "target")
 class ExtractParams:
     dtype: Literal["float32", "bfloat16", "float16"]  # storage dtype of the cached keys and values
     shard_sequences: int = spec(min=1)  # sequences per shard: memory is bounded by about three shards
+    batch_sequences: int = spec(min=1)  # sequences of one length run through the model in one forward
     splits: list[str] = spec(nonempty=True)
     threads: int = spec(min=1)
     repeats: int = spec(min=1)  # timed extractions, each beside both floors; medians reported
@@ -55,26 +56,38 @@ def read_sequences(path: Path) -> pd.DataFrame:
 
 
 @torch.no_grad()
-def content_cache(model, rotation: Rotation, token_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layers, tokens, kv_heads, head_dim) keys in content space (float32) and values (model dtype), on the CPU.
+def content_caches(model, rotation: Rotation, batch: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence of `batch` (token id lists of one length, one forward): (layers, tokens, kv_heads, head_dim)
+    keys in content space (float32) and values (model dtype), on the CPU.
 
-    `rotation` covers at least positions 0..len(token_ids)-1. All layers are stripped in one call: at small
-    shapes the per-call overhead, not the arithmetic, is what extraction adds to the forward pass.
+    `rotation` covers at least positions 0..length-1. All layers are stripped in one call: at small shapes the
+    per-call overhead, not the arithmetic, is what extraction adds to the forward pass.
     """
-    ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)[None]  # (1, T)
-    layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)  # (1, H, T, D) each
-    keys = torch.cat([k for k, _ in layers]).float()  # (layers, H, T, D)
-    keys_content = rotation.first(ids.shape[1]).strip(keys).transpose(1, 2).cpu()  # (layers, T, H, D)
-    values = torch.cat([v for _, v in layers]).transpose(1, 2).cpu()  # (layers, T, H, D)
-    return keys_content, values
+    ids = torch.tensor([list(token_ids) for token_ids in batch], dtype=torch.long, device=model.device)  # (B, T)
+    layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)  # (B, H, T, D) each
+    keys = torch.stack([k for k, _ in layers]).float()  # (layers, B, H, T, D)
+    keys_content = rotation.first(ids.shape[1]).strip(keys).transpose(2, 3).cpu()  # (layers, B, T, H, D)
+    values = torch.stack([v for _, v in layers]).transpose(2, 3).cpu()  # (layers, B, T, H, D)
+    return [(keys_content[:, row], values[:, row]) for row in range(ids.shape[0])]
+
+
+def batches(lengths: list[int], size: int) -> list[range]:
+    """Consecutive runs of at most `size` sequences of equal length, in order: the order of the shards is kept."""
+    runs, start = [], 0
+    for index in range(1, len(lengths) + 1):
+        if index == len(lengths) or lengths[index] != lengths[start] or index - start == size:
+            runs.append(range(start, index))
+            start = index
+    return runs
 
 
 @torch.no_grad()
-def forward_floor(model, sequences: list) -> float:
-    """Seconds for the plain decoder-body forward over `sequences`, nothing kept."""
+def forward_floor(model, sequences: list, batch_sequences: int) -> float:
+    """Seconds for the plain decoder-body forward over `sequences`, in the batches extraction uses, nothing kept."""
     start = time.perf_counter()
-    for token_ids in sequences:
-        model.model(input_ids=torch.tensor(token_ids, dtype=torch.long, device=model.device)[None], use_cache=True)
+    for run in batches([len(ids) for ids in sequences], batch_sequences):
+        ids = torch.tensor([list(sequences[i]) for i in run], dtype=torch.long, device=model.device)  # (B, T)
+        model.model(input_ids=ids, use_cache=True)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -105,10 +118,13 @@ def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], o
             stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
     writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
     for split, frame in frames.items():
-        writer.begin(split, [len(ids) for ids in frame.token_ids])
-        for doc_id, token_ids, content_hash in zip(frame.doc_id, frame.token_ids, frame.content_hash):
-            writer.add(str(doc_id), str(content_hash), *content_cache(model, rotation, token_ids))
-            bar.update(1)
+        lengths = [len(ids) for ids in frame.token_ids]
+        writer.begin(split, lengths)
+        for run in batches(lengths, params.batch_sequences):
+            caches = content_caches(model, rotation, [frame.token_ids[i] for i in run])
+            for i, (keys_content, values) in zip(run, caches):
+                writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
+            bar.update(len(run))
     records = writer.close()
     return {split: {"sequences": len(frame), "tokens": sum(r["tokens"] for r in records[split]),
                     "shards": records[split]} for split, frame in frames.items()}
@@ -134,17 +150,17 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
             "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,
             "keys": "content (RoPE stripped)"}
 
-    forward_floor(model, all_ids[:1])  # warm-up, so neither timing below pays first-call costs
+    forward_floor(model, all_ids[:1], 1)  # warm-up, so neither timing below pays first-call costs
     times = {"forward": [], "extract": [], "write": []}
     bar = tqdm(total=len(all_ids) * params.repeats, desc=f"extract {name}", unit="seq")
     for repeat in range(params.repeats):
         if repeat % 2 == 0:  # alternate which of the two runs first, so neither always follows the other
-            times["forward"].append(forward_floor(model, all_ids))
+            times["forward"].append(forward_floor(model, all_ids, params.batch_sequences))
         start = time.perf_counter()
         splits = extract_splits(model, rotation, frames, out_dir, base, params, bar)
         times["extract"].append(time.perf_counter() - start)
         if repeat % 2 == 1:
-            times["forward"].append(forward_floor(model, all_ids))
+            times["forward"].append(forward_floor(model, all_ids, params.batch_sequences))
         sizes = [r["bytes"] for split in splits.values() for r in split["shards"]]
         times["write"].append(write_floor(out_dir, sizes))
     bar.close()

@@ -9,7 +9,7 @@ from kvworld import make_world
 from transformers import AutoConfig
 
 from pipeline import extract as extract_module
-from pipeline.extract import ExtractParams, run
+from pipeline.extract import ExtractParams, batches, run
 from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, apply_rope
@@ -104,3 +104,20 @@ def test_a_model_with_an_active_sliding_window_is_refused_before_it_is_loaded(tm
     with pytest.raises(UnsupportedModelError, match="sliding window of 8 tokens, active at 24"):
         extract_module.run(root / "models" / "target", "target", root / "data", tmp_path / "caches",
                            parse(ExtractParams, committed("extract", repeats=1), "extract"))
+
+
+def test_batches_are_runs_of_equal_length_in_order():
+    assert batches([5, 5, 5, 3, 3, 5], 2) == [range(0, 2), range(2, 3), range(3, 5), range(5, 6)]
+    assert batches([], 4) == []
+
+
+def test_batched_extraction_stores_what_one_sequence_at_a_time_stores(world, tmp_path):
+    root, _ = world
+    stored = {}
+    for size in (1, 4):
+        out = tmp_path / f"batch{size}"
+        run(root / "models" / "target", "target", root / "data", out, extract_params(batch_sequences=size))
+        stored[size] = [torch.cat(shard.read(kind, [0, 1])) for split in ("fit", "select")
+                        for shard in open_split(out, split) for kind in ("keys", "values")]
+    for one, batched in zip(stored[1], stored[4]):
+        assert torch.allclose(one, batched, atol=1e-5, rtol=0)
