@@ -8,7 +8,7 @@
 
 Then it prints, from each stage's metrics JSON, the wall time, peak memory and device per stage, and the TTFT
 of the handoff against target prefill with the FLOP bound. `--profile tiny --device cpu` runs the same
-mechanics on a machine without a GPU (a few minutes).
+mechanics on a machine without a GPU (with `--set` overrides that shrink it, a few minutes).
 
     python tests/gpu_check.py [--profile qwen3-shapes] [--device cuda] [--lengths 512,2048,8192] [--repeats 10]
 """
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--device", default="cuda")
     cli.add_argument("--lengths", default="512,2048,8192")
     cli.add_argument("--repeats", type=int, default=10)
+    cli.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                     help="more Hydra overrides of the profile (e.g. smaller counts for a CPU dry run)")
     cli.add_argument("--keep", type=Path, help="run in this folder and keep it (default: a temporary one)")
     args = cli.parse_args(argv)
     if args.device.startswith("cuda"):
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.keep or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     folder.mkdir(parents=True, exist_ok=True)
     scratch_copy(folder)
-    compose(folder, [f"profile={args.profile}", f"models.device={args.device}", f"latency.device={args.device}"])
+    compose(folder, [f"profile={args.profile}", f"models.device={args.device}", f"latency.device={args.device}",
+                     *args.set])
     pipeline_s = run([sys.executable, "-m", "dvc", "repro", "-q"], folder)
     latency_json = folder / "latency-real-shapes.json"
     latency_s = run([sys.executable, "-m", "pipeline.latency", "--config-shapes", "qwen3-v0", "--device", args.device,
