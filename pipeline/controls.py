@@ -156,7 +156,7 @@ def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedToleranc
                 if int(row_cached.argmax()) != int(top2.indices[0]):
                     flips += 1
                     near_ties += float(top2.values[0] - top2.values[1]) < margin
-            rollout = greedy_rollout(handoff, torch.tensor([list(context)]), horizon)[0].tolist()
+            rollout = greedy_rollout(handoff, [list(context)], horizon)[0].tolist()
             sequence = list(context)
             for _ in range(horizon):
                 sequence.append(

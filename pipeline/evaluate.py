@@ -119,7 +119,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
     handoff = build_handoff(variant, params, models)
     prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
-        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon)
+        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size)
         save_artifact(ORACLE_OUTPUTS, oracle,
                       {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     else:
@@ -127,7 +127,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
         if meta["prompts"] != len(prompts):
             raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
                                f"data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
-    rows = variant_rows(handoff, prompts, oracle)
+    rows = variant_rows(handoff, prompts, oracle, params.batch_size)
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in summarize(rows).items()}
     lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size)

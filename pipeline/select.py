@@ -39,6 +39,7 @@ class SelectParams:
     top_k: int = spec(positive=True)
     horizon: int = spec(positive=True)
     rule: Literal["agreement", "perplexity", "kl"]
+    batch_size: int = spec(positive=True)  # select prompts per forward
     threads: int = spec(positive=True)
 
 
@@ -66,13 +67,13 @@ def score_candidates(target, source, prompts, params: SelectParams, candidates: 
     """Every candidate's agreement with the oracle on the select prompts; `tokenizers` (source, target) are
     compared by the architecture contract."""
     oracle_handoff = Handoff(target)
-    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon)
-    oracle_summary = summarize(variant_rows(oracle_handoff, prompts, oracle))
+    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size)
+    oracle_summary = summarize(variant_rows(oracle_handoff, prompts, oracle, params.batch_size))
     scores = []
     for path in tqdm(candidates, desc="score candidates", unit="candidate"):
         mapper = load_mapper(path, device=target.device)
         summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper, tokenizers=tokenizers),
-                                               prompts, oracle))
+                                               prompts, oracle, params.batch_size))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
             parameters=mapper.parameter_count(), ppl_ratio=summary["perplexity"] / oracle_summary["perplexity"],

@@ -15,18 +15,18 @@ def prompts():
 
 def test_oracle_against_itself_is_perfect(periodic_model, prompts):
     oracle = Handoff(periodic_model)
-    stored = oracle_outputs(oracle, prompts, top_k=64, horizon=6, progress=False)
-    summary = summarize(variant_rows(oracle, prompts, stored, progress=False))
+    stored = oracle_outputs(oracle, prompts, top_k=64, horizon=6, batch_size=5, progress=False)
+    summary = summarize(variant_rows(oracle, prompts, stored, batch_size=5, progress=False))
     assert summary["next_token_top1"] == 1.0 and summary["agreement"] == 1.0
     assert summary["rollout_agreement"] == 1.0 and summary["mean_kl"] < 1e-6
     assert summary["perplexity"] < 3.0
 
 
 def test_null_controls_lose_agreement(periodic_model, prompts):
-    stored = oracle_outputs(Handoff(periodic_model), prompts, top_k=64, horizon=6, progress=False)
+    stored = oracle_outputs(Handoff(periodic_model), prompts, top_k=64, horizon=6, batch_size=5, progress=False)
     for mode in ("zero", "shuffled"):
         summary = summarize(variant_rows(Handoff(periodic_model, periodic_model, mode), prompts, stored,
-                                         progress=False))
+                                         batch_size=5, progress=False))
         assert summary["agreement"] < 0.8 and summary["mean_kl"] > 0.1
 
 
@@ -39,3 +39,20 @@ def test_kl_on_full_top_k_is_the_exact_kl():
     assert torch.allclose(_kl_on_top(values, ids, q), exact, atol=1e-5)
     values3, ids3 = p.topk(3, dim=-1)
     assert (_kl_on_top(values3, ids3, q) <= exact + 1e-6).all()  # a coarser partition never exceeds it
+
+
+@pytest.mark.parametrize("mode", ["oracle", "shuffled"])
+def test_prompts_of_different_lengths_compare_in_batches_as_one_at_a_time(periodic_model, mode):
+    sequences = periodic_batch(torch.Generator().manual_seed(4), 8, 40, 32).tolist()
+    prompts = [(s[: 12 + 3 * i], s[12 + 3 * i : 20 + 3 * i]) for i, s in enumerate(sequences)]  # 12..33 tokens
+    stored = {size: oracle_outputs(Handoff(periodic_model), prompts, top_k=64, horizon=6, batch_size=size,
+                                   progress=False) for size in (1, 4)}
+    assert torch.equal(stored[1]["top_ids"], stored[4]["top_ids"]) and torch.equal(stored[1]["greedy"],
+                                                                                   stored[4]["greedy"])
+    assert torch.allclose(stored[1]["top_logprobs"], stored[4]["top_logprobs"], atol=1e-4)
+    handoff = Handoff(periodic_model, periodic_model, mode) if mode != "oracle" else Handoff(periodic_model)
+    one, batched = (variant_rows(handoff, prompts, stored[1], batch_size=size, progress=False) for size in (1, 4))
+    for column in ("first_agree", "agree", "rollout_agree"):
+        assert one[column].tolist() == batched[column].tolist(), column
+    assert batched.nll.tolist() == pytest.approx(one.nll.tolist(), abs=1e-4)
+    assert batched.kl.tolist() == pytest.approx(one.kl.tolist(), abs=1e-4)

@@ -56,8 +56,8 @@ def test_cache_serialization(tmp_path, layers):
 class NoisyHandoff(Handoff):
     """A handoff whose prefix cache is slightly wrong, as a buggy transfer would be."""
 
-    def prefix_layers(self, prefix_ids):
-        return [(k + 0.05 * torch.randn_like(k), v) for k, v in super().prefix_layers(prefix_ids)]
+    def prefix_layers(self, prefix_ids, lengths=None):
+        return [(k + 0.05 * torch.randn_like(k), v) for k, v in super().prefix_layers(prefix_ids, lengths)]
 
 
 def test_cached_decode(tmp_path, model):

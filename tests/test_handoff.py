@@ -70,7 +70,7 @@ def test_shared_context_costs_one_source_prefill(target, source):
     handoff = Handoff(target, source, "direct")
     requests = _requests(n_contexts=5, endings=4, seed=3)
     score_continuations(handoff, requests, batch_size=3, progress=False)
-    assert handoff.source_prefills == 5
+    assert handoff.source_prefills == 5 and handoff.source_forwards == 5  # batch 3 < 4 endings: one each
 
 
 def test_null_controls_really_replace_the_cache(periodic_model):
@@ -123,3 +123,20 @@ def test_vocabulary_size_mismatch_is_refused(target):
     other = build_model(tiny_config(VOCAB + 1, 32), seed=4)
     with pytest.raises(IncompatiblePairError, match="vocabulary"):
         Handoff(target, other, "direct")
+
+
+@pytest.mark.parametrize("mode", ["oracle", "direct", "mapped", "zero", "shuffled"])
+def test_batched_contexts_of_different_lengths_score_as_one_at_a_time(target, mode):
+    requests = _requests(n_contexts=6, endings=3, seed=7)  # contexts of 2..39 tokens
+    assert len({len(c) for c, _ in requests}) > 1
+    source = build_model(tiny_config(VOCAB, 64), seed=9)  # same geometry, other weights
+    mapper = identity_mapper("source", "target", source.config, target.config) if mode == "mapped" else None
+    make = lambda: Handoff(target, source, mode, mapper) if mode not in ("oracle", "zero") else Handoff(  # noqa: E731
+        target, mode=mode)
+    one = score_continuations(make(), requests, batch_size=1, progress=False)
+    batched_handoff = make()
+    batched = score_continuations(batched_handoff, requests, batch_size=9, progress=False)
+    assert [s for s, _ in batched] == pytest.approx([s for s, _ in one], abs=1e-4)
+    assert [g for _, g in batched] == [g for _, g in one]
+    if mode not in ("oracle", "zero"):
+        assert batched_handoff.source_prefills == 6 and batched_handoff.source_forwards == 2  # 3 contexts a forward

@@ -52,7 +52,8 @@ class Handoff:
         self.contract.require(mode)
         self.target_spec = RotarySpec.from_model(target)
         self.target_geometry = kv_geometry(target.config)
-        self.source_prefills = 0  # counted so tests can check that shared contexts share one prefill
+        self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
+        self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if mode in ("oracle", "zero"):
             return
         self.source_spec = RotarySpec.from_model(source)
@@ -75,31 +76,42 @@ class Handoff:
         return self.target.device
 
     @torch.no_grad()
-    def prefix_layers(self, prefix_ids: torch.Tensor) -> Layers | None:
-        """Target-space cache (rotated, target dtype) for prefix_ids (B, P); None for an empty prefix."""
+    def prefix_layers(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> Layers | None:
+        """Target-space cache (rotated, target dtype) for prefix_ids (B, P); None for an empty prefix.
+
+        Prefixes of different lengths come right-padded, `lengths` (B,) their real lengths: causal attention
+        never lets a real token see the padding after it, so every real slot is what batch 1 computes; the
+        padded slots hold junk that `step_logprobs` masks out."""
         prefix_ids = prefix_ids.to(self.device)
         batch, length = prefix_ids.shape
         if length == 0:
             return None
+        mask = None if lengths is None else (torch.arange(length)[None] < lengths[:, None]).long()  # (B, P)
         dtype = self.target.dtype
         if self.mode == "oracle":
-            return cache_to_layers(self.target.model(input_ids=prefix_ids, use_cache=True).cache)
+            return cache_to_layers(self.target.model(input_ids=prefix_ids, attention_mask=_on(mask, self.device),
+                                                     use_cache=True).cache)
         if self.mode == "zero":
             shape = (batch, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
             zeros = torch.zeros(shape, dtype=dtype, device=self.device)
             return [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
 
-        return self.to_target(self.source_prefill(prefix_ids))
+        return self.to_target(self.source_prefill(prefix_ids, mask), lengths)
 
     @torch.no_grad()
-    def source_prefill(self, prefix_ids: torch.Tensor) -> Layers:
-        """The source's own cache for prefix_ids (1, P): its decoder body only, no logits."""
-        self.source_prefills += 1
-        return cache_to_layers(self.source.model(input_ids=prefix_ids.to(self.source.device), use_cache=True).cache)
+    def source_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:
+        """The source's own cache for prefix_ids (B, P), `mask` (B, P) marking real tokens: its decoder body
+        only, no logits, one forward for the batch."""
+        self.source_prefills += prefix_ids.shape[0]
+        self.source_forwards += 1
+        device = self.source.device
+        return cache_to_layers(self.source.model(input_ids=prefix_ids.to(device), attention_mask=_on(mask, device),
+                                                 use_cache=True).cache)
 
     @torch.no_grad()
-    def to_target(self, source_layers: Layers) -> Layers:
-        """Source cache -> target-space cache (rotated, target dtype), per this handoff's mode."""
+    def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
+        """Source cache -> target-space cache (rotated, target dtype), per this handoff's mode; `lengths` (B,)
+        are the real lengths of right-padded rows (the shuffle permutes each row's real tokens only)."""
         dtype = self.target.dtype
         if self.mode == "direct" and self.source_spec == self.target_spec:
             return [(k.to(self.device, dtype), v.to(self.device, dtype)) for k, v in source_layers]
@@ -110,8 +122,7 @@ class Handoff:
         content = [(source_rotation.strip(k.float()), v.float()) for k, v in source_layers]  # float32 content space
         order = None
         if self.mode == "shuffled":
-            generator = torch.Generator().manual_seed(self.shuffle_seed)
-            order = torch.randperm(length, generator=generator).to(positions.device)
+            order = shuffle_order(self.shuffle_seed, length, lengths, source_layers[0][0].shape[0]).to(self.device)
         mapper = self.mapper if self.mode in ("mapped", "shuffled") else None
         target_rotation = Rotation(self.target_spec, positions.to(self.device))
         layers = []
@@ -119,8 +130,9 @@ class Handoff:
         # intermediates live at once beside the stripped source cache
         for layer in range(mapper.target_layers(content) if mapper else len(content)):
             keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
-            if order is not None:
-                keys, values = keys[:, :, order], values[:, :, order]  # permute tokens, (B, H, T, D)
+            if order is not None:  # permute each row's tokens, (B, H, T, D)
+                index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
+                keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
             # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this
             # layer is live, not all at once when the cache is built
             values = values.to(self.device, dtype, memory_format=torch.contiguous_format)
@@ -136,11 +148,36 @@ class Handoff:
         return layers_to_cache(layers, self.target.config, self.target.dtype, self.device)
 
     @torch.no_grad()
-    def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache."""
+    def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
+                      prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
+        With `prefix_lengths` (B,) the cache rows are right-padded prefixes: the padded slots are masked out
+        and row b's tokens sit at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
         cache = self.target_cache(layers, tokens.shape[0])
-        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None).logits
+        options = {}
+        if prefix_lengths is not None and layers is not None:
+            width, steps = layers[0][0].shape[2], tokens.shape[1]
+            prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
+            options["attention_mask"] = torch.cat([prefix_mask, torch.ones(len(tokens), steps, dtype=torch.bool)],
+                                                  dim=1).long().to(self.device)  # (B, P + L)
+            options["position_ids"] = (prefix_lengths[:, None] + torch.arange(steps)[None]).to(self.device)  # (B, L)
+        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
+                             **options).logits
         return F.log_softmax(logits.float(), dim=-1)
+
+
+def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if mask is None else mask.to(device)
+
+
+def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """(B, T) token order of the shuffled null: each row's real tokens permuted by the same seeded permutation
+    batch 1 would draw for its length; padding stays in place."""
+    real = lengths.tolist() if lengths is not None else [length] * batch
+    order = torch.arange(length).repeat(batch, 1)  # (B, T)
+    for row, count in enumerate(real):
+        order[row, :count] = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return order
 
 
 def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
@@ -160,9 +197,15 @@ def score_continuations(
 ) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
 
-    Requests that share a context share one prefix cache (one source prefill): HellaSwag's four endings
-    cost one prefill, not four. Within a context, continuations are batched with right padding, which
-    causal attention never lets earlier positions see.
+    Requests that share a context share one prefix cache (HellaSwag's four endings cost one prefill, not
+    four), and up to `batch_size` continuations are scored per forward: the contexts of a batch are prefilled
+    together (one source forward, prefixes right-padded and masked), then every continuation reads its own
+    context's rows:
+
+        prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ... (positions n0-1, n0, ...)
+                  c1[0..n1-2 ...........]               c1[n1-1] e1[0] ... (positions n1-1, n1, ...)
+
+    Continuations are right-padded, which causal attention never lets earlier positions see.
     """
     max_length = max_length or handoff.target.config.max_position_embeddings
     groups: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
@@ -170,31 +213,57 @@ def score_continuations(
         if not continuation:
             raise ValueError(f"request {index} has an empty continuation")
         groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
+    if any(not context for context in groups):
+        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
 
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
-    for context, members in groups.items():
-        if not context:
-            raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
-        layers = handoff.prefix_layers(torch.tensor([context[:-1]], dtype=torch.long))
+    for chunk in context_batches(list(groups.items()), batch_size):
+        contexts = [context for context, _ in chunk]
+        prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
+        layers = handoff.prefix_layers(prefixes, lengths if padded else None)
+        members = [(row, index) for row, (_, indices) in enumerate(chunk) for index in indices]
         for start in range(0, len(members), batch_size):
-            chunk = members[start : start + batch_size]
-            conts = [list(requests[i][1]) for i in chunk]
-            width = max(len(c) for c in conts)
-            # step tokens: c[n-1] e[0] ... e[m-2], right-padded; position j scores e[j]
-            steps = torch.zeros(len(chunk), width, dtype=torch.long)
-            for row, cont in enumerate(conts):
-                steps[row, : len(cont)] = torch.tensor([context[-1]] + cont[:-1])
-            logprobs = handoff.step_logprobs(layers, steps)  # (B, width, V)
-            for row, (index, cont) in enumerate(zip(chunk, conts)):
+            part = members[start : start + batch_size]
+            rows = torch.tensor([row for row, _ in part])  # each continuation's context row
+            conts = [list(requests[index][1]) for _, index in part]
+            steps = torch.zeros(len(part), max(len(c) for c in conts), dtype=torch.long)
+            for line, ((row, _), cont) in enumerate(zip(part, conts)):
+                steps[line, : len(cont)] = torch.tensor([contexts[row][-1]] + cont[:-1])  # c[n-1] e[0] ... e[m-2]
+            own = None if layers is None else [(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v in layers]
+            logprobs = handoff.step_logprobs(own, steps, lengths[rows] if padded else None)  # (R, width, V)
+            for line, ((_, index), cont) in enumerate(zip(part, conts)):
                 target_ids = torch.tensor(cont, device=logprobs.device)
-                rows = logprobs[row, : len(cont)]  # (m, V)
-                total = rows.gather(-1, target_ids[:, None]).sum().item()
-                greedy = bool((rows.argmax(-1) == target_ids).all())
-                results[index] = (total, greedy)
-            bar.update(len(chunk))
+                scored = logprobs[line, : len(cont)]  # (m, V): position j scores e[j]
+                total = scored.gather(-1, target_ids[:, None]).sum().item()
+                results[index] = (total, bool((scored.argmax(-1) == target_ids).all()))
+            bar.update(len(part))
     bar.close()
     return results  # type: ignore[return-value]
+
+
+def padded_prefixes(contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Each context[:-1], right-padded: ids (B, P), real lengths (B,), and whether any row is padded."""
+    lengths = torch.tensor([len(context) - 1 for context in contexts])
+    prefixes = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        prefixes[row, : len(context) - 1] = torch.tensor(list(context[:-1]), dtype=torch.long)
+    return prefixes, lengths, bool((lengths != lengths.max()).any())
+
+
+def context_batches(groups: list[tuple[tuple[int, ...], list[int]]], batch_size: int) -> list[list]:
+    """Consecutive contexts whose continuations together fit `batch_size` rows (a context with more
+    continuations than that gets a batch of its own, scored in several forwards from one prefill)."""
+    batches, current, rows = [], [], 0
+    for context, members in groups:
+        if current and rows + len(members) > batch_size:
+            batches.append(current)
+            current, rows = [], 0
+        current.append((context, members))
+        rows += len(members)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
@@ -206,16 +275,40 @@ def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
 
 
 @torch.no_grad()
-def greedy_rollout(handoff: Handoff, contexts: torch.Tensor, steps: int) -> torch.Tensor:
-    """Greedy tokens (B, steps) after the handed-off cache of contexts[:, :-1] (B, n) and contexts[:, -1]."""
-    contexts = contexts.to(handoff.device)
-    cache = _decoding_cache(handoff, contexts)
-    tokens, next_input = [], contexts[:, -1:]
-    for _ in range(steps):
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: int) -> torch.Tensor:
+    """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
+    different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
+    prefixes, lengths, padded = padded_prefixes(contexts)
+    cache = handoff.target_cache(handoff.prefix_layers(prefixes, lengths if padded else None), len(contexts))
+    if cache is None:
+        cache = DynamicCache(config=handoff.target.config)
+    next_input = torch.tensor([[context[-1]] for context in contexts], device=handoff.device)  # (B, 1)
+    mask = (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()  # (B, P): real prefix slots
+    tokens = []
+    for step in range(steps):
+        options = {}
+        if padded:
+            mask = torch.cat([mask, torch.ones(len(contexts), 1, dtype=torch.long)], dim=1)  # (B, P + step + 1)
+            options = {"attention_mask": mask.to(handoff.device),
+                       "position_ids": (lengths[:, None] + step).to(handoff.device)}  # (B, 1)
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
+                                **options).logits
         next_input = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         tokens.append(next_input)
     return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+    """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
+    continuation; all prompts in one batch: one prefill, one step forward."""
+    prefixes, lengths, padded = padded_prefixes([context for context, _ in prompts])
+    layers = handoff.prefix_layers(prefixes, lengths if padded else None)
+    steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
+    for row, (context, continuation) in enumerate(prompts):
+        steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
+    logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, M, V)
+    return [logprobs[row, : len(continuation)] for row, (_, continuation) in enumerate(prompts)]
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff, greedy_rollout
+from pipeline.kv.handoff import Handoff, greedy_rollout, teacher_forced
 
 Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
@@ -34,15 +34,10 @@ def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
     return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
-def teacher_forced(handoff: Handoff, context: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
-    """Log-probabilities (m, V) at the m positions that score the continuation."""
-    layers = handoff.prefix_layers(torch.tensor([list(context[:-1])]))
-    steps = torch.tensor([[context[-1], *continuation[:-1]]])  # c[n-1] e[0] ... e[m-2]
-    return handoff.step_logprobs(layers, steps)[0]
-
-
-def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, progress: bool = True) -> dict:
-    """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon)."""
+def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, batch_size: int,
+                   progress: bool = True) -> dict:
+    """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon); prompts
+    are run `batch_size` at a time."""
     if handoff.mode != "oracle":
         raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
@@ -50,10 +45,15 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
     top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
     greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
-    for i, (context, continuation) in enumerate(tqdm(prompts, desc="oracle", unit="prompt", disable=not progress)):
-        values, ids = teacher_forced(handoff, context, continuation).topk(k, dim=-1)  # (m, K)
-        top_ids[i, : len(continuation)], top_logprobs[i, : len(continuation)] = ids.cpu(), values.cpu()
-        greedy[i] = greedy_rollout(handoff, torch.tensor([list(context)]), horizon)[0].cpu()
+    bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        for i, logprobs in enumerate(teacher_forced(handoff, batch), start):
+            values, ids = logprobs.topk(k, dim=-1)  # (m, K)
+            top_ids[i, : len(ids)], top_logprobs[i, : len(ids)] = ids.cpu(), values.cpu()
+        greedy[start : start + len(batch)] = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()
+        bar.update(len(batch))
+    bar.close()
     lengths = torch.tensor([len(cont) for _, cont in prompts])
     return {"top_ids": top_ids, "top_logprobs": top_logprobs, "lengths": lengths, "greedy": greedy}
 
@@ -69,29 +69,36 @@ def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_
     return (top + rest).clamp_min(0.0)
 
 
-def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, progress: bool = True) -> pd.DataFrame:
-    """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle."""
+def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_size: int,
+                 progress: bool = True) -> pd.DataFrame:
+    """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle; prompts are
+    run `batch_size` at a time."""
     horizon = oracle["greedy"].shape[1]
     rows = []
-    for i, (context, continuation) in enumerate(tqdm(prompts, desc=f"compare ({handoff.mode})", unit="prompt",
-                                                      disable=not progress)):
-        m = len(continuation)
-        logprobs = teacher_forced(handoff, context, continuation).cpu()  # (m, V)
-        targets = torch.tensor(list(continuation))
-        agree = (logprobs.argmax(-1) == oracle["top_ids"][i, :m, 0]).to(torch.int64)  # (m,)
-        kl = _kl_on_top(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m], logprobs)
-        rollout = greedy_rollout(handoff, torch.tensor([list(context)]), horizon)[0].cpu()
-        rows.append({
-            "prompt": i,
-            "tokens": m,
-            "nll": float(-logprobs.gather(-1, targets[:, None]).sum()),
-            "first_agree": int(agree[0]),
-            "agree": int(agree.sum()),
-            "agree_by_position": agree.tolist(),
-            "kl": float(kl.sum()),
-            "rollout_agree": int((rollout == oracle["greedy"][i]).sum()),
-            "horizon": horizon,
-        })
+    bar = tqdm(total=len(prompts), desc=f"compare ({handoff.mode})", unit="prompt", disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        rollouts = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()  # (B, horizon)
+        for i, (logprobs, (_, continuation), rollout) in enumerate(zip(teacher_forced(handoff, batch), batch,
+                                                                       rollouts), start):
+            m = len(continuation)
+            logprobs = logprobs.cpu()  # (m, V)
+            targets = torch.tensor(list(continuation))
+            agree = (logprobs.argmax(-1) == oracle["top_ids"][i, :m, 0]).to(torch.int64)  # (m,)
+            kl = _kl_on_top(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m], logprobs)
+            rows.append({
+                "prompt": i,
+                "tokens": m,
+                "nll": float(-logprobs.gather(-1, targets[:, None]).sum()),
+                "first_agree": int(agree[0]),
+                "agree": int(agree.sum()),
+                "agree_by_position": agree.tolist(),
+                "kl": float(kl.sum()),
+                "rollout_agree": int((rollout == oracle["greedy"][i]).sum()),
+                "horizon": horizon,
+            })
+        bar.update(len(batch))
+    bar.close()
     return pd.DataFrame(rows)
 
 
