@@ -23,6 +23,7 @@ fails the stage naming it, so no evaluate stage runs.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import subprocess
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
             "max_relative_error": max(v["max_relative_error"] for v in per_model.values()),
             "tolerance": tolerances.float32.rope_relative, "positions_checked": len(max(contexts, key=len)),
             **per_model}
+        del exact, float32_target  # the refits below run in other processes: leave them the memory
+        gc.collect()
         selected = json.loads(Path("metrics/select.json").read_text())["selected"]
         results["deterministic_mapper"] = deterministic_refit(MAPPER, selected, folder)
     write_json_atomic("metrics/controls.json", results)
