@@ -3,6 +3,7 @@ import pytest
 import torch
 from conftest import ROOT, build_model, tiny_config
 from lm_eval.api.instance import Instance
+from test_handoff import _full_forward_scores
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline import check_pair
@@ -83,16 +84,6 @@ def _requests(seed=0, contexts=3, endings=2):
         for _ in range(endings):
             requests.append((context.tolist(), torch.randint(0, VOCAB, (4,), generator=generator).tolist()))
     return requests
-
-
-def _full_forward_scores(model, requests):
-    scores = []
-    for context, continuation in requests:
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([context + continuation])).logits.float(), -1)[0]
-        rows = logprobs[len(context) - 1 : len(context) + len(continuation) - 1]  # position j-1 scores token j
-        scores.append(rows.gather(-1, torch.tensor(continuation)[:, None]).sum().item())
-    return scores
 
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
