@@ -145,46 +145,45 @@ def read_pointer(folder: str | Path) -> dict | None:
     return None
 
 
-def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None):
+def follow(name_or_path: str, revision: str | None) -> tuple[str, str | None, dict | None]:
+    """What to load for `name_or_path`: a prepared folder's hub or local pointer followed to (id or folder,
+    revision); a random pointer returned as the third item; anything else as given."""
     pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
     if pointer and pointer["kind"] == "hub":
-        return load_model(pointer["id"], pointer["revision"], dtype, device)
+        return pointer["id"], pointer["revision"], None
     if pointer and pointer["kind"] == "local":
-        return load_model(pointer["path"], None, dtype, device)
-    if pointer and pointer["kind"] == "random":
-        model = random_model(shape_config(pointer["shape"]), parse_dtype(dtype), device or default_device(),
-                             pointer["seed"])
-        model.config._name_or_path = f"random:{pointer['shape']}"
+        return pointer["path"], None, None
+    return name_or_path, revision, pointer
+
+
+def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None):
+    name, revision, random = follow(name_or_path, revision)
+    if random:
+        model = random_model(shape_config(random["shape"]), parse_dtype(dtype), device or default_device(),
+                             random["seed"])
+        model.config._name_or_path = f"random:{random['shape']}"
         return model.eval()
-    folder = resolve(name_or_path, revision)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype))
-    model.config._name_or_path = name_or_path
+    model = AutoModelForCausalLM.from_pretrained(resolve(name, revision), dtype=parse_dtype(dtype))
+    model.config._name_or_path = name
     return model.to(device or default_device()).eval()
 
 
 def load_config(name_or_path: str, revision: str | None = None):
     """A model's config alone (no weights): what the architecture contract reads before anything is loaded."""
-    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
-    if pointer and pointer["kind"] == "hub":
-        return load_config(pointer["id"], pointer["revision"])
-    if pointer and pointer["kind"] == "local":
-        return load_config(pointer["path"])
-    if pointer and pointer["kind"] == "random":
-        config = shape_config(pointer["shape"])
-        config._name_or_path = f"random:{pointer['shape']}"
+    name, revision, random = follow(name_or_path, revision)
+    if random:
+        config = shape_config(random["shape"])
+        config._name_or_path = f"random:{random['shape']}"
         return config
-    config = AutoConfig.from_pretrained(resolve(name_or_path, revision, config_only=True))
-    config._name_or_path = name_or_path
+    config = AutoConfig.from_pretrained(resolve(name, revision, config_only=True))
+    config._name_or_path = name
     return config
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None):
-    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
-    if pointer and pointer["kind"] == "hub":
-        return load_tokenizer(pointer["id"], pointer["revision"])
-    if pointer and pointer["kind"] == "local":
-        return load_tokenizer(pointer["path"])
-    return AutoTokenizer.from_pretrained(resolve(name_or_path, revision))
+    """A model's tokenizer; a hub id fetches its config and tokenizer files only, never the weights."""
+    name, revision, _ = follow(name_or_path, revision)
+    return AutoTokenizer.from_pretrained(resolve(name, revision, config_only=True))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
