@@ -3,7 +3,7 @@ import pytest
 import torch
 from conftest import ROOT, build_model, tiny_config
 from lm_eval.api.instance import Instance
-from test_handoff import _full_forward_scores
+from test_handoff import _full_forward_scores, _requests
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline import check_pair
@@ -76,23 +76,13 @@ REFUSED = {  # the model, and what its refusal must name
 }
 
 
-def _requests(seed=0, contexts=3, endings=2):
-    generator = torch.Generator().manual_seed(seed)
-    requests = []
-    for _ in range(contexts):
-        context = torch.randint(0, VOCAB, (int(torch.randint(3, 40, (1,), generator=generator)),), generator=generator)
-        for _ in range(endings):
-            requests.append((context.tolist(), torch.randint(0, VOCAB, (4,), generator=generator).tolist()))
-    return requests
-
-
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
 def test_supported_family_defines_every_mode_and_its_oracle_handoff_is_exact(name):
     config = SUPPORTED[name]()
     contract = pair_contract(config, config)
     assert all(contract.defined(mode) for mode in contract.modes), contract.modes
     model = random_of(config)
-    requests = _requests()
+    requests = _requests(n_contexts=3, endings=2)
     results = score_continuations(Handoff(model), requests, progress=False)
     for (score, _), reference in zip(results, _full_forward_scores(model, requests)):
         assert score == pytest.approx(reference, abs=1e-4)
@@ -138,7 +128,7 @@ def test_sliding_window_shorter_than_the_run_is_refused_and_a_longer_one_is_exac
     model = random_of(config)
     with pytest.raises(UnsupportedModelError, match="sliding window of 48 tokens, active at 100"):
         Handoff(model, max_tokens=100)
-    requests = [(c[:40], e) for c, e in _requests(seed=3)]  # at most 44 tokens: the window never masks
+    requests = _requests(n_contexts=3, endings=2, seed=3)  # at most 39 + 5 = 44 tokens: the window never masks
     results = score_continuations(Handoff(model, max_tokens=44), requests, progress=False)
     for (score, _), reference in zip(results, _full_forward_scores(model, requests)):
         assert score == pytest.approx(reference, abs=1e-4)
@@ -237,7 +227,7 @@ def test_a_fitted_map_between_unequal_geometries_reproduces_the_oracle_through_t
     assert contract.defined("mapped") and not contract.defined("direct")
     generator = torch.Generator().manual_seed(11)
     mapper = _fit_linear_map(source, target, [torch.randint(0, VOCAB, (1, 60), generator=generator) for _ in range(4)])
-    requests = _requests(seed=5)
+    requests = _requests(n_contexts=3, endings=2, seed=5)
     oracle = score_continuations(Handoff(target), requests, progress=False)
     mapped = score_continuations(Handoff(target, source, "mapped", mapper), requests, progress=False)
     zero = score_continuations(Handoff(target, mode="zero"), requests, progress=False)
