@@ -84,6 +84,34 @@ def test_residuals_from_moments_equal_direct_residuals():
     assert torch.allclose(ridge.total_ss(_moments(x2, y2)), ((y2 - y2.mean(0)) ** 2).sum(0), rtol=1e-9)
 
 
+def test_in_sample_residuals_from_the_normal_equations_equal_residuals_from_moments():
+    x, y = _data()
+    m = _moments(x, y)
+    for lam in (0.0, 0.1, 10.0):
+        weight, bias = ridge.solve(m, lam)
+        assert torch.allclose(ridge.fitted_residual_ss(m, weight, lam), ridge.residual_ss(m, weight, bias), rtol=1e-9)
+    weight, bias = ridge.solve(m, 10.0)  # the shortcut holds for the lambda it was solved with only
+    assert not torch.allclose(ridge.fitted_residual_ss(m, weight, 0.1), ridge.residual_ss(m, weight, bias), rtol=1e-3)
+
+
+def test_scores_from_rows_equal_scores_from_moments_and_each_is_chosen_by_the_row_count():
+    x, y = _data()  # fewer rows than features below, more above
+    weight, bias = ridge.solve(_moments(x, y), 1.0)
+    few_x, few_y = x[: x.shape[1] - 1], y[: x.shape[1] - 1]
+    from_rows = ridge.Scores(few_x.shape[0], x.shape[1], y.shape[1], "cpu")
+    for chunk in range(0, few_x.shape[0], 3):
+        from_rows.update(few_x[chunk : chunk + 3], few_y[chunk : chunk + 3])
+    assert from_rows.moments is None and ridge.Scores(x.shape[0], x.shape[1], y.shape[1], "cpu").moments is not None
+    moments = _moments(few_x, few_y)
+    assert torch.allclose(from_rows.residual_ss(weight, bias), ridge.residual_ss(moments, weight, bias), rtol=1e-9)
+    assert torch.allclose(from_rows.total_ss(), ridge.total_ss(moments), rtol=1e-9)
+    cols, outs = torch.tensor([0, 2, 3]), torch.tensor([1, 0])
+    w_sub, b_sub = ridge.solve(_moments(x, y).select(cols, outs), 1.0)
+    assert torch.allclose(from_rows.select(cols, outs).residual_ss(w_sub, b_sub),
+                          ridge.residual_ss(moments.select(cols, outs), w_sub, b_sub), rtol=1e-9)
+    assert not torch.allclose(from_rows.residual_ss(weight, bias), from_rows.residual_ss(weight, bias + 0.1))
+
+
 def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences=8, length=30) -> None:
     """Random source caches; target layer l is an exact linear map of source layer planted[l] (keys and values)."""
     generator = torch.Generator().manual_seed(0)
@@ -121,6 +149,25 @@ def test_probes_in_many_passes_equal_one_pass_and_compute_each_inputs_gram_once(
     shards = len(pairs)
     assert grams.count(True) == shards * 2 * 2 * 4  # shards x kinds x (train, held) x source layers, once
     assert grams.count(False) == 2 * grams.count(True)  # the two later passes add only X^T Y
+
+
+def test_probes_score_few_held_out_rows_from_the_rows_as_from_their_moments(tmp_path, monkeypatch):
+    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3}, sequences=8, length=3)  # 2 held sequences: 6 rows < 8 features
+    pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
+    held = holdout_sequences(pairs, 0.25, seed=0)
+    modes, original = [], ridge.Scores.__init__
+
+    def recorded(self, rows, in_width, out_width, device, force_moments=False):
+        original(self, in_width if force_moments else rows, in_width, out_width, device)
+        modes.append("moments" if self.moments is not None else "rows")
+
+    monkeypatch.setattr(ridge.Scores, "__init__", recorded)
+    from_rows = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
+    assert set(modes) == {"rows"}
+    monkeypatch.setattr(ridge.Scores, "__init__", lambda *args: recorded(*args, force_moments=True))
+    from_moments = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
+    assert set(modes) == {"rows", "moments"}
+    assert all(torch.allclose(from_rows[kind], from_moments[kind], rtol=1e-9, atol=1e-9) for kind in from_rows)
 
 
 def test_probe_picks_the_planted_source_layer(tmp_path):

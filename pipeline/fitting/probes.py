@@ -4,7 +4,9 @@ whole sequences.
 Some fit sequences (a seeded share) are held out; for every target layer l and source layer p a
 single-layer ridge is fitted on the rest and scored on them (R², per kind). One pass over the shards
 serves a group of target layers for all source layers, the group sized so the float64 accumulators fit a
-byte budget; each source layer's X^T X is computed in the first pass only and reused by the others.
+byte budget; each source layer's X^T X is computed in the first pass only and reused by the others. The
+held-out rows are scored from themselves while they are fewer than a layer's features, else from moments
+(`ridge.Scores`).
 `ranking` orders the source layers for each target layer from best to worst.
 """
 from __future__ import annotations
@@ -46,30 +48,35 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
     scores = {kind: torch.zeros(target_layers, source_layers, dtype=torch.float64) for kind in KINDS}
-    inputs: dict[tuple, ridge.Moments] = {}  # per (kind, split, source layer): n, sum_x and X^T X, from the first pass
+    held_count = sum(int(held_rows(source, held).sum()) for source, _ in pairs)
+    inputs: dict[tuple, ridge.Moments] = {}  # per (kind, source layer): n, sum_x and X^T X, from the first pass
+    held_inputs: dict[tuple, ridge.Scores] = {}  # the same for the held-out rows
     for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes", unit="pass"):
         out_width = len(targets) * width_t
         first = not inputs
-        moments = {(kind, split, p): ridge.Moments.zeros(width_s, out_width, device)
-                   for kind in KINDS for split in ("train", "held") for p in range(source_layers)}
+        train = {(kind, p): ridge.Moments.zeros(width_s, out_width, device)
+                 for kind in KINDS for p in range(source_layers)}
+        scoring = {(kind, p): ridge.Scores(held_count, width_s, out_width, device)
+                   for kind in KINDS for p in range(source_layers)}
         for source, target in pairs:
             mask = held_rows(source, held)
             for kind in KINDS:
                 y = torch.cat(target.read(kind, targets), dim=1)  # (tokens, G * Ht*Dt)
                 for p in range(source_layers):
                     (x,) = source.read(kind, [p])  # (tokens, Hs*Ds), read once per pass
-                    moments[kind, "train", p].update(x[~mask], y[~mask], inputs=first)
-                    moments[kind, "held", p].update(x[mask], y[mask], inputs=first)
+                    train[kind, p].update(x[~mask], y[~mask], inputs=first)
+                    scoring[kind, p].update(x[mask], y[mask], inputs=first)
         if first:  # X^T X of a source layer does not depend on the target group: computed once per run
-            inputs = moments
-        moments = {key: m.with_inputs_of(inputs[key]) for key, m in moments.items()}
+            inputs, held_inputs = train, scoring
+        train = {key: m.with_inputs_of(inputs[key]) for key, m in train.items()}
+        scoring = {key: m.with_inputs_of(held_inputs[key]) for key, m in scoring.items()}
         for kind in KINDS:
             for p in range(source_layers):
-                weight, bias = ridge.solve(moments[kind, "train", p], ridge_lambda)
-                held_m = moments[kind, "held", p]
-                r2 = ridge.pooled_r2(ridge.residual_ss(held_m, weight, bias), ridge.total_ss(held_m), len(targets))
+                weight, bias = ridge.solve(train[kind, p], ridge_lambda)
+                held_scores = scoring[kind, p]
+                r2 = ridge.pooled_r2(held_scores.residual_ss(weight, bias), held_scores.total_ss(), len(targets))
                 scores[kind][targets, p] = r2.cpu()
-        del moments
+        del train, scoring
     return scores
 
 

@@ -58,6 +58,66 @@ class Moments:
         return Moments(self.n, self.sum_x[i], self.sum_y[o], self.xtx[i][:, i], self.xty[i][:, o], self.sum_yy[o])
 
 
+class Scores:
+    """Everything scoring any (W, b) on one fixed set of rows needs, as cheaply as the set's size allows: the
+    rows themselves (float64) while they are fewer than the input features, where a score costs 2*N*F*O
+    multiply-adds, else their moments (2*F*F*O, memory independent of N). Both give the same sums of squares up
+    to float64 rounding; which one is held follows from the row count alone, so it is the same in every pass."""
+
+    def __init__(self, rows: int, in_width: int, out_width: int, device: str | torch.device):
+        self.moments = None if rows < in_width else Moments.zeros(in_width, out_width, device)
+        self.device, self._xs, self._ys = device, [], []
+
+    def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
+        """Add rows x (N, F), y (N, O); `inputs` as `Moments.update` (rows are always kept whole)."""
+        if self.moments is not None:
+            self.moments.update(x, y, inputs)
+        else:
+            self._xs.append(x.to(self.device, DTYPE))
+            self._ys.append(y.to(self.device, DTYPE))
+
+    def with_inputs_of(self, other: "Scores") -> "Scores":
+        """These rows' output side with `other`'s input side (see `Moments.with_inputs_of`)."""
+        if self.moments is None:
+            return self
+        return Scores._of(self.moments.with_inputs_of(other.moments), self.device)
+
+    def select(self, inputs: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> "Scores":
+        """The scores of the sub-problem reading input features `inputs` and predicting outputs `outputs`."""
+        if self.moments is not None:
+            return Scores._of(self.moments.select(inputs, outputs), self.device)
+        x, y = self._rows()
+        picked = Scores._of(None, self.device)
+        picked._xs = [x if inputs is None else x[:, inputs]]
+        picked._ys = [y if outputs is None else y[:, outputs]]
+        return picked
+
+    def residual_ss(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Sum over the rows of (y - x W - b)^2, per output column (O,)."""
+        if self.moments is not None:
+            return residual_ss(self.moments, weight, bias)
+        x, y = self._rows()
+        return ((y - x @ weight - bias) ** 2).sum(0)
+
+    def total_ss(self) -> torch.Tensor:
+        """Sum of (y - mean y)^2 per output column (O,)."""
+        if self.moments is not None:
+            return total_ss(self.moments)
+        _, y = self._rows()
+        return ((y - y.mean(0)) ** 2).sum(0)
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self._xs) != 1:
+            self._xs, self._ys = [torch.cat(self._xs)], [torch.cat(self._ys)]
+        return self._xs[0], self._ys[0]
+
+    @classmethod
+    def _of(cls, moments: Moments | None, device) -> "Scores":
+        new = cls.__new__(cls)
+        new.moments, new.device, new._xs, new._ys = moments, device, [], []
+        return new
+
+
 def solve(m: Moments, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Ridge fit with unpenalized bias: weight (F, O), bias (O,), float64."""
     if m.n < 2:
@@ -83,6 +143,16 @@ def residual_ss(m: Moments, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     xw_square = ((m.xtx @ weight) * weight).sum(0)  # (O,) diag(W^T X^T X W)
     xw_sum = m.sum_x @ weight  # (O,)
     return m.sum_yy - 2 * xw_cross - 2 * bias * m.sum_y + xw_square + 2 * bias * xw_sum + m.n * bias * bias
+
+
+def fitted_residual_ss(m: Moments, weight: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
+    """`residual_ss` on the rows `solve(m, ridge_lambda)` was fitted to, in O(F*O) instead of O(F^2*O).
+
+    The solution satisfies Cxx W = Cxy - lambda W, so diag(W^T Cxx W) = diag(W^T Cxy) - lambda diag(W^T W)
+    and the centered SSE = Syy - 2 diag(W^T Cxy) + diag(W^T Cxx W) = Syy - diag(W^T Cxy) - lambda diag(W^T W)
+    (the fitted bias makes the residual the centered one). Equal to `residual_ss` up to float64 rounding."""
+    cov_xy = m.xty - torch.outer(m.sum_x, m.sum_y) / m.n  # (F, O)
+    return total_ss(m) - (weight * cov_xy).sum(0) - ridge_lambda * (weight * weight).sum(0)
 
 
 def total_ss(m: Moments) -> torch.Tensor:
