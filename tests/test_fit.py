@@ -89,27 +89,51 @@ def test_in_sample_residuals_from_the_normal_equations_equal_residuals_from_mome
     m = _moments(x, y)
     for lam in (0.0, 0.1, 10.0):
         weight, bias = ridge.solve(m, lam)
-        assert torch.allclose(ridge.fitted_residual_ss(m, weight, lam), ridge.residual_ss(m, weight, bias), rtol=1e-9)
+        assert torch.allclose(ridge.fitted_residual_ss(m, weight, bias, lam), ridge.residual_ss(m, weight, bias),
+                              rtol=1e-9)
     weight, bias = ridge.solve(m, 10.0)  # the shortcut holds for the lambda it was solved with only
-    assert not torch.allclose(ridge.fitted_residual_ss(m, weight, 0.1), ridge.residual_ss(m, weight, bias), rtol=1e-3)
+    assert not torch.allclose(ridge.fitted_residual_ss(m, weight, bias, 0.1), ridge.residual_ss(m, weight, bias),
+                              rtol=1e-3)
 
 
-def test_scores_from_rows_equal_scores_from_moments_and_each_is_chosen_by_the_row_count():
-    x, y = _data()  # fewer rows than features below, more above
+def _rows(x, y, chunk=3):
+    rows = ridge.Rows([], [], "cpu")
+    for start in range(0, x.shape[0], chunk):
+        rows.update(x[start : start + chunk], y[start : start + chunk])
+    return rows
+
+
+def test_fewer_rows_than_features_are_kept_as_rows_and_more_as_moments():
+    assert isinstance(ridge.summary(5, 6, 4, "cpu"), ridge.Rows)
+    assert isinstance(ridge.summary(6, 6, 4, "cpu"), ridge.Moments)
+
+
+def test_the_dual_solve_from_rows_equals_the_primal_solve_from_moments():
+    x, y = _data(rows=12, features=30)  # fewer rows than features: the small-calibration regime at real widths
+    for lam in (0.01, 1.0, 100.0):
+        from_rows, from_moments = ridge.solve(_rows(x, y), lam), ridge.solve(_moments(x, y), lam)
+        assert all(torch.allclose(a, b, rtol=1e-8, atol=1e-10) for a, b in zip(from_rows, from_moments))
+    with pytest.raises(ValueError, match="not positive definite"):
+        ridge.solve(_rows(x, y), 0.0)  # centered rows of rank < N: no exact fit without a penalty, as from moments
+    assert not torch.allclose(ridge.solve(_rows(x, y), 1.0)[0], ridge.solve(_rows(x, y), 100.0)[0], rtol=1e-3)
+
+
+def test_scores_from_rows_equal_scores_from_moments():
+    x, y = _data()
     weight, bias = ridge.solve(_moments(x, y), 1.0)
-    few_x, few_y = x[: x.shape[1] - 1], y[: x.shape[1] - 1]
-    from_rows = ridge.Scores(few_x.shape[0], x.shape[1], y.shape[1], "cpu")
-    for chunk in range(0, few_x.shape[0], 3):
-        from_rows.update(few_x[chunk : chunk + 3], few_y[chunk : chunk + 3])
-    assert from_rows.moments is None and ridge.Scores(x.shape[0], x.shape[1], y.shape[1], "cpu").moments is not None
-    moments = _moments(few_x, few_y)
-    assert torch.allclose(from_rows.residual_ss(weight, bias), ridge.residual_ss(moments, weight, bias), rtol=1e-9)
-    assert torch.allclose(from_rows.total_ss(), ridge.total_ss(moments), rtol=1e-9)
+    few_x, few_y = x[:5], y[:5]
+    rows, moments = _rows(few_x, few_y), _moments(few_x, few_y)
+    assert torch.allclose(ridge.residual_ss(rows, weight, bias), ridge.residual_ss(moments, weight, bias), rtol=1e-9)
+    assert torch.allclose(ridge.total_ss(rows), ridge.total_ss(moments), rtol=1e-9)
     cols, outs = torch.tensor([0, 2, 3]), torch.tensor([1, 0])
     w_sub, b_sub = ridge.solve(_moments(x, y).select(cols, outs), 1.0)
-    assert torch.allclose(from_rows.select(cols, outs).residual_ss(w_sub, b_sub),
+    assert torch.allclose(ridge.residual_ss(rows.select(cols, outs), w_sub, b_sub),
                           ridge.residual_ss(moments.select(cols, outs), w_sub, b_sub), rtol=1e-9)
-    assert not torch.allclose(from_rows.residual_ss(weight, bias), from_rows.residual_ss(weight, bias + 0.1))
+    lam = 0.5
+    weight, bias = ridge.solve(_rows(few_x, few_y), lam)
+    assert torch.allclose(ridge.fitted_residual_ss(rows, weight, bias, lam),
+                          ridge.residual_ss(moments, weight, bias), rtol=1e-6, atol=1e-9)
+    assert not torch.allclose(ridge.residual_ss(rows, weight, bias), ridge.residual_ss(rows, weight, bias + 0.1))
 
 
 def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences=8, length=30) -> None:
@@ -151,23 +175,24 @@ def test_probes_in_many_passes_equal_one_pass_and_compute_each_inputs_gram_once(
     assert grams.count(False) == 2 * grams.count(True)  # the two later passes add only X^T Y
 
 
-def test_probes_score_few_held_out_rows_from_the_rows_as_from_their_moments(tmp_path, monkeypatch):
-    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3}, sequences=8, length=3)  # 2 held sequences: 6 rows < 8 features
+def test_probes_on_fewer_rows_than_features_equal_probes_from_moments(tmp_path, monkeypatch):
+    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3}, sequences=3, length=2)  # 4 train, 2 held-out rows < 8 features
     pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
     held = holdout_sequences(pairs, 0.25, seed=0)
-    modes, original = [], ridge.Scores.__init__
+    kinds, original = [], ridge.summary
 
-    def recorded(self, rows, in_width, out_width, device, force_moments=False):
-        original(self, in_width if force_moments else rows, in_width, out_width, device)
-        modes.append("moments" if self.moments is not None else "rows")
+    def recorded(rows, in_width, out_width, device, force_moments=False):
+        made = original(in_width if force_moments else rows, in_width, out_width, device)
+        kinds.append(type(made).__name__)
+        return made
 
-    monkeypatch.setattr(ridge.Scores, "__init__", recorded)
+    monkeypatch.setattr(ridge, "summary", recorded)
     from_rows = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
-    assert set(modes) == {"rows"}
-    monkeypatch.setattr(ridge.Scores, "__init__", lambda *args: recorded(*args, force_moments=True))
+    assert set(kinds) == {"Rows"}
+    monkeypatch.setattr(ridge, "summary", lambda *args: recorded(*args, force_moments=True))
     from_moments = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
-    assert set(modes) == {"rows", "moments"}
-    assert all(torch.allclose(from_rows[kind], from_moments[kind], rtol=1e-9, atol=1e-9) for kind in from_rows)
+    assert set(kinds) == {"Rows", "Moments"}
+    assert all(torch.allclose(from_rows[kind], from_moments[kind], rtol=1e-7, atol=1e-7) for kind in from_rows)
 
 
 def test_probe_picks_the_planted_source_layer(tmp_path):

@@ -1,10 +1,9 @@
 """Every candidate map for one target layer: the ridge families from shared moments, the MLP by training.
 
 - Ridge (`linear`, `head_matched`): the moments of the `max(k)` chosen source layers' inputs are accumulated
-  on all fit sequences and, separately, what scoring needs on the select split (`ridge.Scores`: its rows
-  while fewer than the features, else its moments); every k (its top-k layers), every lambda and the
-  head-matched family are index selections of them: solved once per layer and scored in sample from the
-  normal equations and out of sample from the select split, with no further pass.
+  on all fit sequences and, separately, on the select split (or, for a split with fewer rows than features,
+  the rows themselves: `ridge.summary`); every k (its top-k layers), every lambda and the head-matched family
+  are index selections of them: solved once per layer and scored in and out of sample with no further pass.
 - MLP: rows of the k chosen layers are gathered and a one-hidden-layer map is trained (`mlpfit`),
   early-stopped on the probes' held-out fit sequences.
 
@@ -96,7 +95,7 @@ class Parts:
 
 
 def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):
-    """Add a split's rows to `summary` (`ridge.Moments` or `ridge.Scores`): x the chosen source layers'
+    """Add a split's rows to `summary` (`ridge.Moments` or `ridge.Rows`): x the chosen source layers'
     (tokens, k * Hs*Ds), layer-major as the mapper reads them; y the target layer's (tokens, Ht*Dt)."""
     for source, target in pairs:
         x = torch.cat(source.read(kind, chosen), dim=1)  # (tokens, k * Hs*Ds)
@@ -115,10 +114,10 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
     chosen_max = sorted(order[:depth])
     width_s = g.heads_s * g.dim_s
     in_width, out_width = len(chosen_max) * width_s, g.heads_t * g.dim_t
-    select_rows = sum(source.tokens for source, _ in select_pairs)
+    fit_rows, select_rows = (sum(source.tokens for source, _ in pairs) for pairs in (fit_pairs, select_pairs))
     for kind in KINDS:
-        fit_m = accumulate(ridge.Moments.zeros(in_width, out_width, device), fit_pairs, layer, chosen_max, kind)
-        select_m = accumulate(ridge.Scores(select_rows, in_width, out_width, device), select_pairs, layer,
+        fit_m = accumulate(ridge.summary(fit_rows, in_width, out_width, device), fit_pairs, layer, chosen_max, kind)
+        select_m = accumulate(ridge.summary(select_rows, in_width, out_width, device), select_pairs, layer,
                               chosen_max, kind)
         for name, family, k, lam in candidates:
             blocks = [chosen_max.index(p) for p in sorted(order[:k])]
@@ -127,8 +126,8 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
                                     for b in blocks])  # (k*Hs*Ds,)
                 own = fit_m.select(inputs)
                 weight, bias = ridge.solve(own, lam)  # (F, Ht*Dt), (Ht*Dt,): all heads, one solve
-                sse_fit = ridge.fitted_residual_ss(own, weight, lam)
-                sse_sel = select_m.select(inputs).residual_ss(weight, bias)
+                sse_fit = ridge.fitted_residual_ss(own, weight, bias, lam)
+                sse_sel = ridge.residual_ss(select_m.select(inputs), weight, bias)
                 tensors = (weight.reshape(-1, g.heads_t, g.dim_t).permute(1, 0, 2), bias.reshape(g.heads_t, g.dim_t))
             else:  # head_matched: target head h reads source head h of each chosen layer: its own solve
                 weights, biases, sse_fit, sse_sel = [], [], [], []
@@ -138,8 +137,8 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
                     outputs = torch.arange(head * g.dim_t, (head + 1) * g.dim_t, device=device)
                     own = fit_m.select(inputs, outputs)
                     weight, bias = ridge.solve(own, lam)  # (k*Ds, Dt), (Dt,)
-                    sse_fit.append(ridge.fitted_residual_ss(own, weight, lam))
-                    sse_sel.append(select_m.select(inputs, outputs).residual_ss(weight, bias))
+                    sse_fit.append(ridge.fitted_residual_ss(own, weight, bias, lam))
+                    sse_sel.append(ridge.residual_ss(select_m.select(inputs, outputs), weight, bias))
                     weights.append(weight)
                     biases.append(bias)
                 sse_fit, sse_sel = torch.cat(sse_fit), torch.cat(sse_sel)
@@ -147,7 +146,7 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
             per_head_params = inputs.numel() + 1
             parts.put(name, layer, kind, tensors)
             r2_fit = ridge.pooled_r2(sse_fit, ridge.total_ss(fit_m), g.heads_t)
-            r2_sel = ridge.pooled_r2(sse_sel, select_m.total_ss(), g.heads_t)
+            r2_sel = ridge.pooled_r2(sse_sel, ridge.total_ss(select_m), g.heads_t)
             table.record(name, layer, kind, r2_fit, r2_sel, per_head_params / fit_m.n)
 
 

@@ -4,9 +4,8 @@ whole sequences.
 Some fit sequences (a seeded share) are held out; for every target layer l and source layer p a
 single-layer ridge is fitted on the rest and scored on them (R², per kind). One pass over the shards
 serves a group of target layers for all source layers, the group sized so the float64 accumulators fit a
-byte budget; each source layer's X^T X is computed in the first pass only and reused by the others. The
-held-out rows are scored from themselves while they are fewer than a layer's features, else from moments
-(`ridge.Scores`).
+byte budget; each source layer's X^T X is computed in the first pass only and reused by the others. Rows
+fewer than a layer's features (either side of the split) are kept as rows instead (`ridge.summary`).
 `ranking` orders the source layers for each target layer from best to worst.
 """
 from __future__ import annotations
@@ -49,14 +48,15 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
     scores = {kind: torch.zeros(target_layers, source_layers, dtype=torch.float64) for kind in KINDS}
     held_count = sum(int(held_rows(source, held).sum()) for source, _ in pairs)
+    train_count = sum(source.tokens for source, _ in pairs) - held_count
     inputs: dict[tuple, ridge.Moments] = {}  # per (kind, source layer): n, sum_x and X^T X, from the first pass
-    held_inputs: dict[tuple, ridge.Scores] = {}  # the same for the held-out rows
+    held_inputs: dict[tuple, ridge.Moments] = {}  # the same for the held-out rows
     for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes", unit="pass"):
         out_width = len(targets) * width_t
         first = not inputs
-        train = {(kind, p): ridge.Moments.zeros(width_s, out_width, device)
+        train = {(kind, p): ridge.summary(train_count, width_s, out_width, device)
                  for kind in KINDS for p in range(source_layers)}
-        scoring = {(kind, p): ridge.Scores(held_count, width_s, out_width, device)
+        held_out = {(kind, p): ridge.summary(held_count, width_s, out_width, device)
                    for kind in KINDS for p in range(source_layers)}
         for source, target in pairs:
             mask = held_rows(source, held)
@@ -65,18 +65,19 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
                 for p in range(source_layers):
                     (x,) = source.read(kind, [p])  # (tokens, Hs*Ds), read once per pass
                     train[kind, p].update(x[~mask], y[~mask], inputs=first)
-                    scoring[kind, p].update(x[mask], y[mask], inputs=first)
+                    held_out[kind, p].update(x[mask], y[mask], inputs=first)
         if first:  # X^T X of a source layer does not depend on the target group: computed once per run
-            inputs, held_inputs = train, scoring
+            inputs, held_inputs = train, held_out
         train = {key: m.with_inputs_of(inputs[key]) for key, m in train.items()}
-        scoring = {key: m.with_inputs_of(held_inputs[key]) for key, m in scoring.items()}
+        held_out = {key: m.with_inputs_of(held_inputs[key]) for key, m in held_out.items()}
         for kind in KINDS:
             for p in range(source_layers):
                 weight, bias = ridge.solve(train[kind, p], ridge_lambda)
-                held_scores = scoring[kind, p]
-                r2 = ridge.pooled_r2(held_scores.residual_ss(weight, bias), held_scores.total_ss(), len(targets))
+                held_m = held_out[kind, p]
+                r2 = ridge.pooled_r2(ridge.residual_ss(held_m, weight, bias), ridge.total_ss(held_m),
+                                     len(targets))
                 scores[kind][targets, p] = r2.cpu()
-        del train, scoring
+        del train, held_out
     return scores
 
 

@@ -10,6 +10,10 @@ Cxx = X^T X - n mx mx^T, Cxy = X^T Y - n mx my^T, then b = my - mx W. Lambda is 
 squares (as scikit-learn's Ridge alpha). All output columns share X, so one solve with all columns is exactly
 the separate per-column (per-head) fits. Residual sums of squares of any (W, b) on any data follow from that
 data's moments, so held-out R² needs no second pass over the rows.
+
+A problem with fewer rows than input features (a small calibration set at real widths) keeps its rows instead
+(`Rows`, chosen by `summary`): the dual solve costs N x N instead of F x F and the rows take less memory
+than X^T X; the solution is the same up to float64 rounding.
 """
 from __future__ import annotations
 
@@ -58,86 +62,89 @@ class Moments:
         return Moments(self.n, self.sum_x[i], self.sum_y[o], self.xtx[i][:, i], self.xty[i][:, o], self.sum_yy[o])
 
 
-class Scores:
-    """Everything scoring any (W, b) on one fixed set of rows needs, as cheaply as the set's size allows: the
-    rows themselves (float64) while they are fewer than the input features, where a score costs 2*N*F*O
-    multiply-adds, else their moments (2*F*F*O, memory independent of N). Both give the same sums of squares up
-    to float64 rounding; which one is held follows from the row count alone, so it is the same in every pass."""
+@dataclass
+class Rows:
+    """A regression's rows themselves (float64), for a problem with fewer rows than input features: then the
+    dual solve (an N x N system instead of F x F) and scoring from the rows are the cheaper ways, and the rows
+    take less memory than X^T X. `summary` picks between this and `Moments` by the row count alone."""
 
-    def __init__(self, rows: int, in_width: int, out_width: int, device: str | torch.device):
-        self.moments = None if rows < in_width else Moments.zeros(in_width, out_width, device)
-        self.device, self._xs, self._ys = device, [], []
+    xs: list[torch.Tensor]  # (rows, F) chunks, in the order added
+    ys: list[torch.Tensor]  # (rows, O) chunks
+    device: str | torch.device
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
         """Add rows x (N, F), y (N, O); `inputs` as `Moments.update` (rows are always kept whole)."""
-        if self.moments is not None:
-            self.moments.update(x, y, inputs)
-        else:
-            self._xs.append(x.to(self.device, DTYPE))
-            self._ys.append(y.to(self.device, DTYPE))
+        self.xs.append(x.to(self.device, DTYPE))
+        self.ys.append(y.to(self.device, DTYPE))
 
-    def with_inputs_of(self, other: "Scores") -> "Scores":
-        """These rows' output side with `other`'s input side (see `Moments.with_inputs_of`)."""
-        if self.moments is None:
-            return self
-        return Scores._of(self.moments.with_inputs_of(other.moments), self.device)
+    @property
+    def n(self) -> int:
+        return sum(x.shape[0] for x in self.xs)
 
-    def select(self, inputs: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> "Scores":
-        """The scores of the sub-problem reading input features `inputs` and predicting outputs `outputs`."""
-        if self.moments is not None:
-            return Scores._of(self.moments.select(inputs, outputs), self.device)
-        x, y = self._rows()
-        picked = Scores._of(None, self.device)
-        picked._xs = [x if inputs is None else x[:, inputs]]
-        picked._ys = [y if outputs is None else y[:, outputs]]
-        return picked
+    @property
+    def x(self) -> torch.Tensor:
+        return self._whole()[0]
 
-    def residual_ss(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Sum over the rows of (y - x W - b)^2, per output column (O,)."""
-        if self.moments is not None:
-            return residual_ss(self.moments, weight, bias)
-        x, y = self._rows()
-        return ((y - x @ weight - bias) ** 2).sum(0)
+    @property
+    def y(self) -> torch.Tensor:
+        return self._whole()[1]
 
-    def total_ss(self) -> torch.Tensor:
-        """Sum of (y - mean y)^2 per output column (O,)."""
-        if self.moments is not None:
-            return total_ss(self.moments)
-        _, y = self._rows()
-        return ((y - y.mean(0)) ** 2).sum(0)
+    def _whole(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.xs) != 1:
+            self.xs, self.ys = [torch.cat(self.xs)], [torch.cat(self.ys)]
+        return self.xs[0], self.ys[0]
 
-    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(self._xs) != 1:
-            self._xs, self._ys = [torch.cat(self._xs)], [torch.cat(self._ys)]
-        return self._xs[0], self._ys[0]
+    def with_inputs_of(self, other: "Rows") -> "Rows":
+        return self
 
-    @classmethod
-    def _of(cls, moments: Moments | None, device) -> "Scores":
-        new = cls.__new__(cls)
-        new.moments, new.device, new._xs, new._ys = moments, device, [], []
-        return new
+    def select(self, inputs: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> "Rows":
+        """The rows of the sub-problem reading input features `inputs` and predicting outputs `outputs`."""
+        x, y = self.x, self.y
+        return Rows([x if inputs is None else x[:, inputs]], [y if outputs is None else y[:, outputs]], self.device)
 
 
-def solve(m: Moments, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge fit with unpenalized bias: weight (F, O), bias (O,), float64."""
+def summary(rows: int, in_width: int, out_width: int, device: str | torch.device) -> Moments | Rows:
+    """What a regression of `rows` rows is accumulated into: the rows while fewer than the input features, else
+    the moments. Solutions and sums of squares agree to float64 rounding; which one a problem gets depends on
+    its row count alone, so it is the same for a narrow refit and in every pass."""
+    return Rows([], [], device) if rows < in_width else Moments.zeros(in_width, out_width, device)
+
+
+def solve(m: Moments | Rows, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge fit with unpenalized bias: weight (F, O), bias (O,), float64. From moments the primal system
+    (Cxx + lambda I) W = Cxy; from rows the dual W = Xc^T (Xc Xc^T + lambda I)^-1 Yc, the same W (the
+    push-through identity) at N x N cost."""
     if m.n < 2:
         raise ValueError(f"ridge fit needs at least 2 rows, got {m.n}")
+    if isinstance(m, Rows):
+        mean_x, mean_y = m.x.mean(0), m.y.mean(0)
+        centered = m.x - mean_x  # (N, F)
+        gram = centered @ centered.T  # (N, N)
+        factor = _cholesky(gram + ridge_lambda * torch.eye(m.n, dtype=DTYPE, device=gram.device), m.n, ridge_lambda)
+        weight = centered.T @ torch.cholesky_solve(m.y - mean_y, factor)  # (F, O)
+        return weight, mean_y - mean_x @ weight
     mean_x, mean_y = m.sum_x / m.n, m.sum_y / m.n
     cov_xx = m.xtx - m.n * torch.outer(mean_x, mean_x)  # (F, F)
     cov_xy = m.xty - m.n * torch.outer(mean_x, mean_y)  # (F, O)
     system = cov_xx + ridge_lambda * torch.eye(cov_xx.shape[0], dtype=DTYPE, device=cov_xx.device)
-    factor, info = torch.linalg.cholesky_ex(system)
-    if info.item() != 0:
-        raise ValueError(
-            f"ridge system ({system.shape[0]} features, {m.n} rows, lambda {ridge_lambda}) is not positive definite: "
-            f"the inputs are collinear; use a lambda > 0"
-        )
-    weight = torch.cholesky_solve(cov_xy, factor)  # (F, O)
+    weight = torch.cholesky_solve(cov_xy, _cholesky(system, m.n, ridge_lambda))  # (F, O)
     return weight, mean_y - mean_x @ weight
 
 
-def residual_ss(m: Moments, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Sum over the rows `m` summarizes of (y - x W - b)^2, per output column (O,)."""
+def _cholesky(system: torch.Tensor, rows: int, ridge_lambda: float) -> torch.Tensor:
+    factor, info = torch.linalg.cholesky_ex(system)
+    if info.item() != 0:
+        raise ValueError(
+            f"ridge system ({system.shape[0]} x {system.shape[0]}, {rows} rows, lambda {ridge_lambda}) is not "
+            f"positive definite: the inputs are collinear; use a lambda > 0"
+        )
+    return factor
+
+
+def residual_ss(m: Moments | Rows, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Sum over the rows `m` holds or summarizes of (y - x W - b)^2, per output column (O,)."""
+    if isinstance(m, Rows):
+        return ((m.y - m.x @ weight - bias) ** 2).sum(0)
     # sum (y - xW - b)^2 = yy - 2 diag(W^T X^T Y) - 2 b.sy + diag(W^T X^T X W) + 2 b (sx W) + n b^2
     xw_cross = (weight * m.xty).sum(0)  # (O,) diag(W^T X^T Y)
     xw_square = ((m.xtx @ weight) * weight).sum(0)  # (O,) diag(W^T X^T X W)
@@ -145,18 +152,22 @@ def residual_ss(m: Moments, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     return m.sum_yy - 2 * xw_cross - 2 * bias * m.sum_y + xw_square + 2 * bias * xw_sum + m.n * bias * bias
 
 
-def fitted_residual_ss(m: Moments, weight: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
-    """`residual_ss` on the rows `solve(m, ridge_lambda)` was fitted to, in O(F*O) instead of O(F^2*O).
-
-    The solution satisfies Cxx W = Cxy - lambda W, so diag(W^T Cxx W) = diag(W^T Cxy) - lambda diag(W^T W)
-    and the centered SSE = Syy - 2 diag(W^T Cxy) + diag(W^T Cxx W) = Syy - diag(W^T Cxy) - lambda diag(W^T W)
-    (the fitted bias makes the residual the centered one). Equal to `residual_ss` up to float64 rounding."""
+def fitted_residual_ss(m: Moments | Rows, weight: torch.Tensor, bias: torch.Tensor,
+                       ridge_lambda: float) -> torch.Tensor:
+    """`residual_ss` on the rows `solve(m, ridge_lambda)` was fitted to; from moments in O(F*O) instead of
+    O(F^2*O): the solution satisfies Cxx W = Cxy - lambda W, so diag(W^T Cxx W) = diag(W^T Cxy) - lambda
+    diag(W^T W) and the centered SSE = Syy - 2 diag(W^T Cxy) + diag(W^T Cxx W) = Syy - diag(W^T Cxy) - lambda
+    diag(W^T W) (the fitted bias makes the residual the centered one). Equal to `residual_ss` up to rounding."""
+    if isinstance(m, Rows):
+        return residual_ss(m, weight, bias)
     cov_xy = m.xty - torch.outer(m.sum_x, m.sum_y) / m.n  # (F, O)
     return total_ss(m) - (weight * cov_xy).sum(0) - ridge_lambda * (weight * weight).sum(0)
 
 
-def total_ss(m: Moments) -> torch.Tensor:
+def total_ss(m: Moments | Rows) -> torch.Tensor:
     """Sum of (y - mean y)^2 per output column (O,)."""
+    if isinstance(m, Rows):
+        return ((m.y - m.y.mean(0)) ** 2).sum(0)
     return m.sum_yy - m.sum_y * m.sum_y / m.n
 
 

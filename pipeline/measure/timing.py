@@ -24,11 +24,18 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.d
 
 
 @torch.no_grad()
-def time_against_prefill(mapper: Mapper, source_model, token_ids: list[int], content: list, repeats: int) -> float:
-    """Mapper time / source prefill time over the same tokens (batch 1, this machine, median of repeats)."""
+def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
+    """Median seconds of the source's prefill over `token_ids` (batch 1, this machine): the denominator every
+    mapper of one fit is timed against, measured once so the candidates share it."""
     device = source_model.device
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)[None]  # (1, T)
-    positions = torch.arange(ids.shape[1], device=device)
-    prefill_s = median_seconds(lambda: source_model.model(input_ids=ids, use_cache=True), repeats, device)
-    map_s = median_seconds(lambda: mapper.apply(content, positions), repeats, device)
-    return map_s / prefill_s
+    return median_seconds(lambda: source_model.model(input_ids=ids, use_cache=True), repeats, device)
+
+
+@torch.no_grad()
+def time_against_prefill(mapper: Mapper, content: list, tokens: int, prefill_s: float, repeats: int) -> float:
+    """Mapper time over `content` (the source's content-space cache of `tokens` tokens) / the source prefill's
+    `prefill_s` (median of repeats)."""
+    device = content[0][0].device
+    positions = torch.arange(tokens, device=device)
+    return median_seconds(lambda: mapper.apply(content, positions), repeats, device) / prefill_s
