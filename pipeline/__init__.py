@@ -16,8 +16,8 @@ The pair checker: `check_pair SOURCE TARGET` prints a pair's architecture contra
 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
-    store/    files and settings: checksummed artifacts, params, dtypes/devices, split names, real shapes,
-              model loading, sharded caches
+    store/    files and settings: checksummed artifacts, params, dtypes/devices, several processes (torchrun),
+              split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the FLOP model, mappers, the handoff (last-token protocol)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer
@@ -27,7 +27,7 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
 """
 
 WINGS = {
-    "store": ("cli", "artifacts", "params", "devices", "splits", "shapes", "models", "cachefiles"),
+    "store": ("cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models", "cachefiles"),
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff"),
     "fitting": ("ridge", "mlpfit", "probes", "families"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),

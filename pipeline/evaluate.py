@@ -2,6 +2,9 @@
 
     python -m pipeline.evaluate <variant>
 
+With `evaluate.processes` N > 1 it runs as N torchrun processes (`store.ranks`): each scores every N-th batch of
+prompts and, through lm-eval's rank contract, every N-th task document; rank 0 gathers and writes.
+
 Variants: `oracle` (the target's own cache; it also computes and stores the oracle's outputs that every
 other variant is compared with), `direct`, `source` (the source model alone), `zero`, and the mapped
 variants: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen by `select`) and
@@ -16,6 +19,7 @@ results and samples (eval/<variant>/lm_eval/).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +33,10 @@ from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, va
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage
+from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
 from pipeline.store.splits import TASKS
 
 ORACLE_OUTPUTS = Path("eval/oracle_outputs.safetensors")
@@ -50,6 +55,7 @@ class EvaluateParams:
     batch_size: int = spec(positive=True)
     shuffle_seed: int
     threads: int = spec(positive=True)
+    processes: int = spec(min=1)  # torchrun processes, each scoring every N-th batch and task document
 
     def __post_init__(self):
         for name in self.baselines:
@@ -85,9 +91,9 @@ def skip_reason(variant: str) -> str | None:
     return contract.reason(variant_mode(variant))
 
 
-def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) -> Handoff:
-    device = models.torch_device
-    load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device)  # noqa: E731
+def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams, device: str) -> Handoff:
+    load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
+                                    device_map=models.device_map)
     if variant == "oracle":
         return Handoff(load("target"))
     if variant == "source":
@@ -105,34 +111,44 @@ def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams) ->
                    tokenizers=tokenizers)
 
 
-def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
+def run(variant: str, params: EvaluateParams, models: ModelsParams, world: World = SINGLE) -> dict:
+    """Evaluate `variant`; under several processes every rank scores its share of the prompts and task items
+    and rank 0 writes (the others return {})."""
     require_controls_passed()
     reason = skip_reason(variant)
     if reason:  # recorded, and shown in the report, instead of failing the run
-        with atomic_dir(Path("eval") / variant) as staging:
-            (staging / SKIPPED).write_text(reason + "\n")
         metrics = {"skipped": reason}
-        write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
+        if world.main:
+            with atomic_dir(Path("eval") / variant) as staging:
+                (staging / SKIPPED).write_text(reason + "\n")
+            write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
         return metrics
     torch.set_num_threads(params.threads)
-    usage = StageUsage(models.torch_device)
-    handoff = build_handoff(variant, params, models)
+    device = world.device(models.torch_device)
+    usage = StageUsage(device)
+    handoff = build_handoff(variant, params, models, device)
     prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
-        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size)
-        save_artifact(ORACLE_OUTPUTS, oracle,
-                      {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
+        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size, world=world)
+        if world.main:
+            save_artifact(ORACLE_OUTPUTS, oracle,
+                          {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     else:
         oracle, meta = load_artifact(ORACLE_OUTPUTS)
         if meta["prompts"] != len(prompts):
             raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
                                f"data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
-    rows = variant_rows(handoff, prompts, oracle, params.batch_size)
+    rows = variant_rows(handoff, prompts, oracle, params.batch_size, world=world)
+    lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size,
+                                   world=world)
+    files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
+    if not world.main:  # lm-eval gathers this rank's samples and metrics on rank 0
+        evaluate_tasks(lm, files)
+        world.gather(usage.figures())
+        return {}
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in summarize(rows).items()}
-    lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size)
     with atomic_dir(Path("eval") / variant) as staging:
-        files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
         tasks, items = evaluate_tasks(lm, files, raw_to=staging / "lm_eval")
         rows.to_parquet(staging / "prompts.parquet", index=False)
         items.to_parquet(staging / "items.parquet", index=False)
@@ -143,7 +159,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
         for key, value in by_kind(items, metric).items():
             if "/" in key:
                 metrics[f"{key.replace('/', '_')}_{metric}"] = round(value, 6)
-    metrics.update(usage.figures())
+    metrics.update(usage_of_ranks(world.gather(usage.figures())))
     write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
     return metrics
 
@@ -151,9 +167,16 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.evaluate", __doc__)
     cli.add_argument("variant", help="oracle, a baseline (evaluate.baselines) or a key of evaluate.mapped")
+    argv = sys.argv[1:] if argv is None else argv
     variant = cli.parse_args(argv).variant
-    metrics = run(variant, load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models"))
-    print(json.dumps(metrics, indent=2))
+    params, models = load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models")
+    if relaunch(params.processes, "pipeline.evaluate", argv):
+        return
+    world = join(models.torch_device)
+    metrics = run(variant, params, models, world)
+    if world.main:
+        print(json.dumps(metrics, indent=2))
+    leave(world)
 
 
 if __name__ == "__main__":

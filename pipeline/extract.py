@@ -2,6 +2,9 @@
 
     python -m pipeline.extract source|target
 
+With `extract.processes` N > 1 it runs as N torchrun processes (`store.ranks`): rank r writes shards r, r+N, ...
+of every split under their global indices, rank 0 the manifest; the caches are the same bytes as one process's.
+
 Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
 `metrics/extract_<model>.json`. Only the decoder body runs (no logits), in `models.dtype` on `models.device`.
 Keys are RoPE-stripped in float32 (content space), values kept as cached; both stored in `extract.dtype`.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +32,10 @@ from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage, parse_dtype
+from pipeline.store.devices import StageUsage, parse_dtype, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import load_section, spec
+from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
 
 MODELS = ("source", "target")
 
@@ -43,6 +48,7 @@ class ExtractParams:
     splits: list[str] = spec(nonempty=True)
     threads: int = spec(min=1)
     repeats: int = spec(min=1)  # timed extractions, each beside both floors; medians reported
+    processes: int = spec(min=1)  # torchrun processes (store.ranks); the caches do not depend on it
 
 
 def read_sequences(path: Path) -> pd.DataFrame:
@@ -93,10 +99,10 @@ def forward_floor(model, sequences: list, batch_sequences: int) -> float:
     return time.perf_counter() - start
 
 
-def write_floor(folder: Path, sizes: list[int]) -> float:
+def write_floor(folder: Path, sizes: list[int], rank: int = 0) -> float:
     """Seconds to write files of `sizes` bytes into `folder` (same disk), each flushed to disk like a shard."""
     block = os.urandom(1 << 24)
-    path = folder / ".write-floor.tmp"
+    path = folder / f".write-floor-{rank}.tmp"
     start = time.perf_counter()
     try:
         for size in sizes:
@@ -110,31 +116,48 @@ def write_floor(folder: Path, sizes: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def shard_runs(count: int, shard_sequences: int) -> list[range]:
+    """The sequences of each shard of a split of `count` sequences, in order."""
+    return [range(start, min(start + shard_sequences, count)) for start in range(0, count, shard_sequences)]
+
+
 def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], out_dir: Path, base: dict,
-                   params: ExtractParams, bar) -> dict:
-    """Write every split's shards under `out_dir`; returns the manifest's `splits` entry."""
-    for split in frames:
-        for stale in (out_dir / split).glob("shard-*.safetensors"):
-            stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
+                   params: ExtractParams, bar, world: World = SINGLE) -> dict:
+    """Write this rank's shards of every split under `out_dir` (all of them in one process; shards r, r+N, ...
+    under N) and return their records per split. Batches never cross a shard, so a shard's bytes do not depend
+    on how many processes wrote the split."""
     writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
     for split, frame in frames.items():
         lengths = [len(ids) for ids in frame.token_ids]
-        writer.begin(split, lengths)
-        for run in batches(lengths, params.batch_sequences):
-            caches = content_caches(model, rotation, [frame.token_ids[i] for i in run])
-            for i, (keys_content, values) in zip(run, caches):
-                writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
-            bar.update(len(run))
-    records = writer.close()
-    return {split: {"sequences": len(frame), "tokens": sum(r["tokens"] for r in records[split]),
-                    "shards": records[split]} for split, frame in frames.items()}
+        shards = shard_runs(len(lengths), params.shard_sequences)
+        for index in world.share(len(shards)):
+            members = shards[index]
+            writer.begin(split, [lengths[i] for i in members], first_shard=index)
+            for run in batches([lengths[i] for i in members], params.batch_sequences):
+                run = [members[i] for i in run]
+                caches = content_caches(model, rotation, [frame.token_ids[i] for i in run])
+                for i, (keys_content, values) in zip(run, caches):
+                    writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
+                bar.update(len(run))
+    return writer.close()
+
+
+def manifest_splits(frames: dict[str, pd.DataFrame], records: list[dict]) -> dict:
+    """The manifest's `splits` entry from every rank's shard records, in shard order."""
+    splits = {}
+    for split, frame in frames.items():
+        shards = sorted((r for part in records for r in part.get(split, [])), key=lambda r: r["file"])
+        splits[split] = {"sequences": len(frame), "tokens": sum(r["tokens"] for r in shards), "shards": shards}
+    return splits
 
 
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
-        model_dtype: str = "float32", device: str | None = None) -> dict:
+        model_dtype: str = "float32", device: str | None = None, world: World = SINGLE,
+        device_map: str | None = None) -> dict:
     """Extract, timing it beside both floors; with `repeats` > 1 the three are measured in turn, repeat by repeat
     (each extraction rewrites the same bytes; the forward floor runs before it in even repeats and after it in
-    odd ones), and the medians reported, so drift and noise hit all three alike.
+    odd ones), and the medians reported, so drift and noise hit all three alike. Under several processes each
+    rank extracts and times its own shards; rank 0 writes the manifest and reports the slowest rank's times.
 
     The model runs in `model_dtype` (`models.dtype`, as every later stage runs it, so the map is fitted on the
     caches it will be given); only the RoPE strip is float32 math."""
@@ -143,39 +166,52 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
     # the contract, from the config: a model whose cache cannot be stripped is refused before it is loaded
     pair_contract(load_config(str(model_dir)), max_tokens=max(len(ids) for ids in all_ids)).require("oracle")
-    model = load_model(str(model_dir), dtype=model_dtype, device=device)
+    model = load_model(str(model_dir), dtype=model_dtype, device=world.device(device) if device else None,
+                       device_map=device_map)
     spec = RotarySpec.from_model(model)
     rotation = Rotation(spec, torch.arange(max(len(ids) for ids in all_ids), device=model.device))
     base = {"model": name, "model_path": str(model_dir), "geometry": kv_geometry(model.config),
             "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,
             "keys": "content (RoPE stripped)"}
+    if world.main:
+        for split in frames:
+            for stale in (out_dir / split).glob("shard-*.safetensors"):
+                stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
+    world.barrier()
+    mine = [frame.token_ids[i] for frame in frames.values()
+            for shard in world.share(len(shard_runs(len(frame), params.shard_sequences)))
+            for i in shard_runs(len(frame), params.shard_sequences)[shard]]
 
     forward_floor(model, all_ids[:1], 1)  # warm-up, so neither timing below pays first-call costs
     times = {"forward": [], "extract": [], "write": []}
-    bar = tqdm(total=len(all_ids) * params.repeats, desc=f"extract {name}", unit="seq")
+    bar = tqdm(total=len(mine) * params.repeats, desc=f"extract {name}", unit="seq", disable=not world.main)
     for repeat in range(params.repeats):
         if repeat % 2 == 0:  # alternate which of the two runs first, so neither always follows the other
-            times["forward"].append(forward_floor(model, all_ids, params.batch_sequences))
+            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
         start = time.perf_counter()
-        splits = extract_splits(model, rotation, frames, out_dir, base, params, bar)
+        records = extract_splits(model, rotation, frames, out_dir, base, params, bar, world)
         times["extract"].append(time.perf_counter() - start)
         if repeat % 2 == 1:
-            times["forward"].append(forward_floor(model, all_ids, params.batch_sequences))
-        sizes = [r["bytes"] for split in splits.values() for r in split["shards"]]
-        times["write"].append(write_floor(out_dir, sizes))
+            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
+        sizes = [r["bytes"] for split in records.values() for r in split]
+        times["write"].append(write_floor(out_dir, sizes, world.rank))
     bar.close()
-    write_json_atomic(out_dir / MANIFEST, dict(base, splits=splits))
-
     median = {kind: statistics.median(values) for kind, values in times.items()}
+    ranks = world.gather({"records": records, "median": median, "bytes": sum(sizes)})
+    if not world.main:
+        return {}
+    write_json_atomic(out_dir / MANIFEST, dict(base, splits=manifest_splits(frames, [r["records"] for r in ranks])))
+    slowest = {kind: max(r["median"][kind] for r in ranks) for kind in median}
     return {
         "sequences": len(all_ids),
         "tokens": sum(len(ids) for ids in all_ids),
-        "bytes_written": sum(sizes),
+        "bytes_written": sum(r["bytes"] for r in ranks),
         "repeats": params.repeats,
-        "extract_s": round(median["extract"], 4),
-        "forward_floor_s": round(median["forward"], 4),
-        "write_floor_s": round(median["write"], 4),
-        "ratio_to_floor": round(median["extract"] / max(median["forward"], median["write"]), 4),
+        "processes": world.size,
+        "extract_s": round(slowest["extract"], 4),
+        "forward_floor_s": round(slowest["forward"], 4),
+        "write_floor_s": round(slowest["write"], 4),
+        "ratio_to_floor": round(slowest["extract"] / max(slowest["forward"], slowest["write"]), 4),
         "target_ratio": 1.3,
     }
 
@@ -183,15 +219,22 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.extract", __doc__)
     cli.add_argument("model", choices=MODELS, help="which prepared model's caches to extract")
+    argv = sys.argv[1:] if argv is None else argv
     name = cli.parse_args(argv).model
     params = load_section(ExtractParams, "extract")
+    if relaunch(params.processes, "pipeline.extract", argv):
+        return
     models = load_section(ModelsParams, "models")
-    usage = StageUsage(models.torch_device)
+    world = join(models.torch_device)
+    usage = StageUsage(world.device(models.torch_device))
     metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params, models.dtype,
-                  models.torch_device)
-    metrics.update(usage.figures())
-    write_json_atomic(Path("metrics") / f"extract_{name}.json", metrics)
-    print(metrics)
+                  models.torch_device, world, models.device_map)
+    figures = world.gather(usage.figures())
+    if world.main:
+        metrics.update(usage_of_ranks(figures))
+        write_json_atomic(Path("metrics") / f"extract_{name}.json", metrics)
+        print(metrics)
+    leave(world)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
     python -m pipeline.fit [--out FOLDER] [--only CANDIDATE]
 
+With `fit.processes` N > 1 it runs as N torchrun processes (`store.ranks`): each fits every N-th target layer
+and probe group, summing exactly what one process sums, and rank 0 writes; the mappers are the same bytes.
+
 Reads `caches/source`, `caches/target` (from `extract`), `models/source` and `data/select.parquet` (only to
 time the mappers against the source's prefill), and both models' configs: a family the pair's architecture
 contract leaves undefined (head_matched between unequal KV head counts) is skipped, its reason in fit.json.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import csv
 import os
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,9 +48,10 @@ from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.store.artifacts import atomic_path, write_json_atomic
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage
+from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
 
 
 @dataclass
@@ -71,14 +76,17 @@ class FitParams:
     seed: int
     threads: int = spec(min=1)
     timing_repeats: int = spec(min=1)
+    processes: int = spec(min=1)  # torchrun processes, each fitting every N-th target layer; mappers do not change
 
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
-        only: str | None = None) -> dict:
+        only: str | None = None, world: World = SINGLE) -> dict:
     """Fit every candidate of params (or, with `only`, the one so named, byte-identical to its file from the
     full fit); `skipped` maps the families the pair's contract leaves undefined to why. Moments, solves and the
-    MLP run on `device` (float64 and float32), the mappers are timed there against the source in `model_dtype`."""
+    MLP run on `device` (float64 and float32), the mappers are timed there against the source in `model_dtype`.
+    Under several processes each fits every N-th target layer (and probe group), with the sums of one process;
+    rank 0 merges, writes and times the mappers and returns the metrics (the others return {})."""
     torch.set_num_threads(params.threads)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
@@ -94,7 +102,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     select_pairs = paired_split(source_root, target_root, "select")
     held = holdout_sequences(fit_pairs, params.probe_holdout, params.seed)
     scores = probe_r2(fit_pairs, held, geo_s["layers"], geo_t["layers"], geometry.heads_s * geometry.dim_s,
-                      geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30, device)
+                      geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30, device,
+                      world)
     orders = ranking(scores)
 
     ridge = ridge_candidates(families, params.ks, params.lambdas)
@@ -108,8 +117,9 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         mlp_ks = [k for k in mlp_ks if f"mlp_k{k}" == only]
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
-    parts, table, mlp_facts = Parts(out_dir / ".parts"), R2Table(), {}
-    for layer in tqdm(range(geo_t["layers"]), desc="fit layers", unit="layer"):
+    parts, table, mlp_facts = Parts(out_dir / ".parts", fresh=world.main), R2Table(), {}
+    world.barrier()  # the parts folder exists before any rank writes into it
+    for layer in tqdm(list(world.share(geo_t["layers"])), desc="fit layers", unit="layer", disable=not world.main):
         if ridge:
             fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
                             device)
@@ -117,6 +127,12 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
             mlp_facts[(k, layer)] = fit_mlp_layer(layer, orders[layer], k, fit_pairs, select_pairs, held, mlp,
                                                   geometry.heads_t, parts, table, device)
 
+    ranks = world.gather((table, mlp_facts))
+    if not world.main:
+        return {}
+    table = R2Table.merged([rank_table for rank_table, _ in ranks])
+    mlp_facts = {key: facts for _, rank_facts in ranks for key, facts in rank_facts.items()}
+    heldout = table.heldout
     if only is None:  # what the mappers are timed on
         source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
         token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
@@ -140,8 +156,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                         keys=parts.take(name, geo_t["layers"], "keys"),
                         values=parts.take(name, geo_t["layers"], "values"), extra=extra)
         save_mapper(mapper, out_dir / f"{name}.safetensors")
-        metrics[f"{name}/r2_keys_select"] = round(statistics.mean(table.heldout[(name, "keys")]), 6)
-        metrics[f"{name}/r2_values_select"] = round(statistics.mean(table.heldout[(name, "values")]), 6)
+        metrics[f"{name}/r2_keys_select"] = round(statistics.mean(heldout[(name, "keys")]), 6)
+        metrics[f"{name}/r2_values_select"] = round(statistics.mean(heldout[(name, "values")]), 6)
         metrics[f"{name}/params"] = mapper.parameter_count()
         metrics[f"{name}/macs_per_token"] = mapper.macs_per_token()
         if only is None:  # a narrow refit is about the file's bytes, not its speed
@@ -171,18 +187,26 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
     cli.add_argument("--only", metavar="CANDIDATE",
                      help="refit only this candidate (e.g. linear_k1_lam1): the determinism control's narrow refit")
+    argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
     params = load_section(FitParams, "fit")
+    if relaunch(params.processes, "pipeline.fit", argv):
+        return
     contract = pair_contract(load_config("models/target"), load_config("models/source"))
     skipped = {family: contract.families[family] for family in params.families if not contract.family_defined(family)}
     out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
     models = load_section(ModelsParams, "models")
-    usage = StageUsage(models.torch_device)
+    world = join(models.torch_device)
+    device = world.device(models.torch_device)
+    usage = StageUsage(device)
     metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
-                  out, metrics_dir, params, skipped, models.torch_device, models.dtype, args.only)
-    metrics.update(usage.figures())
-    write_json_atomic(metrics_dir / "fit.json", metrics)
-    print({k: v for k, v in metrics.items() if "/" not in k})
+                  out, metrics_dir, params, skipped, device, models.dtype, args.only, world)
+    figures = world.gather(usage.figures())
+    if world.main:
+        metrics.update(usage_of_ranks(figures))
+        write_json_atomic(metrics_dir / "fit.json", metrics)
+        print({k: v for k, v in metrics.items() if "/" not in k})
+    leave(world)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
 lm-eval's `--apply_chat_template` and `--system_instruction` work as for `hf`: prompts are rendered by the
 target tokenizer's chat template, then tokenized and handed off like any other prompt.
 
+Under `torchrun --nproc_per_node N` (or `accelerate launch`) each process scores every N-th document and rank 0
+gathers the results, through lm-eval's rank contract (rank, world_size, all_gather, gather_object, barrier).
+
 Run lm-eval's own command line with this model registered (`--device` defaults to the pipeline's choice:
 cuda when there is one, else cpu; the README shows the hub and the local-task forms):
 
@@ -34,6 +37,7 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import MODES, Handoff, greedy_generate, score_continuations
 from pipeline.kv.mapper import load_mapper
 from pipeline.store.models import default_device, load_config, load_model, load_tokenizer
+from pipeline.store.ranks import SINGLE, World, join
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -66,7 +70,8 @@ class KVTransferLM(TemplateLM):
             raise ValueError(f"kv-transfer: transfer={transfer} needs source=<model>")
         if transfer == "mapped" and not mapper:
             raise ValueError("kv-transfer: transfer=mapped needs mapper=<path to a mapper file>")
-        device = device or default_device()
+        world = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
+        device = world.device(device or default_device())
         self.tokenizer = load_tokenizer(target, target_revision)
         uses_source = transfer not in ("oracle", "zero")
         source_tokenizer = load_tokenizer(source, source_revision) if uses_source else None
@@ -80,23 +85,35 @@ class KVTransferLM(TemplateLM):
         fitted = load_mapper(mapper, device=device) if mapper and transfer in ("mapped", "shuffled") else None
         handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed),
                           tokenizers=(source_tokenizer, self.tokenizer), max_tokens=length)
-        self._setup(handoff, batch_size, max_length)
+        self._setup(handoff, batch_size, max_length, world)
 
     @classmethod
-    def from_handoff(cls, handoff: Handoff, tokenizer, batch_size: int = 8,
-                     max_length: int | None = None) -> "KVTransferLM":
+    def from_handoff(cls, handoff: Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
+                     world: World = SINGLE) -> "KVTransferLM":
         """Wrap an already built handoff (the pipeline's stages load the models once for every metric)."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
         lm.tokenizer = tokenizer
-        lm._setup(handoff, batch_size, max_length)
+        lm._setup(handoff, batch_size, max_length, world)
         return lm
 
-    def _setup(self, handoff: Handoff, batch_size: int | str, max_length: int | str | None) -> None:
+    def _setup(self, handoff: Handoff, batch_size: int | str, max_length: int | str | None, world: World) -> None:
         self.handoff = handoff
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
         self._device = handoff.device
+        self._world, self._rank, self._world_size = world, world.rank, world.size
+
+    # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the
+    # ranks' request counts to equal (all_gather), and gathers samples and metrics on rank 0 (gather_object)
+    def all_gather(self, tensor):
+        return self._world.all_gather_tensor(tensor)
+
+    def gather_object(self, obj, dst: int = 0):
+        return self._world.gather(obj, dst)
+
+    def barrier(self) -> None:
+        self._world.barrier()
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KVTransferLM":

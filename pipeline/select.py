@@ -24,9 +24,10 @@ from pipeline.kv.mapper import load_mapper
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.devices import StageUsage
+from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import load_section, spec
+from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
 
 MAPPERS = Path("models/mappers")
 SELECTED = Path("models/mapper.safetensors")
@@ -41,6 +42,7 @@ class SelectParams:
     rule: Literal["agreement", "perplexity", "kl"]
     batch_size: int = spec(positive=True)  # select prompts per forward
     threads: int = spec(positive=True)
+    processes: int = spec(min=1)  # torchrun processes, sharing out the oracle's prompts, then the candidates
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
@@ -63,22 +65,32 @@ def rank_key(rule: str):
 
 
 def score_candidates(target, source, prompts, params: SelectParams, candidates: list[Path],
-                     tokenizers: tuple | None) -> tuple[dict, list[dict]]:
+                     tokenizers: tuple | None, world: World = SINGLE) -> tuple[dict, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts; `tokenizers` (source, target) are
-    compared by the architecture contract."""
+    compared by the architecture contract. Under several processes the oracle's prompts and then the
+    candidates are shared out (every N-th), and rank 0 gets the scores in candidate order (the others None)."""
     oracle_handoff = Handoff(target)
-    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size)
-    oracle_summary = summarize(variant_rows(oracle_handoff, prompts, oracle, params.batch_size))
+    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, world=world)
+    oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, world=world)
     scores = []
-    for path in tqdm(candidates, desc="score candidates", unit="candidate"):
+    mine = [candidates[i] for i in world.share(len(candidates))]
+    for path in tqdm(mine, desc="score candidates", unit="candidate", disable=not world.main):
         mapper = load_mapper(path, device=target.device)
         summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper, tokenizers=tokenizers),
                                                prompts, oracle, params.batch_size))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
-            parameters=mapper.parameter_count(), ppl_ratio=summary["perplexity"] / oracle_summary["perplexity"],
+            parameters=mapper.parameter_count(),
         )
         scores.append(summary)
+    ranks = world.gather(scores)
+    if not world.main:
+        return None
+    oracle_summary = summarize(oracle_rows)
+    order = {path.stem: index for index, path in enumerate(candidates)}
+    scores = sorted((score for part in ranks for score in part), key=lambda score: order[score["name"]])
+    for score in scores:
+        score["ppl_ratio"] = score["perplexity"] / oracle_summary["perplexity"]
     return oracle_summary, scores
 
 
@@ -100,18 +112,26 @@ def copy_verified(source: Path, destination: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.select", __doc__, argv)
     params = load_section(SelectParams, "select")
+    if relaunch(params.processes, "pipeline.select", []):
+        return
     models = load_section(ModelsParams, "models")
     torch.set_num_threads(params.threads)
     candidates = sorted(MAPPERS.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
-    device = models.torch_device
+    world = join(models.torch_device)
+    device = world.device(models.torch_device)
     usage = StageUsage(device)
-    target = load_model("models/target", dtype=models.dtype, device=device)
-    source = load_model("models/source", dtype=models.dtype, device=device)
+    target = load_model("models/target", dtype=models.dtype, device=device, device_map=models.device_map)
+    source = load_model("models/source", dtype=models.dtype, device=device, device_map=models.device_map)
     prompts = select_prompts(pd.read_parquet("data/select.parquet").token_ids, params.prompt_fraction)
     tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
-    oracle_summary, scores = score_candidates(target, source, prompts, params, candidates, tokenizers)
+    scored = score_candidates(target, source, prompts, params, candidates, tokenizers, world)
+    figures = world.gather(usage.figures())
+    if not world.main:
+        leave(world)
+        return
+    oracle_summary, scores = scored
     chosen, best_per_k = choose(scores, params.rule)
     copy_verified(MAPPERS / f"{chosen['name']}.safetensors", SELECTED)
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
@@ -124,9 +144,10 @@ def main(argv: list[str] | None = None) -> None:
             metrics[f"{score['name']}_{key}"] = round(score[key], 4)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]
-    metrics.update(usage.figures())
+    metrics.update(usage_of_ranks(figures))
     write_json_atomic("metrics/select.json", metrics)
     print(json.dumps(metrics, indent=2))
+    leave(world)
 
 
 if __name__ == "__main__":

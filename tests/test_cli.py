@@ -63,7 +63,8 @@ def test_a_refusal_is_one_line_naming_the_key(typo):
     done = run_stage("pipeline.select", typo)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: select.horizn: unknown parameter (known: prompt_fraction, top_k, horizon, rule, batch_size, threads)"]
+        "error: select.horizn: unknown parameter (known: prompt_fraction, top_k, horizon, rule, batch_size, threads, "
+        "processes)"]
 
 
 def test_the_traceback_comes_when_asked(typo):

@@ -1,11 +1,15 @@
 """The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals."""
+import json
+
 import pytest
 import torch
 from conftest import build_model, periodic_batch, tiny_config
 
 from pipeline.kv.handoff import Handoff, greedy_generate, score_continuations
+from pipeline.kv.kvcache import layers_to_cache
 from pipeline.kv.mapper import identity_mapper
-from pipeline.store.models import IncompatiblePairError
+from pipeline.store.models import IncompatiblePairError, load_model
+from pipeline.store.params import ParamError
 
 VOCAB = 97
 
@@ -140,3 +144,26 @@ def test_batched_contexts_of_different_lengths_score_as_one_at_a_time(target, mo
     assert [g for _, g in batched] == [g for _, g in one]
     if mode not in ("oracle", "zero"):
         assert batched_handoff.source_prefills == 6 and batched_handoff.source_forwards == 2  # 3 contexts a forward
+
+
+def test_a_cache_built_for_a_model_spread_over_devices_puts_each_layer_on_its_own(target):
+    layers = [(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)) for _ in range(target.config.num_hidden_layers)]
+    devices = [torch.device("cpu")] * (len(layers) - 1) + [torch.device("meta")]
+    cache = layers_to_cache(layers, target.config, torch.float32, devices)
+    assert [layer.keys.device.type for layer in cache.layers] == [d.type for d in devices]
+    assert cache.layers[-1].values.device.type == "meta"
+
+
+def test_a_checkpoint_loaded_with_a_device_map_scores_as_the_model_on_one_device(target, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    whole = load_model(str(tmp_path / "target"), device="cpu")
+    mapped = load_model(str(tmp_path / "target"), device_map="auto")  # this CPU: accelerate keeps it on one device
+    requests = _requests(n_contexts=2, endings=2)
+    assert score_continuations(Handoff(mapped), requests, 4) == score_continuations(Handoff(whole), requests, 4)
+
+
+def test_a_device_map_for_a_random_model_is_refused_by_its_key(tmp_path):
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "random.json").write_text(json.dumps({"shape": "qwen3-0.6b", "seed": 0}))
+    with pytest.raises(ParamError, match="models.device_map: 'auto' needs a checkpoint"):
+        load_model(str(tmp_path / "random"), device_map="auto")

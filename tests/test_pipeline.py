@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import yaml
 from conftest import merge
@@ -152,3 +154,44 @@ def test_metrics_diff_lists_what_changed_between_commits(repo):
     assert not {key for _, key in changed} & {"perplexity", "next_token_top1", "retention"}, changed
     params_diff = json.loads(run(DVC + ["params", "diff", "HEAD~1", "HEAD", "--json"], repo))
     assert "report.bootstrap_iters" in params_diff["params.yaml"]
+
+
+@pytest.mark.slow
+def test_evaluation_on_two_processes_writes_what_one_process_wrote(repo):
+    """After the one-process run above: evaluate@oracle and the selected mapper again as two torchrun processes
+    (gloo), lm-eval splitting the task documents through the model's rank contract."""
+    kept = repo.parent / "one-process"
+    for path in ("eval/oracle", "eval/selected", "eval/oracle_outputs.safetensors", "metrics/eval"):
+        source, copy = repo / path, kept / path
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, copy)
+    before = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(before)
+    params["evaluate"]["processes"] = 2
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        for variant in ("oracle", "selected"):
+            run([sys.executable, "-m", "pipeline.evaluate", variant], repo, timeout=900)
+    finally:
+        (repo / "params.yaml").write_text(before)
+    for variant in ("oracle", "selected"):
+        figures = json.loads((repo / f"metrics/eval/{variant}.json").read_text())
+        assert figures["processes"] == 2
+        one = json.loads((kept / f"metrics/eval/{variant}.json").read_text())
+        timing = {"wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes"}
+        untimed = lambda figures: {k: v for k, v in figures.items() if k not in timing}  # noqa: E731
+        assert untimed(figures) == untimed(one)
+        # per prompt: byte for byte (a batch of prompts is the same computation on either rank)
+        assert (repo / f"eval/{variant}/prompts.parquet").read_bytes() == \
+            (kept / f"eval/{variant}/prompts.parquet").read_bytes()
+        # per task item: the same items, decisions and accuracies; the log-likelihoods within float32 rounding,
+        # since lm-eval's split puts other contexts beside each one in a batch (other padding, other kernels)
+        two, one = (pd.read_parquet(root / f"eval/{variant}/items.parquet") for root in (repo, kept))
+        assert two.drop(columns="loglikelihoods").equals(one.drop(columns="loglikelihoods"))
+        assert all(np.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(two.loglikelihoods, one.loglikelihoods))
+        for sample in (kept / f"eval/{variant}/lm_eval").glob("lm_eval_samples_*.jsonl"):
+            decided = lambda path: [{k: row[k] for k in ("doc_id", "acc", "acc_norm")}  # noqa: E731
+                                    for row in map(json.loads, path.read_text().splitlines())]
+            assert decided(repo / f"eval/{variant}/lm_eval/{sample.name}") == decided(sample)
+    assert (repo / "eval/oracle_outputs.safetensors").read_bytes() == \
+        (kept / "eval/oracle_outputs.safetensors").read_bytes()

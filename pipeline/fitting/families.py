@@ -55,27 +55,45 @@ class Geometry:
 
 @dataclass
 class R2Table:
-    """R² rows (candidate, layer, head, kind, in and out of sample) and held-out R² per (candidate, kind)."""
+    """R² per (candidate, layer, kind, head), in and out of sample, in the order recorded: rows for the CSV and
+    held-out R² per (candidate, kind). Tables of processes that fitted different layers merge (`merged`) into
+    the one table a single process records, since every layer's entries come from one process."""
 
-    rows: list[dict] = field(default_factory=list)
-    heldout: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    entries: list[tuple] = field(default_factory=list)  # (layer, candidate, kind, r2 in sample, held-out, ratio)
 
     def record(self, name: str, layer: int, kind: str, r2_fit: torch.Tensor, r2_sel: torch.Tensor,
                ratio: float) -> None:
-        for head, (r_in, r_out) in enumerate(zip(r2_fit.tolist(), r2_sel.tolist())):
-            self.rows.append({"candidate": name, "layer": layer, "head": head, "kind": kind,
-                              "r2_in_sample": round(r_in, 6), "r2_heldout": round(r_out, 6),
-                              "param_to_sample_ratio": round(ratio, 6)})
-        self.heldout.setdefault((name, kind), []).extend(r2_sel.tolist())
+        self.entries.append((layer, name, kind, r2_fit.tolist(), r2_sel.tolist(), ratio))
+
+    @classmethod
+    def merged(cls, tables: list["R2Table"]) -> "R2Table":
+        """One table from tables of disjoint layers: layer by layer, each layer's entries in their own order."""
+        return cls(sorted((e for table in tables for e in table.entries), key=lambda e: e[0]))
+
+    @property
+    def rows(self) -> list[dict]:
+        return [{"candidate": name, "layer": layer, "head": head, "kind": kind, "r2_in_sample": round(r_in, 6),
+                 "r2_heldout": round(r_out, 6), "param_to_sample_ratio": round(ratio, 6)}
+                for layer, name, kind, r2_fit, r2_sel, ratio in self.entries
+                for head, (r_in, r_out) in enumerate(zip(r2_fit, r2_sel))]
+
+    @property
+    def heldout(self) -> dict[tuple[str, str], list[float]]:
+        out: dict[tuple[str, str], list[float]] = {}
+        for _, name, kind, _, r2_sel, _ in self.entries:
+            out.setdefault((name, kind), []).extend(r2_sel)
+        return out
 
 
 class Parts:
     """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, fresh: bool = True):
+        """`fresh`: start from an empty folder (the process that owns it; the others join it as it is)."""
         self.folder = folder
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
+        if fresh:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
 
     def put(self, candidate: str, layer: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
         named = {str(i): t.to("cpu", torch.float32).contiguous() for i, t in enumerate(tensors)}

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from pipeline.fitting import ridge
 from pipeline.store.cachefiles import KINDS, Shard
+from pipeline.store.ranks import SINGLE, World
 
 Pairs = list[tuple[Shard, Shard]]
 
@@ -40,9 +41,11 @@ def _groups(items: list[int], size: int) -> list[list[int]]:
 
 
 def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
-             ridge_lambda: float, budget_bytes: float, device: str | torch.device) -> dict[str, torch.Tensor]:
+             ridge_lambda: float, budget_bytes: float, device: str | torch.device,
+             world: World = SINGLE) -> dict[str, torch.Tensor]:
     """Held-out R² of single-layer ridge probes: per kind (target_layers, source_layers), on the CPU; the
-    moments and solves run on `device`."""
+    moments and solves run on `device`. Under several processes each takes every N-th group of target layers
+    (the groups one process would make) and every process gets the whole table."""
     # per pass: 2 kinds x (train, held) x source_layers x (X^T X + X^T Y over the group's target columns)
     fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
@@ -51,7 +54,9 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     train_count = sum(source.tokens for source, _ in pairs) - held_count
     inputs: dict[tuple, ridge.Moments] = {}  # per (kind, source layer): n, sum_x and X^T X, from the first pass
     held_inputs: dict[tuple, ridge.Moments] = {}  # the same for the held-out rows
-    for targets in tqdm(_groups(list(range(target_layers)), group), desc="probe passes", unit="pass"):
+    groups = _groups(list(range(target_layers)), group)
+    for targets in tqdm([groups[i] for i in world.share(len(groups))], desc="probe passes", unit="pass",
+                        disable=not world.main):
         out_width = len(targets) * width_t
         first = not inputs
         train = {(kind, p): ridge.summary(train_count, width_s, out_width, device)
@@ -78,6 +83,11 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
                                      len(targets))
                 scores[kind][targets, p] = r2.cpu()
         del train, held_out
+    if world.size > 1:  # each group's rows come from the rank that computed it
+        parts = world.all_gather({kind: scores[kind] for kind in KINDS})
+        for index, targets in enumerate(groups):
+            for kind in KINDS:
+                scores[kind][targets] = parts[index % world.size][kind][targets]
     return scores
 
 

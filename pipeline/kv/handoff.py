@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from pipeline.kv.contract import pair_contract
-from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layers_to_cache
+from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.models import IncompatiblePairError
@@ -52,6 +52,7 @@ class Handoff:
         self.contract.require(mode)
         self.target_spec = RotarySpec.from_model(target)
         self.target_geometry = kv_geometry(target.config)
+        self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if mode in ("oracle", "zero"):
@@ -145,7 +146,7 @@ class Handoff:
             return None
         if layers[0][0].shape[0] != batch:
             layers = expand_batch(layers, batch)
-        return layers_to_cache(layers, self.target.config, self.target.dtype, self.device)
+        return layers_to_cache(layers, self.target.config, self.target.dtype, self.target_devices or self.device)
 
     @torch.no_grad()
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,

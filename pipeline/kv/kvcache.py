@@ -14,8 +14,16 @@ def cache_to_layers(cache) -> Layers:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def layer_devices(model) -> list[torch.device] | None:
+    """Where each decoder layer of `model` lives, for a model that accelerate spread over several devices
+    (`from_pretrained(device_map=...)`); None for a model on one device."""
+    devices = [next(layer.parameters()).device for layer in model.model.layers]
+    return devices if len(set(devices)) > 1 else None
+
+
 def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> DynamicCache:
-    """A fresh DynamicCache for the model of `config`, holding `layers` cast to its dtype and device."""
+    """A fresh DynamicCache for the model of `config`, holding `layers` cast to its dtype and on `device`, or
+    with a list of devices (`layer_devices`) each layer on its own: the cache moves, the model stays."""
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{len(layers)} cache layers for a model of {config.num_hidden_layers} layers")
     expected = (config.num_key_value_heads,
@@ -26,7 +34,8 @@ def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> Dynam
                 f"cache layer {index}: keys {tuple(keys.shape)}, values {tuple(values.shape)} do not fit "
                 f"(batch, {expected[0]} kv heads, tokens, head_dim {expected[1]})"
             )
-    cast = [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)) for k, v in layers]
+    devices = device if isinstance(device, list) else [device] * len(layers)
+    cast = [(k.to(device=d, dtype=dtype), v.to(device=d, dtype=dtype)) for (k, v), d in zip(layers, devices)]
     return DynamicCache(cast, config=config)
 
 

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff, greedy_rollout, teacher_forced
+from pipeline.store.ranks import SINGLE, World
 
 Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
@@ -35,9 +36,10 @@ def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
 
 
 def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, batch_size: int,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, world: World = SINGLE) -> dict:
     """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon); prompts
-    are run `batch_size` at a time."""
+    are run `batch_size` at a time (under several processes each rank runs every N-th batch, and every rank
+    gets the whole outputs)."""
     if handoff.mode != "oracle":
         raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
@@ -45,8 +47,9 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
     top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
     greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
-    bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress)
-    for start in range(0, len(prompts), batch_size):
+    starts = _my_batches(len(prompts), batch_size, world)
+    bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress or not world.main)
+    for start in starts:
         batch = prompts[start : start + batch_size]
         for i, logprobs in enumerate(teacher_forced(handoff, batch), start):
             values, ids = logprobs.topk(k, dim=-1)  # (m, K)
@@ -55,7 +58,21 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
         bar.update(len(batch))
     bar.close()
     lengths = torch.tensor([len(cont) for _, cont in prompts])
+    if world.size > 1:  # each batch's rows from the rank that ran it
+        ranks = world.all_gather((starts, top_ids, top_logprobs, greedy))
+        for rank_starts, *tensors in ranks:
+            for start in rank_starts:
+                rows = slice(start, start + batch_size)
+                for whole, part in zip((top_ids, top_logprobs, greedy), tensors):
+                    whole[rows] = part[rows]
     return {"top_ids": top_ids, "top_logprobs": top_logprobs, "lengths": lengths, "greedy": greedy}
+
+
+def _my_batches(count: int, batch_size: int, world: World) -> list[int]:
+    """First indices of the batches of `batch_size` prompts this rank runs (every N-th batch): a batch is the
+    same computation whichever rank runs it."""
+    starts = list(range(0, count, batch_size))
+    return [starts[i] for i in world.share(len(starts))]
 
 
 def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_logprobs: torch.Tensor) -> torch.Tensor:
@@ -70,13 +87,15 @@ def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_
 
 
 def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_size: int,
-                 progress: bool = True) -> pd.DataFrame:
+                 progress: bool = True, world: World = SINGLE) -> pd.DataFrame | None:
     """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle; prompts are
-    run `batch_size` at a time."""
+    run `batch_size` at a time (under several processes every N-th batch per rank, the rows gathered on rank 0
+    in prompt order; None on the other ranks)."""
     horizon = oracle["greedy"].shape[1]
     rows = []
-    bar = tqdm(total=len(prompts), desc=f"compare ({handoff.mode})", unit="prompt", disable=not progress)
-    for start in range(0, len(prompts), batch_size):
+    bar = tqdm(total=len(prompts), desc=f"compare ({handoff.mode})", unit="prompt",
+               disable=not progress or not world.main)
+    for start in _my_batches(len(prompts), batch_size, world):
         batch = prompts[start : start + batch_size]
         rollouts = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()  # (B, horizon)
         for i, (logprobs, (_, continuation), rollout) in enumerate(zip(teacher_forced(handoff, batch), batch,
@@ -99,7 +118,10 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
             })
         bar.update(len(batch))
     bar.close()
-    return pd.DataFrame(rows)
+    ranks = world.gather(rows)
+    if ranks is None:
+        return None
+    return pd.DataFrame(sorted((row for part in ranks for row in part), key=lambda row: row["prompt"]))
 
 
 def summarize(rows: pd.DataFrame) -> dict[str, float]:

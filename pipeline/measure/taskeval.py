@@ -1,6 +1,7 @@
 """Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
 
-Returns lm-eval's aggregate metrics (acc, acc_norm and their stderr) and one row per item (acc, acc_norm,
+Returns lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in
+document order) and one row per item (acc, acc_norm,
 the choices' log-likelihoods, and the item's `kind` where the data marks one) for paired statistics.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 from lm_eval import simple_evaluate
+from lm_eval.api.metrics import mean, mean_stderr
 from lm_eval.tasks import TaskManager
 
 from pipeline.measure.tasks import write_task_config
@@ -39,8 +41,9 @@ def portable(value, folders: dict[str, str] | None = None):
     return portable(str(value), folders)
 
 
-def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict, pd.DataFrame]:
-    """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame).
+def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict | None, pd.DataFrame | None]:
+    """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame), or
+    (None, None) on a rank other than 0 of several processes.
     With `raw_to` (a folder), lm-eval's own results and samples are written there too, and the generated task
     configs live beside it while lm-eval runs (inside the caller's staging folder, so a killed run leaves
     nothing in the system's temp folder)."""
@@ -57,26 +60,31 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
             cache_requests=False,
             bootstrap_iters=1000,
         )
+    if out is None:  # a rank other than 0: lm-eval gathered this rank's samples there
+        return None, None
+    samples = {task: sorted(out["samples"][PREFIX + task], key=lambda sample: sample["doc_id"]) for task in files}
     if raw_to is not None:
         raw_to.mkdir(parents=True, exist_ok=True)
         stored = {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}
         (raw_to / "lm_eval_results.json").write_text(json.dumps(portable(stored, {folder: "tasks"}), indent=2))
         for task in files:
             with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
-                for sample in out["samples"][PREFIX + task]:
+                for sample in samples[task]:
                     handle.write(json.dumps(portable(sample, {folder: "tasks"})) + "\n")
     summary, rows = {}, []
     for task, path in files.items():
-        result = out["results"][PREFIX + task]
+        # lm-eval's own aggregation (mean and its closed-form stderr), on the items in document order: the
+        # same figures whichever process scored which item
+        values = {metric: [float(sample[metric]) for sample in samples[task]] for metric in ("acc", "acc_norm")}
         summary[task] = {
-            "acc": float(result["acc,none"]),
-            "acc_stderr": float(result["acc_stderr,none"]),
-            "acc_norm": float(result["acc_norm,none"]),
-            "acc_norm_stderr": float(result["acc_norm_stderr,none"]),
-            "n": len(out["samples"][PREFIX + task]),
+            "acc": mean(values["acc"]),
+            "acc_stderr": mean_stderr(values["acc"]),
+            "acc_norm": mean(values["acc_norm"]),
+            "acc_norm_stderr": mean_stderr(values["acc_norm"]),
+            "n": len(samples[task]),
         }
         items = pd.read_parquet(path)
-        for sample in out["samples"][PREFIX + task]:
+        for sample in samples[task]:
             item = items.iloc[sample["doc_id"]]
             rows.append({
                 "task": task,

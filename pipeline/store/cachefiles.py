@@ -144,6 +144,8 @@ class ShardWriter:
         self._split: str | None = None
         self._lengths: list[int] = []
         self._added = 0
+        self._next_shard = 0
+        self._begun: set[tuple[str, int]] = set()
         self._image: _Image | None = None
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # buffers of written shards, for reuse
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -151,15 +153,18 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._write_loop, daemon=True)
         self._thread.start()
 
-    def begin(self, split: str, lengths: list[int]) -> None:
-        """Start `split`, whose sequences (added next, in order) have these token counts."""
+    def begin(self, split: str, lengths: list[int], first_shard: int = 0) -> None:
+        """Start `split`, whose sequences (added next, in order) have these token counts. With `first_shard`,
+        they are the split's sequences from shard `first_shard` on (one process of several writes the shards
+        it was given: a part of a split per `begin`, each shard under its global index)."""
         self._end_split()
-        if split in self.records:
-            raise ValueError(f"split {split!r} was already written")
+        if (split, first_shard) in self._begun:
+            raise ValueError(f"split {split!r} was already written from shard {first_shard}")
         if any(length < 1 for length in lengths):
             raise ValueError(f"split {split!r}: every sequence needs at least one token")
-        self._split, self._lengths, self._added = split, list(lengths), 0
-        self.records[split] = []
+        self._begun.add((split, first_shard))
+        self._split, self._lengths, self._added, self._next_shard = split, list(lengths), 0, first_shard
+        self.records.setdefault(split, [])
 
     def add(self, doc_id: str, content_hash: str, keys_content: torch.Tensor, values: torch.Tensor) -> None:
         """The next sequence of the split: (layers, tokens, kv_heads, head_dim) content-space keys and values."""
@@ -200,7 +205,7 @@ class ShardWriter:
 
     def _open_image(self, shape: torch.Size) -> _Image:
         layers, _, heads, dim = shape
-        index = len(self.records[self._split])
+        index = self._next_shard
         lengths = self._lengths[self._added : self._added + self.shard_sequences]
         tokens = sum(lengths)
         specs = {f"{kind}.{layer}": (self.dtype, (tokens, heads, dim)) for kind in KINDS for layer in range(layers)}
@@ -227,8 +232,9 @@ class ShardWriter:
     def _flush(self) -> None:
         self._raise_if_failed()
         image, self._image = self._image, None
-        meta = dict(self.metadata, split=self._split, format=SHARD_FORMAT, shard=len(self.records[self._split]),
+        meta = dict(self.metadata, split=self._split, format=SHARD_FORMAT, shard=self._next_shard,
                     doc_ids=image.doc_ids, content_hashes=image.content_hashes, lengths=image.lengths)
+        self._next_shard += 1
         prefix = artifact_prefix(image.specs, meta)
         record = {"file": image.path.name, "sequences": len(image.lengths), "tokens": image.filled,
                   "bytes": len(prefix) + image.data.numel(), "sha256": None}

@@ -1,8 +1,10 @@
 """Torch dtypes and devices by name, as params.yaml spells them, and what a stage used of its device."""
 from __future__ import annotations
 
+import os
 import resource
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,5 +41,29 @@ class StageUsage:
             peak, kind = torch.cuda.max_memory_allocated(self.device) / 2**20, "cuda allocator"
         else:
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process rss"
-        return {"wall_s": round(time.perf_counter() - self.started, 2), "peak_memory_mib": round(peak, 1),
-                "peak_memory_of": kind, "device": str(self.device)}
+        figures = {"wall_s": round(time.perf_counter() - self.started, 2), "peak_memory_mib": round(peak, 1),
+                   "peak_memory_of": kind, "device": str(self.device)}
+        if shared_run():
+            figures["timing_note"] = SHARED_NOTE
+        return figures
+
+
+SHARED_NOTE = ("run in a DVC experiment's own copy (dvc exp run --queue or --temp): other experiments may have "
+               "shared the machine, so wall times and peaks are not comparable across runs")
+
+
+def shared_run() -> bool:
+    """Whether this stage runs in a copy DVC made for an experiment (a queued or temporary run, which `dvc queue
+    start -j N` runs beside others), not in the repository itself: DVC then points DVC_ROOT at the repository."""
+    root = os.environ.get("DVC_ROOT")
+    return bool(root) and Path(root).resolve() != Path.cwd().resolve()
+
+
+def usage_of_ranks(figures: list[dict]) -> dict:
+    """One stage's figures from each of its processes (`StageUsage.figures`, in rank order): one process's as
+    they are; several: the slowest wall time, the largest peak and each rank's peak beside it."""
+    if len(figures) == 1:
+        return figures[0]
+    return {**figures[0], "wall_s": max(f["wall_s"] for f in figures),
+            "peak_memory_mib": max(f["peak_memory_mib"] for f in figures),
+            "peak_memory_mib_per_rank": [f["peak_memory_mib"] for f in figures], "processes": len(figures)}

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.store.cli import Refusal
 from pipeline.store.devices import default_device, parse_dtype
+from pipeline.store.params import ParamError
 from pipeline.store.shapes import random_model, shape_config
 
 
@@ -46,6 +47,9 @@ class ModelsParams:
     target_revision: str | None
     dtype: Literal["float32", "bfloat16", "float16"]
     device: Literal["cpu", "cuda", "auto"]
+    # null: each model whole on `device`; auto/balanced/sequential: accelerate spreads a checkpoint too large
+    # for one device over the visible GPUs (then CPU), and the handoff moves each cache layer to its layer
+    device_map: Literal["auto", "balanced", "sequential"] | None
 
     @property
     def torch_device(self) -> str:
@@ -156,8 +160,17 @@ def follow(name_or_path: str, revision: str | None) -> tuple[str, str | None, di
     return name_or_path, revision, pointer
 
 
-def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None):
+def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None, device_map=None):
+    """A causal LM in eval mode: on `device`, or with `device_map` spread by accelerate over the devices."""
     name, revision, random = follow(name_or_path, revision)
+    if random and device_map:
+        raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
+                         f"model of a stored shape; set models.device_map: null")
+    if device_map:
+        model = AutoModelForCausalLM.from_pretrained(resolve(name, revision), dtype=parse_dtype(dtype),
+                                                     device_map=device_map)
+        model.config._name_or_path = name
+        return model.eval()
     if random:
         model = random_model(shape_config(random["shape"]), parse_dtype(dtype), device or default_device(),
                              random["seed"])
