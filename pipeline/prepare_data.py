@@ -59,7 +59,7 @@ class DataParams:
     prompt_length: int = spec(positive=True)  # eval prompts: tokens before the continuation
     continuation_length: int = spec(positive=True)
     dev_items: int = spec(positive=True)  # per task
-    eval_items: int = spec(positive=True)  # per task
+    eval_items: int | None = spec(positive=True)  # per task; null: every item of the split the dev part leaves
     world: WorldConfig | None  # generated: the generator's settings; its counts come from the keys above
     tokenizer: str | None  # hub: the target's id or a local path
     tokenizer_revision: str | None
@@ -72,6 +72,9 @@ class DataParams:
         for name in needed:
             if getattr(self, name) is None:
                 raise ParamError(f"data.{name}: required when data.kind is {self.kind!r}")
+        if self.eval_items is None and self.kind == "generated":
+            raise ParamError("data.eval_items: null (every item) needs real task data (data.kind: hub); "
+                             "give the generated world a count")
 
 
 # ---- generated (tiny world) ----
@@ -163,6 +166,17 @@ def corpus_documents(rows: list[dict]) -> list[str]:
     return [d for d in documents if d.strip()]
 
 
+def _first_groups(stream: list[str], groups: dict[str, list[dict]], wanted: int) -> set[str]:
+    """The groups whose items the first `wanted` items of `stream` come from."""
+    used, count = set(), 0
+    for key in stream:
+        if count >= wanted:
+            break
+        used.add(key)
+        count += len(groups[key])
+    return used
+
+
 def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:
     """A seeded permutation of keys dealt into `parts` streams: each stream's first n are nested draws."""
     order = sorted(keys)
@@ -237,9 +251,12 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
         for row in rows:
             groups.setdefault(row["doc_id"], []).append(row)
         streams = _interleaved(list(groups), params.seed, 2)
+        if params.eval_items is None:  # the whole split but the dev part: the dev stream's unused groups join eval
+            dev_groups = _first_groups(streams[1], groups, params.dev_items)
+            streams[0] = streams[0] + [key for key in streams[1] if key not in dev_groups]
         for part, stream, wanted in zip(("eval", "dev"), streams, (params.eval_items, params.dev_items)):
             items = [row for key in stream for row in groups[key]][:wanted]
-            if len(items) < wanted:
+            if wanted is not None and len(items) < wanted:
                 raise ParamError(f"data: {task} has only {len(items)} items for its {part} part, {wanted} asked")
             frames[f"{task}_{part}"] = pd.DataFrame(items)
     return frames, tokenizer

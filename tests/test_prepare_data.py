@@ -1,7 +1,7 @@
 """Stage prepare_data: the generated world and the hub path (on the real rows in tests/data)."""
 import pandas as pd
 import pytest
-from conftest import HELLASWAG, PIQA, PIQA_LABELS, WIKITEXT, committed
+from conftest import HELLASWAG, PIQA, PIQA_LABELS, WIKITEXT, committed, hellaswag_rows, piqa_rows
 from lm_eval.tasks import TaskManager, get_task_dict
 
 from pipeline.measure.tasks import write_task_config
@@ -83,6 +83,22 @@ def test_hub_subsamples_are_nested(tmp_path, tokenizer):
     small, large = frames(tmp_path / "small"), frames(tmp_path / "large")
     assert list(small["hellaswag_eval"].ind) == list(large["hellaswag_eval"].ind[:30])
     assert list(small["fit"].doc_id) == list(large["fit"].doc_id[:4])
+
+
+def test_eval_items_null_takes_every_item_the_dev_part_leaves(tmp_path, tokenizer):
+    run(hub_params(tmp_path, tokenizer, eval_items=None), tmp_path / "data")
+    data = frames(tmp_path / "data")
+    check_disjoint(data)
+    assert len(data["hellaswag_dev"]) == len(data["piqa_dev"]) == 20
+    for task, rows in (("hellaswag", hellaswag_rows(300)), ("piqa", piqa_rows(300))):
+        groups = {f"{task}-{row.get('source_id') or row['goal']}" for row in rows}  # the files' item groups
+        assert set(data[f"{task}_eval"].doc_id) | set(data[f"{task}_dev"].doc_id) == groups  # every one used
+        assert len(data[f"{task}_eval"]) > 250
+    run(hub_params(tmp_path, tokenizer), tmp_path / "some")
+    some = frames(tmp_path / "some")
+    assert list(some["hellaswag_eval"].ind) == list(data["hellaswag_eval"].ind[:30])  # a draw of 30 starts it
+    with pytest.raises(ParamError, match="data.eval_items: null"):
+        generated_params(eval_items=None)
 
 
 def test_missing_hub_dataset_fails_fast_naming_it(tmp_path, tokenizer):

@@ -23,8 +23,8 @@ def test_committed_params_equal_the_default_profile(tmp_path):
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == compose(tmp_path)
 
 
-def test_the_four_profiles_exist():
-    assert PROFILES == ["llama-shapes", "qwen3-shapes", "qwen3-v0", "tiny"]
+def test_the_five_profiles_exist():
+    assert PROFILES == ["llama-shapes", "qwen3-shapes", "qwen3-v0", "scale", "tiny"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -49,3 +49,10 @@ def test_v0_profile_declares_the_v0_protocol(tmp_path):
     data = params["data"]
     assert ((data["fit_sequences"], data["select_sequences"], data["eval_prompts"], data["eval_items"])
             == (50, 25, 100, 500))
+
+
+def test_the_scale_profile_is_v0_on_500_long_sequences_and_the_whole_task_sets(tmp_path):
+    v0, scale = compose(tmp_path, "profile=qwen3-v0"), compose(tmp_path, "profile=scale")
+    assert (scale["data"]["fit_sequences"], scale["data"]["sequence_length"]) == (500, 1024)
+    assert scale["data"]["eval_items"] is None  # every validation item the dev part leaves
+    assert scale["models"] == v0["models"] and scale["fit"]["ks"] == v0["fit"]["ks"]
