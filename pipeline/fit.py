@@ -41,7 +41,7 @@ from pipeline.fitting.families import (
     ridge_candidates,
 )
 from pipeline.fitting.mlpfit import MlpSettings
-from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking
+from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
@@ -73,6 +73,7 @@ class FitParams:
     probe_lambda: float = spec(min=0)
     probe_holdout: float = spec(positive=True, max=0.5)  # share of fit sequences held out of the probes
     accumulator_gib: float = spec(positive=True)  # float64 moments held at once; more passes if smaller
+    probe_rows_gib: float = spec(min=0)  # source rows kept across probe passes (stored dtype); else re-read
     seed: int
     threads: int = spec(min=1)
     timing_repeats: int = spec(min=1)
@@ -103,7 +104,10 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     held = holdout_sequences(fit_pairs, params.probe_holdout, params.seed)
     scores = probe_r2(fit_pairs, held, geo_s["layers"], geo_t["layers"], geometry.heads_s * geometry.dim_s,
                       geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30, device,
-                      world)
+                      world, params.probe_rows_gib * 2**30)
+    # what the probes read from the source's fit split, in units of the split's size (keys and values)
+    probe_reads = (sum(s.bytes_read for s, _ in fit_pairs)
+                   / max(1, stored_bytes(fit_pairs, geo_s["layers"], geometry.heads_s * geometry.dim_s)))
     orders = ranking(scores)
 
     ridge = ridge_candidates(families, params.ks, params.lambdas)
@@ -142,6 +146,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     fit_tokens = sum(s.tokens for s, _ in fit_pairs)
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
                "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
+               "probe_source_reads": round(probe_reads, 3),
                **{f"skipped/{family}": reason for family, reason in skipped.items()}}
     if only is None:
         metrics["source_prefill_s"] = round(prefill_s, 6)  # what each time_vs_source_prefill divides by

@@ -16,7 +16,7 @@ from pipeline.extract import run as extract
 from pipeline.fit import FitParams
 from pipeline.fit import run as fit
 from pipeline.fitting import ridge
-from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking
+from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
 from pipeline.kv.flops import mapper_parameter_count
 from pipeline.kv.mapper import load_mapper
 from pipeline.store.artifacts import ArtifactError
@@ -193,6 +193,20 @@ def test_probes_on_fewer_rows_than_features_equal_probes_from_moments(tmp_path, 
     from_moments = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
     assert set(kinds) == {"Rows", "Moments"}
     assert all(torch.allclose(from_rows[kind], from_moments[kind], rtol=1e-7, atol=1e-7) for kind in from_rows)
+
+
+def test_probes_read_the_source_once_when_its_rows_fit_the_budget_with_the_same_scores(tmp_path):
+    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3})
+
+    def probe(rows_budget_bytes):
+        pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")  # fresh read counters
+        scores = probe_r2(pairs, holdout_sequences(pairs, 0.25, seed=0), 4, 3, 8, 8, 1e-6, budget_bytes=1,
+                          device="cpu", rows_budget_bytes=rows_budget_bytes)  # three passes
+        return scores, sum(s.bytes_read for s, _ in pairs) / stored_bytes(pairs, 4, 8)
+
+    (kept, kept_reads), (reread, reread_reads) = probe(1e9), probe(0)
+    assert all(torch.equal(kept[kind], reread[kind]) for kind in kept)
+    assert kept_reads == pytest.approx(1.0, abs=0.05) and reread_reads == pytest.approx(3.0, abs=0.05)
 
 
 def test_probe_picks_the_planted_source_layer(tmp_path):

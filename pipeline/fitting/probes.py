@@ -42,10 +42,12 @@ def _groups(items: list[int], size: int) -> list[list[int]]:
 
 def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
              ridge_lambda: float, budget_bytes: float, device: str | torch.device,
-             world: World = SINGLE) -> dict[str, torch.Tensor]:
+             world: World = SINGLE, rows_budget_bytes: float = 0) -> dict[str, torch.Tensor]:
     """Held-out R² of single-layer ridge probes: per kind (target_layers, source_layers), on the CPU; the
-    moments and solves run on `device`. Under several processes each takes every N-th group of target layers
-    (the groups one process would make) and every process gets the whole table."""
+    moments and solves run on `device`. When the source's rows of the split fit `rows_budget_bytes` (in their
+    storage dtype) they are read once and kept for every pass; otherwise every pass reads them again. Under
+    several processes each takes every N-th group of target layers (the groups one process would make) and
+    every process gets the whole table."""
     # per pass: 2 kinds x (train, held) x source_layers x (X^T X + X^T Y over the group's target columns)
     fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))
@@ -55,20 +57,25 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     inputs: dict[tuple, ridge.Moments] = {}  # per (kind, source layer): n, sum_x and X^T X, from the first pass
     held_inputs: dict[tuple, ridge.Moments] = {}  # the same for the held-out rows
     groups = _groups(list(range(target_layers)), group)
-    for targets in tqdm([groups[i] for i in world.share(len(groups))], desc="probe passes", unit="pass",
-                        disable=not world.main):
+    mine = [groups[i] for i in world.share(len(groups))]
+    kept = {}  # (shard index, kind) -> the source's stored rows of every layer, when they fit the budget
+    if len(mine) > 1 and stored_bytes(pairs, source_layers, width_s) <= rows_budget_bytes:
+        kept = {(i, kind): source.read(kind, list(range(source_layers)), stored=True)
+                for i, (source, _) in enumerate(pairs) for kind in KINDS}
+    for targets in tqdm(mine, desc="probe passes", unit="pass", disable=not world.main):
         out_width = len(targets) * width_t
         first = not inputs
         train = {(kind, p): ridge.summary(train_count, width_s, out_width, device)
                  for kind in KINDS for p in range(source_layers)}
         held_out = {(kind, p): ridge.summary(held_count, width_s, out_width, device)
                    for kind in KINDS for p in range(source_layers)}
-        for source, target in pairs:
+        for index, (source, target) in enumerate(pairs):
             mask = held_rows(source, held)
             for kind in KINDS:
                 y = torch.cat(target.read(kind, targets), dim=1)  # (tokens, G * Ht*Dt)
                 for p in range(source_layers):
-                    (x,) = source.read(kind, [p])  # (tokens, Hs*Ds), read once per pass
+                    # (tokens, Hs*Ds): kept from the first read, or read once per pass
+                    x = kept[index, kind][p].float() if kept else source.read(kind, [p])[0]
                     train[kind, p].update(x[~mask], y[~mask], inputs=first)
                     held_out[kind, p].update(x[mask], y[mask], inputs=first)
         if first:  # X^T X of a source layer does not depend on the target group: computed once per run
@@ -89,6 +96,12 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
             for kind in KINDS:
                 scores[kind][targets] = parts[index % world.size][kind][targets]
     return scores
+
+
+def stored_bytes(pairs: Pairs, source_layers: int, width_s: int) -> int:
+    """Bytes of the source's rows of the split (keys and values, every layer) in their storage dtype."""
+    itemsize = pairs[0][0].read("keys", [0], stored=True)[0].element_size() if pairs else 0
+    return sum(source.tokens for source, _ in pairs) * width_s * source_layers * len(KINDS) * itemsize
 
 
 def ranking(scores: dict[str, torch.Tensor]) -> list[list[int]]:

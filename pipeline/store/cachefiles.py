@@ -45,16 +45,20 @@ class Shard:
     doc_ids: list[str]
     content_hashes: list[str]
     lengths: list[int]
+    bytes_read: int = field(default=0, compare=False)  # tensor bytes `read` has taken from the file so far
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
 
-    def read(self, kind: str, layers: list[int]) -> list[torch.Tensor]:
-        """float32 (tokens, kv_heads * head_dim) rows of `kind` for each of `layers`, in that order."""
+    def read(self, kind: str, layers: list[int], stored: bool = False) -> list[torch.Tensor]:
+        """float32 (tokens, kv_heads * head_dim) rows of `kind` for each of `layers`, in that order (`stored`: in
+        the storage dtype, unconverted)."""
         with safe_open(str(self.path), framework="pt") as f:
             blocks = [f.get_tensor(f"{kind}.{layer}") for layer in layers]  # (tokens, H, D) each
-        return [b.to(torch.float32).reshape(b.shape[0], -1) for b in blocks]  # (tokens, H*D) each
+        self.bytes_read += sum(b.numel() * b.element_size() for b in blocks)
+        return [b.reshape(b.shape[0], -1) if stored else b.to(torch.float32).reshape(b.shape[0], -1)
+                for b in blocks]  # (tokens, H*D) each
 
 
 def open_shard(path: Path) -> Shard:
