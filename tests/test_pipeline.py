@@ -188,7 +188,7 @@ def test_evaluation_on_two_processes_writes_what_one_process_wrote(repo):
         # since lm-eval's split puts other contexts beside each one in a batch (other padding, other kernels)
         two, one = (pd.read_parquet(root / f"eval/{variant}/items.parquet") for root in (repo, kept))
         assert two.drop(columns="loglikelihoods").equals(one.drop(columns="loglikelihoods"))
-        assert all(np.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(two.loglikelihoods, one.loglikelihoods))
+        assert all(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(two.loglikelihoods, one.loglikelihoods))
         for sample in (kept / f"eval/{variant}/lm_eval").glob("lm_eval_samples_*.jsonl"):
             decided = lambda path: [{k: row[k] for k in ("doc_id", "acc", "acc_norm")}  # noqa: E731
                                     for row in map(json.loads, path.read_text().splitlines())]
