@@ -84,6 +84,23 @@ def test_extract_on_two_processes_writes_the_same_caches_as_one(two_worlds):
 
 
 @pytest.mark.slow
+def test_extract_under_accelerate_launch_writes_the_same_caches_as_one_process(two_worlds, tmp_path):
+    one, _ = two_worlds
+    other = tmp_path / "accelerate"
+    shutil.copytree(one, other, ignore=shutil.ignore_patterns("caches", "metrics"))
+    # on a CPU, `--multi_gpu` is accelerate's torchrun launcher (`--cpu` with several processes wants mpirun);
+    # the stage runs on gloo because models.device is cpu
+    launcher = Path(sys.executable).parent / "accelerate"
+    result = subprocess.run([str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                             "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "pipeline.extract", "source"],
+                            cwd=other, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((other / "metrics/extract_source.json").read_text())["processes"] == 2
+    assert _files(one / "caches/source") == _files(other / "caches/source")
+
+
+@pytest.mark.slow
 def test_fit_on_two_processes_writes_the_same_mappers_and_tables_as_one(two_worlds):
     one, two = two_worlds
     for root in (one, two):
