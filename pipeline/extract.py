@@ -121,6 +121,13 @@ def shard_runs(count: int, shard_sequences: int) -> list[range]:
     return [range(start, min(start + shard_sequences, count)) for start in range(0, count, shard_sequences)]
 
 
+def rank_shards(count: int, shard_sequences: int, world: World) -> list[tuple[int, range]]:
+    """This rank's shards of a split of `count` sequences (every one in one process; r, r+N, ... under N), each
+    as (its global number, its sequences)."""
+    runs = shard_runs(count, shard_sequences)
+    return [(index, runs[index]) for index in world.share(len(runs))]
+
+
 def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], out_dir: Path, base: dict,
                    params: ExtractParams, bar, world: World = SINGLE) -> dict:
     """Write this rank's shards of every split under `out_dir` (all of them in one process; shards r, r+N, ...
@@ -129,9 +136,7 @@ def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], o
     writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
     for split, frame in frames.items():
         lengths = [len(ids) for ids in frame.token_ids]
-        shards = shard_runs(len(lengths), params.shard_sequences)
-        for index in world.share(len(shards)):
-            members = shards[index]
+        for index, members in rank_shards(len(lengths), params.shard_sequences, world):
             writer.begin(split, [lengths[i] for i in members], first_shard=index)
             for run in batches([lengths[i] for i in members], params.batch_sequences):
                 run = [members[i] for i in run]
@@ -179,8 +184,7 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
                 stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
     world.barrier()
     mine = [frame.token_ids[i] for frame in frames.values()
-            for shard in world.share(len(shard_runs(len(frame), params.shard_sequences)))
-            for i in shard_runs(len(frame), params.shard_sequences)[shard]]
+            for _, members in rank_shards(len(frame), params.shard_sequences, world) for i in members]
 
     forward_floor(model, all_ids[:1], 1)  # warm-up, so neither timing below pays first-call costs
     times = {"forward": [], "extract": [], "write": []}

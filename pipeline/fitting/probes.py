@@ -100,7 +100,7 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
 
 def stored_bytes(pairs: Pairs, source_layers: int, width_s: int) -> int:
     """Bytes of the source's rows of the split (keys and values, every layer) in their storage dtype."""
-    itemsize = pairs[0][0].read("keys", [0], stored=True)[0].element_size() if pairs else 0
+    itemsize = pairs[0][0].stored_itemsize if pairs else 0
     return sum(source.tokens for source, _ in pairs) * width_s * source_layers * len(KINDS) * itemsize
 
 

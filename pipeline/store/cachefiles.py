@@ -37,6 +37,7 @@ from pipeline.store.artifacts import (
 SHARD_FORMAT = "kv-handoff/cache-shard/v1"
 MANIFEST = "manifest.json"
 KINDS = ("keys", "values")
+STORED_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors' dtype names -> bytes per element
 
 
 @dataclass
@@ -50,6 +51,12 @@ class Shard:
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+    @property
+    def stored_itemsize(self) -> int:
+        """Bytes per element as the file stores its tensors, from the header alone (no tensor is read)."""
+        with safe_open(str(self.path), framework="pt") as f:
+            return STORED_ITEMSIZE[f.get_slice(f"{KINDS[0]}.0").get_dtype()]
 
     def read(self, kind: str, layers: list[int], stored: bool = False) -> list[torch.Tensor]:
         """float32 (tokens, kv_heads * head_dim) rows of `kind` for each of `layers`, in that order (`stored`: in
