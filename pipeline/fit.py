@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.fitting.families import (
+    Candidate,
     Geometry,
     Parts,
     R2Table,
@@ -69,6 +70,7 @@ class FitParams:
     mlp: MlpParams
     ks: list[int] = spec(min=1, nonempty=True)
     lambdas: list[float] = spec(min=0, nonempty=True)
+    lambda_scale: Literal["absolute", "relative"]  # relative: lambda times the mean centered Gram diagonal
     families: list[Literal["linear", "head_matched"]]
     probe_lambda: float = spec(min=0)
     probe_holdout: float = spec(positive=True, max=0.5)  # share of fit sequences held out of the probes
@@ -126,7 +128,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     for layer in tqdm(list(world.share(geo_t["layers"])), desc="fit layers", unit="layer", disable=not world.main):
         if ridge:
             fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
-                            device)
+                            device, params.lambda_scale)
         for k in mlp_ks:
             mlp_facts[(k, layer)] = fit_mlp_layer(layer, orders[layer], k, fit_pairs, select_pairs, held, mlp,
                                                   geometry.heads_t, parts, table, device)
@@ -151,7 +153,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     if only is None:
         metrics["source_prefill_s"] = round(prefill_s, 6)  # what each time_vs_source_prefill divides by
     for name, family, k, lam in tqdm(ridge + mlp_candidates(mlp_ks), desc="write mappers", unit="mapper"):
-        extra = {"probe_lambda": params.probe_lambda, "fit_tokens": fit_tokens, "seed": params.seed}
+        extra = {"probe_lambda": params.probe_lambda, "lambda_scale": params.lambda_scale, "fit_tokens": fit_tokens,
+                 "seed": params.seed}
         if family == "mlp":
             extra["mlp"] = {"hidden": params.mlp.hidden,
                             "epochs": [mlp_facts[(k, layer)] for layer in range(geo_t["layers"])]}
@@ -170,8 +173,11 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                 time_against_prefill(mapper.to(device), content, len(token_ids), prefill_s, params.timing_repeats), 4)
         del mapper
     parts.remove()
+    metrics.update(chosen_lambdas(table, ridge, params.lambda_scale))
 
     _write_csv(metrics_dir / "fit_layers.csv", table.rows)
+    # the header alone when no linear candidate is fitted, so the declared output always exists
+    _write_csv(metrics_dir / "fit_lambda_scale.csv", table.scale_rows, R2Table.SCALE_FIELDS)
     _write_csv(metrics_dir / "fit_probe.csv", [
         {"target_layer": tl, "source_layer": sl, "r2_keys_heldout": round(scores["keys"][tl, sl].item(), 6),
          "r2_values_heldout": round(scores["values"][tl, sl].item(), 6)}
@@ -179,10 +185,33 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     return metrics
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
+def chosen_lambdas(table: R2Table, ridge: list[Candidate], scale: str) -> dict:
+    """Per ridge family and k: the lambda with the best held-out R² on the select split (mean of keys and values
+    over layers), that candidate's R² per target layer and kind, and, per lambda scale, the worst layer's
+    held-out R² of the linear family at its best lambda on that scale (a layer whose map collapses shows here)."""
+    out: dict[str, float | str] = {"lambda_scale": scale}
+    heldout = table.heldout
+    for family, k in dict.fromkeys((c.family, c.k) for c in ridge):
+        group = [c for c in ridge if (c.family, c.k) == (family, k)]
+        best = max(group, key=lambda c: (statistics.mean(heldout[(c.name, "keys")] + heldout[(c.name, "values")]),
+                                         -c.ridge_lambda))
+        out[f"chosen/{family}_k{k}/lambda"] = best.ridge_lambda
+        for kind in ("keys", "values"):
+            for layer, r2 in enumerate(table.heldout_by_layer(best.name, kind)):
+                out[f"chosen/{family}_k{k}/r2_{kind}_layer{layer}"] = round(r2, 6)
+    rows = pd.DataFrame(table.scale_rows)
+    if not rows.empty:
+        rows["k"] = [next(c.k for c in ridge if c.name == name) for name in rows.candidate]
+        for (k, scale_, kind), group in rows.groupby(["k", "lambda_scale", "kind"]):
+            best_by_layer = group.groupby("layer").r2_heldout.max()  # each layer at its best lambda on this scale
+            out[f"lambda_scale_check/linear_k{k}/{scale_}/{kind}_worst_layer_r2"] = round(best_by_layer.min(), 6)
+    return out
+
+
+def _write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "w", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else fields)
             writer.writeheader()
             writer.writerows(rows)
 

@@ -23,7 +23,13 @@ import pandas as pd
 import torch
 import transformers
 
-from pipeline.measure.retention import comparison, mean_retention, retention_interval
+from pipeline.measure.retention import (
+    comparison,
+    gap_closure_interval,
+    mean_gap_closure,
+    mean_retention,
+    retention_interval,
+)
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, md_table, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
@@ -52,6 +58,7 @@ LABELS = {
 @dataclass
 class Gates:
     retention_floor: float = spec(min=0.0, max=1.0)
+    gap_closure_floor: float = spec(min=0.0, max=1.0)  # of the source-to-oracle gap; needs the source baseline
     perplexity_ratio_limit: float = spec(positive=True)
     agreement_milestone: float = spec(min=0.0, max=1.0)  # on next-token top-1
     noninferiority_margin: float = spec(min=0.0, max=1.0)
@@ -90,17 +97,24 @@ def load_variants(variants: list[str]) -> tuple[dict, dict, dict, dict]:
 
 
 def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, controls: dict) -> dict:
-    oracle_acc = {t: metrics["oracle"][f"{t}_{params.retention_metric}"] for t in TASKS}
+    accuracy = {name: {t: m[f"{t}_{params.retention_metric}"] for t in TASKS} for name, m in metrics.items()}
+    oracle_acc = accuracy["oracle"]
     variants = {}
     for variant, m in metrics.items():
-        acc = {t: m[f"{t}_{params.retention_metric}"] for t in TASKS}
+        acc = accuracy[variant]
         interval = retention_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
+        closure = {"gap_closure": None, "gap_closure_low": None, "gap_closure_high": None}
+        if "source" in items:  # the gap is the source model's own: without its evaluation there is none
+            bounds = gap_closure_interval(items, variant, params.retention_metric, params.bootstrap_iters,
+                                          params.seed)
+            closure = {"gap_closure": mean_gap_closure(acc, accuracy["source"], oracle_acc),
+                       "gap_closure_low": bounds["low"], "gap_closure_high": bounds["high"]}
         entry = {
             "perplexity": m["perplexity"], "ppl_ratio": m["perplexity"] / metrics["oracle"]["perplexity"],
             "next_token_top1": m["next_token_top1"], "agreement": m["agreement"], "mean_kl": m["mean_kl"],
             "rollout_agreement": m["rollout_agreement"], **{t: acc[t] for t in TASKS},
             "retention": mean_retention(acc, oracle_acc), "retention_low": interval["low"],
-            "retention_high": interval["high"], "prompts": m["prompts"],
+            "retention_high": interval["high"], **closure, "prompts": m["prompts"],
         }
         for t in TASKS:
             entry[f"{t}_acc"], entry[f"{t}_acc_norm"], entry[f"{t}_n"] = m[f"{t}_acc"], m[f"{t}_acc_norm"], m[f"{t}_n"]
@@ -125,6 +139,8 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
     gates = {
         "controls_passed": {"passed": all(entry["passed"] for entry in controls.values()), "threshold": "all"},
         "retention_floor": _gate(chosen["retention"] >= g.retention_floor, g.retention_floor, chosen["retention"]),
+        "gap_closure_floor": _gate(chosen["gap_closure"] is not None and chosen["gap_closure"] >= g.gap_closure_floor,
+                                   g.gap_closure_floor, chosen["gap_closure"]),
         "perplexity_ratio": _gate(chosen["ppl_ratio"] <= g.perplexity_ratio_limit, g.perplexity_ratio_limit,
                                   chosen["ppl_ratio"]),
         "beats_source_and_nulls": {"passed": bool(beats) and all(beats.values()),
@@ -140,11 +156,14 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
 
 def headline(report: dict) -> dict[str, dict]:
     """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
-    columns, retention with its interval, and the gap to the oracle in mean task accuracy."""
+    columns, retention and the gap closure with their intervals, and the gap to the oracle in mean task
+    accuracy."""
     oracle = report["variants"]["oracle"]
     return {name: {"perplexity": e["perplexity"], "next_token_top1": e["next_token_top1"],
                    "hellaswag": e["hellaswag"], "piqa": e["piqa"], "retention": e["retention"],
                    "retention_low": e["retention_low"], "retention_high": e["retention_high"],
+                   "gap_closure": e["gap_closure"], "gap_closure_low": e["gap_closure_low"],
+                   "gap_closure_high": e["gap_closure_high"],
                    "gap": sum(oracle[t] - e[t] for t in TASKS) / len(TASKS)}
             for name, e in report["variants"].items()}
 
@@ -191,10 +210,12 @@ def markdown(report: dict, context: dict) -> str:
                   "reference compares only as ratios.", ""]
     lines += ["## The V0 table", ""]
     lines += md_table(
-        ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "V0 reference"],
+        ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "Gap closure [95% CI]",
+         "V0 reference"],
         [[label(n), f"{v[n]['perplexity']:.4f}", _pct(v[n]["next_token_top1"]), _pct(v[n]["hellaswag"]),
           _pct(v[n]["piqa"]),
           f"{_pct(v[n]['retention'])} [{_pct(v[n]['retention_low'])}, {_pct(v[n]['retention_high'])}]",
+          f"{_pct(v[n]['gap_closure'])} [{_pct(v[n]['gap_closure_low'])}, {_pct(v[n]['gap_closure_high'])}]",
           _v0_reference(n, v[n], profile)] for n in order])
     o = v["oracle"]
     if report.get("skipped"):
@@ -202,7 +223,9 @@ def markdown(report: dict, context: dict) -> str:
                          for name, reason in report["skipped"].items()]
     lines += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. "
               f"V0 reference: perplexity / next-token top-1 / HellaSwag / PIQA as published (V0's own data; comparable "
-              f"only as ratios{' — deltas shown' if profile == 'qwen3-v0' else ''}).", ""]
+              f"only as ratios{' — deltas shown' if profile == 'qwen3-v0' else ''}). Retention is measured from "
+              f"chance; the gap closure, (variant − source alone) / (oracle − source alone), from the source model "
+              f"alone: 0 means the handoff buys nothing over running the small model.", ""]
     lines += ["## Beside the V0 columns", ""]
     lines += md_table(
         ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
@@ -264,6 +287,10 @@ def reading(report: dict, context: dict) -> str:
              f"oracle's above-chance task accuracy (95% interval ±{width:.0f} points at {e['hellaswag_n']} + "
              f"{e['piqa_n']} items), with perplexity {e['ppl_ratio']:.2f}x the oracle's and next-token agreement "
              f"{_pct(e['next_token_top1'])}."]
+    if e["gap_closure"] is not None:
+        parts.append(f"Measured from the source model alone instead of chance, it closes {_pct(e['gap_closure'])} "
+                     f"[{_pct(e['gap_closure_low'])}, {_pct(e['gap_closure_high'])}] of the gap between the source "
+                     f"and the oracle.")
     established, open_ = [], []
     for other in ("source", "zero", "shuffled", "direct"):
         key = f"{mapped}_minus_{other}"

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -101,6 +102,30 @@ def _rows(x, y, chunk=3):
     for start in range(0, x.shape[0], chunk):
         rows.update(x[start : start + chunk], y[start : start + chunk])
     return rows
+
+
+def test_a_relative_lambda_is_the_absolute_lambda_times_the_mean_centered_gram_diagonal():
+    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [1.0, 2.0], [-1.0, -2.0]], dtype=torch.float64) + 3
+    y = torch.tensor([[1.0], [2.0], [0.0], [5.0]], dtype=torch.float64)
+    # centered columns: (1, -1, 1, -1) and (0, 0, 2, -2): sums of squares 4 and 8, mean 6
+    for summary in (_moments(x, y), _rows(x, y)):
+        assert ridge.gram_scale(summary) == pytest.approx(6.0)
+        assert ridge.effective_lambda(summary, 0.5, "relative") == pytest.approx(3.0)
+        assert ridge.effective_lambda(summary, 0.5, "absolute") == 0.5
+    with pytest.raises(ValueError, match="not absolute or relative"):
+        ridge.effective_lambda(_moments(x, y), 0.5, "percent")
+
+
+def test_a_relative_lambda_gives_the_same_predictions_whatever_the_inputs_scale_and_an_absolute_one_does_not():
+    x, y = _data()
+    predictions = {}
+    for scale in ("relative", "absolute"):
+        for factor in (1.0, 0.01):  # the same features in other units
+            m = _moments(x * factor, y)
+            weight, bias = ridge.solve(m, ridge.effective_lambda(m, 0.05, scale))
+            predictions[scale, factor] = x * factor @ weight + bias
+    assert torch.allclose(predictions["relative", 1.0], predictions["relative", 0.01], atol=1e-8)
+    assert not torch.allclose(predictions["absolute", 1.0], predictions["absolute", 0.01], atol=1e-3)
 
 
 def test_fewer_rows_than_features_are_kept_as_rows_and_more_as_moments():
@@ -206,7 +231,7 @@ def test_probes_read_the_source_once_when_its_rows_fit_the_budget_with_the_same_
 
     (kept, kept_reads), (reread, reread_reads) = probe(1e9), probe(0)
     assert all(torch.equal(kept[kind], reread[kind]) for kind in kept)
-    assert kept_reads == pytest.approx(1.0, abs=0.05) and reread_reads == pytest.approx(3.0, abs=0.05)
+    assert (kept_reads, reread_reads) == (1.0, 3.0)  # learning the stored dtype reads no tensor
 
 
 def test_probe_picks_the_planted_source_layer(tmp_path):
@@ -250,8 +275,20 @@ def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
                             ("mlp_k1", "mlp", 1)):  # the sizes check_pair predicts from configs alone
         assert metrics[f"{name}/params"] == mapper_parameter_count(*configs, k, family, FIT["mlp"]["hidden"]), name
     layers_csv = (tmp_path / "metrics" / "fit_layers.csv").read_text().splitlines()
-    assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio"
+    assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio,ridge_lambda"
     assert len(layers_csv) == 1 + 9 * 2 * 2 * 2  # candidates x layers x heads x kinds
+    assert metrics["lambda_scale"] == "relative" and mapper.extra["lambda_scale"] == "relative"
+    for family in ("linear", "head_matched"):
+        for k in (1, 2):
+            assert metrics[f"chosen/{family}_k{k}/lambda"] in FIT["lambdas"]
+            assert all(-1 < metrics[f"chosen/{family}_k{k}/r2_{kind}_layer{layer}"] <= 1
+                       for kind in ("keys", "values") for layer in (0, 1))
+    scales = pd.read_csv(tmp_path / "metrics" / "fit_lambda_scale.csv")
+    assert len(scales) == 4 * 2 * 2 * 2  # linear candidates x layers x kinds x (relative, absolute)
+    both = scales.pivot_table(index=["candidate", "layer", "kind"], columns="lambda_scale", values="ridge_lambda")
+    assert (both.relative > both.absolute).all()  # the mean centered Gram diagonal of these caches is above 1
+    assert {f"lambda_scale_check/linear_k2/{scale}/values_worst_layer_r2" for scale in ("relative", "absolute")} \
+        <= set(metrics)
 
 
 def test_a_family_the_contract_leaves_undefined_is_skipped_with_its_reason(extracted, tmp_path):

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from conftest import committed
 
-from pipeline.measure.retention import mean_retention, retention
+from pipeline.measure.retention import gap_closure, mean_retention, retention
 from pipeline.report import V0, ReportParams, build, load_variants, markdown
 from pipeline.store.params import parse
 
@@ -53,6 +53,48 @@ def test_gates_follow_the_numbers():
     assert not broken["gates"]["controls_passed"]["passed"]
     metrics["source"], items["source"], prompts["source"] = _fake_variant(rng, 0.85, 0.9, 0.9)
     assert not build(report_params(), metrics, items, prompts, controls)["gates"]["beats_source_and_nulls"]["passed"]
+
+
+def test_gap_closure_is_the_share_of_the_source_to_oracle_gap_a_variant_closes():
+    assert gap_closure(0.6, 0.5, 0.75) == pytest.approx(0.4)
+    assert gap_closure(0.5, 0.5, 0.75) == 0.0 and gap_closure(0.75, 0.5, 0.75) == 1.0
+    assert gap_closure(0.45, 0.5, 0.75) == pytest.approx(-0.2)  # worse than the source alone
+    assert np.isnan(gap_closure(0.6, 0.7, 0.7))  # the oracle does not beat the source: no gap to close
+
+
+def _study(rng, selected):
+    spec = {"oracle": (0.9, 0.95, 1.0), "selected": selected, "source": (0.7, 0.8, 0.3)}
+    metrics, items, prompts = {}, {}, {}
+    for name, args in spec.items():
+        metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
+    return metrics, items, prompts
+
+
+def test_the_oracle_closes_the_whole_gap_the_source_none_and_the_gate_reads_the_selected_map():
+    controls = {"compatibility": {"passed": True}}
+    report = build(report_params(), *_study(np.random.default_rng(2), (0.85, 0.9, 0.9)), controls)
+    v = report["variants"]
+    assert (v["oracle"]["gap_closure"], v["oracle"]["gap_closure_low"], v["oracle"]["gap_closure_high"]) == (1, 1, 1)
+    assert (v["source"]["gap_closure"], v["source"]["gap_closure_low"], v["source"]["gap_closure_high"]) == (0, 0, 0)
+    chosen = v["selected"]
+    assert chosen["gap_closure_low"] < chosen["gap_closure"] < chosen["gap_closure_high"]
+    assert 0.3 < chosen["gap_closure"] < 1.0 and chosen["retention"] > chosen["gap_closure"]
+    assert report["gates"]["gap_closure_floor"] == {"passed": True, "threshold": 0.5,
+                                                    "measured": chosen["gap_closure"]}
+    # a map no better than the source model alone keeps most of the retention but closes none of the gap
+    near_source = build(report_params(), *_study(np.random.default_rng(2), (0.7, 0.8, 0.3)), controls)
+    weak = near_source["variants"]["selected"]
+    assert weak["retention"] > 0.5 and abs(weak["gap_closure"]) < 0.15
+    assert not near_source["gates"]["gap_closure_floor"]["passed"]
+
+
+def test_without_the_source_baseline_there_is_no_gap_closure_and_its_gate_does_not_pass():
+    metrics, items, prompts = _study(np.random.default_rng(3), (0.85, 0.9, 0.9))
+    for table in (metrics, items, prompts):
+        del table["source"]
+    report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
+    assert report["variants"]["selected"]["gap_closure"] is None
+    assert report["gates"]["gap_closure_floor"] == {"passed": False, "threshold": 0.5, "measured": None}
 
 
 def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compared(tmp_path, monkeypatch):

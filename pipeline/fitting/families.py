@@ -59,30 +59,51 @@ class R2Table:
     held-out R² per (candidate, kind). Tables of processes that fitted different layers merge (`merged`) into
     the one table a single process records, since every layer's entries come from one process."""
 
-    entries: list[tuple] = field(default_factory=list)  # (layer, candidate, kind, r2 in sample, held-out, ratio)
+    # (layer, candidate, kind, r2 in sample per head, held-out per head, ratio, lambda solved with per head)
+    entries: list[tuple] = field(default_factory=list)
+    # (layer, candidate, kind, lambda scale, lambda solved with, held-out R² over all heads): a ridge candidate
+    # solved with its lambda read both ways, the other only to score it
+    scales: list[tuple] = field(default_factory=list)
 
     def record(self, name: str, layer: int, kind: str, r2_fit: torch.Tensor, r2_sel: torch.Tensor,
-               ratio: float) -> None:
-        self.entries.append((layer, name, kind, r2_fit.tolist(), r2_sel.tolist(), ratio))
+               ratio: float, lambdas: list[float] | None = None) -> None:
+        self.entries.append((layer, name, kind, r2_fit.tolist(), r2_sel.tolist(), ratio,
+                             lambdas or [float("nan")] * len(r2_sel)))
+
+    def record_scale(self, name: str, layer: int, kind: str, scale: str, ridge_lambda: float, r2_sel: float) -> None:
+        self.scales.append((layer, name, kind, scale, ridge_lambda, r2_sel))
 
     @classmethod
     def merged(cls, tables: list["R2Table"]) -> "R2Table":
         """One table from tables of disjoint layers: layer by layer, each layer's entries in their own order."""
-        return cls(sorted((e for table in tables for e in table.entries), key=lambda e: e[0]))
+        return cls(sorted((e for table in tables for e in table.entries), key=lambda e: e[0]),
+                   sorted((e for table in tables for e in table.scales), key=lambda e: e[0]))
 
     @property
     def rows(self) -> list[dict]:
         return [{"candidate": name, "layer": layer, "head": head, "kind": kind, "r2_in_sample": round(r_in, 6),
-                 "r2_heldout": round(r_out, 6), "param_to_sample_ratio": round(ratio, 6)}
-                for layer, name, kind, r2_fit, r2_sel, ratio in self.entries
-                for head, (r_in, r_out) in enumerate(zip(r2_fit, r2_sel))]
+                 "r2_heldout": round(r_out, 6), "param_to_sample_ratio": round(ratio, 6),
+                 "ridge_lambda": float(f"{lam:.6g}")}
+                for layer, name, kind, r2_fit, r2_sel, ratio, lambdas in self.entries
+                for head, (r_in, r_out, lam) in enumerate(zip(r2_fit, r2_sel, lambdas))]
+
+    SCALE_FIELDS = ["candidate", "layer", "kind", "lambda_scale", "ridge_lambda", "r2_heldout"]
+
+    @property
+    def scale_rows(self) -> list[dict]:
+        return [dict(zip(self.SCALE_FIELDS, (name, layer, kind, scale, float(f"{lam:.6g}"), round(r2, 6))))
+                for layer, name, kind, scale, lam, r2 in self.scales]
 
     @property
     def heldout(self) -> dict[tuple[str, str], list[float]]:
         out: dict[tuple[str, str], list[float]] = {}
-        for _, name, kind, _, r2_sel, _ in self.entries:
+        for _, name, kind, _, r2_sel, _, _ in self.entries:
             out.setdefault((name, kind), []).extend(r2_sel)
         return out
+
+    def heldout_by_layer(self, name: str, kind: str) -> list[float]:
+        """Held-out R² of candidate `name` per target layer (all heads pooled by their mean), in layer order."""
+        return [sum(r2_sel) / len(r2_sel) for _, n, k, _, r2_sel, _, _ in self.entries if (n, k) == (name, kind)]
 
 
 class Parts:
@@ -124,10 +145,12 @@ def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):
 
 def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs: Pairs,
                     candidates: list[Candidate], depth: int, geometry: Geometry, parts: Parts, table: R2Table,
-                    device: str | torch.device) -> None:
+                    device: str | torch.device, lambda_scale: str) -> None:
     """The ridge candidates for one target layer: one accumulation over the top `depth` source layers (the
     largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
-    then sub-block solves, on `device` in float64."""
+    then sub-block solves, on `device` in float64, each with its lambda read on `lambda_scale` (`ridge.
+    effective_lambda`: relative to each sub-problem's own Gram diagonal). A linear candidate is also solved with
+    its lambda read the other way and scored on the select split (`R2Table.scales`): what the scale changes."""
     g = geometry
     chosen_max = sorted(order[:depth])
     width_s = g.heads_s * g.dim_s
@@ -142,20 +165,25 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
             if family == "linear":
                 inputs = torch.cat([torch.arange(b * width_s, (b + 1) * width_s, device=device)
                                     for b in blocks])  # (k*Hs*Ds,)
-                own = fit_m.select(inputs)
-                weight, bias = ridge.solve(own, lam)  # (F, Ht*Dt), (Ht*Dt,): all heads, one solve
-                sse_fit = ridge.fitted_residual_ss(own, weight, bias, lam)
-                sse_sel = ridge.residual_ss(select_m.select(inputs), weight, bias)
+                own, own_select = fit_m.select(inputs), select_m.select(inputs)
+                solved = ridge.effective_lambda(own, lam, lambda_scale)
+                weight, bias = ridge.solve(own, solved)  # (F, Ht*Dt), (Ht*Dt,): all heads, one solve
+                sse_fit = ridge.fitted_residual_ss(own, weight, bias, solved)
+                sse_sel = ridge.residual_ss(own_select, weight, bias)
+                lambdas = [solved] * g.heads_t
+                _compare_scales(table, name, layer, kind, own, own_select, lam, lambda_scale, solved, sse_sel,
+                                ridge.total_ss(select_m))
                 tensors = (weight.reshape(-1, g.heads_t, g.dim_t).permute(1, 0, 2), bias.reshape(g.heads_t, g.dim_t))
             else:  # head_matched: target head h reads source head h of each chosen layer: its own solve
-                weights, biases, sse_fit, sse_sel = [], [], [], []
+                weights, biases, sse_fit, sse_sel, lambdas = [], [], [], [], []
                 for head in range(g.heads_t):
                     inputs = torch.cat([torch.arange(b * width_s + head * g.dim_s, b * width_s + (head + 1) * g.dim_s,
                                                      device=device) for b in blocks])  # (k*Ds,)
                     outputs = torch.arange(head * g.dim_t, (head + 1) * g.dim_t, device=device)
                     own = fit_m.select(inputs, outputs)
-                    weight, bias = ridge.solve(own, lam)  # (k*Ds, Dt), (Dt,)
-                    sse_fit.append(ridge.fitted_residual_ss(own, weight, bias, lam))
+                    lambdas.append(ridge.effective_lambda(own, lam, lambda_scale))
+                    weight, bias = ridge.solve(own, lambdas[-1])  # (k*Ds, Dt), (Dt,)
+                    sse_fit.append(ridge.fitted_residual_ss(own, weight, bias, lambdas[-1]))
                     sse_sel.append(ridge.residual_ss(select_m.select(inputs, outputs), weight, bias))
                     weights.append(weight)
                     biases.append(bias)
@@ -165,7 +193,21 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
             parts.put(name, layer, kind, tensors)
             r2_fit = ridge.pooled_r2(sse_fit, ridge.total_ss(fit_m), g.heads_t)
             r2_sel = ridge.pooled_r2(sse_sel, ridge.total_ss(select_m), g.heads_t)
-            table.record(name, layer, kind, r2_fit, r2_sel, per_head_params / fit_m.n)
+            table.record(name, layer, kind, r2_fit, r2_sel, per_head_params / fit_m.n, lambdas)
+
+
+def _compare_scales(table: R2Table, name: str, layer: int, kind: str, own, own_select, lam: float, scale: str,
+                    solved: float, sse_sel: torch.Tensor, sst_sel: torch.Tensor) -> None:
+    """Record a linear candidate's held-out R² with its lambda on `scale` (as fitted) and read the other way."""
+    other = "absolute" if scale == "relative" else "relative"
+    table.record_scale(name, layer, kind, scale, solved, ridge.pooled_r2(sse_sel, sst_sel).item())
+    other_lambda = ridge.effective_lambda(own, lam, other)
+    try:
+        weight, bias = ridge.solve(own, other_lambda)
+        r2 = ridge.pooled_r2(ridge.residual_ss(own_select, weight, bias), sst_sel).item()
+    except ValueError:  # the other reading leaves the system singular (e.g. lambda 0): no map to score
+        r2 = float("nan")
+    table.record_scale(name, layer, kind, other, other_lambda, r2)
 
 
 def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: set[str]):

@@ -7,7 +7,9 @@ k up to the largest and the head-matched family too.
 
 The bias is fitted and not penalized: solve the centered system (Cxx + lambda I) W = Cxy with
 Cxx = X^T X - n mx mx^T, Cxy = X^T Y - n mx my^T, then b = my - mx W. Lambda is on the unnormalized sum of
-squares (as scikit-learn's Ridge alpha). All output columns share X, so one solve with all columns is exactly
+squares (as scikit-learn's Ridge alpha) when `absolute`; a `relative` lambda multiplies the mean of the
+centered Gram diagonal, trace(Cxx) / F, of the sub-problem being solved (`effective_lambda`), so one value
+means the same regularization at every row count, width and activation scale. All output columns share X, so one solve with all columns is exactly
 the separate per-column (per-head) fits. Residual sums of squares of any (W, b) on any data follow from that
 data's moments, so held-out R² needs no second pass over the rows.
 
@@ -108,6 +110,24 @@ def summary(rows: int, in_width: int, out_width: int, device: str | torch.device
     the moments. Solutions and sums of squares agree to float64 rounding; which one a problem gets depends on
     its row count alone, so it is the same for a narrow refit and in every pass."""
     return Rows([], [], device) if rows < in_width else Moments.zeros(in_width, out_width, device)
+
+
+def gram_scale(m: Moments | Rows) -> float:
+    """Mean of the centered Gram diagonal, trace(Cxx) / F: the sum of squares of an average input feature about
+    its mean (it grows with the row count and the features' scale)."""
+    if isinstance(m, Rows):
+        return ((m.x - m.x.mean(0)) ** 2).sum(0).mean().item()
+    return (m.xtx.diagonal() - m.sum_x * m.sum_x / m.n).mean().item()
+
+
+def effective_lambda(m: Moments | Rows, ridge_lambda: float, scale: str) -> float:
+    """The lambda `solve` adds to Cxx's diagonal: `ridge_lambda` itself (`absolute`) or times `gram_scale(m)`
+    (`relative`)."""
+    if scale == "absolute":
+        return ridge_lambda
+    if scale == "relative":
+        return ridge_lambda * gram_scale(m)
+    raise ValueError(f"lambda scale {scale!r} is not absolute or relative")
 
 
 def solve(m: Moments | Rows, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:

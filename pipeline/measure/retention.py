@@ -1,8 +1,12 @@
-"""PROTOCOL's normalized retention and paired comparisons of two variants on the same items and prompts.
+"""PROTOCOL's normalized retention, the gap closure, and paired comparisons of variants on the same items.
 
-Retention of a task: (acc_variant - chance) / (acc_oracle - chance); a variant's retention is the mean over
-tasks. Intervals are paired bootstraps (items resampled per task, the same draw for both sides); task
-decisions and next-token agreement are compared item by item with exact McNemar tests.
+Retention of a task: (acc_variant - chance) / (acc_oracle - chance). Gap closure of a task: (acc_variant -
+acc_source) / (acc_oracle - acc_source), the share of the source-to-oracle gap the handoff closes: 0 is no
+better than running the source model alone, 1 is the oracle. A variant's figure is the mean over tasks.
+Retention measures against chance and so overstates what the handoff buys when the source alone is already
+far above chance; the gap closure measures against the source. Intervals are paired bootstraps (items
+resampled per task, the same draw for every variant involved); task decisions and next-token agreement are
+compared item by item with exact McNemar tests.
 """
 from __future__ import annotations
 
@@ -25,6 +29,18 @@ def mean_retention(acc: dict[str, float], oracle: dict[str, float]) -> float:
     return float(np.mean([retention(acc[t], oracle[t], CHANCE[t]) for t in TASKS]))
 
 
+def gap_closure(acc_variant: float, acc_source: float, acc_oracle: float) -> float:
+    """The share of the source-to-oracle gap of one task a variant closes: (variant - source) / (oracle -
+    source); NaN when the oracle does not beat the source (no gap to close)."""
+    if acc_oracle <= acc_source:
+        return float("nan")
+    return (acc_variant - acc_source) / (acc_oracle - acc_source)
+
+
+def mean_gap_closure(acc: dict[str, float], source: dict[str, float], oracle: dict[str, float]) -> float:
+    return float(np.mean([gap_closure(acc[t], source[t], oracle[t]) for t in TASKS]))
+
+
 def paired_items(items: dict[str, pd.DataFrame], a: str, b: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
     """0/1 outcomes of variants a and b on the same items, both tasks concatenated."""
     left = items[a].set_index(["task", "item"])[metric]
@@ -33,22 +49,49 @@ def paired_items(items: dict[str, pd.DataFrame], a: str, b: str, metric: str) ->
     return joined.a.to_numpy(), joined.b.to_numpy()
 
 
+def task_draws(items: dict[str, pd.DataFrame], variants: list[str], metric: str, iters: int, seed: int):
+    """Per task: (task, each variant's `metric` per item, each variant's mean over `iters` resamples of the
+    task's items (iters,)), the same draw for every variant; the same seed gives the same draws in every caller."""
+    rng = np.random.default_rng(seed)
+    for task in TASKS:
+        values = {name: items[name][items[name].task == task].sort_values("item")[metric].to_numpy()
+                  for name in variants}
+        count = len(values[variants[0]])
+        picks = rng.integers(0, count, size=(iters, count))
+        yield task, values, {name: v[picks].mean(1) for name, v in values.items()}
+
+
+def _interval(draws: np.ndarray) -> tuple[float, float]:
+    low, high = np.nanpercentile(draws, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def retention_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
     """Paired bootstrap of mean retention: items resampled per task, the same draw for variant and oracle."""
-    rng = np.random.default_rng(seed)
     draws = np.zeros(iters)
     point = []
-    for task in TASKS:
-        v = items[variant][items[variant].task == task].sort_values("item")[metric].to_numpy()
-        o = items["oracle"][items["oracle"].task == task].sort_values("item")[metric].to_numpy()
-        picks = rng.integers(0, len(v), size=(iters, len(v)))
-        acc_v, acc_o = v[picks].mean(1), o[picks].mean(1)
+    for task, values, means in task_draws(items, [variant, "oracle"], metric, iters, seed):
+        acc_v, acc_o = means[variant], means["oracle"]
         chance = CHANCE[task]
         with np.errstate(divide="ignore", invalid="ignore"):
             draws += np.where(acc_o > chance, (acc_v - chance) / (acc_o - chance), np.nan) / len(TASKS)
-        point.append(retention(v.mean(), o.mean(), chance))
-    low, high = np.nanpercentile(draws, [2.5, 97.5])
-    return {"retention": float(np.mean(point)), "low": float(low), "high": float(high)}
+        point.append(retention(values[variant].mean(), values["oracle"].mean(), chance))
+    low, high = _interval(draws)
+    return {"retention": float(np.mean(point)), "low": low, "high": high}
+
+
+def gap_closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
+    """Paired bootstrap of the mean gap closure: items resampled per task, the same draw for the variant, the
+    source alone and the oracle (a draw where the oracle does not beat the source counts as undefined)."""
+    draws = np.zeros(iters)
+    point = []
+    for _, values, means in task_draws(items, [variant, "source", "oracle"], metric, iters, seed):
+        acc_v, acc_s, acc_o = means[variant], means["source"], means["oracle"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws += np.where(acc_o > acc_s, (acc_v - acc_s) / (acc_o - acc_s), np.nan) / len(TASKS)
+        point.append(gap_closure(*(values[name].mean() for name in (variant, "source", "oracle"))))
+    low, high = _interval(draws)
+    return {"gap_closure": float(np.mean(point)), "low": low, "high": high}
 
 
 def comparison(items, prompts, a: str, b: str, metric: str, iters: int, seed: int) -> dict:
