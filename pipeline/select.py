@@ -3,7 +3,9 @@
 Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
 (the rest); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
 outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
-mean KL. The rule (default: highest agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
+mean KL, and per target layer the cosine between the oracle's attention output and the candidate's (a cheap
+proxy for task retention; the report correlates every proxy with retention). The rule (default: highest
+agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
 for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
 V0 rows k=1 and k=4 whatever the rule picks.
 """
@@ -39,7 +41,7 @@ class SelectParams:
     prompt_fraction: float = spec(min=0.05, max=0.95)
     top_k: int = spec(positive=True)
     horizon: int = spec(positive=True)
-    rule: Literal["agreement", "perplexity", "kl"]
+    rule: Literal["agreement", "perplexity", "kl", "attention_cosine"]
     batch_size: int = spec(positive=True)  # select prompts per forward
     threads: int = spec(positive=True)
     processes: int = spec(min=1)  # torchrun processes, sharing out the oracle's prompts, then the candidates
@@ -60,7 +62,7 @@ def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int],
 def rank_key(rule: str):
     """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters."""
     primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"],
-               "kl": lambda s: s["mean_kl"]}[rule]
+               "kl": lambda s: s["mean_kl"], "attention_cosine": lambda s: -s["attention_cosine"]}[rule]
     return lambda s: (primary(s), s["perplexity"], s["parameters"])
 
 
@@ -70,7 +72,8 @@ def score_candidates(target, source, prompts, params: SelectParams, candidates: 
     compared by the architecture contract. Under several processes the oracle's prompts and then the
     candidates are shared out (every N-th), and rank 0 gets the scores in candidate order (the others None)."""
     oracle_handoff = Handoff(target)
-    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, world=world)
+    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, world=world,
+                            attention=True)
     oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, world=world)
     scores = []
     mine = [candidates[i] for i in world.share(len(candidates))]
@@ -138,9 +141,12 @@ def main(argv: list[str] | None = None) -> None:
         for k, score in best_per_k.items():
             copy_verified(MAPPERS / f"{score['name']}.safetensors", staging / f"mapped_k{k}.safetensors")
     metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": len(prompts),
-                                             "oracle_perplexity": round(oracle_summary["perplexity"], 4)}
+                                             "oracle_perplexity": round(oracle_summary["perplexity"], 4),
+                                             "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4)}
     for score in scores:
-        for key in ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement"):
+        for key in ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine"):
+            metrics[f"{score['name']}_{key}"] = round(score[key], 4)
+        for key in sorted((k for k in score if k.startswith("attention_cosine_layer")), key=lambda k: int(k[22:])):
             metrics[f"{score['name']}_{key}"] = round(score[key], 4)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]

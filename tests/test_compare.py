@@ -30,6 +30,24 @@ def test_null_controls_lose_agreement(periodic_model, prompts):
         assert summary["agreement"] < 0.8 and summary["mean_kl"] > 0.1
 
 
+def test_attention_output_cosine_is_one_for_the_oracle_and_lower_for_the_nulls_at_every_layer(periodic_model, prompts):
+    stored = oracle_outputs(Handoff(periodic_model), prompts, top_k=64, horizon=6, batch_size=5, progress=False,
+                            attention=True)
+    layers = periodic_model.config.num_hidden_layers
+    assert len(stored["attention"]) == len(prompts)
+    assert stored["attention"][0].shape == (layers, len(prompts[0][1]), periodic_model.config.hidden_size)
+    oracle = summarize(variant_rows(Handoff(periodic_model), prompts, stored, batch_size=5, progress=False))
+    assert all(oracle[f"attention_cosine_layer{i}"] == pytest.approx(1.0, abs=1e-5) for i in range(layers))
+    for mode in ("zero", "shuffled"):
+        null = summarize(variant_rows(Handoff(periodic_model, periodic_model, mode), prompts, stored, batch_size=5,
+                                      progress=False))
+        assert all(null[f"attention_cosine_layer{i}"] < 0.99 for i in range(layers)), mode
+        assert null["attention_cosine"] < oracle["attention_cosine"] - 0.05, mode
+    plain = summarize(variant_rows(Handoff(periodic_model), prompts, oracle_outputs(
+        Handoff(periodic_model), prompts, top_k=64, horizon=6, batch_size=5, progress=False), 5, progress=False))
+    assert "attention_cosine" not in plain  # stored outputs without attention (evaluate's): nothing added
+
+
 def test_kl_on_full_top_k_is_the_exact_kl():
     torch.manual_seed(0)
     p = torch.log_softmax(torch.randn(5, 10), -1)

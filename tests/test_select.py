@@ -1,4 +1,5 @@
 """Stage select: the rule picks the candidate that agrees with the oracle, and the best lambda per k."""
+import pytest
 import torch
 from conftest import committed, periodic_batch
 
@@ -42,6 +43,9 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     exact = next(s for s in scores if s["name"] == "linear_k1_exact")
     assert exact["agreement"] > 0.99 and abs(exact["ppl_ratio"] - 1) < 1e-3
     assert min(s["agreement"] for s in scores) < exact["agreement"]
+    assert exact["attention_cosine"] > 0.999 and oracle["attention_cosine"] == pytest.approx(1.0, abs=1e-5)
+    assert choose(scores, "attention_cosine")[0]["name"] == "linear_k1_exact"
+    assert min(s["attention_cosine"] for s in scores) < 0.99  # the noisy maps' attention drifts from the oracle's
 
 
 def test_ties_go_to_lower_perplexity():

@@ -14,6 +14,7 @@ token order permuted by a seeded permutation in content space, before the target
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
@@ -300,16 +301,40 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
 
 
 @torch.no_grad()
-def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   attention: list | None = None) -> list[torch.Tensor]:
     """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
-    continuation; all prompts in one batch: one prefill, one step forward."""
+    continuation; all prompts in one batch: one prefill, one step forward. With `attention` (a list), each
+    prompt's attention outputs of those positions are appended to it: (L_t, m, hidden) per prompt, in the
+    model's dtype on the CPU (what every target layer's attention block wrote, after its output projection)."""
     prefixes, lengths, padded = padded_prefixes([context for context, _ in prompts])
     layers = handoff.prefix_layers(prefixes, lengths if padded else None)
     steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
     for row, (context, continuation) in enumerate(prompts):
         steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
-    logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, M, V)
+    with attention_outputs(handoff.target, attention is not None) as outputs:  # only the step, not a prefill
+        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, M, V)
+    if attention is not None:
+        stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
+        attention.extend(stacked[row, :, : len(continuation)] for row, (_, continuation) in enumerate(prompts))
     return [logprobs[row, : len(continuation)] for row, (_, continuation) in enumerate(prompts)]
+
+
+@contextmanager
+def attention_outputs(model, active: bool = True):
+    """While active, every decoder layer's attention output (B, T, hidden) of each forward of `model`, moved
+    to the CPU, in layer order (the list yielded; empty when inactive)."""
+    outputs: list[torch.Tensor] = []
+    if not active:
+        yield outputs
+        return
+    record = lambda module, inputs, output: outputs.append(output[0].detach().cpu())  # noqa: E731
+    hooks = [layer.self_attn.register_forward_hook(record) for layer in model.get_decoder().layers]
+    try:
+        yield outputs
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.no_grad()

@@ -11,7 +11,10 @@ against that stored copy:
 - agreement: the same over all teacher-forced continuation positions;
 - mean KL(oracle || variant) per position, on the oracle's top-K tokens plus one bucket for the rest of
   the vocabulary (exact when K covers the vocabulary, otherwise a lower bound of the full KL);
-- rollout agreement: share of greedy tokens over a fixed horizon identical to the oracle's greedy tokens.
+- rollout agreement: share of greedy tokens over a fixed horizon identical to the oracle's greedy tokens;
+- with the oracle's attention outputs stored (`oracle_outputs(..., attention=True)`, the select stage's proxy
+  for retention): per target layer, the mean cosine between the oracle's attention output and the variant's
+  at each continuation position (1 for the oracle itself).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff, greedy_rollout, teacher_forced
@@ -36,10 +40,10 @@ def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
 
 
 def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, batch_size: int,
-                   progress: bool = True, world: World = SINGLE) -> dict:
-    """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon); prompts
-    are run `batch_size` at a time (under several processes each rank runs every N-th batch, and every rank
-    gets the whole outputs)."""
+                   progress: bool = True, world: World = SINGLE, attention: bool = False) -> dict:
+    """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), and with
+    `attention` its attention outputs per prompt (a list of (L_t, m, hidden)); prompts are run `batch_size` at
+    a time (under several processes each rank runs every N-th batch, and every rank gets the whole outputs)."""
     if handoff.mode != "oracle":
         raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
@@ -47,11 +51,15 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
     top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
     greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
+    outputs: list = [None] * len(prompts)
     starts = _my_batches(len(prompts), batch_size, world)
     bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress or not world.main)
     for start in starts:
         batch = prompts[start : start + batch_size]
-        for i, logprobs in enumerate(teacher_forced(handoff, batch), start):
+        captured = [] if attention else None
+        for i, logprobs in enumerate(teacher_forced(handoff, batch, captured), start):
+            if attention:
+                outputs[i] = captured[i - start]  # (L_t, m, hidden)
             values, ids = logprobs.topk(k, dim=-1)  # (m, K)
             top_ids[i, : len(ids)], top_logprobs[i, : len(ids)] = ids.cpu(), values.cpu()
         greedy[start : start + len(batch)] = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()
@@ -59,13 +67,17 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     bar.close()
     lengths = torch.tensor([len(cont) for _, cont in prompts])
     if world.size > 1:  # each batch's rows from the rank that ran it
-        ranks = world.all_gather((starts, top_ids, top_logprobs, greedy))
-        for rank_starts, *tensors in ranks:
+        ranks = world.all_gather((starts, top_ids, top_logprobs, greedy, outputs))
+        for rank_starts, *tensors, rank_outputs in ranks:
             for start in rank_starts:
                 rows = slice(start, start + batch_size)
                 for whole, part in zip((top_ids, top_logprobs, greedy), tensors):
                     whole[rows] = part[rows]
-    return {"top_ids": top_ids, "top_logprobs": top_logprobs, "lengths": lengths, "greedy": greedy}
+                outputs[rows] = rank_outputs[rows]
+    stored = {"top_ids": top_ids, "top_logprobs": top_logprobs, "lengths": lengths, "greedy": greedy}
+    if attention:
+        stored["attention"] = outputs
+    return stored
 
 
 def _my_batches(count: int, batch_size: int, world: World) -> list[int]:
@@ -92,14 +104,16 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
     run `batch_size` at a time (under several processes every N-th batch per rank, the rows gathered on rank 0
     in prompt order; None on the other ranks)."""
     horizon = oracle["greedy"].shape[1]
+    attention = "attention" in oracle
     rows = []
     bar = tqdm(total=len(prompts), desc=f"compare ({handoff.mode})", unit="prompt",
                disable=not progress or not world.main)
     for start in _my_batches(len(prompts), batch_size, world):
         batch = prompts[start : start + batch_size]
         rollouts = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()  # (B, horizon)
-        for i, (logprobs, (_, continuation), rollout) in enumerate(zip(teacher_forced(handoff, batch), batch,
-                                                                       rollouts), start):
+        captured = [] if attention else None
+        for i, (logprobs, (_, continuation), rollout) in enumerate(zip(teacher_forced(handoff, batch, captured),
+                                                                       batch, rollouts), start):
             m = len(continuation)
             logprobs = logprobs.cpu()  # (m, V)
             targets = torch.tensor(list(continuation))
@@ -116,6 +130,9 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
                 "rollout_agree": int((rollout == oracle["greedy"][i]).sum()),
                 "horizon": horizon,
             })
+            if attention:  # per target layer, the sum over positions of the cosine with the oracle's
+                cosine = F.cosine_similarity(captured[i - start].float(), oracle["attention"][i].float(), dim=-1)
+                rows[-1]["attention_cosine"] = cosine.sum(-1).tolist()  # (L_t,) sums over the m positions
         bar.update(len(batch))
     bar.close()
     ranks = world.gather(rows)
@@ -134,4 +151,15 @@ def summarize(rows: pd.DataFrame) -> dict[str, float]:
         "rollout_agreement": float(rows.rollout_agree.sum() / rows.horizon.sum()),
         "prompts": int(len(rows)),
         "tokens": int(tokens),
+        **attention_summary(rows),
     }
+
+
+def attention_summary(rows: pd.DataFrame) -> dict[str, float]:
+    """Mean attention-output cosine with the oracle per target layer over all continuation positions, and its
+    mean over layers (`attention_cosine`); {} when the rows have none."""
+    if "attention_cosine" not in rows:
+        return {}
+    per_layer = np.array(rows.attention_cosine.tolist()).sum(0) / rows.tokens.sum()  # (L_t,)
+    return {"attention_cosine": float(per_layer.mean()),
+            **{f"attention_cosine_layer{layer}": float(value) for layer, value in enumerate(per_layer)}}
