@@ -31,7 +31,13 @@ from pipeline.kv.mapper import load_mapper
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
-from pipeline.store.artifacts import atomic_dir, load_artifact, save_artifact, write_json_atomic
+from pipeline.store.artifacts import (
+    atomic_dir,
+    load_artifact,
+    require_controls_passed,
+    save_artifact,
+    write_json_atomic,
+)
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
@@ -41,7 +47,6 @@ from pipeline.store.splits import TASKS
 
 ORACLE_OUTPUTS = Path("eval/oracle_outputs.safetensors")
 EVAL_PROMPTS = Path("data/eval.parquet")
-CONTROLS = Path("metrics/controls.json")
 BASELINES = ("oracle", "direct", "source", "zero")
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
 
@@ -64,15 +69,6 @@ class EvaluateParams:
         for name in self.mapped:
             if name in BASELINES:
                 raise ParamError(f"evaluate.mapped.{name}: a mapped variant cannot take a baseline's name")
-
-
-def require_controls_passed(path: Path = CONTROLS) -> None:
-    if not path.is_file():
-        raise RuntimeError(f"{path} not found: run the controls stage before evaluating")
-    failed = [name for name, entry in json.loads(path.read_text()).items()
-              if isinstance(entry, dict) and not entry.get("passed", False)]
-    if failed:
-        raise RuntimeError(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass")
 
 
 def variant_mode(variant: str) -> str:

@@ -1,11 +1,12 @@
-"""Stage `report`: normalized retention, paired statistics, gates, and the V0-style report.
+"""Stage `report`: normalized retention, gap closure, paired statistics, gates, and the V0-style report.
 
 Reads every variant's metrics and per-item results (`evaluate`), the controls, the selection, the fit
-diagnostics and the latency study; writes metrics/headline/<variant>.json (the few figures per variant that
-`dvc metrics show/diff` compare), metrics/report.json (everything: `variants`, `selected`, `comparisons`,
-`gates`), report.md (the V0 table with V0's published figures beside it, intervals, gates,
-environment and a reading generated from the numbers), PNG figures under report/, and small tables for
-`dvc plots` under plots/.
+diagnostics, every candidate's evaluation (`candidates`) and the latency study; writes
+metrics/headline/<variant>.json (the few figures per variant that `dvc metrics show/diff` compare),
+metrics/report.json (everything: `variants`, `selected`, `comparisons`, `gates`, `candidates` with the
+proxies' rank correlations and the Pareto fronts), report.md (the V0 table with V0's published figures beside
+it, intervals, gates, every candidate, environment and a reading generated from the numbers), PNG figures under
+report/, and small tables for `dvc plots` under plots/.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pipeline.measure.retention import (
     mean_retention,
     retention_interval,
 )
+from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, md_table, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
@@ -45,6 +47,7 @@ V0 = {
 }
 matplotlib.use("Agg")
 HEADLINE = Path("metrics/headline")
+CANDIDATES, CANDIDATE_ITEMS = Path("metrics/candidates.json"), Path("eval/candidates")
 LABELS = {
     "oracle": "Target full-prefill oracle",
     "direct": "Direct source-cache injection",
@@ -154,6 +157,41 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
             "retention_metric": params.retention_metric}
 
 
+PROXIES = {"r2_heldout": "held-out R² (fit, select split)", "attention_cosine": "attention-output cosine (select)",
+           "agreement": "agreement (select)", "mean_kl": "mean KL (select; lower is better)"}
+
+
+def candidate_study(params: ReportParams, items: dict, candidate_items: dict[str, pd.DataFrame], figures_: dict,
+                    fit: dict, select: dict) -> dict:
+    """Every fitted candidate's retention and gap closure on the eval part (intervals as for the variants), its
+    cheap figures (`PROXIES`), speed and size; the rank correlation of each proxy with retention across
+    candidates; and the Pareto fronts of gap closure against the measured speedup and against the FLOP bound at
+    the real pair's shapes."""
+    rows = {}
+    for name, frame in candidate_items.items():
+        both = {**items, name: frame}
+        retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+        closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+        rows[name] = {
+            "family": figures_[f"{name}/family"], "k": figures_[f"{name}/k"],
+            "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
+            "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
+            "gap_closure_high": closure["high"],
+            "r2_heldout": (fit[f"{name}/r2_keys_select"] + fit[f"{name}/r2_values_select"]) / 2,
+            **{key: select[f"{name}_{key}"] for key in ("attention_cosine", "agreement", "mean_kl")},
+            **{key: figures_[f"{name}/{key}"] for key in ("speedup", "bound_at_pair", "parameters", "mapper_bytes")},
+        }
+    names = list(rows)
+    retention_values = [rows[n]["retention"] for n in names]
+    proxies = {proxy: rank_correlation([rows[n][proxy] for n in names], retention_values, params.bootstrap_iters,
+                                       params.seed) for proxy in PROXIES}
+    closure_values = [rows[n]["gap_closure"] for n in names]
+    for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):
+        for name, on_front in zip(names, pareto_front(closure_values, [rows[n][speed] for n in names])):
+            rows[name][key] = on_front
+    return {"rows": rows, "proxies": proxies, "length": figures_["length"], "bound_pair": figures_["bound_pair"]}
+
+
 def headline(report: dict) -> dict[str, dict]:
     """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
     columns, retention and the gap closure with their intervals, and the gap to the oracle in mean task
@@ -162,8 +200,7 @@ def headline(report: dict) -> dict[str, dict]:
     return {name: {"perplexity": e["perplexity"], "next_token_top1": e["next_token_top1"],
                    "hellaswag": e["hellaswag"], "piqa": e["piqa"], "retention": e["retention"],
                    "retention_low": e["retention_low"], "retention_high": e["retention_high"],
-                   "gap_closure": e["gap_closure"], "gap_closure_low": e["gap_closure_low"],
-                   "gap_closure_high": e["gap_closure_high"],
+                   "gap_closure": e["gap_closure"],  # its interval is in report.json
                    "gap": sum(oracle[t] - e[t] for t in TASKS) / len(TASKS)}
             for name, e in report["variants"].items()}
 
@@ -252,11 +289,64 @@ def markdown(report: dict, context: dict) -> str:
                         _verdict(gate)]
                        for name, gate in report["gates"].items()])
     lines += ["", "## Reading", "", reading(report, context), ""]
+    if report.get("candidates"):
+        lines += candidate_lines(report["candidates"])
     lines += context.get("sections", [])
     lines += ["## Figures", "", "![Retention by variant](report/retention.png)", "",
               "![Agreement with the oracle by continuation position](report/agreement_by_position.png)", ""]
     lines += ["## Environment", ""] + [f"- {k}: {val}" for k, val in context["environment"].items()] + [""]
     return "\n".join(lines)
+
+
+def candidate_lines(study: dict) -> list[str]:
+    """The report's section on every candidate: quality, proxies, speed, and what predicts what."""
+    rows, proxies = study["rows"], study["proxies"]
+    front = lambda row: " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))  # noqa: E731
+                                 if row[key]) or "—"
+    lines = ["## Every candidate: what predicts retention, and the quality/speed frontier", "",
+             f"Each fitted map evaluated on the eval part like a mapped variant (stage `candidates`); speedup is the "
+             f"measured time to first token of the target's own prefill over the handoff's at {study['length']} "
+             f"prompt tokens on this machine, the FLOP bound is the same family and k at `{study['bound_pair']}`'s "
+             f"shapes. Front: on the Pareto front of gap closure against the measured speedup (here) or against "
+             f"the bound (at pair).", ""]
+    lines += md_table(
+        ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
+         "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front"],
+        [[name, f"{_pct(r['retention'])} [{_pct(r['retention_low'])}, {_pct(r['retention_high'])}]",
+          f"{_pct(r['gap_closure'])} [{_pct(r['gap_closure_low'])}, {_pct(r['gap_closure_high'])}]",
+          f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}", _pct(r["agreement"]), f"{r['mean_kl']:.3f}",
+          f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
+          front(r)] for name, r in rows.items()])
+    lines += ["", "Rank correlation (Spearman) of each cheap figure with eval-part retention across the candidates "
+              "above; intervals resample the candidates.", ""]
+    lines += md_table(["Proxy", "Spearman ρ [95% CI]", "p", "n"],
+                      [[PROXIES[name], f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
+                        c["n"]] for name, c in proxies.items()])
+    lines += ["", candidate_reading(study), "", "![Gap closure against speedup](report/frontier.png)", ""]
+    return lines
+
+
+def candidate_reading(study: dict) -> str:
+    """Which proxy tracks retention best, and which candidates are on the fronts, from the numbers."""
+    # in the direction each proxy should point: higher R², cosine and agreement, lower KL
+    strength = {name: c["rho"] * (-1 if name == "mean_kl" else 1) for name, c in study["proxies"].items()
+                if c["rho"] == c["rho"]}
+    parts = []
+    if strength and max(strength.values()) <= 0:
+        parts.append("No cheap figure ranks the candidates the way retention does.")
+    elif strength:
+        best = max(strength, key=strength.get)
+        c = study["proxies"][best]
+        settled = c["low"] > 0 or c["high"] < 0
+        parts.append(f"Across {c['n']} candidates the {PROXIES[best]} tracks retention most closely (ρ "
+                     f"{c['rho']:+.2f}, 95% interval [{c['low']:+.2f}, {c['high']:+.2f}]"
+                     f"{'' if settled else ', which includes 0'}).")
+    for key, where in (("pareto_measured", "against the measured speedup"),
+                       ("pareto_at_pair", f"against the FLOP bound at {study['bound_pair']}")):
+        names = [name for name, row in study["rows"].items() if row[key]]
+        if names:
+            parts.append(f"On the front {where}: {_and(names)}.")
+    return " ".join(parts)
 
 
 def _measured(gate: dict) -> str:
@@ -351,8 +441,37 @@ def figures(report: dict, prompts: dict, folder: Path) -> dict[str, pd.DataFrame
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     _save_figure(fig, folder / "agreement_by_position.png")
+    tables = {"retention": retention_table, "agreement_by_position": position_table}
+    if report.get("candidates"):
+        tables["frontier"] = frontier_figure(report["candidates"], folder / "frontier.png")
     plt.close("all")
-    return {"retention": retention_table, "agreement_by_position": position_table}
+    return tables
+
+
+def frontier_figure(study: dict, path: Path) -> pd.DataFrame:
+    """Gap closure of every candidate against the measured speedup and against the FLOP bound at the real
+    pair's shapes, fronts ringed; returns the table behind it."""
+    table = pd.DataFrame([{"candidate": name, **{key: row[key] for key in (
+        "family", "k", "retention", "gap_closure", "speedup", "bound_at_pair", "mapper_bytes", "pareto_measured",
+        "pareto_at_pair")}} for name, row in study["rows"].items()])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, speed, front, title in ((axes[0], "speedup", "pareto_measured", f"measured here, n={study['length']}"),
+                                    (axes[1], "bound_at_pair", "pareto_at_pair",
+                                     f"FLOP bound at {study['bound_pair']}, n={study['length']}")):
+        for family, group in table.groupby("family", sort=True):
+            ax.scatter(group[speed], group.gap_closure, label=family, s=24)
+        ringed = table[table[front]]
+        ax.scatter(ringed[speed], ringed.gap_closure, s=120, facecolors="none", edgecolors="black", lw=1)
+        for _, row in table.iterrows():
+            ax.annotate(row.candidate, (row[speed], row.gap_closure), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
+        ax.set_xlabel("TTFT speedup over target prefill")
+        ax.set_title(title, fontsize=9)
+    axes[0].set_ylabel("gap closure (eval part)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+    return table
 
 
 def _save_figure(fig, path: Path) -> None:
@@ -409,6 +528,10 @@ def main(argv: list[str] | None = None) -> None:
     report = build(params, metrics, items, prompts, controls)
     report["skipped"] = skipped
     select = json.loads(Path("metrics/select.json").read_text()) if Path("metrics/select.json").is_file() else {}
+    if CANDIDATES.is_file() and "source" in items:  # the gap closure of each candidate needs the source's items
+        report["candidates"] = candidate_study(
+            params, items, {path.stem: pd.read_parquet(path) for path in sorted(CANDIDATE_ITEMS.glob("*.parquet"))},
+            json.loads(CANDIDATES.read_text()), json.loads(Path("metrics/fit.json").read_text()), select)
     tables = figures(report, prompts, Path("report"))
     Path("plots").mkdir(exist_ok=True)
     for name, table in tables.items():

@@ -18,7 +18,7 @@ from pipeline.fit import FitParams
 from pipeline.fit import run as fit
 from pipeline.fitting import ridge
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
-from pipeline.kv.flops import mapper_parameter_count
+from pipeline.kv.flops import mapper_macs_per_token, mapper_parameter_count
 from pipeline.kv.mapper import load_mapper
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cachefiles import MANIFEST, ShardWriter, paired_split
@@ -274,6 +274,7 @@ def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
     for name, family, k in (("linear_k2_lam0.01", "linear", 2), ("head_matched_k1_lam1", "head_matched", 1),
                             ("mlp_k1", "mlp", 1)):  # the sizes check_pair predicts from configs alone
         assert metrics[f"{name}/params"] == mapper_parameter_count(*configs, k, family, FIT["mlp"]["hidden"]), name
+        assert metrics[f"{name}/macs_per_token"] == mapper_macs_per_token(*configs, k, family, FIT["mlp"]["hidden"])
     layers_csv = (tmp_path / "metrics" / "fit_layers.csv").read_text().splitlines()
     assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio,ridge_lambda"
     assert len(layers_csv) == 1 + 9 * 2 * 2 * 2  # candidates x layers x heads x kinds

@@ -27,6 +27,7 @@ REDUCED = {
     "controls": {"prompts": 3, "corruption_flips": 16},
     "evaluate": {"horizon": 4},
     "report": {"bootstrap_iters": 200},
+    "candidates": {"length": 32, "warmup": 0, "repeats": 1},
     "latency": {"lengths": [16, 48], "repeats": 1},
 }
 
@@ -107,6 +108,24 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
     assert "| agreement milestone (next-token top-1) |" in markdown
     assert all(f"| {row} |" in markdown for row in ("Target full-prefill oracle", "Null control: zero cache",
                                                       "Null control: shuffled cache", "Source model alone"))
+    for name, entry in variants.items():  # the gap closure from the same accuracies, against the source alone
+        expected = sum((entry[t] - variants["source"][t]) / (variants["oracle"][t] - variants["source"][t])
+                       for t in ("hellaswag", "piqa")) / 2 if all(
+            variants["oracle"][t] > variants["source"][t] for t in ("hellaswag", "piqa")) else float("nan")
+        assert entry["gap_closure"] == pytest.approx(expected, nan_ok=True), name
+    headline = json.loads((repo / "metrics/headline/selected.json").read_text())
+    assert headline["gap_closure"] == pytest.approx(variants["selected"]["gap_closure"], nan_ok=True)
+    assert "gap_closure_floor" in report["gates"]
+    study = report["candidates"]  # every fitted candidate evaluated, the proxies correlated, the fronts named
+    mappers = sorted(p.stem for p in (repo / "models/mappers").glob("*.safetensors"))
+    assert sorted(study["rows"]) == mappers and len(mappers) == 10
+    assert set(study["proxies"]) == {"r2_heldout", "attention_cosine", "agreement", "mean_kl"}
+    assert any(row["pareto_measured"] for row in study["rows"].values())
+    assert (repo / "report/frontier.png").stat().st_size > 0 and "## Every candidate" in markdown
+    fit = json.loads((repo / "metrics/fit.json").read_text())
+    assert fit["lambda_scale"] == "relative" and "chosen/linear_k1/lambda" in fit
+    select = json.loads((repo / "metrics/select.json").read_text())
+    assert select["oracle_attention_cosine"] == pytest.approx(1.0, abs=1e-4)
     status = json.loads(run(DVC + ["status", "--json"], repo))
     assert status == {"pin_models": ["always changed"]}, status  # the one stage that looks outside the repo
     shown = run(DVC + ["metrics", "show"], repo).splitlines()  # one row per variant, a few columns
@@ -195,3 +214,23 @@ def test_evaluation_on_two_processes_writes_what_one_process_wrote(repo):
             assert decided(repo / f"eval/{variant}/lm_eval/{sample.name}") == decided(sample)
     assert (repo / "eval/oracle_outputs.safetensors").read_bytes() == \
         (kept / "eval/oracle_outputs.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_lm_evals_own_command_line_on_two_torchrun_processes_scores_each_item_as_one_process(repo):
+    """lm-eval's CLI (through `pipeline.lm_eval_model`) as two torchrun processes: lm-eval splits the documents
+    through the model's rank contract and rank 0 writes what one process writes, item for item."""
+    command = ["-m", "pipeline.lm_eval_model", "run", "--model", "kv-transfer", "--model_args",
+               "target=models/target,source=models/source,transfer=mapped,mapper=models/mapper.safetensors",
+               "--include_path", "data/tasks", "--tasks", "kvh_piqa_eval", "--limit", "12", "--log_samples"]
+    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc_per_node", "2"])):
+        run([sys.executable, *launcher, *command, "--output_path", str(repo.parent / f"cli-{name}")], repo,
+            timeout=900)
+
+    def decided(name):
+        (path,) = (repo.parent / f"cli-{name}").rglob("samples_kvh_piqa_eval_*.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return sorted(({k: row[k] for k in ("doc_id", "acc", "acc_norm")} for row in rows), key=lambda r: r["doc_id"])
+
+    assert len(decided("one")) == 12 and decided("two") == decided("one")

@@ -7,7 +7,7 @@ import pytest
 from conftest import committed
 
 from pipeline.measure.retention import gap_closure, mean_retention, retention
-from pipeline.report import V0, ReportParams, build, load_variants, markdown
+from pipeline.report import V0, ReportParams, build, candidate_lines, candidate_study, load_variants, markdown
 from pipeline.store.params import parse
 
 
@@ -95,6 +95,35 @@ def test_without_the_source_baseline_there_is_no_gap_closure_and_its_gate_does_n
     report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
     assert report["variants"]["selected"]["gap_closure"] is None
     assert report["gates"]["gap_closure_floor"] == {"passed": False, "threshold": 0.5, "measured": None}
+
+
+def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_place_on_the_front():
+    rng = np.random.default_rng(4)
+    items = {name: _fake_variant(rng, *acc, 1.0)[1] for name, acc in {"oracle": (0.9, 0.95),
+                                                                     "source": (0.7, 0.8)}.items()}
+    quality = {"c_low": (0.7, 0.8), "c_mid": (0.8, 0.87), "c_high": (0.9, 0.95), "c_bad": (0.6, 0.7)}
+    speed = {"c_low": 3.0, "c_mid": 2.0, "c_high": 1.0, "c_bad": 0.5}
+    candidate_items = {name: _fake_variant(rng, *acc, 1.0)[1] for name, acc in quality.items()}
+    figures_, fit, select = {"length": 256, "bound_pair": "qwen3-v0"}, {}, {}
+    for rank, name in enumerate(["c_bad", "c_low", "c_mid", "c_high"]):
+        figures_.update({f"{name}/family": "linear", f"{name}/k": 1, f"{name}/speedup": speed[name],
+                         f"{name}/bound_at_pair": 2 * speed[name], f"{name}/parameters": 10,
+                         f"{name}/mapper_bytes": 100})
+        fit.update({f"{name}/r2_keys_select": 0.5 - 0.1 * rank, f"{name}/r2_values_select": 0.5 - 0.1 * rank})
+        select.update({f"{name}_attention_cosine": 0.6 + 0.1 * rank, f"{name}_agreement": 0.5,
+                       f"{name}_mean_kl": 1.0 - 0.2 * rank})
+    study = candidate_study(report_params(bootstrap_iters=200), items, candidate_items, figures_, fit, select)
+    rows = study["rows"]
+    assert rows["c_high"]["gap_closure"] > rows["c_mid"]["gap_closure"] > rows["c_low"]["gap_closure"]
+    assert abs(rows["c_low"]["gap_closure"]) < 0.15 and rows["c_low"]["retention"] > 0.5  # as good as the source
+    assert study["proxies"]["attention_cosine"]["rho"] == 1.0 and study["proxies"]["mean_kl"]["rho"] == -1.0
+    assert study["proxies"]["r2_heldout"]["rho"] == -1.0  # here built to mislead: R² falls as retention rises
+    assert np.isnan(study["proxies"]["agreement"]["rho"])  # the same for every candidate: no ranking
+    assert [n for n, r in rows.items() if r["pareto_measured"]] == ["c_low", "c_mid", "c_high"]
+    assert not rows["c_bad"]["pareto_at_pair"]
+    text = "\n".join(candidate_lines(study))
+    assert "attention-output cosine (select) tracks retention most closely" in text
+    assert "On the front against the measured speedup: c_low, c_mid and c_high." in text
 
 
 def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compared(tmp_path, monkeypatch):

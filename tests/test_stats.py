@@ -1,7 +1,7 @@
 """Paired statistics: intervals cover what they should and exclude 0 only for real differences."""
 import numpy as np
 
-from pipeline.measure.stats import mcnemar, paired_bootstrap
+from pipeline.measure.stats import mcnemar, paired_bootstrap, pareto_front, rank_correlation
 
 
 def test_bootstrap_excludes_zero_for_a_clear_difference():
@@ -25,3 +25,21 @@ def test_mcnemar():
     assert mcnemar(a, a) == 1.0
     b = np.array([0] * 30 + [0] * 70)
     assert mcnemar(a, b) < 1e-6
+
+
+def test_rank_correlation_is_one_for_any_increasing_relation_and_minus_one_for_a_decreasing_one():
+    x = np.array([0.1, 0.4, 0.2, 0.9, 0.5, 0.7])
+    up, down = rank_correlation(x, np.exp(5 * x), iters=200), rank_correlation(x, -x**3, iters=200)
+    assert up["rho"] == 1.0 and down["rho"] == -1.0 and up["p"] < 0.01 and up["n"] == 6
+    assert up["low"] <= 1.0 <= up["high"] and down["high"] <= -0.99
+    noise = rank_correlation(x, np.array([0.3, 0.1, 0.6, 0.2, 0.5, 0.4]), iters=200)
+    assert noise["low"] < 0 < noise["high"]  # no relation: the interval spans 0
+    assert np.isnan(rank_correlation(x, np.ones(6))["rho"])  # a constant side has no ranks to correlate
+    assert np.isnan(rank_correlation(x[:2], x[:2])["rho"])
+
+
+def test_the_pareto_front_keeps_exactly_the_points_no_other_beats_on_both_figures():
+    quality = [0.9, 0.5, 0.8, 0.4, 0.9, float("nan")]
+    speed = [1.0, 3.0, 2.0, 2.5, 0.5, 9.0]
+    # (0.9, 1.0) beats (0.9, 0.5); (0.8, 2.0) and (0.5, 3.0) trade off; (0.4, 2.5) loses to (0.5, 3.0)
+    assert pareto_front(quality, speed) == [True, True, True, False, False, False]

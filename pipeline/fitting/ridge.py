@@ -9,9 +9,9 @@ The bias is fitted and not penalized: solve the centered system (Cxx + lambda I)
 Cxx = X^T X - n mx mx^T, Cxy = X^T Y - n mx my^T, then b = my - mx W. Lambda is on the unnormalized sum of
 squares (as scikit-learn's Ridge alpha) when `absolute`; a `relative` lambda multiplies the mean of the
 centered Gram diagonal, trace(Cxx) / F, of the sub-problem being solved (`effective_lambda`), so one value
-means the same regularization at every row count, width and activation scale. All output columns share X, so one solve with all columns is exactly
-the separate per-column (per-head) fits. Residual sums of squares of any (W, b) on any data follow from that
-data's moments, so held-out R² needs no second pass over the rows.
+means the same regularization at every row count, width and activation scale. All output columns share X,
+so one solve with all columns is exactly the separate per-column (per-head) fits. Residual sums of squares of
+any (W, b) on any data follow from that data's moments, so held-out R² needs no second pass over the rows.
 
 A problem with fewer rows than input features (a small calibration set at real widths) keeps its rows instead
 (`Rows`, chosen by `summary`): the dual solve costs N x N instead of F x F and the rows take less memory

@@ -50,6 +50,18 @@ def mapper_weight_count(source_config, target_config, k: int, family: str) -> in
     return 2 * target["layers"] * target["kv_heads"] * per_head  # keys and values
 
 
+def mapper_macs_per_token(source_config, target_config, k: int, family: str, hidden: int | None = None) -> int:
+    """Multiply-adds per token of a keys+values mapper of any family: one per weight, biases are adds (as
+    `mapper.Mapper.macs_per_token` counts a fitted one; `hidden`: the mlp family's width)."""
+    if family != "mlp":
+        return mapper_weight_count(source_config, target_config, k, family)
+    if not hidden:
+        raise ValueError("the mlp family's size needs its hidden width")
+    source, target = kv_geometry(source_config), kv_geometry(target_config)
+    inputs = k * source["kv_heads"] * source["head_dim"]
+    return 2 * target["layers"] * (inputs * hidden + target["kv_heads"] * hidden * target["head_dim"])
+
+
 def mapper_parameter_count(source_config, target_config, k: int, family: str, hidden: int | None = None) -> int:
     """Parameters of a keys+values mapper of `family` (weights and biases; `hidden`: the mlp family's width)."""
     source, target = kv_geometry(source_config), kv_geometry(target_config)

@@ -1,8 +1,9 @@
-"""Paired statistics over items: bootstrap intervals of differences and McNemar's exact test."""
+"""Paired statistics: bootstrap intervals of differences and McNemar's exact test over items; rank correlations
+and the Pareto front over candidates."""
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import binomtest
+from scipy.stats import binomtest, spearmanr
 
 
 def paired_bootstrap(a, b, iters: int = 2000, seed: int = 0, statistic=np.mean) -> dict:
@@ -24,3 +25,32 @@ def mcnemar(a, b) -> float:
     if only_a + only_b == 0:
         return 1.0
     return float(binomtest(only_a, only_a + only_b, 0.5).pvalue)
+
+
+def rank_correlation(x, y, iters: int = 2000, seed: int = 0) -> dict:
+    """Spearman's rank correlation of paired values (e.g. a proxy and retention across candidates), its
+    two-sided p-value and a 95% percentile interval from resampling the pairs; NaN where undefined (fewer
+    than 3 pairs, or a constant side)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"paired values must be equal-length vectors, got {x.shape} and {y.shape}")
+    nan = float("nan")
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return {"rho": nan, "p": nan, "low": nan, "high": nan, "n": int(len(x))}
+    result = spearmanr(x, y)
+    rng = np.random.default_rng(seed)
+    draws = []
+    for picks in rng.integers(0, len(x), size=(iters, len(x))):
+        xs, ys = x[picks], y[picks]
+        draws.append(spearmanr(xs, ys).statistic if np.ptp(xs) > 0 and np.ptp(ys) > 0 else nan)
+    low, high = np.nanpercentile(draws, [2.5, 97.5])
+    return {"rho": float(result.statistic), "p": float(result.pvalue), "low": float(low), "high": float(high),
+            "n": int(len(x))}
+
+
+def pareto_front(quality, speed) -> list[bool]:
+    """Which points no other point dominates (at least as good on both, better on one): higher is better
+    for both `quality` and `speed`; a point with an undefined (NaN) figure is not on it."""
+    q, s = np.asarray(quality, dtype=float), np.asarray(speed, dtype=float)
+    dominated = [bool(np.any((q >= q[i]) & (s >= s[i]) & ((q > q[i]) | (s > s[i])))) for i in range(len(q))]
+    return [not (np.isnan(q[i]) or np.isnan(s[i]) or dominated[i]) for i in range(len(q))]

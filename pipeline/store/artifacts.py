@@ -84,6 +84,17 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def require_controls_passed(path: str | os.PathLike = "metrics/controls.json") -> None:
+    """Refuse to go on unless the controls stage wrote `path` and every control in it passed."""
+    path = Path(path)
+    if not path.is_file():
+        raise RuntimeError(f"{path} not found: run the controls stage before evaluating")
+    failed = [name for name, entry in json.loads(path.read_text()).items()
+              if isinstance(entry, dict) and not entry.get("passed", False)]
+    if failed:
+        raise RuntimeError(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass")
+
+
 def _header(raw: bytes, path: Path) -> dict:
     if len(raw) < 8:
         raise ArtifactError(f"{path}: truncated artifact ({len(raw)} bytes)")

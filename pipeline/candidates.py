@@ -1,0 +1,114 @@
+"""Stage `candidates`: every fitted mapper's task accuracy on the eval part and its time to first token.
+
+    python -m pipeline.candidates
+
+`select` scores every candidate cheaply on the select split (agreement, attention-output cosine, KL); `fit`
+gives each one's held-out R². Whether any of those cheap numbers predicts the expensive one, task retention,
+can only be read off candidates whose retention was measured too, and the quality/speed frontier needs every
+candidate's speed beside its quality. So this stage runs, for each mapper in models/mappers:
+
+- lm-eval's HellaSwag and PIQA on the eval part through `KVTransferLM`, exactly as `evaluate` scores a mapped
+  variant (per-item outcomes to eval/candidates/<candidate>.parquet);
+- the handoff's time to first token against the target's own prefill at `candidates.length` prompt tokens
+  (`measure.latency`, medians of `repeats` after `warmup`), with the FLOP bound of that mapper on this pair
+  and of the same family and k at the shapes of `candidates.bound_pair` (`kv.flops`);
+- its parameters and file bytes.
+
+The report turns them into retention and gap closure per candidate, the proxies' rank correlations and the
+Pareto front. Writes metrics/candidates.json.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import load_mapper
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure.latency import measure
+from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.store.artifacts import atomic_dir, require_controls_passed, write_json_atomic
+from pipeline.store.cli import entry, no_arguments
+from pipeline.store.devices import StageUsage
+from pipeline.store.models import ModelsParams, load_model, load_tokenizer
+from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.shapes import PAIRS, pair_configs
+from pipeline.store.splits import TASKS
+
+MAPPERS = Path("models/mappers")
+OUT = Path("eval/candidates")
+METRICS = Path("metrics/candidates.json")
+
+
+@dataclass
+class CandidatesParams:
+    length: int = spec(min=2)  # prompt tokens of the time-to-first-token measurement
+    warmup: int = spec(min=0)  # untimed runs of both paths per candidate
+    repeats: int = spec(min=1)  # timed runs of both paths per candidate (medians reported)
+    bound_pair: str  # a pair of store.shapes.PAIRS: each candidate's FLOP bound at those shapes beside this pair's
+    batch_size: int = spec(positive=True)  # task requests per forward
+    threads: int = spec(positive=True)
+
+    def __post_init__(self) -> None:
+        if self.bound_pair not in PAIRS:
+            raise ParamError(f"candidates.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
+
+
+def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bound_configs) -> dict:
+    """One mapper's speed and size: handoff and target TTFT (ms) at `params.length`, the measured speedup, the
+    FLOP bound here and at the bound pair's shapes, parameters and bytes."""
+    mapper = handoff.mapper
+    row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
+    real_macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, (mapper.extra.get("mlp") or {})
+                                      .get("hidden"))
+    return {"family": mapper.family, "k": mapper.k, "ridge_lambda": mapper.ridge_lambda,
+            "parameters": mapper.parameter_count(), "mapper_bytes": path.stat().st_size,
+            "target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
+            "speedup": round(row["speedup"], 4), "bound": round(row["bound"], 4),
+            "bound_at_pair": round(speedup_bound(*bound_configs, real_macs, params.length), 4)}
+
+
+def run(params: CandidatesParams, models: ModelsParams) -> dict:
+    require_controls_passed()
+    torch.set_num_threads(params.threads)
+    candidates = sorted(MAPPERS.glob("*.safetensors"))
+    if not candidates:
+        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+    device = models.torch_device
+    usage = StageUsage(device)
+    load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
+                                    device_map=models.device_map)
+    target, source = load("target"), load("source")
+    tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
+    files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
+    bound_configs = pair_configs(params.bound_pair)
+    metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,
+                                             "bound_pair": params.bound_pair}
+    with atomic_dir(OUT) as staging:
+        for path in tqdm(candidates, desc="candidates", unit="candidate"):
+            handoff = Handoff(target, source, "mapped", load_mapper(path, device=device), tokenizers=tokenizers)
+            lm = KVTransferLM.from_handoff(handoff, tokenizers[1], batch_size=params.batch_size)
+            tasks, items = evaluate_tasks(lm, files)
+            items.to_parquet(staging / f"{path.stem}.parquet", index=False)
+            figures = candidate_figures(handoff, path, params, bound_configs)
+            for task, result in tasks.items():
+                figures.update({f"{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})
+            metrics.update({f"{path.stem}/{key}": value for key, value in figures.items()})
+    metrics.update(usage.figures())
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.candidates", __doc__, argv)
+    metrics = run(load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models"))
+    write_json_atomic(METRICS, metrics)
+    print(json.dumps({k: v for k, v in metrics.items() if "/" not in k}, indent=2))
+
+
+if __name__ == "__main__":
+    entry(main)
