@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline.calibrate import CalibrationParams
 from pipeline.candidates import CandidatesParams
 from pipeline.controls import ControlsParams, ToleranceParams
 from pipeline.evaluate import EvaluateParams
@@ -31,8 +32,8 @@ from pipeline.store.params import PARAMS_FILE, ParamError, parse, read_params
 OUTPUT = "metrics/params_check.json"
 SECTIONS = {"data": DataParams, "models": ModelsParams, "train": TrainParams, "extract": ExtractParams,
             "fit": FitParams, "select": SelectParams, "controls": ControlsParams, "evaluate": EvaluateParams,
-            "candidates": CandidatesParams, "report": ReportParams, "latency": LatencyParams,
-            "tolerances": ToleranceParams}
+            "candidates": CandidatesParams, "calibration": CalibrationParams, "report": ReportParams,
+            "latency": LatencyParams, "tolerances": ToleranceParams}
 PLAIN = {"profile": str}  # top-level values that are not sections
 
 

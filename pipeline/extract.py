@@ -1,16 +1,19 @@
 """Stage `extract`: one model's KV caches over the fit and select sequences, sharded on disk.
 
-    python -m pipeline.extract source|target
+    python -m pipeline.extract source|target [--data FOLDER --out FOLDER]
 
 With `extract.processes` N > 1 it runs as N torchrun processes (`store.ranks`): rank r writes shards r, r+N, ...
 of every split under their global indices, rank 0 the manifest; the caches are the same bytes as one process's.
 
 Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
-`metrics/extract_<model>.json`. Only the decoder body runs (no logits), in `models.dtype` on `models.device`.
-Keys are RoPE-stripped in float32 (content space), values kept as cached; both stored in `extract.dtype`.
-Shards are hashed and written on a background thread while the model computes the next ones, so extraction
-should cost little more than the slower of its two floors, measured in the same run: a plain forward over
-the same tokens, and a plain write of the same bytes to the same disk.
+`metrics/extract_<model>.json`. With `--data` and `--out` (the calibration curve's extraction of its own fit
+split) it reads the splits from that folder and writes the caches to `--out`, its figures beside them as
+`<out>.json`, extracting once (`repeats` are for the stage's own timing). Only the decoder body runs (no
+logits), in `models.dtype` on `models.device`. Keys are RoPE-stripped in float32 (content space), values
+kept as cached; both stored in `extract.dtype`. Shards are hashed and written on a background thread while
+the model computes the next ones, so extraction should cost little more than the slower of its two floors,
+measured in the same run: a plain forward over the same tokens, and a plain write of the same bytes to the
+same disk.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -223,20 +226,26 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.extract", __doc__)
     cli.add_argument("model", choices=MODELS, help="which prepared model's caches to extract")
+    cli.add_argument("--data", type=Path, help="read the splits' sequence files from this folder instead of data/")
+    cli.add_argument("--out", type=Path, help="write the caches here instead of caches/<model> (untimed: once)")
     argv = sys.argv[1:] if argv is None else argv
-    name = cli.parse_args(argv).model
+    args = cli.parse_args(argv)
+    name = args.model
     params = load_section(ExtractParams, "extract")
+    if args.out:
+        params = replace(params, repeats=1)
     if relaunch(params.processes, "pipeline.extract", argv):
         return
     models = load_section(ModelsParams, "models")
     world = join(models.torch_device)
     usage = StageUsage(world.device(models.torch_device))
-    metrics = run(Path("models") / name, name, Path("data"), Path("caches") / name, params, models.dtype,
+    out = args.out or Path("caches") / name
+    metrics = run(Path("models") / name, name, args.data or Path("data"), out, params, models.dtype,
                   models.torch_device, world, models.device_map)
     figures = world.gather(usage.figures())
     if world.main:
         metrics.update(usage_of_ranks(figures))
-        write_json_atomic(Path("metrics") / f"extract_{name}.json", metrics)
+        write_json_atomic(out.with_suffix(".json") if args.out else Path("metrics") / f"extract_{name}.json", metrics)
         print(metrics)
     leave(world)
 

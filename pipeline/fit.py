@@ -1,6 +1,6 @@
 """Stage `fit`: per-layer maps from the source's content-space cache to the target's, one file per candidate.
 
-    python -m pipeline.fit [--out FOLDER] [--only CANDIDATE]
+    python -m pipeline.fit [--caches FOLDER] [--out FOLDER] [--only CANDIDATE[,CANDIDATE...]]
 
 With `fit.processes` N > 1 it runs as N torchrun processes (`store.ranks`): each fits every N-th target layer
 and probe group, summing exactly what one process sums, and rank 0 writes; the mappers are the same bytes.
@@ -84,12 +84,13 @@ class FitParams:
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
-        only: str | None = None, world: World = SINGLE) -> dict:
-    """Fit every candidate of params (or, with `only`, the one so named, byte-identical to its file from the
-    full fit); `skipped` maps the families the pair's contract leaves undefined to why. Moments, solves and the
-    MLP run on `device` (float64 and float32), the mappers are timed there against the source in `model_dtype`.
-    Under several processes each fits every N-th target layer (and probe group), with the sums of one process;
-    rank 0 merges, writes and times the mappers and returns the metrics (the others return {})."""
+        only: list[str] | None = None, world: World = SINGLE) -> dict:
+    """Fit every candidate of params (or, with `only`, those so named, each byte-identical to its file from
+    the full fit on the same caches); `skipped` maps the families the pair's contract leaves undefined to why.
+    Moments, solves and the MLP run on `device` (float64 and float32), the mappers are timed there against the
+    source in `model_dtype`. Under several processes each fits every N-th target layer (and probe group), with
+    the sums of one process; rank 0 merges, writes and times the mappers and returns the metrics (the others
+    return {})."""
     torch.set_num_threads(params.threads)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
@@ -117,10 +118,12 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     mlp_ks = params.mlp.ks
     if only is not None:
         known = [c.name for c in ridge + mlp_candidates(mlp_ks)]
-        if only not in known:
-            raise ParamError(f"fit --only {only}: not a candidate of the fit params (candidates: {', '.join(known)})")
-        ridge = [c for c in ridge if c.name == only]
-        mlp_ks = [k for k in mlp_ks if f"mlp_k{k}" == only]
+        for name in only:
+            if name not in known:
+                raise ParamError(f"fit --only {name}: not a candidate of the fit params (candidates: "
+                                 f"{', '.join(known)})")
+        ridge = [c for c in ridge if c.name in only]
+        mlp_ks = [k for k in mlp_ks if f"mlp_k{k}" in only]
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
     parts, table, mlp_facts = Parts(out_dir / ".parts", fresh=world.main), R2Table(), {}
@@ -218,9 +221,11 @@ def _write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) ->
 
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.fit", __doc__)
+    cli.add_argument("--caches", type=Path, help="read caches/source and caches/target's layout from this folder")
     cli.add_argument("--out", type=Path, help="write mappers and tables here instead (the controls' refit)")
-    cli.add_argument("--only", metavar="CANDIDATE",
-                     help="refit only this candidate (e.g. linear_k1_lam1): the determinism control's narrow refit")
+    cli.add_argument("--only", metavar="CANDIDATE[,CANDIDATE...]", type=lambda text: text.split(","),
+                     help="refit only these candidates (e.g. linear_k1_lam1): the determinism control's narrow "
+                          "refit, the calibration curve's fits")
     argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
     params = load_section(FitParams, "fit")
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     world = join(models.torch_device)
     device = world.device(models.torch_device)
     usage = StageUsage(device)
-    metrics = run(Path("caches/source"), Path("caches/target"), Path("models/source"), Path("data/select.parquet"),
+    caches = args.caches or Path("caches")
+    metrics = run(caches / "source", caches / "target", Path("models/source"), Path("data/select.parquet"),
                   out, metrics_dir, params, skipped, device, models.dtype, args.only, world)
     figures = world.gather(usage.figures())
     if world.main:

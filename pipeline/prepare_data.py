@@ -1,7 +1,9 @@
 """Stage `prepare_data`: the sequence sets and task items of the study, as Parquet under data/.
 
 Writes `fit`, `select`, `eval` (token sequences: doc_id, text, token_ids, content_hash; eval also
-prompt_ids and continuation_ids) and HellaSwag / PIQA items in lm-eval's own schemas, each in a `dev` and an
+prompt_ids and continuation_ids), `calibration` (the fit split's own draw continued to
+`data.calibration_sequences`: its first `fit_sequences` rows are `fit` itself; the calibration curve fits on
+its first n) and HellaSwag / PIQA items in lm-eval's own schemas, each in a `dev` and an
 `eval` part, plus the tokenizer the ids were made with (data/tokenizer). Two sources:
 
 - `generated` (tiny profile): the tiny world (`pipeline.tiny.world`), its tokenizer trained on its corpus, and
@@ -53,6 +55,7 @@ class DataParams:
     kind: Literal["generated", "hub"]
     seed: int
     fit_sequences: int = spec(positive=True)
+    calibration_sequences: int = spec(positive=True)  # the calibration curve's pool: fit's draw continued
     select_sequences: int = spec(positive=True)
     eval_prompts: int = spec(positive=True)
     sequence_length: int = spec(positive=True)  # tokens per fit/select sequence (at most)
@@ -72,6 +75,9 @@ class DataParams:
         for name in needed:
             if getattr(self, name) is None:
                 raise ParamError(f"data.{name}: required when data.kind is {self.kind!r}")
+        if self.calibration_sequences < self.fit_sequences:
+            raise ParamError(f"data.calibration_sequences: {self.calibration_sequences} is fewer than "
+                             f"data.fit_sequences ({self.fit_sequences}); the pool continues the fit split")
         if self.eval_items is None and self.kind == "generated":
             raise ParamError("data.eval_items: null (every item) needs real task data (data.kind: hub); "
                              "give the generated world a count")
@@ -81,13 +87,14 @@ class DataParams:
 
 def generated(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     # eval documents shorter than prompt + continuation are skipped: draw spares, keep the first n
-    counts = {"fit": params.fit_sequences, "select": params.select_sequences, "eval": 3 * params.eval_prompts}
+    counts = {"fit": params.calibration_sequences, "select": params.select_sequences, "eval": 3 * params.eval_prompts}
     world = generate_world(params.world, counts, max(params.dev_items, params.eval_items))
     tokenizer = train_tokenizer(world["corpus"]["text"])
     frames = {"corpus": world["corpus"]}
     for split in SEQUENCE_SPLITS:
         frames[split] = tokenize_sequences(world[split], tokenizer, params, split)
     frames["eval"] = frames["eval"].head(params.eval_prompts)
+    frames["calibration"], frames["fit"] = frames["fit"], frames["fit"].head(params.fit_sequences)
     for task in TASKS:
         frames[f"{task}_dev"] = world[f"{task}_dev"].head(params.dev_items).reset_index(drop=True)
         frames[f"{task}_eval"] = world[f"{task}_eval"].head(params.eval_items).reset_index(drop=True)
@@ -227,18 +234,21 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     # the models come from the hub, not from training here: the training corpus is empty (same schema)
     frames = {"corpus": pd.DataFrame({"doc_id": [], "kind": [], "text": [], "loss_from": [], "content_hash": []})}
     for split, stream, wanted in zip(SEQUENCE_SPLITS, streams,
-                                     (params.fit_sequences, params.select_sequences, params.eval_prompts)):
+                                     (params.calibration_sequences, params.select_sequences, params.eval_prompts)):
         size = params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length
         encode = functools.cache(lambda doc_id: tokenizer.encode(by_id.at[doc_id, "text"]))
         chosen = pick_windows(stream, wanted, lambda doc_id: len(encode(doc_id)) // size)
         if len(chosen) < wanted:
-            raise ParamError(f"data: the corpus's {split} documents hold only {len(chosen)} windows of {size} tokens "
-                             f"for {wanted} {split} sequences; use a larger corpus or shorter sequences")
+            key = "calibration_sequences" if split == "fit" else f"{split}_sequences" if split == "select" \
+                else "eval_prompts"
+            raise ParamError(f"data.{key}: the corpus's {split} documents hold only {len(chosen)} windows of {size} "
+                             f"tokens for {wanted} sequences; use a larger corpus, fewer or shorter sequences")
         first = [doc_id for doc_id, window in chosen if window == 0]
         frame = tokenize_sequences(by_id.loc[first].reset_index(), tokenizer, params, split)
         later = [window_row(doc_id, window, encode(doc_id), by_id.at[doc_id, "content_hash"], tokenizer, params, split)
                  for doc_id, window in chosen if window > 0]
         frames[split] = pd.concat([frame, pd.DataFrame(later)], ignore_index=True) if later else frame
+    frames["calibration"], frames["fit"] = frames["fit"], frames["fit"].head(params.fit_sequences)
     for task, group_of in (("hellaswag", lambda r: str(r.get("source_id") or r["ind"])), ("piqa", lambda r: r["goal"])):
         rows = _load_rows(getattr(params, task), task)
         for index, row in enumerate(rows):
@@ -264,7 +274,8 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
 
 def run(params: DataParams, out: Path) -> dict[str, int]:
     frames, tokenizer = generated(params) if params.kind == "generated" else hub(params)
-    check_disjoint(frames)
+    # the pool holds the fit split (nested draws): every other split is disjoint from it, so from fit too
+    check_disjoint({name: frame for name, frame in frames.items() if name != "fit"})
     out.mkdir(parents=True, exist_ok=True)
     for name, frame in frames.items():
         with atomic_path(out / f"{name}.parquet") as tmp:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -29,9 +30,10 @@ from pipeline.measure.retention import (
     gap_closure_interval,
     mean_gap_closure,
     mean_retention,
+    paired_items,
     retention_interval,
 )
-from pipeline.measure.stats import pareto_front, rank_correlation
+from pipeline.measure.stats import paired_bootstrap, pareto_front, rank_correlation
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, md_table, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
@@ -48,6 +50,7 @@ V0 = {
 matplotlib.use("Agg")
 HEADLINE = Path("metrics/headline")
 CANDIDATES, CANDIDATE_ITEMS = Path("metrics/candidates.json"), Path("eval/candidates")
+CALIBRATION, CALIBRATION_ITEMS = Path("metrics/calibration"), Path("eval/calibration")
 LABELS = {
     "oracle": "Target full-prefill oracle",
     "direct": "Direct source-cache injection",
@@ -192,6 +195,36 @@ def candidate_study(params: ReportParams, items: dict, candidate_items: dict[str
     return {"rows": rows, "proxies": proxies, "length": figures_["length"], "bound_pair": figures_["bound_pair"]}
 
 
+def calibration_study(params: ReportParams, items: dict, points: dict[int, dict],
+                      point_items: dict[int, dict[str, pd.DataFrame]]) -> dict:
+    """The calibration curve: per size n (fit sequences) and candidate, retention and gap closure on the eval
+    part with their intervals; per size, the task-accuracy difference of the largest-k linear candidate over
+    the smallest-k one (paired bootstrap, both tasks' items), and the smallest size from which it stays above
+    0 at every larger size (`larger_k_pays_from`; None when it never does)."""
+    rows = []
+    for size in sorted(points):
+        for name, frame in point_items[size].items():
+            both = {**items, name: frame}
+            retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+            closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+            rows.append({"sequences": size, "tokens": points[size]["tokens"], "candidate": name,
+                         "retention": retention["retention"], "retention_low": retention["low"],
+                         "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
+                         "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
+                         "params_per_token": points[size][f"{name}/params_per_token"]})
+    linear = sorted({n for size in point_items for n in point_items[size] if re.fullmatch(r"linear_k\d+_lam.*", n)},
+                    key=lambda n: int(n.split("_")[1][1:]))
+    larger = {}
+    if len(linear) >= 2:
+        small, big = linear[0], linear[-1]
+        for size in sorted(points):
+            x, y = paired_items(point_items[size], big, small, "acc")
+            larger[size] = paired_bootstrap(x, y, params.bootstrap_iters, params.seed)
+    pays = [size for size in larger if all(larger[s]["low"] > 0 for s in larger if s >= size)]
+    return {"rows": rows, "larger_k": {"larger": linear[-1], "smaller": linear[0], "by_size": larger}
+            if larger else None, "larger_k_pays_from": min(pays) if pays else None}
+
+
 def headline(report: dict) -> dict[str, dict]:
     """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
     columns, retention and the gap closure with their intervals, and the gap to the oracle in mean task
@@ -291,6 +324,8 @@ def markdown(report: dict, context: dict) -> str:
     lines += ["", "## Reading", "", reading(report, context), ""]
     if report.get("candidates"):
         lines += candidate_lines(report["candidates"])
+    if report.get("calibration"):
+        lines += calibration_lines(report["calibration"])
     lines += context.get("sections", [])
     lines += ["## Figures", "", "![Retention by variant](report/retention.png)", "",
               "![Agreement with the oracle by continuation position](report/agreement_by_position.png)", ""]
@@ -323,6 +358,32 @@ def candidate_lines(study: dict) -> list[str]:
                       [[PROXIES[name], f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
                         c["n"]] for name, c in proxies.items()])
     lines += ["", candidate_reading(study), "", "![Gap closure against speedup](report/frontier.png)", ""]
+    return lines
+
+
+def calibration_lines(study: dict) -> list[str]:
+    """The report's section on the calibration curve."""
+    lines = ["## How much calibration", "",
+             "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; the fit "
+             "split is its start), each evaluated on the eval part.", ""]
+    lines += md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
+                       "Gap closure [95% CI]"],
+                      [[r["sequences"], f"{r['tokens']:,}", r["candidate"], f"{r['params_per_token']:.3g}",
+                        f"{_pct(r['retention'])} [{_pct(r['retention_low'])}, {_pct(r['retention_high'])}]",
+                        f"{_pct(r['gap_closure'])} [{_pct(r['gap_closure_low'])}, {_pct(r['gap_closure_high'])}]"]
+                       for r in study["rows"]])
+    larger = study["larger_k"]
+    if larger:
+        lines += ["", f"{larger['larger']} minus {larger['smaller']}: task accuracy (`acc`, both tasks' items), "
+                  "paired bootstrap 95% interval.", ""]
+        lines += md_table(["Sequences", "Δ [95% CI]", "n"],
+                          [[size, _interval(c["diff"], c["low"], c["high"]), c["n"]]
+                           for size, c in larger["by_size"].items()])
+        start = study["larger_k_pays_from"]
+        lines += ["", f"The larger k pays off (interval above 0 at this size and every larger one) from {start} "
+                  f"sequences on." if start is not None else "The larger k is not shown to pay off at any size "
+                  "here (no size from which every interval is above 0)."]
+    lines += ["", "![Calibration curve](report/calibration.png)", ""]
     return lines
 
 
@@ -444,8 +505,28 @@ def figures(report: dict, prompts: dict, folder: Path) -> dict[str, pd.DataFrame
     tables = {"retention": retention_table, "agreement_by_position": position_table}
     if report.get("candidates"):
         tables["frontier"] = frontier_figure(report["candidates"], folder / "frontier.png")
+    if report.get("calibration"):
+        tables["calibration"] = calibration_figure(report["calibration"], folder / "calibration.png")
     plt.close("all")
     return tables
+
+
+def calibration_figure(study: dict, path: Path) -> pd.DataFrame:
+    """Retention and gap closure of each candidate against calibration tokens, with intervals."""
+    table = pd.DataFrame(study["rows"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for ax, figure in ((axes[0], "retention"), (axes[1], "gap_closure")):
+        for name, group in table.groupby("candidate", sort=False):
+            y = group[figure].to_numpy()
+            errors = np.vstack([y - group[f"{figure}_low"].to_numpy(), group[f"{figure}_high"].to_numpy() - y])
+            ax.errorbar(group.tokens, y, yerr=np.nan_to_num(errors), marker="o", capsize=3, label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("calibration tokens")
+        ax.set_ylabel(figure.replace("_", " ") + " (eval part)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+    return table
 
 
 def frontier_figure(study: dict, path: Path) -> pd.DataFrame:
@@ -532,6 +613,13 @@ def main(argv: list[str] | None = None) -> None:
         report["candidates"] = candidate_study(
             params, items, {path.stem: pd.read_parquet(path) for path in sorted(CANDIDATE_ITEMS.glob("*.parquet"))},
             json.loads(CANDIDATES.read_text()), json.loads(Path("metrics/fit.json").read_text()), select)
+    points = {int(path.stem): json.loads(path.read_text()) for path in sorted(CALIBRATION.glob("*.json"))}
+    points = {size: point for size, point in points.items() if size in read_key("calibration.sizes")}
+    if points and "source" in items:
+        point_items = {size: {path.stem: pd.read_parquet(path)
+                              for path in sorted((CALIBRATION_ITEMS / str(size)).glob("*.parquet"))}
+                       for size in points}
+        report["calibration"] = calibration_study(params, items, points, point_items)
     tables = figures(report, prompts, Path("report"))
     Path("plots").mkdir(exist_ok=True)
     for name, table in tables.items():

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
 
 REDUCED = {
-    "data": {"fit_sequences": 8, "select_sequences": 6, "eval_prompts": 10, "dev_items": 16, "eval_items": 24,
+    "data": {"fit_sequences": 8, "calibration_sequences": 10, "select_sequences": 6, "eval_prompts": 10,
+             "dev_items": 16, "eval_items": 24,
              "world": {"corpus_docs": 800}},
     "train": {"source": {"copy_steps": 60, "mixed_steps": 40, "warmup": 20, "eval_every": 100},
               "target": {"copy_steps": 60, "mixed_steps": 60, "warmup": 20, "eval_every": 120}},
@@ -28,6 +29,7 @@ REDUCED = {
     "evaluate": {"horizon": 4},
     "report": {"bootstrap_iters": 200},
     "candidates": {"length": 32, "warmup": 0, "repeats": 1},
+    "calibration": {"sizes": [4, 8], "candidates": ["linear_k1_lam0.1", "linear_k3_lam0.1", "mlp_k3"]},
     "latency": {"lengths": [16, 48], "repeats": 1},
 }
 
@@ -124,6 +126,18 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
     assert (repo / "report/frontier.png").stat().st_size > 0 and "## Every candidate" in markdown
     fit = json.loads((repo / "metrics/fit.json").read_text())
     assert fit["lambda_scale"] == "relative" and "chosen/linear_k1/lambda" in fit
+    curve = report["calibration"]  # two sizes x three candidates; n=8 is the main fit's own data
+    assert [(r["sequences"], r["candidate"]) for r in curve["rows"]] == [
+        (n, c) for n in (4, 8) for c in ("linear_k1_lam0.1", "linear_k3_lam0.1", "mlp_k3")]
+    assert set(curve["larger_k"]["by_size"]) == {"4", "8"} and "## How much calibration" in markdown
+    # n=8 is the fit split itself: its refit equals the main fit's map, so the same R² and the same items
+    point, fit_figures = (json.loads((repo / f"metrics/{name}.json").read_text()) for name in ("calibration/8", "fit"))
+    for name in ("linear_k1_lam0.1", "linear_k3_lam0.1"):
+        assert point[f"{name}/r2_keys_select"] == fit_figures[f"{name}/r2_keys_select"], name
+        assert pd.read_parquet(repo / f"eval/calibration/8/{name}.parquet").equals(
+            pd.read_parquet(repo / f"eval/candidates/{name}.parquet")), name
+    assert sorted(p.name for p in (repo / "eval/calibration/8").iterdir()) == [
+        "linear_k1_lam0.1.parquet", "linear_k3_lam0.1.parquet", "mlp_k3.parquet"]  # no scratch left
     select = json.loads((repo / "metrics/select.json").read_text())
     assert select["oracle_attention_cosine"] == pytest.approx(1.0, abs=1e-4)
     status = json.loads(run(DVC + ["status", "--json"], repo))
@@ -153,6 +167,8 @@ def test_a_parameter_change_reruns_only_what_it_affects(repo):
     assert "evaluate_oracle" in evaluation  # status lists the stages whose own deps changed
     selection = stale_after(repo, lambda p: p["select"].__setitem__("horizon", 3))
     assert "select" in selection and not any(name.startswith(("extract", "fit", "prepare")) for name in selection)
+    calibration = stale_after(repo, lambda p: p["calibration"]["sizes"].append(6))
+    assert calibration == {"calibrate@6", "report"}, calibration  # the other sizes' fits and evaluations stand
     training = stale_after(repo, lambda p: p["train"]["target"].__setitem__("lr", 1e-3))
     assert "prepare_models" in training and "prepare_data" not in training, training
 

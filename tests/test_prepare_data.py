@@ -17,7 +17,13 @@ SPLITS = ["fit", "select", "eval", "hellaswag_dev", "hellaswag_eval", "piqa_dev"
 def generated_params(**overrides) -> DataParams:
     data = committed("data", kind="generated", fit_sequences=6, select_sequences=4, eval_prompts=5, sequence_length=64,
                      prompt_length=30, continuation_length=10, dev_items=12, eval_items=10, world=SMALL_WORLD)
-    return parse(DataParams, {**data, **overrides}, "data")
+    return _parsed(data, overrides)
+
+
+def _parsed(data: dict, overrides: dict) -> DataParams:
+    """The data params with `overrides`; the calibration pool is the fit split itself unless it is given."""
+    data = {**data, "calibration_sequences": overrides.get("fit_sequences", data["fit_sequences"]), **overrides}
+    return parse(DataParams, data, "data")
 
 
 def local(path, labels_path=None) -> dict:
@@ -33,7 +39,7 @@ def hub_params(tmp_path, tokenizer, **overrides) -> DataParams:
         prompt_length=32, continuation_length=16, dev_items=20, eval_items=30, tokenizer=str(tmp_path / "tok"),
         corpus=local(WIKITEXT), hellaswag=local(HELLASWAG), piqa=local(PIQA, PIQA_LABELS),
     )
-    return parse(DataParams, {**data, **overrides}, "data")
+    return _parsed(data, overrides)
 
 
 def frames(folder):
@@ -58,6 +64,24 @@ def test_generated_subsamples_are_nested(tmp_path):
     pd.testing.assert_frame_equal(small["fit"], large["fit"].head(6))
     pd.testing.assert_frame_equal(small["hellaswag_dev"], large["hellaswag_dev"].head(12))
     pd.testing.assert_frame_equal(small["select"], large["select"])
+
+
+@pytest.mark.parametrize("kind", ["generated", "hub"])
+def test_the_calibration_pool_continues_the_fit_split_and_stays_disjoint_from_the_rest(tmp_path, tokenizer, kind):
+    make = (lambda **o: generated_params(**o)) if kind == "generated" else (
+        lambda **o: hub_params(tmp_path, tokenizer, **o))
+    run(make(fit_sequences=4, calibration_sequences=9), tmp_path / "data")
+    written = frames(tmp_path / "data")
+    pool = pd.read_parquet(tmp_path / "data" / "calibration.parquet")
+    assert len(pool) == 9 and len(written["fit"]) == 4
+    pd.testing.assert_frame_equal(pool.head(4), written["fit"])  # the fit split is the pool's start
+    check_disjoint({"calibration": pool, **{k: v for k, v in written.items() if k != "fit"}})
+    run(make(fit_sequences=4), tmp_path / "alone")  # a larger pool leaves every other file as it was
+    for name in SPLITS:
+        assert (tmp_path / "alone" / f"{name}.parquet").read_bytes() == \
+            (tmp_path / "data" / f"{name}.parquet").read_bytes(), name
+    with pytest.raises(ParamError, match="data.calibration_sequences: 3 is fewer than data.fit_sequences"):
+        make(fit_sequences=4, calibration_sequences=3)
 
 
 def test_hub_path_reads_local_real_rows(tmp_path, tokenizer):
@@ -153,5 +177,6 @@ def test_a_corpus_of_few_long_documents_feeds_more_sequences_through_windows(tmp
 
 
 def test_too_few_windows_is_refused_naming_the_split(tmp_path, tokenizer):
-    with pytest.raises(ParamError, match=r"fit documents hold only \d+ windows of 64 tokens for 5000 fit"):
+    with pytest.raises(ParamError, match=r"data.calibration_sequences: the corpus's fit documents hold only \d+ "
+                                         r"windows of 64 tokens for 5000 sequences"):
         run(hub_params(tmp_path, tokenizer, fit_sequences=5000), tmp_path / "data")

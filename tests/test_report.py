@@ -7,7 +7,17 @@ import pytest
 from conftest import committed
 
 from pipeline.measure.retention import gap_closure, mean_retention, retention
-from pipeline.report import V0, ReportParams, build, candidate_lines, candidate_study, load_variants, markdown
+from pipeline.report import (
+    V0,
+    ReportParams,
+    build,
+    calibration_lines,
+    calibration_study,
+    candidate_lines,
+    candidate_study,
+    load_variants,
+    markdown,
+)
 from pipeline.store.params import parse
 
 
@@ -124,6 +134,28 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
     text = "\n".join(candidate_lines(study))
     assert "attention-output cosine (select) tracks retention most closely" in text
     assert "On the front against the measured speedup: c_low, c_mid and c_high." in text
+
+
+def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off():
+    rng = np.random.default_rng(5)
+    items = {name: _fake_variant(rng, *acc, 1.0)[1] for name, acc in {"oracle": (0.9, 0.95),
+                                                                     "source": (0.6, 0.7)}.items()}
+    # k=3 overfits the small calibration sets and overtakes k=1 from 50 sequences on
+    accuracy = {10: {"linear_k1_lam0.001": (0.75, 0.8), "linear_k3_lam0.001": (0.5, 0.6)},
+                25: {"linear_k1_lam0.001": (0.75, 0.8), "linear_k3_lam0.001": (0.75, 0.8)},
+                50: {"linear_k1_lam0.001": (0.75, 0.8), "linear_k3_lam0.001": (0.88, 0.93)},
+                100: {"linear_k1_lam0.001": (0.76, 0.81), "linear_k3_lam0.001": (0.9, 0.95)}}
+    point_items = {size: {name: _fake_variant(rng, *acc, 1.0)[1] for name, acc in by_name.items()}
+                   for size, by_name in accuracy.items()}
+    points = {size: {"tokens": 100 * size, **{f"{name}/params_per_token": 1.0 / size for name in accuracy[size]}}
+              for size in accuracy}
+    study = calibration_study(report_params(bootstrap_iters=300), items, points, point_items)
+    assert len(study["rows"]) == 8 and study["rows"][0]["tokens"] == 1000
+    by_size = study["larger_k"]["by_size"]
+    assert by_size[10]["high"] < 0 and by_size[100]["low"] > 0
+    assert study["larger_k"]["larger"] == "linear_k3_lam0.001" and study["larger_k_pays_from"] == 50
+    assert "pays off (interval above 0 at this size and every larger one) from 50 sequences on" in \
+        "\n".join(calibration_lines(study))
 
 
 def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compared(tmp_path, monkeypatch):
