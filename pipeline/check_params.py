@@ -20,6 +20,7 @@ from pipeline.evaluate import EvaluateParams
 from pipeline.extract import ExtractParams
 from pipeline.fit import FitParams
 from pipeline.latency import LatencyParams
+from pipeline.length import LengthParams
 from pipeline.prepare_data import DataParams
 from pipeline.prepare_models import TrainParams
 from pipeline.report import ReportParams
@@ -33,7 +34,7 @@ OUTPUT = "metrics/params_check.json"
 SECTIONS = {"data": DataParams, "models": ModelsParams, "train": TrainParams, "extract": ExtractParams,
             "fit": FitParams, "select": SelectParams, "controls": ControlsParams, "evaluate": EvaluateParams,
             "candidates": CandidatesParams, "calibration": CalibrationParams, "report": ReportParams,
-            "latency": LatencyParams, "tolerances": ToleranceParams}
+            "length": LengthParams, "latency": LatencyParams, "tolerances": ToleranceParams}
 PLAIN = {"profile": str}  # top-level values that are not sections
 
 

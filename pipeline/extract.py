@@ -37,7 +37,7 @@ from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import StageUsage, parse_dtype, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_config, load_model
-from pipeline.store.params import load_section, spec
+from pipeline.store.params import ParamError, load_section, spec
 from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
 
 MODELS = ("source", "target")
@@ -64,10 +64,15 @@ def read_sequences(path: Path) -> pd.DataFrame:
     return frame
 
 
+KEY_SPACES = {"content": "content (RoPE stripped)", "rotated": "rotated (RoPE kept: the no-strip ablation)"}
+
+
 @torch.no_grad()
-def content_caches(model, rotation: Rotation, batch: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def content_caches(model, rotation: Rotation, batch: list,
+                   strip: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence of `batch` (token id lists of one length, one forward): (layers, tokens, kv_heads, head_dim)
-    keys in content space (float32) and values (model dtype), on the CPU.
+    keys in content space (float32; with `strip` False rotated, as cached: the length study's ablation) and
+    values (model dtype), on the CPU.
 
     `rotation` covers at least positions 0..length-1. All layers are stripped in one call: at small shapes the
     per-call overhead, not the arithmetic, is what extraction adds to the forward pass.
@@ -75,7 +80,9 @@ def content_caches(model, rotation: Rotation, batch: list) -> list[tuple[torch.T
     ids = torch.tensor([list(token_ids) for token_ids in batch], dtype=torch.long, device=model.device)  # (B, T)
     layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)  # (B, H, T, D) each
     keys = torch.stack([k for k, _ in layers]).float()  # (layers, B, H, T, D)
-    keys_content = rotation.first(ids.shape[1]).strip(keys).transpose(2, 3).cpu()  # (layers, B, T, H, D)
+    if strip:
+        keys = rotation.first(ids.shape[1]).strip(keys)
+    keys_content = keys.transpose(2, 3).cpu()  # (layers, B, T, H, D)
     values = torch.stack([v for _, v in layers]).transpose(2, 3).cpu()  # (layers, B, T, H, D)
     return [(keys_content[:, row], values[:, row]) for row in range(ids.shape[0])]
 
@@ -143,7 +150,8 @@ def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], o
             writer.begin(split, [lengths[i] for i in members], first_shard=index)
             for run in batches([lengths[i] for i in members], params.batch_sequences):
                 run = [members[i] for i in run]
-                caches = content_caches(model, rotation, [frame.token_ids[i] for i in run])
+                caches = content_caches(model, rotation, [frame.token_ids[i] for i in run],
+                                        strip=base["keys"] == KEY_SPACES["content"])
                 for i, (keys_content, values) in zip(run, caches):
                     writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
                 bar.update(len(run))
@@ -161,8 +169,9 @@ def manifest_splits(frames: dict[str, pd.DataFrame], records: list[dict]) -> dic
 
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
         model_dtype: str = "float32", device: str | None = None, world: World = SINGLE,
-        device_map: str | None = None) -> dict:
-    """Extract, timing it beside both floors; with `repeats` > 1 the three are measured in turn, repeat by repeat
+        device_map: str | None = None, keep_rope: bool = False) -> dict:
+    """Extract, timing it beside both floors (with `keep_rope`, keys as cached, RoPE not stripped: the length
+    study's ablation); with `repeats` > 1 the three are measured in turn, repeat by repeat
     (each extraction rewrites the same bytes; the forward floor runs before it in even repeats and after it in
     odd ones), and the medians reported, so drift and noise hit all three alike. Under several processes each
     rank extracts and times its own shards; rank 0 writes the manifest and reports the slowest rank's times.
@@ -180,7 +189,7 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
     rotation = Rotation(spec, torch.arange(max(len(ids) for ids in all_ids), device=model.device))
     base = {"model": name, "model_path": str(model_dir), "geometry": kv_geometry(model.config),
             "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,
-            "keys": "content (RoPE stripped)"}
+            "keys": KEY_SPACES["rotated" if keep_rope else "content"]}
     if world.main:
         for split in frames:
             for stale in (out_dir / split).glob("shard-*.safetensors"):
@@ -228,10 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("model", choices=MODELS, help="which prepared model's caches to extract")
     cli.add_argument("--data", type=Path, help="read the splits' sequence files from this folder instead of data/")
     cli.add_argument("--out", type=Path, help="write the caches here instead of caches/<model> (untimed: once)")
+    cli.add_argument("--keep-rope", action="store_true",
+                     help="with --out: keys as cached, RoPE not stripped (the length study's ablation)")
     argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
     name = args.model
     params = load_section(ExtractParams, "extract")
+    if args.keep_rope and not args.out:
+        raise ParamError("extract --keep-rope: writes the ablation's caches, which must not replace caches/<model>; "
+                         "give --out")
     if args.out:
         params = replace(params, repeats=1)
     if relaunch(params.processes, "pipeline.extract", argv):
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     usage = StageUsage(world.device(models.torch_device))
     out = args.out or Path("caches") / name
     metrics = run(Path("models") / name, name, args.data or Path("data"), out, params, models.dtype,
-                  models.torch_device, world, models.device_map)
+                  models.torch_device, world, models.device_map, args.keep_rope)
     figures = world.gather(usage.figures())
     if world.main:
         metrics.update(usage_of_ranks(figures))

@@ -95,6 +95,10 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = read_manifest(source_root), read_manifest(target_root)
+    if source_manifest["keys"] != target_manifest["keys"]:
+        raise ValueError(f"fit: {source_root} holds {source_manifest['keys']} keys, {target_root} "
+                         f"{target_manifest['keys']}; extract both the same way")
+    rotated = source_manifest["keys"].startswith("rotated")
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
     geometry = Geometry(geo_s["kv_heads"], geo_s["head_dim"], geo_t["kv_heads"], geo_t["head_dim"])
     for k in params.ks + params.mlp.ks:
@@ -158,6 +162,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     for name, family, k, lam in tqdm(ridge + mlp_candidates(mlp_ks), desc="write mappers", unit="mapper"):
         extra = {"probe_lambda": params.probe_lambda, "lambda_scale": params.lambda_scale, "fit_tokens": fit_tokens,
                  "seed": params.seed}
+        if rotated:  # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
+            extra["key_space"] = "rotated"
         if family == "mlp":
             extra["mlp"] = {"hidden": params.mlp.hidden,
                             "epochs": [mlp_facts[(k, layer)] for layer in range(geo_t["layers"])]}

@@ -33,7 +33,7 @@ from pipeline.measure.retention import (
     paired_items,
     retention_interval,
 )
-from pipeline.measure.stats import paired_bootstrap, pareto_front, rank_correlation
+from pipeline.measure.stats import paired_bootstrap, pareto_front, rank_correlation, sign_test
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, md_table, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
@@ -51,6 +51,7 @@ matplotlib.use("Agg")
 HEADLINE = Path("metrics/headline")
 CANDIDATES, CANDIDATE_ITEMS = Path("metrics/candidates.json"), Path("eval/candidates")
 CALIBRATION, CALIBRATION_ITEMS = Path("metrics/calibration"), Path("eval/calibration")
+LENGTH, LENGTH_ROWS = Path("metrics/length.json"), Path("eval/length")
 LABELS = {
     "oracle": "Target full-prefill oracle",
     "direct": "Direct source-cache injection",
@@ -225,6 +226,25 @@ def calibration_study(params: ReportParams, items: dict, points: dict[int, dict]
             if larger else None, "larger_k_pays_from": min(pays) if pays else None}
 
 
+def length_study(params: ReportParams, figures_: dict, rows: dict[tuple[str, int], pd.DataFrame]) -> dict:
+    """Per prompt length: both maps' perplexity ratio to the oracle and agreement (from metrics/length.json), and
+    the paired comparison of the stripped map with the rotated one on the same prompts: a sign test on
+    per-prompt NLL (stripped lower?) and a paired bootstrap of per-prompt agreement."""
+    lengths = sorted({length for _, length in rows})
+    out = []
+    for length in lengths:
+        stripped, rotated = (rows[(space, length)].sort_values("prompt") for space in ("stripped", "rotated"))
+        agree = paired_bootstrap((stripped.agree / stripped.tokens).to_numpy(),
+                                 (rotated.agree / rotated.tokens).to_numpy(), params.bootstrap_iters, params.seed)
+        out.append({"length": length, "ratio_to_fit": length / figures_["fit_tokens"],
+                    **{f"{space}_{key}": figures_[f"{space}/L{length}/{key}"] for space in ("stripped", "rotated")
+                       for key in ("ppl_ratio", "agreement", "next_token_top1")},
+                    "nll_sign_test": sign_test(stripped.nll.to_numpy(), rotated.nll.to_numpy()),
+                    "agreement_diff": agree})
+    return {"fit_tokens": figures_["fit_tokens"], "candidate": figures_["candidate"], "prompts": figures_["prompts"],
+            "rows": out}
+
+
 def headline(report: dict) -> dict[str, dict]:
     """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
     columns, retention and the gap closure with their intervals, and the gap to the oracle in mean task
@@ -326,6 +346,8 @@ def markdown(report: dict, context: dict) -> str:
         lines += candidate_lines(report["candidates"])
     if report.get("calibration"):
         lines += calibration_lines(report["calibration"])
+    if report.get("length"):
+        lines += length_lines(report["length"])
     lines += context.get("sections", [])
     lines += ["## Figures", "", "![Retention by variant](report/retention.png)", "",
               "![Agreement with the oracle by continuation position](report/agreement_by_position.png)", ""]
@@ -384,6 +406,26 @@ def calibration_lines(study: dict) -> list[str]:
                   f"sequences on." if start is not None else "The larger k is not shown to pay off at any size "
                   "here (no size from which every interval is above 0)."]
     lines += ["", "![Calibration curve](report/calibration.png)", ""]
+    return lines
+
+
+def length_lines(study: dict) -> list[str]:
+    """The report's section on length generalization and what stripping RoPE buys."""
+    lines = ["## Longer prompts than the fit saw", "",
+             f"`{study['candidate']}` refitted on the first {study['fit_tokens']} tokens of each fit sequence, with "
+             f"RoPE stripped (the pipeline's map) and with keys as cached, rotated in and out (the ablation), then "
+             f"used on {study['prompts']} eval prompts of each length (stage `length`). Perplexity ratio to the "
+             f"oracle and agreement over all continuation positions; NLL sign test: prompts where the stripped map's "
+             f"NLL is lower / higher, exact two-sided p.", ""]
+    lines += md_table(
+        ["Prompt tokens", "x fit length", "PPL ratio stripped", "PPL ratio rotated", "Agreement stripped",
+         "Agreement rotated", "Agreement Δ [95% CI]", "NLL lower / higher", "Sign test p"],
+        [[r["length"], f"{r['ratio_to_fit']:g}", f"{r['stripped_ppl_ratio']:.3f}", f"{r['rotated_ppl_ratio']:.3f}",
+          _pct(r["stripped_agreement"]), _pct(r["rotated_agreement"]),
+          _interval(r["agreement_diff"]["diff"], r["agreement_diff"]["low"], r["agreement_diff"]["high"]),
+          f"{r['nll_sign_test']['lower']} / {r['nll_sign_test']['higher']}", f"{r['nll_sign_test']['p']:.3g}"]
+         for r in study["rows"]])
+    lines += ["", "![Perplexity ratio against prompt length](report/length.png)", ""]
     return lines
 
 
@@ -507,6 +549,8 @@ def figures(report: dict, prompts: dict, folder: Path) -> dict[str, pd.DataFrame
         tables["frontier"] = frontier_figure(report["candidates"], folder / "frontier.png")
     if report.get("calibration"):
         tables["calibration"] = calibration_figure(report["calibration"], folder / "calibration.png")
+    if report.get("length"):
+        tables["length"] = length_figure(report["length"], folder / "length.png")
     plt.close("all")
     return tables
 
@@ -524,6 +568,26 @@ def calibration_figure(study: dict, path: Path) -> pd.DataFrame:
         ax.set_xlabel("calibration tokens")
         ax.set_ylabel(figure.replace("_", " ") + " (eval part)")
     axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+    return table
+
+
+def length_figure(study: dict, path: Path) -> pd.DataFrame:
+    """Perplexity ratio to the oracle and agreement of both maps against prompt length."""
+    table = pd.DataFrame([{"length": r["length"], "keys": space, "ppl_ratio": r[f"{space}_ppl_ratio"],
+                           "agreement": r[f"{space}_agreement"]} for r in study["rows"]
+                          for space in ("stripped", "rotated")])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for space, group in table.groupby("keys", sort=False):
+        axes[0].plot(group.length, group.ppl_ratio, marker="o", label=f"RoPE {space}")
+        axes[1].plot(group.length, group.agreement, marker="o", label=f"RoPE {space}")
+    for ax, name in ((axes[0], "perplexity ratio to the oracle"), (axes[1], "agreement with the oracle")):
+        ax.axvline(study["fit_tokens"], color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens (dotted: fit length)")
+        ax.set_ylabel(name)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     _save_figure(fig, path)
     return table
@@ -620,6 +684,10 @@ def main(argv: list[str] | None = None) -> None:
                               for path in sorted((CALIBRATION_ITEMS / str(size)).glob("*.parquet"))}
                        for size in points}
         report["calibration"] = calibration_study(params, items, points, point_items)
+    if LENGTH.is_file():
+        report["length"] = length_study(params, json.loads(LENGTH.read_text()), {
+            (path.stem.split("_L")[0], int(path.stem.split("_L")[1])): pd.read_parquet(path)
+            for path in sorted(LENGTH_ROWS.glob("*_L*.parquet"))})
     tables = figures(report, prompts, Path("report"))
     Path("plots").mkdir(exist_ok=True)
     for name, table in tables.items():

@@ -49,6 +49,24 @@ def test_stored_keys_rerotated_equal_the_models_cache(world):
         assert torch.equal(stored_values, values[0])
 
 
+def test_the_ablations_caches_keep_rope_and_say_so(world, tmp_path):
+    root, _ = world
+    run(root / "models" / "source", "source", root / "data", tmp_path / "rotated", extract_params(shard_sequences=3),
+        keep_rope=True)
+    model = load_model(str(root / "models" / "source"), device="cpu")
+    token_ids = pd.read_parquet(root / "data" / "fit.parquet").token_ids[0].tolist()
+    with torch.no_grad():
+        cached = cache_to_layers(model.model(input_ids=torch.tensor([token_ids]), use_cache=True).cache)
+    length, heads, dim = len(token_ids), model.config.num_key_value_heads, model.config.head_dim
+    shard = open_split(tmp_path / "rotated", "fit")[0]
+    for layer, (keys, _) in enumerate(cached):
+        stored = shard.read("keys", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)  # (H, T, D)
+        assert torch.equal(stored, keys[0])  # as cached: no strip, no round trip
+    manifest = json.loads((tmp_path / "rotated" / "manifest.json").read_text())
+    assert manifest["keys"].startswith("rotated")
+    assert json.loads((root / "caches" / "source" / "manifest.json").read_text())["keys"].startswith("content")
+
+
 def test_shards_hold_every_sequence_in_order(world):
     root, _ = world
     manifest = json.loads((root / "caches" / "source" / "manifest.json").read_text())

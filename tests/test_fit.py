@@ -325,6 +325,16 @@ def test_fitting_twice_in_two_processes_gives_identical_files_and_a_narrow_refit
     assert refused.returncode == 2 and "fit --only linear_k9_lam1: not a candidate" in refused.stderr
 
 
+def test_caches_of_two_key_spaces_are_refused_before_any_fit(extracted, tmp_path):
+    extract(extracted / "models/source", "source", extracted / "data", tmp_path / "rotated",
+            parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"), keep_rope=True)
+    with pytest.raises(ValueError, match=r"holds rotated .* keys, .*content .*; extract both the same way"):
+        fit(tmp_path / "rotated", extracted / "caches/target", extracted / "models/source",
+            extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {}, "cpu",
+            "float32")
+    assert not (tmp_path / "mappers").exists()
+
+
 def test_corrupted_cache_shard_stops_fit_naming_it(extracted, tmp_path):
     import shutil
 

@@ -1,5 +1,6 @@
 """The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,6 +69,19 @@ def test_identity_mapper_through_strip_map_apply_reproduces_direct(target, sourc
     for (a, greedy_a), (b, greedy_b) in zip(direct, mapped):
         assert a == pytest.approx(b, abs=1e-4)
         assert greedy_a == greedy_b
+
+
+def test_a_map_fitted_on_rotated_keys_reads_and_writes_them_as_cached(source):
+    other_rope = build_model(tiny_config(VOCAB, 64, rope_theta=500.0), seed=1)  # the same KV geometry
+    stripped = identity_mapper("source", "target", source.config, other_rope.config)
+    rotated = replace(stripped, extra={"key_space": "rotated"})
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    cached = Handoff(other_rope, source, "mapped", stripped).source_prefill(ids)
+    as_cached = Handoff(other_rope, source, "mapped", rotated).to_target(cached)
+    re_rotated = Handoff(other_rope, source, "mapped", stripped).to_target(cached)
+    assert all(torch.equal(out, keys) for (out, _), (keys, _) in zip(as_cached, cached))
+    # the pipeline's map strips the source's RoPE and applies the target's, here another theta
+    assert not any(torch.allclose(out, keys, atol=1e-3) for (out, _), (keys, _) in zip(re_rotated, cached))
 
 
 def test_shared_context_costs_one_source_prefill(target, source):

@@ -30,6 +30,7 @@ REDUCED = {
     "report": {"bootstrap_iters": 200},
     "candidates": {"length": 32, "warmup": 0, "repeats": 1},
     "calibration": {"sizes": [4, 8], "candidates": ["linear_k1_lam0.1", "linear_k3_lam0.1", "mlp_k3"]},
+    "length": {"fit_tokens": 12, "prompt_lengths": [12, 24], "continuation": 8, "candidate": "linear_k1_lam0.1"},
     "latency": {"lengths": [16, 48], "repeats": 1},
 }
 
@@ -138,6 +139,10 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
             pd.read_parquet(repo / f"eval/candidates/{name}.parquet")), name
     assert sorted(p.name for p in (repo / "eval/calibration/8").iterdir()) == [
         "linear_k1_lam0.1.parquet", "linear_k3_lam0.1.parquet", "mlp_k3.parquet"]  # no scratch left
+    length = report["length"]  # both maps at each prompt length, compared on the same prompts
+    assert [r["length"] for r in length["rows"]] == [12, 24] and "## Longer prompts than the fit saw" in markdown
+    assert sorted(p.name for p in (repo / "eval/length").iterdir()) == [
+        f"{space}_L{n}.parquet" for space in ("rotated", "stripped") for n in (12, 24)]
     select = json.loads((repo / "metrics/select.json").read_text())
     assert select["oracle_attention_cosine"] == pytest.approx(1.0, abs=1e-4)
     status = json.loads(run(DVC + ["status", "--json"], repo))

@@ -1,7 +1,8 @@
 """Paired statistics: intervals cover what they should and exclude 0 only for real differences."""
 import numpy as np
+import pytest
 
-from pipeline.measure.stats import mcnemar, paired_bootstrap, pareto_front, rank_correlation
+from pipeline.measure.stats import mcnemar, paired_bootstrap, pareto_front, rank_correlation, sign_test
 
 
 def test_bootstrap_excludes_zero_for_a_clear_difference():
@@ -43,3 +44,10 @@ def test_the_pareto_front_keeps_exactly_the_points_no_other_beats_on_both_figure
     speed = [1.0, 3.0, 2.0, 2.5, 0.5, 9.0]
     # (0.9, 1.0) beats (0.9, 0.5); (0.8, 2.0) and (0.5, 3.0) trade off; (0.4, 2.5) loses to (0.5, 3.0)
     assert pareto_front(quality, speed) == [True, True, True, False, False, False]
+
+
+def test_the_sign_test_counts_the_lower_side_and_ignores_ties():
+    a, b = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 5.0]), np.array([2.0, 3.0, 4.0, 5.0, 6.0, 5.0])
+    result = sign_test(a, b)
+    assert (result["lower"], result["higher"]) == (5, 0) and result["p"] == pytest.approx(2 / 32)
+    assert sign_test(a, a)["p"] == 1.0

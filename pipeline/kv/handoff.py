@@ -121,11 +121,14 @@ class Handoff:
         length = source_layers[0][0].shape[2]
         positions = torch.arange(length, device=self.source.device)
         source_rotation = Rotation(self.source_spec, positions)
-        content = [(source_rotation.strip(k.float()), v.float()) for k, v in source_layers]  # float32 content space
+        mapper = self.mapper if self.mode in ("mapped", "shuffled") else None
+        # a map fitted on rotated keys (the length study's no-strip ablation) reads and writes them as cached
+        rotated = mapper is not None and mapper.extra.get("key_space") == "rotated"
+        content = [(k.float() if rotated else source_rotation.strip(k.float()), v.float())
+                   for k, v in source_layers]  # float32, content space (or rotated, for the ablation)
         order = None
         if self.mode == "shuffled":
             order = shuffle_order(self.shuffle_seed, length, lengths, source_layers[0][0].shape[0]).to(self.device)
-        mapper = self.mapper if self.mode in ("mapped", "shuffled") else None
         target_rotation = Rotation(self.target_spec, positions.to(self.device))
         layers = []
         # one target layer at a time, from content space to the target's dtype: only one layer's float32
@@ -138,7 +141,8 @@ class Handoff:
             # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this
             # layer is live, not all at once when the cache is built
             values = values.to(self.device, dtype, memory_format=torch.contiguous_format)
-            layers.append((target_rotation.apply(keys.to(self.device)).to(dtype), values))
+            keys = keys.to(self.device)
+            layers.append(((keys if rotated else target_rotation.apply(keys)).to(dtype), values))
         return layers
 
     def target_cache(self, layers: Layers | None, batch: int = 1):

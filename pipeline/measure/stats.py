@@ -54,3 +54,14 @@ def pareto_front(quality, speed) -> list[bool]:
     q, s = np.asarray(quality, dtype=float), np.asarray(speed, dtype=float)
     dominated = [bool(np.any((q >= q[i]) & (s >= s[i]) & ((q > q[i]) | (s > s[i])))) for i in range(len(q))]
     return [not (np.isnan(q[i]) or np.isnan(s[i]) or dominated[i]) for i in range(len(q))]
+
+
+def sign_test(a, b) -> dict:
+    """Exact two-sided sign test of paired values: how often a < b among the pairs that differ, and the
+    binomial p-value of that count against 1/2."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired values must be equal-length vectors, got {a.shape} and {b.shape}")
+    lower, higher = int((a < b).sum()), int((a > b).sum())
+    p = 1.0 if lower + higher == 0 else float(binomtest(lower, lower + higher, 0.5).pvalue)
+    return {"lower": lower, "higher": higher, "p": p}

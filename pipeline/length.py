@@ -1,0 +1,123 @@
+"""Stage `length`: a map fitted at one length, used on prompts 2x and 4x longer, with and without RoPE stripping.
+
+    python -m pipeline.length
+
+Maps are fitted at one length and used at others. Here one candidate of the fit grid (`length.candidate`) is
+refitted on the fit and select sequences cut to their first `length.fit_tokens` tokens, twice: on keys with RoPE
+stripped, as the pipeline does, and on keys as cached, rotated in and out (the ablation: `extract --keep-rope`,
+a map that reads and writes rotated keys). Both run through the extract and fit stages' own commands in a
+scratch folder. Then every eval sequence long enough is cut into a prompt of each of `length.prompt_lengths`
+tokens (1x, 2x, 4x the fit length) and the next `length.continuation` tokens, and both maps' handoffs are
+compared with the oracle on them (`measure.compare`: perplexity, next-token and all-position agreement, KL).
+
+Writes eval/length/<stripped|rotated>_L<n>.parquet (per prompt, for the report's paired tests) and
+metrics/length.json. The task items are short and of fixed length, so task accuracy per length is not measured.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import load_mapper
+from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
+from pipeline.store.artifacts import atomic_dir, require_controls_passed, write_json_atomic
+from pipeline.store.cli import entry, no_arguments
+from pipeline.store.devices import StageUsage
+from pipeline.store.models import ModelsParams, load_model, load_tokenizer
+from pipeline.store.params import ParamError, load_section, spec
+
+KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
+
+
+@dataclass
+class LengthParams:
+    fit_tokens: int = spec(min=2)  # the maps see each fit / select sequence's first fit_tokens tokens
+    prompt_lengths: list[int] = spec(min=2, nonempty=True)  # prompt tokens evaluated (e.g. 1x, 2x, 4x fit_tokens)
+    continuation: int = spec(positive=True)  # tokens scored after each prompt
+    candidate: str  # a candidate of the fit grid (fit's name), refitted both ways
+    top_k: int = spec(positive=True)
+    horizon: int = spec(positive=True)
+    batch_size: int = spec(positive=True)
+    threads: int = spec(positive=True)
+
+
+def scratch_data(fit_tokens: int, folder: Path) -> None:
+    """The fit and select splits with every sequence cut to its first `fit_tokens` tokens."""
+    folder.mkdir(parents=True)
+    for split in ("fit", "select"):
+        frame = pd.read_parquet(f"data/{split}.parquet")
+        frame["token_ids"] = [list(ids)[:fit_tokens] for ids in frame.token_ids]
+        frame.to_parquet(folder / f"{split}.parquet", index=False)
+
+
+def long_sequences(params: LengthParams) -> list[list[int]]:
+    """Eval sequences long enough for the longest prompt and its continuation."""
+    needed = max(params.prompt_lengths) + params.continuation
+    found = [list(ids) for ids in pd.read_parquet("data/eval.parquet").token_ids if len(ids) >= needed]
+    if len(found) < 2:
+        raise ParamError(f"length.prompt_lengths: only {len(found)} eval sequences hold {needed} tokens (the longest "
+                         f"prompt and its continuation); shorten the prompts or the continuation")
+    return found
+
+
+def run(params: LengthParams, models: ModelsParams) -> dict:
+    require_controls_passed()
+    torch.set_num_threads(params.threads)
+    sequences = long_sequences(params)
+    usage = StageUsage(models.torch_device)
+    metrics: dict[str, float | int | str] = {"fit_tokens": params.fit_tokens, "candidate": params.candidate,
+                                             "prompts": len(sequences)}
+    with atomic_dir(Path("eval/length")) as staging:
+        work = staging / ".work"
+        scratch_data(params.fit_tokens, work / "data")
+        for space, flag in KEY_SPACES.items():  # the other stages' own commands (a failure stops this one)
+            for model in ("source", "target"):
+                subprocess.run([sys.executable, "-m", "pipeline.extract", model, "--data", str(work / "data"),
+                                "--out", str(work / space / model), *flag], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, "-m", "pipeline.fit", "--caches", str(work / space), "--out",
+                            str(work / space / "maps"), "--only", params.candidate], check=True,
+                           stdout=subprocess.DEVNULL)
+        device = models.torch_device
+        load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
+                                        device_map=models.device_map)
+        target, source = load("target"), load("source")
+        tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
+        maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=device)
+                for space in KEY_SPACES}
+        oracle = Handoff(target)
+        for length in tqdm(params.prompt_lengths, desc="lengths", unit="length"):
+            prompts = [(ids[:length], ids[length : length + params.continuation]) for ids in sequences]
+            stored = oracle_outputs(oracle, prompts, params.top_k, params.horizon, params.batch_size, progress=False)
+            reference = summarize(variant_rows(oracle, prompts, stored, params.batch_size, progress=False))
+            metrics[f"oracle/L{length}/perplexity"] = round(reference["perplexity"], 6)
+            for space, mapper in maps.items():
+                handoff = Handoff(target, source, "mapped", mapper, tokenizers=tokenizers)
+                rows = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
+                rows.to_parquet(staging / f"{space}_L{length}.parquet", index=False)
+                summary = summarize(rows)
+                metrics[f"{space}/L{length}/ppl_ratio"] = round(summary["perplexity"] / reference["perplexity"], 6)
+                for key in ("perplexity", "next_token_top1", "agreement", "mean_kl"):
+                    metrics[f"{space}/L{length}/{key}"] = round(summary[key], 6)
+        shutil.rmtree(work)
+    metrics.update(usage.figures())
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.length", __doc__, argv)
+    metrics = run(load_section(LengthParams, "length"), load_section(ModelsParams, "models"))
+    write_json_atomic("metrics/length.json", metrics)
+    print(json.dumps({k: v for k, v in metrics.items() if "/" not in k}, indent=2))
+
+
+if __name__ == "__main__":
+    entry(main)
