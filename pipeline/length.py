@@ -10,8 +10,13 @@ scratch folder. Then every eval sequence long enough is cut into a prompt of eac
 tokens (1x, 2x, 4x the fit length) and the next `length.continuation` tokens, and both maps' handoffs are
 compared with the oracle on them (`measure.compare`: perplexity, next-token and all-position agreement, KL).
 
-Writes eval/length/<stripped|rotated>_L<n>.parquet (per prompt, for the report's paired tests) and
-metrics/length.json. The task items are short and of fixed length, so task accuracy per length is not measured.
+Task accuracy by length: both maps are also scored on the eval task items (lm-eval, as `evaluate` scores a
+mapped variant), whose contexts are longer than the fit length; each item keeps its context's length in tokens
+(HellaSwag's `ctx`, PIQA's `goal`, target tokenizer), and the report compares the two maps item by item within
+bins of that length.
+
+Writes eval/length/<stripped|rotated>_L<n>.parquet (per prompt, for the report's paired tests),
+eval/length/<stripped|rotated>_tasks.parquet (per task item) and metrics/length.json.
 """
 from __future__ import annotations
 
@@ -28,14 +33,18 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
+from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
+from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store.artifacts import atomic_dir, require_controls_passed, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.devices import StageUsage
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.splits import TASKS
 
 KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
+CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
 
 
 @dataclass
@@ -107,6 +116,16 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
                 metrics[f"{space}/L{length}/ppl_ratio"] = round(summary["perplexity"] / reference["perplexity"], 6)
                 for key in ("perplexity", "next_token_top1", "agreement", "mean_kl"):
                     metrics[f"{space}/L{length}/{key}"] = round(summary[key], 6)
+        files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
+        tokens = {task: [len(tokenizers[1].encode(text, add_special_tokens=False))
+                         for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in files.items()}
+        for space, mapper in maps.items():
+            handoff = Handoff(target, source, "mapped", mapper, tokenizers=tokenizers)
+            tasks, items = evaluate_tasks(KVTransferLM.from_handoff(handoff, tokenizers[1], params.batch_size), files)
+            items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
+            items.to_parquet(staging / f"{space}_tasks.parquet", index=False)
+            for task, result in tasks.items():
+                metrics[f"{space}/{task}_acc"] = round(result["acc"], 6)
         shutil.rmtree(work)
     metrics.update(usage.figures())
     return metrics

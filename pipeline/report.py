@@ -33,7 +33,7 @@ from pipeline.measure.retention import (
     paired_items,
     retention_interval,
 )
-from pipeline.measure.stats import paired_bootstrap, pareto_front, rank_correlation, sign_test
+from pipeline.measure.stats import mcnemar, paired_bootstrap, pareto_front, rank_correlation, sign_test
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, md_table, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
@@ -226,10 +226,12 @@ def calibration_study(params: ReportParams, items: dict, points: dict[int, dict]
             if larger else None, "larger_k_pays_from": min(pays) if pays else None}
 
 
-def length_study(params: ReportParams, figures_: dict, rows: dict[tuple[str, int], pd.DataFrame]) -> dict:
+def length_study(params: ReportParams, figures_: dict, rows: dict[tuple[str, int], pd.DataFrame],
+                 tasks: dict[str, pd.DataFrame]) -> dict:
     """Per prompt length: both maps' perplexity ratio to the oracle and agreement (from metrics/length.json), and
     the paired comparison of the stripped map with the rotated one on the same prompts: a sign test on
-    per-prompt NLL (stripped lower?) and a paired bootstrap of per-prompt agreement."""
+    per-prompt NLL (stripped lower?) and a paired bootstrap of per-prompt agreement. Per bin of task context
+    length (in multiples of the fit length): both maps' task accuracy, their paired difference and McNemar's p."""
     lengths = sorted({length for _, length in rows})
     out = []
     for length in lengths:
@@ -241,8 +243,21 @@ def length_study(params: ReportParams, figures_: dict, rows: dict[tuple[str, int
                        for key in ("ppl_ratio", "agreement", "next_token_top1")},
                     "nll_sign_test": sign_test(stripped.nll.to_numpy(), rotated.nll.to_numpy()),
                     "agreement_diff": agree})
-    return {"fit_tokens": figures_["fit_tokens"], "candidate": figures_["candidate"], "prompts": figures_["prompts"],
-            "rows": out}
+    fit = figures_["fit_tokens"]
+    joined = tasks["stripped"].merge(tasks["rotated"], on=["task", "item", "context_tokens"],
+                                     suffixes=("_stripped", "_rotated"))
+    bins = []
+    for low, high in ((0, 1), (1, 2), (2, 4), (4, None)):
+        inside = joined[(joined.context_tokens > low * fit)
+                        & ((joined.context_tokens <= high * fit) if high else True)]
+        if inside.empty:
+            continue
+        a, b = inside.acc_stripped.to_numpy(), inside.acc_rotated.to_numpy()
+        bins.append({"bin": f"{low}-{high}x" if high else f">{low}x", "items": len(inside),
+                     "stripped_acc": float(a.mean()), "rotated_acc": float(b.mean()),
+                     "diff": paired_bootstrap(a, b, params.bootstrap_iters, params.seed), "mcnemar_p": mcnemar(a, b)})
+    return {"fit_tokens": fit, "candidate": figures_["candidate"], "prompts": figures_["prompts"], "rows": out,
+            "task_bins": bins}
 
 
 def headline(report: dict) -> dict[str, dict]:
@@ -425,6 +440,13 @@ def length_lines(study: dict) -> list[str]:
           _interval(r["agreement_diff"]["diff"], r["agreement_diff"]["low"], r["agreement_diff"]["high"]),
           f"{r['nll_sign_test']['lower']} / {r['nll_sign_test']['higher']}", f"{r['nll_sign_test']['p']:.3g}"]
          for r in study["rows"]])
+    lines += ["", "Task accuracy (`acc`) of both maps on the eval task items, by the length of the item's context "
+              "in multiples of the fit length; Δ = stripped − rotated, paired bootstrap 95% interval, exact McNemar p.",
+              ""]
+    lines += md_table(["Context length", "Items", "Stripped", "Rotated", "Δ [95% CI]", "McNemar p"],
+                      [[b["bin"], b["items"], _pct(b["stripped_acc"]), _pct(b["rotated_acc"]),
+                        _interval(b["diff"]["diff"], b["diff"]["low"], b["diff"]["high"]), f"{b['mcnemar_p']:.3g}"]
+                       for b in study["task_bins"]])
     lines += ["", "![Perplexity ratio against prompt length](report/length.png)", ""]
     return lines
 
@@ -687,7 +709,8 @@ def main(argv: list[str] | None = None) -> None:
     if LENGTH.is_file():
         report["length"] = length_study(params, json.loads(LENGTH.read_text()), {
             (path.stem.split("_L")[0], int(path.stem.split("_L")[1])): pd.read_parquet(path)
-            for path in sorted(LENGTH_ROWS.glob("*_L*.parquet"))})
+            for path in sorted(LENGTH_ROWS.glob("*_L*.parquet"))},
+            {space: pd.read_parquet(LENGTH_ROWS / f"{space}_tasks.parquet") for space in ("stripped", "rotated")})
     tables = figures(report, prompts, Path("report"))
     Path("plots").mkdir(exist_ok=True)
     for name, table in tables.items():

@@ -141,8 +141,10 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
         "linear_k1_lam0.1.parquet", "linear_k3_lam0.1.parquet", "mlp_k3.parquet"]  # no scratch left
     length = report["length"]  # both maps at each prompt length, compared on the same prompts
     assert [r["length"] for r in length["rows"]] == [12, 24] and "## Longer prompts than the fit saw" in markdown
-    assert sorted(p.name for p in (repo / "eval/length").iterdir()) == [
-        f"{space}_L{n}.parquet" for space in ("rotated", "stripped") for n in (12, 24)]
+    assert sorted(p.name for p in (repo / "eval/length").iterdir()) == sorted(
+        [f"{space}_L{n}.parquet" for space in ("rotated", "stripped") for n in (12, 24)]
+        + [f"{space}_tasks.parquet" for space in ("rotated", "stripped")])
+    assert sum(b["items"] for b in length["task_bins"]) == 2 * 24  # every eval item of both tasks, binned once
     select = json.loads((repo / "metrics/select.json").read_text())
     assert select["oracle_attention_cosine"] == pytest.approx(1.0, abs=1e-4)
     status = json.loads(run(DVC + ["status", "--json"], repo))

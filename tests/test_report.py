@@ -15,6 +15,8 @@ from pipeline.report import (
     calibration_study,
     candidate_lines,
     candidate_study,
+    length_lines,
+    length_study,
     load_variants,
     markdown,
 )
@@ -156,6 +158,28 @@ def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off()
     assert study["larger_k"]["larger"] == "linear_k3_lam0.001" and study["larger_k_pays_from"] == 50
     assert "pays off (interval above 0 at this size and every larger one) from 50 sequences on" in \
         "\n".join(calibration_lines(study))
+
+
+def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
+    rng = np.random.default_rng(6)
+    figures_ = {"fit_tokens": 16, "candidate": "linear_k1_lam0.001", "prompts": 40}
+    rows = {}
+    for length, worse in ((16, 0.0), (64, 1.0)):  # the rotated map falls behind only beyond the fit length
+        nll = rng.random(40) + 1.0
+        for space, extra in (("stripped", 0.0), ("rotated", worse)):
+            rows[(space, length)] = pd.DataFrame({"prompt": range(40), "nll": nll + extra + 0.01 * rng.random(40),
+                                                  "agree": (rng.random(40) < 0.8 - 0.5 * extra) * 4, "tokens": 4})
+            figures_.update({f"{space}/L{length}/{key}": 1.0 for key in ("ppl_ratio", "agreement", "next_token_top1")})
+    context = np.r_[np.full(50, 20), np.full(50, 60)]  # 1-2x and 2-4x the fit length
+    tasks = {space: pd.DataFrame({"task": "piqa", "item": range(100), "context_tokens": context,
+                                  "acc": np.r_[rng.random(50) < 0.8, rng.random(50) < 0.8 - drop].astype(float)})
+             for space, drop in (("stripped", 0.0), ("rotated", 0.5))}
+    study = length_study(report_params(bootstrap_iters=300), figures_, rows, tasks)
+    short, long = study["rows"]
+    assert short["nll_sign_test"]["p"] > 0.01 and long["nll_sign_test"]["lower"] == 40
+    assert long["agreement_diff"]["low"] > 0
+    assert [b["bin"] for b in study["task_bins"]] == ["1-2x", "2-4x"] and study["task_bins"][1]["diff"]["low"] > 0
+    assert "| 2-4x | 50 |" in "\n".join(length_lines(study))
 
 
 def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compared(tmp_path, monkeypatch):
