@@ -7,20 +7,11 @@ import pytest
 from conftest import committed
 
 from pipeline.measure.retention import gap_closure, mean_retention, retention
-from pipeline.report import (
-    V0,
-    ReportParams,
-    build,
-    calibration_lines,
-    calibration_study,
-    candidate_lines,
-    candidate_study,
-    length_lines,
-    length_study,
-    load_variants,
-    markdown,
-)
+from pipeline.report import markdown
 from pipeline.store.params import parse
+from pipeline.studies import calibration, candidates, length, variants
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import V0, Run
 
 
 def test_retention_reproduces_v0_headline():
@@ -46,6 +37,13 @@ def _fake_variant(rng, acc_hs, acc_pq, agree, n=300, prompts=60):
 
 def report_params(**overrides) -> ReportParams:
     return parse(ReportParams, committed("report", **overrides), "report")
+
+
+def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, controls: dict) -> dict:
+    """The variants' study of a run that evaluated `metrics` (the pair and the other studies' files unused)."""
+    run = Run(metrics, items, prompts, skipped={}, controls=controls, select={}, latency=None,
+              pair=("models/source", "models/target"), keys={})
+    return variants.compute(params, run)
 
 
 def test_gates_follow_the_numbers():
@@ -116,15 +114,14 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
     quality = {"c_low": (0.7, 0.8), "c_mid": (0.8, 0.87), "c_high": (0.9, 0.95), "c_bad": (0.6, 0.7)}
     speed = {"c_low": 3.0, "c_mid": 2.0, "c_high": 1.0, "c_bad": 0.5}
     candidate_items = {name: _fake_variant(rng, *acc, 1.0)[1] for name, acc in quality.items()}
-    figures_, fit, select = {"length": 256, "bound_pair": "qwen3-v0"}, {}, {}
+    figures_, fit, select = {"length": 256, "bound_pair": "qwen3-v0", "maps": {}}, {"maps": {}}, {"maps": {}}
     for rank, name in enumerate(["c_bad", "c_low", "c_mid", "c_high"]):
-        figures_.update({f"{name}/family": "linear", f"{name}/k": 1, f"{name}/speedup": speed[name],
-                         f"{name}/bound_at_pair": 2 * speed[name], f"{name}/parameters": 10,
-                         f"{name}/mapper_bytes": 100})
-        fit.update({f"{name}/r2_keys_select": 0.5 - 0.1 * rank, f"{name}/r2_values_select": 0.5 - 0.1 * rank})
-        select.update({f"{name}_attention_cosine": 0.6 + 0.1 * rank, f"{name}_agreement": 0.5,
-                       f"{name}_mean_kl": 1.0 - 0.2 * rank})
-    study = candidate_study(report_params(bootstrap_iters=200), items, candidate_items, figures_, fit, select)
+        figures_["maps"][name] = {"family": "linear", "k": 1, "speedup": speed[name], "bound_at_pair": 2 * speed[name],
+                                  "parameters": 10, "mapper_bytes": 100}
+        fit["maps"][name] = {"r2_keys_select": 0.5 - 0.1 * rank, "r2_values_select": 0.5 - 0.1 * rank}
+        select["maps"][name] = {"attention_cosine": 0.6 + 0.1 * rank, "agreement": 0.5, "mean_kl": 1.0 - 0.2 * rank}
+    study = candidates.compute(report_params(bootstrap_iters=200),
+                               candidates.Inputs(items, candidate_items, figures_, fit, select))
     rows = study["rows"]
     assert rows["c_high"]["gap_closure"] > rows["c_mid"]["gap_closure"] > rows["c_low"]["gap_closure"]
     assert abs(rows["c_low"]["gap_closure"]) < 0.15 and rows["c_low"]["retention"] > 0.5  # as good as the source
@@ -133,7 +130,7 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
     assert np.isnan(study["proxies"]["agreement"]["rho"])  # the same for every candidate: no ranking
     assert [n for n, r in rows.items() if r["pareto_measured"]] == ["c_low", "c_mid", "c_high"]
     assert not rows["c_bad"]["pareto_at_pair"]
-    text = "\n".join(candidate_lines(study))
+    text = "\n".join(candidates.lines(study))
     assert "attention-output cosine (select) tracks retention most closely" in text
     assert "On the front against the measured speedup: c_low, c_mid and c_high." in text
 
@@ -149,37 +146,40 @@ def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off()
                 100: {"linear_k1_lam0.001": (0.76, 0.81), "linear_k3_lam0.001": (0.9, 0.95)}}
     point_items = {size: {name: _fake_variant(rng, *acc, 1.0)[1] for name, acc in by_name.items()}
                    for size, by_name in accuracy.items()}
-    points = {size: {"tokens": 100 * size, **{f"{name}/params_per_token": 1.0 / size for name in accuracy[size]}}
+    points = {size: {"tokens": 100 * size, "maps": {name: {"family": "linear", "k": int(name[8]),
+                                                           "params_per_token": 1.0 / size} for name in accuracy[size]}}
               for size in accuracy}
-    study = calibration_study(report_params(bootstrap_iters=300), items, points, point_items)
+    study = calibration.compute(report_params(bootstrap_iters=300), calibration.Inputs(items, points, point_items))
     assert len(study["rows"]) == 8 and study["rows"][0]["tokens"] == 1000
     by_size = study["larger_k"]["by_size"]
     assert by_size[10]["high"] < 0 and by_size[100]["low"] > 0
     assert study["larger_k"]["larger"] == "linear_k3_lam0.001" and study["larger_k_pays_from"] == 50
     assert "pays off (interval above 0 at this size and every larger one) from 50 sequences on" in \
-        "\n".join(calibration_lines(study))
+        "\n".join(calibration.lines(study))
 
 
 def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
     rng = np.random.default_rng(6)
-    figures_ = {"fit_tokens": 16, "candidate": "linear_k1_lam0.001", "prompts": 40}
+    figures_ = {"fit_tokens": 16, "candidate": "linear_k1_lam0.001", "prompts": 40,
+                "stripped": {"by_length": {}}, "rotated": {"by_length": {}}}
     rows = {}
-    for length, worse in ((16, 0.0), (64, 1.0)):  # the rotated map falls behind only beyond the fit length
+    for tokens, worse in ((16, 0.0), (64, 1.0)):  # the rotated map falls behind only beyond the fit length
         nll = rng.random(40) + 1.0
         for space, extra in (("stripped", 0.0), ("rotated", worse)):
-            rows[(space, length)] = pd.DataFrame({"prompt": range(40), "nll": nll + extra + 0.01 * rng.random(40),
+            rows[(space, tokens)] = pd.DataFrame({"prompt": range(40), "nll": nll + extra + 0.01 * rng.random(40),
                                                   "agree": (rng.random(40) < 0.8 - 0.5 * extra) * 4, "tokens": 4})
-            figures_.update({f"{space}/L{length}/{key}": 1.0 for key in ("ppl_ratio", "agreement", "next_token_top1")})
+            keys = ("ppl_ratio", "agreement", "next_token_top1")
+            figures_[space]["by_length"][str(tokens)] = dict.fromkeys(keys, 1.0)
     context = np.r_[np.full(50, 20), np.full(50, 60)]  # 1-2x and 2-4x the fit length
     tasks = {space: pd.DataFrame({"task": "piqa", "item": range(100), "context_tokens": context,
                                   "acc": np.r_[rng.random(50) < 0.8, rng.random(50) < 0.8 - drop].astype(float)})
              for space, drop in (("stripped", 0.0), ("rotated", 0.5))}
-    study = length_study(report_params(bootstrap_iters=300), figures_, rows, tasks)
+    study = length.compute(report_params(bootstrap_iters=300), length.Inputs(figures_, rows, tasks))
     short, long = study["rows"]
     assert short["nll_sign_test"]["p"] > 0.01 and long["nll_sign_test"]["lower"] == 40
     assert long["agreement_diff"]["low"] > 0
     assert [b["bin"] for b in study["task_bins"]] == ["1-2x", "2-4x"] and study["task_bins"][1]["diff"]["low"] > 0
-    assert "| 2-4x | 50 |" in "\n".join(length_lines(study))
+    assert "| 2-4x | 50 |" in "\n".join(length.lines(study))
 
 
 def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compared(tmp_path, monkeypatch):
@@ -194,12 +194,55 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
         (tmp_path / "metrics/eval" / f"{name}.json").write_text(json.dumps(metrics))
     reason = "direct injection needs equal KV geometry, but ..."
     (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": reason}))
-    metrics, items, prompts, skipped = load_variants(["oracle", "direct", "selected"])
-    assert skipped == {"direct": reason} and set(metrics) == {"oracle", "selected"}
-    report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
-    report["skipped"] = skipped
+    (tmp_path / "metrics/controls.json").write_text(json.dumps({"compatibility": {"passed": True}}))
+    run = variants.load(["oracle", "direct", "selected"], {})
+    assert run.skipped == {"direct": reason} and set(run.metrics) == {"oracle", "selected"}
+    report = variants.compute(report_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
-               "dtype": "bfloat16", "device": "cpu", "environment": {}}
-    text = markdown(report, context)
+               "dtype": "bfloat16", "device": "cpu", "environment": {}, "pair": run.pair, "selected_name": "selected"}
+    text = markdown(report, run, context)
     assert f"Not run for this pair: Direct source-cache injection — {reason}." in text
     assert "| Direct source-cache injection |" not in text
+
+
+def _head(tmp_path, monkeypatch, pointers: dict[str, dict], profile: str = "qwen3-v0") -> str:
+    """The report's head for a run whose models/<side> holds `pointers` (kind -> pointer file), on fake numbers."""
+    monkeypatch.chdir(tmp_path)
+    for side, pointer in pointers.items():
+        (tmp_path / "models" / side).mkdir(parents=True)
+        (tmp_path / "models" / side / f"{pointer['kind']}.json").write_text(
+            json.dumps({k: v for k, v in pointer.items() if k != "kind"}))
+    report = build(report_params(), *_study(np.random.default_rng(7), (0.85, 0.9, 0.9)),
+                   {"compatibility": {"passed": True}})
+    context = {"profile": profile, "data_kind": "hub", "source": "s", "target": "t", "dtype": "bfloat16",
+               "device": "cuda", "pair": variants.pair_names(), "selected_name": "selected"}
+    return "\n".join(variants.lines(report, context))
+
+
+def test_the_v0_reference_column_appears_only_for_v0s_pair(tmp_path, monkeypatch):
+    text = _head(tmp_path, monkeypatch, {"source": {"kind": "hub", "id": "Qwen/Qwen3-0.6B", "revision": "0123abc"},
+                                         "target": {"kind": "hub", "id": "Qwen/Qwen3-1.7B", "revision": "4567def"}},
+                 profile="my-rerun")
+    assert "| Gap closure [95% CI] | V0 reference |" in text
+    assert "| 15.2157 / 100.0% / 59.4% / 74.0% (Δ " in text and "— deltas shown" in text
+    assert "this run's pair is" not in text
+
+
+def test_a_qwen3_v0_profile_on_other_checkpoints_names_its_pair_and_leaves_the_v0_column_out(tmp_path, monkeypatch):
+    small, large = tmp_path / "ckpt" / "SmolLM2-135M", tmp_path / "ckpt" / "SmolLM2-360M"
+    small.mkdir(parents=True)
+    large.mkdir(parents=True)
+    text = _head(tmp_path, monkeypatch, {"source": {"kind": "local", "path": str(small), "sha256": "0" * 64},
+                                         "target": {"kind": "local", "path": str(large), "sha256": "1" * 64}})
+    assert "V0 reference" not in text and "15.2157" not in text and "Δ -" not in text
+    assert f"this run's pair is `{small}` → `{large}`, so they are not shown." in text
+
+
+def test_the_tiny_pair_and_random_shapes_are_not_v0s_pair_either(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert variants.pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
+    assert not variants.is_v0_pair(variants.pair_names())
+    text = _head(tmp_path, monkeypatch, {"source": {"kind": "random", "shape": "qwen3-0.6b", "seed": 0},
+                                         "target": {"kind": "random", "shape": "qwen3-1.7b", "seed": 1}})
+    assert "V0 reference" not in text
+    assert "this run's pair is `shape:qwen3-0.6b` → `shape:qwen3-1.7b`" in text

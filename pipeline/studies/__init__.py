@@ -1,0 +1,3 @@
+"""The report's studies: one module each (the V0 variants, every candidate, the calibration curve, the length
+study), each owning its input files, its statistics, its Markdown and its figure; `settings` holds the
+`report` params they share and `format` the formatting they share."""

@@ -1,0 +1,115 @@
+"""The calibration curve: candidates refitted on the first n sequences of the calibration pool (stage
+`calibrate@<n>`), their retention and gap closure against n, and from which n the larger k pays off.
+
+Inputs: metrics/calibration/<n>.json and eval/calibration/<n>/<name>.parquet for the sizes `calibration.sizes`
+declares (other sizes' files may be left from another profile); the oracle's and the source's items.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.stats import paired_bootstrap
+from pipeline.store import paths
+from pipeline.studies.format import interval, md_table, pct_interval, save_figure
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import Run
+
+POINTS, ITEMS = paths.CALIBRATION, paths.CALIBRATION_ITEMS
+
+
+@dataclass
+class Inputs:
+    items: dict[str, pd.DataFrame]  # the variants' per-item rows (the oracle's and the source's are read)
+    points: dict[int, dict]  # per size n: tokens and each candidate's parameters per token
+    point_items: dict[int, dict[str, pd.DataFrame]]  # per size n, per candidate: its eval-part items
+
+
+def load(run: Run) -> Inputs | None:
+    """None when no declared size ran, or without the source's items (gap closure needs them)."""
+    points = {int(path.stem): json.loads(path.read_text()) for path in sorted(POINTS.glob("*.json"))}
+    points = {size: point for size, point in points.items() if size in run.keys["calibration.sizes"]}
+    if not points or "source" not in run.items:
+        return None
+    return Inputs(run.items, points, {size: {path.stem: pd.read_parquet(path)
+                                             for path in sorted((ITEMS / str(size)).glob("*.parquet"))}
+                                      for size in points})
+
+
+def compute(params: ReportParams, inputs: Inputs) -> dict:
+    """Per size n (fit sequences) and candidate, retention and gap closure on the eval part with their
+    intervals; per size, the task-accuracy difference of the largest-k linear candidate over the smallest-k one
+    (paired bootstrap, both tasks' items), and the smallest size from which it stays above 0 at every larger
+    size (`larger_k_pays_from`; None when it never does)."""
+    points, point_items, rows = inputs.points, inputs.point_items, []
+    for size in sorted(points):
+        for name, frame in point_items[size].items():
+            both = {**inputs.items, name: frame}
+            retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+            closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+            rows.append({"sequences": size, "tokens": points[size]["tokens"], "candidate": name,
+                         "retention": retention["retention"], "retention_low": retention["low"],
+                         "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
+                         "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
+                         "params_per_token": points[size]["maps"][name]["params_per_token"]})
+    maps = {name: fit for size in sorted(points) for name, fit in points[size]["maps"].items()}
+    linear = sorted((name for name in maps if maps[name]["family"] == "linear"), key=lambda name: maps[name]["k"])
+    larger = {}
+    if len(linear) >= 2:
+        small, big = linear[0], linear[-1]
+        for size in sorted(points):
+            x, y = paired_items(point_items[size], big, small, "acc")
+            larger[size] = paired_bootstrap(x, y, params.bootstrap_iters, params.seed)
+    pays = [size for size in larger if all(larger[s]["low"] > 0 for s in larger if s >= size)]
+    return {"rows": rows, "larger_k": {"larger": linear[-1], "smaller": linear[0], "by_size": larger}
+            if larger else None, "larger_k_pays_from": min(pays) if pays else None}
+
+
+def lines(study: dict) -> list[str]:
+    """The report's section on the calibration curve."""
+    out = ["## How much calibration", "",
+           "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; the fit "
+           "split is its start), each evaluated on the eval part.", ""]
+    out += md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
+                     "Gap closure [95% CI]"],
+                    [[r["sequences"], f"{r['tokens']:,}", r["candidate"], f"{r['params_per_token']:.3g}",
+                      pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
+                      pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"])]
+                     for r in study["rows"]])
+    larger = study["larger_k"]
+    if larger:
+        out += ["", f"{larger['larger']} minus {larger['smaller']}: task accuracy (`acc`, both tasks' items), "
+                "paired bootstrap 95% interval.", ""]
+        out += md_table(["Sequences", "Δ [95% CI]", "n"],
+                        [[size, interval(c["diff"], c["low"], c["high"]), c["n"]]
+                         for size, c in larger["by_size"].items()])
+        start = study["larger_k_pays_from"]
+        out += ["", f"The larger k pays off (interval above 0 at this size and every larger one) from {start} "
+                f"sequences on." if start is not None else "The larger k is not shown to pay off at any size "
+                "here (no size from which every interval is above 0)."]
+    out += ["", "![Calibration curve](report/calibration.png)", ""]
+    return out
+
+
+def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
+    """Retention and gap closure of each candidate against calibration tokens, with intervals."""
+    table = pd.DataFrame(study["rows"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for ax, column in ((axes[0], "retention"), (axes[1], "gap_closure")):
+        for name, group in table.groupby("candidate", sort=False):
+            y = group[column].to_numpy()
+            errors = np.vstack([y - group[f"{column}_low"].to_numpy(), group[f"{column}_high"].to_numpy() - y])
+            ax.errorbar(group.tokens, y, yerr=np.nan_to_num(errors), marker="o", capsize=3, label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("calibration tokens")
+        ax.set_ylabel(column.replace("_", " ") + " (eval part)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, folder / "calibration.png")
+    return {"calibration": table}

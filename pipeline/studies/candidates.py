@@ -1,0 +1,151 @@
+"""The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each
+cheap figure (`PROXIES`) ranks them the way retention does, and the quality/speed frontier.
+
+Inputs: metrics/candidates.json and eval/candidates/<name>.parquet (stage `candidates`), metrics/fit.json and
+metrics/select.json for the proxies; the oracle's and the source's items for retention and gap closure.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.stats import pareto_front, rank_correlation
+from pipeline.store import paths
+from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import Run
+
+FIGURES, ITEMS, FIT = paths.CANDIDATES, paths.CANDIDATE_ITEMS, paths.FIT
+PROXIES = {"r2_heldout": "held-out R² (fit, select split)", "attention_cosine": "attention-output cosine (select)",
+           "agreement": "agreement (select)", "mean_kl": "mean KL (select; lower is better)"}
+
+
+@dataclass
+class Inputs:
+    items: dict[str, pd.DataFrame]  # the variants' per-item rows (the oracle's and the source's are read)
+    candidate_items: dict[str, pd.DataFrame]
+    figures: dict  # metrics/candidates.json: per candidate family, k, speed and size
+    fit: dict
+    select: dict
+
+
+def load(run: Run) -> Inputs | None:
+    """None when the stage did not run, or without the source's items (each candidate's gap closure needs them)."""
+    if not FIGURES.is_file() or "source" not in run.items:
+        return None
+    return Inputs(run.items, {path.stem: pd.read_parquet(path) for path in sorted(ITEMS.glob("*.parquet"))},
+                  json.loads(FIGURES.read_text()), json.loads(FIT.read_text()), run.select)
+
+
+def compute(params: ReportParams, inputs: Inputs) -> dict:
+    """Every candidate's retention and gap closure on the eval part (intervals as for the variants), its cheap
+    figures (`PROXIES`), speed and size; the rank correlation of each proxy with retention across candidates;
+    and the Pareto fronts of gap closure against the measured speedup and against the FLOP bound at the real
+    pair's shapes."""
+    maps, rows = inputs.figures["maps"], {}
+    for name, frame in inputs.candidate_items.items():
+        fit, select, figures = inputs.fit["maps"][name], inputs.select["maps"][name], maps[name]
+        both = {**inputs.items, name: frame}
+        retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+        closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+        rows[name] = {
+            "family": figures["family"], "k": figures["k"],
+            "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
+            "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
+            "gap_closure_high": closure["high"],
+            "r2_heldout": (fit["r2_keys_select"] + fit["r2_values_select"]) / 2,
+            **{key: select[key] for key in ("attention_cosine", "agreement", "mean_kl")},
+            **{key: figures[key] for key in ("speedup", "bound_at_pair", "parameters", "mapper_bytes")},
+        }
+    names = list(rows)
+    retention_values = [rows[n]["retention"] for n in names]
+    proxies = {proxy: rank_correlation([rows[n][proxy] for n in names], retention_values, params.bootstrap_iters,
+                                       params.seed) for proxy in PROXIES}
+    closure_values = [rows[n]["gap_closure"] for n in names]
+    for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):
+        for name, on_front in zip(names, pareto_front(closure_values, [rows[n][speed] for n in names])):
+            rows[name][key] = on_front
+    return {"rows": rows, "proxies": proxies, "length": inputs.figures["length"],
+            "bound_pair": inputs.figures["bound_pair"]}
+
+
+def lines(study: dict) -> list[str]:
+    """The report's section on every candidate: quality, proxies, speed, and what predicts what."""
+    rows, proxies = study["rows"], study["proxies"]
+    front = lambda row: " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))  # noqa: E731
+                                 if row[key]) or "—"
+    out = ["## Every candidate: what predicts retention, and the quality/speed frontier", "",
+           f"Each fitted map evaluated on the eval part like a mapped variant (stage `candidates`); speedup is the "
+           f"measured time to first token of the target's own prefill over the handoff's at {study['length']} "
+           f"prompt tokens on this machine, the FLOP bound is the same family and k at `{study['bound_pair']}`'s "
+           f"shapes. Front: on the Pareto front of gap closure against the measured speedup (here) or against "
+           f"the bound (at pair).", ""]
+    out += md_table(
+        ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
+         "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front"],
+        [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
+          pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
+          f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}", pct(r["agreement"]), f"{r['mean_kl']:.3f}",
+          f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
+          front(r)] for name, r in rows.items()])
+    out += ["", "Rank correlation (Spearman) of each cheap figure with eval-part retention across the candidates "
+            "above; intervals resample the candidates.", ""]
+    out += md_table(["Proxy", "Spearman ρ [95% CI]", "p", "n"],
+                    [[PROXIES[name], f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
+                      c["n"]] for name, c in proxies.items()])
+    out += ["", reading(study), "", "![Gap closure against speedup](report/frontier.png)", ""]
+    return out
+
+
+def reading(study: dict) -> str:
+    """Which proxy tracks retention best, and which candidates are on the fronts, from the numbers."""
+    # in the direction each proxy should point: higher R², cosine and agreement, lower KL
+    strength = {name: c["rho"] * (-1 if name == "mean_kl" else 1) for name, c in study["proxies"].items()
+                if c["rho"] == c["rho"]}
+    parts = []
+    if strength and max(strength.values()) <= 0:
+        parts.append("No cheap figure ranks the candidates the way retention does.")
+    elif strength:
+        best = max(strength, key=strength.get)
+        c = study["proxies"][best]
+        settled = c["low"] > 0 or c["high"] < 0
+        parts.append(f"Across {c['n']} candidates the {PROXIES[best]} tracks retention most closely (ρ "
+                     f"{c['rho']:+.2f}, 95% interval [{c['low']:+.2f}, {c['high']:+.2f}]"
+                     f"{'' if settled else ', which includes 0'}).")
+    for key, where in (("pareto_measured", "against the measured speedup"),
+                       ("pareto_at_pair", f"against the FLOP bound at {study['bound_pair']}")):
+        names = [name for name, row in study["rows"].items() if row[key]]
+        if names:
+            parts.append(f"On the front {where}: {and_(names)}.")
+    return " ".join(parts)
+
+
+def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
+    """Gap closure of every candidate against the measured speedup and against the FLOP bound at the real
+    pair's shapes, fronts ringed; and the table behind it."""
+    table = pd.DataFrame([{"candidate": name, **{key: row[key] for key in (
+        "family", "k", "retention", "gap_closure", "speedup", "bound_at_pair", "mapper_bytes", "pareto_measured",
+        "pareto_at_pair")}} for name, row in study["rows"].items()])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, speed, front, title in ((axes[0], "speedup", "pareto_measured", f"measured here, n={study['length']}"),
+                                    (axes[1], "bound_at_pair", "pareto_at_pair",
+                                     f"FLOP bound at {study['bound_pair']}, n={study['length']}")):
+        for family, group in table.groupby("family", sort=True):
+            ax.scatter(group[speed], group.gap_closure, label=family, s=24)
+        ringed = table[table[front]]
+        ax.scatter(ringed[speed], ringed.gap_closure, s=120, facecolors="none", edgecolors="black", lw=1)
+        for _, row in table.iterrows():
+            ax.annotate(row.candidate, (row[speed], row.gap_closure), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
+        ax.set_xlabel("TTFT speedup over target prefill")
+        ax.set_title(title, fontsize=9)
+    axes[0].set_ylabel("gap closure (eval part)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, folder / "frontier.png")
+    return {"frontier": table}

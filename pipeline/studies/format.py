@@ -1,0 +1,39 @@
+"""How the studies write numbers, tables and figures: percentages, intervals, Markdown tables, PNG files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+from pipeline.store.artifacts import atomic_path
+
+matplotlib.use("Agg")  # figures go to files only: no display needed, none assumed
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def interval(value: float, low: float, high: float, scale: float = 100, fmt: str = "+.1f") -> str:
+    return f"{scale * value:{fmt}} [{scale * low:{fmt}}, {scale * high:{fmt}}]"
+
+
+def pct_interval(value: float | None, low: float | None, high: float | None) -> str:
+    return f"{pct(value)} [{pct(low)}, {pct(high)}]"
+
+
+def and_(names: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def md_table(header: list[str], rows: list[list[object]]) -> list[str]:
+    """A Markdown table's lines: header, separator, one line per row (cells already formatted)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+
+
+def save_figure(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)

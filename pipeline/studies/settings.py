@@ -1,0 +1,33 @@
+"""The `report` section of params: the gates declared before the run, and how the studies resample and bin."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Share
+
+
+class Gates(Params):
+    retention_floor: Share
+    gap_closure_floor: Share  # of the source-to-oracle gap; needs the source baseline
+    perplexity_ratio_limit: PositiveFloat
+    agreement_milestone: Share  # on next-token top-1
+    noninferiority_margin: Share
+
+
+class ReportParams(Params):
+    gates: Gates
+    retention_metric: Literal["acc", "acc_norm"]
+    mapped_variant: str  # one of evaluate.mapped (check_params)
+    bootstrap_iters: Positive
+    seed: int
+    # the length study's bins of task context length, as edges in multiples of the fit length: [1, 2, 4] bins
+    # (0, 1], (1, 2], (2, 4] and beyond 4
+    length_bins: Annotated[list[PositiveFloat], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _increasing(self) -> ReportParams:
+        if sorted(set(self.length_bins)) != self.length_bins:
+            raise ParamError(f"report.length_bins: expected increasing edges, got {self.length_bins}")
+        return self

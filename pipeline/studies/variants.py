@@ -1,0 +1,372 @@
+"""The V0 study: every declared variant's figures beside V0's published table, the paired comparisons, the
+gates, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls and latency
+summaries.
+
+Inputs: metrics/eval/<variant>.json and eval/<variant>/{items,prompts}.parquet (stage `evaluate`),
+metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that say
+which pair ran. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another
+pair's run names its pair instead.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from pipeline.measure.retention import (
+    comparison,
+    gap_closure_interval,
+    mean_gap_closure,
+    mean_retention,
+    retention_interval,
+)
+from pipeline.store import paths
+from pipeline.store.models import read_pointer
+from pipeline.store.splits import ITEM_KINDS, TASKS
+from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure
+from pipeline.studies.settings import ReportParams
+
+# V0's published table (PROTOCOL.md): perplexity, next-token top-1, HellaSwag, PIQA; for this pair only
+V0 = {
+    "oracle": (15.2157, 1.00, 0.594, 0.740),
+    "direct": (44.2169, 0.02, 0.366, 0.600),
+    "mapped_k1": (17.3496, 0.61, 0.546, 0.702),
+    "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
+}
+V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
+EVAL_METRICS, EVAL_ROWS = paths.VARIANT_METRICS, paths.EVAL
+CONTROLS, SELECT, LATENCY = paths.CONTROLS, paths.SELECT, paths.LATENCY
+LABELS = {
+    "oracle": "Target full-prefill oracle",
+    "direct": "Direct source-cache injection",
+    "source": "Source model alone",
+    "zero": "Null control: zero cache",
+    "shuffled": "Null control: shuffled cache",
+    "selected": "Selected mapped transfer",
+}
+RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
+          "direct": "direct injection"}
+GATE_NAMES = {"agreement_milestone": "agreement milestone (next-token top-1)"}
+
+
+@dataclass
+class Run:
+    """What the variants' evaluation left: per variant its metrics, per-item and per-prompt rows (those the
+    pair's contract skipped only with their reason), the controls, the selection, the latency study (None
+    when it did not run), the pair that ran (`pair_names`) and the other stages' params the studies read."""
+    metrics: dict
+    items: dict[str, pd.DataFrame]
+    prompts: dict[str, pd.DataFrame]
+    skipped: dict[str, str]
+    controls: dict
+    select: dict
+    latency: dict | None
+    pair: tuple[str, str]
+    keys: dict  # the other stages' params a study reads (report.py reads them: dvc.yaml declares them there)
+
+
+def label(variant: str) -> str:
+    if variant.startswith("mapped_k"):
+        return f"Learned mapped transfer, k={variant[len('mapped_k'):]}"
+    return LABELS.get(variant, variant)
+
+
+def pair_names(models: str = "models") -> tuple[str, str]:
+    """What each side of the pair that ran is: its hub id, its local folder, `shape:<name>` for random weights
+    of a stored shape, or the prepared folder itself (the trained tiny pair), from the pointers under models/."""
+    names = []
+    for side in ("source", "target"):
+        pointer = read_pointer(f"{models}/{side}") or {"kind": "trained"}
+        names.append({"hub": pointer.get("id"), "local": pointer.get("path"),
+                      "random": f"shape:{pointer.get('shape')}"}.get(pointer["kind"], f"{models}/{side}"))
+    return names[0], names[1]
+
+
+def load(names: list[str], keys: dict) -> Run:
+    """The declared variants' results (not whatever else metrics/eval holds: a profile with other k candidates
+    leaves other files there) and the files every study beside them reads."""
+    metrics, items, prompts, skipped = {}, {}, {}, {}
+    for variant in names:
+        metrics[variant] = json.loads((EVAL_METRICS / f"{variant}.json").read_text())
+        if "skipped" in metrics[variant]:  # undefined for this pair (kv.contract): reported, not compared
+            skipped[variant] = metrics.pop(variant)["skipped"]
+            continue
+        items[variant] = pd.read_parquet(EVAL_ROWS / variant / "items.parquet")
+        prompts[variant] = pd.read_parquet(EVAL_ROWS / variant / "prompts.parquet")
+    if "oracle" not in metrics:
+        raise FileNotFoundError("metrics/eval/oracle.json not found: the report needs the oracle's evaluation")
+    return Run(metrics, items, prompts, skipped, controls=json.loads(CONTROLS.read_text()),
+               select=json.loads(SELECT.read_text()) if SELECT.is_file() else {},
+               latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(), keys=keys)
+
+
+def compute(params: ReportParams, run: Run) -> dict:
+    """Per variant its figures and intervals, the paired comparisons of the selected map with its rivals and
+    the oracle, and the gates: what metrics/report.json holds before the other studies' keys."""
+    metrics, items = run.metrics, run.items
+    variants = {variant: _figures(params, metrics, items, variant) for variant in metrics}
+    mapped = params.mapped_variant
+    if mapped not in metrics:
+        raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
+    pairs = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
+    larger_k = sorted((int(v[8:]) for v in metrics if v.startswith("mapped_k") and v != "mapped_k1"))
+    if "mapped_k1" in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layer count
+        pairs[f"k1_minus_k{larger_k[-1]}"] = ("mapped_k1", f"mapped_k{larger_k[-1]}")
+    pairs[f"oracle_minus_{mapped}"] = ("oracle", mapped)
+    comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
+                   for name, (a, b) in pairs.items()}
+    return {"variants": variants, "selected": mapped, "comparisons": comparisons,
+            "gates": _gates(params, variants[mapped], comparisons, run.controls, list(metrics)),
+            "retention_metric": params.retention_metric, "skipped": run.skipped}
+
+
+def _figures(params: ReportParams, metrics: dict, items: dict, variant: str) -> dict:
+    accuracy = {name: {t: m[f"{t}_{params.retention_metric}"] for t in TASKS} for name, m in metrics.items()}
+    m, acc, oracle_acc = metrics[variant], accuracy[variant], accuracy["oracle"]
+    bounds = retention_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
+    closure = {"gap_closure": None, "gap_closure_low": None, "gap_closure_high": None}
+    if "source" in items:  # the gap is the source model's own: without its evaluation there is none
+        gap = gap_closure_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
+        closure = {"gap_closure": mean_gap_closure(acc, accuracy["source"], oracle_acc),
+                   "gap_closure_low": gap["low"], "gap_closure_high": gap["high"]}
+    entry = {
+        "perplexity": m["perplexity"], "ppl_ratio": m["perplexity"] / metrics["oracle"]["perplexity"],
+        "next_token_top1": m["next_token_top1"], "agreement": m["agreement"], "mean_kl": m["mean_kl"],
+        "rollout_agreement": m["rollout_agreement"], **{t: acc[t] for t in TASKS},
+        "retention": mean_retention(acc, oracle_acc), "retention_low": bounds["low"],
+        "retention_high": bounds["high"], **closure, "prompts": m["prompts"],
+    }
+    for t in TASKS:
+        entry[f"{t}_acc"], entry[f"{t}_acc_norm"], entry[f"{t}_n"] = m[f"{t}_acc"], m[f"{t}_acc_norm"], m[f"{t}_n"]
+    entry.update({k: v for k, v in m.items() if k.count("_") >= 2 and k.split("_")[1] in ITEM_KINDS})
+    return entry
+
+
+def _gates(params: ReportParams, chosen: dict, comparisons: dict, controls: dict, present: list[str]) -> dict:
+    g, mapped = params.gates, params.mapped_variant
+    beats = {other: comparisons[f"{mapped}_minus_{other}"]["tasks_low"] > 0
+             for other in ("source", "zero", "shuffled") if other in present}
+    oracle_lead = comparisons[f"oracle_minus_{mapped}"]["tasks_high"]
+    return {
+        "controls_passed": {"passed": all(entry["passed"] for entry in controls.values()), "threshold": "all"},
+        "retention_floor": _gate(chosen["retention"] >= g.retention_floor, g.retention_floor, chosen["retention"]),
+        "gap_closure_floor": _gate(chosen["gap_closure"] is not None and chosen["gap_closure"] >= g.gap_closure_floor,
+                                   g.gap_closure_floor, chosen["gap_closure"]),
+        "perplexity_ratio": _gate(chosen["ppl_ratio"] <= g.perplexity_ratio_limit, g.perplexity_ratio_limit,
+                                  chosen["ppl_ratio"]),
+        "beats_source_and_nulls": {"passed": bool(beats) and all(beats.values()),
+                                   "threshold": "95% interval of the task-accuracy difference excludes 0",
+                                   **{f"beats_{k}": v for k, v in beats.items()}},
+        "noninferiority": _gate(oracle_lead < g.noninferiority_margin, g.noninferiority_margin, oracle_lead),
+        "agreement_milestone": {**_gate(chosen["next_token_top1"] >= g.agreement_milestone, g.agreement_milestone,
+                                        chosen["next_token_top1"]), "milestone": True},
+    }
+
+
+def _gate(passed: bool, threshold: float, measured: float) -> dict:
+    return {"passed": passed, "threshold": threshold, "measured": measured}
+
+
+def headline(report: dict) -> dict[str, dict]:
+    """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
+    columns, retention and the gap closure with their intervals, and the gap to the oracle in mean task
+    accuracy."""
+    oracle = report["variants"]["oracle"]
+    return {name: {"perplexity": e["perplexity"], "next_token_top1": e["next_token_top1"],
+                   "hellaswag": e["hellaswag"], "piqa": e["piqa"], "retention": e["retention"],
+                   "retention_low": e["retention_low"], "retention_high": e["retention_high"],
+                   "gap_closure": e["gap_closure"],  # its interval is in report.json
+                   "gap": sum(oracle[t] - e[t] for t in TASKS) / len(TASKS)}
+            for name, e in report["variants"].items()}
+
+
+def order(variants: dict) -> list[str]:
+    first = ["oracle", "direct"] + sorted((v for v in variants if v.startswith("mapped_k")), key=lambda v: int(v[8:]))
+    rest = ["selected", "source", "zero", "shuffled"]
+    return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
+
+
+def is_v0_pair(pair: tuple[str, str]) -> bool:
+    return tuple(pair) == V0_PAIR
+
+
+def _v0_reference(name: str, e: dict) -> str:
+    ref = V0.get(name)
+    if ref is None:
+        return "—"
+    return (f"{ref[0]:.4f} / {pct(ref[1])} / {pct(ref[2])} / {pct(ref[3])} (Δ {e['perplexity'] - ref[0]:+.2f} / "
+            f"{100 * (e['next_token_top1'] - ref[1]):+.1f} / {100 * (e['hellaswag'] - ref[2]):+.1f} / "
+            f"{100 * (e['piqa'] - ref[3]):+.1f})")
+
+
+def lines(report: dict, context: dict) -> list[str]:
+    """The report's head: the pair and settings, the V0 table (V0's published figures beside it for V0's pair
+    only), the figures beside it, the paired comparisons, the gates and the reading. `context`: profile,
+    data_kind, source, target, dtype, device, pair (`pair_names`), selected_name."""
+    v, profile, rows = report["variants"], context["profile"], order(report["variants"])
+    v0 = is_v0_pair(context["pair"])  # V0's figures compare with V0's pair only, whatever the profile is called
+    generated = context["data_kind"] == "generated"
+    hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if generated else ("HellaSwag", "PIQA")
+    out = [f"# KV handoff report — profile `{profile}`", "",
+           f"Source `{context['source']}` → target `{context['target']}`; {context['dtype']} on {context['device']}. "
+           f"Task metric for retention: `{report['retention_metric']}`, zero-shot, eval part only.", ""]
+    if generated:
+        out += ["Tasks: the tiny world's HellaSwag-shaped and PIQA-shaped items (`pipeline/tiny/world.py`), scored by "
+                "lm-eval's own `hellaswag` and `piqa` definitions; they are not the real benchmarks"
+                f"{', so the V0 reference compares only as ratios' if v0 else ''}.", ""]
+    out += ["## The V0 table", ""]
+    out += md_table(
+        ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "Gap closure [95% CI]",
+         *(["V0 reference"] if v0 else [])],
+        [[label(n), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]), pct(v[n]["hellaswag"]),
+          pct(v[n]["piqa"]), pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
+          pct_interval(v[n]["gap_closure"], v[n]["gap_closure_low"], v[n]["gap_closure_high"]),
+          *([_v0_reference(n, v[n])] if v0 else [])] for n in rows])
+    o = v["oracle"]
+    if report.get("skipped"):
+        out += [""] + [f"Not run for this pair: {label(name)} — {reason}."
+                       for name, reason in report["skipped"].items()]
+    reference = ("V0 reference: perplexity / next-token top-1 / HellaSwag / PIQA as published (V0's own data; "
+                 "comparable only as ratios — deltas shown)." if v0 else
+                 f"V0's published figures are for `{V0_PAIR[0]}` → `{V0_PAIR[1]}`; this run's pair is "
+                 f"`{context['pair'][0]}` → `{context['pair'][1]}`, so they are not shown.")
+    out += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. {reference} "
+            f"Retention is measured from chance; the gap closure, (variant − source alone) / (oracle − source alone), "
+            f"from the source model alone: 0 means the handoff buys nothing over running the small model.", ""]
+    out += ["## Beside the V0 columns", ""]
+    out += md_table(
+        ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
+         f"{pq} acc"],
+        [[label(n), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
+          pct(v[n]["rollout_agreement"]), pct(v[n]["hellaswag_acc"]), pct(v[n]["piqa_acc"])] for n in rows])
+    kinds = sorted({k for e in v.values() for k in e if k.endswith("_acc") and k.split("_")[1] in ITEM_KINDS})
+    if kinds:
+        out += ["", "### By item kind (acc)", ""]
+        out += md_table(["Variant", *(k[:-4].replace("_", " ") for k in kinds)],
+                        [[label(n), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
+    return out + _comparison_lines(report) + ["## Reading", "", reading(report, context["selected_name"]), ""]
+
+
+def _comparison_lines(report: dict) -> list[str]:
+    out = ["", "## Paired comparisons", "",
+           "Differences of task accuracy (both tasks' items together, `acc`) and of next-token top-1 agreement; "
+           "paired bootstrap 95% intervals over items/prompts, exact McNemar p-values.", ""]
+    out += md_table(
+        ["Comparison", "Tasks Δ [95% CI]", "McNemar p", "n", "Next-token Δ [95% CI]", "McNemar p", "n"],
+        [[name.replace("_", " "), interval(c["tasks_diff"], c["tasks_low"], c["tasks_high"]),
+          f"{c['tasks_mcnemar_p']:.3g}", c["tasks_n"],
+          interval(c["next_token_diff"], c["next_token_low"], c["next_token_high"]),
+          f"{c['next_token_mcnemar_p']:.3g}", c["next_token_n"]] for name, c in report["comparisons"].items()])
+    out += ["", "## Gates (declared in params before the run)", ""]
+    out += md_table(["Gate", "Threshold", "Measured", "Verdict"],
+                    [[GATE_NAMES.get(name, name.replace("_", " ")), gate["threshold"],
+                      "—" if gate.get("measured") is None else f"{gate['measured']:.3f}", _verdict(gate)]
+                     for name, gate in report["gates"].items()])
+    return out + [""]
+
+
+def _verdict(gate: dict) -> str:
+    if gate.get("milestone"):
+        return "reached" if gate["passed"] else "not reached"
+    return "PASS" if gate["passed"] else "FAIL"
+
+
+def reading(report: dict, selected_name: str) -> str:
+    """One paragraph generated from the numbers: what is and is not established at this sample size."""
+    v, c, g, mapped = report["variants"], report["comparisons"], report["gates"], report["selected"]
+    e = v[mapped]
+    width = 100 * (e["retention_high"] - e["retention_low"]) / 2
+    parts = [f"The selected map ({selected_name}) retains {pct(e['retention'])} of the oracle's above-chance task "
+             f"accuracy (95% interval ±{width:.0f} points at {e['hellaswag_n']} + {e['piqa_n']} items), with "
+             f"perplexity {e['ppl_ratio']:.2f}x the oracle's and next-token agreement {pct(e['next_token_top1'])}."]
+    if e["gap_closure"] is not None:
+        parts.append(f"Measured from the source model alone instead of chance, it closes {pct(e['gap_closure'])} "
+                     f"[{pct(e['gap_closure_low'])}, {pct(e['gap_closure_high'])}] of the gap between the source "
+                     f"and the oracle.")
+    established, open_ = [], []
+    for other in ("source", "zero", "shuffled", "direct"):
+        key = f"{mapped}_minus_{other}"
+        if key in c:
+            (established if c[key]["tasks_low"] > 0 else open_).append(RIVALS[other])
+    if established:
+        parts.append(f"It beats {and_(established)} on task accuracy with intervals that exclude 0.")
+    if open_:
+        parts.append(f"It is not shown to beat {and_(open_)}: those intervals include 0, so at this sample size the "
+                     f"difference may be noise (or, for the source alone, the handoff adds nothing the source did "
+                     f"not read).")
+    ni = c[f"oracle_minus_{mapped}"]
+    parts.append(f"Non-inferiority to the oracle within {g['noninferiority']['threshold']} is "
+                 f"{'established' if g['noninferiority']['passed'] else 'not established'} "
+                 f"(upper bound of the oracle's lead {100 * ni['tasks_high']:.1f} points).")
+    for name in [n for n in c if n.startswith("k1_minus_k")]:
+        k = c[name]
+        parts.append(f"k=1 vs k={name[len('k1_minus_k'):]}: {100 * k['tasks_diff']:+.1f} points on tasks "
+                     f"[{100 * k['tasks_low']:+.1f}, {100 * k['tasks_high']:+.1f}]"
+                     f"{'' if k['tasks_low'] > 0 or k['tasks_high'] < 0 else ', not distinguishable here'}.")
+    failed = [name for name, gate in g.items() if not gate["passed"] and not gate.get("milestone")]
+    parts.append("All gates pass." if not failed else f"Gates not passed: {', '.join(failed)}.")
+    return " ".join(parts)
+
+
+def appendix(run: Run) -> list[str]:
+    """The sections after every study's: the controls and latency summaries (when they ran) and this study's
+    figures."""
+    rows = []
+    for name, entry in run.controls.items():
+        figures_ = ", ".join(f"{k} {val:.3g}" if isinstance(val, float) else f"{k} {val}"
+                             for k, val in entry.items() if k != "passed" and not isinstance(val, dict))
+        rows.append([name.replace("_", " "), "yes" if entry["passed"] else "NO", figures_])
+    out = ["## Controls", "", *md_table(["Control", "Passed", "Figure"], rows), ""]
+    if run.latency is not None:
+        rows = []
+        for n, row in sorted((int(n), row) for n, row in run.latency["by_length"].items()):
+            get = lambda key: row.get(key, float("nan"))  # noqa: E731
+            rows.append([n, f"{get('target_ms'):.2f}", f"{get('handoff_ms'):.2f}", f"{get('speedup'):.2f}x",
+                         f"{get('bound'):.2f}x", pct(get("fraction_of_bound"))])
+        out += ["## Latency (time to first token)", ""]
+        out += md_table(["Prompt tokens", "Target prefill ms", "Handoff ms", "Speedup", "FLOP bound",
+                         "Fraction of bound"], rows)
+        out += ["", "![TTFT against prompt length](plots/latency.png)", ""]
+    return out + ["## Figures", "", "![Retention by variant](report/retention.png)", "",
+                  "![Agreement with the oracle by continuation position](report/agreement_by_position.png)", ""]
+
+
+def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
+    """Retention by variant and agreement by continuation position, as PNGs and the tables behind them."""
+    names = order(report["variants"])
+    retention_table = pd.DataFrame([{"variant": n, "retention": report["variants"][n]["retention"],
+                                     "low": report["variants"][n]["retention_low"],
+                                     "high": report["variants"][n]["retention_high"]} for n in names])
+    rows = []
+    for name in names:
+        agree = np.array(run.prompts[name].agree_by_position.tolist(), dtype=object)
+        width = max(len(a) for a in agree)
+        for position in range(width):
+            values = [a[position] for a in agree if len(a) > position]
+            rows.append({"variant": name, "position": position, "agreement": float(np.mean(values))})
+    position_table = pd.DataFrame(rows)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    y = retention_table.retention.to_numpy()
+    errors = np.vstack([y - retention_table.low.to_numpy(), retention_table.high.to_numpy() - y])
+    ax.bar(range(len(names)), y, yerr=np.nan_to_num(errors), capsize=4, color="#4c72b0")
+    ax.axhline(report["gates"]["retention_floor"]["threshold"], color="#c44e52", ls="--", lw=1, label="retention floor")
+    ax.set_xticks(range(len(names)), [label(n).replace(" ", "\n", 2) for n in names], fontsize=7)
+    ax.set_ylabel("normalized retention")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, folder / "retention.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, group in position_table.groupby("variant", sort=False):
+        ax.plot(group.position, group.agreement, marker=".", label=label(name))
+    ax.set_xlabel("continuation position")
+    ax.set_ylabel("top-1 agreement with the oracle")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    save_figure(fig, folder / "agreement_by_position.png")
+    return {"retention": retention_table, "agreement_by_position": position_table}
