@@ -1,6 +1,7 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
 # Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
-# `make lint` runs ruff (config in pyproject.toml); `make gpu-check` is the prepared check for a machine with a GPU.
+# `make lint` runs ruff (config in pyproject.toml); `make gpu-check` is the prepared check for a machine with a GPU;
+# `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tests/bench_eval.py).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 # dvc runs each stage's `python -m ...` through PATH: it must find this environment's python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test test-fast lint test-realshape gpu-check clean-venv
+.PHONY: setup repro test test-fast lint test-realshape gpu-check bench-eval clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +37,10 @@ test-realshape: setup
 # on a machine with one GPU: qwen3-shapes through report in bf16, then TTFT at 512/2048/8192 tokens (tests/gpu_check.py)
 gpu-check: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python tests/gpu_check.py
+
+# hf vs the kv-transfer oracle on 40 HellaSwag items at batch 1 and 16, a random 107M Llama, two threads (~3 min)
+bench-eval: setup
+	$(BIN)/python tests/bench_eval.py --items 40 --batch-sizes 1 16 --threads 2
 
 clean-venv:
 	rm -rf $(VENV)

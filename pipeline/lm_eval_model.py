@@ -8,6 +8,10 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
 
+lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
+own Pair passes a handoff of it to `KVTransferLM(handoff, tokenizer, ...)` and scores many handoffs on models
+loaded once.
+
 lm-eval's `--apply_chat_template` and `--system_instruction` work as for `hf`: prompts are rendered by the
 target tokenizer's chat template, then tokenized and handed off like any other prompt.
 
@@ -33,11 +37,11 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
-from pipeline.kv.contract import pair_contract
-from pipeline.kv.handoff import MODES, Handoff, greedy_generate, score_continuations
-from pipeline.kv.mapper import load_mapper
-from pipeline.store.models import default_device, load_config, load_model, load_tokenizer
-from pipeline.store.ranks import SINGLE, World, join
+from pipeline.kv.handoff import SOURCE_MODES, Handoff, greedy_generate
+from pipeline.kv.pair import Pair
+from pipeline.kv.scoring import score_continuations
+from pipeline.store.models import default_device, load_config
+from pipeline.store.ranks import ONE_PROCESS, Ranks, join
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -46,8 +50,21 @@ log = logging.getLogger(__name__)
 
 @register_model("kv-transfer")
 class KVTransferLM(TemplateLM):
-    def __init__(
-        self,
+    def __init__(self, handoff: Handoff, tokenizer, batch_size: int | str = 8, max_length: int | str | None = None,
+                 ranks: Ranks = ONE_PROCESS):
+        """Score tasks through `handoff` (built by a stage's `kv.pair.Pair`, or by `from_args` from lm-eval's
+        model args), tokenizing with the target's `tokenizer`; `ranks`: this process's place among several."""
+        super().__init__()
+        self.handoff = handoff
+        self.tokenizer = tokenizer
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
+        self._device = handoff.device
+        self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
+
+    @classmethod
+    def from_args(
+        cls,
         target: str,
         source: str | None = None,
         transfer: str = "oracle",
@@ -60,66 +77,35 @@ class KVTransferLM(TemplateLM):
         shuffle_seed: int | str = 0,
         max_length: int | str | None = None,
         **unknown,
-    ):
-        super().__init__()
+    ) -> "KVTransferLM":
+        """The model lm-eval's model args name (the module docstring lists them): the pair, then its handoff."""
         if unknown:
             raise TypeError(f"kv-transfer: unknown model args {sorted(unknown)}")
-        if transfer not in MODES:
-            raise ValueError(f"kv-transfer: transfer={transfer!r} is not one of {', '.join(MODES)}")
-        if transfer != "oracle" and not source:
-            raise ValueError(f"kv-transfer: transfer={transfer} needs source=<model>")
-        if transfer == "mapped" and not mapper:
-            raise ValueError("kv-transfer: transfer=mapped needs mapper=<path to a mapper file>")
-        world = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
-        device = world.device(device or default_device())
-        self.tokenizer = load_tokenizer(target, target_revision)
-        uses_source = transfer not in ("oracle", "zero")
-        source_tokenizer = load_tokenizer(source, source_revision) if uses_source else None
-        target_config = load_config(target, target_revision)
-        length = int(max_length) if max_length else target_config.max_position_embeddings
-        # the architecture contract, from configs and tokenizers: a refused pair costs no weight loading
-        pair_contract(target_config, load_config(source, source_revision) if uses_source else None, self.tokenizer,
-                      source_tokenizer, length).require(transfer)
-        target_model = load_model(target, target_revision, dtype, device)
-        source_model = load_model(source, source_revision, dtype, device) if uses_source else None
-        fitted = load_mapper(mapper, device=device) if mapper and transfer in ("mapped", "shuffled") else None
-        handoff = Handoff(target_model, source_model, transfer, fitted, shuffle_seed=int(shuffle_seed),
-                          tokenizers=(source_tokenizer, self.tokenizer), max_tokens=length)
-        self._setup(handoff, batch_size, max_length, world)
-
-    @classmethod
-    def from_handoff(cls, handoff: Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
-                     world: World = SINGLE) -> "KVTransferLM":
-        """Wrap an already built handoff (the pipeline's stages load the models once for every metric)."""
-        lm = cls.__new__(cls)
-        TemplateLM.__init__(lm)
-        lm.tokenizer = tokenizer
-        lm._setup(handoff, batch_size, max_length, world)
-        return lm
-
-    def _setup(self, handoff: Handoff, batch_size: int | str, max_length: int | str | None, world: World) -> None:
-        self.handoff = handoff
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
-        self._device = handoff.device
-        self._world, self._rank, self._world_size = world, world.rank, world.size
+        ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
+        device = ranks.device(device or default_device())
+        # the longest sequence lm-eval will hand off: its window, for the source's sliding window too
+        length = int(max_length) if max_length else load_config(target, target_revision).max_position_embeddings
+        pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
+                    target_revision=target_revision, source_revision=source_revision, max_tokens=length)
+        handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed))
+        return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks)
 
     # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the
     # ranks' request counts to equal (all_gather), and gathers samples and metrics on rank 0 (gather_object)
     def all_gather(self, tensor):
-        return self._world.all_gather_tensor(tensor)
+        return self._ranks.all_gather_tensor(tensor)
 
     def gather_object(self, obj, dst: int = 0):
-        return self._world.gather(obj, dst)
+        return self._ranks.gather(obj, dst)
 
     def barrier(self) -> None:
-        self._world.barrier()
+        self._ranks.barrier()
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KVTransferLM":
         # lm-eval also passes its own --batch_size/--device; explicit model args win over them
         shared = {k: v for k, v in (additional_config or {}).items() if k in ("batch_size", "device") and v is not None}
-        return cls(**{**shared, **arg_dict})
+        return cls.from_args(**{**shared, **arg_dict})
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "KVTransferLM":

@@ -13,13 +13,11 @@ token order permuted by a seeded permutation in content space, before the target
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from pipeline.kv.contract import pair_contract
@@ -29,6 +27,19 @@ from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.models import IncompatiblePairError
 
 MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
+SOURCE_MODES = ("direct", "mapped", "shuffled")  # the modes that read the source's cache
+MAPPER_MODES = ("mapped", "shuffled")  # the modes that read a mapper (`shuffled` also runs without one)
+
+
+def check_mode(mode: str, has_source: bool, has_mapper: bool) -> None:
+    """Refuse a mode that is unknown or lacks the source or mapper it reads: before any weight is loaded when
+    called on names (`kv.pair`), and again by every Handoff on the models themselves."""
+    if mode not in MODES:
+        raise ValueError(f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})")
+    if mode in SOURCE_MODES and not has_source:
+        raise ValueError(f"transfer mode {mode!r} needs a source model")
+    if mode == "mapped" and not has_mapper:
+        raise ValueError("transfer mode 'mapped' needs a mapper")
 
 
 class Handoff:
@@ -39,16 +50,11 @@ class Handoff:
         """`tokenizers`: (source, target) tokenizers, compared by the contract when given (otherwise only the
         vocabulary sizes can be); `max_tokens`: the longest sequence this handoff will see (a sliding window
         shorter than it is refused), by default the target's position range."""
-        if mode not in MODES:
-            raise ValueError(f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})")
-        if mode not in ("oracle", "zero") and source is None:
-            raise ValueError(f"transfer mode {mode!r} needs a source model")
-        if mode == "mapped" and mapper is None:
-            raise ValueError("transfer mode 'mapped' needs a mapper")
+        check_mode(mode, source is not None, mapper is not None)
         self.target, self.source, self.mode, self.mapper, self.shuffle_seed = target, source, mode, mapper, shuffle_seed
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
         # the contract decides from the configs, before any forward; the rotary buffers are then checked
-        self.contract = pair_contract(target.config, source.config if mode not in ("oracle", "zero") else None,
+        self.contract = pair_contract(target.config, source.config if mode in SOURCE_MODES else None,
                                       target_tokenizer, source_tokenizer, max_tokens)
         self.contract.require(mode)
         self.target_spec = RotarySpec.from_model(target)
@@ -56,7 +62,7 @@ class Handoff:
         self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
-        if mode in ("oracle", "zero"):
+        if mode not in SOURCE_MODES:
             return
         self.source_spec = RotarySpec.from_model(source)
         self.source_geometry = kv_geometry(source.config)
@@ -121,7 +127,7 @@ class Handoff:
         length = source_layers[0][0].shape[2]
         positions = torch.arange(length, device=self.source.device)
         source_rotation = Rotation(self.source_spec, positions)
-        mapper = self.mapper if self.mode in ("mapped", "shuffled") else None
+        mapper = self.mapper if self.mode in MAPPER_MODES else None
         # a map fitted on rotated keys (the length study's no-strip ablation) reads and writes them as cached
         rotated = mapper is not None and mapper.extra.get("key_space") == "rotated"
         content = [(k.float() if rotated else source_rotation.strip(k.float()), v.float())
@@ -152,6 +158,29 @@ class Handoff:
         if layers[0][0].shape[0] != batch:
             layers = expand_batch(layers, batch)
         return layers_to_cache(layers, self.target.config, self.target.dtype, self.target_devices or self.device)
+
+    @torch.no_grad()
+    def packed_logprobs(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
+                        segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L)
+        after that row's prefix cache (B, H, P, D), right-padded to real lengths `prefix_lengths` (B,).
+        `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it:
+        a token sees its row's real prefix and the earlier tokens of its own continuation, at position
+        prefix_lengths[b] + offset, so each continuation scores as if it were alone after the prefix."""
+        batch, steps = tokens.shape
+        width = 0 if layers is None else layers[0][0].shape[2]
+        prefix = (torch.arange(width)[None] < prefix_lengths[:, None])[:, None].expand(-1, steps, -1)  # (B, L, P)
+        causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
+        own = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, L, L): padding sees padding only
+        allowed = torch.cat([prefix, own], dim=2)[:, None]  # (B, 1, L, P + L)
+        # an additive mask, as eager attention reads it and SDPA accepts it; transformers takes a 4D mask as is
+        dtype = self.target.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        positions = prefix_lengths[:, None] + offsets  # (B, L)
+        cache = self.target_cache(layers, batch)
+        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
+                             attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
+        return F.log_softmax(logits.float(), dim=-1)
 
     @torch.no_grad()
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
@@ -186,68 +215,6 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
     return order
 
 
-def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
-    """The context left after lm-eval's left-truncation of context + continuation to max_length + 1 tokens."""
-    if len(continuation) > max_length:
-        raise ValueError(f"continuation of {len(continuation)} tokens exceeds the model's {max_length}")
-    whole = (list(context) + list(continuation))[-(max_length + 1) :]
-    return whole[: len(whole) - len(continuation)]
-
-
-def score_continuations(
-    handoff: Handoff,
-    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
-    batch_size: int = 8,
-    max_length: int | None = None,
-    progress: bool = True,
-) -> list[tuple[float, bool]]:
-    """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
-
-    Requests that share a context share one prefix cache (HellaSwag's four endings cost one prefill, not
-    four), and up to `batch_size` continuations are scored per forward: the contexts of a batch are prefilled
-    together (one source forward, prefixes right-padded and masked), then every continuation reads its own
-    context's rows:
-
-        prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ... (positions n0-1, n0, ...)
-                  c1[0..n1-2 ...........]               c1[n1-1] e1[0] ... (positions n1-1, n1, ...)
-
-    Continuations are right-padded, which causal attention never lets earlier positions see.
-    """
-    max_length = max_length or handoff.target.config.max_position_embeddings
-    groups: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
-    for index, (context, continuation) in enumerate(requests):
-        if not continuation:
-            raise ValueError(f"request {index} has an empty continuation")
-        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
-    if any(not context for context in groups):
-        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
-
-    results: list[tuple[float, bool] | None] = [None] * len(requests)
-    bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
-    for chunk in context_batches(list(groups.items()), batch_size):
-        contexts = [context for context, _ in chunk]
-        prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
-        layers = handoff.prefix_layers(prefixes, lengths if padded else None)
-        members = [(row, index) for row, (_, indices) in enumerate(chunk) for index in indices]
-        for start in range(0, len(members), batch_size):
-            part = members[start : start + batch_size]
-            rows = torch.tensor([row for row, _ in part])  # each continuation's context row
-            conts = [list(requests[index][1]) for _, index in part]
-            steps = torch.zeros(len(part), max(len(c) for c in conts), dtype=torch.long)
-            for line, ((row, _), cont) in enumerate(zip(part, conts)):
-                steps[line, : len(cont)] = torch.tensor([contexts[row][-1]] + cont[:-1])  # c[n-1] e[0] ... e[m-2]
-            own = None if layers is None else [(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v in layers]
-            logprobs = handoff.step_logprobs(own, steps, lengths[rows] if padded else None)  # (R, width, V)
-            for line, ((_, index), cont) in enumerate(zip(part, conts)):
-                target_ids = torch.tensor(cont, device=logprobs.device)
-                scored = logprobs[line, : len(cont)]  # (m, V): position j scores e[j]
-                total = scored.gather(-1, target_ids[:, None]).sum().item()
-                results[index] = (total, bool((scored.argmax(-1) == target_ids).all()))
-            bar.update(len(part))
-    bar.close()
-    return results  # type: ignore[return-value]
-
-
 def padded_prefixes(contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Each context[:-1], right-padded: ids (B, P), real lengths (B,), and whether any row is padded."""
     lengths = torch.tensor([len(context) - 1 for context in contexts])
@@ -255,21 +222,6 @@ def padded_prefixes(contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, to
     for row, context in enumerate(contexts):
         prefixes[row, : len(context) - 1] = torch.tensor(list(context[:-1]), dtype=torch.long)
     return prefixes, lengths, bool((lengths != lengths.max()).any())
-
-
-def context_batches(groups: list[tuple[tuple[int, ...], list[int]]], batch_size: int) -> list[list]:
-    """Consecutive contexts whose continuations together fit `batch_size` rows (a context with more
-    continuations than that gets a batch of its own, scored in several forwards from one prefill)."""
-    batches, current, rows = [], [], 0
-    for context, members in groups:
-        if current and rows + len(members) > batch_size:
-            batches.append(current)
-            current, rows = [], 0
-        current.append((context, members))
-        rows += len(members)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):

@@ -1,0 +1,87 @@
+"""The mapped pair, one home for it: the source and target by name, their tokenizers and architecture contract,
+each model loaded once, and every handoff between them.
+
+A stage that scores handoffs builds one `Pair.load(models, device)` (the pipeline's models/target and
+models/source); the lm-eval face builds one from its model args. Configs, tokenizers and the contract are read
+at once, so a refused pair or mode costs no weight loading; each model's weights are loaded on first use and
+then shared by every handoff built from the pair (a stage that scores many mappers loads the models once).
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pipeline.kv.contract import pair_contract
+from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
+from pipeline.kv.mapper import Mapper, load_mapper
+from pipeline.store import paths
+from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
+from pipeline.store.splits import TASKS
+
+
+class Pair:
+    """A target and (optionally) a source: names, tokenizers and contract now, weights on first use."""
+
+    def __init__(self, target: str, source: str | None = None, dtype: str = "float32", device: str | None = None,
+                 device_map: str | None = None, target_revision: str | None = None,
+                 source_revision: str | None = None, max_tokens: int | None = None):
+        """`source` None: a target alone (the oracle and zero modes); `device_map`: accelerate spreads each model
+        over the devices (`store.models.load_model`); `max_tokens`: the longest sequence a handoff will see (a
+        sliding window shorter than it is refused), by default each model's position range."""
+        self.sides = {"target": (target, target_revision), "source": (source, source_revision)}  # name, revision
+        self.dtype, self.device, self.device_map = dtype, device, device_map
+        self.target_tokenizer = load_tokenizer(target, target_revision)
+        self.source_tokenizer = load_tokenizer(source, source_revision) if source else None
+        self.max_tokens = max_tokens
+        # the contract, from configs and tokenizers: a refused pair costs no weight loading
+        self.contract = pair_contract(load_config(target, target_revision),
+                                      load_config(source, source_revision) if source else None,
+                                      self.target_tokenizer, self.source_tokenizer, max_tokens)
+
+    @classmethod
+    def load(cls, models: ModelsParams, device: str) -> "Pair":
+        """The pipeline's pair (models/target, models/source, as prepare_models left them) in `models.dtype`, on
+        `device` or spread by `models.device_map`."""
+        return cls(str(paths.model("target")), str(paths.model("source")), models.dtype, device, models.device_map)
+
+    @property
+    def tokenizers(self) -> tuple:
+        """(source, target), the order `Handoff` takes them in."""
+        return self.source_tokenizer, self.target_tokenizer
+
+    @property
+    def eval_tasks(self) -> dict[str, Path]:
+        """Each task's eval-part items, the files every stage scores a handoff of the pair on."""
+        return {task: paths.task_items(task, "eval") for task in TASKS}
+
+    @property
+    def has_source(self) -> bool:
+        return self.sides["source"][0] is not None
+
+    def _load(self, side: str):
+        name, revision = self.sides[side]
+        return load_model(name, revision, dtype=self.dtype, device=self.device, device_map=self.device_map)
+
+    @cached_property
+    def target(self):
+        return self._load("target")
+
+    @cached_property
+    def source(self):
+        if not self.has_source:
+            raise ValueError(f"the pair of target {self.sides['target'][0]!r} has no source model")
+        return self._load("source")
+
+    def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
+                shuffle_seed: int = 0) -> Handoff:
+        """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
+        pair's device; ignored by the modes that read none). A mode the contract leaves undefined is refused
+        before any weight is loaded."""
+        check_mode(mode, self.has_source, mapper is not None)
+        self.contract.require(mode)
+        if mode not in MAPPER_MODES:
+            mapper = None
+        elif isinstance(mapper, (str, Path)):
+            mapper = load_mapper(mapper, device=self.device)
+        return Handoff(self.target, self.source if mode in SOURCE_MODES else None, mode, mapper,
+                       shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens)

@@ -1,0 +1,138 @@
+"""Scoring continuations after a handoff, as lm-eval's log-likelihood requests ask: each context prefilled once
+for all its continuations, the continuations packed into step rows, contexts batched by length.
+
+For a context c[0..n-1] and its continuations e0, e1, ... the handoff builds the cache of c[0..n-2] once
+(`Handoff.prefix_layers`); one step row then reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked
+from the others and at positions n-1, n, ... again (`Handoff.packed_logprobs`), so each scores as if alone.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.kv.handoff import Handoff, padded_prefixes
+
+
+def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
+    """The context left after lm-eval's left-truncation of context + continuation to max_length + 1 tokens."""
+    if len(continuation) > max_length:
+        raise ValueError(f"continuation of {len(continuation)} tokens exceeds the model's {max_length}")
+    whole = (list(context) + list(continuation))[-(max_length + 1) :]
+    return whole[: len(whole) - len(continuation)]
+
+
+def score_continuations(
+    handoff: Handoff,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> list[tuple[float, bool]]:
+    """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
+
+    Requests that share a context share one prefix cache (HellaSwag's four endings cost one prefill, not
+    four), and the contexts whose continuations together fit `batch_size` are scored in one forward (a context
+    with more gets one of its own): the contexts of a batch are prefilled together (one source forward,
+    prefixes right-padded and masked), then each context's continuations are packed one after another into
+    one step row that reads its prefix rows, each continuation masked from the others and at its own positions
+    (`Handoff.packed_logprobs`; a context batched alone packs its continuations into rows of at most
+    `max_length` tokens, one forward each):
+
+        prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
+                  c1[0..n1-2 ...........]               c1[n1-1] e2[0] ...  c1[n1-1] e3[0] ...
+                                                        positions n-1, n, ... again for every continuation
+
+    so no prefix is copied per continuation and a row is padded only to the longest packed row. Contexts are
+    batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
+    """
+    max_length = max_length or handoff.target.config.max_position_embeddings
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (context, continuation) in enumerate(requests):
+        if not continuation:
+            raise ValueError(f"request {index} has an empty continuation")
+        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
+    if any(not context for context in groups):
+        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
+    size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731
+    ordered = sorted(groups.items(), key=size, reverse=True)
+
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
+    for chunk in context_batches(ordered, batch_size):
+        contexts = [context for context, _ in chunk]
+        prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
+        layers = handoff.prefix_layers(prefixes, lengths if padded else None)
+        if len(chunk) == 1:  # one context, however many continuations: as few rows as its window allows
+            forwards = [[part] for part in window_parts(chunk[0][1], requests, max_length)]
+        else:
+            forwards = [[indices for _, indices in chunk]]
+        for forward in forwards:
+            rows = [[(index, requests[index][1]) for index in indices] for indices in forward]
+            steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
+            if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
+                logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
+            else:
+                logprobs = handoff.packed_logprobs(layers, steps, lengths, segments, offsets)  # (B, L, V)
+            targets = targets.to(logprobs.device)
+            scored = logprobs.gather(-1, targets[..., None])[..., 0]  # (B, L): log p of each continuation token
+            greedy = (logprobs.argmax(-1) == targets).cpu()  # (B, L)
+            scored = scored.cpu()
+            for row, members in enumerate(rows):
+                at = 0
+                for index, continuation in members:
+                    span = slice(at, at + len(continuation))
+                    results[index] = (scored[row, span].sum().item(), bool(greedy[row, span].all()))
+                    at += len(continuation)
+            bar.update(sum(len(members) for members in rows))
+    bar.close()
+    return results  # type: ignore[return-value]
+
+
+def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Sequence[int]]]]
+                ) -> tuple[torch.Tensor, ...]:
+    """Per context, its (index, continuation) members packed into one right-padded step row: tokens
+    c[n-1] e[0] ... e[m-2] per member, the tokens e[0] ... e[m-1] they score, the member's segment number
+    (-1 on padding) and each token's offset in its member, all (B, L)."""
+    width = max(sum(len(continuation) for _, continuation in members) for members in rows)
+    columns: tuple[list, ...] = ([], [], [], [])  # steps, targets, segments, offsets: a padded list per row
+    for row, members in enumerate(rows):
+        steps = [token for _, continuation in members for token in (contexts[row][-1], *continuation[:-1])]
+        targets = [token for _, continuation in members for token in continuation]
+        segments = [segment for segment, (_, continuation) in enumerate(members) for _ in continuation]
+        offsets = [offset for _, continuation in members for offset in range(len(continuation))]
+        pad = width - len(steps)
+        for column, values, fill in zip(columns, (steps, targets, segments, offsets), (0, 0, -1, 0)):
+            column.append(values + [fill] * pad)
+    return tuple(torch.tensor(column, dtype=torch.long) for column in columns)
+
+
+def context_batches(groups: list[tuple[tuple[int, ...], list[int]]], batch_size: int) -> list[list]:
+    """Consecutive contexts whose continuations together fit `batch_size` (a context with more continuations
+    than that gets a batch of its own)."""
+    batches, current, rows = [], [], 0
+    for context, members in groups:
+        if current and rows + len(members) > batch_size:
+            batches.append(current)
+            current, rows = [], 0
+        current.append((context, members))
+        rows += len(members)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def window_parts(members: list[int], requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int
+                 ) -> list[list[int]]:
+    """One context's continuations (request indices) in consecutive parts of at most `max_length` packed
+    tokens, the model's window: a row no longer than one that `hf` would run for a single request."""
+    parts, used = [[]], 0
+    for index in members:
+        size = len(requests[index][1])
+        if parts[-1] and used + size > max_length:
+            parts.append([])
+            used = 0
+        parts[-1].append(index)
+        used += size
+    return parts
