@@ -2,34 +2,43 @@
 
 SOURCE and TARGET are hub ids, local folders, or `shape:<name>` for a stored real config (pipeline/store/configs).
 Only configs and tokenizers are read (a hub id fetches those files alone, no weights), so it answers in seconds;
-offline, a hub id that is not in the local cache is named as unreachable. It prints both geometries and rotary
-settings, whether the tokenizers are identical, which handoff modes and mapper families are defined (and why
-not), the mapper sizes per family and k, and the FLOP bound of the handoff's time to first token at a few
-prompt lengths; it exits non-zero when the mapped handoff is refused. The ks, the lengths and the mlp width
-default to params.yaml's fit.ks, latency.lengths and fit.mlp.hidden.
+offline, a hub id that is not in the local cache is named as unreachable, and a path that is not there as no
+such folder. It prints both geometries and rotary settings, whether the tokenizers are identical (`unchecked`,
+with what the configs say, where a side has no tokenizer files), which handoff modes and mapper families are
+defined (and why not), the mapper sizes per family and k, and the FLOP bound of the handoff's time to first
+token at a few prompt lengths; it exits non-zero when the mapped handoff is refused. The ks, the lengths and
+the mlp width default to params.yaml's fit.ks, latency.lengths and fit.mlp.hidden; the run length a sliding
+window is checked against (--max-tokens) to the longest sequence params.yaml's profile feeds the models
+(`kv.contract.run_length`), or the models' position range without a params.yaml.
 """
 from __future__ import annotations
 
-from pipeline.kv.contract import Contract, ModelCard, pair_contract, which_pairs_work
+from pipeline.kv.contract import Contract, ModelCard, pair_contract, run_length, which_pairs_work
 from pipeline.kv.flops import handoff_macs, mapper_parameter_count, mapper_weight_count, speedup_bound
-from pipeline.store.cli import entry, md_table, parser
-from pipeline.store.models import load_config, load_tokenizer
-from pipeline.store.params import read_key
+from pipeline.kv.rope import model_name
+from pipeline.store.cli import entry, parser
+from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
+from pipeline.store.params import PARAMS_FILE, read_key
 from pipeline.store.shapes import shape_config
+from pipeline.studies.format import md_table
 
 SHAPE = "shape:"
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen2/3_moe, mixtral, deepseek
 
 
 def read(name: str):
     """(config, tokenizer or None) of a hub id, a local folder or a stored shape; never the weights."""
     if name.startswith(SHAPE):
-        config = shape_config(name[len(SHAPE):])
+        try:
+            config = shape_config(name[len(SHAPE):])
+        except ValueError as err:  # an unknown shape name: a typo to fix, one line
+            raise ModelNotAvailableError(str(err)) from err
         config._name_or_path = name
         return config, None
     config = load_config(name)
     try:
         return config, load_tokenizer(name)
-    except (OSError, ValueError):  # a folder with a config and no tokenizer files
+    except NoTokenizerError:  # a folder with a config alone: the contract says `unchecked`, never guesses
         return config, None
 
 
@@ -74,16 +83,23 @@ def flop_rows(source_config, target_config, lengths: list[int]) -> list:
 
 def report(contract: Contract, source_config, target_config, ks: list[int], lengths: list[int],
            hidden: int | None) -> str:
+    note = f" ({contract.tokenizer_note})" if contract.tokenizer_note else ""
     lines = [f"# {contract.source.name} -> {contract.target.name}", "",
              *md_table(["", "source", "target"], model_rows(contract)), "",
-             f"tokenizers: {contract.tokenizers}", "",
+             f"tokenizers: {contract.tokenizers}{note}", "",
              *md_table(["mode", "defined"], [[mode, reason or "yes"] for mode, reason in contract.modes.items()]), "",
              *md_table(["mapper family", "defined"],
                        [[family, reason or "yes"] for family, reason in contract.families.items()])]
     sizes = size_rows(contract, source_config, target_config, ks, hidden)
     if sizes:
         lines += ["", *md_table(["family", "k", "parameters", "float32 size"], sizes)]
-    if contract.defined("mapped"):
+    routed = [config for config in (source_config, target_config) if any(getattr(config, key, None)
+                                                                         for key in EXPERT_KEYS)]
+    if contract.defined("mapped") and routed:  # kv.flops counts one dense MLP of intermediate_size per layer
+        lines += ["", f"No FLOP bound: the FLOP model (kv.flops) counts a dense MLP, and "
+                  f"{' and '.join(repr(model_name(config)) for config in routed)} route each token to a few of "
+                  f"their experts."]
+    elif contract.defined("mapped"):
         lines += ["", "Multiply-adds of the handoff (linear map, k=1) and the FLOP bound on its TTFT speedup over "
                   "the target's prefill:", "",
                   *md_table(["prompt tokens", "source prefill", "map", "target step", "speedup bound"],
@@ -99,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--ks", type=int, nargs="+", help="source layers per target layer (default: fit.ks)")
     cli.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default: latency.lengths)")
     cli.add_argument("--mlp-hidden", type=int, help="the mlp family's hidden width (default: fit.mlp.hidden)")
+    cli.add_argument("--max-tokens", type=int, help="the run's longest sequence, against which a sliding window "
+                     "is checked (default: kv.contract.run_length of params.yaml; without one, the position range)")
     args = cli.parse_args(argv)
     if args.which_pairs:
         print(which_pairs_work())
@@ -108,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     ks = args.ks or read_key("fit.ks")
     lengths = args.lengths or read_key("latency.lengths")
     hidden = args.mlp_hidden or read_key("fit.mlp.hidden")
+    max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else None)
     (source_config, source_tokenizer), (target_config, target_tokenizer) = read(args.source), read(args.target)
-    contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer)
+    contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
     print(report(contract, source_config, target_config, ks, lengths, hidden))
     contract.require("mapped")
 

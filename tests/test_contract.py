@@ -11,10 +11,11 @@ from pipeline.controls import rope_against_model
 from pipeline.fitting import ridge
 from pipeline.kv.contract import TESTED_FAMILIES, UnsupportedModelError, pair_contract, which_pairs_work
 from pipeline.kv.flops import mapper_parameter_count
-from pipeline.kv.handoff import Handoff, score_continuations
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
+from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.models import IncompatiblePairError
 from pipeline.store.shapes import pair_configs
@@ -51,6 +52,13 @@ SUPPORTED = {
                                                                              "rope_theta": 10000.0, "factor": 2.0}),
     "mistral-no-window": lambda: config_of("mistral", head_dim=16, sliding_window=None),
     "olmo2": lambda: config_of("olmo2"),
+    # mixture of experts: the MLP is routed per token, the attention and the cache are the dense siblings'
+    "qwen3-moe": lambda: config_of("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32),
+    "qwen2-moe": lambda: config_of("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=64),
+    "mixtral": lambda: config_of("mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                 sliding_window=None),
 }
 
 REFUSED = {  # the model, and what its refusal must name
@@ -161,8 +169,22 @@ def test_pair_verdicts_name_what_differs():
     assert contract.tokenizers == "unchecked"
     with pytest.raises(IncompatiblePairError, match="equal KV geometry"):
         contract.require("direct")
-    other_vocab = config_of("qwen3", head_dim=16, vocab_size=VOCAB + 1)
-    assert "vocabulary sizes" in pair_contract(target, other_vocab).reason("mapped")
+
+
+def test_configs_without_tokenizers_leave_the_tokenizers_unchecked_and_say_what_the_configs_differ_in():
+    target = config_of("qwen3", head_dim=16, eos_token_id=2)
+    padded = config_of("qwen3", head_dim=16, vocab_size=VOCAB + 31, eos_token_id=3)
+    contract = pair_contract(target, padded)
+    assert contract.defined("mapped") and contract.tokenizers == "unchecked"
+    assert contract.tokenizer_note == ("no tokenizer for source 'tiny-qwen3' and target 'tiny-qwen3'; the configs "
+                                       f"differ in vocabulary sizes {VOCAB + 31} vs {VOCAB}, eos token ids 3 vs 2")
+
+
+def test_a_model_refused_by_several_rules_is_told_all_of_them_the_sliding_window_last():
+    config = config_of("gemma", head_dim=16, sliding_window=32)  # an untested family with an active window
+    message = pair_contract(config, max_tokens=100).reason("oracle")
+    assert message.index("not a family") < message.index("it also has a sliding window of 32 tokens")
+    assert "sliding window" not in pair_contract(config, max_tokens=32).reason("oracle")
 
 
 # ---- unequal geometry, mapped exactly ------------------------------------------------------------------------
@@ -243,9 +265,9 @@ def test_the_fitted_map_between_unequal_geometries_reproduces_the_oracle_through
                              [torch.randint(0, len(tokenizer), (1, 60), generator=generator) for _ in range(4)])
     texts = [("the cat sat on the", " mat"), ("a b c d e f", " g h"), ("once upon a time there", " was a king")]
     requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(texts)]
-    oracle = KVTransferLM.from_handoff(Handoff(target), tokenizer).loglikelihood(requests, disable_tqdm=True)
+    oracle = KVTransferLM(Handoff(target), tokenizer).loglikelihood(requests, disable_tqdm=True)
     handoff = Handoff(target, source, "mapped", mapper, tokenizers=(tokenizer, tokenizer))
-    mapped = KVTransferLM.from_handoff(handoff, tokenizer).loglikelihood(requests, disable_tqdm=True)
+    mapped = KVTransferLM(handoff, tokenizer).loglikelihood(requests, disable_tqdm=True)
     assert [ll for ll, _ in mapped] == pytest.approx([ll for ll, _ in oracle], abs=1e-4)
     assert [greedy for _, greedy in mapped] == [greedy for _, greedy in oracle]
 
@@ -254,7 +276,7 @@ def test_readme_which_pairs_work_section_is_the_one_the_contract_generates():
     assert which_pairs_work() in (ROOT / "README.md").read_text()
 
 
-def test_check_pair_prints_the_contract_from_stored_configs_and_exits_non_zero_on_a_refused_pair(capsys):
+def test_check_pair_prints_the_contract_from_stored_configs_and_exits_non_zero_on_a_refused_pair(capsys, tmp_path):
     check_pair.main(["shape:llama-3.2-1b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512", "--mlp-hidden",
                      "64"])
     out = capsys.readouterr().out
@@ -262,5 +284,9 @@ def test_check_pair_prints_the_contract_from_stored_configs_and_exits_non_zero_o
     assert "| direct | direct injection needs equal KV geometry" in out
     assert f"| linear | 1 | {mapper_parameter_count(*pair_configs('llama-3.2-1b-3b'), 1, 'linear'):,} |" in out
     assert "llama3, theta 500000" in out and "speedup bound" in out
-    with pytest.raises(IncompatiblePairError, match="different vocabulary sizes"):
-        check_pair.main(["shape:qwen3-0.6b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512"])
+    check_pair.main(["shape:qwen3-0.6b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512"])
+    assert "tokenizers: unchecked (no tokenizer for source 'shape:qwen3-0.6b' and target 'shape:llama-3.2-3b'; " \
+        "the configs differ in vocabulary sizes 151936 vs 128256" in capsys.readouterr().out
+    config_of("gemma", head_dim=16).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="not a family"):
+        check_pair.main(["shape:qwen3-0.6b", str(tmp_path), "--ks", "1", "--lengths", "512"])

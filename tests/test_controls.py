@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline import controls
 from pipeline.controls import (
     Float32Tolerance,
+    ReducedTolerance,
     cached_decode,
     compatibility,
     corruption,
@@ -73,13 +74,16 @@ def test_cached_decode(tmp_path, model):
     assert not bad["passed"] and bad["max_abs_delta_logprob"] > bad["allowed_abs_delta"]
 
 
-def _deep_model():
+def _deep_config():
     """30 layers at reduced width: a real model's depth, whose float32 rounding a fixed 1e-4 would not allow."""
-    config = AutoConfig.for_model("llama", vocab_size=2000, hidden_size=384, intermediate_size=1152,
-                                  num_hidden_layers=30, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                                  max_position_embeddings=512, initializer_range=0.1)
+    return AutoConfig.for_model("llama", vocab_size=2000, hidden_size=384, intermediate_size=1152,
+                                num_hidden_layers=30, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                                max_position_embeddings=512, initializer_range=0.1)
+
+
+def _deep_model():
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(_deep_config()).eval()
 
 
 @pytest.mark.slow
@@ -95,6 +99,50 @@ def test_cached_decode_tolerance_scales_with_a_deep_models_noise_floor_and_still
     torch.manual_seed(0)
     bad = cached_decode(model, prompts, tolerance, horizon=4, folder=tmp_path, handoff_cls=NoisyHandoff)
     assert not bad["passed"] and bad["max_abs_delta_logprob"] > 10 * bad["allowed_abs_delta"]
+
+
+class ReversedPrefixHandoff(Handoff):
+    """A handoff that injects the cache of another text (the prefix reversed), as a stale cache would be."""
+
+    def prefix_layers(self, prefix_ids, lengths=None):
+        return super().prefix_layers(prefix_ids.flip(-1), lengths)
+
+
+BFLOAT16 = ReducedTolerance(decision_margin=0.05, noise_multiple=4.0)
+
+
+def _bfloat16_of(config):
+    """A model built in bfloat16, its rotary buffer in float32 as a checkpoint loaded in bfloat16 has it."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def _random_prompts(vocab, count, context, continuation, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (context,), generator=generator).tolist(),
+             torch.randint(0, vocab, (continuation,), generator=generator).tolist()) for _ in range(count)]
+
+
+def test_bfloat16_cached_decode_passes_the_oracle_path_and_fails_a_cache_of_another_text(tmp_path):
+    model = _bfloat16_of(tiny_config(97, 64))
+    prompts = _random_prompts(97, 4, 20, 6)
+    good = cached_decode(model, prompts, BFLOAT16, horizon=2, folder=tmp_path)
+    assert good["passed"] and good["dtype"] == "bfloat16" and good["flips_unexplained"] == 0, good
+    bad = cached_decode(model, prompts, BFLOAT16, horizon=2, folder=tmp_path, handoff_cls=ReversedPrefixHandoff)
+    assert not bad["passed"] and bad["max_abs_delta_logprob"] > bad["allowed_abs_delta"]
+
+
+@pytest.mark.slow
+def test_bfloat16_cached_decode_is_calibrated_on_a_deep_models_own_rounding_and_still_fails_a_wrong_cache(tmp_path):
+    model = _bfloat16_of(_deep_config())
+    good = cached_decode(model, _random_prompts(2000, 8, 40, 16), BFLOAT16, horizon=1, folder=tmp_path)
+    # the depth's bfloat16 rounding: a fixed margin of 0.05 would take its flipped near-ties for a broken cache
+    assert good["passed"] and good["noise_floor"] > 4 * BFLOAT16.decision_margin, good
+    assert good["flipped_under_margin"] + good["flipped_in_chunked_too"] >= good["decisions_flipped"]
+    torch.manual_seed(0)
+    bad = cached_decode(model, _random_prompts(2000, 2, 40, 8), BFLOAT16, horizon=1, folder=tmp_path,
+                        handoff_cls=NoisyHandoff)
+    assert not bad["passed"] and bad["max_abs_delta_logprob"] > bad["allowed_abs_delta"], bad
 
 
 def test_corruption_detection(tmp_path, model):

@@ -10,8 +10,14 @@ Read from configs (and tokenizers when given) before any weight is loaded or any
     shuffled       which the handoff checks when it knows whether a mapper is given)
 
 A model is understood when it is a full-attention decoder of a tested family whose cache is per layer
-(batch, kv_heads, tokens, head_dim), with RoPE whose frequencies do not depend on the sequence length. Every
-other model is refused with one sentence naming it, the feature and what would be needed.
+(batch, kv_heads, tokens, head_dim), with RoPE whose frequencies do not depend on the sequence length; a
+sliding window counts only when it is shorter than the run (`run_length`, from params). Every other model is
+refused with one sentence naming it and every feature that refuses it, the one a run cannot work around first.
+
+Tokenizers are compared only when both are there (a folder without tokenizer files gives none: see
+`store.models.load_tokenizer`); otherwise the verdict is `unchecked`, and what the configs say (vocabulary sizes,
+special token ids) is reported, never taken as a verdict: Qwen2.5-7B pads its embedding to 152,064 rows where
+the smaller sizes have 151,936, with one tokenizer.
 """
 from __future__ import annotations
 
@@ -21,9 +27,11 @@ from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal
 from pipeline.store.cli import Refusal
 from pipeline.store.models import IncompatiblePairError, tokenizer_fingerprint
+from pipeline.store.params import read_params
 
-# families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py)
-TESTED_FAMILIES = ("llama", "mistral", "olmo2", "qwen2", "qwen3")
+# families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py); the
+# mixture-of-experts ones route the MLP per token and keep their dense siblings' attention and cache
+TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MODES = ("oracle", "zero", "source", "direct", "mapped", "shuffled")
 MAPPER_FAMILIES = ("identity", "linear", "head_matched", "mlp")
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
@@ -67,8 +75,8 @@ def _active_window(config, max_tokens):
     if window is None:
         return None
     return (f"has a sliding window of {window} tokens, active at {max_tokens or 'its'} "
-            f"{'tokens' if max_tokens else 'position range'}; run at most {window} tokens or use a full-attention "
-            f"model")
+            f"{'tokens' if max_tokens else 'position range'}; run at most {window} tokens (the profile's lengths, "
+            f"kv.contract.run_length; check_pair --max-tokens) or use a full-attention model")
 
 
 def _rope(config, max_tokens):
@@ -82,7 +90,8 @@ def _untested_family(config, max_tokens):
     return None
 
 
-# (feature, why it is refused, check): checked in this order; the first that applies is the model's refusal
+# (feature, why it is refused, check): every rule that applies is named, in this order; the sliding window,
+# the one a run can work around (by running shorter), comes last
 RULES = (
     ("no `num_key_value_heads` (GPT-NeoX, GPT-2)",
      "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads", _no_kv_heads),
@@ -90,23 +99,64 @@ RULES = (
      "the cache holds a compressed latent, not per-head keys and values", _latent_attention),
     ("per-layer attention types (Gemma 2/3, Qwen3 with `use_sliding_window`)",
      "the handoff needs one full-attention layout for every layer", _mixed_layers),
-    ("a sliding window shorter than the run (Mistral v0.1 past 4096 tokens)",
-     "positions past the window are masked by the model but not by a rebuilt cache", _active_window),
     ("RoPE it cannot strip exactly: partial rotary (Phi, StableLM, GPT-NeoX), length-dependent scaling (dynamic "
      "NTK, LongRoPE), per-layer-type RoPE, unknown types",
      "stripping and re-applying such a rotation would silently corrupt the cache", _rope),
     ("a family not in the tested list", "its cache layout and rotary embedding are unverified", _untested_family),
+    ("a sliding window shorter than the run (Mistral v0.1 past 4096 tokens)",
+     "positions past the window are masked by the model but not by a rebuilt cache", _active_window),
 )
 
 
 def model_refusal(config, max_tokens: int | None = None) -> str | None:
-    """Why this model's cache cannot be handed off (one sentence, naming the model); None when it can."""
-    for feature, why, check in RULES:
-        detail = check(config, max_tokens)
-        if detail:
-            prefix = f"model {model_name(config)!r} ({getattr(config, 'model_type', '?')})"
-            return f"{prefix} {detail}" + ("" if "; " in detail else f": {why}")
-    return None
+    """Why this model's cache cannot be handed off (one sentence, naming the model and every rule that refuses
+    it, so the advice of one is never given alone where another refuses too); None when it can."""
+    details = [detail + ("" if "; " in detail else f": {why}")
+               for _, why, check in RULES if (detail := check(config, max_tokens))]
+    if not details:
+        return None
+    prefix = f"model {model_name(config)!r} ({getattr(config, 'model_type', '?')})"
+    return f"{prefix} {details[0]}" + "".join(f"; it also {detail}" for detail in details[1:])
+
+
+# the params that bound the longest sequence a stage feeds the models (see `run_length`)
+RUN_LENGTH_KEYS = ("data.sequence_length", "data.prompt_length", "data.continuation_length", "select.prompt_fraction",
+                   "select.horizon", "evaluate.horizon", "controls.horizon", "length.prompt_lengths",
+                   "length.continuation", "length.horizon", "latency.lengths", "candidates.length")
+
+
+def run_length(params: dict | None = None) -> int:
+    """The longest sequence any stage of this profile feeds the models, from params (default: params.yaml):
+
+        fit / select sequence    data.sequence_length; select's rollout: its context (prompt_fraction of it)
+                                 + select.horizon
+        eval prompt              data.prompt_length + the longest of its continuation and the rollouts after it
+                                 (evaluate.horizon, controls.horizon)
+        length study            the longest of length.prompt_lengths + its continuation or rollout
+        latency, candidates      latency.lengths, candidates.length (prompt tokens)
+
+    A key that is null (a profile that does not use it) counts for nothing. The task items (HellaSwag, PIQA)
+    are not bounded by params, so the stages that score them still check their handoffs at the target's position
+    range (`kv.pair.Pair`, `Handoff` without max_tokens): fail closed, until a handoff refuses a longer item."""
+    params = read_params() if params is None else params
+
+    def values(key: str) -> list[float]:
+        section, name = key.split(".")
+        found = (params.get(section) or {}).get(name)
+        return [] if found is None else list(found) if isinstance(found, list) else [found]
+
+    def longest(*keys: str) -> int:
+        return int(max([0, *(value for key in keys for value in values(key))]))
+
+    def after(prompt: int, *keys: str) -> int:
+        return prompt + longest(*keys) if prompt else 0
+
+    sequence = longest("data.sequence_length")
+    select_context = max(2, int(sequence * max(values("select.prompt_fraction") or [0]))) if sequence else 0
+    return max(sequence, after(select_context, "select.horizon"),
+               after(longest("data.prompt_length"), "data.continuation_length", "evaluate.horizon", "controls.horizon"),
+               after(longest("length.prompt_lengths"), "length.continuation", "length.horizon"),
+               longest("latency.lengths"), longest("candidates.length"))
 
 
 def which_pairs_work() -> str:
@@ -115,12 +165,16 @@ def which_pairs_work() -> str:
              "Generated from the architecture contract (`pipeline/kv/contract.py`; `python -m pipeline.check_pair "
              "--which-pairs`). A pair is handled exactly when both models are full-attention decoders of a tested "
              f"family ({', '.join(f'`{family}`' for family in TESTED_FAMILIES)}: Qwen2/2.5, Qwen3, Llama 1-3, "
-             "Mistral without an active window, OLMo2) with RoPE of a static type "
+             "Mistral without an active window, OLMo2, and the mixture-of-experts Mixtral, Qwen2-MoE and "
+             "Qwen3-MoE, whose attention and cache are those of their dense siblings) with RoPE of a static type "
              f"({', '.join(f'`{kind}`' for kind in STATIC_ROPE_TYPES)}: frequencies and attention factor are read "
-             "from the model and checked against its own rotary buffer, in float32) and share one tokenizer. "
-             "`mapped` then works at any geometry; `direct` and the `identity` map need equal KV geometry, "
-             "`head_matched` equal KV head counts. Everything else is refused before any weight is loaded, with "
-             "one sentence naming the model and the feature:", "",
+             "from the model and checked against its own rotary buffer, in float32) and share one tokenizer "
+             "(compared when both models' tokenizer files are there; otherwise `unchecked`, never decided from the "
+             "configs' vocabulary sizes). `mapped` then works at any geometry; `direct` and the `identity` map need "
+             "equal KV geometry, `head_matched` equal KV head counts. A sliding window counts when it is shorter "
+             "than the run: the longest sequence the profile's params feed the models (`kv.contract.run_length`; "
+             "`check_pair --max-tokens`). Everything else is refused before any weight is loaded, with one sentence "
+             "naming the model and every feature that refuses it:", "",
              "| refused | why |", "|---|---|", *(f"| {feature} | {why} |" for feature, why, _ in RULES)]
     return "\n".join(lines)
 
@@ -150,6 +204,7 @@ class Contract:
     target: ModelCard
     source: ModelCard | None
     tokenizers: str  # identical | different | unchecked
+    tokenizer_note: str = ""  # for `unchecked`: which tokenizer is missing and what the configs say
     modes: dict[str, str | None] = field(default_factory=dict)
     families: dict[str, str | None] = field(default_factory=dict)
 
@@ -174,19 +229,38 @@ class Contract:
         return self.families.get(family, f"unknown family {family!r}") is None
 
 
-def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tokenizer) -> tuple[str, str | None]:
-    """('identical' | 'different' | 'unchecked', the reason a pair is refused for its tokens or None)."""
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def config_token_facts(source_config, target_config) -> str:
+    """What the two configs say about their tokens, as a clause: which of vocabulary size and special token ids
+    differ. Only a hint: neither proves two tokenizers the same or different (an embedding may be padded past
+    the vocabulary; base and instruct models of one tokenizer name different end-of-sequence ids)."""
+    differ = [f"{key.removesuffix('_id').replace('_', ' ')} ids {left} vs {right}" for key in SPECIAL_TOKEN_IDS
+              if (left := getattr(source_config, key, None)) != (right := getattr(target_config, key, None))]
+    if source_config.vocab_size != target_config.vocab_size:
+        differ.insert(0, f"vocabulary sizes {source_config.vocab_size} vs {target_config.vocab_size}")
+    if not differ:
+        return "the configs agree on vocabulary size and special token ids"
+    return f"the configs differ in {', '.join(differ)}"
+
+
+def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tokenizer) -> tuple[str, str | None, str]:
+    """('identical' | 'different' | 'unchecked', the reason a pair is refused for its tokens or None, a note).
+
+    Only two tokenizers that are there decide; without both the verdict is `unchecked` and the note says which
+    is missing and what the configs say."""
     names = f"source {model_name(source_config)!r} and target {model_name(target_config)!r}"
-    if source_tokenizer is not None and target_tokenizer is not None:
-        if tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer):
-            return "identical", None
+    if source_tokenizer is None or target_tokenizer is None:
+        missing = " and ".join(f"{side} {model_name(config)!r}" for side, config, tokenizer in (
+            ("source", source_config, source_tokenizer), ("target", target_config, target_tokenizer))
+            if tokenizer is None)
+        return "unchecked", None, f"no tokenizer for {missing}; {config_token_facts(source_config, target_config)}"
+    if tokenizer_fingerprint(source_tokenizer) != tokenizer_fingerprint(target_tokenizer):
         return "different", (
             f"{names} have different tokenizers (vocabulary {len(source_tokenizer.get_vocab())} vs "
-            f"{len(target_tokenizer.get_vocab())}, or special tokens differ); a cache handoff needs one tokenizer")
-    if source_config.vocab_size != target_config.vocab_size:
-        return "different", (f"{names} have different vocabulary sizes ({source_config.vocab_size} vs "
-                             f"{target_config.vocab_size})")
-    return "unchecked", None
+            f"{len(target_tokenizer.get_vocab())}, or special tokens differ); a cache handoff needs one tokenizer"), ""
+    return "identical", None, ""
 
 
 def pair_contract(target_config, source_config=None, target_tokenizer=None, source_tokenizer=None,
@@ -196,10 +270,11 @@ def pair_contract(target_config, source_config=None, target_tokenizer=None, sour
     modes: dict[str, str | None] = {mode: "no source model given" for mode in MODES}
     modes["oracle"] = modes["zero"] = target.refusal
     if source_config is None:
-        return Contract(target, None, "unchecked", modes, {family: "no source model given" for family in
-                                                          MAPPER_FAMILIES})
+        return Contract(target, None, "unchecked", "no source model given", modes,
+                        {family: "no source model given" for family in MAPPER_FAMILIES})
     source = ModelCard.read(source_config, max_tokens)
-    tokenizers, token_refusal = tokenizer_verdict(source_config, target_config, source_tokenizer, target_tokenizer)
+    tokenizers, token_refusal, note = tokenizer_verdict(source_config, target_config, source_tokenizer,
+                                                        target_tokenizer)
     both = target.refusal or source.refusal or token_refusal
     modes["source"] = source.refusal or token_refusal
     modes["mapped"] = modes["shuffled"] = both
@@ -211,4 +286,4 @@ def pair_contract(target_config, source_config=None, target_tokenizer=None, sour
         None if source.geometry["kv_heads"] == target.geometry["kv_heads"] else
         f"head_matched needs equal KV head counts, but source {source.name!r} has {source.geometry['kv_heads']} "
         f"and target {target.name!r} has {target.geometry['kv_heads']}")
-    return Contract(target, source, tokenizers, modes, families)
+    return Contract(target, source, tokenizers, note, modes, families)

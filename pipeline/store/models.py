@@ -2,7 +2,10 @@
 
 A hub id is resolved from the local Hugging Face cache first; only if it is not there is the hub asked,
 after a short reachability check, so a machine without the hub gets an error naming the model at once
-instead of minutes of retries.
+instead of minutes of retries. A name that looks like a path (`looks_like_path`) is never asked of the hub.
+Every config and checkpoint is read through `model_folder`, which refuses in one sentence naming the folder a
+config.json transformers cannot build (missing, not JSON, no or an unknown model_type, remote code); a folder
+without tokenizer files has no tokenizer (transformers 5 would make up a stand-in of a few tokens).
 """
 from __future__ import annotations
 
@@ -10,18 +13,20 @@ import hashlib
 import json
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
 from huggingface_hub import HfApi, constants, snapshot_download
+from pydantic import model_validator
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import __version__ as transformers_version
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pipeline.store.cli import Refusal
 from pipeline.store.devices import default_device, parse_dtype
-from pipeline.store.params import ParamError
+from pipeline.store.params import Dtype, ParamError, Params
 from pipeline.store.shapes import random_model, shape_config
 
 
@@ -29,8 +34,15 @@ class ModelNotAvailableError(Refusal, RuntimeError):
     pass
 
 
-@dataclass
-class ModelsParams:
+class ModelFolderError(Refusal, ValueError):
+    """A model folder whose config or tokenizer cannot be read: the message names the folder and what is wrong."""
+
+
+class NoTokenizerError(ModelFolderError):
+    pass
+
+
+class ModelsParams(Params):
     """The `models` section: where the pair comes from and how it runs.
 
     kind `trained`: the tiny pair trained by prepare_models (source/target are unused names);
@@ -45,11 +57,18 @@ class ModelsParams:
     target: str
     source_revision: str | None  # hub: null resolves the current revision (recorded in models/*/hub.json)
     target_revision: str | None
-    dtype: Literal["float32", "bfloat16", "float16"]
+    dtype: Dtype
     device: Literal["cpu", "cuda", "auto"]
     # null: each model whole on `device`; auto/balanced/sequential: accelerate spreads a checkpoint too large
     # for one device over the visible GPUs (then CPU), and the handoff moves each cache layer to its layer
     device_map: Literal["auto", "balanced", "sequential"] | None
+
+    @model_validator(mode="after")
+    def _random_models_have_no_checkpoint(self) -> ModelsParams:
+        if self.kind == "random" and self.device_map is not None:
+            raise ParamError(f"models.device_map: {self.device_map!r} needs a checkpoint, and a random model of a "
+                             f"stored shape has none; set models.device_map: null")
+        return self
 
     @property
     def torch_device(self) -> str:
@@ -71,13 +90,28 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab*",
                 "merges.txt", "*.model"]  # what describes a model without its weights
+# files that carry a vocabulary: without one, transformers 5 builds a stand-in tokenizer of one to five tokens
+# for several model types (qwen2, qwen3, gemma, gpt2, phi) instead of raising, and it must never be compared
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "*.tiktoken",
+                   "sentencepiece*.model")
 
 
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether `name` was meant as a local folder rather than a hub id. A hub id is `name` or `owner/name`:
+    one slash at most, no leading `.`, `/` or `~`, no backslash, no trailing slash; and `models/target` is a
+    path when `models` is a local folder (a stage's prepared model), not the hub owner `models`."""
+    if name.startswith((".", "/", "~")) or "\\" in name or name.endswith("/") or name.count("/") > 1:
+        return True
+    return "/" in name and Path(name.split("/")[0]).is_dir()
+
+
 def unavailable(name_or_path: str, revision: str | None) -> ModelNotAvailableError:
+    if looks_like_path(name_or_path):
+        return ModelNotAvailableError(f"model folder {name_or_path}: no such folder")
     return ModelNotAvailableError(
         f"model {name_or_path!r}{f' (revision {revision})' if revision else ''} is neither a local folder nor "
         f"in the local Hugging Face cache, and the hub is "
@@ -91,6 +125,8 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
     `config_only`, a snapshot of the config and tokenizer files alone: no weights are fetched)."""
     if Path(name_or_path).is_dir():
         return str(name_or_path)
+    if looks_like_path(name_or_path):
+        raise unavailable(name_or_path, revision)
     patterns = CONFIG_FILES if config_only else None
     try:
         return snapshot_download(name_or_path, revision=revision, local_files_only=True, allow_patterns=patterns)
@@ -167,7 +203,7 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
         raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
                          f"model of a stored shape; set models.device_map: null")
     if device_map:
-        model = AutoModelForCausalLM.from_pretrained(resolve(name, revision), dtype=parse_dtype(dtype),
+        model = AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype),
                                                      device_map=device_map)
         model.config._name_or_path = name
         return model.eval()
@@ -176,9 +212,46 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
                              random["seed"])
         model.config._name_or_path = f"random:{random['shape']}"
         return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(resolve(name, revision), dtype=parse_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype))
     model.config._name_or_path = name
     return model.to(device or default_device()).eval()
+
+
+def config_refusal(folder: str | Path) -> str | None:
+    """What is wrong with a model folder's config.json, as the rest of a sentence naming the folder; None when
+    transformers can build its config without running the model's own code."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        present = sorted(entry.name for entry in Path(folder).iterdir())[:5] if Path(folder).is_dir() else []
+        return (f"holds no config.json ({'it holds ' + ', '.join(present) if present else 'it is empty'}); point at "
+                f"the folder of a model's files, or download them into it")
+    try:
+        content = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"has a config.json that is not valid JSON ({err}); download it again"
+    if not isinstance(content, dict):
+        return f"has a config.json holding a JSON {type(content).__name__}, not an object with a model_type"
+    model_type = content.get("model_type")
+    if not model_type:
+        return "has a config.json without a model_type, so the architecture is unknown: not a transformers model"
+    if model_type not in CONFIG_MAPPING:
+        if content.get("auto_map"):
+            return (f"has model_type {model_type!r}, which needs the model's own code (auto_map "
+                    f"{', '.join(sorted(content['auto_map']))}); this project runs no remote code "
+                    f"(trust_remote_code)")
+        return (f"has model_type {model_type!r}, an architecture transformers {transformers_version} does not "
+                f"know (a newer transformers may)")
+    return None
+
+
+def model_folder(name: str, revision: str | None = None, config_only: bool = False) -> str:
+    """`resolve`, then refuse in one sentence naming the folder a config.json transformers cannot build: the one
+    place every stage and check_pair go through before reading a config or weights."""
+    folder = resolve(name, revision, config_only)
+    refusal = config_refusal(folder)
+    if refusal:
+        raise ModelFolderError(f"model folder {name if folder == name else f'{name} ({folder})'} {refusal}")
+    return folder
 
 
 def load_config(name_or_path: str, revision: str | None = None):
@@ -188,15 +261,35 @@ def load_config(name_or_path: str, revision: str | None = None):
         config = shape_config(random["shape"])
         config._name_or_path = f"random:{random['shape']}"
         return config
-    config = AutoConfig.from_pretrained(resolve(name, revision, config_only=True))
+    folder = model_folder(name, revision, config_only=True)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # valid JSON of a known type, wrong fields
+        raise ModelFolderError(f"model folder {name}: transformers cannot build its config "
+                               f"({first_line(err)})") from err
     config._name_or_path = name
     return config
 
 
+def first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+
+
+def has_tokenizer_files(folder: str | Path) -> bool:
+    return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_FILES)
+
+
 def load_tokenizer(name_or_path: str, revision: str | None = None):
-    """A model's tokenizer; a hub id fetches its config and tokenizer files only, never the weights."""
+    """A model's tokenizer; a hub id fetches its config and tokenizer files only, never the weights. A folder
+    without tokenizer files is refused (NoTokenizerError), never given a stand-in tokenizer."""
     name, revision, _ = follow(name_or_path, revision)
-    return AutoTokenizer.from_pretrained(resolve(name, revision, config_only=True))
+    folder = resolve(name, revision, config_only=True)
+    if not has_tokenizer_files(folder):
+        raise NoTokenizerError(f"model folder {name} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a broken file
+        raise ModelFolderError(f"model folder {name}: its tokenizer cannot be loaded ({first_line(err)})") from err
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
