@@ -1,0 +1,276 @@
+"""`python -m pipeline.generate PROMPT`: see the handoff on a prompt of your own, each mode beside the oracle.
+
+The prompt is the positional text, a file's text (`--file PATH`) or the first N prompts of the eval part
+(`--eval N`, data/eval.parquet's prompt ids, shown decoded with the target's tokenizer). Each mode of
+`--transfer` continues it under the last-token protocol (PROTOCOL.md, "Handoff"): prompt[:-1] becomes the
+mode's cache, the decoding model reads prompt[-1] with it, then decodes token by token from the same cache
+until `--max-new-tokens` or EOS. Modes: `oracle` (the target's own prefill; always run first, it is what the
+others are compared with), `mapped` and `shuffled` (through `--mapper`, by default the selected map
+models/mapper.safetensors for the pipeline's pair), `direct`, `zero`, and `source` (the source model alone, its
+own cache and its own predictions). Tokens are greedy, or sampled at `--temperature` from a generator seeded by
+`--seed` afresh for each mode, so modes that agree draw the same tokens.
+
+Each mode's tokens are printed as they come; then a table gives per mode its time to first token (the cache
+built, prompt[-1] read and the first token picked, in ms by time.perf_counter, after one untimed token of
+each mode), its new tokens, and the first new token (counted from 0) where it departs from the oracle's.
+A mode the pair's contract refuses, or whose mapper is missing, is one line and skipped.
+
+The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
+(`--target DIR [--source DIR]`); dtype and device come from the `models` section unless given, CPU threads
+from `latency.threads`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.pair import Pair
+from pipeline.measure.compare import read_prompts
+from pipeline.store import paths
+from pipeline.store.cli import Refusal, entry, parser
+from pipeline.store.devices import DTYPES
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import PARAMS_FILE, ParamError, load_section, read_key
+from pipeline.studies.format import md_table
+
+TRANSFERS = ("oracle", "mapped", "source", "direct", "zero", "shuffled")
+EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
+
+
+@dataclass
+class Generation:
+    """One mode's continuation of one prompt."""
+
+    mode: str
+    tokens: list[int]
+    ttft_ms: float  # cache built, prompt[-1] read, first token picked
+
+
+def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
+    """The first new-token index where `tokens` leaves `oracle`'s (one stopping earlier departs where it
+    stops); None when they are the same."""
+    for index, (token, reference) in enumerate(zip(tokens, oracle)):
+        if token != reference:
+            return index
+    return None if len(tokens) == len(oracle) else min(len(tokens), len(oracle))
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a continuation: the model's generation config's EOS (an id or a list) and the
+    tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+
+
+@torch.no_grad()
+def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
+             temperature: float = 0.0, seed: int = 0,
+             on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
+    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1], and the time
+    to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by a
+    generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
+    token in `stop`."""
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    prefix = torch.tensor([list(prompt[:-1])], dtype=torch.long)  # (1, n-1)
+    cache = handoff.target_cache(handoff.prefix_layers(prefix))
+    if cache is None:  # a one-token prompt: nothing to hand off
+        cache = DynamicCache(config=handoff.target.config)
+    next_input = torch.tensor([[prompt[-1]]], device=handoff.device)  # (1, 1)
+    tokens: list[int] = []
+    ttft_ms = 0.0
+    for step in range(max_new_tokens):
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+        token = pick(logits[0, -1], temperature, generator)  # int(): the device has finished the step
+        if step == 0:
+            ttft_ms = 1000 * (time.perf_counter() - start)
+        tokens.append(token)
+        on_token(tokens)
+        if token in stop:
+            break
+        next_input = torch.tensor([[token]], device=handoff.device)
+    return tokens, ttft_ms
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """The next token from logits (V,): the argmax at temperature 0, else a draw (on the CPU, so a seed
+    draws the same tokens on any device)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def build_handoff(pair: Pair, mode: str, mapper: Path | None, shuffle_seed: int) -> Handoff:
+    """The handoff of `mode` between the pair's models; a refusal (contract, missing mapper) raises."""
+    pair.contract.require(mode)
+    if mode == "source":
+        return Handoff(pair.source)  # the source alone: its own cache, its own predictions (as evaluate does)
+    if mode in ("mapped", "shuffled"):
+        if mapper is None:  # the selected map was fitted for the pipeline's pair, not for one given by hand
+            raise FileNotFoundError("no mapper given for this pair: give --mapper PATH")
+        if not mapper.is_file():
+            raise FileNotFoundError(f"no mapper at {mapper}: run the pipeline's `select` stage, or give --mapper")
+        return pair.handoff(mode, mapper, shuffle_seed=shuffle_seed)
+    return pair.handoff(mode)
+
+
+def build_handoffs(pair: Pair, modes: Sequence[str], mapper: Path | None, shuffle_seed: int,
+                   say: Callable[[str], None] = print) -> dict[str, Handoff]:
+    """Each mode's handoff (weights loaded here, once per model); a refused mode is said in one line and left
+    out. The oracle is first, and always there: it is what the others are compared with."""
+    handoffs = {}
+    for mode in dict.fromkeys(["oracle", *modes]):
+        try:
+            handoffs[mode] = build_handoff(pair, mode, mapper, shuffle_seed)
+        except (Refusal, FileNotFoundError) as err:
+            if mode == "oracle":
+                raise
+            say(f"{mode}: skipped, {err}")
+    return handoffs
+
+
+def warm_up(handoffs: dict[str, Handoff], prompt: Sequence[int]) -> None:
+    """One untimed token of each mode, so the first prompt's times do not include lazy initialisation (the first
+    cached step, the first map)."""
+    for handoff in handoffs.values():
+        generate(handoff, prompt, 1)
+
+
+class Stream:
+    """Prints a mode's text as its tokens come: the decoded text grows, only its new end is written (a token
+    whose bytes are not a whole character yet waits for the next)."""
+
+    def __init__(self, tokenizer, mode: str, width: int, out):
+        self.tokenizer, self.out, self.shown = tokenizer, out, ""
+        out.write(f"{mode:<{width}} | ")
+        out.flush()
+
+    def __call__(self, tokens: list[int]) -> None:
+        text = self.tokenizer.decode(tokens)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.shown):].replace("\n", "\\n"))
+        self.out.flush()
+        self.shown = text
+
+    def close(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path | None, max_new_tokens: int,
+        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None) -> list[list[Generation]]:
+    """Each prompt continued in every mode the pair allows, streamed to `out` (by default stdout), then its
+    summary table."""
+    out = out or sys.stdout
+    say = lambda line: print(line, file=out, flush=True)  # noqa: E731
+    handoffs = build_handoffs(pair, modes, mapper, shuffle_seed, say)
+    tokenizer = pair.target_tokenizer
+    stop = eos_ids(pair.target, tokenizer)
+    width = max(len(mode) for mode in handoffs)
+    warm_up(handoffs, prompts[0])
+    results = []
+    for number, prompt in enumerate(prompts):
+        say(f"\nprompt {number + 1} ({len(prompt)} tokens): " + tokenizer.decode(prompt).replace("\n", "\\n"))
+        generations = []
+        for mode, handoff in handoffs.items():
+            stream = Stream(tokenizer, mode, width, out)
+            tokens, ttft_ms = generate(handoff, prompt, max_new_tokens, stop, temperature, seed, stream)
+            stream.close()
+            generations.append(Generation(mode, tokens, ttft_ms))
+        say("")
+        say("\n".join(summary(generations)))
+        results.append(generations)
+    return results
+
+
+def summary(generations: list[Generation]) -> list[str]:
+    """The table of one prompt: per mode its time to first token, new tokens and departure from the oracle."""
+    oracle = generations[0].tokens
+    rows = []
+    for generation in generations:
+        index = departure(generation.tokens, oracle)
+        rows.append([generation.mode, f"{generation.ttft_ms:.1f}", len(generation.tokens),
+                     "same as oracle" if index is None else f"token {index}"])
+    return md_table(["mode", "time to first token (ms)", "new tokens", "departs from the oracle at"], rows)
+
+
+def read_prompt_ids(args, tokenizer) -> list[list[int]]:
+    """The prompts asked for, as target token ids: the text, the file's text, or the eval part's first N."""
+    if args.eval:
+        if not EVAL_PROMPTS.is_file():
+            raise FileNotFoundError(f"no {EVAL_PROMPTS} here: run the pipeline's `prepare_data` stage (dvc repro "
+                                    f"prepare_data), or give a PROMPT")
+        return [list(context) for context, _ in read_prompts(EVAL_PROMPTS)[: args.eval]]
+    text = Path(args.file).read_text() if args.file else args.prompt
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ParamError("the prompt encodes to no tokens: give some text")
+    return [ids]
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parser("pipeline.generate", __doc__)
+    cli.add_argument("prompt", nargs="?", help="the prompt text")
+    cli.add_argument("--file", help="read the prompt from this file")
+    cli.add_argument("--eval", type=int, metavar="N", help="the first N prompts of data/eval.parquet")
+    cli.add_argument("--transfer", default="oracle,mapped,source,direct",
+                     help=f"comma-separated modes among {', '.join(TRANSFERS)} (default: %(default)s)")
+    cli.add_argument("--mapper", type=Path, help=f"the map of mapped and shuffled (default: the selected one, "
+                     f"{SELECTED_MAPPER}, for the pipeline's pair; none for a --target pair)")
+    cli.add_argument("--max-new-tokens", type=int, default=32, help="default: %(default)s")
+    cli.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above, sampled")
+    cli.add_argument("--seed", type=int, default=0, help="the sampling seed, the same for each mode")
+    cli.add_argument("--shuffle-seed", type=int, help="the shuffled mode's seed (default: evaluate.shuffle_seed)")
+    cli.add_argument("--target", help="target model folder or hub id (default: the pipeline's models/target)")
+    cli.add_argument("--source", help="source model folder or hub id (default: the pipeline's models/source "
+                     "when no --target is given; none otherwise)")
+    cli.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default: models.dtype)")
+    cli.add_argument("--device", help="cpu, cuda, ... (default: models.device)")
+    cli.add_argument("--threads", type=int, help="torch CPU threads; 0 keeps torch's default (default: "
+                     "latency.threads, as the latency stage times)")
+    args = cli.parse_args(argv)
+    if sum(bool(given) for given in (args.prompt, args.file, args.eval)) != 1:
+        cli.error("give one of: a PROMPT, --file PATH or --eval N")
+    if args.source and not args.target:
+        cli.error("--source needs a --target")
+    modes = [mode.strip() for mode in args.transfer.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in TRANSFERS]
+    if unknown:
+        cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(TRANSFERS)})")
+    if args.max_new_tokens < 1 or (args.eval is not None and args.eval < 1):
+        cli.error("--max-new-tokens and --eval must be at least 1")
+    models = load_section(ModelsParams, "models") if PARAMS_FILE.is_file() else None
+    if models is None and not (args.target and args.dtype and args.device):
+        cli.error(f"no {PARAMS_FILE} here: give --target, --dtype and --device")
+    threads = args.threads if args.threads is not None else read_key("latency.threads") if models else 0
+    if threads > 0:  # threads contending for shared cores make a time to first token swing tenfold
+        torch.set_num_threads(threads)
+    dtype = args.dtype or models.dtype
+    device = args.device or models.torch_device
+    device_map = None if args.device or models is None else models.device_map
+    if args.target:
+        pair = Pair(args.target, args.source, dtype, device, device_map)
+    else:
+        pair = Pair.load(models.model_copy(update={"dtype": dtype, "device_map": device_map}), device)
+    shuffle_seed = args.shuffle_seed
+    if shuffle_seed is None:
+        shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
+    mapper = args.mapper or (None if args.target else SELECTED_MAPPER)
+    run(pair, read_prompt_ids(args, pair.target_tokenizer), modes, mapper, args.max_new_tokens,
+        args.temperature, args.seed, shuffle_seed)
+
+
+if __name__ == "__main__":
+    entry(main)

@@ -1,0 +1,131 @@
+"""`python -m pipeline.generate`: the oracle decodes as the target's own generate, each mode's departure from it is
+where the tokens first differ, a refused mode is one line, sampling is seeded; on tiny models built here."""
+import io
+
+import pytest
+import torch
+from conftest import build_model, tiny_config
+
+from pipeline.generate import departure, eos_ids, generate, main, run
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import identity_mapper, save_mapper
+from pipeline.kv.pair import Pair
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_model(tiny_config(VOCAB, 64), seed=1)
+
+
+def _prompt(length=12, seed=5):
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_oracle_generation_equals_the_targets_own_generate_token_for_token(target):
+    prompt = _prompt()
+    tokens, ttft_ms = generate(Handoff(target), prompt, 10, eos_ids(target, None))
+    with torch.no_grad():
+        expected = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert tokens == expected.tolist()
+    assert ttft_ms > 0
+
+
+def test_generation_stops_after_the_eos_token(target):
+    prompt = _prompt(seed=6)
+    free, _ = generate(Handoff(target), prompt, 8)
+    stopped, _ = generate(Handoff(target), prompt, 8, stop={free[3]})
+    assert stopped == free[: free.index(free[3]) + 1]
+
+
+def test_a_one_token_prompt_decodes_from_an_empty_cache(target):
+    tokens, _ = generate(Handoff(target), [7], 4)
+    with torch.no_grad():
+        expected = target.generate(torch.tensor([[7]]), attention_mask=torch.ones(1, 1, dtype=torch.long),
+                                   max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 1:]
+    assert tokens == expected.tolist()
+
+
+def test_sampling_with_a_seed_is_reproducible_and_another_seed_draws_otherwise(target):
+    prompt = _prompt(seed=7)
+    draw = lambda seed: generate(Handoff(target), prompt, 12, temperature=1.0, seed=seed)[0]  # noqa: E731
+    assert draw(3) == draw(3)
+    assert draw(3) != draw(4)
+
+
+@pytest.mark.parametrize("tokens, oracle, expected", [
+    ([1, 2, 3], [1, 2, 3], None),
+    ([1, 2, 4], [1, 2, 3], 2),
+    ([5, 2, 3], [1, 2, 3], 0),
+    ([1, 2], [1, 2, 3], 2),  # stopped at EOS where the oracle went on
+    ([1, 2, 3, 4], [1, 2, 3], 3),
+])
+def test_departure_is_the_first_new_token_where_a_mode_leaves_the_oracle(tokens, oracle, expected):
+    assert departure(tokens, oracle) == expected
+
+
+def _row(out: str, mode: str) -> list[str]:
+    """The cells of `mode`'s row in the summary table."""
+    line = next(line for line in out.splitlines() if line.startswith(f"| {mode} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_direct_reports_where_its_tokens_first_differ_from_the_oracles(tiny_pair, tokenizer):
+    prompt = tokenizer.encode("Question: How do I open a jar?\nAnswer:")
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
+    out = io.StringIO()
+    [[oracle, direct]] = run(pair, [prompt], ["direct"], tiny_pair["target"] / "none", 8, out=out)
+    differ = [index for index, (a, b) in enumerate(zip(direct.tokens, oracle.tokens)) if a != b]
+    assert _row(out.getvalue(), "direct")[3] == (f"token {differ[0]}" if differ else "same as oracle")
+
+    # the target's own cache handed to itself is the oracle, token for token
+    itself = Pair(str(tiny_pair["target"]), str(tiny_pair["target"]), "float32", "cpu")
+    out = io.StringIO()
+    [[oracle, direct]] = run(itself, [prompt], ["direct"], tiny_pair["target"] / "none", 8, out=out)
+    assert direct.tokens == oracle.tokens
+    assert _row(out.getvalue(), "direct")[3] == "same as oracle"
+
+
+@pytest.fixture(scope="module")
+def deeper_source(tmp_path_factory, tokenizer):
+    """A source with one more layer than tiny_pair's target: direct is undefined between them."""
+    folder = tmp_path_factory.mktemp("deeper") / "source"
+    build_model(tiny_config(len(tokenizer), 32, layers=3), seed=3).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_main(capsys, monkeypatch, tmp_path, *argv) -> str:
+    monkeypatch.chdir(tmp_path)  # no params.yaml, no models/: every setting from the flags
+    main(["Question: How do I open a jar?\nAnswer:", "--max-new-tokens", "4", "--dtype", "float32",
+          "--device", "cpu", "--threads", "0", "--shuffle-seed", "0", *argv])
+    return capsys.readouterr().out
+
+
+def test_a_mode_the_contract_refuses_is_one_line_and_the_others_still_run(capsys, monkeypatch, tmp_path, tiny_pair,
+                                                                         deeper_source):
+    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--source",
+                   str(deeper_source), "--transfer", "oracle,direct,mapped,source")
+    direct = [line for line in out.splitlines() if line.startswith("direct")]
+    assert len(direct) == 1 and direct[0].startswith("direct: skipped") and "geometry" in direct[0]
+    assert "mapped: skipped, no mapper given for this pair: give --mapper PATH" in out.splitlines()
+    assert "Traceback" not in out
+    assert _row(out, "oracle")[3] == "same as oracle" and _row(out, "source")
+
+
+def test_the_cli_prints_each_modes_stream_and_row_for_any_pair(capsys, monkeypatch, tmp_path, tiny_pair):
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = tmp_path / "identity.safetensors"
+    save_mapper(identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config),
+                mapper)
+    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--source",
+                   str(tiny_pair["source"]), "--mapper", str(mapper),
+                   "--transfer", "oracle,mapped,source,direct,zero,shuffled")
+    for mode in ("oracle", "mapped", "source", "direct", "zero", "shuffled"):
+        assert any(line.startswith(f"{mode:<8} | ") for line in out.splitlines()), mode  # its streamed text
+        cells = _row(out, mode)
+        assert float(cells[1]) > 0 and 1 <= int(cells[2]) <= 4
+    # the identity map through strip, map and re-apply is the direct handoff
+    assert _row(out, "mapped")[3] == _row(out, "direct")[3]
