@@ -1,35 +1,49 @@
 """kv-handoff: cross-model KV-cache handoff between Qwen3 models, as a DVC pipeline.
 
-Stages (one module each, `python -m pipeline.<stage>`, one `dvc.yaml` entry each: its Params, main(), the recipe):
-    prepare_data    the sequence splits and task items under data/ (the tiny world, or hub/local datasets)
-    prepare_models  the source/target pair under models/ (trained, pinned hub ids, or random real shapes)
-    score_models    each model alone on the dev items (metrics/models.json)
-    extract         one model's RoPE-stripped KV caches over the fit and select splits (caches/)
-    fit             every candidate map, per target layer, from the caches (models/mappers/)
-    select          the candidate that best reproduces the oracle on the select split (models/mapper.safetensors)
-    controls        V0's six controls on the actual pair and mapper, before anything is evaluated
-    evaluate        one variant of the handoff against the oracle and on the tasks (eval/, metrics/eval/)
-    report          retention, paired statistics, gates and report.md
-    latency         time to first token of the handoff against target prefill
+Stages (one module each, `python -m pipeline.<stage>`, one `dvc.yaml` entry each: its Params, main(), the recipe)
+are listed in `STAGES` below, in the order `dvc repro` meets them; a test keeps it in step with dvc.yaml.
 The lm-eval face: `lm_eval_model` registers the lm-eval model `kv-transfer`.
 The pair checker: `check_pair SOURCE TARGET` prints a pair's architecture contract from configs alone.
+The generator: `generate PROMPT` continues a prompt in each handoff mode beside the oracle, streamed and timed.
 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
     store/    files and settings: checksummed artifacts, params, dtypes/devices, several processes (torchrun),
               split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
-              the FLOP model, mappers, the handoff (last-token protocol)
+              the FLOP model, mappers, the handoff (last-token protocol), scoring continuations after it, the
+              pair (its models loaded once, its handoffs)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
+    studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
+              every candidate, the calibration curve, the length study; their `report` params and formatting
     tiny/     the embedded world: its tokenizer, its generator, and the training of the tiny pair
 """
 
 WINGS = {
-    "store": ("cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models", "cachefiles"),
-    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff"),
+    "store": ("paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models", "cachefiles"),
+    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),
+    "studies": ("format", "settings", "variants", "candidates", "calibration", "length"),
     "tiny": ("tokenizer", "world", "train"),
+}
+
+STAGES = {
+    "check_params": "the whole params.yaml validated before any stage works (metrics/params_check.json)",
+    "prepare_data": "the sequence splits and task items under data/ (the tiny world, or hub/local datasets)",
+    "pin_models": "the identity of each model the `models` section points at (models/pins.json)",
+    "prepare_models": "the source/target pair under models/ (trained, pinned hub ids, or random real shapes)",
+    "score_models": "each model alone on the dev items (metrics/models.json)",
+    "extract": "one model's RoPE-stripped KV caches over the fit and select splits (caches/)",
+    "fit": "every candidate map, per target layer, from the caches (models/mappers/)",
+    "select": "the candidate that best reproduces the oracle on the select split (models/mapper.safetensors)",
+    "controls": "V0's six controls on the actual pair and mapper, before anything is evaluated",
+    "evaluate": "one variant of the handoff against the oracle and on the tasks (eval/, metrics/eval/)",
+    "candidates": "every fitted map on the eval tasks and timed: the proxies' check and the frontier",
+    "calibrate": "one point of the calibration curve: a few maps refitted on the first n sequences",
+    "length": "a map fitted at one length on prompts 2x and 4x longer, RoPE stripped and kept",
+    "report": "retention, gap closure, paired statistics, gates, every study and report.md",
+    "latency": "time to first token of the handoff against target prefill",
 }

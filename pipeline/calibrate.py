@@ -18,35 +18,33 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import pandas as pd
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.taskeval import evaluate_tasks
-from pipeline.store.artifacts import atomic_dir, require_controls_passed, write_json_atomic
-from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage
-from pipeline.store.models import ModelsParams, load_model, load_tokenizer
-from pipeline.store.params import ParamError, load_section, spec
-from pipeline.store.splits import TASKS
-
-POOL = Path("data/calibration.parquet")
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir, require_controls_passed
+from pipeline.store.cli import entry, parser, run_stage
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import ParamError, Params, Positive, Threads, load_section
+from pipeline.store.ranks import stage_ranks
 
 
-@dataclass
-class CalibrationParams:
-    sizes: list[int] = spec(min=2, nonempty=True)  # fit sequences per point; one calibrate@<n> stage each
-    candidates: list[str] = spec(nonempty=True)  # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...)
-    batch_size: int = spec(positive=True)  # task requests per forward
-    threads: int = spec(positive=True)
+class CalibrationParams(Params):
+    # fit sequences per point, at most data.calibration_sequences; one calibrate@<n> stage each
+    sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
+    # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...): check_params refuses one fit does not make
+    candidates: Annotated[list[str], Field(min_length=1)]
+    batch_size: Positive  # task requests per forward
+    threads: Threads
 
 
 def scratch_split(pool: pd.DataFrame, size: int, folder: Path) -> int:
@@ -55,49 +53,41 @@ def scratch_split(pool: pd.DataFrame, size: int, folder: Path) -> int:
     folder.mkdir(parents=True)
     first = pool.head(size)
     first.to_parquet(folder / "fit.parquet", index=False)
-    shutil.copyfile("data/select.parquet", folder / "select.parquet")
+    shutil.copyfile(paths.split("select"), folder / "select.parquet")
     return int(sum(len(ids) for ids in first.token_ids))
 
 
 def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
     require_controls_passed()
-    pool = pd.read_parquet(POOL)
+    pool = pd.read_parquet(paths.CALIBRATION_POOL)
     if size > len(pool):
-        raise ParamError(f"calibration.sizes: {size} sequences, but {POOL} holds {len(pool)}; raise "
+        raise ParamError(f"calibration.sizes: {size} sequences, but {paths.CALIBRATION_POOL} holds {len(pool)}; raise "
                          f"data.calibration_sequences or drop the size")
     torch.set_num_threads(params.threads)
-    usage = StageUsage(models.torch_device)
     metrics: dict[str, float | int | str] = {"sequences": size}
-    with atomic_dir(Path("eval/calibration") / str(size)) as staging:
+    with atomic_dir(paths.CALIBRATION_ITEMS / str(size)) as staging:
         work = staging / ".work"
         metrics["tokens"] = scratch_split(pool, size, work / "data")
         # the other stages' own commands, in their narrow forms (a failure stops this stage)
         for model in ("source", "target"):
-            subprocess.run([sys.executable, "-m", "pipeline.extract", model, "--data", str(work / "data"),
-                            "--out", str(work / "caches" / model)], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([sys.executable, "-m", "pipeline.fit", "--caches", str(work / "caches"), "--out",
-                        str(work / "mappers"), "--only", ",".join(params.candidates)], check=True,
-                       stdout=subprocess.DEVNULL)
+            run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / "caches" / model))
+        run_stage("pipeline.fit", "--caches", str(work / "caches"), "--out", str(work / "mappers"), "--only",
+                  ",".join(params.candidates))
         fitted = json.loads((work / "mappers" / "fit.json").read_text())
-        device = models.torch_device
-        load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
-                                        device_map=models.device_map)
-        target, source = load("target"), load("source")
-        tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
-        files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
+        pair = Pair.load(models, models.torch_device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
-            mapper = load_mapper(work / "mappers" / f"{name}.safetensors", device=device)
-            handoff = Handoff(target, source, "mapped", mapper, tokenizers=tokenizers)
-            lm = KVTransferLM.from_handoff(handoff, tokenizers[1], batch_size=params.batch_size)
-            tasks, items = evaluate_tasks(lm, files)
+            handoff = pair.handoff("mapped", work / "mappers" / f"{name}.safetensors")
+            lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
+            tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{name}.parquet", index=False)
-            metrics.update({f"{name}/r2_{kind}_select": fitted[f"{name}/r2_{kind}_select"]
-                            for kind in ("keys", "values")})
-            metrics[f"{name}/params_per_token"] = round(fitted[f"{name}/params"] / metrics["tokens"], 6)
+            fit = fitted["maps"][name]
+            metrics.update({f"maps/{name}/r2_{kind}_select": fit[f"r2_{kind}_select"] for kind in ("keys", "values")})
+            metrics.update({f"maps/{name}/{key}": fit[key] for key in ("family", "k")})
+            metrics[f"maps/{name}/params_per_token"] = round(fit["params"] / metrics["tokens"], 6)
             for task, result in tasks.items():
-                metrics.update({f"{name}/{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})
+                metrics.update({f"maps/{name}/{task}_{metric}": round(result[metric], 6)
+                                for metric in ("acc", "acc_norm")})
         shutil.rmtree(work)
-    metrics.update(usage.figures())
     return metrics
 
 
@@ -105,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.calibrate", __doc__)
     cli.add_argument("size", type=int, help="fit sequences of this point (an entry of calibration.sizes)")
     size = cli.parse_args(sys.argv[1:] if argv is None else argv).size
-    metrics = run(size, load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models"))
-    write_json_atomic(Path("metrics/calibration") / f"{size}.json", metrics)
-    print(json.dumps({k: v for k, v in metrics.items() if "/" not in k}, indent=2))
+    params, models = load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models")
+    with stage_ranks(models.torch_device) as stage:
+        stage.write_metrics(paths.CALIBRATION / f"{size}.json", run(size, params, models))
 
 
 if __name__ == "__main__":

@@ -19,44 +19,43 @@ Pareto front. Writes metrics/candidates.json.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.latency import measure
 from pipeline.measure.taskeval import evaluate_tasks
-from pipeline.store.artifacts import atomic_dir, require_controls_passed, write_json_atomic
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.devices import StageUsage
-from pipeline.store.models import ModelsParams, load_model, load_tokenizer
-from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import Count, ParamError, Params, Positive, Threads, load_section
+from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS, pair_configs
-from pipeline.store.splits import TASKS
 
-MAPPERS = Path("models/mappers")
-OUT = Path("eval/candidates")
-METRICS = Path("metrics/candidates.json")
+MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
 
 
-@dataclass
-class CandidatesParams:
-    length: int = spec(min=2)  # prompt tokens of the time-to-first-token measurement
-    warmup: int = spec(min=0)  # untimed runs of both paths per candidate
-    repeats: int = spec(min=1)  # timed runs of both paths per candidate (medians reported)
+class CandidatesParams(Params):
+    length: Annotated[int, Field(ge=2)]  # prompt tokens of the time-to-first-token measurement
+    warmup: Count  # untimed runs of both paths per candidate
+    repeats: Positive  # timed runs of both paths per candidate (medians reported)
     bound_pair: str  # a pair of store.shapes.PAIRS: each candidate's FLOP bound at those shapes beside this pair's
-    batch_size: int = spec(positive=True)  # task requests per forward
-    threads: int = spec(positive=True)
+    batch_size: Positive  # task requests per forward
+    threads: Threads
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _known_pair(self) -> CandidatesParams:
         if self.bound_pair not in PAIRS:
             raise ParamError(f"candidates.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
+        return self
 
 
 def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bound_configs) -> dict:
@@ -79,35 +78,28 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
     candidates = sorted(MAPPERS.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
-    device = models.torch_device
-    usage = StageUsage(device)
-    load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
-                                    device_map=models.device_map)
-    target, source = load("target"), load("source")
-    tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
-    files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
+    pair = Pair.load(models, models.torch_device)
     bound_configs = pair_configs(params.bound_pair)
     metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,
                                              "bound_pair": params.bound_pair}
     with atomic_dir(OUT) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
-            handoff = Handoff(target, source, "mapped", load_mapper(path, device=device), tokenizers=tokenizers)
-            lm = KVTransferLM.from_handoff(handoff, tokenizers[1], batch_size=params.batch_size)
-            tasks, items = evaluate_tasks(lm, files)
+            handoff = pair.handoff("mapped", path)
+            lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
+            tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{path.stem}.parquet", index=False)
             figures = candidate_figures(handoff, path, params, bound_configs)
             for task, result in tasks.items():
                 figures.update({f"{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})
-            metrics.update({f"{path.stem}/{key}": value for key, value in figures.items()})
-    metrics.update(usage.figures())
+            metrics.update({f"maps/{path.stem}/{key}": value for key, value in figures.items()})
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.candidates", __doc__, argv)
-    metrics = run(load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models"))
-    write_json_atomic(METRICS, metrics)
-    print(json.dumps({k: v for k, v in metrics.items() if "/" not in k}, indent=2))
+    params, models = load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models")
+    with stage_ranks(models.torch_device) as stage:
+        stage.write_metrics(METRICS, run(params, models))
 
 
 if __name__ == "__main__":

@@ -5,13 +5,18 @@
 Every section is parsed by the Params class of the stage that reads it (the one place this stage looks
 into other stages: their parameter classes), and a top-level key no stage reads is refused, so a typo
 anywhere (`evaluate.horizn`) or an empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here,
-naming the key, before anything is computed. Writes metrics/params_check.json, the names of the sections
-checked: its bytes do not depend on the values, so `prepare_data`, which depends on it, and everything after
-it rerun only for the parameters they read.
+naming the key, before anything is computed. Then the rules between sections (`ParamsFile`'s validators),
+which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
+a calibration size beyond its pool, a mapper file no stage writes, a report variant that is not evaluated, a
+trained pair without its settings, a k beyond the source's layers, a split fit reads and extract skips.
+Writes metrics/params_check.json, the names of the sections checked: its bytes do not depend on the values,
+so `prepare_data`, which depends on it, and everything after it rerun only for the parameters they read.
 """
 from __future__ import annotations
 
 import json
+
+from pydantic import model_validator
 
 from pipeline.calibrate import CalibrationParams
 from pipeline.candidates import CandidatesParams
@@ -23,19 +28,113 @@ from pipeline.latency import LatencyParams
 from pipeline.length import LengthParams
 from pipeline.prepare_data import DataParams
 from pipeline.prepare_models import TrainParams
-from pipeline.report import ReportParams
-from pipeline.select import SelectParams
+from pipeline.score_models import ScoreModelsParams
+from pipeline.select import BEST, MAPPERS, SELECTED, SelectParams
+from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import PARAMS_FILE, ParamError, parse, read_params
+from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
+from pipeline.store.shapes import shape_config
+from pipeline.studies.settings import ReportParams
 
-OUTPUT = "metrics/params_check.json"
-SECTIONS = {"data": DataParams, "models": ModelsParams, "train": TrainParams, "extract": ExtractParams,
-            "fit": FitParams, "select": SelectParams, "controls": ControlsParams, "evaluate": EvaluateParams,
-            "candidates": CandidatesParams, "calibration": CalibrationParams, "report": ReportParams,
-            "length": LengthParams, "latency": LatencyParams, "tolerances": ToleranceParams}
+OUTPUT = paths.PARAMS_CHECK
 PLAIN = {"profile": str}  # top-level values that are not sections
+
+
+class ParamsFile(Params):
+    """The whole of params.yaml: each section as the stage that reads it parses it, then the rules between
+    sections (run in this order, once every section is valid; each names the keys it compares)."""
+
+    profile: str
+    data: DataParams
+    models: ModelsParams
+    train: TrainParams
+    score_models: ScoreModelsParams
+    extract: ExtractParams
+    fit: FitParams
+    select: SelectParams
+    controls: ControlsParams
+    evaluate: EvaluateParams
+    candidates: CandidatesParams
+    calibration: CalibrationParams
+    report: ReportParams
+    length: LengthParams
+    latency: LatencyParams
+    tolerances: ToleranceParams
+
+    @model_validator(mode="after")
+    def _trained_pair_is_declared(self) -> ParamsFile:
+        if self.models.kind == "trained" and (self.train.source is None or self.train.target is None):
+            raise ParamError("train.source and train.target: required when models.kind is 'trained'")
+        return self
+
+    @model_validator(mode="after")
+    def _ks_within_the_source(self) -> ParamsFile:
+        # the source's depth where params alone tell it; a hub model's is known once prepare_models fetched it
+        if self.models.kind == "trained":
+            layers = self.train.source.layers
+        elif self.models.kind == "random":
+            layers = shape_config(self.models.source).num_hidden_layers
+        else:
+            return self
+        for key, ks in (("fit.ks", self.fit.ks), ("fit.mlp.ks", self.fit.mlp.ks)):
+            if max(ks, default=0) > layers:
+                raise ParamError(f"{key}: k={max(ks)} exceeds the source's {layers} layers "
+                                 f"({self.models.kind} {self.models.source}); lower it")
+        return self
+
+    @model_validator(mode="after")
+    def _fit_splits_are_extracted(self) -> ParamsFile:
+        for split in ("fit", "select"):  # fit solves on the one and scores on the other
+            if split not in self.extract.splits:
+                raise ParamError(f"extract.splits: the fit stage reads the {split!r} caches; add {split!r} "
+                                 f"(got {self.extract.splits})")
+        return self
+
+    @model_validator(mode="after")
+    def _candidates_are_fitted(self) -> ParamsFile:
+        grid = self.fit.candidates()
+        named = [("calibration.candidates", name) for name in self.calibration.candidates]
+        for key, name in [*named, ("length.candidate", self.length.candidate)]:
+            if name not in grid:
+                raise ParamError(f"{key}: {name!r} is not a map of the fit grid (fit.families, fit.ks, fit.lambdas, "
+                                 f"fit.mlp.ks make: {', '.join(grid)})")
+        return self
+
+    @model_validator(mode="after")
+    def _calibration_sizes_fit_the_pool(self) -> ParamsFile:
+        for size in self.calibration.sizes:
+            if size > self.data.calibration_sequences:
+                raise ParamError(f"calibration.sizes: {size} sequences, but data.calibration_sequences is "
+                                 f"{self.data.calibration_sequences}; raise it or drop the size")
+        return self
+
+    @model_validator(mode="after")
+    def _mappers_are_produced(self) -> ParamsFile:
+        produced = mapper_files(self.fit)
+        named = [(f"evaluate.mapped.{variant}", path) for variant, path in self.evaluate.mapped.items()]
+        for key, path in [*named, ("latency.mapper", self.latency.mapper)]:
+            if path not in produced:
+                raise ParamError(f"{key}: {path} is not written by fit or select (they write: {', '.join(produced)})")
+        return self
+
+    @model_validator(mode="after")
+    def _report_variant_is_evaluated(self) -> ParamsFile:
+        if self.report.mapped_variant not in self.evaluate.mapped:
+            raise ParamError(f"report.mapped_variant: {self.report.mapped_variant!r} is not a variant of "
+                             f"evaluate.mapped ({', '.join(self.evaluate.mapped)})")
+        return self
+
+
+SECTIONS = {name: field.annotation for name, field in ParamsFile.model_fields.items() if name not in PLAIN}
+
+
+def mapper_files(fit: FitParams) -> list[str]:
+    """Every mapper file the fit grid leaves: fit's candidates (models/mappers/), select's choice and, per k of
+    the linear family, its best ridge strength (models/best/mapped_k<k>)."""
+    best = [f"{BEST}/mapped_k{k}.safetensors" for k in fit.ks] if "linear" in fit.families else []
+    return [str(SELECTED), *best, *(f"{MAPPERS}/{name}.safetensors" for name in fit.candidates())]
 
 
 def check(params: dict) -> list[str]:
@@ -46,10 +145,10 @@ def check(params: dict) -> list[str]:
     for key, kind in PLAIN.items():
         if not isinstance(params.get(key), kind):
             raise ParamError(f"{key}: expected a {kind.__name__}, got {params.get(key)!r}")
-    for name, cls in SECTIONS.items():
+    for name in SECTIONS:
         if name not in params:
             raise ParamError(f"{name}: missing section of {PARAMS_FILE}")
-        parse(cls, params[name], name)
+    parse(ParamsFile, params, "")
     return [*PLAIN, *SECTIONS]
 
 

@@ -18,20 +18,19 @@ results and samples (eval/<variant>/lm_eval/).
 """
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from pydantic import model_validator
 
-from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.store import paths
 from pipeline.store.artifacts import (
+    ArtifactError,
     atomic_dir,
     load_artifact,
     require_controls_passed,
@@ -39,36 +38,34 @@ from pipeline.store.artifacts import (
     write_json_atomic,
 )
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage, usage_of_ranks
-from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
-from pipeline.store.params import ParamError, load_section, spec
-from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
-from pipeline.store.splits import TASKS
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
+from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-ORACLE_OUTPUTS = Path("eval/oracle_outputs.safetensors")
-EVAL_PROMPTS = Path("data/eval.parquet")
+ORACLE_OUTPUTS, EVAL_PROMPTS = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS
 BASELINES = ("oracle", "direct", "source", "zero")
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
 
 
-@dataclass
-class EvaluateParams:
+class EvaluateParams(Params):
     baselines: list[str]
-    mapped: dict[str, str]  # variant -> mapper file
-    top_k: int = spec(positive=True)
-    horizon: int = spec(positive=True)
-    batch_size: int = spec(positive=True)
+    mapped: dict[str, str]  # variant -> mapper file, a stage's output (check_params)
+    top_k: Positive
+    horizon: Positive
+    batch_size: Positive
     shuffle_seed: int
-    threads: int = spec(positive=True)
-    processes: int = spec(min=1)  # torchrun processes, each scoring every N-th batch and task document
+    threads: Threads
+    processes: Processes  # each scoring every N-th batch and task document
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _variants(self) -> EvaluateParams:
         for name in self.baselines:
             if name not in BASELINES[1:]:
                 raise ParamError(f"evaluate.baselines: unknown variant {name!r} (known: {', '.join(BASELINES[1:])})")
         for name in self.mapped:
             if name in BASELINES:
                 raise ParamError(f"evaluate.mapped.{name}: a mapped variant cannot take a baseline's name")
+        return self
 
 
 def variant_mode(variant: str) -> str:
@@ -78,73 +75,55 @@ def variant_mode(variant: str) -> str:
     return "shuffled" if variant == "shuffled" else "mapped"
 
 
-def skip_reason(variant: str) -> str | None:
-    """Why the pair's architecture contract leaves this variant undefined (e.g. `direct` between unequal KV
-    geometries), read from the configs and tokenizers; None when it is defined."""
-    tokenizers = {name: load_tokenizer(f"models/{name}") for name in ("source", "target")}
-    contract = pair_contract(load_config("models/target"), load_config("models/source"), tokenizers["target"],
-                             tokenizers["source"])
-    return contract.reason(variant_mode(variant))
-
-
-def build_handoff(variant: str, params: EvaluateParams, models: ModelsParams, device: str) -> Handoff:
-    load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
-                                    device_map=models.device_map)
-    if variant == "oracle":
-        return Handoff(load("target"))
+def build_handoff(variant: str, params: EvaluateParams, pair: Pair) -> Handoff:
+    """The handoff `variant` evaluates, between the pair's models (each loaded here, on first use)."""
     if variant == "source":
-        return Handoff(load("source"))  # the source alone: its own cache, its own predictions
-    if variant == "zero":
-        return Handoff(load("target"), mode="zero")
-    tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))  # the contract compares them
-    if variant == "direct":
-        return Handoff(load("target"), load("source"), "direct", tokenizers=tokenizers)
+        return Handoff(pair.source)  # the source alone: its own cache, its own predictions
+    if variant in BASELINES:
+        return pair.handoff(variant)
     if variant not in params.mapped:
         raise ValueError(f"unknown variant {variant!r}: not a baseline and not in evaluate.mapped")
-    mapper = load_mapper(params.mapped[variant], device=device)
-    mode = "shuffled" if variant == "shuffled" else "mapped"
-    return Handoff(load("target"), load("source"), mode, mapper, shuffle_seed=params.shuffle_seed,
-                   tokenizers=tokenizers)
+    return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed)
 
 
-def run(variant: str, params: EvaluateParams, models: ModelsParams, world: World = SINGLE) -> dict:
-    """Evaluate `variant`; under several processes every rank scores its share of the prompts and task items
-    and rank 0 writes (the others return {})."""
+def run(variant: str, params: EvaluateParams, models: ModelsParams, ranks: Ranks = ONE_PROCESS) -> dict | None:
+    """Evaluate `variant`; under several processes every rank scores its share of the prompts and task items,
+    and rank 0 writes eval/<variant>/ and returns the metrics (the others {}). None when the pair's contract
+    leaves the variant undefined: its reason is written instead, on rank 0."""
     require_controls_passed()
-    reason = skip_reason(variant)
+    pair = Pair.load(models, ranks.device(models.torch_device))
+    # undefined by the pair's architecture contract (e.g. `direct` between unequal KV geometries), from the configs
+    # and tokenizers alone
+    reason = pair.contract.reason(variant_mode(variant))
     if reason:  # recorded, and shown in the report, instead of failing the run
-        metrics = {"skipped": reason}
-        if world.main:
-            with atomic_dir(Path("eval") / variant) as staging:
+        if ranks.main:
+            with atomic_dir(paths.EVAL / variant) as staging:
                 (staging / SKIPPED).write_text(reason + "\n")
-            write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
-        return metrics
+            write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
+        return None
     torch.set_num_threads(params.threads)
-    device = world.device(models.torch_device)
-    usage = StageUsage(device)
-    handoff = build_handoff(variant, params, models, device)
+    handoff = build_handoff(variant, params, pair)
     prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
-        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size, world=world)
-        if world.main:
+        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks)
+        if ranks.main:
             save_artifact(ORACLE_OUTPUTS, oracle,
                           {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     else:
         oracle, meta = load_artifact(ORACLE_OUTPUTS)
         if meta["prompts"] != len(prompts):
-            raise RuntimeError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
-                               f"data/eval.parquet {len(prompts)}: rerun evaluate@oracle")
-    rows = variant_rows(handoff, prompts, oracle, params.batch_size, world=world)
-    lm = KVTransferLM.from_handoff(handoff, load_tokenizer("models/target"), batch_size=params.batch_size,
-                                   world=world)
-    files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
-    if not world.main:  # lm-eval gathers this rank's samples and metrics on rank 0
+            raise ArtifactError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
+                                f"data/eval.parquet {len(prompts)}: the oracle outputs do not match the prompts; "
+                                f"rerun evaluate@oracle")
+    rows = variant_rows(handoff, prompts, oracle, params.batch_size, ranks=ranks)
+    lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size, ranks=ranks)
+    files = pair.eval_tasks
+    if not ranks.main:  # lm-eval gathers this rank's samples and metrics on rank 0
         evaluate_tasks(lm, files)
-        world.gather(usage.figures())
         return {}
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in summarize(rows).items()}
-    with atomic_dir(Path("eval") / variant) as staging:
+    with atomic_dir(paths.EVAL / variant) as staging:
         tasks, items = evaluate_tasks(lm, files, raw_to=staging / "lm_eval")
         rows.to_parquet(staging / "prompts.parquet", index=False)
         items.to_parquet(staging / "items.parquet", index=False)
@@ -155,8 +134,6 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams, world: World
         for key, value in by_kind(items, metric).items():
             if "/" in key:
                 metrics[f"{key.replace('/', '_')}_{metric}"] = round(value, 6)
-    metrics.update(usage_of_ranks(world.gather(usage.figures())))
-    write_json_atomic(Path("metrics/eval") / f"{variant}.json", metrics)
     return metrics
 
 
@@ -166,13 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     variant = cli.parse_args(argv).variant
     params, models = load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models")
-    if relaunch(params.processes, "pipeline.evaluate", argv):
-        return
-    world = join(models.torch_device)
-    metrics = run(variant, params, models, world)
-    if world.main:
-        print(json.dumps(metrics, indent=2))
-    leave(world)
+    with stage_ranks(models.torch_device, params.processes, "pipeline.evaluate", argv) as stage:
+        if stage is None:  # its torchrun processes did the work
+            return
+        metrics = run(variant, params, models, stage.ranks)
+        if metrics is not None:  # None: a variant the pair's contract leaves undefined, its reason recorded
+            stage.write_metrics(paths.variant_metrics(variant), metrics)
 
 
 if __name__ == "__main__":

@@ -21,37 +21,38 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 import pandas as pd
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage, parse_dtype, usage_of_ranks
+from pipeline.store.devices import parse_dtype
 from pipeline.store.models import ModelsParams, load_config, load_model
-from pipeline.store.params import ParamError, load_section, spec
-from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
+from pipeline.store.params import Dtype, ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
+from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 MODELS = ("source", "target")
 
 
-@dataclass
-class ExtractParams:
-    dtype: Literal["float32", "bfloat16", "float16"]  # storage dtype of the cached keys and values
-    shard_sequences: int = spec(min=1)  # sequences per shard: memory is bounded by about three shards
-    batch_sequences: int = spec(min=1)  # sequences of one length run through the model in one forward
-    splits: list[str] = spec(nonempty=True)
-    threads: int = spec(min=1)
-    repeats: int = spec(min=1)  # timed extractions, each beside both floors; medians reported
-    processes: int = spec(min=1)  # torchrun processes (store.ranks); the caches do not depend on it
+class ExtractParams(Params):
+    dtype: Dtype  # storage dtype of the cached keys and values
+    shard_sequences: Positive  # sequences per shard: memory is bounded by about three shards
+    batch_sequences: Positive  # sequences of one length run through the model in one forward
+    splits: Annotated[list[str], Field(min_length=1)]
+    threads: Threads
+    repeats: Positive  # timed extractions, each beside both floors; medians reported
+    processes: Processes  # the caches do not depend on it
+    target_ratio: PositiveFloat  # the extraction time aimed at, in multiples of the slower floor (reported beside)
 
 
 def read_sequences(path: Path) -> pd.DataFrame:
@@ -131,22 +132,22 @@ def shard_runs(count: int, shard_sequences: int) -> list[range]:
     return [range(start, min(start + shard_sequences, count)) for start in range(0, count, shard_sequences)]
 
 
-def rank_shards(count: int, shard_sequences: int, world: World) -> list[tuple[int, range]]:
+def rank_shards(count: int, shard_sequences: int, ranks: Ranks) -> list[tuple[int, range]]:
     """This rank's shards of a split of `count` sequences (every one in one process; r, r+N, ... under N), each
     as (its global number, its sequences)."""
     runs = shard_runs(count, shard_sequences)
-    return [(index, runs[index]) for index in world.share(len(runs))]
+    return [(index, runs[index]) for index in ranks.share(len(runs))]
 
 
 def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], out_dir: Path, base: dict,
-                   params: ExtractParams, bar, world: World = SINGLE) -> dict:
+                   params: ExtractParams, bar, ranks: Ranks = ONE_PROCESS) -> dict:
     """Write this rank's shards of every split under `out_dir` (all of them in one process; shards r, r+N, ...
     under N) and return their records per split. Batches never cross a shard, so a shard's bytes do not depend
     on how many processes wrote the split."""
     writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
     for split, frame in frames.items():
         lengths = [len(ids) for ids in frame.token_ids]
-        for index, members in rank_shards(len(lengths), params.shard_sequences, world):
+        for index, members in rank_shards(len(lengths), params.shard_sequences, ranks):
             writer.begin(split, [lengths[i] for i in members], first_shard=index)
             for run in batches([lengths[i] for i in members], params.batch_sequences):
                 run = [members[i] for i in run]
@@ -168,7 +169,7 @@ def manifest_splits(frames: dict[str, pd.DataFrame], records: list[dict]) -> dic
 
 
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
-        model_dtype: str = "float32", device: str | None = None, world: World = SINGLE,
+        model_dtype: str = "float32", device: str | None = None, ranks: Ranks = ONE_PROCESS,
         device_map: str | None = None, keep_rope: bool = False) -> dict:
     """Extract, timing it beside both floors (with `keep_rope`, keys as cached, RoPE not stripped: the length
     study's ablation); with `repeats` > 1 the three are measured in turn, repeat by repeat
@@ -183,52 +184,52 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
     # the contract, from the config: a model whose cache cannot be stripped is refused before it is loaded
     pair_contract(load_config(str(model_dir)), max_tokens=max(len(ids) for ids in all_ids)).require("oracle")
-    model = load_model(str(model_dir), dtype=model_dtype, device=world.device(device) if device else None,
+    model = load_model(str(model_dir), dtype=model_dtype, device=ranks.device(device) if device else None,
                        device_map=device_map)
     spec = RotarySpec.from_model(model)
     rotation = Rotation(spec, torch.arange(max(len(ids) for ids in all_ids), device=model.device))
     base = {"model": name, "model_path": str(model_dir), "geometry": kv_geometry(model.config),
             "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,
             "keys": KEY_SPACES["rotated" if keep_rope else "content"]}
-    if world.main:
+    if ranks.main:
         for split in frames:
             for stale in (out_dir / split).glob("shard-*.safetensors"):
                 stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
-    world.barrier()
+    ranks.barrier()
     mine = [frame.token_ids[i] for frame in frames.values()
-            for _, members in rank_shards(len(frame), params.shard_sequences, world) for i in members]
+            for _, members in rank_shards(len(frame), params.shard_sequences, ranks) for i in members]
 
     forward_floor(model, all_ids[:1], 1)  # warm-up, so neither timing below pays first-call costs
     times = {"forward": [], "extract": [], "write": []}
-    bar = tqdm(total=len(mine) * params.repeats, desc=f"extract {name}", unit="seq", disable=not world.main)
+    bar = tqdm(total=len(mine) * params.repeats, desc=f"extract {name}", unit="seq", disable=not ranks.main)
     for repeat in range(params.repeats):
         if repeat % 2 == 0:  # alternate which of the two runs first, so neither always follows the other
             times["forward"].append(forward_floor(model, mine, params.batch_sequences))
         start = time.perf_counter()
-        records = extract_splits(model, rotation, frames, out_dir, base, params, bar, world)
+        records = extract_splits(model, rotation, frames, out_dir, base, params, bar, ranks)
         times["extract"].append(time.perf_counter() - start)
         if repeat % 2 == 1:
             times["forward"].append(forward_floor(model, mine, params.batch_sequences))
         sizes = [r["bytes"] for split in records.values() for r in split]
-        times["write"].append(write_floor(out_dir, sizes, world.rank))
+        times["write"].append(write_floor(out_dir, sizes, ranks.rank))
     bar.close()
     median = {kind: statistics.median(values) for kind, values in times.items()}
-    ranks = world.gather({"records": records, "median": median, "bytes": sum(sizes)})
-    if not world.main:
+    per_rank = ranks.gather({"records": records, "median": median, "bytes": sum(sizes)})
+    if not ranks.main:
         return {}
-    write_json_atomic(out_dir / MANIFEST, dict(base, splits=manifest_splits(frames, [r["records"] for r in ranks])))
-    slowest = {kind: max(r["median"][kind] for r in ranks) for kind in median}
+    write_json_atomic(out_dir / MANIFEST, dict(base, splits=manifest_splits(frames, [r["records"] for r in per_rank])))
+    slowest = {kind: max(r["median"][kind] for r in per_rank) for kind in median}
     return {
         "sequences": len(all_ids),
         "tokens": sum(len(ids) for ids in all_ids),
-        "bytes_written": sum(r["bytes"] for r in ranks),
+        "bytes_written": sum(r["bytes"] for r in per_rank),
         "repeats": params.repeats,
-        "processes": world.size,
+        "processes": ranks.size,
         "extract_s": round(slowest["extract"], 4),
         "forward_floor_s": round(slowest["forward"], 4),
         "write_floor_s": round(slowest["write"], 4),
         "ratio_to_floor": round(slowest["extract"] / max(slowest["forward"], slowest["write"]), 4),
-        "target_ratio": 1.3,
+        "target_ratio": params.target_ratio,
     }
 
 
@@ -247,21 +248,16 @@ def main(argv: list[str] | None = None) -> None:
         raise ParamError("extract --keep-rope: writes the ablation's caches, which must not replace caches/<model>; "
                          "give --out")
     if args.out:
-        params = replace(params, repeats=1)
-    if relaunch(params.processes, "pipeline.extract", argv):
-        return
+        params = params.model_copy(update={"repeats": 1})
     models = load_section(ModelsParams, "models")
-    world = join(models.torch_device)
-    usage = StageUsage(world.device(models.torch_device))
-    out = args.out or Path("caches") / name
-    metrics = run(Path("models") / name, name, args.data or Path("data"), out, params, models.dtype,
-                  models.torch_device, world, models.device_map, args.keep_rope)
-    figures = world.gather(usage.figures())
-    if world.main:
-        metrics.update(usage_of_ranks(figures))
-        write_json_atomic(out.with_suffix(".json") if args.out else Path("metrics") / f"extract_{name}.json", metrics)
-        print(metrics)
-    leave(world)
+    out = args.out or paths.CACHES / name
+    with stage_ranks(models.torch_device, params.processes, "pipeline.extract", argv) as stage:
+        if stage is None:  # its torchrun processes did the work
+            return
+        metrics = run(paths.model(name), name, args.data or paths.DATA, out, params, models.dtype,
+                      models.torch_device, stage.ranks, models.device_map, args.keep_rope)
+        stage.write_metrics(out.with_suffix(".json") if args.out else paths.METRICS / f"extract_{name}.json",
+                            metrics)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ import csv
 import os
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pandas as pd
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.fitting.families import (
@@ -43,48 +43,51 @@ from pipeline.fitting.families import (
 )
 from pipeline.fitting.mlpfit import MlpSettings
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
-from pipeline.kv.contract import pair_contract
+from pipeline.kv.contract import pair_contract, run_length
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
-from pipeline.store.artifacts import atomic_path, write_json_atomic
+from pipeline.store import paths
+from pipeline.store.artifacts import ArtifactError, atomic_path
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_config, load_model
-from pipeline.store.params import ParamError, load_section, spec
-from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
+from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
+from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 
-@dataclass
-class MlpParams:
-    ks: list[int] = spec(min=1)  # chosen source layers read by the MLP (one candidate per k); [] for none
-    hidden: int = spec(min=1)
-    lr: float = spec(positive=True)
-    batch_rows: int = spec(min=1)
-    max_epochs: int = spec(min=1)
-    patience: int = spec(min=1)  # epochs without a better held-out loss before stopping
+class MlpParams(Params):
+    ks: list[Positive]  # chosen source layers read by the MLP (one candidate per k); [] for none
+    hidden: Positive
+    lr: PositiveFloat
+    batch_rows: Positive
+    max_epochs: Positive
+    patience: Positive  # epochs without a better held-out loss before stopping
 
 
-@dataclass
-class FitParams:
+class FitParams(Params):
     mlp: MlpParams
-    ks: list[int] = spec(min=1, nonempty=True)
-    lambdas: list[float] = spec(min=0, nonempty=True)
+    ks: Annotated[list[Positive], Field(min_length=1)]
+    lambdas: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1)]
     lambda_scale: Literal["absolute", "relative"]  # relative: lambda times the mean centered Gram diagonal
     families: list[Literal["linear", "head_matched"]]
-    probe_lambda: float = spec(min=0)
-    probe_holdout: float = spec(positive=True, max=0.5)  # share of fit sequences held out of the probes
-    accumulator_gib: float = spec(positive=True)  # float64 moments held at once; more passes if smaller
-    probe_rows_gib: float = spec(min=0)  # source rows kept across probe passes (stored dtype); else re-read
+    probe_lambda: Annotated[float, Field(ge=0)]
+    probe_holdout: Annotated[float, Field(gt=0, le=0.5)]  # share of fit sequences held out of the probes
+    accumulator_gib: PositiveFloat  # float64 moments held at once; more passes if smaller
+    probe_rows_gib: Annotated[float, Field(ge=0)]  # source rows kept across probe passes (stored dtype); else re-read
     seed: int
-    threads: int = spec(min=1)
-    timing_repeats: int = spec(min=1)
-    processes: int = spec(min=1)  # torchrun processes, each fitting every N-th target layer; mappers do not change
+    threads: Threads
+    timing_repeats: Positive
+    processes: Processes  # each fitting every N-th target layer; mappers do not change
+
+    def candidates(self) -> list[str]:
+        """The names of every map this grid fits (fit's files models/mappers/<name>.safetensors), before the
+        pair's contract skips a family."""
+        return [c.name for c in ridge_candidates(self.families, self.ks, self.lambdas) + mlp_candidates(self.mlp.ks)]
 
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
-        only: list[str] | None = None, world: World = SINGLE) -> dict:
+        only: list[str] | None = None, ranks: Ranks = ONE_PROCESS) -> dict:
     """Fit every candidate of params (or, with `only`, those so named, each byte-identical to its file from
     the full fit on the same caches); `skipped` maps the families the pair's contract leaves undefined to why.
     Moments, solves and the MLP run on `device` (float64 and float32), the mappers are timed there against the
@@ -94,16 +97,10 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     torch.set_num_threads(params.threads)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
-    source_manifest, target_manifest = read_manifest(source_root), read_manifest(target_root)
-    if source_manifest["keys"] != target_manifest["keys"]:
-        raise ValueError(f"fit: {source_root} holds {source_manifest['keys']} keys, {target_root} "
-                         f"{target_manifest['keys']}; extract both the same way")
+    source_manifest, target_manifest = manifests(source_root, target_root, params)
     rotated = source_manifest["keys"].startswith("rotated")
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
     geometry = Geometry(geo_s["kv_heads"], geo_s["head_dim"], geo_t["kv_heads"], geo_t["head_dim"])
-    for k in params.ks + params.mlp.ks:
-        if k > geo_s["layers"]:
-            raise ValueError(f"fit: k={k} exceeds the source's {geo_s['layers']} layers; lower fit.ks / fit.mlp.ks")
     families = [family for family in params.families if family not in skipped]
 
     fit_pairs = paired_split(source_root, target_root, "fit")
@@ -111,7 +108,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     held = holdout_sequences(fit_pairs, params.probe_holdout, params.seed)
     scores = probe_r2(fit_pairs, held, geo_s["layers"], geo_t["layers"], geometry.heads_s * geometry.dim_s,
                       geometry.heads_t * geometry.dim_t, params.probe_lambda, params.accumulator_gib * 2**30, device,
-                      world, params.probe_rows_gib * 2**30)
+                      ranks, params.probe_rows_gib * 2**30)
     # what the probes read from the source's fit split, in units of the split's size (keys and values)
     probe_reads = (sum(s.bytes_read for s, _ in fit_pairs)
                    / max(1, stored_bytes(fit_pairs, geo_s["layers"], geometry.heads_s * geometry.dim_s)))
@@ -119,20 +116,12 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
 
     ridge = ridge_candidates(families, params.ks, params.lambdas)
     depth = max((c.k for c in ridge), default=0)
-    mlp_ks = params.mlp.ks
-    if only is not None:
-        known = [c.name for c in ridge + mlp_candidates(mlp_ks)]
-        for name in only:
-            if name not in known:
-                raise ParamError(f"fit --only {name}: not a candidate of the fit params (candidates: "
-                                 f"{', '.join(known)})")
-        ridge = [c for c in ridge if c.name in only]
-        mlp_ks = [k for k in mlp_ks if f"mlp_k{k}" in only]
+    ridge, mlp_ks = narrowed(ridge, params.mlp.ks, only)
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
-    parts, table, mlp_facts = Parts(out_dir / ".parts", fresh=world.main), R2Table(), {}
-    world.barrier()  # the parts folder exists before any rank writes into it
-    for layer in tqdm(list(world.share(geo_t["layers"])), desc="fit layers", unit="layer", disable=not world.main):
+    parts, table, mlp_facts = Parts(out_dir / ".parts", fresh=ranks.main), R2Table(), {}
+    ranks.barrier()  # the parts folder exists before any rank writes into it
+    for layer in tqdm(list(ranks.share(geo_t["layers"])), desc="fit layers", unit="layer", disable=not ranks.main):
         if ridge:
             fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
                             device, params.lambda_scale)
@@ -140,26 +129,76 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
             mlp_facts[(k, layer)] = fit_mlp_layer(layer, orders[layer], k, fit_pairs, select_pairs, held, mlp,
                                                   geometry.heads_t, parts, table, device)
 
-    ranks = world.gather((table, mlp_facts))
-    if not world.main:
+    per_rank = ranks.gather((table, mlp_facts))
+    if not ranks.main:
         return {}
-    table = R2Table.merged([rank_table for rank_table, _ in ranks])
-    mlp_facts = {key: facts for _, rank_facts in ranks for key, facts in rank_facts.items()}
-    heldout = table.heldout
-    if only is None:  # what the mappers are timed on
+    table = R2Table.merged([rank_table for rank_table, _ in per_rank])
+    mlp_facts = {key: facts for _, rank_facts in per_rank for key, facts in rank_facts.items()}
+    timing = None
+    if only is None:  # what the mappers are timed on: the first select sequence, against the source's prefill
         source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
         token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
         first = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
         content = [tuple(t.to(device) for t in layer) for layer in first]
-        prefill_s = prefill_seconds(source_model, token_ids, params.timing_repeats)
+        timing = (content, len(token_ids), prefill_seconds(source_model, token_ids, params.timing_repeats), device)
     fit_tokens = sum(s.tokens for s, _ in fit_pairs)
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
                "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
                "probe_source_reads": round(probe_reads, 3),
                **{f"skipped/{family}": reason for family, reason in skipped.items()}}
+    if timing is not None:
+        metrics["source_prefill_s"] = round(timing[2], 6)  # what each time_vs_source_prefill divides by
+    metrics.update(write_mappers(ridge + mlp_candidates(mlp_ks), orders, parts, table.heldout, mlp_facts,
+                                 (source_manifest, target_manifest), params, rotated, fit_tokens, out_dir, timing))
+    parts.remove()
+    metrics.update(chosen_lambdas(table, ridge, params.lambda_scale))
+
+    _write_csv(metrics_dir / "fit_layers.csv", table.rows)
+    # the header alone when no linear candidate is fitted, so the declared output always exists
+    _write_csv(metrics_dir / "fit_lambda_scale.csv", table.scale_rows, R2Table.SCALE_FIELDS)
+    _write_csv(metrics_dir / "fit_probe.csv", [
+        {"target_layer": tl, "source_layer": sl, "r2_keys_heldout": round(scores["keys"][tl, sl].item(), 6),
+         "r2_values_heldout": round(scores["values"][tl, sl].item(), 6)}
+        for tl in range(geo_t["layers"]) for sl in range(geo_s["layers"])])
+    return metrics
+
+
+def manifests(source_root: Path, target_root: Path, params: FitParams) -> tuple[dict, dict]:
+    """Both caches' manifests, refused when they were extracted differently or the source has fewer layers than
+    a k of the fit params."""
+    source_manifest, target_manifest = read_manifest(source_root), read_manifest(target_root)
+    if source_manifest["keys"] != target_manifest["keys"]:
+        raise ArtifactError(f"fit: {source_root} holds {source_manifest['keys']} keys, {target_root} "
+                            f"{target_manifest['keys']}; extract both the same way")
+    layers = source_manifest["geometry"]["layers"]
+    for k in params.ks + params.mlp.ks:
+        if k > layers:
+            raise ParamError(f"fit.ks: k={k} exceeds the source's {layers} layers; lower fit.ks / fit.mlp.ks")
+    return source_manifest, target_manifest
+
+
+def narrowed(ridge: list[Candidate], mlp_ks: list[int], only: list[str] | None) -> tuple[list[Candidate], list[int]]:
+    """The ridge candidates and MLP k's named by `fit --only` (all of them without it); a name the fit params do
+    not make is refused."""
     if only is None:
-        metrics["source_prefill_s"] = round(prefill_s, 6)  # what each time_vs_source_prefill divides by
-    for name, family, k, lam in tqdm(ridge + mlp_candidates(mlp_ks), desc="write mappers", unit="mapper"):
+        return ridge, mlp_ks
+    known = [c.name for c in ridge + mlp_candidates(mlp_ks)]
+    for name in only:
+        if name not in known:
+            raise ParamError(f"fit --only {name}: not a candidate of the fit params (candidates: {', '.join(known)})")
+    return [c for c in ridge if c.name in only], [k for k in mlp_ks if f"mlp_k{k}" in only]
+
+
+def write_mappers(candidates: list[Candidate], orders: list[list[int]], parts: Parts, heldout: dict, mlp_facts: dict,
+                  manifests: tuple[dict, dict], params: FitParams, rotated: bool, fit_tokens: int, out_dir: Path,
+                  timing: tuple | None) -> dict:
+    """Each candidate's mapper file, from its per-layer parts, and its figures (`maps/<name>/...`); `timing`
+    (the first select sequence's content-space cache, its tokens, the source's prefill seconds, the device)
+    times each against the source's prefill, None for a narrow refit (about the file's bytes, not its speed)."""
+    source_manifest, target_manifest = manifests
+    geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
+    metrics = {}
+    for name, family, k, lam in tqdm(candidates, desc="write mappers", unit="mapper"):
         extra = {"probe_lambda": params.probe_lambda, "lambda_scale": params.lambda_scale, "fit_tokens": fit_tokens,
                  "seed": params.seed}
         if rotated:  # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
@@ -173,24 +212,16 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                         keys=parts.take(name, geo_t["layers"], "keys"),
                         values=parts.take(name, geo_t["layers"], "values"), extra=extra)
         save_mapper(mapper, out_dir / f"{name}.safetensors")
-        metrics[f"{name}/r2_keys_select"] = round(statistics.mean(heldout[(name, "keys")]), 6)
-        metrics[f"{name}/r2_values_select"] = round(statistics.mean(heldout[(name, "values")]), 6)
-        metrics[f"{name}/params"] = mapper.parameter_count()
-        metrics[f"{name}/macs_per_token"] = mapper.macs_per_token()
-        if only is None:  # a narrow refit is about the file's bytes, not its speed
-            metrics[f"{name}/time_vs_source_prefill"] = round(
-                time_against_prefill(mapper.to(device), content, len(token_ids), prefill_s, params.timing_repeats), 4)
+        metrics[f"maps/{name}/r2_keys_select"] = round(statistics.mean(heldout[(name, "keys")]), 6)
+        metrics[f"maps/{name}/r2_values_select"] = round(statistics.mean(heldout[(name, "values")]), 6)
+        metrics[f"maps/{name}/family"], metrics[f"maps/{name}/k"] = family, k
+        metrics[f"maps/{name}/params"] = mapper.parameter_count()
+        metrics[f"maps/{name}/macs_per_token"] = mapper.macs_per_token()
+        if timing is not None:
+            content, tokens, prefill_s, device = timing
+            metrics[f"maps/{name}/time_vs_source_prefill"] = round(
+                time_against_prefill(mapper.to(device), content, tokens, prefill_s, params.timing_repeats), 4)
         del mapper
-    parts.remove()
-    metrics.update(chosen_lambdas(table, ridge, params.lambda_scale))
-
-    _write_csv(metrics_dir / "fit_layers.csv", table.rows)
-    # the header alone when no linear candidate is fitted, so the declared output always exists
-    _write_csv(metrics_dir / "fit_lambda_scale.csv", table.scale_rows, R2Table.SCALE_FIELDS)
-    _write_csv(metrics_dir / "fit_probe.csv", [
-        {"target_layer": tl, "source_layer": sl, "r2_keys_heldout": round(scores["keys"][tl, sl].item(), 6),
-         "r2_values_heldout": round(scores["values"][tl, sl].item(), 6)}
-        for tl in range(geo_t["layers"]) for sl in range(geo_s["layers"])])
     return metrics
 
 
@@ -234,25 +265,19 @@ def main(argv: list[str] | None = None) -> None:
                           "refit, the calibration curve's fits")
     argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
-    params = load_section(FitParams, "fit")
-    if relaunch(params.processes, "pipeline.fit", argv):
-        return
-    contract = pair_contract(load_config("models/target"), load_config("models/source"))
-    skipped = {family: contract.families[family] for family in params.families if not contract.family_defined(family)}
-    out, metrics_dir = (args.out, args.out) if args.out else (Path("models/mappers"), Path("metrics"))
-    models = load_section(ModelsParams, "models")
-    world = join(models.torch_device)
-    device = world.device(models.torch_device)
-    usage = StageUsage(device)
-    caches = args.caches or Path("caches")
-    metrics = run(caches / "source", caches / "target", Path("models/source"), Path("data/select.parquet"),
-                  out, metrics_dir, params, skipped, device, models.dtype, args.only, world)
-    figures = world.gather(usage.figures())
-    if world.main:
-        metrics.update(usage_of_ranks(figures))
-        write_json_atomic(metrics_dir / "fit.json", metrics)
-        print({k: v for k, v in metrics.items() if "/" not in k})
-    leave(world)
+    params, models = load_section(FitParams, "fit"), load_section(ModelsParams, "models")
+    out, metrics_dir = (args.out, args.out) if args.out else (paths.MAPPERS, paths.METRICS)
+    caches = args.caches or paths.CACHES
+    with stage_ranks(models.torch_device, params.processes, "pipeline.fit", argv) as stage:
+        if stage is None:  # its torchrun processes did the work
+            return
+        contract = pair_contract(load_config(paths.model("target")), load_config(paths.model("source")),
+                                 max_tokens=run_length())
+        skipped = {family: contract.families[family] for family in params.families
+                   if not contract.family_defined(family)}
+        metrics = run(caches / "source", caches / "target", paths.model("source"), paths.split("select"),
+                      out, metrics_dir, params, skipped, stage.device, models.dtype, args.only, stage.ranks)
+        stage.write_metrics(metrics_dir / "fit.json", metrics)
 
 
 if __name__ == "__main__":

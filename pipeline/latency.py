@@ -11,47 +11,47 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
 from pipeline.measure.latency import (
     check_lengths,
-    flat_metrics,
     format_table,
+    length_metrics,
     random_pair_handoff,
     run,
     write_plot,
     write_table,
 )
+from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.models import load_model
-from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.params import Count, Dtype, ParamError, Params, Positive, Threads, load_section
 from pipeline.store.shapes import PAIRS
 
-METRICS = Path("metrics/latency.json")
-TABLE = Path("plots/latency.csv")
-PLOT = Path("plots/latency.png")
+METRICS, TABLE, PLOT = paths.LATENCY, paths.PLOTS / "latency.csv", paths.PLOTS / "latency.png"
 
 
-@dataclass
-class LatencyParams:
-    lengths: list[int] = spec(min=2)  # prompt lengths n; the handoff needs n >= 2
-    warmup: int = spec(min=0)  # untimed runs of both paths per length
-    repeats: int = spec(min=1)  # timed runs of both paths per length
-    threads: int = spec(min=0)  # torch CPU threads; 0 keeps torch's default
-    dtype: Literal["float32", "bfloat16", "float16"]
+class LatencyParams(Params):
+    lengths: list[Annotated[int, Field(ge=2)]]  # prompt lengths n; the handoff needs n >= 2
+    warmup: Count  # untimed runs of both paths per length
+    repeats: Positive  # timed runs of both paths per length
+    threads: Threads
+    dtype: Dtype
     device: Literal["auto", "cpu", "cuda"]
-    mapper: str  # the mapper file timed (a stage output: models/best/... or models/mapper.safetensors)
+    mapper: str  # the mapper file timed: a stage's output (check_params), models/best/... or models/mapper.safetensors
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _lengths(self) -> LatencyParams:
         check_lengths(self.lengths, "latency.lengths")
+        return self
 
 
 def _set_threads(threads: int) -> None:
@@ -62,11 +62,11 @@ def _set_threads(threads: int) -> None:
 def stage(params: LatencyParams) -> dict:
     _set_threads(params.threads)
     device = default_device() if params.device == "auto" else params.device
-    target = load_model("models/target", dtype=params.dtype, device=device)
-    source = load_model("models/source", dtype=params.dtype, device=device)
+    target = load_model(paths.model("target"), dtype=params.dtype, device=device)
+    source = load_model(paths.model("source"), dtype=params.dtype, device=device)
     handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
     rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
-    metrics = flat_metrics(rows, env)
+    metrics = length_metrics(rows, env)
     write_json_atomic(METRICS, metrics)
     write_table(rows, TABLE)
     write_plot(rows, env, PLOT)
@@ -78,7 +78,7 @@ def shapes_benchmark(args: argparse.Namespace) -> dict:
     _set_threads(args.threads)
     handoff = random_pair_handoff(args.config_shapes, args.dtype, args.device, args.k, args.family)
     rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
-    metrics = {**flat_metrics(rows, env), "pair": args.config_shapes}
+    metrics = {**length_metrics(rows, env), "pair": args.config_shapes}
     print(format_table(rows, env))
     if args.out:
         write_json_atomic(args.out, metrics)

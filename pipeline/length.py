@@ -20,50 +20,48 @@ eval/length/<stripped|rotated>_tasks.parquet (per task item) and metrics/length.
 """
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import pandas as pd
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.measure.taskeval import evaluate_tasks
-from pipeline.store.artifacts import atomic_dir, require_controls_passed, write_json_atomic
-from pipeline.store.cli import entry, no_arguments
-from pipeline.store.devices import StageUsage
-from pipeline.store.models import ModelsParams, load_model, load_tokenizer
-from pipeline.store.params import ParamError, load_section, spec
-from pipeline.store.splits import TASKS
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir, require_controls_passed
+from pipeline.store.cli import entry, no_arguments, run_stage
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import ParamError, Params, Positive, Threads, load_section
+from pipeline.store.ranks import stage_ranks
 
 KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
 CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
 
 
-@dataclass
-class LengthParams:
-    fit_tokens: int = spec(min=2)  # the maps see each fit / select sequence's first fit_tokens tokens
-    prompt_lengths: list[int] = spec(min=2, nonempty=True)  # prompt tokens evaluated (e.g. 1x, 2x, 4x fit_tokens)
-    continuation: int = spec(positive=True)  # tokens scored after each prompt
-    candidate: str  # a candidate of the fit grid (fit's name), refitted both ways
-    top_k: int = spec(positive=True)
-    horizon: int = spec(positive=True)
-    batch_size: int = spec(positive=True)
-    threads: int = spec(positive=True)
+class LengthParams(Params):
+    fit_tokens: Annotated[int, Field(ge=2)]  # the maps see each fit / select sequence's first fit_tokens tokens
+    # prompt tokens evaluated (e.g. 1x, 2x, 4x fit_tokens)
+    prompt_lengths: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
+    continuation: Positive  # tokens scored after each prompt
+    candidate: str  # a candidate of the fit grid (fit's name; check_params refuses another), refitted both ways
+    top_k: Positive
+    horizon: Positive
+    batch_size: Positive
+    threads: Threads
 
 
 def scratch_data(fit_tokens: int, folder: Path) -> None:
     """The fit and select splits with every sequence cut to its first `fit_tokens` tokens."""
     folder.mkdir(parents=True)
     for split in ("fit", "select"):
-        frame = pd.read_parquet(f"data/{split}.parquet")
+        frame = pd.read_parquet(paths.split(split))
         frame["token_ids"] = [list(ids)[:fit_tokens] for ids in frame.token_ids]
         frame.to_parquet(folder / f"{split}.parquet", index=False)
 
@@ -71,7 +69,7 @@ def scratch_data(fit_tokens: int, folder: Path) -> None:
 def long_sequences(params: LengthParams) -> list[list[int]]:
     """Eval sequences long enough for the longest prompt and its continuation."""
     needed = max(params.prompt_lengths) + params.continuation
-    found = [list(ids) for ids in pd.read_parquet("data/eval.parquet").token_ids if len(ids) >= needed]
+    found = [list(ids) for ids in pd.read_parquet(paths.EVAL_PROMPTS).token_ids if len(ids) >= needed]
     if len(found) < 2:
         raise ParamError(f"length.prompt_lengths: only {len(found)} eval sequences hold {needed} tokens (the longest "
                          f"prompt and its continuation); shorten the prompts or the continuation")
@@ -82,60 +80,53 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
     require_controls_passed()
     torch.set_num_threads(params.threads)
     sequences = long_sequences(params)
-    usage = StageUsage(models.torch_device)
     metrics: dict[str, float | int | str] = {"fit_tokens": params.fit_tokens, "candidate": params.candidate,
                                              "prompts": len(sequences)}
-    with atomic_dir(Path("eval/length")) as staging:
+    with atomic_dir(paths.LENGTH_ROWS) as staging:
         work = staging / ".work"
         scratch_data(params.fit_tokens, work / "data")
         for space, flag in KEY_SPACES.items():  # the other stages' own commands (a failure stops this one)
             for model in ("source", "target"):
-                subprocess.run([sys.executable, "-m", "pipeline.extract", model, "--data", str(work / "data"),
-                                "--out", str(work / space / model), *flag], check=True, stdout=subprocess.DEVNULL)
-            subprocess.run([sys.executable, "-m", "pipeline.fit", "--caches", str(work / space), "--out",
-                            str(work / space / "maps"), "--only", params.candidate], check=True,
-                           stdout=subprocess.DEVNULL)
-        device = models.torch_device
-        load = lambda name: load_model(f"models/{name}", dtype=models.dtype, device=device,  # noqa: E731
-                                        device_map=models.device_map)
-        target, source = load("target"), load("source")
-        tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
-        maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=device)
+                run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / space / model),
+                          *flag)
+            run_stage("pipeline.fit", "--caches", str(work / space), "--out", str(work / space / "maps"), "--only",
+                      params.candidate)
+        pair = Pair.load(models, models.torch_device)
+        maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=pair.device)
                 for space in KEY_SPACES}
-        oracle = Handoff(target)
+        oracle = pair.handoff("oracle")
         for length in tqdm(params.prompt_lengths, desc="lengths", unit="length"):
             prompts = [(ids[:length], ids[length : length + params.continuation]) for ids in sequences]
             stored = oracle_outputs(oracle, prompts, params.top_k, params.horizon, params.batch_size, progress=False)
             reference = summarize(variant_rows(oracle, prompts, stored, params.batch_size, progress=False))
-            metrics[f"oracle/L{length}/perplexity"] = round(reference["perplexity"], 6)
+            metrics[f"oracle/by_length/{length}/perplexity"] = round(reference["perplexity"], 6)
             for space, mapper in maps.items():
-                handoff = Handoff(target, source, "mapped", mapper, tokenizers=tokenizers)
+                handoff = pair.handoff("mapped", mapper)
                 rows = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
-                rows.to_parquet(staging / f"{space}_L{length}.parquet", index=False)
+                rows.to_parquet(paths.length_rows(space, length, staging), index=False)
                 summary = summarize(rows)
-                metrics[f"{space}/L{length}/ppl_ratio"] = round(summary["perplexity"] / reference["perplexity"], 6)
+                at = f"{space}/by_length/{length}"
+                metrics[f"{at}/ppl_ratio"] = round(summary["perplexity"] / reference["perplexity"], 6)
                 for key in ("perplexity", "next_token_top1", "agreement", "mean_kl"):
-                    metrics[f"{space}/L{length}/{key}"] = round(summary[key], 6)
-        files = {task: Path(f"data/{task}_eval.parquet") for task in TASKS}
-        tokens = {task: [len(tokenizers[1].encode(text, add_special_tokens=False))
-                         for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in files.items()}
+                    metrics[f"{at}/{key}"] = round(summary[key], 6)
+        tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
+                         for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, mapper in maps.items():
-            handoff = Handoff(target, source, "mapped", mapper, tokenizers=tokenizers)
-            tasks, items = evaluate_tasks(KVTransferLM.from_handoff(handoff, tokenizers[1], params.batch_size), files)
+            lm = KVTransferLM(pair.handoff("mapped", mapper), pair.target_tokenizer, params.batch_size)
+            tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
             items.to_parquet(staging / f"{space}_tasks.parquet", index=False)
             for task, result in tasks.items():
                 metrics[f"{space}/{task}_acc"] = round(result["acc"], 6)
         shutil.rmtree(work)
-    metrics.update(usage.figures())
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.length", __doc__, argv)
-    metrics = run(load_section(LengthParams, "length"), load_section(ModelsParams, "models"))
-    write_json_atomic("metrics/length.json", metrics)
-    print(json.dumps({k: v for k, v in metrics.items() if "/" not in k}, indent=2))
+    params, models = load_section(LengthParams, "length"), load_section(ModelsParams, "models")
+    with stage_ranks(models.torch_device) as stage:
+        stage.write_metrics(paths.LENGTH, run(params, models))
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, folder_digest, pin_hub_id
 from pipeline.store.params import load_section
 
-PINS = Path("models/pins.json")
+PINS = paths.PINS
 
 
 def pin(name_or_path: str, revision: str | None) -> dict:

@@ -24,45 +24,50 @@ import functools
 import json
 import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import datasets
 import pandas as pd
+from pydantic import model_validator
 
 from pipeline.measure.tasks import write_task_config
+from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelNotAvailableError, hub_reachable, load_tokenizer
-from pipeline.store.params import ParamError, load_section, spec
+from pipeline.store.params import ParamError, Params, Positive, load_section
 from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
 from pipeline.tiny.tokenizer import train_tokenizer
 from pipeline.tiny.world import WorldConfig, generate_world
 
 
-@dataclass
-class HubDataset:
+class HubDataset(Params):
     dataset: str | None  # hub id, used when `path` is null
     config: str | None
     split: str
     path: str | None  # a local .jsonl/.json/.parquet (or .txt / .raw for a corpus) instead of the hub
     labels_path: str | None  # PIQA's line-aligned labels file, when `path` has no label column
 
+    @model_validator(mode="after")
+    def _somewhere(self) -> HubDataset:
+        if not self.dataset and not self.path:
+            raise ValueError("give a hub `dataset` or a local `path`")
+        return self
 
-@dataclass
-class DataParams:
+
+class DataParams(Params):
     kind: Literal["generated", "hub"]
     seed: int
-    fit_sequences: int = spec(positive=True)
-    calibration_sequences: int = spec(positive=True)  # the calibration curve's pool: fit's draw continued
-    select_sequences: int = spec(positive=True)
-    eval_prompts: int = spec(positive=True)
-    sequence_length: int = spec(positive=True)  # tokens per fit/select sequence (at most)
-    prompt_length: int = spec(positive=True)  # eval prompts: tokens before the continuation
-    continuation_length: int = spec(positive=True)
-    dev_items: int = spec(positive=True)  # per task
-    eval_items: int | None = spec(positive=True)  # per task; null: every item of the split the dev part leaves
+    fit_sequences: Positive
+    calibration_sequences: Positive  # the calibration curve's pool: fit's draw continued
+    select_sequences: Positive
+    eval_prompts: Positive
+    sequence_length: Positive  # tokens per fit/select sequence (at most)
+    prompt_length: Positive  # eval prompts: tokens before the continuation
+    continuation_length: Positive
+    dev_items: Positive  # per task
+    eval_items: Positive | None  # per task; null: every item of the split the dev part leaves
     world: WorldConfig | None  # generated: the generator's settings; its counts come from the keys above
     tokenizer: str | None  # hub: the target's id or a local path
     tokenizer_revision: str | None
@@ -70,7 +75,8 @@ class DataParams:
     hellaswag: HubDataset | None
     piqa: HubDataset | None
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _consistent(self) -> DataParams:
         needed = ("world",) if self.kind == "generated" else ("tokenizer", "corpus", "hellaswag", "piqa")
         for name in needed:
             if getattr(self, name) is None:
@@ -81,6 +87,7 @@ class DataParams:
         if self.eval_items is None and self.kind == "generated":
             raise ParamError("data.eval_items: null (every item) needs real task data (data.kind: hub); "
                              "give the generated world a count")
+        return self
 
 
 # ---- generated (tiny world) ----
@@ -150,7 +157,7 @@ def _load_rows(source: HubDataset, what: str) -> list[dict]:
     if source.labels_path:
         labels = Path(source.labels_path).read_text().split()
         if len(labels) != len(rows):
-            raise ValueError(f"data.{what}.labels_path: {len(labels)} labels for {len(rows)} rows")
+            raise ParamError(f"data.{what}.labels_path: {len(labels)} labels for {len(rows)} rows")
         rows = [dict(row, label=int(label)) for row, label in zip(rows, labels)]
     return rows
 
@@ -291,7 +298,7 @@ def run(params: DataParams, out: Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.prepare_data", __doc__, argv)
-    counts = run(load_section(DataParams, "data"), Path("data"))
+    counts = run(load_section(DataParams, "data"), paths.DATA)
     print(json.dumps(counts, indent=2))
 
 

@@ -18,37 +18,37 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.kv.contract import pair_contract
+from pipeline.kv.contract import pair_contract, run_length
+from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, load_config, load_tokenizer
-from pipeline.store.params import load_section, spec
+from pipeline.store.params import ParamError, Params, Threads, load_section
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
 from pipeline.tiny.train import TrainConfig, train_model
 
-MODELS = Path("models")
+MODELS = paths.MODELS
 PINS = MODELS / "pins.json"  # written by pin_models
-DATA = Path("data")
+DATA = paths.DATA
 
 
-@dataclass
-class TrainParams:
-    threads: int = spec(positive=True)
+class TrainParams(Params):
+    threads: Threads
+    random_seed: int  # models.kind `random`: the source's weight draw; the target's is the next seed
     source: TrainConfig | None  # required when models.kind is `trained`
     target: TrainConfig | None
 
 
 def train_pair(train: TrainParams) -> dict:
     if train.source is None or train.target is None:
-        raise ValueError("train.source and train.target are required when models.kind is 'trained'")
+        raise ParamError("train.source and train.target: required when models.kind is 'trained'")
     tokenizer = AutoTokenizer.from_pretrained(DATA / "tokenizer")
     corpus = pd.read_parquet(DATA / "corpus.parquet")
     dev = {task: pd.read_parquet(DATA / f"{task}_dev.parquet") for task in TASKS}
@@ -72,12 +72,12 @@ def point_at_pinned_pair(pins_file: Path) -> None:
             write_json_atomic(staging / f"{pinned.pop('kind')}.json", pinned)
 
 
-def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
+def record_random_pair(models: ModelsParams, seed: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(DATA / "tokenizer")
     for offset, (name, shape) in enumerate((("source", models.source), ("target", models.target))):
         config = shape_config(shape)  # fails here, naming the shape, if it does not exist
         if len(tokenizer) > config.vocab_size:
-            raise ValueError(f"tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} "
+            raise ParamError(f"models.{name}: a tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} "
                              f"(vocab {config.vocab_size})")
         with atomic_dir(MODELS / name) as staging:
             write_json_atomic(staging / "random.json", {"shape": shape, "seed": seed + offset})
@@ -85,10 +85,12 @@ def record_random_pair(models: ModelsParams, seed: int = 0) -> None:
 
 
 def check_contract() -> dict:
-    """Refuse the prepared pair now, from its configs and tokenizers, unless the mapped handoff is defined for it;
-    returns the modes the contract defines (`direct` and `head_matched` need equal geometry, for instance)."""
+    """Refuse the prepared pair now, from its configs and tokenizers, unless the mapped handoff is defined for it at
+    the longest sequence any stage will feed it (`kv.contract.run_length`); returns the modes the contract defines
+    (`direct` and `head_matched` need equal geometry, for instance)."""
     contract = pair_contract(load_config(str(MODELS / "target")), load_config(str(MODELS / "source")),
-                             load_tokenizer(str(MODELS / "target")), load_tokenizer(str(MODELS / "source")))
+                             load_tokenizer(str(MODELS / "target")), load_tokenizer(str(MODELS / "source")),
+                             run_length())
     contract.require("mapped")
     return {"modes": sorted(m for m in contract.modes if contract.defined(m)),
             "families": sorted(f for f in contract.families if contract.family_defined(f))}
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     elif models.kind == "hub":
         point_at_pinned_pair(PINS)
     else:
-        record_random_pair(models)
+        record_random_pair(models, train.random_seed)
     defined = check_contract()
     print(json.dumps({"kind": models.kind, **defined, "seconds": round(time.perf_counter() - started, 1)}))
 

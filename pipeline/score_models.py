@@ -8,7 +8,6 @@ per task and per item kind, with paired-bootstrap intervals of the target's lead
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -16,21 +15,27 @@ import torch
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
-from pipeline.store.artifacts import write_json_atomic
+from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.devices import StageUsage
 from pipeline.store.models import ModelsParams, load_model
-from pipeline.store.params import load_section
+from pipeline.store.params import Params, Positive, Threads, load_section
+from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
 
-MODELS = Path("models")
-DATA = Path("data")
+MODELS, DATA = paths.MODELS, paths.DATA
 
 
-def dev_accuracy(models: ModelsParams) -> tuple[dict, pd.DataFrame]:
+class ScoreModelsParams(Params):
+    batch_size: Positive  # task requests per forward
+    threads: Threads
+    bootstrap_iters: Positive  # paired bootstrap of the target's lead over the source and direct injection
+    seed: int
+
+
+def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFrame]:
     """Dev-part accuracy of the target (oracle), the source alone and direct injection, per item."""
     files = {task: DATA / f"{task}_dev.parquet" for task in TASKS}
-    common = dict(dtype=models.dtype, device=models.torch_device, batch_size=16)
+    common = dict(dtype=models.dtype, device=models.torch_device, batch_size=batch_size)
     runs = {
         "target": dict(target=str(MODELS / "target"), transfer="oracle"),
         "source": dict(target=str(MODELS / "source"), transfer="oracle"),
@@ -39,7 +44,7 @@ def dev_accuracy(models: ModelsParams) -> tuple[dict, pd.DataFrame]:
     summaries, frames = {}, []
     for variant, args in runs.items():
         try:
-            lm = KVTransferLM(**args, **common)
+            lm = KVTransferLM.from_args(**args, **common)
         except ValueError as err:  # direct injection undefined for this pair's KV geometry
             print(f"skipping {variant}: {err}")
             continue
@@ -49,7 +54,7 @@ def dev_accuracy(models: ModelsParams) -> tuple[dict, pd.DataFrame]:
     return summaries, pd.concat(frames, ignore_index=True)
 
 
-def models_metrics(models: ModelsParams, seed: int = 0) -> dict:
+def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
     metrics: dict[str, float | int | str] = {"kind": models.kind}
     for name in ("source", "target"):
         model = load_model(str(MODELS / name), dtype=models.dtype, device="cpu")
@@ -60,7 +65,7 @@ def models_metrics(models: ModelsParams, seed: int = 0) -> dict:
             stats = json.loads(stats_file.read_text())
             metrics[f"{name}_final_loss"] = stats["final_loss"]
             metrics[f"{name}_train_seconds"] = stats["train_seconds"]
-    summaries, items = dev_accuracy(models)
+    summaries, items = dev_accuracy(models, params.batch_size)
     for variant, per_task in summaries.items():
         for task, result in per_task.items():
             for metric in ("acc", "acc_norm"):
@@ -74,7 +79,7 @@ def models_metrics(models: ModelsParams, seed: int = 0) -> dict:
         for task in TASKS:
             a = items[(items.variant == "target") & (items.task == task)].sort_values("item").acc.to_numpy()
             b = items[(items.variant == other) & (items.task == task)].sort_values("item").acc.to_numpy()
-            interval = paired_bootstrap(a, b, seed=seed)
+            interval = paired_bootstrap(a, b, iters=params.bootstrap_iters, seed=params.seed)
             metrics[f"target_minus_{other}_{task}_acc"] = round(interval["diff"], 4)
             metrics[f"target_minus_{other}_{task}_low"] = round(interval["low"], 4)
             metrics[f"target_minus_{other}_{task}_high"] = round(interval["high"], 4)
@@ -87,13 +92,10 @@ def _kinds(frame: pd.DataFrame) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.score_models", __doc__, argv)
-    models = load_section(ModelsParams, "models")
-    torch.set_num_threads(1)
-    usage = StageUsage(models.torch_device)
-    metrics = models_metrics(models)
-    metrics.update(usage.figures())
-    write_json_atomic("metrics/models.json", metrics)
-    print(json.dumps(metrics, indent=2))
+    models, params = load_section(ModelsParams, "models"), load_section(ScoreModelsParams, "score_models")
+    torch.set_num_threads(params.threads)
+    with stage_ranks(models.torch_device) as stage:
+        stage.write_metrics(paths.MODEL_SCORES, models_metrics(models, params))
 
 
 if __name__ == "__main__":

@@ -11,40 +11,37 @@ V0 rows k=1 and k=4 whatever the rule picks.
 """
 from __future__ import annotations
 
-import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pandas as pd
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
-from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer
-from pipeline.store.params import load_section, spec
-from pipeline.store.ranks import SINGLE, World, join, leave, relaunch
+from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
+from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-MAPPERS = Path("models/mappers")
-SELECTED = Path("models/mapper.safetensors")
-BEST = Path("models/best")
+MAPPERS, SELECTED = paths.MAPPERS, paths.SELECTED_MAPPER
+BEST = paths.MODELS / "best"
 
 
-@dataclass
-class SelectParams:
-    prompt_fraction: float = spec(min=0.05, max=0.95)
-    top_k: int = spec(positive=True)
-    horizon: int = spec(positive=True)
+class SelectParams(Params):
+    prompt_fraction: Annotated[float, Field(ge=0.05, le=0.95)]
+    top_k: Positive
+    horizon: Positive
     rule: Literal["agreement", "perplexity", "kl", "attention_cosine"]
-    batch_size: int = spec(positive=True)  # select prompts per forward
-    threads: int = spec(positive=True)
-    processes: int = spec(min=1)  # torchrun processes, sharing out the oracle's prompts, then the candidates
+    batch_size: Positive  # select prompts per forward
+    threads: Threads
+    processes: Processes  # sharing out the oracle's prompts, then the candidates
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
@@ -55,7 +52,8 @@ def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int],
         if len(ids) - cut >= 1:
             prompts.append((ids[:cut], ids[cut:]))
     if not prompts:
-        raise ValueError("no select sequence is long enough to split into context and continuation")
+        raise ParamError("select.prompt_fraction: no select sequence is long enough to split into context and "
+                         "continuation; raise data.sequence_length")
     return prompts
 
 
@@ -67,17 +65,17 @@ def rank_key(rule: str):
 
 
 def score_candidates(target, source, prompts, params: SelectParams, candidates: list[Path],
-                     tokenizers: tuple | None, world: World = SINGLE) -> tuple[dict, list[dict]] | None:
+                     tokenizers: tuple | None, ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts; `tokenizers` (source, target) are
     compared by the architecture contract. Under several processes the oracle's prompts and then the
     candidates are shared out (every N-th), and rank 0 gets the scores in candidate order (the others None)."""
     oracle_handoff = Handoff(target)
-    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, world=world,
+    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
                             attention=True)
-    oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, world=world)
+    oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
     scores = []
-    mine = [candidates[i] for i in world.share(len(candidates))]
-    for path in tqdm(mine, desc="score candidates", unit="candidate", disable=not world.main):
+    mine = [candidates[i] for i in ranks.share(len(candidates))]
+    for path in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
         mapper = load_mapper(path, device=target.device)
         summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper, tokenizers=tokenizers),
                                                prompts, oracle, params.batch_size))
@@ -86,12 +84,12 @@ def score_candidates(target, source, prompts, params: SelectParams, candidates: 
             parameters=mapper.parameter_count(),
         )
         scores.append(summary)
-    ranks = world.gather(scores)
-    if not world.main:
+    per_rank = ranks.gather(scores)
+    if not ranks.main:
         return None
     oracle_summary = summarize(oracle_rows)
     order = {path.stem: index for index, path in enumerate(candidates)}
-    scores = sorted((score for part in ranks for score in part), key=lambda score: order[score["name"]])
+    scores = sorted((score for part in per_rank for score in part), key=lambda score: order[score["name"]])
     for score in scores:
         score["ppl_ratio"] = score["perplexity"] / oracle_summary["perplexity"]
     return oracle_summary, scores
@@ -112,48 +110,45 @@ def copy_verified(source: Path, destination: Path) -> None:
         shutil.copyfile(source, tmp)
 
 
-def main(argv: list[str] | None = None) -> None:
-    no_arguments("pipeline.select", __doc__, argv)
-    params = load_section(SelectParams, "select")
-    if relaunch(params.processes, "pipeline.select", []):
-        return
-    models = load_section(ModelsParams, "models")
-    torch.set_num_threads(params.threads)
-    candidates = sorted(MAPPERS.glob("*.safetensors"))
-    if not candidates:
-        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
-    world = join(models.torch_device)
-    device = world.device(models.torch_device)
-    usage = StageUsage(device)
-    target = load_model("models/target", dtype=models.dtype, device=device, device_map=models.device_map)
-    source = load_model("models/source", dtype=models.dtype, device=device, device_map=models.device_map)
-    prompts = select_prompts(pd.read_parquet("data/select.parquet").token_ids, params.prompt_fraction)
-    tokenizers = (load_tokenizer("models/source"), load_tokenizer("models/target"))
-    scored = score_candidates(target, source, prompts, params, candidates, tokenizers, world)
-    figures = world.gather(usage.figures())
-    if not world.main:
-        leave(world)
-        return
+def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int) -> dict:
+    """Copy the chosen candidate to models/mapper.safetensors and the best of each k to models/best/; the
+    stage's metrics (every candidate's scores beside the oracle's)."""
     oracle_summary, scores = scored
     chosen, best_per_k = choose(scores, params.rule)
     copy_verified(MAPPERS / f"{chosen['name']}.safetensors", SELECTED)
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
             copy_verified(MAPPERS / f"{score['name']}.safetensors", staging / f"mapped_k{k}.safetensors")
-    metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": len(prompts),
+    metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
                                              "oracle_perplexity": round(oracle_summary["perplexity"], 4),
                                              "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4)}
     for score in scores:
         for key in ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine"):
-            metrics[f"{score['name']}_{key}"] = round(score[key], 4)
+            metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
         for key in sorted((k for k in score if k.startswith("attention_cosine_layer")), key=lambda k: int(k[22:])):
-            metrics[f"{score['name']}_{key}"] = round(score[key], 4)
+            metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]
-    metrics.update(usage_of_ranks(figures))
-    write_json_atomic("metrics/select.json", metrics)
-    print(json.dumps(metrics, indent=2))
-    leave(world)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.select", __doc__, argv)
+    params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
+    candidates = sorted(MAPPERS.glob("*.safetensors"))
+    if not candidates:
+        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+    with stage_ranks(models.torch_device, params.processes, "pipeline.select", []) as stage:
+        if stage is None:  # its torchrun processes did the work
+            return
+        torch.set_num_threads(params.threads)
+        load = lambda name: load_model(paths.model(name), dtype=models.dtype, device=stage.device,  # noqa: E731
+                                        device_map=models.device_map)
+        prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
+        tokenizers = (load_tokenizer(paths.model("source")), load_tokenizer(paths.model("target")))
+        scored = score_candidates(load("target"), load("source"), prompts, params, candidates, tokenizers,
+                                  stage.ranks)
+        stage.write_metrics(paths.SELECT, promote(scored, params, len(prompts)) if stage.ranks.main else {})
 
 
 if __name__ == "__main__":

@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> None:
           f"latency study {latency_s:.0f} s\n")
     print(table(["stage", "wall s", "peak MiB", "peak of", "device"], stage_rows(folder)))
     latency = json.loads(latency_json.read_text())
-    lengths = sorted({int(key[3:].split("_")[0]) for key in latency if key.startswith("len")})
+    lengths = sorted(map(int, latency["by_length"]))
     print(f"\nTTFT, Qwen3-0.6B -> 1.7B shapes, bfloat16, median of {args.repeats} (handoff: source prefill, map "
           f"k=1 linear, target step):\n")
-    row = lambda n, key, fmt: format(latency[f"len{n}_{key}"], fmt)  # noqa: E731
+    row = lambda n, key, fmt: format(latency["by_length"][str(n)][key], fmt)  # noqa: E731
     print(table(["prompt tokens", "target prefill ms", "handoff ms", "speedup", "FLOP bound", "fraction of bound",
                  "target peak MiB", "handoff peak MiB"],
                 [[str(n), row(n, "target_ms", ".2f"), row(n, "handoff_ms", ".2f"), row(n, "speedup", ".2f") + "x",

@@ -1,10 +1,13 @@
 """The import graph of a package tree, read from source (nothing is imported): modules by dotted name, their
-`pipeline.*` imports, and `python -m pipeline.X` subprocess calls, which the dvc.yaml deps count as imports;
-and the module each dvc.yaml stage runs."""
+`pipeline.*` imports, and the other stages they run in a subprocess (a `python -m pipeline.X` list, or
+`run_stage("pipeline.X", ...)` of store.cli), which the dvc.yaml deps count as imports; and the module each
+dvc.yaml stage runs."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+STAGE_RUNNER = "run_stage"  # store.cli's function that runs another stage's command: its first argument names it
 
 
 def body(stage: dict) -> dict:
@@ -29,9 +32,10 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
 
 
 def edges(path: Path, known: dict[str, Path], package: str = "pipeline") -> dict[str, list[tuple[str, int, bool]]]:
-    """Imports of one file: {"import": [(module, line, inside_function)], "subprocess": [(module, line, False)]}."""
+    """Imports of one file: {"import": [(module, line, inside_function)], "subprocess": [(module, line, False)],
+    "unnamed": [("?", line, False)] for each stage runner called without a literal module name}."""
     tree = ast.parse(path.read_text())
-    found: dict[str, list[tuple[str, int, bool]]] = {"import": [], "subprocess": []}
+    found: dict[str, list[tuple[str, int, bool]]] = {"import": [], "subprocess": [], "unnamed": []}
     functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     nested = {id(inner) for fn in functions for inner in ast.walk(fn) if inner is not fn}
     for node in ast.walk(tree):
@@ -48,10 +52,23 @@ def edges(path: Path, known: dict[str, Path], package: str = "pipeline") -> dict
                 if flag == "-m" and target and target.split(".")[0] == package:
                     found["subprocess"].append((target, node.lineno, False))
             continue
+        elif isinstance(node, ast.Call) and _called(node) == STAGE_RUNNER:
+            first = node.args[0] if node.args else None
+            target = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+            if target and target.split(".")[0] == package:
+                found["subprocess"].append((target, node.lineno, False))
+            elif not target:  # a stage named by a variable: the deps could not see it
+                found["unnamed"].append(("?", node.lineno, False))
+            continue
         for name in names:
             if name.split(".")[0] == package and _resolve(name, known):
                 found["import"].append((name, node.lineno, inside))
     return found
+
+
+def _called(call: ast.Call) -> str | None:
+    """The name a call calls: `f` of `f(...)` and of `module.f(...)`."""
+    return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
 
 
 def graph(root: Path, package: str = "pipeline", subprocess: bool = False) -> dict[str, set[str]]:

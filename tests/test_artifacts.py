@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pipeline.store import artifacts
-from pipeline.store.artifacts import ArtifactError, load_artifact, save_artifact
+from pipeline.store.artifacts import ArtifactError, load_artifact, nested, save_artifact
+from pipeline.store.cli import Refusal
 
 
 def _artifact(tmp_path):
@@ -84,3 +85,25 @@ def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
         (staging / "items.parquet").write_text("done")
     assert not leftover.exists() and other.exists()  # only this output's leftovers
     assert sorted(p.name for p in final.parent.iterdir()) == [".oracle.abc123.tmp", "zero"]
+
+
+def test_failed_or_missing_controls_are_a_refusal_naming_the_control(tmp_path):
+    path = tmp_path / "controls.json"
+    with pytest.raises(Refusal, match="not found: run the controls stage"):
+        artifacts.require_controls_passed(path)
+    path.write_text('{"decode": {"passed": true}, "rope": {"passed": false}, "device": "cpu"}')
+    with pytest.raises(Refusal, match=r"^controls failed \(rope\): no variant is evaluated"):
+        artifacts.require_controls_passed(path)
+    path.write_text('{"decode": {"passed": true}}')
+    artifacts.require_controls_passed(path)
+
+
+def test_metrics_keys_with_slashes_nest_into_groups():
+    assert nested({"a": 1, "maps/m1/r2": 0.5, "maps/m1/k": 1, "maps/m2/r2": 0.25}) == {
+        "a": 1, "maps": {"m1": {"r2": 0.5, "k": 1}, "m2": {"r2": 0.25}}}
+
+
+@pytest.mark.parametrize("flat", [{"a": 1, "a/b": 2}, {"a/b": 2, "a": 1}])
+def test_a_metric_that_is_both_a_value_and_a_group_is_refused(flat):
+    with pytest.raises(ValueError, match="'a'"):
+        nested(flat)

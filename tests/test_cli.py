@@ -12,6 +12,8 @@ import yaml
 from conftest import ROOT
 from test_layout import dvc_stages
 
+from pipeline.store import cli
+
 STAGES = sorted(dvc_stages(ROOT))
 
 
@@ -71,3 +73,10 @@ def test_the_traceback_comes_when_asked(typo):
     done = run_stage("pipeline.select", typo, KVH_TRACEBACK="1")
     assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr
     assert "ParamError: select.horizn: unknown parameter" in done.stderr
+
+
+def test_run_stage_runs_another_stages_own_command_and_stops_on_its_failure(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cli.run_stage("pipeline.fit", "--help")
+    with pytest.raises(subprocess.CalledProcessError):
+        cli.run_stage("pipeline.fit", "--no-such-option")

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 import yaml
-from importgraph import body, closure, graph, modules, stage_module
+from importgraph import body, closure, edges, graph, modules, stage_module
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -25,6 +25,20 @@ def test_every_stage_depends_on_the_modules_it_imports():
 def test_the_controls_refit_counts_as_an_import_of_the_fit_stage():
     assert "pipeline.fit" in closure("pipeline.controls", graph(ROOT, subprocess=True))
     assert "pipeline.fit" not in closure("pipeline.controls", graph(ROOT))
+
+
+def test_a_stage_run_through_store_clis_run_stage_counts_as_an_import_of_it():
+    for study in ("pipeline.calibrate", "pipeline.length"):  # extract and fit, in a scratch folder
+        assert {"pipeline.extract", "pipeline.fit"} <= closure(study, graph(ROOT, subprocess=True))
+        assert "pipeline.extract" not in closure(study, graph(ROOT))
+    assert "pipeline.extract" not in closure("pipeline.controls", graph(ROOT, subprocess=True))
+
+
+def test_every_stage_run_in_a_subprocess_is_named_by_a_literal():
+    known = modules(ROOT)
+    unnamed = [f"{path.relative_to(ROOT)}:{line}" for path in known.values() for _, line, _ in
+               edges(path, known)["unnamed"]]
+    assert not unnamed, f"run_stage called with a module name the dvc.yaml deps cannot read: {unnamed}"
 
 
 def sections_read(path: Path) -> set[str]:

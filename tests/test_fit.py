@@ -269,12 +269,13 @@ def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
                             for lam in ("0.01", "1")] + ["mlp_k1"])
     mapper = load_mapper(tmp_path / "mappers" / "linear_k2_lam0.01.safetensors")
     assert mapper.k == 2 and all(len(chosen) == 2 for chosen in mapper.source_layers)
-    assert metrics["linear_k2_lam0.01/params"] == mapper.parameter_count()
+    assert metrics["maps/linear_k2_lam0.01/params"] == mapper.parameter_count()
     configs = [load_config(str(extracted / "models" / name)) for name in ("source", "target")]
     for name, family, k in (("linear_k2_lam0.01", "linear", 2), ("head_matched_k1_lam1", "head_matched", 1),
                             ("mlp_k1", "mlp", 1)):  # the sizes check_pair predicts from configs alone
-        assert metrics[f"{name}/params"] == mapper_parameter_count(*configs, k, family, FIT["mlp"]["hidden"]), name
-        assert metrics[f"{name}/macs_per_token"] == mapper_macs_per_token(*configs, k, family, FIT["mlp"]["hidden"])
+        hidden = FIT["mlp"]["hidden"]
+        assert metrics[f"maps/{name}/params"] == mapper_parameter_count(*configs, k, family, hidden), name
+        assert metrics[f"maps/{name}/macs_per_token"] == mapper_macs_per_token(*configs, k, family, hidden)
     layers_csv = (tmp_path / "metrics" / "fit_layers.csv").read_text().splitlines()
     assert layers_csv[0] == "candidate,layer,head,kind,r2_in_sample,r2_heldout,param_to_sample_ratio,ridge_lambda"
     assert len(layers_csv) == 1 + 9 * 2 * 2 * 2  # candidates x layers x heads x kinds
@@ -328,7 +329,7 @@ def test_fitting_twice_in_two_processes_gives_identical_files_and_a_narrow_refit
 def test_caches_of_two_key_spaces_are_refused_before_any_fit(extracted, tmp_path):
     extract(extracted / "models/source", "source", extracted / "data", tmp_path / "rotated",
             parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"), keep_rope=True)
-    with pytest.raises(ValueError, match=r"holds rotated .* keys, .*content .*; extract both the same way"):
+    with pytest.raises(ArtifactError, match=r"holds rotated .* keys, .*content .*; extract both the same way"):
         fit(tmp_path / "rotated", extracted / "caches/target", extracted / "models/source",
             extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {}, "cpu",
             "float32")

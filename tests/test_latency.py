@@ -49,10 +49,11 @@ def test_stage_writes_every_expected_key_finite_and_positive(stage_dir):
     _write_params(stage_dir)
     latency.main([])
     metrics = json.loads((stage_dir / "metrics" / "latency.json").read_text())
+    assert sorted(metrics["by_length"]) == sorted(map(str, LENGTHS))
     for length in LENGTHS:
         for name in PER_LENGTH:
-            value = metrics[f"len{length}_{name}"]
-            assert math.isfinite(value) and value > 0, f"len{length}_{name} = {value}"
+            value = metrics["by_length"][str(length)][name]
+            assert math.isfinite(value) and value > 0, f"by_length/{length}/{name} = {value}"
     assert metrics["threads"] == 1 and metrics["device"] == "cpu" and metrics["dtype"] == "float32"
     assert metrics["torch_version"] == torch.__version__
     table = (stage_dir / "plots" / "latency.csv").read_text().splitlines()
@@ -65,9 +66,10 @@ def test_handoff_parts_sum_to_its_total(stage_dir):
     latency.main([])
     metrics = json.loads((stage_dir / "metrics" / "latency.json").read_text())
     for length in LENGTHS:
-        parts = sum(metrics[f"len{length}_{part}_ms"] for part in ("source", "map", "step"))
+        row = metrics["by_length"][str(length)]
+        parts = sum(row[f"{part}_ms"] for part in ("source", "map", "step"))
         # with two repeats the median is the mean, and the parts of each repeat tile its total exactly
-        assert parts == pytest.approx(metrics[f"len{length}_handoff_ms"], rel=1e-9)
+        assert parts == pytest.approx(row["handoff_ms"], rel=1e-9)
 
 
 def test_each_handoff_timer_brackets_only_its_own_part(pair, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from importgraph import cycle, edges, graph, modules, stage_module
 
-from pipeline import WINGS
+from pipeline import STAGES, WINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKER = "pipeline.check_params"  # the one stage that reads the others' Params classes, to validate them all
@@ -56,10 +56,28 @@ def test_the_real_tree_keeps_the_house_rules():
     assert violations(ROOT, dvc_stages(ROOT), WINGS) == []
 
 
-def test_every_top_level_module_is_a_stage_the_lm_eval_face_or_the_pair_checker():
+def test_every_top_level_module_is_a_stage_the_lm_eval_face_or_a_user_tool():
     top = {name for name in modules(ROOT) if name.count(".") == 1}
-    assert top - dvc_stages(ROOT) == {"pipeline.lm_eval_model", "pipeline.check_pair"}
+    assert top - dvc_stages(ROOT) == {"pipeline.lm_eval_model", "pipeline.check_pair", "pipeline.generate"}
 
+
+
+def stages_in_order(root: Path) -> list[str]:
+    """The stage modules of dvc.yaml in the order its entries stand, each once."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"].values()
+    return list(dict.fromkeys(stage_module(stage).removeprefix("pipeline.") for stage in stages))
+
+
+def test_the_package_map_lists_every_dvc_stage_in_dvc_yamls_order():
+    assert list(STAGES) == stages_in_order(ROOT)
+
+
+def test_the_package_map_check_sees_a_stage_missing_from_the_map(tmp_path):
+    recipe = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    recipe["stages"]["extra"] = {"cmd": "python -m pipeline.extra_stage"}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert list(STAGES) != stages_in_order(tmp_path)
+    assert stages_in_order(tmp_path)[-1] == "extra_stage"
 
 @pytest.fixture
 def fake(tmp_path):

@@ -89,7 +89,8 @@ def reference_float32(tiny_pair, task_dir):
 @pytest.mark.parametrize("transfer", ["oracle", "direct"])
 def test_exactness_gate_float32(tiny_pair, task_dir, reference_float32, transfer):
     source = {"source": str(tiny_pair["target"])} if transfer == "direct" else {}
-    lm = KVTransferLM(target=str(tiny_pair["target"]), transfer=transfer, dtype="float32", device="cpu", **source)
+    lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), transfer=transfer, dtype="float32", device="cpu",
+                                **source)
     ours = evaluate(lm, task_dir)
     delta = max_delta(ours, reference_float32)
     print(f"\nexactness gate float32 {transfer}: max |delta loglikelihood| = {delta:.2e}")
@@ -106,7 +107,8 @@ def test_exactness_gate_float32(tiny_pair, task_dir, reference_float32, transfer
 
 def test_exactness_gate_bfloat16(tiny_pair, task_dir):
     epsilon = TOLERANCES["bfloat16"]["decision_margin"]
-    ours = evaluate(KVTransferLM(target=str(tiny_pair["target"]), dtype="bfloat16", device="cpu"), task_dir)
+    ours = evaluate(KVTransferLM.from_args(target=str(tiny_pair["target"]), dtype="bfloat16", device="cpu"),
+                    task_dir)
     reference = evaluate(stock_hf(tiny_pair["target"], torch.bfloat16), task_dir)
     flipped, near_ties = 0, 0
     for task in TASKS:
@@ -142,7 +144,8 @@ def chat_target(tiny_pair, tmp_path_factory) -> Path:
 
 def test_chat_templated_oracle_matches_stock_hf_with_the_same_template(chat_target, task_dir):
     chat = {"apply_chat_template": True, "system_instruction": SYSTEM}
-    ours = evaluate(KVTransferLM(target=str(chat_target), transfer="oracle", device="cpu"), task_dir, **chat)
+    ours = evaluate(KVTransferLM.from_args(target=str(chat_target), transfer="oracle", device="cpu"), task_dir,
+                    **chat)
     reference = evaluate(stock_hf(chat_target, torch.float32), task_dir, **chat)
     delta = max_delta(ours, reference)
     print(f"\nchat-templated oracle float32: max |delta loglikelihood| = {delta:.2e}")
@@ -162,8 +165,8 @@ def test_chat_templated_oracle_matches_stock_hf_with_the_same_template(chat_targ
 def test_chat_template_renders_as_stock_hf_also_without_a_system_role(chat_target):
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question: why?\nAnswer:"}]
     prefilled = [*history, {"role": "assistant", "content": "Because"}]
-    ours = KVTransferLM(target=str(chat_target), device="cpu")
-    wrapped = KVTransferLM.from_handoff(ours.handoff, AutoTokenizer.from_pretrained(chat_target))
+    ours = KVTransferLM.from_args(target=str(chat_target), device="cpu")
+    wrapped = KVTransferLM(ours.handoff, AutoTokenizer.from_pretrained(chat_target))
     reference = stock_hf(chat_target, torch.float32)
     for lm in (ours, wrapped):
         assert lm.tokenizer_name == reference.tokenizer_name and "/" not in lm.tokenizer_name
@@ -183,7 +186,7 @@ def test_chat_template_renders_as_stock_hf_also_without_a_system_role(chat_targe
 
 def test_a_target_without_a_chat_template_is_refused_naming_it(tiny_pair):
     with pytest.raises(ValueError, match=re.escape(f"{tiny_pair['target']} has none")):
-        KVTransferLM(target=str(tiny_pair["target"]), device="cpu").apply_chat_template(
+        KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu").apply_chat_template(
             [{"role": "user", "content": "hi"}])
 
 
@@ -193,20 +196,22 @@ def test_incompatible_tokenizers_fail_closed_naming_both(tmp_path, tiny_pair):
     __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_pair["source"]).save_pretrained(source)
     other.save_pretrained(source)
     with pytest.raises(IncompatiblePairError, match="other-source") as info:
-        KVTransferLM(target=str(tiny_pair["target"]), source=str(source), transfer="direct", device="cpu")
+        KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(source), transfer="direct",
+                               device="cpu")
     assert str(tiny_pair["target"]) in str(info.value)
 
 
 def test_missing_model_is_named_and_fails_fast():
     with pytest.raises(ModelNotAvailableError, match="no-such-org/no-such-model"):
-        KVTransferLM(target="no-such-org/no-such-model", device="cpu")
+        KVTransferLM.from_args(target="no-such-org/no-such-model", device="cpu")
 
 
 def test_bad_model_args_are_refused(tiny_pair):
-    with pytest.raises(ValueError, match="needs mapper"):
-        KVTransferLM(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer="mapped")
+    with pytest.raises(ValueError, match="needs a mapper"):
+        KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]),
+                               transfer="mapped")
     with pytest.raises(TypeError, match="unknown model args"):
-        KVTransferLM(target=str(tiny_pair["target"]), tranfser="direct")
+        KVTransferLM.from_args(target=str(tiny_pair["target"]), tranfser="direct")
 
 
 def test_generate_until_stops_and_matches_stock_hf(tiny_pair):
@@ -214,7 +219,7 @@ def test_generate_until_stops_and_matches_stock_hf(tiny_pair):
 
     request = Instance("generate_until", {},
                        ("Question: how do you boil water?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12}), 0)
-    ours = KVTransferLM(target=str(tiny_pair["target"]), device="cpu").generate_until([request])
+    ours = KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu").generate_until([request])
     reference = stock_hf(tiny_pair["target"], torch.float32).generate_until([request])
     assert ours == reference
 
@@ -234,7 +239,8 @@ def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):
     text = WIKITEXT.read_text()[:3000]
     requests = [Instance("loglikelihood_rolling", {}, (chunk,), i)
                 for i, chunk in enumerate([text[:400], text[400:3000]])]
-    ours = KVTransferLM(target=str(tiny_pair["target"]), device="cpu", max_length=64).loglikelihood_rolling(requests)
+    ours = KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu",
+                                  max_length=64).loglikelihood_rolling(requests)
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_pair["target"]).eval()
     reference = HFLM(pretrained=model, tokenizer=__import__("transformers").AutoTokenizer.from_pretrained(
         tiny_pair["target"]), batch_size=4, device="cpu", max_length=64).loglikelihood_rolling(requests)

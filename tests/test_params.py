@@ -1,38 +1,41 @@
 """Parameter validation: typos, wrong types, out-of-range values and missing keys are errors naming the key;
 values come only from params.yaml (parameter classes declare no defaults)."""
-from dataclasses import MISSING, dataclass, fields
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 import yaml
 from conftest import ROOT, committed
+from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
 
 from pipeline.check_params import SECTIONS, check
 from pipeline.fit import FitParams
-from pipeline.store.params import ParamError, parse, spec
+from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, parse
 
 MAPPINGS = {"evaluate.mapped"}  # a mapping of variant -> file, not a set of parameters
 
 
-@dataclass
-class Inner:
-    rate: float = spec(min=0.0, max=1.0)
+class Inner(Params):
+    rate: Annotated[float, Field(ge=0.0, le=1.0)]
 
 
-@dataclass
-class Section:
-    steps: int = spec(positive=True)
-    lambdas: list[float] = spec(min=0.0)
+class Section(Params):
+    steps: Positive
+    lambdas: list[Annotated[float, Field(ge=0.0)]]
     mode: Literal["a", "b"]
     path: str | None
     inner: Inner
+    span: Pair
+    names: Annotated[list[str], Field(min_length=1)]
 
 
-VALID = {"steps": 3, "lambdas": [0, 2.5], "mode": "a", "path": None, "inner": {"rate": 1}}
+VALID = {"steps": 3, "lambdas": [0, 2.5], "mode": "a", "path": None, "inner": {"rate": 1}, "span": [1, 2],
+         "names": ["x"]}
 
 
 def test_valid_section_parses():
-    assert parse(Section, VALID, "s") == Section(steps=3, lambdas=[0.0, 2.5], mode="a", path=None, inner=Inner(1.0))
+    assert parse(Section, VALID, "s") == Section(steps=3, lambdas=[0.0, 2.5], mode="a", path=None,
+                                                 inner=Inner(rate=1.0), span=(1, 2), names=["x"])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -46,28 +49,63 @@ def test_valid_section_parses():
     ({"inner": {"rate": 2}}, r"s\.inner\.rate: expected a number <= 1"),
     ({"inner": {"rat": 0.5}}, r"s\.inner\.rat: unknown parameter"),
     ({"inner": {}}, r"s\.inner\.rate: missing parameter"),
+    ({"inner": 3}, r"s\.inner: expected a mapping, got 3$"),
+    ({"path": 3}, r"s\.path: expected a string, got 3$"),
+    ({"lambdas": 0.5}, r"s\.lambdas: expected a list, got 0\.5$"),
+    ({"span": [1]}, r"s\.span: expected a list of 2 values, got \[1\]$"),
+    ({"span": [1, "2"]}, r"s\.span\[1\]: expected an integer, got '2'$"),
+    ({"names": []}, r"s\.names: expected at least one value, got an empty list$"),
 ])
 def test_bad_parameters_are_named(change, message):
     with pytest.raises(ParamError, match=message):
         parse(Section, {**VALID, **change}, "s")
 
 
-@pytest.mark.parametrize("name", [f.name for f in fields(Section)])
+@pytest.mark.parametrize("name", list(Section.model_fields))
 def test_a_missing_key_is_an_error_even_where_null_is_allowed(name):
     with pytest.raises(ParamError, match=rf"s\.{name}: missing parameter"):
         parse(Section, {k: v for k, v in VALID.items() if k != name}, "s")
 
 
+def test_a_unknown_key_is_named_before_the_missing_one_it_misspells():
+    data = {k: v for k, v in VALID.items() if k != "steps"} | {"stpes": 3}
+    with pytest.raises(ParamError, match=r"^s\.stpes: unknown parameter \(known: steps, lambdas, mode, path, inner, "):
+        parse(Section, data, "s")
+
+
+def test_every_section_and_part_of_one_is_a_strict_params_model():
+    def walk(cls):
+        yield cls
+        for field in cls.model_fields.values():
+            for option in getattr(field.annotation, "__args__", ()) + (field.annotation,):
+                if isinstance(option, type) and issubclass(option, BaseModel):
+                    yield from walk(option)
+    assert all(issubclass(cls, Params) for section in SECTIONS.values() for cls in walk(section))
+
+
 def test_parameter_classes_declare_no_default():
     def walk(cls):
-        for f in fields(cls):
-            yield cls, f
-            for option in getattr(f.type, "__args__", ()) + (f.type,):
-                if isinstance(option, type) and hasattr(option, "__dataclass_fields__"):
+        for name, field in cls.model_fields.items():
+            yield cls, name, field
+            for option in getattr(field.annotation, "__args__", ()) + (field.annotation,):
+                if isinstance(option, type) and issubclass(option, BaseModel):
                     yield from walk(option)
-    with_defaults = [f"{cls.__name__}.{f.name}" for section in SECTIONS.values() for cls, f in walk(section)
-                     if f.default is not MISSING or f.default_factory is not MISSING]
+    with_defaults = [f"{cls.__name__}.{name}" for section in SECTIONS.values() for cls, name, field in walk(section)
+                     if not field.is_required()]
     assert with_defaults == []
+
+
+def test_threads_are_one_declaration_in_every_stage():
+    def walk(cls):
+        for name, field in cls.model_fields.items():
+            yield name, field
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from walk(field.annotation)
+    threads = [(section, field) for section, cls in SECTIONS.items() for name, field in walk(cls) if name == "threads"]
+    declared = FieldInfo.from_annotation(Threads)
+    assert len(threads) >= 8
+    for section, field in threads:
+        assert (field.annotation, field.metadata) == (declared.annotation, declared.metadata), section
 
 
 def leaves(data: dict, prefix: str = ""):

@@ -126,7 +126,7 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
     assert any(row["pareto_measured"] for row in study["rows"].values())
     assert (repo / "report/frontier.png").stat().st_size > 0 and "## Every candidate" in markdown
     fit = json.loads((repo / "metrics/fit.json").read_text())
-    assert fit["lambda_scale"] == "relative" and "chosen/linear_k1/lambda" in fit
+    assert fit["lambda_scale"] == "relative" and "lambda" in fit["chosen"]["linear_k1"]
     curve = report["calibration"]  # two sizes x three candidates; n=8 is the main fit's own data
     assert [(r["sequences"], r["candidate"]) for r in curve["rows"]] == [
         (n, c) for n in (4, 8) for c in ("linear_k1_lam0.1", "linear_k3_lam0.1", "mlp_k3")]
@@ -134,7 +134,7 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
     # n=8 is the fit split itself: its refit equals the main fit's map, so the same R² and the same items
     point, fit_figures = (json.loads((repo / f"metrics/{name}.json").read_text()) for name in ("calibration/8", "fit"))
     for name in ("linear_k1_lam0.1", "linear_k3_lam0.1"):
-        assert point[f"{name}/r2_keys_select"] == fit_figures[f"{name}/r2_keys_select"], name
+        assert point["maps"][name]["r2_keys_select"] == fit_figures["maps"][name]["r2_keys_select"], name
         assert pd.read_parquet(repo / f"eval/calibration/8/{name}.parquet").equals(
             pd.read_parquet(repo / f"eval/candidates/{name}.parquet")), name
     assert sorted(p.name for p in (repo / "eval/calibration/8").iterdir()) == [

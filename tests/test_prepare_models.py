@@ -82,7 +82,7 @@ def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
     models = parse(ModelsParams,
                    committed("models", **{"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b"}),
                    "models")
-    prepare_models.record_random_pair(models)
+    prepare_models.record_random_pair(models, committed("train")["random_seed"])
     pointer = json.loads((tmp_path / "models" / "target" / "random.json").read_text())
     assert pointer == {"shape": "qwen3-1.7b", "seed": 1}
     assert len(load_tokenizer(str(tmp_path / "models" / "source"))) == len(tokenizer)
@@ -96,7 +96,7 @@ def test_unknown_shape_is_refused(tmp_path, tokenizer, monkeypatch):
                    committed("models", **{"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-17b"}),
                    "models")
     with pytest.raises(ValueError, match="qwen3-17b"):
-        prepare_models.record_random_pair(models)
+        prepare_models.record_random_pair(models, 0)
 
 
 def test_models_params_are_validated():

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from dvc.utils.hydra import compose_and_dump
 
-from pipeline.check_params import SECTIONS
+from pipeline.check_params import SECTIONS, check
 from pipeline.store.params import parse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,12 +28,13 @@ def test_the_five_profiles_exist():
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_every_profile_validates_in_every_section(tmp_path, profile):
+def test_every_profile_validates_in_every_section_and_between_them(tmp_path, profile):
     params = compose(tmp_path, f"profile={profile}")
     assert params["profile"] == profile
     assert set(params) == set(SECTIONS) | {"profile"}
     for section, cls in SECTIONS.items():
         parse(cls, params[section], section)
+    check(params)  # and the rules between sections
 
 
 def test_the_shapes_profile_is_v0_with_the_tiny_worlds_data(tmp_path):

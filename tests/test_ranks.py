@@ -1,28 +1,48 @@
-"""Stages on several processes (torchrun, gloo on this CPU): the same bytes as one process."""
+"""Stages on several processes (torchrun, gloo on this CPU): the same bytes as one process, and a rank that dies
+ends the stage instead of leaving the other waiting."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil  # accelerate's dependency: finds the stage's rank processes under torchrun
 import pytest
 import yaml
 from conftest import ROOT, committed
 from kvworld import make_world
 
 from pipeline.store.devices import SHARED_NOTE, StageUsage, usage_of_ranks
-from pipeline.store.ranks import SINGLE, World
+from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 
 def test_a_rank_takes_every_nth_item_from_its_own_index():
-    assert [list(World(rank, 3, rank).share(8)) for rank in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5]]
-    assert list(SINGLE.share(4)) == [0, 1, 2, 3] and SINGLE.gather("x") == ["x"] and SINGLE.main
+    assert [list(Ranks(rank, 3, rank).share(8)) for rank in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert list(ONE_PROCESS.share(4)) == [0, 1, 2, 3] and ONE_PROCESS.gather("x") == ["x"] and ONE_PROCESS.main
 
 
 def test_a_rank_runs_on_its_own_gpu_and_one_process_where_it_is_told():
-    assert World(1, 2, 1).device("cuda") == "cuda:1"
-    assert World(1, 2, 1).device("cpu") == "cpu" and SINGLE.device("cuda") == "cuda"
+    assert Ranks(1, 2, 1).device("cuda") == "cuda:1"
+    assert Ranks(1, 2, 1).device("cpu") == "cpu" and ONE_PROCESS.device("cuda") == "cuda"
+
+
+def test_a_one_process_stage_writes_its_metrics_with_its_usage_figures_beside(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with stage_ranks("cpu") as stage:
+        assert stage.ranks == ONE_PROCESS and stage.device == "cpu"
+        written = stage.write_metrics(tmp_path / "stage.json", {"score": 0.5, "per/layer": 1})
+    assert json.loads((tmp_path / "stage.json").read_text()) == written
+    assert list(written)[:2] == ["score", "per/layer"] and written["device"] == "cpu" and "wall_s" in written
+    assert "per/layer" not in json.loads(capsys.readouterr().out)  # only the flat part is shown
+
+
+def test_a_stage_that_runs_as_one_process_refuses_several():
+    with pytest.raises(ValueError, match="2 processes asked of a stage that runs as one"):
+        with stage_ranks("cpu", processes=2):
+            pass
 
 
 def test_usage_of_several_ranks_is_the_slowest_and_the_largest_with_each_peak_beside():
@@ -50,8 +70,10 @@ TIMING = ("wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes", 
 
 
 def _untimed(path: Path) -> dict:
-    """A metrics JSON without the fields that are timings or name the process count."""
-    return {k: v for k, v in json.loads(path.read_text()).items() if k.split("/")[-1] not in TIMING}
+    """A metrics JSON without the fields, at any depth, that are timings or name the process count."""
+    def drop(figures: dict) -> dict:
+        return {k: drop(v) if isinstance(v, dict) else v for k, v in figures.items() if k not in TIMING}
+    return drop(json.loads(path.read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +142,49 @@ def test_stage_figures_say_when_a_queued_experiment_may_have_shared_the_machine(
     assert "timing_note" not in StageUsage("cpu").figures()
     monkeypatch.setenv("DVC_ROOT", str(tmp_path / "elsewhere"))  # an executor's copy under .dvc/tmp/exps
     assert StageUsage("cpu").figures()["timing_note"] == SHARED_NOTE
+
+
+def _rank_processes(launcher: psutil.Process) -> dict[str, psutil.Process]:
+    """The stage's rank processes under `launcher` (the stage's own command), by their RANK."""
+    found = {}
+    for child in launcher.children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:  # a process that ended meanwhile
+            continue
+        if rank is not None:
+            found[rank] = child
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_stage_with_an_error_instead_of_leaving_the_other_waiting(tmp_path):
+    root = make_world(tmp_path / "world", fit=40, select=10, length=40)
+    params = {"models": committed("models", device="cpu"),  # enough repeats that the stage outlives the kill
+              "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1000, threads=1,
+                                   processes=2)}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    stage = subprocess.Popen([sys.executable, "-m", "pipeline.extract", "source"], cwd=root, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        at_work = root / "caches/source/fit/shard-00001.safetensors"  # rank 1's first shard: it joined and works
+        deadline = time.monotonic() + 300
+        while not at_work.exists():
+            assert stage.poll() is None and time.monotonic() < deadline, "the stage never started its work"
+            time.sleep(0.1)
+        ranks = _rank_processes(psutil.Process(stage.pid))
+        ranks["1"].kill()
+        killed = time.monotonic()
+        try:
+            _, err = stage.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the stage still runs 60 s after one of its ranks was killed")
+        took = time.monotonic() - killed
+    finally:
+        if stage.poll() is None:
+            os.killpg(stage.pid, signal.SIGKILL)
+            stage.wait()
+    assert stage.returncode != 0 and took < 60
+    assert not ranks["0"].is_running()  # the rank left alive was ended too, not left waiting in a collective
+    assert err.strip().splitlines()[-1].startswith("error: pipeline.extract failed on one of its 2 processes"), err

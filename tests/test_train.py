@@ -1,6 +1,5 @@
 """Tests of the training module's pieces that need no training: batches, schedule, lm-eval-style scoring."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ def test_batch_puts_loss_only_on_the_predictable_part_and_eos(world_and_tokenize
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
-    cfg = replace(TINY, copy_steps=10, mixed_steps=90, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    cfg = TINY.model_copy(update=dict(copy_steps=10, mixed_steps=90, warmup=10, lr=1e-3, min_lr_ratio=0.1))
     assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(99, cfg) == pytest.approx(1e-4, rel=1e-2)
 

@@ -1,7 +1,6 @@
 """Tests of the tiny world: determinism, nesting, disjointness, lm-eval schemas, tokenizer round trip."""
 
 import ast
-from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -55,13 +54,13 @@ def test_same_seed_gives_identical_world(world):
 
 
 def test_different_seed_gives_different_world(world):
-    other = small_world(replace(SMALL, seed=1))
+    other = small_world(SMALL.model_copy(update=dict(seed=1)))
     for name in world:
         assert not world[name].content_hash.equals(other[name].content_hash), name
 
 
 def test_smaller_draw_is_prefix_of_larger_draw(world):
-    larger = small_world(replace(SMALL, corpus_docs=600), fit=9, items_per_part=60)
+    larger = small_world(SMALL.model_copy(update=dict(corpus_docs=600)), fit=9, items_per_part=60)
     for name in ("corpus", "fit", "hellaswag_dev", "piqa_eval"):
         n = len(world[name])
         assert larger[name].head(n).reset_index(drop=True).equals(world[name]), name

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from pipeline.fitting import ridge
 from pipeline.store.cachefiles import KINDS, Shard
-from pipeline.store.ranks import SINGLE, World
+from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 Pairs = list[tuple[Shard, Shard]]
 
@@ -42,7 +42,7 @@ def _groups(items: list[int], size: int) -> list[list[int]]:
 
 def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
              ridge_lambda: float, budget_bytes: float, device: str | torch.device,
-             world: World = SINGLE, rows_budget_bytes: float = 0) -> dict[str, torch.Tensor]:
+             ranks: Ranks = ONE_PROCESS, rows_budget_bytes: float = 0) -> dict[str, torch.Tensor]:
     """Held-out R² of single-layer ridge probes: per kind (target_layers, source_layers), on the CPU; the
     moments and solves run on `device`. When the source's rows of the split fit `rows_budget_bytes` (in their
     storage dtype) they are read once and kept for every pass; otherwise every pass reads them again. Under
@@ -57,12 +57,12 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     inputs: dict[tuple, ridge.Moments] = {}  # per (kind, source layer): n, sum_x and X^T X, from the first pass
     held_inputs: dict[tuple, ridge.Moments] = {}  # the same for the held-out rows
     groups = _groups(list(range(target_layers)), group)
-    mine = [groups[i] for i in world.share(len(groups))]
+    mine = [groups[i] for i in ranks.share(len(groups))]
     kept = {}  # (shard index, kind) -> the source's stored rows of every layer, when they fit the budget
     if len(mine) > 1 and stored_bytes(pairs, source_layers, width_s) <= rows_budget_bytes:
         kept = {(i, kind): source.read(kind, list(range(source_layers)), stored=True)
                 for i, (source, _) in enumerate(pairs) for kind in KINDS}
-    for targets in tqdm(mine, desc="probe passes", unit="pass", disable=not world.main):
+    for targets in tqdm(mine, desc="probe passes", unit="pass", disable=not ranks.main):
         out_width = len(targets) * width_t
         first = not inputs
         train = {(kind, p): ridge.summary(train_count, width_s, out_width, device)
@@ -90,11 +90,11 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
                                      len(targets))
                 scores[kind][targets, p] = r2.cpu()
         del train, held_out
-    if world.size > 1:  # each group's rows come from the rank that computed it
-        parts = world.all_gather({kind: scores[kind] for kind in KINDS})
+    if ranks.size > 1:  # each group's rows come from the rank that computed it
+        parts = ranks.all_gather({kind: scores[kind] for kind in KINDS})
         for index, targets in enumerate(groups):
             for kind in KINDS:
-                scores[kind][targets] = parts[index % world.size][kind][targets]
+                scores[kind][targets] = parts[index % ranks.size][kind][targets]
     return scores
 
 

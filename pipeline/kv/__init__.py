@@ -1,1 +1,2 @@
-"""The method: RoPE strip/apply, cache <-> tensors, the FLOP model, source -> target maps, the handoff."""
+"""The method: RoPE strip/apply, cache <-> tensors, the FLOP model, source -> target maps, the handoff, and the
+pair that builds every handoff on models loaded once."""

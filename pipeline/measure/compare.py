@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff, greedy_rollout, teacher_forced
-from pipeline.store.ranks import SINGLE, World
+from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
@@ -40,7 +40,7 @@ def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
 
 
 def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, batch_size: int,
-                   progress: bool = True, world: World = SINGLE, attention: bool = False) -> dict:
+                   progress: bool = True, ranks: Ranks = ONE_PROCESS, attention: bool = False) -> dict:
     """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), and with
     `attention` its attention outputs per prompt (a list of (L_t, m, hidden)); prompts are run `batch_size` at
     a time (under several processes each rank runs every N-th batch, and every rank gets the whole outputs)."""
@@ -52,8 +52,8 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
     greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
     outputs: list = [None] * len(prompts)
-    starts = _my_batches(len(prompts), batch_size, world)
-    bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress or not world.main)
+    starts = _my_batches(len(prompts), batch_size, ranks)
+    bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress or not ranks.main)
     for start in starts:
         batch = prompts[start : start + batch_size]
         captured = [] if attention else None
@@ -66,9 +66,9 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
         bar.update(len(batch))
     bar.close()
     lengths = torch.tensor([len(cont) for _, cont in prompts])
-    if world.size > 1:  # each batch's rows from the rank that ran it
-        ranks = world.all_gather((starts, top_ids, top_logprobs, greedy, outputs))
-        for rank_starts, *tensors, rank_outputs in ranks:
+    if ranks.size > 1:  # each batch's rows from the rank that ran it
+        per_rank = ranks.all_gather((starts, top_ids, top_logprobs, greedy, outputs))
+        for rank_starts, *tensors, rank_outputs in per_rank:
             for start in rank_starts:
                 rows = slice(start, start + batch_size)
                 for whole, part in zip((top_ids, top_logprobs, greedy), tensors):
@@ -80,11 +80,11 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     return stored
 
 
-def _my_batches(count: int, batch_size: int, world: World) -> list[int]:
+def _my_batches(count: int, batch_size: int, ranks: Ranks) -> list[int]:
     """First indices of the batches of `batch_size` prompts this rank runs (every N-th batch): a batch is the
     same computation whichever rank runs it."""
     starts = list(range(0, count, batch_size))
-    return [starts[i] for i in world.share(len(starts))]
+    return [starts[i] for i in ranks.share(len(starts))]
 
 
 def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_logprobs: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_
 
 
 def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_size: int,
-                 progress: bool = True, world: World = SINGLE) -> pd.DataFrame | None:
+                 progress: bool = True, ranks: Ranks = ONE_PROCESS) -> pd.DataFrame | None:
     """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle; prompts are
     run `batch_size` at a time (under several processes every N-th batch per rank, the rows gathered on rank 0
     in prompt order; None on the other ranks)."""
@@ -107,8 +107,8 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
     attention = "attention" in oracle
     rows = []
     bar = tqdm(total=len(prompts), desc=f"compare ({handoff.mode})", unit="prompt",
-               disable=not progress or not world.main)
-    for start in _my_batches(len(prompts), batch_size, world):
+               disable=not progress or not ranks.main)
+    for start in _my_batches(len(prompts), batch_size, ranks):
         batch = prompts[start : start + batch_size]
         rollouts = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()  # (B, horizon)
         captured = [] if attention else None
@@ -135,10 +135,10 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
                 rows[-1]["attention_cosine"] = cosine.sum(-1).tolist()  # (L_t,) sums over the m positions
         bar.update(len(batch))
     bar.close()
-    ranks = world.gather(rows)
-    if ranks is None:
+    per_rank = ranks.gather(rows)
+    if per_rank is None:
         return None
-    return pd.DataFrame(sorted((row for part in ranks for row in part), key=lambda row: row["prompt"]))
+    return pd.DataFrame(sorted((row for part in per_rank for row in part), key=lambda row: row["prompt"]))
 
 
 def summarize(rows: pd.DataFrame) -> dict[str, float]:

@@ -211,13 +211,10 @@ def environment(handoff: Handoff, repeats: int, warmup: int) -> dict:
     }
 
 
-def flat_metrics(rows: list[dict], env: dict) -> dict:
-    metrics = dict(env)
-    for row in rows:
-        for key, value in row.items():
-            if key != "length":
-                metrics[f"len{row['length']}_{key}"] = value
-    return metrics
+def length_metrics(rows: list[dict], env: dict) -> dict:
+    """The environment's figures, then each prompt length's row under `by_length/<tokens>/`."""
+    return {**env, "by_length": {str(row["length"]): {key: value for key, value in row.items() if key != "length"}
+                                 for row in rows}}
 
 
 def format_table(rows: list[dict], env: dict) -> str:

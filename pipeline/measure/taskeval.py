@@ -20,6 +20,10 @@ from lm_eval.tasks import TaskManager
 from pipeline.measure.tasks import write_task_config
 
 PREFIX = "kvh_"
+NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (../shared/PROTOCOL.md), as V0 did
+# > 0 asks lm-eval for each metric's stderr; acc and acc_norm are means, whose stderr lm-eval computes in
+# closed form, so the count itself changes no figure: a switch, not a parameter
+STDERR_BOOTSTRAP = 1000
 ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
 
 
@@ -55,10 +59,10 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
             model=lm,
             tasks=[PREFIX + task for task in files],
             task_manager=TaskManager(include_path=folder),
-            num_fewshot=0,
+            num_fewshot=NUM_FEWSHOT,
             log_samples=True,
             cache_requests=False,
-            bootstrap_iters=1000,
+            bootstrap_iters=STDERR_BOOTSTRAP,
         )
     if out is None:  # a rank other than 0: lm-eval gathered this rank's samples there
         return None, None

@@ -17,12 +17,13 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pipeline.store import paths
 from pipeline.store.cli import Refusal
 
 # One header key only: safetensors does not keep the order of metadata keys, and the bytes must be
@@ -33,6 +34,10 @@ _ZERO_DIGEST = "0" * 64
 
 class ArtifactError(Refusal, RuntimeError):
     """An artifact is missing, truncated, corrupted or not what the reader expects."""
+
+
+class ControlsNotPassed(Refusal, RuntimeError):
+    """The controls have not run, or one failed: nothing is evaluated (the user reruns or fixes the pair)."""
 
 
 @contextlib.contextmanager
@@ -80,19 +85,37 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(out.fileno())
 
 
+def nested(flat: Mapping[str, Any]) -> dict:
+    """Metrics with `group/name/key` keys as nested mappings ({"group": {"name": {"key": ...}}}): what a stage
+    writes, so a reader indexes them instead of parsing key strings (`dvc metrics show` flattens them again)."""
+    out: dict = {}
+    for key, value in flat.items():
+        *groups, leaf = key.split("/")
+        node = out
+        for group in groups:
+            node = node.setdefault(group, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"metric {key!r}: {group!r} is both a value and a group")
+        if leaf in node:
+            raise ValueError(f"metric {key!r}: {leaf!r} is already a group")
+        node[leaf] = value
+    return out
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def require_controls_passed(path: str | os.PathLike = "metrics/controls.json") -> None:
+def require_controls_passed(path: str | os.PathLike = paths.CONTROLS) -> None:
     """Refuse to go on unless the controls stage wrote `path` and every control in it passed."""
     path = Path(path)
     if not path.is_file():
-        raise RuntimeError(f"{path} not found: run the controls stage before evaluating")
+        raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
     failed = [name for name, entry in json.loads(path.read_text()).items()
               if isinstance(entry, dict) and not entry.get("passed", False)]
     if failed:
-        raise RuntimeError(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass")
+        raise ControlsNotPassed(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass; "
+                                f"see {path}")
 
 
 def _header(raw: bytes, path: Path) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from typing import Callable
 
@@ -42,7 +43,9 @@ def entry(main: Callable[[list[str]], object]) -> None:
         raise SystemExit(2) from None
 
 
-def md_table(header: list[str], rows: list[list[object]]) -> list[str]:
-    """A Markdown table's lines: header, separator, one line per row (cells already formatted)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+def run_stage(module: str, *args: str) -> None:
+    """Another stage's own command, `python -m <module> args...`, in a fresh process with its output silenced: a
+    stage's narrow refit or scratch extraction runs exactly the code the pipeline runs. A failure stops the
+    caller. Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py reads it from
+    the call, so the caller's dvc.yaml deps list that stage's modules."""
+    subprocess.run([sys.executable, "-m", module, *args], check=True, stdout=subprocess.DEVNULL)

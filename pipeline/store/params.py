@@ -1,36 +1,67 @@
-"""Typed, validated parameters: each stage parses the sections of params.yaml it reads into dataclasses.
+"""Typed, validated parameters: each stage parses the sections of params.yaml it reads into pydantic models.
 
-Validation happens when a stage starts: unknown keys, missing keys, wrong types and out-of-range values are
-errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`). Values live only in params.yaml
-(composed from conf/): a parameter dataclass declares types, ranges and choices (`spec(...)`), never a
-default, so every field must be present; `null` is a value where the type allows it.
+Values live only in params.yaml (composed from conf/): a parameter class (a `Params` subclass, in the module
+of the stage that reads it) declares types, ranges (`Field(ge=..., gt=...)`, or the shared annotated types
+below) and choices (`Literal`), never a default, so every field must be present; `null` is a value where the
+type allows it. Unknown keys, missing keys, wrong types, out-of-range values and broken rules between keys
+are errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`).
+
+Why pydantic: it is already in the stack (via lm-eval and dvc), it validates nested models, lists, tuples and
+mappings with the exact location of each error, and its validators put the rules between keys (a section's
+`model_validator`, the whole file's in `pipeline.check_params`) beside the fields they read, so the whole-file
+check sees every rule a stage would otherwise find only when it runs. The models are strict (no "3" for 3, no
+true for 1; an integer is accepted as a float) and refuse NaN and infinities.
+
+How errors map: `parse` turns pydantic's ValidationError into one `ParamError` (a `Refusal`: one line, exit 2)
+from its first error (an unknown key first, since a misspelt key also leaves its real name missing): the
+error's `loc` becomes the dotted key with list indices (`fit.mlp.ks[0]`), its type the sentence after the
+colon (`missing` -> "missing parameter", `extra_forbidden` -> "unknown parameter (known: ...)", `int_type` ->
+"expected an integer", `greater_than_equal` -> "expected a number >= ...", `too_short` -> "expected at least
+one value", `literal_error` -> "expected one of ..."). A validator raising `ParamError` writes its own whole
+line (it names the keys it compares); a plain ValueError from a field's validator is prefixed with its key.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Mapping, TypeVar, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from pipeline.store.cli import Refusal
 
-T = TypeVar("T")
+T = TypeVar("T", bound=BaseModel)
 PARAMS_FILE = Path("params.yaml")
+MISSING = "missing parameter (every parameter is set in params.yaml / conf/)"
 
 
 class ParamError(Refusal, ValueError):
-    pass
+    """A parameter the user sets is wrong: one line naming the key, exit 2."""
 
 
-def spec(*, min: float | None = None, max: float | None = None, positive: bool = False,
-         nonempty: bool = False) -> Any:
-    """A required dataclass field with a declared range; `positive` means > 0, `nonempty` a list of at least
-    one value."""
-    return dataclasses.field(metadata={"min": min, "max": max, "positive": positive, "nonempty": nonempty})
+class Params(BaseModel):
+    """A section of params.yaml (or a part of one): every key declared, required and checked."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _pair(value: Any) -> Any:
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return tuple(value)  # YAML has no tuples; strict validation then checks both items
+    raise ValueError(f"expected a list of 2 values, got {value!r}")
+
+
+# the shared shapes of parameters: one declaration for what several stages read the same way
+Threads = Annotated[int, Field(ge=1)]  # torch CPU threads of a stage process
+Processes = Annotated[int, Field(ge=1)]  # torchrun processes of a stage (store.ranks)
+Positive = Annotated[int, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Share = Annotated[float, Field(ge=0, le=1)]
+Pair = Annotated[tuple[int, int], BeforeValidator(_pair)]  # an inclusive range (low, high) written [low, high]
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 def read_params(path: str | Path = PARAMS_FILE) -> dict:
@@ -59,85 +90,61 @@ def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
 
 
 def parse(cls: type[T], data: Any, where: str) -> T:
+    """`data` validated as `cls`; `where` is its dotted key in params.yaml ("" for the whole file)."""
     if not isinstance(data, Mapping):
         raise ParamError(f"{where}: expected a mapping, got {data!r}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ParamError(f"{where}.{unknown[0]}: unknown parameter (known: {', '.join(fields)})")
-    values = {}
-    for name, field in fields.items():
-        key = f"{where}.{name}"
-        if name not in data:
-            raise ParamError(f"{key}: missing parameter (every parameter is set in params.yaml / conf/)")
-        values[name] = _check_range(_convert(hints[name], data[name], key), field.metadata, key)
-    return cls(**values)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        errors = err.errors()
+        first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        raise ParamError(_line(cls, first, where)) from None
 
 
-def _convert(hint: Any, value: Any, key: str) -> Any:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _convert(option, value, key)
-            except ParamError as err:
-                errors.append(str(err))
-        raise ParamError(errors[0])
-    if origin is Literal:
-        if value not in args:
-            raise ParamError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ParamError(f"{key}: expected a list, got {value!r}")
-        return [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ParamError(f"{key}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_convert(hint_i, item, f"{key}[{i}]") for i, (hint_i, item) in enumerate(zip(args, value)))
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ParamError(f"{key}: expected a mapping, got {value!r}")
-        return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        return parse(hint, value, key)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ParamError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ParamError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ParamError(f"{key}: expected a finite number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ParamError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"{key}: unsupported parameter type {hint!r}")
+def _line(cls: type[BaseModel], error: Mapping, where: str) -> str:
+    loc, kind, ctx, value = error["loc"], error["type"], error.get("ctx") or {}, error["input"]
+    key = where + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    key = key.lstrip(".")
+    if kind == "value_error" and isinstance(ctx.get("error"), ParamError):
+        return str(ctx["error"])
+    if kind == "missing":
+        return f"{key}: {MISSING}"
+    if kind == "extra_forbidden":
+        return f"{key}: unknown parameter (known: {', '.join(_fields_at(cls, loc[:-1]))})"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        bound = next(iter(ctx.values()))  # a float field's bound comes back a float: `>= 0`, not `>= 0.0`
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        return f"{key}: expected a number {bounds[kind]} {bound}, got {value!r}"
+    if kind == "literal_error":
+        return f"{key}: expected one of {', '.join(ctx['expected'].rsplit(' or ', 1))}, got {value!r}"
+    if kind == "value_error":
+        return f"{key}: {ctx['error']}"
+    if kind == "too_short":
+        return f"{key}: expected at least one value, got an empty list"
+    expected = {"int_type": "an integer", "float_type": "a finite number", "finite_number": "a finite number",
+                "bool_type": "true or false", "string_type": "a string", "list_type": "a list",
+                "dict_type": "a mapping", "model_type": "a mapping"}
+    return f"{key}: expected {expected.get(kind, error['msg'])}, got {value!r}"
 
 
-def _check_range(value: Any, metadata: Mapping, key: str) -> Any:
-    if metadata.get("nonempty") and isinstance(value, (list, tuple)) and not value:
-        raise ParamError(f"{key}: expected at least one value, got an empty list")
-    items = value if isinstance(value, (list, tuple)) else [value]
-    for i, item in enumerate(items):
-        if not isinstance(item, (int, float)) or isinstance(item, bool):
-            continue
-        name = f"{key}[{i}]" if isinstance(value, (list, tuple)) else key
-        low, high = metadata.get("min"), metadata.get("max")
-        if metadata.get("positive") and not item > 0:
-            raise ParamError(f"{name}: expected a number > 0, got {item!r}")
-        if low is not None and item < low:
-            raise ParamError(f"{name}: expected a number >= {low}, got {item!r}")
-        if high is not None and item > high:
-            raise ParamError(f"{name}: expected a number <= {high}, got {item!r}")
-    return value
+def _fields_at(cls: type[BaseModel], loc: tuple) -> list[str]:
+    """The declared keys of the model at `loc` under `cls`."""
+    hint: Any = cls
+    for part in loc:
+        hint = _unwrap(hint)
+        if isinstance(part, str) and isinstance(hint, type) and issubclass(hint, BaseModel):
+            hint = hint.model_fields[part].annotation
+        else:  # a list index or a mapping's key: the item type
+            hint = get_args(hint)[-1]
+    return list(_unwrap(hint).model_fields)
+
+
+def _unwrap(hint: Any) -> Any:
+    while True:
+        if get_origin(hint) is Annotated:
+            hint = get_args(hint)[0]
+        elif get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(arg for arg in get_args(hint) if arg is not type(None))
+        else:
+            return hint

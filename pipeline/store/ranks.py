@@ -2,26 +2,40 @@
 (as `torchrun` and `accelerate launch` set them), gloo between CPU processes, NCCL between GPUs, rank r on
 device `cuda:<LOCAL_RANK>`.
 
-A stage whose `<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again through
+A stage's whole life among its processes is `stage_ranks` (a `with` block around its work): a stage whose
+`<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again through
 `torch.distributed.run --standalone --nproc_per_node N` (`relaunch`) and waits, so `dvc.yaml` keeps one command
-per stage and `dvc repro` stays the only verb. `--standalone` picks a free rendezvous port, so concurrent
-experiments (DVC's queue) do not collide. One process is the world of size 1: every helper is then a no-op.
+per stage and `dvc repro` stays the only verb; `--standalone` picks a free rendezvous port, so concurrent
+experiments (DVC's queue) do not collide. Each process then joins the process group, runs the stage and writes
+its metrics through `Stage.write_metrics` (rank 0 writes, with every rank's usage figures). One process is
+`Ranks` of size 1: every helper is then a no-op.
 
-Work is split by index (`World.share`: rank r takes items r, r+N, ...) and results come back to rank 0 as
+Work is split by index (`Ranks.share`: rank r takes items r, r+N, ...) and results come back to rank 0 as
 Python objects (`gather`), which puts them in a fixed order, so a stage can write exactly what one process
 writes.
+
+A rank that fails ends its process at once, without the process group's orderly teardown (NCCL's waits for
+every rank); torchrun's agent then ends the other ranks (SIGTERM) and the stage exits non-zero, so a dead rank
+never leaves the others waiting in a collective. No timeout is needed for that (gloo's and NCCL's own are
+minutes long); on gloo a rank also sees a dead peer's closed connection at its next collective.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from pipeline.store.artifacts import nested, write_json_atomic
 from pipeline.store.cli import Refusal
+from pipeline.store.devices import StageUsage, usage_of_ranks
 
 LAUNCHED = "WORLD_SIZE"  # set by torchrun / accelerate launch in every process they start
 
@@ -31,8 +45,8 @@ class TooManyProcessesError(Refusal, RuntimeError):
 
 
 @dataclass(frozen=True)
-class World:
-    """This process's place among the stage's processes."""
+class Ranks:
+    """The stage's processes as this one sees them: its rank, how many there are, its GPU on this machine."""
 
     rank: int
     size: int
@@ -84,46 +98,95 @@ class World:
         return device
 
 
-SINGLE = World(0, 1, 0)
+ONE_PROCESS = Ranks(0, 1, 0)
+
+
+class Stage:
+    """One stage's run in this process: its `ranks`, the `device` this rank runs on and what it used of it
+    (`StageUsage`, started when the stage joined)."""
+
+    def __init__(self, ranks: Ranks, device: str):
+        self.ranks = ranks
+        self.device = ranks.device(device)
+        self.usage = StageUsage(self.device)
+
+    def write_metrics(self, path: str | os.PathLike, metrics: dict) -> dict | None:
+        """The stage's metrics JSON, written by rank 0 with the usage figures of every rank (`usage_of_ranks`)
+        after `metrics`' own keys, `group/name/key` keys nested (`artifacts.nested`), and its top-level figures
+        printed. Every rank calls it (the
+        figures are gathered); rank 0 gets the metrics written, the others None."""
+        figures = self.ranks.gather(self.usage.figures())
+        if not self.ranks.main:
+            return None
+        metrics = nested({**metrics, **usage_of_ranks(figures)})
+        write_json_atomic(Path(path), metrics)
+        print(json.dumps({key: value for key, value in metrics.items() if not isinstance(value, dict)}, indent=2))
+        return metrics
 
 
 def launched() -> bool:
     return LAUNCHED in os.environ
 
 
-def relaunch(processes: int, module: str, argv: list[str]) -> bool:
+def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes,
-    wait for them and return True (the caller is done; a failed rank raises SystemExit with its status).
-    Otherwise return False: the caller does the work itself."""
+    wait for them and return True (the caller is done; a failed rank raises SystemExit with its status, after
+    torchrun's report of which rank failed first). Otherwise return False: the caller does the work itself."""
     if processes == 1 or launched():
         return False
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                "-m", module, *argv]
     status = subprocess.run(command).returncode
     if status != 0:
+        print(f"error: {module} failed on one of its {processes} processes (exit status {status}) and torchrun "
+              f"ended the others; its report above names the rank that failed first", file=sys.stderr)
         raise SystemExit(status)
     return True
 
 
-def join(device: str) -> World:
-    """This process's `World`: from the launcher's environment, with the process group started (NCCL for a CUDA
+def join(device: str) -> Ranks:
+    """This process's `Ranks`: from the launcher's environment, with the process group started (NCCL for a CUDA
     device, else gloo); the single process when not launched."""
     if not launched():
-        return SINGLE
-    world = World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-    if world.size > 1 and not dist.is_initialized():
+        return ONE_PROCESS
+    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    if ranks.size > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
-            if world.local_rank >= torch.cuda.device_count():
+            if ranks.local_rank >= torch.cuda.device_count():
                 raise TooManyProcessesError(
-                    f"process {world.local_rank} of this machine has no GPU of its own ({torch.cuda.device_count()} "
+                    f"process {ranks.local_rank} of this machine has no GPU of its own ({torch.cuda.device_count()} "
                     f"visible); lower <stage>.processes to at most the number of GPUs")
-            torch.cuda.set_device(world.local_rank)
+            torch.cuda.set_device(ranks.local_rank)
         dist.init_process_group(backend)
-    return world
+    return ranks
 
 
-def leave(world: World) -> None:
+def leave(ranks: Ranks) -> None:
     """End the process group (after the last collective)."""
-    if world.size > 1 and dist.is_initialized():
+    if ranks.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextmanager
+def stage_ranks(device: str, processes: int = 1, module: str | None = None,
+                argv: Sequence[str] = ()) -> Iterator[Stage | None]:
+    """A stage's life among its processes, around its work: relaunch under torchrun when `processes` > 1 and no
+    launcher started this one (the block then gets None and the caller is done: its processes did the work), else
+    join the process group (as `module` under any launcher), start the usage figures and give the block its
+    `Stage`; leave the group when the block ends.
+
+    A stage without `module` always runs as one process: no relaunch and no process group, only its `Stage`."""
+    if module is None:
+        if processes != 1:
+            raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
+        yield Stage(ONE_PROCESS, device)
+        return
+    if relaunch(processes, module, argv):
+        yield None
+        return
+    ranks = join(device)
+    # a block that fails raises here and skips the orderly teardown on purpose: NCCL's waits for every rank, some
+    # of them still in a collective, while ending this process lets torchrun end them (the module's docstring)
+    yield Stage(ranks, device)
+    leave(ranks)

@@ -13,7 +13,6 @@ the argmax, `acc_norm` the argmax after dividing by the choice's character lengt
 
 import math
 import time
-from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
@@ -21,29 +20,29 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from pipeline.store.params import Count, Params, Positive, PositiveFloat, Share
 from pipeline.tiny.world import render_hellaswag, render_piqa
 
 RENDER = {"hellaswag": render_hellaswag, "piqa": render_piqa}
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rope_theta: float
-    max_positions: int
-    copy_steps: int  # phase 1: copy documents only
-    mixed_steps: int  # phase 2: the whole corpus
-    lr: float
-    warmup: int
-    min_lr_ratio: float
-    batch: int
+class TrainConfig(Params):
+    layers: Positive
+    hidden: Positive
+    intermediate: Positive
+    heads: Positive
+    kv_heads: Positive
+    head_dim: Positive
+    rope_theta: PositiveFloat
+    max_positions: Positive
+    copy_steps: Count  # phase 1: copy documents only
+    mixed_steps: Count  # phase 2: the whole corpus
+    lr: PositiveFloat
+    warmup: Count
+    min_lr_ratio: Share
+    batch: Positive
     seed: int
-    eval_every: int
+    eval_every: Positive
 
 
 def build_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
@@ -97,8 +96,8 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
     sampler = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total = cfg.copy_steps + cfg.mixed_steps
-    stats = {"config": {**asdict(cfg), "threads": threads}, "parameters": sum(p.numel() for p in model.parameters()),
-             "loss": [], "dev": []}
+    stats = {"config": {**cfg.model_dump(), "threads": threads},
+             "parameters": sum(p.numel() for p in model.parameters()), "loss": [], "dev": []}
     started, eval_seconds, running = time.perf_counter(), 0.0, None
     bar = tqdm(range(total), desc=f"train h{cfg.hidden}", mininterval=5)
     for step in bar:

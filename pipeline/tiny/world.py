@@ -33,7 +33,9 @@ import random
 from dataclasses import dataclass
 
 import pandas as pd
+from pydantic import ConfigDict, model_validator
 
+from pipeline.store.params import Pair, Params, Positive, Share
 from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
 
 NAMES = (
@@ -60,36 +62,38 @@ OBJECT_CLASSES = 4  # the town of a name depends on its object's index modulo th
 HELLASWAG_LABEL = "story"
 
 
-@dataclass(frozen=True)
-class WorldConfig:
+class WorldConfig(Params):
     """Everything the generator draws from (params.yaml `data.world`); ranges are inclusive (low, high)."""
 
+    model_config = ConfigDict(frozen=True)
     seed: int
-    corpus_docs: int
-    story_share: float
-    qa_share: float
-    bio_share: float  # the rest of the corpus is copy documents
-    facts: tuple[int, int]
-    story_statements: tuple[int, int]
-    context_statements: tuple[int, int]  # statements between the facts and an item's query
-    repeat_share: float  # of statements; the rest introduce a new name
-    knowledge_doc_share: float  # story documents that state one or two global facts
-    bio_lines: tuple[int, int]
-    copy_words: tuple[int, int]
-    recall_share: float
-    gist_share: float  # of items and of qa documents; the rest are knowledge
+    corpus_docs: Positive
+    story_share: Share
+    qa_share: Share
+    bio_share: Share  # the rest of the corpus is copy documents
+    facts: Pair
+    story_statements: Pair
+    context_statements: Pair  # statements between the facts and an item's query
+    repeat_share: Share  # of statements; the rest introduce a new name
+    knowledge_doc_share: Share  # story documents that state one or two global facts
+    bio_lines: Pair
+    copy_words: Pair
+    recall_share: Share
+    gist_share: Share  # of items and of qa documents; the rest are knowledge
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _consistent(self) -> "WorldConfig":
         for name in ("facts", "story_statements", "context_statements", "bio_lines", "copy_words"):
             low, high = getattr(self, name)
             if not 0 <= low <= high:
-                raise ValueError(f"WorldConfig.{name} must be a range (low, high) with 0 <= low <= high, "
-                                 f"got {(low, high)}")
+                raise ValueError(f"{name} must be a range [low, high] with 0 <= low <= high, got {[low, high]}")
         if self.facts[0] < 4 or self.facts[1] > len(OBJECTS):
-            raise ValueError(f"WorldConfig.facts must lie in [4, {len(OBJECTS)}] (distractors need 3 other facts), "
-                             f"got {self.facts}")
+            raise ValueError(f"facts must lie in [4, {len(OBJECTS)}] (distractors need 3 other facts), "
+                             f"got {list(self.facts)}")
         if self.story_share + self.qa_share + self.bio_share > 1 or self.recall_share + self.gist_share > 1:
-            raise ValueError("WorldConfig shares of corpus kinds and of item kinds must each sum to at most 1")
+            raise ValueError("the shares of corpus kinds (story, qa, bio) and of item kinds (recall, gist) must "
+                             "each sum to at most 1")
+        return self
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""Every artifact path the stages share, named once.
+
+A stage writes a file here and another reads it: both take the name from this module, and dvc.yaml spells the
+same paths in its deps and outs (tests/test_dvc_yaml.py reads them from there). Paths are relative to the
+repository root, where `dvc repro` runs every stage.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+PARAMS = Path("params.yaml")
+
+# data/: the splits (one parquet per split) and the task items (one parquet per task and part)
+DATA = Path("data")
+TOKENIZER = DATA / "tokenizer"
+CALIBRATION_POOL = DATA / "calibration.parquet"
+EVAL_PROMPTS = DATA / "eval.parquet"
+
+# models/: the pair, its pins, every fitted map and the selected one
+MODELS = Path("models")
+PINS = MODELS / "pins.json"
+MAPPERS = MODELS / "mappers"
+SELECTED_MAPPER = MODELS / "mapper.safetensors"
+
+# caches/: each model's RoPE-stripped caches over the fit and select splits
+CACHES = Path("caches")
+
+# eval/: per-prompt and per-item results of every evaluation
+EVAL = Path("eval")
+ORACLE_OUTPUTS = EVAL / "oracle_outputs.safetensors"
+CANDIDATE_ITEMS = EVAL / "candidates"
+CALIBRATION_ITEMS = EVAL / "calibration"
+LENGTH_ROWS = EVAL / "length"
+
+# metrics/: small JSON kept in git, compared by `dvc metrics diff`
+METRICS = Path("metrics")
+PARAMS_CHECK = METRICS / "params_check.json"
+MODEL_SCORES = METRICS / "models.json"
+FIT = METRICS / "fit.json"
+SELECT = METRICS / "select.json"
+CONTROLS = METRICS / "controls.json"
+CONTROLS_USAGE = METRICS / "controls_usage.json"
+VARIANT_METRICS = METRICS / "eval"
+CANDIDATES = METRICS / "candidates.json"
+CALIBRATION = METRICS / "calibration"
+LENGTH = METRICS / "length.json"
+LATENCY = METRICS / "latency.json"
+REPORT = METRICS / "report.json"
+HEADLINE = METRICS / "headline"
+
+# what people read: the report, its figures, and the tables `dvc plots` draws
+REPORT_MD = Path("report.md")
+FIGURES = Path("report")
+PLOTS = Path("plots")
+
+
+def model(side: str) -> Path:
+    """The folder of one side of the pair (`source` or `target`): weights, config and tokenizer, or a pointer."""
+    return MODELS / side
+
+
+def split(name: str) -> Path:
+    """One sequence split (fit, select, eval, calibration) under data/."""
+    return DATA / f"{name}.parquet"
+
+
+def task_items(task: str, part: str) -> Path:
+    """One task's items of one part (`dev` or `eval`) under data/."""
+    return DATA / f"{task}_{part}.parquet"
+
+
+def length_rows(space: str, length: int, folder: Path = LENGTH_ROWS) -> Path:
+    """The length study's per-prompt rows of one key space at one prompt length (in `folder` while staged)."""
+    return folder / f"{space}_L{length}.parquet"
+
+
+def variant_metrics(variant: str) -> Path:
+    return VARIANT_METRICS / f"{variant}.json"

@@ -1,0 +1,116 @@
+"""The whole-file check: the rules between parameters (and a section's own rules) stop `check_params`, before
+any stage runs, with one line naming the key; the committed file and every profile pass them."""
+import json
+
+import pytest
+import yaml
+from conftest import ROOT, merge
+
+from pipeline import check_params
+from pipeline.check_params import check, mapper_files
+from pipeline.fit import FitParams
+from pipeline.store.params import ParamError, parse
+
+
+def committed_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+# (overrides merged into the committed params.yaml, the line the check must print)
+RULES = {
+    "calibration candidate outside the fit grid": (
+        {"calibration": {"candidates": ["linear_k1_lam0.001", "mlp_k9"]}},
+        r"^calibration\.candidates: 'mlp_k9' is not a map of the fit grid \(.*: linear_k1_lam1e-05, "),
+    "length candidate outside the fit grid": (
+        {"length": {"candidate": "linear_k2_lam0.001"}}, r"^length\.candidate: 'linear_k2_lam0\.001' is not a map"),
+    "calibration size beyond the pool": (
+        {"calibration": {"sizes": [10, 500]}},
+        r"^calibration\.sizes: 500 sequences, but data\.calibration_sequences is 200"),
+    "evaluated mapper no stage writes": (
+        {"evaluate": {"mapped": {"mapped_k3": "models/best/mapped_k5.safetensors"}}},
+        r"^evaluate\.mapped\.mapped_k3: models/best/mapped_k5\.safetensors is not written by fit or select"),
+    "best-per-k mapper without the linear family": (
+        {"fit": {"families": ["head_matched"]}, "calibration": {"candidates": ["mlp_k3"]},
+         "length": {"candidate": "head_matched_k1_lam0.001"}},
+        r"^evaluate\.mapped\.mapped_k1: models/best/mapped_k1\.safetensors is not written"),
+    "timed mapper no stage writes": (
+        {"latency": {"mapper": "models/mapper.pt"}}, r"^latency\.mapper: models/mapper\.pt is not written"),
+    "report variant that is not evaluated": (
+        {"report": {"mapped_variant": "chosen"}}, r"^report\.mapped_variant: 'chosen' is not a variant of evaluate"),
+    "trained pair without its settings": (
+        {"train": {"source": None}}, r"^train\.source and train\.target: required when models\.kind is 'trained'"),
+    "k beyond the trained source's layers": (
+        {"fit": {"ks": [1, 4]}}, r"^fit\.ks: k=4 exceeds the source's 3 layers"),
+    "mlp k beyond the source's layers": (
+        {"fit": {"mlp": {"ks": [5]}}}, r"^fit\.mlp\.ks: k=5 exceeds the source's 3 layers"),
+    "k beyond a random shape's layers": (
+        {"models": {"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b"},
+         "fit": {"ks": [1, 29]}}, r"^fit\.ks: k=29 exceeds the source's 28 layers \(random qwen3-0\.6b\)"),
+    "split fit reads that extract skips": (
+        {"extract": {"splits": ["fit"]}}, r"^extract\.splits: the fit stage reads the 'select' caches"),
+    # a section's own rules, between its keys
+    "calibration pool smaller than the fit split": (
+        {"data": {"calibration_sequences": 10}}, r"^data\.calibration_sequences: 10 is fewer than data\.fit_sequences"),
+    "every eval item of generated data": (
+        {"data": {"eval_items": None}}, r"^data\.eval_items: null \(every item\) needs real task data"),
+    "generated data without its world": ({"data": {"world": None}}, r"^data\.world: required when data\.kind is"),
+    "hub dataset from nowhere": (
+        {"data": {"kind": "hub", "world": None, "eval_items": None, "tokenizer": "Qwen/Qwen3-1.7B",
+                  **{name: {"dataset": "d", "config": None, "split": "train", "path": None, "labels_path": None}
+                     for name in ("corpus", "hellaswag")},
+                  "piqa": {"dataset": None, "config": None, "split": "train", "path": None, "labels_path": None}}},
+        r"^data\.piqa: give a hub `dataset` or a local `path`$"),
+    "world shares above one": (
+        {"data": {"world": {"story_share": 0.6}}}, r"^data\.world: the shares of corpus kinds .* at most 1"),
+    "world range upside down": (
+        {"data": {"world": {"copy_words": [30, 10]}}}, r"^data\.world: copy_words must be a range \[low, high\]"),
+    "random model on a device map": (
+        {"models": {"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b", "device_map": "auto"}},
+        r"^models\.device_map: 'auto' needs a checkpoint"),
+    "unknown baseline": ({"evaluate": {"baselines": ["direct", "oracle2"]}}, r"^evaluate\.baselines: unknown variant"),
+    "mapped variant named as a baseline": (
+        {"evaluate": {"mapped": {"zero": "models/mapper.safetensors"}}},
+        r"^evaluate\.mapped\.zero: a mapped variant cannot take a baseline's name"),
+    "unknown bound pair": ({"candidates": {"bound_pair": "qwen3-99b"}}, r"^candidates\.bound_pair: unknown pair"),
+    "repeated latency length": ({"latency": {"lengths": [128, 128]}}, r"^latency\.lengths: repeated prompt length"),
+}
+
+
+def test_the_committed_file_passes_every_rule():
+    assert check(committed_params()) == ["profile", *check_params.SECTIONS]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_each_rule_between_parameters_is_one_line_naming_the_key(rule):
+    overrides, message = RULES[rule]
+    with pytest.raises(ParamError, match=message) as caught:
+        check(merge(committed_params(), overrides))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_each_rule_stops_the_check_params_stage_before_any_stage_runs(rule, tmp_path, monkeypatch):
+    overrides, message = RULES[rule]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(merge(committed_params(), overrides), sort_keys=False))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ParamError, match=message):
+        check_params.main([])
+    assert not (tmp_path / "metrics").exists()
+
+
+def test_the_stage_writes_the_sections_checked(tmp_path, monkeypatch, capsys):
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    check_params.main([])
+    result = json.loads((tmp_path / check_params.OUTPUT).read_text())
+    assert result == {"valid": True, "checked": ["profile", *check_params.SECTIONS]}
+    assert json.loads(capsys.readouterr().out) == result
+
+
+def test_the_mapper_files_are_selects_choice_the_best_per_k_and_every_fitted_candidate():
+    fit = parse(FitParams, committed_params()["fit"], "fit")
+    files = mapper_files(fit)
+    assert files[:3] == ["models/mapper.safetensors", "models/best/mapped_k1.safetensors",
+                         "models/best/mapped_k3.safetensors"]
+    assert {f"models/mappers/{name}.safetensors" for name in ["linear_k1_lam0.001", "head_matched_k3_lam0.1",
+                                                              "mlp_k1", "mlp_k3"]} <= set(files)
