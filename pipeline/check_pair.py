@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     ks = args.ks or read_key("fit.ks")
     lengths = args.lengths or read_key("latency.lengths")
     hidden = args.mlp_hidden or read_key("fit.mlp.hidden")
-    max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else None)
     (source_config, source_tokenizer), (target_config, target_tokenizer) = read(args.source), read(args.target)
+    # without a params.yaml the run is as long as the models allow
+    max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
+        config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
     print(report(contract, source_config, target_config, ks, lengths, hidden))
     contract.require("mapped")

@@ -43,7 +43,7 @@ from pipeline.fitting.families import (
 )
 from pipeline.fitting.mlpfit import MlpSettings
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
-from pipeline.kv.contract import pair_contract, run_length
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.store import paths
@@ -271,8 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_ranks(models.torch_device, params.processes, "pipeline.fit", argv) as stage:
         if stage is None:  # its torchrun processes did the work
             return
-        contract = pair_contract(load_config(paths.model("target")), load_config(paths.model("source")),
-                                 max_tokens=run_length())
+        contract = pair_contract(load_config(paths.model("target")), load_config(paths.model("source")))
         skipped = {family: contract.families[family] for family in params.families
                    if not contract.family_defined(family)}
         metrics = run(caches / "source", caches / "target", paths.model("source"), paths.split("select"),

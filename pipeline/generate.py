@@ -90,6 +90,7 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
     tokens: list[int] = []
     ttft_ms = 0.0
     for step in range(max_new_tokens):
+        handoff.check_length(len(prompt) + step)
         logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
         token = pick(logits[0, -1], temperature, generator)  # int(): the device has finished the step
         if step == 0:

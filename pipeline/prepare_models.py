@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.kv.contract import pair_contract, run_length
+from pipeline.kv.contract import pair_contract
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
@@ -85,12 +85,12 @@ def record_random_pair(models: ModelsParams, seed: int) -> None:
 
 
 def check_contract() -> dict:
-    """Refuse the prepared pair now, from its configs and tokenizers, unless the mapped handoff is defined for it at
-    the longest sequence any stage will feed it (`kv.contract.run_length`); returns the modes the contract defines
-    (`direct` and `head_matched` need equal geometry, for instance)."""
+    """Refuse the prepared pair now, from its configs and tokenizers, unless the mapped handoff is defined for it;
+    returns the modes the contract defines (`direct` and `head_matched` need equal geometry, for instance). A
+    sliding window is checked where sequences are fed (extract at its sequences' length, every handoff at each
+    sequence's), so the profile's lengths are not this stage's parameters."""
     contract = pair_contract(load_config(str(MODELS / "target")), load_config(str(MODELS / "source")),
-                             load_tokenizer(str(MODELS / "target")), load_tokenizer(str(MODELS / "source")),
-                             run_length())
+                             load_tokenizer(str(MODELS / "target")), load_tokenizer(str(MODELS / "source")))
     contract.require("mapped")
     return {"modes": sorted(m for m in contract.modes if contract.defined(m)),
             "families": sorted(f for f in contract.families if contract.family_defined(f))}

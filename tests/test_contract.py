@@ -9,9 +9,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline import check_pair
 from pipeline.controls import rope_against_model
 from pipeline.fitting import ridge
-from pipeline.kv.contract import TESTED_FAMILIES, UnsupportedModelError, pair_contract, which_pairs_work
+from pipeline.kv.contract import (
+    TESTED_FAMILIES,
+    LongerThanWindowError,
+    UnsupportedModelError,
+    pair_contract,
+    which_pairs_work,
+)
 from pipeline.kv.flops import mapper_parameter_count
-from pipeline.kv.handoff import Handoff
+from pipeline.kv.handoff import Handoff, greedy_rollout
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
@@ -62,7 +68,6 @@ SUPPORTED = {
 }
 
 REFUSED = {  # the model, and what its refusal must name
-    "mistral-active-window": (lambda: config_of("mistral", head_dim=16, sliding_window=32), "sliding window of 32"),
     "qwen3-sliding-layers": (lambda: config_of("qwen3", head_dim=16, use_sliding_window=True, sliding_window=32,
                                                max_window_layers=1), "attention types per layer"),
     "gemma2": (lambda: config_of("gemma2", head_dim=16), "attention types per layer"),
@@ -140,6 +145,20 @@ def test_sliding_window_shorter_than_the_run_is_refused_and_a_longer_one_is_exac
     results = score_continuations(Handoff(model, max_tokens=44), requests, progress=False)
     for (score, _), reference in zip(results, _full_forward_scores(model, requests)):
         assert score == pytest.approx(reference, abs=1e-4)
+
+
+def test_without_a_run_length_a_windowed_model_is_accepted_and_each_longer_sequence_refused_when_it_comes():
+    model = random_of(config_of("mistral", head_dim=16, sliding_window=40))
+    handoff = Handoff(model)  # no run length: the window is checked sequence by sequence
+    short = [([5, 6, 7, 8], [9, 10])]
+    (score, _), = score_continuations(handoff, short, progress=False)
+    assert score == pytest.approx(_full_forward_scores(model, short)[0], abs=1e-4)
+    long = [(list(range(3, 41)), [4, 5, 6, 7])]  # the model reads 38 + 4 - 1 = 41 tokens: one past the window
+    with pytest.raises(LongerThanWindowError, match="41 tokens is longer than the sliding window \\(40 tokens\\)"):
+        score_continuations(handoff, long, progress=False)
+    with pytest.raises(LongerThanWindowError, match="longer than the sliding window"):
+        greedy_rollout(handoff, [list(range(3, 30))], steps=20)
+    assert Handoff(random_of(SUPPORTED["llama"]())).window is None  # no window, no limit
 
 
 def test_a_model_cast_to_bfloat16_after_loading_is_refused_naming_its_inv_freq():

@@ -11,8 +11,9 @@ Read from configs (and tokenizers when given) before any weight is loaded or any
 
 A model is understood when it is a full-attention decoder of a tested family whose cache is per layer
 (batch, kv_heads, tokens, head_dim), with RoPE whose frequencies do not depend on the sequence length; a
-sliding window counts only when it is shorter than the run (`run_length`, from params). Every other model is
-refused with one sentence naming it and every feature that refuses it, the one a run cannot work around first.
+sliding window counts only when it is shorter than the run (`run_length`, from params, for `check_pair`; at each
+stage the length it feeds; every handoff refuses a longer sequence when it comes). Every other model is refused
+with one sentence naming it and every feature that refuses it, the one a run cannot work around first.
 
 Tokenizers are compared only when both are there (a folder without tokenizer files gives none: see
 `store.models.load_tokenizer`); otherwise the verdict is `unchecked`, and what the configs say (vocabulary sizes,
@@ -41,15 +42,27 @@ class UnsupportedModelError(Refusal, ValueError):
     pass
 
 
-def active_window(config, max_tokens: int | None) -> int | None:
-    """The sliding window that masks attention at `max_tokens` (default: the model's position range), if any."""
+class LongerThanWindowError(Refusal, ValueError):
+    pass
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window that masks this model's attention, if any (one shorter than its position range)."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
-    return int(window) if int(window) < (max_tokens or config.max_position_embeddings) else None
+    return int(window) if int(window) < config.max_position_embeddings else None
+
+
+def active_window(config, max_tokens: int | None) -> int | None:
+    """The sliding window that masks attention within a run of `max_tokens`, if any. Without a run length
+    (None) no window is active here: the handoff then refuses each sequence longer than the window when it
+    comes (`Handoff.check_length`), so a run shorter than the window works and a longer one stops, naming it."""
+    window = sliding_window(config)
+    return window if window is not None and max_tokens is not None and window < max_tokens else None
 
 
 def _no_kv_heads(config, max_tokens):
@@ -74,9 +87,8 @@ def _active_window(config, max_tokens):
     window = active_window(config, max_tokens)
     if window is None:
         return None
-    return (f"has a sliding window of {window} tokens, active at {max_tokens or 'its'} "
-            f"{'tokens' if max_tokens else 'position range'}; run at most {window} tokens (the profile's lengths, "
-            f"kv.contract.run_length; check_pair --max-tokens) or use a full-attention model")
+    return (f"has a sliding window of {window} tokens, active at {max_tokens} tokens; run at most {window} tokens "
+            f"(the profile's lengths, kv.contract.run_length; check_pair --max-tokens) or use a full-attention model")
 
 
 def _rope(config, max_tokens):
@@ -119,12 +131,6 @@ def model_refusal(config, max_tokens: int | None = None) -> str | None:
     return f"{prefix} {details[0]}" + "".join(f"; it also {detail}" for detail in details[1:])
 
 
-# the params that bound the longest sequence a stage feeds the models (see `run_length`)
-RUN_LENGTH_KEYS = ("data.sequence_length", "data.prompt_length", "data.continuation_length", "select.prompt_fraction",
-                   "select.horizon", "evaluate.horizon", "controls.horizon", "length.prompt_lengths",
-                   "length.continuation", "length.horizon", "latency.lengths", "candidates.length")
-
-
 def run_length(params: dict | None = None) -> int:
     """The longest sequence any stage of this profile feeds the models, from params (default: params.yaml):
 
@@ -135,9 +141,10 @@ def run_length(params: dict | None = None) -> int:
         length study            the longest of length.prompt_lengths + its continuation or rollout
         latency, candidates      latency.lengths, candidates.length (prompt tokens)
 
-    A key that is null (a profile that does not use it) counts for nothing. The task items (HellaSwag, PIQA)
-    are not bounded by params, so the stages that score them still check their handoffs at the target's position
-    range (`kv.pair.Pair`, `Handoff` without max_tokens): fail closed, until a handoff refuses a longer item."""
+    A key that is null (a profile that does not use it) counts for nothing. `check_pair` reads it, to judge a
+    profile before any stage runs; the stages themselves check a window where they feed sequences (extract at its
+    sequences' length, every handoff sequence by sequence: the task items are bounded by no parameter), so no
+    stage reruns when a length it does not use changes."""
     params = read_params() if params is None else params
 
     def values(key: str) -> list[float]:

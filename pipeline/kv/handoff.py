@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from pipeline.kv.contract import pair_contract
+from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
 from pipeline.kv.mapper import Mapper
-from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.models import IncompatiblePairError
 
 MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
@@ -49,7 +49,8 @@ class Handoff:
                  tokenizers: tuple | None = None, max_tokens: int | None = None):
         """`tokenizers`: (source, target) tokenizers, compared by the contract when given (otherwise only the
         vocabulary sizes can be); `max_tokens`: the longest sequence this handoff will see (a sliding window
-        shorter than it is refused), by default the target's position range."""
+        shorter than it is refused now); without it a pair with a sliding window is accepted and every sequence
+        longer than the window is refused when it comes (`check_length`)."""
         check_mode(mode, source is not None, mapper is not None)
         self.target, self.source, self.mode, self.mapper, self.shuffle_seed = target, source, mode, mapper, shuffle_seed
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
@@ -57,6 +58,9 @@ class Handoff:
         self.contract = pair_contract(target.config, source.config if mode in SOURCE_MODES else None,
                                       target_tokenizer, source_tokenizer, max_tokens)
         self.contract.require(mode)
+        windows = [sliding_window(model.config) for model in (target, source if mode in SOURCE_MODES else None)
+                   if model is not None]
+        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
         self.target_spec = RotarySpec.from_model(target)
         self.target_geometry = kv_geometry(target.config)
         self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
@@ -79,6 +83,14 @@ class Handoff:
                 f"{self.source_geometry} vs {self.target_geometry}; use transfer=mapped with a fitted mapper"
             )
 
+    def check_length(self, tokens: int) -> None:
+        """Refuse a sequence of `tokens` longer than a sliding window of the pair: the model masks attention past
+        the window, a cache rebuilt from another model's does not, so the result would be silently wrong."""
+        if self.window is not None and tokens > self.window:
+            raise LongerThanWindowError(
+                f"a sequence of {tokens} tokens is longer than the sliding window ({self.window} tokens) of "
+                f"{model_name(self.target.config)!r} or its source: shorten the profile's lengths or drop the item")
+
     @property
     def device(self):
         return self.target.device
@@ -92,6 +104,7 @@ class Handoff:
         padded slots hold junk that `step_logprobs` masks out."""
         prefix_ids = prefix_ids.to(self.device)
         batch, length = prefix_ids.shape
+        self.check_length(length)
         if length == 0:
             return None
         mask = None if lengths is None else (torch.arange(length)[None] < lengths[:, None]).long()  # (B, P)
@@ -177,6 +190,7 @@ class Handoff:
         dtype = self.target.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         positions = prefix_lengths[:, None] + offsets  # (B, L)
+        self.check_length(int(positions[segments >= 0].max()) + 1 if (segments >= 0).any() else 0)
         cache = self.target_cache(layers, batch)
         logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                              attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
@@ -188,6 +202,8 @@ class Handoff:
         """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
         With `prefix_lengths` (B,) the cache rows are right-padded prefixes: the padded slots are masked out
         and row b's tokens sit at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+        width = 0 if layers is None else layers[0][0].shape[2]
+        self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.target_cache(layers, tokens.shape[0])
         options = {}
         if prefix_lengths is not None and layers is not None:
@@ -242,6 +258,7 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
         cache = DynamicCache(config=handoff.target.config)
     next_input = torch.tensor([[context[-1]] for context in contexts], device=handoff.device)  # (B, 1)
     mask = (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()  # (B, P): real prefix slots
+    handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
     tokens = []
     for step in range(steps):
         options = {}
@@ -306,6 +323,7 @@ def greedy_generate(
     generated: list[int] = []
     next_input = torch.tensor([[context[-1]]], device=handoff.device)
     for _ in range(max_new_tokens):
+        handoff.check_length(len(context) + len(generated))
         logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
         token = int(logits[0, -1].argmax())
         generated.append(token)
