@@ -29,14 +29,15 @@ def test_a_rank_runs_on_its_own_gpu_and_one_process_where_it_is_told():
     assert Ranks(1, 2, 1).device("cpu") == "cpu" and ONE_PROCESS.device("cuda") == "cuda"
 
 
-def test_a_one_process_stage_writes_its_metrics_with_its_usage_figures_beside(tmp_path, monkeypatch, capsys):
+def test_a_one_process_stage_writes_its_metrics_nested_with_its_usage_figures_beside(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with stage_ranks("cpu") as stage:
         assert stage.ranks == ONE_PROCESS and stage.device == "cpu"
         written = stage.write_metrics(tmp_path / "stage.json", {"score": 0.5, "per/layer": 1})
     assert json.loads((tmp_path / "stage.json").read_text()) == written
-    assert list(written)[:2] == ["score", "per/layer"] and written["device"] == "cpu" and "wall_s" in written
-    assert "per/layer" not in json.loads(capsys.readouterr().out)  # only the flat part is shown
+    assert list(written)[:2] == ["score", "per"] and written["per"] == {"layer": 1}  # `a/b` keys nest
+    assert written["device"] == "cpu" and "wall_s" in written
+    assert "per" not in json.loads(capsys.readouterr().out)  # only the top-level figures are shown
 
 
 def test_a_stage_that_runs_as_one_process_refuses_several():
