@@ -104,13 +104,29 @@ def periodic(periodic_model):
     return frozen(copy.deepcopy(periodic_model))
 
 
-def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pair):
+def start_map(source, target, family: str) -> Mapper:
+    """A random k=1 map of `family` for the pair (the mlp's hidden width 8)."""
+    if family != "mlp":
+        return random_mapper(source.config, target.config, k=1, family=family)
+    linear = random_mapper(source.config, target.config, k=1)
+    generator = torch.Generator().manual_seed(0)
+    width, (heads, dim) = linear.keys[0][0].shape[1], linear.keys[0][1].shape
+    tensors = lambda: (torch.randn(width, 8, generator=generator) / width**0.5, torch.zeros(8),  # noqa: E731
+                       torch.randn(heads, 8, dim, generator=generator) / 8**0.5, torch.zeros(heads, dim))
+    return replace(linear, family="mlp", keys=[tensors() for _ in linear.keys], values=[tensors() for _ in linear.keys])
+
+
+@pytest.mark.parametrize("family", ["linear", "head_matched", "mlp"])
+def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pair, family):
     target, source = random_pair
-    start = random_mapper(source.config, target.config, k=1)
+    start = start_map(source, target, family)
+    mapper = trainable(start, "cpu")
+    assert mapper.parameter_count() == start.parameter_count()
+    assert all(isinstance(t, torch.nn.Parameter) and t.dtype == torch.float32 for t in map_tensors(mapper))
     ids = torch.randint(0, VOCAB, (3, PREFIX), generator=torch.Generator().manual_seed(3))
     handed = Handoff(target, source, "mapped", start).prefix_layers(ids)
     rotation = Rotation(RotarySpec.from_model(target), torch.arange(PREFIX))
-    _, built = map_to_target(trainable(start, "cpu"), content_cache(source, ids), rotation, target.dtype)
+    _, built = map_to_target(mapper, content_cache(source, ids), rotation, target.dtype)
     for (keys, values), (keys_built, values_built) in zip(handed, built, strict=True):
         assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
 
@@ -133,16 +149,14 @@ def test_the_loss_gradient_matches_finite_differences_in_float64():
     target, source = float64_model(32, 1), float64_model(16, 2)
     start = random_mapper(source.config, target.config, k=1).to(dtype=torch.float64)
     mapper, handoff, batch = trainable(start, "cpu"), Handoff(target), random_rows(source, 4, 2)
-    key_weight = mapper.keys[0][0]  # (H_t, F, D_t): its first two input rows are checked, the rest held
 
-    def loss(key_weight_rows, key_bias, value_bias):
-        keys = [(torch.cat([key_weight_rows, key_weight[:, 2:]], dim=1), mapper.keys[0][1]),
-                (mapper.keys[1][0], key_bias)]
+    def loss(key_weight, key_bias, value_bias):
+        keys = [(key_weight, mapper.keys[0][1]), (mapper.keys[1][0], key_bias)]
         values = [(mapper.values[0][0], value_bias), mapper.values[1]]
         return losses(replace(mapper, keys=keys, values=values), batch, handoff, kv_weight=0.5).total
 
-    inputs = (key_weight[:, :2].detach().clone().requires_grad_(), mapper.keys[1][1], mapper.values[0][1])
-    assert all(t.dtype == torch.float64 and t.requires_grad for t in inputs)  # (2, 2, 8), (2, 8), (2, 8)
+    inputs = (mapper.keys[0][0], mapper.keys[1][1], mapper.values[0][1])  # (H_t, F, D_t) = (2, 16, 8), (2, 8), (2, 8)
+    assert all(t.dtype == torch.float64 and t.requires_grad for t in inputs)
     assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
@@ -173,6 +187,8 @@ def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(peri
         scored = losses(trainable(start, "cpu"), fit, Handoff(periodic), kv_weight=1.0)
     assert float(scored.kl.max()) < 1e-6 and float(scored.kv) < 1e-10
     distilled, history = distill(start, Splits(fit, periodic_rows(periodic, 2, 16)), periodic, settings(epochs=4))
+    # AdamW's first steps move every entry by about lr however small the gradient, so from an exact map the
+    # trained epochs score worse on select, and the select KL is what keeps the start
     assert history[0]["select_kl"] < 1e-6 and distilled.extra["distilled"]["select_kl"] <= history[0]["select_kl"]
     for moved, kept in zip(map_tensors(distilled), map_tensors(start), strict=True):
         assert (moved - kept).abs().max() < 1e-3
@@ -180,11 +196,12 @@ def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(peri
 
 @pytest.fixture(scope="module")
 def recovery(periodic):
-    """A noisy exact map distilled on periodic text: the map, its history, the test prompts before and after."""
+    """A noisy exact map distilled on periodic text by the KL alone: the start, the map, its history, and the
+    target's weights before."""
     start = with_noise(exact_map(periodic), 0.05, seed=5)
     before = {name: t.clone() for name, t in periodic.state_dict().items()}
-    splits = Splits(periodic_rows(periodic, 1, 64), periodic_rows(periodic, 2, 16))
-    distilled, history = distill(start, splits, periodic, settings())
+    splits = Splits(periodic_rows(periodic, 1, 256), periodic_rows(periodic, 2, 16))
+    distilled, history = distill(start, splits, periodic, settings(kv_weight=0.0, batch=64, epochs=60, patience=10))
     return dict(start=start, distilled=distilled, history=history, weights_before=before)
 
 
@@ -198,7 +215,7 @@ def decided_prompts(model, seed: int, rows: int, margin: float) -> Batch:
     return batch.take(torch.nonzero(top[:, 0] - top[:, 1] > margin).flatten().tolist())
 
 
-def test_from_a_noisy_exact_map_distillation_restores_agreement_and_cuts_the_kl_a_hundredfold(periodic, recovery):
+def test_from_a_noisy_exact_map_the_kl_alone_restores_agreement_and_cuts_the_kl_a_hundredfold(periodic, recovery):
     prompts, handoff = decided_prompts(periodic, 3, 48, margin=0.1), Handoff(periodic)
     before = evaluate(trainable(recovery["start"], "cpu"), prompts, handoff, batch=64)
     after = evaluate(trainable(recovery["distilled"], "cpu"), prompts, handoff, batch=64)
@@ -220,7 +237,7 @@ def test_the_distilled_map_saves_loads_and_hands_off_like_any_mapper(periodic, r
     assert distilled.parameter_count() == start.parameter_count() and distilled.family == start.family
     facts = distilled.extra["distilled"]
     assert facts["best_epoch"] == min(recovery["history"], key=lambda row: row["select_kl"])["epoch"] > 0
-    assert facts["steps"] == facts["epochs"] * 4 and facts["kv_weight"] == 1.0  # 64 fit rows, 16 a step
+    assert facts["steps"] == facts["epochs"] * 4 and facts["kv_weight"] == 0.0  # 256 fit rows, 64 a step
     save_mapper(distilled, tmp_path / "distilled.safetensors")
     loaded = load_mapper(tmp_path / "distilled.safetensors")
     assert loaded.extra == distilled.extra  # bit-identical tensors, and not the start's

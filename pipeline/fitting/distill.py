@@ -12,10 +12,11 @@ values are. One batch holds rows of equal prefix length, under the last-token pr
            + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
 
 Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require
-grad, so the gradient reaches the map alone and memory holds the map, its AdamW state and one batch's
-activations. Training stops early on the select rows' KL; the result is a `Mapper` of the start's family, so
-`save_mapper` and the handoff need nothing new. Bit-identical given the seed on one CPU device (seeded row
-order, deterministic algorithms; on CUDA these need CUBLAS_WORKSPACE_CONFIG set before torch starts).
+grad, so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy
+of it and one batch's activations. Training stops early on the select rows' KL; the result is a `Mapper` of
+the start's family, so `save_mapper` and the handoff need nothing new. Bit-identical given the seed and the
+thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
+CUBLAS_WORKSPACE_CONFIG set before torch starts).
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
 def map_to_target(mapper: Mapper, source: Layers, rotation: Rotation, dtype: torch.dtype) -> tuple[Layers, Layers]:
     """The mapped handoff's cache (rotated, `dtype`) and the target-space content it was rotated from, from the
     source's content cache: `Handoff.to_target`'s steps in mode `mapped`, with autograd left on."""
-    positions = torch.arange(rotation.tokens)
+    positions = torch.arange(rotation.tokens, device=source[0][0].device)  # (P,)
     content = [mapper.apply_layer(source, layer, positions) for layer in range(mapper.target_layers(source))]
     cache = [(rotation.apply(keys).to(dtype), values.to(dtype)) for keys, values in content]
     return content, cache
