@@ -168,12 +168,16 @@ def test_only_the_maps_parameters_receive_gradients(random_pair):
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in map_tensors(mapper))
 
 
-def test_a_target_that_still_requires_grad_or_a_map_with_nothing_to_train_is_refused(random_pair):
+def test_an_unfrozen_target_an_untrainable_map_and_no_work_to_do_are_refused(random_pair):
     target, source = random_pair
     start = random_mapper(source.config, target.config, k=1)
     splits = Splits(random_rows(source, 6, 2), random_rows(source, 7, 2))
     with pytest.raises(ValueError, match="must be frozen.*requires_grad_\\(False\\)"):
         distill(start, splits, copy.deepcopy(target).requires_grad_(True), settings(epochs=1))
+    with pytest.raises(ValueError, match="setting epochs = 0: expected at least 1"):
+        distill(start, splits, target, settings(epochs=0))
+    with pytest.raises(ValueError, match="needs fit and select rows, got 2 and 0"):
+        distill(start, Splits(splits.fit, splits.select.take([])), target, settings(epochs=1))
     with pytest.raises(ValueError, match="nothing to distil"):
         trainable(replace(start, family="identity", source_geometry=start.target_geometry), "cpu")
     with pytest.raises(ValueError, match="rotated keys"):

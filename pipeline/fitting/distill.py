@@ -209,6 +209,11 @@ def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -
     with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype, and per epoch its fit
     losses and select KL and agreement."""
     check_frozen(target)
+    for name in ("batch", "epochs", "patience"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
+    if not len(batches.fit) or not len(batches.select):
+        raise ValueError(f"distillation needs fit and select rows, got {len(batches.fit)} and {len(batches.select)}")
     handoff = Handoff(target)
     with deterministic(settings.seed):
         mapper = trainable(start, handoff.device)
