@@ -13,7 +13,8 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the FLOP model, mappers, the handoff (last-token protocol), scoring continuations after it, the
               pair (its models loaded once, its handoffs)
-    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer
+    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer, a
+              fitted map distilled through the frozen target
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
@@ -24,7 +25,7 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
 WINGS = {
     "store": ("paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models", "cachefiles"),
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "pair"),
-    "fitting": ("ridge", "mlpfit", "probes", "families"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "variants", "candidates", "calibration", "length"),
     "tiny": ("tokenizer", "world", "train"),

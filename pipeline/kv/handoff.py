@@ -202,6 +202,12 @@ class Handoff:
         """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
         With `prefix_lengths` (B,) the cache rows are right-padded prefixes: the padded slots are masked out
         and row b's tokens sit at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+        return F.log_softmax(self.step_logits(layers, tokens, prefix_lengths).float(), dim=-1)
+
+    def step_logits(self, layers: Layers | None, tokens: torch.Tensor,
+                    prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, L, V) under `step_logprobs`, in the target's dtype, with autograd left as the caller
+        set it: a map trained through the frozen target (`fitting.distill`) backpropagates through the cache."""
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.target_cache(layers, tokens.shape[0])
@@ -212,9 +218,8 @@ class Handoff:
             options["attention_mask"] = torch.cat([prefix_mask, torch.ones(len(tokens), steps, dtype=torch.bool)],
                                                   dim=1).long().to(self.device)  # (B, P + L)
             options["position_ids"] = (prefix_lengths[:, None] + torch.arange(steps)[None]).to(self.device)  # (B, L)
-        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
-                             **options).logits
-        return F.log_softmax(logits.float(), dim=-1)
+        return self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
+                           **options).logits
 
 
 def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:

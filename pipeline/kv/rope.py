@@ -7,7 +7,8 @@ frequencies are computed in float32 from the config by transformers' own RoPE in
 `llama3` scaling, linear scaling and static YaRN come with their `inv_freq` and attention factor), and
 `RotarySpec.from_model` checks them against the buffer the model actually rotates with: a model whose
 `inv_freq` was cast to bfloat16 by `.to(dtype)` after loading rotates with rounded frequencies, and is refused.
-The math is done in float32 and cast back, so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
+The math is done in float32 and cast back, so strip-then-apply is the identity to ~1e-6 whatever the cache dtype
+(float64 keys are rotated in float64: a float64 gradient check through the rotation sees no float32 rounding).
 """
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ class Rotation:
         if keys.shape[-2] != self.tokens:
             raise ValueError(f"{keys.shape[-2]} cached tokens but {self.tokens} positions")
         cos, sin = self.cos.to(keys.device), sin.to(keys.device)  # (T, head_dim/2), broadcast over (..., T, head_dim/2)
-        first, second = keys.to(torch.float32).chunk(2, dim=-1)  # (..., T, head_dim/2) each
+        work = torch.promote_types(keys.dtype, torch.float32)  # float32, or float64 for float64 keys
+        first, second = keys.to(work).chunk(2, dim=-1)  # (..., T, head_dim/2) each
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return (rotated if scale == 1.0 else rotated * scale).to(keys.dtype)
 

@@ -1,0 +1,261 @@
+"""A fitted map distilled through the frozen target (PROTOCOL.md, "Distilled map").
+
+The start map's tensors become trainable parameters of the same family, shapes and count (float32; float64 for
+a float64 start), trained on what the target does after the handoff rather than on how close the keys and
+values are. One batch holds rows of equal prefix length, under the last-token protocol:
+
+    source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
+        (the mapped handoff's cache, as `Handoff.to_target` builds it; differentiable in the map)
+    target: mapped cache + c[n-1] e[0..h-1]     -> log p_mapped  at the h + 1 positions it reads
+    target: own prefill of c[0..n-2] + the same -> log p_oracle  (no grad, once each time the batch is seen)
+    loss = mean over positions of KL(p_oracle || p_mapped)
+           + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
+
+Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require
+grad, so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy
+of it and one batch's activations. Training stops early on the select rows' KL; the result is a `Mapper` of
+the start's family, so `save_mapper` and the handoff need nothing new. Bit-identical given the seed and the
+thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
+CUBLAS_WORKSPACE_CONFIG set before torch starts).
+"""
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers
+from pipeline.kv.mapper import Mapper
+from pipeline.kv.rope import Rotation
+
+TRAINABLE = ("linear", "head_matched", "mlp")
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    lr: float
+    weight_decay: float  # AdamW's decoupled decay, towards zero (not towards the start map)
+    batch: int  # rows per optimizer step, and per forward when the select rows are scored
+    epochs: int  # at most; fewer when the select KL stops falling
+    patience: int  # epochs without a new lowest select KL before training stops
+    kv_weight: float  # weight of the normalised key/value regression beside the KL; 0 turns it off
+    seed: int
+
+
+@dataclass
+class Batch:
+    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's content-space cache of them (a
+    list over source layers of (keys, values), each (B, H_s, P, D_s)) and the tokens the target reads after the
+    cache, c[n-1] e[0..h-1] (B, h + 1)."""
+
+    prefix: torch.Tensor
+    source: Layers
+    steps: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.prefix.shape[0]
+
+    def take(self, rows: list[int]) -> "Batch":
+        index = torch.tensor(rows, dtype=torch.long)
+        return Batch(self.prefix[index], [(k[index], v[index]) for k, v in self.source], self.steps[index])
+
+
+class Rows(Protocol):
+    """Where the trainer reads rows: a `Batch` in memory, or anything that loads the rows it is asked for."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, rows: list[int]) -> Batch: ...
+
+
+class Splits(NamedTuple):
+    fit: Rows  # trained on, in a seeded order each epoch
+    select: Rows  # scored after each epoch: its KL stops training and picks the epoch kept
+
+
+class Oracle(NamedTuple):
+    logprobs: torch.Tensor  # (B, h + 1, V): the target after its own prefill
+    content: Layers  # the target's own content-space cache, a list over target layers of (B, H_t, P, D_t) pairs
+
+
+class Losses(NamedTuple):
+    total: torch.Tensor  # () the objective
+    kl: torch.Tensor  # (B, h + 1) KL(oracle || mapped) per position
+    kv: torch.Tensor  # () the normalised regression (0 when its weight is 0)
+    agrees: torch.Tensor  # (B,) whether the mapped and the oracle argmax agree at the handoff position
+
+
+def trainable(start: Mapper, device) -> Mapper:
+    """A copy of `start` whose tensors are leaf parameters on `device`, float32 (float64 for a float64 start)."""
+    if start.family not in TRAINABLE:
+        raise ValueError(f"a {start.family!r} map has nothing to distil (trainable families: {', '.join(TRAINABLE)})")
+    if start.extra.get("key_space") == "rotated":
+        raise ValueError("the start map reads and writes rotated keys (the no-strip ablation); distillation starts "
+                         "from a content-space map")
+    dtype = torch.promote_types(start.keys[0][0].dtype, torch.float32)
+    as_parameters = lambda layers: [tuple(torch.nn.Parameter(t.detach().to(device, dtype).clone())  # noqa: E731
+                                          for t in tensors) for tensors in layers]
+    return replace(start, keys=as_parameters(start.keys), values=as_parameters(start.values), extra=dict(start.extra))
+
+
+def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
+    """The map's tensors in one fixed order: keys then values, layer by layer, TENSOR_NAMES order within."""
+    return [t for tensors in mapper.keys + mapper.values for t in tensors]
+
+
+def map_to_target(mapper: Mapper, source: Layers, rotation: Rotation, dtype: torch.dtype) -> tuple[Layers, Layers]:
+    """The mapped handoff's cache (rotated, `dtype`) and the target-space content it was rotated from, from the
+    source's content cache: `Handoff.to_target`'s steps in mode `mapped`, with autograd left on."""
+    positions = torch.arange(rotation.tokens, device=source[0][0].device)  # (P,)
+    content = [mapper.apply_layer(source, layer, positions) for layer in range(mapper.target_layers(source))]
+    cache = [(rotation.apply(keys).to(dtype), values.to(dtype)) for keys, values in content]
+    return content, cache
+
+
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 for float64: log-softmax and the regression are not done in bfloat16."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+@torch.no_grad()
+def oracle(handoff: Handoff, batch: Batch) -> Oracle:
+    layers = handoff.prefix_layers(batch.prefix)
+    logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
+    rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
+    return Oracle(logprobs, [(rotation.strip(keys), values) for keys, values in layers])
+
+
+def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
+    """Mean over target layers and kinds of MSE(mapped, own) / variance(own), the variance centred per head and
+    dimension over rows and tokens: one minus the pooled R² of the batch, so every layer and kind weighs alike
+    whatever its scale."""
+    terms = []
+    for mapped_pair, own_pair in zip(mapped, own, strict=True):
+        for mapped_kind, own_kind in zip(mapped_pair, own_pair):
+            own_kind = widened(own_kind)  # (B, H_t, P, D_t)
+            variance = (own_kind - own_kind.mean(dim=(0, 2), keepdim=True)).pow(2).mean()
+            terms.append((mapped_kind - own_kind).pow(2).mean() / variance)
+    return torch.stack(terms).mean()
+
+
+def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float) -> Losses:
+    """The objective at one batch; differentiable in the map's tensors, which must sit on the target's device."""
+    for keys, values in batch.source:
+        if keys.requires_grad or values.requires_grad:
+            raise ValueError("the source cache requires grad: the source is frozen, its cache is a constant")
+    reference = oracle(handoff, batch)
+    rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
+    source = [(k.to(handoff.device), v.to(handoff.device)) for k, v in batch.source]
+    content, cache = map_to_target(mapper, source, rotation, handoff.target.dtype)
+    logprobs = F.log_softmax(widened(handoff.step_logits(cache, batch.steps)), dim=-1)  # (B, h + 1, V)
+    kl = F.kl_div(logprobs, reference.logprobs, reduction="none", log_target=True).sum(-1)  # (B, h + 1)
+    kv = kv_regression(content, reference.content) if kv_weight else torch.zeros((), device=kl.device)
+    agrees = logprobs[:, 0].argmax(-1) == reference.logprobs[:, 0].argmax(-1)  # (B,)
+    return Losses(kl.mean() + kv_weight * kv, kl, kv, agrees)
+
+
+@torch.no_grad()
+def evaluate(mapper: Mapper, rows: Rows, handoff: Handoff, batch: int) -> dict:
+    """Mean KL(oracle || mapped) over every position of `rows`, and the share of rows whose argmax at the handoff
+    position is the oracle's (V0's next-token agreement)."""
+    kl_sum, positions, agreeing = 0.0, 0, 0
+    for first in range(0, len(rows), batch):
+        scored = losses(mapper, rows.take(list(range(first, min(first + batch, len(rows))))), handoff, 0.0)
+        kl_sum, positions = kl_sum + float(scored.kl.sum()), positions + scored.kl.numel()
+        agreeing += int(scored.agrees.sum())
+    return {"kl": kl_sum / positions, "agreement": agreeing / len(rows)}
+
+
+def check_frozen(target) -> None:
+    trainable_names = [name for name, p in target.named_parameters() if p.requires_grad]
+    if trainable_names:
+        raise ValueError(f"the target must be frozen for distillation, but {len(trainable_names)} of its parameters "
+                         f"require grad (first: {trainable_names[0]}); call target.requires_grad_(False)")
+    if target.training:
+        raise ValueError("the target is in training mode (dropout would make the oracle random); call target.eval()")
+
+
+@contextmanager
+def deterministic(seed: int) -> Iterator[None]:
+    """Deterministic algorithms and a seeded global generator inside, the caller's settings restored after."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def tensors_digest(mapper: Mapper) -> str:
+    """sha256 over the map's tensors (dtype, shape, bytes, in `map_tensors` order): names the start map."""
+    hasher = hashlib.sha256()
+    for tensor in map_tensors(mapper):
+        tensor = tensor.detach().cpu().contiguous()
+        hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        hasher.update(tensor.view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -> tuple[Mapper, list[dict]]:
+    """Train a copy of `start` through the frozen `target` on `batches.fit`; keep the epoch (0: the start itself)
+    with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype, and per epoch its fit
+    losses and select KL and agreement."""
+    check_frozen(target)
+    for name in ("batch", "epochs", "patience"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
+    if not len(batches.fit) or not len(batches.select):
+        raise ValueError(f"distillation needs fit and select rows, got {len(batches.fit)} and {len(batches.select)}")
+    handoff = Handoff(target)
+    with deterministic(settings.seed):
+        mapper = trainable(start, handoff.device)
+        parameters = map_tensors(mapper)
+        optimizer = torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
+        generator = torch.Generator().manual_seed(settings.seed)  # the row order, on the CPU whatever the device
+        scored = evaluate(mapper, batches.select, handoff, settings.batch)
+        history = [{"epoch": 0, "select_kl": scored["kl"], "select_agreement": scored["agreement"]}]
+        best_kl, best_epoch, best = scored["kl"], 0, [p.detach().clone() for p in parameters]
+        steps = 0
+        for epoch in range(1, settings.epochs + 1):
+            order = torch.randperm(len(batches.fit), generator=generator).tolist()
+            totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
+            for first in range(0, len(order), settings.batch):
+                step = losses(mapper, batches.fit.take(order[first : first + settings.batch]), handoff,
+                              settings.kv_weight)
+                optimizer.zero_grad(set_to_none=True)
+                step.total.backward()
+                optimizer.step()
+                steps += 1
+                for name, value in (("fit_loss", step.total), ("fit_kl", step.kl.mean()), ("fit_kv", step.kv)):
+                    totals[name] += float(value.detach())
+            batches_seen = -(-len(order) // settings.batch)
+            scored = evaluate(mapper, batches.select, handoff, settings.batch)
+            history.append({"epoch": epoch, **{name: value / batches_seen for name, value in totals.items()},
+                            "select_kl": scored["kl"], "select_agreement": scored["agreement"]})
+            if scored["kl"] < best_kl:
+                best_kl, best_epoch, best = scored["kl"], epoch, [p.detach().clone() for p in parameters]
+            elif epoch - best_epoch >= settings.patience:
+                break
+    facts = {"start": {"family": start.family, "k": start.k, "lambda": start.ridge_lambda,
+                       "tensors_sha256": tensors_digest(start)},
+             "kl_weight": 1.0, "kv_weight": settings.kv_weight, "lr": settings.lr,
+             "weight_decay": settings.weight_decay, "batch": settings.batch, "seed": settings.seed, "steps": steps,
+             "epochs": history[-1]["epoch"], "best_epoch": best_epoch, "select_kl_start": history[0]["select_kl"],
+             "select_kl": best_kl}
+    return finished(start, best, facts), history
+
+
+def finished(start: Mapper, tensors: list[torch.Tensor], facts: dict) -> Mapper:
+    """`start` with `tensors` (in `map_tensors` order) in its place, on the CPU in its dtype, and `facts` in extra."""
+    flat = iter(t.detach().to("cpu", start.keys[0][0].dtype).contiguous() for t in tensors)
+    take = lambda layers: [tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]  # noqa: E731
+    keys, values = take(start.keys), take(start.values)
+    return replace(start, keys=keys, values=values, extra={**start.extra, "distilled": facts})

@@ -1,0 +1,285 @@
+"""Distilling a fitted map through the frozen target (`fitting.distill`): the trained map builds the mapped
+handoff's cache, its loss has the right gradient and the gradient reaches the map alone, an exact map stays put,
+a noisy exact map recovers, both models come out untouched, and the result is deterministic and saves as any
+mapper."""
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import build_model, periodic_batch, tiny_config
+from transformers import Qwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from pipeline.fitting.distill import (
+    Batch,
+    DistillSettings,
+    Splits,
+    distill,
+    evaluate,
+    losses,
+    map_tensors,
+    map_to_target,
+    tensors_digest,
+    trainable,
+)
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
+from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper
+from pipeline.kv.rope import RotarySpec, Rotation
+
+VOCAB = 97
+PERIODIC_VOCAB = 32  # the vocabulary `periodic_model` was trained on
+PREFIX, HORIZON = 12, 3  # the prefix c[0..n-2] and the teacher-forced positions after the handoff position
+
+
+def settings(**overrides) -> DistillSettings:
+    values = dict(lr=1e-2, weight_decay=0.0, batch=16, epochs=25, patience=5, kv_weight=1.0, seed=0)
+    return DistillSettings(**{**values, **overrides})
+
+
+def frozen(model):
+    return model.requires_grad_(False).eval()
+
+
+def content_cache(model, ids: torch.Tensor) -> Layers:
+    """`model`'s own cache of ids (B, P) with RoPE stripped: what the extract stage stores."""
+    with torch.no_grad():
+        layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)
+    rotation = Rotation(RotarySpec.from_model(model), torch.arange(ids.shape[1]))
+    return [(rotation.strip(keys), values) for keys, values in layers]  # (B, H, P, D) each
+
+
+def rows_of(source, ids: torch.Tensor) -> Batch:
+    """Sequences (B, PREFIX + 1 + HORIZON) as a batch: prefix, its source cache, and c[n-1] e[0..h-1]."""
+    prefix = ids[:, :PREFIX]
+    return Batch(prefix, content_cache(source, prefix), ids[:, PREFIX:])
+
+
+def random_rows(source, seed: int, rows: int) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    return rows_of(source, torch.randint(0, VOCAB, (rows, PREFIX + 1 + HORIZON), generator=generator))
+
+
+def periodic_rows(model, seed: int, rows: int) -> Batch:
+    return rows_of(model, periodic_batch(torch.Generator().manual_seed(seed), rows, PREFIX + 1 + HORIZON,
+                                         PERIODIC_VOCAB))
+
+
+def exact_map(model) -> Mapper:
+    """The linear k=1 map handing `model` its own cache: target head h reads source head h, weight the identity."""
+    geometry, spec = kv_geometry(model.config), RotarySpec.from_model(model).to_dict()
+    heads, dim = geometry["kv_heads"], geometry["head_dim"]
+    weight = torch.zeros(heads, heads * dim, dim)  # (H_t, H_s*D_s, D_t)
+    for head in range(heads):
+        weight[head, head * dim : (head + 1) * dim] = torch.eye(dim)
+    pairs = lambda: [(weight.clone(), torch.zeros(heads, dim)) for _ in range(geometry["layers"])]  # noqa: E731
+    return Mapper("linear", "self", "self", geometry, geometry, spec, spec, k=1,
+                  source_layers=[[layer] for layer in range(geometry["layers"])], keys=pairs(), values=pairs())
+
+
+def with_noise(mapper: Mapper, scale: float, seed: int) -> Mapper:
+    generator = torch.Generator().manual_seed(seed)
+    noisy = lambda layers: [tuple(t + scale * torch.randn(t.shape, generator=generator) for t in tensors)  # noqa: E731
+                            for tensors in layers]
+    return replace(mapper, keys=noisy(mapper.keys), values=noisy(mapper.values))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These runs are tiny: on shared cores, two threads spend their time waiting for each other (20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+    return frozen(build_model(tiny_config(VOCAB, 64), seed=1)), frozen(build_model(tiny_config(VOCAB, 32), seed=2))
+
+
+@pytest.fixture(scope="module")
+def periodic(periodic_model):
+    return frozen(copy.deepcopy(periodic_model))
+
+
+def start_map(source, target, family: str) -> Mapper:
+    """A random k=1 map of `family` for the pair (the mlp's hidden width 8)."""
+    if family != "mlp":
+        return random_mapper(source.config, target.config, k=1, family=family)
+    linear = random_mapper(source.config, target.config, k=1)
+    generator = torch.Generator().manual_seed(0)
+    width, (heads, dim) = linear.keys[0][0].shape[1], linear.keys[0][1].shape
+    tensors = lambda: (torch.randn(width, 8, generator=generator) / width**0.5, torch.zeros(8),  # noqa: E731
+                       torch.randn(heads, 8, dim, generator=generator) / 8**0.5, torch.zeros(heads, dim))
+    return replace(linear, family="mlp", keys=[tensors() for _ in linear.keys], values=[tensors() for _ in linear.keys])
+
+
+@pytest.mark.parametrize("family", ["linear", "head_matched", "mlp"])
+def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pair, family):
+    target, source = random_pair
+    start = start_map(source, target, family)
+    mapper = trainable(start, "cpu")
+    assert mapper.parameter_count() == start.parameter_count()
+    assert all(isinstance(t, torch.nn.Parameter) and t.dtype == torch.float32 for t in map_tensors(mapper))
+    ids = torch.randint(0, VOCAB, (3, PREFIX), generator=torch.Generator().manual_seed(3))
+    handed = Handoff(target, source, "mapped", start).prefix_layers(ids)
+    rotation = Rotation(RotarySpec.from_model(target), torch.arange(PREFIX))
+    _, built = map_to_target(mapper, content_cache(source, ids), rotation, target.dtype)
+    for (keys, values), (keys_built, values_built) in zip(handed, built, strict=True):
+        assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
+
+
+def rms_norm_in_its_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
+    """Qwen3RMSNorm without its float32 upcast, so a float64 model computes in float64 throughout."""
+    return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def float64_model(hidden: int, seed: int):
+    torch.manual_seed(seed)  # _from_config keeps the rotary inv_freq in float32, as the handoff requires
+    model = Qwen3ForCausalLM._from_config(tiny_config(VOCAB, hidden, head_dim=8), dtype=torch.float64)
+    for module in model.modules():
+        if isinstance(module, Qwen3RMSNorm):  # its float32 rounding would swamp the finite differences
+            module.forward = rms_norm_in_its_dtype.__get__(module)
+    return frozen(model)
+
+
+def test_the_loss_gradient_matches_finite_differences_in_float64():
+    target, source = float64_model(32, 1), float64_model(16, 2)
+    start = random_mapper(source.config, target.config, k=1).to(dtype=torch.float64)
+    mapper, handoff, batch = trainable(start, "cpu"), Handoff(target), random_rows(source, 4, 2)
+
+    def loss(key_weight, key_bias, value_bias):
+        keys = [(key_weight, mapper.keys[0][1]), (mapper.keys[1][0], key_bias)]
+        values = [(mapper.values[0][0], value_bias), mapper.values[1]]
+        return losses(replace(mapper, keys=keys, values=values), batch, handoff, kv_weight=0.5).total
+
+    inputs = (mapper.keys[0][0], mapper.keys[1][1], mapper.values[0][1])  # (H_t, F, D_t) = (2, 16, 8), (2, 8), (2, 8)
+    assert all(t.dtype == torch.float64 and t.requires_grad for t in inputs)
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_only_the_maps_parameters_receive_gradients(random_pair):
+    target, source = random_pair
+    mapper = trainable(random_mapper(source.config, target.config, k=1), "cpu")
+    losses(mapper, random_rows(source, 5, 4), Handoff(target), kv_weight=1.0).total.backward()
+    assert all(p.grad is None for model in (target, source) for p in model.parameters())
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in map_tensors(mapper))
+
+
+def test_an_unfrozen_target_an_untrainable_map_and_no_work_to_do_are_refused(random_pair):
+    target, source = random_pair
+    start = random_mapper(source.config, target.config, k=1)
+    splits = Splits(random_rows(source, 6, 2), random_rows(source, 7, 2))
+    with pytest.raises(ValueError, match="must be frozen.*requires_grad_\\(False\\)"):
+        distill(start, splits, copy.deepcopy(target).requires_grad_(True), settings(epochs=1))
+    with pytest.raises(ValueError, match="setting epochs = 0: expected at least 1"):
+        distill(start, splits, target, settings(epochs=0))
+    with pytest.raises(ValueError, match="needs fit and select rows, got 2 and 0"):
+        distill(start, Splits(splits.fit, splits.select.take([])), target, settings(epochs=1))
+    with pytest.raises(ValueError, match="nothing to distil"):
+        trainable(replace(start, family="identity", source_geometry=start.target_geometry), "cpu")
+    with pytest.raises(ValueError, match="rotated keys"):
+        trainable(replace(start, extra={"key_space": "rotated"}), "cpu")
+
+
+def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(periodic):
+    start = exact_map(periodic)
+    fit = periodic_rows(periodic, 1, 32)
+    with torch.no_grad():
+        scored = losses(trainable(start, "cpu"), fit, Handoff(periodic), kv_weight=1.0)
+    assert float(scored.kl.max()) < 1e-6 and float(scored.kv) < 1e-10
+    distilled, history = distill(start, Splits(fit, periodic_rows(periodic, 2, 16)), periodic, settings(epochs=4))
+    # AdamW's first steps move every entry by about lr however small the gradient, so from an exact map the
+    # trained epochs score worse on select, and the select KL is what keeps the start
+    assert history[0]["select_kl"] < 1e-6 and distilled.extra["distilled"]["select_kl"] <= history[0]["select_kl"]
+    for moved, kept in zip(map_tensors(distilled), map_tensors(start), strict=True):
+        assert (moved - kept).abs().max() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def recovery(periodic):
+    """A noisy exact map distilled on periodic text by the KL alone: the start, the map, its history, and the
+    target's weights before."""
+    start = with_noise(exact_map(periodic), 0.05, seed=5)
+    before = {name: t.clone() for name, t in periodic.state_dict().items()}
+    splits = Splits(periodic_rows(periodic, 1, 256), periodic_rows(periodic, 2, 16))
+    distilled, history = distill(start, splits, periodic, settings(kv_weight=0.0, batch=64, epochs=60, patience=10))
+    return dict(start=start, distilled=distilled, history=history, weights_before=before)
+
+
+def decided_prompts(model, seed: int, rows: int, margin: float) -> Batch:
+    """Held-out prompts whose oracle argmax at the handoff position is decided (its top-two log-probability
+    margin over `margin` nats): agreement on a near tie flips under any perturbation of the cache."""
+    batch = periodic_rows(model, seed, rows)
+    with torch.no_grad():
+        logits = model(torch.cat([batch.prefix, batch.steps[:, :1]], dim=1)).logits[:, -1]  # (B, V)
+    top = torch.log_softmax(logits, -1).topk(2).values  # (B, 2)
+    return batch.take(torch.nonzero(top[:, 0] - top[:, 1] > margin).flatten().tolist())
+
+
+def test_from_a_noisy_exact_map_the_kl_alone_restores_agreement_and_cuts_the_kl_a_hundredfold(periodic, recovery):
+    prompts, handoff = decided_prompts(periodic, 3, 48, margin=0.1), Handoff(periodic)
+    before = evaluate(trainable(recovery["start"], "cpu"), prompts, handoff, batch=64)
+    after = evaluate(trainable(recovery["distilled"], "cpu"), prompts, handoff, batch=64)
+    print(f"{len(prompts)} prompts: KL {before['kl']:.3g} -> {after['kl']:.3g} ({before['kl'] / after['kl']:.0f}x), "
+          f"agreement {before['agreement']:.3f} -> {after['agreement']:.3f}")
+    assert len(prompts) >= 32 and before["agreement"] < 1.0
+    assert after["agreement"] == 1.0 and after["kl"] * 100 <= before["kl"]
+
+
+def test_distillation_leaves_the_targets_weights_bit_identical(periodic, recovery):
+    after = periodic.state_dict()
+    assert after.keys() == recovery["weights_before"].keys()
+    assert all(torch.equal(after[name], tensor) for name, tensor in recovery["weights_before"].items())
+
+
+def test_the_distilled_map_saves_loads_and_hands_off_like_any_mapper(periodic, recovery, tmp_path):
+    distilled, start = recovery["distilled"], recovery["start"]
+    assert [t.shape for t in map_tensors(distilled)] == [t.shape for t in map_tensors(start)]
+    assert distilled.parameter_count() == start.parameter_count() and distilled.family == start.family
+    facts = distilled.extra["distilled"]
+    assert facts["best_epoch"] == min(recovery["history"], key=lambda row: row["select_kl"])["epoch"] > 0
+    assert facts["steps"] == facts["epochs"] * 4 and facts["kv_weight"] == 0.0  # 256 fit rows, 64 a step
+    save_mapper(distilled, tmp_path / "distilled.safetensors")
+    loaded = load_mapper(tmp_path / "distilled.safetensors")
+    assert loaded.extra == distilled.extra  # bit-identical tensors, and not the start's
+    assert facts["start"]["tensors_sha256"] != tensors_digest(distilled) == tensors_digest(loaded)
+    prompts = periodic_rows(periodic, 4, 4)
+    handoff = Handoff(periodic, periodic, "mapped", loaded)
+    handed = handoff.step_logprobs(handoff.prefix_layers(prompts.prefix), prompts.steps)
+    scored = losses(trainable(loaded, "cpu"), prompts, Handoff(periodic), kv_weight=0.0)
+    oracle = Handoff(periodic)
+    reference = oracle.step_logprobs(oracle.prefix_layers(prompts.prefix), prompts.steps)
+    kl = torch.nn.functional.kl_div(handed, reference, reduction="none", log_target=True).sum(-1)  # (B, h + 1)
+    assert torch.allclose(kl, scored.kl, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def random_runs(random_pair):
+    """A random map distilled twice with one seed on the random pair (KL alone), and both models' weights
+    before."""
+    target, source = random_pair
+    before = [{name: t.clone() for name, t in model.state_dict().items()} for model in random_pair]
+    start = random_mapper(source.config, target.config, k=1)
+    splits = Splits(random_rows(source, 8, 16), random_rows(source, 9, 8))
+    runs = [distill(start, splits, target, settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0)) for _ in range(2)]
+    return dict(runs=runs, weights_before=before)
+
+
+def test_the_same_seed_distils_bit_identical_tensors_twice(random_runs):
+    (first, first_history), (second, second_history) = random_runs["runs"]
+    assert all(torch.equal(a, b) for a, b in zip(map_tensors(first), map_tensors(second), strict=True))
+    assert first_history == second_history and first.extra == second.extra
+
+
+def test_the_kl_alone_lowers_the_select_kl_of_a_random_start(random_runs):
+    _, history = random_runs["runs"][0]
+    assert min(row["select_kl"] for row in history[1:]) < history[0]["select_kl"]
+
+
+def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_pair, random_runs):
+    for model, before in zip(random_pair, random_runs["weights_before"]):
+        after = model.state_dict()
+        assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
