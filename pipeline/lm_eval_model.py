@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from pipeline.kv.handoff import SOURCE_MODES, Handoff, greedy_generate
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
-from pipeline.store.models import default_device, load_config
+from pipeline.store.models import default_device
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -83,10 +83,11 @@ class KVTransferLM(TemplateLM):
             raise TypeError(f"kv-transfer: unknown model args {sorted(unknown)}")
         ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
         device = ranks.device(device or default_device())
-        # the longest sequence lm-eval will hand off: its window, for the source's sliding window too
-        length = int(max_length) if max_length else load_config(target, target_revision).max_position_embeddings
+        # a given max_length is the run the contract judges a sliding window against; without one, as in the
+        # stages, every handoff refuses a sequence longer than the window when it comes (Handoff.check_length)
         pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
-                    target_revision=target_revision, source_revision=source_revision, max_tokens=length)
+                    target_revision=target_revision, source_revision=source_revision,
+                    max_tokens=int(max_length) if max_length else None)
         handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed))
         return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks)
 

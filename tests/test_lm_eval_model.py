@@ -16,8 +16,9 @@ from conftest import WIKITEXT, committed, hellaswag_rows, piqa_rows, train_token
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig
 
+from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.tasks import write_task_config
@@ -199,6 +200,19 @@ def test_incompatible_tokenizers_fail_closed_naming_both(tmp_path, tiny_pair):
         KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(source), transfer="direct",
                                device="cpu")
     assert str(tiny_pair["target"]) in str(info.value)
+
+
+def test_a_windowed_model_is_scored_up_to_its_window_and_refused_at_a_max_length_past_it(tmp_path, tokenizer):
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                           max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mistral")
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    lm = KVTransferLM.from_args(target=str(tmp_path / "mistral"), device="cpu")  # checked per sequence
+    assert lm.handoff.window == 32
+    with pytest.raises(UnsupportedModelError, match="sliding window of 32 tokens, active at 64 tokens"):
+        KVTransferLM.from_args(target=str(tmp_path / "mistral"), device="cpu", max_length=64)
 
 
 def test_missing_model_is_named_and_fails_fast():

@@ -27,7 +27,8 @@ class Pair:
                  source_revision: str | None = None, max_tokens: int | None = None):
         """`source` None: a target alone (the oracle and zero modes); `device_map`: accelerate spreads each model
         over the devices (`store.models.load_model`); `max_tokens`: the longest sequence a handoff will see (a
-        sliding window shorter than it is refused), by default each model's position range."""
+        sliding window shorter than it is refused now); without it every handoff refuses a sequence longer than
+        a sliding window when it comes (`Handoff.check_length`)."""
         self.sides = {"target": (target, target_revision), "source": (source, source_revision)}  # name, revision
         self.dtype, self.device, self.device_map = dtype, device, device_map
         self.target_tokenizer = load_tokenizer(target, target_revision)

@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager
 from pipeline.measure.tasks import write_task_config
 
 PREFIX = "kvh_"
-NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (../shared/PROTOCOL.md), as V0 did
+NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (the study protocol's "Tasks"), as V0 did
 # > 0 asks lm-eval for each metric's stderr; acc and acc_norm are means, whose stderr lm-eval computes in
 # closed form, so the count itself changes no figure: a switch, not a parameter
 STDERR_BOOTSTRAP = 1000
