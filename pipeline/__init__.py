@@ -39,6 +39,7 @@ STAGES = {
     "score_models": "each model alone on the dev items (metrics/models.json)",
     "extract": "one model's RoPE-stripped KV caches over the fit and select splits (caches/)",
     "fit": "every candidate map, per target layer, from the caches (models/mappers/)",
+    "distill": "chosen fitted maps trained further through the frozen target (models/distilled/)",
     "select": "the candidate that best reproduces the oracle on the select split (models/mapper.safetensors)",
     "controls": "V0's six controls on the actual pair and mapper, before anything is evaluated",
     "evaluate": "one variant of the handoff against the oracle and on the tasks (eval/, metrics/eval/)",

@@ -21,6 +21,7 @@ from pydantic import model_validator
 from pipeline.calibrate import CalibrationParams
 from pipeline.candidates import CandidatesParams
 from pipeline.controls import ControlsParams, ToleranceParams
+from pipeline.distill import DistillParams, distilled_name
 from pipeline.evaluate import EvaluateParams
 from pipeline.extract import ExtractParams
 from pipeline.fit import FitParams
@@ -53,6 +54,7 @@ class ParamsFile(Params):
     score_models: ScoreModelsParams
     extract: ExtractParams
     fit: FitParams
+    distill: DistillParams
     select: SelectParams
     controls: ControlsParams
     evaluate: EvaluateParams
@@ -96,6 +98,7 @@ class ParamsFile(Params):
     def _candidates_are_fitted(self) -> ParamsFile:
         grid = self.fit.candidates()
         named = [("calibration.candidates", name) for name in self.calibration.candidates]
+        named += [("distill.start", name) for name in self.distill.start]
         for key, name in [*named, ("length.candidate", self.length.candidate)]:
             if name not in grid:
                 raise ParamError(f"{key}: {name!r} is not a map of the fit grid (fit.families, fit.ks, fit.lambdas, "
@@ -112,11 +115,12 @@ class ParamsFile(Params):
 
     @model_validator(mode="after")
     def _mappers_are_produced(self) -> ParamsFile:
-        produced = mapper_files(self.fit)
+        produced = mapper_files(self.fit, self.distill)
         named = [(f"evaluate.mapped.{variant}", path) for variant, path in self.evaluate.mapped.items()]
         for key, path in [*named, ("latency.mapper", self.latency.mapper)]:
             if path not in produced:
-                raise ParamError(f"{key}: {path} is not written by fit or select (they write: {', '.join(produced)})")
+                raise ParamError(f"{key}: {path} is not written by fit, distill or select "
+                                 f"(they write: {', '.join(produced)})")
         return self
 
     @model_validator(mode="after")
@@ -130,11 +134,13 @@ class ParamsFile(Params):
 SECTIONS = {name: field.annotation for name, field in ParamsFile.model_fields.items() if name not in PLAIN}
 
 
-def mapper_files(fit: FitParams) -> list[str]:
-    """Every mapper file the fit grid leaves: fit's candidates (models/mappers/), select's choice and, per k of
-    the linear family, its best ridge strength (models/best/mapped_k<k>)."""
+def mapper_files(fit: FitParams, distill: DistillParams) -> list[str]:
+    """Every mapper file the fit grid and distillation leave: fit's candidates (models/mappers/), the distilled
+    maps (models/distilled/), select's choice and, per k of the linear family, its best ridge strength
+    (models/best/mapped_k<k>)."""
     best = [f"{BEST}/mapped_k{k}.safetensors" for k in fit.ks] if "linear" in fit.families else []
-    return [str(SELECTED), *best, *(f"{MAPPERS}/{name}.safetensors" for name in fit.candidates())]
+    distilled = [f"{paths.DISTILLED}/{distilled_name(name)}.safetensors" for name in distill.start]
+    return [str(SELECTED), *best, *(f"{MAPPERS}/{name}.safetensors" for name in fit.candidates()), *distilled]
 
 
 def check(params: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""Stage `select`: score every fitted mapper on the select split and choose one by the declared rule.
+"""Stage `select`: score every fitted and distilled mapper on the select split and choose one by the declared rule.
 
 Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
 (the rest); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
@@ -7,7 +7,8 @@ mean KL, and per target layer the cosine between the oracle's attention output a
 proxy for task retention; the report correlates every proxy with retention). The rule (default: highest
 agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
 for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
-V0 rows k=1 and k=4 whatever the rule picks.
+V0 rows k=1 and k=4 whatever the rule picks (closed-form maps only: V0's method; a distilled map, from
+models/distilled/, competes for the selected map).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-MAPPERS, SELECTED = paths.MAPPERS, paths.SELECTED_MAPPER
+MAPPERS, DISTILLED, SELECTED = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER
 BEST = paths.MODELS / "best"
 
 
@@ -81,7 +82,7 @@ def score_candidates(target, source, prompts, params: SelectParams, candidates: 
                                                prompts, oracle, params.batch_size))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
-            parameters=mapper.parameter_count(),
+            parameters=mapper.parameter_count(), distilled="distilled" in mapper.extra,
         )
         scores.append(summary)
     per_rank = ranks.gather(scores)
@@ -99,9 +100,15 @@ def choose(scores: list[dict], rule: str) -> tuple[dict, dict[int, dict]]:
     ranked = sorted(scores, key=rank_key(rule))
     best_per_k: dict[int, dict] = {}
     for score in ranked:
-        if score["family"] == "linear":
+        if score["family"] == "linear" and not score["distilled"]:  # V0's rows: its closed-form maps
             best_per_k.setdefault(score["k"], score)
     return ranked[0], best_per_k
+
+
+def candidate_path(name: str) -> Path:
+    """A candidate's file: fit's (models/mappers/) or a distilled one (models/distilled/)."""
+    return next(path for path in (MAPPERS / f"{name}.safetensors", DISTILLED / f"{name}.safetensors")
+                if path.is_file())
 
 
 def copy_verified(source: Path, destination: Path) -> None:
@@ -115,10 +122,10 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int)
     stage's metrics (every candidate's scores beside the oracle's)."""
     oracle_summary, scores = scored
     chosen, best_per_k = choose(scores, params.rule)
-    copy_verified(MAPPERS / f"{chosen['name']}.safetensors", SELECTED)
+    copy_verified(candidate_path(chosen["name"]), SELECTED)
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
-            copy_verified(MAPPERS / f"{score['name']}.safetensors", staging / f"mapped_k{k}.safetensors")
+            copy_verified(candidate_path(score["name"]), staging / f"mapped_k{k}.safetensors")
     metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
                                              "oracle_perplexity": round(oracle_summary["perplexity"], 4),
                                              "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4)}
@@ -135,7 +142,7 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int)
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.select", __doc__, argv)
     params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
-    candidates = sorted(MAPPERS.glob("*.safetensors"))
+    candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
     with stage_ranks(models.torch_device, params.processes, "pipeline.select", []) as stage:

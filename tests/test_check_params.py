@@ -8,6 +8,7 @@ from conftest import ROOT, merge
 
 from pipeline import check_params
 from pipeline.check_params import check, mapper_files
+from pipeline.distill import DistillParams
 from pipeline.fit import FitParams
 from pipeline.store.params import ParamError, parse
 
@@ -28,10 +29,19 @@ RULES = {
         r"^calibration\.sizes: 500 sequences, but data\.calibration_sequences is 200"),
     "evaluated mapper no stage writes": (
         {"evaluate": {"mapped": {"mapped_k3": "models/best/mapped_k5.safetensors"}}},
-        r"^evaluate\.mapped\.mapped_k3: models/best/mapped_k5\.safetensors is not written by fit or select"),
+        r"^evaluate\.mapped\.mapped_k3: models/best/mapped_k5\.safetensors is not written by fit, distill or select"),
+    "distilled map whose start is not distilled": (
+        {"evaluate": {"mapped": {"distilled": "models/distilled/mlp_k1+kl.safetensors"}}},
+        r"^evaluate\.mapped\.distilled: models/distilled/mlp_k1\+kl\.safetensors is not written"),
+    "distillation start outside the fit grid": (
+        {"distill": {"start": ["linear_k1_lam0.5"]}}, r"^distill\.start: 'linear_k1_lam0\.5' is not a map of the fit"),
+    "distillation learning rate of no family": (
+        {"distill": {"lr": {"ridge": 0.1}}}, r"^distill\.lr: unknown family 'ridge' \(trainable: linear, "),
+    "distillation context without a prefix": (
+        {"distill": {"context_lengths": [1, 8]}}, r"^distill\.context_lengths: a context needs at least 2 tokens"),
     "best-per-k mapper without the linear family": (
         {"fit": {"families": ["head_matched"]}, "calibration": {"candidates": ["mlp_k3"]},
-         "length": {"candidate": "head_matched_k1_lam0.001"}},
+         "length": {"candidate": "head_matched_k1_lam0.001"}, "distill": {"start": ["mlp_k3"]}},
         r"^evaluate\.mapped\.mapped_k1: models/best/mapped_k1\.safetensors is not written"),
     "timed mapper no stage writes": (
         {"latency": {"mapper": "models/mapper.pt"}}, r"^latency\.mapper: models/mapper\.pt is not written"),
@@ -109,8 +119,15 @@ def test_the_stage_writes_the_sections_checked(tmp_path, monkeypatch, capsys):
 
 def test_the_mapper_files_are_selects_choice_the_best_per_k_and_every_fitted_candidate():
     fit = parse(FitParams, committed_params()["fit"], "fit")
-    files = mapper_files(fit)
+    files = mapper_files(fit, parse(DistillParams, committed_params()["distill"], "distill"))
     assert files[:3] == ["models/mapper.safetensors", "models/best/mapped_k1.safetensors",
                          "models/best/mapped_k3.safetensors"]
     assert {f"models/mappers/{name}.safetensors" for name in ["linear_k1_lam0.001", "head_matched_k3_lam0.1",
                                                               "mlp_k1", "mlp_k3"]} <= set(files)
+    assert "models/distilled/mlp_k3+kl.safetensors" in files
+
+
+def test_a_distillation_start_without_its_familys_learning_rate_is_refused():
+    section = {**committed_params()["distill"], "lr": {"linear": 0.001}}
+    with pytest.raises(ParamError, match=r"^distill\.start: 'mlp_k3' is a mlp map but distill\.lr has no mlp entry"):
+        parse(DistillParams, section, "distill")

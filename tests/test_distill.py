@@ -16,6 +16,7 @@ from pipeline.fitting.distill import (
     DistillSettings,
     Splits,
     distill,
+    epoch_batches,
     evaluate,
     losses,
     map_tensors,
@@ -171,13 +172,13 @@ def test_only_the_maps_parameters_receive_gradients(random_pair):
 def test_an_unfrozen_target_an_untrainable_map_and_no_work_to_do_are_refused(random_pair):
     target, source = random_pair
     start = random_mapper(source.config, target.config, k=1)
-    splits = Splits(random_rows(source, 6, 2), random_rows(source, 7, 2))
+    splits = Splits([random_rows(source, 6, 2)], [random_rows(source, 7, 2)])
     with pytest.raises(ValueError, match="must be frozen.*requires_grad_\\(False\\)"):
         distill(start, splits, copy.deepcopy(target).requires_grad_(True), settings(epochs=1))
     with pytest.raises(ValueError, match="setting epochs = 0: expected at least 1"):
         distill(start, splits, target, settings(epochs=0))
     with pytest.raises(ValueError, match="needs fit and select rows, got 2 and 0"):
-        distill(start, Splits(splits.fit, splits.select.take([])), target, settings(epochs=1))
+        distill(start, Splits(splits.fit, [splits.select[0].take([])]), target, settings(epochs=1))
     with pytest.raises(ValueError, match="nothing to distil"):
         trainable(replace(start, family="identity", source_geometry=start.target_geometry), "cpu")
     with pytest.raises(ValueError, match="rotated keys"):
@@ -190,7 +191,7 @@ def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(peri
     with torch.no_grad():
         scored = losses(trainable(start, "cpu"), fit, Handoff(periodic), kv_weight=1.0)
     assert float(scored.kl.max()) < 1e-6 and float(scored.kv) < 1e-10
-    distilled, history = distill(start, Splits(fit, periodic_rows(periodic, 2, 16)), periodic, settings(epochs=4))
+    distilled, history = distill(start, Splits([fit], [periodic_rows(periodic, 2, 16)]), periodic, settings(epochs=4))
     # AdamW's first steps move every entry by about lr however small the gradient, so from an exact map the
     # trained epochs score worse on select, and the select KL is what keeps the start
     assert history[0]["select_kl"] < 1e-6 and distilled.extra["distilled"]["select_kl"] <= history[0]["select_kl"]
@@ -204,7 +205,7 @@ def recovery(periodic):
     target's weights before."""
     start = with_noise(exact_map(periodic), 0.05, seed=5)
     before = {name: t.clone() for name, t in periodic.state_dict().items()}
-    splits = Splits(periodic_rows(periodic, 1, 256), periodic_rows(periodic, 2, 16))
+    splits = Splits([periodic_rows(periodic, 1, 256)], [periodic_rows(periodic, 2, 16)])
     distilled, history = distill(start, splits, periodic, settings(kv_weight=0.0, batch=64, epochs=60, patience=10))
     return dict(start=start, distilled=distilled, history=history, weights_before=before)
 
@@ -221,8 +222,8 @@ def decided_prompts(model, seed: int, rows: int, margin: float) -> Batch:
 
 def test_from_a_noisy_exact_map_the_kl_alone_restores_agreement_and_cuts_the_kl_a_hundredfold(periodic, recovery):
     prompts, handoff = decided_prompts(periodic, 3, 48, margin=0.1), Handoff(periodic)
-    before = evaluate(trainable(recovery["start"], "cpu"), prompts, handoff, batch=64)
-    after = evaluate(trainable(recovery["distilled"], "cpu"), prompts, handoff, batch=64)
+    before = evaluate(trainable(recovery["start"], "cpu"), [prompts], handoff, batch=64)
+    after = evaluate(trainable(recovery["distilled"], "cpu"), [prompts], handoff, batch=64)
     print(f"{len(prompts)} prompts: KL {before['kl']:.3g} -> {after['kl']:.3g} ({before['kl'] / after['kl']:.0f}x), "
           f"agreement {before['agreement']:.3f} -> {after['agreement']:.3f}")
     assert len(prompts) >= 32 and before["agreement"] < 1.0
@@ -263,7 +264,7 @@ def random_runs(random_pair):
     target, source = random_pair
     before = [{name: t.clone() for name, t in model.state_dict().items()} for model in random_pair]
     start = random_mapper(source.config, target.config, k=1)
-    splits = Splits(random_rows(source, 8, 16), random_rows(source, 9, 8))
+    splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
     runs = [distill(start, splits, target, settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0)) for _ in range(2)]
     return dict(runs=runs, weights_before=before)
 
@@ -283,3 +284,12 @@ def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_
     for model, before in zip(random_pair, random_runs["weights_before"]):
         after = model.state_dict()
         assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_an_epochs_batches_keep_one_length_each_and_cover_every_row_once():
+    groups = [list(range(5)), list(range(3)), list(range(8))]  # only len() is read
+    batches = epoch_batches(groups, 2, torch.Generator().manual_seed(0))
+    seen = sorted((group, row) for group, rows in batches for row in rows)
+    assert seen == [(g, r) for g, rows in enumerate(groups) for r in rows]
+    assert all(len(rows) <= 2 for _, rows in batches)
+    assert [group for group, _ in batches] != sorted(group for group, _ in batches)  # the groups are interleaved

@@ -49,6 +49,15 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
 
 
 def test_ties_go_to_lower_perplexity():
-    scores = [dict(name="a", agreement=0.5, perplexity=3.0, parameters=1, family="linear", k=1),
-              dict(name="b", agreement=0.5, perplexity=2.0, parameters=9, family="linear", k=1)]
+    scores = [dict(name="a", agreement=0.5, perplexity=3.0, parameters=1, family="linear", k=1, distilled=False),
+              dict(name="b", agreement=0.5, perplexity=2.0, parameters=9, family="linear", k=1, distilled=False)]
     assert choose(scores, "agreement")[0]["name"] == "b"
+
+
+def test_a_distilled_linear_map_may_be_selected_but_the_best_per_k_stays_closed_form():
+    scores = [dict(name="linear_k1_lam1", agreement=0.5, perplexity=3.0, parameters=1, family="linear", k=1,
+                   distilled=False),
+              dict(name="linear_k1_lam1+kl", agreement=0.7, perplexity=2.0, parameters=1, family="linear", k=1,
+                   distilled=True)]
+    chosen, best_per_k = choose(scores, "agreement")
+    assert chosen["name"] == "linear_k1_lam1+kl" and best_per_k[1]["name"] == "linear_k1_lam1"

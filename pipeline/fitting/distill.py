@@ -21,17 +21,20 @@ CUBLAS_WORKSPACE_CONFIG set before torch starts).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, NamedTuple, Protocol
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import Rotation
+from pipeline.store.cachefiles import KINDS, Shard
 
 TRAINABLE = ("linear", "head_matched", "mlp")
 
@@ -73,9 +76,51 @@ class Rows(Protocol):
     def take(self, rows: list[int]) -> Batch: ...
 
 
+class CacheRows:
+    """The rows of one context length n cut from a split's stored sequences: for each sequence of at least
+    n + horizon tokens, the prefix c[0..n-2], the source's content cache of it and the steps c[n-1] .. c[n+h-1].
+    A causal model's cache of a prefix is the first positions of its cache of the whole sequence, so the cache is
+    sliced from `extract`'s shards (no source forward), read per batch through safetensors' memory map: memory
+    holds one batch, whatever the split's size."""
+
+    def __init__(self, shards: Sequence[Shard], token_ids: Sequence[Sequence[int]], length: int, horizon: int,
+                 geometry: tuple[int, int, int]):
+        self.layers, self.heads, self.head_dim = geometry
+        self.length, self.horizon = length, horizon
+        places = [(shard.path, start, stored) for shard in shards
+                  for start, stored in zip(itertools.accumulate([0, *shard.lengths[:-1]]), shard.lengths)]
+        if [stored for _, _, stored in places] != [len(ids) for ids in token_ids]:
+            raise ValueError("the stored caches and the token ids hold different sequences: re-extract the caches "
+                             "from the same data (dvc repro extract)")
+        self.rows = [(path, start, list(ids[: length + horizon])) for (path, start, _), ids in zip(places, token_ids)
+                     if len(ids) >= length + horizon]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, rows: list[int]) -> Batch:
+        prefix_length = self.length - 1
+        chosen = [self.rows[row] for row in rows]
+        tokens = torch.tensor([ids for _, _, ids in chosen], dtype=torch.long).reshape(len(chosen), -1)  # (B, n + h)
+        per_kind = {kind: [[] for _ in range(self.layers)] for kind in KINDS}
+        for path, start, _ in chosen:
+            with safe_open(str(path), framework="pt") as stored:
+                for kind, layers in per_kind.items():
+                    for layer, blocks in enumerate(layers):
+                        blocks.append(stored.get_slice(f"{kind}.{layer}")[start : start + prefix_length])  # (P, H, D)
+        stack = lambda blocks: torch.stack(blocks).to(torch.float32).transpose(1, 2)  # noqa: E731  (B, H, P, D)
+        source = [(stack(keys), stack(values)) for keys, values in zip(per_kind["keys"], per_kind["values"])]
+        shape = (len(chosen), self.heads, prefix_length, self.head_dim)
+        if source and tuple(source[0][0].shape) != shape:
+            raise ValueError(f"cache rows of shape {tuple(source[0][0].shape)}, expected {shape} from the manifest")
+        return Batch(tokens[:, :prefix_length], source, tokens[:, prefix_length:])
+
+
 class Splits(NamedTuple):
-    fit: Rows  # trained on, in a seeded order each epoch
-    select: Rows  # scored after each epoch: its KL stops training and picks the epoch kept
+    """Rows in groups of one prefix length each (a batch never mixes lengths)."""
+
+    fit: Sequence[Rows]  # trained on: each group cut into batches in a seeded order, the batches shuffled
+    select: Sequence[Rows]  # scored after each epoch: its KL stops training and picks the epoch kept
 
 
 class Oracle(NamedTuple):
@@ -160,15 +205,26 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float) -> 
 
 
 @torch.no_grad()
-def evaluate(mapper: Mapper, rows: Rows, handoff: Handoff, batch: int) -> dict:
-    """Mean KL(oracle || mapped) over every position of `rows`, and the share of rows whose argmax at the handoff
-    position is the oracle's (V0's next-token agreement)."""
+def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: int) -> dict:
+    """Mean KL(oracle || mapped) over every position of every group's rows, and the share of rows whose argmax at
+    the handoff position is the oracle's (V0's next-token agreement)."""
     kl_sum, positions, agreeing = 0.0, 0, 0
-    for first in range(0, len(rows), batch):
-        scored = losses(mapper, rows.take(list(range(first, min(first + batch, len(rows))))), handoff, 0.0)
-        kl_sum, positions = kl_sum + float(scored.kl.sum()), positions + scored.kl.numel()
-        agreeing += int(scored.agrees.sum())
-    return {"kl": kl_sum / positions, "agreement": agreeing / len(rows)}
+    for rows in groups:
+        for first in range(0, len(rows), batch):
+            scored = losses(mapper, rows.take(list(range(first, min(first + batch, len(rows))))), handoff, 0.0)
+            kl_sum, positions = kl_sum + float(scored.kl.sum()), positions + scored.kl.numel()
+            agreeing += int(scored.agrees.sum())
+    return {"kl": kl_sum / positions, "agreement": agreeing / sum(len(rows) for rows in groups)}
+
+
+def epoch_batches(groups: Sequence[Rows], batch: int, generator: torch.Generator) -> list[tuple[int, list[int]]]:
+    """One epoch's batches as (group, rows): each group's rows in a seeded order cut into batches, then every
+    batch in a seeded order, so lengths alternate while a batch keeps one length."""
+    batches = []
+    for group, rows in enumerate(groups):
+        order = torch.randperm(len(rows), generator=generator).tolist()
+        batches += [(group, order[first : first + batch]) for first in range(0, len(order), batch)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def check_frozen(target) -> None:
@@ -212,8 +268,9 @@ def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -
     for name in ("batch", "epochs", "patience"):
         if getattr(settings, name) < 1:
             raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
-    if not len(batches.fit) or not len(batches.select):
-        raise ValueError(f"distillation needs fit and select rows, got {len(batches.fit)} and {len(batches.select)}")
+    counts = [sum(len(rows) for rows in groups) for groups in batches]
+    if not all(counts):
+        raise ValueError(f"distillation needs fit and select rows, got {counts[0]} and {counts[1]}")
     handoff = Handoff(target)
     with deterministic(settings.seed):
         mapper = trainable(start, handoff.device)
@@ -225,18 +282,17 @@ def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -
         best_kl, best_epoch, best = scored["kl"], 0, [p.detach().clone() for p in parameters]
         steps = 0
         for epoch in range(1, settings.epochs + 1):
-            order = torch.randperm(len(batches.fit), generator=generator).tolist()
+            order = epoch_batches(batches.fit, settings.batch, generator)
             totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
-            for first in range(0, len(order), settings.batch):
-                step = losses(mapper, batches.fit.take(order[first : first + settings.batch]), handoff,
-                              settings.kv_weight)
+            for group, rows in order:
+                step = losses(mapper, batches.fit[group].take(rows), handoff, settings.kv_weight)
                 optimizer.zero_grad(set_to_none=True)
                 step.total.backward()
                 optimizer.step()
                 steps += 1
                 for name, value in (("fit_loss", step.total), ("fit_kl", step.kl.mean()), ("fit_kv", step.kv)):
                     totals[name] += float(value.detach())
-            batches_seen = -(-len(order) // settings.batch)
+            batches_seen = len(order)
             scored = evaluate(mapper, batches.select, handoff, settings.batch)
             history.append({"epoch": epoch, **{name: value / batches_seen for name, value in totals.items()},
                             "select_kl": scored["kl"], "select_agreement": scored["agreement"]})

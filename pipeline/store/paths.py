@@ -20,6 +20,7 @@ EVAL_PROMPTS = DATA / "eval.parquet"
 MODELS = Path("models")
 PINS = MODELS / "pins.json"
 MAPPERS = MODELS / "mappers"
+DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl
 SELECTED_MAPPER = MODELS / "mapper.safetensors"
 
 # caches/: each model's RoPE-stripped caches over the fit and select splits
@@ -37,6 +38,8 @@ METRICS = Path("metrics")
 PARAMS_CHECK = METRICS / "params_check.json"
 MODEL_SCORES = METRICS / "models.json"
 FIT = METRICS / "fit.json"
+DISTILL = METRICS / "distill.json"
+DISTILL_CURVES = METRICS / "distill"  # per map, per epoch: fit losses, select KL and agreement
 SELECT = METRICS / "select.json"
 CONTROLS = METRICS / "controls.json"
 CONTROLS_USAGE = METRICS / "controls_usage.json"

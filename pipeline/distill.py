@@ -1,0 +1,166 @@
+"""Stage `distill`: fitted maps trained further through the frozen target (`pipeline.fitting.distill`).
+
+    python -m pipeline.distill [--only NAME[,NAME...]] [--mappers DIR] [--out DIR]
+
+For each map named in `distill.start` (fit's own names, e.g. `linear_k1_lam1e-05`, `mlp_k3`) a map of the same
+family, shapes and parameter count, initialised from the fitted one, is trained with both models frozen: the KL
+from the target's next-token distributions after its own prefill to those after the mapped cache, at the handoff
+position and the next `distill.horizon` teacher-forced positions (the last-token protocol), plus
+`distill.kv_weight` x the normalised key/value regression. Rows are the fit split's sequences cut at each of
+`distill.context_lengths`; the source enters only as its stored caches (caches/source, no source forward), the
+oracle is the target's own prefill of each batch. AdamW at the start family's `distill.lr`, early stopping on the
+select split's KL, `distill.seed`: bit-identical on one CPU device, so the determinism control can refit the
+selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`).
+
+Writes `models/distilled/<start>+kl.safetensors` (the mapper format, family unchanged; the metadata's
+`distilled` entry records the start map's digest, the loss weights, steps and the best epoch), so select, the
+handoff, `kv-transfer`, latency and controls read it as any map; `metrics/distill.json` (per map: select KL and
+agreement before and after, epochs, steps, seconds) and `metrics/distill/<start>+kl.csv`, per epoch the fit
+losses and the select KL and agreement (a DVC plot: epoch vs select KL, one line per map).
+"""
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import torch
+from pydantic import Field, model_validator
+from tqdm.auto import tqdm
+
+from pipeline.fitting.distill import TRAINABLE, CacheRows, DistillSettings, Splits, distill
+from pipeline.kv.mapper import load_mapper, save_mapper
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir, atomic_path
+from pipeline.store.cachefiles import open_split, read_manifest
+from pipeline.store.cli import entry, parser
+from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Threads, load_section
+from pipeline.store.ranks import stage_ranks
+
+SUFFIX = "+kl"  # a distilled map's name: its start's name and this
+
+
+class DistillParams(Params):
+    start: Annotated[list[str], Field(min_length=1)]  # fit's map names (the candidates fit writes)
+    context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
+    horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position
+    lr: dict[str, PositiveFloat]  # AdamW's learning rate per map family (linear, head_matched, mlp)
+    weight_decay: Annotated[float, Field(ge=0)]
+    kv_weight: Annotated[float, Field(ge=0)]  # the key/value regression beside the KL; 0 turns it off
+    batch_size: Positive  # rows per optimizer step
+    epochs: Positive  # at most
+    patience: Positive  # epochs without a lower select KL before stopping
+    seed: int
+    threads: Threads
+
+    @model_validator(mode="after")
+    def _families(self) -> "DistillParams":
+        unknown = sorted(set(self.lr) - set(TRAINABLE))
+        if unknown:
+            raise ParamError(f"distill.lr: unknown family {unknown[0]!r} (trainable: {', '.join(TRAINABLE)})")
+        for name in self.start:
+            if family_of(name) not in self.lr:
+                raise ParamError(f"distill.start: {name!r} is a {family_of(name)} map but distill.lr has no "
+                                 f"{family_of(name)} entry; add one")
+        if min(self.context_lengths) < 2:
+            raise ParamError("distill.context_lengths: a context needs at least 2 tokens (a prefix and its last)")
+        return self
+
+
+def family_of(name: str) -> str:
+    """The family a fit candidate's name starts with (`head_matched_k3_lam0.1` -> head_matched)."""
+    return next((family for family in sorted(TRAINABLE, key=len, reverse=True) if name.startswith(family + "_")),
+                name.split("_")[0])
+
+
+def distilled_name(start: str) -> str:
+    return start + SUFFIX
+
+
+def settings(params: DistillParams, family: str) -> DistillSettings:
+    return DistillSettings(lr=params.lr[family], weight_decay=params.weight_decay, batch=params.batch_size,
+                           epochs=params.epochs, patience=params.patience, kv_weight=params.kv_weight,
+                           seed=params.seed)
+
+
+def cache_groups(caches: Path, split: str, params: DistillParams) -> list[CacheRows]:
+    """One row group per context length, cut from the split's stored source caches and its token ids."""
+    geometry = read_manifest(caches)["geometry"]
+    shards, data = open_split(caches, split), pd.read_parquet(paths.split(split))
+    stored = [doc for shard in shards for doc in shard.doc_ids]
+    if stored != data.doc_id.tolist():
+        raise ValueError(f"{caches / split} and {paths.split(split)} hold different sequences: re-extract the "
+                         "caches (dvc repro extract)")
+    groups = [CacheRows(shards, data.token_ids.tolist(), n, params.horizon,
+                        (geometry["layers"], geometry["kv_heads"], geometry["head_dim"]))
+              for n in params.context_lengths]
+    if not any(len(group) for group in groups):
+        raise ParamError(f"distill.context_lengths: no {split} sequence has {min(params.context_lengths)} + "
+                         f"distill.horizon tokens; lower them")
+    return [group for group in groups if len(group)]
+
+
+def write_curve(path: Path, history: list[dict]) -> None:
+    fields = ["epoch", "fit_loss", "fit_kl", "fit_kv", "select_kl", "select_agreement"]
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows({key: round(value, 6) if isinstance(value, float) else value
+                          for key, value in row.items()} for row in history)
+
+
+def run(params: DistillParams, models: ModelsParams, names: list[str], mappers: Path, out: Path,
+        curves: Path) -> dict:
+    """Distil each named start map from `mappers` into `out`, its curve into `curves`; the metrics."""
+    target = load_model(paths.model("target"), dtype=models.dtype, device=models.torch_device,
+                        device_map=models.device_map).requires_grad_(False).eval()
+    splits = Splits(*(cache_groups(paths.CACHES / "source", split, params) for split in ("fit", "select")))
+    metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
+    for name in tqdm(names, desc="distill", unit="map"):
+        started = time.perf_counter()
+        start = load_mapper(mappers / f"{name}.safetensors")
+        mapper, history = distill(start, splits, target, settings(params, start.family))
+        save_mapper(mapper, out / f"{distilled_name(name)}.safetensors")
+        write_curve(curves / f"{distilled_name(name)}.csv", history)
+        facts, best = mapper.extra["distilled"], history[mapper.extra["distilled"]["best_epoch"]]
+        metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in {
+            "start": name, "select_kl_start": round(history[0]["select_kl"], 5),
+            "select_kl": round(best["select_kl"], 5),
+            "select_agreement_start": round(history[0]["select_agreement"], 4),
+            "select_agreement": round(best["select_agreement"], 4), "best_epoch": facts["best_epoch"],
+            "epochs": facts["epochs"], "steps": facts["steps"],
+            "seconds": round(time.perf_counter() - started, 1)}.items()})
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parser("pipeline.distill", __doc__)
+    cli.add_argument("--only", metavar="NAME[,NAME...]", type=lambda text: text.split(","),
+                     help="distil only these start maps (the determinism control's refit)")
+    cli.add_argument("--mappers", type=Path, help="read the start maps from this folder (default models/mappers)")
+    cli.add_argument("--out", type=Path, help="write maps, curves and metrics here instead")
+    args = cli.parse_args(sys.argv[1:] if argv is None else argv)
+    params, models = load_section(DistillParams, "distill"), load_section(ModelsParams, "models")
+    names = args.only or params.start
+    mappers = args.mappers or paths.MAPPERS
+    missing = [name for name in names if not (mappers / f"{name}.safetensors").is_file()]
+    if missing:
+        raise ParamError(f"distill.start: no fitted map {mappers / missing[0]}.safetensors; name one of fit's "
+                         "candidates (models/mappers) or rerun fit")
+    torch.set_num_threads(params.threads)
+    with stage_ranks(models.torch_device) as stage:
+        if args.out:  # a refit beside the pipeline's outputs: maps, curves and metrics in one folder
+            args.out.mkdir(parents=True, exist_ok=True)
+            stage.write_metrics(args.out / "distill.json", run(params, models, names, mappers, args.out, args.out))
+            return
+        with atomic_dir(paths.DISTILLED) as out, atomic_dir(paths.DISTILL_CURVES) as curves:
+            metrics = run(params, models, names, mappers, out, curves)
+        stage.write_metrics(paths.DISTILL, metrics)
+
+
+if __name__ == "__main__":
+    entry(main)
