@@ -18,7 +18,8 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
-              every candidate, the calibration curve, the length study; their `report` params and formatting
+              every candidate, the calibration curve, the length study, distillation; their `report` params and
+              formatting
     tiny/     the embedded world: its tokenizer, its generator, and the training of the tiny pair
 """
 
@@ -27,7 +28,7 @@ WINGS = {
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "variants", "candidates", "calibration", "length"),
+    "studies": ("format", "settings", "variants", "candidates", "calibration", "length", "distillation"),
     "tiny": ("tokenizer", "world", "train"),
 }
 

@@ -75,7 +75,7 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
 def run(params: CandidatesParams, models: ModelsParams) -> dict:
     require_controls_passed()
     torch.set_num_threads(params.threads)
-    candidates = sorted(MAPPERS.glob("*.safetensors"))
+    candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
     pair = Pair.load(models, models.torch_device)

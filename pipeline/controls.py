@@ -16,7 +16,8 @@
    model computed before its rotary embedding (captured by a forward hook on k_norm, or k_proj without one),
    and strip then apply is the identity, on both models;
 6. deterministic mapper serialization: the selected candidate alone refitted from the same caches in two
-   fresh processes (`python -m pipeline.fit --only <candidate>`) is byte-identical to the selected file.
+   fresh processes (`python -m pipeline.fit --only <candidate>`; a distilled `<start>+kl` is its start refitted,
+   then `python -m pipeline.distill --only <start>` from that) is byte-identical to the selected file.
 
 metrics/controls.json holds one entry per control: `passed` and the figures it measured;
 metrics/controls_usage.json the stage's wall time and peak memory. A failed control
@@ -36,6 +37,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from pipeline.fitting.distill import start_of
 from pipeline.kv.contract import Contract, pair_contract
 from pipeline.kv.handoff import Handoff, greedy_rollout
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
@@ -253,7 +255,11 @@ def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, toler
 
 
 def refit_in_subprocess(out: Path, name: str) -> None:
-    run_stage("pipeline.fit", "--out", str(out), "--only", name)
+    """Fit's narrow refit of `name`; for a distilled map (`<start>+kl`), its start's, then distilled again."""
+    start = start_of(name)
+    run_stage("pipeline.fit", "--out", str(out), "--only", start or name)
+    if start:
+        run_stage("pipeline.distill", "--only", start, "--mappers", str(out), "--out", str(out))
 
 
 def deterministic_refit(mapper: Path, name: str, folder: Path, runs: int = 2, refit=refit_in_subprocess) -> dict:

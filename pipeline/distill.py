@@ -31,7 +31,7 @@ import torch
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import TRAINABLE, CacheRows, DistillSettings, Splits, distill
+from pipeline.fitting.distill import SUFFIX, TRAINABLE, CacheRows, DistillSettings, Splits, distill
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
@@ -40,8 +40,6 @@ from pipeline.store.cli import entry, parser
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Threads, load_section
 from pipeline.store.ranks import stage_ranks
-
-SUFFIX = "+kl"  # a distilled map's name: its start's name and this
 
 
 class DistillParams(Params):

@@ -24,11 +24,11 @@ from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, read_key
-from pipeline.studies import calibration, candidates, length, variants
+from pipeline.studies import calibration, candidates, distillation, length, variants
 from pipeline.studies.settings import ReportParams
 
 # the studies beside the variants, in the report's order: key in metrics/report.json -> module
-STUDIES = {"candidates": candidates, "calibration": calibration, "length": length}
+STUDIES = {"distillation": distillation, "candidates": candidates, "calibration": calibration, "length": length}
 HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 

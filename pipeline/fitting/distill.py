@@ -37,6 +37,12 @@ from pipeline.kv.rope import Rotation
 from pipeline.store.cachefiles import KINDS, Shard
 
 TRAINABLE = ("linear", "head_matched", "mlp")
+SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
+
+
+def start_of(name: str) -> str | None:
+    """The start map a distilled map's name names (`mlp_k3+kl` -> mlp_k3); None for a fitted map's name."""
+    return name.removesuffix(SUFFIX) if name.endswith(SUFFIX) else None
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
     pair's shapes."""
     maps, rows = inputs.figures["maps"], {}
     for name, frame in inputs.candidate_items.items():
-        fit, select, figures = inputs.fit["maps"][name], inputs.select["maps"][name], maps[name]
+        select, figures = inputs.select["maps"][name], maps[name]
+        fit = inputs.fit["maps"].get(name)  # None for a distilled map: fit never saw it
         both = {**inputs.items, name: frame}
         retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
         closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
@@ -58,13 +59,14 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
             "gap_closure_high": closure["high"],
-            "r2_heldout": (fit["r2_keys_select"] + fit["r2_values_select"]) / 2,
+            "r2_heldout": (fit["r2_keys_select"] + fit["r2_values_select"]) / 2 if fit else None,
             **{key: select[key] for key in ("attention_cosine", "agreement", "mean_kl")},
             **{key: figures[key] for key in ("speedup", "bound_at_pair", "parameters", "mapper_bytes")},
         }
     names = list(rows)
-    retention_values = [rows[n]["retention"] for n in names]
-    proxies = {proxy: rank_correlation([rows[n][proxy] for n in names], retention_values, params.bootstrap_iters,
+    scored = lambda proxy: [n for n in names if rows[n][proxy] is not None]  # noqa: E731  (R²: fitted maps only)
+    proxies = {proxy: rank_correlation([rows[n][proxy] for n in scored(proxy)],
+                                       [rows[n]["retention"] for n in scored(proxy)], params.bootstrap_iters,
                                        params.seed) for proxy in PROXIES}
     closure_values = [rows[n]["gap_closure"] for n in names]
     for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):
@@ -90,7 +92,8 @@ def lines(study: dict) -> list[str]:
          "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front"],
         [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
-          f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}", pct(r["agreement"]), f"{r['mean_kl']:.3f}",
+          "—" if r["r2_heldout"] is None else f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}",
+          pct(r["agreement"]), f"{r['mean_kl']:.3f}",
           f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
           front(r)] for name, r in rows.items()])
     out += ["", "Rank correlation (Spearman) of each cheap figure with eval-part retention across the candidates "

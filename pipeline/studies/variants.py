@@ -70,6 +70,8 @@ class Run:
 
 
 def label(variant: str) -> str:
+    if variant.startswith("distilled_k"):
+        return f"Distilled mapped transfer, k={variant[len('distilled_k'):]}"
     if variant.startswith("mapped_k"):
         return f"Learned mapped transfer, k={variant[len('mapped_k'):]}"
     return LABELS.get(variant, variant)
@@ -116,6 +118,9 @@ def compute(params: ReportParams, run: Run) -> dict:
     larger_k = sorted((int(v[8:]) for v in metrics if v.startswith("mapped_k") and v != "mapped_k1"))
     if "mapped_k1" in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layer count
         pairs[f"k1_minus_k{larger_k[-1]}"] = ("mapped_k1", f"mapped_k{larger_k[-1]}")
+    for variant in sorted(v for v in metrics if v.startswith("distilled_k")):  # each distilled map vs its start's k
+        if f"mapped_k{variant[len('distilled_k'):]}" in metrics:
+            pairs[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
     pairs[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
                    for name, (a, b) in pairs.items()}

@@ -1,0 +1,124 @@
+"""The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
+
+Inputs: metrics/distill.json and its per-epoch curves (metrics/distill/<map>.csv), metrics/select.json (both
+maps scored on the select split: next-token top-1, agreement and rollout agreement with the oracle, mean KL),
+and, when the candidates study ran, both maps' task items on the eval part (eval/candidates/): retention and gap
+closure with their intervals, and the paired difference of task accuracy (after - before) with its bootstrap
+interval and McNemar's p over the same items.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.stats import mcnemar, paired_bootstrap
+from pipeline.store import paths
+from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import Run
+
+SELECT_FIGURES = ("next_token_top1", "agreement", "rollout_agreement", "mean_kl")
+
+
+@dataclass
+class Inputs:
+    distill: dict  # metrics/distill.json
+    curves: dict[str, pd.DataFrame]  # per distilled map, per epoch
+    select: dict  # metrics/select.json
+    items: dict[str, pd.DataFrame]  # the oracle's and the source's items, and both maps' where the candidates ran
+
+
+def load(run: Run) -> Inputs | None:
+    """None when the stage did not run."""
+    if not paths.DISTILL.is_file():
+        return None
+    distill = json.loads(paths.DISTILL.read_text())
+    names = [*distill["maps"], *(facts["start"] for facts in distill["maps"].values())]
+    candidates = {name: paths.CANDIDATE_ITEMS / f"{name}.parquet" for name in names}
+    items = {**run.items, **{name: pd.read_parquet(path) for name, path in candidates.items() if path.is_file()}}
+    curves = {name: pd.read_csv(paths.DISTILL_CURVES / f"{name}.csv") for name in distill["maps"]}
+    return Inputs(distill, curves, run.select, items)
+
+
+def compute(params: ReportParams, inputs: Inputs) -> dict:
+    """Per distilled map: its start, training facts, both maps' select-split figures, and on the eval part (when
+    both maps' items exist) both retentions and gap closures and the paired difference of task accuracy."""
+    rows = {}
+    for name, facts in inputs.distill["maps"].items():
+        start = facts["start"]
+        row = {"start": start, **{key: facts[key] for key in ("best_epoch", "epochs", "steps", "seconds")}}
+        for when, which in (("before", start), ("after", name)):
+            scores = inputs.select.get("maps", {}).get(which, {})
+            row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
+        if start in inputs.items and name in inputs.items and "source" in inputs.items:
+            metric, iters, seed = params.retention_metric, params.bootstrap_iters, params.seed
+            for when, which in (("before", start), ("after", name)):
+                kept = retention_interval(inputs.items, which, metric, iters, seed)
+                closed = gap_closure_interval(inputs.items, which, metric, iters, seed)
+                row.update({f"retention_{when}": kept["retention"], f"retention_{when}_low": kept["low"],
+                            f"retention_{when}_high": kept["high"], f"gap_closure_{when}": closed["gap_closure"],
+                            f"gap_closure_{when}_low": closed["low"], f"gap_closure_{when}_high": closed["high"]})
+            after, before = paired_items(inputs.items, name, start, metric)
+            difference = paired_bootstrap(after, before, iters, seed)
+            row.update({"tasks_diff": difference["diff"], "tasks_low": difference["low"],
+                        "tasks_high": difference["high"], "tasks_n": difference["n"],
+                        "tasks_mcnemar_p": mcnemar(after, before)})
+        rows[name] = row
+    return {"rows": rows, "rows_fit": inputs.distill["rows_fit"], "rows_select": inputs.distill["rows_select"],
+            "curves": {name: curve[["epoch", "select_kl", "select_agreement"]].to_dict(orient="list")
+                       for name, curve in inputs.curves.items()}}
+
+
+def _arrow(row: dict, key: str, percent: bool = True) -> str:
+    before, after = row.get(f"{key}_before"), row.get(f"{key}_after")
+    if before is None or after is None:
+        return "—"
+    shown = pct if percent else (lambda v: f"{v:.3f}")
+    return f"{shown(before)} → {shown(after)}"
+
+
+def lines(study: dict) -> list[str]:
+    rows = study["rows"]
+    out = ["## Distillation: maps trained through the frozen target", "",
+           f"Each map below started from the fitted map named beside it (same family, shapes and parameters, so "
+           f"the same handoff cost) and was trained on the KL of the target's next-token distributions after its "
+           f"own prefill and after the mapped cache ({study['rows_fit']} fit rows, early stopping on "
+           f"{study['rows_select']} select rows). Select split, before → after:", ""]
+    out += md_table(["Map", "Start", "Next-token top-1", "Agreement", "Rollout agreement", "Mean KL",
+                     "Best epoch / run", "Seconds"],
+                    [[name, r["start"], _arrow(r, "next_token_top1"), _arrow(r, "agreement"),
+                      _arrow(r, "rollout_agreement"), _arrow(r, "mean_kl", percent=False),
+                      f"{r['best_epoch']} / {r['epochs']}", f"{r['seconds']:.0f}"] for name, r in rows.items()])
+    evaluated = {name: r for name, r in rows.items() if "tasks_diff" in r}
+    if evaluated:
+        out += ["", "On the eval part (the candidates study's items; task accuracy difference after − before over "
+                "the same items, paired bootstrap 95% interval, exact McNemar p):", ""]
+        out += md_table(
+            ["Map", "Retention before", "Retention after", "Gap closure before", "Gap closure after",
+             "Tasks Δ [95% CI]", "McNemar p", "n"],
+            [[name, *(pct_interval(r[f"{key}_{when}"], r[f"{key}_{when}_low"], r[f"{key}_{when}_high"])
+                      for key in ("retention", "gap_closure") for when in ("before", "after")),
+              interval(r["tasks_diff"], r["tasks_low"], r["tasks_high"]), f"{r['tasks_mcnemar_p']:.3g}",
+              r["tasks_n"]] for name, r in evaluated.items()])
+    out += ["", "![select KL per epoch](report/distillation.png)", ""]
+    return out
+
+
+def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
+    """The training curves: select KL per epoch, one line per map (epoch 0 is the start map)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in study["curves"].items():
+        ax.plot(curve["epoch"], curve["select_kl"], marker="o", markersize=3, label=name)
+    ax.set_xlabel("epoch (0: the fitted start map)")
+    ax.set_ylabel("select KL(oracle || mapped)")
+    ax.set_title("Distillation through the frozen target")
+    ax.legend(fontsize=8)
+    save_figure(fig, folder / "distillation.png")
+    table = pd.concat([pd.DataFrame({"map": name, "epoch": curve["epoch"], "select_kl": curve["select_kl"]})
+                       for name, curve in study["curves"].items()], ignore_index=True)
+    return {"distillation": table}
