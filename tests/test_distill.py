@@ -13,6 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from pipeline.fitting.distill import (
     Batch,
+    CacheRows,
     DistillSettings,
     Splits,
     distill,
@@ -28,6 +29,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper
 from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.store.cachefiles import ShardWriter, open_shard
 
 VOCAB = 97
 PERIODIC_VOCAB = 32  # the vocabulary `periodic_model` was trained on
@@ -293,3 +295,32 @@ def test_an_epochs_batches_keep_one_length_each_and_cover_every_row_once():
     assert seen == [(g, r) for g, rows in enumerate(groups) for r in rows]
     assert all(len(rows) <= 2 for _, rows in batches)
     assert [group for group, _ in batches] != sorted(group for group, _ in batches)  # the groups are interleaved
+
+
+def open_split_shards(root):
+    """The fit split's shards as ShardWriter left them (no manifest: the test writes shards alone)."""
+    return [open_shard(path) for path in sorted((root / "fit").glob("*.safetensors"))]
+
+
+def test_cache_rows_cut_from_stored_sequences_hold_the_sources_own_cache_of_each_prefix(random_pair, tmp_path):
+    _, source = random_pair
+    generator = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(0, VOCAB, (length,), generator=generator) for length in (20, 12, 25)]
+    writer = ShardWriter(tmp_path, {}, 2, torch.float32)  # two shards: the rows cross a shard boundary
+    writer.begin("fit", [len(ids) for ids in sequences])
+    for number, ids in enumerate(sequences):
+        layers = content_cache(source, ids[None])  # (1, H, T, D) per layer
+        stacked = [torch.stack([pair[kind][0].transpose(0, 1) for pair in layers]) for kind in (0, 1)]
+        writer.add(f"doc{number}", f"hash{number}", *stacked)  # (layers, T, H, D) each
+    writer.close()
+    geometry = kv_geometry(source.config)
+    rows = CacheRows(open_split_shards(tmp_path), [ids.tolist() for ids in sequences], 10, 3,
+                     (geometry["layers"], geometry["kv_heads"], geometry["head_dim"]))
+    assert len(rows) == 2  # the 12-token sequence is shorter than 10 + 3
+    batch = rows.take([1, 0])
+    kept = torch.stack([sequences[2][:13], sequences[0][:13]])
+    assert torch.equal(batch.prefix, kept[:, :9]) and torch.equal(batch.steps, kept[:, 9:])
+    for (keys, values), (own_keys, own_values) in zip(batch.source, content_cache(source, kept[:, :9]), strict=True):
+        assert torch.allclose(keys, own_keys, atol=1e-5) and torch.allclose(values, own_values, atol=1e-5)
+    with pytest.raises(ValueError, match="hold different sequences"):
+        CacheRows(open_split_shards(tmp_path), [ids.tolist() for ids in sequences[:2]], 10, 3, (1, 1, 1))

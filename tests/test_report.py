@@ -9,7 +9,7 @@ from conftest import committed
 from pipeline.measure.retention import gap_closure, mean_retention, retention
 from pipeline.report import markdown
 from pipeline.store.params import parse
-from pipeline.studies import calibration, candidates, length, variants
+from pipeline.studies import calibration, candidates, distillation, length, variants
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import V0, Run
 
@@ -246,3 +246,31 @@ def test_the_tiny_pair_and_random_shapes_are_not_v0s_pair_either(tmp_path, monke
                                          "target": {"kind": "random", "shape": "qwen3-1.7b", "seed": 1}})
     assert "V0 reference" not in text
     assert "this run's pair is `shape:qwen3-0.6b` → `shape:qwen3-1.7b`" in text
+
+
+def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_items(tmp_path):
+    rng = np.random.default_rng(3)
+    items = {name: _fake_variant(rng, *spec)[1] for name, spec in
+             {"oracle": (0.9, 0.95, 1.0), "source": (0.4, 0.6, 0.3), "lin": (0.45, 0.62, 0.5)}.items()}
+    items["lin+kl"] = items["lin"].copy()
+    better = (items["lin+kl"].index % 4 == 0) & (items["lin+kl"].acc == 0)  # a quarter of the misses fixed
+    items["lin+kl"].loc[better, ["acc", "acc_norm"]] = 1.0
+    curve = pd.DataFrame({"epoch": [0, 1, 2], "select_kl": [0.5, 0.4, 0.45], "select_agreement": [0.4, 0.5, 0.5]})
+    facts = {"start": "lin", "best_epoch": 1, "epochs": 2, "steps": 8, "seconds": 3.0}
+    select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
+                       "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}
+    inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5}, {"lin+kl": curve},
+                                 select, items)
+    study = distillation.compute(report_params(), inputs)
+    row = study["rows"]["lin+kl"]
+    assert row["next_token_top1_before"] == 0.5 and row["next_token_top1_after"] == 0.6
+    assert row["retention_after"] > row["retention_before"] and row["gap_closure_after"] > row["gap_closure_before"]
+    assert row["tasks_diff"] == pytest.approx(better.sum() / len(better)) and 0 < row["tasks_low"] <= row["tasks_diff"]
+    assert row["tasks_mcnemar_p"] < 1e-3 and row["tasks_n"] == len(better)
+    text = "\n".join(distillation.lines(study))
+    assert "| lin+kl | lin | 50.0% → 60.0% |" in text and "McNemar" in text
+    tables = distillation.figure(study, tmp_path)
+    assert (tmp_path / "distillation.png").is_file() and list(tables["distillation"].select_kl) == [0.5, 0.4, 0.45]
+    del items["lin+kl"]  # the candidates study did not run: the select split's table alone
+    alone = distillation.compute(report_params(), distillation.Inputs(inputs.distill, inputs.curves, select, items))
+    assert "tasks_diff" not in alone["rows"]["lin+kl"] and "McNemar" not in "\n".join(distillation.lines(alone))
