@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from conftest import committed
 
-from pipeline.measure.retention import gap_closure, mean_retention, retention
+from pipeline.measure.retention import gap_closure, mean_retention, prompt_gap_closure, retention
 from pipeline.report import markdown
 from pipeline.store.params import parse
 from pipeline.studies import calibration, candidates, distillation, length, variants
@@ -27,7 +27,9 @@ def _fake_variant(rng, acc_hs, acc_pq, agree, n=300, prompts=60):
     items = pd.DataFrame({"task": ["hellaswag"] * n + ["piqa"] * n, "item": list(range(n)) * 2,
                           "acc": np.r_[rng.random(n) < acc_hs, rng.random(n) < acc_pq].astype(float)})
     items["acc_norm"] = items.acc
-    prompt_rows = pd.DataFrame({"prompt": range(prompts), "first_agree": (rng.random(prompts) < agree).astype(int)})
+    prompt_rows = pd.DataFrame({"prompt": range(prompts), "first_agree": (rng.random(prompts) < agree).astype(int),
+                                "tokens": 16})
+    prompt_rows["nll"] = 16 * (2 - agree) - prompt_rows.first_agree  # no draw: the items' draws stay as they were
     metrics = {"perplexity": 10 / max(agree, 0.1), "next_token_top1": agree, "agreement": agree, "mean_kl": 1 - agree,
                "rollout_agreement": agree, "prompts": prompts}
     for task, frame in items.groupby("task"):
@@ -90,7 +92,7 @@ def test_the_oracle_closes_the_whole_gap_the_source_none_and_the_gate_reads_the_
     assert chosen["gap_closure_low"] < chosen["gap_closure"] < chosen["gap_closure_high"]
     assert 0.3 < chosen["gap_closure"] < 1.0 and chosen["retention"] > chosen["gap_closure"]
     assert report["gates"]["gap_closure_floor"] == {"passed": True, "threshold": 0.5,
-                                                    "measured": chosen["gap_closure"]}
+                                                    "measured": chosen["gap_closure"], "metric": "tasks"}
     # a map no better than the source model alone keeps most of the retention but closes none of the gap
     near_source = build(report_params(), *_study(np.random.default_rng(2), (0.7, 0.8, 0.3)), controls)
     weak = near_source["variants"]["selected"]
@@ -104,7 +106,8 @@ def test_without_the_source_baseline_there_is_no_gap_closure_and_its_gate_does_n
         del table["source"]
     report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
     assert report["variants"]["selected"]["gap_closure"] is None
-    assert report["gates"]["gap_closure_floor"] == {"passed": False, "threshold": 0.5, "measured": None}
+    assert report["gates"]["gap_closure_floor"] == {"passed": False, "threshold": 0.5, "measured": None,
+                                                    "metric": "tasks"}
 
 
 def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_place_on_the_front():
@@ -274,3 +277,31 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     del items["lin+kl"]  # the candidates study did not run: the select split's table alone
     alone = distillation.compute(report_params(), distillation.Inputs(inputs.distill, inputs.curves, select, items))
     assert "tasks_diff" not in alone["rows"]["lin+kl"] and "McNemar" not in "\n".join(distillation.lines(alone))
+
+
+def test_gap_closure_on_the_eval_prompts_reads_next_token_top1_and_log_perplexity():
+    prompts = {name: pd.DataFrame({"prompt": range(8), "first_agree": agree, "nll": nll, "tokens": 4})
+               for name, agree, nll in (("source", [1, 0] * 4, 12.0), ("oracle", 1, 8.0),
+                                        ("mapped", [1, 1, 1, 0] * 2, 10.0))}
+    top1 = prompt_gap_closure(prompts, "mapped", "next_token_top1", 500, 0)
+    log_ppl = prompt_gap_closure(prompts, "mapped", "log_perplexity", 500, 0)
+    assert top1["gap_closure"] == pytest.approx(0.5) and top1["low"] <= 0.5 <= top1["high"]
+    assert log_ppl == {"gap_closure": pytest.approx(0.5), "low": pytest.approx(0.5), "high": pytest.approx(0.5)}
+    worse = {**prompts, "mapped": prompts["mapped"].assign(nll=14.0)}  # above the source's: a negative closure
+    assert prompt_gap_closure(worse, "mapped", "log_perplexity", 100, 0)["gap_closure"] == pytest.approx(-0.5)
+
+
+def test_the_gap_closure_gate_reads_the_measure_declared_in_params_and_a_wide_task_interval_is_named():
+    rng = np.random.default_rng(0)
+    metrics, items, prompts = {}, {}, {}
+    for name, args in {"oracle": (0.9, 0.95, 1.0), "selected": (0.5, 0.6, 0.8), "source": (0.45, 0.6, 0.3)}.items():
+        metrics[name], items[name], prompts[name] = _fake_variant(rng, *args, n=40)
+    controls = {"compatibility": {"passed": True}}
+    report = build(report_params(gap_closure_metric="next_token_top1"), metrics, items, prompts, controls)
+    chosen, gate = report["variants"]["selected"], report["gates"]["gap_closure_floor"]
+    assert gate["metric"] == "next_token_top1" and gate["measured"] == chosen["gap_closure_next_token_top1"]
+    assert gate["measured"] != chosen["gap_closure"]
+    report["gap_closure_metric"] = "next_token_top1"
+    chosen.update(gap_closure_low=-1.5, gap_closure_high=0.9)  # a task interval wider than the whole gap
+    text = "\n".join(variants._gap_lines(report))
+    assert "reads `next_token_top1`" in text and "Too wide to decide anything" in text

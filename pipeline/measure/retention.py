@@ -94,6 +94,37 @@ def gap_closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: s
     return {"gap_closure": float(np.mean(point)), "low": low, "high": high}
 
 
+PROMPT_MEASURES = ("next_token_top1", "log_perplexity")  # per-prompt measures a gap closure can be read on
+
+
+def prompt_gap_closure(prompts: dict[str, pd.DataFrame], variant: str, measure: str, iters: int, seed: int) -> dict:
+    """Gap closure on a per-prompt measure of the eval prompts, with a paired bootstrap over prompts (the same
+    draw for the variant, the source alone and the oracle): next-token top-1 (the oracle's is 1 by definition)
+    as (v - s) / (o - s), or the continuation's log-perplexity (tokens pooled) as (s - v) / (s - o), lower
+    being better. A draw where the oracle does not beat the source counts as undefined."""
+    frames = {name: prompts[name].sort_values("prompt") for name in (variant, "source", "oracle")}
+    if len({len(frame) for frame in frames.values()}) != 1:
+        raise ValueError(f"{variant}, source and oracle were scored on different numbers of prompts")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(frames[variant]), size=(iters, len(frames[variant])))  # (iters, prompts)
+
+    def measured(frame: pd.DataFrame, rows) -> np.ndarray:
+        if measure == "next_token_top1":
+            return frame.first_agree.to_numpy(float)[rows].mean(-1)
+        return frame.nll.to_numpy(float)[rows].sum(-1) / frame.tokens.to_numpy(float)[rows].sum(-1)
+
+    everything = np.arange(len(frames[variant]))
+    point = {name: measured(frame, everything) for name, frame in frames.items()}
+    draws = {name: measured(frame, picks) for name, frame in frames.items()}
+    sign = 1.0 if measure == "next_token_top1" else -1.0  # higher top-1 is better, lower log-perplexity is
+    with np.errstate(divide="ignore", invalid="ignore"):
+        closure = np.where(sign * (draws["oracle"] - draws["source"]) > 0,
+                           (draws[variant] - draws["source"]) / (draws["oracle"] - draws["source"]), np.nan)
+    low, high = _interval(closure)
+    return {"gap_closure": float((point[variant] - point["source"]) / (point["oracle"] - point["source"])),
+            "low": low, "high": high}
+
+
 def comparison(items, prompts, a: str, b: str, metric: str, iters: int, seed: int) -> dict:
     x, y = paired_items(items, a, b, metric)
     tasks = paired_bootstrap(x, y, iters, seed)

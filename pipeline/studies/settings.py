@@ -19,6 +19,9 @@ class Gates(Params):
 class ReportParams(Params):
     gates: Gates
     retention_metric: Literal["acc", "acc_norm"]
+    # what the gap-closure gate reads: the tasks' accuracy, or a per-prompt measure of the eval prompts (whose
+    # intervals resolve at sizes where a 2-point task gap cannot)
+    gap_closure_metric: Literal["tasks", "next_token_top1", "log_perplexity"]
     mapped_variant: str  # one of evaluate.mapped (check_params)
     bootstrap_iters: Positive
     seed: int

@@ -18,10 +18,12 @@ import numpy as np
 import pandas as pd
 
 from pipeline.measure.retention import (
+    PROMPT_MEASURES,
     comparison,
     gap_closure_interval,
     mean_gap_closure,
     mean_retention,
+    prompt_gap_closure,
     retention_interval,
 )
 from pipeline.store import paths
@@ -69,6 +71,10 @@ class Run:
     keys: dict  # the other stages' params a study reads (report.py reads them: dvc.yaml declares them there)
 
 
+GAP_CLOSURE_KEYS = {"tasks": "gap_closure", **{m: f"gap_closure_{m}" for m in PROMPT_MEASURES}}
+WIDE = 1.0  # a gap-closure interval wider than the whole gap decides nothing
+
+
 def label(variant: str) -> str:
     if variant.startswith("distilled_k"):
         return f"Distilled mapped transfer, k={variant[len('distilled_k'):]}"
@@ -110,7 +116,7 @@ def compute(params: ReportParams, run: Run) -> dict:
     """Per variant its figures and intervals, the paired comparisons of the selected map with its rivals and
     the oracle, and the gates: what metrics/report.json holds before the other studies' keys."""
     metrics, items = run.metrics, run.items
-    variants = {variant: _figures(params, metrics, items, variant) for variant in metrics}
+    variants = {variant: _figures(params, metrics, items, variant, run.prompts) for variant in metrics}
     mapped = params.mapped_variant
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
@@ -126,10 +132,11 @@ def compute(params: ReportParams, run: Run) -> dict:
                    for name, (a, b) in pairs.items()}
     return {"variants": variants, "selected": mapped, "comparisons": comparisons,
             "gates": _gates(params, variants[mapped], comparisons, run.controls, list(metrics)),
-            "retention_metric": params.retention_metric, "skipped": run.skipped}
+            "retention_metric": params.retention_metric, "gap_closure_metric": params.gap_closure_metric,
+            "skipped": run.skipped}
 
 
-def _figures(params: ReportParams, metrics: dict, items: dict, variant: str) -> dict:
+def _figures(params: ReportParams, metrics: dict, items: dict, variant: str, prompts: dict) -> dict:
     accuracy = {name: {t: m[f"{t}_{params.retention_metric}"] for t in TASKS} for name, m in metrics.items()}
     m, acc, oracle_acc = metrics[variant], accuracy[variant], accuracy["oracle"]
     bounds = retention_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
@@ -138,6 +145,11 @@ def _figures(params: ReportParams, metrics: dict, items: dict, variant: str) -> 
         gap = gap_closure_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
         closure = {"gap_closure": mean_gap_closure(acc, accuracy["source"], oracle_acc),
                    "gap_closure_low": gap["low"], "gap_closure_high": gap["high"]}
+    if "source" in prompts and variant in prompts:  # the same gap on the eval prompts' own measures
+        for measure in PROMPT_MEASURES:
+            gap = prompt_gap_closure(prompts, variant, measure, params.bootstrap_iters, params.seed)
+            closure.update({f"gap_closure_{measure}": gap["gap_closure"], f"gap_closure_{measure}_low": gap["low"],
+                            f"gap_closure_{measure}_high": gap["high"]})
     entry = {
         "perplexity": m["perplexity"], "ppl_ratio": m["perplexity"] / metrics["oracle"]["perplexity"],
         "next_token_top1": m["next_token_top1"], "agreement": m["agreement"], "mean_kl": m["mean_kl"],
@@ -153,14 +165,15 @@ def _figures(params: ReportParams, metrics: dict, items: dict, variant: str) -> 
 
 def _gates(params: ReportParams, chosen: dict, comparisons: dict, controls: dict, present: list[str]) -> dict:
     g, mapped = params.gates, params.mapped_variant
+    closure = chosen.get(GAP_CLOSURE_KEYS[params.gap_closure_metric])  # the measure declared before the run
     beats = {other: comparisons[f"{mapped}_minus_{other}"]["tasks_low"] > 0
              for other in ("source", "zero", "shuffled") if other in present}
     oracle_lead = comparisons[f"oracle_minus_{mapped}"]["tasks_high"]
     return {
         "controls_passed": {"passed": all(entry["passed"] for entry in controls.values()), "threshold": "all"},
         "retention_floor": _gate(chosen["retention"] >= g.retention_floor, g.retention_floor, chosen["retention"]),
-        "gap_closure_floor": _gate(chosen["gap_closure"] is not None and chosen["gap_closure"] >= g.gap_closure_floor,
-                                   g.gap_closure_floor, chosen["gap_closure"]),
+        "gap_closure_floor": {**_gate(closure is not None and closure >= g.gap_closure_floor, g.gap_closure_floor,
+                                      closure), "metric": params.gap_closure_metric},
         "perplexity_ratio": _gate(chosen["ppl_ratio"] <= g.perplexity_ratio_limit, g.perplexity_ratio_limit,
                                   chosen["ppl_ratio"]),
         "beats_source_and_nulls": {"passed": bool(beats) and all(beats.values()),
@@ -242,6 +255,7 @@ def lines(report: dict, context: dict) -> list[str]:
     out += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. {reference} "
             f"Retention is measured from chance; the gap closure, (variant − source alone) / (oracle − source alone), "
             f"from the source model alone: 0 means the handoff buys nothing over running the small model.", ""]
+    out += _gap_lines(report)
     out += ["## Beside the V0 columns", ""]
     out += md_table(
         ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
@@ -254,6 +268,28 @@ def lines(report: dict, context: dict) -> list[str]:
         out += md_table(["Variant", *(k[:-4].replace("_", " ") for k in kinds)],
                         [[label(n), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
     return out + _comparison_lines(report) + ["## Reading", "", reading(report, context["selected_name"]), ""]
+
+
+def _gap_lines(report: dict) -> list[str]:
+    """The gap closure on the eval prompts' own measures beside the tasks', and a line for each variant whose
+    task interval is too wide to decide anything."""
+    v = report["variants"]
+    rows = [n for n in order(v) if v[n].get("gap_closure_next_token_top1") is not None and n != "source"]
+    if not rows:
+        return []
+    out = ["### Gap closure on the tasks and on the eval prompts", "",
+           "Per-prompt measures: next-token top-1 and the continuation's log-perplexity, paired bootstrap over the "
+           f"eval prompts. The gap-closure gate reads `{report['gap_closure_metric']}` (declared in params).", ""]
+    out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
+                    [[label(n), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
+                                  for k in GAP_CLOSURE_KEYS.values())] for n in rows])
+    wide = [n for n in rows if v[n]["gap_closure_low"] is not None
+            and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
+    if wide:
+        out += ["", f"Too wide to decide anything: the task gap closure's interval spans more than the whole gap "
+                f"for {', '.join(label(n) for n in wide)} (the tasks separate the source and the oracle by too "
+                f"few items); read the per-prompt columns."]
+    return out + [""]
 
 
 def _comparison_lines(report: dict) -> list[str]:
