@@ -28,7 +28,7 @@ WINGS = {
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "variants", "candidates", "calibration", "length", "distillation"),
+    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation"),
     "tiny": ("tokenizer", "world", "train"),
 }
 

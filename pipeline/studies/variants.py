@@ -30,6 +30,7 @@ from pipeline.store import paths
 from pipeline.store.models import read_pointer
 from pipeline.store.splits import ITEM_KINDS, TASKS
 from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure
+from pipeline.studies.gates import GAP_CLOSURE_KEYS, GATE_NAMES, gates, verdict
 from pipeline.studies.settings import ReportParams
 
 # V0's published table (PROTOCOL.md): perplexity, next-token top-1, HellaSwag, PIQA; for this pair only
@@ -52,7 +53,6 @@ LABELS = {
 }
 RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
           "direct": "direct injection"}
-GATE_NAMES = {"agreement_milestone": "agreement milestone (next-token top-1)"}
 
 
 @dataclass
@@ -71,7 +71,6 @@ class Run:
     keys: dict  # the other stages' params a study reads (report.py reads them: dvc.yaml declares them there)
 
 
-GAP_CLOSURE_KEYS = {"tasks": "gap_closure", **{m: f"gap_closure_{m}" for m in PROMPT_MEASURES}}
 WIDE = 1.0  # a gap-closure interval wider than the whole gap decides nothing
 
 
@@ -131,7 +130,7 @@ def compute(params: ReportParams, run: Run) -> dict:
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
                    for name, (a, b) in pairs.items()}
     return {"variants": variants, "selected": mapped, "comparisons": comparisons,
-            "gates": _gates(params, variants[mapped], comparisons, run.controls, list(metrics)),
+            "gates": gates(params, variants[mapped], comparisons, run.controls, list(metrics)),
             "retention_metric": params.retention_metric, "gap_closure_metric": params.gap_closure_metric,
             "skipped": run.skipped}
 
@@ -161,32 +160,6 @@ def _figures(params: ReportParams, metrics: dict, items: dict, variant: str, pro
         entry[f"{t}_acc"], entry[f"{t}_acc_norm"], entry[f"{t}_n"] = m[f"{t}_acc"], m[f"{t}_acc_norm"], m[f"{t}_n"]
     entry.update({k: v for k, v in m.items() if k.count("_") >= 2 and k.split("_")[1] in ITEM_KINDS})
     return entry
-
-
-def _gates(params: ReportParams, chosen: dict, comparisons: dict, controls: dict, present: list[str]) -> dict:
-    g, mapped = params.gates, params.mapped_variant
-    closure = chosen.get(GAP_CLOSURE_KEYS[params.gap_closure_metric])  # the measure declared before the run
-    beats = {other: comparisons[f"{mapped}_minus_{other}"]["tasks_low"] > 0
-             for other in ("source", "zero", "shuffled") if other in present}
-    oracle_lead = comparisons[f"oracle_minus_{mapped}"]["tasks_high"]
-    return {
-        "controls_passed": {"passed": all(entry["passed"] for entry in controls.values()), "threshold": "all"},
-        "retention_floor": _gate(chosen["retention"] >= g.retention_floor, g.retention_floor, chosen["retention"]),
-        "gap_closure_floor": {**_gate(closure is not None and closure >= g.gap_closure_floor, g.gap_closure_floor,
-                                      closure), "metric": params.gap_closure_metric},
-        "perplexity_ratio": _gate(chosen["ppl_ratio"] <= g.perplexity_ratio_limit, g.perplexity_ratio_limit,
-                                  chosen["ppl_ratio"]),
-        "beats_source_and_nulls": {"passed": bool(beats) and all(beats.values()),
-                                   "threshold": "95% interval of the task-accuracy difference excludes 0",
-                                   **{f"beats_{k}": v for k, v in beats.items()}},
-        "noninferiority": _gate(oracle_lead < g.noninferiority_margin, g.noninferiority_margin, oracle_lead),
-        "agreement_milestone": {**_gate(chosen["next_token_top1"] >= g.agreement_milestone, g.agreement_milestone,
-                                        chosen["next_token_top1"]), "milestone": True},
-    }
-
-
-def _gate(passed: bool, threshold: float, measured: float) -> dict:
-    return {"passed": passed, "threshold": threshold, "measured": measured}
 
 
 def headline(report: dict) -> dict[str, dict]:
@@ -305,15 +278,9 @@ def _comparison_lines(report: dict) -> list[str]:
     out += ["", "## Gates (declared in params before the run)", ""]
     out += md_table(["Gate", "Threshold", "Measured", "Verdict"],
                     [[GATE_NAMES.get(name, name.replace("_", " ")), gate["threshold"],
-                      "—" if gate.get("measured") is None else f"{gate['measured']:.3f}", _verdict(gate)]
+                      "—" if gate.get("measured") is None else f"{gate['measured']:.3f}", verdict(gate)]
                      for name, gate in report["gates"].items()])
     return out + [""]
-
-
-def _verdict(gate: dict) -> str:
-    if gate.get("milestone"):
-        return "reached" if gate["passed"] else "not reached"
-    return "PASS" if gate["passed"] else "FAIL"
 
 
 def reading(report: dict, selected_name: str) -> str:
