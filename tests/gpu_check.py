@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COPIED = ("pipeline", "conf", "dvc.yaml", "pyproject.toml", ".dvcignore")
 STAGE_METRICS = {  # stage -> its metrics file, relative to the run's folder
     "score_models": "metrics/models.json", "extract@source": "metrics/extract_source.json",
-    "extract@target": "metrics/extract_target.json", "fit": "metrics/fit.json", "select": "metrics/select.json",
+    "extract@target": "metrics/extract_target.json", "fit": "metrics/fit.json", "distill": "metrics/distill.json",
+    "select": "metrics/select.json",
     "controls": "metrics/controls_usage.json",
 }
 
