@@ -10,7 +10,8 @@ For n: the first n sequences of `data/calibration.parquet` (the fit split's own 
 `data.fit_sequences` is the main fit's data) become the fit split of a scratch folder beside the select
 split; the `extract` stage's own command extracts both models' caches there (once, untimed) and the `fit`
 stage's own narrow refit fits exactly `calibration.candidates` (fit's names: e.g. linear k=1, linear k=max and
-the MLP, with fit's settings); then each map is evaluated on the eval tasks as `evaluate` scores a mapped
+the MLP, with fit's settings), and the `distill` stage's own narrow refit distils each `<name>+kl` candidate
+from its start on the same n sequences; then each map is evaluated on the eval tasks as `evaluate` scores a mapped
 variant. Writes eval/calibration/<n>/<candidate>.parquet (per item) and metrics/calibration/<n>.json
 (sequences, tokens, each candidate's held-out R² and task accuracies); the report draws the curve.
 """
@@ -27,6 +28,7 @@ import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
+from pipeline.fitting.distill import start_of
 from pipeline.kv.pair import Pair
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.taskeval import evaluate_tasks
@@ -41,7 +43,8 @@ from pipeline.store.ranks import stage_ranks
 class CalibrationParams(Params):
     # fit sequences per point, at most data.calibration_sequences; one calibrate@<n> stage each
     sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
-    # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...): check_params refuses one fit does not make
+    # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...), or one distilled (`<name>+kl`, with the
+    # distill section's settings): check_params refuses a map fit does not make
     candidates: Annotated[list[str], Field(min_length=1)]
     batch_size: Positive  # task requests per forward
     threads: Threads
@@ -71,18 +74,27 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
         # the other stages' own commands, in their narrow forms (a failure stops this stage)
         for model in ("source", "target"):
             run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / "caches" / model))
+        starts = {name: start_of(name) for name in params.candidates}  # a distilled map's start, or None
+        fits = list(dict.fromkeys(start or name for name, start in starts.items()))
         run_stage("pipeline.fit", "--caches", str(work / "caches"), "--out", str(work / "mappers"), "--only",
-                  ",".join(params.candidates))
+                  ",".join(fits))
         fitted = json.loads((work / "mappers" / "fit.json").read_text())
+        distilled = [start for start in starts.values() if start]
+        if distilled:  # from the maps just fitted, on the same n sequences
+            run_stage("pipeline.distill", "--only", ",".join(distilled), "--caches", str(work / "caches"),
+                      "--data", str(work / "data"), "--mappers", str(work / "mappers"), "--out", str(work / "mappers"))
         pair = Pair.load(models, models.torch_device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             handoff = pair.handoff("mapped", work / "mappers" / f"{name}.safetensors")
             lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{name}.parquet", index=False)
-            fit = fitted["maps"][name]
-            metrics.update({f"maps/{name}/r2_{kind}_select": fit[f"r2_{kind}_select"] for kind in ("keys", "values")})
+            fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size
+            if not starts[name]:  # the held-out R² is the fitted map's own
+                metrics.update({f"maps/{name}/r2_{kind}_select": fit[f"r2_{kind}_select"]
+                                for kind in ("keys", "values")})
             metrics.update({f"maps/{name}/{key}": fit[key] for key in ("family", "k")})
+            metrics[f"maps/{name}/distilled"] = bool(starts[name])
             metrics[f"maps/{name}/params_per_token"] = round(fit["params"] / metrics["tokens"], 6)
             for task, result in tasks.items():
                 metrics.update({f"maps/{name}/{task}_{metric}": round(result[metric], 6)

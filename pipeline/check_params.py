@@ -21,10 +21,11 @@ from pydantic import model_validator
 from pipeline.calibrate import CalibrationParams
 from pipeline.candidates import CandidatesParams
 from pipeline.controls import ControlsParams, ToleranceParams
-from pipeline.distill import DistillParams, distilled_name
+from pipeline.distill import DistillParams, distilled_name, family_of
 from pipeline.evaluate import EvaluateParams
 from pipeline.extract import ExtractParams
 from pipeline.fit import FitParams
+from pipeline.fitting.distill import start_of
 from pipeline.latency import LatencyParams
 from pipeline.length import LengthParams
 from pipeline.prepare_data import DataParams
@@ -97,12 +98,21 @@ class ParamsFile(Params):
     @model_validator(mode="after")
     def _candidates_are_fitted(self) -> ParamsFile:
         grid = self.fit.candidates()
-        named = [("calibration.candidates", name) for name in self.calibration.candidates]
+        named = [("calibration.candidates", start_of(name) or name) for name in self.calibration.candidates]
         named += [("distill.start", name) for name in self.distill.start]
         for key, name in [*named, ("length.candidate", self.length.candidate)]:
             if name not in grid:
                 raise ParamError(f"{key}: {name!r} is not a map of the fit grid (fit.families, fit.ks, fit.lambdas, "
                                  f"fit.mlp.ks make: {', '.join(grid)})")
+        return self
+
+    @model_validator(mode="after")
+    def _distilled_candidates_have_a_learning_rate(self) -> ParamsFile:
+        for name in self.calibration.candidates:
+            start = start_of(name)
+            if start and family_of(start) not in self.distill.lr:
+                raise ParamError(f"calibration.candidates: {name!r} is distilled from a {family_of(start)} map but "
+                                 f"distill.lr has no {family_of(start)} entry; add one")
         return self
 
     @model_validator(mode="after")

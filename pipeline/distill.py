@@ -1,6 +1,6 @@
 """Stage `distill`: fitted maps trained further through the frozen target (`pipeline.fitting.distill`).
 
-    python -m pipeline.distill [--only NAME[,NAME...]] [--mappers DIR] [--out DIR]
+    python -m pipeline.distill [--only NAME[,NAME...]] [--mappers DIR] [--caches DIR] [--data DIR] [--out DIR]
 
 For each map named in `distill.start` (fit's own names, e.g. `linear_k1_lam1e-05`, `mlp_k3`) a map of the same
 family, shapes and parameter count, initialised from the fitted one, is trained with both models frozen: the KL
@@ -10,7 +10,8 @@ position and the next `distill.horizon` teacher-forced positions (the last-token
 `distill.context_lengths`; the source enters only as its stored caches (caches/source, no source forward), the
 oracle is the target's own prefill of each batch. AdamW at the start family's `distill.lr`, early stopping on the
 select split's KL, `distill.seed`: bit-identical on one CPU device, so the determinism control can refit the
-selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`).
+selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`) and a calibration point can distil its
+own refitted maps on its own sequences (`--caches DIR --data DIR`).
 
 Writes `models/distilled/<start>+kl.safetensors` (the mapper format, family unchanged; the metadata's
 `distilled` entry records the start map's digest, the loss weights, steps and the best epoch), so select, the
@@ -85,14 +86,14 @@ def settings(params: DistillParams, family: str) -> DistillSettings:
                            seed=params.seed)
 
 
-def cache_groups(caches: Path, split: str, params: DistillParams) -> list[CacheRows]:
+def cache_groups(caches: Path, data_folder: Path, split: str, params: DistillParams) -> list[CacheRows]:
     """One row group per context length, cut from the split's stored source caches and its token ids."""
     geometry = read_manifest(caches)["geometry"]
-    shards, data = open_split(caches, split), pd.read_parquet(paths.split(split))
+    shards, data = open_split(caches, split), pd.read_parquet(data_folder / f"{split}.parquet")
     stored = [doc for shard in shards for doc in shard.doc_ids]
     if stored != data.doc_id.tolist():
-        raise ValueError(f"{caches / split} and {paths.split(split)} hold different sequences: re-extract the "
-                         "caches (dvc repro extract)")
+        raise ValueError(f"{caches / split} and {data_folder / split}.parquet hold different sequences: re-extract "
+                         "the caches (dvc repro extract)")
     groups = [CacheRows(shards, data.token_ids.tolist(), n, params.horizon,
                         (geometry["layers"], geometry["kv_heads"], geometry["head_dim"]))
               for n in params.context_lengths]
@@ -111,12 +112,15 @@ def write_curve(path: Path, history: list[dict]) -> None:
                           for key, value in row.items()} for row in history)
 
 
-def run(params: DistillParams, models: ModelsParams, names: list[str], mappers: Path, out: Path,
-        curves: Path) -> dict:
-    """Distil each named start map from `mappers` into `out`, its curve into `curves`; the metrics."""
+def run(params: DistillParams, models: ModelsParams, names: list[str], folders: dict[str, Path]) -> dict:
+    """Distil each named start map from folders["mappers"] into folders["out"], its curve into folders["curves"],
+    reading the source caches under folders["caches"] and the splits' token ids under folders["data"]; the
+    metrics."""
+    mappers, out, curves = folders["mappers"], folders["out"], folders["curves"]
     target = load_model(paths.model("target"), dtype=models.dtype, device=models.torch_device,
                         device_map=models.device_map).requires_grad_(False).eval()
-    splits = Splits(*(cache_groups(paths.CACHES / "source", split, params) for split in ("fit", "select")))
+    splits = Splits(*(cache_groups(folders["caches"] / "source", folders["data"], split, params)
+                      for split in ("fit", "select")))
     metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
     for name in tqdm(names, desc="distill", unit="map"):
         started = time.perf_counter()
@@ -140,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--only", metavar="NAME[,NAME...]", type=lambda text: text.split(","),
                      help="distil only these start maps (the determinism control's refit)")
     cli.add_argument("--mappers", type=Path, help="read the start maps from this folder (default models/mappers)")
+    cli.add_argument("--caches", type=Path, help="read caches/source's layout from this folder (default caches)")
+    cli.add_argument("--data", type=Path, help="read <split>.parquet from this folder (default data)")
     cli.add_argument("--out", type=Path, help="write maps, curves and metrics here instead")
     args = cli.parse_args(sys.argv[1:] if argv is None else argv)
     params, models = load_section(DistillParams, "distill"), load_section(ModelsParams, "models")
@@ -150,13 +156,15 @@ def main(argv: list[str] | None = None) -> None:
         raise ParamError(f"distill.start: no fitted map {mappers / missing[0]}.safetensors; name one of fit's "
                          "candidates (models/mappers) or rerun fit")
     torch.set_num_threads(params.threads)
+    inputs = {"mappers": mappers, "caches": args.caches or paths.CACHES, "data": args.data or paths.DATA}
     with stage_ranks(models.torch_device) as stage:
         if args.out:  # a refit beside the pipeline's outputs: maps, curves and metrics in one folder
             args.out.mkdir(parents=True, exist_ok=True)
-            stage.write_metrics(args.out / "distill.json", run(params, models, names, mappers, args.out, args.out))
+            metrics = run(params, models, names, {**inputs, "out": args.out, "curves": args.out})
+            stage.write_metrics(args.out / "distill.json", metrics)
             return
         with atomic_dir(paths.DISTILLED) as out, atomic_dir(paths.DISTILL_CURVES) as curves:
-            metrics = run(params, models, names, mappers, out, curves)
+            metrics = run(params, models, names, {**inputs, "out": out, "curves": curves})
         stage.write_metrics(paths.DISTILL, metrics)
 
 

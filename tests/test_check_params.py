@@ -22,6 +22,9 @@ RULES = {
     "calibration candidate outside the fit grid": (
         {"calibration": {"candidates": ["linear_k1_lam0.001", "mlp_k9"]}},
         r"^calibration\.candidates: 'mlp_k9' is not a map of the fit grid \(.*: linear_k1_lam1e-05, "),
+    "distilled calibration candidate whose start is outside the fit grid": (
+        {"calibration": {"candidates": ["linear_k1_lam0.001", "mlp_k9+kl"]}},
+        r"^calibration\.candidates: 'mlp_k9' is not a map of the fit grid"),
     "length candidate outside the fit grid": (
         {"length": {"candidate": "linear_k2_lam0.001"}}, r"^length\.candidate: 'linear_k2_lam0\.001' is not a map"),
     "calibration size beyond the pool": (
@@ -125,6 +128,17 @@ def test_the_mapper_files_are_selects_choice_the_best_per_k_and_every_fitted_can
     assert {f"models/mappers/{name}.safetensors" for name in ["linear_k1_lam0.001", "head_matched_k3_lam0.1",
                                                               "mlp_k1", "mlp_k3"]} <= set(files)
     assert "models/distilled/mlp_k3+kl.safetensors" in files
+
+
+def test_a_calibration_candidate_may_be_a_distilled_map_of_the_fit_grid():
+    params = committed_params()
+    params["calibration"]["candidates"] = ["linear_k1_lam0.001", "linear_k1_lam0.001+kl"]
+    check(params)
+    params["distill"]["lr"] = {"mlp": 1e-5}
+    params["distill"]["start"] = ["mlp_k3"]
+    with pytest.raises(ParamError, match=r"^calibration\.candidates: 'linear_k1_lam0\.001\+kl' is distilled from a "
+                                         r"linear map but distill\.lr has no linear entry"):
+        check(params)
 
 
 def test_a_distillation_start_without_its_familys_learning_rate_is_refused():

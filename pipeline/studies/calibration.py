@@ -59,7 +59,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                          "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
                          "params_per_token": points[size]["maps"][name]["params_per_token"]})
     maps = {name: fit for size in sorted(points) for name, fit in points[size]["maps"].items()}
-    linear = sorted((name for name in maps if maps[name]["family"] == "linear"), key=lambda name: maps[name]["k"])
+    linear = sorted((name for name in maps if maps[name]["family"] == "linear" and not maps[name].get("distilled")),
+                    key=lambda name: maps[name]["k"])  # the closed-form maps' larger-k question
     larger = {}
     if len(linear) >= 2:
         small, big = linear[0], linear[-1]
