@@ -25,13 +25,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Protocol
 
-import torch
-import torch.nn.functional as F
-
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import Rotation
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
 
 TRAINABLE = ("linear", "head_matched", "mlp")
 
@@ -122,7 +124,7 @@ def widened(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-@torch.no_grad()
+@no_grad
 def oracle(handoff: Handoff, batch: Batch) -> Oracle:
     layers = handoff.prefix_layers(batch.prefix)
     logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
@@ -159,7 +161,7 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float) -> 
     return Losses(kl.mean() + kv_weight * kv, kl, kv, agrees)
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(mapper: Mapper, rows: Rows, handoff: Handoff, batch: int) -> dict:
     """Mean KL(oracle || mapped) over every position of `rows`, and the share of rows whose argmax at the handoff
     position is the oracle's (V0's next-token agreement)."""
