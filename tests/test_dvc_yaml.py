@@ -34,6 +34,10 @@ def test_a_stage_run_through_store_clis_run_stage_counts_as_an_import_of_it():
     assert "pipeline.extract" not in closure("pipeline.controls", graph(ROOT, subprocess=True))
 
 
+def test_a_lazy_reference_counts_as_an_import():
+    assert "pipeline.lm_eval_model" in closure("pipeline.evaluate", graph(ROOT))  # lazy("pipeline.lm_eval_model")
+
+
 def test_every_stage_run_in_a_subprocess_or_lazy_module_is_named_by_a_literal():
     known = modules(ROOT)
     unnamed = [f"{path.relative_to(ROOT)}:{line}" for path in known.values() for _, line, _ in
