@@ -8,8 +8,11 @@ The generator: `generate PROMPT` continues a prompt in each handoff mode beside 
 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
-    store/    files and settings: checksummed artifacts, params, dtypes/devices, several processes (torchrun),
-              split names, real shapes, model loading, sharded caches
+Importing a stage or a wing loads no heavy library (Params and --help take a fraction of a second): torch,
+transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingface_hub and datasets are named as
+`torch = lazy("torch")` (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model.
+    store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
+              processes (torchrun), split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the FLOP model, mappers, the handoff (last-token protocol), scoring continuations after it, the
               pair (its models loaded once, its handoffs)
@@ -24,7 +27,8 @@ import order: a module imports only modules before it, i.e. earlier wings and ea
 """
 
 WINGS = {
-    "store": ("paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models", "cachefiles"),
+    "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
+              "cachefiles"),
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),

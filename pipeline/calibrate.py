@@ -23,21 +23,23 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
-import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.fitting.distill import start_of
 from pipeline.kv.pair import Pair
-from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, parser, run_stage
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Positive, Threads, load_section
 from pipeline.store.ranks import stage_ranks
+
+pd = lazy("pandas")
+torch = lazy("torch")
+lm_eval_model = lazy("pipeline.lm_eval_model")
 
 
 class CalibrationParams(Params):
@@ -86,7 +88,7 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
         pair = Pair.load(models, models.torch_device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             handoff = pair.handoff("mapped", work / "mappers" / f"{name}.safetensors")
-            lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
+            lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{name}.parquet", index=False)
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size

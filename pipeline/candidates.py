@@ -22,23 +22,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
-from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.latency import measure
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import Count, ParamError, Params, Positive, Threads, load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS, pair_configs
+
+torch = lazy("torch")
+lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
 
@@ -85,7 +87,7 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
     with atomic_dir(OUT) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
             handoff = pair.handoff("mapped", path)
-            lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
+            lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{path.stem}.parquet", index=False)
             figures = candidate_figures(handoff, path, params, bound_configs)

@@ -32,10 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Callable
 
-import torch
 from pydantic import Field
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from pipeline.fitting.distill import start_of
 from pipeline.kv.contract import Contract, pair_contract
@@ -47,9 +45,13 @@ from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
 from pipeline.store.artifacts import load_artifact, save_artifact, verify_file, write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import Params, Positive, PositiveFloat, Threads, load_section
 from pipeline.store.ranks import stage_ranks
+
+torch = lazy("torch")
+transformers = lazy("transformers")
 
 MAPPER, EVAL_PROMPTS = paths.SELECTED_MAPPER, paths.EVAL_PROMPTS
 
@@ -122,7 +124,7 @@ def chunked_logprobs(target, context, continuation) -> torch.Tensor:
     a computation mathematically equal to the full forward, whose difference from it is float rounding only."""
     ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
     cut, last = max(1, (len(context) - 1) // 2), len(context) - 1
-    cache = DynamicCache(config=target.config)
+    cache = transformers.DynamicCache(config=target.config)
     for start, end in ((0, cut), (cut, last)):
         if end > start:
             target(input_ids=ids[:, start:end], cache=cache, use_cache=True)

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
-import torch
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
@@ -38,9 +36,13 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Threads, load_section
 from pipeline.store.ranks import stage_ranks
+
+pd = lazy("pandas")
+torch = lazy("torch")
 
 
 class DistillParams(Params):

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from pydantic import model_validator
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
-from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store import paths
@@ -38,9 +36,13 @@ from pipeline.store.artifacts import (
     write_json_atomic,
 )
 from pipeline.store.cli import entry, parser
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
+
+torch = lazy("torch")
+lm_eval_model = lazy("pipeline.lm_eval_model")
 
 ORACLE_OUTPUTS, EVAL_PROMPTS = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS
 BASELINES = ("oracle", "direct", "source", "zero")
@@ -116,7 +118,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams, ranks: Ranks
                                 f"data/eval.parquet {len(prompts)}: the oracle outputs do not match the prompts; "
                                 f"rerun evaluate@oracle")
     rows = variant_rows(handoff, prompts, oracle, params.batch_size, ranks=ranks)
-    lm = KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size, ranks=ranks)
+    lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size, ranks=ranks)
     files = pair.eval_tasks
     if not ranks.main:  # lm-eval gathers this rank's samples and metrics on rank 0
         evaluate_tasks(lm, files)

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
-import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
@@ -36,10 +34,14 @@ from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
-from pipeline.store.devices import parse_dtype
+from pipeline.store.devices import no_grad, parse_dtype
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import Dtype, ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
+
+pd = lazy("pandas")
+torch = lazy("torch")
 
 MODELS = ("source", "target")
 
@@ -68,7 +70,7 @@ def read_sequences(path: Path) -> pd.DataFrame:
 KEY_SPACES = {"content": "content (RoPE stripped)", "rotated": "rotated (RoPE kept: the no-strip ablation)"}
 
 
-@torch.no_grad()
+@no_grad
 def content_caches(model, rotation: Rotation, batch: list,
                    strip: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence of `batch` (token id lists of one length, one forward): (layers, tokens, kv_heads, head_dim)
@@ -98,7 +100,7 @@ def batches(lengths: list[int], size: int) -> list[range]:
     return runs
 
 
-@torch.no_grad()
+@no_grad
 def forward_floor(model, sequences: list, batch_sequences: int) -> float:
     """Seconds for the plain decoder-body forward over `sequences`, in the batches extraction uses, nothing kept."""
     start = time.perf_counter()

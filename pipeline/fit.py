@@ -26,8 +26,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-import pandas as pd
-import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
@@ -50,9 +48,13 @@ from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, atomic_path
 from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
+
+pd = lazy("pandas")
+torch = lazy("torch")
 
 
 class MlpParams(Params):

@@ -27,18 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-from transformers import DynamicCache
-
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
 from pipeline.store.cli import Refusal, entry, parser
-from pipeline.store.devices import DTYPES
+from pipeline.store.devices import DTYPES, no_grad
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import PARAMS_FILE, ParamError, load_section, read_key
 from pipeline.studies.format import md_table
+
+torch = lazy("torch")
+transformers = lazy("transformers")
 
 TRANSFERS = ("oracle", "mapped", "source", "direct", "zero", "shuffled")
 EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
@@ -70,7 +71,7 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
 
 
-@torch.no_grad()
+@no_grad
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
@@ -85,7 +86,7 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
     prefix = torch.tensor([list(prompt[:-1])], dtype=torch.long)  # (1, n-1)
     cache = handoff.target_cache(handoff.prefix_layers(prefix))
     if cache is None:  # a one-token prompt: nothing to hand off
-        cache = DynamicCache(config=handoff.target.config)
+        cache = transformers.DynamicCache(config=handoff.target.config)
     next_input = torch.tensor([[prompt[-1]]], device=handoff.device)  # (1, 1)
     tokens: list[int] = []
     ttft_ms = 0.0

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from pipeline.kv.handoff import Handoff
@@ -32,9 +31,12 @@ from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
+from pipeline.store.lazy import lazy
 from pipeline.store.models import load_model
 from pipeline.store.params import Count, Dtype, ParamError, Params, Positive, Threads, load_section
 from pipeline.store.shapes import PAIRS
+
+torch = lazy("torch")
 
 METRICS, TABLE, PLOT = paths.LATENCY, paths.PLOTS / "latency.csv", paths.PLOTS / "latency.png"
 
@@ -107,7 +109,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cli = parser("pipeline.latency", __doc__)
     bench = cli.add_argument_group("real-shape benchmark (only with --config-shapes)")
     bench.add_argument("--config-shapes", choices=sorted(PAIRS), help="model pair whose shapes to build")
-    bench.add_argument("--device", type=_device, default=default_device())
+    bench.add_argument("--device", type=_device)
     bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     bench.add_argument("--lengths", type=_lengths, default=[512, 2048, 8192], help="comma-separated prompt lengths")
     bench.add_argument("--warmup", type=int, default=1)
@@ -119,6 +121,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        help="skip the peak-memory runs (one more run of each path per length)")
     bench.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")
     args = cli.parse_args(argv)
+    args.device = args.device or default_device()  # here, not as the default: --help should not import torch
     if args.config_shapes is None and argv:
         cli.error("benchmark options need --config-shapes; the stage takes no arguments (it reads params.yaml)")
     if args.repeats < 1 or args.warmup < 0 or args.threads < 0:

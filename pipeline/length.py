@@ -24,22 +24,24 @@ import shutil
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
-import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
-from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, no_arguments, run_stage
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Positive, Threads, load_section
 from pipeline.store.ranks import stage_ranks
+
+pd = lazy("pandas")
+torch = lazy("torch")
+lm_eval_model = lazy("pipeline.lm_eval_model")
 
 KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
 CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
@@ -112,7 +114,7 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
                          for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, mapper in maps.items():
-            lm = KVTransferLM(pair.handoff("mapped", mapper), pair.target_tokenizer, params.batch_size)
+            lm = lm_eval_model.KVTransferLM(pair.handoff("mapped", mapper), pair.target_tokenizer, params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
             items.to_parquet(staging / f"{space}_tasks.parquet", index=False)

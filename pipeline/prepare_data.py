@@ -27,19 +27,21 @@ import re
 from pathlib import Path
 from typing import Literal
 
-import datasets
-import pandas as pd
 from pydantic import model_validator
 
 from pipeline.measure.tasks import write_task_config
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelNotAvailableError, hub_reachable, load_tokenizer
 from pipeline.store.params import ParamError, Params, Positive, load_section
 from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
 from pipeline.tiny.tokenizer import train_tokenizer
 from pipeline.tiny.world import WorldConfig, generate_world
+
+datasets = lazy("datasets")
+pd = lazy("pandas")
 
 
 class HubDataset(Params):

@@ -20,19 +20,20 @@ import json
 import time
 from pathlib import Path
 
-import pandas as pd
-import torch
-from transformers import AutoTokenizer
-
 from pipeline.kv.contract import pair_contract
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_tokenizer
 from pipeline.store.params import ParamError, Params, Threads, load_section
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
 from pipeline.tiny.train import TrainConfig, train_model
+
+pd = lazy("pandas")
+torch = lazy("torch")
+transformers = lazy("transformers")
 
 MODELS = paths.MODELS
 PINS = MODELS / "pins.json"  # written by pin_models
@@ -49,7 +50,7 @@ class TrainParams(Params):
 def train_pair(train: TrainParams) -> dict:
     if train.source is None or train.target is None:
         raise ParamError("train.source and train.target: required when models.kind is 'trained'")
-    tokenizer = AutoTokenizer.from_pretrained(DATA / "tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DATA / "tokenizer")
     corpus = pd.read_parquet(DATA / "corpus.parquet")
     dev = {task: pd.read_parquet(DATA / f"{task}_dev.parquet") for task in TASKS}
     stats = {}
@@ -73,7 +74,7 @@ def point_at_pinned_pair(pins_file: Path) -> None:
 
 
 def record_random_pair(models: ModelsParams, seed: int) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(DATA / "tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DATA / "tokenizer")
     for offset, (name, shape) in enumerate((("source", models.source), ("target", models.target))):
         config = shape_config(shape)  # fails here, naming the shape, if it does not exist
         if len(tokenizer) > config.vocab_size:

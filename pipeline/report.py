@@ -13,19 +13,20 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-import lm_eval
-import matplotlib.pyplot as plt
-import pandas as pd
-import torch
-import transformers
-
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, read_key
 from pipeline.studies import calibration, candidates, distillation, length, variants
 from pipeline.studies.settings import ReportParams
+
+lm_eval = lazy("lm_eval")
+plt = lazy("matplotlib.pyplot")
+pd = lazy("pandas")
+torch = lazy("torch")
+transformers = lazy("transformers")
 
 # the studies beside the variants, in the report's order: key in metrics/report.json -> module
 STUDIES = {"distillation": distillation, "candidates": candidates, "calibration": calibration, "length": length}

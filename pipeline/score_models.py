@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
-import torch
-
-from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_model
 from pipeline.store.params import Params, Positive, Threads, load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
+
+pd = lazy("pandas")
+torch = lazy("torch")
+lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MODELS, DATA = paths.MODELS, paths.DATA
 
@@ -44,7 +45,7 @@ def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFr
     summaries, frames = {}, []
     for variant, args in runs.items():
         try:
-            lm = KVTransferLM.from_args(**args, **common)
+            lm = lm_eval_model.KVTransferLM.from_args(**args, **common)
         except ValueError as err:  # direct injection undefined for this pair's KV geometry
             print(f"skipping {variant}: {err}")
             continue

@@ -16,8 +16,6 @@ import shutil
 from pathlib import Path
 from typing import Annotated, Literal
 
-import pandas as pd
-import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
@@ -27,9 +25,13 @@ from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_model, load_tokenizer
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
+
+pd = lazy("pandas")
+torch = lazy("torch")
 
 MAPPERS, DISTILLED, SELECTED = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER
 BEST = paths.MODELS / "best"

@@ -1,5 +1,6 @@
 """The import graph of a package tree, read from source (nothing is imported): modules by dotted name, their
-`pipeline.*` imports, and the other stages they run in a subprocess (a `python -m pipeline.X` list, or
+`pipeline.*` imports (an `import` statement, or a `lazy("pipeline.X")` reference of store.lazy: an import
+deferred to first use), and the other stages they run in a subprocess (a `python -m pipeline.X` list, or
 `run_stage("pipeline.X", ...)` of store.cli), which the dvc.yaml deps count as imports; and the module each
 dvc.yaml stage runs."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ import ast
 from pathlib import Path
 
 STAGE_RUNNER = "run_stage"  # store.cli's function that runs another stage's command: its first argument names it
+LAZY = "lazy"  # store.lazy's deferred import: its first argument names the module
 
 
 def body(stage: dict) -> dict:
@@ -33,7 +35,8 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
 
 def edges(path: Path, known: dict[str, Path], package: str = "pipeline") -> dict[str, list[tuple[str, int, bool]]]:
     """Imports of one file: {"import": [(module, line, inside_function)], "subprocess": [(module, line, False)],
-    "unnamed": [("?", line, False)] for each stage runner called without a literal module name}."""
+    "unnamed": [(name or "?", line, False)] for each stage runner or lazy reference whose module the deps
+    cannot read: not a literal, or a `pipeline.*` name that is no module}."""
     tree = ast.parse(path.read_text())
     found: dict[str, list[tuple[str, int, bool]]] = {"import": [], "subprocess": [], "unnamed": []}
     functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -60,6 +63,12 @@ def edges(path: Path, known: dict[str, Path], package: str = "pipeline") -> dict
             elif not target:  # a stage named by a variable: the deps could not see it
                 found["unnamed"].append(("?", node.lineno, False))
             continue
+        elif isinstance(node, ast.Call) and _called(node) == LAZY:
+            first = node.args[0] if node.args else None
+            target = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+            if not target or (target.split(".")[0] == package and not _resolve(target, known)):
+                found["unnamed"].append((target or "?", node.lineno, False))
+            names = [target] if target else []
         for name in names:
             if name.split(".")[0] == package and _resolve(name, known):
                 found["import"].append((name, node.lineno, inside))

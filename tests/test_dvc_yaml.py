@@ -34,11 +34,22 @@ def test_a_stage_run_through_store_clis_run_stage_counts_as_an_import_of_it():
     assert "pipeline.extract" not in closure("pipeline.controls", graph(ROOT, subprocess=True))
 
 
-def test_every_stage_run_in_a_subprocess_is_named_by_a_literal():
+def test_a_lazy_reference_counts_as_an_import():
+    assert "pipeline.lm_eval_model" in closure("pipeline.evaluate", graph(ROOT))  # lazy("pipeline.lm_eval_model")
+
+
+def test_every_stage_run_in_a_subprocess_or_lazy_module_is_named_by_a_literal():
     known = modules(ROOT)
     unnamed = [f"{path.relative_to(ROOT)}:{line}" for path in known.values() for _, line, _ in
                edges(path, known)["unnamed"]]
-    assert not unnamed, f"run_stage called with a module name the dvc.yaml deps cannot read: {unnamed}"
+    assert not unnamed, f"run_stage or lazy called with a module name the dvc.yaml deps cannot read: {unnamed}"
+
+
+def test_a_lazy_reference_the_deps_cannot_read_is_named(tmp_path):
+    path = tmp_path / "pipeline" / "s.py"
+    path.parent.mkdir()
+    path.write_text('a = lazy(NAME)\nb = lazy("pipeline.nowhere")\nc = lazy("torch")\n')
+    assert edges(path, modules(tmp_path))["unnamed"] == [("?", 1, False), ("pipeline.nowhere", 2, False)]
 
 
 def sections_read(path: Path) -> set[str]:

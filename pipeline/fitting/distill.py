@@ -26,15 +26,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Protocol, Sequence
 
-import torch
-import torch.nn.functional as F
-from safetensors import safe_open
-
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import Rotation
 from pipeline.store.cachefiles import KINDS, Shard
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
+safetensors = lazy("safetensors")
 
 TRAINABLE = ("linear", "head_matched", "mlp")
 SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
@@ -110,7 +112,7 @@ class CacheRows:
         tokens = torch.tensor([ids for _, _, ids in chosen], dtype=torch.long).reshape(len(chosen), -1)  # (B, n + h)
         per_kind = {kind: [[] for _ in range(self.layers)] for kind in KINDS}
         for path, start, _ in chosen:
-            with safe_open(str(path), framework="pt") as stored:
+            with safetensors.safe_open(str(path), framework="pt") as stored:
                 for kind, layers in per_kind.items():
                     for layer, blocks in enumerate(layers):
                         blocks.append(stored.get_slice(f"{kind}.{layer}")[start : start + prefix_length])  # (P, H, D)
@@ -173,7 +175,7 @@ def widened(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-@torch.no_grad()
+@no_grad
 def oracle(handoff: Handoff, batch: Batch) -> Oracle:
     layers = handoff.prefix_layers(batch.prefix)
     logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
@@ -210,7 +212,7 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float) -> 
     return Losses(kl.mean() + kv_weight * kv, kl, kv, agrees)
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: int) -> dict:
     """Mean KL(oracle || mapped) over every position of every group's rows, and the share of rows whose argmax at
     the handoff position is the oracle's (V0's next-token agreement)."""

@@ -17,14 +17,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from pipeline.fitting import ridge
 from pipeline.fitting.mlpfit import MlpSettings, train_mlp
 from pipeline.fitting.probes import Pairs, held_rows
 from pipeline.kv.mapper import project
 from pipeline.store.cachefiles import KINDS
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+safetensors_torch = lazy("safetensors.torch")
 
 
 class Candidate(NamedTuple):
@@ -118,13 +119,13 @@ class Parts:
 
     def put(self, candidate: str, layer: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
         named = {str(i): t.to("cpu", torch.float32).contiguous() for i, t in enumerate(tensors)}
-        save_file(named, str(self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"))
+        safetensors_torch.save_file(named, str(self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"))
 
     def take(self, candidate: str, layers: int, kind: str) -> list[tuple[torch.Tensor, ...]]:
         out = []
         for layer in range(layers):
             path = self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"
-            named = load_file(str(path))
+            named = safetensors_torch.load_file(str(path))
             out.append(tuple(named[str(i)] for i in range(len(named))))
             path.unlink()
         return out

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from pipeline.kv.mapper import mlp_hidden
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
 
 
 @dataclass

@@ -10,12 +10,14 @@ fewer than a layer's features (either side of the split) are kept as rows instea
 """
 from __future__ import annotations
 
-import torch
 from tqdm.auto import tqdm
 
 from pipeline.fitting import ridge
 from pipeline.store.cachefiles import KINDS, Shard
+from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
+
+torch = lazy("torch")
 
 Pairs = list[tuple[Shard, Shard]]
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from pipeline.store.lazy import lazy
 
-DTYPE = torch.float64
+torch = lazy("torch")
 
 
 @dataclass
@@ -38,13 +38,13 @@ class Moments:
     @classmethod
     def zeros(cls, in_width: int, out_width: int, device: str | torch.device) -> "Moments":
         """Empty moments on `device`: rows added later are moved there, so the float64 products run there."""
-        new = lambda *shape: torch.zeros(*shape, dtype=DTYPE, device=device)  # noqa: E731
+        new = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
         return cls(0, new(in_width), new(out_width), new(in_width, in_width), new(in_width, out_width), new(out_width))
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
         """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass
         whose input side (n, sum_x, X^T X) an earlier pass over the same rows accumulated (`with_inputs_of`)."""
-        x, y = x.to(self.xtx.device, DTYPE), y.to(self.xtx.device, DTYPE)
+        x, y = x.to(self.xtx.device, torch.float64), y.to(self.xtx.device, torch.float64)
         if inputs:
             self.n += x.shape[0]
             self.sum_x += x.sum(0)
@@ -76,8 +76,8 @@ class Rows:
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
         """Add rows x (N, F), y (N, O); `inputs` as `Moments.update` (rows are always kept whole)."""
-        self.xs.append(x.to(self.device, DTYPE))
-        self.ys.append(y.to(self.device, DTYPE))
+        self.xs.append(x.to(self.device, torch.float64))
+        self.ys.append(y.to(self.device, torch.float64))
 
     @property
     def n(self) -> int:
@@ -140,13 +140,14 @@ def solve(m: Moments | Rows, ridge_lambda: float) -> tuple[torch.Tensor, torch.T
         mean_x, mean_y = m.x.mean(0), m.y.mean(0)
         centered = m.x - mean_x  # (N, F)
         gram = centered @ centered.T  # (N, N)
-        factor = _cholesky(gram + ridge_lambda * torch.eye(m.n, dtype=DTYPE, device=gram.device), m.n, ridge_lambda)
+        factor = _cholesky(gram + ridge_lambda * torch.eye(m.n, dtype=torch.float64, device=gram.device), m.n,
+                           ridge_lambda)
         weight = centered.T @ torch.cholesky_solve(m.y - mean_y, factor)  # (F, O)
         return weight, mean_y - mean_x @ weight
     mean_x, mean_y = m.sum_x / m.n, m.sum_y / m.n
     cov_xx = m.xtx - m.n * torch.outer(mean_x, mean_x)  # (F, F)
     cov_xy = m.xty - m.n * torch.outer(mean_x, mean_y)  # (F, O)
-    system = cov_xx + ridge_lambda * torch.eye(cov_xx.shape[0], dtype=DTYPE, device=cov_xx.device)
+    system = cov_xx + ridge_lambda * torch.eye(cov_xx.shape[0], dtype=torch.float64, device=cov_xx.device)
     weight = torch.cholesky_solve(cov_xy, _cholesky(system, m.n, ridge_lambda))  # (F, O)
     return weight, mean_y - mean_x @ weight
 

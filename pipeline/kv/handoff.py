@@ -16,15 +16,17 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Sequence
 
-import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
-
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
 from pipeline.store.models import IncompatiblePairError
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
+transformers = lazy("transformers")
 
 MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
 SOURCE_MODES = ("direct", "mapped", "shuffled")  # the modes that read the source's cache
@@ -95,7 +97,7 @@ class Handoff:
     def device(self):
         return self.target.device
 
-    @torch.no_grad()
+    @no_grad
     def prefix_layers(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> Layers | None:
         """Target-space cache (rotated, target dtype) for prefix_ids (B, P); None for an empty prefix.
 
@@ -119,7 +121,7 @@ class Handoff:
 
         return self.to_target(self.source_prefill(prefix_ids, mask), lengths)
 
-    @torch.no_grad()
+    @no_grad
     def source_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:
         """The source's own cache for prefix_ids (B, P), `mask` (B, P) marking real tokens: its decoder body
         only, no logits, one forward for the batch."""
@@ -129,7 +131,7 @@ class Handoff:
         return cache_to_layers(self.source.model(input_ids=prefix_ids.to(device), attention_mask=_on(mask, device),
                                                  use_cache=True).cache)
 
-    @torch.no_grad()
+    @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
         """Source cache -> target-space cache (rotated, target dtype), per this handoff's mode; `lengths` (B,)
         are the real lengths of right-padded rows (the shuffle permutes each row's real tokens only)."""
@@ -172,7 +174,7 @@ class Handoff:
             layers = expand_batch(layers, batch)
         return layers_to_cache(layers, self.target.config, self.target.dtype, self.target_devices or self.device)
 
-    @torch.no_grad()
+    @no_grad
     def packed_logprobs(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
                         segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L)
@@ -196,7 +198,7 @@ class Handoff:
                              attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
         return F.log_softmax(logits.float(), dim=-1)
 
-    @torch.no_grad()
+    @no_grad
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
                       prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
@@ -249,18 +251,18 @@ def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
     """The target cache to decode from: the handoff of contexts[:, :-1], or an empty cache."""
     cache = handoff.target_cache(handoff.prefix_layers(contexts[:, :-1]), contexts.shape[0])
     if cache is None:
-        cache = DynamicCache(config=handoff.target.config)
+        cache = transformers.DynamicCache(config=handoff.target.config)
     return cache
 
 
-@torch.no_grad()
+@no_grad
 def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: int) -> torch.Tensor:
     """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
     different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
     prefixes, lengths, padded = padded_prefixes(contexts)
     cache = handoff.target_cache(handoff.prefix_layers(prefixes, lengths if padded else None), len(contexts))
     if cache is None:
-        cache = DynamicCache(config=handoff.target.config)
+        cache = transformers.DynamicCache(config=handoff.target.config)
     next_input = torch.tensor([[context[-1]] for context in contexts], device=handoff.device)  # (B, 1)
     mask = (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()  # (B, P): real prefix slots
     handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
@@ -278,7 +280,7 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
     return torch.cat(tokens, dim=1)
 
 
-@torch.no_grad()
+@no_grad
 def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
                    attention: list | None = None) -> list[torch.Tensor]:
     """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
@@ -315,7 +317,7 @@ def attention_outputs(model, active: bool = True):
             hook.remove()
 
 
-@torch.no_grad()
+@no_grad
 def greedy_generate(
     handoff: Handoff,
     context: Sequence[int],

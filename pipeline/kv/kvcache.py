@@ -4,10 +4,12 @@ Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, 
 """
 from __future__ import annotations
 
-import torch
-from transformers import DynamicCache
+from pipeline.store.lazy import lazy
 
-Layers = list[tuple[torch.Tensor, torch.Tensor]]
+torch = lazy("torch")
+transformers = lazy("transformers")
+
+Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def cache_to_layers(cache) -> Layers:
@@ -21,7 +23,7 @@ def layer_devices(model) -> list[torch.device] | None:
     return devices if len(set(devices)) > 1 else None
 
 
-def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> DynamicCache:
+def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> transformers.DynamicCache:
     """A fresh DynamicCache for the model of `config`, holding `layers` cast to its dtype and on `device`, or
     with a list of devices (`layer_devices`) each layer on its own: the cache moves, the model stays."""
     if len(layers) != config.num_hidden_layers:
@@ -36,7 +38,7 @@ def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> Dynam
             )
     devices = device if isinstance(device, list) else [device] * len(layers)
     cast = [(k.to(device=d, dtype=dtype), v.to(device=d, dtype=dtype)) for (k, v), d in zip(layers, devices)]
-    return DynamicCache(cast, config=config)
+    return transformers.DynamicCache(cast, config=config)
 
 
 def expand_batch(layers: Layers, batch: int) -> Layers:

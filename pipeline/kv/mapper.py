@@ -25,11 +25,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pipeline.kv.kvcache import Layers, kv_geometry
 from pipeline.kv.rope import RotarySpec
 from pipeline.store.artifacts import ArtifactError, load_artifact, stream_artifact
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
 
 FORMAT = "kv-handoff/mapper/v1"
 FAMILIES = ("identity", "linear", "head_matched", "mlp")

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
 from pipeline.store.cli import Refusal
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+modeling_rope_utils = lazy("transformers.modeling_rope_utils")
 
 # rope types whose frequencies are fixed at load time; `dynamic` and `longrope` change them with the length
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -88,7 +89,7 @@ class RotarySpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if rope_type == "default":
             return cls.default(theta, head_dim, config.max_position_embeddings)
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq, attention_scaling = modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         scaling = tuple(sorted((key, float(value)) for key, value in params.items()
                                if key not in ("rope_type", "type", "rope_theta") and value is not None
                                and isinstance(value, (int, float))))

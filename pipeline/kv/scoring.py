@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff, padded_prefixes
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
 
 
 def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:

@@ -21,14 +21,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-import pandas as pd
-import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pipeline.kv.handoff import Handoff, greedy_rollout, teacher_forced
+from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
+
+np = lazy("numpy")
+pd = lazy("pandas")
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
 
 Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 

@@ -23,11 +23,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import matplotlib
-import matplotlib.pyplot as plt
-import matplotlib.ticker
-import torch
-from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from pipeline.kv.flops import speedup_bound
@@ -35,10 +30,17 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.mapper import random_mapper
 from pipeline.store.artifacts import atomic_path, write_bytes_atomic
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
 from pipeline.store.params import ParamError
 from pipeline.store.shapes import pair_configs, random_model
 
-matplotlib.use("Agg")
+torch = lazy("torch")
+torch_profiler = lazy("torch.profiler")
+matplotlib = lazy("matplotlib")
+ticker = lazy("matplotlib.ticker")
+plt = lazy("matplotlib.pyplot")
+
 MIB = 2**20
 
 
@@ -61,7 +63,7 @@ def _clock(device: torch.device) -> int:
     return time.perf_counter_ns()
 
 
-@torch.no_grad()
+@no_grad
 def target_first_token(target, ids: torch.Tensor):
     """Path (a): the target prefills ids (1, n); returns its output (cache and last logits)."""
     output = target(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -69,7 +71,7 @@ def target_first_token(target, ids: torch.Tensor):
     return output
 
 
-@torch.no_grad()
+@no_grad
 def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[object, list[int]]:
     """Path (b) for ids (1, n): the target's output and clock readings (ns) around and between its parts."""
     device = handoff.device
@@ -111,7 +113,7 @@ def peak_bytes(run: Callable[[], object], device: torch.device) -> int:
         peak = torch.cuda.max_memory_allocated(device) - before
         del result
         return peak
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with torch_profiler.profile(activities=[torch_profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
         result = run()
     del result
     events = sorted(
@@ -239,6 +241,7 @@ def write_table(rows: list[dict], path: Path) -> None:
 
 def write_plot(rows: list[dict], env: dict, path: Path) -> None:
     lengths = [row["length"] for row in rows]
+    matplotlib.use("Agg")  # figures go to files only; chosen before pyplot draws, not when this module is imported
     figure, axes = plt.subplots(figsize=(6, 4))
     for name, label in (("target", "(a) target prefill"), ("handoff", "(b) handoff")):
         axes.errorbar(lengths, [row[f"{name}_ms"] for row in rows], yerr=[row[f"{name}_iqr_ms"] / 2 for row in rows],
@@ -247,7 +250,7 @@ def write_plot(rows: list[dict], env: dict, path: Path) -> None:
               label="(b) at the FLOP bound")
     axes.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (ms)",
              title=f"TTFT (median, bars: IQR), {env['device']} {env['dtype']}, threads={env['threads']}")
-    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes.xaxis.set_minor_locator(ticker.NullLocator())
     axes.set_xticks(lengths, [str(n) for n in lengths])
     axes.legend()
     figure.tight_layout()

@@ -10,12 +10,13 @@ compared item by item with exact McNemar tests.
 """
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
-
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.measure.tasks import CHANCE
+from pipeline.store.lazy import lazy
 from pipeline.store.splits import TASKS
+
+np = lazy("numpy")
+pd = lazy("pandas")
 
 
 def retention(acc_variant: float, acc_oracle: float, chance: float) -> float:

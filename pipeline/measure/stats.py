@@ -2,20 +2,22 @@
 and the Pareto front over candidates."""
 from __future__ import annotations
 
-import numpy as np
-from scipy.stats import binomtest, spearmanr
+from pipeline.store.lazy import lazy
+
+np = lazy("numpy")
+scipy_stats = lazy("scipy.stats")
 
 
-def paired_bootstrap(a, b, iters: int = 2000, seed: int = 0, statistic=np.mean) -> dict:
+def paired_bootstrap(a, b, iters: int = 2000, seed: int = 0) -> dict:
     """Mean of a - b over the same items, with a 95% percentile interval from resampling items."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape or a.ndim != 1 or len(a) == 0:
         raise ValueError(f"paired samples must be equal-length vectors, got {a.shape} and {b.shape}")
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(a), size=(iters, len(a)))  # (iters, n): item indices per resample
-    diffs = statistic(a[picks], axis=1) - statistic(b[picks], axis=1)
+    diffs = np.mean(a[picks], axis=1) - np.mean(b[picks], axis=1)
     low, high = np.percentile(diffs, [2.5, 97.5])
-    return {"diff": float(statistic(a) - statistic(b)), "low": float(low), "high": float(high), "n": int(len(a))}
+    return {"diff": float(np.mean(a) - np.mean(b)), "low": float(low), "high": float(high), "n": int(len(a))}
 
 
 def mcnemar(a, b) -> float:
@@ -24,7 +26,7 @@ def mcnemar(a, b) -> float:
     only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
     if only_a + only_b == 0:
         return 1.0
-    return float(binomtest(only_a, only_a + only_b, 0.5).pvalue)
+    return float(scipy_stats.binomtest(only_a, only_a + only_b, 0.5).pvalue)
 
 
 def rank_correlation(x, y, iters: int = 2000, seed: int = 0) -> dict:
@@ -37,12 +39,12 @@ def rank_correlation(x, y, iters: int = 2000, seed: int = 0) -> dict:
     nan = float("nan")
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return {"rho": nan, "p": nan, "low": nan, "high": nan, "n": int(len(x))}
-    result = spearmanr(x, y)
+    result = scipy_stats.spearmanr(x, y)
     rng = np.random.default_rng(seed)
     draws = []
     for picks in rng.integers(0, len(x), size=(iters, len(x))):
         xs, ys = x[picks], y[picks]
-        draws.append(spearmanr(xs, ys).statistic if np.ptp(xs) > 0 and np.ptp(ys) > 0 else nan)
+        draws.append(scipy_stats.spearmanr(xs, ys).statistic if np.ptp(xs) > 0 and np.ptp(ys) > 0 else nan)
     low, high = np.nanpercentile(draws, [2.5, 97.5])
     return {"rho": float(result.statistic), "p": float(result.pvalue), "low": float(low), "high": float(high),
             "n": int(len(x))}
@@ -63,5 +65,5 @@ def sign_test(a, b) -> dict:
     if a.shape != b.shape or a.ndim != 1:
         raise ValueError(f"paired values must be equal-length vectors, got {a.shape} and {b.shape}")
     lower, higher = int((a < b).sum()), int((a > b).sum())
-    p = 1.0 if lower + higher == 0 else float(binomtest(lower, lower + higher, 0.5).pvalue)
+    p = 1.0 if lower + higher == 0 else float(scipy_stats.binomtest(lower, lower + higher, 0.5).pvalue)
     return {"lower": lower, "higher": higher, "p": p}

@@ -12,12 +12,13 @@ import re
 import tempfile
 from pathlib import Path
 
-import pandas as pd
-from lm_eval import simple_evaluate
-from lm_eval.api.metrics import mean, mean_stderr
-from lm_eval.tasks import TaskManager
-
 from pipeline.measure.tasks import write_task_config
+from pipeline.store.lazy import lazy
+
+pd = lazy("pandas")
+lm_eval = lazy("lm_eval")
+lm_eval_metrics = lazy("lm_eval.api.metrics")
+lm_eval_tasks = lazy("lm_eval.tasks")
 
 PREFIX = "kvh_"
 NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (the study protocol's "Tasks"), as V0 did
@@ -55,10 +56,10 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
     with tempfile.TemporaryDirectory(prefix=".tasks-", dir=scratch) as folder:
         for task, path in files.items():
             write_task_config(folder, task, PREFIX + task, path)
-        out = simple_evaluate(
+        out = lm_eval.simple_evaluate(
             model=lm,
             tasks=[PREFIX + task for task in files],
-            task_manager=TaskManager(include_path=folder),
+            task_manager=lm_eval_tasks.TaskManager(include_path=folder),
             num_fewshot=NUM_FEWSHOT,
             log_samples=True,
             cache_requests=False,
@@ -81,10 +82,10 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
         # same figures whichever process scored which item
         values = {metric: [float(sample[metric]) for sample in samples[task]] for metric in ("acc", "acc_norm")}
         summary[task] = {
-            "acc": mean(values["acc"]),
-            "acc_stderr": mean_stderr(values["acc"]),
-            "acc_norm": mean(values["acc_norm"]),
-            "acc_norm_stderr": mean_stderr(values["acc_norm"]),
+            "acc": lm_eval_metrics.mean(values["acc"]),
+            "acc_stderr": lm_eval_metrics.mean_stderr(values["acc"]),
+            "acc_norm": lm_eval_metrics.mean(values["acc_norm"]),
+            "acc_norm_stderr": lm_eval_metrics.mean_stderr(values["acc_norm"]),
             "n": len(samples[task]),
         }
         items = pd.read_parquet(path)

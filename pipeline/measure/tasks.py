@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lm_eval
 import yaml
+
+from pipeline.store.lazy import lazy
+
+lm_eval = lazy("lm_eval")
 
 BUILTIN = {"hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml"}  # lm-eval's own definitions
 CHANCE = {"hellaswag": 0.25, "piqa": 0.5}  # accuracy of a uniform guess: 4 and 2 choices

@@ -5,9 +5,11 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-
 from pipeline.kv.mapper import Mapper
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.device) -> float:
@@ -23,7 +25,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.d
     return statistics.median(times)
 
 
-@torch.no_grad()
+@no_grad
 def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
     """Median seconds of the source's prefill over `token_ids` (batch 1, this machine): the denominator every
     mapper of one fit is timed against, measured once so the candidates share it."""
@@ -32,7 +34,7 @@ def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
     return median_seconds(lambda: source_model.model(input_ids=ids, use_cache=True), repeats, device)
 
 
-@torch.no_grad()
+@no_grad
 def time_against_prefill(mapper: Mapper, content: list, tokens: int, prefill_s: float, repeats: int) -> float:
     """Mapper time over `content` (the source's content-space cache of `tokens` tokens) / the source prefill's
     `prefill_s` (median of repeats)."""

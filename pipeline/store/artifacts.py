@@ -19,12 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+safetensors_torch = lazy("safetensors.torch")
 
 # One header key only: safetensors does not keep the order of metadata keys, and the bytes must be
 # deterministic. Its value is JSON {"meta": <the artifact's metadata>, "sha256": <digest>}.
@@ -134,7 +134,7 @@ def artifact_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -
     """The exact bytes `save_artifact` writes (deterministic for the same tensors and metadata)."""
     header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    unsigned = st_save(cpu, metadata=header_meta)
+    unsigned = safetensors_torch.save(cpu, metadata=header_meta)
     header_end = 8 + struct.unpack("<Q", unsigned[:8])[0]
     if unsigned[:header_end].count(_ZERO_DIGEST.encode()) != 1:
         raise ValueError("artifact metadata must not contain a run of 64 zeros")
@@ -191,15 +191,16 @@ def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torc
     raw = path.read_bytes()
     metadata, _ = verify_bytes(raw, path)
     try:
-        tensors = st_load(raw)
+        tensors = safetensors_torch.load(raw)
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         raise ArtifactError(f"{path}: unreadable tensors ({err})") from None
     return {name: t.to(device) for name, t in tensors.items()}, metadata
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+# safetensors' names of the torch dtypes, by the dtype's str: keys built from torch would import it with this module
+_ST_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.int64": "I64"}
 _CHUNK = 1 << 24
-TensorSpec = tuple[torch.dtype, Sequence[int]]  # dtype and shape of a tensor to be written
+TensorSpec = tuple["torch.dtype", Sequence[int]]  # dtype and shape of a tensor to be written
 
 
 def data_layout(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
@@ -207,7 +208,7 @@ def data_layout(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
     ranges, position = {}, 0
     for name in sorted(specs):
         dtype, shape = specs[name]
-        if dtype not in _ST_DTYPES:
+        if str(dtype) not in _ST_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {dtype} not supported in streamed artifacts")
         size = math.prod(shape) * dtype.itemsize
         ranges[name] = (position, position + size)
@@ -218,8 +219,8 @@ def data_layout(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
 def artifact_prefix(specs: dict[str, TensorSpec], metadata: dict[str, Any]) -> bytes:
     """The bytes before the data of an artifact holding tensors of `specs` (dtype, shape) laid out as
     `data_layout` says: the header's length, then the header with a zeroed digest, padded to 8 bytes."""
-    offsets = {name: {"dtype": _ST_DTYPES[specs[name][0]], "shape": list(specs[name][1]), "data_offsets": list(span)}
-               for name, span in data_layout(specs).items()}
+    offsets = {name: {"dtype": _ST_DTYPES[str(specs[name][0])], "shape": list(specs[name][1]),
+                      "data_offsets": list(span)} for name, span in data_layout(specs).items()}
     header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
     header = json.dumps({"__metadata__": header_meta, **offsets}, sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes

@@ -22,9 +22,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from pipeline.store.artifacts import (
     ArtifactError,
     artifact_prefix,
@@ -33,6 +30,10 @@ from pipeline.store.artifacts import (
     verify_file,
     write_streamed,
 )
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+safetensors = lazy("safetensors")
 
 SHARD_FORMAT = "kv-handoff/cache-shard/v1"
 MANIFEST = "manifest.json"
@@ -55,13 +56,13 @@ class Shard:
     @property
     def stored_itemsize(self) -> int:
         """Bytes per element as the file stores its tensors, from the header alone (no tensor is read)."""
-        with safe_open(str(self.path), framework="pt") as f:
+        with safetensors.safe_open(str(self.path), framework="pt") as f:
             return STORED_ITEMSIZE[f.get_slice(f"{KINDS[0]}.0").get_dtype()]
 
     def read(self, kind: str, layers: list[int], stored: bool = False) -> list[torch.Tensor]:
         """float32 (tokens, kv_heads * head_dim) rows of `kind` for each of `layers`, in that order (`stored`: in
         the storage dtype, unconverted)."""
-        with safe_open(str(self.path), framework="pt") as f:
+        with safetensors.safe_open(str(self.path), framework="pt") as f:
             blocks = [f.get_tensor(f"{kind}.{layer}") for layer in layers]  # (tokens, H, D) each
         self.bytes_read += sum(b.numel() * b.element_size() for b in blocks)
         return [b.reshape(b.shape[0], -1) if stored else b.to(torch.float32).reshape(b.shape[0], -1)

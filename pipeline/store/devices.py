@@ -1,14 +1,19 @@
-"""Torch dtypes and devices by name, as params.yaml spells them, and what a stage used of its device."""
+"""Torch dtypes and devices by name, as params.yaml spells them, what a stage used of its device, and
+torch's no_grad as a decorator that imports torch at the first call (`store.lazy`), not with the module."""
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
 from pathlib import Path
+from typing import Callable
 
-import torch
+from pipeline.store.lazy import lazy
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+torch = lazy("torch")
+
+DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the dtypes params.yaml can name
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -16,7 +21,17 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return name
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})")
-    return DTYPES[name]
+    return getattr(torch, name)
+
+
+def no_grad(function: Callable) -> Callable:
+    """`@torch.no_grad()` for a module that must not import torch when it is imported: the same wrapper, whose
+    torch.no_grad() is made at each call as torch's own is."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    return call
 
 
 def default_device() -> str:

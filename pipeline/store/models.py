@@ -17,17 +17,19 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from huggingface_hub import HfApi, constants, snapshot_download
 from pydantic import model_validator
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers import __version__ as transformers_version
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pipeline.store.cli import Refusal
 from pipeline.store.devices import default_device, parse_dtype
+from pipeline.store.lazy import lazy
 from pipeline.store.params import Dtype, ParamError, Params
 from pipeline.store.shapes import random_model, shape_config
+
+huggingface_hub = lazy("huggingface_hub")
+hub_constants = lazy("huggingface_hub.constants")
+transformers = lazy("transformers")
+configuration_auto = lazy("transformers.models.auto.configuration_auto")
 
 
 class ModelNotAvailableError(Refusal, RuntimeError):
@@ -80,7 +82,7 @@ class IncompatiblePairError(Refusal, ValueError):
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    host = urlparse(hub_constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.create_connection((host, 443), timeout=timeout).close()
         return True
@@ -129,13 +131,14 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
         raise unavailable(name_or_path, revision)
     patterns = CONFIG_FILES if config_only else None
     try:
-        return snapshot_download(name_or_path, revision=revision, local_files_only=True, allow_patterns=patterns)
+        return huggingface_hub.snapshot_download(name_or_path, revision=revision, local_files_only=True,
+                                                 allow_patterns=patterns)
     except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
         pass
     if hub_offline() or not hub_reachable():
         raise unavailable(name_or_path, revision)
     try:
-        return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
+        return huggingface_hub.snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
     except Exception as err:  # noqa: BLE001
         raise ModelNotAvailableError(f"model {name_or_path!r} could not be fetched from the hub: {err}") from err
 
@@ -144,13 +147,13 @@ def pin_hub_id(model_id: str, revision: str | None) -> str:
     """The commit a hub id's revision (None: the default branch) resolves to: from the local Hugging Face cache
     when the id is there, so it works offline, else from the hub."""
     try:
-        return Path(snapshot_download(model_id, revision=revision, local_files_only=True,
-                                      allow_patterns=CONFIG_FILES)).name  # .../snapshots/<commit>
+        return Path(huggingface_hub.snapshot_download(model_id, revision=revision, local_files_only=True,
+                                                      allow_patterns=CONFIG_FILES)).name  # .../snapshots/<commit>
     except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
         pass
     if hub_offline() or not hub_reachable():
         raise unavailable(model_id, revision)
-    return HfApi().model_info(model_id, revision=revision).sha
+    return huggingface_hub.HfApi().model_info(model_id, revision=revision).sha
 
 
 def folder_digest(folder: str | Path) -> str:
@@ -203,8 +206,8 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
         raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
                          f"model of a stored shape; set models.device_map: null")
     if device_map:
-        model = AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype),
-                                                     device_map=device_map)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision),
+                                                                  dtype=parse_dtype(dtype), device_map=device_map)
         model.config._name_or_path = name
         return model.eval()
     if random:
@@ -212,7 +215,7 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
                              random["seed"])
         model.config._name_or_path = f"random:{random['shape']}"
         return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype))
     model.config._name_or_path = name
     return model.to(device or default_device()).eval()
 
@@ -234,12 +237,12 @@ def config_refusal(folder: str | Path) -> str | None:
     model_type = content.get("model_type")
     if not model_type:
         return "has a config.json without a model_type, so the architecture is unknown: not a transformers model"
-    if model_type not in CONFIG_MAPPING:
+    if model_type not in configuration_auto.CONFIG_MAPPING:
         if content.get("auto_map"):
             return (f"has model_type {model_type!r}, which needs the model's own code (auto_map "
                     f"{', '.join(sorted(content['auto_map']))}); this project runs no remote code "
                     f"(trust_remote_code)")
-        return (f"has model_type {model_type!r}, an architecture transformers {transformers_version} does not "
+        return (f"has model_type {model_type!r}, an architecture transformers {transformers.__version__} does not "
                 f"know (a newer transformers may)")
     return None
 
@@ -263,7 +266,7 @@ def load_config(name_or_path: str, revision: str | None = None):
         return config
     folder = model_folder(name, revision, config_only=True)
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as err:  # valid JSON of a known type, wrong fields
         raise ModelFolderError(f"model folder {name}: transformers cannot build its config "
                                f"({first_line(err)})") from err
@@ -287,7 +290,7 @@ def load_tokenizer(name_or_path: str, revision: str | None = None):
     if not has_tokenizer_files(folder):
         raise NoTokenizerError(f"model folder {name} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
     try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        return transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a broken file
         raise ModelFolderError(f"model folder {name}: its tokenizer cannot be loaded ({first_line(err)})") from err
 

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import torch
-import torch.distributed as dist
-
 from pipeline.store.artifacts import nested, write_json_atomic
 from pipeline.store.cli import Refusal
 from pipeline.store.devices import StageUsage, usage_of_ranks
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+dist = lazy("torch.distributed")
 
 LAUNCHED = "WORLD_SIZE"  # set by torchrun / accelerate launch in every process they start
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
+from pipeline.store.devices import no_grad, parse_dtype
+from pipeline.store.lazy import lazy
 
-from pipeline.store.devices import parse_dtype
+torch = lazy("torch")
+transformers = lazy("transformers")
+initialization = lazy("transformers.initialization")
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # source, target shape names: the pairs a profile can name
@@ -33,7 +34,7 @@ def shape_names() -> list[str]:
     return sorted(path.stem for path in CONFIGS.glob("*.json"))
 
 
-def shape_config(name: str) -> PreTrainedConfig:
+def shape_config(name: str) -> transformers.PreTrainedConfig:
     """The config of a stored shape, of the class its `model_type` names (Qwen3Config, LlamaConfig, ...)."""
     path = CONFIGS / f"{name}.json"
     if not path.is_file():
@@ -41,12 +42,12 @@ def shape_config(name: str) -> PreTrainedConfig:
     fields = json.loads(path.read_text())
     if "model_type" not in fields:
         raise ValueError(f"{path} has no model_type: it must be a model's config.json as published")
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     config._name_or_path = f"shapes/{name}"
     return config
 
 
-def pair_configs(pair: str) -> tuple[PreTrainedConfig, PreTrainedConfig]:
+def pair_configs(pair: str) -> tuple[transformers.PreTrainedConfig, transformers.PreTrainedConfig]:
     """(source, target) configs of a named pair."""
     if pair not in PAIRS:
         raise ValueError(f"unknown model pair {pair!r} (known: {', '.join(PAIRS)})")
@@ -54,8 +55,9 @@ def pair_configs(pair: str) -> tuple[PreTrainedConfig, PreTrainedConfig]:
     return shape_config(source), shape_config(target)
 
 
-@torch.no_grad()
-def random_model(config: PreTrainedConfig, dtype="float32", device="cpu", seed: int = 0) -> PreTrainedModel:
+@no_grad
+def random_model(config: transformers.PreTrainedConfig, dtype="float32", device="cpu",
+                 seed: int = 0) -> transformers.PreTrainedModel:
     """A causal LM of `config` (any architecture transformers maps) with random weights, built directly on
     `device` in `dtype`.
 
@@ -68,8 +70,8 @@ def random_model(config: PreTrainedConfig, dtype="float32", device="cpu", seed: 
     dtype = parse_dtype(dtype)
     generator = torch.Generator().manual_seed(seed)
     pool = (torch.randn(POOL_SIZE, generator=generator) * config.initializer_range).to(device, dtype)  # (P,)
-    with no_init_weights(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with initialization.no_init_weights(), torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     for name, param in model.named_parameters():  # tied embeddings appear once
         param.requires_grad_(False)

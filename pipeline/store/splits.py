@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 
-import pandas as pd
-
 from pipeline.store.cli import Refusal
+from pipeline.store.lazy import lazy
+
+pd = lazy("pandas")
 
 SEQUENCE_SPLITS = ("fit", "select", "eval")  # token sequences: fit the maps, select one, evaluate it
 TASK_PARTS = ("dev", "eval")  # task items: dev scores the pair alone, eval every variant

@@ -10,16 +10,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
-
 from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.store import paths
-from pipeline.studies.format import interval, md_table, pct_interval, save_figure
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import interval, md_table, pct_interval, save_figure, subplots
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import Run
+
+np = lazy("numpy")
+pd = lazy("pandas")
 
 POINTS, ITEMS = paths.CALIBRATION, paths.CALIBRATION_ITEMS
 
@@ -101,7 +101,7 @@ def lines(study: dict) -> list[str]:
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     """Retention and gap closure of each candidate against calibration tokens, with intervals."""
     table = pd.DataFrame(study["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    fig, axes = subplots(1, 2, figsize=(10, 4), sharex=True)
     for ax, column in ((axes[0], "retention"), (axes[1], "gap_closure")):
         for name, group in table.groupby("candidate", sort=False):
             y = group[column].to_numpy()

@@ -10,15 +10,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import pandas as pd
-
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
-from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import Run
+
+pd = lazy("pandas")
 
 FIGURES, ITEMS, FIT = paths.CANDIDATES, paths.CANDIDATE_ITEMS, paths.FIT
 PROXIES = {"r2_heldout": "held-out R² (fit, select split)", "attention_cosine": "attention-output cosine (select)",
@@ -134,7 +134,7 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     table = pd.DataFrame([{"candidate": name, **{key: row[key] for key in (
         "family", "k", "retention", "gap_closure", "speedup", "bound_at_pair", "mapper_bytes", "pareto_measured",
         "pareto_at_pair")}} for name, row in study["rows"].items()])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, speed, front, title in ((axes[0], "speedup", "pareto_measured", f"measured here, n={study['length']}"),
                                     (axes[1], "bound_at_pair", "pareto_at_pair",
                                      f"FLOP bound at {study['bound_pair']}, n={study['length']}")):

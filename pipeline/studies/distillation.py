@@ -12,15 +12,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import pandas as pd
-
 from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
-from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import Run
+
+pd = lazy("pandas")
 
 SELECT_FIGURES = ("next_token_top1", "agreement", "rollout_agreement", "mean_kl")
 
@@ -111,7 +111,7 @@ def lines(study: dict) -> list[str]:
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     """The training curves: select KL per epoch, one line per map (epoch 0 is the start map)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     for name, curve in study["curves"].items():
         ax.plot(curve["epoch"], curve["select_kl"], marker="o", markersize=3, label=name)
     ax.set_xlabel("epoch (0: the fitted start map)")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
 from pipeline.store.artifacts import atomic_path
+from pipeline.store.lazy import lazy
 
-matplotlib.use("Agg")  # figures go to files only: no display needed, none assumed
+matplotlib = lazy("matplotlib")
+plt = lazy("matplotlib.pyplot")
 
 
 def pct(x: float | None) -> str:
@@ -31,6 +31,13 @@ def md_table(header: list[str], rows: list[list[object]]) -> list[str]:
     """A Markdown table's lines: header, separator, one line per row (cells already formatted)."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
             *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+
+
+def subplots(*args, **kwargs):
+    """pyplot's `subplots` on the Agg backend, chosen here rather than when this module is imported (matplotlib
+    loads at the first figure): figures go to files only, no display needed, none assumed."""
+    matplotlib.use("Agg")
+    return plt.subplots(*args, **kwargs)
 
 
 def save_figure(fig, path: Path) -> None:

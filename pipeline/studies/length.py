@@ -12,14 +12,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import pandas as pd
-
 from pipeline.measure.stats import mcnemar, paired_bootstrap, sign_test
 from pipeline.store import paths
-from pipeline.studies.format import interval, md_table, pct, save_figure
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import interval, md_table, pct, save_figure, subplots
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import Run
+
+pd = lazy("pandas")
 
 FIGURES, ROWS = paths.LENGTH, paths.LENGTH_ROWS
 SPACES = ("stripped", "rotated")
@@ -110,7 +110,7 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     """Perplexity ratio to the oracle and agreement of both maps against prompt length."""
     table = pd.DataFrame([{"length": r["length"], "keys": space, "ppl_ratio": r[f"{space}_ppl_ratio"],
                            "agreement": r[f"{space}_agreement"]} for r in study["rows"] for space in SPACES])
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, axes = subplots(1, 2, figsize=(9, 3.5))
     for space, group in table.groupby("keys", sort=False):
         axes[0].plot(group.length, group.ppl_ratio, marker="o", label=f"RoPE {space}")
         axes[1].plot(group.length, group.agreement, marker="o", label=f"RoPE {space}")

@@ -13,10 +13,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
-
 from pipeline.measure.retention import (
     PROMPT_MEASURES,
     comparison,
@@ -27,11 +23,15 @@ from pipeline.measure.retention import (
     retention_interval,
 )
 from pipeline.store import paths
+from pipeline.store.lazy import lazy
 from pipeline.store.models import read_pointer
 from pipeline.store.splits import ITEM_KINDS, TASKS
-from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure
+from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.gates import GAP_CLOSURE_KEYS, GATE_NAMES, gates, verdict
 from pipeline.studies.settings import ReportParams
+
+np = lazy("numpy")
+pd = lazy("pandas")
 
 # V0's published table (PROTOCOL.md): perplexity, next-token top-1, HellaSwag, PIQA; for this pair only
 V0 = {
@@ -358,7 +358,7 @@ def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
             rows.append({"variant": name, "position": position, "agreement": float(np.mean(values))})
     position_table = pd.DataFrame(rows)
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = subplots(figsize=(7, 3.5))
     y = retention_table.retention.to_numpy()
     errors = np.vstack([y - retention_table.low.to_numpy(), retention_table.high.to_numpy() - y])
     ax.bar(range(len(names)), y, yerr=np.nan_to_num(errors), capsize=4, color="#4c72b0")
@@ -369,7 +369,7 @@ def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
     fig.tight_layout()
     save_figure(fig, folder / "retention.png")
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = subplots(figsize=(7, 3.5))
     for name, group in position_table.groupby("variant", sort=False):
         ax.plot(group.position, group.agreement, marker=".", label=label(name))
     ax.set_xlabel("continuation position")

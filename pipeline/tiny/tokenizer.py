@@ -7,19 +7,23 @@ of the whole, which is how lm-eval separates context from continuation. No speci
 encoding (like Qwen3's tokenizer): the models are trained on documents that start without BOS and end
 with EOS, and lm-eval scores them the same way.
 """
+from __future__ import annotations
 
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+
+from pipeline.store.lazy import lazy
+
+transformers = lazy("transformers")
 
 SPECIAL = {"unk_token": "<unk>", "pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
 
-def train_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str]) -> transformers.PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk_token"]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=list(SPECIAL.values())))
     # clean_up_tokenization_spaces would turn " ." into "." on decode and break the round trip
-    return PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False, **SPECIAL)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False, **SPECIAL)

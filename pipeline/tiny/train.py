@@ -10,18 +10,22 @@ Scoring follows lm-eval's `multiple_choice`: the log-likelihood of " " + choice 
 summed over its tokens given the rendered context, split at the token boundary of the context; `acc` takes
 the argmax, `acc_norm` the argmax after dividing by the choice's character length.
 """
+from __future__ import annotations
 
 import math
 import time
 
-import pandas as pd
-import torch
-import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
 from pipeline.store.params import Count, Params, Positive, PositiveFloat, Share
 from pipeline.tiny.world import render_hellaswag, render_piqa
+
+pd = lazy("pandas")
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
+transformers = lazy("transformers")
 
 RENDER = {"hellaswag": render_hellaswag, "piqa": render_piqa}
 
@@ -45,18 +49,19 @@ class TrainConfig(Params):
     eval_every: Positive
 
 
-def build_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
+def build_model(cfg: TrainConfig, tokenizer: transformers.PreTrainedTokenizerFast) -> transformers.Qwen3ForCausalLM:
+    config = transformers.Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return Qwen3ForCausalLM(config)
+    return transformers.Qwen3ForCausalLM(config)
 
 
-def encode_corpus(tokenizer: PreTrainedTokenizerFast, corpus: pd.DataFrame) -> tuple[list[torch.Tensor], list[int]]:
+def encode_corpus(tokenizer: transformers.PreTrainedTokenizerFast,
+                  corpus: pd.DataFrame) -> tuple[list[torch.Tensor], list[int]]:
     """Token ids of each document followed by EOS, and the index of its first loss-bearing token."""
     ids = tokenizer(list(corpus.text), add_special_tokens=False)["input_ids"]
     heads = tokenizer([t[:n] for t, n in zip(corpus.text, corpus.loss_from)], add_special_tokens=False)["input_ids"]
@@ -84,8 +89,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd.DataFrame,
-                dev_items: dict[str, pd.DataFrame], threads: int) -> tuple[Qwen3ForCausalLM, dict]:
+def train_model(cfg: TrainConfig, tokenizer: transformers.PreTrainedTokenizerFast, corpus: pd.DataFrame,
+                dev_items: dict[str, pd.DataFrame], threads: int) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     """Train from scratch; dev_items maps a task name ('hellaswag', 'piqa') to its dev frame, scored every
     eval_every steps. Deterministic given cfg and the thread count."""
     torch.set_num_threads(threads)
@@ -129,7 +134,8 @@ def train_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast, corpus: pd
     return model, stats
 
 
-def dev_summary(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, items: dict[str, pd.DataFrame]) -> dict:
+def dev_summary(model: transformers.Qwen3ForCausalLM, tokenizer: transformers.PreTrainedTokenizerFast,
+                items: dict[str, pd.DataFrame]) -> dict:
     """acc per task and per task and kind, e.g. {'hellaswag': 0.9, 'hellaswag/recall': 1.0, ...}."""
     out = {}
     for task, frame in items.items():
@@ -140,7 +146,7 @@ def dev_summary(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, ite
     return out
 
 
-def encode_choices(tokenizer: PreTrainedTokenizerFast, task: str, items: pd.DataFrame) -> list[dict]:
+def encode_choices(tokenizer: transformers.PreTrainedTokenizerFast, task: str, items: pd.DataFrame) -> list[dict]:
     """Per item: context ids, continuation ids of each choice, character length of each choice, gold
     index; split as lm-eval does (encode context + " " + choice whole, the continuation is what follows
     the context's own tokens)."""
@@ -158,9 +164,9 @@ def encode_choices(tokenizer: PreTrainedTokenizerFast, task: str, items: pd.Data
     return out
 
 
-@torch.no_grad()
-def score_items(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, task: str, items: pd.DataFrame,
-                batch: int = 64) -> pd.DataFrame:
+@no_grad
+def score_items(model: transformers.Qwen3ForCausalLM, tokenizer: transformers.PreTrainedTokenizerFast, task: str,
+                items: pd.DataFrame, batch: int = 64) -> pd.DataFrame:
     """Per item: kind, gold, log-likelihood of each choice, acc and acc_norm (0/1)."""
     model.eval()
     encoded = encode_choices(tokenizer, task, items)

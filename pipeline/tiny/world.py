@@ -28,15 +28,18 @@ choices of an item have equal character length and lm-eval's acc_norm ranks them
 Every document is drawn from its own random stream, seeded by (world seed, split, index): the first n
 documents of a larger draw are the smaller draw, and the splits cannot depend on each other.
 """
+from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
-import pandas as pd
 from pydantic import ConfigDict, model_validator
 
+from pipeline.store.lazy import lazy
 from pipeline.store.params import Pair, Params, Positive, Share
 from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
+
+pd = lazy("pandas")
 
 NAMES = (
     "ann", "bob", "tom", "sam", "eve", "amy", "ben", "dan", "ian", "joe",

@@ -1,0 +1,50 @@
+"""A module imported on first use: `torch = lazy("torch")` at the top of a module, then `torch.cat(...)` as usual.
+
+Importing a stage for its Params class or its `--help` should not cost the seconds torch, transformers, lm-eval
+and pandas take to import, yet the house rule puts every import at the top of a module (none inside a function,
+where a reader would not see the dependency). `lazy(name)` keeps the reference at the top and defers the import:
+the first attribute read imports the module with `importlib.import_module` and every read after it goes to that
+module. Annotations (`torch.Tensor`) are strings under `from __future__ import annotations` and load nothing;
+anything evaluated when a module is imported (a decorator, a default argument, a constant built from the library,
+a base class, a pydantic field's type) loads it at once, so a module that needs the library at import time is
+itself referenced lazily by its importers (`lazy("pipeline.lm_eval_model")`).
+
+Not importlib.util.LazyLoader: that puts a half-made module into sys.modules, and torch's import walks
+sys.modules (through `inspect`), which makes transformers' lazy module load itself inside its own load
+("module object for 'transformers' substituted in sys.modules during a lazy load"). The proxy here never enters
+sys.modules: until it is used, nothing is imported at all.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+
+class LazyModule:
+    """Stands for the module `name` until an attribute is read, then imports it once and reads from it; it never
+    copies the module's attributes, so a module attribute replaced later (a test's monkeypatch) is seen."""
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_module", None)
+
+    def _load(self) -> ModuleType:
+        if self._module is None:
+            object.__setattr__(self, "_module", importlib.import_module(self._name))
+        return self._module
+
+    def __getattr__(self, attribute: str) -> Any:  # only called for what the proxy itself lacks
+        return getattr(self._load(), attribute)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._load())
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._name!r}{'' if self._module is None else ' (imported)'}>"
+
+
+def lazy(name: str) -> Any:
+    """A stand-in for `import name` that imports it at the first attribute read (`lazy("torch").cat`).
+    `name` is a literal: tests/importgraph.py reads `lazy("pipeline.x.y")` as an import of that module."""
+    return LazyModule(name)
