@@ -302,6 +302,8 @@ def test_the_gap_closure_gate_reads_the_measure_declared_in_params_and_a_wide_ta
     assert gate["metric"] == "next_token_top1" and gate["measured"] == chosen["gap_closure_next_token_top1"]
     assert gate["measured"] != chosen["gap_closure"]
     report["gap_closure_metric"] = "next_token_top1"
-    chosen.update(gap_closure_low=-1.5, gap_closure_high=0.9)  # a task interval wider than the whole gap
+    chosen.update(gap_closure_low=-2.5, gap_closure_high=-1.2)  # wide but decided: far below the source alone
+    assert "Too wide" not in "\n".join(variants._gap_lines(report))
+    chosen.update(gap_closure_low=-1.5, gap_closure_high=0.9)  # around 0 and wider than the whole gap
     text = "\n".join(variants._gap_lines(report))
     assert "reads `next_token_top1`" in text and "Too wide to decide anything" in text

@@ -71,7 +71,7 @@ class Run:
     keys: dict  # the other stages' params a study reads (report.py reads them: dvc.yaml declares them there)
 
 
-WIDE = 1.0  # a gap-closure interval wider than the whole gap decides nothing
+WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
 
 
 def label(variant: str) -> str:
@@ -256,12 +256,12 @@ def _gap_lines(report: dict) -> list[str]:
     out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
                     [[label(n), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
                                   for k in GAP_CLOSURE_KEYS.values())] for n in rows])
-    wide = [n for n in rows if v[n]["gap_closure_low"] is not None
-            and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
+    wide = [n for n in rows if v[n]["gap_closure_low"] is not None and v[n]["gap_closure_low"] < 0
+            < v[n]["gap_closure_high"] and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
     if wide:
-        out += ["", f"Too wide to decide anything: the task gap closure's interval spans more than the whole gap "
-                f"for {', '.join(label(n) for n in wide)} (the tasks separate the source and the oracle by too "
-                f"few items); read the per-prompt columns."]
+        out += ["", f"Too wide to decide anything: the task gap closure's interval holds 0 and spans more than the "
+                f"whole gap for {', '.join(label(n) for n in wide)} (the tasks separate the source and the oracle "
+                f"by too few items); read the per-prompt columns."]
     return out + [""]
 
 
