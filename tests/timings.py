@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("repro", "test", "test-fast")  # the order they run in: repro first, as a user would
 STAMP = ".venv/.installed"  # the Makefile's install stamp: `make -o` it and setup does nothing
 DURATIONS = 15
+QUIET_LOAD = 0.5  # 1-min load average below which the machine counts as quiet at the start
 STAGE_LINE = re.compile(r"^(?:Running stage|Stage) '(?P<name>[^']+)'")
 RUNNING_LINE = re.compile(r"^Running stage '(?P<name>[^']+)':")
 DURATION_LINE = re.compile(r"^\s*(?P<seconds>\d+\.\d+)s (?P<when>call|setup|teardown)\s+(?P<test>\S+)")
@@ -76,7 +77,7 @@ def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg()[0]
     return {"cpu": model or platform.processor() or platform.machine(), "cores": os.cpu_count(), "nproc": cores,
-            "load_1min": round(load, 2), "quiet": load < 0.5, "python": platform.python_version(),
+            "load_1min": round(load, 2), "quiet": load < QUIET_LOAD, "python": platform.python_version(),
             "system": f"{platform.system()} {platform.release()}"}
 
 
@@ -149,7 +150,7 @@ def run_command(name: str, folder: Path, logs: Path) -> dict:
 
 def markdown(commit: str, host: dict, started: str, results: list[dict]) -> str:
     """timings.md: when, what, on what, then each command's wall time and its details."""
-    quiet = "quiet" if host["quiet"] else "not quiet (the figures may be slower than a quiet machine's)"
+    quiet = "a quiet machine" if host["quiet"] else "not a quiet machine: other work may have slowed these figures"
     lines = [
         "# Measured times", "",
         "Written by `make timings` (tests/timings.py): a fresh clone of the commit below ran each command with the "
