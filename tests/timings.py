@@ -4,8 +4,8 @@ go to timings.md, which the README quotes.
 The clone reuses this Python environment (its `.venv` is a link to it, and make is told the install is done),
 so the install's time is not part of any figure. Each line of a command's output is timestamped as it streams:
 a stage's time is from its "Running stage" line to the next stage line (or the end), so it counts the stage's
-process start and DVC's hashing after it; the tests' slowest 15 are pytest's `--durations=15`. Run `make
-timings`, or:
+process start and DVC's hashing after it; the tests' slowest 15 are pytest's `--durations=15`. Each test command
+starts without .pytest_cache, as in a fresh clone (conftest caches a trained model there). Run `make timings`, or:
 
     python tests/timings.py [--only repro|test|test-fast ...] [--out PATH]
 """
@@ -134,6 +134,8 @@ def run_command(name: str, folder: Path, logs: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
     if name != "repro":
         env["PYTEST_ADDOPTS"] = f"{env.get('PYTEST_ADDOPTS', '')} --durations={DURATIONS}".strip()
+        # each test command as in a fresh clone: nothing an earlier one cached (conftest's trained periodic model)
+        shutil.rmtree(folder / ".pytest_cache", ignore_errors=True)
     print(f"make {name}", flush=True)
     code, wall, lines = stream(["make", "--no-print-directory", "-o", STAMP, name], folder, env,
                                logs / f"{name}.log", echo_progress)
@@ -154,7 +156,8 @@ def markdown(commit: str, host: dict, started: str, results: list[dict]) -> str:
     lines = [
         "# Measured times", "",
         "Written by `make timings` (tests/timings.py): a fresh clone of the commit below ran each command with the "
-        "caller's installed environment, so the install is not counted.", "",
+        "caller's installed environment, so the install is not counted; each test command started without "
+        ".pytest_cache.", "",
         f"- date: {started}",
         f"- commit: {commit}",
         f"- machine: {host['cpu']}; {host['cores']} cores, `nproc` {host['nproc']}; {host['system']}, "
