@@ -1,7 +1,9 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
 # Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
 # `make lint` runs ruff (config in pyproject.toml); `make gpu-check` is the prepared check for a machine with a GPU;
-# `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tests/bench_eval.py).
+# `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tests/bench_eval.py);
+# `make timings` times `make repro`, `make test` and `make test-fast` in a fresh clone of HEAD, on this .venv (install
+# not counted), and writes timings.md, the README's figures (tests/timings.py; `--only`, `--out` there).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +11,7 @@ STAMP := $(VENV)/.installed
 # dvc runs each stage's `python -m ...` through PATH: it must find this environment's python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test test-fast lint test-realshape gpu-check bench-eval clean-venv
+.PHONY: setup repro test test-fast lint test-realshape gpu-check bench-eval timings clean-venv
 
 setup: $(STAMP)
 
@@ -41,6 +43,10 @@ gpu-check: setup
 # hf vs the kv-transfer oracle on 40 HellaSwag items at batch 1 and 16, a random 107M Llama, two threads (~3 min)
 bench-eval: setup
 	$(BIN)/python tests/bench_eval.py --items 40 --batch-sizes 1 16 --threads 2
+
+# refused while tracked files have uncommitted changes: a clone of HEAD would not measure them
+timings: setup
+	$(BIN)/python tests/timings.py
 
 clean-venv:
 	rm -rf $(VENV)
