@@ -145,14 +145,15 @@ def request_times(handoff: Handoff, disagree, params: SelectiveParams) -> dict[s
     return times
 
 
-def bound_costs(params: SelectiveParams, handoff: Handoff) -> dict[str, float]:
+def bound_costs(params: SelectiveParams, handoff: Handoff, disagree) -> dict[str, float]:
     """Multiply-adds per request at the bound pair's shapes: target prefill, the handoff of a map of this
-    family and k, and each score's extra (the `disagree` maps of the same family, k=1 and the source's layers)."""
+    family and k, and each score's extra (`disagree`: a second map of the larger k of its two, linear)."""
     source, target = pair_configs(params.bound_pair)
     mapper = handoff.mapper
     hidden = (mapper.extra.get("mlp") or {}).get("hidden")
     macs = mapper_macs_per_token(source, target, mapper.k, mapper.family, hidden)
-    second = mapper_macs_per_token(source, target, source.num_hidden_layers, "linear")
+    second_k = max(other.mapper.k for other in disagree) if disagree else 1
+    second = mapper_macs_per_token(source, target, second_k, "linear")
     costs = {"target": target_prefill_macs(target, params.length),
              "handoff": sum(handoff_macs(source, target, macs, params.length).values())}
     return costs | {score: score_macs(score, source, target, second, params.length) for score in params.scores}
@@ -226,7 +227,7 @@ def run(params: SelectiveParams, models: ModelsParams) -> dict:
     handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
     disagree = tuple(pair.handoff("mapped", file) for file in params.disagree) if "disagree" in params.scores else None
     items, prompts = score_requests(pair, params, handoffs, disagree)
-    costs = {name: request_times(handoff, disagree, params) | bound_costs(params, handoff)
+    costs = {name: request_times(handoff, disagree, params) | bound_costs(params, handoff, disagree)
              for name, handoff in handoffs.items()}
     metrics, curves = summarize(items, prompts, params, costs)
     with atomic_dir(OUT) as staging:
