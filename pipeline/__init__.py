@@ -32,7 +32,8 @@ WINGS = {
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation"),
+    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",
+                "selective"),
     "tiny": ("tokenizer", "world", "train"),
 }
 
