@@ -12,7 +12,7 @@ from pipeline.check_params import SECTIONS, check
 from pipeline.fit import FitParams
 from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, parse
 
-MAPPINGS = {"evaluate.mapped"}  # a mapping of variant -> file, not a set of parameters
+MAPPINGS = {"evaluate.mapped", "selective.maps"}  # mappings of a name -> file, not sets of parameters
 
 
 class Inner(Params):
