@@ -29,10 +29,11 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
               "cachefiles"),
-    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "pair"),
+    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
-    "measure": ("stats", "tasks", "retention", "taskeval", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation"),
+    "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
+    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",
+                "selective"),
     "tiny": ("tokenizer", "world", "train"),
 }
 
@@ -49,6 +50,7 @@ STAGES = {
     "controls": "V0's six controls on the actual pair and mapper, before anything is evaluated",
     "evaluate": "one variant of the handoff against the oracle and on the tasks (eval/, metrics/eval/)",
     "candidates": "every fitted map on the eval tasks and timed: the proxies' check and the frontier",
+    "selective": "per request, the mapped cache or the target's own prefill: gate scores, curves, thresholds",
     "calibrate": "one point of the calibration curve: a few maps refitted on the first n sequences",
     "length": "a map fitted at one length on prompts 2x and 4x longer, RoPE stripped and kept",
     "report": "retention, gap closure, paired statistics, gates, every study and report.md",

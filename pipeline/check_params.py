@@ -32,6 +32,7 @@ from pipeline.prepare_data import DataParams
 from pipeline.prepare_models import TrainParams
 from pipeline.score_models import ScoreModelsParams
 from pipeline.select import BEST, MAPPERS, SELECTED, SelectParams
+from pipeline.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
@@ -60,6 +61,7 @@ class ParamsFile(Params):
     controls: ControlsParams
     evaluate: EvaluateParams
     candidates: CandidatesParams
+    selective: SelectiveParams
     calibration: CalibrationParams
     report: ReportParams
     length: LengthParams
@@ -127,6 +129,8 @@ class ParamsFile(Params):
     def _mappers_are_produced(self) -> ParamsFile:
         produced = mapper_files(self.fit, self.distill)
         named = [(f"evaluate.mapped.{variant}", path) for variant, path in self.evaluate.mapped.items()]
+        named += [(f"selective.maps.{name}", path) for name, path in self.selective.maps.items()]
+        named += [("selective.disagree", path) for path in self.selective.disagree]
         for key, path in [*named, ("latency.mapper", self.latency.mapper)]:
             if path not in produced:
                 raise ParamError(f"{key}: {path} is not written by fit, distill or select "

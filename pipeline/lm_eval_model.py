@@ -7,6 +7,10 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     target=<hub id or path>  source=<hub id or path>  transfer=oracle|direct|mapped|zero|shuffled
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
+    fallback=entropy|kl|disagree  threshold=<float>  disagree=<k=1 mapper file>:<k=max mapper file>
+
+With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step and falls back to the
+target's own prefill where its score exceeds `threshold`; `routes` keeps each context's score and way.
 
 lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
 own Pair passes a handoff of it to `KVTransferLM(handoff, tokenizer, ...)` and scores many handoffs on models
@@ -37,9 +41,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
+from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import SOURCE_MODES, Handoff, greedy_generate
 from pipeline.kv.pair import Pair
-from pipeline.kv.scoring import score_continuations
+from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.store.models import default_device
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join
 
@@ -51,11 +56,13 @@ log = logging.getLogger(__name__)
 @register_model("kv-transfer")
 class KVTransferLM(TemplateLM):
     def __init__(self, handoff: Handoff, tokenizer, batch_size: int | str = 8, max_length: int | str | None = None,
-                 ranks: Ranks = ONE_PROCESS):
+                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None):
         """Score tasks through `handoff` (built by a stage's `kv.pair.Pair`, or by `from_args` from lm-eval's
-        model args), tokenizing with the target's `tokenizer`; `ranks`: this process's place among several."""
+        model args), tokenizing with the target's `tokenizer`; `ranks`: this process's place among several;
+        `gate`: per context, the handoff or the target's own prefill (`kv.gate`)."""
         super().__init__()
-        self.handoff = handoff
+        self.handoff, self.gate = handoff, gate
+        self.routes: dict[tuple[int, ...], tuple[float, bool]] = {}  # gated context -> (score, fell back)
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
@@ -76,6 +83,9 @@ class KVTransferLM(TemplateLM):
         source_revision: str | None = None,
         shuffle_seed: int | str = 0,
         max_length: int | str | None = None,
+        fallback: str | None = None,
+        threshold: float | str | None = None,
+        disagree: str | None = None,
         **unknown,
     ) -> "KVTransferLM":
         """The model lm-eval's model args name (the module docstring lists them): the pair, then its handoff."""
@@ -89,7 +99,8 @@ class KVTransferLM(TemplateLM):
                     target_revision=target_revision, source_revision=source_revision,
                     max_tokens=int(max_length) if max_length else None)
         handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed))
-        return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks)
+        gate = gate_from_args(pair, handoff, fallback, threshold, disagree)
+        return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks, gate)
 
     # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the
     # ranks' request counts to equal (all_gather), and gathers samples and metrics on rank 0 (gather_object)
@@ -164,14 +175,39 @@ class KVTransferLM(TemplateLM):
             options["add_special_tokens"] = False
         return self.tokenizer.encode(string, **options)
 
+    def context_tokens(self, context: str, continuation: str) -> list[int]:
+        """The context tokens lm-eval's `loglikelihood` gives `_loglikelihood_tokens` for this request."""
+        if context:
+            return self._encode_pair(context, continuation)[0]
+        first = self.tok_encode(continuation, add_special_tokens=False)[:1]
+        return [self.prefix_token_id] if [self.prefix_token_id] != first else first
+
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
+    def route(self, contexts: list[list[int]]) -> list[bool]:
+        """Whether each context falls back to the target's own prefill (all False without a gate), recorded in
+        `routes`."""
+        if self.gate is None:
+            return [False] * len(contexts)
+        unseen = list(dict.fromkeys(tuple(context) for context in contexts if tuple(context) not in self.routes))
+        if unseen:
+            scores, fallback = self.gate.route(unseen, self.batch_size)
+            self.routes.update(zip(unseen, zip(scores.tolist(), fallback.tolist())))
+        return [self.routes[tuple(context)][1] for context in contexts]
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pairs = [(context, continuation) for _, context, continuation in requests]
-        results = score_continuations(
-            self.handoff, pairs, self.batch_size, max_length=self.max_length, progress=not disable_tqdm
-        )
+        ways = self.route([truncate(context, continuation, self.max_length) for context, continuation in pairs])
+        results: list = [None] * len(pairs)
+        for handoff, way in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
+            members = [index for index, fell in enumerate(ways) if fell == way]
+            if not members:
+                continue
+            scored = score_continuations(handoff, [pairs[index] for index in members], self.batch_size,
+                                         max_length=self.max_length, progress=not disable_tqdm)
+            for index, result in zip(members, scored):
+                results[index] = result
         for (request, _, _), result in zip(requests, results):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, result)
@@ -206,11 +242,31 @@ class KVTransferLM(TemplateLM):
             def should_stop(tokens: list[int]) -> bool:
                 return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
-            tokens = greedy_generate(self.handoff, context_ids, max_new, should_stop)
+            fell_back = self.route([context_ids])[0]
+            tokens = greedy_generate(self.gate.fallback if fell_back else self.handoff, context_ids, max_new,
+                                     should_stop)
             text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)
         return outputs
+
+
+def gate_from_args(pair: Pair, handoff: Handoff, fallback: str | None, threshold, disagree: str | None
+                   ) -> Gate | None:
+    """The gate the model args `fallback=<score>,threshold=<t>[,disagree=<a>:<b>]` name, or None without one."""
+    if fallback is None:
+        if threshold is not None or disagree is not None:
+            raise TypeError("kv-transfer: threshold= and disagree= gate a handoff: give fallback=<score> too")
+        return None
+    if threshold is None:
+        raise TypeError(f"kv-transfer: fallback={fallback} needs threshold=<float> (falls back above it)")
+    maps = None
+    if disagree is not None:
+        files = disagree.split(":")
+        if len(files) != 2:
+            raise TypeError(f"kv-transfer: disagree={disagree!r} names two mapper files as <k=1 file>:<k=max file>")
+        maps = tuple(pair.handoff("mapped", file) for file in files)
+    return Gate(Scorer(handoff, maps), fallback, float(threshold), pair.handoff("oracle"))
 
 
 def main(argv: list[str] | None = None) -> None:

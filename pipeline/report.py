@@ -19,7 +19,7 @@ from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, read_key
-from pipeline.studies import calibration, candidates, distillation, length, variants
+from pipeline.studies import calibration, candidates, distillation, length, selective, variants
 from pipeline.studies.settings import ReportParams
 
 lm_eval = lazy("lm_eval")
@@ -29,7 +29,8 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 # the studies beside the variants, in the report's order: key in metrics/report.json -> module
-STUDIES = {"distillation": distillation, "candidates": candidates, "calibration": calibration, "length": length}
+STUDIES = {"distillation": distillation, "candidates": candidates, "selective": selective, "calibration": calibration,
+           "length": length}
 HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 

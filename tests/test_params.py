@@ -12,7 +12,8 @@ from pipeline.check_params import SECTIONS, check
 from pipeline.fit import FitParams
 from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, parse
 
-MAPPINGS = {"evaluate.mapped", "distill.lr"}  # mappings (variant -> file, family -> rate), not sets of parameters
+# mappings (variant -> file, family -> rate, map -> file), not sets of parameters
+MAPPINGS = {"evaluate.mapped", "distill.lr", "selective.maps"}
 
 
 class Inner(Params):

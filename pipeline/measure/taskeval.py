@@ -2,7 +2,8 @@
 
 Returns lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in
 document order) and one row per item (acc, acc_norm,
-the choices' log-likelihoods, and the item's `kind` where the data marks one) for paired statistics.
+the choices' log-likelihoods, the item's `kind` where the data marks one, and lm-eval's context and choice
+continuations, which a selective handoff scores the item by) for paired statistics.
 """
 from __future__ import annotations
 
@@ -99,6 +100,8 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
                 "acc": float(sample["acc"]),
                 "acc_norm": float(sample["acc_norm"]),
                 "loglikelihoods": [float(r[0][0]) for r in sample["resps"]],
+                "context": str(sample["arguments"][0][0]),
+                "choices": [str(argument[1]) for argument in sample["arguments"]],
             })
     return summary, pd.DataFrame(rows)
 

@@ -32,6 +32,7 @@ ORACLE_OUTPUTS = EVAL / "oracle_outputs.safetensors"
 CANDIDATE_ITEMS = EVAL / "candidates"
 CALIBRATION_ITEMS = EVAL / "calibration"
 LENGTH_ROWS = EVAL / "length"
+SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gated map, and the curves
 
 # metrics/: small JSON kept in git, compared by `dvc metrics diff`
 METRICS = Path("metrics")
@@ -48,6 +49,7 @@ CANDIDATES = METRICS / "candidates.json"
 CALIBRATION = METRICS / "calibration"
 LENGTH = METRICS / "length.json"
 LATENCY = METRICS / "latency.json"
+SELECTIVE_METRICS = METRICS / "selective.json"
 REPORT = METRICS / "report.json"
 HEADLINE = METRICS / "headline"
 

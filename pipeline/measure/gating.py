@@ -1,0 +1,108 @@
+"""Selective handoff measured: quality against the fallback rate, AUROC, the threshold for a declared quality and
+the effective speedup.
+
+A gated system answers a request with the target's own prefill (the oracle) where it falls back and with the
+mapped handoff elsewhere, so its outcome per request is read off the two ungated runs:
+
+    task item:  gated = oracle's outcome if fallback else the map's     -> retention, gap closure per task
+    prompt:     first token agrees with the oracle if fallback else the map's first_agree; rollout likewise
+
+"The map changes the decision": a task item whose chosen answer under the map differs from the oracle's (by the
+retention metric's rule: acc the highest log-likelihood, acc_norm the highest per character of the choice), or
+a prompt whose first greedy token differs from the oracle's. The oracle gate falls back exactly there (the upper
+bound); a random gate, in a seeded random order (the null).
+
+Effective speedup at a fallback rate f (per-request times, or multiply-adds for the bound): every request pays
+the handoff and its score, a fallback also the target's prefill: target / (handoff + score + f x target).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from pipeline.measure.retention import gap_closure, retention
+from pipeline.measure.tasks import CHANCE
+from pipeline.store.lazy import lazy
+
+np = lazy("numpy")
+pd = lazy("pandas")
+scipy_stats = lazy("scipy.stats")
+
+
+def auroc(scores, labels) -> float:
+    """Area under the ROC curve of `scores` for the 0/1 `labels` (ties count one half); NaN with one class."""
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels).astype(bool)
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    ranks = scipy_stats.rankdata(scores)  # average ranks: a tie between classes counts one half
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def decisions(frame: pd.DataFrame, metric: str) -> np.ndarray:
+    """The chosen choice per item (N,) from its `loglikelihoods` and, for acc_norm, its `choices` (lm-eval's
+    continuations, the target delimiter first: the choice's own characters are the rest)."""
+    if metric == "acc":
+        return np.array([int(np.argmax(lls)) for lls in frame.loglikelihoods])
+    return np.array([int(np.argmax(np.asarray(lls) / np.array([len(c[1:] if c.startswith(" ") else c)
+                                                                for c in choices])))
+                     for lls, choices in zip(frame.loglikelihoods, frame.choices)])
+
+
+def order(scores, seed: int) -> np.ndarray:
+    """Requests from least to most trusted (highest score first), ties in a seeded random order."""
+    scores = np.asarray(scores, dtype=float)
+    shuffle = np.random.default_rng(seed).permutation(len(scores))
+    return shuffle[np.argsort(-scores[shuffle], kind="stable")]
+
+
+def reference_scores(changed, seed: int) -> dict[str, np.ndarray]:
+    """The oracle gate's score (1 where the map changes the decision) and the random gate's (seeded draws)."""
+    changed = np.asarray(changed, dtype=float)
+    return {"oracle": changed, "random": np.random.default_rng(seed).random(len(changed))}
+
+
+def item_quality(items: pd.DataFrame, fallback) -> dict[str, float]:
+    """Retention and gap closure (means over tasks) of the gated system on `items` (columns task, mapped, oracle
+    and, for the gap closure, source: 0/1 outcomes) with `fallback` (N,) bool."""
+    gated = np.where(np.asarray(fallback, dtype=bool), items.oracle.to_numpy(), items["mapped"].to_numpy())
+    kept, closed = [], []
+    for task, rows in items.assign(gated=gated).groupby("task", sort=True):
+        oracle = rows.oracle.mean()
+        kept.append(retention(rows.gated.mean(), oracle, CHANCE[task]))
+        if "source" in rows:
+            closed.append(gap_closure(rows.gated.mean(), rows.source.mean(), oracle))
+    return {"retention": float(np.mean(kept)), "gap_closure": float(np.mean(closed)) if closed else float("nan")}
+
+
+def prompt_quality(prompts: pd.DataFrame, fallback) -> dict[str, float]:
+    """Next-token top-1 and rollout agreement with the oracle of the gated system on the eval prompts."""
+    fallback = np.asarray(fallback, dtype=bool)
+    first = np.where(fallback, 1, prompts.first_agree.to_numpy())
+    rollout = np.where(fallback, prompts.horizon.to_numpy(), prompts.rollout_agree.to_numpy())
+    return {"next_token_top1": float(first.mean()), "rollout_agreement": float(rollout.sum() / prompts.horizon.sum())}
+
+
+def curve(frame: pd.DataFrame, scores, quality: Callable, rates, seed: int) -> list[dict]:
+    """Quality at each fallback rate of `rates`, falling back on the round(rate x N) least trusted requests."""
+    ranked = order(scores, seed)
+    rows = []
+    for rate in rates:
+        fallback = np.zeros(len(frame), dtype=bool)
+        fallback[ranked[: int(round(rate * len(frame)))]] = True
+        rows.append({"fallback_rate": float(fallback.mean()), **quality(frame, fallback)})
+    return rows
+
+
+def choose_threshold(scores, quality: Callable[[np.ndarray], float], target: float) -> float:
+    """The highest threshold t whose gate (fall back where score > t) reaches `target` quality: +inf when the
+    ungated handoff does, -inf (everything falls back) when no finite one does."""
+    scores = np.asarray(scores, dtype=float)
+    for threshold in [np.inf, *np.unique(scores[np.isfinite(scores)])[::-1]]:
+        if quality(scores > threshold) >= target:
+            return float(threshold)
+    return float("-inf")
+
+
+def effective_speedup(target: float, handoff: float, score: float, rate: float) -> float:
+    """Target prefill against the gated system at fallback rate `rate` (times or multiply-adds per request)."""
+    return target / (handoff + score + rate * target)

@@ -1,0 +1,248 @@
+"""Stage `selective`: per request, trust the mapped cache or fall back to the target's own prefill.
+
+    python -m pipeline.selective
+
+For each map of `selective.maps` and each score of `selective.scores` (`kv.gate`: computed from the handoff's
+first step, never from the target's prefill of the prompt), every task item (its lm-eval context) of the dev
+and eval parts and every eval prompt is scored; the map's and the oracle's outcomes on the same requests come
+from running both ungated (lm-eval's tasks; `measure.compare` against the stored oracle outputs). From them
+(`measure.gating`):
+
+- the curve of quality against the fallback rate: retention and gap closure on the eval items, next-token top-1
+  and rollout agreement on the eval prompts, for each score, the oracle gate (upper bound) and a random one (null);
+- each score's AUROC for "the map changes the decision" (items and prompts);
+- a threshold per (map, score) chosen on the dev items, the highest reaching `selective.target_retention`,
+  then reported once on the eval part: its fallback rates, the quality it reached with paired-bootstrap 95%
+  intervals, and the effective speedup at `selective.length` prompt tokens, from per-request times measured here
+  (target prefill, handoff, each score's extra) and from multiply-adds at the shapes of `selective.bound_pair`.
+
+Writes eval/selective/items.parquet and prompts.parquet (per request: outcomes, whether the map changed the
+decision, every score), eval/selective/curves.parquet and metrics/selective.json.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefill_macs
+from pipeline.kv.gate import REFERENCES, SCORES, Scorer, score_macs
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.pair import Pair
+from pipeline.kv.scoring import truncate
+from pipeline.measure import gating
+from pipeline.measure.compare import read_prompts, variant_rows
+from pipeline.measure.latency import handoff_first_token, measure
+from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.stats import paired_bootstrap
+from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.measure.timing import median_seconds
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
+from pipeline.store.cli import entry, no_arguments
+from pipeline.store.lazy import lazy
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import Count, ParamError, Params, Positive, Threads, load_section
+from pipeline.store.ranks import stage_ranks
+from pipeline.store.shapes import PAIRS, pair_configs
+from pipeline.store.splits import TASKS
+
+np = lazy("numpy")
+pd = lazy("pandas")
+torch = lazy("torch")
+lm_eval_model = lazy("pipeline.lm_eval_model")
+
+OUT, METRICS = paths.SELECTIVE, paths.SELECTIVE_METRICS
+METRIC = "acc_norm"  # the retention metric the threshold is chosen for (report.retention_metric's default)
+
+
+class SelectiveParams(Params):
+    maps: dict[str, str]  # name -> mapper file (a stage's output): the maps gated
+    scores: list[str]  # kv.gate.SCORES compared
+    disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
+    target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
+    rates: Positive  # each curve at fallback rates 0, 1/rates, ..., 1
+    length: Annotated[int, Field(ge=2)]  # prompt tokens of the per-request times
+    warmup: Count
+    repeats: Positive
+    bound_pair: str  # a pair of store.shapes.PAIRS: the effective speedup bound at its shapes
+    bootstrap_iters: Positive
+    seed: int
+    batch_size: Positive
+    threads: Threads
+
+    @model_validator(mode="after")
+    def _known(self) -> SelectiveParams:
+        for name in self.scores:
+            if name not in SCORES:
+                raise ParamError(f"selective.scores: unknown score {name!r} (known: {', '.join(SCORES)})")
+        if "disagree" in self.scores and len(self.disagree) != 2:
+            raise ParamError("selective.disagree: name two mapper files (k=1 and k=max) for the 'disagree' score")
+        if self.bound_pair not in PAIRS:
+            raise ParamError(f"selective.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
+        return self
+
+
+def task_frame(lm, files: dict) -> pd.DataFrame:
+    """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods, choices and context tokens."""
+    _, items = evaluate_tasks(lm, files)
+    items["tokens"] = [truncate(lm.context_tokens(context, choices[0]), lm.tok_encode(choices[0]), lm.max_length)
+                       for context, choices in zip(items.context, items.choices)]
+    return items
+
+
+def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dict) -> pd.DataFrame:
+    """One row per item of a map on a part: its, the oracle's (and the source's) outcome, whether the map
+    changed the decision, and every score."""
+    rows = pd.DataFrame({"part": part, "map": name, "task": frame.task, "item": frame.item,
+                         "mapped": frame[METRIC], "oracle": base["oracle"][METRIC].to_numpy(),
+                         "changed": gating.decisions(frame, METRIC) != gating.decisions(base["oracle"], METRIC)})
+    if "source" in base:
+        rows["source"] = base["source"][METRIC].to_numpy()
+    return rows.assign(**{f"score_{score}": values.numpy() for score, values in scores.items()})
+
+
+def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
+    """Per-request rows of every map: task items of both parts, eval prompts."""
+    oracle = pair.handoff("oracle")
+    lm = lambda handoff: lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer,  # noqa: E731
+                                                    batch_size=params.batch_size)
+    items = []
+    for part in ("dev", "eval"):
+        files = {task: paths.task_items(task, part) for task in TASKS}
+        base = {"oracle": task_frame(lm(oracle), files)}
+        if part == "eval":
+            base["source"] = task_frame(lm(Handoff(pair.source)), files)
+        for name, handoff in handoffs.items():
+            frame = task_frame(lm(handoff), files)
+            scores = Scorer(handoff, disagree).scores(list(frame.tokens), params.scores, params.batch_size)
+            items.append(item_rows(part, name, frame, base, scores))
+    prompts, stored = read_prompts(paths.EVAL_PROMPTS), load_artifact(paths.ORACLE_OUTPUTS)[0]
+    rows = []
+    for name, handoff in handoffs.items():
+        frame = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
+        scores = Scorer(handoff, disagree).scores([context for context, _ in prompts], params.scores,
+                                                  params.batch_size)
+        rows.append(frame[["prompt", "first_agree", "rollout_agree", "horizon"]].assign(
+            map=name, changed=frame.first_agree == 0, **{f"score_{s}": v.numpy() for s, v in scores.items()}))
+    return pd.concat(items, ignore_index=True), pd.concat(rows, ignore_index=True)
+
+
+def request_times(handoff: Handoff, disagree, params: SelectiveParams) -> dict[str, float]:
+    """Per-request milliseconds at `params.length` tokens: target prefill, handoff, and each score's extra (its
+    scorer's whole path less the handoff's)."""
+    row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
+    ids = torch.randint(0, handoff.target.config.vocab_size, (1, params.length),
+                        generator=torch.Generator().manual_seed(params.seed)).to(handoff.device)
+    scorer, context = Scorer(handoff, disagree), [ids[0].tolist()]
+    handoff_ms = 1e3 * median_seconds(lambda: handoff_first_token(handoff, ids), params.repeats, handoff.device)
+    times = {"target_ms": row["target_ms"], "handoff_ms": row["handoff_ms"]}
+    for score in params.scores:
+        for _ in range(params.warmup):
+            scorer.scores(context, [score], 1)
+        whole = 1e3 * median_seconds(lambda: scorer.scores(context, [score], 1), params.repeats, handoff.device)
+        times[f"{score}_ms"] = max(whole - handoff_ms, 0.0)
+    return times
+
+
+def bound_costs(params: SelectiveParams, handoff: Handoff, disagree) -> dict[str, float]:
+    """Multiply-adds per request at the bound pair's shapes: target prefill, the handoff of a map of this
+    family and k, and each score's extra (`disagree`: a second map of the larger k of its two, linear)."""
+    source, target = pair_configs(params.bound_pair)
+    mapper = handoff.mapper
+    hidden = (mapper.extra.get("mlp") or {}).get("hidden")
+    macs = mapper_macs_per_token(source, target, mapper.k, mapper.family, hidden)
+    second_k = max(other.mapper.k for other in disagree) if disagree else 1
+    second = mapper_macs_per_token(source, target, second_k, "linear")
+    costs = {"target": target_prefill_macs(target, params.length),
+             "handoff": sum(handoff_macs(source, target, macs, params.length).values())}
+    return costs | {score: score_macs(score, source, target, second, params.length) for score in params.scores}
+
+
+def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, score: str,
+               params: SelectiveParams, costs: dict) -> dict:
+    """The threshold chosen on the dev items for `params.target_retention`, and what it gave on the eval part:
+    fallback rates, retention and gap closure (paired bootstrap 95% intervals), next-token top-1 and rollout
+    agreement, the effective speedup measured and bounded."""
+    column = f"score_{score}"
+    threshold = gating.choose_threshold(dev[column], lambda fallback: gating.item_quality(dev, fallback)["retention"],
+                                        params.target_retention)
+    fallback, prompt_fallback = items[column].to_numpy() > threshold, prompts[column].to_numpy() > threshold
+    iters, seed = params.bootstrap_iters, params.seed
+    gated = np.where(fallback, items.oracle, items["mapped"])
+    frames = {name: items[["task", "item"]].assign(**{METRIC: values})
+              for name, values in (("gated", gated), ("oracle", items.oracle), ("source", items.source))}
+    rate = paired_bootstrap(fallback, np.zeros(len(fallback)), iters, seed)
+    kept = retention_interval(frames, "gated", METRIC, iters, seed)
+    closed = gap_closure_interval(frames, "gated", METRIC, iters, seed)
+    first = paired_bootstrap(np.where(prompt_fallback, 1, prompts.first_agree), np.zeros(len(prompts)), iters, seed)
+    row = {"threshold": threshold, "dev_fallback_rate": float((dev[column] > threshold).mean()),
+           "fallback_rate": rate["diff"], "fallback_rate_low": rate["low"], "fallback_rate_high": rate["high"],
+           "retention": kept["retention"], "retention_low": kept["low"], "retention_high": kept["high"],
+           "gap_closure": closed["gap_closure"], "gap_closure_low": closed["low"], "gap_closure_high": closed["high"],
+           "prompt_fallback_rate": float(prompt_fallback.mean()), "next_token_top1": first["diff"],
+           "next_token_top1_low": first["low"], "next_token_top1_high": first["high"],
+           "rollout_agreement": gating.prompt_quality(prompts, prompt_fallback)["rollout_agreement"]}
+    row["speedup"] = gating.effective_speedup(costs["target_ms"], costs["handoff_ms"], costs[f"{score}_ms"],
+                                              row["fallback_rate"])
+    row["speedup_bound"] = gating.effective_speedup(costs["target"], costs["handoff"], costs[score],
+                                                    row["fallback_rate"])
+    return row
+
+
+def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, costs: dict
+              ) -> tuple[dict, pd.DataFrame]:
+    """metrics/selective.json (per map: ungated quality, per score AUROC and the chosen threshold's row) and the
+    curves (map, score, requests: items or prompts, fallback_rate, quality)."""
+    rates = np.linspace(0, 1, params.rates + 1)
+    metrics: dict = {"target_retention": params.target_retention, "length": params.length,
+                     "bound_pair": params.bound_pair, "maps": {}}
+    curves = []
+    for name in params.maps:
+        dev, ev, pr = (frame[frame["map"] == name].reset_index(drop=True)
+                       for frame in (items[items.part == "dev"], items[items.part == "eval"], prompts))
+        references = {"items": gating.reference_scores(ev.changed, params.seed),
+                      "prompts": gating.reference_scores(pr.changed, params.seed)}
+        facts = {**gating.item_quality(ev, np.zeros(len(ev), bool)),
+                 **gating.prompt_quality(pr, np.zeros(len(pr), bool)), "changed_items": float(ev.changed.mean()),
+                 "changed_prompts": float(pr.changed.mean()), "items": len(ev), "prompts": len(pr),
+                 **{key: round(value, 4) for key, value in costs[name].items()}, "scores": {}}
+        for score in [*params.scores, *REFERENCES]:
+            for kind, frame, quality in (("items", ev, gating.item_quality), ("prompts", pr, gating.prompt_quality)):
+                values = frame[f"score_{score}"] if score in params.scores else references[kind][score]
+                curves += [{"map": name, "score": score, "requests": kind, **row}
+                           for row in gating.curve(frame, values, quality, rates, params.seed)]
+            if score in params.scores:
+                facts["scores"][score] = {"auroc_items": gating.auroc(ev[f"score_{score}"], ev.changed),
+                                          "auroc_prompts": gating.auroc(pr[f"score_{score}"], pr.changed),
+                                          **chosen_row(dev, ev, pr, score, params, costs[name])}
+        metrics["maps"][name] = facts
+    return metrics, pd.DataFrame(curves)
+
+
+def run(params: SelectiveParams, models: ModelsParams) -> dict:
+    require_controls_passed()
+    torch.set_num_threads(params.threads)
+    pair = Pair.load(models, models.torch_device)
+    handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
+    disagree = tuple(pair.handoff("mapped", file) for file in params.disagree) if "disagree" in params.scores else None
+    items, prompts = score_requests(pair, params, handoffs, disagree)
+    costs = {name: request_times(handoff, disagree, params) | bound_costs(params, handoff, disagree)
+             for name, handoff in handoffs.items()}
+    metrics, curves = summarize(items, prompts, params, costs)
+    with atomic_dir(OUT) as staging:
+        items.to_parquet(staging / "items.parquet", index=False)
+        prompts.to_parquet(staging / "prompts.parquet", index=False)
+        curves.to_parquet(staging / "curves.parquet", index=False)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.selective", __doc__, argv)
+    params, models = load_section(SelectiveParams, "selective"), load_section(ModelsParams, "models")
+    with stage_ranks(models.torch_device) as stage:
+        stage.write_metrics(METRICS, run(params, models))
+
+
+if __name__ == "__main__":
+    entry(main)

@@ -1,0 +1,156 @@
+"""Selective handoff: scores from the handoff's first step only, the gate's limits, AUROC and the threshold rule."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import build_model, tiny_config
+
+from pipeline.kv.gate import SCORES, Gate, Scorer, jensen_shannon
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import random_mapper
+from pipeline.kv.scoring import score_continuations
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure import gating
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_model(tiny_config(VOCAB, 64), seed=1), build_model(tiny_config(VOCAB, 32), seed=2)
+
+
+@pytest.fixture(scope="module")
+def handoffs(models):
+    target, source = models
+    maps = [random_mapper(source.config, target.config, k=k, seed=k) for k in (1, 2)]
+    return [Handoff(target, source, "mapped", mapper) for mapper in maps]
+
+
+def _contexts(count=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(2, 30, (1,), generator=generator)),),
+                          generator=generator).tolist() for _ in range(count)]
+
+
+def _requests(contexts, endings=2, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(None, context, torch.randint(0, VOCAB, (3,), generator=generator).tolist())
+            for context in contexts for _ in range(endings)]
+
+
+def test_scores_are_computed_without_the_target_prefilling_the_prompt(models, handoffs, monkeypatch):
+    target, _ = models
+    body = target.model.forward
+
+    def one_token_only(*args, input_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[1] > 1:
+            raise AssertionError("the target prefilled the prompt")
+        return body(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(target.model, "forward", one_token_only)
+    monkeypatch.setattr(Handoff, "prefix_layers", lambda *args, **kwargs: pytest.fail("prefix_layers was called"))
+    scores = Scorer(handoffs[0], tuple(handoffs)).scores(_contexts(), SCORES, batch_size=4)
+    for name in SCORES:
+        assert torch.isfinite(scores[name]).all() and (scores[name] >= 0).all(), name
+
+
+def test_scores_of_a_padded_batch_equal_each_context_scored_alone(handoffs):
+    scorer, contexts = Scorer(handoffs[0], tuple(handoffs)), _contexts(seed=3)
+    together = scorer.scores(contexts, SCORES, batch_size=len(contexts))
+    for row, context in enumerate(contexts):
+        alone = scorer.scores([context], SCORES, batch_size=1)
+        for name in SCORES:
+            assert alone[name][0].item() == pytest.approx(together[name][row].item(), rel=1e-4, abs=1e-6), name
+
+
+def test_a_one_token_context_hands_off_nothing_and_scores_minus_infinity(handoffs):
+    scores = Scorer(handoffs[0]).scores([[5], [5, 6, 7]], ["entropy"])["entropy"]
+    assert scores[0] == float("-inf") and math.isfinite(scores[1])
+
+
+def test_two_identical_maps_never_disagree(handoffs):
+    scores = Scorer(handoffs[0], (handoffs[0], handoffs[0])).scores(_contexts(), ["disagree"])["disagree"]
+    assert torch.allclose(scores, torch.zeros_like(scores), atol=1e-6)
+    assert jensen_shannon(torch.log_softmax(torch.randn(3, 5), -1), torch.log_softmax(torch.randn(3, 5), -1)).le(
+        math.log(2)).all()
+
+
+def _gated(models, handoffs, threshold, score="entropy"):
+    target, _ = models
+    gate = Gate(Scorer(handoffs[0], tuple(handoffs)), score, threshold, Handoff(target))
+    return KVTransferLM(handoffs[0], tokenizer=None, batch_size=4, gate=gate)
+
+
+def test_the_gate_at_plus_infinity_is_the_ungated_handoff_and_at_minus_infinity_the_oracle(models, handoffs):
+    target, _ = models
+    requests = _requests(_contexts(seed=5))
+    pairs = [(context, continuation) for _, context, continuation in requests]
+    ungated = score_continuations(handoffs[0], pairs, 4, progress=False)
+    oracle = score_continuations(Handoff(target), pairs, 4, progress=False)
+    for threshold, expected in ((float("inf"), ungated), (float("-inf"), oracle)):
+        got = _gated(models, handoffs, threshold)._loglikelihood_tokens(requests, disable_tqdm=True)
+        assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], abs=1e-4)
+
+
+def test_a_gated_request_gets_the_oracle_exactly_where_its_score_exceeds_the_threshold(models, handoffs):
+    target, _ = models
+    contexts = _contexts(count=8, seed=7)
+    requests = _requests(contexts)
+    scores = Scorer(handoffs[0], tuple(handoffs)).scores(contexts, ["kl"])["kl"]
+    threshold = float(scores.median())
+    lm = _gated(models, handoffs, threshold, "kl")
+    got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    pairs = [(context, continuation) for _, context, continuation in requests]
+    ungated = score_continuations(handoffs[0], pairs, 4, progress=False)
+    oracle = score_continuations(Handoff(target), pairs, 4, progress=False)
+    for index, (_, context, _) in enumerate(requests):
+        fell_back = scores[contexts.index(context)].item() > threshold
+        assert lm.routes[tuple(context)][1] == fell_back
+        assert got[index][0] == pytest.approx((oracle if fell_back else ungated)[index][0], abs=1e-4)
+    assert 0 < sum(way for _, way in lm.routes.values()) < len(contexts)
+
+
+def test_a_gate_must_fall_back_to_the_targets_own_prefill(handoffs):
+    with pytest.raises(ValueError, match="oracle"):
+        Gate(Scorer(handoffs[0]), "entropy", 0.0, handoffs[1])
+    with pytest.raises(ValueError, match="unknown score"):
+        Gate(Scorer(handoffs[0]), "perplexity", 0.0, handoffs[1])
+
+
+def test_auroc_of_a_constructed_case():
+    assert gating.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert gating.auroc([1, 1, 1, 1], [0, 1, 0, 1]) == pytest.approx(0.5)  # ties count one half
+    assert gating.auroc([3, 2, 1], [1, 1, 0]) == 1.0
+    assert math.isnan(gating.auroc([1, 2], [1, 1]))
+
+
+def _items(mapped, oracle, task="piqa"):
+    return pd.DataFrame({"task": task, "item": range(len(mapped)), "mapped": mapped, "oracle": oracle})
+
+
+def test_the_threshold_is_the_highest_that_reaches_the_declared_quality_on_its_split():
+    items = _items(mapped=[0, 1, 1, 0, 1, 1], oracle=[1, 1, 1, 1, 1, 1])  # PIQA: chance 0.5
+    scores = np.array([0.9, 0.1, 0.2, 0.7, 0.3, 0.4])  # the two wrong items score highest
+    quality = lambda fallback: gating.item_quality(items, fallback)["retention"]  # noqa: E731
+    assert gating.choose_threshold(scores, quality, 1.0) == pytest.approx(0.4)  # falls back on 0.9 and 0.7 only
+    assert gating.choose_threshold(scores, quality, 0.3) == float("inf")  # ungated: (4/6 - .5) / .5 = 0.33
+    assert gating.choose_threshold(np.zeros(6), quality, 1.0) == float("-inf")  # no score separates them
+
+
+def test_the_oracle_curve_reaches_the_oracle_at_the_share_the_map_changes_and_random_is_in_between():
+    items = _items(mapped=[0, 1, 0, 1, 1, 1, 1, 1], oracle=[1] * 8)
+    changed = items.mapped != items.oracle
+    references = gating.reference_scores(changed, seed=0)
+    rates = [0.0, 0.25, 1.0]
+    oracle = gating.curve(items, references["oracle"], gating.item_quality, rates, seed=0)
+    assert [row["retention"] for row in oracle] == pytest.approx([0.5, 1.0, 1.0])
+    random = gating.curve(items, references["random"], gating.item_quality, rates, seed=0)
+    assert random[0]["retention"] == 0.5 and random[-1]["retention"] == 1.0
+
+
+def test_the_effective_speedup_is_the_handoff_alone_without_fallback_and_below_one_with_all():
+    assert gating.effective_speedup(10.0, 4.0, 1.0, 0.0) == pytest.approx(2.0)
+    assert gating.effective_speedup(10.0, 4.0, 1.0, 1.0) < 1.0
