@@ -26,7 +26,10 @@ REDUCED = {
               "target": {"copy_steps": 60, "mixed_steps": 60, "warmup": 20, "eval_every": 120}},
     "fit": {"lambdas": [0.1, 10.0], "timing_repeats": 1, "mlp": {"max_epochs": 3}},
     "controls": {"prompts": 3, "corruption_flips": 16},
-    "evaluate": {"horizon": 4},
+    "distill": {"start": ["linear_k1_lam0.1", "mlp_k3"], "context_lengths": [8, 16], "epochs": 2, "patience": 1},
+    "evaluate": {"horizon": 4, "mapped": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"}},
+    "selective": {"maps": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"}, "length": 32,
+                  "warmup": 0, "repeats": 1, "bootstrap_iters": 200},
     "report": {"bootstrap_iters": 200},
     "candidates": {"length": 32, "warmup": 0, "repeats": 1},
     "calibration": {"sizes": [4, 8], "candidates": ["linear_k1_lam0.1", "linear_k3_lam0.1", "mlp_k3"]},
@@ -121,7 +124,10 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
     assert "gap_closure_floor" in report["gates"]
     study = report["candidates"]  # every fitted candidate evaluated, the proxies correlated, the fronts named
     mappers = sorted(p.stem for p in (repo / "models/mappers").glob("*.safetensors"))
-    assert sorted(study["rows"]) == mappers and len(mappers) == 10
+    distilled = sorted(p.stem for p in (repo / "models/distilled").glob("*.safetensors"))
+    assert sorted(study["rows"]) == sorted(mappers + distilled) and len(mappers) == 10
+    assert distilled == ["linear_k1_lam0.1+kl", "mlp_k3+kl"]  # each start map distilled, beside the fitted ones
+    assert set(report["distillation"]["rows"]) == set(distilled) and "## Distillation" in markdown
     assert set(study["proxies"]) == {"r2_heldout", "attention_cosine", "agreement", "mean_kl"}
     assert any(row["pareto_measured"] for row in study["rows"].values())
     assert (repo / "report/frontier.png").stat().st_size > 0 and "## Every candidate" in markdown
