@@ -25,13 +25,15 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
+from pipeline.fitting.distill import start_of
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
+from pipeline.measure.compare import read_prompts, variant_rows
 from pipeline.measure.latency import measure
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, require_controls_passed
+from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
@@ -43,6 +45,7 @@ torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
+PROMPTS = OUT / "prompts"  # per eval prompt, each distilled map and its start (the distillation study reads them)
 
 
 class CandidatesParams(Params):
@@ -84,12 +87,22 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
     bound_configs = pair_configs(params.bound_pair)
     metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,
                                              "bound_pair": params.bound_pair}
+    # each distilled map and its start also on the eval prompts, against the oracle's stored outputs (the
+    # rollouts at evaluate.horizon), so the distillation study pairs them prompt by prompt
+    distilled = {path.stem: start_of(path.stem) for path in candidates if start_of(path.stem)}
+    paired = set(distilled) | set(distilled.values())
+    prompts = read_prompts(paths.EVAL_PROMPTS) if paired else []
+    oracle = load_artifact(paths.ORACLE_OUTPUTS)[0] if paired else {}
     with atomic_dir(OUT) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
             handoff = pair.handoff("mapped", path)
             lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{path.stem}.parquet", index=False)
+            if path.stem in paired:
+                rows = variant_rows(handoff, prompts, oracle, params.batch_size, progress=False)
+                (staging / PROMPTS.name).mkdir(exist_ok=True)
+                rows.to_parquet(staging / PROMPTS.name / f"{path.stem}.parquet", index=False)
             figures = candidate_figures(handoff, path, params, bound_configs)
             for task, result in tasks.items():
                 figures.update({f"{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})

@@ -262,20 +262,29 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     facts = {"start": "lin", "best_epoch": 1, "epochs": 2, "steps": 8, "seconds": 3.0}
     select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
                        "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}
+    rows = lambda top1, rollout, kl: pd.DataFrame({"prompt": range(4), "first_agree": top1,  # noqa: E731
+                                                   "rollout_agree": rollout, "horizon": 4, "kl": kl, "tokens": 2})
+    prompts = {"lin": rows([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
+               "lin+kl": rows([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5}, {"lin+kl": curve},
-                                 select, items)
+                                 select, items, prompts)
     study = distillation.compute(report_params(), inputs)
     row = study["rows"]["lin+kl"]
     assert row["next_token_top1_before"] == 0.5 and row["next_token_top1_after"] == 0.6
     assert row["retention_after"] > row["retention_before"] and row["gap_closure_after"] > row["gap_closure_before"]
     assert row["tasks_diff"] == pytest.approx(better.sum() / len(better)) and 0 < row["tasks_low"] <= row["tasks_diff"]
     assert row["tasks_mcnemar_p"] < 1e-3 and row["tasks_n"] == len(better)
+    assert row["eval_next_token_top1_before"] == 0.25 and row["eval_next_token_top1_after"] == 0.75
+    assert row["eval_next_token_top1_diff"] == pytest.approx(0.5) and row["eval_next_token_top1_mcnemar_p"] == 0.5
+    assert row["eval_rollout_agreement_diff"] == pytest.approx(0.25)
+    assert row["eval_mean_kl_diff"] == pytest.approx(-0.375)
+    assert row["eval_mean_kl_low"] <= -0.25 and row["eval_prompts"] == 4
     text = "\n".join(distillation.lines(study))
-    assert "| lin+kl | lin | 50.0% → 60.0% |" in text and "McNemar" in text
+    assert "| lin+kl | lin | 50.0% → 60.0% |" in text and "McNemar" in text and "| lin+kl | 25.0% → 75.0% |" in text
     tables = distillation.figure(study, tmp_path)
     assert (tmp_path / "distillation.png").is_file() and list(tables["distillation"].select_kl) == [0.5, 0.4, 0.45]
     del items["lin+kl"]  # the candidates study did not run: the select split's table alone
-    alone = distillation.compute(report_params(), distillation.Inputs(inputs.distill, inputs.curves, select, items))
+    alone = distillation.compute(report_params(), distillation.Inputs(inputs.distill, inputs.curves, select, items, {}))
     assert "tasks_diff" not in alone["rows"]["lin+kl"] and "McNemar" not in "\n".join(distillation.lines(alone))
 
 

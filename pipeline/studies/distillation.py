@@ -4,7 +4,9 @@ Inputs: metrics/distill.json and its per-epoch curves (metrics/distill/<map>.csv
 maps scored on the select split: next-token top-1, agreement and rollout agreement with the oracle, mean KL),
 and, when the candidates study ran, both maps' task items on the eval part (eval/candidates/): retention and gap
 closure with their intervals, and the paired difference of task accuracy (after - before) with its bootstrap
-interval and McNemar's p over the same items.
+interval and McNemar's p over the same items; and both maps' rows on the eval prompts
+(eval/candidates/prompts/): next-token top-1, rollout agreement at `evaluate.horizon` and mean KL, each
+difference with its paired bootstrap interval over prompts (McNemar's p for the 0/1 top-1).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 
+PROMPTS = paths.CANDIDATE_ITEMS / "prompts"  # stage `candidates` writes each distilled map's and its start's rows
 SELECT_FIGURES = ("next_token_top1", "agreement", "rollout_agreement", "mean_kl")
 
 
@@ -31,6 +34,7 @@ class Inputs:
     curves: dict[str, pd.DataFrame]  # per distilled map, per epoch
     select: dict  # metrics/select.json
     items: dict[str, pd.DataFrame]  # the oracle's and the source's items, and both maps' where the candidates ran
+    prompts: dict[str, pd.DataFrame]  # both maps' rows on the eval prompts, where the candidates ran
 
 
 def load(run: Run) -> Inputs | None:
@@ -42,7 +46,32 @@ def load(run: Run) -> Inputs | None:
     candidates = {name: paths.CANDIDATE_ITEMS / f"{name}.parquet" for name in names}
     items = {**run.items, **{name: pd.read_parquet(path) for name, path in candidates.items() if path.is_file()}}
     curves = {name: pd.read_csv(paths.DISTILL_CURVES / f"{name}.csv") for name in distill["maps"]}
-    return Inputs(distill, curves, run.select, items)
+    prompt_rows = {name: PROMPTS / f"{name}.parquet" for name in names}
+    prompts = {name: pd.read_parquet(path) for name, path in prompt_rows.items() if path.is_file()}
+    return Inputs(distill, curves, run.select, items, prompts)
+
+
+# per-prompt figures on the eval prompts: name -> (rows -> one value per prompt), higher better but for the KL
+PER_PROMPT = {"next_token_top1": lambda rows: rows.first_agree.to_numpy(float),
+              "rollout_agreement": lambda rows: (rows.rollout_agree / rows.horizon).to_numpy(float),
+              "mean_kl": lambda rows: (rows.kl / rows.tokens).to_numpy(float)}
+
+
+def prompt_differences(before: pd.DataFrame, after: pd.DataFrame, iters: int, seed: int) -> dict:
+    """Each per-prompt figure before and after on the same eval prompts, the difference after - before with its
+    paired bootstrap interval, and McNemar's p for the one 0/1 figure (next-token top-1)."""
+    before, after = before.sort_values("prompt"), after.sort_values("prompt")
+    out = {}
+    for key, values in PER_PROMPT.items():
+        x, y = values(after), values(before)
+        difference = paired_bootstrap(x, y, iters, seed)
+        out.update({f"eval_{key}_before": float(y.mean()), f"eval_{key}_after": float(x.mean()),
+                    f"eval_{key}_diff": difference["diff"], f"eval_{key}_low": difference["low"],
+                    f"eval_{key}_high": difference["high"]})
+    out["eval_next_token_top1_mcnemar_p"] = mcnemar(PER_PROMPT["next_token_top1"](after),
+                                                    PER_PROMPT["next_token_top1"](before))
+    out["eval_prompts"] = len(before)
+    return out
 
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:
@@ -68,6 +97,9 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             row.update({"tasks_diff": difference["diff"], "tasks_low": difference["low"],
                         "tasks_high": difference["high"], "tasks_n": difference["n"],
                         "tasks_mcnemar_p": mcnemar(after, before)})
+        if start in inputs.prompts and name in inputs.prompts:
+            row.update(prompt_differences(inputs.prompts[start], inputs.prompts[name], params.bootstrap_iters,
+                                          params.seed))
         rows[name] = row
     return {"rows": rows, "rows_fit": inputs.distill["rows_fit"], "rows_select": inputs.distill["rows_select"],
             "curves": {name: curve[["epoch", "select_kl", "select_agreement"]].to_dict(orient="list")
@@ -80,6 +112,10 @@ def _arrow(row: dict, key: str, percent: bool = True) -> str:
         return "—"
     shown = pct if percent else (lambda v: f"{v:.3f}")
     return f"{shown(before)} → {shown(after)}"
+
+
+def _difference(row: dict, key: str, scale: float = 100, fmt: str = "+.1f") -> str:
+    return interval(row[f"{key}_diff"], row[f"{key}_low"], row[f"{key}_high"], scale=scale, fmt=fmt)
 
 
 def lines(study: dict) -> list[str]:
@@ -105,6 +141,18 @@ def lines(study: dict) -> list[str]:
                       for key in ("retention", "gap_closure") for when in ("before", "after")),
               interval(r["tasks_diff"], r["tasks_low"], r["tasks_high"]), f"{r['tasks_mcnemar_p']:.3g}",
               r["tasks_n"]] for name, r in evaluated.items()])
+    on_prompts = {name: r for name, r in rows.items() if "eval_prompts" in r}
+    if on_prompts:
+        out += ["", "On the eval prompts (rollouts at `evaluate.horizon`; after − before over the same prompts, paired "
+                "bootstrap 95% interval; McNemar p for next-token top-1; KL lower is better):", ""]
+        out += md_table(
+            ["Map", "Next-token top-1", "Δ [95% CI]", "McNemar p", "Rollout agreement", "Δ [95% CI]", "Mean KL",
+             "Δ [95% CI]", "n"],
+            [[name, _arrow(r, "eval_next_token_top1"), _difference(r, "eval_next_token_top1"),
+              f"{r['eval_next_token_top1_mcnemar_p']:.3g}", _arrow(r, "eval_rollout_agreement"),
+              _difference(r, "eval_rollout_agreement"), _arrow(r, "eval_mean_kl", percent=False),
+              _difference(r, "eval_mean_kl", scale=1, fmt="+.3f"), r["eval_prompts"]]
+             for name, r in on_prompts.items()])
     out += ["", "![select KL per epoch](report/distillation.png)", ""]
     return out
 
