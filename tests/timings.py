@@ -108,7 +108,7 @@ def stream(command: list[str], cwd: Path, env: dict, log: Path, echo) -> tuple[i
     Returns the exit code, the wall seconds and the timed lines."""
     lines = []
     start = time.monotonic()
-    with open(log, "w") as out:
+    with open(log, "w", buffering=1) as out:  # line by line: a run stopped midway leaves its log up to there
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, bufsize=1)  # text mode turns tqdm's \r into line ends
         for line in process.stdout:
