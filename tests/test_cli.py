@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import ROOT
 from test_layout import dvc_stages
 
+from pipeline import fit
 from pipeline.store import cli
 
 STAGES = sorted(dvc_stages(ROOT))
@@ -78,5 +80,21 @@ def test_the_traceback_comes_when_asked(typo):
 def test_run_stage_runs_another_stages_own_command_and_stops_on_its_failure(monkeypatch):
     monkeypatch.chdir(ROOT)
     cli.run_stage("pipeline.fit", "--help")
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(RuntimeError, match="pipeline.fit --no-such-option: exited with status 2"):
         cli.run_stage("pipeline.fit", "--no-such-option")
+    cli.run_stage("pipeline.fit", "--help", fresh_process=True)
+    with pytest.raises(subprocess.CalledProcessError):
+        cli.run_stage("pipeline.fit", "--no-such-option", fresh_process=True)
+
+
+def test_a_stage_run_in_this_process_keeps_the_callers_threads_and_random_state(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    initial = torch.get_num_threads()
+    torch.set_num_threads(1)
+    before = torch.random.get_rng_state()
+    monkeypatch.setattr(fit, "main", lambda argv: (torch.set_num_threads(2), torch.rand(3)))
+    try:
+        cli.run_stage("pipeline.fit", "--only", "x")
+        assert torch.get_num_threads() == 1 and torch.equal(torch.random.get_rng_state(), before)
+    finally:
+        torch.set_num_threads(initial)

@@ -9,10 +9,17 @@ other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import io
 import os
 import subprocess
 import sys
 from typing import Callable
+
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
 
 TRACEBACK_ENV = "KVH_TRACEBACK"
 
@@ -43,9 +50,25 @@ def entry(main: Callable[[list[str]], object]) -> None:
         raise SystemExit(2) from None
 
 
-def run_stage(module: str, *args: str) -> None:
-    """Another stage's own command, `python -m <module> args...`, in a fresh process with its output silenced: a
-    stage's narrow refit or scratch extraction runs exactly the code the pipeline runs. A failure stops the
-    caller. Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py reads it from
-    the call, so the caller's dvc.yaml deps list that stage's modules."""
-    subprocess.run([sys.executable, "-m", module, *args], check=True, stdout=subprocess.DEVNULL)
+def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
+    """Another stage's own command, as `python -m <module> args...` runs it, with its output silenced: a stage's
+    narrow refit or scratch extraction runs exactly the code the pipeline runs. A failure stops the caller.
+
+    In this process by default: the interpreter, torch and lm-eval are loaded already, so the call costs its work
+    only (a fresh process costs seconds of start-up each: four per calibration point). The caller's torch thread
+    count and random state are kept (every stage seeds its own generators, so its outputs are those of a fresh
+    process). `fresh_process=True` starts a new interpreter instead, for a check that needs another process (the
+    determinism control). Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py
+    reads it from the call, so the caller's dvc.yaml deps list that stage's modules."""
+    if fresh_process:
+        subprocess.run([sys.executable, "-m", module, *args], check=True, stdout=subprocess.DEVNULL)
+        return
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(io.StringIO()):
+            importlib.import_module(module).main(list(args))
+    except SystemExit as stop:  # argparse's way out: 0 after --help, 2 for arguments it refuses
+        if stop.code not in (0, None):
+            raise RuntimeError(f"{module} {' '.join(args)}: exited with status {stop.code}") from stop
+    finally:
+        torch.set_num_threads(threads)
