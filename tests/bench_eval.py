@@ -69,7 +69,8 @@ def evaluate(lm, task_dir: Path, repeats: int, profile: Path | None = None) -> d
         return out
 
     lm.loglikelihood = timed
-    out = simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=str(task_dir)),
+    out = simple_evaluate(model=lm, tasks=[TASK],
+                          task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
                           num_fewshot=0, log_samples=True, bootstrap_iters=0)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     return {"seconds": sum(spent), "choices": [[(float(r[0][0]), bool(r[0][1])) for r in s["resps"]] for s in samples],

@@ -45,7 +45,9 @@ def task_dir(tmp_path_factory):
 def evaluate(lm, task_dir, **options) -> dict:
     """Per task: per-document list of (loglikelihood, is_greedy) per choice, the acc/acc_norm decisions and the
     (context, continuation) requests. `options` go to `simple_evaluate` (`apply_chat_template=True`, ...)."""
-    out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir)),
+    # our task files only: indexing lm-eval's own catalogue costs seconds per call
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    out = simple_evaluate(model=lm, tasks=TASKS, task_manager=manager,
                           num_fewshot=0, log_samples=True, bootstrap_iters=0, **options)
     per_task = {}
     for task in TASKS:

@@ -94,7 +94,8 @@ def test_hub_path_reads_local_real_rows(tmp_path, tokenizer):
     # lm-eval's own task definitions read the written files
     for task in ("hellaswag", "piqa"):
         write_task_config(tmp_path / "tasks", task, f"{task}_check", tmp_path / "data" / f"{task}_eval.parquet")
-    tasks = get_task_dict(["hellaswag_check", "piqa_check"], TaskManager(include_path=str(tmp_path / "tasks")))
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    tasks = get_task_dict(["hellaswag_check", "piqa_check"], manager)
     hs = list(tasks["hellaswag_check"].validation_docs())
     assert len(hs) == 30 and hs[0]["query"] and len(hs[0]["choices"]) == 4
     pq = tasks["piqa_check"]
