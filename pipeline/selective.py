@@ -169,9 +169,8 @@ def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, sc
                                         params.target_retention)
     fallback, prompt_fallback = items[column].to_numpy() > threshold, prompts[column].to_numpy() > threshold
     iters, seed = params.bootstrap_iters, params.seed
-    gated = np.where(fallback, items.oracle, items["mapped"])
-    frames = {name: items[["task", "item"]].assign(**{METRIC: values})
-              for name, values in (("gated", gated), ("oracle", items.oracle), ("source", items.source))}
+    frames = {name: items[["task", "item"]].assign(**{METRIC: values}) for name, values in
+              (("gated", gating.gated(items, fallback)), ("oracle", items.oracle), ("source", items.source))}
     rate = paired_bootstrap(fallback, np.zeros(len(fallback)), iters, seed)
     kept = retention_interval(frames, "gated", METRIC, iters, seed)
     closed = gap_closure_interval(frames, "gated", METRIC, iters, seed)
