@@ -1,20 +1,26 @@
-"""Selective handoff: scores from the handoff's first step only, the gate's limits, AUROC and the threshold rule."""
+"""Selective handoff: scores from the handoff's first step only, the gate's limits, AUROC and the threshold rule, and
+lm-eval through a gated `kv-transfer` against the stage's own composition of the ungated runs."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from conftest import build_model, hellaswag_rows, piqa_rows, tiny_config
 
 from pipeline.kv.gate import SCORES, Gate, Scorer, jensen_shannon
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import random_mapper
+from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import gating
+from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.selective import METRIC, item_rows, task_frame
 
 VOCAB = 97
+E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +160,68 @@ def test_the_oracle_curve_reaches_the_oracle_at_the_share_the_map_changes_and_ra
 def test_the_effective_speedup_is_the_handoff_alone_without_fallback_and_below_one_with_all():
     assert gating.effective_speedup(10.0, 4.0, 1.0, 0.0) == pytest.approx(2.0)
     assert gating.effective_speedup(10.0, 4.0, 1.0, 1.0) < 1.0
+
+
+@pytest.fixture(scope="module")
+def sharp_pair(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """tiny_pair's shapes with weights drawn wide (initializer_range 0.5): tiny_pair's near-uniform models choose
+    the same endings whatever their cache, so no map would change a decision there. Also a random k=1 map and
+    a few real HellaSwag and PIQA items as Parquet, as the stage reads them."""
+    root = tmp_path_factory.mktemp("sharp")
+    configs = {}
+    for name, hidden, seed in (("target", 64, 1), ("source", 32, 2)):
+        model = build_model(tiny_config(len(tokenizer), hidden, initializer_range=0.5), seed)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        configs[name] = model.config
+    save_mapper(random_mapper(configs["source"], configs["target"], k=1, seed=0), root / "k1.safetensors")
+    pd.DataFrame(hellaswag_rows(E2E_ITEMS)).to_parquet(root / "hellaswag.parquet", index=False)
+    pd.DataFrame(piqa_rows(E2E_ITEMS)).to_parquet(root / "piqa.parquet", index=False)
+    return {"target": root / "target", "source": root / "source", "mapper": root / "k1.safetensors",
+            "hellaswag": root / "hellaswag.parquet", "piqa": root / "piqa.parquet"}
+
+
+def _between(scores: np.ndarray) -> float:
+    """A threshold in the widest gap between the middle half of the scores: some fall back, some do not, and no
+    score lies within float noise of it."""
+    ranked = np.sort(scores)
+    middle = ranked[len(ranked) // 4 : len(ranked) - len(ranked) // 4]
+    gap = int(np.argmax(np.diff(middle)))
+    return float((middle[gap] + middle[gap + 1]) / 2)
+
+
+def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_composition_of_mapped_and_oracle(sharp_pair):
+    files = {task: sharp_pair[task] for task in ("hellaswag", "piqa")}
+    pair = Pair(str(sharp_pair["target"]), str(sharp_pair["source"]), "float32", "cpu")
+    mapped = pair.handoff("mapped", sharp_pair["mapper"])
+    # the stage's way (selective.score_requests): each handoff ungated through lm-eval, each item's context scored
+    frames = {name: task_frame(KVTransferLM(handoff, pair.target_tokenizer, batch_size=4), files)
+              for name, handoff in (("mapped", mapped), ("oracle", pair.handoff("oracle")))}
+    scores = Scorer(mapped).scores(list(frames["mapped"].tokens), ["kl"], 4)
+    rows = item_rows("eval", "k1", frames["mapped"], {"oracle": frames["oracle"]}, scores)
+    threshold = _between(rows.score_kl.to_numpy())
+    fallback = rows.score_kl.to_numpy() > threshold
+    expected = {metric: gating.gated(rows.assign(mapped=frames["mapped"][metric], oracle=frames["oracle"][metric]),
+                                     fallback) for metric in ("acc", "acc_norm")}
+    assert (expected[METRIC] == gating.gated(rows, fallback)).all()
+
+    lm = KVTransferLM.from_args(target=str(sharp_pair["target"]), source=str(sharp_pair["source"]), transfer="mapped",
+                                mapper=str(sharp_pair["mapper"]), dtype="float32", device="cpu", batch_size=4,
+                                fallback="kl", threshold=repr(threshold))
+    _, got = evaluate_tasks(lm, files)
+    assert list(zip(got.task, got.item)) == list(zip(rows.task, rows.item))
+    # each item went the way its score implies, all its endings the same way (one context per item)
+    assert len(lm.routes) == len(set(map(tuple, frames["mapped"].tokens)))
+    for tokens, score, fell_back in zip(frames["mapped"].tokens, rows.score_kl, fallback):
+        assert lm.routes[tuple(tokens)][0] == pytest.approx(score, rel=1e-4)
+        assert lm.routes[tuple(tokens)][1] == fell_back
+    for metric in ("acc", "acc_norm"):
+        assert got[metric].tolist() == expected[metric].tolist(), metric
+        chosen = {name: gating.decisions(frame, metric) for name, frame in frames.items()}
+        assert gating.decisions(got, metric).tolist() == np.where(fallback, chosen["oracle"], chosen["mapped"]).tolist()
+    for lls, mapped_lls, oracle_lls, fell_back in zip(got.loglikelihoods, frames["mapped"].loglikelihoods,
+                                                      frames["oracle"].loglikelihoods, fallback):
+        assert lls == pytest.approx(oracle_lls if fell_back else mapped_lls, abs=1e-4)
+    # the case can fail: the gate sent some items each way, and the gated answers differ from both ungated runs
+    assert 0 < fallback.sum() < len(fallback)
+    assert (expected[METRIC] != rows["mapped"]).any() and (expected[METRIC] != rows.oracle).any()
