@@ -14,7 +14,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
-from pipeline.lm_eval_model import KVTransferLM
+from pipeline.lm_eval_model import KVTransferLM, gate_from_args
 from pipeline.measure import gating
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.selective import METRIC, item_rows, task_frame
@@ -163,22 +163,16 @@ def test_the_effective_speedup_is_the_handoff_alone_without_fallback_and_below_o
 
 
 @pytest.fixture(scope="module")
-def sharp_pair(tmp_path_factory, tokenizer) -> dict[str, Path]:
-    """tiny_pair's shapes with weights drawn wide (initializer_range 0.5): tiny_pair's near-uniform models choose
-    the same endings whatever their cache, so no map would change a decision there. Also a random k=1 map and
-    a few real HellaSwag and PIQA items as Parquet, as the stage reads them."""
+def sharp_pair(wide_pair, tmp_path_factory) -> dict[str, Path]:
+    """conftest's wide pair (where a map changes decisions), a random k=1 map of it, and a few real HellaSwag and
+    PIQA items as Parquet, as the stage reads them."""
     root = tmp_path_factory.mktemp("sharp")
-    configs = {}
-    for name, hidden, seed in (("target", 64, 1), ("source", 32, 2)):
-        model = build_model(tiny_config(len(tokenizer), hidden, initializer_range=0.5), seed)
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        configs[name] = model.config
-    save_mapper(random_mapper(configs["source"], configs["target"], k=1, seed=0), root / "k1.safetensors")
+    source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
+    save_mapper(random_mapper(source.config, target.config, k=1, seed=0), root / "k1.safetensors")
     pd.DataFrame(hellaswag_rows(E2E_ITEMS)).to_parquet(root / "hellaswag.parquet", index=False)
     pd.DataFrame(piqa_rows(E2E_ITEMS)).to_parquet(root / "piqa.parquet", index=False)
-    return {"target": root / "target", "source": root / "source", "mapper": root / "k1.safetensors",
-            "hellaswag": root / "hellaswag.parquet", "piqa": root / "piqa.parquet"}
+    return {**wide_pair, "mapper": root / "k1.safetensors", "hellaswag": root / "hellaswag.parquet",
+            "piqa": root / "piqa.parquet"}
 
 
 def _between(scores: np.ndarray) -> float:
@@ -225,3 +219,15 @@ def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_compositi
     # the case can fail: the gate sent some items each way, and the gated answers differ from both ungated runs
     assert 0 < fallback.sum() < len(fallback)
     assert (expected[METRIC] != rows["mapped"]).any() and (expected[METRIC] != rows.oracle).any()
+
+
+@pytest.mark.parametrize("fallback, threshold, disagree, message", [
+    (None, "0.5", None, "give fallback=<score> too"),
+    ("kl", None, None, "needs threshold=<float>"),
+    ("disagree", "0.5", "only_one.safetensors", "names two mapper files"),
+])
+def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pair, fallback, threshold, disagree,
+                                                                       message):
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
+    with pytest.raises(TypeError, match=message):
+        gate_from_args(pair, None, fallback, threshold, disagree)
