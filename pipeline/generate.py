@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipeline.kv.gate import SCORES, Gate
+from pipeline.kv.gate import FITTED, SCORES, Gate
 from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above, sampled")
     cli.add_argument("--seed", type=int, default=0, help="the sampling seed, the same for each mode")
     cli.add_argument("--shuffle-seed", type=int, help="the shuffled mode's seed (default: evaluate.shuffle_seed)")
-    cli.add_argument("--fallback", choices=SCORES, help="gate each mode that hands off the source's cache by "
-                     "this kv.gate score: above --threshold the prompt continues from the target's own prefill")
+    cli.add_argument("--fallback", choices=[score for score in SCORES if score not in FITTED],
+                     help="gate each mode that hands off the source's cache by this kv.gate score: above "
+                     "--threshold the prompt continues from the target's own prefill")
     cli.add_argument("--threshold", type=float, help="the gate's threshold (-inf: every gated mode falls back, "
                      "inf: none; a value starting with '-' as --threshold=-inf)")
     cli.add_argument("--disagree", metavar="K1:KMAX", help="the disagree score's two mapper files (k=1 and k=max)")

@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import build_model, hellaswag_rows, piqa_rows, tiny_config
+from conftest import build_model, committed, hellaswag_rows, piqa_rows, tiny_config
 
-from pipeline.kv.gate import SCORES, Gate, Scorer, jensen_shannon
+from pipeline.kv.gate import FEATURES, SCORES, Gate, Probe, Scorer, fit_probe, jensen_shannon
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -17,7 +17,8 @@ from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM, gate_from_args
 from pipeline.measure import gating
 from pipeline.measure.taskeval import evaluate_tasks
-from pipeline.selective import METRIC, item_rows, task_frame
+from pipeline.selective import METRIC, SelectiveParams, add_probe, item_rows, task_frame, train_probe
+from pipeline.store.params import parse
 
 VOCAB = 97
 E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
@@ -41,6 +42,12 @@ def _contexts(count=6, seed=0):
                           generator=generator).tolist() for _ in range(count)]
 
 
+def _probe() -> Probe:
+    """A probe over every feature with fixed weights: the `probe` score's path without a fit."""
+    count = len(FEATURES)
+    return Probe(FEATURES, [0.0] * count, [1.0] * count, [0.5, -0.2, 1.0, 2.0, -1.0, 0.3][:count], 0.1)
+
+
 def _requests(contexts, endings=2, seed=1):
     generator = torch.Generator().manual_seed(seed)
     return [(None, context, torch.randint(0, VOCAB, (3,), generator=generator).tolist())
@@ -58,17 +65,18 @@ def test_scores_are_computed_without_the_target_prefilling_the_prompt(models, ha
 
     monkeypatch.setattr(target.model, "forward", one_token_only)
     monkeypatch.setattr(Handoff, "prefix_layers", lambda *args, **kwargs: pytest.fail("prefix_layers was called"))
-    scores = Scorer(handoffs[0], tuple(handoffs)).scores(_contexts(), SCORES, batch_size=4)
-    for name in SCORES:
-        assert torch.isfinite(scores[name]).all() and (scores[name] >= 0).all(), name
+    scores = Scorer(handoffs[0], tuple(handoffs), _probe()).scores(_contexts(), [*SCORES, *FEATURES], batch_size=4)
+    for name in [*SCORES, *FEATURES]:
+        assert torch.isfinite(scores[name]).all(), name
+        assert name in ("probe", "key_norm", "value_norm") or (scores[name] >= 0).all(), name
 
 
 def test_scores_of_a_padded_batch_equal_each_context_scored_alone(handoffs):
-    scorer, contexts = Scorer(handoffs[0], tuple(handoffs)), _contexts(seed=3)
-    together = scorer.scores(contexts, SCORES, batch_size=len(contexts))
+    scorer, contexts = Scorer(handoffs[0], tuple(handoffs), _probe()), _contexts(seed=3)
+    together = scorer.scores(contexts, [*SCORES, *FEATURES], batch_size=len(contexts))
     for row, context in enumerate(contexts):
-        alone = scorer.scores([context], SCORES, batch_size=1)
-        for name in SCORES:
+        alone = scorer.scores([context], [*SCORES, *FEATURES], batch_size=1)
+        for name in [*SCORES, *FEATURES]:
             assert alone[name][0].item() == pytest.approx(together[name][row].item(), rel=1e-4, abs=1e-6), name
 
 
@@ -231,3 +239,63 @@ def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pai
     pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
     with pytest.raises(TypeError, match=message):
         gate_from_args(pair, None, fallback, threshold, disagree)
+
+
+def _probe_rows(part: str, count: int = 60, seed: int = 0) -> pd.DataFrame:
+    """Requests where `feature_top1` alone separates "the map changes the decision"; the others are noise."""
+    rng = np.random.default_rng(seed)
+    changed = rng.random(count) < 0.4
+    rows = pd.DataFrame({"part": part, "changed": changed,
+                         "feature_top1": np.where(changed, 0.2, 0.6) + rng.uniform(-0.15, 0.15, count)})
+    for name in ("score_entropy", "score_kl", "feature_key_norm", "feature_value_norm"):
+        rows[name] = rng.normal(size=count)
+    return rows
+
+
+def test_a_probe_where_one_feature_separates_the_classes_reaches_auroc_one_on_held_out_rows():
+    features = ("entropy", "kl", "top1")
+    probe = train_probe(_probe_rows("dev"), features, l2=1.0)
+    held_out = _probe_rows("eval", seed=1)
+    scores = probe({name: held_out[f"score_{name}" if name != "top1" else "feature_top1"] for name in features})
+    assert gating.auroc(scores.numpy(), held_out.changed) == 1.0
+    assert probe.weights[2] < 0  # a confident target is trusted: low top-1 probability, high score
+    assert probe == train_probe(_probe_rows("dev"), features, l2=1.0)  # deterministic
+
+
+@pytest.mark.parametrize("parts", [["eval"], ["dev", "eval"]])
+def test_the_probe_refuses_to_train_on_any_row_outside_the_dev_items(parts):
+    rows = pd.concat([_probe_rows(part) for part in parts], ignore_index=True)
+    with pytest.raises(ValueError, match="dev items only.*'eval'"):
+        train_probe(rows, ("entropy", "kl", "top1"), l2=1.0)
+
+
+def test_a_probe_of_one_class_is_constant_and_its_l2_penalty_shrinks_its_weights():
+    values = {"a": np.arange(6.0), "b": np.array([0.0, 1, 0, 1, 0, 1])}
+    flat = fit_probe(values, [False] * 6, ("a", "b"), l2=1.0)
+    assert flat.weights == [0.0, 0.0] and torch.unique(flat(values)).numel() == 1
+    labels = [False, False, True, False, True, True]
+    loose, tight = (fit_probe(values, labels, ("a", "b"), l2=l2) for l2 in (0.01, 100.0))
+    assert np.linalg.norm(tight.weights) < np.linalg.norm(loose.weights)
+
+
+def test_a_gate_by_the_probe_needs_a_fitted_probe(handoffs):
+    with pytest.raises(ValueError, match="fitted on dev items"):
+        Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].target))
+
+
+def test_the_stage_trains_each_maps_probe_on_its_dev_items_alone_and_scores_every_request():
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors", "b": "b.safetensors"}},
+                   "selective")
+    items = pd.concat([_probe_rows(part, seed=seed).assign(map=name) for seed, (name, part) in
+                       enumerate((name, part) for name in params.maps for part in ("dev", "eval"))], ignore_index=True)
+    prompts = pd.concat([_probe_rows("eval", seed=9).assign(map=name) for name in params.maps], ignore_index=True)
+    probes = add_probe(items, prompts, params, disagree=None)
+    assert set(probes) == {"a", "b"} and probes["a"] != probes["b"]
+    assert items.score_probe.notna().all() and prompts.score_probe.notna().all()
+    assert "disagree" not in probes["a"].features  # no two maps given: the probe does without that feature
+
+    def flipped(part):
+        return items.assign(changed=np.where(items.part == part, ~items.changed, items.changed))
+
+    assert add_probe(flipped("eval"), prompts.copy(), params, disagree=None) == probes  # eval labels unread
+    assert add_probe(flipped("dev"), prompts.copy(), params, disagree=None) != probes
