@@ -2,11 +2,13 @@
 falls back to the target's own prefill where the mapped cache is not trusted.
 
 Every score reads the handoff's first step only (PROTOCOL.md, "Handoff"; the step the handoff runs anyway to
-give the first token), so its cost is that step's work plus at most one extra token of a model:
+give the first token), so its cost is that step's work plus at most one extra token of a model (the probe: its
+features' and one pass over both caches for their norms):
 
     source body:  c[0] ... c[n-2]                 -> cache                (the handoff's own prefill)
     source step:  c[n-1] after its own cache       -> p_source(. | c)      (`kl` only: one source token + logits)
     map:          source cache -> target cache(s)                          (`disagree`: both of its maps)
+    norms:        source and mapped caches       -> mean key, value norms  (`probe` only)
     target step:  c[n-1] after the mapped cache    -> p_target(. | mapped) (the handoff's own first step)
 
 Scores, higher = less trusted:
