@@ -192,6 +192,7 @@ def _between(scores: np.ndarray) -> float:
     return float((middle[gap] + middle[gap + 1]) / 2)
 
 
+@pytest.mark.slow  # three lm-eval runs and a scoring pass: 11 s on a quiet 2-core machine, 31 s on a busy one
 def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_composition_of_mapped_and_oracle(sharp_pair):
     files = {task: sharp_pair[task] for task in ("hellaswag", "piqa")}
     pair = Pair(str(sharp_pair["target"]), str(sharp_pair["source"]), "float32", "cpu")
