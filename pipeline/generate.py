@@ -15,6 +15,14 @@ built, prompt[-1] read and the first token picked, in ms by time.perf_counter, a
 each mode), its new tokens, and the first new token (counted from 0) where it departs from the oracle's.
 A mode the pair's contract refuses, or whose mapper is missing, is one line and skipped.
 
+With a gate (`--fallback entropy|kl|disagree --threshold T`, and `--disagree K1:KMAX`, the two mapper files of
+that score) each mode that hands off the source's cache (direct, mapped, shuffled) scores the prompt from its
+handoff's first step (`kv.gate`, as lm-eval's `fallback=` model args do) and, where the score exceeds T,
+continues from the target's own prefill instead: its row gives the score, the time the scoring took (its own
+source prefill, map and first step, on top of the time to first token of the way it went) and whether it went
+its own way or fell back. `--threshold=-inf` (the `=` keeps argparse from reading an option) sends every gated
+mode to the oracle, `inf` none.
+
 The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
 (`--target DIR [--source DIR]`); dtype and device come from the `models` section unless given, CPU threads
 from `latency.threads`.
@@ -27,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipeline.kv.handoff import Handoff
+from pipeline.kv.gate import FITTED, SCORES, Gate
+from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
@@ -42,6 +51,7 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 TRANSFERS = ("oracle", "mapped", "source", "direct", "zero", "shuffled")
+FELL_BACK = "fell back to the target's prefill"
 EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
 
 
@@ -52,6 +62,19 @@ class Generation:
     mode: str
     tokens: list[int]
     ttft_ms: float  # cache built, prompt[-1] read, first token picked
+    score: float | None = None  # a gated mode's score of the prompt
+    fell_back: bool = False  # a gated mode continued from the target's own prefill
+    score_ms: float = 0.0  # a gated mode's scoring (its own source prefill, map and first step)
+
+
+@dataclass
+class GateRequest:
+    """`--fallback SCORE --threshold T [--disagree K1:KMAX]`: the gate of each mode that hands off the source's
+    cache."""
+
+    score: str
+    threshold: float
+    disagree: tuple[Path, Path] | None = None
 
 
 def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
@@ -142,11 +165,28 @@ def build_handoffs(pair: Pair, modes: Sequence[str], mapper: Path | None, shuffl
     return handoffs
 
 
-def warm_up(handoffs: dict[str, Handoff], prompt: Sequence[int]) -> None:
-    """One untimed token of each mode, so the first prompt's times do not include lazy initialisation (the first
-    cached step, the first map)."""
+def build_gates(pair: Pair, handoffs: dict[str, Handoff], request: GateRequest | None) -> dict[str, Gate]:
+    """The gate of each mode that hands off the source's cache (the others have no first step to score)."""
+    if request is None:
+        return {}
+    return {mode: pair.gate(handoff, request.score, request.threshold, request.disagree)
+            for mode, handoff in handoffs.items() if handoff.source is not None}
+
+
+def route(gate: Gate, prompt: Sequence[int]) -> tuple[float, bool, float]:
+    """The gate's score of the prompt, whether it falls back, and the scoring's time in ms."""
+    start = time.perf_counter()
+    scores, fallback = gate.route([list(prompt)], batch_size=1)
+    return float(scores[0]), bool(fallback[0]), 1000 * (time.perf_counter() - start)
+
+
+def warm_up(handoffs: dict[str, Handoff], gates: dict[str, Gate], prompt: Sequence[int]) -> None:
+    """One untimed token of each mode and one scoring of each gate, so the first prompt's times do not include
+    lazy initialisation (the first cached step, the first map)."""
     for handoff in handoffs.values():
         generate(handoff, prompt, 1)
+    for gate in gates.values():
+        route(gate, prompt)
 
 
 class Stream:
@@ -172,25 +212,29 @@ class Stream:
 
 
 def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path | None, max_new_tokens: int,
-        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None) -> list[list[Generation]]:
-    """Each prompt continued in every mode the pair allows, streamed to `out` (by default stdout), then its
-    summary table."""
+        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: GateRequest | None = None
+        ) -> list[list[Generation]]:
+    """Each prompt continued in every mode the pair allows (a gated mode the way its gate sends it), streamed to
+    `out` (by default stdout), then its summary table."""
     out = out or sys.stdout
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
     handoffs = build_handoffs(pair, modes, mapper, shuffle_seed, say)
     tokenizer = pair.target_tokenizer
     stop = eos_ids(pair.target, tokenizer)
     width = max(len(mode) for mode in handoffs)
-    warm_up(handoffs, prompts[0])
+    gates = build_gates(pair, handoffs, gate)
+    warm_up(handoffs, gates, prompts[0])
     results = []
     for number, prompt in enumerate(prompts):
         say(f"\nprompt {number + 1} ({len(prompt)} tokens): " + tokenizer.decode(prompt).replace("\n", "\\n"))
         generations = []
         for mode, handoff in handoffs.items():
+            score, fell_back, score_ms = route(gates[mode], prompt) if mode in gates else (None, False, 0.0)
             stream = Stream(tokenizer, mode, width, out)
-            tokens, ttft_ms = generate(handoff, prompt, max_new_tokens, stop, temperature, seed, stream)
+            tokens, ttft_ms = generate(gates[mode].fallback if fell_back else handoff, prompt, max_new_tokens, stop,
+                                       temperature, seed, stream)
             stream.close()
-            generations.append(Generation(mode, tokens, ttft_ms))
+            generations.append(Generation(mode, tokens, ttft_ms, score, fell_back, score_ms))
         say("")
         say("\n".join(summary(generations)))
         results.append(generations)
@@ -198,14 +242,22 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
 
 
 def summary(generations: list[Generation]) -> list[str]:
-    """The table of one prompt: per mode its time to first token, new tokens and departure from the oracle."""
+    """The table of one prompt: per mode its time to first token, new tokens and departure from the oracle; with
+    a gate, each gated mode's score (and the scoring's time) and the way it went."""
     oracle = generations[0].tokens
+    gated = any(generation.score is not None for generation in generations)
     rows = []
     for generation in generations:
         index = departure(generation.tokens, oracle)
         rows.append([generation.mode, f"{generation.ttft_ms:.1f}", len(generation.tokens),
                      "same as oracle" if index is None else f"token {index}"])
-    return md_table(["mode", "time to first token (ms)", "new tokens", "departs from the oracle at"], rows)
+        if gated and generation.score is None:
+            rows[-1] += ["—", "not gated"]
+        elif gated:
+            rows[-1] += [f"{generation.score:.4g} ({generation.score_ms:.1f} ms)",
+                         FELL_BACK if generation.fell_back else generation.mode]
+    header = ["mode", "time to first token (ms)", "new tokens", "departs from the oracle at"]
+    return md_table(header + (["score (scoring time)", "went"] if gated else []), rows)
 
 
 def read_prompt_ids(args, tokenizer) -> list[list[int]]:
@@ -222,6 +274,25 @@ def read_prompt_ids(args, tokenizer) -> list[list[int]]:
     return [ids]
 
 
+def gate_request(cli, args, modes: Sequence[str]) -> GateRequest | None:
+    """The gate the options ask for, or None; a gate without its threshold, maps or a mode to gate is refused."""
+    if args.fallback is None:
+        if args.threshold is not None or args.disagree:
+            cli.error("--threshold and --disagree gate the handoff: give --fallback SCORE too")
+        return None
+    if args.threshold is None:
+        cli.error(f"--fallback {args.fallback} needs --threshold T (falls back above it; -inf as --threshold=-inf)")
+    files = tuple(Path(file) for file in args.disagree.split(":")) if args.disagree else None
+    if files is not None and len(files) != 2:
+        cli.error(f"--disagree {args.disagree}: name two mapper files as K1:KMAX (k=1 and k=max)")
+    if args.fallback == "disagree" and files is None:
+        cli.error("--fallback disagree needs --disagree K1:KMAX (the two mapper files whose first steps it compares)")
+    if not set(modes) & set(SOURCE_MODES):
+        cli.error(f"--fallback gates the modes that hand off the source's cache ({', '.join(SOURCE_MODES)}): "
+                  f"--transfer names none")
+    return GateRequest(args.fallback, args.threshold, files)
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.generate", __doc__)
     cli.add_argument("prompt", nargs="?", help="the prompt text")
@@ -235,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above, sampled")
     cli.add_argument("--seed", type=int, default=0, help="the sampling seed, the same for each mode")
     cli.add_argument("--shuffle-seed", type=int, help="the shuffled mode's seed (default: evaluate.shuffle_seed)")
+    cli.add_argument("--fallback", choices=[score for score in SCORES if score not in FITTED],
+                     help="gate each mode that hands off the source's cache by this kv.gate score: above "
+                     "--threshold the prompt continues from the target's own prefill")
+    cli.add_argument("--threshold", type=float, help="the gate's threshold (-inf: every gated mode falls back, "
+                     "inf: none; a value starting with '-' as --threshold=-inf)")
+    cli.add_argument("--disagree", metavar="K1:KMAX", help="the disagree score's two mapper files (k=1 and k=max)")
     cli.add_argument("--target", help="target model folder or hub id (default: the pipeline's models/target)")
     cli.add_argument("--source", help="source model folder or hub id (default: the pipeline's models/source "
                      "when no --target is given; none otherwise)")
@@ -251,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [mode for mode in modes if mode not in TRANSFERS]
     if unknown:
         cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(TRANSFERS)})")
+    gate = gate_request(cli, args, modes)
     if args.max_new_tokens < 1 or (args.eval is not None and args.eval < 1):
         cli.error("--max-new-tokens and --eval must be at least 1")
     models = load_section(ModelsParams, "models") if PARAMS_FILE.is_file() else None
@@ -271,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
     mapper = args.mapper or (None if args.target else SELECTED_MAPPER)
     run(pair, read_prompt_ids(args, pair.target_tokenizer), modes, mapper, args.max_new_tokens,
-        args.temperature, args.seed, shuffle_seed)
+        args.temperature, args.seed, shuffle_seed, gate=gate)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
 
 For each map of `selective.maps` and each score of `selective.scores` (`kv.gate`: computed from the handoff's
 first step, never from the target's prefill of the prompt), every task item (its lm-eval context) of the dev
-and eval parts and every eval prompt is scored; the map's and the oracle's outcomes on the same requests come
-from running both ungated (lm-eval's tasks; `measure.compare` against the stored oracle outputs). From them
-(`measure.gating`):
+and eval parts and every eval prompt is scored (the `probe` score: a logistic regression per map on the first
+step's features, trained on that map's dev items only, with L2 penalty `selective.probe_l2`); the map's and the
+oracle's outcomes on the same requests come from running both ungated (lm-eval's tasks; `measure.compare` against
+the stored oracle outputs). From them (`measure.gating`):
 
 - the curve of quality against the fallback rate: retention and gap closure on the eval items, next-token top-1
   and rollout agreement on the eval prompts, for each score, the oracle gate (upper bound) and a random one (null);
@@ -17,16 +18,17 @@ from running both ungated (lm-eval's tasks; `measure.compare` against the stored
   (target prefill, handoff, each score's extra) and from multiply-adds at the shapes of `selective.bound_pair`.
 
 Writes eval/selective/items.parquet and prompts.parquet (per request: outcomes, whether the map changed the
-decision, every score), eval/selective/curves.parquet and metrics/selective.json.
+decision, every score and the probe's other features), eval/selective/curves.parquet and metrics/selective.json.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated
 
 from pydantic import Field, model_validator
 
 from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefill_macs
-from pipeline.kv.gate import REFERENCES, SCORES, Scorer, score_macs
+from pipeline.kv.gate import FEATURES, REFERENCES, SCORES, Probe, Scorer, fit_probe, score_macs
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import truncate
@@ -61,6 +63,7 @@ class SelectiveParams(Params):
     scores: list[str]  # kv.gate.SCORES compared
     disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
     target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
+    probe_l2: Annotated[float, Field(gt=0)]  # the `probe` score's L2 penalty on its standardised weights
     rates: Positive  # each curve at fallback rates 0, 1/rates, ..., 1
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the per-request times
     warmup: Count
@@ -83,6 +86,46 @@ class SelectiveParams(Params):
         return self
 
 
+def column(name: str) -> str:
+    """A request frame's column of a score (`score_<name>`: curves, AUROC, threshold) or of a probe's other
+    feature (`feature_<name>`)."""
+    return f"score_{name}" if name in SCORES else f"feature_{name}"
+
+
+def probe_features(disagree) -> tuple[str, ...]:
+    """The probe's features: all of `kv.gate.FEATURES`, `disagree` only where its two maps are given."""
+    return tuple(name for name in FEATURES if name != "disagree" or disagree)
+
+
+def measured(params: SelectiveParams, disagree) -> list[str]:
+    """What the scorer computes per request: the scores but the probe, and the probe's features."""
+    scores = [name for name in params.scores if name != "probe"]
+    return list(dict.fromkeys([*scores, *(probe_features(disagree) if "probe" in params.scores else ())]))
+
+
+def train_probe(rows: pd.DataFrame, features: tuple[str, ...], l2: float) -> Probe:
+    """The probe of "the map changes the decision" trained on `rows`, which must all be dev items: the eval part is
+    what it is judged on, so a row of any other part is refused."""
+    others = sorted(set(rows.part) - {"dev"})
+    if others or rows.empty:
+        raise ValueError(f"the probe trains on dev items only; given rows of {others or 'no part'}: pass "
+                         f"items[items.part == 'dev']")
+    return fit_probe({name: rows[column(name)].to_numpy() for name in features}, rows.changed.to_numpy(), features,
+                     l2)
+
+
+def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, disagree) -> dict[str, Probe]:
+    """Per map, the probe trained on its dev items, and its score (`score_probe`) of every item and prompt."""
+    features, probes = probe_features(disagree), {}
+    for name in params.maps:
+        probes[name] = train_probe(items[(items.part == "dev") & (items["map"] == name)], features, params.probe_l2)
+        for frame in (items, prompts):
+            rows = frame["map"] == name
+            frame.loc[rows, "score_probe"] = probes[name](
+                {feature: frame.loc[rows, column(feature)].to_numpy() for feature in features}).numpy()
+    return probes
+
+
 def task_frame(lm, files: dict) -> pd.DataFrame:
     """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods, choices and context tokens."""
     _, items = evaluate_tasks(lm, files)
@@ -99,7 +142,7 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
                          "changed": gating.decisions(frame, METRIC) != gating.decisions(base["oracle"], METRIC)})
     if "source" in base:
         rows["source"] = base["source"][METRIC].to_numpy()
-    return rows.assign(**{f"score_{score}": values.numpy() for score, values in scores.items()})
+    return rows.assign(**{column(score): values.numpy() for score, values in scores.items()})
 
 
 def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
@@ -115,26 +158,27 @@ def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree
             base["source"] = task_frame(lm(Handoff(pair.source)), files)
         for name, handoff in handoffs.items():
             frame = task_frame(lm(handoff), files)
-            scores = Scorer(handoff, disagree).scores(list(frame.tokens), params.scores, params.batch_size)
+            scores = Scorer(handoff, disagree).scores(list(frame.tokens), measured(params, disagree),
+                                                      params.batch_size)
             items.append(item_rows(part, name, frame, base, scores))
     prompts, stored = read_prompts(paths.EVAL_PROMPTS), load_artifact(paths.ORACLE_OUTPUTS)[0]
     rows = []
     for name, handoff in handoffs.items():
         frame = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
-        scores = Scorer(handoff, disagree).scores([context for context, _ in prompts], params.scores,
+        scores = Scorer(handoff, disagree).scores([context for context, _ in prompts], measured(params, disagree),
                                                   params.batch_size)
         rows.append(frame[["prompt", "first_agree", "rollout_agree", "horizon"]].assign(
-            map=name, changed=frame.first_agree == 0, **{f"score_{s}": v.numpy() for s, v in scores.items()}))
+            map=name, changed=frame.first_agree == 0, **{column(s): v.numpy() for s, v in scores.items()}))
     return pd.concat(items, ignore_index=True), pd.concat(rows, ignore_index=True)
 
 
-def request_times(handoff: Handoff, disagree, params: SelectiveParams) -> dict[str, float]:
+def request_times(handoff: Handoff, disagree, params: SelectiveParams, probe: Probe | None) -> dict[str, float]:
     """Per-request milliseconds at `params.length` tokens: target prefill, handoff, and each score's extra (its
     scorer's whole path less the handoff's)."""
     row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
     ids = torch.randint(0, handoff.target.config.vocab_size, (1, params.length),
                         generator=torch.Generator().manual_seed(params.seed)).to(handoff.device)
-    scorer, context = Scorer(handoff, disagree), [ids[0].tolist()]
+    scorer, context = Scorer(handoff, disagree, probe), [ids[0].tolist()]
     handoff_ms = 1e3 * median_seconds(lambda: handoff_first_token(handoff, ids), params.repeats, handoff.device)
     times = {"target_ms": row["target_ms"], "handoff_ms": row["handoff_ms"]}
     for score in params.scores:
@@ -156,7 +200,8 @@ def bound_costs(params: SelectiveParams, handoff: Handoff, disagree) -> dict[str
     second = mapper_macs_per_token(source, target, second_k, "linear")
     costs = {"target": target_prefill_macs(target, params.length),
              "handoff": sum(handoff_macs(source, target, macs, params.length).values())}
-    return costs | {score: score_macs(score, source, target, second, params.length) for score in params.scores}
+    return costs | {score: score_macs(score, source, target, second, params.length, probe_features(disagree))
+                    for score in params.scores}
 
 
 def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, score: str,
@@ -169,9 +214,8 @@ def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, sc
                                         params.target_retention)
     fallback, prompt_fallback = items[column].to_numpy() > threshold, prompts[column].to_numpy() > threshold
     iters, seed = params.bootstrap_iters, params.seed
-    gated = np.where(fallback, items.oracle, items["mapped"])
-    frames = {name: items[["task", "item"]].assign(**{METRIC: values})
-              for name, values in (("gated", gated), ("oracle", items.oracle), ("source", items.source))}
+    frames = {name: items[["task", "item"]].assign(**{METRIC: values}) for name, values in
+              (("gated", gating.gated(items, fallback)), ("oracle", items.oracle), ("source", items.source))}
     rate = paired_bootstrap(fallback, np.zeros(len(fallback)), iters, seed)
     kept = retention_interval(frames, "gated", METRIC, iters, seed)
     closed = gap_closure_interval(frames, "gated", METRIC, iters, seed)
@@ -196,6 +240,7 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
     curves (map, score, requests: items or prompts, fallback_rate, quality)."""
     rates = np.linspace(0, 1, params.rates + 1)
     metrics: dict = {"target_retention": params.target_retention, "length": params.length,
+                     **({"probe_l2": params.probe_l2} if "probe" in params.scores else {}),
                      "bound_pair": params.bound_pair, "maps": {}}
     curves = []
     for name in params.maps:
@@ -225,11 +270,15 @@ def run(params: SelectiveParams, models: ModelsParams) -> dict:
     torch.set_num_threads(params.threads)
     pair = Pair.load(models, models.torch_device)
     handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
-    disagree = tuple(pair.handoff("mapped", file) for file in params.disagree) if "disagree" in params.scores else None
+    two_maps = "disagree" in params.scores or ("probe" in params.scores and len(params.disagree) == 2)
+    disagree = tuple(pair.handoff("mapped", file) for file in params.disagree) if two_maps else None
     items, prompts = score_requests(pair, params, handoffs, disagree)
-    costs = {name: request_times(handoff, disagree, params) | bound_costs(params, handoff, disagree)
+    probes = add_probe(items, prompts, params, disagree) if "probe" in params.scores else {}
+    costs = {name: request_times(handoff, disagree, params, probes.get(name)) | bound_costs(params, handoff, disagree)
              for name, handoff in handoffs.items()}
     metrics, curves = summarize(items, prompts, params, costs)
+    for name, probe in probes.items():
+        metrics["maps"][name]["probe_fit"] = asdict(probe)  # its features, standardisation and weights
     with atomic_dir(OUT) as staging:
         items.to_parquet(staging / "items.parquet", index=False)
         prompts.to_parquet(staging / "prompts.parquet", index=False)

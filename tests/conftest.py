@@ -112,6 +112,17 @@ def tiny_pair(tmp_path_factory, tokenizer) -> dict[str, Path]:
     return paths
 
 
+@pytest.fixture(scope="session")
+def wide_pair(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """tiny_pair's shapes with weights drawn wide (initializer_range 0.5). tiny_pair's near-uniform models pick the
+    same endings and greedy tokens whatever their cache, so no map changes a decision there; here one does."""
+    root = tmp_path_factory.mktemp("wide")
+    for name, hidden, seed in (("target", 64, 1), ("source", 32, 2)):
+        build_model(tiny_config(len(tokenizer), hidden, initializer_range=0.5), seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return {"target": root / "target", "source": root / "source"}
+
+
 def periodic_batch(generator: torch.Generator, batch: int, length: int, vocab: int) -> torch.Tensor:
     """Sequences that repeat a random pattern of 3-6 tokens: after one period the prefix predicts the rest."""
     rows = []

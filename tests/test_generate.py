@@ -1,14 +1,15 @@
 """`python -m pipeline.generate`: the oracle decodes as the target's own generate, each mode's departure from it is
-where the tokens first differ, a refused mode is one line, sampling is seeded; on tiny models built here."""
+where the tokens first differ, a refused mode is one line, sampling is seeded, a gated mode goes the way its score
+says; on tiny models built here."""
 import io
 
 import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from pipeline.generate import departure, eos_ids, generate, main, run
+from pipeline.generate import FELL_BACK, GateRequest, departure, eos_ids, generate, main, run
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import identity_mapper, save_mapper
+from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 
 VOCAB = 97
@@ -129,3 +130,61 @@ def test_the_cli_prints_each_modes_stream_and_row_for_any_pair(capsys, monkeypat
         assert float(cells[1]) > 0 and 1 <= int(cells[2]) <= 4
     # the identity map through strip, map and re-apply is the direct handoff
     assert _row(out, "mapped")[3] == _row(out, "direct")[3]
+
+
+@pytest.fixture(scope="module")
+def random_maps(tmp_path_factory, wide_pair):
+    """Two random maps (k=1, k=2) of conftest's wide pair, where the mapped handoff departs from the oracle."""
+    source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
+    folder = tmp_path_factory.mktemp("maps")
+    for k in (1, 2):
+        save_mapper(random_mapper(source.config, target.config, k=k, seed=k), folder / f"k{k}.safetensors")
+    return folder / "k1.safetensors", folder / "k2.safetensors"
+
+
+def test_a_gate_at_minus_infinity_sends_every_gated_mode_to_the_oracle_and_at_plus_infinity_to_its_own_way(
+        wide_pair, tokenizer, random_maps):
+    pair = Pair(str(wide_pair["target"]), str(wide_pair["source"]), "float32", "cpu")
+    prompts = [tokenizer.encode("Question: How do I open a jar?\nAnswer:"), tokenizer.encode("A man is sitting")]
+    modes = ["mapped", "direct", "source"]
+    ungated = run(pair, prompts, modes, random_maps[0], 8, out=io.StringIO())
+    assert any(mapped.tokens != oracle.tokens for oracle, mapped, *_ in ungated)  # the case can tell the ways apart
+    for threshold in (float("-inf"), float("inf")):
+        out = io.StringIO()
+        gated = run(pair, prompts, modes, random_maps[0], 8, out=out, gate=GateRequest("entropy", threshold))
+        for plain, routed in zip(ungated, gated):
+            oracle = plain[0].tokens
+            for before, after in zip(plain, routed):
+                if after.mode in ("oracle", "source"):
+                    assert after.score is None and after.tokens == before.tokens
+                    continue
+                assert after.fell_back == (threshold < 0) and after.score == pytest.approx(after.score)  # finite
+                assert after.tokens == (oracle if threshold < 0 else before.tokens), after.mode
+        for mode in ("mapped", "direct"):
+            assert _row(out.getvalue(), mode)[5] == (FELL_BACK if threshold < 0 else mode)
+        assert _row(out.getvalue(), "source")[4:] == ["—", "not gated"]
+
+
+def test_the_cli_gates_by_the_score_it_is_given_and_says_which_way_each_mode_went(capsys, monkeypatch, tmp_path,
+                                                                                 wide_pair, random_maps):
+    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(wide_pair["target"]), "--source",
+                   str(wide_pair["source"]), "--mapper", str(random_maps[0]), "--transfer", "oracle,mapped,shuffled",
+                   "--fallback", "disagree", "--disagree", f"{random_maps[0]}:{random_maps[1]}", "--threshold=-inf")
+    for mode in ("mapped", "shuffled"):
+        cells = _row(out, mode)
+        assert cells[3] == "same as oracle" and cells[5] == FELL_BACK
+        assert float(cells[4].split(" (")[0]) >= 0  # the two maps' Jensen-Shannon divergence on the first step
+    assert _row(out, "oracle")[4:] == ["—", "not gated"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threshold", "1"], "give --fallback SCORE too"),
+    (["--fallback", "kl"], "needs --threshold T"),
+    (["--fallback", "disagree", "--threshold", "1"], "needs --disagree K1:KMAX"),
+    (["--fallback", "kl", "--threshold", "1", "--transfer", "oracle,source"], "--transfer names none"),
+])
+def test_a_gate_missing_a_part_is_refused_in_one_line_naming_it(capsys, monkeypatch, tmp_path, tiny_pair, argv,
+                                                                 message):
+    with pytest.raises(SystemExit) as exit_:
+        run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), *argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -1,20 +1,27 @@
-"""Selective handoff: scores from the handoff's first step only, the gate's limits, AUROC and the threshold rule."""
+"""Selective handoff: scores from the handoff's first step only, the gate's limits, AUROC and the threshold rule, and
+lm-eval through a gated `kv-transfer` against the stage's own composition of the ungated runs."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from conftest import build_model, committed, hellaswag_rows, piqa_rows, tiny_config
 
-from pipeline.kv.gate import SCORES, Gate, Scorer, jensen_shannon
+from pipeline.kv.gate import FEATURES, SCORES, Gate, Probe, Scorer, fit_probe, jensen_shannon
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import random_mapper
+from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
-from pipeline.lm_eval_model import KVTransferLM
+from pipeline.lm_eval_model import KVTransferLM, gate_from_args
 from pipeline.measure import gating
+from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.selective import METRIC, SelectiveParams, add_probe, item_rows, task_frame, train_probe
+from pipeline.store.params import parse
 
 VOCAB = 97
+E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +42,12 @@ def _contexts(count=6, seed=0):
                           generator=generator).tolist() for _ in range(count)]
 
 
+def _probe() -> Probe:
+    """A probe over every feature with fixed weights: the `probe` score's path without a fit."""
+    count = len(FEATURES)
+    return Probe(FEATURES, [0.0] * count, [1.0] * count, [0.5, -0.2, 1.0, 2.0, -1.0, 0.3][:count], 0.1)
+
+
 def _requests(contexts, endings=2, seed=1):
     generator = torch.Generator().manual_seed(seed)
     return [(None, context, torch.randint(0, VOCAB, (3,), generator=generator).tolist())
@@ -52,17 +65,18 @@ def test_scores_are_computed_without_the_target_prefilling_the_prompt(models, ha
 
     monkeypatch.setattr(target.model, "forward", one_token_only)
     monkeypatch.setattr(Handoff, "prefix_layers", lambda *args, **kwargs: pytest.fail("prefix_layers was called"))
-    scores = Scorer(handoffs[0], tuple(handoffs)).scores(_contexts(), SCORES, batch_size=4)
-    for name in SCORES:
-        assert torch.isfinite(scores[name]).all() and (scores[name] >= 0).all(), name
+    scores = Scorer(handoffs[0], tuple(handoffs), _probe()).scores(_contexts(), [*SCORES, *FEATURES], batch_size=4)
+    for name in [*SCORES, *FEATURES]:
+        assert torch.isfinite(scores[name]).all(), name
+        assert name in ("probe", "key_norm", "value_norm") or (scores[name] >= 0).all(), name
 
 
 def test_scores_of_a_padded_batch_equal_each_context_scored_alone(handoffs):
-    scorer, contexts = Scorer(handoffs[0], tuple(handoffs)), _contexts(seed=3)
-    together = scorer.scores(contexts, SCORES, batch_size=len(contexts))
+    scorer, contexts = Scorer(handoffs[0], tuple(handoffs), _probe()), _contexts(seed=3)
+    together = scorer.scores(contexts, [*SCORES, *FEATURES], batch_size=len(contexts))
     for row, context in enumerate(contexts):
-        alone = scorer.scores([context], SCORES, batch_size=1)
-        for name in SCORES:
+        alone = scorer.scores([context], [*SCORES, *FEATURES], batch_size=1)
+        for name in [*SCORES, *FEATURES]:
             assert alone[name][0].item() == pytest.approx(together[name][row].item(), rel=1e-4, abs=1e-6), name
 
 
@@ -154,3 +168,135 @@ def test_the_oracle_curve_reaches_the_oracle_at_the_share_the_map_changes_and_ra
 def test_the_effective_speedup_is_the_handoff_alone_without_fallback_and_below_one_with_all():
     assert gating.effective_speedup(10.0, 4.0, 1.0, 0.0) == pytest.approx(2.0)
     assert gating.effective_speedup(10.0, 4.0, 1.0, 1.0) < 1.0
+
+
+@pytest.fixture(scope="module")
+def sharp_pair(wide_pair, tmp_path_factory) -> dict[str, Path]:
+    """conftest's wide pair (where a map changes decisions), a random k=1 map of it, and a few real HellaSwag and
+    PIQA items as Parquet, as the stage reads them."""
+    root = tmp_path_factory.mktemp("sharp")
+    source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
+    save_mapper(random_mapper(source.config, target.config, k=1, seed=0), root / "k1.safetensors")
+    pd.DataFrame(hellaswag_rows(E2E_ITEMS)).to_parquet(root / "hellaswag.parquet", index=False)
+    pd.DataFrame(piqa_rows(E2E_ITEMS)).to_parquet(root / "piqa.parquet", index=False)
+    return {**wide_pair, "mapper": root / "k1.safetensors", "hellaswag": root / "hellaswag.parquet",
+            "piqa": root / "piqa.parquet"}
+
+
+def _between(scores: np.ndarray) -> float:
+    """A threshold in the widest gap between the middle half of the scores: some fall back, some do not, and no
+    score lies within float noise of it."""
+    ranked = np.sort(scores)
+    middle = ranked[len(ranked) // 4 : len(ranked) - len(ranked) // 4]
+    gap = int(np.argmax(np.diff(middle)))
+    return float((middle[gap] + middle[gap + 1]) / 2)
+
+
+@pytest.mark.slow  # three lm-eval runs and a scoring pass: 11 s on a quiet 2-core machine, 31 s on a busy one
+def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_composition_of_mapped_and_oracle(sharp_pair):
+    files = {task: sharp_pair[task] for task in ("hellaswag", "piqa")}
+    pair = Pair(str(sharp_pair["target"]), str(sharp_pair["source"]), "float32", "cpu")
+    mapped = pair.handoff("mapped", sharp_pair["mapper"])
+    # the stage's way (selective.score_requests): each handoff ungated through lm-eval, each item's context scored
+    frames = {name: task_frame(KVTransferLM(handoff, pair.target_tokenizer, batch_size=4), files)
+              for name, handoff in (("mapped", mapped), ("oracle", pair.handoff("oracle")))}
+    scores = Scorer(mapped).scores(list(frames["mapped"].tokens), ["kl"], 4)
+    rows = item_rows("eval", "k1", frames["mapped"], {"oracle": frames["oracle"]}, scores)
+    threshold = _between(rows.score_kl.to_numpy())
+    fallback = rows.score_kl.to_numpy() > threshold
+    expected = {metric: gating.gated(rows.assign(mapped=frames["mapped"][metric], oracle=frames["oracle"][metric]),
+                                     fallback) for metric in ("acc", "acc_norm")}
+    assert (expected[METRIC] == gating.gated(rows, fallback)).all()
+
+    lm = KVTransferLM.from_args(target=str(sharp_pair["target"]), source=str(sharp_pair["source"]), transfer="mapped",
+                                mapper=str(sharp_pair["mapper"]), dtype="float32", device="cpu", batch_size=4,
+                                fallback="kl", threshold=repr(threshold))
+    _, got = evaluate_tasks(lm, files)
+    assert list(zip(got.task, got.item)) == list(zip(rows.task, rows.item))
+    # each item went the way its score implies, all its endings the same way (one context per item)
+    assert len(lm.routes) == len(set(map(tuple, frames["mapped"].tokens)))
+    for tokens, score, fell_back in zip(frames["mapped"].tokens, rows.score_kl, fallback):
+        assert lm.routes[tuple(tokens)][0] == pytest.approx(score, rel=1e-4)
+        assert lm.routes[tuple(tokens)][1] == fell_back
+    for metric in ("acc", "acc_norm"):
+        assert got[metric].tolist() == expected[metric].tolist(), metric
+        chosen = {name: gating.decisions(frame, metric) for name, frame in frames.items()}
+        assert gating.decisions(got, metric).tolist() == np.where(fallback, chosen["oracle"], chosen["mapped"]).tolist()
+    for lls, mapped_lls, oracle_lls, fell_back in zip(got.loglikelihoods, frames["mapped"].loglikelihoods,
+                                                      frames["oracle"].loglikelihoods, fallback):
+        assert lls == pytest.approx(oracle_lls if fell_back else mapped_lls, abs=1e-4)
+    # the case can fail: the gate sent some items each way, and the gated answers differ from both ungated runs
+    assert 0 < fallback.sum() < len(fallback)
+    assert (expected[METRIC] != rows["mapped"]).any() and (expected[METRIC] != rows.oracle).any()
+
+
+@pytest.mark.parametrize("fallback, threshold, disagree, message", [
+    (None, "0.5", None, "give fallback=<score> too"),
+    ("kl", None, None, "needs threshold=<float>"),
+    ("disagree", "0.5", "only_one.safetensors", "names two mapper files"),
+])
+def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pair, fallback, threshold, disagree,
+                                                                       message):
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
+    with pytest.raises(TypeError, match=message):
+        gate_from_args(pair, None, fallback, threshold, disagree)
+
+
+def _probe_rows(part: str, count: int = 60, seed: int = 0) -> pd.DataFrame:
+    """Requests where `feature_top1` alone separates "the map changes the decision"; the others are noise."""
+    rng = np.random.default_rng(seed)
+    changed = rng.random(count) < 0.4
+    rows = pd.DataFrame({"part": part, "changed": changed,
+                         "feature_top1": np.where(changed, 0.2, 0.6) + rng.uniform(-0.15, 0.15, count)})
+    for name in ("score_entropy", "score_kl", "feature_key_norm", "feature_value_norm"):
+        rows[name] = rng.normal(size=count)
+    return rows
+
+
+def test_a_probe_where_one_feature_separates_the_classes_reaches_auroc_one_on_held_out_rows():
+    features = ("entropy", "kl", "top1")
+    probe = train_probe(_probe_rows("dev"), features, l2=1.0)
+    held_out = _probe_rows("eval", seed=1)
+    scores = probe({name: held_out[f"score_{name}" if name != "top1" else "feature_top1"] for name in features})
+    assert gating.auroc(scores.numpy(), held_out.changed) == 1.0
+    assert probe.weights[2] < 0  # a confident target is trusted: low top-1 probability, high score
+    assert probe == train_probe(_probe_rows("dev"), features, l2=1.0)  # deterministic
+
+
+@pytest.mark.parametrize("parts", [["eval"], ["dev", "eval"]])
+def test_the_probe_refuses_to_train_on_any_row_outside_the_dev_items(parts):
+    rows = pd.concat([_probe_rows(part) for part in parts], ignore_index=True)
+    with pytest.raises(ValueError, match="dev items only.*'eval'"):
+        train_probe(rows, ("entropy", "kl", "top1"), l2=1.0)
+
+
+def test_a_probe_of_one_class_is_constant_and_its_l2_penalty_shrinks_its_weights():
+    values = {"a": np.arange(6.0), "b": np.array([0.0, 1, 0, 1, 0, 1])}
+    flat = fit_probe(values, [False] * 6, ("a", "b"), l2=1.0)
+    assert flat.weights == [0.0, 0.0] and torch.unique(flat(values)).numel() == 1
+    labels = [False, False, True, False, True, True]
+    loose, tight = (fit_probe(values, labels, ("a", "b"), l2=l2) for l2 in (0.01, 100.0))
+    assert np.linalg.norm(tight.weights) < np.linalg.norm(loose.weights)
+
+
+def test_a_gate_by_the_probe_needs_a_fitted_probe(handoffs):
+    with pytest.raises(ValueError, match="fitted on dev items"):
+        Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].target))
+
+
+def test_the_stage_trains_each_maps_probe_on_its_dev_items_alone_and_scores_every_request():
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors", "b": "b.safetensors"}},
+                   "selective")
+    items = pd.concat([_probe_rows(part, seed=seed).assign(map=name) for seed, (name, part) in
+                       enumerate((name, part) for name in params.maps for part in ("dev", "eval"))], ignore_index=True)
+    prompts = pd.concat([_probe_rows("eval", seed=9).assign(map=name) for name in params.maps], ignore_index=True)
+    probes = add_probe(items, prompts, params, disagree=None)
+    assert set(probes) == {"a", "b"} and probes["a"] != probes["b"]
+    assert items.score_probe.notna().all() and prompts.score_probe.notna().all()
+    assert "disagree" not in probes["a"].features  # no two maps given: the probe does without that feature
+
+    def flipped(part):
+        return items.assign(changed=np.where(items.part == part, ~items.changed, items.changed))
+
+    assert add_probe(flipped("eval"), prompts.copy(), params, disagree=None) == probes  # eval labels unread
+    assert add_probe(flipped("dev"), prompts.copy(), params, disagree=None) != probes

@@ -2,11 +2,13 @@
 falls back to the target's own prefill where the mapped cache is not trusted.
 
 Every score reads the handoff's first step only (PROTOCOL.md, "Handoff"; the step the handoff runs anyway to
-give the first token), so its cost is that step's work plus at most one extra token of a model:
+give the first token), so its cost is that step's work plus at most one extra token of a model (the probe: its
+features' and one pass over both caches for their norms):
 
     source body:  c[0] ... c[n-2]                 -> cache                (the handoff's own prefill)
     source step:  c[n-1] after its own cache       -> p_source(. | c)      (`kl` only: one source token + logits)
     map:          source cache -> target cache(s)                          (`disagree`: both of its maps)
+    norms:        source and mapped caches       -> mean key, value norms  (`probe` only)
     target step:  c[n-1] after the mapped cache    -> p_target(. | mapped) (the handoff's own first step)
 
 Scores, higher = less trusted:
@@ -14,23 +16,30 @@ Scores, higher = less trusted:
     entropy   H(p_target(. | mapped)): the target unsure of its next token after the handoff
     kl        KL(p_source || p_target(. | mapped)): the target after the handoff far from what the source predicts
     disagree  JS(p_target(. | map a), p_target(. | map b)): two maps (k=1 and k=max) disagree on the first step
+    probe     a logistic regression's logit for "the map changes the decision" from the first step's features
+              (`FEATURES`: the three scores above, the target's top-1 probability, and the log-ratio of the mapped
+              cache's mean key and value norms to the source cache's), trained by the stage on dev items only
 
 A context of one token has an empty prefix: nothing is handed off, the handoff is the oracle, its score -inf.
 The `Gate` falls back where score > threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from pipeline.kv.flops import attention_macs, linear_macs_per_token, logits_macs
 from pipeline.kv.handoff import Handoff, padded_prefixes
+from pipeline.kv.kvcache import Layers, kv_geometry
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 
-SCORES = ("entropy", "kl", "disagree")
+SCORES = ("entropy", "kl", "disagree", "probe")
+FITTED = ("probe",)  # scores that need a probe the stage trained: not for a gate named by arguments alone
+FEATURES = ("entropy", "kl", "disagree", "top1", "key_norm", "value_norm")  # a probe's inputs (first step only)
 REFERENCES = ("oracle", "random")  # the upper bound and the null: curves of the stage, not request-time scores
 
 
@@ -52,11 +61,20 @@ def jensen_shannon(a_logprobs: torch.Tensor, b_logprobs: torch.Tensor) -> torch.
     return 0.5 * (kl(a_logprobs, middle) + kl(b_logprobs, middle))
 
 
-def score_macs(name: str, source_config, target_config, second_map_macs: int, length: int) -> int:
+def score_macs(name: str, source_config, target_config, second_map_macs: int, length: int,
+               features: Sequence[str] = FEATURES) -> int:
     """Multiply-adds a score adds to the handoff of a prompt of `length` tokens (the handoff's own first step
     is not counted again): `entropy` one per logit; `kl` the source's step on c[n-1] with its logits;
-    `disagree` a second map (`second_map_macs` per token) over the prefix and a second target step."""
+    `disagree` a second map (`second_map_macs` per token) over the prefix and a second target step; `probe`
+    the scores among its `features`, a pass over the logits (top-1), one over both caches (norms) and its dot
+    product."""
     prefix = length - 1
+    if name == "probe":
+        source, target = kv_geometry(source_config), kv_geometry(target_config)
+        norms = prefix * sum(geometry["layers"] * geometry["kv_heads"] * geometry["head_dim"] * 2
+                             for geometry in (source, target))
+        return (sum(score_macs(feature, source_config, target_config, second_map_macs, length)
+                    for feature in features if feature in SCORES) + target_config.vocab_size + norms + len(features))
     if name == "entropy":
         return target_config.vocab_size
     if name == "kl":
@@ -68,55 +86,132 @@ def score_macs(name: str, source_config, target_config, second_map_macs: int, le
     raise ValueError(f"unknown score {name!r} (known: {', '.join(SCORES)})")
 
 
+def mean_norms(layers: Layers, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean key and value norms (B,) of a cache over its layers, heads and real tokens (`mask` (B, T))."""
+    weights = mask.float() / (mask.float().sum(-1, keepdim=True) * len(layers))  # (B, T)
+    keys, values = (sum((tensors[side].float().norm(dim=-1).mean(1).cpu() * weights).sum(-1)  # (B, H, T) -> (B,)
+                        for tensors in layers) for side in (0, 1))
+    return keys, values
+
+
+def float64(values) -> torch.Tensor:
+    """(N,) float64 on the CPU of a tensor, array, Series or list (copied: pandas hands out read-only arrays)."""
+    if isinstance(values, torch.Tensor):
+        return values.double().cpu()
+    return torch.tensor([float(value) for value in values], dtype=torch.float64)
+
+
+@dataclass
+class Probe:
+    """Logistic regression on first-step features: score = ((x - mean) / scale) . weights + bias, the logit of "the
+    map changes the decision". Fitted by `fit_probe`."""
+
+    features: tuple[str, ...]
+    mean: list[float]
+    scale: list[float]
+    weights: list[float]
+    bias: float
+
+    def __call__(self, values: Mapping[str, Sequence[float]]) -> torch.Tensor:
+        """The probe's score (N,) of features (each (N,)); -inf where a feature is (a context handing off nothing)."""
+        x = torch.stack([float64(values[name]) for name in self.features], -1)  # (N, F)
+        mean, scale, weights = (torch.tensor(v, dtype=x.dtype) for v in (self.mean, self.scale, self.weights))
+        logit = ((x - mean) / scale) @ weights
+        return torch.where(torch.isfinite(x).all(-1), logit + self.bias, float("-inf"))
+
+
+def fit_probe(values: Mapping[str, Sequence[float]], labels: Sequence[bool], features: Sequence[str], l2: float,
+              steps: int = 50) -> Probe:
+    """The L2-penalised (`l2` on the standardised weights, not the bias) logistic regression of `labels` (N,) on
+    `features` of `values`, by Newton's method from zero in float64: deterministic. Rows with a non-finite
+    feature are left out; labels of one class give a constant probe (nothing to tell apart)."""
+    x = torch.stack([float64(values[name]) for name in features], -1)  # (N, F)
+    y = float64(labels)  # (N,)
+    keep = torch.isfinite(x).all(-1)
+    x, y = x[keep], y[keep]
+    mean, scale = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-12)
+    if len(y.unique()) < 2:
+        return Probe(tuple(features), mean.tolist(), scale.tolist(), [0.0] * len(features), 0.0)
+    design = torch.cat([(x - mean) / scale, torch.ones(len(x), 1, dtype=x.dtype)], -1)  # (N, F + 1), bias last
+    penalty = torch.diag(torch.tensor([l2] * len(features) + [0.0], dtype=x.dtype))
+    theta = torch.zeros(len(features) + 1, dtype=x.dtype)
+    for _ in range(steps):
+        p = torch.sigmoid(design @ theta)
+        gradient = design.T @ (p - y) + penalty @ theta
+        hessian = design.T @ (design * (p * (1 - p))[:, None]) + penalty + 1e-9 * torch.eye(len(theta), dtype=x.dtype)
+        theta = theta - torch.linalg.solve(hessian, gradient)
+    return Probe(tuple(features), mean.tolist(), scale.tolist(), theta[:-1].tolist(), float(theta[-1]))
+
+
 class Scorer:
     """The scores of requests handed off through `handoff` (a source mode), from its first step only.
 
     `disagree`: the two mapped handoffs (k=1 and k=max) whose first steps the `disagree` score compares; they
-    share `handoff`'s source prefill. No score reads the target's prefill of the prompt (tests make it fail)."""
+    share `handoff`'s source prefill. `probe`: the fitted probe of the `probe` score. No score reads the target's
+    prefill of the prompt (tests make it fail)."""
 
-    def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None):
+    def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None, probe: Probe | None = None):
         if handoff.source is None:
             raise ValueError(f"scores read the source's prefill; the {handoff.mode!r} handoff has no source")
-        self.handoff, self.disagree = handoff, disagree
+        self.handoff, self.disagree, self.probe = handoff, disagree, probe
         self.source_alone = Handoff(handoff.source)  # the source's own step after its own cache
 
     def check(self, names: Sequence[str]) -> None:
         for name in names:
-            if name not in SCORES:
+            if name not in SCORES and name not in FEATURES:
                 raise ValueError(f"unknown score {name!r} (known: {', '.join(SCORES)})")
             if name == "disagree" and self.disagree is None:
                 raise ValueError("the 'disagree' score needs its two maps (k=1 and k=max)")
+            if name == "probe" and self.probe is None:
+                raise ValueError("the 'probe' score needs a probe fitted on dev items (the selective stage fits one)")
+        if "probe" in names:
+            self.check(self.probe.features)
 
     @no_grad
     def scores(self, contexts: Sequence[Sequence[int]], names: Sequence[str], batch_size: int = 16
                ) -> dict[str, torch.Tensor]:
-        """Each named score (N,), float64 on the CPU, of contexts c[0..n-1], `batch_size` contexts a forward."""
+        """Each named score or feature (N,), float64 on the CPU, of contexts c[0..n-1], `batch_size` contexts a
+        forward (`probe`: its features first, then the probe)."""
         self.check(names)
-        out = {name: torch.full((len(contexts),), float("-inf"), dtype=torch.float64) for name in names}
+        needed = list(dict.fromkeys([*(n for n in names if n != "probe"), *(self.probe.features if "probe" in names
+                                                                              else ())]))
+        out = {name: torch.full((len(contexts),), float("-inf"), dtype=torch.float64) for name in needed}
         rows = [row for row, context in enumerate(contexts) if len(context) >= 2]  # the others hand off nothing
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
-            for name, values in self._batch([contexts[row] for row in chunk], names).items():
+            for name, values in self._batch([contexts[row] for row in chunk], needed).items():
                 out[name][chunk] = values.double().cpu()
-        return out
+        if "probe" in names:
+            out["probe"] = self.probe(out)
+        return {name: out[name] for name in names}
 
     def _batch(self, contexts: Sequence[Sequence[int]], names: Sequence[str]) -> dict[str, torch.Tensor]:
         prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P), (B,)
         lengths = lengths if padded else None
         mask = None if lengths is None else (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()
         source_layers = self.handoff.source_prefill(prefixes, mask)
+        mapped = self.handoff.to_target(source_layers, lengths)
         last = torch.tensor([[context[-1]] for context in contexts])  # (B, 1): c[n-1]
-        step = lambda handoff: handoff.step_logprobs(  # noqa: E731  (B, V) after `handoff`'s map
-            handoff.to_target(source_layers, lengths), last, lengths)[:, -1]
-        target = step(self.handoff)
+        step = lambda handoff, layers: handoff.step_logprobs(  # noqa: E731  (B, V) after `handoff`'s map
+            layers, last, lengths)[:, -1]
+        target = step(self.handoff, mapped)
         out = {}
+        if "top1" in names:
+            out["top1"] = target.max(-1).values.exp()
+        if "key_norm" in names or "value_norm" in names:
+            real = torch.ones(prefixes.shape, dtype=torch.long) if mask is None else mask  # (B, P)
+            (mapped_keys, mapped_values), (source_keys, source_values) = (mean_norms(layers, real)
+                                                                          for layers in (mapped, source_layers))
+            out["key_norm"] = (mapped_keys / source_keys).log()
+            out["value_norm"] = (mapped_values / source_values).log()
         if "entropy" in names:
             out["entropy"] = entropy(target)
         if "kl" in names:
             source = self.source_alone.step_logprobs(source_layers, last, lengths)[:, -1]  # (B, V_s)
             out["kl"] = kl(source.to(target.device), target)
         if "disagree" in names:
-            first, second = (target if handoff is self.handoff else step(handoff) for handoff in self.disagree)
+            first, second = (target if handoff is self.handoff else step(handoff, handoff.to_target(
+                source_layers, lengths)) for handoff in self.disagree)
             out["disagree"] = jensen_shannon(first, second.to(first.device))
         return out
 

@@ -1,5 +1,6 @@
 """The mapped pair, one home for it: the source and target by name, their tokenizers and architecture contract,
-each model loaded once, and every handoff between them.
+each model loaded once, and every handoff between them (and the gate that chooses per request between a
+handoff and the target's own prefill).
 
 A stage that scores handoffs builds one `Pair.load(models, device)` (the pipeline's models/target and
 models/source); the lm-eval face builds one from its model args. Configs, tokenizers and the contract are read
@@ -12,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 from pipeline.kv.contract import pair_contract
+from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
 from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.store import paths
@@ -86,3 +88,10 @@ class Pair:
             mapper = load_mapper(mapper, device=self.device)
         return Handoff(self.target, self.source if mode in SOURCE_MODES else None, mode, mapper,
                        shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens)
+
+    def gate(self, handoff: Handoff, score: str, threshold: float,
+             disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:
+        """The gate of `handoff` (a source mode of this pair): per request, fall back to the pair's oracle where
+        `score` (a `kv.gate` score) exceeds `threshold`; `disagree`: that score's two maps (k=1 and k=max)."""
+        maps = None if disagree is None else tuple(self.handoff("mapped", mapper) for mapper in disagree)
+        return Gate(Scorer(handoff, maps), score, threshold, self.handoff("oracle"))

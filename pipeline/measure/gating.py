@@ -61,12 +61,16 @@ def reference_scores(changed, seed: int) -> dict[str, np.ndarray]:
     return {"oracle": changed, "random": np.random.default_rng(seed).random(len(changed))}
 
 
+def gated(items: pd.DataFrame, fallback) -> np.ndarray:
+    """The gated system's outcome per item (N,): the oracle's where it falls back, the map's elsewhere."""
+    return np.where(np.asarray(fallback, dtype=bool), items.oracle.to_numpy(), items["mapped"].to_numpy())
+
+
 def item_quality(items: pd.DataFrame, fallback) -> dict[str, float]:
     """Retention and gap closure (means over tasks) of the gated system on `items` (columns task, mapped, oracle
     and, for the gap closure, source: 0/1 outcomes) with `fallback` (N,) bool."""
-    gated = np.where(np.asarray(fallback, dtype=bool), items.oracle.to_numpy(), items["mapped"].to_numpy())
     kept, closed = [], []
-    for task, rows in items.assign(gated=gated).groupby("task", sort=True):
+    for task, rows in items.assign(gated=gated(items, fallback)).groupby("task", sort=True):
         oracle = rows.oracle.mean()
         kept.append(retention(rows.gated.mean(), oracle, CHANCE[task]))
         if "source" in rows:

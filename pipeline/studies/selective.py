@@ -58,6 +58,11 @@ def lines(study: dict) -> list[str]:
            f"AUROC: for \"the map changes the decision\" (task items: the chosen answer; prompts: the first "
            f"token). Speedups at {study['length']} prompt tokens: measured here, and bounded by multiply-adds at "
            f"{study['bound_pair']}'s shapes; a fallback pays the handoff, its score and the target's prefill.", ""]
+    if "probe_l2" in study:
+        out += [f"The `probe` score is a logistic regression per map (L2 {study['probe_l2']:g} on standardised "
+                f"weights) on the first step's features (the other scores, the target's top-1 probability, the log "
+                f"ratio of the mapped cache's mean key and value norms to the source cache's), trained on the dev "
+                f"items only and judged on the eval part; its dev threshold is chosen on its own training items.", ""]
     rows = []
     for name, facts in study["maps"].items():
         rows.append([name, "none (ungated)", "—", "—", "—", "0%", pct(facts["retention"]), pct(facts["gap_closure"]),
