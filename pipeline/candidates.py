@@ -45,7 +45,6 @@ torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
-PROMPTS = OUT / "prompts"  # per eval prompt, each distilled map and its start (the distillation study reads them)
 
 
 class CandidatesParams(Params):
@@ -101,8 +100,8 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
             items.to_parquet(staging / f"{path.stem}.parquet", index=False)
             if path.stem in paired:
                 rows = variant_rows(handoff, prompts, oracle, params.batch_size, progress=False)
-                (staging / PROMPTS.name).mkdir(exist_ok=True)
-                rows.to_parquet(staging / PROMPTS.name / f"{path.stem}.parquet", index=False)
+                (staging / paths.CANDIDATE_PROMPTS.name).mkdir(exist_ok=True)
+                rows.to_parquet(staging / paths.CANDIDATE_PROMPTS.name / f"{path.stem}.parquet", index=False)
             figures = candidate_figures(handoff, path, params, bound_configs)
             for task, result in tasks.items():
                 figures.update({f"{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})

@@ -21,11 +21,11 @@ from pydantic import model_validator
 from pipeline.calibrate import CalibrationParams
 from pipeline.candidates import CandidatesParams
 from pipeline.controls import ControlsParams, ToleranceParams
-from pipeline.distill import DistillParams, distilled_name, family_of
+from pipeline.distill import DistillParams, distilled_name
 from pipeline.evaluate import EvaluateParams
 from pipeline.extract import ExtractParams
 from pipeline.fit import FitParams
-from pipeline.fitting.distill import start_of
+from pipeline.fitting.distill import family_of, start_of
 from pipeline.latency import LatencyParams
 from pipeline.length import LengthParams
 from pipeline.prepare_data import DataParams

@@ -30,7 +30,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import SUFFIX, TRAINABLE, CacheRows, DistillSettings, Splits, distill
+from pipeline.fitting.distill import SUFFIX, TRAINABLE, CacheRows, DistillSettings, Splits, distill, family_of
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
@@ -70,12 +70,6 @@ class DistillParams(Params):
         if min(self.context_lengths) < 2:
             raise ParamError("distill.context_lengths: a context needs at least 2 tokens (a prefix and its last)")
         return self
-
-
-def family_of(name: str) -> str:
-    """The family a fit candidate's name starts with (`head_matched_k3_lam0.1` -> head_matched)."""
-    return next((family for family in sorted(TRAINABLE, key=len, reverse=True) if name.startswith(family + "_")),
-                name.split("_")[0])
 
 
 def distilled_name(start: str) -> str:

@@ -42,6 +42,12 @@ TRAINABLE = ("linear", "head_matched", "mlp")
 SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
 
 
+def family_of(name: str) -> str:
+    """The family a fit candidate's name starts with (`head_matched_k3_lam0.1` -> head_matched)."""
+    return next((family for family in sorted(TRAINABLE, key=len, reverse=True) if name.startswith(family + "_")),
+                name.split("_")[0])
+
+
 def start_of(name: str) -> str | None:
     """The start map a distilled map's name names (`mlp_k3+kl` -> mlp_k3); None for a fitted map's name."""
     return name.removesuffix(SUFFIX) if name.endswith(SUFFIX) else None

@@ -30,6 +30,7 @@ CACHES = Path("caches")
 EVAL = Path("eval")
 ORACLE_OUTPUTS = EVAL / "oracle_outputs.safetensors"
 CANDIDATE_ITEMS = EVAL / "candidates"
+CANDIDATE_PROMPTS = CANDIDATE_ITEMS / "prompts"  # per eval prompt: each distilled map and its start
 CALIBRATION_ITEMS = EVAL / "calibration"
 LENGTH_ROWS = EVAL / "length"
 SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gated map, and the curves

@@ -24,7 +24,6 @@ from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 
-PROMPTS = paths.CANDIDATE_ITEMS / "prompts"  # stage `candidates` writes each distilled map's and its start's rows
 SELECT_FIGURES = ("next_token_top1", "agreement", "rollout_agreement", "mean_kl")
 
 
@@ -46,7 +45,7 @@ def load(run: Run) -> Inputs | None:
     candidates = {name: paths.CANDIDATE_ITEMS / f"{name}.parquet" for name in names}
     items = {**run.items, **{name: pd.read_parquet(path) for name, path in candidates.items() if path.is_file()}}
     curves = {name: pd.read_csv(paths.DISTILL_CURVES / f"{name}.csv") for name in distill["maps"]}
-    prompt_rows = {name: PROMPTS / f"{name}.parquet" for name in names}
+    prompt_rows = {name: paths.CANDIDATE_PROMPTS / f"{name}.parquet" for name in names}
     prompts = {name: pd.read_parquet(path) for name, path in prompt_rows.items() if path.is_file()}
     return Inputs(distill, curves, run.select, items, prompts)
 
