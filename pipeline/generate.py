@@ -36,19 +36,18 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pipeline.kv.gate import FITTED, SCORES, Gate
-from pipeline.kv.handoff import SOURCE_MODES, Handoff
+from pipeline.kv.handoff import SOURCE_MODES, Handoff, decode
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
 from pipeline.store.cli import Refusal, entry, parser
-from pipeline.store.devices import DTYPES, no_grad
+from pipeline.store.devices import DTYPES
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import PARAMS_FILE, ParamError, load_section, read_key
 from pipeline.studies.format import md_table
 
 torch = lazy("torch")
-transformers = lazy("transformers")
 
 TRANSFERS = ("oracle", "mapped", "source", "direct", "zero", "shuffled")
 FELL_BACK = "fell back to the target's prefill"
@@ -94,37 +93,26 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
 
 
-@no_grad
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1], and the time
-    to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by a
-    generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
+    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`kv.handoff.decode`),
+    and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
+    a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
     token in `stop`."""
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
-    prefix = torch.tensor([list(prompt[:-1])], dtype=torch.long)  # (1, n-1)
-    cache = handoff.target_cache(handoff.prefix_layers(prefix))
-    if cache is None:  # a one-token prompt: nothing to hand off
-        cache = transformers.DynamicCache(config=handoff.target.config)
-    next_input = torch.tensor([[prompt[-1]]], device=handoff.device)  # (1, 1)
-    tokens: list[int] = []
-    ttft_ms = 0.0
-    for step in range(max_new_tokens):
-        handoff.check_length(len(prompt) + step)
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
-        token = pick(logits[0, -1], temperature, generator)  # int(): the device has finished the step
-        if step == 0:
-            ttft_ms = 1000 * (time.perf_counter() - start)
-        tokens.append(token)
+    start, first_ms = time.perf_counter(), []
+
+    def seen(tokens: list[int]) -> bool:
+        if len(tokens) == 1:
+            first_ms.append(1000 * (time.perf_counter() - start))
         on_token(tokens)
-        if token in stop:
-            break
-        next_input = torch.tensor([[token]], device=handoff.device)
-    return tokens, ttft_ms
+        return tokens[-1] in stop
+
+    tokens = decode(handoff, prompt, max_new_tokens, lambda logits: pick(logits, temperature, generator), seen)
+    return tokens, (first_ms[0] if first_ms else 0.0)
 
 
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:

@@ -317,7 +317,30 @@ def attention_outputs(model, active: bool = True):
             hook.remove()
 
 
+def argmax_token(logits: torch.Tensor) -> int:
+    """The greedy choice from one position's logits (V,)."""
+    return int(logits.argmax())
+
+
 @no_grad
+def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
+           on_token: Callable[[list[int]], bool]) -> list[int]:
+    """The tokens the target decodes after the handed-off cache of context[:-1], from context[-1]: `choose` picks
+    each from its position's logits (V,) (an int: the device has finished the step), `on_token(tokens so far)`
+    sees each as it comes and returns True to stop there."""
+    cache = _decoding_cache(handoff, torch.tensor([list(context)], dtype=torch.long))
+    tokens: list[int] = []
+    next_input = torch.tensor([[context[-1]]], device=handoff.device)  # (1, 1)
+    for _ in range(max_new_tokens):
+        handoff.check_length(len(context) + len(tokens))
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+        tokens.append(choose(logits[0, -1]))
+        if on_token(tokens):
+            break
+        next_input = torch.tensor([[tokens[-1]]], device=handoff.device)
+    return tokens
+
+
 def greedy_generate(
     handoff: Handoff,
     context: Sequence[int],
@@ -326,15 +349,4 @@ def greedy_generate(
 ) -> list[int]:
     """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1],
     stopping early when should_stop(tokens so far) says so."""
-    cache = _decoding_cache(handoff, torch.tensor([list(context)], dtype=torch.long))
-    generated: list[int] = []
-    next_input = torch.tensor([[context[-1]]], device=handoff.device)
-    for _ in range(max_new_tokens):
-        handoff.check_length(len(context) + len(generated))
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
-        token = int(logits[0, -1].argmax())
-        generated.append(token)
-        if should_stop(generated):
-            break
-        next_input = torch.tensor([[token]], device=handoff.device)
-    return generated
+    return decode(handoff, context, max_new_tokens, argmax_token, should_stop)
