@@ -8,7 +8,8 @@ from the target's next-token distributions after its own prefill to those after 
 position and the next `distill.horizon` teacher-forced positions (the last-token protocol), plus
 `distill.kv_weight` x the normalised key/value regression. Rows are the fit split's sequences cut at each of
 `distill.context_lengths`; the source enters only as its stored caches (caches/source, no source forward), the
-oracle is the target's own prefill of each batch. AdamW at the start family's `distill.lr`, early stopping on the
+oracle is the target's own prefill of each row, computed once and kept for every epoch and map up to
+`distill.oracle_gib` (beyond, once per batch). AdamW at the start family's `distill.lr`, early stopping on the
 select split's KL, `distill.seed`: bit-identical on one CPU device, so the determinism control can refit the
 selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`) and a calibration point can distil its
 own refitted maps on its own sequences (`--caches DIR --data DIR`).
@@ -30,7 +31,16 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import SUFFIX, TRAINABLE, CacheRows, DistillSettings, Splits, distill, family_of
+from pipeline.fitting.distill import (
+    SUFFIX,
+    TRAINABLE,
+    CacheRows,
+    DistillSettings,
+    Splits,
+    distill,
+    family_of,
+    with_oracles,
+)
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
@@ -56,6 +66,7 @@ class DistillParams(Params):
     epochs: Positive  # at most
     patience: Positive  # epochs without a lower select KL before stopping
     seed: int
+    oracle_gib: Annotated[float, Field(ge=0)]  # the target's own prefill of each row kept across epochs and maps
     threads: Threads
 
     @model_validator(mode="after")
@@ -115,8 +126,11 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], folders: 
     mappers, out, curves = folders["mappers"], folders["out"], folders["curves"]
     target = load_model(paths.model("target"), dtype=models.dtype, device=models.torch_device,
                         device_map=models.device_map).requires_grad_(False).eval()
-    splits = Splits(*(cache_groups(folders["caches"] / "source", folders["data"], split, params)
-                      for split in ("fit", "select")))
+    groups = {split: cache_groups(folders["caches"] / "source", folders["data"], split, params)
+              for split in ("select", "fit")}
+    # the oracles kept up to distill.oracle_gib, the select rows' first (they are scored after every epoch)
+    kept = with_oracles(groups["select"] + groups["fit"], target, params.batch_size, params.oracle_gib * 2**30)
+    splits = Splits(fit=kept[len(groups["select"]):], select=kept[: len(groups["select"])])
     metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
     for name in tqdm(names, desc="distill", unit="map"):
         started = time.perf_counter()

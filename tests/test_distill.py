@@ -16,14 +16,18 @@ from pipeline.fitting.distill import (
     CacheRows,
     DistillSettings,
     Splits,
+    StoredOracle,
     distill,
     epoch_batches,
     evaluate,
     losses,
     map_tensors,
     map_to_target,
+    oracle,
+    oracle_bytes,
     tensors_digest,
     trainable,
+    with_oracles,
 )
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
@@ -286,6 +290,38 @@ def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_
     for model, before in zip(random_pair, random_runs["weights_before"]):
         after = model.state_dict()
         assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_a_kept_oracle_is_each_batchs_own_oracle_bit_for_bit_whatever_rows_share_its_batch(random_pair):
+    target, source = random_pair
+    rows = random_rows(source, 8, 12)
+    kept = StoredOracle(rows, Handoff(target), 5)  # batches 0-4, 5-9, 10-11
+    chosen = [11, 2, 7, 3]
+    own = oracle(Handoff(target), rows.take(chosen))
+    taken = kept.oracle(chosen)
+    assert torch.equal(taken.logprobs, own.logprobs)
+    assert all(torch.equal(a, b) for pair, own_pair in zip(taken.content, own.content) for a, b in zip(pair, own_pair))
+
+
+def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_per_batch(random_pair, random_runs):
+    target, source = random_pair
+    groups = with_oracles([random_rows(source, 8, 16), random_rows(source, 9, 8)], target, 8, 2**30)
+    assert all(isinstance(group, StoredOracle) for group in groups)
+    start = random_mapper(source.config, target.config, k=1)
+    kept, history = distill(start, Splits([groups[0]], [groups[1]]), target,
+                            settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0))
+    computed, computed_history = random_runs["runs"][0]
+    assert all(torch.equal(a, b) for a, b in zip(map_tensors(kept), map_tensors(computed), strict=True))
+    assert history == computed_history
+
+
+def test_groups_beyond_the_oracle_budget_keep_no_oracle(random_pair):
+    target, source = random_pair
+    groups = [random_rows(source, 8, 16), random_rows(source, 9, 8)]
+    first_group = oracle_bytes(oracle(Handoff(target), groups[0].take([0]))) * len(groups[0])
+    assert with_oracles(groups, target, 8, 0) == groups
+    first_only = with_oracles(groups, target, 8, first_group)
+    assert isinstance(first_only[0], StoredOracle) and first_only[1] is groups[1]
 
 
 def test_an_epochs_batches_keep_one_length_each_and_cover_every_row_once():

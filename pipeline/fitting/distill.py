@@ -7,7 +7,7 @@ values are. One batch holds rows of equal prefix length, under the last-token pr
     source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
         (the mapped handoff's cache, as `Handoff.to_target` builds it; differentiable in the map)
     target: mapped cache + c[n-1] e[0..h-1]     -> log p_mapped  at the h + 1 positions it reads
-    target: own prefill of c[0..n-2] + the same -> log p_oracle  (no grad, once each time the batch is seen)
+    target: own prefill of c[0..n-2] + the same -> log p_oracle  (no grad; once per row while they fit a budget)
     loss = mean over positions of KL(p_oracle || p_mapped)
            + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
 
@@ -142,6 +142,54 @@ class Oracle(NamedTuple):
     content: Layers  # the target's own content-space cache, a list over target layers of (B, H_t, P, D_t) pairs
 
 
+class StoredOracle:
+    """A group's rows with the oracle of each row computed once (in batches of `batch` rows, in order) and kept:
+    the target is frozen, so its own prefill of a row is the same at every epoch and for every map distilled. A
+    row's oracle does not depend on the rows batched with it (checked bit for bit on the CPU), so the maps come out
+    as from an oracle computed per batch."""
+
+    def __init__(self, rows: Rows, handoff: Handoff, batch: int):
+        self.rows = rows
+        parts = [oracle(handoff, rows.take(list(range(first, min(first + batch, len(rows))))))
+                 for first in range(0, len(rows), batch)]
+        self.logprobs = torch.cat([part.logprobs for part in parts])  # (N, h + 1, V)
+        layers = range(len(parts[0].content))
+        self.content = [tuple(torch.cat([part.content[layer][kind] for part in parts]) for kind in (0, 1))
+                        for layer in layers]  # per target layer (keys, values), each (N, H_t, P, D_t)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, rows: list[int]) -> Batch:
+        return self.rows.take(rows)
+
+    def oracle(self, rows: list[int]) -> Oracle:
+        index = torch.tensor(rows, dtype=torch.long, device=self.logprobs.device)
+        return Oracle(self.logprobs[index], [(keys[index], values[index]) for keys, values in self.content])
+
+
+def oracle_bytes(reference: Oracle) -> int:
+    return sum(t.numel() * t.element_size() for t in [reference.logprobs, *itertools.chain(*reference.content)])
+
+
+def with_oracles(groups: Sequence[Rows], target, batch: int, budget_bytes: float) -> list[Rows]:
+    """Each group as a `StoredOracle` while the oracles kept so far fit `budget_bytes` (its size from one row's
+    oracle times its rows), the others as they are: their oracle is computed each time a batch is seen."""
+    handoff, kept, out = Handoff(target), 0, []
+    for group in groups:
+        size = oracle_bytes(oracle(handoff, group.take([0]))) * len(group) if len(group) else 0
+        if size and kept + size <= budget_bytes:
+            kept += size
+            group = StoredOracle(group, handoff, batch)
+        out.append(group)
+    return out
+
+
+def stored(group: Rows, rows: list[int]) -> Oracle | None:
+    """The kept oracle of these rows, or None where the group keeps none."""
+    return group.oracle(rows) if isinstance(group, StoredOracle) else None
+
+
 class Losses(NamedTuple):
     total: torch.Tensor  # () the objective
     kl: torch.Tensor  # (B, h + 1) KL(oracle || mapped) per position
@@ -202,12 +250,14 @@ def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
-def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float) -> Losses:
-    """The objective at one batch; differentiable in the map's tensors, which must sit on the target's device."""
+def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, reference: Oracle | None = None
+           ) -> Losses:
+    """The objective at one batch; differentiable in the map's tensors, which must sit on the target's device. The
+    oracle is `reference` when given (a `StoredOracle`'s rows), else computed here."""
     for keys, values in batch.source:
         if keys.requires_grad or values.requires_grad:
             raise ValueError("the source cache requires grad: the source is frozen, its cache is a constant")
-    reference = oracle(handoff, batch)
+    reference = oracle(handoff, batch) if reference is None else reference
     rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     source = [(k.to(handoff.device), v.to(handoff.device)) for k, v in batch.source]
     content, cache = map_to_target(mapper, source, rotation, handoff.target.dtype)
@@ -225,7 +275,8 @@ def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: in
     kl_sum, positions, agreeing = 0.0, 0, 0
     for rows in groups:
         for first in range(0, len(rows), batch):
-            scored = losses(mapper, rows.take(list(range(first, min(first + batch, len(rows))))), handoff, 0.0)
+            chosen = list(range(first, min(first + batch, len(rows))))
+            scored = losses(mapper, rows.take(chosen), handoff, 0.0, stored(rows, chosen))
             kl_sum, positions = kl_sum + float(scored.kl.sum()), positions + scored.kl.numel()
             agreeing += int(scored.agrees.sum())
     return {"kl": kl_sum / positions, "agreement": agreeing / sum(len(rows) for rows in groups)}
@@ -299,7 +350,8 @@ def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -
             order = epoch_batches(batches.fit, settings.batch, generator)
             totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
             for group, rows in order:
-                step = losses(mapper, batches.fit[group].take(rows), handoff, settings.kv_weight)
+                step = losses(mapper, batches.fit[group].take(rows), handoff, settings.kv_weight,
+                              stored(batches.fit[group], rows))
                 optimizer.zero_grad(set_to_none=True)
                 step.total.backward()
                 optimizer.step()
