@@ -74,9 +74,11 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
 
 def lines(study: dict) -> list[str]:
     """The report's section on the calibration curve."""
+    sizes = sorted({row["sequences"] for row in study["rows"]})
     out = ["## How much calibration", "",
            "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; the fit "
-           "split is its start), each evaluated on the eval part.", ""]
+           f"split is its start), each evaluated on the eval part, at n = {', '.join(map(str, sizes))} "
+           "(`calibration.sizes`: another size is one more stage, `dvc exp run -S 'calibration.sizes=[...]'`).", ""]
     out += md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
                      "Gap closure [95% CI]"],
                     [[r["sequences"], f"{r['tokens']:,}", r["candidate"], f"{r['params_per_token']:.3g}",
