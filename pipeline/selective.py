@@ -64,6 +64,7 @@ class SelectiveParams(Params):
     disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
     target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
     probe_l2: Annotated[float, Field(gt=0)]  # the `probe` score's L2 penalty on its standardised weights
+    probe_folds: Annotated[int, Field(ge=2)]  # folds of the dev items' out-of-fold probe scores (the threshold's)
     rates: Positive  # each curve at fallback rates 0, 1/rates, ..., 1
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the per-request times
     warmup: Count
@@ -114,15 +115,27 @@ def train_probe(rows: pd.DataFrame, features: tuple[str, ...], l2: float) -> Pro
                      l2)
 
 
+def probe_score(probe: Probe, frame: pd.DataFrame, features: tuple[str, ...]) -> np.ndarray:
+    return probe({feature: frame[column(feature)].to_numpy() for feature in features}).numpy()
+
+
 def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, disagree) -> dict[str, Probe]:
-    """Per map, the probe trained on its dev items, and its score (`score_probe`) of every item and prompt."""
+    """Per map, the probe trained on its dev items, and its score (`score_probe`) of every item and prompt. A dev
+    item's score is out-of-fold (`selective.probe_folds` folds, item i in fold i mod folds: the probe trained on
+    the other folds), so the threshold chosen on the dev items sees scores of items the probe did not learn, as
+    the eval part's are; the eval items and prompts get the probe trained on every dev item."""
     features, probes = probe_features(disagree), {}
     for name in params.maps:
-        probes[name] = train_probe(items[(items.part == "dev") & (items["map"] == name)], features, params.probe_l2)
-        for frame in (items, prompts):
-            rows = frame["map"] == name
-            frame.loc[rows, "score_probe"] = probes[name](
-                {feature: frame.loc[rows, column(feature)].to_numpy() for feature in features}).numpy()
+        dev = items[(items.part == "dev") & (items["map"] == name)]
+        probes[name] = train_probe(dev, features, params.probe_l2)
+        judged = (items["map"] == name) & (items.part != "dev")
+        items.loc[judged, "score_probe"] = probe_score(probes[name], items.loc[judged], features)
+        own = prompts["map"] == name
+        prompts.loc[own, "score_probe"] = probe_score(probes[name], prompts.loc[own], features)
+        fold = np.arange(len(dev)) % params.probe_folds
+        for held in range(params.probe_folds):
+            learned = train_probe(dev[fold != held], features, params.probe_l2)
+            items.loc[dev.index[fold == held], "score_probe"] = probe_score(learned, dev[fold == held], features)
     return probes
 
 
@@ -240,7 +253,8 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
     curves (map, score, requests: items or prompts, fallback_rate, quality)."""
     rates = np.linspace(0, 1, params.rates + 1)
     metrics: dict = {"target_retention": params.target_retention, "length": params.length,
-                     **({"probe_l2": params.probe_l2} if "probe" in params.scores else {}),
+                     **({"probe_l2": params.probe_l2, "probe_folds": params.probe_folds}
+                        if "probe" in params.scores else {}),
                      "bound_pair": params.bound_pair, "maps": {}}
     curves = []
     for name in params.maps:

@@ -279,6 +279,21 @@ def test_a_probe_of_one_class_is_constant_and_its_l2_penalty_shrinks_its_weights
     assert np.linalg.norm(tight.weights) < np.linalg.norm(loose.weights)
 
 
+def test_a_dev_items_probe_score_is_out_of_fold_so_its_own_label_cannot_move_it():
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors"}}, "selective")
+    items = pd.concat([_probe_rows("dev", seed=0), _probe_rows("eval", seed=1)], ignore_index=True).assign(map="a")
+    prompts = _probe_rows("eval", seed=2).assign(map="a")
+    scored = items.copy()
+    add_probe(scored, prompts.copy(), params, disagree=None)
+    flipped = items.copy()
+    flipped.loc[0, "changed"] = not flipped.loc[0, "changed"]  # dev item 0, fold 0
+    add_probe(flipped, prompts.copy(), params, disagree=None)
+    same_fold = (np.arange(60) % params.probe_folds == 0)
+    assert flipped.score_probe[0] == scored.score_probe[0]  # its score came from the probe of the other folds
+    assert not np.allclose(flipped.score_probe[:60][~same_fold], scored.score_probe[:60][~same_fold])  # theirs did not
+    assert not np.allclose(flipped.score_probe[60:], scored.score_probe[60:])  # nor the eval items' probe
+
+
 def test_a_gate_by_the_probe_needs_a_fitted_probe(handoffs):
     with pytest.raises(ValueError, match="fitted on dev items"):
         Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].target))

@@ -62,7 +62,8 @@ def lines(study: dict) -> list[str]:
         out += [f"The `probe` score is a logistic regression per map (L2 {study['probe_l2']:g} on standardised "
                 f"weights) on the first step's features (the other scores, the target's top-1 probability, the log "
                 f"ratio of the mapped cache's mean key and value norms to the source cache's), trained on the dev "
-                f"items only and judged on the eval part; its dev threshold is chosen on its own training items.", ""]
+                f"items only and judged on the eval part; its dev threshold is chosen on out-of-fold scores of the dev "
+                f"items ({study['probe_folds']} folds), so not on the items each probe learned.", ""]
     rows = []
     for name, facts in study["maps"].items():
         rows.append([name, "none (ungated)", "—", "—", "—", "0%", pct(facts["retention"]), pct(facts["gap_closure"]),
