@@ -142,6 +142,11 @@ class Oracle(NamedTuple):
     content: Layers  # the target's own content-space cache, a list over target layers of (B, H_t, P, D_t) pairs
 
 
+def in_order(count: int, batch: int) -> list[list[int]]:
+    """Rows 0..count-1 in order, `batch` at a time (how the select rows are scored and the oracles kept)."""
+    return [list(range(first, min(first + batch, count))) for first in range(0, count, batch)]
+
+
 class StoredOracle:
     """A group's rows with the oracle of each row computed once (in batches of `batch` rows, in order) and kept:
     the target is frozen, so its own prefill of a row is the same at every epoch and for every map distilled. A
@@ -150,8 +155,7 @@ class StoredOracle:
 
     def __init__(self, rows: Rows, handoff: Handoff, batch: int):
         self.rows = rows
-        parts = [oracle(handoff, rows.take(list(range(first, min(first + batch, len(rows))))))
-                 for first in range(0, len(rows), batch)]
+        parts = [oracle(handoff, rows.take(chosen)) for chosen in in_order(len(rows), batch)]
         self.logprobs = torch.cat([part.logprobs for part in parts])  # (N, h + 1, V)
         layers = range(len(parts[0].content))
         self.content = [tuple(torch.cat([part.content[layer][kind] for part in parts]) for kind in (0, 1))
@@ -274,8 +278,7 @@ def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: in
     the handoff position is the oracle's (V0's next-token agreement)."""
     kl_sum, positions, agreeing = 0.0, 0, 0
     for rows in groups:
-        for first in range(0, len(rows), batch):
-            chosen = list(range(first, min(first + batch, len(rows))))
+        for chosen in in_order(len(rows), batch):
             scored = losses(mapper, rows.take(chosen), handoff, 0.0, stored(rows, chosen))
             kl_sum, positions = kl_sum + float(scored.kl.sum()), positions + scored.kl.numel()
             agreeing += int(scored.agrees.sum())
