@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipeline.kv.gate import FITTED, SCORES, Gate
+from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
 from pipeline.kv.handoff import SOURCE_MODES, Handoff, decode
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
@@ -73,7 +73,7 @@ class GateRequest:
 
     score: str
     threshold: float
-    disagree: tuple[Path, Path] | None = None
+    disagree: tuple[str, str] | None = None  # the disagree score's two mapper files
 
 
 def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
@@ -270,8 +270,8 @@ def gate_request(cli, args, modes: Sequence[str]) -> GateRequest | None:
         return None
     if args.threshold is None:
         cli.error(f"--fallback {args.fallback} needs --threshold T (falls back above it; -inf as --threshold=-inf)")
-    files = tuple(Path(file) for file in args.disagree.split(":")) if args.disagree else None
-    if files is not None and len(files) != 2:
+    files = map_pair(args.disagree) if args.disagree else None
+    if args.disagree and files is None:
         cli.error(f"--disagree {args.disagree}: name two mapper files as K1:KMAX (k=1 and k=max)")
     if args.fallback == "disagree" and files is None:
         cli.error("--fallback disagree needs --disagree K1:KMAX (the two mapper files whose first steps it compares)")

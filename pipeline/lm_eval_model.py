@@ -41,7 +41,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
-from pipeline.kv.gate import Gate
+from pipeline.kv.gate import Gate, map_pair
 from pipeline.kv.handoff import SOURCE_MODES, Handoff, greedy_generate
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations, truncate
@@ -260,8 +260,8 @@ def gate_from_args(pair: Pair, handoff: Handoff, fallback: str | None, threshold
         return None
     if threshold is None:
         raise TypeError(f"kv-transfer: fallback={fallback} needs threshold=<float> (falls back above it)")
-    files = None if disagree is None else tuple(disagree.split(":"))
-    if files is not None and len(files) != 2:
+    files = None if disagree is None else map_pair(disagree)
+    if disagree is not None and files is None:
         raise TypeError(f"kv-transfer: disagree={disagree!r} names two mapper files as <k=1 file>:<k=max file>")
     return pair.gate(handoff, fallback, float(threshold), files)
 

@@ -43,6 +43,13 @@ FEATURES = ("entropy", "kl", "disagree", "top1", "key_norm", "value_norm")  # a 
 REFERENCES = ("oracle", "random")  # the upper bound and the null: curves of the stage, not request-time scores
 
 
+def map_pair(spec: str) -> tuple[str, str] | None:
+    """The `disagree` score's two mapper files from `K1:KMAX` (k=1 and k=max), or None where it names another
+    count."""
+    files = tuple(spec.split(":"))
+    return files if len(files) == 2 else None
+
+
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     """Entropy (B,) of next-token log-probabilities (B, V)."""
     return -(logprobs.exp() * logprobs).sum(-1)
