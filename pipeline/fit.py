@@ -14,7 +14,7 @@ source layers).
 
 The recipe: single-layer probes rank the source layers for every target layer (`fitting.probes`); per target
 layer every ridge candidate is solved from shared moments and every MLP candidate trained
-(`fitting.families`), spilling each layer's tensors to disk; then one candidate at a time is assembled,
+(`fitting.families`; `fit.mlp.workers` maps at a time, in threads), spilling each layer's tensors to disk; then one candidate at a time is assembled,
 written and timed against the source's prefill (`measure.timing`).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import csv
 import os
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -34,7 +35,7 @@ from pipeline.fitting.families import (
     Geometry,
     Parts,
     R2Table,
-    fit_mlp_layer,
+    fit_mlp_unit,
     fit_ridge_layer,
     mlp_candidates,
     ridge_candidates,
@@ -46,7 +47,7 @@ from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, atomic_path
-from pipeline.store.cachefiles import first_sequence, paired_split, read_manifest
+from pipeline.store.cachefiles import KINDS, first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model
@@ -64,6 +65,7 @@ class MlpParams(Params):
     batch_rows: Positive
     max_epochs: Positive
     patience: Positive  # epochs without a better held-out loss before stopping
+    workers: Positive  # maps trained side by side in threads, each on fit.threads: the same bytes, more memory
 
 
 class FitParams(Params):
@@ -123,13 +125,22 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                       params.mlp.patience, seed=params.seed)
     parts, table, mlp_facts = Parts(out_dir / ".parts", fresh=ranks.main), R2Table(), {}
     ranks.barrier()  # the parts folder exists before any rank writes into it
-    for layer in tqdm(list(ranks.share(geo_t["layers"])), desc="fit layers", unit="layer", disable=not ranks.main):
-        if ridge:
-            fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
-                            device, params.lambda_scale)
-        for k in mlp_ks:
-            mlp_facts[(k, layer)] = fit_mlp_layer(layer, orders[layer], k, fit_pairs, select_pairs, held, mlp,
-                                                  geometry.heads_t, parts, table, device)
+    layers = list(ranks.share(geo_t["layers"]))
+    units = [(k, layer, kind) for layer in layers for k in mlp_ks for kind in KINDS]
+    train = lambda unit: fit_mlp_unit(unit[1], orders[unit[1]], unit[0], unit[2], fit_pairs,  # noqa: E731
+                                      select_pairs, held, mlp, geometry.heads_t, parts, device)
+    # the MLP maps train in worker threads (each on this process's intra-op threads: the bytes of one thread)
+    # while this thread solves the ridge candidates; entries are recorded in one thread's order
+    with ThreadPoolExecutor(params.mlp.workers) as pool:
+        training = {unit: pool.submit(train, unit) for unit in units}
+        for layer in tqdm(layers, desc="fit layers", unit="layer", disable=not ranks.main):
+            if ridge:
+                fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
+                                device, params.lambda_scale)
+            for k in mlp_ks:
+                for kind in KINDS:
+                    mlp_facts.setdefault((k, layer), {})[kind], unit_table = training[(k, layer, kind)].result()
+                    table.extend(unit_table)
 
     per_rank = ranks.gather((table, mlp_facts))
     if not ranks.main:

@@ -328,6 +328,19 @@ def test_fitting_twice_in_two_processes_gives_identical_files_and_a_narrow_refit
         run_stage("pipeline.fit", "--out", "narrow", "--only", "linear_k9_lam1")
 
 
+def test_mlp_maps_trained_side_by_side_in_threads_are_the_bytes_of_one_thread(extracted, tmp_path):
+    written = {}
+    for workers in (1, 3):
+        params = parse(FitParams, {**FIT, "mlp": {**FIT["mlp"], "ks": [1, 2], "workers": workers}}, "fit")
+        out = tmp_path / str(workers)
+        fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
+            extracted / "data/select.parquet", out / "mappers", out / "metrics", params, {}, "cpu", "float32")
+        written[workers] = {path.relative_to(out): path.read_bytes() for path in sorted(out.rglob("*.*"))
+                            if path.suffix in (".safetensors", ".csv")}
+    assert [p.name for p in written[1] if p.name.startswith("mlp")] == ["mlp_k1.safetensors", "mlp_k2.safetensors"]
+    assert written[3] == written[1]  # every map, and the R² tables in the order one thread records them
+
+
 def test_caches_of_two_key_spaces_are_refused_before_any_fit(extracted, tmp_path):
     extract(extracted / "models/source", "source", extracted / "data", tmp_path / "rotated",
             parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"), keep_rope=True)

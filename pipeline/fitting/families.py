@@ -74,6 +74,11 @@ class R2Table:
     def record_scale(self, name: str, layer: int, kind: str, scale: str, ridge_lambda: float, r2_sel: float) -> None:
         self.scales.append((layer, name, kind, scale, ridge_lambda, r2_sel))
 
+    def extend(self, other: "R2Table") -> None:
+        """Append `other`'s entries after this table's own (a unit fitted apart, recorded in its place)."""
+        self.entries.extend(other.entries)
+        self.scales.extend(other.scales)
+
     @classmethod
     def merged(cls, tables: list["R2Table"]) -> "R2Table":
         """One table from tables of disjoint layers: layer by layer, each layer's entries in their own order."""
@@ -227,24 +232,24 @@ def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Te
     return out.permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
-def fit_mlp_layer(layer: int, order: list[int], k: int, fit_pairs: Pairs, select_pairs: Pairs, held: set[str],
-                  settings: MlpSettings, heads_t: int, parts: Parts, table: R2Table, device) -> dict:
-    """The `mlp_k<k>` candidate for one target layer: per kind, trained with its own seed; returns the
-    training facts per kind. `settings.seed` is the fit's seed; each (layer, kind) derives its own."""
+def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pairs, select_pairs: Pairs,
+                 held: set[str], settings: MlpSettings, heads_t: int, parts: Parts, device) -> tuple[dict, R2Table]:
+    """The `mlp_k<k>` candidate's map for one target layer and kind, trained with its own seed (derived from the
+    fit's `settings.seed`, the layer and the kind) and put in `parts`; returns its training facts and its own R²
+    entry. Units share only the caches they read, so several may train side by side in threads."""
     name = f"mlp_k{k}"
     chosen = sorted(order[:k])
-    facts = {}
-    for kind_index, kind in enumerate(KINDS):
-        x, y, mask = (t.to(device) for t in gather_rows(fit_pairs, layer, chosen, kind, held))
-        own = replace(settings, seed=settings.seed * 100003 + layer * 2 + kind_index)
-        tensors, facts[kind] = train_mlp(x[~mask], y[~mask], x[mask], y[mask], heads_t, own)
-        parts.put(name, layer, kind, tensors)
-        x_sel, y_sel = (t.to(device) for t in gather_rows(select_pairs, layer, chosen, kind, set())[:2])
-        with torch.no_grad():
-            sse = lambda x_, y_: ((y_ - predict_rows(x_, tensors)) ** 2).double().sum(0)  # noqa: E731
-            sst = lambda y_: ((y_ - y_.mean(0)) ** 2).double().sum(0)  # noqa: E731
-            r2_fit = ridge.pooled_r2(sse(x[~mask], y[~mask]), sst(y[~mask]), heads_t)
-            r2_sel = ridge.pooled_r2(sse(x_sel, y_sel), sst(y_sel), heads_t)
-        n_params = sum(t.numel() for t in tensors)
-        table.record(name, layer, kind, r2_fit, r2_sel, n_params / (int((~mask).sum()) * y.shape[1]))
-    return facts
+    table = R2Table()
+    x, y, mask = (t.to(device) for t in gather_rows(fit_pairs, layer, chosen, kind, held))
+    own = replace(settings, seed=settings.seed * 100003 + layer * 2 + KINDS.index(kind))
+    tensors, facts = train_mlp(x[~mask], y[~mask], x[mask], y[mask], heads_t, own)
+    parts.put(name, layer, kind, tensors)
+    x_sel, y_sel = (t.to(device) for t in gather_rows(select_pairs, layer, chosen, kind, set())[:2])
+    with torch.no_grad():
+        sse = lambda x_, y_: ((y_ - predict_rows(x_, tensors)) ** 2).double().sum(0)  # noqa: E731
+        sst = lambda y_: ((y_ - y_.mean(0)) ** 2).double().sum(0)  # noqa: E731
+        r2_fit = ridge.pooled_r2(sse(x[~mask], y[~mask]), sst(y[~mask]), heads_t)
+        r2_sel = ridge.pooled_r2(sse(x_sel, y_sel), sst(y_sel), heads_t)
+    n_params = sum(t.numel() for t in tensors)
+    table.record(name, layer, kind, r2_fit, r2_sel, n_params / (int((~mask).sum()) * y.shape[1]))
+    return facts, table
