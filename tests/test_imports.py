@@ -81,6 +81,16 @@ def test_a_lazy_module_reads_through_to_the_module(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "kvh_lazy_probe")
 
 
+def test_setting_an_attribute_of_a_lazy_module_sets_the_modules_own(tmp_path, monkeypatch):
+    (tmp_path / "kvh_lazy_target.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvh_lazy_target", raising=False)
+    probe = lazy("kvh_lazy_target")
+    probe.VALUE = 5  # imports the module, then sets its attribute (not the proxy's)
+    assert sys.modules["kvh_lazy_target"].VALUE == 5 and "VALUE" not in vars(probe)
+    monkeypatch.delitem(sys.modules, "kvh_lazy_target")
+
+
 def test_a_lazy_module_gives_the_libraries_own_objects():
     assert lazy("torch").cat is torch.cat and lazy("torch.nn.functional").gelu is torch.nn.functional.gelu
 

@@ -7,6 +7,7 @@ continuations, which a selective handoff scores the item by) for paired statisti
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -20,6 +21,8 @@ pd = lazy("pandas")
 lm_eval = lazy("lm_eval")
 lm_eval_metrics = lazy("lm_eval.api.metrics")
 lm_eval_tasks = lazy("lm_eval.tasks")
+lm_eval_utils = lazy("lm_eval.utils")
+collect_env = lazy("torch.utils.collect_env")
 
 PREFIX = "kvh_"
 NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (the study protocol's "Tasks"), as V0 did
@@ -47,6 +50,28 @@ def portable(value, folders: dict[str, str] | None = None):
     return portable(str(value), folders)
 
 
+@functools.cache
+def compiled_template(template: str):
+    """lm-eval's Jinja environment's template for `template`, compiled once per process."""
+    return lm_eval_utils.env.from_string(template)
+
+
+def render_template(template: str, doc: dict) -> str:
+    """`lm_eval.utils.apply_template` with the compiled template kept: the same environment, the same render."""
+    return compiled_template(template).render(**doc)
+
+
+def without_repeated_work() -> None:
+    """Two costs lm-eval 0.4.13 pays again at every evaluation in one process, paid once: it compiles a task's
+    Jinja template again for every document it renders (`utils.apply_template`, lm-evaluation-harness issue
+    #1286: 1,600 compilations, about 0.6 s, in each tiny evaluation), and `simple_evaluate` gathers torch's
+    environment report (`collect_env.get_pretty_env_info`, 0.25 s of subprocesses) into results that nothing here
+    stores. Both replacements return what the originals return; calling this again changes nothing."""
+    lm_eval_utils.apply_template = render_template
+    if not hasattr(collect_env.get_pretty_env_info, "cache_info"):  # the machine does not change in one process
+        collect_env.get_pretty_env_info = functools.cache(collect_env.get_pretty_env_info)
+
+
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict | None, pd.DataFrame | None]:
     """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame), or
     (None, None) on a rank other than 0 of several processes.
@@ -54,6 +79,7 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
     configs live beside it while lm-eval runs (inside the caller's staging folder, so a killed run leaves
     nothing in the system's temp folder)."""
     scratch = None if raw_to is None else raw_to.parent
+    without_repeated_work()
     with tempfile.TemporaryDirectory(prefix=".tasks-", dir=scratch) as folder:
         for task, path in files.items():
             write_task_config(folder, task, PREFIX + task, path)

@@ -23,7 +23,8 @@ from typing import Any
 
 class LazyModule:
     """Stands for the module `name` until an attribute is read, then imports it once and reads from it; it never
-    copies the module's attributes, so a module attribute replaced later (a test's monkeypatch) is seen."""
+    copies the module's attributes, so a module attribute replaced later (a test's monkeypatch) is seen; setting an
+    attribute sets the module's."""
 
     def __init__(self, name: str):
         object.__setattr__(self, "_name", name)
@@ -36,6 +37,9 @@ class LazyModule:
 
     def __getattr__(self, attribute: str) -> Any:  # only called for what the proxy itself lacks
         return getattr(self._load(), attribute)
+
+    def __setattr__(self, attribute: str, value: Any) -> None:  # sets the module's own attribute
+        setattr(self._load(), attribute, value)
 
     def __dir__(self) -> list[str]:
         return dir(self._load())
