@@ -154,6 +154,22 @@ def test_the_threshold_is_the_highest_that_reaches_the_declared_quality_on_its_s
     assert gating.choose_threshold(np.zeros(6), quality, 1.0) == float("-inf")  # no score separates them
 
 
+def test_item_quality_is_the_mean_over_tasks_of_each_tasks_retention_and_gap_closure_whatever_the_row_order():
+    items = pd.DataFrame({"task": ["piqa", "hellaswag"] * 4, "item": range(8),
+                          "mapped": [1, 1, 1, 0, 0, 0, 0, 1], "oracle": [1, 1, 1, 1, 1, 1, 0, 1],
+                          "source": [0, 0, 0, 0, 0, 0, 0, 1]})
+    # hellaswag (chance 0.25): mapped 0.5, oracle 1, source 0.25; piqa (chance 0.5): mapped 0.5, oracle 0.75, source 0
+    ungated = gating.item_quality(items, np.zeros(8, bool))
+    assert ungated["retention"] == pytest.approx(((0.5 - 0.25) / 0.75 + 0) / 2)
+    assert ungated["gap_closure"] == pytest.approx(((0.5 - 0.25) / 0.75 + 0.5 / 0.75) / 2)
+    fallback = np.array([False, False, False, True, False, False, False, False])  # one hellaswag miss: the oracle's
+    assert gating.item_quality(items, fallback)["retention"] == pytest.approx(((0.75 - 0.25) / 0.75 + 0) / 2)
+    shuffled = [7, 2, 4, 0, 6, 1, 3, 5]
+    assert gating.item_quality(items.iloc[shuffled].reset_index(drop=True), fallback[shuffled]) == \
+        pytest.approx(gating.item_quality(items, fallback))
+    assert math.isnan(gating.item_quality(items.drop(columns="source"), fallback)["gap_closure"])
+
+
 def test_the_oracle_curve_reaches_the_oracle_at_the_share_the_map_changes_and_random_is_in_between():
     items = _items(mapped=[0, 1, 0, 1, 1, 1, 1, 1], oracle=[1] * 8)
     changed = items.mapped != items.oracle

@@ -67,14 +67,17 @@ def gated(items: pd.DataFrame, fallback) -> np.ndarray:
 
 
 def item_quality(items: pd.DataFrame, fallback) -> dict[str, float]:
-    """Retention and gap closure (means over tasks) of the gated system on `items` (columns task, mapped, oracle
-    and, for the gap closure, source: 0/1 outcomes) with `fallback` (N,) bool."""
+    """Retention and gap closure (means over tasks, in task order) of the gated system on `items` (columns task,
+    mapped, oracle and, for the gap closure, source: 0/1 outcomes) with `fallback` (N,) bool. On arrays: a
+    threshold search calls it once per distinct score."""
+    outcome, tasks = gated(items, fallback), items.task.to_numpy()
+    oracle, source = items.oracle.to_numpy(), items.source.to_numpy() if "source" in items else None
     kept, closed = [], []
-    for task, rows in items.assign(gated=gated(items, fallback)).groupby("task", sort=True):
-        oracle = rows.oracle.mean()
-        kept.append(retention(rows.gated.mean(), oracle, CHANCE[task]))
-        if "source" in rows:
-            closed.append(gap_closure(rows.gated.mean(), rows.source.mean(), oracle))
+    for task in sorted(set(tasks)):
+        rows = tasks == task
+        kept.append(retention(outcome[rows].mean(), oracle[rows].mean(), CHANCE[task]))
+        if source is not None:
+            closed.append(gap_closure(outcome[rows].mean(), source[rows].mean(), oracle[rows].mean()))
     return {"retention": float(np.mean(kept)), "gap_closure": float(np.mean(closed)) if closed else float("nan")}
 
 
