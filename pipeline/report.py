@@ -11,6 +11,7 @@ behind them for `dvc plots` under plots/.
 from __future__ import annotations
 
 import platform
+from importlib.metadata import version
 from pathlib import Path
 
 from pipeline.store import paths
@@ -22,11 +23,9 @@ from pipeline.store.params import load_section, read_key
 from pipeline.studies import calibration, candidates, distillation, length, selective, variants
 from pipeline.studies.settings import ReportParams
 
-lm_eval = lazy("lm_eval")
 plt = lazy("matplotlib.pyplot")
 pd = lazy("pandas")
 torch = lazy("torch")
-transformers = lazy("transformers")
 
 # the studies beside the variants, in the report's order: key in metrics/report.json -> module
 STUDIES = {"distillation": distillation, "candidates": candidates, "selective": selective, "calibration": calibration,
@@ -74,8 +73,8 @@ def environment(models: ModelsParams) -> dict:
     revisions = {name: (read_pointer(paths.model(name)) or {}).get("revision", "local")
                  for name in ("source", "target")}
     return {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "lm-eval": lm_eval.__version__, "platform": platform.platform(), "device": models.device, "dtype": models.dtype,
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
+        "lm-eval": version("lm_eval"), "platform": platform.platform(), "device": models.device, "dtype": models.dtype,
         "threads": torch.get_num_threads(), "source revision": revisions["source"],
         "target revision": revisions["target"],
     }
