@@ -13,9 +13,9 @@ candidate, target layer, head and kind) and `metrics/fit_probe.csv` (the single-
 source layers).
 
 The recipe: single-layer probes rank the source layers for every target layer (`fitting.probes`); per target
-layer every ridge candidate is solved from shared moments and every MLP candidate trained
-(`fitting.families`; `fit.mlp.workers` maps at a time, in threads), spilling each layer's tensors to disk; then one candidate at a time is assembled,
-written and timed against the source's prefill (`measure.timing`).
+layer every ridge candidate is solved from shared moments and every MLP candidate trained (`fitting.families`;
+`fit.mlp.workers` maps at a time, in threads), spilling each layer's tensors to disk; then one candidate at a time
+is assembled, written and timed against the source's prefill (`measure.timing`).
 """
 from __future__ import annotations
 

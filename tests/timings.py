@@ -5,7 +5,8 @@ The clone reuses this Python environment (its `.venv` is a link to it, and make 
 so the install's time is not part of any figure. Each line of a command's output is timestamped as it streams:
 a stage's time is from its "Running stage" line to the next stage line (or the end), so it counts the stage's
 process start and DVC's hashing after it; the tests' slowest 15 are pytest's `--durations=15`. Each test command
-starts without .pytest_cache, as in a fresh clone (conftest caches a trained model there). Run `make timings`, or:
+starts without .pytest_cache, as in a fresh clone (conftest caches a trained model there). Before and after, the
+seconds a fresh interpreter takes for a stage's imports say how fast the machine was. Run `make timings`, or:
 
     python tests/timings.py [--only repro|test|test-fast ...] [--out PATH]
 """
@@ -28,6 +29,9 @@ COMMANDS = ("repro", "test", "test-fast")  # the order they run in: repro first,
 STAMP = ".venv/.installed"  # the Makefile's install stamp: `make -o` it and setup does nothing
 DURATIONS = 15
 QUIET_LOAD = 0.5  # 1-min load average below which the machine counts as quiet at the start
+# what every stage process imports before its work: its time, in a fresh interpreter, is the machine's speed as the
+# figures felt it (a shared host slows it with no load average to show: 3.5-6.5 s on the same 2-core machine)
+FLOOR_IMPORTS = "import torch, transformers.models.qwen3.modeling_qwen3, lm_eval.evaluator"
 STAGE_LINE = re.compile(r"^(?:Running stage|Stage) '(?P<name>[^']+)'")
 RUNNING_LINE = re.compile(r"^Running stage '(?P<name>[^']+)':")
 DURATION_LINE = re.compile(r"^\s*(?P<seconds>\d+\.\d+)s (?P<when>call|setup|teardown)\s+(?P<test>\S+)")
@@ -79,6 +83,16 @@ def machine() -> dict:
     return {"cpu": model or platform.processor() or platform.machine(), "cores": os.cpu_count(), "nproc": cores,
             "load_1min": round(load, 2), "quiet": load < QUIET_LOAD, "python": platform.python_version(),
             "system": f"{platform.system()} {platform.release()}"}
+
+
+def import_floor(repeats: int = 3) -> float:
+    """Median seconds a fresh interpreter takes to import what a stage process imports (FLOOR_IMPORTS)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", FLOOR_IMPORTS], check=True)
+        times.append(time.perf_counter() - started)
+    return round(sorted(times)[len(times) // 2], 2)
 
 
 def git(*args: str, cwd: Path = ROOT) -> str:
@@ -162,7 +176,9 @@ def markdown(commit: str, host: dict, started: str, results: list[dict]) -> str:
         f"- commit: {commit}",
         f"- machine: {host['cpu']}; {host['cores']} cores, `nproc` {host['nproc']}; {host['system']}, "
         f"Python {host['python']}",
-        f"- 1-min load average at start: {host['load_1min']} ({quiet})", "",
+        f"- 1-min load average at start: {host['load_1min']} ({quiet})",
+        f"- a stage process's imports (torch, transformers' Qwen3, lm-eval's evaluator; median of 3 fresh "
+        f"interpreters): {host['floor_start']} s before the commands, {host['floor_end']} s after", "",
         "| command | wall | exit | result |", "|---|---|---|---|",
     ]
     for r in results:
@@ -203,12 +219,15 @@ def main(argv: list[str] | None = None) -> int:
               "Python: the clone reuses it")
         return 2
     commit, host = git("rev-parse", "HEAD"), machine()
+    host["floor_start"] = import_floor()
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     print(f"commit {commit[:12]}; {host['cpu']}, nproc {host['nproc']}; 1-min load {host['load_1min']}"
-          f"{'' if host['quiet'] else ' (not a quiet machine)'}; environment {sys.prefix} (install time excluded)")
+          f"{'' if host['quiet'] else ' (not a quiet machine)'}; a stage's imports {host['floor_start']} s; "
+          f"environment {sys.prefix} (install time excluded)")
     temp = Path(tempfile.mkdtemp(prefix="kvh-timings-"))
     folder = clone(commit, temp)
     results = [run_command(name, folder, temp) for name in COMMANDS if name in args.only]
+    host["floor_end"] = import_floor()
     args.out.write_text(markdown(commit, host, started, results))
     code = max(r["code"] for r in results)
     if args.keep or code:
