@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -69,7 +68,6 @@ class DistillParams(Params):
     seed: int
     oracle_gib: Annotated[float, Field(ge=0)]  # the target's own prefill of each row kept across epochs and maps
     threads: Threads
-    workers: Positive  # maps distilled side by side in threads, each on distill.threads: the same bytes, more memory
 
     @model_validator(mode="after")
     def _families(self) -> "DistillParams":
@@ -134,16 +132,10 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], folders: 
     kept = with_oracles(groups["select"] + groups["fit"], target, params.batch_size, params.oracle_gib * 2**30)
     splits = Splits(fit=kept[len(groups["select"]):], select=kept[: len(groups["select"])])
     metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
-
-    def trained(name: str) -> tuple:
+    for name in tqdm(names, desc="distill", unit="map"):
         started = time.perf_counter()
         start = load_mapper(mappers / f"{name}.safetensors")
-        return *distill(start, splits, target, settings(params, start.family)), time.perf_counter() - started
-
-    # the maps train side by side in threads, each on distill.threads intra-op threads: the bytes of one thread
-    with ThreadPoolExecutor(params.workers) as pool:
-        done = list(tqdm(pool.map(trained, names), total=len(names), desc="distill", unit="map"))
-    for name, (mapper, history, seconds) in zip(names, done):
+        mapper, history = distill(start, splits, target, settings(params, start.family))
         save_mapper(mapper, out / f"{distilled_name(name)}.safetensors")
         write_curve(curves / f"{distilled_name(name)}.csv", history)
         facts, best = mapper.extra["distilled"], history[mapper.extra["distilled"]["best_epoch"]]
@@ -153,7 +145,7 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], folders: 
             "select_agreement_start": round(history[0]["select_agreement"], 4),
             "select_agreement": round(best["select_agreement"], 4), "best_epoch": facts["best_epoch"],
             "epochs": facts["epochs"], "steps": facts["steps"],
-            "seconds": round(seconds, 1)}.items()})
+            "seconds": round(time.perf_counter() - started, 1)}.items()})
     return metrics
 
 

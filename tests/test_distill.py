@@ -3,7 +3,6 @@ handoff's cache, its loss has the right gradient and the gradient reaches the ma
 a noisy exact map recovers, both models come out untouched, and the result is deterministic and saves as any
 mapper."""
 import copy
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -291,22 +290,6 @@ def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_
     for model, before in zip(random_pair, random_runs["weights_before"]):
         after = model.state_dict()
         assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
-
-
-def test_maps_distilled_side_by_side_in_threads_are_those_of_one_thread_and_the_callers_settings_come_back(
-        random_pair):
-    target, source = random_pair
-    starts = [start_map(source, target, family) for family in ("linear", "head_matched", "mlp")]
-    splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
-    run = lambda start: distill(start, splits, target, settings(epochs=3, batch=8, lr=3e-3))  # noqa: E731
-    alone = [run(start) for start in starts]
-    state, enabled = torch.random.get_rng_state(), torch.are_deterministic_algorithms_enabled()
-    with ThreadPoolExecutor(3) as pool:
-        together = list(pool.map(run, starts))
-    for (mapper, history), (expected, expected_history) in zip(together, alone, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(map_tensors(mapper), map_tensors(expected), strict=True))
-        assert history == expected_history
-    assert torch.equal(torch.random.get_rng_state(), state) and torch.are_deterministic_algorithms_enabled() == enabled
 
 
 def test_a_kept_oracle_is_each_batchs_own_oracle_bit_for_bit_whatever_rows_share_its_batch(random_pair):

@@ -13,15 +13,15 @@ values are. One batch holds rows of equal prefix length, under the last-token pr
 
 Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require
 grad, so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy
-of it and one batch's activations. Training stops early on the select rows' KL; the result is a `Mapper` of the
-start's family. Bit-identical given the seed and the thread count on one CPU device, maps side by side in threads
-or not (seeded row order, deterministic algorithms; CUDA needs CUBLAS_WORKSPACE_CONFIG set before torch starts).
+of it and one batch's activations. Training stops early on the select rows' KL; the result is a `Mapper` of
+the start's family, so `save_mapper` and the handoff need nothing new. Bit-identical given the seed and the
+thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
+CUBLAS_WORKSPACE_CONFIG set before torch starts).
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Protocol, Sequence
@@ -304,32 +304,18 @@ def check_frozen(target) -> None:
         raise ValueError("the target is in training mode (dropout would make the oracle random); call target.eval()")
 
 
-class DeterministicSpan:  # where `deterministic` keeps the caller's settings while any thread is inside it
-    lock, depth, saved = threading.Lock(), 0, None
-
-
 @contextmanager
 def deterministic(seed: int) -> Iterator[None]:
-    """Deterministic algorithms and a seeded global generator inside, the caller's settings restored after. Maps
-    distilled side by side in threads share one span: the first to enter seeds, the last to leave restores (no
-    distillation draws from the global generator; the row order has its own)."""
-    span = DeterministicSpan
-    with span.lock:
-        if span.depth == 0:
-            span.saved = (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled(), torch.random.get_rng_state())
-            torch.manual_seed(seed)
-            torch.use_deterministic_algorithms(True)
-        span.depth += 1
-    try:
-        yield
-    finally:
-        with span.lock:
-            span.depth -= 1
-            if span.depth == 0:
-                enabled, warn_only, state = span.saved
-                torch.random.set_rng_state(state)
-                torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    """Deterministic algorithms and a seeded global generator inside, the caller's settings restored after."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def tensors_digest(mapper: Mapper) -> str:
