@@ -130,8 +130,10 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     train = lambda unit: fit_mlp_unit(unit[1], orders[unit[1]], unit[0], unit[2], fit_pairs,  # noqa: E731
                                       select_pairs, held, mlp, geometry.heads_t, parts, device)
     # the MLP maps train in worker threads (each on this process's intra-op threads: the bytes of one thread)
-    # while this thread solves the ridge candidates; entries are recorded in one thread's order
-    with ThreadPoolExecutor(params.mlp.workers) as pool:
+    # while this thread solves the ridge candidates; entries are recorded in one thread's order. A failure cancels
+    # the trainings not started, so its error comes after the one in flight, not after every queued map
+    pool = ThreadPoolExecutor(params.mlp.workers)
+    try:
         training = {unit: pool.submit(train, unit) for unit in units}
         for layer in tqdm(layers, desc="fit layers", unit="layer", disable=not ranks.main):
             if ridge:
@@ -141,6 +143,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                 for kind in KINDS:
                     mlp_facts.setdefault((k, layer), {})[kind], unit_table = training[(k, layer, kind)].result()
                     table.extend(unit_table)
+    finally:
+        pool.shutdown(cancel_futures=True)
 
     per_rank = ranks.gather((table, mlp_facts))
     if not ranks.main:

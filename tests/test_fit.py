@@ -3,6 +3,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -12,6 +13,7 @@ import yaml
 from conftest import committed
 from kvworld import make_world
 
+from pipeline import fit as fit_module
 from pipeline.extract import ExtractParams
 from pipeline.extract import run as extract
 from pipeline.fit import FitParams
@@ -339,6 +341,24 @@ def test_mlp_maps_trained_side_by_side_in_threads_are_the_bytes_of_one_thread(ex
                             if path.suffix in (".safetensors", ".csv")}
     assert [p.name for p in written[1] if p.name.startswith("mlp")] == ["mlp_k1.safetensors", "mlp_k2.safetensors"]
     assert written[3] == written[1]  # every map, and the R² tables in the order one thread records them
+
+
+def test_a_failing_layer_cancels_the_mlp_trainings_not_yet_started(extracted, tmp_path, monkeypatch):
+    started, real = [], fit_module.fit_mlp_unit
+
+    def slow_unit(*args, **kwargs):
+        started.append(args[:4])
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "fit_mlp_unit", slow_unit)
+    monkeypatch.setattr(fit_module, "fit_ridge_layer", lambda *args: 1 / 0)
+    params = parse(FitParams, {**FIT, "mlp": {**FIT["mlp"], "ks": [1, 2], "workers": 1}}, "fit")
+    with pytest.raises(ZeroDivisionError):
+        fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
+            extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", params, {}, "cpu",
+            "float32")
+    assert 1 <= len(started) <= 2  # of 8 queued: the one in flight finishes, the others never start
 
 
 def test_caches_of_two_key_spaces_are_refused_before_any_fit(extracted, tmp_path):
