@@ -30,7 +30,7 @@ STAMP = ".venv/.installed"  # the Makefile's install stamp: `make -o` it and set
 DURATIONS = 15
 QUIET_LOAD = 0.5  # 1-min load average below which the machine counts as quiet at the start
 # what every stage process imports before its work: its time, in a fresh interpreter, is the machine's speed as the
-# figures felt it (a shared host slows it with no load average to show: 3.5-6.5 s on the same 2-core machine)
+# figures felt it (a shared host slows it with no load average to show: 3.5 to 10 s on the same 2-core machine)
 FLOOR_IMPORTS = "import torch, transformers.models.qwen3.modeling_qwen3, lm_eval.evaluator"
 STAGE_LINE = re.compile(r"^(?:Running stage|Stage) '(?P<name>[^']+)'")
 RUNNING_LINE = re.compile(r"^Running stage '(?P<name>[^']+)':")
