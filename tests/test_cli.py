@@ -98,3 +98,59 @@ def test_a_stage_run_in_this_process_keeps_the_callers_threads_and_random_state(
         assert torch.get_num_threads() == 1 and torch.equal(torch.random.get_rng_state(), before)
     finally:
         torch.set_num_threads(initial)
+
+
+COMMAND = '''
+import atexit
+import sys
+
+from pipeline.store.cli import Refusal, entry
+
+
+class Teardown:
+    def __del__(self):
+        print("teardown ran", file=sys.stderr)
+
+
+LEFT_BEHIND = Teardown()  # a module global: only the interpreter's teardown destroys it
+
+
+def main(argv):
+    atexit.register(print, "; exit handler ran")
+    sys.stdout.write("written, not flushed")
+    if argv == ["refuse"]:
+        raise Refusal("nothing to do")
+
+
+if __name__ == "__main__":
+    entry(main)
+'''
+
+
+def run_command(folder: Path, *argv: str) -> subprocess.CompletedProcess:
+    """COMMAND run as a script, its standard output a pipe and block-buffered (as under DVC)."""
+    (folder / "command.py").write_text(COMMAND)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    return subprocess.run([sys.executable, "command.py", *argv], cwd=folder, capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_command_that_succeeds_skips_the_teardown_but_flushes_its_output_and_runs_its_exit_handlers(tmp_path):
+    done = run_command(tmp_path)
+    assert done.returncode == 0
+    assert done.stdout == "written, not flushed; exit handler ran\n"
+    assert "teardown ran" not in done.stderr
+
+
+def test_a_command_that_fails_ends_as_usual_with_its_status(tmp_path):
+    done = run_command(tmp_path, "refuse")
+    assert done.returncode == 2
+    assert done.stdout == "written, not flushed; exit handler ran\n"
+    assert done.stderr.splitlines() == ["error: nothing to do", "teardown ran"]
+
+
+def test_entry_called_from_another_module_returns(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pytest", "x"])
+    seen = []
+    cli.entry(seen.append)
+    assert seen == [["x"]]
