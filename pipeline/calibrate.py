@@ -12,8 +12,12 @@ split; the `extract` stage's own command extracts both models' caches there (onc
 stage's own narrow refit fits exactly `calibration.candidates` (fit's names: e.g. linear k=1, linear k=max and
 the MLP, with fit's settings), and the `distill` stage's own narrow refit distils each `<name>+kl` candidate
 from its start on the same n sequences; then each map is evaluated on the eval tasks as `evaluate` scores a mapped
-variant. Writes eval/calibration/<n>/<candidate>.parquet (per item) and metrics/calibration/<n>.json
-(sequences, tokens, each candidate's held-out R² and task accuracies); the report draws the curve.
+variant. The point whose n sequences are the fit split itself takes the main fit's caches and maps instead of
+extracting and fitting them again: a narrow refit on the same data makes the same bytes (the determinism control's
+check), so only the time differs.
+
+Writes eval/calibration/<n>/<candidate>.parquet (per item) and metrics/calibration/<n>.json (sequences, tokens,
+each candidate's held-out R² and task accuracies); the report draws the curve.
 """
 from __future__ import annotations
 
@@ -52,14 +56,30 @@ class CalibrationParams(Params):
     threads: Threads
 
 
-def scratch_split(pool: pd.DataFrame, size: int, folder: Path) -> int:
-    """Write the first `size` pool sequences as folder/fit.parquet beside a copy of the select split; returns
-    their tokens."""
+def scratch_split(first: pd.DataFrame, folder: Path) -> None:
+    """Write `first` (the point's pool sequences) as folder/fit.parquet beside a copy of the select split."""
     folder.mkdir(parents=True)
-    first = pool.head(size)
     first.to_parquet(folder / "fit.parquet", index=False)
     shutil.copyfile(paths.split("select"), folder / "select.parquet")
-    return int(sum(len(ids) for ids in first.token_ids))
+
+
+def is_fit_split(first: pd.DataFrame) -> bool:
+    """Whether a point's sequences are the fit split itself (n = data.fit_sequences, the pool unchanged)."""
+    return first.reset_index(drop=True).equals(pd.read_parquet(paths.split("fit")))
+
+
+def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Path, Path, dict]:
+    """The caches, data and maps folders of a point's fits, and fit's figures of them: the main fit's own when
+    `first` is the fit split, else extracted and fitted in `work` by the stages' own commands (a failure stops
+    this stage)."""
+    if is_fit_split(first):
+        return paths.CACHES, paths.DATA, paths.MAPPERS, json.loads(paths.FIT.read_text())
+    scratch_split(first, work / "data")
+    for model in ("source", "target"):
+        run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / "caches" / model))
+    run_stage("pipeline.fit", "--caches", str(work / "caches"), "--out", str(work / "mappers"), "--only",
+              ",".join(fits))
+    return work / "caches", work / "data", work / "mappers", json.loads((work / "mappers" / "fit.json").read_text())
 
 
 def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
@@ -70,24 +90,20 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
                          f"data.calibration_sequences or drop the size")
     torch.set_num_threads(params.threads)
     metrics: dict[str, float | int | str] = {"sequences": size}
+    first = pool.head(size)
+    metrics["tokens"] = int(sum(len(ids) for ids in first.token_ids))
     with atomic_dir(paths.CALIBRATION_ITEMS / str(size)) as staging:
         work = staging / ".work"
-        metrics["tokens"] = scratch_split(pool, size, work / "data")
-        # the other stages' own commands, in their narrow forms (a failure stops this stage)
-        for model in ("source", "target"):
-            run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / "caches" / model))
         starts = {name: start_of(name) for name in params.candidates}  # a distilled map's start, or None
-        fits = list(dict.fromkeys(start or name for name, start in starts.items()))
-        run_stage("pipeline.fit", "--caches", str(work / "caches"), "--out", str(work / "mappers"), "--only",
-                  ",".join(fits))
-        fitted = json.loads((work / "mappers" / "fit.json").read_text())
+        caches, data, mappers, fitted = fit_maps(first, list(dict.fromkeys(start or name for name, start in
+                                                                           starts.items())), work)
         distilled = [start for start in starts.values() if start]
         if distilled:  # from the maps just fitted, on the same n sequences
-            run_stage("pipeline.distill", "--only", ",".join(distilled), "--caches", str(work / "caches"),
-                      "--data", str(work / "data"), "--mappers", str(work / "mappers"), "--out", str(work / "mappers"))
+            run_stage("pipeline.distill", "--only", ",".join(distilled), "--caches", str(caches), "--data", str(data),
+                      "--mappers", str(mappers), "--out", str(work / "distilled"))
         pair = Pair.load(models, models.torch_device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
-            handoff = pair.handoff("mapped", work / "mappers" / f"{name}.safetensors")
+            handoff = pair.handoff("mapped", (work / "distilled" if starts[name] else mappers) / f"{name}.safetensors")
             lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{name}.parquet", index=False)
@@ -101,7 +117,8 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
             for task, result in tasks.items():
                 metrics.update({f"maps/{name}/{task}_{metric}": round(result[metric], 6)
                                 for metric in ("acc", "acc_norm")})
-        shutil.rmtree(work)
+        if work.exists():  # none when the maps were the main fit's
+            shutil.rmtree(work)
     return metrics
 
 
