@@ -10,6 +10,7 @@ behind them for `dvc plots` under plots/.
 """
 from __future__ import annotations
 
+import os
 import platform
 from importlib.metadata import version
 from pathlib import Path
@@ -25,7 +26,6 @@ from pipeline.studies.settings import ReportParams
 
 plt = lazy("matplotlib.pyplot")
 pd = lazy("pandas")
-torch = lazy("torch")
 
 # the studies beside the variants, in the report's order: key in metrics/report.json -> module
 STUDIES = {"distillation": distillation, "candidates": candidates, "selective": selective, "calibration": calibration,
@@ -73,9 +73,9 @@ def environment(models: ModelsParams) -> dict:
     revisions = {name: (read_pointer(paths.model(name)) or {}).get("revision", "local")
                  for name in ("source", "target")}
     return {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
+        "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
         "lm-eval": version("lm_eval"), "platform": platform.platform(), "device": models.device, "dtype": models.dtype,
-        "threads": torch.get_num_threads(), "source revision": revisions["source"],
+        "cpus": os.cpu_count(), "source revision": revisions["source"],
         "target revision": revisions["target"],
     }
 
