@@ -1,6 +1,7 @@
 """Paired statistics: intervals cover what they should and exclude 0 only for real differences."""
 import numpy as np
 import pytest
+import scipy.stats
 
 from pipeline.measure.stats import mcnemar, paired_bootstrap, pareto_front, rank_correlation, sign_test
 
@@ -37,6 +38,21 @@ def test_rank_correlation_is_one_for_any_increasing_relation_and_minus_one_for_a
     assert noise["low"] < 0 < noise["high"]  # no relation: the interval spans 0
     assert np.isnan(rank_correlation(x, np.ones(6))["rho"])  # a constant side has no ranks to correlate
     assert np.isnan(rank_correlation(x[:2], x[:2])["rho"])
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_rank_correlations_interval_is_that_of_scipys_spearmanr_on_each_resample_to_the_bit(ties):
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=7), rng.normal(size=7)
+    if ties:  # tied ranks, and resamples with a constant side (undefined, left out)
+        x, y = np.round(x), np.round(y * 2) / 2
+    draws = []
+    for picks in np.random.default_rng(5).integers(0, 7, size=(300, 7)):
+        xs, ys = x[picks], y[picks]
+        draws.append(scipy.stats.spearmanr(xs, ys).statistic if np.ptp(xs) > 0 and np.ptp(ys) > 0 else np.nan)
+    result = rank_correlation(x, y, iters=300, seed=5)
+    assert [result["low"], result["high"]] == list(np.nanpercentile(draws, [2.5, 97.5]))
+    assert result["rho"] == scipy.stats.spearmanr(x, y).statistic
 
 
 def test_the_pareto_front_keeps_exactly_the_points_no_other_beats_on_both_figures():
