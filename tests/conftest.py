@@ -5,6 +5,8 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,11 @@ def periodic_model(request) -> Qwen3ForCausalLM:
     if cache is None:  # pytest run with -p no:cacheprovider
         return train_periodic_model()
     folder = cache.mkdir("periodic_model") / key
-    if not (folder / "config.json").is_file():
-        train_periodic_model().save_pretrained(folder)
+    if not (folder / "config.json").is_file():  # written whole, then renamed: `make test`'s other worker may race
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
+        train_periodic_model().save_pretrained(staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # the other worker renamed its copy first: the same model
+            shutil.rmtree(staging)
     return Qwen3ForCausalLM.from_pretrained(folder).eval()
