@@ -168,3 +168,13 @@ def periodic_model(request) -> Qwen3ForCausalLM:
         except OSError:  # the other worker renamed its copy first: the same model
             shutil.rmtree(staging)
     return Qwen3ForCausalLM.from_pretrained(folder).eval()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most end-to-end runs (marked `slow`) first, each file's tests together and in order:
+    under `make test`'s two workers (a whole file on one, in this order: --no-loadscope-reorder) the longest file
+    then runs beside the rest of the suite instead of after most of it."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file's tests keep their order
