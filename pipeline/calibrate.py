@@ -95,15 +95,15 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
     with atomic_dir(paths.CALIBRATION_ITEMS / str(size)) as staging:
         work = staging / ".work"
         starts = {name: start_of(name) for name in params.candidates}  # a distilled map's start, or None
-        caches, data, mappers, fitted = fit_maps(first, list(dict.fromkeys(start or name for name, start in
-                                                                           starts.items())), work)
-        distilled = [start for start in starts.values() if start]
+        fits = list(dict.fromkeys(start or name for name, start in starts.items()))
+        caches, data, mappers, fitted = fit_maps(first, fits, work)
+        distilled, distilled_maps = [start for start in starts.values() if start], work / "distilled"
         if distilled:  # from the maps just fitted, on the same n sequences
             run_stage("pipeline.distill", "--only", ",".join(distilled), "--caches", str(caches), "--data", str(data),
-                      "--mappers", str(mappers), "--out", str(work / "distilled"))
+                      "--mappers", str(mappers), "--out", str(distilled_maps))
         pair = Pair.load(models, models.torch_device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
-            handoff = pair.handoff("mapped", (work / "distilled" if starts[name] else mappers) / f"{name}.safetensors")
+            handoff = pair.handoff("mapped", (distilled_maps if starts[name] else mappers) / f"{name}.safetensors")
             lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items.to_parquet(staging / f"{name}.parquet", index=False)
