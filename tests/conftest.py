@@ -160,7 +160,9 @@ def periodic_model(request) -> Qwen3ForCausalLM:
     if cache is None:  # pytest run with -p no:cacheprovider
         return train_periodic_model()
     folder = cache.mkdir("periodic_model") / key
-    if not (folder / "config.json").is_file():  # written whole, then renamed: `make test`'s other worker may race
+    # written whole, then renamed, never replaced: `make test`'s other worker may race for it (not
+    # store.artifacts.atomic_dir, which clears every staging folder beside its target, the other worker's too)
+    if not (folder / "config.json").is_file():
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
         train_periodic_model().save_pretrained(staging)
         try:
