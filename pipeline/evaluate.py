@@ -1,20 +1,23 @@
-"""Stage `evaluate`: one variant of the handoff on the eval prompts and the task items' eval part.
+"""Stages `evaluate` and `evaluate_mapped`: variants of the handoff on the eval prompts and the task items' eval part.
 
-    python -m pipeline.evaluate <variant>
+    python -m pipeline.evaluate <variant> [<variant> ...]
 
-With `evaluate.processes` N > 1 it runs as N torchrun processes (`store.ranks`): each scores every N-th batch of
-prompts and, through lm-eval's rank contract, every N-th task document; rank 0 gathers and writes.
+Several variants run one after the other in one process, sharing the pair's models (the `evaluate` stage: the
+oracle and the three baselines, `store.paths.BASELINES`; `evaluate_mapped`: one mapped variant each); the oracle
+runs first wherever it is named. With `evaluate.processes` N > 1 it runs as N torchrun processes
+(`store.ranks`): each scores every N-th batch of prompts and, through lm-eval's rank contract, every N-th task
+document; rank 0 gathers and writes.
 
 Variants: `oracle` (the target's own cache; it also computes and stores the oracle's outputs that every
 other variant is compared with), `direct`, `source` (the source model alone), `zero`, and the mapped
-variants: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen by `select`) and
-`shuffled` (the selected mapper's cache with its token order permuted). Every variant needs the controls to
-have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined (`direct`
-between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
+variants of `evaluate.mapped`: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen
+by `select`) and `shuffled` (the selected mapper's cache with its token order permuted). Every variant needs the
+controls to have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined
+(`direct` between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
 
-Writes metrics/eval/<variant>.json (small, flat), eval/<variant>/prompts.parquet (per prompt),
-eval/<variant>/items.parquet (per task item, for the paired statistics of the report) and lm-eval's own
-results and samples (eval/<variant>/lm_eval/).
+Writes, per variant, metrics/eval/<variant>.json (small, flat; its wall time is the variant's own),
+eval/<variant>/prompts.parquet (per prompt), eval/<variant>/items.parquet (per task item, for the paired
+statistics of the report) and lm-eval's own results and samples (eval/<variant>/lm_eval/).
 """
 from __future__ import annotations
 
@@ -44,13 +47,11 @@ from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
-ORACLE_OUTPUTS, EVAL_PROMPTS = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS
-BASELINES = ("oracle", "direct", "source", "zero")
+ORACLE_OUTPUTS, EVAL_PROMPTS, BASELINES = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS, paths.BASELINES
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
 
 
 class EvaluateParams(Params):
-    baselines: list[str]
     mapped: dict[str, str]  # variant -> mapper file, a stage's output (check_params)
     top_k: Positive
     horizon: Positive
@@ -61,9 +62,6 @@ class EvaluateParams(Params):
 
     @model_validator(mode="after")
     def _variants(self) -> EvaluateParams:
-        for name in self.baselines:
-            if name not in BASELINES[1:]:
-                raise ParamError(f"evaluate.baselines: unknown variant {name!r} (known: {', '.join(BASELINES[1:])})")
         for name in self.mapped:
             if name in BASELINES:
                 raise ParamError(f"evaluate.mapped.{name}: a mapped variant cannot take a baseline's name")
@@ -88,12 +86,11 @@ def build_handoff(variant: str, params: EvaluateParams, pair: Pair) -> Handoff:
     return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed)
 
 
-def run(variant: str, params: EvaluateParams, models: ModelsParams, ranks: Ranks = ONE_PROCESS) -> dict | None:
-    """Evaluate `variant`; under several processes every rank scores its share of the prompts and task items,
-    and rank 0 writes eval/<variant>/ and returns the metrics (the others {}). None when the pair's contract
-    leaves the variant undefined: its reason is written instead, on rank 0."""
+def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PROCESS) -> dict | None:
+    """Evaluate `variant` between `pair`'s models; under several processes every rank scores its share of the
+    prompts and task items, and rank 0 writes eval/<variant>/ and returns the metrics (the others {}). None when
+    the pair's contract leaves the variant undefined: its reason is written instead, on rank 0."""
     require_controls_passed()
-    pair = Pair.load(models, ranks.device(models.torch_device))
     # undefined by the pair's architecture contract (e.g. `direct` between unequal KV geometries), from the configs
     # and tokenizers alone
     reason = pair.contract.reason(variant_mode(variant))
@@ -116,7 +113,7 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams, ranks: Ranks
         if meta["prompts"] != len(prompts):
             raise ArtifactError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
                                 f"data/eval.parquet {len(prompts)}: the oracle outputs do not match the prompts; "
-                                f"rerun evaluate@oracle")
+                                f"rerun the evaluate stage (its oracle)")
     rows = variant_rows(handoff, prompts, oracle, params.batch_size, ranks=ranks)
     lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size, ranks=ranks)
     files = pair.eval_tasks
@@ -139,18 +136,33 @@ def run(variant: str, params: EvaluateParams, models: ModelsParams, ranks: Ranks
     return metrics
 
 
+def ordered_variants(names: list[str], params: EvaluateParams) -> list[str]:
+    """The variants to run, the oracle first (the others read its outputs), each once; a name that is neither a
+    baseline nor a key of evaluate.mapped is refused before any work."""
+    for name in names:
+        if name not in BASELINES and name not in params.mapped:
+            raise ParamError(f"pipeline.evaluate: unknown variant {name!r}; name a baseline "
+                             f"({', '.join(BASELINES)}) or a key of evaluate.mapped in params.yaml")
+    return sorted(dict.fromkeys(names), key=lambda name: name != "oracle")
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.evaluate", __doc__)
-    cli.add_argument("variant", help="oracle, a baseline (evaluate.baselines) or a key of evaluate.mapped")
+    cli.add_argument("variants", nargs="+", metavar="variant",
+                     help=f"{', '.join(BASELINES)} or a key of evaluate.mapped; several run in one process")
     argv = sys.argv[1:] if argv is None else argv
-    variant = cli.parse_args(argv).variant
+    names = cli.parse_args(argv).variants
     params, models = load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models")
+    variants = ordered_variants(names, params)
     with stage_ranks(models.torch_device, params.processes, "pipeline.evaluate", argv) as stage:
         if stage is None:  # its torchrun processes did the work
             return
-        metrics = run(variant, params, models, stage.ranks)
-        if metrics is not None:  # None: a variant the pair's contract leaves undefined, its reason recorded
-            stage.write_metrics(paths.variant_metrics(variant), metrics)
+        pair = Pair.load(models, stage.device)  # one load of each model, shared by the variants
+        for variant in variants:
+            stage.restart_usage()  # each variant's metrics: its own wall time
+            metrics = run(variant, params, pair, stage.ranks)
+            if metrics is not None:  # None: a variant the pair's contract leaves undefined, its reason recorded
+                stage.write_metrics(paths.variant_metrics(variant), metrics)
 
 
 if __name__ == "__main__":

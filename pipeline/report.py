@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.report", __doc__, argv)
     params = load_section(ReportParams, "report")
     models = load_section(ModelsParams, "models")
-    names = ["oracle", *read_key("evaluate.baselines"), *read_key("evaluate.mapped")]
+    names = [*paths.BASELINES, *read_key("evaluate.mapped")]
     run, inputs = load(names, {"calibration.sizes": read_key("calibration.sizes")})
     report = compute(params, run, inputs)
     tables = figures(report, run, FIGURES)

@@ -80,7 +80,6 @@ RULES = {
     "random model on a device map": (
         {"models": {"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b", "device_map": "auto"}},
         r"^models\.device_map: 'auto' needs a checkpoint"),
-    "unknown baseline": ({"evaluate": {"baselines": ["direct", "oracle2"]}}, r"^evaluate\.baselines: unknown variant"),
     "mapped variant named as a baseline": (
         {"evaluate": {"mapped": {"zero": "models/mapper.safetensors"}}},
         r"^evaluate\.mapped\.zero: a mapped variant cannot take a baseline's name"),

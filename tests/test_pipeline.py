@@ -176,7 +176,7 @@ def stale_after(repo, change) -> set[str]:
 def test_a_parameter_change_reruns_only_what_it_affects(repo):
     evaluation = stale_after(repo, lambda p: p["evaluate"].__setitem__("horizon", 3))
     assert evaluation and all(name.startswith(("evaluate", "report")) for name in evaluation), evaluation
-    assert "evaluate_oracle" in evaluation  # status lists the stages whose own deps changed
+    assert "evaluate" in evaluation  # status lists the stages whose own deps changed
     selection = stale_after(repo, lambda p: p["select"].__setitem__("horizon", 3))
     assert "select" in selection and not any(name.startswith(("extract", "fit", "prepare")) for name in selection)
     calibration = stale_after(repo, lambda p: p["calibration"]["sizes"].append(6))
@@ -201,6 +201,25 @@ def test_metrics_diff_lists_what_changed_between_commits(repo):
     assert not {key for _, key in changed} & {"perplexity", "next_token_top1", "retention"}, changed
     params_diff = json.loads(run(DVC + ["params", "diff", "HEAD~1", "HEAD", "--json"], repo))
     assert "report.bootstrap_iters" in params_diff["params.yaml"]
+
+
+@pytest.mark.slow
+def test_a_baseline_evaluated_alone_writes_what_it_wrote_beside_the_others_in_one_process(repo):
+    """The evaluate stage ran the oracle and the baselines one after the other in one process, sharing the pair's
+    models: `direct` (both models, after the other variants used them) alone in a fresh process writes the same
+    per-prompt and per-item files, and the same metrics apart from timing."""
+    files = ["eval/direct/prompts.parquet", "eval/direct/items.parquet", "metrics/eval/direct.json"]
+    together = {path: (repo / path).read_bytes() for path in files}
+    try:
+        run([sys.executable, "-m", "pipeline.evaluate", "direct"], repo, timeout=900)
+        alone = {path: (repo / path).read_bytes() for path in files}
+    finally:
+        for path, content in together.items():
+            (repo / path).write_bytes(content)
+    for path in files[:2]:
+        assert alone[path] == together[path], path
+    untimed = lambda text: {k: v for k, v in json.loads(text).items() if k not in ("wall_s", "peak_memory_mib")}  # noqa: E731
+    assert untimed(alone[files[2]]) == untimed(together[files[2]])
 
 
 @pytest.mark.slow

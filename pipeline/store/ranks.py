@@ -111,6 +111,11 @@ class Stage:
         self.device = ranks.device(device)
         self.usage = StageUsage(self.device)
 
+    def restart_usage(self) -> None:
+        """Start the usage figures again, for a stage that writes one metrics file per part of its work: the
+        next file's wall time (and a GPU's peak) is of what ran since (a CPU's peak stays the process's)."""
+        self.usage = StageUsage(self.device)
+
     def write_metrics(self, path: str | os.PathLike, metrics: dict) -> dict | None:
         """The stage's metrics JSON, written by rank 0 with the usage figures of every rank (`usage_of_ranks`)
         after `metrics`' own keys, `group/name/key` keys nested (`artifacts.nested`), and its top-level figures
