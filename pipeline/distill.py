@@ -12,7 +12,9 @@ oracle is the target's own prefill of each row, computed once and kept for every
 `distill.oracle_gib` (beyond, once per batch). AdamW at the start family's `distill.lr`, early stopping on the
 select split's KL, `distill.seed`: bit-identical on one CPU device, so the determinism control can refit the
 selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`) and a calibration point can distil its
-own refitted maps on its own sequences (`--caches DIR --data DIR`).
+own refitted maps on its own sequences (`--caches DIR --data DIR`). With `distill.processes` N > 1 (and as many
+maps) it runs as N torchrun processes (`store.ranks`), each distilling every N-th map with its own copy of the
+oracles; rank 0 gathers the maps and writes them, the same bytes as one process.
 
 Writes `models/distilled/<start>+kl.safetensors` (the mapper format, family unchanged; the metadata's
 `distilled` entry records the start map's digest, the loss weights, steps and the best epoch), so select, the
@@ -48,8 +50,8 @@ from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_model
-from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Threads, load_section
-from pipeline.store.ranks import stage_ranks
+from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
+from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
 torch = lazy("torch")
@@ -68,6 +70,7 @@ class DistillParams(Params):
     seed: int
     oracle_gib: Annotated[float, Field(ge=0)]  # the target's own prefill of each row kept across epochs and maps
     threads: Threads
+    processes: Processes  # each distilling every N-th map (at most one per map)
 
     @model_validator(mode="after")
     def _families(self) -> "DistillParams":
@@ -119,34 +122,47 @@ def write_curve(path: Path, history: list[dict]) -> None:
                           for key, value in row.items()} for row in history)
 
 
-def run(params: DistillParams, models: ModelsParams, names: list[str], folders: dict[str, Path]) -> dict:
-    """Distil each named start map from folders["mappers"] into folders["out"], its curve into folders["curves"],
-    reading the source caches under folders["caches"] and the splits' token ids under folders["data"]; the
-    metrics."""
-    mappers, out, curves = folders["mappers"], folders["out"], folders["curves"]
-    target = load_model(paths.model("target"), dtype=models.dtype, device=models.torch_device,
+def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: dict[str, Path],
+        ranks: Ranks = ONE_PROCESS) -> tuple[dict, dict] | None:
+    """Distil each named start map from inputs["mappers"], reading the source caches under inputs["caches"] and
+    the splits' token ids under inputs["data"]: the metrics and, per name, (distilled map, per-epoch history).
+    Under several processes each rank distils every N-th map, and rank 0 gets them all (the others None)."""
+    target = load_model(paths.model("target"), dtype=models.dtype, device=ranks.device(models.torch_device),
                         device_map=models.device_map).requires_grad_(False).eval()
-    groups = {split: cache_groups(folders["caches"] / "source", folders["data"], split, params)
+    groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}
     # the oracles kept up to distill.oracle_gib, the select rows' first (they are scored after every epoch)
     kept = with_oracles(groups["select"] + groups["fit"], target, params.batch_size, params.oracle_gib * 2**30)
     splits = Splits(fit=kept[len(groups["select"]):], select=kept[: len(groups["select"])])
-    metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
-    for name in tqdm(names, desc="distill", unit="map"):
-        started = time.perf_counter()
-        start = load_mapper(mappers / f"{name}.safetensors")
+    share = {}  # this rank's maps: name -> (map, history, seconds)
+    for index in tqdm(ranks.share(len(names)), desc="distill", unit="map", disable=not ranks.main):
+        started, name = time.perf_counter(), names[index]
+        start = load_mapper(inputs["mappers"] / f"{name}.safetensors")
         mapper, history = distill(start, splits, target, settings(params, start.family))
-        save_mapper(mapper, out / f"{distilled_name(name)}.safetensors")
-        write_curve(curves / f"{distilled_name(name)}.csv", history)
+        share[name] = (mapper, history, time.perf_counter() - started)
+    shares = ranks.gather(share)
+    if not ranks.main:
+        return None
+    done = {name: result for share in shares for name, result in share.items()}
+    metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
+    for name in names:
+        mapper, history, seconds = done[name]
         facts, best = mapper.extra["distilled"], history[mapper.extra["distilled"]["best_epoch"]]
         metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in {
             "start": name, "select_kl_start": round(history[0]["select_kl"], 5),
             "select_kl": round(best["select_kl"], 5),
             "select_agreement_start": round(history[0]["select_agreement"], 4),
             "select_agreement": round(best["select_agreement"], 4), "best_epoch": facts["best_epoch"],
-            "epochs": facts["epochs"], "steps": facts["steps"],
-            "seconds": round(time.perf_counter() - started, 1)}.items()})
-    return metrics
+            "epochs": facts["epochs"], "steps": facts["steps"], "seconds": round(seconds, 1)}.items()})
+    return metrics, {name: done[name][:2] for name in names}
+
+
+def write(distilled: dict, out: Path, curves: Path) -> None:
+    """Each distilled map (`<start>+kl.safetensors`) into `out`, its per-epoch curve (`<start>+kl.csv`) into
+    `curves`."""
+    for name, (mapper, history) in distilled.items():
+        save_mapper(mapper, out / f"{distilled_name(name)}.safetensors")
+        write_curve(curves / f"{distilled_name(name)}.csv", history)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--caches", type=Path, help="read caches/source's layout from this folder (default caches)")
     cli.add_argument("--data", type=Path, help="read <split>.parquet from this folder (default data)")
     cli.add_argument("--out", type=Path, help="write maps, curves and metrics here instead")
-    args = cli.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = cli.parse_args(argv)
     params, models = load_section(DistillParams, "distill"), load_section(ModelsParams, "models")
     names = args.only or params.start
     mappers = args.mappers or paths.MAPPERS
@@ -167,16 +184,21 @@ def main(argv: list[str] | None = None) -> None:
                          "candidates (models/mappers) or rerun fit")
     torch.set_num_threads(params.threads)
     inputs = {"mappers": mappers, "caches": args.caches or paths.CACHES, "data": args.data or paths.DATA}
-    with stage_ranks(models.torch_device) as stage:
-        if args.out:  # a refit beside the pipeline's outputs: maps, curves and metrics in one folder
-            args.out.mkdir(parents=True, exist_ok=True)
-            metrics = run(params, models, names, {**inputs, "out": args.out, "curves": args.out})
-            stage.write_metrics(args.out / "distill.json", metrics)
+    processes = min(params.processes, len(names))  # a process without a map would only wait
+    with stage_ranks(models.torch_device, processes, "pipeline.distill", argv) as stage:
+        if stage is None:  # its torchrun processes did the work
             return
-        with atomic_dir(paths.DISTILLED) as out, atomic_dir(paths.DISTILL_CURVES) as curves:
-            metrics = run(params, models, names, {**inputs, "out": out, "curves": curves})
-        stage.write_metrics(paths.DISTILL, metrics)
-
+        found = run(params, models, names, inputs, stage.ranks)
+        metrics = {}  # rank 0's, written below; the other ranks' maps went to it
+        if found is not None:
+            metrics, distilled = found
+            if args.out:  # a refit beside the pipeline's outputs: maps, curves and metrics in one folder
+                args.out.mkdir(parents=True, exist_ok=True)
+                write(distilled, args.out, args.out)
+            else:
+                with atomic_dir(paths.DISTILLED) as out, atomic_dir(paths.DISTILL_CURVES) as curves:
+                    write(distilled, out, curves)
+        stage.write_metrics(args.out / "distill.json" if args.out else paths.DISTILL, metrics)
 
 if __name__ == "__main__":
     entry(main)

@@ -67,7 +67,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 TIMING = ("wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes", "source_prefill_s",
-          "time_vs_source_prefill", "extract_s", "forward_floor_s", "write_floor_s", "ratio_to_floor")
+          "time_vs_source_prefill", "extract_s", "forward_floor_s", "write_floor_s", "ratio_to_floor", "seconds")
 
 
 def _untimed(path: Path) -> dict:
@@ -75,6 +75,9 @@ def _untimed(path: Path) -> dict:
     def drop(figures: dict) -> dict:
         return {k: drop(v) if isinstance(v, dict) else v for k, v in figures.items() if k not in TIMING}
     return drop(json.loads(path.read_text()))
+
+
+DISTILLED = ["linear_k1_lam0.01", "mlp_k1", "linear_k2_lam1"]  # rank 0 of two distils the first and the last
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,9 @@ def two_worlds(tmp_path_factory):
                   "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1, threads=1,
                                        processes=processes),
                   "fit": committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], threads=1, timing_repeats=1,
-                                   processes=processes, mlp={"ks": [1], "hidden": 16, "max_epochs": 3})}
+                                   processes=processes, mlp={"ks": [1], "hidden": 16, "max_epochs": 3}),
+                  "distill": committed("distill", start=DISTILLED, context_lengths=[6, 10], horizon=4, epochs=2,
+                                       patience=1, threads=1, processes=processes)}
         (root / "params.yaml").write_text(yaml.safe_dump(params))
         for model in ("source", "target"):
             _stage(root, "pipeline.extract", model)
@@ -123,16 +128,35 @@ def test_extract_under_accelerate_launch_writes_the_same_caches_as_one_process(t
     assert _files(one / "caches/source") == _files(other / "caches/source")
 
 
-@pytest.mark.slow
-def test_fit_on_two_processes_writes_the_same_mappers_and_tables_as_one(two_worlds):
-    one, two = two_worlds
-    for root in (one, two):
+@pytest.fixture(scope="module")
+def fitted_worlds(two_worlds):
+    """Both worlds after fit, each on its own number of processes."""
+    for root in two_worlds:
         _stage(root, "pipeline.fit")
+    return two_worlds
+
+
+@pytest.mark.slow
+def test_fit_on_two_processes_writes_the_same_mappers_and_tables_as_one(fitted_worlds):
+    one, two = fitted_worlds
     mappers = _files(one / "models/mappers")
     assert len(mappers) == 9 and mappers == _files(two / "models/mappers")  # 2 families x 2 k x 2 lambdas + mlp
     for table in ("fit_layers.csv", "fit_probe.csv"):
         assert (one / "metrics" / table).read_bytes() == (two / "metrics" / table).read_bytes()
     assert _untimed(one / "metrics/fit.json") == _untimed(two / "metrics/fit.json")
+
+
+@pytest.mark.slow
+def test_distill_on_two_processes_writes_the_same_maps_and_curves_as_one(fitted_worlds):
+    one, two = fitted_worlds
+    for root in (one, two):
+        _stage(root, "pipeline.distill")
+    assert _files(one / "models/distilled") == _files(two / "models/distilled")  # every map, byte for byte
+    assert _files(one / "metrics/distill") == _files(two / "metrics/distill")  # every per-epoch curve
+    assert sorted(_files(two / "models/distilled")) == sorted(f"{name}+kl.safetensors" for name in DISTILLED)
+    figures = json.loads((two / "metrics/distill.json").read_text())
+    assert figures["processes"] == 2 and len(figures["peak_memory_mib_per_rank"]) == 2
+    assert _untimed(one / "metrics/distill.json") == _untimed(two / "metrics/distill.json")
 
 
 def test_stage_figures_say_when_a_queued_experiment_may_have_shared_the_machine(tmp_path, monkeypatch):
