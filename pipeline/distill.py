@@ -200,5 +200,6 @@ def main(argv: list[str] | None = None) -> None:
                     write(distilled, out, curves)
         stage.write_metrics(args.out / "distill.json" if args.out else paths.DISTILL, metrics)
 
+
 if __name__ == "__main__":
     entry(main)
