@@ -76,13 +76,12 @@ def variant_mode(variant: str) -> str:
 
 
 def build_handoff(variant: str, params: EvaluateParams, pair: Pair) -> Handoff:
-    """The handoff `variant` evaluates, between the pair's models (each loaded here, on first use)."""
+    """The handoff `variant` (a baseline or a key of evaluate.mapped: `ordered_variants` refused any other before
+    the work began) evaluates, between the pair's models (each loaded here, on first use)."""
     if variant == "source":
         return Handoff(pair.source)  # the source alone: its own cache, its own predictions
     if variant in BASELINES:
         return pair.handoff(variant)
-    if variant not in params.mapped:
-        raise ValueError(f"unknown variant {variant!r}: not a baseline and not in evaluate.mapped")
     return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed)
 
 
