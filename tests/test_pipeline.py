@@ -203,6 +203,14 @@ def test_metrics_diff_lists_what_changed_between_commits(repo):
     assert "report.bootstrap_iters" in params_diff["params.yaml"]
 
 
+TIMING = {"wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes"}  # a stage's usage figures
+
+
+def untimed(figures: dict) -> dict:
+    """A variant's metrics without its usage figures (what differs between runs of the same computation)."""
+    return {key: value for key, value in figures.items() if key not in TIMING}
+
+
 @pytest.mark.slow
 def test_a_baseline_evaluated_alone_writes_what_it_wrote_beside_the_others_in_one_process(repo):
     """The evaluate stage ran the oracle and the baselines one after the other in one process, sharing the pair's
@@ -218,8 +226,7 @@ def test_a_baseline_evaluated_alone_writes_what_it_wrote_beside_the_others_in_on
             (repo / path).write_bytes(content)
     for path in files[:2]:
         assert alone[path] == together[path], path
-    untimed = lambda text: {k: v for k, v in json.loads(text).items() if k not in ("wall_s", "peak_memory_mib")}  # noqa: E731
-    assert untimed(alone[files[2]]) == untimed(together[files[2]])
+    assert untimed(json.loads(alone[files[2]])) == untimed(json.loads(together[files[2]]))
 
 
 @pytest.mark.slow
@@ -244,8 +251,6 @@ def test_evaluation_on_two_processes_writes_what_one_process_wrote(repo):
         figures = json.loads((repo / f"metrics/eval/{variant}.json").read_text())
         assert figures["processes"] == 2
         one = json.loads((kept / f"metrics/eval/{variant}.json").read_text())
-        timing = {"wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes"}
-        untimed = lambda figures: {k: v for k, v in figures.items() if k not in timing}  # noqa: E731
         assert untimed(figures) == untimed(one)
         # per prompt: byte for byte (a batch of prompts is the same computation on either rank)
         assert (repo / f"eval/{variant}/prompts.parquet").read_bytes() == \
