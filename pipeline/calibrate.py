@@ -30,7 +30,7 @@ from typing import Annotated
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import start_of
+from pipeline.kv.families.registry import MapName
 from pipeline.kv.pair import Pair
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store import paths
@@ -76,10 +76,11 @@ def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Pa
         return paths.CACHES, paths.DATA, paths.MAPPERS, json.loads(paths.FIT.read_text())
     scratch_split(first, work / "data")
     for model in ("source", "target"):
-        run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / "caches" / model))
-    run_stage("pipeline.fit", "--caches", str(work / "caches"), "--out", str(work / "mappers"), "--only",
+        run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / paths.CACHES / model))
+    run_stage("pipeline.fit", "--caches", str(work / paths.CACHES), "--out", str(work / "mappers"), "--only",
               ",".join(fits))
-    return work / "caches", work / "data", work / "mappers", json.loads((work / "mappers" / "fit.json").read_text())
+    return (work / paths.CACHES, work / "data", work / "mappers",
+            json.loads(paths.fit_metrics(work / "mappers").read_text()))
 
 
 def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
@@ -92,9 +93,11 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
     metrics: dict[str, float | int | str] = {"sequences": size}
     first = pool.head(size)
     metrics["tokens"] = int(sum(len(ids) for ids in first.token_ids))
-    with atomic_dir(paths.CALIBRATION_ITEMS / str(size)) as staging:
+    with atomic_dir(paths.calibration_items(size)) as staging:
         work = staging / ".work"
-        starts = {name: start_of(name) for name in params.candidates}  # a distilled map's start, or None
+        # a distilled map's start, or None
+        starts = {name: str(MapName.parse(name).start) if MapName.parse(name).distilled else None
+                  for name in params.candidates}
         fits = list(dict.fromkeys(start or name for name, start in starts.items()))
         caches, data, mappers, fitted = fit_maps(first, fits, work)
         distilled, distilled_maps = [start for start in starts.values() if start], work / "distilled"
@@ -103,10 +106,11 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
                       "--mappers", str(mappers), "--out", str(distilled_maps))
         pair = Pair.load(models, models.torch_device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
-            handoff = pair.handoff("mapped", (distilled_maps if starts[name] else mappers) / f"{name}.safetensors")
+            handoff = pair.handoff("mapped", paths.distilled_map(name, distilled_maps) if starts[name] else
+                                   paths.fitted_map(name, mappers))
             lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
-            items.to_parquet(staging / f"{name}.parquet", index=False)
+            items.to_parquet(paths.candidate_items(name, staging), index=False)
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size
             if not starts[name]:  # the held-out R² is the fitted map's own
                 metrics.update({f"maps/{name}/r2_{kind}_select": fit[f"r2_{kind}_select"]
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     size = cli.parse_args(sys.argv[1:] if argv is None else argv).size
     params, models = load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models")
     with stage_ranks(models.torch_device) as stage:
-        stage.write_metrics(paths.CALIBRATION / f"{size}.json", run(size, params, models))
+        stage.write_metrics(paths.calibration_point(size), run(size, params, models))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import start_of
+from pipeline.kv.families.registry import MapName
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
@@ -67,8 +67,7 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
     FLOP bound here and at the bound pair's shapes, parameters and bytes."""
     mapper = handoff.mapper
     row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
-    real_macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, (mapper.extra.get("mlp") or {})
-                                      .get("hidden"))
+    real_macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
     return {"family": mapper.family, "k": mapper.k, "ridge_lambda": mapper.ridge_lambda,
             "parameters": mapper.parameter_count(), "mapper_bytes": path.stat().st_size,
             "target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
@@ -88,7 +87,8 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
                                              "bound_pair": params.bound_pair}
     # each distilled map and its start also on the eval prompts, against the oracle's stored outputs (the
     # rollouts at evaluate.horizon), so the distillation study pairs them prompt by prompt
-    distilled = {path.stem: start_of(path.stem) for path in candidates if start_of(path.stem)}
+    names = {path.stem: MapName.parse(path.stem) for path in candidates}
+    distilled = {stem: str(name.start) for stem, name in names.items() if name.distilled}
     paired = set(distilled) | set(distilled.values())
     prompts = read_prompts(paths.EVAL_PROMPTS) if paired else []
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0] if paired else {}
@@ -97,11 +97,11 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
             handoff = pair.handoff("mapped", path)
             lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
-            items.to_parquet(staging / f"{path.stem}.parquet", index=False)
+            items.to_parquet(paths.candidate_items(path.stem, staging), index=False)
             if path.stem in paired:
                 rows = variant_rows(handoff, prompts, oracle, params.batch_size, progress=False)
                 (staging / paths.CANDIDATE_PROMPTS.name).mkdir(exist_ok=True)
-                rows.to_parquet(staging / paths.CANDIDATE_PROMPTS.name / f"{path.stem}.parquet", index=False)
+                rows.to_parquet(paths.candidate_prompts(path.stem, staging / paths.CANDIDATE_PROMPTS.name), index=False)
             figures = candidate_figures(handoff, path, params, bound_configs)
             for task, result in tasks.items():
                 figures.update({f"{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})

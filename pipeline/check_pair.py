@@ -14,7 +14,8 @@ window is checked against (--max-tokens) to the longest sequence params.yaml's p
 from __future__ import annotations
 
 from pipeline.kv.contract import Contract, ModelCard, pair_contract, run_length, which_pairs_work
-from pipeline.kv.flops import handoff_macs, mapper_parameter_count, mapper_weight_count, speedup_bound
+from pipeline.kv.families.registry import FAMILIES, FITTED
+from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, mapper_parameter_count, speedup_bound
 from pipeline.kv.rope import model_name
 from pipeline.store.cli import entry, parser
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
@@ -60,19 +61,25 @@ def model_rows(contract: Contract) -> list[list[object]]:
             ["verdict", source.refusal or "understood", target.refusal or "understood"]]
 
 
-def size_rows(contract: Contract, source_config, target_config, ks: list[int], hidden: int | None) -> list:
+def size_rows(contract: Contract, source_config, target_config, ks: list[int],
+              widths: dict[str, list[int]]) -> list:
+    """Parameters and float32 size of every fitted family's map the pair defines, per k (and per inner size, for
+    a family with one: `widths`; such a family without a width given is left out)."""
     rows = []
-    for family in ("linear", "head_matched", "mlp"):
-        if not contract.family_defined(family) or (family == "mlp" and not hidden):
+    for family in FITTED:
+        spec = FAMILIES[family]
+        if not contract.family_defined(family):
             continue
-        for k in ks:
-            count = mapper_parameter_count(source_config, target_config, k, family, hidden)
-            rows.append([family, k, f"{count:,}", f"{4 * count / 2**20:,.1f} MiB"])
+        for width in (widths.get(family, []) if spec.width_name else [None]):
+            label = family if width is None else f"{family} ({spec.width_name} {width})"
+            for k in ks:
+                count = mapper_parameter_count(source_config, target_config, k, family, width)
+                rows.append([label, k, f"{count:,}", f"{4 * count / 2**20:,.1f} MiB"])
     return rows
 
 
 def flop_rows(source_config, target_config, lengths: list[int]) -> list:
-    per_token = mapper_weight_count(source_config, target_config, 1, "linear")
+    per_token = mapper_macs_per_token(source_config, target_config, 1, "linear")
     rows = []
     for length in lengths:
         parts = handoff_macs(source_config, target_config, per_token, length)
@@ -82,7 +89,7 @@ def flop_rows(source_config, target_config, lengths: list[int]) -> list:
 
 
 def report(contract: Contract, source_config, target_config, ks: list[int], lengths: list[int],
-           hidden: int | None) -> str:
+           widths: dict[str, list[int]]) -> str:
     note = f" ({contract.tokenizer_note})" if contract.tokenizer_note else ""
     lines = [f"# {contract.source.name} -> {contract.target.name}", "",
              *md_table(["", "source", "target"], model_rows(contract)), "",
@@ -90,7 +97,7 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
              *md_table(["mode", "defined"], [[mode, reason or "yes"] for mode, reason in contract.modes.items()]), "",
              *md_table(["mapper family", "defined"],
                        [[family, reason or "yes"] for family, reason in contract.families.items()])]
-    sizes = size_rows(contract, source_config, target_config, ks, hidden)
+    sizes = size_rows(contract, source_config, target_config, ks, widths)
     if sizes:
         lines += ["", *md_table(["family", "k", "parameters", "float32 size"], sizes)]
     routed = [config for config in (source_config, target_config) if any(getattr(config, key, None)
@@ -107,6 +114,11 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
     return "\n".join(lines)
 
 
+def as_list(value) -> list:
+    """A params value that is one size or a list of them, as a list (None: none)."""
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.check_pair", __doc__)
     cli.add_argument("source", nargs="?", help="source model: hub id, local folder or shape:<name>")
@@ -114,7 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--which-pairs", action="store_true", help="print README's 'Which pairs work' section and exit")
     cli.add_argument("--ks", type=int, nargs="+", help="source layers per target layer (default: fit.ks)")
     cli.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default: latency.lengths)")
-    cli.add_argument("--mlp-hidden", type=int, help="the mlp family's hidden width (default: fit.mlp.hidden)")
+    for family, spec in FAMILIES.items():
+        if spec.width_name:
+            cli.add_argument(f"--{family.replace('_', '-')}-{spec.width_name}", type=int, nargs="+",
+                             dest=f"width_{family}", help=f"the {family} family's {spec.width_name} "
+                             f"(default: {spec.width_param})")
     cli.add_argument("--max-tokens", type=int, help="the run's longest sequence, against which a sliding window "
                      "is checked (default: kv.contract.run_length of params.yaml; without one, the position range)")
     args = cli.parse_args(argv)
@@ -125,13 +141,16 @@ def main(argv: list[str] | None = None) -> None:
         cli.error("give a SOURCE and a TARGET model (or --which-pairs)")
     ks = args.ks or read_key("fit.ks")
     lengths = args.lengths or read_key("latency.lengths")
-    hidden = args.mlp_hidden or read_key("fit.mlp.hidden")
+    # without a params.yaml a family's inner size comes from its flag alone (none: its rows are left out)
+    widths = {family: as_list(getattr(args, f"width_{family}") or (read_key(spec.width_param)
+                                                                   if PARAMS_FILE.is_file() else None))
+              for family, spec in FAMILIES.items() if spec.width_name}
     (source_config, source_tokenizer), (target_config, target_tokenizer) = read(args.source), read(args.target)
     # without a params.yaml the run is as long as the models allow
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
-    print(report(contract, source_config, target_config, ks, lengths, hidden))
+    print(report(contract, source_config, target_config, ks, lengths, widths))
     contract.require("mapped")
 
 

@@ -25,13 +25,13 @@ from pipeline.distill import DistillParams, distilled_name
 from pipeline.evaluate import EvaluateParams
 from pipeline.extract import ExtractParams
 from pipeline.fit import FitParams
-from pipeline.fitting.distill import family_of, start_of
+from pipeline.kv.families.registry import MapName
 from pipeline.latency import LatencyParams
 from pipeline.length import LengthParams
 from pipeline.prepare_data import DataParams
 from pipeline.prepare_models import TrainParams
 from pipeline.score_models import ScoreModelsParams
-from pipeline.select import BEST, MAPPERS, SELECTED, SelectParams
+from pipeline.select import SelectParams
 from pipeline.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
@@ -100,7 +100,8 @@ class ParamsFile(Params):
     @model_validator(mode="after")
     def _candidates_are_fitted(self) -> ParamsFile:
         grid = self.fit.candidates()
-        named = [("calibration.candidates", start_of(name) or name) for name in self.calibration.candidates]
+        named = [("calibration.candidates", str(map_name("calibration.candidates", name).start))
+                 for name in self.calibration.candidates]
         named += [("distill.start", name) for name in self.distill.start]
         for key, name in [*named, ("length.candidate", self.length.candidate)]:
             if name not in grid:
@@ -111,10 +112,10 @@ class ParamsFile(Params):
     @model_validator(mode="after")
     def _distilled_candidates_have_a_learning_rate(self) -> ParamsFile:
         for name in self.calibration.candidates:
-            start = start_of(name)
-            if start and family_of(start) not in self.distill.lr:
-                raise ParamError(f"calibration.candidates: {name!r} is distilled from a {family_of(start)} map but "
-                                 f"distill.lr has no {family_of(start)} entry; add one")
+            parsed = map_name("calibration.candidates", name)
+            if parsed.distilled and parsed.family not in self.distill.lr:
+                raise ParamError(f"calibration.candidates: {name!r} is distilled from a {parsed.family} map but "
+                                 f"distill.lr has no {parsed.family} entry; add one")
         return self
 
     @model_validator(mode="after")
@@ -152,9 +153,18 @@ def mapper_files(fit: FitParams, distill: DistillParams) -> list[str]:
     """Every mapper file the fit grid and distillation leave: fit's candidates (models/mappers/), the distilled
     maps (models/distilled/), select's choice and, per k of the linear family, its best ridge strength
     (models/best/mapped_k<k>)."""
-    best = [f"{BEST}/mapped_k{k}.safetensors" for k in fit.ks] if "linear" in fit.families else []
-    distilled = [f"{paths.DISTILLED}/{distilled_name(name)}.safetensors" for name in distill.start]
-    return [str(SELECTED), *best, *(f"{MAPPERS}/{name}.safetensors" for name in fit.candidates()), *distilled]
+    best = [paths.best_map(k) for k in fit.ks] if "linear" in fit.families else []
+    distilled = [paths.distilled_map(distilled_name(name)) for name in distill.start]
+    fitted = [paths.fitted_map(name) for name in fit.candidates()]
+    return [str(path) for path in (paths.SELECTED_MAPPER, *best, *fitted, *distilled)]
+
+
+def map_name(key: str, name: str) -> MapName:
+    """`name` read as a map's name, or a refusal naming `key`."""
+    try:
+        return MapName.parse(name)
+    except ValueError as err:
+        raise ParamError(f"{key}: {err}") from None
 
 
 def check(params: dict) -> list[str]:

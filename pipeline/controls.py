@@ -37,7 +37,7 @@ from typing import Annotated, Callable
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import start_of
+from pipeline.kv.families.registry import MapName
 from pipeline.kv.contract import Contract, pair_contract
 from pipeline.kv.handoff import Handoff, greedy_rollout
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
@@ -260,9 +260,9 @@ def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, toler
 
 def refit_in_subprocess(out: Path, name: str) -> None:
     """Fit's narrow refit of `name`; for a distilled map (`<start>+kl`), its start's, then distilled again."""
-    start = start_of(name)
-    run_stage("pipeline.fit", "--out", str(out), "--only", start or name, fresh_process=True)
-    if start:
+    start = str(MapName.parse(name).start)
+    run_stage("pipeline.fit", "--out", str(out), "--only", start, fresh_process=True)
+    if MapName.parse(name).distilled:
         run_stage("pipeline.distill", "--only", start, "--mappers", str(out), "--out", str(out), fresh_process=True)
 
 
@@ -272,7 +272,8 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_su
     `fit` stage (or `distill`) wrote in another process, fitting every candidate."""
     out = folder / "refit"
     refit(out, name)
-    refit_digest = hashlib.sha256((out / f"{name}.safetensors").read_bytes()).hexdigest()
+    # fit and distill both write into `out`: a distilled map's file is named as fit's are, by its name
+    refit_digest = hashlib.sha256(paths.fitted_map(name, out).read_bytes()).hexdigest()
     selected = hashlib.sha256(mapper.read_bytes()).hexdigest()
     # no candidate name or digest here: a new mapper that passes must leave this file, which every evaluate
     # stage depends on, byte-identical, so the oracle's evaluation is not rerun for it

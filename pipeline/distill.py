@@ -34,15 +34,13 @@ from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
 from pipeline.fitting.distill import (
-    SUFFIX,
-    TRAINABLE,
     CacheRows,
     DistillSettings,
     Splits,
     distill,
-    family_of,
     with_oracles,
 )
+from pipeline.kv.families.registry import TRAINABLE, MapName
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
@@ -78,16 +76,21 @@ class DistillParams(Params):
         if unknown:
             raise ParamError(f"distill.lr: unknown family {unknown[0]!r} (trainable: {', '.join(TRAINABLE)})")
         for name in self.start:
-            if family_of(name) not in self.lr:
-                raise ParamError(f"distill.start: {name!r} is a {family_of(name)} map but distill.lr has no "
-                                 f"{family_of(name)} entry; add one")
+            try:
+                family = MapName.parse(name).family
+            except ValueError as err:
+                raise ParamError(f"distill.start: {err}") from None
+            if family not in self.lr:
+                raise ParamError(f"distill.start: {name!r} is a {family} map but distill.lr has no {family} entry; "
+                                 "add one")
         if min(self.context_lengths) < 2:
             raise ParamError("distill.context_lengths: a context needs at least 2 tokens (a prefix and its last)")
         return self
 
 
 def distilled_name(start: str) -> str:
-    return start + SUFFIX
+    """The file stem of the map distilled from fit's map `start`."""
+    return str(MapName.parse(start).distilled_name)
 
 
 def settings(params: DistillParams, family: str) -> DistillSettings:
@@ -137,7 +140,7 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
     share = {}  # this rank's maps: name -> (map, history, seconds)
     for index in tqdm(ranks.share(len(names)), desc="distill", unit="map", disable=not ranks.main):
         started, name = time.perf_counter(), names[index]
-        start = load_mapper(inputs["mappers"] / f"{name}.safetensors")
+        start = load_mapper(paths.fitted_map(name, inputs["mappers"]))
         mapper, history = distill(start, splits, target, settings(params, start.family))
         share[name] = (mapper, history, time.perf_counter() - started)
     shares = ranks.gather(share)
@@ -147,7 +150,7 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
     metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
     for name in names:
         mapper, history, seconds = done[name]
-        facts, best = mapper.extra["distilled"], history[mapper.extra["distilled"]["best_epoch"]]
+        facts, best = mapper.distilled, history[mapper.distilled["best_epoch"]]
         metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in {
             "start": name, "select_kl_start": round(history[0]["select_kl"], 5),
             "select_kl": round(best["select_kl"], 5),
@@ -161,8 +164,8 @@ def write(distilled: dict, out: Path, curves: Path) -> None:
     """Each distilled map (`<start>+kl.safetensors`) into `out`, its per-epoch curve (`<start>+kl.csv`) into
     `curves`."""
     for name, (mapper, history) in distilled.items():
-        save_mapper(mapper, out / f"{distilled_name(name)}.safetensors")
-        write_curve(curves / f"{distilled_name(name)}.csv", history)
+        save_mapper(mapper, paths.distilled_map(distilled_name(name), out))
+        write_curve(paths.distill_curve(distilled_name(name), curves), history)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(DistillParams, "distill"), load_section(ModelsParams, "models")
     names = args.only or params.start
     mappers = args.mappers or paths.MAPPERS
-    missing = [name for name in names if not (mappers / f"{name}.safetensors").is_file()]
+    missing = [name for name in names if not paths.fitted_map(name, mappers).is_file()]
     if missing:
         raise ParamError(f"distill.start: no fitted map {mappers / missing[0]}.safetensors; name one of fit's "
                          "candidates (models/mappers) or rerun fit")

@@ -95,7 +95,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
     reason = pair.contract.reason(variant_mode(variant))
     if reason:  # recorded, and shown in the report, instead of failing the run
         if ranks.main:
-            with atomic_dir(paths.EVAL / variant) as staging:
+            with atomic_dir(paths.variant_folder(variant)) as staging:
                 (staging / SKIPPED).write_text(reason + "\n")
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
@@ -121,10 +121,10 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
         return {}
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in summarize(rows).items()}
-    with atomic_dir(paths.EVAL / variant) as staging:
+    with atomic_dir(paths.variant_folder(variant)) as staging:
         tasks, items = evaluate_tasks(lm, files, raw_to=staging / "lm_eval")
-        rows.to_parquet(staging / "prompts.parquet", index=False)
-        items.to_parquet(staging / "items.parquet", index=False)
+        rows.to_parquet(paths.variant_rows("prompts", staging), index=False)
+        items.to_parquet(paths.variant_rows("items", staging), index=False)
     for task, result in tasks.items():
         for key, value in result.items():
             metrics[f"{task}_{key}"] = round(value, 6) if isinstance(value, float) else value

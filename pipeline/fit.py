@@ -31,18 +31,18 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.fitting.families import (
-    Candidate,
-    Geometry,
     Parts,
     R2Table,
+    closed_form_candidates,
     fit_mlp_unit,
     fit_ridge_layer,
     mlp_candidates,
-    ridge_candidates,
 )
 from pipeline.fitting.mlpfit import MlpSettings
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
 from pipeline.kv.contract import pair_contract
+from pipeline.kv.families.base import Geometry
+from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, MapName
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.store import paths
@@ -68,12 +68,17 @@ class MlpParams(Params):
     workers: Positive  # maps trained side by side in threads, each on fit.threads: the same bytes, more memory
 
 
+class LowRankParams(Params):
+    ranks: Annotated[list[Positive], Field(min_length=1)]  # one low_rank candidate per rank (and k and lambda)
+
+
 class FitParams(Params):
     mlp: MlpParams
+    low_rank: LowRankParams
     ks: Annotated[list[Positive], Field(min_length=1)]
     lambdas: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1)]
     lambda_scale: Literal["absolute", "relative"]  # relative: lambda times the mean centered Gram diagonal
-    families: list[Literal["linear", "head_matched"]]
+    families: list[Literal[CLOSED_FORM]]  # the closed-form families fitted (kv.families.registry)
     probe_lambda: Annotated[float, Field(ge=0)]
     probe_holdout: Annotated[float, Field(gt=0, le=0.5)]  # share of fit sequences held out of the probes
     accumulator_gib: PositiveFloat  # float64 moments held at once; more passes if smaller
@@ -83,10 +88,16 @@ class FitParams(Params):
     timing_repeats: Positive
     processes: Processes  # each fitting every N-th target layer; mappers do not change
 
+    def closed_form(self, families: list[str] | None = None) -> list[MapName]:
+        """The closed-form grid of `families` (all of `fit.families` by default): a family whose names carry a
+        rank reads its ranks from its own section (`fit.low_rank.ranks`)."""
+        widths = {name: getattr(self, name).ranks for name in CLOSED_FORM if "rank" in FAMILIES[name].name_fields}
+        return closed_form_candidates(self.families if families is None else families, self.ks, self.lambdas, widths)
+
     def candidates(self) -> list[str]:
         """The names of every map this grid fits (fit's files models/mappers/<name>.safetensors), before the
         pair's contract skips a family."""
-        return [c.name for c in ridge_candidates(self.families, self.ks, self.lambdas) + mlp_candidates(self.mlp.ks)]
+        return [str(name) for name in self.closed_form() + mlp_candidates(self.mlp.ks)]
 
 
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
@@ -102,11 +113,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = manifests(source_root, target_root, params)
-    rotated = source_manifest["keys"].startswith("rotated")
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
-    geometry = Geometry(geo_s["kv_heads"], geo_s["head_dim"], geo_t["kv_heads"], geo_t["head_dim"])
-    families = [family for family in params.families if family not in skipped]
-
+    geometry = Geometry.of(geo_s, geo_t)
     fit_pairs = paired_split(source_root, target_root, "fit")
     select_pairs = paired_split(source_root, target_root, "select")
     held = holdout_sequences(fit_pairs, params.probe_holdout, params.seed)
@@ -118,46 +126,18 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                    / max(1, stored_bytes(fit_pairs, geo_s["layers"], geometry.heads_s * geometry.dim_s)))
     orders = ranking(scores)
 
-    ridge = ridge_candidates(families, params.ks, params.lambdas)
-    depth = max((c.k for c in ridge), default=0)
-    ridge, mlp_ks = narrowed(ridge, params.mlp.ks, only)
-    mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
-                      params.mlp.patience, seed=params.seed)
-    parts, table, mlp_facts = Parts(out_dir / ".parts", fresh=ranks.main), R2Table(), {}
+    closed = params.closed_form([family for family in params.families if family not in skipped])
+    depth = max((c.k for c in closed), default=0)
+    closed, mlp_ks = narrowed(closed, params.mlp.ks, only)
+    parts = Parts(out_dir / ".parts", fresh=ranks.main)
     ranks.barrier()  # the parts folder exists before any rank writes into it
-    layers = list(ranks.share(geo_t["layers"]))
-    units = [(k, layer, kind) for layer in layers for k in mlp_ks for kind in KINDS]
-    train = lambda unit: fit_mlp_unit(unit[1], orders[unit[1]], unit[0], unit[2], fit_pairs,  # noqa: E731
-                                      select_pairs, held, mlp, geometry.heads_t, parts, device)
-    # the MLP maps train in worker threads (each on this process's intra-op threads: the bytes of one thread)
-    # while this thread solves the ridge candidates; entries are recorded in one thread's order. A failure cancels
-    # the trainings not started, so its error comes after the one in flight, not after every queued map
-    pool = ThreadPoolExecutor(params.mlp.workers)
-    try:
-        training = {unit: pool.submit(train, unit) for unit in units}
-        for layer in tqdm(layers, desc="fit layers", unit="layer", disable=not ranks.main):
-            if ridge:
-                fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, ridge, depth, geometry, parts, table,
-                                device, params.lambda_scale)
-            for k in mlp_ks:
-                for kind in KINDS:
-                    mlp_facts.setdefault((k, layer), {})[kind], unit_table = training[(k, layer, kind)].result()
-                    table.extend(unit_table)
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-    per_rank = ranks.gather((table, mlp_facts))
+    fitted = fit_layers(list(ranks.share(geo_t["layers"])), orders, (fit_pairs, select_pairs), held, closed, depth,
+                        mlp_ks, geometry, parts, params, device, ranks)
     if not ranks.main:
         return {}
-    table = R2Table.merged([rank_table for rank_table, _ in per_rank])
-    mlp_facts = {key: facts for _, rank_facts in per_rank for key, facts in rank_facts.items()}
-    timing = None
-    if only is None:  # what the mappers are timed on: the first select sequence, against the source's prefill
-        source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
-        token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
-        first = first_sequence(select_pairs[0][0], geo_s["layers"], geometry.heads_s, geometry.dim_s)
-        content = [tuple(t.to(device) for t in layer) for layer in first]
-        timing = (content, len(token_ids), prefill_seconds(source_model, token_ids, params.timing_repeats), device)
+    table, mlp_facts = fitted
+    timing = None if only is not None else timing_input(source_model_dir, select_data, select_pairs[0][0], geo_s,
+                                                         params.timing_repeats, model_dtype, device)
     fit_tokens = sum(s.tokens for s, _ in fit_pairs)
     metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
                "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
@@ -165,19 +145,69 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                **{f"skipped/{family}": reason for family, reason in skipped.items()}}
     if timing is not None:
         metrics["source_prefill_s"] = round(timing[2], 6)  # what each time_vs_source_prefill divides by
-    metrics.update(write_mappers(ridge + mlp_candidates(mlp_ks), orders, parts, table.heldout, mlp_facts,
-                                 (source_manifest, target_manifest), params, rotated, fit_tokens, out_dir, timing))
+    metrics.update(write_mappers(closed + mlp_candidates(mlp_ks), orders, parts, table.heldout, mlp_facts,
+                                 (source_manifest, target_manifest), params, fit_tokens, out_dir, timing))
     parts.remove()
-    metrics.update(chosen_lambdas(table, ridge, params.lambda_scale))
+    metrics.update(chosen_lambdas(table, closed, params.lambda_scale))
+    write_tables(metrics_dir, table, scores, geo_s["layers"], geo_t["layers"])
+    return metrics
 
+
+def fit_layers(layers: list[int], orders: list[list[int]], splits: tuple, held: set[str], closed: list[MapName],
+               depth: int, mlp_ks: list[int], geometry: Geometry, parts: Parts, params: FitParams, device: str,
+               ranks: Ranks) -> tuple[R2Table, dict] | None:
+    """Every candidate's tensors for this rank's target `layers`, spilled to `parts`: the closed-form ones solved
+    in this thread while the MLP maps train in `fit.mlp.workers` worker threads (each on this process's intra-op
+    threads: the bytes of one thread); entries are recorded in one thread's order. A failure cancels the trainings
+    not started, so its error comes after the one in flight, not after every queued map. Rank 0 gets the merged
+    R² table and the MLP training facts per (k, layer); the other ranks None."""
+    fit_pairs, select_pairs = splits
+    table, mlp_facts = R2Table(), {}
+    mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
+                      params.mlp.patience, seed=params.seed)
+    units = [(k, layer, kind) for layer in layers for k in mlp_ks for kind in KINDS]
+    train = lambda unit: fit_mlp_unit(unit[1], orders[unit[1]], unit[0], unit[2], fit_pairs,  # noqa: E731
+                                      select_pairs, held, mlp, geometry.heads_t, parts, device)
+    pool = ThreadPoolExecutor(params.mlp.workers)
+    try:
+        training = {unit: pool.submit(train, unit) for unit in units}
+        for layer in tqdm(layers, desc="fit layers", unit="layer", disable=not ranks.main):
+            if closed:
+                fit_ridge_layer(layer, orders[layer], fit_pairs, select_pairs, closed, depth, geometry, parts, table,
+                                device, params.lambda_scale)
+            for k in mlp_ks:
+                for kind in KINDS:
+                    mlp_facts.setdefault((k, layer), {})[kind], unit_table = training[(k, layer, kind)].result()
+                    table.extend(unit_table)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    per_rank = ranks.gather((table, mlp_facts))
+    if not ranks.main:
+        return None
+    return (R2Table.merged([rank_table for rank_table, _ in per_rank]),
+            {key: facts for _, rank_facts in per_rank for key, facts in rank_facts.items()})
+
+
+def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: dict, repeats: int, model_dtype: str,
+                 device: str) -> tuple:
+    """What the mappers are timed on: the first select sequence's content-space cache, its token count, the
+    source's prefill seconds of it and the device."""
+    source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
+    token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
+    first = first_sequence(first_shard, geo_s["layers"], geo_s["kv_heads"], geo_s["head_dim"])
+    content = [tuple(t.to(device) for t in layer) for layer in first]
+    return content, len(token_ids), prefill_seconds(source_model, token_ids, repeats), device
+
+
+def write_tables(metrics_dir: Path, table: R2Table, scores: dict, source_layers: int, target_layers: int) -> None:
+    """fit_layers.csv (R² per candidate, layer, head, kind), fit_lambda_scale.csv and fit_probe.csv."""
     _write_csv(metrics_dir / "fit_layers.csv", table.rows)
     # the header alone when no linear candidate is fitted, so the declared output always exists
     _write_csv(metrics_dir / "fit_lambda_scale.csv", table.scale_rows, R2Table.SCALE_FIELDS)
     _write_csv(metrics_dir / "fit_probe.csv", [
         {"target_layer": tl, "source_layer": sl, "r2_keys_heldout": round(scores["keys"][tl, sl].item(), 6),
          "r2_values_heldout": round(scores["values"][tl, sl].item(), 6)}
-        for tl in range(geo_t["layers"]) for sl in range(geo_s["layers"])])
-    return metrics
+        for tl in range(target_layers) for sl in range(source_layers)])
 
 
 def manifests(source_root: Path, target_root: Path, params: FitParams) -> tuple[dict, dict]:
@@ -194,41 +224,43 @@ def manifests(source_root: Path, target_root: Path, params: FitParams) -> tuple[
     return source_manifest, target_manifest
 
 
-def narrowed(ridge: list[Candidate], mlp_ks: list[int], only: list[str] | None) -> tuple[list[Candidate], list[int]]:
-    """The ridge candidates and MLP k's named by `fit --only` (all of them without it); a name the fit params do
-    not make is refused."""
+def narrowed(closed: list[MapName], mlp_ks: list[int], only: list[str] | None) -> tuple[list[MapName], list[int]]:
+    """The closed-form candidates and MLP k's named by `fit --only` (all of them without it); a name the fit
+    params do not make is refused."""
     if only is None:
-        return ridge, mlp_ks
-    known = [c.name for c in ridge + mlp_candidates(mlp_ks)]
+        return closed, mlp_ks
+    known = [str(c) for c in closed + mlp_candidates(mlp_ks)]
     for name in only:
         if name not in known:
             raise ParamError(f"fit --only {name}: not a candidate of the fit params (candidates: {', '.join(known)})")
-    return [c for c in ridge if c.name in only], [k for k in mlp_ks if f"mlp_k{k}" in only]
+    return [c for c in closed if str(c) in only], [k for k in mlp_ks if str(MapName("mlp", k)) in only]
 
 
-def write_mappers(candidates: list[Candidate], orders: list[list[int]], parts: Parts, heldout: dict, mlp_facts: dict,
-                  manifests: tuple[dict, dict], params: FitParams, rotated: bool, fit_tokens: int, out_dir: Path,
+def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Parts, heldout: dict, mlp_facts: dict,
+                  manifests: tuple[dict, dict], params: FitParams, fit_tokens: int, out_dir: Path,
                   timing: tuple | None) -> dict:
     """Each candidate's mapper file, from its per-layer parts, and its figures (`maps/<name>/...`); `timing`
     (the first select sequence's content-space cache, its tokens, the source's prefill seconds, the device)
     times each against the source's prefill, None for a narrow refit (about the file's bytes, not its speed)."""
     source_manifest, target_manifest = manifests
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
+    # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
+    key_space = "rotated" if source_manifest["keys"].startswith("rotated") else "content"
     metrics = {}
-    for name, family, k, lam in tqdm(candidates, desc="write mappers", unit="mapper"):
+    for candidate in tqdm(candidates, desc="write mappers", unit="mapper"):
+        name, family, k = str(candidate), candidate.family, candidate.k
         extra = {"probe_lambda": params.probe_lambda, "lambda_scale": params.lambda_scale, "fit_tokens": fit_tokens,
                  "seed": params.seed}
-        if rotated:  # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
-            extra["key_space"] = "rotated"
-        if family == "mlp":
+        if family == "mlp":  # its training facts per layer, for the record
             extra["mlp"] = {"hidden": params.mlp.hidden,
                             "epochs": [mlp_facts[(k, layer)] for layer in range(geo_t["layers"])]}
         mapper = Mapper(family, source_manifest["model_path"], target_manifest["model_path"], geo_s, geo_t,
-                        source_manifest["rotary"], target_manifest["rotary"], k=k, ridge_lambda=lam,
+                        source_manifest["rotary"], target_manifest["rotary"], k=k,
+                        ridge_lambda=candidate.ridge_lambda or 0.0,
                         source_layers=[sorted(order[:k]) for order in orders],
                         keys=parts.take(name, geo_t["layers"], "keys"),
-                        values=parts.take(name, geo_t["layers"], "values"), extra=extra)
-        save_mapper(mapper, out_dir / f"{name}.safetensors")
+                        values=parts.take(name, geo_t["layers"], "values"), extra=extra, key_space=key_space)
+        save_mapper(mapper, paths.fitted_map(name, out_dir))
         metrics[f"maps/{name}/r2_keys_select"] = round(statistics.mean(heldout[(name, "keys")]), 6)
         metrics[f"maps/{name}/r2_values_select"] = round(statistics.mean(heldout[(name, "values")]), 6)
         metrics[f"maps/{name}/family"], metrics[f"maps/{name}/k"] = family, k
@@ -242,26 +274,31 @@ def write_mappers(candidates: list[Candidate], orders: list[list[int]], parts: P
     return metrics
 
 
-def chosen_lambdas(table: R2Table, ridge: list[Candidate], scale: str) -> dict:
-    """Per ridge family and k: the lambda with the best held-out R² on the select split (mean of keys and values
-    over layers), that candidate's R² per target layer and kind, and, per lambda scale, the worst layer's
-    held-out R² of the linear family at its best lambda on that scale (a layer whose map collapses shows here)."""
+def chosen_lambdas(table: R2Table, closed: list[MapName], scale: str) -> dict:
+    """Per closed-form family and k (and rank): the lambda with the best held-out R² on the select split (mean of
+    keys and values over layers), that candidate's R² per target layer and kind, and, per lambda scale, the worst
+    layer's held-out R² of the scale-checked family at its best lambda on that scale (a layer whose map collapses
+    shows here)."""
     out: dict[str, float | str] = {"lambda_scale": scale}
     heldout = table.heldout
-    for family, k in dict.fromkeys((c.family, c.k) for c in ridge):
-        group = [c for c in ridge if (c.family, c.k) == (family, k)]
-        best = max(group, key=lambda c: (statistics.mean(heldout[(c.name, "keys")] + heldout[(c.name, "values")]),
+    groups: dict[str, list[MapName]] = {}
+    for candidate in closed:
+        groups.setdefault(candidate.lambda_group, []).append(candidate)
+    for group_name, group in groups.items():
+        best = max(group, key=lambda c: (statistics.mean(heldout[(str(c), "keys")] + heldout[(str(c), "values")]),
                                          -c.ridge_lambda))
-        out[f"chosen/{family}_k{k}/lambda"] = best.ridge_lambda
+        out[f"chosen/{group_name}/lambda"] = best.ridge_lambda
         for kind in ("keys", "values"):
-            for layer, r2 in enumerate(table.heldout_by_layer(best.name, kind)):
-                out[f"chosen/{family}_k{k}/r2_{kind}_layer{layer}"] = round(r2, 6)
+            for layer, r2 in enumerate(table.heldout_by_layer(str(best), kind)):
+                out[f"chosen/{group_name}/r2_{kind}_layer{layer}"] = round(r2, 6)
     rows = pd.DataFrame(table.scale_rows)
     if not rows.empty:
-        rows["k"] = [next(c.k for c in ridge if c.name == name) for name in rows.candidate]
-        for (k, scale_, kind), group in rows.groupby(["k", "lambda_scale", "kind"]):
+        named = {str(c): c for c in closed}
+        rows["k"] = [named[name].k for name in rows.candidate]
+        rows["group"] = [named[name].lambda_group for name in rows.candidate]
+        for (group_name, scale_, kind), group in rows.groupby(["group", "lambda_scale", "kind"]):
             best_by_layer = group.groupby("layer").r2_heldout.max()  # each layer at its best lambda on this scale
-            out[f"lambda_scale_check/linear_k{k}/{scale_}/{kind}_worst_layer_r2"] = round(best_by_layer.min(), 6)
+            out[f"lambda_scale_check/{group_name}/{scale_}/{kind}_worst_layer_r2"] = round(best_by_layer.min(), 6)
     return out
 
 
@@ -293,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                    if not contract.family_defined(family)}
         metrics = run(caches / "source", caches / "target", paths.model("source"), paths.split("select"),
                       out, metrics_dir, params, skipped, stage.device, models.dtype, args.only, stage.ranks)
-        stage.write_metrics(metrics_dir / "fit.json", metrics)
+        stage.write_metrics(paths.fit_metrics(metrics_dir), metrics)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from pipeline.kv.families.registry import CLOSED_FORM
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import load_mapper
 from pipeline.measure.latency import (
@@ -78,7 +79,7 @@ def stage(params: LatencyParams) -> dict:
 
 def shapes_benchmark(args: argparse.Namespace) -> dict:
     _set_threads(args.threads)
-    handoff = random_pair_handoff(args.config_shapes, args.dtype, args.device, args.k, args.family)
+    handoff = random_pair_handoff(args.config_shapes, args.dtype, args.device, args.k, args.family, args.width)
     rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
     metrics = {**length_metrics(rows, env), "pair": args.config_shapes}
     print(format_table(rows, env))
@@ -116,7 +117,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
     bench.add_argument("--k", type=int, default=1, help="source layers per target layer in the random mapper")
-    bench.add_argument("--family", choices=("linear", "head_matched"), default="linear")
+    bench.add_argument("--family", choices=CLOSED_FORM, default="linear",
+                       help="the random map's family (one with an inner size takes --width)")
+    bench.add_argument("--width", type=int, help="the family's inner size (the low_rank family's rank)")
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory runs (one more run of each path per length)")
     bench.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")

@@ -117,7 +117,7 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
             lm = lm_eval_model.KVTransferLM(pair.handoff("mapped", mapper), pair.target_tokenizer, params.batch_size)
             tasks, items = evaluate_tasks(lm, pair.eval_tasks)
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
-            items.to_parquet(staging / f"{space}_tasks.parquet", index=False)
+            items.to_parquet(paths.length_tasks(space, staging), index=False)
             for task, result in tasks.items():
                 metrics[f"{space}/{task}_acc"] = round(result["acc"], 6)
         shutil.rmtree(work)

@@ -33,8 +33,7 @@ from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 pd = lazy("pandas")
 torch = lazy("torch")
 
-MAPPERS, DISTILLED, SELECTED = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER
-BEST = paths.MODELS / "best"
+MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
 
 
 class SelectParams(Params):
@@ -84,7 +83,7 @@ def score_candidates(target, source, prompts, params: SelectParams, candidates: 
                                                prompts, oracle, params.batch_size))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
-            parameters=mapper.parameter_count(), distilled="distilled" in mapper.extra,
+            parameters=mapper.parameter_count(), distilled=mapper.distilled is not None,
         )
         scores.append(summary)
     per_rank = ranks.gather(scores)
@@ -109,8 +108,7 @@ def choose(scores: list[dict], rule: str) -> tuple[dict, dict[int, dict]]:
 
 def candidate_path(name: str) -> Path:
     """A candidate's file: fit's (models/mappers/) or a distilled one (models/distilled/)."""
-    return next(path for path in (MAPPERS / f"{name}.safetensors", DISTILLED / f"{name}.safetensors")
-                if path.is_file())
+    return next(path for path in (paths.fitted_map(name), paths.distilled_map(name)) if path.is_file())
 
 
 def copy_verified(source: Path, destination: Path) -> None:
@@ -127,14 +125,15 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int)
     copy_verified(candidate_path(chosen["name"]), SELECTED)
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
-            copy_verified(candidate_path(score["name"]), staging / f"mapped_k{k}.safetensors")
+            copy_verified(candidate_path(score["name"]), paths.best_map(k, staging))
     metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
                                              "oracle_perplexity": round(oracle_summary["perplexity"], 4),
                                              "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4)}
     for score in scores:
         for key in ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine"):
             metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
-        for key in sorted((k for k in score if k.startswith("attention_cosine_layer")), key=lambda k: int(k[22:])):
+        layers = sum(key.startswith("attention_cosine_layer") for key in score)  # compare.attention_summary's
+        for key in (f"attention_cosine_layer{layer}" for layer in range(layers)):
             metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]

@@ -207,8 +207,7 @@ def bound_costs(params: SelectiveParams, handoff: Handoff, disagree) -> dict[str
     family and k, and each score's extra (`disagree`: a second map of the larger k of its two, linear)."""
     source, target = pair_configs(params.bound_pair)
     mapper = handoff.mapper
-    hidden = (mapper.extra.get("mlp") or {}).get("hidden")
-    macs = mapper_macs_per_token(source, target, mapper.k, mapper.family, hidden)
+    macs = mapper_macs_per_token(source, target, mapper.k, mapper.family, mapper.width)
     second_k = max(other.mapper.k for other in disagree) if disagree else 1
     second = mapper_macs_per_token(source, target, second_k, "linear")
     costs = {"target": target_prefill_macs(target, params.length),

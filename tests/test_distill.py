@@ -188,7 +188,7 @@ def test_an_unfrozen_target_an_untrainable_map_and_no_work_to_do_are_refused(ran
     with pytest.raises(ValueError, match="nothing to distil"):
         trainable(replace(start, family="identity", source_geometry=start.target_geometry), "cpu")
     with pytest.raises(ValueError, match="rotated keys"):
-        trainable(replace(start, extra={"key_space": "rotated"}), "cpu")
+        trainable(replace(start, key_space="rotated"), "cpu")
 
 
 def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(periodic):
@@ -200,7 +200,7 @@ def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(peri
     distilled, history = distill(start, Splits([fit], [periodic_rows(periodic, 2, 16)]), periodic, settings(epochs=4))
     # AdamW's first steps move every entry by about lr however small the gradient, so from an exact map the
     # trained epochs score worse on select, and the select KL is what keeps the start
-    assert history[0]["select_kl"] < 1e-6 and distilled.extra["distilled"]["select_kl"] <= history[0]["select_kl"]
+    assert history[0]["select_kl"] < 1e-6 and distilled.distilled["select_kl"] <= history[0]["select_kl"]
     for moved, kept in zip(map_tensors(distilled), map_tensors(start), strict=True):
         assert (moved - kept).abs().max() < 1e-3
 
@@ -246,7 +246,7 @@ def test_the_distilled_map_saves_loads_and_hands_off_like_any_mapper(periodic, r
     distilled, start = recovery["distilled"], recovery["start"]
     assert [t.shape for t in map_tensors(distilled)] == [t.shape for t in map_tensors(start)]
     assert distilled.parameter_count() == start.parameter_count() and distilled.family == start.family
-    facts = distilled.extra["distilled"]
+    facts = distilled.distilled
     assert facts["best_epoch"] == min(recovery["history"], key=lambda row: row["select_kl"])["epoch"] > 0
     assert facts["steps"] == facts["epochs"] * 4 and facts["kv_weight"] == 0.0  # 256 fit rows, 64 a step
     save_mapper(distilled, tmp_path / "distilled.safetensors")

@@ -5,7 +5,7 @@ from pipeline.kv.flops import (
     attention_macs,
     handoff_macs,
     linear_macs_per_token,
-    mapper_weight_count,
+    mapper_macs_per_token,
     speedup_bound,
     target_prefill_macs,
 )
@@ -28,17 +28,17 @@ def test_attention_costs_57k_per_token_per_prefix_token_in_both_models():
 
 @pytest.mark.parametrize("k, family, millions", [(1, "linear", 59), (1, "head_matched", 7), (4, "linear", 235)])
 def test_mapper_multiply_adds_per_token_match_protocol(k, family, millions):
-    assert mapper_weight_count(SOURCE, TARGET, k, family) / 1e6 == pytest.approx(millions, rel=0.05)
+    assert mapper_macs_per_token(SOURCE, TARGET, k, family) / 1e6 == pytest.approx(millions, rel=0.05)
 
 
 def test_mapper_count_from_configs_equals_a_built_mappers_weights():
     mapper = random_mapper(SOURCE, TARGET, k=2)
-    assert mapper_weight_count(SOURCE, TARGET, 2, "linear") == sum(w.numel() for w, _ in mapper.keys + mapper.values)
+    assert mapper_macs_per_token(SOURCE, TARGET, 2, "linear") == sum(w.numel() for w, _ in mapper.keys + mapper.values)
 
 
 @pytest.mark.parametrize("length, bound", [(128, 2.8), (2048, 2.5), (8192, 1.9)])
 def test_k1_bound_matches_protocol(length, bound):
-    assert speedup_bound(SOURCE, TARGET, mapper_weight_count(SOURCE, TARGET, 1, "linear"), length) == pytest.approx(
+    assert speedup_bound(SOURCE, TARGET, mapper_macs_per_token(SOURCE, TARGET, 1, "linear"), length) == pytest.approx(
         bound, abs=0.06)
 
 

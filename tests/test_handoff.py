@@ -75,7 +75,7 @@ def test_identity_mapper_through_strip_map_apply_reproduces_direct(target, sourc
 def test_a_map_fitted_on_rotated_keys_reads_and_writes_them_as_cached(source):
     other_rope = build_model(tiny_config(VOCAB, 64, rope_theta=500.0), seed=1)  # the same KV geometry
     stripped = identity_mapper("source", "target", source.config, other_rope.config)
-    rotated = replace(stripped, extra={"key_space": "rotated"})
+    rotated = replace(stripped, key_space="rotated")
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     cached = Handoff(other_rope, source, "mapped", stripped).source_prefill(ids)
     as_cached = Handoff(other_rope, source, "mapped", rotated).to_target(cached)

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Protocol, Sequence
 
+from pipeline.kv.families.registry import TRAINABLE
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.mapper import Mapper
@@ -37,21 +38,6 @@ from pipeline.store.lazy import lazy
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 safetensors = lazy("safetensors")
-
-TRAINABLE = ("linear", "head_matched", "mlp")
-SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
-
-
-def family_of(name: str) -> str:
-    """The family a fit candidate's name starts with (`head_matched_k3_lam0.1` -> head_matched)."""
-    return next((family for family in sorted(TRAINABLE, key=len, reverse=True) if name.startswith(family + "_")),
-                name.split("_")[0])
-
-
-def start_of(name: str) -> str | None:
-    """The start map a distilled map's name names (`mlp_k3+kl` -> mlp_k3); None for a fitted map's name."""
-    return name.removesuffix(SUFFIX) if name.endswith(SUFFIX) else None
-
 
 @dataclass(frozen=True)
 class DistillSettings:
@@ -205,7 +191,7 @@ def trainable(start: Mapper, device) -> Mapper:
     """A copy of `start` whose tensors are leaf parameters on `device`, float32 (float64 for a float64 start)."""
     if start.family not in TRAINABLE:
         raise ValueError(f"a {start.family!r} map has nothing to distil (trainable families: {', '.join(TRAINABLE)})")
-    if start.extra.get("key_space") == "rotated":
+    if start.key_space == "rotated":
         raise ValueError("the start map reads and writes rotated keys (the no-strip ablation); distillation starts "
                          "from a content-space map")
     dtype = torch.promote_types(start.keys[0][0].dtype, torch.float32)
@@ -215,7 +201,7 @@ def trainable(start: Mapper, device) -> Mapper:
 
 
 def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
-    """The map's tensors in one fixed order: keys then values, layer by layer, TENSOR_NAMES order within."""
+    """The map's tensors in one fixed order: keys then values, layer by layer, the family's tensor order within."""
     return [t for tensors in mapper.keys + mapper.values for t in tensors]
 
 
@@ -379,8 +365,9 @@ def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -
 
 
 def finished(start: Mapper, tensors: list[torch.Tensor], facts: dict) -> Mapper:
-    """`start` with `tensors` (in `map_tensors` order) in its place, on the CPU in its dtype, and `facts` in extra."""
+    """`start` with `tensors` (in `map_tensors` order) in its place, on the CPU in its dtype, and `facts` as its
+    distillation record."""
     flat = iter(t.detach().to("cpu", start.keys[0][0].dtype).contiguous() for t in tensors)
     take = lambda layers: [tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]  # noqa: E731
     keys, values = take(start.keys), take(start.values)
-    return replace(start, keys=keys, values=values, extra={**start.extra, "distilled": facts})
+    return replace(start, keys=keys, values=values, distilled=facts)

@@ -1,9 +1,10 @@
-"""Every candidate map for one target layer: the ridge families from shared moments, the MLP by training.
+"""Every candidate map for one target layer: the closed-form families from shared moments, the MLP by training.
 
-- Ridge (`linear`, `head_matched`): the moments of the `max(k)` chosen source layers' inputs are accumulated
-  on all fit sequences and, separately, on the select split (or, for a split with fewer rows than features,
-  the rows themselves: `ridge.summary`); every k (its top-k layers), every lambda and the head-matched family
-  are index selections of them: solved once per layer and scored in and out of sample with no further pass.
+- Closed form (the families whose `fitting` is `closed_form`: linear, head_matched, low_rank, ...): the moments
+  of the `max(k)` chosen source layers' inputs are accumulated on all fit sequences and, separately, on the
+  select split (or, for a split with fewer rows than features, the rows themselves: `ridge.summary`); every k
+  (its top-k layers), every lambda and every such family are index selections of them, each solved by its
+  family's module (`kv.families`) once per layer and scored in and out of sample with no further pass.
 - MLP: rows of the k chosen layers are gathered and a one-hidden-layer map is trained (`mlpfit`),
   early-stopped on the probes' held-out fit sequences.
 
@@ -15,12 +16,12 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
 
 from pipeline.fitting import ridge
 from pipeline.fitting.mlpfit import MlpSettings, train_mlp
 from pipeline.fitting.probes import Pairs, held_rows
-from pipeline.kv.mapper import project
+from pipeline.kv.families.base import Geometry, columns
+from pipeline.kv.families.registry import FAMILIES, MapName
 from pipeline.store.cachefiles import KINDS
 from pipeline.store.lazy import lazy
 
@@ -28,30 +29,16 @@ torch = lazy("torch")
 safetensors_torch = lazy("safetensors.torch")
 
 
-class Candidate(NamedTuple):
-    name: str
-    family: str
-    k: int
-    ridge_lambda: float
+def closed_form_candidates(families: list[str], ks: list[int], lambdas: list[float],
+                           widths: dict[str, list[int]]) -> list[MapName]:
+    """The closed-form grid: per family, k and lambda (and, for a family with an inner size in its name, each
+    of its `widths`: the low-rank map's ranks), in that order."""
+    return [MapName(family, k, lam, width) for family in families for k in ks
+            for width in (widths[family] if "rank" in FAMILIES[family].name_fields else [None]) for lam in lambdas]
 
 
-def ridge_candidates(families: list[str], ks: list[int], lambdas: list[float]) -> list[Candidate]:
-    return [Candidate(f"{family}_k{k}_lam{lam:g}", family, k, lam)
-            for family in families for k in ks for lam in lambdas]
-
-
-def mlp_candidates(ks: list[int]) -> list[Candidate]:
-    return [Candidate(f"mlp_k{k}", "mlp", k, 0.0) for k in ks]
-
-
-@dataclass
-class Geometry:
-    """KV heads and head_dim of source (s) and target (t)."""
-
-    heads_s: int
-    dim_s: int
-    heads_t: int
-    dim_t: int
+def mlp_candidates(ks: list[int]) -> list[MapName]:
+    return [MapName("mlp", k) for k in ks]
 
 
 @dataclass
@@ -150,56 +137,36 @@ def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):
 
 
 def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs: Pairs,
-                    candidates: list[Candidate], depth: int, geometry: Geometry, parts: Parts, table: R2Table,
+                    candidates: list[MapName], depth: int, geometry: Geometry, parts: Parts, table: R2Table,
                     device: str | torch.device, lambda_scale: str) -> None:
-    """The ridge candidates for one target layer: one accumulation over the top `depth` source layers (the
+    """The closed-form candidates for one target layer: one accumulation over the top `depth` source layers (the
     largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
-    then sub-block solves, on `device` in float64, each with its lambda read on `lambda_scale` (`ridge.
-    effective_lambda`: relative to each sub-problem's own Gram diagonal). A linear candidate is also solved with
-    its lambda read the other way and scored on the select split (`R2Table.scales`): what the scale changes."""
+    then each candidate's family solves its sub-blocks (`Family.solve`), on `device` in float64, with its lambda
+    read on `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own Gram diagonal). A family
+    with `scale_check` is also solved with its lambda read the other way and scored on the select split
+    (`R2Table.scales`): what the scale changes."""
     g = geometry
     chosen_max = sorted(order[:depth])
-    width_s = g.heads_s * g.dim_s
-    in_width, out_width = len(chosen_max) * width_s, g.heads_t * g.dim_t
+    in_width, out_width = len(chosen_max) * g.heads_s * g.dim_s, g.heads_t * g.dim_t
     fit_rows, select_rows = (sum(source.tokens for source, _ in pairs) for pairs in (fit_pairs, select_pairs))
     for kind in KINDS:
         fit_m = accumulate(ridge.summary(fit_rows, in_width, out_width, device), fit_pairs, layer, chosen_max, kind)
         select_m = accumulate(ridge.summary(select_rows, in_width, out_width, device), select_pairs, layer,
                               chosen_max, kind)
-        for name, family, k, lam in candidates:
-            blocks = [chosen_max.index(p) for p in sorted(order[:k])]
-            if family == "linear":
-                inputs = torch.cat([torch.arange(b * width_s, (b + 1) * width_s, device=device)
-                                    for b in blocks])  # (k*Hs*Ds,)
-                own, own_select = fit_m.select(inputs), select_m.select(inputs)
-                solved = ridge.effective_lambda(own, lam, lambda_scale)
-                weight, bias = ridge.solve(own, solved)  # (F, Ht*Dt), (Ht*Dt,): all heads, one solve
-                sse_fit = ridge.fitted_residual_ss(own, weight, bias, solved)
-                sse_sel = ridge.residual_ss(own_select, weight, bias)
-                lambdas = [solved] * g.heads_t
-                _compare_scales(table, name, layer, kind, own, own_select, lam, lambda_scale, solved, sse_sel,
+        for candidate in candidates:
+            name, spec = str(candidate), FAMILIES[candidate.family]
+            blocks = [chosen_max.index(p) for p in sorted(order[:candidate.k])]
+            solved = spec.solve(fit_m, select_m, blocks, candidate.ridge_lambda, g, lambda_scale, ridge, device,
+                                candidate.width)
+            if spec.scale_check:
+                inputs = columns(blocks, g, device)
+                _compare_scales(table, name, layer, kind, fit_m.select(inputs), select_m.select(inputs),
+                                candidate.ridge_lambda, lambda_scale, solved.lambdas[0], solved.sse_select,
                                 ridge.total_ss(select_m))
-                tensors = (weight.reshape(-1, g.heads_t, g.dim_t).permute(1, 0, 2), bias.reshape(g.heads_t, g.dim_t))
-            else:  # head_matched: target head h reads source head h of each chosen layer: its own solve
-                weights, biases, sse_fit, sse_sel, lambdas = [], [], [], [], []
-                for head in range(g.heads_t):
-                    inputs = torch.cat([torch.arange(b * width_s + head * g.dim_s, b * width_s + (head + 1) * g.dim_s,
-                                                     device=device) for b in blocks])  # (k*Ds,)
-                    outputs = torch.arange(head * g.dim_t, (head + 1) * g.dim_t, device=device)
-                    own = fit_m.select(inputs, outputs)
-                    lambdas.append(ridge.effective_lambda(own, lam, lambda_scale))
-                    weight, bias = ridge.solve(own, lambdas[-1])  # (k*Ds, Dt), (Dt,)
-                    sse_fit.append(ridge.fitted_residual_ss(own, weight, bias, lambdas[-1]))
-                    sse_sel.append(ridge.residual_ss(select_m.select(inputs, outputs), weight, bias))
-                    weights.append(weight)
-                    biases.append(bias)
-                sse_fit, sse_sel = torch.cat(sse_fit), torch.cat(sse_sel)
-                tensors = (torch.stack(weights), torch.stack(biases))  # (H, k*Ds, Dt), (H, Dt)
-            per_head_params = inputs.numel() + 1
-            parts.put(name, layer, kind, tensors)
-            r2_fit = ridge.pooled_r2(sse_fit, ridge.total_ss(fit_m), g.heads_t)
-            r2_sel = ridge.pooled_r2(sse_sel, ridge.total_ss(select_m), g.heads_t)
-            table.record(name, layer, kind, r2_fit, r2_sel, per_head_params / fit_m.n, lambdas)
+            parts.put(name, layer, kind, solved.tensors)
+            r2_fit = ridge.pooled_r2(solved.sse_fit, ridge.total_ss(fit_m), g.heads_t)
+            r2_sel = ridge.pooled_r2(solved.sse_select, ridge.total_ss(select_m), g.heads_t)
+            table.record(name, layer, kind, r2_fit, r2_sel, solved.parameters_per_output / fit_m.n, solved.lambdas)
 
 
 def _compare_scales(table: R2Table, name: str, layer: int, kind: str, own, own_select, lam: float, scale: str,
@@ -228,7 +195,7 @@ def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: se
 
 def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The mlp map on rows: x (N, F) -> (N, Ht*Dt), as the mapper computes it."""
-    out = project("mlp", x[None], *tensors)[0]  # (Ht, N, Dt)
+    out = FAMILIES["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
     return out.permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
@@ -237,7 +204,7 @@ def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pai
     """The `mlp_k<k>` candidate's map for one target layer and kind, trained with its own seed (derived from the
     fit's `settings.seed`, the layer and the kind) and put in `parts`; returns its training facts and its own R²
     entry. Units share only the caches they read, so several may train side by side in threads."""
-    name = f"mlp_k{k}"
+    name = str(MapName("mlp", k))
     chosen = sorted(order[:k])
     table = R2Table()
     x, y, mask = (t.to(device) for t in gather_rows(fit_pairs, layer, chosen, kind, held))

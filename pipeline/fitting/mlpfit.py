@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.kv.mapper import mlp_hidden
+from pipeline.kv.families.mlp import hidden_layer
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -48,7 +48,7 @@ def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     b2 = torch.zeros(out_width, device=device, requires_grad=True)
     params = [w1, b1, w2, b2]
     optimizer = torch.optim.Adam(params, lr=settings.lr)
-    predict = lambda x: mlp_hidden(x, w1, b1) @ w2 + b2  # noqa: E731  (N, out_width)
+    predict = lambda x: hidden_layer(x, w1, b1) @ w2 + b2  # noqa: E731  (N, out_width)
 
     best_loss, best_epoch, best = float("inf"), -1, [p.detach().clone() for p in params]
     for epoch in range(settings.max_epochs):

@@ -185,6 +185,16 @@ def fitted_residual_ss(m: Moments | Rows, weight: torch.Tensor, bias: torch.Tens
     return total_ss(m) - (weight * cov_xy).sum(0) - ridge_lambda * (weight * weight).sum(0)
 
 
+def input_scatter(m: Moments | Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs' centered Gram (F, F), sum of (x - mean x)^T (x - mean x), and their mean (F,)."""
+    if isinstance(m, Rows):
+        mean_x = m.x.mean(0)
+        centered = m.x - mean_x  # (N, F)
+        return centered.T @ centered, mean_x
+    mean_x = m.sum_x / m.n
+    return m.xtx - m.n * torch.outer(mean_x, mean_x), mean_x
+
+
 def total_ss(m: Moments | Rows) -> torch.Tensor:
     """Sum of (y - mean y)^2 per output column (O,)."""
     if isinstance(m, Rows):

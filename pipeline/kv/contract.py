@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.kv.families.base import Family
+from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal
 from pipeline.store.cli import Refusal
@@ -34,7 +36,6 @@ from pipeline.store.params import read_params
 # mixture-of-experts ones route the MLP per token and keep their dense siblings' attention and cache
 TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MODES = ("oracle", "zero", "source", "direct", "mapped", "shuffled")
-MAPPER_FAMILIES = ("identity", "linear", "head_matched", "mlp")
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 
 
@@ -270,6 +271,12 @@ def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tok
     return "identical", None, ""
 
 
+def _geometry_refusal(spec: Family, source: ModelCard, target: ModelCard) -> str | None:
+    """Why the pair's KV geometries cannot have a map of the family `spec`, naming both models, or None."""
+    reason = spec.requirement(source.geometry, target.geometry)
+    return reason and f"{reason} (source {source.name!r}, target {target.name!r})"
+
+
 def pair_contract(target_config, source_config=None, target_tokenizer=None, source_tokenizer=None,
                   max_tokens: int | None = None) -> Contract:
     """The contract of a pair (or of a target alone), from configs and, when given, tokenizers."""
@@ -278,7 +285,7 @@ def pair_contract(target_config, source_config=None, target_tokenizer=None, sour
     modes["oracle"] = modes["zero"] = target.refusal
     if source_config is None:
         return Contract(target, None, "unchecked", "no source model given", modes,
-                        {family: "no source model given" for family in MAPPER_FAMILIES})
+                        {family: "no source model given" for family in FAMILIES})
     source = ModelCard.read(source_config, max_tokens)
     tokenizers, token_refusal, note = tokenizer_verdict(source_config, target_config, source_tokenizer,
                                                         target_tokenizer)
@@ -288,9 +295,5 @@ def pair_contract(target_config, source_config=None, target_tokenizer=None, sour
     modes["direct"] = both or (None if source.geometry == target.geometry else (
         f"direct injection needs equal KV geometry, but source {source.name!r} has {source.geometry} and target "
         f"{target.name!r} has {target.geometry}; use a fitted mapper (transfer=mapped)"))
-    families = {"linear": both, "mlp": both, "identity": modes["direct"]}
-    families["head_matched"] = both or (
-        None if source.geometry["kv_heads"] == target.geometry["kv_heads"] else
-        f"head_matched needs equal KV head counts, but source {source.name!r} has {source.geometry['kv_heads']} "
-        f"and target {target.name!r} has {target.geometry['kv_heads']}")
+    families = {name: both or _geometry_refusal(spec, source, target) for name, spec in FAMILIES.items()}
     return Contract(target, source, tokenizers, note, modes, families)

@@ -14,6 +14,10 @@ The bound is the ratio of the two totals: what the handoff could gain if time we
 """
 from __future__ import annotations
 
+import math
+
+from pipeline.kv.families.base import Geometry
+from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.kvcache import kv_geometry
 
 
@@ -42,37 +46,26 @@ def logits_macs(config) -> int:
     return config.hidden_size * config.vocab_size
 
 
-def mapper_weight_count(source_config, target_config, k: int, family: str) -> int:
-    """Multiply-adds per token of a keys+values mapper: one per weight (see `mapper.Mapper`)."""
-    source, target = kv_geometry(source_config), kv_geometry(target_config)
-    heads_in = 1 if family == "head_matched" else source["kv_heads"]
-    per_head = k * heads_in * source["head_dim"] * target["head_dim"]
-    return 2 * target["layers"] * target["kv_heads"] * per_head  # keys and values
+def _layer_sizes(source_config, target_config, k: int, family: str, width: int | None) -> tuple[int, int]:
+    """(weights, biases) of one target layer and kind of a `family` map, from the family's tensor shapes."""
+    spec = FAMILIES[family]
+    shapes = spec.shapes(Geometry.of(kv_geometry(source_config), kv_geometry(target_config)), k, width)
+    sizes = [(name.endswith("bias"), math.prod(shape)) for name, shape in zip(spec.tensor_names, shapes)]
+    return sum(n for bias, n in sizes if not bias), sum(n for bias, n in sizes if bias)
 
 
-def mapper_macs_per_token(source_config, target_config, k: int, family: str, hidden: int | None = None) -> int:
+def mapper_macs_per_token(source_config, target_config, k: int, family: str, width: int | None = None) -> int:
     """Multiply-adds per token of a keys+values mapper of any family: one per weight, biases are adds (as
-    `mapper.Mapper.macs_per_token` counts a fitted one; `hidden`: the mlp family's width)."""
-    if family != "mlp":
-        return mapper_weight_count(source_config, target_config, k, family)
-    if not hidden:
-        raise ValueError("the mlp family's size needs its hidden width")
-    source, target = kv_geometry(source_config), kv_geometry(target_config)
-    inputs = k * source["kv_heads"] * source["head_dim"]
-    return 2 * target["layers"] * (inputs * hidden + target["kv_heads"] * hidden * target["head_dim"])
+    `mapper.Mapper.macs_per_token` counts a fitted one; `width`: the family's inner size, e.g. the MLP's hidden
+    width or the low-rank map's rank)."""
+    weights, _ = _layer_sizes(source_config, target_config, k, family, width)
+    return 2 * kv_geometry(target_config)["layers"] * weights  # keys and values
 
 
-def mapper_parameter_count(source_config, target_config, k: int, family: str, hidden: int | None = None) -> int:
-    """Parameters of a keys+values mapper of `family` (weights and biases; `hidden`: the mlp family's width)."""
-    source, target = kv_geometry(source_config), kv_geometry(target_config)
-    biases = 2 * target["layers"] * target["kv_heads"] * target["head_dim"]
-    if family != "mlp":
-        return mapper_weight_count(source_config, target_config, k, family) + biases
-    if not hidden:
-        raise ValueError("the mlp family's size needs its hidden width")
-    inputs = k * source["kv_heads"] * source["head_dim"]
-    per_kind = (inputs + 1) * hidden + target["kv_heads"] * hidden * target["head_dim"]
-    return 2 * target["layers"] * per_kind + biases
+def mapper_parameter_count(source_config, target_config, k: int, family: str, width: int | None = None) -> int:
+    """Parameters of a keys+values mapper of `family` (weights and biases; `width` as for the multiply-adds)."""
+    weights, biases = _layer_sizes(source_config, target_config, k, family, width)
+    return 2 * kv_geometry(target_config)["layers"] * (weights + biases)
 
 
 def target_prefill_macs(target_config, length: int) -> int:

@@ -144,7 +144,7 @@ class Handoff:
         source_rotation = Rotation(self.source_spec, positions)
         mapper = self.mapper if self.mode in MAPPER_MODES else None
         # a map fitted on rotated keys (the length study's no-strip ablation) reads and writes them as cached
-        rotated = mapper is not None and mapper.extra.get("key_space") == "rotated"
+        rotated = mapper is not None and mapper.key_space == "rotated"
         content = [(k.float() if rotated else source_rotation.strip(k.float()), v.float())
                    for k, v in source_layers]  # float32, content space (or rotated, for the ablation)
         order = None

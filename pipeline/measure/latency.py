@@ -265,10 +265,11 @@ def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int,
     return measure(handoff, lengths, warmup, repeats, memory), environment(handoff, repeats, warmup)
 
 
-def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str) -> Handoff:
-    """The handoff between random models of a named pair's real shapes, through a random mapper of k."""
+def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str, width: int | None = None) -> Handoff:
+    """The handoff between random models of a named pair's real shapes, through a random mapper of `family`, k
+    and `width` (the family's inner size, where it has one)."""
     source_config, target_config = pair_configs(pair)
     target = random_model(target_config, dtype, device, seed=1)
     source = random_model(source_config, dtype, device, seed=2)
-    mapper = random_mapper(source_config, target_config, k, family).to(device)
+    mapper = random_mapper(source_config, target_config, k, family, width=width).to(device)
     return Handoff(target, source, "mapped", mapper)

@@ -22,6 +22,7 @@ PINS = MODELS / "pins.json"
 MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl
 SELECTED_MAPPER = MODELS / "mapper.safetensors"
+BEST = MODELS / "best"  # per k of the linear family, its best ridge strength: V0's rows
 
 # caches/: each model's RoPE-stripped caches over the fit and select splits
 CACHES = Path("caches")
@@ -39,7 +40,7 @@ SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gate
 METRICS = Path("metrics")
 PARAMS_CHECK = METRICS / "params_check.json"
 MODEL_SCORES = METRICS / "models.json"
-FIT = METRICS / "fit.json"
+FIT = METRICS / "fit.json"  # fit_metrics()
 DISTILL = METRICS / "distill.json"
 DISTILL_CURVES = METRICS / "distill"  # per map, per epoch: fit losses, select KL and agreement
 SELECT = METRICS / "select.json"
@@ -87,3 +88,79 @@ BASELINES = ("oracle", "direct", "source", "zero")
 
 def variant_metrics(variant: str) -> Path:
     return VARIANT_METRICS / f"{variant}.json"
+
+
+def variant_folder(variant: str) -> Path:
+    """One evaluated variant's folder of rows, eval/<variant>/."""
+    return EVAL / variant
+
+
+def variant_rows(table: str, folder: Path) -> Path:
+    """A variant's per-prompt (`prompts`) or per-item (`items`) rows in its folder (`variant_folder`, or staged)."""
+    return folder / f"{table}.parquet"
+
+
+def fit_metrics(folder: Path = METRICS) -> Path:
+    """fit.json in `folder` (metrics/, or a refit's own folder)."""
+    return folder / "fit.json"
+
+
+def length_tasks(space: str, folder: Path = LENGTH_ROWS) -> Path:
+    """The length study's per-item task rows of one key space (in `folder` while staged)."""
+    return folder / f"{space}_tasks.parquet"
+
+
+def fitted_map(name: str, folder: Path = MAPPERS) -> Path:
+    """A map the fit wrote, by its name (`kv.families.registry.MapName`), in `folder` (a refit's own)."""
+    return folder / f"{name}.safetensors"
+
+
+def distilled_map(name: str, folder: Path = DISTILLED) -> Path:
+    """A distilled map (its name ends in +kl) in `folder`."""
+    return folder / f"{name}.safetensors"
+
+
+def distill_curve(name: str, folder: Path = DISTILL_CURVES) -> Path:
+    """A distilled map's per-epoch curve."""
+    return folder / f"{name}.csv"
+
+
+def best_variant(k: int) -> str:
+    """The V0 row of the linear family at k: the variant and file stem `mapped_k<k>`."""
+    return f"mapped_k{k}"
+
+
+def best_k(variant: str) -> int | None:
+    """The k of a `best_variant` name (`mapped_k4` -> 4), None for any other variant."""
+    stem = variant.removeprefix("mapped_k")
+    return int(stem) if stem != variant and stem.isdigit() else None
+
+
+def best_map(k: int, folder: Path = BEST) -> Path:
+    """select's best map of the linear family at k (in `folder` while staged)."""
+    return folder / f"{best_variant(k)}.safetensors"
+
+
+def calibration_point(size: int) -> Path:
+    """The metrics of the calibration curve's point at `size` sequences."""
+    return CALIBRATION / f"{size}.json"
+
+
+def calibration_points() -> dict[int, Path]:
+    """Every calibration point on disk, by its size."""
+    return {int(path.stem): path for path in sorted(CALIBRATION.glob("*.json"))}
+
+
+def calibration_items(size: int) -> Path:
+    """The folder of a calibration point's per-item rows, one parquet per map (`calibration_map_items`)."""
+    return CALIBRATION_ITEMS / str(size)
+
+
+def candidate_items(name: str, folder: Path = CANDIDATE_ITEMS) -> Path:
+    """One map's per-item task rows from the candidates stage (or a calibration point's folder)."""
+    return folder / f"{name}.parquet"
+
+
+def candidate_prompts(name: str, folder: Path = CANDIDATE_PROMPTS) -> Path:
+    """One map's per-prompt rows from the candidates stage (a distilled map and its start)."""
+    return folder / f"{name}.parquet"

@@ -21,7 +21,6 @@ from pipeline.studies.variants import Run
 np = lazy("numpy")
 pd = lazy("pandas")
 
-POINTS, ITEMS = paths.CALIBRATION, paths.CALIBRATION_ITEMS
 
 
 @dataclass
@@ -33,12 +32,12 @@ class Inputs:
 
 def load(run: Run) -> Inputs | None:
     """None when no declared size ran, or without the source's items (gap closure needs them)."""
-    points = {int(path.stem): json.loads(path.read_text()) for path in sorted(POINTS.glob("*.json"))}
+    points = {size: json.loads(path.read_text()) for size, path in paths.calibration_points().items()}
     points = {size: point for size, point in points.items() if size in run.keys["calibration.sizes"]}
     if not points or "source" not in run.items:
         return None
     return Inputs(run.items, points, {size: {path.stem: pd.read_parquet(path)
-                                             for path in sorted((ITEMS / str(size)).glob("*.parquet"))}
+                                             for path in sorted(paths.calibration_items(size).glob("*.parquet"))}
                                       for size in points})
 
 

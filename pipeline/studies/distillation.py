@@ -42,10 +42,10 @@ def load(run: Run) -> Inputs | None:
         return None
     distill = json.loads(paths.DISTILL.read_text())
     names = [*distill["maps"], *(facts["start"] for facts in distill["maps"].values())]
-    candidates = {name: paths.CANDIDATE_ITEMS / f"{name}.parquet" for name in names}
+    candidates = {name: paths.candidate_items(name) for name in names}
     items = {**run.items, **{name: pd.read_parquet(path) for name, path in candidates.items() if path.is_file()}}
-    curves = {name: pd.read_csv(paths.DISTILL_CURVES / f"{name}.csv") for name in distill["maps"]}
-    prompt_rows = {name: paths.CANDIDATE_PROMPTS / f"{name}.parquet" for name in names}
+    curves = {name: pd.read_csv(paths.distill_curve(name)) for name in distill["maps"]}
+    prompt_rows = {name: paths.candidate_prompts(name) for name in names}
     prompts = {name: pd.read_parquet(path) for name, path in prompt_rows.items() if path.is_file()}
     return Inputs(distill, curves, run.select, items, prompts)
 

@@ -40,7 +40,7 @@ def load(run: Run) -> Inputs | None:
     rows = {(space, length): pd.read_parquet(paths.length_rows(space, length, ROWS))
             for space in SPACES for length in sorted(map(int, figures["oracle"]["by_length"]))}
     return Inputs(figures, rows,
-                  {space: pd.read_parquet(ROWS / f"{space}_tasks.parquet") for space in SPACES})
+                  {space: pd.read_parquet(paths.length_tasks(space, ROWS)) for space in SPACES})
 
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:

@@ -41,7 +41,6 @@ V0 = {
     "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
-EVAL_METRICS, EVAL_ROWS = paths.VARIANT_METRICS, paths.EVAL
 CONTROLS, SELECT, LATENCY = paths.CONTROLS, paths.SELECT, paths.LATENCY
 LABELS = {
     "oracle": "Target full-prefill oracle",
@@ -77,8 +76,8 @@ WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decid
 def label(variant: str) -> str:
     if variant.startswith("distilled_k"):
         return f"Distilled mapped transfer, k={variant[len('distilled_k'):]}"
-    if variant.startswith("mapped_k"):
-        return f"Learned mapped transfer, k={variant[len('mapped_k'):]}"
+    if paths.best_k(variant) is not None:
+        return f"Learned mapped transfer, k={paths.best_k(variant)}"
     return LABELS.get(variant, variant)
 
 
@@ -98,14 +97,15 @@ def load(names: list[str], keys: dict) -> Run:
     leaves other files there) and the files every study beside them reads."""
     metrics, items, prompts, skipped = {}, {}, {}, {}
     for variant in names:
-        metrics[variant] = json.loads((EVAL_METRICS / f"{variant}.json").read_text())
+        metrics[variant] = json.loads(paths.variant_metrics(variant).read_text())
         if "skipped" in metrics[variant]:  # undefined for this pair (kv.contract): reported, not compared
             skipped[variant] = metrics.pop(variant)["skipped"]
             continue
-        items[variant] = pd.read_parquet(EVAL_ROWS / variant / "items.parquet")
-        prompts[variant] = pd.read_parquet(EVAL_ROWS / variant / "prompts.parquet")
+        items[variant] = pd.read_parquet(paths.variant_rows("items", paths.variant_folder(variant)))
+        prompts[variant] = pd.read_parquet(paths.variant_rows("prompts", paths.variant_folder(variant)))
     if "oracle" not in metrics:
-        raise FileNotFoundError("metrics/eval/oracle.json not found: the report needs the oracle's evaluation")
+        raise FileNotFoundError(f"{paths.variant_metrics('oracle')} not found: the report needs the oracle's "
+                                "evaluation")
     return Run(metrics, items, prompts, skipped, controls=json.loads(CONTROLS.read_text()),
                select=json.loads(SELECT.read_text()) if SELECT.is_file() else {},
                latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(), keys=keys)
@@ -120,9 +120,9 @@ def compute(params: ReportParams, run: Run) -> dict:
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
     pairs = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
-    larger_k = sorted((int(v[8:]) for v in metrics if v.startswith("mapped_k") and v != "mapped_k1"))
-    if "mapped_k1" in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layer count
-        pairs[f"k1_minus_k{larger_k[-1]}"] = ("mapped_k1", f"mapped_k{larger_k[-1]}")
+    larger_k = sorted(k for k in map(paths.best_k, metrics) if k is not None and k != 1)
+    if paths.best_variant(1) in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layers
+        pairs[f"k1_minus_k{larger_k[-1]}"] = (paths.best_variant(1), paths.best_variant(larger_k[-1]))
     for variant in sorted(v for v in metrics if v.startswith("distilled_k")):  # each distilled map vs its start's k
         if f"mapped_k{variant[len('distilled_k'):]}" in metrics:
             pairs[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
@@ -176,7 +176,7 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    first = ["oracle", "direct"] + sorted((v for v in variants if v.startswith("mapped_k")), key=lambda v: int(v[8:]))
+    first = ["oracle", "direct"] + sorted((v for v in variants if paths.best_k(v) is not None), key=paths.best_k)
     rest = ["selected", "source", "zero", "shuffled"]
     return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
 

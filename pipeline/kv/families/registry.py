@@ -1,0 +1,87 @@
+"""The one list of mapper families, and the names of maps.
+
+Every other list of families in the pipeline is derived from `FAMILIES` (the contract's, the fit's, the
+trainable ones, the params' allowed values, check_pair's table). Adding a family is adding its module beside
+this one and its line here. A map's name is a `MapName`, built and read here only.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipeline.kv.families import head_matched, identity, linear, low_rank, mlp
+from pipeline.kv.families.base import Family
+
+FAMILIES: dict[str, Family] = {spec.name: spec for spec in (
+    identity.FAMILY, linear.FAMILY, head_matched.FAMILY, mlp.FAMILY, low_rank.FAMILY)}
+CLOSED_FORM = tuple(name for name, spec in FAMILIES.items() if spec.fitting == "closed_form")
+TRAINED = tuple(name for name, spec in FAMILIES.items() if spec.fitting == "trained")
+FITTED = CLOSED_FORM + TRAINED  # the families a fit makes maps of
+TRAINABLE = tuple(name for name, spec in FAMILIES.items() if spec.trainable)
+
+DISTILLED_SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
+
+
+def family(name: str) -> Family:
+    """The family called `name`; an unknown name is refused, naming the known ones."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown mapper family {name!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+_FIELDS = {"k": (r"_k(?P<k>\d+)", "k{k}"), "rank": (r"_r(?P<rank>\d+)", "r{rank}"),
+           "lambda": (r"_lam(?P<lam>[0-9.eE+-]+)", "lam{ridge_lambda:g}")}
+
+
+@dataclass(frozen=True)
+class MapName:
+    """The name of a map: `<family>_k<k>[_r<rank>][_lam<lambda>][+kl]`, the fields its family's `name_fields`
+    declare, in that order; `+kl` for a map distilled from the map the rest of the name names (its start)."""
+
+    family: str
+    k: int
+    ridge_lambda: float | None = None
+    rank: int | None = None
+    distilled: bool = False
+
+    def __str__(self) -> str:
+        return self._joined(family(self.family).name_fields) + (DISTILLED_SUFFIX if self.distilled else "")
+
+    @property
+    def lambda_group(self) -> str:
+        """The name without its lambda (`linear_k1`, `low_rank_k1_r16`): the candidates a lambda is chosen among."""
+        return self._joined(tuple(f for f in family(self.family).name_fields if f != "lambda"))
+
+    def _joined(self, fields: tuple[str, ...]) -> str:
+        return "_".join([self.family, *(_FIELDS[field][1].format(k=self.k, rank=self.rank,
+                                                                 ridge_lambda=self.ridge_lambda) for field in fields)])
+
+    @property
+    def start(self) -> "MapName":
+        """The fitted map a distilled map starts from (a fitted map's own name)."""
+        return MapName(self.family, self.k, self.ridge_lambda, self.rank)
+
+    @property
+    def distilled_name(self) -> "MapName":
+        """The name of the map distilled from this one."""
+        return MapName(self.family, self.k, self.ridge_lambda, self.rank, distilled=True)
+
+    @property
+    def width(self) -> int | None:
+        """The inner size the name fixes (the low-rank map's rank), None where the name does not carry it."""
+        return self.rank
+
+    @classmethod
+    def parse(cls, text: str) -> "MapName":
+        """A map's name read back; a name no family makes is refused in one line naming the forms known."""
+        distilled = text.endswith(DISTILLED_SUFFIX)
+        stem = text.removesuffix(DISTILLED_SUFFIX)
+        for name in sorted(FITTED, key=len, reverse=True):  # `low_rank_...` is not read as a family `low`
+            pattern = re.escape(name) + "".join(_FIELDS[field][0] for field in FAMILIES[name].name_fields)
+            match = re.fullmatch(pattern, stem)
+            if match:
+                lam, rank = match.groupdict().get("lam"), match.groupdict().get("rank")
+                return cls(name, int(match["k"]), None if lam is None else float(lam),
+                           None if rank is None else int(rank), distilled)
+        forms = ", ".join(str(cls(name, 1, 0.001, 8)) for name in FITTED)
+        raise ValueError(f"{text!r} is not a map name (forms: {forms}; {DISTILLED_SUFFIX} after a distilled map's)")
