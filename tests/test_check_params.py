@@ -1,10 +1,11 @@
 """The whole-file check: the rules between parameters (and a section's own rules) stop `check_params`, before
 any stage runs, with one line naming the key; the committed file and every profile pass them."""
 import json
+import re
 
 import pytest
 import yaml
-from conftest import ROOT, merge
+from conftest import ROOT, committed, merge
 
 from pipeline import check_params
 from pipeline.check_params import check, mapper_files
@@ -88,8 +89,22 @@ RULES = {
 }
 
 
-def test_the_committed_file_passes_every_rule():
-    assert check(committed_params()) == ["profile", *check_params.SECTIONS]
+def test_the_committed_file_passes_every_rule_and_every_one_of_its_sections_is_named_checked():
+    params = committed_params()
+    assert sorted(check(params)) == sorted(params)
+
+
+@pytest.mark.parametrize("section", list(committed_params()))
+def test_a_bad_value_in_any_section_of_the_file_is_refused_naming_its_key(section):
+    params = committed_params()
+    bad = {"not": ["a", "value"]}  # no parameter of any section is a mapping of lists
+    if isinstance(params[section], dict):
+        first = next(iter(params[section]))
+        key, params[section] = f"{section}.{first}", {**params[section], first: bad}
+    else:
+        key, params[section] = section, bad
+    with pytest.raises(ParamError, match=rf"^{re.escape(key)}[.:]"):
+        check(params)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -110,13 +125,20 @@ def test_each_rule_stops_the_check_params_stage_before_any_stage_runs(rule, tmp_
     assert not (tmp_path / "metrics").exists()
 
 
-def test_the_stage_writes_the_sections_checked(tmp_path, monkeypatch, capsys):
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+def test_the_stage_writes_the_sections_checked_in_bytes_free_of_their_values(tmp_path, monkeypatch, capsys):
+    # prepare_data depends on this file: were the values in its bytes, any parameter would rerun every stage
     monkeypatch.chdir(tmp_path)
-    check_params.main([])
-    result = json.loads((tmp_path / check_params.OUTPUT).read_text())
-    assert result == {"valid": True, "checked": ["profile", *check_params.SECTIONS]}
-    assert json.loads(capsys.readouterr().out) == result
+    written = []
+    changed = {"profile": "renamed", "data": {"seed": committed("data")["seed"] + 1},
+               "latency": {"repeats": committed("latency")["repeats"] + 1}}
+    for params in (committed_params(), merge(committed_params(), changed)):
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        check_params.main([])
+        written.append((tmp_path / check_params.OUTPUT).read_bytes())
+        result = json.loads(written[-1])
+        assert result["valid"] is True and sorted(result["checked"]) == sorted(params)
+        assert json.loads(capsys.readouterr().out) == result
+    assert written[0] == written[1]
 
 
 def test_the_mapper_files_are_selects_choice_the_best_per_k_and_every_fitted_candidate():

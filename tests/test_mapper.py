@@ -1,7 +1,12 @@
-"""Mapper families: batched application equals the per-head definition; the file format round-trips."""
+"""Mapper families: batched application equals the per-head definition; the file format round-trips; the
+multiply-adds a mapper reports are the ones mapping a token performs."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from pipeline.kv.flops import mapper_macs_per_token, mapper_parameter_count
 from pipeline.kv.mapper import Mapper, load_mapper, save_mapper
 from pipeline.store.artifacts import ArtifactError
 
@@ -10,13 +15,19 @@ TARGET = {"layers": 2, "kv_heads": 2, "head_dim": 6}
 ROTARY = {"rope_type": "default", "theta": 10000.0, "head_dim": 4, "max_positions": 64}
 
 
-def _mapper(family: str, k: int = 2) -> Mapper:
+def _mapper(family: str, k: int = 2, hidden: int = 5) -> Mapper:
+    """Random tensors of `family`'s shapes; `hidden`: the mlp family's width."""
     generator = torch.Generator().manual_seed(0)
     width = k * SOURCE["head_dim"] * (1 if family == "head_matched" else SOURCE["kv_heads"])
     pair = lambda: (torch.randn(TARGET["kv_heads"], width, TARGET["head_dim"], generator=generator),  # noqa: E731
                     torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
+    layer = pair
+    if family == "mlp":
+        layer = lambda: (torch.randn(width, hidden, generator=generator), torch.randn(hidden, generator=generator),  # noqa: E731
+                         torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
+                         torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
     return Mapper(family, "src", "tgt", SOURCE, TARGET, ROTARY, dict(ROTARY, head_dim=6), k=k, ridge_lambda=0.1,
-                  source_layers=[[0, 2], [1, 2]], keys=[pair(), pair()], values=[pair(), pair()])
+                  source_layers=[[0, 2], [1, 2]], keys=[layer(), layer()], values=[layer(), layer()])
 
 
 def _source_cache(tokens=5):
@@ -71,13 +82,7 @@ def test_identity_needs_equal_geometry():
 
 
 def test_mlp_map_round_trips_and_applies_one_hidden_layer(tmp_path):
-    generator = torch.Generator().manual_seed(2)
-    width, hidden = 2 * SOURCE["kv_heads"] * SOURCE["head_dim"], 5
-    layer = lambda: (torch.randn(width, hidden, generator=generator), torch.randn(hidden, generator=generator),  # noqa: E731
-                     torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
-                     torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
-    mapper = Mapper("mlp", "src", "tgt", SOURCE, TARGET, ROTARY, dict(ROTARY, head_dim=6), k=2,
-                    source_layers=[[0, 2], [1, 2]], keys=[layer(), layer()], values=[layer(), layer()])
+    mapper = _mapper("mlp")
     save_mapper(mapper, tmp_path / "m.safetensors")
     loaded = load_mapper(tmp_path / "m.safetensors")
     cache = _source_cache()
@@ -88,4 +93,26 @@ def test_mlp_map_round_trips_and_applies_one_hidden_layer(tmp_path):
         hidden_rows = torch.nn.functional.gelu(x @ in_weight + in_bias)  # (T, hidden)
         for head in range(TARGET["kv_heads"]):
             assert torch.allclose(mapped[index][0][0, head], hidden_rows @ weight[head] + bias[head], atol=1e-5)
-    assert loaded.macs_per_token() == 4 * (width * hidden + hidden * TARGET["kv_heads"] * TARGET["head_dim"])
+
+
+def _config(geometry: dict) -> SimpleNamespace:
+    """The config fields `kv_geometry` reads, so the flops formulas see the geometry the mapper was built for."""
+    return SimpleNamespace(num_hidden_layers=geometry["layers"], num_key_value_heads=geometry["kv_heads"],
+                           head_dim=geometry["head_dim"])
+
+
+@pytest.mark.parametrize("family", ["linear", "head_matched", "mlp"])
+def test_the_reported_multiply_adds_are_those_mapping_one_token_performs(family):
+    hidden, k = 5, 2
+    mapper = _mapper(family, k, hidden)
+    # counted, not derived: the matmuls torch runs to map one token (2 flops per multiply-add; bias adds,
+    # gelu and concatenation are not multiply-adds and the counter leaves them out)
+    with FlopCounterMode(display=False) as counter:
+        mapper.apply(_source_cache(tokens=1), torch.arange(1))
+    performed = counter.get_total_flops() // 2
+    assert performed > 0
+    assert mapper.macs_per_token() == performed
+    configs = _config(SOURCE), _config(TARGET)
+    assert mapper_macs_per_token(*configs, k, family, hidden if family == "mlp" else None) == performed
+    stored = sum(t.numel() for tensors in mapper.keys + mapper.values for t in tensors)
+    assert mapper_parameter_count(*configs, k, family, hidden if family == "mlp" else None) == stored

@@ -4,6 +4,8 @@ import json
 import shutil
 
 import pytest
+import torch
+import yaml
 from conftest import ROOT, committed
 from huggingface_hub import constants as hf_constants
 
@@ -47,19 +49,27 @@ def test_a_hub_id_in_the_local_cache_is_pinned_offline_to_its_cached_commit(tmp_
     assert load_config("someone/tiny-target", commit).num_hidden_layers == 3
 
 
-def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_named(tmp_path, monkeypatch):
+def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_named(tmp_path, monkeypatch, capsys):
     for name in ("source", "target"):
         shutil.copytree(ROOT / "models" / name, tmp_path / "ckpt" / name)
-    monkeypatch.setattr(prepare_models, "MODELS", tmp_path / "models")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["models"] = committed("models", kind="hub", source=str(tmp_path / "ckpt" / "source"),
+                                 target=str(tmp_path / "ckpt" / "target"))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    # both stages run as dvc runs them, in the working directory: their paths (models/pins.json, models/<side>)
+    # are relative and fixed at import, so moving the directory, not patching a module's MODELS, moves them all
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    pins = tmp_path / "models" / "pins.json"
-    pins.parent.mkdir()
-    pins.write_text(json.dumps(pin_models.pins(hub_models(str(tmp_path / "ckpt/source"),
-                                                          str(tmp_path / "ckpt/target")))))
-    prepare_models.point_at_pinned_pair(pins)
-    pointer = json.loads((tmp_path / "models" / "target" / "local.json").read_text())
-    assert pointer["path"] == str((tmp_path / "ckpt" / "target").resolve())
-    assert prepare_models.check_contract()["modes"] == ["direct", "mapped", "oracle", "shuffled", "source", "zero"]
+    threads = torch.get_num_threads()
+    pin_models.main([])
+    prepare_models.main([])
+    torch.set_num_threads(threads)  # the stage sets the process's thread count
+    for name in ("source", "target"):
+        pointer = json.loads((tmp_path / "models" / name / "local.json").read_text())
+        assert pointer["path"] == str((tmp_path / "ckpt" / name).resolve())
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["kind"] == "hub"
+    assert printed["modes"] == ["direct", "mapped", "oracle", "shuffled", "source", "zero"]
     model = load_model(str(tmp_path / "models" / "target"), device="cpu")
     assert model.config.num_hidden_layers == load_config(str(ROOT / "models" / "target")).num_hidden_layers
     (tmp_path / "ckpt").rename(tmp_path / "elsewhere")
