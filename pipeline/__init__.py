@@ -32,7 +32,7 @@ WINGS = {
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",
+    "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),
     "tiny": ("tokenizer", "world", "train"),
 }
@@ -53,6 +53,6 @@ STAGES = {
     "selective": "per request, the mapped cache or the target's own prefill: gate scores, curves, thresholds",
     "calibrate": "one point of the calibration curve: a few maps refitted on the first n sequences",
     "length": "a map fitted at one length on prompts 2x and 4x longer, RoPE stripped and kept",
-    "report": "retention, gap closure, paired statistics, gates, every study and report.md",
+    "report": "retention, gap closure, paired statistics, acceptance criteria, every study and report.md",
     "latency": "time to first token of the handoff against target prefill",
 }
