@@ -119,16 +119,16 @@ def compute(params: ReportParams, run: Run) -> dict:
     mapped = params.mapped_variant
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
-    pairs = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
+    compared = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
     larger_k = sorted((int(v[8:]) for v in metrics if v.startswith("mapped_k") and v != "mapped_k1"))
     if "mapped_k1" in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layer count
-        pairs[f"k1_minus_k{larger_k[-1]}"] = ("mapped_k1", f"mapped_k{larger_k[-1]}")
+        compared[f"k1_minus_k{larger_k[-1]}"] = ("mapped_k1", f"mapped_k{larger_k[-1]}")
     for variant in sorted(v for v in metrics if v.startswith("distilled_k")):  # each distilled map vs its start's k
         if f"mapped_k{variant[len('distilled_k'):]}" in metrics:
-            pairs[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
-    pairs[f"oracle_minus_{mapped}"] = ("oracle", mapped)
+            compared[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
+    compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
-                   for name, (a, b) in pairs.items()}
+                   for name, (a, b) in compared.items()}
     return {"variants": variants, "selected": mapped, "comparisons": comparisons,
             "criteria": criteria(params, variants[mapped], comparisons, run.controls, list(metrics)),
             "retention_metric": params.retention_metric, "gap_closure_metric": params.gap_closure_metric,
