@@ -1,5 +1,22 @@
 """kv-handoff: cross-model KV-cache handoff between Qwen3 models, as a DVC pipeline.
 
+Vocabulary: one word per meaning, for docstrings, comments and the report (PROTOCOL.md has the definitions).
+    pair       the source and the target model, and nothing else (`kv.pair.Pair`; a pair may be named by its
+               models' shapes, `store.shapes.PAIRS`). Other twos get other words: two compared variants are a
+               comparison, the `disagree` score's two map files are its maps.
+    mode       how the target's prefix cache is made: `oracle` (the target's own prefill), `direct` (the
+               source's cache unmapped), `mapped` (through a map), `zero` and `shuffled` (the null controls),
+               `source` (the source model alone, no handoff). lm-eval's model arg `transfer=` names a mode.
+    map        a fitted or trained mapper (`kv.mapper`), a file under models/. Its family is its form
+               (`identity`, `linear`, `head_matched`, `mlp`, ...); a candidate is a map the fit stage makes,
+               which select and the candidates stage score; a distilled map's start is the fitted map it
+               begins from (`distill.start`).
+    variant    a named evaluated configuration: a mode with its map (`mapped_k1`, `distilled_k1`, `selected`)
+               or a mode that reads none (the baselines, `store.paths.BASELINES`); a row of the report's table.
+    gate       the per-request fallback to the target's own prefill (`kv.gate`, stage `selective`, lm-eval's
+               `fallback=`, generate's `--fallback`). PROTOCOL's "exactness gate" is a control, not a gate.
+    criteria   the report's predeclared pass/fail thresholds (params `report.criteria`, `studies.criteria`).
+
 Stages (one module each, `python -m pipeline.<stage>`, one `dvc.yaml` entry each: its Params, main(), the recipe)
 are listed in `STAGES` below, in the order `dvc repro` meets them; a test keeps it in step with dvc.yaml.
 The lm-eval face: `lm_eval_model` registers the lm-eval model `kv-transfer`.
@@ -16,8 +33,8 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the FLOP model, mappers, the handoff (last-token protocol), scoring continuations after it, the
               pair (its models loaded once, its handoffs)
-    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer, a
-              fitted map distilled through the frozen target
+    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer,
+              a fitted map distilled through the frozen target
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
@@ -32,7 +49,7 @@ WINGS = {
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",
+    "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),
     "tiny": ("tokenizer", "world", "train"),
 }
@@ -53,6 +70,6 @@ STAGES = {
     "selective": "per request, the mapped cache or the target's own prefill: gate scores, curves, thresholds",
     "calibrate": "one point of the calibration curve: a few maps refitted on the first n sequences",
     "length": "a map fitted at one length on prompts 2x and 4x longer, RoPE stripped and kept",
-    "report": "retention, gap closure, paired statistics, gates, every study and report.md",
+    "report": "retention, gap closure, paired statistics, acceptance criteria, every study and report.md",
     "latency": "time to first token of the handoff against target prefill",
 }

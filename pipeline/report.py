@@ -1,10 +1,10 @@
-"""Stage `report`: normalized retention, gap closure, paired statistics, gates, and the V0-style report.
+"""Stage `report`: normalized retention, gap closure, paired statistics, acceptance criteria, the V0-style report.
 
 The recipe: load every study's inputs, compute each study, write. The studies are `pipeline/studies/`, one
 module each (inputs, statistics, Markdown, figure): the V0 variants, then each in `STUDIES`, which a study
 joins with one line here. Writes metrics/report.json (the variants' `variants`, `selected`, `comparisons`,
-`gates`, `retention_metric`, `skipped`, then one key per study that ran), metrics/headline/<variant>.json (the
-few figures per variant that `dvc metrics show/diff` compare), report.md (the V0 table, intervals, gates, every
+`criteria`, `retention_metric`, `skipped`, then one key per study that ran), metrics/headline/<variant>.json (the
+few figures per variant that `dvc metrics show/diff` compare), report.md (the V0 table, intervals, criteria, every
 study's section, environment, a reading generated from the numbers), PNG figures under report/, and the tables
 behind them for `dvc plots` under plots/.
 """

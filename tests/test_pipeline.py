@@ -120,7 +120,7 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
         assert entry["gap_closure"] == pytest.approx(expected, nan_ok=True), name
     headline = json.loads((repo / "metrics/headline/selected.json").read_text())
     assert headline["gap_closure"] == pytest.approx(variants["selected"]["gap_closure"], nan_ok=True)
-    assert "gap_closure_floor" in report["gates"]
+    assert "gap_closure_floor" in report["criteria"]
     study = report["candidates"]  # every fitted candidate evaluated, the proxies correlated, the fronts named
     mappers = sorted(p.stem for p in (repo / "models/mappers").glob("*.safetensors"))
     distilled = sorted(p.stem for p in (repo / "models/distilled").glob("*.safetensors"))

@@ -48,7 +48,7 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
     return variants.compute(params, run)
 
 
-def test_gates_follow_the_numbers():
+def test_criteria_follow_the_numbers():
     rng = np.random.default_rng(0)
     spec = {"oracle": (0.9, 0.95, 1.0), "selected": (0.85, 0.9, 0.9), "source": (0.4, 0.6, 0.3),
             "zero": (0.25, 0.5, 0.05), "shuffled": (0.3, 0.5, 0.1)}
@@ -56,15 +56,15 @@ def test_gates_follow_the_numbers():
     for name, args in spec.items():
         metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
     controls = {"compatibility": {"passed": True}}
-    report = build(report_params(gates={"noninferiority_margin": 0.2}), metrics, items, prompts, controls)
-    gates = report["gates"]
-    assert gates["beats_source_and_nulls"]["passed"] and gates["controls_passed"]["passed"]
-    assert gates["retention_floor"]["passed"] and gates["noninferiority"]["passed"]
+    report = build(report_params(criteria={"noninferiority_margin": 0.2}), metrics, items, prompts, controls)
+    criteria = report["criteria"]
+    assert criteria["beats_source_and_nulls"]["passed"] and criteria["controls_passed"]["passed"]
+    assert criteria["retention_floor"]["passed"] and criteria["noninferiority"]["passed"]
     assert report["variants"]["oracle"]["retention"] == pytest.approx(1.0)
     broken = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": False}})
-    assert not broken["gates"]["controls_passed"]["passed"]
+    assert not broken["criteria"]["controls_passed"]["passed"]
     metrics["source"], items["source"], prompts["source"] = _fake_variant(rng, 0.85, 0.9, 0.9)
-    assert not build(report_params(), metrics, items, prompts, controls)["gates"]["beats_source_and_nulls"]["passed"]
+    assert not build(report_params(), metrics, items, prompts, controls)["criteria"]["beats_source_and_nulls"]["passed"]
 
 
 def test_gap_closure_is_the_share_of_the_source_to_oracle_gap_a_variant_closes():
@@ -82,7 +82,7 @@ def _study(rng, selected):
     return metrics, items, prompts
 
 
-def test_the_oracle_closes_the_whole_gap_the_source_none_and_the_gate_reads_the_selected_map():
+def test_the_oracle_closes_the_whole_gap_the_source_none_and_the_criterion_reads_the_selected_map():
     controls = {"compatibility": {"passed": True}}
     report = build(report_params(), *_study(np.random.default_rng(2), (0.85, 0.9, 0.9)), controls)
     v = report["variants"]
@@ -91,22 +91,22 @@ def test_the_oracle_closes_the_whole_gap_the_source_none_and_the_gate_reads_the_
     chosen = v["selected"]
     assert chosen["gap_closure_low"] < chosen["gap_closure"] < chosen["gap_closure_high"]
     assert 0.3 < chosen["gap_closure"] < 1.0 and chosen["retention"] > chosen["gap_closure"]
-    assert report["gates"]["gap_closure_floor"] == {"passed": True, "threshold": 0.5,
+    assert report["criteria"]["gap_closure_floor"] == {"passed": True, "threshold": 0.5,
                                                     "measured": chosen["gap_closure"], "metric": "tasks"}
     # a map no better than the source model alone keeps most of the retention but closes none of the gap
     near_source = build(report_params(), *_study(np.random.default_rng(2), (0.7, 0.8, 0.3)), controls)
     weak = near_source["variants"]["selected"]
     assert weak["retention"] > 0.5 and abs(weak["gap_closure"]) < 0.15
-    assert not near_source["gates"]["gap_closure_floor"]["passed"]
+    assert not near_source["criteria"]["gap_closure_floor"]["passed"]
 
 
-def test_without_the_source_baseline_there_is_no_gap_closure_and_its_gate_does_not_pass():
+def test_without_the_source_baseline_there_is_no_gap_closure_and_its_criterion_does_not_pass():
     metrics, items, prompts = _study(np.random.default_rng(3), (0.85, 0.9, 0.9))
     for table in (metrics, items, prompts):
         del table["source"]
     report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
     assert report["variants"]["selected"]["gap_closure"] is None
-    assert report["gates"]["gap_closure_floor"] == {"passed": False, "threshold": 0.5, "measured": None,
+    assert report["criteria"]["gap_closure_floor"] == {"passed": False, "threshold": 0.5, "measured": None,
                                                     "metric": "tasks"}
 
 
@@ -300,16 +300,16 @@ def test_gap_closure_on_the_eval_prompts_reads_next_token_top1_and_log_perplexit
     assert prompt_gap_closure(worse, "mapped", "log_perplexity", 100, 0)["gap_closure"] == pytest.approx(-0.5)
 
 
-def test_the_gap_closure_gate_reads_the_measure_declared_in_params_and_a_wide_task_interval_is_named():
+def test_the_gap_closure_criterion_reads_the_measure_declared_in_params_and_a_wide_task_interval_is_named():
     rng = np.random.default_rng(0)
     metrics, items, prompts = {}, {}, {}
     for name, args in {"oracle": (0.9, 0.95, 1.0), "selected": (0.5, 0.6, 0.8), "source": (0.45, 0.6, 0.3)}.items():
         metrics[name], items[name], prompts[name] = _fake_variant(rng, *args, n=40)
     controls = {"compatibility": {"passed": True}}
     report = build(report_params(gap_closure_metric="next_token_top1"), metrics, items, prompts, controls)
-    chosen, gate = report["variants"]["selected"], report["gates"]["gap_closure_floor"]
-    assert gate["metric"] == "next_token_top1" and gate["measured"] == chosen["gap_closure_next_token_top1"]
-    assert gate["measured"] != chosen["gap_closure"]
+    chosen, criterion = report["variants"]["selected"], report["criteria"]["gap_closure_floor"]
+    assert criterion["metric"] == "next_token_top1" and criterion["measured"] == chosen["gap_closure_next_token_top1"]
+    assert criterion["measured"] != chosen["gap_closure"]
     report["gap_closure_metric"] = "next_token_top1"
     chosen.update(gap_closure_low=-2.5, gap_closure_high=-1.2)  # wide but decided: far below the source alone
     assert "Too wide" not in "\n".join(variants._gap_lines(report))

@@ -75,8 +75,8 @@ def lines(study: dict) -> list[str]:
     """The report's section on the calibration curve."""
     sizes = sorted({row["sequences"] for row in study["rows"]})
     out = ["## How much calibration", "",
-           "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; the fit "
-           f"split is its start), each evaluated on the eval part, at n = {', '.join(map(str, sizes))} "
+           "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; its first "
+           f"sequences are the fit split), each evaluated on the eval part, at n = {', '.join(map(str, sizes))} "
            "(`calibration.sizes`: another size is one more stage, `dvc exp run -S 'calibration.sizes=[...]'`).", ""]
     out += md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
                      "Gap closure [95% CI]"],
@@ -91,9 +91,9 @@ def lines(study: dict) -> list[str]:
         out += md_table(["Sequences", "Δ [95% CI]", "n"],
                         [[size, interval(c["diff"], c["low"], c["high"]), c["n"]]
                          for size, c in larger["by_size"].items()])
-        start = study["larger_k_pays_from"]
-        out += ["", f"The larger k pays off (interval above 0 at this size and every larger one) from {start} "
-                f"sequences on." if start is not None else "The larger k is not shown to pay off at any size "
+        from_size = study["larger_k_pays_from"]
+        out += ["", f"The larger k pays off (interval above 0 at this size and every larger one) from {from_size} "
+                f"sequences on." if from_size is not None else "The larger k is not shown to pay off at any size "
                 "here (no size from which every interval is above 0)."]
     out += ["", "![Calibration curve](report/calibration.png)", ""]
     return out

@@ -1,4 +1,5 @@
-"""The `report` section of params: the gates declared before the run, and how the studies resample and bin."""
+"""The `report` section of params: the acceptance criteria declared before the run, and how the studies resample
+and bin."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -8,7 +9,7 @@ from pydantic import Field, model_validator
 from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Share
 
 
-class Gates(Params):
+class Criteria(Params):
     retention_floor: Share
     gap_closure_floor: Share  # of the source-to-oracle gap; needs the source baseline
     perplexity_ratio_limit: PositiveFloat
@@ -17,9 +18,9 @@ class Gates(Params):
 
 
 class ReportParams(Params):
-    gates: Gates
+    criteria: Criteria
     retention_metric: Literal["acc", "acc_norm"]
-    # what the gap-closure gate reads: the tasks' accuracy, or a per-prompt measure of the eval prompts (whose
+    # what the gap-closure criterion reads: the tasks' accuracy, or a per-prompt measure of the eval prompts (whose
     # intervals resolve at sizes where a 2-point task gap cannot)
     gap_closure_metric: Literal["tasks", "next_token_top1", "log_perplexity"]
     mapped_variant: str  # one of evaluate.mapped (check_params)

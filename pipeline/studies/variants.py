@@ -1,6 +1,6 @@
 """The V0 study: every declared variant's figures beside V0's published table, the paired comparisons, the
-gates, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls and latency
-summaries.
+acceptance criteria, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls
+and latency summaries.
 
 Inputs: metrics/eval/<variant>.json and eval/<variant>/{items,prompts}.parquet (stage `evaluate`),
 metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that say
@@ -26,8 +26,8 @@ from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.store.models import read_pointer
 from pipeline.store.splits import ITEM_KINDS, TASKS
+from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
 from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
-from pipeline.studies.gates import GAP_CLOSURE_KEYS, GATE_NAMES, gates, verdict
 from pipeline.studies.settings import ReportParams
 
 np = lazy("numpy")
@@ -113,24 +113,24 @@ def load(names: list[str], keys: dict) -> Run:
 
 def compute(params: ReportParams, run: Run) -> dict:
     """Per variant its figures and intervals, the paired comparisons of the selected map with its rivals and
-    the oracle, and the gates: what metrics/report.json holds before the other studies' keys."""
+    the oracle, and the acceptance criteria: what metrics/report.json holds before the other studies' keys."""
     metrics, items = run.metrics, run.items
     variants = {variant: _figures(params, metrics, items, variant, run.prompts) for variant in metrics}
     mapped = params.mapped_variant
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
-    pairs = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
+    compared = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
     larger_k = sorted(k for k in map(paths.best_k, metrics) if k is not None and k != 1)
     if paths.best_variant(1) in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layers
-        pairs[f"k1_minus_k{larger_k[-1]}"] = (paths.best_variant(1), paths.best_variant(larger_k[-1]))
+        compared[f"k1_minus_k{larger_k[-1]}"] = (paths.best_variant(1), paths.best_variant(larger_k[-1]))
     for variant in sorted(v for v in metrics if v.startswith("distilled_k")):  # each distilled map vs its start's k
         if f"mapped_k{variant[len('distilled_k'):]}" in metrics:
-            pairs[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
-    pairs[f"oracle_minus_{mapped}"] = ("oracle", mapped)
+            compared[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
+    compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
-                   for name, (a, b) in pairs.items()}
+                   for name, (a, b) in compared.items()}
     return {"variants": variants, "selected": mapped, "comparisons": comparisons,
-            "gates": gates(params, variants[mapped], comparisons, run.controls, list(metrics)),
+            "criteria": criteria(params, variants[mapped], comparisons, run.controls, list(metrics)),
             "retention_metric": params.retention_metric, "gap_closure_metric": params.gap_closure_metric,
             "skipped": run.skipped}
 
@@ -196,8 +196,8 @@ def _v0_reference(name: str, e: dict) -> str:
 
 def lines(report: dict, context: dict) -> list[str]:
     """The report's head: the pair and settings, the V0 table (V0's published figures beside it for V0's pair
-    only), the figures beside it, the paired comparisons, the gates and the reading. `context`: profile,
-    data_kind, source, target, dtype, device, pair (`pair_names`), selected_name."""
+    only), the figures beside it, the paired comparisons, the acceptance criteria and the reading. `context`:
+    profile, data_kind, source, target, dtype, device, pair (`pair_names`), selected_name."""
     v, profile, rows = report["variants"], context["profile"], order(report["variants"])
     v0 = is_v0_pair(context["pair"])  # V0's figures compare with V0's pair only, whatever the profile is called
     generated = context["data_kind"] == "generated"
@@ -252,7 +252,7 @@ def _gap_lines(report: dict) -> list[str]:
         return []
     out = ["### Gap closure on the tasks and on the eval prompts", "",
            "Per-prompt measures: next-token top-1 and the continuation's log-perplexity, paired bootstrap over the "
-           f"eval prompts. The gap-closure gate reads `{report['gap_closure_metric']}` (declared in params).", ""]
+           f"eval prompts. The gap-closure criterion reads `{report['gap_closure_metric']}` (declared in params).", ""]
     out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
                     [[label(n), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
                                   for k in GAP_CLOSURE_KEYS.values())] for n in rows])
@@ -275,17 +275,18 @@ def _comparison_lines(report: dict) -> list[str]:
           f"{c['tasks_mcnemar_p']:.3g}", c["tasks_n"],
           interval(c["next_token_diff"], c["next_token_low"], c["next_token_high"]),
           f"{c['next_token_mcnemar_p']:.3g}", c["next_token_n"]] for name, c in report["comparisons"].items()])
-    out += ["", "## Gates (declared in params before the run)", ""]
-    out += md_table(["Gate", "Threshold", "Measured", "Verdict"],
-                    [[GATE_NAMES.get(name, name.replace("_", " ")), gate["threshold"],
-                      "—" if gate.get("measured") is None else f"{gate['measured']:.3f}", verdict(gate)]
-                     for name, gate in report["gates"].items()])
+    out += ["", "## Acceptance criteria (declared in params before the run)", ""]
+    out += md_table(["Criterion", "Threshold", "Measured", "Verdict"],
+                    [[CRITERION_NAMES.get(name, name.replace("_", " ")), criterion["threshold"],
+                      "—" if criterion.get("measured") is None else f"{criterion['measured']:.3f}",
+                      verdict(criterion)]
+                     for name, criterion in report["criteria"].items()])
     return out + [""]
 
 
 def reading(report: dict, selected_name: str) -> str:
     """One paragraph generated from the numbers: what is and is not established at this sample size."""
-    v, c, g, mapped = report["variants"], report["comparisons"], report["gates"], report["selected"]
+    v, c, crit, mapped = report["variants"], report["comparisons"], report["criteria"], report["selected"]
     e = v[mapped]
     width = 100 * (e["retention_high"] - e["retention_low"]) / 2
     parts = [f"The selected map ({selected_name}) retains {pct(e['retention'])} of the oracle's above-chance task "
@@ -307,16 +308,16 @@ def reading(report: dict, selected_name: str) -> str:
                      f"difference may be noise (or, for the source alone, the handoff adds nothing the source did "
                      f"not read).")
     ni = c[f"oracle_minus_{mapped}"]
-    parts.append(f"Non-inferiority to the oracle within {g['noninferiority']['threshold']} is "
-                 f"{'established' if g['noninferiority']['passed'] else 'not established'} "
+    parts.append(f"Non-inferiority to the oracle within {crit['noninferiority']['threshold']} is "
+                 f"{'established' if crit['noninferiority']['passed'] else 'not established'} "
                  f"(upper bound of the oracle's lead {100 * ni['tasks_high']:.1f} points).")
     for name in [n for n in c if n.startswith("k1_minus_k")]:
         k = c[name]
         parts.append(f"k=1 vs k={name[len('k1_minus_k'):]}: {100 * k['tasks_diff']:+.1f} points on tasks "
                      f"[{100 * k['tasks_low']:+.1f}, {100 * k['tasks_high']:+.1f}]"
                      f"{'' if k['tasks_low'] > 0 or k['tasks_high'] < 0 else ', not distinguishable here'}.")
-    failed = [name for name, gate in g.items() if not gate["passed"] and not gate.get("milestone")]
-    parts.append("All gates pass." if not failed else f"Gates not passed: {', '.join(failed)}.")
+    failed = [name for name, criterion in crit.items() if not criterion["passed"] and not criterion.get("milestone")]
+    parts.append("All criteria pass." if not failed else f"Criteria not passed: {', '.join(failed)}.")
     return " ".join(parts)
 
 
@@ -362,7 +363,8 @@ def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
     y = retention_table.retention.to_numpy()
     errors = np.vstack([y - retention_table.low.to_numpy(), retention_table.high.to_numpy() - y])
     ax.bar(range(len(names)), y, yerr=np.nan_to_num(errors), capsize=4, color="#4c72b0")
-    ax.axhline(report["gates"]["retention_floor"]["threshold"], color="#c44e52", ls="--", lw=1, label="retention floor")
+    ax.axhline(report["criteria"]["retention_floor"]["threshold"], color="#c44e52", ls="--", lw=1,
+               label="retention floor")
     ax.set_xticks(range(len(names)), [label(n).replace(" ", "\n", 2) for n in names], fontsize=7)
     ax.set_ylabel("normalized retention")
     ax.legend(fontsize=8)
