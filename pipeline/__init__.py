@@ -46,7 +46,7 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
               "cachefiles"),
-    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
+    "kv": ("rope", "kvcache", "families", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",

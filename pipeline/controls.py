@@ -37,8 +37,8 @@ from typing import Annotated, Callable
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.kv.families.registry import MapName
 from pipeline.kv.contract import Contract, pair_contract
+from pipeline.kv.families.registry import MapName
 from pipeline.kv.handoff import Handoff, greedy_rollout
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
 from pipeline.kv.mapper import load_mapper

@@ -35,9 +35,6 @@ pd = lazy("pandas")
 torch = lazy("torch")
 transformers = lazy("transformers")
 
-MODELS = paths.MODELS
-PINS = MODELS / "pins.json"  # written by pin_models
-DATA = paths.DATA
 
 
 class TrainParams(Params):
@@ -50,16 +47,16 @@ class TrainParams(Params):
 def train_pair(train: TrainParams) -> dict:
     if train.source is None or train.target is None:
         raise ParamError("train.source and train.target: required when models.kind is 'trained'")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(DATA / "tokenizer")
-    corpus = pd.read_parquet(DATA / "corpus.parquet")
-    dev = {task: pd.read_parquet(DATA / f"{task}_dev.parquet") for task in TASKS}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
+    corpus = pd.read_parquet(paths.CORPUS)
+    dev = {task: pd.read_parquet(paths.task_items(task, "dev")) for task in TASKS}
     stats = {}
     for name, cfg in (("source", train.source), ("target", train.target)):
         model, stats[name] = train_model(cfg, tokenizer, corpus, dev, train.threads)
-        with atomic_dir(MODELS / name) as staging:
+        with atomic_dir(paths.model(name)) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            write_json_atomic(staging / "train_stats.json", stats[name])
+            write_json_atomic(paths.train_stats(staging), stats[name])
     return stats
 
 
@@ -69,18 +66,18 @@ def point_at_pinned_pair(pins_file: Path) -> None:
     pins = json.loads(pins_file.read_text())
     for name in ("source", "target"):
         pinned = dict(pins[name])
-        with atomic_dir(MODELS / name) as staging:
+        with atomic_dir(paths.model(name)) as staging:
             write_json_atomic(staging / f"{pinned.pop('kind')}.json", pinned)
 
 
 def record_random_pair(models: ModelsParams, seed: int) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(DATA / "tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
     for offset, (name, shape) in enumerate((("source", models.source), ("target", models.target))):
         config = shape_config(shape)  # fails here, naming the shape, if it does not exist
         if len(tokenizer) > config.vocab_size:
             raise ParamError(f"models.{name}: a tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} "
                              f"(vocab {config.vocab_size})")
-        with atomic_dir(MODELS / name) as staging:
+        with atomic_dir(paths.model(name)) as staging:
             write_json_atomic(staging / "random.json", {"shape": shape, "seed": seed + offset})
             tokenizer.save_pretrained(staging)
 
@@ -90,8 +87,8 @@ def check_contract() -> dict:
     returns the modes the contract defines (`direct` and `head_matched` need equal geometry, for instance). A
     sliding window is checked where sequences are fed (extract at its sequences' length, every handoff at each
     sequence's), so the profile's lengths are not this stage's parameters."""
-    contract = pair_contract(load_config(str(MODELS / "target")), load_config(str(MODELS / "source")),
-                             load_tokenizer(str(MODELS / "target")), load_tokenizer(str(MODELS / "source")))
+    contract = pair_contract(load_config(str(paths.model("target"))), load_config(str(paths.model("source"))),
+                             load_tokenizer(str(paths.model("target"))), load_tokenizer(str(paths.model("source"))))
     contract.require("mapped")
     return {"modes": sorted(m for m in contract.modes if contract.defined(m)),
             "families": sorted(f for f in contract.families if contract.family_defined(f))}
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     if models.kind == "trained":
         train_pair(train)
     elif models.kind == "hub":
-        point_at_pinned_pair(PINS)
+        point_at_pinned_pair(paths.PINS)
     else:
         record_random_pair(models, train.random_seed)
     defined = check_contract()

@@ -23,7 +23,6 @@ pd = lazy("pandas")
 torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
-MODELS, DATA = paths.MODELS, paths.DATA
 
 
 class ScoreModelsParams(Params):
@@ -35,12 +34,12 @@ class ScoreModelsParams(Params):
 
 def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFrame]:
     """Dev-part accuracy of the target (oracle), the source alone and direct injection, per item."""
-    files = {task: DATA / f"{task}_dev.parquet" for task in TASKS}
+    files = {task: paths.task_items(task, "dev") for task in TASKS}
     common = dict(dtype=models.dtype, device=models.torch_device, batch_size=batch_size)
     runs = {
-        "target": dict(target=str(MODELS / "target"), transfer="oracle"),
-        "source": dict(target=str(MODELS / "source"), transfer="oracle"),
-        "direct": dict(target=str(MODELS / "target"), source=str(MODELS / "source"), transfer="direct"),
+        "target": dict(target=str(paths.model("target")), transfer="oracle"),
+        "source": dict(target=str(paths.model("source")), transfer="oracle"),
+        "direct": dict(target=str(paths.model("target")), source=str(paths.model("source")), transfer="direct"),
     }
     summaries, frames = {}, []
     for variant, args in runs.items():
@@ -58,10 +57,10 @@ def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFr
 def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
     metrics: dict[str, float | int | str] = {"kind": models.kind}
     for name in ("source", "target"):
-        model = load_model(str(MODELS / name), dtype=models.dtype, device="cpu")
+        model = load_model(str(paths.model(name)), dtype=models.dtype, device="cpu")
         metrics[f"{name}_parameters"] = sum(p.numel() for p in model.parameters())
         del model
-        stats_file = MODELS / name / "train_stats.json"
+        stats_file = paths.train_stats(paths.model(name))
         if stats_file.is_file():  # the trained tiny pair; hub and random models were not trained here
             stats = json.loads(stats_file.read_text())
             metrics[f"{name}_final_loss"] = stats["final_loss"]

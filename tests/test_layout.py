@@ -4,6 +4,7 @@ hidden in a function. Checked from source on the real tree, and shown to catch e
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,15 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     known = modules(root)
     order = [f"pipeline.{wing}.{name}" for wing, names in wings.items() for name in names]
     rank = {name: i for i, name in enumerate(order)}
+    # a sub-package named in WINGS (kv/families/): its modules stand at its place and import each other freely
+    # (the cycle check below still holds between them)
+    package = lambda module: module.rsplit(".", 1)[0] if module.rsplit(".", 1)[0] in rank else None  # noqa: E731
+    place = lambda module: rank.get(module, rank.get(package(module) or "", -1))  # noqa: E731
     found = []
     for wing, names in wings.items():
-        present = {p.stem for p in (root / "pipeline" / wing).glob("*.py") if p.name != "__init__.py"}
+        folder = root / "pipeline" / wing
+        present = ({p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
+                   | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()})
         if present != set(names):
             found.append(f"wing {wing}: files {sorted(present)} but pipeline.WINGS lists {sorted(names)}")
         init = root / "pipeline" / wing / "__init__.py"
@@ -40,9 +47,10 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
             where = f"{path.relative_to(root)}:{line}"
             if inside:
                 found.append(f"{where}: imports {target} inside a function (a hidden dependency)")
-            if name in rank and target in top:
+            if place(name) >= 0 and target in top:
                 found.append(f"{where}: wing module {name} imports {target}, which is not a wing")
-            elif name in rank and rank.get(target, -1) >= rank[name]:
+            elif place(name) >= 0 and place(target) >= place(name) and not (package(name) and
+                                                                          package(name) == package(target)):
                 found.append(f"{where}: {name} imports {target}, which is not before it in pipeline.WINGS")
             elif name in stages and target in stages and name != CHECKER:
                 found.append(f"{where}: stage {name} imports stage {target}")
@@ -81,10 +89,14 @@ def test_the_package_map_check_sees_a_stage_missing_from_the_map(tmp_path):
 
 @pytest.fixture
 def fake(tmp_path):
-    """A tree that keeps the rules: wings a < b, a stage s importing b.top."""
+    """A tree that keeps the rules: wings a < b, a stage s importing b.top; a's sub-package fam between low and
+    high, whose modules import each other and low."""
     files = {"pipeline/__init__.py": "", "pipeline/s.py": "from pipeline.b.top import f\n",
              "pipeline/t.py": "", "pipeline/a/__init__.py": '"""a."""\n', "pipeline/a/low.py": "",
-             "pipeline/a/high.py": "from pipeline.a import low\n", "pipeline/b/__init__.py": "",
+             "pipeline/a/fam/__init__.py": "", "pipeline/a/fam/base.py": "from pipeline.a import low\n",
+             "pipeline/a/fam/one.py": "from pipeline.a.fam import base\n",
+             "pipeline/a/high.py": "from pipeline.a import low\nfrom pipeline.a.fam import one\n",
+             "pipeline/b/__init__.py": "",
              "pipeline/b/top.py": "from pipeline.a.high import g\n\n\ndef f():\n    return g\n"}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +105,7 @@ def fake(tmp_path):
     def check(**edits) -> list[str]:
         for name, text in edits.items():
             (tmp_path / name).write_text(text)
-        return violations(tmp_path, {"pipeline.s", "pipeline.t"}, {"a": ("low", "high"), "b": ("top",)})
+        return violations(tmp_path, {"pipeline.s", "pipeline.t"}, {"a": ("low", "fam", "high"), "b": ("top",)})
     return check
 
 
@@ -113,7 +125,55 @@ def test_the_fake_tree_passes(fake):
     ({"pipeline/s.py": 'def f():\n    return lazy("pipeline.a.low")\n'}, "imports pipeline.a.low inside a function"),
     ({"pipeline/s.py": "from pipeline.t import x\n", "pipeline/t.py": "from pipeline import s\n"}, "import cycle"),
     ({"pipeline/a/extra.py": ""}, "wing a: files"),
+    ({"pipeline/a/fam/one.py": "from pipeline.a import high\n"},
+     "pipeline.a.fam.one imports pipeline.a.high, which is not before"),
+    ({"pipeline/a/low.py": "from pipeline.a.fam import one\n"},
+     "pipeline.a.low imports pipeline.a.fam.one, which is not before"),
+    ({"pipeline/a/fam/base.py": "from pipeline.a.fam import one\n"}, "import cycle"),
     ({"pipeline/a/__init__.py": "from pipeline.a import low\n"}, "holds its docstring only"),
 ])
 def test_each_breach_is_named(fake, edits, message):
     assert any(message in v for v in fake(**edits)), fake(**edits)
+
+
+SHARED = ("models", "eval", "metrics", "caches")  # the folders stages hand files through
+
+
+def path_literals(root: Path) -> list[str]:
+    """Path literals under the shared folders outside store/paths.py (the one place their files are named): a
+    string starting `models/` (docstrings aside), `Path("eval")`, or a `/` join with "metrics" or "caches"."""
+    shared = re.compile(r"^(%s)(/|$)" % "|".join(SHARED))
+    found = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        if path.relative_to(root).as_posix() == "pipeline/store/paths.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            operands = []
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                operands = [node.left, node.right]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Path" and node.args:
+                operands = node.args[:1]
+            elif isinstance(node, ast.Constant) and id(node) not in docstrings and isinstance(node.value, str) \
+                    and "/" in node.value:  # an f-string's leading part too
+                operands = [node]
+            for operand in operands:
+                if isinstance(operand, ast.Constant) and isinstance(operand.value, str) and shared.match(operand.value):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {operand.value!r}")
+    return found
+
+
+def test_only_store_paths_names_files_under_the_shared_folders():
+    assert path_literals(ROOT) == []
+
+
+@pytest.mark.parametrize("text", ['OUT = Path("metrics")\n', 'OUT = folder / "caches" / "x"\n',
+                                  'OUT = "models/best/mapped_k1.safetensors"\n', 'OUT = f"eval/{name}"\n'])
+def test_the_path_literal_check_sees_a_literal_under_a_shared_folder(tmp_path, text):
+    (tmp_path / "pipeline" / "store").mkdir(parents=True)
+    (tmp_path / "pipeline" / "stage.py").write_text('"""models/ in a docstring is prose."""\n' + text)
+    (tmp_path / "pipeline" / "store" / "paths.py").write_text('MODELS = Path("models")\n')
+    assert [line.split(": ", 1)[0] for line in path_literals(tmp_path)] == ["pipeline/stage.py:2"]

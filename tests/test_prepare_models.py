@@ -86,8 +86,7 @@ def test_hub_pointer_offline_names_the_model(tmp_path):
 
 
 def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(prepare_models, "MODELS", tmp_path / "models")
-    monkeypatch.setattr(prepare_models, "DATA", tmp_path / "data")
+    monkeypatch.chdir(tmp_path)  # store.paths are relative to the repository root, where stages run
     tokenizer.save_pretrained(tmp_path / "data" / "tokenizer")
     models = parse(ModelsParams,
                    committed("models", **{"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b"}),
@@ -99,8 +98,7 @@ def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
 
 
 def test_unknown_shape_is_refused(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(prepare_models, "MODELS", tmp_path / "models")
-    monkeypatch.setattr(prepare_models, "DATA", tmp_path / "data")
+    monkeypatch.chdir(tmp_path)  # store.paths are relative to the repository root, where stages run
     tokenizer.save_pretrained(tmp_path / "data" / "tokenizer")
     models = parse(ModelsParams,
                    committed("models", **{"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-17b"}),

@@ -13,6 +13,7 @@ PARAMS = Path("params.yaml")
 # data/: the splits (one parquet per split) and the task items (one parquet per task and part)
 DATA = Path("data")
 TOKENIZER = DATA / "tokenizer"
+CORPUS = DATA / "corpus.parquet"  # the tiny world's training corpus
 CALIBRATION_POOL = DATA / "calibration.parquet"
 EVAL_PROMPTS = DATA / "eval.parquet"
 
@@ -64,6 +65,11 @@ PLOTS = Path("plots")
 def model(side: str) -> Path:
     """The folder of one side of the pair (`source` or `target`): weights, config and tokenizer, or a pointer."""
     return MODELS / side
+
+
+def train_stats(folder: Path) -> Path:
+    """A trained model's training figures, in its folder (`model(side)`, or staged)."""
+    return folder / "train_stats.json"
 
 
 def split(name: str) -> Path:
