@@ -16,7 +16,7 @@ ROTARY = {"rope_type": "default", "theta": 10000.0, "head_dim": 4, "max_position
 
 
 def _mapper(family: str, k: int = 2, hidden: int = 5) -> Mapper:
-    """Random tensors of `family`'s shapes; `hidden`: the mlp family's width."""
+    """Random tensors of `family`'s shapes; `hidden`: the mlp family's width, the low_rank family's rank."""
     generator = torch.Generator().manual_seed(0)
     width = k * SOURCE["head_dim"] * (1 if family == "head_matched" else SOURCE["kv_heads"])
     pair = lambda: (torch.randn(TARGET["kv_heads"], width, TARGET["head_dim"], generator=generator),  # noqa: E731
@@ -24,6 +24,10 @@ def _mapper(family: str, k: int = 2, hidden: int = 5) -> Mapper:
     layer = pair
     if family == "mlp":
         layer = lambda: (torch.randn(width, hidden, generator=generator), torch.randn(hidden, generator=generator),  # noqa: E731
+                         torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
+                         torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
+    if family == "low_rank":
+        layer = lambda: (torch.randn(width, hidden, generator=generator),  # noqa: E731
                          torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
                          torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
     return Mapper(family, "src", "tgt", SOURCE, TARGET, ROTARY, dict(ROTARY, head_dim=6), k=k, ridge_lambda=0.1,
@@ -101,7 +105,7 @@ def _config(geometry: dict) -> SimpleNamespace:
                            head_dim=geometry["head_dim"])
 
 
-@pytest.mark.parametrize("family", ["linear", "head_matched", "mlp"])
+@pytest.mark.parametrize("family", ["linear", "head_matched", "mlp", "low_rank"])
 def test_the_reported_multiply_adds_are_those_mapping_one_token_performs(family):
     hidden, k = 5, 2
     mapper = _mapper(family, k, hidden)
@@ -113,6 +117,6 @@ def test_the_reported_multiply_adds_are_those_mapping_one_token_performs(family)
     assert performed > 0
     assert mapper.macs_per_token() == performed
     configs = _config(SOURCE), _config(TARGET)
-    assert mapper_macs_per_token(*configs, k, family, hidden if family == "mlp" else None) == performed
+    assert mapper_macs_per_token(*configs, k, family, mapper.width) == performed
     stored = sum(t.numel() for tensors in mapper.keys + mapper.values for t in tensors)
-    assert mapper_parameter_count(*configs, k, family, hidden if family == "mlp" else None) == stored
+    assert mapper_parameter_count(*configs, k, family, mapper.width) == stored
