@@ -254,8 +254,6 @@ def main(argv: list[str] | None = None) -> None:
     models = load_section(ModelsParams, "models")
     out = args.out or paths.CACHES / name
     with stage_ranks(models.torch_device, params.processes, "pipeline.extract", argv) as stage:
-        if stage is None:  # its torchrun processes did the work
-            return
         metrics = run(paths.model(name), name, args.data or paths.DATA, out, params, models.dtype,
                       models.torch_device, stage.ranks, models.device_map, args.keep_rope)
         stage.write_metrics(out.with_suffix(".json") if args.out else paths.METRICS / f"extract_{name}.json",

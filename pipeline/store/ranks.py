@@ -6,7 +6,8 @@ A stage's whole life among its processes is `stage_ranks` (a `with` block around
 `<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again through
 `torch.distributed.run --standalone --nproc_per_node N` (`relaunch`) and waits, so `dvc.yaml` keeps one command
 per stage and `dvc repro` stays the only verb; `--standalone` picks a free rendezvous port, so concurrent
-experiments (DVC's queue) do not collide. Each process then joins the process group, runs the stage and writes
+experiments (DVC's queue) do not collide; the launching process then ends (`Relaunched`: its processes did the
+work). Each process then joins the process group, takes the stage's torch thread count, runs the stage and writes
 its metrics through `Stage.write_metrics` (rank 0 writes, with every rank's usage figures). One process is
 `Ranks` of size 1: every helper is then a no-op.
 
@@ -43,6 +44,14 @@ LAUNCHED = "WORLD_SIZE"  # set by torchrun / accelerate launch in every process 
 
 class TooManyProcessesError(Refusal, RuntimeError):
     pass
+
+
+class Relaunched(SystemExit):
+    """The launching process's way out of a stage its torchrun processes ran: status 0, past the rest of main()
+    (a caller that runs a stage's main in its own process, `store.cli.run_stage`, takes it as success)."""
+
+    def __init__(self):
+        super().__init__(0)
 
 
 @dataclass(frozen=True)
@@ -175,23 +184,24 @@ def leave(ranks: Ranks) -> None:
 
 
 @contextmanager
-def stage_ranks(device: str, processes: int = 1, module: str | None = None,
-                argv: Sequence[str] = ()) -> Iterator[Stage | None]:
+def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv: Sequence[str] = (),
+                threads: int | None = None) -> Iterator[Stage]:
     """A stage's life among its processes, around its work: relaunch under torchrun when `processes` > 1 and no
-    launcher started this one (the block then gets None and the caller is done: its processes did the work), else
-    join the process group (as `module` under any launcher), start the usage figures and give the block its
-    `Stage`; leave the group when the block ends.
+    launcher started this one (this process then ends with `Relaunched`, past the block: its processes did the
+    work), else join the process group (as `module` under any launcher), take `threads` torch CPU threads, start
+    the usage figures and give the block its `Stage`; leave the group when the block ends.
 
     A stage without `module` always runs as one process: no relaunch and no process group, only its `Stage`."""
     if module is None:
         if processes != 1:
             raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
-        yield Stage(ONE_PROCESS, device)
-        return
-    if relaunch(processes, module, argv):
-        yield None
-        return
-    ranks = join(device)
+        ranks = ONE_PROCESS
+    elif relaunch(processes, module, argv):
+        raise Relaunched()
+    else:
+        ranks = join(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     # a block that fails raises here and skips the orderly teardown on purpose: NCCL's waits for every rank, some
     # of them still in a collective, while ending this process lets torchrun end them (the module's docstring)
     yield Stage(ranks, device)
