@@ -45,7 +45,7 @@ from pipeline.kv.mapper import load_mapper
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
-from pipeline.store.artifacts import load_artifact, save_artifact, verify_file, write_json_atomic
+from pipeline.store.artifacts import load_artifact, save_artifact, verify_file
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
@@ -281,7 +281,7 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_su
 
 def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParams) -> dict:
     """Every control on the pair and the selected mapper, each with its figures and `passed`. A pair the
-    compatibility control refuses (from the configs alone: nothing is loaded) stops here, written beforehand."""
+    compatibility control refuses (from the configs alone: nothing is loaded) stops here, with that one entry."""
     device = models.torch_device
     source_tok, target_tok = load_tokenizer(paths.model("source")), load_tokenizer(paths.model("target"))
     prompts = read_prompts(EVAL_PROMPTS)[: params.prompts]
@@ -289,8 +289,7 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
                              source_tok, max(len(c) + len(e) for c, e in prompts) + params.horizon)
     results = {"compatibility": compatibility(contract)}
     if not results["compatibility"]["passed"]:  # refused from the configs: nothing is loaded or run
-        write_json_atomic(paths.CONTROLS, results)
-        raise ControlFailed(f"control compatibility failed: {contract.reason('mapped')}")
+        return results
     with tempfile.TemporaryDirectory(prefix="controls-") as scratch:
         folder = Path(scratch)
         float32_target = None
@@ -331,11 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     models = load_section(ModelsParams, "models")
     tolerances = load_section(ToleranceParams, "tolerances")
     verify_file(MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
-    torch.set_num_threads(params.threads)
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         results = run(params, models, tolerances)
-        write_json_atomic(paths.CONTROLS, results)
-        stage.write_metrics(paths.CONTROLS_USAGE, {})
+        stage.write_metrics(paths.CONTROLS, results, usage_to=paths.CONTROLS_USAGE)
+    compatible = results["compatibility"]
+    if not compatible["passed"]:  # the pair is refused from its configs: no other control ran
+        raise ControlFailed(f"control compatibility failed: {compatible['modes']['mapped']}")
     failed = [name for name, entry in results.items() if not entry["passed"]]
     print(json.dumps({name: entry["passed"] for name, entry in results.items()}, indent=2))
     if failed:

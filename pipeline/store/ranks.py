@@ -125,17 +125,26 @@ class Stage:
         next file's wall time (and a GPU's peak) is of what ran since (a CPU's peak stays the process's)."""
         self.usage = StageUsage(self.device)
 
-    def write_metrics(self, path: str | os.PathLike, metrics: dict) -> dict | None:
+    def write_metrics(self, path: str | os.PathLike, metrics: dict,
+                      usage_to: str | os.PathLike | None = None) -> dict | None:
         """The stage's metrics JSON, written by rank 0 with the usage figures of every rank (`usage_of_ranks`)
-        after `metrics`' own keys, `group/name/key` keys nested (`artifacts.nested`), and its top-level figures
-        printed. Every rank calls it (the
+        after `metrics`' own keys (a figure of the same name, e.g. latency's `device`, stays the stage's),
+        `group/name/key` keys nested (`artifacts.nested`), and its top-level figures printed. With `usage_to`
+        the usage figures go to that file instead, so `path` holds the stage's figures alone (controls.json,
+        which every evaluation depends on, then changes only when a control does). Every rank calls it (the
         figures are gathered); rank 0 gets the metrics written, the others None."""
         figures = self.ranks.gather(self.usage.figures())
         if not self.ranks.main:
             return None
-        metrics = nested({**metrics, **usage_of_ranks(figures)})
+        usage = usage_of_ranks(figures)
+        if usage_to is not None:
+            write_json_atomic(Path(usage_to), nested(usage))
+            shown, metrics = usage, nested(metrics)
+        else:
+            metrics = nested({**metrics, **{key: value for key, value in usage.items() if key not in metrics}})
+            shown = metrics
         write_json_atomic(Path(path), metrics)
-        print(json.dumps({key: value for key, value in metrics.items() if not isinstance(value, dict)}, indent=2))
+        print(json.dumps({key: value for key, value in shown.items() if not isinstance(value, dict)}, indent=2))
         return metrics
 
 
