@@ -168,12 +168,17 @@ def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     return True
 
 
-def join(device: str) -> Ranks:
-    """This process's `Ranks`: from the launcher's environment, with the process group started (NCCL for a CUDA
-    device, else gloo); the single process when not launched."""
+def launched_ranks() -> Ranks:
+    """This process's `Ranks` as the launcher's environment gives them; the single process when not launched."""
     if not launched():
         return ONE_PROCESS
-    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def join(device: str) -> Ranks:
+    """This process's `Ranks` (`launched_ranks`), with the process group started (NCCL for a CUDA device, else
+    gloo) under several processes."""
+    ranks = launched_ranks()
     if ranks.size > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
