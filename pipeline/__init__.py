@@ -14,8 +14,8 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
     store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
               processes (torchrun), split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
-              the FLOP model, mappers, the handoff (last-token protocol), scoring continuations after it, the
-              pair (its models loaded once, its handoffs)
+              the FLOP model, mappers, the handoff (last-token protocol), decoding after it, scoring continuations
+              after it, the pair (its models loaded once, its handoffs)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer, a
               fitted map distilled through the frozen target
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
@@ -29,7 +29,7 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
               "cachefiles"),
-    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
+    "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "decode", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",

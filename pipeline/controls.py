@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 
 from pipeline.fitting.distill import start_of
 from pipeline.kv.contract import Contract, pair_contract
-from pipeline.kv.handoff import Handoff, greedy_rollout
+from pipeline.kv.decode import greedy_rollout
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.rope import RotarySpec, Rotation

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pipeline.kv.decode import decode
 from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
-from pipeline.kv.handoff import SOURCE_MODES, Handoff, decode
+from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
@@ -96,7 +97,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`kv.handoff.decode`),
+    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`kv.decode.decode`),
     and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
     a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
     token in `stop`."""

@@ -42,8 +42,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
+from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate, map_pair
-from pipeline.kv.handoff import SOURCE_MODES, Handoff, greedy_generate
+from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.store.models import default_device

@@ -3,7 +3,7 @@ for all its continuations, the continuations packed into step rows, contexts bat
 
 For a context c[0..n-1] and its continuations e0, e1, ... the handoff builds the cache of c[0..n-2] once
 (`Handoff.prefix_layers`); one step row then reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked
-from the others and at positions n-1, n, ... again (`Handoff.packed_logprobs`), so each scores as if alone.
+from the others and at positions n-1, n, ... again (`kv.decode.packed_logprobs`), so each scores as if alone.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff, padded_prefixes
+from pipeline.kv.decode import packed_logprobs, padded_prefixes
+from pipeline.kv.handoff import Handoff
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -39,7 +40,7 @@ def score_continuations(
     with more gets one of its own): the contexts of a batch are prefilled together (one source forward,
     prefixes right-padded and masked), then each context's continuations are packed one after another into
     one step row that reads its prefix rows, each continuation masked from the others and at its own positions
-    (`Handoff.packed_logprobs`; a context batched alone packs its continuations into rows of at most
+    (`kv.decode.packed_logprobs`; a context batched alone packs its continuations into rows of at most
     `max_length` tokens, one forward each):
 
         prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
@@ -76,7 +77,7 @@ def score_continuations(
             if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
                 logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
             else:
-                logprobs = handoff.packed_logprobs(layers, steps, lengths, segments, offsets)  # (B, L, V)
+                logprobs = packed_logprobs(handoff, layers, steps, lengths, segments, offsets)  # (B, L, V)
             targets = targets.to(logprobs.device)
             scored = logprobs.gather(-1, targets[..., None])[..., 0]  # (B, L): log p of each continuation token
             greedy = (logprobs.argmax(-1) == targets).cpu()  # (B, L)
