@@ -16,8 +16,8 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the FLOP model, mappers, the handoff (last-token protocol), decoding after it, scoring continuations
               after it, the pair (its models loaded once, its handoffs)
-    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer, a
-              fitted map distilled through the frozen target
+    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every candidate family per layer, the rows
+              and kept oracles of distillation, a fitted map distilled through the frozen target
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
@@ -30,7 +30,7 @@ WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
               "cachefiles"),
     "kv": ("rope", "kvcache", "contract", "flops", "mapper", "handoff", "decode", "scoring", "gate", "pair"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),

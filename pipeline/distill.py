@@ -33,16 +33,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import (
-    SUFFIX,
-    TRAINABLE,
-    CacheRows,
-    DistillSettings,
-    Splits,
-    distill,
-    family_of,
-    with_oracles,
-)
+from pipeline.fitting.distill import SUFFIX, TRAINABLE, DistillSettings, distill, family_of
+from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
