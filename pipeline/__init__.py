@@ -23,7 +23,8 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting
-    tiny/     the embedded world: its tokenizer, its generator, and the training of the tiny pair
+    tiny/     the embedded world: its tokenizer, its language, its task items, its corpus, and the training of
+              the tiny pair
 """
 
 WINGS = {
@@ -34,7 +35,7 @@ WINGS = {
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "gates", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),
-    "tiny": ("tokenizer", "world", "train"),
+    "tiny": ("tokenizer", "world", "items", "corpus", "train"),
 }
 
 STAGES = {
