@@ -5,7 +5,8 @@ masked, each row at its own positions) and read the target after it: several con
 (`packed_logprobs`, for `kv.scoring`), every prompt teacher-forced through its continuation (`teacher_forced`,
 with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), and one context decoded
 token by token with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's
-`generate_until`).
+`generate_until`); and the target alone, for the exactness control: its plain forward over a whole sequence
+(`full_logprobs`) and the same in chunks through its own cache (`chunked_logprobs`).
 """
 from __future__ import annotations
 
@@ -160,3 +161,23 @@ def greedy_generate(
     """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1],
     stopping early when should_stop(tokens so far) says so."""
     return decode(handoff, context, max_new_tokens, argmax_token, should_stop)
+
+
+def full_logprobs(target, context, continuation) -> torch.Tensor:
+    """The plain forward's log-probabilities (m, V) at the positions scoring the continuation."""
+    ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
+    logprobs = torch.log_softmax(target(input_ids=ids).logits.float(), -1)[0]
+    return logprobs[len(context) - 1 : len(context) + len(continuation) - 1]
+
+
+def chunked_logprobs(target, context, continuation) -> torch.Tensor:
+    """The same log-probabilities as `full_logprobs`, computed in three chunks through the model's own cache:
+    a computation mathematically equal to the full forward, whose difference from it is float rounding only."""
+    ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
+    cut, last = max(1, (len(context) - 1) // 2), len(context) - 1
+    cache = transformers.DynamicCache(config=target.config)
+    for start, end in ((0, cut), (cut, last)):
+        if end > start:
+            target(input_ids=ids[:, start:end], cache=cache, use_cache=True)
+    logits = target(input_ids=ids[:, last:-1], cache=cache, use_cache=True).logits
+    return torch.log_softmax(logits.float(), -1)[0]
