@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.decode import packed_logprobs, padded_prefixes
 from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -51,16 +52,7 @@ def score_continuations(
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
     """
     max_length = max_length or handoff.target.config.max_position_embeddings
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for index, (context, continuation) in enumerate(requests):
-        if not continuation:
-            raise ValueError(f"request {index} has an empty continuation")
-        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
-    if any(not context for context in groups):
-        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
-    size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731
-    ordered = sorted(groups.items(), key=size, reverse=True)
-
+    ordered = shared_contexts(requests, max_length)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
     for chunk in context_batches(ordered, batch_size):
@@ -73,24 +65,51 @@ def score_continuations(
             forwards = [[indices for _, indices in chunk]]
         for forward in forwards:
             rows = [[(index, requests[index][1]) for index in indices] for indices in forward]
-            steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
-            if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
-                logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
-            else:
-                logprobs = packed_logprobs(handoff, layers, steps, lengths, segments, offsets)  # (B, L, V)
-            targets = targets.to(logprobs.device)
-            scored = logprobs.gather(-1, targets[..., None])[..., 0]  # (B, L): log p of each continuation token
-            greedy = (logprobs.argmax(-1) == targets).cpu()  # (B, L)
-            scored = scored.cpu()
-            for row, members in enumerate(rows):
-                at = 0
-                for index, continuation in members:
-                    span = slice(at, at + len(continuation))
-                    results[index] = (scored[row, span].sum().item(), bool(greedy[row, span].all()))
-                    at += len(continuation)
+            for index, result in score_rows(handoff, layers, contexts, rows, lengths, padded).items():
+                results[index] = result
             bar.update(sum(len(members) for members in rows))
     bar.close()
     return results  # type: ignore[return-value]
+
+
+def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int
+                    ) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Each context (as truncated to `max_length`) with the indices of the requests that share it, the largest
+    first (its tokens and all its continuations' together)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (context, continuation) in enumerate(requests):
+        if not continuation:
+            raise ValueError(f"request {index} has an empty continuation")
+        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
+    if any(not context for context in groups):
+        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
+    size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731
+    return sorted(groups.items(), key=size, reverse=True)
+
+
+def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Sequence[int]],
+               rows: list[list[tuple[int, Sequence[int]]]], lengths: torch.Tensor, padded: bool
+               ) -> dict[int, tuple[float, bool]]:
+    """One forward: each context's (index, continuation) members packed into its step row after the contexts'
+    prefix cache `layers` (real prefix lengths `lengths`, right-padded when `padded`); per request index, the
+    sum of its continuation's log-probabilities and whether it is the greedy one."""
+    steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
+    if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
+        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
+    else:
+        logprobs = packed_logprobs(handoff, layers, steps, lengths, segments, offsets)  # (B, L, V)
+    targets = targets.to(logprobs.device)
+    scored = logprobs.gather(-1, targets[..., None])[..., 0]  # (B, L): log p of each continuation token
+    greedy = (logprobs.argmax(-1) == targets).cpu()  # (B, L)
+    scored = scored.cpu()
+    results = {}
+    for row, members in enumerate(rows):
+        at = 0
+        for index, continuation in members:
+            span = slice(at, at + len(continuation))
+            results[index] = (scored[row, span].sum().item(), bool(greedy[row, span].all()))
+            at += len(continuation)
+    return results
 
 
 def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Sequence[int]]]]
