@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pipeline.kv.contract import MODES
 from pipeline.kv.decode import decode
 from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
 from pipeline.kv.handoff import SOURCE_MODES, Handoff
@@ -50,7 +51,7 @@ from pipeline.studies.format import md_table
 
 torch = lazy("torch")
 
-TRANSFERS = ("oracle", "mapped", "source", "direct", "zero", "shuffled")
+TRANSFERS = tuple(MODES)
 FELL_BACK = "fell back to the target's prefill"
 EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
 

@@ -13,6 +13,7 @@ token order permuted by a seeded permutation in content space, before the target
 """
 from __future__ import annotations
 
+from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
 from pipeline.kv.mapper import Mapper
@@ -24,9 +25,9 @@ from pipeline.store.models import IncompatiblePairError
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 
-MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
-SOURCE_MODES = ("direct", "mapped", "shuffled")  # the modes that read the source's cache
-MAPPER_MODES = ("mapped", "shuffled")  # the modes that read a mapper (`shuffled` also runs without one)
+MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.target)  # the modes a Handoff builds
+SOURCE_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].source)  # the source's cache to the target
+MAPPER_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].map)  # `shuffled` also runs without a map
 
 
 def check_mode(mode: str, has_source: bool, has_mapper: bool) -> None:
