@@ -6,10 +6,12 @@ masked, each row at its own positions) and read the target after it: several con
 with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), and one context decoded
 token by token with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's
 `generate_until`); and the target alone, for the exactness control: its plain forward over a whole sequence
-(`full_logprobs`) and the same in chunks through its own cache (`chunked_logprobs`).
+(`full_logprobs`) and the same in chunks through its own cache (`chunked_logprobs`). `generate` decodes greedy or
+sampled tokens up to an end-of-sequence id (`eos_ids`) and times the first: what `pipeline.generate` shows.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Callable, Sequence
 
@@ -181,3 +183,42 @@ def chunked_logprobs(target, context, continuation) -> torch.Tensor:
             target(input_ids=ids[:, start:end], cache=cache, use_cache=True)
     logits = target(input_ids=ids[:, last:-1], cache=cache, use_cache=True).logits
     return torch.log_softmax(logits.float(), -1)[0]
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a continuation: the model's generation config's EOS (an id or a list) and the
+    tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+
+
+def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
+             temperature: float = 0.0, seed: int = 0,
+             on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
+    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`decode`),
+    and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
+    a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
+    token in `stop`."""
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    generator = torch.Generator().manual_seed(seed)
+    start, first_ms = time.perf_counter(), []
+
+    def seen(tokens: list[int]) -> bool:
+        if len(tokens) == 1:
+            first_ms.append(1000 * (time.perf_counter() - start))
+        on_token(tokens)
+        return tokens[-1] in stop
+
+    tokens = decode(handoff, prompt, max_new_tokens, lambda logits: pick(logits, temperature, generator), seen)
+    return tokens, (first_ms[0] if first_ms else 0.0)
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """The next token from logits (V,): the argmax at temperature 0, else a draw (on the CPU, so a seed
+    draws the same tokens on any device)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
+    return int(torch.multinomial(probs, 1, generator=generator))
