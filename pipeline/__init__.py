@@ -31,27 +31,30 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
     store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
               processes (torchrun), split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
-              the FLOP model, mappers, the handoff (last-token protocol), scoring continuations after it, the
-              pair (its models loaded once, its handoffs)
-    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer,
-              a fitted map distilled through the frozen target
+              the mapper families (kv/families/, one module each, and their registry), the FLOP model, mappers, the
+              handoff (last-token protocol), decoding after it, scoring continuations after it, the pair (its models
+              loaded once, its handoffs)
+    fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
+              rows and kept oracles of distillation, a fitted map distilled through the frozen target
     measure/  paired statistics, lm-eval tasks on local files, retention, agreement with the oracle, timing
               and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting
-    tiny/     the embedded world: its tokenizer, its generator, and the training of the tiny pair
+    tiny/     the embedded world: its tokenizer, its language, its task items, its corpus, and the training of
+              the tiny pair
 """
 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
               "cachefiles"),
-    "kv": ("rope", "kvcache", "families", "contract", "flops", "mapper", "handoff", "scoring", "gate", "pair"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill"),
+    "kv": ("rope", "kvcache", "families", "contract", "flops", "mapper", "handoff", "decode", "scoring", "gate",
+           "pair"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),
-    "tiny": ("tokenizer", "world", "train"),
+    "tiny": ("tokenizer", "world", "items", "corpus", "train"),
 }
 
 STAGES = {

@@ -42,7 +42,6 @@ from pipeline.store.params import ParamError, Params, Positive, Threads, load_se
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
-torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 
@@ -89,7 +88,6 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
     if size > len(pool):
         raise ParamError(f"calibration.sizes: {size} sequences, but {paths.CALIBRATION_POOL} holds {len(pool)}; raise "
                          f"data.calibration_sequences or drop the size")
-    torch.set_num_threads(params.threads)
     metrics: dict[str, float | int | str] = {"sequences": size}
     first = pool.head(size)
     metrics["tokens"] = int(sum(len(ids) for ids in first.token_ids))
@@ -131,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("size", type=int, help="fit sequences of this point (an entry of calibration.sizes)")
     size = cli.parse_args(sys.argv[1:] if argv is None else argv).size
     params, models = load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         stage.write_metrics(paths.calibration_point(size), run(size, params, models))
 
 

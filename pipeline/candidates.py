@@ -41,7 +41,6 @@ from pipeline.store.params import Count, ParamError, Params, Positive, Threads, 
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS, pair_configs
 
-torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
@@ -77,7 +76,6 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
 
 def run(params: CandidatesParams, models: ModelsParams) -> dict:
     require_controls_passed()
-    torch.set_num_threads(params.threads)
     candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
@@ -112,7 +110,7 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.candidates", __doc__, argv)
     params, models = load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         stage.write_metrics(METRICS, run(params, models))
 
 

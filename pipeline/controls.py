@@ -38,14 +38,15 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.contract import Contract, pair_contract
+from pipeline.kv.decode import chunked_logprobs, full_logprobs, greedy_rollout
 from pipeline.kv.families.registry import MapName
-from pipeline.kv.handoff import Handoff, greedy_rollout
-from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import cache_to_layers, pre_rope_keys
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
-from pipeline.store.artifacts import load_artifact, save_artifact, verify_file, write_json_atomic
+from pipeline.store.artifacts import load_artifact, save_artifact, verify_file
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
@@ -53,7 +54,6 @@ from pipeline.store.params import Params, Positive, PositiveFloat, Threads, load
 from pipeline.store.ranks import stage_ranks
 
 torch = lazy("torch")
-transformers = lazy("transformers")
 
 MAPPER, EVAL_PROMPTS = paths.SELECTED_MAPPER, paths.EVAL_PROMPTS
 
@@ -112,26 +112,6 @@ def _reinjected_logprobs(handoff: Handoff, context, continuation, folder: Path) 
     stored, _ = load_artifact(folder / "prefix.safetensors", device=handoff.device)
     layers = [(stored[f"{i}.0"], stored[f"{i}.1"]) for i in range(len(layers))]
     return handoff.step_logprobs(layers, torch.tensor([[context[-1], *continuation[:-1]]]))[0]
-
-
-def full_logprobs(target, context, continuation) -> torch.Tensor:
-    """The plain forward's log-probabilities (m, V) at the positions scoring the continuation."""
-    ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
-    logprobs = torch.log_softmax(target(input_ids=ids).logits.float(), -1)[0]
-    return logprobs[len(context) - 1 : len(context) + len(continuation) - 1]
-
-
-def chunked_logprobs(target, context, continuation) -> torch.Tensor:
-    """The same log-probabilities as `full_logprobs`, computed in three chunks through the model's own cache:
-    a computation mathematically equal to the full forward, whose difference from it is float rounding only."""
-    ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
-    cut, last = max(1, (len(context) - 1) // 2), len(context) - 1
-    cache = transformers.DynamicCache(config=target.config)
-    for start, end in ((0, cut), (cut, last)):
-        if end > start:
-            target(input_ids=ids[:, start:end], cache=cache, use_cache=True)
-    logits = target(input_ids=ids[:, last:-1], cache=cache, use_cache=True).logits
-    return torch.log_softmax(logits.float(), -1)[0]
 
 
 def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedTolerance, horizon: int, folder: Path,
@@ -210,33 +190,6 @@ def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_map
             "file": str(path)}
 
 
-def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
-    """Run `model` on token_ids; per layer, the keys (1, kv_heads, T, head_dim) its attention computed just before
-    the rotary embedding (the output of k_norm, or of k_proj in a model without one), and its cache."""
-    geometry = kv_geometry(model.config)
-    captured: dict[int, torch.Tensor] = {}
-
-    def keep(index):
-        def hook(module, inputs, output):
-            batch, tokens = output.shape[0], output.shape[1]
-            # (B, T, H*D) or (B, T, H, D) -> (B, H, T, D)
-            captured[index] = output.reshape(batch, tokens, geometry["kv_heads"], geometry["head_dim"]).transpose(1, 2)
-        return hook
-
-    hooks = []
-    for index, layer in enumerate(model.model.layers):
-        attention = layer.self_attn
-        module = getattr(attention, "k_norm", None) or attention.k_proj
-        hooks.append(module.register_forward_hook(keep(index)))
-    try:
-        with torch.no_grad():
-            cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [captured[index] for index in range(len(hooks))], cache_to_layers(cache)
-
-
 def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, tolerance: float,
                        position_offset: int = 0) -> dict:
     """Strip RoPE from the cached keys of each prompt and compare them, layer by layer, with the keys the model
@@ -282,7 +235,7 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_su
 
 def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParams) -> dict:
     """Every control on the pair and the selected mapper, each with its figures and `passed`. A pair the
-    compatibility control refuses (from the configs alone: nothing is loaded) stops here, written beforehand."""
+    compatibility control refuses (from the configs alone: nothing is loaded) stops here, with that one entry."""
     device = models.torch_device
     source_tok, target_tok = load_tokenizer(paths.model("source")), load_tokenizer(paths.model("target"))
     prompts = read_prompts(EVAL_PROMPTS)[: params.prompts]
@@ -290,8 +243,7 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
                              source_tok, max(len(c) + len(e) for c, e in prompts) + params.horizon)
     results = {"compatibility": compatibility(contract)}
     if not results["compatibility"]["passed"]:  # refused from the configs: nothing is loaded or run
-        write_json_atomic(paths.CONTROLS, results)
-        raise ControlFailed(f"control compatibility failed: {contract.reason('mapped')}")
+        return results
     with tempfile.TemporaryDirectory(prefix="controls-") as scratch:
         folder = Path(scratch)
         float32_target = None
@@ -332,11 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     models = load_section(ModelsParams, "models")
     tolerances = load_section(ToleranceParams, "tolerances")
     verify_file(MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
-    torch.set_num_threads(params.threads)
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         results = run(params, models, tolerances)
-        write_json_atomic(paths.CONTROLS, results)
-        stage.write_metrics(paths.CONTROLS_USAGE, {})
+        stage.write_metrics(paths.CONTROLS, results, usage_to=paths.CONTROLS_USAGE)
+    compatible = results["compatibility"]
+    if not compatible["passed"]:  # the pair is refused from its configs: no other control ran
+        raise ControlFailed(f"control compatibility failed: {compatible['modes']['mapped']}")
     failed = [name for name, entry in results.items() if not entry["passed"]]
     print(json.dumps({name: entry["passed"] for name, entry in results.items()}, indent=2))
     if failed:

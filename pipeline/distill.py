@@ -33,13 +33,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import (
-    CacheRows,
-    DistillSettings,
-    Splits,
-    distill,
-    with_oracles,
-)
+from pipeline.fitting.distill import DistillSettings, distill
+from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.families.registry import TRAINABLE, MapName
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.store import paths
@@ -52,7 +47,6 @@ from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, P
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
-torch = lazy("torch")
 
 
 class DistillParams(Params):
@@ -185,12 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         raise ParamError(f"distill.start: no fitted map {mappers / missing[0]}.safetensors; name one of fit's "
                          "candidates (models/mappers) or rerun fit")
-    torch.set_num_threads(params.threads)
     inputs = {"mappers": mappers, "caches": args.caches or paths.CACHES, "data": args.data or paths.DATA}
     processes = min(params.processes, len(names))  # a process without a map would only wait
-    with stage_ranks(models.torch_device, processes, "pipeline.distill", argv) as stage:
-        if stage is None:  # its torchrun processes did the work
-            return
+    with stage_ranks(models.torch_device, processes, "pipeline.distill", argv, params.threads) as stage:
         found = run(params, models, names, inputs, stage.ranks)
         metrics = {}  # rank 0's, written below; the other ranks' maps went to it
         if found is not None:

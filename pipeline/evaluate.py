@@ -44,7 +44,6 @@ from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 ORACLE_OUTPUTS, EVAL_PROMPTS, BASELINES = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS, paths.BASELINES
@@ -99,7 +98,6 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
                 (staging / SKIPPED).write_text(reason + "\n")
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
-    torch.set_num_threads(params.threads)
     handoff = build_handoff(variant, params, pair)
     prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
@@ -153,9 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     names = cli.parse_args(argv).variants
     params, models = load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models")
     variants = ordered_variants(names, params)
-    with stage_ranks(models.torch_device, params.processes, "pipeline.evaluate", argv) as stage:
-        if stage is None:  # its torchrun processes did the work
-            return
+    with stage_ranks(models.torch_device, params.processes, "pipeline.evaluate", argv, params.threads) as stage:
         pair = Pair.load(models, stage.device)  # one load of each model, shared by the variants
         for variant in variants:
             stage.restart_usage()  # each variant's metrics: its own wall time

@@ -170,6 +170,29 @@ def manifest_splits(frames: dict[str, pd.DataFrame], records: list[dict]) -> dic
     return splits
 
 
+def timed_repeats(model, rotation: Rotation, frames: dict, out_dir: Path, base: dict, params: ExtractParams,
+                  ranks: Ranks, name: str) -> tuple[dict[str, list[float]], dict, list[int]]:
+    """This rank's shards extracted `params.repeats` times beside both floors (the forward floor before the
+    extraction in even repeats, after it in odd ones): each kind's times, the last repeat's shard records and the
+    sizes of the bytes it wrote."""
+    mine = [frame.token_ids[i] for frame in frames.values()
+            for _, members in rank_shards(len(frame), params.shard_sequences, ranks) for i in members]
+    times = {"forward": [], "extract": [], "write": []}
+    bar = tqdm(total=len(mine) * params.repeats, desc=f"extract {name}", unit="seq", disable=not ranks.main)
+    for repeat in range(params.repeats):
+        if repeat % 2 == 0:  # alternate which of the two runs first, so neither always follows the other
+            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
+        start = time.perf_counter()
+        records = extract_splits(model, rotation, frames, out_dir, base, params, bar, ranks)
+        times["extract"].append(time.perf_counter() - start)
+        if repeat % 2 == 1:
+            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
+        sizes = [r["bytes"] for split in records.values() for r in split]
+        times["write"].append(write_floor(out_dir, sizes, ranks.rank))
+    bar.close()
+    return times, records, sizes
+
+
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
         model_dtype: str = "float32", device: str | None = None, ranks: Ranks = ONE_PROCESS,
         device_map: str | None = None, keep_rope: bool = False) -> dict:
@@ -198,23 +221,8 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
             for stale in (out_dir / split).glob("shard-*.safetensors"):
                 stale.unlink()  # a previous run with more shards must not leave files the manifest does not name
     ranks.barrier()
-    mine = [frame.token_ids[i] for frame in frames.values()
-            for _, members in rank_shards(len(frame), params.shard_sequences, ranks) for i in members]
-
     forward_floor(model, all_ids[:1], 1)  # warm-up, so neither timing below pays first-call costs
-    times = {"forward": [], "extract": [], "write": []}
-    bar = tqdm(total=len(mine) * params.repeats, desc=f"extract {name}", unit="seq", disable=not ranks.main)
-    for repeat in range(params.repeats):
-        if repeat % 2 == 0:  # alternate which of the two runs first, so neither always follows the other
-            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
-        start = time.perf_counter()
-        records = extract_splits(model, rotation, frames, out_dir, base, params, bar, ranks)
-        times["extract"].append(time.perf_counter() - start)
-        if repeat % 2 == 1:
-            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
-        sizes = [r["bytes"] for split in records.values() for r in split]
-        times["write"].append(write_floor(out_dir, sizes, ranks.rank))
-    bar.close()
+    times, records, sizes = timed_repeats(model, rotation, frames, out_dir, base, params, ranks, name)
     median = {kind: statistics.median(values) for kind, values in times.items()}
     per_rank = ranks.gather({"records": records, "median": median, "bytes": sum(sizes)})
     if not ranks.main:
@@ -254,8 +262,6 @@ def main(argv: list[str] | None = None) -> None:
     models = load_section(ModelsParams, "models")
     out = args.out or paths.CACHES / name
     with stage_ranks(models.torch_device, params.processes, "pipeline.extract", argv) as stage:
-        if stage is None:  # its torchrun processes did the work
-            return
         metrics = run(paths.model(name), name, args.data or paths.DATA, out, params, models.dtype,
                       models.torch_device, stage.ranks, models.device_map, args.keep_rope)
         stage.write_metrics(out.with_suffix(".json") if args.out else paths.METRICS / f"extract_{name}.json",

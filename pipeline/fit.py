@@ -323,8 +323,6 @@ def main(argv: list[str] | None = None) -> None:
     out, metrics_dir = (args.out, args.out) if args.out else (paths.MAPPERS, paths.METRICS)
     caches = args.caches or paths.CACHES
     with stage_ranks(models.torch_device, params.processes, "pipeline.fit", argv) as stage:
-        if stage is None:  # its torchrun processes did the work
-            return
         contract = pair_contract(load_config(paths.model("target")), load_config(paths.model("source")))
         skipped = {family: contract.families[family] for family in params.families
                    if not contract.family_defined(family)}

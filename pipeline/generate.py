@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pipeline.kv.contract import MODES
+from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
-from pipeline.kv.handoff import SOURCE_MODES, Handoff, decode
+from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
@@ -49,7 +51,7 @@ from pipeline.studies.format import md_table
 
 torch = lazy("torch")
 
-TRANSFERS = ("oracle", "mapped", "source", "direct", "zero", "shuffled")
+TRANSFERS = tuple(MODES)
 FELL_BACK = "fell back to the target's prefill"
 EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
 
@@ -83,45 +85,6 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
         if token != reference:
             return index
     return None if len(tokens) == len(oracle) else min(len(tokens), len(oracle))
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    """The ids that end a continuation: the model's generation config's EOS (an id or a list) and the
-    tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
-    return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
-
-
-def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
-             temperature: float = 0.0, seed: int = 0,
-             on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`kv.handoff.decode`),
-    and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
-    a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
-    token in `stop`."""
-    if len(prompt) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    generator = torch.Generator().manual_seed(seed)
-    start, first_ms = time.perf_counter(), []
-
-    def seen(tokens: list[int]) -> bool:
-        if len(tokens) == 1:
-            first_ms.append(1000 * (time.perf_counter() - start))
-        on_token(tokens)
-        return tokens[-1] in stop
-
-    tokens = decode(handoff, prompt, max_new_tokens, lambda logits: pick(logits, temperature, generator), seen)
-    return tokens, (first_ms[0] if first_ms else 0.0)
-
-
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """The next token from logits (V,): the argmax at temperature 0, else a draw (on the CPU, so a seed
-    draws the same tokens on any device)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def build_handoff(pair: Pair, mode: str, mapper: Path | None, shuffle_seed: int) -> Handoff:

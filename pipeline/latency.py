@@ -35,6 +35,7 @@ from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.lazy import lazy
 from pipeline.store.models import load_model
 from pipeline.store.params import Count, Dtype, ParamError, Params, Positive, Threads, load_section
+from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS
 
 torch = lazy("torch")
@@ -57,28 +58,22 @@ class LatencyParams(Params):
         return self
 
 
-def _set_threads(threads: int) -> None:
-    if threads > 0:
-        torch.set_num_threads(threads)
-
-
 def stage(params: LatencyParams) -> dict:
-    _set_threads(params.threads)
     device = default_device() if params.device == "auto" else params.device
-    target = load_model(paths.model("target"), dtype=params.dtype, device=device)
-    source = load_model(paths.model("source"), dtype=params.dtype, device=device)
-    handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
-    rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
-    metrics = length_metrics(rows, env)
-    write_json_atomic(METRICS, metrics)
-    write_table(rows, TABLE)
-    write_plot(rows, env, PLOT)
-    print(format_table(rows, env))
-    return metrics
+    with stage_ranks(device, threads=params.threads) as timed:
+        target = load_model(paths.model("target"), dtype=params.dtype, device=device)
+        source = load_model(paths.model("source"), dtype=params.dtype, device=device)
+        handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
+        rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
+        write_table(rows, TABLE)
+        write_plot(rows, env, PLOT)
+        print(format_table(rows, env))
+        return timed.write_metrics(METRICS, length_metrics(rows, env))
 
 
 def shapes_benchmark(args: argparse.Namespace) -> dict:
-    _set_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     handoff = random_pair_handoff(args.config_shapes, args.dtype, args.device, args.k, args.family, args.width)
     rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
     metrics = {**length_metrics(rows, env), "pair": args.config_shapes}

@@ -40,7 +40,6 @@ from pipeline.store.params import ParamError, Params, Positive, Threads, load_se
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
-torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
@@ -80,7 +79,6 @@ def long_sequences(params: LengthParams) -> list[list[int]]:
 
 def run(params: LengthParams, models: ModelsParams) -> dict:
     require_controls_passed()
-    torch.set_num_threads(params.threads)
     sequences = long_sequences(params)
     metrics: dict[str, float | int | str] = {"fit_tokens": params.fit_tokens, "candidate": params.candidate,
                                              "prompts": len(sequences)}
@@ -127,7 +125,7 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.length", __doc__, argv)
     params, models = load_section(LengthParams, "length"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         stage.write_metrics(paths.LENGTH, run(params, models))
 
 

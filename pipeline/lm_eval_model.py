@@ -20,7 +20,8 @@ lm-eval's `--apply_chat_template` and `--system_instruction` work as for `hf`: p
 target tokenizer's chat template, then tokenized and handed off like any other prompt.
 
 Under `torchrun --nproc_per_node N` (or `accelerate launch`) each process scores every N-th document and rank 0
-gathers the results, through lm-eval's rank contract (rank, world_size, all_gather, gather_object, barrier).
+gathers the results, through lm-eval's rank contract (rank, world_size, all_gather, gather_object, barrier);
+the process group is joined when lm-eval builds the model (`from_args`) and left when its command line is done.
 
 Run lm-eval's own command line with this model registered (`--device` defaults to the pipeline's choice:
 cuda when there is one, else cpu; the README shows the hub and the local-task forms):
@@ -41,12 +42,13 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
+from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate, map_pair
-from pipeline.kv.handoff import SOURCE_MODES, Handoff, greedy_generate
+from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.store.models import default_device
-from pipeline.store.ranks import ONE_PROCESS, Ranks, join
+from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -267,12 +269,14 @@ def gate_from_args(pair: Pair, handoff: Handoff, fallback: str | None, threshold
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's own command line, with `kv-transfer` registered by the import above."""
+    """lm-eval's own command line, with `kv-transfer` registered by the import above. Under torchrun the process
+    group its model joined (`from_args`) is left here, when lm-eval is done with it."""
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
     sys.argv = [sys.argv[0], *args]
     cli_evaluate()
+    leave(launched_ranks())  # from_args's join: after lm-eval's last collective
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelNotAvailableError, hub_reachable, load_tokenizer
 from pipeline.store.params import ParamError, Params, Positive, load_section
 from pipeline.store.splits import SEQUENCE_SPLITS, TASK_PARTS, TASKS, check_disjoint, content_hash
+from pipeline.tiny.corpus import generate_world
 from pipeline.tiny.tokenizer import train_tokenizer
-from pipeline.tiny.world import WorldConfig, generate_world
+from pipeline.tiny.world import WorldConfig
 
 datasets = lazy("datasets")
 pd = lazy("pandas")

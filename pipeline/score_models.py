@@ -20,7 +20,6 @@ from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
 
 pd = lazy("pandas")
-torch = lazy("torch")
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 
@@ -93,8 +92,7 @@ def _kinds(frame: pd.DataFrame) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.score_models", __doc__, argv)
     models, params = load_section(ModelsParams, "models"), load_section(ScoreModelsParams, "score_models")
-    torch.set_num_threads(params.threads)
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         stage.write_metrics(paths.MODEL_SCORES, models_metrics(models, params))
 
 

@@ -31,7 +31,6 @@ from pipeline.store.params import ParamError, Params, Positive, Processes, Threa
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
-torch = lazy("torch")
 
 MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
 
@@ -146,10 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
-    with stage_ranks(models.torch_device, params.processes, "pipeline.select", []) as stage:
-        if stage is None:  # its torchrun processes did the work
-            return
-        torch.set_num_threads(params.threads)
+    with stage_ranks(models.torch_device, params.processes, "pipeline.select", [], params.threads) as stage:
         load = lambda name: load_model(paths.model(name), dtype=models.dtype, device=stage.device,  # noqa: E731
                                         device_map=models.device_map)
         prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)

@@ -280,7 +280,6 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
 
 def run(params: SelectiveParams, models: ModelsParams) -> dict:
     require_controls_passed()
-    torch.set_num_threads(params.threads)
     pair = Pair.load(models, models.torch_device)
     handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
     two_maps = "disagree" in params.scores or ("probe" in params.scores and len(params.disagree) == 2)
@@ -302,7 +301,7 @@ def run(params: SelectiveParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.selective", __doc__, argv)
     params, models = load_section(SelectiveParams, "selective"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device) as stage:
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
         stage.write_metrics(METRICS, run(params, models))
 
 

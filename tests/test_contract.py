@@ -16,8 +16,9 @@ from pipeline.kv.contract import (
     pair_contract,
     which_pairs_work,
 )
+from pipeline.kv.decode import greedy_rollout
 from pipeline.kv.flops import mapper_parameter_count
-from pipeline.kv.handoff import Handoff, greedy_rollout
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError

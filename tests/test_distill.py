@@ -12,23 +12,17 @@ from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from pipeline.fitting.distill import (
-    Batch,
-    CacheRows,
     DistillSettings,
-    Splits,
-    StoredOracle,
     distill,
     epoch_batches,
     evaluate,
     losses,
     map_tensors,
     map_to_target,
-    oracle,
-    oracle_bytes,
     tensors_digest,
     trainable,
-    with_oracles,
 )
+from pipeline.fitting.distill_rows import Batch, CacheRows, Splits, StoredOracle, oracle, oracle_bytes, with_oracles
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from pipeline.generate import FELL_BACK, GateRequest, departure, eos_ids, generate, main, run
+from pipeline.generate import FELL_BACK, GateRequest, departure, main, run
+from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair

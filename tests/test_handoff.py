@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import build_model, periodic_batch, tiny_config
 
-from pipeline.kv.handoff import Handoff, greedy_generate
+from pipeline.kv.decode import greedy_generate
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import layers_to_cache
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.scoring import score_continuations, window_parts

@@ -177,3 +177,34 @@ def test_the_path_literal_check_sees_a_literal_under_a_shared_folder(tmp_path, t
     (tmp_path / "pipeline" / "stage.py").write_text('"""models/ in a docstring is prose."""\n' + text)
     (tmp_path / "pipeline" / "store" / "paths.py").write_text('MODELS = Path("models")\n')
     assert [line.split(": ", 1)[0] for line in path_literals(tmp_path)] == ["pipeline/stage.py:2"]
+
+
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 60, 400
+
+
+def too_long(root: Path) -> list[str]:
+    """Every function of pipeline/ over MAX_FUNCTION_LINES (decorators not counted) and every module over
+    MAX_MODULE_LINES, as `path:name (lines)`."""
+    found = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        name, text = str(path.relative_to(root)), path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{name}:{node.name} ({length} lines)")
+    return found
+
+
+def test_every_function_fits_a_screen_and_every_module_holds_one_idea():
+    assert too_long(ROOT) == []
+
+
+def test_the_length_check_sees_a_long_function_and_a_long_module(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pipeline" / "long.py").write_text(f"def f():\n{body}" + "\n" * MAX_MODULE_LINES)
+    assert too_long(tmp_path) == [f"pipeline/long.py ({MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines)",
+                                  f"pipeline/long.py:f ({MAX_FUNCTION_LINES + 1} lines)"]

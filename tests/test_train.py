@@ -7,9 +7,11 @@ import torch.nn.functional as F
 from conftest import committed
 
 from pipeline.store.params import parse
+from pipeline.tiny.corpus import generate_world
+from pipeline.tiny.items import render_hellaswag
 from pipeline.tiny.tokenizer import train_tokenizer
 from pipeline.tiny.train import TrainConfig, build_model, encode_corpus, lr_at, make_batch, score_items
-from pipeline.tiny.world import WorldConfig, generate_world, render_hellaswag
+from pipeline.tiny.world import WorldConfig
 
 TINY = parse(TrainConfig,
              committed("train.target", hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16, layers=2),

@@ -15,15 +15,10 @@ from transformers import AutoTokenizer
 
 from pipeline.store.params import parse
 from pipeline.store.splits import ITEM_KINDS, OverlapError, check_disjoint
+from pipeline.tiny.corpus import generate_world
+from pipeline.tiny.items import render_hellaswag, render_piqa, task_items
 from pipeline.tiny.tokenizer import train_tokenizer
-from pipeline.tiny.world import (
-    TOWNS,
-    WorldConfig,
-    generate_world,
-    render_hellaswag,
-    render_piqa,
-    task_items,
-)
+from pipeline.tiny.world import TOWNS, WorldConfig
 
 SMALL = parse(WorldConfig, committed("data.world", corpus_docs=400), "data.world")
 

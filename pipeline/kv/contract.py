@@ -23,6 +23,7 @@ the smaller sizes have 151,936, with one tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeline.kv.families.base import Family
 from pipeline.kv.families.registry import FAMILIES
@@ -32,10 +33,27 @@ from pipeline.store.cli import Refusal
 from pipeline.store.models import IncompatiblePairError, tokenizer_fingerprint
 from pipeline.store.params import read_params
 
+
+class Mode(NamedTuple):
+    """What a handoff mode reads: the mode's one declaration is its entry in MODES."""
+
+    target: bool  # the target decodes (False: the source alone, its own cache and its own predictions)
+    source: bool  # the source model: its cache handed to the target, or the source alone
+    map: bool  # a fitted map (`shuffled` also runs without one: the source's cache itself, permuted)
+
+
 # families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py); the
 # mixture-of-experts ones route the MLP per token and keep their dense siblings' attention and cache
 TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-MODES = ("oracle", "zero", "source", "direct", "mapped", "shuffled")
+# every mode the study compares, in the order the contract reports them; every other list of modes derives from it
+MODES = {
+    "oracle": Mode(target=True, source=False, map=False),  # the target's own prefill
+    "zero": Mode(target=True, source=False, map=False),  # an all-zero cache of the target's shape
+    "source": Mode(target=False, source=True, map=False),  # the source model alone
+    "direct": Mode(target=True, source=True, map=False),  # the source's cache unmapped
+    "mapped": Mode(target=True, source=True, map=True),  # the source's cache through a fitted map
+    "shuffled": Mode(target=True, source=True, map=True),  # what `mapped` injects, its token order permuted
+}
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from pipeline.kv.decode import padded_prefixes
 from pipeline.kv.flops import attention_macs, linear_macs_per_token, logits_macs
-from pipeline.kv.handoff import Handoff, padded_prefixes
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, kv_geometry
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy

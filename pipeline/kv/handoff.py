@@ -13,9 +13,7 @@ token order permuted by a seeded permutation in content space, before the target
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Sequence
-
+from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
 from pipeline.kv.mapper import Mapper
@@ -26,11 +24,10 @@ from pipeline.store.models import IncompatiblePairError
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
-transformers = lazy("transformers")
 
-MODES = ("oracle", "direct", "mapped", "zero", "shuffled")
-SOURCE_MODES = ("direct", "mapped", "shuffled")  # the modes that read the source's cache
-MAPPER_MODES = ("mapped", "shuffled")  # the modes that read a mapper (`shuffled` also runs without one)
+MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.target)  # the modes a Handoff builds
+SOURCE_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].source)  # the source's cache to the target
+MAPPER_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].map)  # `shuffled` also runs without a map
 
 
 def check_mode(mode: str, has_source: bool, has_mapper: bool) -> None:
@@ -175,30 +172,6 @@ class Handoff:
         return layers_to_cache(layers, self.target.config, self.target.dtype, self.target_devices or self.device)
 
     @no_grad
-    def packed_logprobs(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
-                        segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L)
-        after that row's prefix cache (B, H, P, D), right-padded to real lengths `prefix_lengths` (B,).
-        `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it:
-        a token sees its row's real prefix and the earlier tokens of its own continuation, at position
-        prefix_lengths[b] + offset, so each continuation scores as if it were alone after the prefix."""
-        batch, steps = tokens.shape
-        width = 0 if layers is None else layers[0][0].shape[2]
-        prefix = (torch.arange(width)[None] < prefix_lengths[:, None])[:, None].expand(-1, steps, -1)  # (B, L, P)
-        causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
-        own = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, L, L): padding sees padding only
-        allowed = torch.cat([prefix, own], dim=2)[:, None]  # (B, 1, L, P + L)
-        # an additive mask, as eager attention reads it and SDPA accepts it; transformers takes a 4D mask as is
-        dtype = self.target.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        positions = prefix_lengths[:, None] + offsets  # (B, L)
-        self.check_length(int(positions[segments >= 0].max()) + 1 if (segments >= 0).any() else 0)
-        cache = self.target_cache(layers, batch)
-        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
-                             attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
-        return F.log_softmax(logits.float(), dim=-1)
-
-    @no_grad
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
                       prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
@@ -236,117 +209,3 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
     for row, count in enumerate(real):
         order[row, :count] = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     return order
-
-
-def padded_prefixes(contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Each context[:-1], right-padded: ids (B, P), real lengths (B,), and whether any row is padded."""
-    lengths = torch.tensor([len(context) - 1 for context in contexts])
-    prefixes = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
-    for row, context in enumerate(contexts):
-        prefixes[row, : len(context) - 1] = torch.tensor(list(context[:-1]), dtype=torch.long)
-    return prefixes, lengths, bool((lengths != lengths.max()).any())
-
-
-def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
-    """The target cache to decode from: the handoff of contexts[:, :-1], or an empty cache."""
-    cache = handoff.target_cache(handoff.prefix_layers(contexts[:, :-1]), contexts.shape[0])
-    if cache is None:
-        cache = transformers.DynamicCache(config=handoff.target.config)
-    return cache
-
-
-@no_grad
-def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: int) -> torch.Tensor:
-    """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
-    different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
-    prefixes, lengths, padded = padded_prefixes(contexts)
-    cache = handoff.target_cache(handoff.prefix_layers(prefixes, lengths if padded else None), len(contexts))
-    if cache is None:
-        cache = transformers.DynamicCache(config=handoff.target.config)
-    next_input = torch.tensor([[context[-1]] for context in contexts], device=handoff.device)  # (B, 1)
-    mask = (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()  # (B, P): real prefix slots
-    handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
-    tokens = []
-    for step in range(steps):
-        options = {}
-        if padded:
-            mask = torch.cat([mask, torch.ones(len(contexts), 1, dtype=torch.long)], dim=1)  # (B, P + step + 1)
-            options = {"attention_mask": mask.to(handoff.device),
-                       "position_ids": (lengths[:, None] + step).to(handoff.device)}  # (B, 1)
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
-                                **options).logits
-        next_input = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-        tokens.append(next_input)
-    return torch.cat(tokens, dim=1)
-
-
-@no_grad
-def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
-                   attention: list | None = None) -> list[torch.Tensor]:
-    """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
-    continuation; all prompts in one batch: one prefill, one step forward. With `attention` (a list), each
-    prompt's attention outputs of those positions are appended to it: (L_t, m, hidden) per prompt, in the
-    model's dtype on the CPU (what every target layer's attention block wrote, after its output projection)."""
-    prefixes, lengths, padded = padded_prefixes([context for context, _ in prompts])
-    layers = handoff.prefix_layers(prefixes, lengths if padded else None)
-    steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
-    for row, (context, continuation) in enumerate(prompts):
-        steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
-    with attention_outputs(handoff.target, attention is not None) as outputs:  # only the step, not a prefill
-        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, M, V)
-    if attention is not None:
-        stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
-        attention.extend(stacked[row, :, : len(continuation)] for row, (_, continuation) in enumerate(prompts))
-    return [logprobs[row, : len(continuation)] for row, (_, continuation) in enumerate(prompts)]
-
-
-@contextmanager
-def attention_outputs(model, active: bool = True):
-    """While active, every decoder layer's attention output (B, T, hidden) of each forward of `model`, moved
-    to the CPU, in layer order (the list yielded; empty when inactive)."""
-    outputs: list[torch.Tensor] = []
-    if not active:
-        yield outputs
-        return
-    record = lambda module, inputs, output: outputs.append(output[0].detach().cpu())  # noqa: E731
-    hooks = [layer.self_attn.register_forward_hook(record) for layer in model.get_decoder().layers]
-    try:
-        yield outputs
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def argmax_token(logits: torch.Tensor) -> int:
-    """The greedy choice from one position's logits (V,)."""
-    return int(logits.argmax())
-
-
-@no_grad
-def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
-           on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens the target decodes after the handed-off cache of context[:-1], from context[-1]: `choose` picks
-    each from its position's logits (V,) (an int: the device has finished the step), `on_token(tokens so far)`
-    sees each as it comes and returns True to stop there."""
-    cache = _decoding_cache(handoff, torch.tensor([list(context)], dtype=torch.long))
-    tokens: list[int] = []
-    next_input = torch.tensor([[context[-1]]], device=handoff.device)  # (1, 1)
-    for _ in range(max_new_tokens):
-        handoff.check_length(len(context) + len(tokens))
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
-        tokens.append(choose(logits[0, -1]))
-        if on_token(tokens):
-            break
-        next_input = torch.tensor([[tokens[-1]]], device=handoff.device)
-    return tokens
-
-
-def greedy_generate(
-    handoff: Handoff,
-    context: Sequence[int],
-    max_new_tokens: int,
-    should_stop: Callable[[list[int]], bool] = lambda tokens: False,
-) -> list[int]:
-    """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1],
-    stopping early when should_stop(tokens so far) says so."""
-    return decode(handoff, context, max_new_tokens, argmax_token, should_stop)

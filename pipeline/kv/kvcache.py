@@ -1,4 +1,5 @@
-"""Per-layer keys/values out of a transformers cache, and a transformers cache built from tensors.
+"""Per-layer keys/values out of a transformers cache, a transformers cache built from tensors, and the keys a
+model computes before its rotary embedding (what a stripped cache must equal: the RoPE control's reference).
 
 Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, tokens, head_dim).
 """
@@ -49,3 +50,30 @@ def expand_batch(layers: Layers, batch: int) -> Layers:
 def kv_geometry(config) -> dict:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {"layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads, "head_dim": head_dim}
+
+
+def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
+    """Run `model` on token_ids; per layer, the keys (1, kv_heads, T, head_dim) its attention computed just before
+    the rotary embedding (the output of k_norm, or of k_proj in a model without one), and its cache."""
+    geometry = kv_geometry(model.config)
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(index):
+        def hook(module, inputs, output):
+            batch, tokens = output.shape[0], output.shape[1]
+            # (B, T, H*D) or (B, T, H, D) -> (B, H, T, D)
+            captured[index] = output.reshape(batch, tokens, geometry["kv_heads"], geometry["head_dim"]).transpose(1, 2)
+        return hook
+
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        module = getattr(attention, "k_norm", None) or attention.k_proj
+        hooks.append(module.register_forward_hook(keep(index)))
+    try:
+        with torch.no_grad():
+            cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [captured[index] for index in range(len(hooks))], cache_to_layers(cache)

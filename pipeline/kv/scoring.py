@@ -3,7 +3,7 @@ for all its continuations, the continuations packed into step rows, contexts bat
 
 For a context c[0..n-1] and its continuations e0, e1, ... the handoff builds the cache of c[0..n-2] once
 (`Handoff.prefix_layers`); one step row then reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked
-from the others and at positions n-1, n, ... again (`Handoff.packed_logprobs`), so each scores as if alone.
+from the others and at positions n-1, n, ... again (`kv.decode.packed_logprobs`), so each scores as if alone.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff, padded_prefixes
+from pipeline.kv.decode import packed_logprobs, padded_prefixes
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -39,7 +41,7 @@ def score_continuations(
     with more gets one of its own): the contexts of a batch are prefilled together (one source forward,
     prefixes right-padded and masked), then each context's continuations are packed one after another into
     one step row that reads its prefix rows, each continuation masked from the others and at its own positions
-    (`Handoff.packed_logprobs`; a context batched alone packs its continuations into rows of at most
+    (`kv.decode.packed_logprobs`; a context batched alone packs its continuations into rows of at most
     `max_length` tokens, one forward each):
 
         prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
@@ -50,16 +52,7 @@ def score_continuations(
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
     """
     max_length = max_length or handoff.target.config.max_position_embeddings
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for index, (context, continuation) in enumerate(requests):
-        if not continuation:
-            raise ValueError(f"request {index} has an empty continuation")
-        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
-    if any(not context for context in groups):
-        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
-    size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731
-    ordered = sorted(groups.items(), key=size, reverse=True)
-
+    ordered = shared_contexts(requests, max_length)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
     for chunk in context_batches(ordered, batch_size):
@@ -72,24 +65,51 @@ def score_continuations(
             forwards = [[indices for _, indices in chunk]]
         for forward in forwards:
             rows = [[(index, requests[index][1]) for index in indices] for indices in forward]
-            steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
-            if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
-                logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
-            else:
-                logprobs = handoff.packed_logprobs(layers, steps, lengths, segments, offsets)  # (B, L, V)
-            targets = targets.to(logprobs.device)
-            scored = logprobs.gather(-1, targets[..., None])[..., 0]  # (B, L): log p of each continuation token
-            greedy = (logprobs.argmax(-1) == targets).cpu()  # (B, L)
-            scored = scored.cpu()
-            for row, members in enumerate(rows):
-                at = 0
-                for index, continuation in members:
-                    span = slice(at, at + len(continuation))
-                    results[index] = (scored[row, span].sum().item(), bool(greedy[row, span].all()))
-                    at += len(continuation)
+            for index, result in score_rows(handoff, layers, contexts, rows, lengths, padded).items():
+                results[index] = result
             bar.update(sum(len(members) for members in rows))
     bar.close()
     return results  # type: ignore[return-value]
+
+
+def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int
+                    ) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Each context (as truncated to `max_length`) with the indices of the requests that share it, the largest
+    first (its tokens and all its continuations' together)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (context, continuation) in enumerate(requests):
+        if not continuation:
+            raise ValueError(f"request {index} has an empty continuation")
+        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
+    if any(not context for context in groups):
+        raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
+    size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731
+    return sorted(groups.items(), key=size, reverse=True)
+
+
+def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Sequence[int]],
+               rows: list[list[tuple[int, Sequence[int]]]], lengths: torch.Tensor, padded: bool
+               ) -> dict[int, tuple[float, bool]]:
+    """One forward: each context's (index, continuation) members packed into its step row after the contexts'
+    prefix cache `layers` (real prefix lengths `lengths`, right-padded when `padded`); per request index, the
+    sum of its continuation's log-probabilities and whether it is the greedy one."""
+    steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
+    if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
+        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
+    else:
+        logprobs = packed_logprobs(handoff, layers, steps, lengths, segments, offsets)  # (B, L, V)
+    targets = targets.to(logprobs.device)
+    scored = logprobs.gather(-1, targets[..., None])[..., 0]  # (B, L): log p of each continuation token
+    greedy = (logprobs.argmax(-1) == targets).cpu()  # (B, L)
+    scored = scored.cpu()
+    results = {}
+    for row, members in enumerate(rows):
+        at = 0
+        for index, continuation in members:
+            span = slice(at, at + len(continuation))
+            results[index] = (scored[row, span].sum().item(), bool(greedy[row, span].all()))
+            at += len(continuation)
+    return results
 
 
 def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Sequence[int]]]]

@@ -23,7 +23,8 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff, greedy_rollout, teacher_forced
+from pipeline.kv.decode import greedy_rollout, teacher_forced
+from pipeline.kv.handoff import Handoff
 from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 

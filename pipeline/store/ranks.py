@@ -6,7 +6,8 @@ A stage's whole life among its processes is `stage_ranks` (a `with` block around
 `<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again through
 `torch.distributed.run --standalone --nproc_per_node N` (`relaunch`) and waits, so `dvc.yaml` keeps one command
 per stage and `dvc repro` stays the only verb; `--standalone` picks a free rendezvous port, so concurrent
-experiments (DVC's queue) do not collide. Each process then joins the process group, runs the stage and writes
+experiments (DVC's queue) do not collide; the launching process then ends (`Relaunched`: its processes did the
+work). Each process then joins the process group, takes the stage's torch thread count, runs the stage and writes
 its metrics through `Stage.write_metrics` (rank 0 writes, with every rank's usage figures). One process is
 `Ranks` of size 1: every helper is then a no-op.
 
@@ -43,6 +44,14 @@ LAUNCHED = "WORLD_SIZE"  # set by torchrun / accelerate launch in every process 
 
 class TooManyProcessesError(Refusal, RuntimeError):
     pass
+
+
+class Relaunched(SystemExit):
+    """The launching process's way out of a stage its torchrun processes ran: status 0, past the rest of main()
+    (a caller that runs a stage's main in its own process, `store.cli.run_stage`, takes it as success)."""
+
+    def __init__(self):
+        super().__init__(0)
 
 
 @dataclass(frozen=True)
@@ -116,17 +125,26 @@ class Stage:
         next file's wall time (and a GPU's peak) is of what ran since (a CPU's peak stays the process's)."""
         self.usage = StageUsage(self.device)
 
-    def write_metrics(self, path: str | os.PathLike, metrics: dict) -> dict | None:
+    def write_metrics(self, path: str | os.PathLike, metrics: dict,
+                      usage_to: str | os.PathLike | None = None) -> dict | None:
         """The stage's metrics JSON, written by rank 0 with the usage figures of every rank (`usage_of_ranks`)
-        after `metrics`' own keys, `group/name/key` keys nested (`artifacts.nested`), and its top-level figures
-        printed. Every rank calls it (the
+        after `metrics`' own keys (a figure of the same name, e.g. latency's `device`, stays the stage's),
+        `group/name/key` keys nested (`artifacts.nested`), and its top-level figures printed. With `usage_to`
+        the usage figures go to that file instead, so `path` holds the stage's figures alone (controls.json,
+        which every evaluation depends on, then changes only when a control does). Every rank calls it (the
         figures are gathered); rank 0 gets the metrics written, the others None."""
         figures = self.ranks.gather(self.usage.figures())
         if not self.ranks.main:
             return None
-        metrics = nested({**metrics, **usage_of_ranks(figures)})
+        usage = usage_of_ranks(figures)
+        if usage_to is not None:
+            write_json_atomic(Path(usage_to), nested(usage))
+            shown, metrics = usage, nested(metrics)
+        else:
+            metrics = nested({**metrics, **{key: value for key, value in usage.items() if key not in metrics}})
+            shown = metrics
         write_json_atomic(Path(path), metrics)
-        print(json.dumps({key: value for key, value in metrics.items() if not isinstance(value, dict)}, indent=2))
+        print(json.dumps({key: value for key, value in shown.items() if not isinstance(value, dict)}, indent=2))
         return metrics
 
 
@@ -150,12 +168,17 @@ def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     return True
 
 
-def join(device: str) -> Ranks:
-    """This process's `Ranks`: from the launcher's environment, with the process group started (NCCL for a CUDA
-    device, else gloo); the single process when not launched."""
+def launched_ranks() -> Ranks:
+    """This process's `Ranks` as the launcher's environment gives them; the single process when not launched."""
     if not launched():
         return ONE_PROCESS
-    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def join(device: str) -> Ranks:
+    """This process's `Ranks` (`launched_ranks`), with the process group started (NCCL for a CUDA device, else
+    gloo) under several processes."""
+    ranks = launched_ranks()
     if ranks.size > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
@@ -175,23 +198,24 @@ def leave(ranks: Ranks) -> None:
 
 
 @contextmanager
-def stage_ranks(device: str, processes: int = 1, module: str | None = None,
-                argv: Sequence[str] = ()) -> Iterator[Stage | None]:
+def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv: Sequence[str] = (),
+                threads: int | None = None) -> Iterator[Stage]:
     """A stage's life among its processes, around its work: relaunch under torchrun when `processes` > 1 and no
-    launcher started this one (the block then gets None and the caller is done: its processes did the work), else
-    join the process group (as `module` under any launcher), start the usage figures and give the block its
-    `Stage`; leave the group when the block ends.
+    launcher started this one (this process then ends with `Relaunched`, past the block: its processes did the
+    work), else join the process group (as `module` under any launcher), take `threads` torch CPU threads, start
+    the usage figures and give the block its `Stage`; leave the group when the block ends.
 
     A stage without `module` always runs as one process: no relaunch and no process group, only its `Stage`."""
     if module is None:
         if processes != 1:
             raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
-        yield Stage(ONE_PROCESS, device)
-        return
-    if relaunch(processes, module, argv):
-        yield None
-        return
-    ranks = join(device)
+        ranks = ONE_PROCESS
+    elif relaunch(processes, module, argv):
+        raise Relaunched()
+    else:
+        ranks = join(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     # a block that fails raises here and skips the orderly teardown on purpose: NCCL's waits for every rank, some
     # of them still in a collective, while ending this process lets torchrun end them (the module's docstring)
     yield Stage(ranks, device)

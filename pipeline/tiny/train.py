@@ -20,7 +20,7 @@ from tqdm import tqdm
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Count, Params, Positive, PositiveFloat, Share
-from pipeline.tiny.world import render_hellaswag, render_piqa
+from pipeline.tiny.items import render_hellaswag, render_piqa
 
 pd = lazy("pandas")
 torch = lazy("torch")

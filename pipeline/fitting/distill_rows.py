@@ -1,0 +1,168 @@
+"""The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map").
+
+A row is one context under the last-token protocol: the prefix c[0..n-2], the source's content-space cache of it
+and the tokens the target reads after the cache, c[n-1] e[0..h-1]. `CacheRows` cuts a split's rows of one
+context length from `extract`'s stored caches (no source forward, one batch in memory); rows of one length make
+a `Batch`. The oracle of a batch (the target after its own prefill: its log-probabilities and its content-space
+cache) does not change while a map trains, so `with_oracles` keeps it per row (`StoredOracle`) while the kept
+oracles fit a budget; `fitting.distill` trains on these rows.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Sequence
+
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers
+from pipeline.kv.rope import Rotation
+from pipeline.store.cachefiles import KINDS, Shard
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
+safetensors = lazy("safetensors")
+
+
+@dataclass
+class Batch:
+    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's content-space cache of them (a
+    list over source layers of (keys, values), each (B, H_s, P, D_s)) and the tokens the target reads after the
+    cache, c[n-1] e[0..h-1] (B, h + 1)."""
+
+    prefix: torch.Tensor
+    source: Layers
+    steps: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.prefix.shape[0]
+
+    def take(self, rows: list[int]) -> "Batch":
+        index = torch.tensor(rows, dtype=torch.long)
+        return Batch(self.prefix[index], [(k[index], v[index]) for k, v in self.source], self.steps[index])
+
+
+class Rows(Protocol):
+    """Where the trainer reads rows: a `Batch` in memory, or anything that loads the rows it is asked for."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, rows: list[int]) -> Batch: ...
+
+
+class CacheRows:
+    """The rows of one context length n cut from a split's stored sequences: for each sequence of at least
+    n + horizon tokens, the prefix c[0..n-2], the source's content cache of it and the steps c[n-1] .. c[n+h-1].
+    A causal model's cache of a prefix is the first positions of its cache of the whole sequence, so the cache is
+    sliced from `extract`'s shards (no source forward), read per batch through safetensors' memory map: memory
+    holds one batch, whatever the split's size."""
+
+    def __init__(self, shards: Sequence[Shard], token_ids: Sequence[Sequence[int]], length: int, horizon: int,
+                 geometry: tuple[int, int, int]):
+        self.layers, self.heads, self.head_dim = geometry
+        self.length, self.horizon = length, horizon
+        places = [(shard.path, start, stored) for shard in shards
+                  for start, stored in zip(itertools.accumulate([0, *shard.lengths[:-1]]), shard.lengths)]
+        if [stored for _, _, stored in places] != [len(ids) for ids in token_ids]:
+            raise ValueError("the stored caches and the token ids hold different sequences: re-extract the caches "
+                             "from the same data (dvc repro extract)")
+        self.rows = [(path, start, list(ids[: length + horizon])) for (path, start, _), ids in zip(places, token_ids)
+                     if len(ids) >= length + horizon]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, rows: list[int]) -> Batch:
+        prefix_length = self.length - 1
+        chosen = [self.rows[row] for row in rows]
+        tokens = torch.tensor([ids for _, _, ids in chosen], dtype=torch.long).reshape(len(chosen), -1)  # (B, n + h)
+        per_kind = {kind: [[] for _ in range(self.layers)] for kind in KINDS}
+        for path, start, _ in chosen:
+            with safetensors.safe_open(str(path), framework="pt") as stored:
+                for kind, layers in per_kind.items():
+                    for layer, blocks in enumerate(layers):
+                        blocks.append(stored.get_slice(f"{kind}.{layer}")[start : start + prefix_length])  # (P, H, D)
+        stack = lambda blocks: torch.stack(blocks).to(torch.float32).transpose(1, 2)  # noqa: E731  (B, H, P, D)
+        source = [(stack(keys), stack(values)) for keys, values in zip(per_kind["keys"], per_kind["values"])]
+        shape = (len(chosen), self.heads, prefix_length, self.head_dim)
+        if source and tuple(source[0][0].shape) != shape:
+            raise ValueError(f"cache rows of shape {tuple(source[0][0].shape)}, expected {shape} from the manifest")
+        return Batch(tokens[:, :prefix_length], source, tokens[:, prefix_length:])
+
+
+class Splits(NamedTuple):
+    """Rows in groups of one prefix length each (a batch never mixes lengths)."""
+
+    fit: Sequence[Rows]  # trained on: each group cut into batches in a seeded order, the batches shuffled
+    select: Sequence[Rows]  # scored after each epoch: its KL stops training and picks the epoch kept
+
+
+class Oracle(NamedTuple):
+    logprobs: torch.Tensor  # (B, h + 1, V): the target after its own prefill
+    content: Layers  # the target's own content-space cache, a list over target layers of (B, H_t, P, D_t) pairs
+
+
+def in_order(count: int, batch: int) -> list[list[int]]:
+    """Rows 0..count-1 in order, `batch` at a time (how the select rows are scored and the oracles kept)."""
+    return [list(range(first, min(first + batch, count))) for first in range(0, count, batch)]
+
+
+class StoredOracle:
+    """A group's rows with the oracle of each row computed once (in batches of `batch` rows, in order) and kept:
+    the target is frozen, so its own prefill of a row is the same at every epoch and for every map distilled. A
+    row's oracle does not depend on the rows batched with it (checked bit for bit on the CPU), so the maps come out
+    as from an oracle computed per batch."""
+
+    def __init__(self, rows: Rows, handoff: Handoff, batch: int):
+        self.rows = rows
+        parts = [oracle(handoff, rows.take(chosen)) for chosen in in_order(len(rows), batch)]
+        self.logprobs = torch.cat([part.logprobs for part in parts])  # (N, h + 1, V)
+        layers = range(len(parts[0].content))
+        self.content = [tuple(torch.cat([part.content[layer][kind] for part in parts]) for kind in (0, 1))
+                        for layer in layers]  # per target layer (keys, values), each (N, H_t, P, D_t)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, rows: list[int]) -> Batch:
+        return self.rows.take(rows)
+
+    def oracle(self, rows: list[int]) -> Oracle:
+        index = torch.tensor(rows, dtype=torch.long, device=self.logprobs.device)
+        return Oracle(self.logprobs[index], [(keys[index], values[index]) for keys, values in self.content])
+
+
+def oracle_bytes(reference: Oracle) -> int:
+    return sum(t.numel() * t.element_size() for t in [reference.logprobs, *itertools.chain(*reference.content)])
+
+
+def with_oracles(groups: Sequence[Rows], target, batch: int, budget_bytes: float) -> list[Rows]:
+    """Each group as a `StoredOracle` while the oracles kept so far fit `budget_bytes` (its size from one row's
+    oracle times its rows), the others as they are: their oracle is computed each time a batch is seen."""
+    handoff, kept, out = Handoff(target), 0, []
+    for group in groups:
+        size = oracle_bytes(oracle(handoff, group.take([0]))) * len(group) if len(group) else 0
+        if size and kept + size <= budget_bytes:
+            kept += size
+            group = StoredOracle(group, handoff, batch)
+        out.append(group)
+    return out
+
+
+def stored(group: Rows, rows: list[int]) -> Oracle | None:
+    """The kept oracle of these rows, or None where the group keeps none."""
+    return group.oracle(rows) if isinstance(group, StoredOracle) else None
+
+
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 for float64: log-softmax and the regression are not done in bfloat16."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+@no_grad
+def oracle(handoff: Handoff, batch: Batch) -> Oracle:
+    layers = handoff.prefix_layers(batch.prefix)
+    logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
+    rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
+    return Oracle(logprobs, [(rotation.strip(keys), values) for keys, values in layers])

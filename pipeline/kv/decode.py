@@ -1,0 +1,224 @@
+"""Reading the target after a handoff's cache: the loops every comparison and face decodes with.
+
+`kv.handoff` builds the target's prefix cache in each mode; these functions batch contexts for it (right-padded,
+masked, each row at its own positions) and read the target after it: several continuations packed into one row
+(`packed_logprobs`, for `kv.scoring`), every prompt teacher-forced through its continuation (`teacher_forced`,
+with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), and one context decoded
+token by token with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's
+`generate_until`); and the target alone, for the exactness control: its plain forward over a whole sequence
+(`full_logprobs`) and the same in chunks through its own cache (`chunked_logprobs`). `generate` decodes greedy or
+sampled tokens up to an end-of-sequence id (`eos_ids`) and times the first: what `pipeline.generate` shows.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Sequence
+
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers
+from pipeline.store.devices import no_grad
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
+transformers = lazy("transformers")
+
+
+def padded_prefixes(contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Each context[:-1], right-padded: ids (B, P), real lengths (B,), and whether any row is padded."""
+    lengths = torch.tensor([len(context) - 1 for context in contexts])
+    prefixes = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        prefixes[row, : len(context) - 1] = torch.tensor(list(context[:-1]), dtype=torch.long)
+    return prefixes, lengths, bool((lengths != lengths.max()).any())
+
+
+@no_grad
+def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
+                    segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L),
+    read by the handoff's target after that row's prefix cache (B, H, P, D), right-padded to real lengths
+    `prefix_lengths` (B,).
+    `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it:
+    a token sees its row's real prefix and the earlier tokens of its own continuation, at position
+    prefix_lengths[b] + offset, so each continuation scores as if it were alone after the prefix."""
+    batch, steps = tokens.shape
+    width = 0 if layers is None else layers[0][0].shape[2]
+    prefix = (torch.arange(width)[None] < prefix_lengths[:, None])[:, None].expand(-1, steps, -1)  # (B, L, P)
+    causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
+    own = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, L, L): padding sees padding only
+    allowed = torch.cat([prefix, own], dim=2)[:, None]  # (B, 1, L, P + L)
+    # an additive mask, as eager attention reads it and SDPA accepts it; transformers takes a 4D mask as is
+    dtype = handoff.target.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = prefix_lengths[:, None] + offsets  # (B, L)
+    handoff.check_length(int(positions[segments >= 0].max()) + 1 if (segments >= 0).any() else 0)
+    cache = handoff.target_cache(layers, batch)
+    logits = handoff.target(input_ids=tokens.to(handoff.device), cache=cache, use_cache=cache is not None,
+                         attention_mask=mask.to(handoff.device), position_ids=positions.to(handoff.device)).logits
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
+    """The target cache to decode from: the handoff of contexts[:, :-1], or an empty cache."""
+    cache = handoff.target_cache(handoff.prefix_layers(contexts[:, :-1]), contexts.shape[0])
+    if cache is None:
+        cache = transformers.DynamicCache(config=handoff.target.config)
+    return cache
+
+
+@no_grad
+def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: int) -> torch.Tensor:
+    """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
+    different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
+    prefixes, lengths, padded = padded_prefixes(contexts)
+    cache = handoff.target_cache(handoff.prefix_layers(prefixes, lengths if padded else None), len(contexts))
+    if cache is None:
+        cache = transformers.DynamicCache(config=handoff.target.config)
+    next_input = torch.tensor([[context[-1]] for context in contexts], device=handoff.device)  # (B, 1)
+    mask = (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()  # (B, P): real prefix slots
+    handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
+    tokens = []
+    for step in range(steps):
+        options = {}
+        if padded:
+            mask = torch.cat([mask, torch.ones(len(contexts), 1, dtype=torch.long)], dim=1)  # (B, P + step + 1)
+            options = {"attention_mask": mask.to(handoff.device),
+                       "position_ids": (lengths[:, None] + step).to(handoff.device)}  # (B, 1)
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
+                                **options).logits
+        next_input = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        tokens.append(next_input)
+    return torch.cat(tokens, dim=1)
+
+
+@no_grad
+def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   attention: list | None = None) -> list[torch.Tensor]:
+    """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
+    continuation; all prompts in one batch: one prefill, one step forward. With `attention` (a list), each
+    prompt's attention outputs of those positions are appended to it: (L_t, m, hidden) per prompt, in the
+    model's dtype on the CPU (what every target layer's attention block wrote, after its output projection)."""
+    prefixes, lengths, padded = padded_prefixes([context for context, _ in prompts])
+    layers = handoff.prefix_layers(prefixes, lengths if padded else None)
+    steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
+    for row, (context, continuation) in enumerate(prompts):
+        steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
+    with attention_outputs(handoff.target, attention is not None) as outputs:  # only the step, not a prefill
+        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, M, V)
+    if attention is not None:
+        stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
+        attention.extend(stacked[row, :, : len(continuation)] for row, (_, continuation) in enumerate(prompts))
+    return [logprobs[row, : len(continuation)] for row, (_, continuation) in enumerate(prompts)]
+
+
+@contextmanager
+def attention_outputs(model, active: bool = True):
+    """While active, every decoder layer's attention output (B, T, hidden) of each forward of `model`, moved
+    to the CPU, in layer order (the list yielded; empty when inactive)."""
+    outputs: list[torch.Tensor] = []
+    if not active:
+        yield outputs
+        return
+    record = lambda module, inputs, output: outputs.append(output[0].detach().cpu())  # noqa: E731
+    hooks = [layer.self_attn.register_forward_hook(record) for layer in model.get_decoder().layers]
+    try:
+        yield outputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def argmax_token(logits: torch.Tensor) -> int:
+    """The greedy choice from one position's logits (V,)."""
+    return int(logits.argmax())
+
+
+@no_grad
+def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
+           on_token: Callable[[list[int]], bool]) -> list[int]:
+    """The tokens the target decodes after the handed-off cache of context[:-1], from context[-1]: `choose` picks
+    each from its position's logits (V,) (an int: the device has finished the step), `on_token(tokens so far)`
+    sees each as it comes and returns True to stop there."""
+    cache = _decoding_cache(handoff, torch.tensor([list(context)], dtype=torch.long))
+    tokens: list[int] = []
+    next_input = torch.tensor([[context[-1]]], device=handoff.device)  # (1, 1)
+    for _ in range(max_new_tokens):
+        handoff.check_length(len(context) + len(tokens))
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+        tokens.append(choose(logits[0, -1]))
+        if on_token(tokens):
+            break
+        next_input = torch.tensor([[tokens[-1]]], device=handoff.device)
+    return tokens
+
+
+def greedy_generate(
+    handoff: Handoff,
+    context: Sequence[int],
+    max_new_tokens: int,
+    should_stop: Callable[[list[int]], bool] = lambda tokens: False,
+) -> list[int]:
+    """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1],
+    stopping early when should_stop(tokens so far) says so."""
+    return decode(handoff, context, max_new_tokens, argmax_token, should_stop)
+
+
+def full_logprobs(target, context, continuation) -> torch.Tensor:
+    """The plain forward's log-probabilities (m, V) at the positions scoring the continuation."""
+    ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
+    logprobs = torch.log_softmax(target(input_ids=ids).logits.float(), -1)[0]
+    return logprobs[len(context) - 1 : len(context) + len(continuation) - 1]
+
+
+def chunked_logprobs(target, context, continuation) -> torch.Tensor:
+    """The same log-probabilities as `full_logprobs`, computed in three chunks through the model's own cache:
+    a computation mathematically equal to the full forward, whose difference from it is float rounding only."""
+    ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
+    cut, last = max(1, (len(context) - 1) // 2), len(context) - 1
+    cache = transformers.DynamicCache(config=target.config)
+    for start, end in ((0, cut), (cut, last)):
+        if end > start:
+            target(input_ids=ids[:, start:end], cache=cache, use_cache=True)
+    logits = target(input_ids=ids[:, last:-1], cache=cache, use_cache=True).logits
+    return torch.log_softmax(logits.float(), -1)[0]
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a continuation: the model's generation config's EOS (an id or a list) and the
+    tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+
+
+def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
+             temperature: float = 0.0, seed: int = 0,
+             on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
+    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`decode`),
+    and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
+    a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
+    token in `stop`."""
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    generator = torch.Generator().manual_seed(seed)
+    start, first_ms = time.perf_counter(), []
+
+    def seen(tokens: list[int]) -> bool:
+        if len(tokens) == 1:
+            first_ms.append(1000 * (time.perf_counter() - start))
+        on_token(tokens)
+        return tokens[-1] in stop
+
+    tokens = decode(handoff, prompt, max_new_tokens, lambda logits: pick(logits, temperature, generator), seen)
+    return tokens, (first_ms[0] if first_ms else 0.0)
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """The next token from logits (V,): the argmax at temperature 0, else a draw (on the CPU, so a seed
+    draws the same tokens on any device)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
+    return int(torch.multinomial(probs, 1, generator=generator))
