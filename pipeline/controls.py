@@ -37,19 +37,20 @@ from typing import Annotated, Callable
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.kv.contract import Contract, pair_contract
+from pipeline.kv.contract import Contract
 from pipeline.kv.decode import chunked_logprobs, full_logprobs, greedy_rollout
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, pre_rope_keys
 from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
 from pipeline.store.artifacts import load_artifact, save_artifact, verify_file
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
+from pipeline.store.models import ModelsParams
 from pipeline.store.params import Params, Positive, PositiveFloat, Threads, load_section
 from pipeline.store.ranks import stage_ranks
 
@@ -237,19 +238,18 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
     """Every control on the pair and the selected mapper, each with its figures and `passed`. A pair the
     compatibility control refuses (from the configs alone: nothing is loaded) stops here, with that one entry."""
     device = models.torch_device
-    source_tok, target_tok = load_tokenizer(paths.model("source")), load_tokenizer(paths.model("target"))
     prompts = read_prompts(EVAL_PROMPTS)[: params.prompts]
-    contract = pair_contract(load_config(paths.model("target")), load_config(paths.model("source")), target_tok,
-                             source_tok, max(len(c) + len(e) for c, e in prompts) + params.horizon)
-    results = {"compatibility": compatibility(contract)}
+    pair = Pair.load(models, device, max_tokens=max(len(c) + len(e) for c, e in prompts) + params.horizon)
+    results = {"compatibility": compatibility(pair.contract)}
     if not results["compatibility"]["passed"]:  # refused from the configs: nothing is loaded or run
         return results
     with tempfile.TemporaryDirectory(prefix="controls-") as scratch:
         folder = Path(scratch)
-        float32_target = None
+        float32_pair = None
         # one target in memory at a time (a real-shape target in float32 is most of a small machine's memory)
         for dtype in dict.fromkeys([models.dtype] + (["float32", "bfloat16"] if device == "cpu" else [])):
-            target = load_model(paths.model("target"), dtype=dtype, device=device)
+            in_dtype = Pair.load(models, device, dtype)
+            target = in_dtype.target
             if dtype == models.dtype:
                 probe = torch.tensor([prompts[0][0]]).to(device)
                 results["cache_serialization"] = serialization(
@@ -257,12 +257,12 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
             results[f"cached_decode_{dtype}"] = cached_decode(
                 target, prompts, tolerances.float32 if dtype == "float32" else tolerances.bfloat16, params.horizon,
                 folder)
-            float32_target = target if dtype == "float32" else float32_target
-            del target
+            float32_pair = in_dtype if dtype == "float32" else float32_pair
+            del target, in_dtype
         results["corruption_detection"] = corruption(MAPPER, params.corruption_flips, folder)
         # the rotary settings do not depend on the dtype; float32 keeps rounding far below any real error
-        exact = {"target": float32_target or load_model(paths.model("target"), dtype="float32", device=device),
-                 "source": load_model(paths.model("source"), dtype="float32", device=device)}
+        float32_pair = float32_pair or Pair.load(models, device, "float32")
+        exact = {"target": float32_pair.target, "source": float32_pair.source}
         contexts = [list(context) for context, _ in prompts]
         per_model = {name: rope_against_model(model, contexts, RotarySpec.from_model(model),
                                               tolerances.float32.rope_relative) for name, model in exact.items()}
@@ -271,7 +271,7 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
             "max_relative_error": max(v["max_relative_error"] for v in per_model.values()),
             "tolerance": tolerances.float32.rope_relative, "positions_checked": len(max(contexts, key=len)),
             **per_model}
-        del exact, float32_target  # the refits below run in other processes: leave them the memory
+        del exact, float32_pair  # the refits below run in other processes: leave them the memory
         gc.collect()
         selected = json.loads(paths.SELECT.read_text())["selected"]
         results["deterministic_mapper"] = deterministic_refit(MAPPER, selected, folder)

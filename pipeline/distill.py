@@ -37,12 +37,13 @@ from pipeline.fitting.distill import DistillSettings, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.families.registry import TRAINABLE, MapName
 from pipeline.kv.mapper import load_mapper, save_mapper
+from pipeline.kv.pair import Pair
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
@@ -124,18 +125,18 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
     """Distil each named start map from inputs["mappers"], reading the source caches under inputs["caches"] and
     the splits' token ids under inputs["data"]: the metrics and, per name, (distilled map, per-epoch history).
     Under several processes each rank distils every N-th map, and rank 0 gets them all (the others None)."""
-    target = load_model(paths.model("target"), dtype=models.dtype, device=ranks.device(models.torch_device),
-                        device_map=models.device_map).requires_grad_(False).eval()
+    oracle = Pair.load(models, ranks.device(models.torch_device), source=False).handoff("oracle")
+    oracle.target.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}
     # the oracles kept up to distill.oracle_gib, the select rows' first (they are scored after every epoch)
-    kept = with_oracles(groups["select"] + groups["fit"], target, params.batch_size, params.oracle_gib * 2**30)
+    kept = with_oracles(groups["select"] + groups["fit"], oracle, params.batch_size, params.oracle_gib * 2**30)
     splits = Splits(fit=kept[len(groups["select"]):], select=kept[: len(groups["select"])])
     share = {}  # this rank's maps: name -> (map, history, seconds)
     for index in tqdm(ranks.share(len(names)), desc="distill", unit="map", disable=not ranks.main):
         started, name = time.perf_counter(), names[index]
         start = load_mapper(paths.fitted_map(name, inputs["mappers"]))
-        mapper, history = distill(start, splits, target, settings(params, start.family))
+        mapper, history = distill(start, splits, oracle, settings(params, start.family))
         share[name] = (mapper, history, time.perf_counter() - started)
     shares = ranks.gather(share)
     if not ranks.main:

@@ -77,8 +77,6 @@ def variant_mode(variant: str) -> str:
 def build_handoff(variant: str, params: EvaluateParams, pair: Pair) -> Handoff:
     """The handoff `variant` (a baseline or a key of evaluate.mapped: `ordered_variants` refused any other before
     the work began) evaluates, between the pair's models (each loaded here, on first use)."""
-    if variant == "source":
-        return Handoff(pair.source)  # the source alone: its own cache, its own predictions
     if variant in BASELINES:
         return pair.handoff(variant)
     return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed)

@@ -90,8 +90,6 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
 def build_handoff(pair: Pair, mode: str, mapper: Path | None, shuffle_seed: int) -> Handoff:
     """The handoff of `mode` between the pair's models; a refusal (contract, missing mapper) raises."""
     pair.contract.require(mode)
-    if mode == "source":
-        return Handoff(pair.source)  # the source alone: its own cache, its own predictions (as evaluate does)
     if mode in ("mapped", "shuffled"):
         if mapper is None:  # the selected map was fitted for the pipeline's pair, not for one given by hand
             raise FileNotFoundError("no mapper given for this pair: give --mapper PATH")

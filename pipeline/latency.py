@@ -17,8 +17,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from pipeline.kv.families.registry import CLOSED_FORM
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.measure.latency import (
     check_lengths,
     format_table,
@@ -33,7 +32,6 @@ from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.lazy import lazy
-from pipeline.store.models import load_model
 from pipeline.store.params import Count, Dtype, ParamError, Params, Positive, Threads, load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS
@@ -61,9 +59,8 @@ class LatencyParams(Params):
 def stage(params: LatencyParams) -> dict:
     device = default_device() if params.device == "auto" else params.device
     with stage_ranks(device, threads=params.threads) as timed:
-        target = load_model(paths.model("target"), dtype=params.dtype, device=device)
-        source = load_model(paths.model("source"), dtype=params.dtype, device=device)
-        handoff = Handoff(target, source, "mapped", load_mapper(params.mapper, device=device))
+        pair = Pair(str(paths.model("target")), str(paths.model("source")), params.dtype, device)
+        handoff = pair.handoff("mapped", params.mapper)
         rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
         write_table(rows, TABLE)
         write_plot(rows, env, PLOT)

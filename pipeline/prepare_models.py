@@ -20,12 +20,12 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.kv.contract import pair_contract
+from pipeline.kv.pair import Pair
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_config, load_tokenizer
+from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Threads, load_section
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
@@ -87,8 +87,7 @@ def check_contract() -> dict:
     returns the modes the contract defines (`direct` and `head_matched` need equal geometry, for instance). A
     sliding window is checked where sequences are fed (extract at its sequences' length, every handoff at each
     sequence's), so the profile's lengths are not this stage's parameters."""
-    contract = pair_contract(load_config(str(paths.model("target"))), load_config(str(paths.model("source"))),
-                             load_tokenizer(str(paths.model("target"))), load_tokenizer(str(paths.model("source"))))
+    contract = Pair(str(paths.model("target")), str(paths.model("source"))).contract  # no weights loaded
     contract.require("mapped")
     return {"modes": sorted(m for m in contract.modes if contract.defined(m)),
             "families": sorted(f for f in contract.families if contract.family_defined(f))}

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 
+from pipeline.kv.pair import Pair
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
 from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_model
+from pipeline.store.models import ModelsParams
 from pipeline.store.params import Params, Positive, Threads, load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
@@ -34,16 +35,11 @@ class ScoreModelsParams(Params):
 def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFrame]:
     """Dev-part accuracy of the target (oracle), the source alone and direct injection, per item."""
     files = {task: paths.task_items(task, "dev") for task in TASKS}
-    common = dict(dtype=models.dtype, device=models.torch_device, batch_size=batch_size)
-    runs = {
-        "target": dict(target=str(paths.model("target")), transfer="oracle"),
-        "source": dict(target=str(paths.model("source")), transfer="oracle"),
-        "direct": dict(target=str(paths.model("target")), source=str(paths.model("source")), transfer="direct"),
-    }
+    pair = Pair.load(models, models.torch_device)
     summaries, frames = {}, []
-    for variant, args in runs.items():
+    for variant, mode in (("target", "oracle"), ("source", "source"), ("direct", "direct")):
         try:
-            lm = lm_eval_model.KVTransferLM.from_args(**args, **common)
+            lm = lm_eval_model.KVTransferLM(pair.handoff(mode), pair.target_tokenizer, batch_size)
         except ValueError as err:  # direct injection undefined for this pair's KV geometry
             print(f"skipping {variant}: {err}")
             continue
@@ -55,10 +51,8 @@ def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFr
 
 def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
     metrics: dict[str, float | int | str] = {"kind": models.kind}
-    for name in ("source", "target"):
-        model = load_model(str(paths.model(name)), dtype=models.dtype, device="cpu")
-        metrics[f"{name}_parameters"] = sum(p.numel() for p in model.parameters())
-        del model
+    for name in ("source", "target"):  # one model in memory at a time: each side of its own pair, loaded alone
+        metrics[f"{name}_parameters"] = sum(p.numel() for p in getattr(Pair.load(models, "cpu"), name).parameters())
         stats_file = paths.train_stats(paths.model(name))
         if stats_file.is_file():  # the trained tiny pair; hub and random models were not trained here
             stats = json.loads(stats_file.read_text())

@@ -19,14 +19,13 @@ from typing import Annotated, Literal
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import Pair
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_model, load_tokenizer
+from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
@@ -65,21 +64,21 @@ def rank_key(rule: str):
     return lambda s: (primary(s), s["perplexity"], s["parameters"])
 
 
-def score_candidates(target, source, prompts, params: SelectParams, candidates: list[Path],
-                     tokenizers: tuple | None, ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
-    """Every candidate's agreement with the oracle on the select prompts; `tokenizers` (source, target) are
-    compared by the architecture contract. Under several processes the oracle's prompts and then the
-    candidates are shared out (every N-th), and rank 0 gets the scores in candidate order (the others None)."""
-    oracle_handoff = Handoff(target)
+def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path],
+                     ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
+    """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`. Under several
+    processes the oracle's prompts and then the candidates are shared out (every N-th), and rank 0 gets the
+    scores in candidate order (the others None)."""
+    oracle_handoff = pair.handoff("oracle")
     oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
                             attention=True)
     oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
     scores = []
     mine = [candidates[i] for i in ranks.share(len(candidates))]
     for path in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
-        mapper = load_mapper(path, device=target.device)
-        summary = summarize(variant_rows(Handoff(target, source, "mapped", mapper, tokenizers=tokenizers),
-                                               prompts, oracle, params.batch_size))
+        handoff = pair.handoff("mapped", path)
+        mapper = handoff.mapper
+        summary = summarize(variant_rows(handoff, prompts, oracle, params.batch_size))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
             parameters=mapper.parameter_count(), distilled=mapper.distilled is not None,
@@ -146,12 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
     with stage_ranks(models.torch_device, params.processes, "pipeline.select", [], params.threads) as stage:
-        load = lambda name: load_model(paths.model(name), dtype=models.dtype, device=stage.device,  # noqa: E731
-                                        device_map=models.device_map)
         prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
-        tokenizers = (load_tokenizer(paths.model("source")), load_tokenizer(paths.model("target")))
-        scored = score_candidates(load("target"), load("source"), prompts, params, candidates, tokenizers,
-                                  stage.ranks)
+        scored = score_candidates(Pair.load(models, stage.device), prompts, params, candidates, stage.ranks)
         stage.write_metrics(paths.SELECT, promote(scored, params, len(prompts)) if stage.ranks.main else {})
 
 

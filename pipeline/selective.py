@@ -168,7 +168,7 @@ def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree
         files = {task: paths.task_items(task, part) for task in TASKS}
         base = {"oracle": task_frame(lm(oracle), files)}
         if part == "eval":
-            base["source"] = task_frame(lm(Handoff(pair.source)), files)
+            base["source"] = task_frame(lm(pair.handoff("source")), files)
         for name, handoff in handoffs.items():
             frame = task_frame(lm(handoff), files)
             scores = Scorer(handoff, disagree).scores(list(frame.tokens), measured(params, disagree),

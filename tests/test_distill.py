@@ -26,6 +26,7 @@ from pipeline.fitting.distill_rows import Batch, CacheRows, Splits, StoredOracle
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper
+from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.cachefiles import ShardWriter, open_shard
 
@@ -37,6 +38,11 @@ PREFIX, HORIZON = 12, 3  # the prefix c[0..n-2] and the teacher-forced positions
 def settings(**overrides) -> DistillSettings:
     values = dict(lr=1e-2, weight_decay=0.0, batch=16, epochs=25, patience=5, kv_weight=1.0, seed=0)
     return DistillSettings(**{**values, **overrides})
+
+
+def oracle_of(model) -> Handoff:
+    """The oracle handoff of `model` alone, as the stage builds it (`Pair`)."""
+    return Pair.of(model).handoff("oracle")
 
 
 def frozen(model):
@@ -174,11 +180,11 @@ def test_an_unfrozen_target_an_untrainable_map_and_no_work_to_do_are_refused(ran
     start = random_mapper(source.config, target.config, k=1)
     splits = Splits([random_rows(source, 6, 2)], [random_rows(source, 7, 2)])
     with pytest.raises(ValueError, match="must be frozen.*requires_grad_\\(False\\)"):
-        distill(start, splits, copy.deepcopy(target).requires_grad_(True), settings(epochs=1))
+        distill(start, splits, oracle_of(copy.deepcopy(target).requires_grad_(True)), settings(epochs=1))
     with pytest.raises(ValueError, match="setting epochs = 0: expected at least 1"):
-        distill(start, splits, target, settings(epochs=0))
+        distill(start, splits, oracle_of(target), settings(epochs=0))
     with pytest.raises(ValueError, match="needs fit and select rows, got 2 and 0"):
-        distill(start, Splits(splits.fit, [splits.select[0].take([])]), target, settings(epochs=1))
+        distill(start, Splits(splits.fit, [splits.select[0].take([])]), oracle_of(target), settings(epochs=1))
     with pytest.raises(ValueError, match="nothing to distil"):
         trainable(replace(start, family="identity", source_geometry=start.target_geometry), "cpu")
     with pytest.raises(ValueError, match="rotated keys"):
@@ -191,7 +197,8 @@ def test_from_the_exact_map_the_loss_is_zero_and_distillation_keeps_the_map(peri
     with torch.no_grad():
         scored = losses(trainable(start, "cpu"), fit, Handoff(periodic), kv_weight=1.0)
     assert float(scored.kl.max()) < 1e-6 and float(scored.kv) < 1e-10
-    distilled, history = distill(start, Splits([fit], [periodic_rows(periodic, 2, 16)]), periodic, settings(epochs=4))
+    distilled, history = distill(start, Splits([fit], [periodic_rows(periodic, 2, 16)]), oracle_of(periodic),
+                                 settings(epochs=4))
     # AdamW's first steps move every entry by about lr however small the gradient, so from an exact map the
     # trained epochs score worse on select, and the select KL is what keeps the start
     assert history[0]["select_kl"] < 1e-6 and distilled.distilled["select_kl"] <= history[0]["select_kl"]
@@ -206,7 +213,8 @@ def recovery(periodic):
     start = with_noise(exact_map(periodic), 0.05, seed=5)
     before = {name: t.clone() for name, t in periodic.state_dict().items()}
     splits = Splits([periodic_rows(periodic, 1, 256)], [periodic_rows(periodic, 2, 16)])
-    distilled, history = distill(start, splits, periodic, settings(kv_weight=0.0, batch=64, epochs=60, patience=10))
+    distilled, history = distill(start, splits, oracle_of(periodic),
+                                 settings(kv_weight=0.0, batch=64, epochs=60, patience=10))
     return dict(start=start, distilled=distilled, history=history, weights_before=before)
 
 
@@ -265,7 +273,8 @@ def random_runs(random_pair):
     before = [{name: t.clone() for name, t in model.state_dict().items()} for model in random_pair]
     start = random_mapper(source.config, target.config, k=1)
     splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
-    runs = [distill(start, splits, target, settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0)) for _ in range(2)]
+    runs = [distill(start, splits, oracle_of(target), settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0))
+            for _ in range(2)]
     return dict(runs=runs, weights_before=before)
 
 
@@ -289,7 +298,7 @@ def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_
 def test_a_kept_oracle_is_each_batchs_own_oracle_bit_for_bit_whatever_rows_share_its_batch(random_pair):
     target, source = random_pair
     rows = random_rows(source, 8, 12)
-    kept = StoredOracle(rows, Handoff(target), 5)  # batches 0-4, 5-9, 10-11
+    kept = StoredOracle(rows, oracle_of(target), 5)  # batches 0-4, 5-9, 10-11
     chosen = [11, 2, 7, 3]
     own = oracle(Handoff(target), rows.take(chosen))
     taken = kept.oracle(chosen)
@@ -299,10 +308,10 @@ def test_a_kept_oracle_is_each_batchs_own_oracle_bit_for_bit_whatever_rows_share
 
 def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_per_batch(random_pair, random_runs):
     target, source = random_pair
-    groups = with_oracles([random_rows(source, 8, 16), random_rows(source, 9, 8)], target, 8, 2**30)
+    groups = with_oracles([random_rows(source, 8, 16), random_rows(source, 9, 8)], oracle_of(target), 8, 2**30)
     assert all(isinstance(group, StoredOracle) for group in groups)
     start = random_mapper(source.config, target.config, k=1)
-    kept, history = distill(start, Splits([groups[0]], [groups[1]]), target,
+    kept, history = distill(start, Splits([groups[0]], [groups[1]]), oracle_of(target),
                             settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0))
     computed, computed_history = random_runs["runs"][0]
     assert all(torch.equal(a, b) for a, b in zip(map_tensors(kept), map_tensors(computed), strict=True))
@@ -313,8 +322,8 @@ def test_groups_beyond_the_oracle_budget_keep_no_oracle(random_pair):
     target, source = random_pair
     groups = [random_rows(source, 8, 16), random_rows(source, 9, 8)]
     first_group = oracle_bytes(oracle(Handoff(target), groups[0].take([0]))) * len(groups[0])
-    assert with_oracles(groups, target, 8, 0) == groups
-    first_only = with_oracles(groups, target, 8, first_group)
+    assert with_oracles(groups, oracle_of(target), 8, 0) == groups
+    first_only = with_oracles(groups, oracle_of(target), 8, first_group)
     assert isinstance(first_only[0], StoredOracle) and first_only[1] is groups[1]
 
 

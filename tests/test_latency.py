@@ -28,10 +28,11 @@ def pair():
 
 
 @pytest.fixture
-def stage_dir(tmp_path, monkeypatch, pair):
+def stage_dir(tmp_path, monkeypatch, pair, tokenizer):
     target, source = pair
-    target.save_pretrained(tmp_path / "models" / "target")
-    source.save_pretrained(tmp_path / "models" / "source")
+    for side, model in (("target", target), ("source", source)):  # a model folder as prepare_models leaves it
+        model.save_pretrained(tmp_path / "models" / side)
+        tokenizer.save_pretrained(tmp_path / "models" / side)
     save_mapper(random_mapper(source.config, target.config, k=1), tmp_path / "models" / "mapper.safetensors")
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()

@@ -5,6 +5,7 @@ from conftest import committed, periodic_batch
 
 from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.mapper import Mapper, save_mapper
+from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec
 from pipeline.select import SelectParams, choose, score_candidates, select_prompts
 from pipeline.store.params import parse
@@ -37,7 +38,7 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     sequences = periodic_batch(torch.Generator().manual_seed(3), 8, 30, 32).tolist()
     prompts = select_prompts(sequences, 0.6)
     params = parse(SelectParams, committed("select", top_k=32, horizon=4), "select")
-    oracle, scores = score_candidates(periodic_model, periodic_model, prompts, params, paths, None)
+    oracle, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths)
     chosen, best_per_k = choose(scores, params.rule)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"
     exact = next(s for s in scores if s["name"] == "linear_k1_exact")

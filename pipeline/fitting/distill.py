@@ -169,18 +169,17 @@ def tensors_digest(mapper: Mapper) -> str:
     return hasher.hexdigest()
 
 
-def distill(start: Mapper, batches: Splits, target, settings: DistillSettings) -> tuple[Mapper, list[dict]]:
-    """Train a copy of `start` through the frozen `target` on `batches.fit`; keep the epoch (0: the start itself)
-    with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype, and per epoch its fit
-    losses and select KL and agreement."""
-    check_frozen(target)
+def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings) -> tuple[Mapper, list[dict]]:
+    """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit`; keep the epoch
+    (0: the start itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype, and
+    per epoch its fit losses and select KL and agreement."""
+    check_frozen(handoff.target)
     for name in ("batch", "epochs", "patience"):
         if getattr(settings, name) < 1:
             raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
         raise ValueError(f"distillation needs fit and select rows, got {counts[0]} and {counts[1]}")
-    handoff = Handoff(target)
     with deterministic(settings.seed):
         mapper = trainable(start, handoff.device)
         parameters = map_tensors(mapper)

@@ -137,10 +137,11 @@ def oracle_bytes(reference: Oracle) -> int:
     return sum(t.numel() * t.element_size() for t in [reference.logprobs, *itertools.chain(*reference.content)])
 
 
-def with_oracles(groups: Sequence[Rows], target, batch: int, budget_bytes: float) -> list[Rows]:
-    """Each group as a `StoredOracle` while the oracles kept so far fit `budget_bytes` (its size from one row's
-    oracle times its rows), the others as they are: their oracle is computed each time a batch is seen."""
-    handoff, kept, out = Handoff(target), 0, []
+def with_oracles(groups: Sequence[Rows], handoff: Handoff, batch: int, budget_bytes: float) -> list[Rows]:
+    """Each group as a `StoredOracle` of the oracle `handoff` while the oracles kept so far fit `budget_bytes` (its
+    size from one row's oracle times its rows), the others as they are: their oracle is computed each time a batch
+    is seen."""
+    kept, out = 0, []
     for group in groups:
         size = oracle_bytes(oracle(handoff, group.take([0]))) * len(group) if len(group) else 0
         if size and kept + size <= budget_bytes:

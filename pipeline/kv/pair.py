@@ -2,10 +2,12 @@
 each model loaded once, and every handoff between them (and the gate that chooses per request between a
 handoff and the target's own prefill).
 
-A stage that scores handoffs builds one `Pair.load(models, device)` (the pipeline's models/target and
-models/source); the lm-eval face builds one from its model args. Configs, tokenizers and the contract are read
-at once, so a refused pair or mode costs no weight loading; each model's weights are loaded on first use and
-then shared by every handoff built from the pair (a stage that scores many mappers loads the models once).
+A stage builds one `Pair.load(models, device)` (the pipeline's models/target and models/source) and takes its
+models and every handoff from it, the `source` mode (the source model alone) among them; the lm-eval face builds
+one from its model args; `Pair.of` wraps models already in memory (random real-shape models, a caller's own).
+Configs, tokenizers and the contract are read at once, so a refused pair or mode costs no weight loading; each
+model's weights are loaded on first use and then shared by every handoff built from the pair (a stage that scores
+many mappers loads the models once).
 """
 from __future__ import annotations
 
@@ -42,10 +44,28 @@ class Pair:
                                       self.target_tokenizer, self.source_tokenizer, max_tokens)
 
     @classmethod
-    def load(cls, models: ModelsParams, device: str) -> "Pair":
-        """The pipeline's pair (models/target, models/source, as prepare_models left them) in `models.dtype`, on
-        `device` or spread by `models.device_map`."""
-        return cls(str(paths.model("target")), str(paths.model("source")), models.dtype, device, models.device_map)
+    def load(cls, models: ModelsParams, device: str, dtype: str | None = None, max_tokens: int | None = None,
+             source: bool = True) -> "Pair":
+        """The pipeline's pair (models/target, models/source, as prepare_models left them) in `models.dtype` (or
+        `dtype`), on `device` or spread by `models.device_map`; `source` False: the target alone."""
+        return cls(str(paths.model("target")), str(paths.model("source")) if source else None,
+                   dtype or models.dtype, device, models.device_map, max_tokens=max_tokens)
+
+    @classmethod
+    def of(cls, target, source=None, max_tokens: int | None = None) -> "Pair":
+        """A pair of models already loaded (no tokenizers: the contract compares what the configs say)."""
+        pair = cls.__new__(cls)
+        pair.sides = {"target": (target.config._name_or_path, None),
+                      "source": (None if source is None else source.config._name_or_path, None)}
+        pair.dtype, pair.device, pair.device_map = target.dtype, target.device, None
+        pair.target_tokenizer = pair.source_tokenizer = None
+        pair.max_tokens = max_tokens
+        pair.contract = pair_contract(target.config, None if source is None else source.config,
+                                      max_tokens=max_tokens)
+        pair.__dict__["target"] = target  # the cached properties, filled
+        if source is not None:
+            pair.__dict__["source"] = source
+        return pair
 
     @property
     def tokenizers(self) -> tuple:
@@ -79,7 +99,11 @@ class Pair:
                 shuffle_seed: int = 0) -> Handoff:
         """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
         pair's device; ignored by the modes that read none). A mode the contract leaves undefined is refused
-        before any weight is loaded."""
+        before any weight is loaded. `source`, the source model alone, is the source's own prefill: its cache,
+        its predictions."""
+        if mode == "source":
+            self.contract.require(mode)
+            return Handoff(self.source)
         check_mode(mode, self.has_source, mapper is not None)
         self.contract.require(mode)
         if mode not in MAPPER_MODES:

@@ -29,6 +29,7 @@ from pipeline.kv.flops import speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.mapper import random_mapper
+from pipeline.kv.pair import Pair
 from pipeline.store.artifacts import atomic_path, write_bytes_atomic
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -272,4 +273,4 @@ def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str,
     target = random_model(target_config, dtype, device, seed=1)
     source = random_model(source_config, dtype, device, seed=2)
     mapper = random_mapper(source_config, target_config, k, family, width=width).to(device)
-    return Handoff(target, source, "mapped", mapper)
+    return Pair.of(target, source).handoff("mapped", mapper)
