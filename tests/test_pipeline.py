@@ -124,7 +124,8 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
     study = report["candidates"]  # every fitted candidate evaluated, the proxies correlated, the fronts named
     mappers = sorted(p.stem for p in (repo / "models/mappers").glob("*.safetensors"))
     distilled = sorted(p.stem for p in (repo / "models/distilled").glob("*.safetensors"))
-    assert sorted(study["rows"]) == sorted(mappers + distilled) and len(mappers) == 10
+    # ks 1 and 3 x lambdas 0.1 and 10 x linear, head_matched and low_rank (one rank), and the MLP at each k
+    assert sorted(study["rows"]) == sorted(mappers + distilled) and len(mappers) == 2 * 2 * 3 + 2
     assert distilled == ["linear_k1_lam0.1+kl", "mlp_k3+kl"]  # each start map distilled, beside the fitted ones
     assert set(report["distillation"]["rows"]) == set(distilled) and "## Distillation" in markdown
     assert set(study["proxies"]) == {"r2_heldout", "attention_cosine", "agreement", "mean_kl"}
