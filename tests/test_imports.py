@@ -1,6 +1,7 @@
-"""Stages start fast: importing a stage (for its Params class, `--help`, or check_params reading them all) loads
-none of the heavy libraries; each module names them with `store.lazy.lazy`, imported at the first attribute
-read. Checked in a fresh interpreter per module, which names the line that loaded a heavy library."""
+"""Stages start fast: importing a stage (for its `--help`, or to refuse its arguments or params) or a schema module
+(check_params reads them all) loads none of the heavy libraries; each module names them with `store.lazy.lazy`,
+imported at the first attribute read. Checked in a fresh interpreter per module, which names the line that loaded a
+heavy library."""
 from __future__ import annotations
 
 import json

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 from pipeline.check_params import SECTIONS, check
-from pipeline.fit import FitParams
+from pipeline.schema.fit import FitParams
 from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, parse
 
 # mappings (variant -> file, family -> rate, map -> file), not sets of parameters

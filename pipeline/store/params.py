@@ -1,9 +1,9 @@
 """Typed, validated parameters: each stage parses the sections of params.yaml it reads into pydantic models.
 
-Values live only in params.yaml (composed from conf/): a parameter class (a `Params` subclass, in the module
-of the stage that reads it) declares types, ranges (`Field(ge=..., gt=...)`, or the shared annotated types
-below) and choices (`Literal`), never a default, so every field must be present; `null` is a value where the
-type allows it. Unknown keys, missing keys, wrong types, out-of-range values and broken rules between keys
+Values live only in params.yaml (composed from conf/): a parameter class (a `Params` subclass, in
+`pipeline.schema.<stage>` of the stage that reads it) declares types, ranges (`Field(ge=..., gt=...)`, or the shared
+annotated types below) and choices (`Literal`), never a default, so every field must be present; `null` is a value
+where the type allows it. Unknown keys, missing keys, wrong types, out-of-range values and broken rules between keys
 are errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`).
 
 Why pydantic: it is already in the stack (via lm-eval and dvc), it validates nested models, lists, tuples and
