@@ -33,6 +33,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pipeline.store.cli import Refusal
 
 T = TypeVar("T", bound=BaseModel)
+V = TypeVar("V")
 PARAMS_FILE = Path("params.yaml")
 MISSING = "missing parameter (every parameter is set in params.yaml / conf/)"
 
@@ -82,6 +83,15 @@ def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
             raise ParamError(f"{path}: missing {name!r}")
         data = data[part]
     return data
+
+
+def load_value(kind: type[V], name: str, path: str | Path = PARAMS_FILE) -> V:
+    """The value at `name` of params.yaml that no section class holds (the top-level `profile`), refused unless it
+    is a `kind`."""
+    value = read_key(name, path)
+    if not isinstance(value, kind):
+        raise ParamError(f"{name}: expected a {kind.__name__}, got {value!r}")
+    return value
 
 
 def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
