@@ -26,8 +26,9 @@ The generator: `generate PROMPT` continues a prompt in each handoff mode beside 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
 Importing a stage or a wing loads no heavy library (Params and --help take a fraction of a second): torch,
-transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingface_hub and datasets are named as
-`torch = lazy("torch")` (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model.
+transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named as `torch = lazy("torch")`
+(`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
+huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
     store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
               processes (torchrun), split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),

@@ -16,8 +16,9 @@ from conftest import ROOT
 from pipeline import STAGES
 from pipeline.store.lazy import lazy
 
-HEAVY = ("torch", "transformers", "lm_eval", "pandas", "numpy", "scipy", "matplotlib", "safetensors",
-         "huggingface_hub", "datasets")
+# not safetensors and huggingface_hub: each imports in about a millisecond (safetensors.torch and the hub client load
+# at first use), so they are imported plainly
+HEAVY = ("torch", "transformers", "lm_eval", "pandas", "numpy", "scipy", "matplotlib", "datasets")
 TOOLS = ("check_pair", "generate")  # the user tools, whose --help should be as quick as a stage's
 
 # run in a fresh interpreter: import the module, report {heavy library: "file:line" of the pipeline code whose
