@@ -17,8 +17,8 @@ Vocabulary: one word per meaning, for docstrings, comments and the report (PROTO
                `fallback=`, generate's `--fallback`). PROTOCOL's "exactness gate" is a control, not a gate.
     criteria   the report's predeclared pass/fail thresholds (params `report.criteria`, `studies.criteria`).
 
-Stages (one module each, `python -m pipeline.<stage>`, one `dvc.yaml` entry each: its Params, main(), the recipe)
-are listed in `STAGES` below, in the order `dvc repro` meets them; a test keeps it in step with dvc.yaml.
+Stages (one module each, `python -m pipeline.<stage>`, one `dvc.yaml` entry each: main() and the recipe, its Params
+in `schema/`) are listed in `STAGES` below, in the order `dvc repro` meets them; a test keeps it in step with dvc.yaml.
 The lm-eval face: `lm_eval_model` registers the lm-eval model `kv-transfer`.
 The pair checker: `check_pair SOURCE TARGET` prints a pair's architecture contract from configs alone.
 The generator: `generate PROMPT` continues a prompt in each handoff mode beside the oracle, streamed and timed.
@@ -26,8 +26,9 @@ The generator: `generate PROMPT` continues a prompt in each handoff mode beside 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
 Importing a stage or a wing loads no heavy library (Params and --help take a fraction of a second): torch,
-transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingface_hub and datasets are named as
-`torch = lazy("torch")` (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model.
+transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named as `torch = lazy("torch")`
+(`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
+huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
     store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
               processes (torchrun), split names, real shapes, model loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
@@ -43,6 +44,9 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib, safetensors, huggingfac
               formatting
     tiny/     the embedded world: its tokenizer, its language, its task items, its corpus, and the training of
               the tiny pair
+    schema/   the parameter classes, one module per stage that reads a section of params.yaml (`schema.fit` is
+              stage `fit`'s), which the stage and `check_params` import; last, since their rules read the wings
+              (the fit grid's map names, the gate's scores, the stored shapes)
 """
 
 WINGS = {
@@ -55,6 +59,8 @@ WINGS = {
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
+    "schema": ("prepare_data", "prepare_models", "score_models", "extract", "fit", "distill", "select", "controls",
+               "evaluate", "candidates", "selective", "calibrate", "length", "latency"),
 }
 
 STAGES = {

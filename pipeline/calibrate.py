@@ -25,34 +25,23 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.pair import Pair
 from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.schema.calibrate import CalibrationParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, parser, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, Params, Positive, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
 lm_eval_model = lazy("pipeline.lm_eval_model")
-
-
-class CalibrationParams(Params):
-    # fit sequences per point, at most data.calibration_sequences; one calibrate@<n> stage each
-    sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
-    # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...), or one distilled (`<name>+kl`, with the
-    # distill section's settings): check_params refuses a map fit does not make
-    candidates: Annotated[list[str], Field(min_length=1)]
-    batch_size: Positive  # task requests per forward
-    threads: Threads
 
 
 def scratch_split(first: pd.DataFrame, folder: Path) -> None:

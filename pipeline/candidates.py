@@ -20,9 +20,7 @@ Pareto front. Writes metrics/candidates.json.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
 from pipeline.kv.families.registry import MapName
@@ -32,33 +30,19 @@ from pipeline.kv.pair import Pair
 from pipeline.measure.compare import read_prompts, variant_rows
 from pipeline.measure.latency import measure
 from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.schema.candidates import CandidatesParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import Count, ParamError, Params, Positive, Threads, load_section
+from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
-from pipeline.store.shapes import PAIRS, pair_configs
+from pipeline.store.shapes import pair_configs
 
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
-
-
-class CandidatesParams(Params):
-    length: Annotated[int, Field(ge=2)]  # prompt tokens of the time-to-first-token measurement
-    warmup: Count  # untimed runs of both paths per candidate
-    repeats: Positive  # timed runs of both paths per candidate (medians reported)
-    bound_pair: str  # a pair of store.shapes.PAIRS: each candidate's FLOP bound at those shapes beside this pair's
-    batch_size: Positive  # task requests per forward
-    threads: Threads
-
-    @model_validator(mode="after")
-    def _known_pair(self) -> CandidatesParams:
-        if self.bound_pair not in PAIRS:
-            raise ParamError(f"candidates.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
-        return self
 
 
 def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bound_configs) -> dict:

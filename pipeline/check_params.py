@@ -2,10 +2,10 @@
 
     python -m pipeline.check_params
 
-Every section is parsed by the Params class of the stage that reads it (the one place this stage looks
-into other stages: their parameter classes), and a top-level key no stage reads is refused, so a typo
-anywhere (`evaluate.horizn`) or an empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here,
-naming the key, before anything is computed. Then the rules between sections (`ParamsFile`'s validators),
+Every section is parsed by the Params class of the stage that reads it (from `pipeline.schema`: no stage is
+imported here), and a top-level key no stage reads is refused, so a typo anywhere (`evaluate.horizn`) or an
+empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here, naming the key, before anything is
+computed. Then the rules between sections (`ParamsFile`'s validators),
 which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
 a calibration size beyond its pool, a mapper file no stage writes, a report variant that is not evaluated, a
 trained pair without its settings, a k beyond the source's layers, a split fit reads and extract skips.
@@ -18,21 +18,21 @@ import json
 
 from pydantic import model_validator
 
-from pipeline.calibrate import CalibrationParams
-from pipeline.candidates import CandidatesParams
-from pipeline.controls import ControlsParams, ToleranceParams
-from pipeline.distill import DistillParams, distilled_name
-from pipeline.evaluate import EvaluateParams
-from pipeline.extract import ExtractParams
-from pipeline.fit import FitParams
 from pipeline.kv.families.registry import MapName
-from pipeline.latency import LatencyParams
-from pipeline.length import LengthParams
-from pipeline.prepare_data import DataParams
-from pipeline.prepare_models import TrainParams
-from pipeline.score_models import ScoreModelsParams
-from pipeline.select import SelectParams
-from pipeline.selective import SelectiveParams
+from pipeline.schema.calibrate import CalibrationParams
+from pipeline.schema.candidates import CandidatesParams
+from pipeline.schema.controls import ControlsParams, ToleranceParams
+from pipeline.schema.distill import DistillParams, distilled_name
+from pipeline.schema.evaluate import EvaluateParams
+from pipeline.schema.extract import ExtractParams
+from pipeline.schema.fit import FitParams
+from pipeline.schema.latency import LatencyParams
+from pipeline.schema.length import LengthParams
+from pipeline.schema.prepare_data import DataParams
+from pipeline.schema.prepare_models import TrainParams
+from pipeline.schema.score_models import ScoreModelsParams
+from pipeline.schema.select import SelectParams
+from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments

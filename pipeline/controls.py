@@ -32,9 +32,8 @@ import hashlib
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Callable
 
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.contract import Contract
@@ -46,39 +45,18 @@ from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.measure.compare import read_prompts
+from pipeline.schema.controls import ControlsParams, Float32Tolerance, ReducedTolerance, ToleranceParams
 from pipeline.store import paths
 from pipeline.store.artifacts import load_artifact, save_artifact, verify_file
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import Params, Positive, PositiveFloat, Threads, load_section
+from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 
 torch = lazy("torch")
 
 MAPPER, EVAL_PROMPTS = paths.SELECTED_MAPPER, paths.EVAL_PROMPTS
-
-
-class Float32Tolerance(Params):
-    noise_multiple: PositiveFloat  # |delta log p| allowed, in multiples of the model's noise floor
-    rope_relative: PositiveFloat  # max |strip(cached keys) - pre-RoPE keys| / max |pre-RoPE keys|
-
-
-class ReducedTolerance(Params):
-    decision_margin: Annotated[float, Field(ge=0)]  # a decision whose top-two margin is below this may flip
-    noise_multiple: PositiveFloat  # |delta log p| allowed, in multiples of the model's noise floor in this dtype
-
-
-class ToleranceParams(Params):
-    float32: Float32Tolerance
-    bfloat16: ReducedTolerance  # also used for float16
-
-
-class ControlsParams(Params):
-    prompts: Positive  # eval prompts the decode and RoPE controls run on
-    horizon: Positive
-    corruption_flips: Positive
-    threads: Threads
 
 
 class ControlFailed(Refusal, RuntimeError):

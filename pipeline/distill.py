@@ -28,64 +28,24 @@ import csv
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
 from pipeline.fitting.distill import DistillSettings, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
-from pipeline.kv.families.registry import TRAINABLE, MapName
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.schema.distill import DistillParams, distilled_name
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
-
-
-class DistillParams(Params):
-    start: Annotated[list[str], Field(min_length=1)]  # fit's map names (the candidates fit writes)
-    context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
-    horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position
-    lr: dict[str, PositiveFloat]  # AdamW's learning rate per map family (linear, head_matched, mlp)
-    weight_decay: Annotated[float, Field(ge=0)]
-    kv_weight: Annotated[float, Field(ge=0)]  # the key/value regression beside the KL; 0 turns it off
-    batch_size: Positive  # rows per optimizer step
-    epochs: Positive  # at most
-    patience: Positive  # epochs without a lower select KL before stopping
-    seed: int
-    oracle_gib: Annotated[float, Field(ge=0)]  # the target's own prefill of each row kept across epochs and maps
-    threads: Threads
-    processes: Processes  # each distilling every N-th map (at most one per map)
-
-    @model_validator(mode="after")
-    def _families(self) -> "DistillParams":
-        unknown = sorted(set(self.lr) - set(TRAINABLE))
-        if unknown:
-            raise ParamError(f"distill.lr: unknown family {unknown[0]!r} (trainable: {', '.join(TRAINABLE)})")
-        for name in self.start:
-            try:
-                family = MapName.parse(name).family
-            except ValueError as err:
-                raise ParamError(f"distill.start: {err}") from None
-            if family not in self.lr:
-                raise ParamError(f"distill.start: {name!r} is a {family} map but distill.lr has no {family} entry; "
-                                 "add one")
-        if min(self.context_lengths) < 2:
-            raise ParamError("distill.context_lengths: a context needs at least 2 tokens (a prefix and its last)")
-        return self
-
-
-def distilled_name(start: str) -> str:
-    """The file stem of the map distilled from fit's map `start`."""
-    return str(MapName.parse(start).distilled_name)
 
 
 def settings(params: DistillParams, family: str) -> DistillSettings:

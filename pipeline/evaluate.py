@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import sys
 
-from pydantic import model_validator
-
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.schema.evaluate import EvaluateParams
 from pipeline.store import paths
 from pipeline.store.artifacts import (
     ArtifactError,
@@ -41,30 +40,13 @@ from pipeline.store.artifacts import (
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 lm_eval_model = lazy("pipeline.lm_eval_model")
 
 ORACLE_OUTPUTS, EVAL_PROMPTS, BASELINES = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS, paths.BASELINES
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
-
-
-class EvaluateParams(Params):
-    mapped: dict[str, str]  # variant -> mapper file, a stage's output (check_params)
-    top_k: Positive
-    horizon: Positive
-    batch_size: Positive
-    shuffle_seed: int
-    threads: Threads
-    processes: Processes  # each scoring every N-th batch and task document
-
-    @model_validator(mode="after")
-    def _variants(self) -> EvaluateParams:
-        for name in self.mapped:
-            if name in BASELINES:
-                raise ParamError(f"evaluate.mapped.{name}: a mapped variant cannot take a baseline's name")
-        return self
 
 
 def variant_mode(variant: str) -> str:

@@ -22,14 +22,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.schema.extract import ExtractParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
@@ -37,24 +36,13 @@ from pipeline.store.cli import entry, parser
 from pipeline.store.devices import no_grad, parse_dtype
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model
-from pipeline.store.params import Dtype, ParamError, Params, Positive, PositiveFloat, Processes, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
 torch = lazy("torch")
 
 MODELS = ("source", "target")
-
-
-class ExtractParams(Params):
-    dtype: Dtype  # storage dtype of the cached keys and values
-    shard_sequences: Positive  # sequences per shard: memory is bounded by about three shards
-    batch_sequences: Positive  # sequences of one length run through the model in one forward
-    splits: Annotated[list[str], Field(min_length=1)]
-    threads: Threads
-    repeats: Positive  # timed extractions, each beside both floors; medians reported
-    processes: Processes  # the caches do not depend on it
-    target_ratio: PositiveFloat  # the extraction time aimed at, in multiples of the slower floor (reported beside)
 
 
 def read_sequences(path: Path) -> pd.DataFrame:

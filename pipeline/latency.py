@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
-
-from pydantic import Field, model_validator
 
 from pipeline.kv.families.registry import CLOSED_FORM
 from pipeline.kv.pair import Pair
@@ -27,33 +24,19 @@ from pipeline.measure.latency import (
     write_plot,
     write_table,
 )
+from pipeline.schema.latency import LatencyParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.lazy import lazy
-from pipeline.store.params import Count, Dtype, ParamError, Params, Positive, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS
 
 torch = lazy("torch")
 
 METRICS, TABLE, PLOT = paths.LATENCY, paths.PLOTS / "latency.csv", paths.PLOTS / "latency.png"
-
-
-class LatencyParams(Params):
-    lengths: list[Annotated[int, Field(ge=2)]]  # prompt lengths n; the handoff needs n >= 2
-    warmup: Count  # untimed runs of both paths per length
-    repeats: Positive  # timed runs of both paths per length
-    threads: Threads
-    dtype: Dtype
-    device: Literal["auto", "cpu", "cuda"]
-    mapper: str  # the mapper file timed: a stage's output (check_params), models/best/... or models/mapper.safetensors
-
-    @model_validator(mode="after")
-    def _lengths(self) -> LatencyParams:
-        check_lengths(self.lengths, "latency.lengths")
-        return self
 
 
 def stage(params: LatencyParams) -> dict:

@@ -22,21 +22,20 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.schema.length import LengthParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, Params, Positive, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
@@ -44,18 +43,6 @@ lm_eval_model = lazy("pipeline.lm_eval_model")
 
 KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
 CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
-
-
-class LengthParams(Params):
-    fit_tokens: Annotated[int, Field(ge=2)]  # the maps see each fit / select sequence's first fit_tokens tokens
-    # prompt tokens evaluated (e.g. 1x, 2x, 4x fit_tokens)
-    prompt_lengths: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
-    continuation: Positive  # tokens scored after each prompt
-    candidate: str  # a candidate of the fit grid (fit's name; check_params refuses another), refitted both ways
-    top_k: Positive
-    horizon: Positive
-    batch_size: Positive
-    threads: Threads
 
 
 def scratch_data(fit_tokens: int, folder: Path) -> None:

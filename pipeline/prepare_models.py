@@ -21,27 +21,20 @@ import time
 from pathlib import Path
 
 from pipeline.kv.pair import Pair
+from pipeline.schema.prepare_models import TrainParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, Params, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
-from pipeline.tiny.train import TrainConfig, train_model
+from pipeline.tiny.train import train_model
 
 pd = lazy("pandas")
 torch = lazy("torch")
 transformers = lazy("transformers")
-
-
-
-class TrainParams(Params):
-    threads: Threads
-    random_seed: int  # models.kind `random`: the source's weight draw; the target's is the next seed
-    source: TrainConfig | None  # required when models.kind is `trained`
-    target: TrainConfig | None
 
 
 def train_pair(train: TrainParams) -> dict:

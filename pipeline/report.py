@@ -15,12 +15,15 @@ import platform
 from importlib.metadata import version
 from pathlib import Path
 
+from pipeline.schema.calibrate import CalibrationParams
+from pipeline.schema.evaluate import EvaluateParams
+from pipeline.schema.prepare_data import DataParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, read_pointer
-from pipeline.store.params import load_section, read_key
+from pipeline.store.params import load_section, load_value
 from pipeline.studies import calibration, candidates, distillation, length, selective, variants
 from pipeline.studies.settings import ReportParams
 
@@ -33,10 +36,10 @@ STUDIES = {"distillation": distillation, "candidates": candidates, "selective": 
 HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 
-def load(variant_names: list[str], keys: dict) -> tuple[variants.Run, dict]:
+def load(variant_names: list[str], calibration_sizes: list[int]) -> tuple[variants.Run, dict]:
     """The variants' run and each study's inputs (a study that did not run is left out): every file the
     report reads, read before anything is computed or written."""
-    run = variants.load(variant_names, keys)
+    run = variants.load(variant_names, calibration_sizes)
     inputs = {key: study.load(run) for key, study in STUDIES.items()}
     return run, {key: given for key, given in inputs.items() if given is not None}
 
@@ -96,11 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.report", __doc__, argv)
     params = load_section(ReportParams, "report")
     models = load_section(ModelsParams, "models")
-    names = [*paths.BASELINES, *read_key("evaluate.mapped")]
-    run, inputs = load(names, {"calibration.sizes": read_key("calibration.sizes")})
+    # a key or two of other stages' sections, read through their classes (dvc.yaml declares only those keys)
+    mapped = load_section(EvaluateParams, "evaluate").mapped
+    sizes = load_section(CalibrationParams, "calibration").sizes
+    data = load_section(DataParams, "data")
+    run, inputs = load([*paths.BASELINES, *mapped], sizes)
     report = compute(params, run, inputs)
     tables = figures(report, run, FIGURES)
-    context = {"profile": read_key("profile"), "data_kind": read_key("data.kind"), "source": models.source,
+    context = {"profile": load_value(str, "profile"), "data_kind": data.kind, "source": models.source,
                "target": models.target, "dtype": models.dtype, "device": models.device, "pair": run.pair,
                "environment": environment(models), "selected_name": run.select.get("selected", params.mapped_variant)}
     text = markdown(report, run, context)

@@ -12,24 +12,17 @@ import json
 from pipeline.kv.pair import Pair
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import Params, Positive, Threads, load_section
+from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
 
 pd = lazy("pandas")
 lm_eval_model = lazy("pipeline.lm_eval_model")
-
-
-
-class ScoreModelsParams(Params):
-    batch_size: Positive  # task requests per forward
-    threads: Threads
-    bootstrap_iters: Positive  # paired bootstrap of the target's lead over the source and direct injection
-    seed: int
 
 
 def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFrame]:

@@ -14,34 +14,23 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Annotated, Literal
 
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
+from pipeline.schema.select import SelectParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, Params, Positive, Processes, Threads, load_section
+from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
 
 MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
-
-
-class SelectParams(Params):
-    prompt_fraction: Annotated[float, Field(ge=0.05, le=0.95)]
-    top_k: Positive
-    horizon: Positive
-    rule: Literal["agreement", "perplexity", "kl", "attention_cosine"]
-    batch_size: Positive  # select prompts per forward
-    threads: Threads
-    processes: Processes  # sharing out the oracle's prompts, then the candidates
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:

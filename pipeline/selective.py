@@ -23,9 +23,6 @@ decision, every score and the probe's other features), eval/selective/curves.par
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated
-
-from pydantic import Field, model_validator
 
 from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefill_macs
 from pipeline.kv.gate import FEATURES, REFERENCES, SCORES, Probe, Scorer, fit_probe, score_macs
@@ -39,14 +36,15 @@ from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.measure.timing import median_seconds
+from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import Count, ParamError, Params, Positive, Threads, load_section
+from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
-from pipeline.store.shapes import PAIRS, pair_configs
+from pipeline.store.shapes import pair_configs
 from pipeline.store.splits import TASKS
 
 np = lazy("numpy")
@@ -56,35 +54,6 @@ lm_eval_model = lazy("pipeline.lm_eval_model")
 
 OUT, METRICS = paths.SELECTIVE, paths.SELECTIVE_METRICS
 METRIC = "acc_norm"  # the retention metric the threshold is chosen for (report.retention_metric's default)
-
-
-class SelectiveParams(Params):
-    maps: dict[str, str]  # name -> mapper file (a stage's output): the maps gated
-    scores: list[str]  # kv.gate.SCORES compared
-    disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
-    target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
-    probe_l2: Annotated[float, Field(gt=0)]  # the `probe` score's L2 penalty on its standardised weights
-    probe_folds: Annotated[int, Field(ge=2)]  # folds of the dev items' out-of-fold probe scores (the threshold's)
-    rates: Positive  # each curve at fallback rates 0, 1/rates, ..., 1
-    length: Annotated[int, Field(ge=2)]  # prompt tokens of the per-request times
-    warmup: Count
-    repeats: Positive
-    bound_pair: str  # a pair of store.shapes.PAIRS: the effective speedup bound at its shapes
-    bootstrap_iters: Positive
-    seed: int
-    batch_size: Positive
-    threads: Threads
-
-    @model_validator(mode="after")
-    def _known(self) -> SelectiveParams:
-        for name in self.scores:
-            if name not in SCORES:
-                raise ParamError(f"selective.scores: unknown score {name!r} (known: {', '.join(SCORES)})")
-        if "disagree" in self.scores and len(self.disagree) != 2:
-            raise ParamError("selective.disagree: name two mapper files (k=1 and k=max) for the 'disagree' score")
-        if self.bound_pair not in PAIRS:
-            raise ParamError(f"selective.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
-        return self
 
 
 def column(name: str) -> str:

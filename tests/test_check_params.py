@@ -9,8 +9,8 @@ from conftest import ROOT, committed, merge
 
 from pipeline import check_params
 from pipeline.check_params import check, mapper_files
-from pipeline.distill import DistillParams
-from pipeline.fit import FitParams
+from pipeline.schema.distill import DistillParams
+from pipeline.schema.fit import FitParams
 from pipeline.store.params import ParamError, parse
 
 

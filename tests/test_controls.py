@@ -9,8 +9,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline import controls
 from pipeline.controls import (
-    Float32Tolerance,
-    ReducedTolerance,
     cached_decode,
     compatibility,
     corruption,
@@ -23,6 +21,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.mapper import save_mapper
 from pipeline.kv.rope import RotarySpec
+from pipeline.schema.controls import Float32Tolerance, ReducedTolerance
 from pipeline.store.artifacts import ArtifactError, save_artifact
 
 

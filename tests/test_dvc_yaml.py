@@ -52,12 +52,13 @@ def test_a_lazy_reference_the_deps_cannot_read_is_named(tmp_path):
 
 
 def sections_read(path: Path) -> set[str]:
-    """Params keys a module reads: the string argument of load_section(..., "x") and read_key("x")."""
+    """Params keys a module reads: the string argument of load_section(..., "x"), load_value(..., "x") and
+    read_key("x")."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            if node.func.id == "load_section" and args:
+            if node.func.id in ("load_section", "load_value") and args:
                 found.add(args[-1])
             elif node.func.id == "read_key" and args:
                 found.add(args[0])

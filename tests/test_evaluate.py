@@ -4,7 +4,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from pipeline.evaluate import EvaluateParams, ordered_variants
+from pipeline.evaluate import ordered_variants
+from pipeline.schema.evaluate import EvaluateParams
 from pipeline.store import paths
 from pipeline.store.params import ParamError
 

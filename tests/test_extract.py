@@ -9,10 +9,11 @@ from kvworld import make_world
 from transformers import AutoConfig
 
 from pipeline import extract as extract_module
-from pipeline.extract import ExtractParams, batches, run
+from pipeline.extract import batches, run
 from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, apply_rope
+from pipeline.schema.extract import ExtractParams
 from pipeline.store.cachefiles import open_split
 from pipeline.store.models import load_model
 from pipeline.store.params import parse

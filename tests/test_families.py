@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from pipeline.fit import FitParams
 from pipeline.fitting import ridge
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.families.base import Geometry
 from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, FITTED, TRAINABLE, MapName
+from pipeline.schema.fit import FitParams
 from pipeline.store.params import ParamError, parse, read_params
 
 GEOMETRY = Geometry(heads_s=2, dim_s=3, heads_t=2, dim_t=4)  # F = 6 inputs per source layer, 8 outputs

@@ -14,14 +14,14 @@ from conftest import committed
 from kvworld import make_world
 
 from pipeline import fit as fit_module
-from pipeline.extract import ExtractParams
 from pipeline.extract import run as extract
-from pipeline.fit import FitParams
 from pipeline.fit import run as fit
 from pipeline.fitting import ridge
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
 from pipeline.kv.flops import mapper_macs_per_token, mapper_parameter_count
 from pipeline.kv.mapper import load_mapper
+from pipeline.schema.extract import ExtractParams
+from pipeline.schema.fit import FitParams
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cachefiles import MANIFEST, ShardWriter, paired_split
 from pipeline.store.cli import run_stage

@@ -1,6 +1,7 @@
-"""Stages start fast: importing a stage (for its Params class, `--help`, or check_params reading them all) loads
-none of the heavy libraries; each module names them with `store.lazy.lazy`, imported at the first attribute
-read. Checked in a fresh interpreter per module, which names the line that loaded a heavy library."""
+"""Stages start fast: importing a stage (for its `--help`, or to refuse its arguments or params) or a schema module
+(check_params reads them all) loads none of the heavy libraries; each module names them with `store.lazy.lazy`,
+imported at the first attribute read. Checked in a fresh interpreter per module, which names the line that loaded a
+heavy library."""
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from conftest import ROOT
 from pipeline import STAGES
 from pipeline.store.lazy import lazy
 
-HEAVY = ("torch", "transformers", "lm_eval", "pandas", "numpy", "scipy", "matplotlib", "safetensors",
-         "huggingface_hub", "datasets")
+# not safetensors and huggingface_hub: each imports in about a millisecond (safetensors.torch and the hub client load
+# at first use), so they are imported plainly
+HEAVY = ("torch", "transformers", "lm_eval", "pandas", "numpy", "scipy", "matplotlib", "datasets")
 TOOLS = ("check_pair", "generate")  # the user tools, whose --help should be as quick as a stage's
 
 # run in a fresh interpreter: import the module, report {heavy library: "file:line" of the pipeline code whose

@@ -22,8 +22,8 @@ from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.tasks import write_task_config
-from pipeline.prepare_data import DataParams
 from pipeline.prepare_data import run as prepare_data_run
+from pipeline.schema.prepare_data import DataParams
 from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
 from pipeline.store.params import parse
 

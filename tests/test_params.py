@@ -9,8 +9,8 @@ from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 from pipeline.check_params import SECTIONS, check
-from pipeline.fit import FitParams
-from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, parse
+from pipeline.schema.fit import FitParams
+from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, load_value, parse
 
 # mappings (variant -> file, family -> rate, map -> file), not sets of parameters
 MAPPINGS = {"evaluate.mapped", "distill.lr", "selective.maps"}
@@ -165,3 +165,12 @@ def test_the_whole_file_check_refuses_an_unknown_section_and_passes_the_committe
     assert check(committed_params()) == ["profile", *SECTIONS]
     with pytest.raises(ParamError, match=r"^fitt: unknown section of params.yaml"):
         check({**committed_params(), "fitt": {}})
+
+
+def test_a_value_no_section_class_holds_is_read_typed_and_refused_when_of_another_type(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"profile": "tiny"}))
+    assert load_value(str, "profile", path) == "tiny"
+    path.write_text(yaml.safe_dump({"profile": 3}))
+    with pytest.raises(ParamError, match=r"^profile: expected a str, got 3$"):
+        load_value(str, "profile", path)

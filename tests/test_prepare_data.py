@@ -5,7 +5,8 @@ from conftest import HELLASWAG, PIQA, PIQA_LABELS, WIKITEXT, committed, hellaswa
 from lm_eval.tasks import TaskManager, get_task_dict
 
 from pipeline.measure.tasks import write_task_config
-from pipeline.prepare_data import DataParams, run
+from pipeline.prepare_data import run
+from pipeline.schema.prepare_data import DataParams
 from pipeline.store.models import ModelNotAvailableError
 from pipeline.store.params import ParamError, parse
 from pipeline.store.splits import OverlapError, check_disjoint

@@ -7,7 +7,8 @@ from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec
-from pipeline.select import SelectParams, choose, score_candidates, select_prompts
+from pipeline.schema.select import SelectParams
+from pipeline.select import choose, score_candidates, select_prompts
 from pipeline.store.params import parse
 
 

@@ -17,7 +17,8 @@ from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM, gate_from_args
 from pipeline.measure import gating
 from pipeline.measure.taskeval import evaluate_tasks
-from pipeline.selective import METRIC, SelectiveParams, add_probe, item_rows, task_frame, train_probe
+from pipeline.schema.selective import SelectiveParams
+from pipeline.selective import METRIC, add_probe, item_rows, task_frame, train_probe
 from pipeline.store.params import parse
 
 VOCAB = 97

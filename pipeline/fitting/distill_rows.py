@@ -13,6 +13,8 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, Sequence
 
+import safetensors
+
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.rope import Rotation
@@ -22,7 +24,6 @@ from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
-safetensors = lazy("safetensors")
 
 
 @dataclass

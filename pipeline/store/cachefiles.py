@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors
+
 from pipeline.store.artifacts import (
     ArtifactError,
     artifact_prefix,
@@ -33,7 +35,6 @@ from pipeline.store.artifacts import (
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
-safetensors = lazy("safetensors")
 
 SHARD_FORMAT = "kv-handoff/cache-shard/v1"
 MANIFEST = "manifest.json"

@@ -1,13 +1,13 @@
 """A module imported on first use: `torch = lazy("torch")` at the top of a module, then `torch.cat(...)` as usual.
 
-Importing a stage for its Params class or its `--help` should not cost the seconds torch, transformers, lm-eval
-and pandas take to import, yet the house rule puts every import at the top of a module (none inside a function,
-where a reader would not see the dependency). `lazy(name)` keeps the reference at the top and defers the import:
-the first attribute read imports the module with `importlib.import_module` and every read after it goes to that
-module. Annotations (`torch.Tensor`) are strings under `from __future__ import annotations` and load nothing;
-anything evaluated when a module is imported (a decorator, a default argument, a constant built from the library,
-a base class, a pydantic field's type) loads it at once, so a module that needs the library at import time is
-itself referenced lazily by its importers (`lazy("pipeline.lm_eval_model")`).
+Starting a stage (its `--help`, a refusal of its arguments or params) should not cost the seconds torch,
+transformers, lm-eval and pandas take to import, yet the house rule puts every import at the top of a module (none
+inside a function, where a reader would not see the dependency). `lazy(name)` keeps the reference at the top and
+defers the import: the first attribute read imports the module with `importlib.import_module` and every read after
+it goes to that module. Annotations (`torch.Tensor`) are strings under `from __future__ import annotations` and load
+nothing; anything evaluated when a module is imported (a decorator, a default argument, a constant built from the
+library, a base class, a pydantic field's type) loads it at once, so a module that needs the library at import time
+is itself referenced lazily by its importers (`lazy("pipeline.lm_eval_model")`).
 
 Not importlib.util.LazyLoader: that puts a half-made module into sys.modules, and torch's import walks
 sys.modules (through `inspect`), which makes transformers' lazy module load itself inside its own load

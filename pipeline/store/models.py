@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
+import huggingface_hub
+import huggingface_hub.constants as hub_constants
 from pydantic import model_validator
 from tqdm.auto import tqdm
 
@@ -26,8 +28,6 @@ from pipeline.store.lazy import lazy
 from pipeline.store.params import Dtype, ParamError, Params
 from pipeline.store.shapes import random_model, shape_config
 
-huggingface_hub = lazy("huggingface_hub")
-hub_constants = lazy("huggingface_hub.constants")
 transformers = lazy("transformers")
 configuration_auto = lazy("transformers.models.auto.configuration_auto")
 

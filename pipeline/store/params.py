@@ -1,9 +1,9 @@
 """Typed, validated parameters: each stage parses the sections of params.yaml it reads into pydantic models.
 
-Values live only in params.yaml (composed from conf/): a parameter class (a `Params` subclass, in the module
-of the stage that reads it) declares types, ranges (`Field(ge=..., gt=...)`, or the shared annotated types
-below) and choices (`Literal`), never a default, so every field must be present; `null` is a value where the
-type allows it. Unknown keys, missing keys, wrong types, out-of-range values and broken rules between keys
+Values live only in params.yaml (composed from conf/): a parameter class (a `Params` subclass, in
+`pipeline.schema.<stage>` of the stage that reads it) declares types, ranges (`Field(ge=..., gt=...)`, or the shared
+annotated types below) and choices (`Literal`), never a default, so every field must be present; `null` is a value
+where the type allows it. Unknown keys, missing keys, wrong types, out-of-range values and broken rules between keys
 are errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`).
 
 Why pydantic: it is already in the stack (via lm-eval and dvc), it validates nested models, lists, tuples and
@@ -33,6 +33,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pipeline.store.cli import Refusal
 
 T = TypeVar("T", bound=BaseModel)
+V = TypeVar("V")
 PARAMS_FILE = Path("params.yaml")
 MISSING = "missing parameter (every parameter is set in params.yaml / conf/)"
 
@@ -82,6 +83,15 @@ def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
             raise ParamError(f"{path}: missing {name!r}")
         data = data[part]
     return data
+
+
+def load_value(kind: type[V], name: str, path: str | Path = PARAMS_FILE) -> V:
+    """The value at `name` of params.yaml that no section class holds (the top-level `profile`), refused unless it
+    is a `kind`."""
+    value = read_key(name, path)
+    if not isinstance(value, kind):
+        raise ParamError(f"{name}: expected a {kind.__name__}, got {value!r}")
+    return value
 
 
 def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:

@@ -33,7 +33,7 @@ class Inputs:
 def load(run: Run) -> Inputs | None:
     """None when no declared size ran, or without the source's items (gap closure needs them)."""
     points = {size: json.loads(path.read_text()) for size, path in paths.calibration_points().items()}
-    points = {size: point for size, point in points.items() if size in run.keys["calibration.sizes"]}
+    points = {size: point for size, point in points.items() if size in run.calibration_sizes}
     if not points or "source" not in run.items:
         return None
     return Inputs(run.items, points, {size: {path.stem: pd.read_parquet(path)

@@ -67,7 +67,7 @@ class Run:
     select: dict
     latency: dict | None
     pair: tuple[str, str]
-    keys: dict  # the other stages' params a study reads (report.py reads them: dvc.yaml declares them there)
+    calibration_sizes: list[int]  # params calibration.sizes (report.py reads it: dvc.yaml declares it there)
 
 
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
@@ -92,7 +92,7 @@ def pair_names(models: str = "models") -> tuple[str, str]:
     return names[0], names[1]
 
 
-def load(names: list[str], keys: dict) -> Run:
+def load(names: list[str], calibration_sizes: list[int]) -> Run:
     """The declared variants' results (not whatever else metrics/eval holds: a profile with other k candidates
     leaves other files there) and the files every study beside them reads."""
     metrics, items, prompts, skipped = {}, {}, {}, {}
@@ -108,7 +108,8 @@ def load(names: list[str], keys: dict) -> Run:
                                 "evaluation")
     return Run(metrics, items, prompts, skipped, controls=json.loads(CONTROLS.read_text()),
                select=json.loads(SELECT.read_text()) if SELECT.is_file() else {},
-               latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(), keys=keys)
+               latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(),
+               calibration_sizes=calibration_sizes)
 
 
 def compute(params: ReportParams, run: Run) -> dict:

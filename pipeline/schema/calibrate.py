@@ -1,0 +1,19 @@
+"""The `calibration` section of params.yaml, read by stage `calibrate` (one stage per size) and the report: the
+calibration curve's sizes and the candidates refitted at each."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from pipeline.store.params import Params, Positive, Threads
+
+
+class CalibrationParams(Params):
+    # fit sequences per point, at most data.calibration_sequences; one calibrate@<n> stage each
+    sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
+    # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...), or one distilled (`<name>+kl`, with the
+    # distill section's settings): check_params refuses a map fit does not make
+    candidates: Annotated[list[str], Field(min_length=1)]
+    batch_size: Positive  # task requests per forward
+    threads: Threads

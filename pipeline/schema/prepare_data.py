@@ -1,0 +1,58 @@
+"""The `data` section of params.yaml, read by stage `prepare_data`: the splits' sizes and lengths, and where the
+sequences and task items come from (the generated tiny world, or hub / local datasets)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from pipeline.store.params import ParamError, Params, Positive
+from pipeline.tiny.world import WorldConfig
+
+
+class HubDataset(Params):
+    dataset: str | None  # hub id, used when `path` is null
+    config: str | None
+    split: str
+    path: str | None  # a local .jsonl/.json/.parquet (or .txt / .raw for a corpus) instead of the hub
+    labels_path: str | None  # PIQA's line-aligned labels file, when `path` has no label column
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> HubDataset:
+        if not self.dataset and not self.path:
+            raise ValueError("give a hub `dataset` or a local `path`")
+        return self
+
+
+class DataParams(Params):
+    kind: Literal["generated", "hub"]
+    seed: int
+    fit_sequences: Positive
+    calibration_sequences: Positive  # the calibration curve's pool: fit's draw continued
+    select_sequences: Positive
+    eval_prompts: Positive
+    sequence_length: Positive  # tokens per fit/select sequence (at most)
+    prompt_length: Positive  # eval prompts: tokens before the continuation
+    continuation_length: Positive
+    dev_items: Positive  # per task
+    eval_items: Positive | None  # per task; null: every item of the split the dev part leaves
+    world: WorldConfig | None  # generated: the generator's settings; its counts come from the keys above
+    tokenizer: str | None  # hub: the target's id or a local path
+    tokenizer_revision: str | None
+    corpus: HubDataset | None
+    hellaswag: HubDataset | None
+    piqa: HubDataset | None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataParams:
+        needed = ("world",) if self.kind == "generated" else ("tokenizer", "corpus", "hellaswag", "piqa")
+        for name in needed:
+            if getattr(self, name) is None:
+                raise ParamError(f"data.{name}: required when data.kind is {self.kind!r}")
+        if self.calibration_sequences < self.fit_sequences:
+            raise ParamError(f"data.calibration_sequences: {self.calibration_sequences} is fewer than "
+                             f"data.fit_sequences ({self.fit_sequences}); the pool continues the fit split")
+        if self.eval_items is None and self.kind == "generated":
+            raise ParamError("data.eval_items: null (every item) needs real task data (data.kind: hub); "
+                             "give the generated world a count")
+        return self

@@ -1,0 +1,11 @@
+"""The `score_models` section of params.yaml, read by stage `score_models`: each model alone on the dev items."""
+from __future__ import annotations
+
+from pipeline.store.params import Params, Positive, Threads
+
+
+class ScoreModelsParams(Params):
+    batch_size: Positive  # task requests per forward
+    threads: Threads
+    bootstrap_iters: Positive  # paired bootstrap of the target's lead over the source and direct injection
+    seed: int

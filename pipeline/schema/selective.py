@@ -1,0 +1,40 @@
+"""The `selective` section of params.yaml, read by stage `selective`: the maps gated, the gate's scores, the
+threshold's target and the per-request timing."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from pipeline.kv.gate import SCORES
+from pipeline.store.params import Count, ParamError, Params, Positive, Threads
+from pipeline.store.shapes import PAIRS
+
+
+class SelectiveParams(Params):
+    maps: dict[str, str]  # name -> mapper file (a stage's output): the maps gated
+    scores: list[str]  # kv.gate.SCORES compared
+    disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
+    target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
+    probe_l2: Annotated[float, Field(gt=0)]  # the `probe` score's L2 penalty on its standardised weights
+    probe_folds: Annotated[int, Field(ge=2)]  # folds of the dev items' out-of-fold probe scores (the threshold's)
+    rates: Positive  # each curve at fallback rates 0, 1/rates, ..., 1
+    length: Annotated[int, Field(ge=2)]  # prompt tokens of the per-request times
+    warmup: Count
+    repeats: Positive
+    bound_pair: str  # a pair of store.shapes.PAIRS: the effective speedup bound at its shapes
+    bootstrap_iters: Positive
+    seed: int
+    batch_size: Positive
+    threads: Threads
+
+    @model_validator(mode="after")
+    def _known(self) -> SelectiveParams:
+        for name in self.scores:
+            if name not in SCORES:
+                raise ParamError(f"selective.scores: unknown score {name!r} (known: {', '.join(SCORES)})")
+        if "disagree" in self.scores and len(self.disagree) != 2:
+            raise ParamError("selective.disagree: name two mapper files (k=1 and k=max) for the 'disagree' score")
+        if self.bound_pair not in PAIRS:
+            raise ParamError(f"selective.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
+        return self
