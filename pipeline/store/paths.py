@@ -131,15 +131,21 @@ def distill_curve(name: str, folder: Path = DISTILL_CURVES) -> Path:
     return folder / f"{name}.csv"
 
 
-def best_variant(k: int) -> str:
-    """The V0 row of the linear family at k: the variant and file stem `mapped_k<k>`."""
-    return f"mapped_k{k}"
+def variant_k(variant: str, kind: str) -> int | None:
+    """The k of a variant named `<kind>_k<k>` (`mapped_k4`, `distilled_k1`), None for any other variant."""
+    stem = variant.removeprefix(f"{kind}_k")
+    return int(stem) if stem != variant and stem.isdigit() else None
+
+
+def best_variant(k: int, kind: str = "mapped") -> str:
+    """The variant of the linear family at k: `mapped_k<k>` (select's best map, V0's row, also its file stem) or
+    `distilled_k<k>` (that map distilled)."""
+    return f"{kind}_k{k}"
 
 
 def best_k(variant: str) -> int | None:
     """The k of a `best_variant` name (`mapped_k4` -> 4), None for any other variant."""
-    stem = variant.removeprefix("mapped_k")
-    return int(stem) if stem != variant and stem.isdigit() else None
+    return variant_k(variant, "mapped")
 
 
 def best_map(k: int, folder: Path = BEST) -> Path:

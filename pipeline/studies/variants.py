@@ -74,8 +74,8 @@ WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decid
 
 
 def label(variant: str) -> str:
-    if variant.startswith("distilled_k"):
-        return f"Distilled mapped transfer, k={variant[len('distilled_k'):]}"
+    if paths.variant_k(variant, "distilled") is not None:
+        return f"Distilled mapped transfer, k={paths.variant_k(variant, 'distilled')}"
     if paths.best_k(variant) is not None:
         return f"Learned mapped transfer, k={paths.best_k(variant)}"
     return LABELS.get(variant, variant)
@@ -124,9 +124,10 @@ def compute(params: ReportParams, run: Run) -> dict:
     larger_k = sorted(k for k in map(paths.best_k, metrics) if k is not None and k != 1)
     if paths.best_variant(1) in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layers
         compared[f"k1_minus_k{larger_k[-1]}"] = (paths.best_variant(1), paths.best_variant(larger_k[-1]))
-    for variant in sorted(v for v in metrics if v.startswith("distilled_k")):  # each distilled map vs its start's k
-        if f"mapped_k{variant[len('distilled_k'):]}" in metrics:
-            compared[f"{variant}_minus_mapped_k{variant[len('distilled_k'):]}"] = (variant, f"mapped_k{variant[11:]}")
+    for variant in sorted(v for v in metrics if paths.variant_k(v, "distilled") is not None):  # vs its start's k
+        start = paths.best_variant(paths.variant_k(variant, "distilled"))
+        if start in metrics:
+            compared[f"{variant}_minus_{start}"] = (variant, start)
     compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
                    for name, (a, b) in compared.items()}
