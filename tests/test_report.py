@@ -260,7 +260,7 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     items["lin+kl"].loc[better, ["acc", "acc_norm"]] = 1.0
     curve = pd.DataFrame({"epoch": [0, 1, 2], "select_kl": [0.5, 0.4, 0.45], "select_agreement": [0.4, 0.5, 0.5]})
     facts = {"start": "lin", "best_epoch": 1, "epochs": 2, "steps": 8, "seconds": 3.0, "lr": 0.001, "probe_steps": 4,
-             "probes": {"0.0001": 0.48, "0.001": 0.42, "0.01": None}, "select_kl_start": 0.5, "select_kl": 0.4}
+             "probes": {"0.001": 0.42, "0.01": None, "0.0001": 0.48}, "select_kl_start": 0.5, "select_kl": 0.4}
     cost = {"oracle": 1.0, "rows": 0.5, "mapped_step": 2.0, "map_update": 0.25, "select_scoring": 1.5}
     select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
                        "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}

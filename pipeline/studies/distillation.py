@@ -184,7 +184,8 @@ def probe_lines(rows: dict) -> list[str]:
         out += md_table(["Map", "Select KL at the start", "Rate → select KL after the probe", "Chosen rate"],
                         [[name, _kl(r["select_kl_start"]),
                           " · ".join(f"**{rate}: {_kl(kl)}**" if chosen(r, rate) else f"{rate}: {_kl(kl)}"
-                                     for rate, kl in r["probes"].items()), f"{r['lr']:g}"]
+                                     for rate, kl in sorted(r["probes"].items(), key=lambda item: float(item[0]))),
+                          f"{r['lr']:g}"]
                          for name, r in probed.items()])
     kept = [name for name, r in rows.items() if r["best_epoch"] == 0]
     if kept:
