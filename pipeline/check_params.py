@@ -113,9 +113,9 @@ class ParamsFile(Params):
     def _distilled_candidates_have_a_learning_rate(self) -> ParamsFile:
         for name in self.calibration.candidates:
             parsed = map_name("calibration.candidates", name)
-            if parsed.distilled and parsed.family not in self.distill.lr:
+            if parsed.distilled and parsed.family not in self.distill.lrs:
                 raise ParamError(f"calibration.candidates: {name!r} is distilled from a {parsed.family} map but "
-                                 f"distill.lr has no {parsed.family} entry; add one")
+                                 f"distill.lrs has no {parsed.family} entry; add one")
         return self
 
     @model_validator(mode="after")

@@ -8,30 +8,36 @@ from the target's next-token distributions after its own prefill to those after 
 position and the next `distill.horizon` teacher-forced positions (the last-token protocol), plus
 `distill.kv_weight` x the normalised key/value regression. Rows are the fit split's sequences cut at each of
 `distill.context_lengths`; the source enters only as its stored caches (caches/source, no source forward), the
-oracle is the target's own prefill of each row, computed once and kept for every epoch and map up to
-`distill.oracle_gib` (beyond, once per batch). AdamW at the start family's `distill.lr`, early stopping on the
-select split's KL, `distill.seed`: bit-identical on one CPU device, so the determinism control can refit the
+oracle is the target's own prefill of each row, computed once and kept, with the row, for every epoch and map up
+to `distill.oracle_gib` (beyond, once per batch). AdamW at the rate of the start family's grid `distill.lrs` whose
+probe (`distill.probe_steps` steps from the start) scores the lowest select KL, early stopping on the select
+split's KL, `distill.seed`: bit-identical on one CPU device, so the determinism control can refit the
 selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`) and a calibration point can distil its
 own refitted maps on its own sequences (`--caches DIR --data DIR`). With `distill.processes` N > 1 (and as many
 maps) it runs as N torchrun processes (`store.ranks`), each distilling every N-th map with its own copy of the
 oracles; rank 0 gathers the maps and writes them, the same bytes as one process.
 
 Writes `models/distilled/<start>+kl.safetensors` (the mapper format, family unchanged; the metadata's
-`distilled` entry records the start map's digest, the loss weights, steps and the best epoch), so select, the
-handoff, `kv-transfer`, latency and controls read it as any map; `metrics/distill.json` (per map: select KL and
-agreement before and after, epochs, steps, seconds) and `metrics/distill/<start>+kl.csv`, per epoch the fit
-losses and the select KL and agreement (a DVC plot: epoch vs select KL, one line per map).
+`distilled` entry records the start map's digest, the loss weights, the chosen rate and every probe's select KL,
+steps and the best epoch), so select, the handoff, `kv-transfer`, latency and controls read it as any map;
+`metrics/distill.json` (per map: the chosen rate, each probe's select KL, select KL and agreement before and
+after, the full run's select KL per epoch, epochs, steps, seconds and their split into the oracle, reading the
+rows, the mapped step through the target, the map update and the select scoring; the stage's split summed over
+maps and ranks) and `metrics/distill/<start>+kl.csv`, per epoch the fit losses and the select KL and agreement
+(a DVC plot: epoch vs select KL, one line per map). A progress bar per epoch (and per probe) shows each map's
+rows, its last select KL and the epoch's ETA.
 """
 from __future__ import annotations
 
 import csv
+import math
 import sys
 import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import DistillSettings, distill
+from pipeline.fitting.distill import PARTS, Clock, DistillSettings, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -49,9 +55,9 @@ pd = lazy("pandas")
 
 
 def settings(params: DistillParams, family: str) -> DistillSettings:
-    return DistillSettings(lr=params.lr[family], weight_decay=params.weight_decay, batch=params.batch_size,
-                           epochs=params.epochs, patience=params.patience, kv_weight=params.kv_weight,
-                           seed=params.seed)
+    return DistillSettings(lrs=tuple(params.lrs[family]), probe_steps=params.probe_steps,
+                           weight_decay=params.weight_decay, batch=params.batch_size, epochs=params.epochs,
+                           patience=params.patience, kv_weight=params.kv_weight, seed=params.seed)
 
 
 def cache_groups(caches: Path, data_folder: Path, split: str, params: DistillParams) -> list[CacheRows]:
@@ -90,29 +96,50 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}
     # the oracles kept up to distill.oracle_gib, the select rows' first (they are scored after every epoch)
-    kept = with_oracles(groups["select"] + groups["fit"], oracle, params.batch_size, params.oracle_gib * 2**30)
+    kept_clock = Clock()
+    with kept_clock.timed("oracle", oracle.device):
+        kept = with_oracles(groups["select"] + groups["fit"], oracle, params.batch_size, params.oracle_gib * 2**30)
     splits = Splits(fit=kept[len(groups["select"]):], select=kept[: len(groups["select"])])
-    share = {}  # this rank's maps: name -> (map, history, seconds)
+    share = {}  # this rank's maps: name -> (map, history, seconds, seconds per part)
     for index in tqdm(ranks.share(len(names)), desc="distill", unit="map", disable=not ranks.main):
-        started, name = time.perf_counter(), names[index]
+        started, name, clock = time.perf_counter(), names[index], Clock()
         start = load_mapper(paths.fitted_map(name, inputs["mappers"]))
-        mapper, history = distill(start, splits, oracle, settings(params, start.family))
-        share[name] = (mapper, history, time.perf_counter() - started)
-    shares = ranks.gather(share)
+        label = name if ranks.size == 1 else f"[{ranks.rank}] {name}"
+        mapper, history = distill(start, splits, oracle, settings(params, start.family), clock, label)
+        share[name] = (mapper, history, time.perf_counter() - started, dict(clock.seconds))
+    shares = ranks.gather((share, dict(kept_clock.seconds)))
     if not ranks.main:
         return None
-    done = {name: result for share in shares for name, result in share.items()}
+    done = {name: result for share, _ in shares for name, result in share.items()}
     metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
+    # the stage's time per part, summed over ranks: each rank keeps its own oracles, then distils its maps
+    metrics.update({f"cost_s/{part}": round(sum(kept[part] for _, kept in shares)
+                                            + sum(done[name][3][part] for name in names), 1) for part in PARTS})
     for name in names:
-        mapper, history, seconds = done[name]
-        facts, best = mapper.distilled, history[mapper.distilled["best_epoch"]]
-        metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in {
-            "start": name, "select_kl_start": round(history[0]["select_kl"], 5),
-            "select_kl": round(best["select_kl"], 5),
+        mapper, history, seconds, parts = done[name]
+        metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in map_figures(
+            name, mapper.distilled, history).items()})
+        metrics[f"maps/{distilled_name(name)}/seconds"] = round(seconds, 1)
+        metrics.update({f"maps/{distilled_name(name)}/cost_s/{part}": round(parts[part], 1) for part in PARTS})
+    return metrics, {name: done[name][:2] for name in names}
+
+
+def kl_figure(value: float) -> float | None:
+    """A select KL for the metrics JSON: None for a diverged (NaN or infinite) one, which JSON cannot hold."""
+    return round(value, 5) if math.isfinite(value) else None
+
+
+def map_figures(name: str, facts: dict, history: list[dict]) -> dict:
+    """One distilled map's untimed figures: its start, the chosen rate and each probe's select KL (rate -> KL),
+    the select figures before and after, the full run's select KL per epoch, epochs and steps."""
+    best = history[facts["best_epoch"]]
+    return {"start": name, "lr": facts["lr"], "probe_steps": facts["probe_steps"],
+            **{f"probes/{row['lr']:g}": kl_figure(row["select_kl"]) for row in facts["probes"]},
+            "select_kl_start": kl_figure(history[0]["select_kl"]), "select_kl": kl_figure(best["select_kl"]),
             "select_agreement_start": round(history[0]["select_agreement"], 4),
             "select_agreement": round(best["select_agreement"], 4), "best_epoch": facts["best_epoch"],
-            "epochs": facts["epochs"], "steps": facts["steps"], "seconds": round(seconds, 1)}.items()})
-    return metrics, {name: done[name][:2] for name in names}
+            "epochs": facts["epochs"], "steps": facts["steps"],
+            "select_kl_curve": [kl_figure(row["select_kl"]) for row in history]}
 
 
 def write(distilled: dict, out: Path, curves: Path) -> None:

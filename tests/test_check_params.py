@@ -40,7 +40,13 @@ RULES = {
     "distillation start outside the fit grid": (
         {"distill": {"start": ["linear_k1_lam0.5"]}}, r"^distill\.start: 'linear_k1_lam0\.5' is not a map of the fit"),
     "distillation learning rate of no family": (
-        {"distill": {"lr": {"ridge": 0.1}}}, r"^distill\.lr: unknown family 'ridge' \(trainable: linear, "),
+        {"distill": {"lrs": {"ridge": [0.1]}}}, r"^distill\.lrs: unknown family 'ridge' \(trainable: linear, "),
+    "distillation learning rate listed twice": (
+        {"distill": {"lrs": {"linear": [0.001, 0.001]}}}, r"^distill\.lrs\.linear: a rate is listed twice"),
+    "distillation learning rate grid left empty": (
+        {"distill": {"lrs": {"linear": []}}}, r"^distill\.lrs\.linear: "),
+    "distillation probe of no steps": (
+        {"distill": {"probe_steps": 0}}, r"^distill\.probe_steps: "),
     "distillation context without a prefix": (
         {"distill": {"context_lengths": [1, 8]}}, r"^distill\.context_lengths: a context needs at least 2 tokens"),
     "best-per-k mapper without the linear family": (
@@ -155,14 +161,14 @@ def test_a_calibration_candidate_may_be_a_distilled_map_of_the_fit_grid():
     params = committed_params()
     params["calibration"]["candidates"] = ["linear_k1_lam0.001", "linear_k1_lam0.001+kl"]
     check(params)
-    params["distill"]["lr"] = {"mlp": 1e-5}
+    params["distill"]["lrs"] = {"mlp": [1e-5]}
     params["distill"]["start"] = ["mlp_k3"]
     with pytest.raises(ParamError, match=r"^calibration\.candidates: 'linear_k1_lam0\.001\+kl' is distilled from a "
-                                         r"linear map but distill\.lr has no linear entry"):
+                                         r"linear map but distill\.lrs has no linear entry"):
         check(params)
 
 
 def test_a_distillation_start_without_its_familys_learning_rate_is_refused():
-    section = {**committed_params()["distill"], "lr": {"linear": 0.001}}
-    with pytest.raises(ParamError, match=r"^distill\.start: 'mlp_k3' is a mlp map but distill\.lr has no mlp entry"):
+    section = {**committed_params()["distill"], "lrs": {"linear": [0.001]}}
+    with pytest.raises(ParamError, match=r"^distill\.start: 'mlp_k3' is a mlp map but distill\.lrs has no mlp entry"):
         parse(DistillParams, section, "distill")

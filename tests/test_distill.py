@@ -1,18 +1,25 @@
 """Distilling a fitted map through the frozen target (`fitting.distill`): the trained map builds the mapped
 handoff's cache, its loss has the right gradient and the gradient reaches the map alone, an exact map stays put,
-a noisy exact map recovers, both models come out untouched, and the result is deterministic and saves as any
-mapper."""
+a noisy exact map recovers (also at real Llama shapes, the rate chosen on the select split), both models come out
+untouched, the probes choose the rate and are the full run's first steps, timings stay outside the map, and the
+result is deterministic and saves as any mapper."""
 import copy
+import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import build_model, periodic_batch, tiny_config
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from pipeline.fitting.distill import (
+    PARTS,
+    Clock,
     DistillSettings,
+    chosen_rate,
     distill,
     epoch_batches,
     evaluate,
@@ -22,13 +29,23 @@ from pipeline.fitting.distill import (
     tensors_digest,
     trainable,
 )
-from pipeline.fitting.distill_rows import Batch, CacheRows, Splits, StoredOracle, oracle, oracle_bytes, with_oracles
+from pipeline.fitting.distill_rows import (
+    Batch,
+    CacheRows,
+    Splits,
+    StoredOracle,
+    batch_bytes,
+    oracle,
+    oracle_bytes,
+    with_oracles,
+)
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.cachefiles import ShardWriter, open_shard
+from pipeline.store.shapes import random_model, shape_config
 
 VOCAB = 97
 PERIODIC_VOCAB = 32  # the vocabulary `periodic_model` was trained on
@@ -36,7 +53,8 @@ PREFIX, HORIZON = 12, 3  # the prefix c[0..n-2] and the teacher-forced positions
 
 
 def settings(**overrides) -> DistillSettings:
-    values = dict(lr=1e-2, weight_decay=0.0, batch=16, epochs=25, patience=5, kv_weight=1.0, seed=0)
+    values = dict(lrs=(1e-2,), probe_steps=1, weight_decay=0.0, batch=16, epochs=25, patience=5, kv_weight=1.0,
+                  seed=0)
     return DistillSettings(**{**values, **overrides})
 
 
@@ -273,7 +291,7 @@ def random_runs(random_pair):
     before = [{name: t.clone() for name, t in model.state_dict().items()} for model in random_pair]
     start = random_mapper(source.config, target.config, k=1)
     splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
-    runs = [distill(start, splits, oracle_of(target), settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0))
+    runs = [distill(start, splits, oracle_of(target), settings(epochs=3, batch=8, lrs=(3e-3,), kv_weight=0.0))
             for _ in range(2)]
     return dict(runs=runs, weights_before=before)
 
@@ -312,7 +330,7 @@ def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_pe
     assert all(isinstance(group, StoredOracle) for group in groups)
     start = random_mapper(source.config, target.config, k=1)
     kept, history = distill(start, Splits([groups[0]], [groups[1]]), oracle_of(target),
-                            settings(epochs=3, batch=8, lr=3e-3, kv_weight=0.0))
+                            settings(epochs=3, batch=8, lrs=(3e-3,), kv_weight=0.0))
     computed, computed_history = random_runs["runs"][0]
     assert all(torch.equal(a, b) for a, b in zip(map_tensors(kept), map_tensors(computed), strict=True))
     assert history == computed_history
@@ -321,7 +339,8 @@ def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_pe
 def test_groups_beyond_the_oracle_budget_keep_no_oracle(random_pair):
     target, source = random_pair
     groups = [random_rows(source, 8, 16), random_rows(source, 9, 8)]
-    first_group = oracle_bytes(oracle(Handoff(target), groups[0].take([0]))) * len(groups[0])
+    first_row = groups[0].take([0])
+    first_group = (oracle_bytes(oracle(Handoff(target), first_row)) + batch_bytes(first_row)) * len(groups[0])
     assert with_oracles(groups, oracle_of(target), 8, 0) == groups
     first_only = with_oracles(groups, oracle_of(target), 8, first_group)
     assert isinstance(first_only[0], StoredOracle) and first_only[1] is groups[1]
@@ -363,3 +382,89 @@ def test_cache_rows_cut_from_stored_sequences_hold_the_sources_own_cache_of_each
         assert torch.allclose(keys, own_keys, atol=1e-5) and torch.allclose(values, own_values, atol=1e-5)
     with pytest.raises(ValueError, match="hold different sequences"):
         CacheRows(open_split_shards(tmp_path), [ids.tolist() for ids in sequences[:2]], 10, 3, (1, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def probed(random_pair):
+    """The random map distilled with a three-rate grid (probes of one epoch: 16 fit rows, 8 a step), a clock, and
+    each rate's own one-epoch run."""
+    target, source = random_pair
+    start = random_mapper(source.config, target.config, k=1)
+    splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
+    grid = dict(batch=8, kv_weight=0.0)
+    clock = Clock()
+    run = distill(start, splits, oracle_of(target),
+                  settings(lrs=(1e-5, 3e-3, 3.0), probe_steps=2, epochs=3, **grid), clock)
+    alone = {lr: distill(start, splits, oracle_of(target), settings(lrs=(lr,), epochs=1, patience=1, **grid))
+             for lr in (1e-5, 3e-3, 3.0)}
+    return dict(run=run, clock=clock, alone=alone, start=start, splits=splits)
+
+
+def test_each_probe_scores_the_full_runs_first_steps_at_its_rate(probed):
+    (mapper, _), alone = probed["run"], probed["alone"]
+    probes = mapper.distilled["probes"]
+    assert [row["lr"] for row in probes] == [1e-5, 3e-3, 3.0] and mapper.distilled["probe_steps"] == 2
+    for row in probes:  # a probe of one epoch's steps is the select KL after epoch 1 of a run at that rate alone
+        assert row["select_kl"] == alone[row["lr"]][1][1]["select_kl"]
+
+
+def test_the_rate_with_the_lowest_probe_select_kl_trains_the_full_run_bit_for_bit(probed, random_pair):
+    (mapper, history), probes = probed["run"], probed["run"][0].distilled["probes"]
+    best = min(probes, key=lambda row: row["select_kl"])
+    assert mapper.distilled["lr"] == best["lr"] and max(row["select_kl"] for row in probes) > best["select_kl"]
+    target, _ = random_pair
+    single, single_history = distill(probed["start"], probed["splits"], oracle_of(target),
+                                     settings(lrs=(best["lr"],), epochs=3, batch=8, kv_weight=0.0))
+    assert all(torch.equal(a, b) for a, b in zip(map_tensors(mapper), map_tensors(single), strict=True))
+    assert history == single_history and single.distilled["probes"] == [] and single.distilled["probe_steps"] == 0
+
+
+def test_a_diverged_probe_never_wins_and_a_tie_goes_to_the_first_rate_declared():
+    assert chosen_rate([{"lr": 1e-2, "select_kl": math.nan}, {"lr": 1e-3, "select_kl": 0.7},
+                        {"lr": 1e-4, "select_kl": 0.5}, {"lr": 1e-5, "select_kl": 0.5}]) == 1e-4
+
+
+def test_every_part_of_the_work_is_timed_and_no_timing_enters_the_map(probed, random_pair):
+    seconds = probed["clock"].seconds
+    assert set(seconds) == set(PARTS) and all(seconds[part] > 0 for part in PARTS)  # the rows keep no oracle
+    mapper = probed["run"][0]
+    facts = repr(mapper.distilled)
+    assert all(word not in facts for word in ("second", "time", "cost"))
+    again, _ = distill(probed["start"], probed["splits"], oracle_of(random_pair[0]),  # no clock: the same bytes
+                       settings(lrs=(1e-5, 3e-3, 3.0), probe_steps=2, epochs=3, batch=8, kv_weight=0.0))
+    assert again.extra == mapper.extra and all(torch.equal(a, b) for a, b in
+                                               zip(map_tensors(again), map_tensors(mapper), strict=True))
+
+
+BASE = Path(__file__).resolve().parents[1] / "conf" / "base.yaml"
+
+
+@pytest.mark.realshape
+@pytest.mark.xfail(strict=True, reason="issue 37, open: measured 5% recovered (select KL) within 8 epochs of 4 steps "
+                   "with the default grid; the default budget does not yet move a real-shaped map")
+def test_at_llama_shapes_the_rate_chosen_on_select_recovers_most_of_a_perturbed_exact_maps_kl():
+    """Llama-3.2-3B's exact config (vocabulary 128256, 24 heads, 8 KV heads x 128, llama3 RoPE) cut to 2 of its 28
+    layers, random weights in float32 (two CPU cores), handed its own cache by the exact k=1 map perturbed; the
+    default grid (conf/base.yaml's linear `distill.lrs` and `kv_weight`) with probes of 4 steps and 8 epochs must
+    win back at least half of the perturbation's select KL."""
+    config = shape_config("llama-3.2-3b")
+    config.num_hidden_layers = 2
+    model = frozen(random_model(config, "float32", "cpu", seed=0))
+    draw = lambda seed, rows: torch.randint(0, config.vocab_size, (rows, PREFIX + 1 + HORIZON),  # noqa: E731
+                                            generator=torch.Generator().manual_seed(seed))
+    fit, select = rows_of(model, draw(1, 32)), rows_of(model, draw(2, 16))
+    exact = exact_map(model)
+    width = exact.keys[0][0].shape[1]  # H_s * D_s = 1024 inputs per output: the noise keeps its sum's scale
+    start = with_noise(exact, 0.2 / width**0.5, seed=5)
+    base = yaml.safe_load(BASE.read_text())["distill"]
+    chosen = settings(lrs=tuple(base["lrs"]["linear"]), probe_steps=4, batch=8, epochs=8, patience=3,
+                      kv_weight=base["kv_weight"])
+    distilled, history = distill(start, Splits([fit], [select]), oracle_of(model), chosen)
+    floor = evaluate(trainable(exact, "cpu"), [select], Handoff(model), 8)["kl"]
+    facts = distilled.distilled
+    recovered = (facts["select_kl_start"] - facts["select_kl"]) / (facts["select_kl_start"] - floor)
+    print(f"probes {[(row['lr'], round(row['select_kl'], 5)) for row in facts['probes']]}, chosen {facts['lr']:g}; "
+          f"select KL exact {floor:.3g}, perturbed {facts['select_kl_start']:.4g}, distilled {facts['select_kl']:.4g} "
+          f"(epoch {facts['best_epoch']} of {facts['epochs']}): {recovered:.0%} recovered; "
+          f"curve {[round(row['select_kl'], 4) for row in history]}")
+    assert floor < 1e-4 and recovered >= 0.5

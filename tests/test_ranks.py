@@ -67,7 +67,8 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 TIMING = ("wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes", "source_prefill_s",
-          "time_vs_source_prefill", "extract_s", "forward_floor_s", "write_floor_s", "ratio_to_floor", "seconds")
+          "time_vs_source_prefill", "extract_s", "forward_floor_s", "write_floor_s", "ratio_to_floor", "seconds",
+          "cost_s")
 
 
 def _untimed(path: Path) -> dict:

@@ -13,17 +13,26 @@ values are. One batch holds rows of equal prefix length, under the last-token pr
 
 Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require
 grad, so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy
-of it and one batch's activations. Training stops early on the select rows' KL; the result is a `Mapper` of
-the start's family, so `save_mapper` and the handoff need nothing new. Bit-identical given the seed and the
+of it and one batch's activations. The learning rate is chosen on the select rows: each rate of the declared grid
+trains a fresh copy of the start for a short probe (the full run's first steps at that rate), and the rate whose
+probe scores the lowest select KL trains the full run. Training stops early on the select rows' KL; the result
+is a `Mapper` of the start's family, so `save_mapper` and the handoff need nothing new. Where the time goes
+(the oracle, the mapped step through the target, the map update, the select scoring) is added up in a `Clock`,
+outside the map's facts, so timings never change its bytes. Bit-identical given the seed and the
 thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
 CUBLAS_WORKSPACE_CONFIG set before torch starts).
 """
 from __future__ import annotations
 
 import hashlib
+import math
+import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Sequence
+
+from tqdm.auto import tqdm
 
 from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, in_order, oracle, stored, widened
 from pipeline.kv.families.registry import TRAINABLE
@@ -39,13 +48,36 @@ F = lazy("torch.nn.functional")
 
 @dataclass(frozen=True)
 class DistillSettings:
-    lr: float
+    lrs: tuple[float, ...]  # AdamW's learning rates tried; one rate is taken as it is, without a probe
+    probe_steps: int  # optimizer steps of each rate's probe, scored on the select rows
     weight_decay: float  # AdamW's decoupled decay, towards zero (not towards the start map)
     batch: int  # rows per optimizer step, and per forward when the select rows are scored
     epochs: int  # at most; fewer when the select KL stops falling
     patience: int  # epochs without a new lowest select KL before training stops
     kv_weight: float  # weight of the normalised key/value regression beside the KL; 0 turns it off
     seed: int
+
+
+PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")  # rows: reading the stored source caches
+
+
+class Clock:
+    """Seconds spent per part of the work (`PARTS`), added up over every call timed; on CUDA each part waits for
+    the device, so the time is the part's own."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter({part: 0.0 for part in PARTS})
+
+    @contextmanager
+    def timed(self, part: str, device) -> Iterator[None]:
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        sync()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.seconds[part] += time.perf_counter() - began
 
 
 class Losses(NamedTuple):
@@ -113,14 +145,27 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
     return Losses(kl.mean() + kv_weight * kv, kl, kv, agrees)
 
 
+def reference_of(rows: Rows, chosen: list[int], handoff: Handoff, clock: Clock) -> Oracle:
+    """The oracle of these rows: the kept one, or computed now (timed as the oracle)."""
+    kept = stored(rows, chosen)
+    if kept is not None:
+        return kept
+    with clock.timed("oracle", handoff.device):
+        return oracle(handoff, rows.take(chosen))
+
+
 @no_grad
-def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: int) -> dict:
+def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: int, clock: Clock | None = None
+             ) -> dict:
     """Mean KL(oracle || mapped) over every position of every group's rows, and the share of rows whose argmax at
     the handoff position is the oracle's (V0's next-token agreement)."""
+    clock = clock or Clock()
     kl_sum, positions, agreeing = 0.0, 0, 0
     for rows in groups:
         for chosen in in_order(len(rows), batch):
-            scored = losses(mapper, rows.take(chosen), handoff, 0.0, stored(rows, chosen))
+            reference = reference_of(rows, chosen, handoff, clock)
+            with clock.timed("select_scoring", handoff.device):
+                scored = losses(mapper, rows.take(chosen), handoff, 0.0, reference)
             kl_sum, positions = kl_sum + float(scored.kl.sum()), positions + scored.kl.numel()
             agreeing += int(scored.agrees.sum())
     return {"kl": kl_sum / positions, "agreement": agreeing / sum(len(rows) for rows in groups)}
@@ -169,49 +214,107 @@ def tensors_digest(mapper: Mapper) -> str:
     return hasher.hexdigest()
 
 
-def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings) -> tuple[Mapper, list[dict]]:
-    """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit`; keep the epoch
-    (0: the start itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype, and
-    per epoch its fit losses and select KL and agreement."""
+def fit_step(mapper: Mapper, optimizer, rows: Rows, chosen: list[int], handoff: Handoff, kv_weight: float,
+             clock: Clock) -> Losses:
+    """One optimizer step on these rows: the oracle (kept or computed), the mapped step forward and backward
+    through the frozen target, then the map's update."""
+    reference = reference_of(rows, chosen, handoff, clock)
+    with clock.timed("rows", handoff.device):
+        batch = rows.take(chosen)
+    with clock.timed("mapped_step", handoff.device):
+        step = losses(mapper, batch, handoff, kv_weight, reference)
+        step.total.backward()
+    with clock.timed("map_update", handoff.device):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def fit_steps(mapper: Mapper, optimizer, groups: Sequence[Rows], order: list[tuple[int, list[int]]],
+              handoff: Handoff, kv_weight: float, clock: Clock, bar) -> dict:
+    """The steps of `order` in turn; their mean fit losses. `bar` counts the rows."""
+    totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
+    for group, rows in order:
+        step = fit_step(mapper, optimizer, groups[group], rows, handoff, kv_weight, clock)
+        for name, value in (("fit_loss", step.total), ("fit_kl", step.kl.mean()), ("fit_kv", step.kv)):
+            totals[name] += float(value.detach())
+        bar.update(len(rows))
+    bar.close()
+    return {name: value / len(order) for name, value in totals.items()}
+
+
+def fresh(start: Mapper, handoff: Handoff, settings: DistillSettings, lr: float):
+    """A trainable copy of `start`, its AdamW at `lr`, and the row order's generator, on the CPU whatever the
+    device: every run from the start (a probe, the full run) sees the same rows in the same order."""
+    mapper = trainable(start, handoff.device)
+    optimizer = torch.optim.AdamW(map_tensors(mapper), lr=lr, weight_decay=settings.weight_decay)
+    return mapper, optimizer, torch.Generator().manual_seed(settings.seed)
+
+
+def probe(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, lr: float, clock: Clock,
+          label: str | None) -> float:
+    """The select KL after `settings.probe_steps` steps at `lr` from `start`: the full run's first steps at that
+    rate, epochs run together."""
+    mapper, optimizer, generator = fresh(start, handoff, settings, lr)
+    order = []
+    while len(order) < settings.probe_steps:
+        order += epoch_batches(batches.fit, settings.batch, generator)
+    order = order[: settings.probe_steps]
+    bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} probe lr={lr:g}", unit="row", leave=False,
+               disable=label is None)
+    fit_steps(mapper, optimizer, batches.fit, order, handoff, settings.kv_weight, clock, bar)
+    return evaluate(mapper, batches.select, handoff, settings.batch, clock)["kl"]
+
+
+def chosen_rate(probes: list[dict]) -> float:
+    """The rate of the lowest probe select KL (the first declared on a tie; a diverged, NaN probe never wins)."""
+    return min(probes, key=lambda row: math.inf if math.isnan(row["select_kl"]) else row["select_kl"])["lr"]
+
+
+def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, clock: Clock | None = None,
+            label: str | None = None) -> tuple[Mapper, list[dict]]:
+    """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit` at the rate of
+    `settings.lrs` whose probe scores the lowest select KL; keep the epoch (0: the start itself) with the lowest
+    select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold the chosen rate and every
+    probe's select KL), and per epoch its fit losses and select KL and agreement. `clock` adds up the time per
+    part; `label` names the map on the progress bars (None: no bars)."""
     check_frozen(handoff.target)
-    for name in ("batch", "epochs", "patience"):
+    for name in ("batch", "epochs", "patience", "probe_steps"):
         if getattr(settings, name) < 1:
             raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
+    if not settings.lrs:
+        raise ValueError("distillation setting lrs is empty: expected at least one learning rate")
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
         raise ValueError(f"distillation needs fit and select rows, got {counts[0]} and {counts[1]}")
+    clock = clock or Clock()
     with deterministic(settings.seed):
-        mapper = trainable(start, handoff.device)
+        probes = [{"lr": lr, "select_kl": probe(start, batches, handoff, settings, lr, clock, label)}
+                  for lr in settings.lrs] if len(settings.lrs) > 1 else []
+        lr = chosen_rate(probes) if probes else settings.lrs[0]
+        mapper, optimizer, generator = fresh(start, handoff, settings, lr)
         parameters = map_tensors(mapper)
-        optimizer = torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
-        generator = torch.Generator().manual_seed(settings.seed)  # the row order, on the CPU whatever the device
-        scored = evaluate(mapper, batches.select, handoff, settings.batch)
+        scored = evaluate(mapper, batches.select, handoff, settings.batch, clock)
         history = [{"epoch": 0, "select_kl": scored["kl"], "select_agreement": scored["agreement"]}]
         best_kl, best_epoch, best = scored["kl"], 0, [p.detach().clone() for p in parameters]
         steps = 0
         for epoch in range(1, settings.epochs + 1):
             order = epoch_batches(batches.fit, settings.batch, generator)
-            totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
-            for group, rows in order:
-                step = losses(mapper, batches.fit[group].take(rows), handoff, settings.kv_weight,
-                              stored(batches.fit[group], rows))
-                optimizer.zero_grad(set_to_none=True)
-                step.total.backward()
-                optimizer.step()
-                steps += 1
-                for name, value in (("fit_loss", step.total), ("fit_kl", step.kl.mean()), ("fit_kv", step.kv)):
-                    totals[name] += float(value.detach())
-            batches_seen = len(order)
-            scored = evaluate(mapper, batches.select, handoff, settings.batch)
-            history.append({"epoch": epoch, **{name: value / batches_seen for name, value in totals.items()},
-                            "select_kl": scored["kl"], "select_agreement": scored["agreement"]})
+            bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} epoch {epoch}/{settings.epochs}",
+                       unit="row", leave=False, disable=label is None, postfix={"select_kl": f"{scored['kl']:.4g}"})
+            fitted = fit_steps(mapper, optimizer, batches.fit, order, handoff, settings.kv_weight, clock, bar)
+            steps += len(order)
+            scored = evaluate(mapper, batches.select, handoff, settings.batch, clock)
+            history.append({"epoch": epoch, **fitted, "select_kl": scored["kl"],
+                            "select_agreement": scored["agreement"]})
             if scored["kl"] < best_kl:
                 best_kl, best_epoch, best = scored["kl"], epoch, [p.detach().clone() for p in parameters]
             elif epoch - best_epoch >= settings.patience:
                 break
     facts = {"start": {"family": start.family, "k": start.k, "lambda": start.ridge_lambda,
                        "tensors_sha256": tensors_digest(start)},
-             "kl_weight": 1.0, "kv_weight": settings.kv_weight, "lr": settings.lr,
+             "kl_weight": 1.0, "kv_weight": settings.kv_weight, "lr": lr, "lrs": list(settings.lrs),
+             "probe_steps": settings.probe_steps if probes else 0, "probes": probes,
              "weight_decay": settings.weight_decay, "batch": settings.batch, "seed": settings.seed, "steps": steps,
              "epochs": history[-1]["epoch"], "best_epoch": best_epoch, "select_kl_start": history[0]["select_kl"],
              "select_kl": best_kl}

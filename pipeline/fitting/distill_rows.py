@@ -110,14 +110,15 @@ def in_order(count: int, batch: int) -> list[list[int]]:
 
 
 class StoredOracle:
-    """A group's rows with the oracle of each row computed once (in batches of `batch` rows, in order) and kept:
-    the target is frozen, so its own prefill of a row is the same at every epoch and for every map distilled. A
-    row's oracle does not depend on the rows batched with it (checked bit for bit on the CPU), so the maps come out
-    as from an oracle computed per batch."""
+    """A group's rows read once into memory, with the oracle of each row computed once (in batches of `batch` rows,
+    in order) and kept: the target is frozen, so its own prefill of a row is the same at every epoch and for every
+    map distilled. A row's oracle does not depend on the rows batched with it (checked bit for bit on the CPU), so
+    the maps come out as from an oracle computed per batch; the rows in memory are the stored ones, so the maps come
+    out as from rows read per batch (on the tiny pair, reading them per batch took a tenth of the stage)."""
 
     def __init__(self, rows: Rows, handoff: Handoff, batch: int):
-        self.rows = rows
-        parts = [oracle(handoff, rows.take(chosen)) for chosen in in_order(len(rows), batch)]
+        self.rows = rows.take(list(range(len(rows))))  # a Batch: (N, P) prefixes, (N, H_s, P, D_s) caches
+        parts = [oracle(handoff, self.rows.take(chosen)) for chosen in in_order(len(rows), batch)]
         self.logprobs = torch.cat([part.logprobs for part in parts])  # (N, h + 1, V)
         layers = range(len(parts[0].content))
         self.content = [tuple(torch.cat([part.content[layer][kind] for part in parts]) for kind in (0, 1))
@@ -138,13 +139,18 @@ def oracle_bytes(reference: Oracle) -> int:
     return sum(t.numel() * t.element_size() for t in [reference.logprobs, *itertools.chain(*reference.content)])
 
 
+def batch_bytes(batch: Batch) -> int:
+    return sum(t.numel() * t.element_size() for t in [batch.prefix, batch.steps, *itertools.chain(*batch.source)])
+
+
 def with_oracles(groups: Sequence[Rows], handoff: Handoff, batch: int, budget_bytes: float) -> list[Rows]:
-    """Each group as a `StoredOracle` of the oracle `handoff` while the oracles kept so far fit `budget_bytes` (its
-    size from one row's oracle times its rows), the others as they are: their oracle is computed each time a batch
-    is seen."""
+    """Each group as a `StoredOracle` of the oracle `handoff` while the oracles and rows kept so far fit
+    `budget_bytes` (its size from one row's oracle and row times its rows), the others as they are: their rows are
+    read and their oracle computed each time a batch is seen."""
     kept, out = 0, []
     for group in groups:
-        size = oracle_bytes(oracle(handoff, group.take([0]))) * len(group) if len(group) else 0
+        first = group.take([0]) if len(group) else None
+        size = (oracle_bytes(oracle(handoff, first)) + batch_bytes(first)) * len(group) if len(group) else 0
         if size and kept + size <= budget_bytes:
             kept += size
             group = StoredOracle(group, handoff, batch)

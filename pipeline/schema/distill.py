@@ -14,29 +14,35 @@ class DistillParams(Params):
     start: Annotated[list[str], Field(min_length=1)]  # fit's map names (the candidates fit writes)
     context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
     horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position
-    lr: dict[str, PositiveFloat]  # AdamW's learning rate per map family (linear, head_matched, mlp)
+    # AdamW's learning rates tried per map family (linear, head_matched, mlp, ...): each for a probe of
+    # probe_steps steps, the lowest select KL trains the full run (one rate: taken as it is, no probe)
+    lrs: dict[str, Annotated[list[PositiveFloat], Field(min_length=1)]]
+    probe_steps: Positive
     weight_decay: Annotated[float, Field(ge=0)]
     kv_weight: Annotated[float, Field(ge=0)]  # the key/value regression beside the KL; 0 turns it off
     batch_size: Positive  # rows per optimizer step
     epochs: Positive  # at most
     patience: Positive  # epochs without a lower select KL before stopping
     seed: int
-    oracle_gib: Annotated[float, Field(ge=0)]  # the target's own prefill of each row kept across epochs and maps
+    oracle_gib: Annotated[float, Field(ge=0)]  # each row and the target's own prefill of it kept across epochs and maps
     threads: Threads
     processes: Processes  # each distilling every N-th map (at most one per map)
 
     @model_validator(mode="after")
     def _families(self) -> "DistillParams":
-        unknown = sorted(set(self.lr) - set(TRAINABLE))
+        unknown = sorted(set(self.lrs) - set(TRAINABLE))
         if unknown:
-            raise ParamError(f"distill.lr: unknown family {unknown[0]!r} (trainable: {', '.join(TRAINABLE)})")
+            raise ParamError(f"distill.lrs: unknown family {unknown[0]!r} (trainable: {', '.join(TRAINABLE)})")
+        for family, rates in self.lrs.items():
+            if len(set(rates)) < len(rates):
+                raise ParamError(f"distill.lrs.{family}: a rate is listed twice ({rates}); list each once")
         for name in self.start:
             try:
                 family = MapName.parse(name).family
             except ValueError as err:
                 raise ParamError(f"distill.start: {err}") from None
-            if family not in self.lr:
-                raise ParamError(f"distill.start: {name!r} is a {family} map but distill.lr has no {family} entry; "
+            if family not in self.lrs:
+                raise ParamError(f"distill.start: {name!r} is a {family} map but distill.lrs has no {family} entry; "
                                  "add one")
         if min(self.context_lengths) < 2:
             raise ParamError("distill.context_lengths: a context needs at least 2 tokens (a prefix and its last)")

@@ -1,6 +1,7 @@
 """The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
 
-Inputs: metrics/distill.json and its per-epoch curves (metrics/distill/<map>.csv), metrics/select.json (both
+Inputs: metrics/distill.json (per map the learning rate chosen on the select split and each probe's select KL;
+the stage's time per part) and its per-epoch curves (metrics/distill/<map>.csv), metrics/select.json (both
 maps scored on the select split: next-token top-1, agreement and rollout agreement with the oracle, mean KL),
 and, when the candidates study ran, both maps' task items on the eval part (eval/candidates/): retention and gap
 closure with their intervals, and the paired difference of task accuracy (after - before) with its bootstrap
@@ -79,7 +80,9 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
     rows = {}
     for name, facts in inputs.distill["maps"].items():
         start = facts["start"]
-        row = {"start": start, **{key: facts[key] for key in ("best_epoch", "epochs", "steps", "seconds")}}
+        row = {"start": start, **{key: facts[key] for key in ("best_epoch", "epochs", "steps", "seconds", "lr",
+                                                               "probe_steps", "select_kl_start", "select_kl")},
+               "probes": facts.get("probes", {})}  # none when the family's grid holds one rate
         for when, which in (("before", start), ("after", name)):
             scores = inputs.select.get("maps", {}).get(which, {})
             row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
@@ -101,6 +104,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                                           params.seed))
         rows[name] = row
     return {"rows": rows, "rows_fit": inputs.distill["rows_fit"], "rows_select": inputs.distill["rows_select"],
+            "cost_s": inputs.distill["cost_s"],
             "curves": {name: curve[["epoch", "select_kl", "select_agreement"]].to_dict(orient="list")
                        for name, curve in inputs.curves.items()}}
 
@@ -129,6 +133,7 @@ def lines(study: dict) -> list[str]:
                     [[name, r["start"], _arrow(r, "next_token_top1"), _arrow(r, "agreement"),
                       _arrow(r, "rollout_agreement"), _arrow(r, "mean_kl", percent=False),
                       f"{r['best_epoch']} / {r['epochs']}", f"{r['seconds']:.0f}"] for name, r in rows.items()])
+    out += probe_lines(rows)
     evaluated = {name: r for name, r in rows.items() if "tasks_diff" in r}
     if evaluated:
         out += ["", "On the eval part (the candidates study's items; task accuracy difference after − before over "
@@ -152,7 +157,39 @@ def lines(study: dict) -> list[str]:
               _difference(r, "eval_rollout_agreement"), _arrow(r, "eval_mean_kl", percent=False),
               _difference(r, "eval_mean_kl", scale=1, fmt="+.3f"), r["eval_prompts"]]
              for name, r in on_prompts.items()])
+    cost = study["cost_s"]
+    out += ["", f"Time, all maps and processes: the oracle {cost['oracle']:.0f} s, reading the rows "
+            f"{cost['rows']:.0f} s, the mapped step through the target (forward and backward) "
+            f"{cost['mapped_step']:.0f} s, the map's update {cost['map_update']:.0f} s, the select scoring "
+            f"{cost['select_scoring']:.0f} s."]
     out += ["", "![select KL per epoch](report/distillation.png)", ""]
+    return out
+
+
+def _kl(value: float | None) -> str:
+    return "diverged" if value is None else f"{value:.4f}"
+
+
+def probe_lines(rows: dict) -> list[str]:
+    """The learning rate each map chose on the select split (rate -> select KL after its probe, the chosen in bold),
+    and a sentence for each map no epoch of which beat its start."""
+    out = []
+    probed = {name: r for name, r in rows.items() if r["probes"]}
+    if probed:
+        steps = sorted({r["probe_steps"] for r in probed.values()})
+        out += ["", f"The learning rate was chosen on the select split: each rate of the family's grid "
+                f"(`distill.lrs`) trained the start map for {', '.join(map(str, steps))} steps, and the rate with the "
+                "lowest select KL trained the full run (select KL after each probe; the chosen rate in bold):", ""]
+        chosen = lambda r, rate: float(rate) == r["lr"]  # noqa: E731
+        out += md_table(["Map", "Select KL at the start", "Rate → select KL after the probe", "Chosen rate"],
+                        [[name, _kl(r["select_kl_start"]),
+                          " · ".join(f"**{rate}: {_kl(kl)}**" if chosen(r, rate) else f"{rate}: {_kl(kl)}"
+                                     for rate, kl in sorted(r["probes"].items(), key=lambda item: float(item[0]))),
+                          f"{r['lr']:g}"]
+                         for name, r in probed.items()])
+    kept = [name for name, r in rows.items() if r["best_epoch"] == 0]
+    if kept:
+        out += ["", *(f"{name}: distillation did not improve on the fitted map; the start was kept." for name in kept)]
     return out
 
 
