@@ -30,7 +30,8 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named a
 (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
 huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
     store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
-              processes (torchrun), split names, real shapes, model loading, sharded caches
+              processes (torchrun), split names, real shapes, the target's first layers as the source, model
+              loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the mapper families (kv/families/, one module each, and their registry), the FLOP model, mappers, the
               handoff (last-token protocol), decoding after it, scoring continuations after it, the pair (its models
@@ -50,8 +51,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 """
 
 WINGS = {
-    "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "models",
-              "cachefiles"),
+    "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "truncated",
+              "models", "cachefiles"),
     "kv": ("rope", "kvcache", "families", "contract", "flops", "mapper", "handoff", "decode", "scoring", "gate",
            "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),

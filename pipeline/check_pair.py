@@ -1,26 +1,35 @@
 """`python -m pipeline.check_pair SOURCE TARGET`: the architecture contract of a pair, before any GPU hour.
 
-SOURCE and TARGET are hub ids, local folders, or `shape:<name>` for a stored real config (pipeline/store/configs).
+SOURCE and TARGET are hub ids, local folders, or `shape:<name>` for a stored real config (pipeline/store/configs);
+SOURCE may be `self:<n>`, the target's own first n decoder layers.
 Only configs and tokenizers are read (a hub id fetches those files alone, no weights), so it answers in seconds;
 offline, a hub id that is not in the local cache is named as unreachable, and a path that is not there as no
 such folder. It prints both geometries and rotary settings, whether the tokenizers are identical (`unchecked`,
 with what the configs say, where a side has no tokenizer files), which handoff modes and mapper families are
-defined (and why not), the mapper sizes per family and k, and the FLOP bound of the handoff's time to first
-token at a few prompt lengths; it exits non-zero when the mapped handoff is refused. The ks, the lengths and
-the mlp width default to params.yaml's fit.ks, latency.lengths and fit.mlp.hidden; the run length a sliding
-window is checked against (--max-tokens) to the longest sequence params.yaml's profile feeds the models
-(`kv.contract.run_length`), or the models' position range without a params.yaml.
+defined (and why not), the mapper sizes per family and k, the FLOP bound of the handoff's time to first
+token at a few prompt lengths and the `self:<n>` source of the real source's prefill cost; it exits non-zero
+when the mapped handoff is refused. The ks, the lengths and the mlp width default to params.yaml's fit.ks,
+latency.lengths and fit.mlp.hidden; the run length a sliding window is checked against (--max-tokens) to the
+longest sequence params.yaml's profile feeds the models (`kv.contract.run_length`), or the models' position
+range without a params.yaml.
 """
 from __future__ import annotations
 
 from pipeline.kv.contract import Contract, ModelCard, pair_contract, run_length, which_pairs_work
 from pipeline.kv.families.registry import FAMILIES, FITTED
-from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, mapper_parameter_count, speedup_bound
+from pipeline.kv.flops import (
+    handoff_macs,
+    mapper_macs_per_token,
+    mapper_parameter_count,
+    matched_self_layers,
+    speedup_bound,
+)
 from pipeline.kv.rope import model_name
 from pipeline.store.cli import entry, parser
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, read_key
 from pipeline.store.shapes import shape_config
+from pipeline.store.truncated import self_layers, self_name, truncated_config
 from pipeline.studies.format import md_table
 
 SHAPE = "shape:"
@@ -41,6 +50,25 @@ def read(name: str):
         return config, load_tokenizer(name)
     except NoTokenizerError:  # a folder with a config alone: the contract says `unchecked`, never guesses
         return config, None
+
+
+def read_source(name: str, target: tuple):
+    """(config, tokenizer or None) of SOURCE: `self:<n>` is the target's (config, tokenizer) cut to n layers."""
+    layers = self_layers(name)
+    if layers is None:
+        return read(name)
+    return truncated_config(target[0], layers), target[1]
+
+
+def matched_self_lines(source_config, target_config, lengths: list[int]) -> list[str]:
+    """The `self:<n>` source whose prefill costs what the real source's does, per prompt length (kv.flops)."""
+    by_layers: dict[int, list[int]] = {}
+    for length in lengths:
+        by_layers.setdefault(matched_self_layers(source_config, target_config, length), []).append(length)
+    total = target_config.num_hidden_layers
+    return [f"{self_name(layers)} matches the source's prefill cost at {', '.join(map(str, at))} tokens (the "
+            f"target's first {layers} of {total} layers): the no-second-model baseline at equal cost"
+            for layers, at in by_layers.items()]
 
 
 def rotary_cell(card: ModelCard) -> str:
@@ -111,6 +139,8 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
                   "the target's prefill:", "",
                   *md_table(["prompt tokens", "source prefill", "map", "target step", "speedup bound"],
                             flop_rows(source_config, target_config, lengths))]
+        if self_layers(contract.source.name) is None:
+            lines += ["", *matched_self_lines(source_config, target_config, lengths)]
     return "\n".join(lines)
 
 
@@ -145,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     widths = {family: as_list(getattr(args, f"width_{family}") or (read_key(spec.width_param)
                                                                    if PARAMS_FILE.is_file() else None))
               for family, spec in FAMILIES.items() if spec.width_name}
-    (source_config, source_tokenizer), (target_config, target_tokenizer) = read(args.source), read(args.target)
+    target_config, target_tokenizer = read(args.target)
+    source_config, source_tokenizer = read_source(args.source, (target_config, target_tokenizer))
     # without a params.yaml the run is as long as the models allow
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))

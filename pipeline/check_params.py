@@ -70,18 +70,36 @@ class ParamsFile(Params):
 
     @model_validator(mode="after")
     def _trained_pair_is_declared(self) -> ParamsFile:
-        if self.models.kind == "trained" and (self.train.source is None or self.train.target is None):
-            raise ParamError("train.source and train.target: required when models.kind is 'trained'")
+        if self.models.kind != "trained":
+            return self
+        if self.train.target is None or (self.train.source is None and not self.models.self_layers):
+            raise ParamError("train.source and train.target: required when models.kind is 'trained' (train.target "
+                             "alone when models.source is self:<n>)")
+        return self
+
+    def _depth(self, side: str) -> int | None:
+        """A side's decoder layers where params alone tell it (a trained pair's settings, a stored shape; a self
+        source's n); None for a hub model, known once prepare_models fetched its config."""
+        if side == "source" and self.models.self_layers:
+            return self.models.self_layers
+        if self.models.kind == "trained":
+            return getattr(self.train, side).layers
+        if self.models.kind == "random":
+            return shape_config(getattr(self.models, side)).num_hidden_layers
+        return None
+
+    @model_validator(mode="after")
+    def _self_source_within_the_target(self) -> ParamsFile:
+        layers, depth = self.models.self_layers, self._depth("target")
+        if layers and depth is not None and layers >= depth:
+            raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {depth} decoder layers "
+                             f"({self.models.kind} {self.models.target}); use self:<n> with 1 <= n <= {depth - 1}")
         return self
 
     @model_validator(mode="after")
     def _ks_within_the_source(self) -> ParamsFile:
-        # the source's depth where params alone tell it; a hub model's is known once prepare_models fetched it
-        if self.models.kind == "trained":
-            layers = self.train.source.layers
-        elif self.models.kind == "random":
-            layers = shape_config(self.models.source).num_hidden_layers
-        else:
+        layers = self._depth("source")
+        if layers is None:
             return self
         for key, ks in (("fit.ks", self.fit.ks), ("fit.mlp.ks", self.fit.mlp.ks)):
             if max(ks, default=0) > layers:

@@ -10,7 +10,8 @@ after it) reruns exactly when an identity changes, and never otherwise:
   a changed checkpoint changes the hash, a moved one is refused by name when a later stage loads it;
 - kind `hub`, a hub id: the commit of `models.*_revision` (null: the current one), read from the local
   Hugging Face cache when the id is there (so it works offline), else asked from the hub;
-- kinds `trained` and `random`: nothing outside the repository, the names only.
+- kinds `trained` and `random`: nothing outside the repository, the names only;
+- a self source (`models.source: self:<n>`, any kind): the target's pin plus n.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def pin(name_or_path: str, revision: str | None) -> dict:
 def pins(models: ModelsParams) -> dict:
     if models.kind != "hub":
         return {"kind": models.kind, "source": models.source, "target": models.target}
+    if models.self_layers:
+        target = pin(models.target, models.target_revision)
+        return {"kind": "hub", "source": {"kind": "self", "layers": models.self_layers, "target": target},
+                "target": target}
     return {"kind": "hub", "source": pin(models.source, models.source_revision),
             "target": pin(models.target, models.target_revision)}
 

@@ -7,7 +7,10 @@
   (models/*/hub.json: id and commit; models/*/local.json: folder and content hash); the weights stay in the
   Hugging Face cache or the folder, and downstream stages load through the pointers;
 - `random` (real-shape smoke run): records the shape and seed (models/*/random.json); downstream stages
-  build randomly initialised models of that exact configuration.
+  build randomly initialised models of that exact configuration;
+- a self source (`models.source: self:<n>`, any kind): models/source is a pointer to models/target
+  (models/source/self.json: n), no weights; every stage loads it as the target's first n layers
+  (`store.models.truncate`), and a trained pair trains the target alone.
 
 Every kind ends with the pair's architecture contract (kv.contract), from configs and tokenizers: a pair for
 which the mapped handoff is undefined stops here, before any later stage loads a weight. Scoring the pair is
@@ -17,6 +20,7 @@ models.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -30,6 +34,7 @@ from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.shapes import shape_config
 from pipeline.store.splits import TASKS
+from pipeline.store.truncated import SELF_POINTER
 from pipeline.tiny.train import train_model
 
 pd = lazy("pandas")
@@ -37,14 +42,17 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 
-def train_pair(train: TrainParams) -> dict:
-    if train.source is None or train.target is None:
-        raise ParamError("train.source and train.target: required when models.kind is 'trained'")
+def train_pair(train: TrainParams, sides: tuple[str, ...] = ("source", "target")) -> dict:
+    """Train each of `sides` (the target alone for a self source) and save it with the tokenizer."""
+    configs = {"source": train.source, "target": train.target}
+    if any(configs[side] is None for side in sides):
+        raise ParamError(f"{' and '.join(f'train.{side}' for side in sides)}: required when models.kind is "
+                         f"'trained'")
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
     corpus = pd.read_parquet(paths.CORPUS)
     dev = {task: pd.read_parquet(paths.task_items(task, "dev")) for task in TASKS}
     stats = {}
-    for name, cfg in (("source", train.source), ("target", train.target)):
+    for name, cfg in ((side, configs[side]) for side in sides):
         model, stats[name] = train_model(cfg, tokenizer, corpus, dev, train.threads)
         with atomic_dir(paths.model(name)) as staging:
             model.save_pretrained(staging)
@@ -53,12 +61,23 @@ def train_pair(train: TrainParams) -> dict:
     return stats
 
 
+def point_at_target(layers: int) -> None:
+    """models/source as the target's own first `layers` decoder layers: self.json, pointing at models/target
+    beside it (a relative path, so the folder can move with the repository); no weights, no tokenizer."""
+    target = os.path.relpath(paths.model("target"), paths.model("source"))
+    with atomic_dir(paths.model("source")) as staging:
+        write_json_atomic(staging / SELF_POINTER, {"layers": layers, "target": target})
+
+
 def point_at_pinned_pair(pins_file: Path) -> None:
-    """Write each side's pointer from the identities pin_models pinned: hub.json (id, commit) or local.json
-    (folder, content hash); downstream stages load through them."""
+    """Write each side's pointer from the identities pin_models pinned: hub.json (id, commit), local.json
+    (folder, content hash) or, for a self source, self.json; downstream stages load through them."""
     pins = json.loads(pins_file.read_text())
-    for name in ("source", "target"):
+    for name in ("target", "source"):
         pinned = dict(pins[name])
+        if pinned["kind"] == "self":
+            point_at_target(pinned["layers"])
+            continue
         with atomic_dir(paths.model(name)) as staging:
             write_json_atomic(staging / f"{pinned.pop('kind')}.json", pinned)
 
@@ -66,6 +85,8 @@ def point_at_pinned_pair(pins_file: Path) -> None:
 def record_random_pair(models: ModelsParams, seed: int) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
     for offset, (name, shape) in enumerate((("source", models.source), ("target", models.target))):
+        if name == "source" and models.self_layers:
+            continue  # pointed at the target below, once it is recorded
         config = shape_config(shape)  # fails here, naming the shape, if it does not exist
         if len(tokenizer) > config.vocab_size:
             raise ParamError(f"models.{name}: a tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} "
@@ -73,6 +94,8 @@ def record_random_pair(models: ModelsParams, seed: int) -> None:
         with atomic_dir(paths.model(name)) as staging:
             write_json_atomic(staging / "random.json", {"shape": shape, "seed": seed + offset})
             tokenizer.save_pretrained(staging)
+    if models.self_layers:
+        point_at_target(models.self_layers)
 
 
 def check_contract() -> dict:
@@ -93,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(train.threads)
     started = time.perf_counter()
     if models.kind == "trained":
-        train_pair(train)
+        train_pair(train, ("target",) if models.self_layers else ("source", "target"))
+        if models.self_layers:
+            point_at_target(models.self_layers)
     elif models.kind == "hub":
         point_at_pinned_pair(paths.PINS)
     else:

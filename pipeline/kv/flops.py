@@ -74,6 +74,15 @@ def target_prefill_macs(target_config, length: int) -> int:
     )
 
 
+def matched_self_layers(source_config, target_config, length: int) -> int:
+    """The n of the `self:<n>` source (the target's first n decoder layers) whose prefill of a `length`-token
+    prompt costs the real source's multiply-adds, the nearest in 1..L-1: the target's linear layers and its
+    attention are both per layer, so its first n layers cost n/L of its body."""
+    source = handoff_macs(source_config, target_config, 0, length)["source"]
+    per_layer = handoff_macs(target_config, target_config, 0, length)["source"] / target_config.num_hidden_layers
+    return min(max(round(source / per_layer), 1), target_config.num_hidden_layers - 1)
+
+
 def handoff_macs(source_config, target_config, mapper_macs_per_token: int, length: int) -> dict[str, int]:
     """Multiply-adds of the handoff's three parts for a prompt of `length` tokens."""
     prefix = length - 1

@@ -7,7 +7,9 @@ models and every handoff from it, the `source` mode (the source model alone) amo
 one from its model args; `Pair.of` wraps models already in memory (random real-shape models, a caller's own).
 Configs, tokenizers and the contract are read at once, so a refused pair or mode costs no weight loading; each
 model's weights are loaded on first use and then shared by every handoff built from the pair (a stage that scores
-many mappers loads the models once).
+many mappers loads the models once). A self source (`self:<n>` or a prepared folder pointing at the target,
+`store.models.self_source`) is the pair's own target truncated: its layers are the target's, shared, not loaded
+again.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
 from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.store import paths
-from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer
+from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, self_source
 from pipeline.store.splits import TASKS
+from pipeline.store.truncated import truncate
 
 
 class Pair:
@@ -36,11 +39,14 @@ class Pair:
         self.sides = {"target": (target, target_revision), "source": (source, source_revision)}  # name, revision
         self.dtype, self.device, self.device_map = dtype, device, device_map
         self.target_tokenizer = load_tokenizer(target, target_revision)
-        self.source_tokenizer = load_tokenizer(source, source_revision) if source else None
+        beside = {"target": target, "target_revision": target_revision}  # what a self source is cut from
+        self.source_tokenizer = load_tokenizer(source, source_revision, **beside) if source else None
+        cut = self_source(source, **beside) if source else None
+        self.self_layers = cut[0] if cut else None  # n of a self source, else None
         self.max_tokens = max_tokens
         # the contract, from configs and tokenizers: a refused pair costs no weight loading
         self.contract = pair_contract(load_config(target, target_revision),
-                                      load_config(source, source_revision) if source else None,
+                                      load_config(source, source_revision, **beside) if source else None,
                                       self.target_tokenizer, self.source_tokenizer, max_tokens)
 
     @classmethod
@@ -59,6 +65,7 @@ class Pair:
                       "source": (None if source is None else source.config._name_or_path, None)}
         pair.dtype, pair.device, pair.device_map = target.dtype, target.device, None
         pair.target_tokenizer = pair.source_tokenizer = None
+        pair.self_layers = None
         pair.max_tokens = max_tokens
         pair.contract = pair_contract(target.config, None if source is None else source.config,
                                       max_tokens=max_tokens)
@@ -93,6 +100,8 @@ class Pair:
     def source(self):
         if not self.has_source:
             raise ValueError(f"the pair of target {self.sides['target'][0]!r} has no source model")
+        if self.self_layers is not None:  # the target's own first layers, sharing its weights
+            return truncate(self.target, self.self_layers)
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,

@@ -6,6 +6,11 @@ instead of minutes of retries. A name that looks like a path (`looks_like_path`)
 Every config and checkpoint is read through `model_folder`, which refuses in one sentence naming the folder a
 config.json transformers cannot build (missing, not JSON, no or an unknown model_type, remote code); a folder
 without tokenizer files has no tokenizer (transformers 5 would make up a stand-in of a few tokens).
+
+`self:<n>` names the target's own first n decoder layers as the source (`store.truncated`). A prepared source
+folder holds it as a pointer (self.json: n and the prepared target beside it), so every stage that loads
+models/source gets it with no extra weights on disk; the bare name needs its target (`load_*(..., target=...)`,
+which `kv.pair.Pair` passes).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pipeline.store.devices import default_device, parse_dtype
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Dtype, ParamError, Params
 from pipeline.store.shapes import random_model, shape_config
+from pipeline.store.truncated import SELF_POINTER, self_layers, truncate, truncated_config
 
 transformers = lazy("transformers")
 configuration_auto = lazy("transformers.models.auto.configuration_auto")
@@ -50,8 +56,9 @@ class ModelsParams(Params):
     kind `trained`: the tiny pair trained by prepare_models (source/target are unused names);
     kind `hub`: hub ids (revisions pinned by pin_models, offline when the id is in the local cache) or local
     checkpoint folders (pinned by path and content hash); kind `random`: shape names in pipeline/store/configs.
+    With any kind, `source: self:<n>` is the target's own first n layers (no second model).
     Downstream stages always load `models/source` and `models/target`, which for `hub` and `random` hold
-    a pointer file (hub.json / local.json / random.json) instead of weights.
+    a pointer file (hub.json / local.json / random.json) instead of weights, and for a self source self.json.
     """
 
     kind: Literal["trained", "hub", "random"]
@@ -71,6 +78,19 @@ class ModelsParams(Params):
             raise ParamError(f"models.device_map: {self.device_map!r} needs a checkpoint, and a random model of a "
                              f"stored shape has none; set models.device_map: null")
         return self
+
+    @model_validator(mode="after")
+    def _self_source_is_well_formed(self) -> ModelsParams:
+        self_layers(self.source)  # refuses a malformed self:<n>; n against the target's depth: check_params
+        if self_layers(self.target) is not None:
+            raise ParamError(f"models.target: {self.target!r}; self:<n> names a source cut from the target, so "
+                             f"it belongs in models.source")
+        return self
+
+    @property
+    def self_layers(self) -> int | None:
+        """n when the source is `self:<n>`, else None."""
+        return self_layers(self.source)
 
     @property
     def torch_device(self) -> str:
@@ -174,9 +194,10 @@ def folder_digest(folder: str | Path) -> str:
 
 
 def read_pointer(folder: str | Path) -> dict | None:
-    """The pointer a prepared model folder holds instead of weights (hub.json, local.json or random.json), if
-    any; a local checkpoint's pointer is followed to its folder, which must still be there."""
-    for name in ("hub.json", "local.json", "random.json"):
+    """The pointer a prepared model folder holds instead of weights (hub.json, local.json, random.json or
+    self.json), if any; a local checkpoint's pointer is followed to its folder, which must still be there, and a
+    self source's to the prepared target beside it (its `target`, made a path)."""
+    for name in ("hub.json", "local.json", "random.json", SELF_POINTER):
         path = Path(folder) / name
         if path.is_file():
             pointer = {"kind": name.split(".")[0], **json.loads(path.read_text())}
@@ -184,6 +205,8 @@ def read_pointer(folder: str | Path) -> dict | None:
                 raise ModelNotAvailableError(
                     f"model folder {pointer['path']} (pinned in {path}) is gone or has moved; point models.source / "
                     f"models.target at its new place and run `dvc repro`")
+            if pointer["kind"] == "self":
+                pointer["target"] = str(Path(folder) / pointer["target"])
             return pointer
     return None
 
@@ -199,8 +222,31 @@ def follow(name_or_path: str, revision: str | None) -> tuple[str, str | None, di
     return name_or_path, revision, pointer
 
 
-def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None, device_map=None):
-    """A causal LM in eval mode: on `device`, or with `device_map` spread by accelerate over the devices."""
+def self_source(name_or_path: str, target: str | None = None,
+                target_revision: str | None = None) -> tuple[int, str, str | None] | None:
+    """(n, target, its revision) when `name_or_path` is a self source: a prepared folder's self.json (its target
+    the prepared one beside it) or the name `self:<n>` (its target `target`, which it then needs); else None."""
+    layers = self_layers(name_or_path)
+    if layers is not None:
+        if target is None:
+            raise ParamError(f"models.source: {name_or_path!r} is the target's first {layers} layers, and no target "
+                             f"was given; name the target too (models.target, check_pair's TARGET)")
+        return layers, target, target_revision
+    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
+    if pointer and pointer["kind"] == "self":
+        return pointer["layers"], pointer["target"], None
+    return None
+
+
+def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None, device_map=None,
+               target: str | None = None, target_revision: str | None = None):
+    """A causal LM in eval mode: on `device`, or with `device_map` spread by accelerate over the devices. A self
+    source (`self_source`; the bare name with its `target`) is its target loaded and truncated: the deeper
+    layers are freed with the target object."""
+    cut = self_source(name_or_path, target, target_revision)
+    if cut:
+        layers, target, target_revision = cut
+        return truncate(load_model(target, target_revision, dtype, device, device_map), layers)
     name, revision, random = follow(name_or_path, revision)
     if random and device_map:
         raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
@@ -257,8 +303,13 @@ def model_folder(name: str, revision: str | None = None, config_only: bool = Fal
     return folder
 
 
-def load_config(name_or_path: str, revision: str | None = None):
-    """A model's config alone (no weights): what the architecture contract reads before anything is loaded."""
+def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,
+                target_revision: str | None = None):
+    """A model's config alone (no weights): what the architecture contract reads before anything is loaded (a
+    self source's: its target's, truncated)."""
+    cut = self_source(name_or_path, target, target_revision)
+    if cut:
+        return truncated_config(load_config(cut[1], cut[2]), cut[0])
     name, revision, random = follow(name_or_path, revision)
     if random:
         config = shape_config(random["shape"])
@@ -282,9 +333,13 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_FILES)
 
 
-def load_tokenizer(name_or_path: str, revision: str | None = None):
-    """A model's tokenizer; a hub id fetches its config and tokenizer files only, never the weights. A folder
-    without tokenizer files is refused (NoTokenizerError), never given a stand-in tokenizer."""
+def load_tokenizer(name_or_path: str, revision: str | None = None, target: str | None = None,
+                   target_revision: str | None = None):
+    """A model's tokenizer (a self source's: its target's); a hub id fetches its config and tokenizer files only,
+    never the weights. A folder without tokenizer files is refused (NoTokenizerError), never given a stand-in."""
+    cut = self_source(name_or_path, target, target_revision)
+    if cut:
+        return load_tokenizer(cut[1], cut[2])
     name, revision, _ = follow(name_or_path, revision)
     folder = resolve(name, revision, config_only=True)
     if not has_tokenizer_files(folder):

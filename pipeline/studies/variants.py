@@ -26,6 +26,7 @@ from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.store.models import read_pointer
 from pipeline.store.splits import ITEM_KINDS, TASKS
+from pipeline.store.truncated import self_layers, self_name
 from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
 from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.settings import ReportParams
@@ -83,13 +84,22 @@ def label(variant: str) -> str:
 
 def pair_names(models: str = "models") -> tuple[str, str]:
     """What each side of the pair that ran is: its hub id, its local folder, `shape:<name>` for random weights
-    of a stored shape, or the prepared folder itself (the trained tiny pair), from the pointers under models/."""
+    of a stored shape, `self:<n>` for the target's own first n layers, or the prepared folder itself (the trained
+    tiny pair), from the pointers under models/."""
     names = []
     for side in ("source", "target"):
         pointer = read_pointer(f"{models}/{side}") or {"kind": "trained"}
-        names.append({"hub": pointer.get("id"), "local": pointer.get("path"),
-                      "random": f"shape:{pointer.get('shape')}"}.get(pointer["kind"], f"{models}/{side}"))
+        names.append({"hub": pointer.get("id"), "local": pointer.get("path"), "random": f"shape:{pointer.get('shape')}",
+                      "self": self_name(pointer.get("layers", 0))}.get(pointer["kind"], f"{models}/{side}"))
     return names[0], names[1]
+
+
+def model_phrase(name: str) -> str:
+    """How the report names a model: in backticks, or a self source as the target's first n layers."""
+    layers = self_layers(name)
+    if layers is None:
+        return f"`{name}`"
+    return f"the target's first {'layer' if layers == 1 else f'{layers} layers'} (`{name}`)"
 
 
 def load(names: list[str], calibration_sizes: list[int]) -> Run:
@@ -205,7 +215,8 @@ def lines(report: dict, context: dict) -> list[str]:
     generated = context["data_kind"] == "generated"
     hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if generated else ("HellaSwag", "PIQA")
     out = [f"# KV handoff report — profile `{profile}`", "",
-           f"Source `{context['source']}` → target `{context['target']}`; {context['dtype']} on {context['device']}. "
+           f"Source {model_phrase(context['source'])} → target `{context['target']}`; {context['dtype']} on "
+           f"{context['device']}. "
            f"Task metric for retention: `{report['retention_metric']}`, zero-shot, eval part only.", ""]
     if generated:
         out += ["Tasks: the tiny world's HellaSwag-shaped and PIQA-shaped items (`pipeline/tiny/world.py`), scored by "
@@ -226,7 +237,7 @@ def lines(report: dict, context: dict) -> list[str]:
     reference = ("V0 reference: perplexity / next-token top-1 / HellaSwag / PIQA as published (V0's own data; "
                  "comparable only as ratios — deltas shown)." if v0 else
                  f"V0's published figures are for `{V0_PAIR[0]}` → `{V0_PAIR[1]}`; this run's pair is "
-                 f"`{context['pair'][0]}` → `{context['pair'][1]}`, so they are not shown.")
+                 f"{model_phrase(context['pair'][0])} → `{context['pair'][1]}`, so they are not shown.")
     out += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. {reference} "
             f"Retention is measured from chance; the gap closure, (variant − source alone) / (oracle − source alone), "
             f"from the source model alone: 0 means the handoff buys nothing over running the small model.", ""]
