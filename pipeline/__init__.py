@@ -61,7 +61,7 @@ WINGS = {
                 "selective"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "prepare_models", "score_models", "extract", "fit", "distill", "select", "controls",
-               "evaluate", "candidates", "selective", "calibrate", "length", "latency"),
+               "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
 }
 
 STAGES = {
