@@ -8,6 +8,7 @@ from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_boun
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.repair import Repair, RepairError
+from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.shapes import pair_configs
 
 VOCAB, LAYERS = 97, 3
@@ -171,3 +172,12 @@ def test_the_speedup_bound_with_a_repair_is_lower_and_none_leaves_it_as_it_was()
     plain = speedup_bound(source, target, per_token, 1024)
     assert speedup_bound(source, target, per_token, 1024, Repair()) == plain
     assert speedup_bound(source, target, per_token, 1024, Repair(sink=4, tokens=0.1, select_by="attention")) < plain
+
+
+def test_the_lm_eval_face_takes_a_repair_and_refuses_a_malformed_one_before_loading(tiny_pair):
+    with pytest.raises(RepairError, match="bad part 'sink:x'"):
+        KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:x",
+                               device="cpu")
+    lm = KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:2",
+                                device="cpu")
+    assert lm.handoff.repair == Repair(sink=2)
