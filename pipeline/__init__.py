@@ -33,8 +33,9 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               processes (torchrun), split names, real shapes, the target's first layers as the source, model
               loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
-              the mapper families (kv/families/, one module each, and their registry), the FLOP model, mappers, the
-              handoff (last-token protocol), decoding after it, scoring continuations after it, the pair (its models
+              the mapper families (kv/families/, one module each, and their registry), the repair (the target
+              recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
+              decoding after it, scoring continuations after it, the pair (its models
               loaded once, its handoffs)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target
@@ -53,15 +54,15 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "truncated",
               "models", "cachefiles"),
-    "kv": ("rope", "kvcache", "families", "contract", "flops", "mapper", "handoff", "decode", "scoring", "gate",
-           "pair"),
+    "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
+           "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("stats", "tasks", "retention", "gating", "taskeval", "compare", "timing", "latency"),
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "prepare_models", "score_models", "extract", "fit", "distill", "select", "controls",
-               "evaluate", "candidates", "selective", "calibrate", "length", "latency"),
+               "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
 }
 
 STAGES = {

@@ -22,8 +22,10 @@ from pipeline.kv.flops import (
     mapper_macs_per_token,
     mapper_parameter_count,
     matched_self_layers,
+    repair_budget,
     speedup_bound,
 )
+from pipeline.kv.repair import Repair
 from pipeline.kv.rope import model_name
 from pipeline.store.cli import entry, parser
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
@@ -116,8 +118,20 @@ def flop_rows(source_config, target_config, lengths: list[int]) -> list:
     return rows
 
 
+def repair_rows(source_config, target_config, lengths: list[int], repairs: list[str]) -> list:
+    """Per repair setting (`kv.repair`): its budget and the linear k=1 handoff's bound with it, at each length."""
+    per_token = mapper_macs_per_token(source_config, target_config, 1, "linear")
+    rows = []
+    for text in repairs:
+        repair = Repair.parse(text)
+        rows.append([str(repair), *(f"{repair_budget(target_config, repair, length):.1%} / "
+                                    f"{speedup_bound(source_config, target_config, per_token, length, repair):.2f}x"
+                                    for length in lengths)])
+    return rows
+
+
 def report(contract: Contract, source_config, target_config, ks: list[int], lengths: list[int],
-           widths: dict[str, list[int]]) -> str:
+           widths: dict[str, list[int]], repairs: list[str] | None = None) -> str:
     note = f" ({contract.tokenizer_note})" if contract.tokenizer_note else ""
     lines = [f"# {contract.source.name} -> {contract.target.name}", "",
              *md_table(["", "source", "target"], model_rows(contract)), "",
@@ -141,6 +155,10 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
                             flop_rows(source_config, target_config, lengths))]
         if self_layers(contract.source.name) is None:
             lines += ["", *matched_self_lines(source_config, target_config, lengths)]
+        if repairs:
+            lines += ["", "With a repair (kv.repair): its budget (of the target's prefill) / the speedup bound:", "",
+                      *md_table(["repair", *(f"{length} tokens" for length in lengths)],
+                                repair_rows(source_config, target_config, lengths, repairs))]
     return "\n".join(lines)
 
 
@@ -161,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
             cli.add_argument(f"--{family.replace('_', '-')}-{spec.width_name}", type=int, nargs="+",
                              dest=f"width_{family}", help=f"the {family} family's {spec.width_name} "
                              f"(default: {spec.width_param})")
+    cli.add_argument("--repairs", nargs="+", help="repair settings to bound, e.g. sink:4+tokens:0.1:attention "
+                     "(default: repair.grid of params.yaml, when there is one)")
     cli.add_argument("--max-tokens", type=int, help="the run's longest sequence, against which a sliding window "
                      "is checked (default: kv.contract.run_length of params.yaml; without one, the position range)")
     args = cli.parse_args(argv)
@@ -181,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
-    print(report(contract, source_config, target_config, ks, lengths, widths))
+    repairs = args.repairs or (read_key("repair.grid") if PARAMS_FILE.is_file() else [])
+    print(report(contract, source_config, target_config, ks, lengths, widths, repairs))
     contract.require("mapped")
 
 

@@ -30,6 +30,7 @@ from pipeline.schema.latency import LatencyParams
 from pipeline.schema.length import LengthParams
 from pipeline.schema.prepare_data import DataParams
 from pipeline.schema.prepare_models import TrainParams
+from pipeline.schema.repair import RepairParams
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.schema.select import SelectParams
 from pipeline.schema.selective import SelectiveParams
@@ -62,6 +63,7 @@ class ParamsFile(Params):
     evaluate: EvaluateParams
     candidates: CandidatesParams
     selective: SelectiveParams
+    repair: RepairParams
     calibration: CalibrationParams
     report: ReportParams
     length: LengthParams
@@ -150,6 +152,7 @@ class ParamsFile(Params):
         named = [(f"evaluate.mapped.{variant}", path) for variant, path in self.evaluate.mapped.items()]
         named += [(f"selective.maps.{name}", path) for name, path in self.selective.maps.items()]
         named += [("selective.disagree", path) for path in self.selective.disagree]
+        named += [(f"repair.maps.{name}", path) for name, path in self.repair.maps.items()]
         for key, path in [*named, ("latency.mapper", self.latency.mapper)]:
             if path not in produced:
                 raise ParamError(f"{key}: {path} is not written by fit, distill or select "

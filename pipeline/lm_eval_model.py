@@ -8,6 +8,7 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
     fallback=entropy|kl|disagree  threshold=<float>  disagree=<k=1 mapper file>:<k=max mapper file>
+    repair=<kv.repair setting, e.g. sink:4+tokens:0.1:attention: the target recomputes part of the cache>
 
 With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step and falls back to the
 target's own prefill where its score exceeds `threshold`; `routes` keeps each context's score and way.
@@ -46,6 +47,7 @@ from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate, map_pair
 from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.store.models import default_device
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
@@ -88,11 +90,13 @@ class KVTransferLM(TemplateLM):
         fallback: str | None = None,
         threshold: float | str | None = None,
         disagree: str | None = None,
+        repair: str | None = None,
         **unknown,
     ) -> "KVTransferLM":
         """The model lm-eval's model args name (the module docstring lists them): the pair, then its handoff."""
         if unknown:
             raise TypeError(f"kv-transfer: unknown model args {sorted(unknown)}")
+        setting = Repair.parse(repair) if repair is not None else None  # a malformed one before any loading
         ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
         device = ranks.device(device or default_device())
         # a given max_length is the run the contract judges a sliding window against; without one, as in the
@@ -100,7 +104,7 @@ class KVTransferLM(TemplateLM):
         pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
                     target_revision=target_revision, source_revision=source_revision,
                     max_tokens=int(max_length) if max_length else None)
-        handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed))
+        handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed), repair=setting)
         gate = gate_from_args(pair, handoff, fallback, threshold, disagree)
         return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks, gate)
 

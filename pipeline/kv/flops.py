@@ -11,6 +11,17 @@ none). Norms, RoPE and activations are elementwise and left out: under 1% at the
                      target step c[n-1] over n-1 cached    1 token + 1 logit row
 
 The bound is the ratio of the two totals: what the handoff could gain if time were proportional to work.
+
+A repair (`kv.repair`) adds, over the prefix of P = n-1 tokens (`repair_macs`):
+
+    exact_layers m    layers 0..m-2 in full over P tokens, layer m-1's K/V projections over P tokens
+    sink s            s tokens through every layer, attention over themselves
+    tokens rho        round(rho (P - s)) tokens through every layer, each attending over the whole prefix (the 4D
+                      mask's dense reads: P + chosen keys, an upper bound on the causal count)
+    selection         deviation: layer 0's K/V projections over P tokens (free when m >= 1); attention: one more
+                      step of one token over the prefix, and its scores (one more q.k per layer); recency: none
+
+Its budget is that count over the target's prefill of the same prompt (`repair_budget`): 0 is the mapped cache.
 """
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ import math
 from pipeline.kv.families.base import Geometry
 from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.repair import Repair
 
 
 def linear_macs_per_token(config) -> int:
@@ -95,8 +107,44 @@ def handoff_macs(source_config, target_config, mapper_macs_per_token: int, lengt
     }
 
 
-def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int) -> float:
+def kv_projection_macs_per_token(config) -> int:
+    """Multiply-adds per token of one layer's K and V projections."""
+    return 2 * config.hidden_size * config.num_key_value_heads * kv_geometry(config)["head_dim"]
+
+
+def repair_macs(target_config, repair: Repair, length: int) -> dict[str, int]:
+    """Multiply-adds of a repair's parts for a prompt of `length` tokens (its prefix: length - 1)."""
+    prefix, layers = length - 1, target_config.num_hidden_layers
+    per_layer = linear_macs_per_token(target_config) // layers  # one layer's linear work per token
+    read = 2 * target_config.num_attention_heads * kv_geometry(target_config)["head_dim"]  # q.k and values, per key
+    exact = repair.exact_layers
+    sink = min(repair.sink, prefix)
+    chosen = repair.chosen(prefix)
+    selection = 0
+    if repair.tokens and repair.select_by == "deviation" and not exact:
+        selection = prefix * kv_projection_macs_per_token(target_config)
+    elif repair.tokens and repair.select_by == "attention":
+        selection = linear_macs_per_token(target_config) + read * layers * (prefix + 1) * 3 // 2
+    return {
+        "exact_layers": 0 if not exact else (exact - 1) * (prefix * per_layer + attention_macs(
+            target_config, 0, prefix) // layers) + prefix * kv_projection_macs_per_token(target_config),
+        "sink": sink * linear_macs_per_token(target_config) + attention_macs(target_config, 0, sink),
+        "tokens": chosen * linear_macs_per_token(target_config) + chosen * (prefix + chosen) * read * layers,
+        "selection": selection,
+    }
+
+
+def repair_budget(target_config, repair: Repair, length: int) -> float:
+    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt."""
+    return sum(repair_macs(target_config, repair, length).values()) / target_prefill_macs(target_config, length)
+
+
+def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int,
+                  repair: Repair | None = None) -> float:
+    """Target prefill over the handoff (with `repair`'s multiply-adds when given)."""
     if length < 2:
         raise ValueError(f"prompt length {length}: the handoff needs at least 2 tokens (a prefix and the last)")
     handoff = sum(handoff_macs(source_config, target_config, mapper_macs_per_token, length).values())
+    if repair is not None:
+        handoff += sum(repair_macs(target_config, repair, length).values())
     return target_prefill_macs(target_config, length) / handoff

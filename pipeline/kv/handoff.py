@@ -13,10 +13,13 @@ token order permuted by a seeded permutation in content space, before the target
 """
 from __future__ import annotations
 
+import time
+
 from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
 from pipeline.kv.mapper import Mapper
+from pipeline.kv.repair import Repair, RepairCount, repair_cache
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -45,11 +48,13 @@ class Handoff:
     """Builds the target's prefix cache in one of MODES and scores tokens after it."""
 
     def __init__(self, target, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
-                 tokenizers: tuple | None = None, max_tokens: int | None = None):
-        """`tokenizers`: (source, target) tokenizers, compared by the contract when given (otherwise only the
-        vocabulary sizes can be); `max_tokens`: the longest sequence this handoff will see (a sliding window
-        shorter than it is refused now); without it a pair with a sliding window is accepted and every sequence
-        longer than the window is refused when it comes (`check_length`)."""
+                 tokenizers: tuple | None = None, max_tokens: int | None = None, repair: Repair | None = None):
+        """`repair`: a setting (`kv.repair`) the target applies to every prefix cache of a source mode or `zero`
+        before its first step (refused for `oracle`, which has nothing to repair); `tokenizers`: (source,
+        target) tokenizers, compared by the contract when given (otherwise only the vocabulary sizes can be);
+        `max_tokens`: the longest sequence this handoff will see (a sliding window shorter than it is refused
+        now); without it a pair with a sliding window is accepted and every sequence longer than the window is
+        refused when it comes (`check_length`)."""
         check_mode(mode, source is not None, mapper is not None)
         self.target, self.source, self.mode, self.mapper, self.shuffle_seed = target, source, mode, mapper, shuffle_seed
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
@@ -63,6 +68,10 @@ class Handoff:
         self.target_spec = RotarySpec.from_model(target)
         self.target_geometry = kv_geometry(target.config)
         self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
+        self.repair = repair or Repair()
+        if not self.repair.empty and mode == "oracle":
+            raise ValueError(f"repair {self.repair}: the oracle's cache is the target's own, nothing to repair")
+        self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if mode not in SOURCE_MODES:
@@ -114,9 +123,20 @@ class Handoff:
         if self.mode == "zero":
             shape = (batch, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
             zeros = torch.zeros(shape, dtype=dtype, device=self.device)
-            return [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
+            return self.repaired_layers([(zeros, zeros) for _ in range(self.target_geometry["layers"])], prefix_ids,
+                                        lengths)
+        return self.repaired_layers(self.to_target(self.source_prefill(prefix_ids, mask), lengths), prefix_ids,
+                                    lengths)
 
-        return self.to_target(self.source_prefill(prefix_ids, mask), lengths)
+    def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers:
+        """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`."""
+        if self.repair.empty:
+            return layers
+        start, before = time.perf_counter(), self.repaired.recomputed
+        layers = repair_cache(self.target, layers, prefix_ids, lengths, self.repair, self.repaired,
+                              self.target_devices)
+        self.repaired.log.append((self.repaired.recomputed - before, time.perf_counter() - start))
+        return layers
 
     @no_grad
     def source_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:

@@ -20,6 +20,7 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
 from pipeline.kv.mapper import Mapper, load_mapper
+from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, self_source
 from pipeline.store.splits import TASKS
@@ -105,12 +106,15 @@ class Pair:
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
-                shuffle_seed: int = 0) -> Handoff:
+                shuffle_seed: int = 0, repair: Repair | str | None = None) -> Handoff:
         """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
         pair's device; ignored by the modes that read none). A mode the contract leaves undefined is refused
         before any weight is loaded. `source`, the source model alone, is the source's own prefill: its cache,
-        its predictions."""
+        its predictions. `repair`: a setting or its string form (`kv.repair`), applied to every prefix cache."""
+        repair = Repair.parse(repair) if isinstance(repair, str) else repair
         if mode == "source":
+            if repair is not None and not repair.empty:
+                raise ValueError(f"repair {repair}: the source alone hands no cache to the target")
             self.contract.require(mode)
             return Handoff(self.source)
         check_mode(mode, self.has_source, mapper is not None)
@@ -120,7 +124,8 @@ class Pair:
         elif isinstance(mapper, (str, Path)):
             mapper = load_mapper(mapper, device=self.device)
         return Handoff(self.target, self.source if mode in SOURCE_MODES else None, mode, mapper,
-                       shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens)
+                       shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens,
+                       repair=repair)
 
     def gate(self, handoff: Handoff, score: str, threshold: float,
              disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:

@@ -4,7 +4,7 @@ For a prompt c[0..n-1] (PROTOCOL.md, "Latency study"):
 
     (a) target:   target(c[0..n-1]), last position's logits only                    -> first token
     (b) handoff:  source body(c[0..n-2]) | strip, map, apply RoPE, cast | target(c[n-1]) -> first token
-                  "source"                 "map"                          "step"
+                  "source"                 "map" (and the handoff's repair)  "step"
 
 Both paths run in one process on the same inputs, alternating repeat by repeat, so drift and other
 processes' load fall on both alike; each length gets warm-up runs first. Clocks are read after a CUDA
@@ -79,7 +79,7 @@ def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[object, li
     marks = [_clock(device)]
     source_layers = handoff.source_prefill(ids[:, :-1])
     marks.append(_clock(device))
-    target_layers = handoff.to_target(source_layers)
+    target_layers = handoff.repaired_layers(handoff.to_target(source_layers), ids[:, :-1], None)  # map + repair
     del source_layers  # a server frees the source cache once it is mapped
     cache = handoff.target_cache(target_layers)
     del target_layers  # DynamicCache holds its own copy
@@ -172,7 +172,7 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
                     samples[name].append(value)
             bar.update()
         median = {name: _quantile(values, 0.5) for name, values in samples.items()}
-        bound = speedup_bound(source.config, target.config, mapper_macs, length)
+        bound = speedup_bound(source.config, target.config, mapper_macs, length, handoff.repair)
         speedup = median["target"] / median["handoff"]
         rows.append({
             "length": length,

@@ -1,0 +1,297 @@
+"""Repair: after the map, the target recomputes part of the prefix cache itself before its first step.
+
+A setting (`Repair`) is applied to a target-space cache (rotated, target dtype) of prefix tokens c[0..P-1] in a
+fixed order, each part over what the parts before it left:
+
+    1. exact_layers n   the target's own keys/values of layers 0..n-1 over the whole prefix: layers 0..n-2 in
+                        full, then only the input norm and K/V projections of layer n-1 (n = 1: the embedding's
+                        K/V alone); no logits
+    2. sink s           the target's own prefill of c[0..s-1], every layer
+    3. tokens rho       round(rho x (P - s)) of the remaining tokens c[s..P-1], chosen by `select_by`, recomputed in
+                        one forward of the decoder body: each at its own position, seeing the cache of the tokens
+                        before it (mapped, or recomputed in the same forward), a 4D mask as `decode.packed_logprobs`
+
+    chosen by     deviation   sum over keys and values of |exact - mapped|^2 / mean |exact|^2 at layer n-1 (layer 0
+                              when n = 0: the embedding's K/V projections of every token, the selection's cost)
+                  attention   what the prefix's last token c[P-1], read once more over the cache, attends to
+                              (summed over layers and heads; c[P-1] itself scores its weight on its own key). The
+                              handoff knows the prefix only, so c[P-1] stands for the first step's query c[P]
+                  recency     the last tokens: a chunked prefill of the prompt's end over the mapped rest
+
+Known answers: exact_layers = L, sink = P and rho = 1 each give the oracle's cache within float rounding; the
+empty setting returns the cache untouched. The string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`)
+has one parser, `Repair.parse`; its parts are joined by `+` in any order and applied in the order above.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+transformers = lazy("transformers")
+
+POLICIES = ("deviation", "attention", "recency")
+FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:" + "|".join(POLICIES)
+
+
+class RepairError(ValueError):
+    """A malformed repair setting: one line naming the bad part."""
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One repair setting; the empty one (`Repair()`, `none`) is the mapped cache as it is."""
+
+    exact_layers: int = 0
+    sink: int = 0
+    tokens: float = 0.0  # rho: the fraction of the prefix tokens after the sink
+    select_by: str = "recency"
+
+    def __post_init__(self):
+        if self.exact_layers < 0 or self.sink < 0:
+            raise RepairError(f"repair {self}: exact layers and sink are counts >= 0")
+        if not 0.0 <= self.tokens <= 1.0:
+            raise RepairError(f"repair tokens:{self.tokens:g}: the fraction must be in [0, 1]")
+        if self.select_by not in POLICIES:
+            raise RepairError(f"repair select_by {self.select_by!r}: known {', '.join(POLICIES)}")
+
+    @classmethod
+    def parse(cls, text: str) -> Repair:
+        """The setting of its string form (FORM); a bad part raises one line naming it."""
+        text = str(text).strip()
+        if text in ("", "none"):
+            return cls()
+        fields: dict = {}
+        for part in text.split("+"):
+            name, *values = part.strip().split(":")
+            key = {"layers": "exact_layers", "sink": "sink", "tokens": "tokens"}.get(name)
+            if key is None or key in fields or len(values) != (2 if key == "tokens" else 1):
+                raise RepairError(f"repair {text!r}: bad part {part!r} (form: {FORM})")
+            try:
+                if key == "tokens":
+                    fields["tokens"], fields["select_by"] = float(values[0]), values[1]
+                    if values[1] not in POLICIES or not math.isfinite(fields["tokens"]):
+                        raise ValueError
+                else:
+                    fields[key] = int(values[0])
+            except ValueError:
+                raise RepairError(f"repair {text!r}: bad part {part!r} (form: {FORM})") from None
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        parts = ([f"layers:{self.exact_layers}"] if self.exact_layers else []) + (
+            [f"sink:{self.sink}"] if self.sink else []) + (
+            [f"tokens:{self.tokens:g}:{self.select_by}"] if self.tokens else [])
+        return "+".join(parts) or "none"
+
+    @property
+    def empty(self) -> bool:
+        return not (self.exact_layers or self.sink or self.tokens)
+
+    def chosen(self, length: int) -> int:
+        """Tokens the `tokens` part recomputes in a prefix of `length` (after the sink)."""
+        return math.floor(self.tokens * max(length - self.sink, 0) + 0.5)
+
+
+@dataclass
+class RepairCount:
+    """What repairs made the target compute, for tests and `generate`: forwards of the decoder (or of its first
+    layers), token-layers through a full decoder layer, and the tokens each recomputed in every layer."""
+
+    forwards: int = 0
+    token_layers: int = 0
+    recomputed: int = 0  # sink and chosen tokens, over every row
+    log: list = field(default_factory=list)  # per call: (recomputed tokens, seconds), for generate's print
+
+
+def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
+                 count: RepairCount, devices=None) -> Layers:
+    """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`;
+    `lengths` (B,) the real lengths of right-padded rows (None: every row is whole); `devices`: where each layer's
+    cache goes (`kv.kvcache.layer_devices`), None for the target's device."""
+    if setting.empty:
+        return layers
+    batch, width = prefix_ids.shape
+    config = target.config
+    if setting.exact_layers > config.num_hidden_layers:
+        raise RepairError(f"repair {setting}: the target has only {config.num_hidden_layers} layers")
+    lengths = torch.full((batch,), width) if lengths is None else lengths.cpu()
+    layers = [(k.clone(), v.clone()) for k, v in layers]
+    deviation_layer = max(setting.exact_layers - 1, 0)
+    scores = None
+    if setting.exact_layers or (setting.tokens and setting.select_by == "deviation"):
+        exact = exact_layers(target, prefix_ids, max(setting.exact_layers, 1), count)
+        if setting.tokens and setting.select_by == "deviation":
+            scores = deviation(exact[deviation_layer], layers[deviation_layer])  # (B, P)
+        for index in range(setting.exact_layers):
+            layers[index] = tuple(t.to(layers[index][0].device, layers[index][0].dtype) for t in exact[index])
+    sink = min(setting.sink, width)
+    if sink:
+        mask = (torch.arange(sink)[None] < lengths[:, None]).long()  # (B, s)
+        out = target.model(input_ids=prefix_ids[:, :sink].to(target.device), attention_mask=mask.to(target.device),
+                           use_cache=True).cache
+        count.forwards += 1
+        count.token_layers += batch * sink * config.num_hidden_layers
+        count.recomputed += int(lengths.clamp(max=sink).sum())
+        for index, (keys, values) in enumerate(cache_to_layers(out)):
+            layers[index][0][:, :, :sink] = keys.to(layers[index][0].device)
+            layers[index][1][:, :, :sink] = values.to(layers[index][1].device)
+    if not setting.tokens:
+        return layers
+    chosen_per_row = [setting.chosen(int(n)) for n in lengths]
+    if max(chosen_per_row) == 0:
+        return layers
+    if setting.select_by == "recency":
+        scores = torch.arange(width, dtype=torch.float32)[None].expand(batch, -1)  # (B, P)
+    elif setting.select_by == "attention":
+        scores = attention_scores(target, layers, prefix_ids, lengths, count, devices)
+    chosen = choose(scores, lengths, sink, chosen_per_row)  # (B, M), -1 past a row's count
+    return recompute(target, layers, prefix_ids, lengths, chosen, count, devices)
+
+
+def choose(scores: torch.Tensor, lengths: torch.Tensor, sink: int, counts: list[int]) -> torch.Tensor:
+    """Per row, the positions (ascending) of its `counts[b]` highest scores among slots sink..lengths[b]-1;
+    (B, M) padded with -1."""
+    batch, width = scores.shape
+    slots = torch.arange(width)[None]  # (1, P)
+    eligible = (slots >= sink) & (slots < lengths[:, None])  # (B, P)
+    ranked = scores.float().cpu().masked_fill(~eligible, -math.inf)
+    top = ranked.topk(max(counts), dim=1).indices  # (B, M)
+    chosen = torch.full_like(top, -1)
+    for row, n in enumerate(counts):
+        chosen[row, :n] = top[row, :n].sort().values
+    return chosen
+
+
+def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:
+    """(B, 1, P, P) additive causal mask: right padding never reaches a real token."""
+    allowed = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = torch.zeros(width, width, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].expand(batch, 1, -1, -1)
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the model applies it: states (B, H, T, D), cos/sin (B, T, D)."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos[:, None] + rotated * sin[:, None]
+
+
+def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -> Layers:
+    """The target's own keys/values (B, H, P, D), rotated, of its first n layers over prefix_ids (B, P): layers
+    0..n-2 in full, layer n-1's input norm and K/V projections only; no logits."""
+    decoder = target.model
+    batch, width = prefix_ids.shape
+    hidden = decoder.embed_tokens(prefix_ids.to(target.device))  # (B, P, hidden)
+    positions = torch.arange(width, device=target.device)[None].expand(batch, -1)  # (B, P)
+    cos, sin = decoder.rotary_emb(hidden, positions)  # (B, P, D) each
+    cache = transformers.DynamicCache(config=target.config)
+    mask = _causal_mask(batch, width, hidden.dtype).to(target.device)
+    for layer in decoder.layers[: n - 1]:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                       position_embeddings=(cos, sin))
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    count.forwards += 1
+    count.token_layers += batch * width * (n - 1)
+    attention = decoder.layers[n - 1].self_attn
+    normed = decoder.layers[n - 1].input_layernorm(hidden)  # (B, P, hidden)
+    shape = (batch, width, -1, attention.head_dim)
+    keys = attention.k_norm(attention.k_proj(normed).view(shape)).transpose(1, 2)  # (B, H, P, D)
+    values = attention.v_proj(normed).view(shape).transpose(1, 2)  # (B, H, P, D)
+    return cache_to_layers(cache)[: n - 1] + [(_rotate(keys, cos, sin), values)]
+
+
+def deviation(exact: tuple, mapped: tuple) -> torch.Tensor:
+    """(B, P): per token, sum over keys and values of |exact - mapped|^2 over heads and dims, each relative to
+    the mean |exact|^2 of its kind (so keys and values weigh alike)."""
+    total = 0
+    for reference, other in zip(exact, mapped):
+        reference = reference.float().cpu()
+        error = (reference - other.float().cpu()).pow(2).sum(dim=(1, 3))  # (B, P)
+        total = total + error / reference.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
+    return total
+
+
+def attention_scores(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor, count: RepairCount,
+                     devices) -> torch.Tensor:
+    """(B, P): the attention of each row's last prefix token c[len-1], read once more at its position over the
+    cache, summed over layers and heads; slot len-1 scores the weight on its fresh key (one extra step)."""
+    batch, width = prefix_ids.shape
+    last = (lengths - 1).clamp(min=0)  # (B,)
+    tokens = prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
+    allowed = torch.cat([torch.arange(width)[None] < last[:, None], torch.ones(batch, 1, dtype=torch.bool)], dim=1)
+    dtype = target.dtype
+    mask = torch.zeros(batch, 1, 1, width + 1, dtype=dtype).masked_fill_(~allowed[:, None, None],
+                                                                         torch.finfo(dtype).min)  # (B, 1, 1, P + 1)
+    captured: list = []
+
+    def keep(module, args, kwargs, output):
+        captured.append((module, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                         kwargs["position_embeddings"]))
+
+    decoder = target.model
+    hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in decoder.layers]
+    cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
+    try:
+        decoder(input_ids=tokens.to(target.device), cache=cache, use_cache=True, attention_mask=mask.to(target.device),
+                position_ids=last[:, None].to(target.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    count.forwards += 1
+    count.token_layers += batch * target.config.num_hidden_layers
+    scores = torch.zeros(batch, width + 1)
+    for index, (module, hidden, (cos, sin)) in enumerate(captured):
+        shape = (batch, 1, -1, module.head_dim)
+        query = _rotate(module.q_norm(module.q_proj(hidden).view(shape)).transpose(1, 2), cos, sin)  # (B, Hq, 1, D)
+        keys = cache.layers[index].keys  # (B, H, P + 1, D)
+        keys = keys.repeat_interleave(module.num_key_value_groups, dim=1).to(query.device)  # (B, Hq, P + 1, D)
+        logits = (query.float() @ keys.float().transpose(2, 3)) * module.scaling  # (B, Hq, 1, P + 1)
+        logits = logits + mask.float().to(logits.device)
+        scores += logits.softmax(dim=-1).sum(dim=(1, 2)).cpu()  # (B, P + 1)
+    own = scores[:, width]  # the last token's weight on its fresh key
+    scores = scores[:, :width].clone()
+    scores[torch.arange(batch), last] = own
+    return scores
+
+
+def recompute(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor, chosen: torch.Tensor,
+              count: RepairCount, devices) -> Layers:
+    """`layers` with the tokens at `chosen` (B, M; -1 pads) recomputed by the target's decoder in one forward:
+    token i at its position p_i sees the slots before p_i that are not chosen and the chosen tokens at p <= p_i.
+
+        cache slots 0 .. P-1 (mapped/repaired)    | fresh slots P .. P+M-1 (the chosen, in order)
+        j < p_i and j not chosen                  | p_k <= p_i (itself included)
+    """
+    batch, width = prefix_ids.shape
+    valid = chosen >= 0  # (B, M)
+    positions = chosen.clamp(min=0)  # (B, M)
+    tokens = prefix_ids.cpu().gather(1, positions)  # (B, M)
+    is_chosen = torch.zeros(batch, width, dtype=torch.bool)
+    is_chosen[valid.nonzero()[:, 0], chosen[valid]] = True  # (B, P)
+    slots = torch.arange(width)
+    old = (slots[None, None] < positions[:, :, None]) & ~is_chosen[:, None]  # (B, M, P)
+    fresh = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]  # (B, M, M)
+    fresh |= torch.eye(chosen.shape[1], dtype=torch.bool)[None] & ~valid[:, :, None]  # a pad sees itself
+    allowed = torch.cat([old & valid[:, :, None], fresh], dim=2)[:, None]  # (B, 1, M, P + M)
+    dtype = target.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
+    out = target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
+                       attention_mask=mask.to(target.device), position_ids=positions.to(target.device)).cache
+    count.forwards += 1
+    count.token_layers += chosen.numel() * target.config.num_hidden_layers
+    count.recomputed += int(valid.sum())
+    rows, columns = valid.nonzero(as_tuple=True)
+    repaired = []
+    for (keys, values), layer in zip(layers, cache_to_layers(out)):
+        new_keys, new_values = layer[0][:, :, width:], layer[1][:, :, width:]  # (B, H, M, D)
+        keys, values = keys.clone(), values.clone()
+        target_slots = chosen[rows, columns]
+        keys[rows, :, target_slots] = new_keys[rows, :, columns].to(keys.device, keys.dtype)
+        values[rows, :, target_slots] = new_values[rows, :, columns].to(values.device, values.dtype)
+        repaired.append((keys, values))
+    return repaired

@@ -1,0 +1,42 @@
+"""The `repair` section of params.yaml, read by stage `repair`: the maps repaired, the grid of repair settings
+(`kv.repair`'s string form) and where their cost is bounded and timed."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from pipeline.kv.repair import Repair, RepairError
+from pipeline.store.params import Count, ParamError, Params, Positive, Threads
+from pipeline.store.shapes import PAIRS
+
+
+class RepairParams(Params):
+    maps: dict[str, str]  # name -> mapper file (a stage's output): the maps repaired
+    grid: list[str]  # repair settings, kv.repair's string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`)
+    bound_pair: str  # a pair of store.shapes.PAIRS: each setting's budget and speedup bound at its shapes
+    length: Annotated[int, Field(ge=2)]  # prompt tokens of the budget, the bound and the measured times
+    warmup: Count
+    repeats: Positive
+    bootstrap_iters: Positive
+    seed: int
+    batch_size: Positive
+    threads: Threads
+
+    @model_validator(mode="after")
+    def _known(self) -> RepairParams:
+        for text in self.grid:
+            try:
+                Repair.parse(text)
+            except RepairError as error:
+                raise ParamError(f"repair.grid: {error}") from None
+        if len({str(Repair.parse(text)) for text in self.grid}) != len(self.grid):
+            raise ParamError("repair.grid: a setting is named twice (compare their canonical forms); drop one")
+        if "none" not in self.grid:
+            raise ParamError("repair.grid: add `none`, the unrepaired map every setting is compared with")
+        if self.bound_pair not in PAIRS:
+            raise ParamError(f"repair.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
+        return self
+
+    def settings(self) -> list[Repair]:
+        return [Repair.parse(text) for text in self.grid]

@@ -1,0 +1,183 @@
+"""Repair after the map (`kv.repair`): the setting's one parser, its known answers against the oracle's cache, and
+what it makes the target compute."""
+import pytest
+import torch
+from conftest import build_model, tiny_config
+
+from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapper import identity_mapper
+from pipeline.kv.repair import Repair, RepairError
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.store.shapes import pair_configs
+
+VOCAB, LAYERS = 97, 3
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_model(tiny_config(VOCAB, 64, layers=LAYERS), seed=1)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return build_model(tiny_config(VOCAB, 32, layers=LAYERS), seed=2)
+
+
+def _mapped(target, source, repair: str = "none") -> Handoff:
+    mapper = identity_mapper("source", "target", source.config, target.config)
+    return Handoff(target, source, "mapped", mapper, repair=Repair.parse(repair))
+
+
+def _prefixes(batch=3, width=19, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, width), generator=generator)  # (B, P)
+    lengths = torch.tensor([width, width - 6, width - 11][:batch])
+    return ids, lengths
+
+
+def _max_error(layers, reference, lengths):
+    """Largest |difference| over the real slots of every row and layer."""
+    worst = 0.0
+    for (k, v), (rk, rv) in zip(layers, reference):
+        for row, n in enumerate(lengths.tolist()):
+            worst = max(worst, (k[row, :, :n] - rk[row, :, :n]).abs().max().item(),
+                        (v[row, :, :n] - rv[row, :, :n]).abs().max().item())
+    return worst
+
+
+def test_the_string_form_parses_in_any_order_and_prints_in_the_applied_order():
+    setting = Repair.parse("tokens:0.1:attention+sink:4")
+    assert setting == Repair(sink=4, tokens=0.1, select_by="attention")
+    assert str(setting) == "sink:4+tokens:0.1:attention"
+    assert Repair.parse("none").empty and Repair.parse(str(Repair(exact_layers=2))) == Repair(exact_layers=2)
+
+
+@pytest.mark.parametrize("text, part", [("sink:four", "sink:four"), ("tokens:0.1", "tokens:0.1"),
+                                        ("tokens:0.1:luck", "tokens:0.1:luck"), ("layers:1+layers:2", "layers:2"),
+                                        ("heads:3", "heads:3")])
+def test_a_malformed_setting_is_one_line_naming_the_bad_part(text, part):
+    with pytest.raises(RepairError) as error:
+        Repair.parse(text)
+    assert f"bad part {part!r}" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_empty_setting_is_the_mapped_cache_bit_for_bit(target, source):
+    ids, lengths = _prefixes()
+    plain = _mapped(target, source).prefix_layers(ids, lengths)
+    repaired = _mapped(target, source, "none").prefix_layers(ids, lengths)
+    assert all(torch.equal(k, rk) and torch.equal(v, rv) for (k, v), (rk, rv) in zip(plain, repaired))
+
+
+@pytest.mark.parametrize("repair", [f"layers:{LAYERS}", "sink:19", "tokens:1:recency", "tokens:1:deviation",
+                                    "tokens:1:attention", "sink:3+tokens:1:attention", "layers:1+tokens:1:deviation"])
+def test_a_full_repair_gives_the_oracles_cache_within_float_rounding(target, source, repair):
+    ids, lengths = _prefixes()
+    oracle = Handoff(target).prefix_layers(ids, lengths)
+    mapped = _mapped(target, source).prefix_layers(ids, lengths)
+    repaired = _mapped(target, source, repair).prefix_layers(ids, lengths)
+    assert _max_error(mapped, oracle, lengths) > 0.1  # the identity map of another model is far from it
+    assert _max_error(repaired, oracle, lengths) < 1e-5
+
+
+def test_exact_layers_replace_those_layers_and_leave_the_rest_mapped(target, source):
+    ids, lengths = _prefixes()
+    oracle = Handoff(target).prefix_layers(ids, lengths)
+    mapped = _mapped(target, source).prefix_layers(ids, lengths)
+    repaired = _mapped(target, source, "layers:2").prefix_layers(ids, lengths)
+    assert _max_error(repaired[:2], oracle[:2], lengths) < 1e-5
+    assert _max_error(repaired[2:], mapped[2:], lengths) == 0
+
+
+@pytest.mark.parametrize("policy", ["recency", "deviation", "attention"])
+def test_a_partial_repair_changes_exactly_its_chosen_tokens(target, source, policy):
+    ids, lengths = _prefixes(batch=1, width=20)
+    mapped = _mapped(target, source).prefix_layers(ids, lengths)
+    handoff = _mapped(target, source, f"sink:2+tokens:0.25:{policy}")
+    repaired = handoff.prefix_layers(ids, lengths)
+    changed = {slot for k, rk in ((k, rk) for (k, _), (rk, _) in zip(repaired, mapped))
+               for slot in (k[0] != rk[0]).any(dim=(0, 2)).nonzero().flatten().tolist()}
+    assert {0, 1} <= changed and len(changed) == 2 + 5  # the sink, then 0.25 x 18 = 4.5 rounded half up
+    if policy == "recency":
+        assert changed == {0, 1, 15, 16, 17, 18, 19}
+
+
+def _count_token_layers(model):
+    """A counter of the tokens every decoder layer of `model` reads, and the hooks that fill it."""
+    seen = [0]
+    hooks = [layer.register_forward_hook(lambda module, args, output: seen.__setitem__(
+        0, seen[0] + args[0].shape[0] * args[0].shape[1])) for layer in model.model.layers]
+    return seen, hooks
+
+
+@pytest.mark.parametrize("repair, per_layer", [("none", 0), ("sink:3", 3), ("sink:3+tokens:0.25:recency", 3 + 4),
+                                               ("tokens:0.25:deviation", 5), ("tokens:0.25:attention", 5 + 1)])
+def test_a_repair_runs_the_target_over_only_the_tokens_it_was_asked_to_recompute(target, source, repair,
+                                                                                   per_layer):
+    ids, lengths = _prefixes(batch=1, width=20)
+    handoff = _mapped(target, source, repair)
+    seen, hooks = _count_token_layers(target)
+    try:
+        handoff.prefix_layers(ids, lengths)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen[0] == per_layer * LAYERS
+    assert handoff.repaired.token_layers == seen[0]
+    assert handoff.source_forwards == 1
+
+
+def test_exact_layers_run_the_target_through_all_but_the_last_of_them_and_never_to_logits(target, source):
+    ids, lengths = _prefixes(batch=1, width=20)
+    handoff = _mapped(target, source, "layers:2")
+    seen, hooks = _count_token_layers(target)
+    head = target.lm_head.register_forward_hook(lambda *args: pytest.fail("the repair computed logits"))
+    try:
+        handoff.prefix_layers(ids, lengths)
+    finally:
+        for hook in [*hooks, head]:
+            hook.remove()
+    assert seen[0] == 20 * 1  # layer 0 in full; layer 1's K/V projections only
+
+
+def test_the_oracle_refuses_a_repair(target):
+    with pytest.raises(ValueError, match="nothing to repair"):
+        Handoff(target, repair=Repair(sink=2))
+
+
+def _qwen3_v0():
+    return pair_configs("qwen3-v0")
+
+
+def test_the_budget_is_zero_for_no_repair_and_about_one_for_a_full_one():
+    _, target = _qwen3_v0()
+    assert repair_budget(target, Repair(), 1024) == 0
+    assert 0.95 < repair_budget(target, Repair(sink=1023), 1024) < 1  # the whole prefix, no last token, no logits
+    assert 0.95 < repair_budget(target, Repair(exact_layers=target.num_hidden_layers), 1024) < 1
+    assert 1 <= repair_budget(target, Repair(tokens=1.0), 1024) < 1.5  # dense reads over the whole prefix
+
+
+def test_the_budget_grows_with_the_fraction_and_a_selection_costs_its_own_work():
+    _, target = _qwen3_v0()
+    budgets = [repair_budget(target, Repair(tokens=rho), 1024) for rho in (0.05, 0.1, 0.2)]
+    assert budgets == sorted(budgets) and 0.04 < budgets[0] < 0.07
+    recency = repair_budget(target, Repair(tokens=0.1, select_by="recency"), 1024)
+    assert repair_budget(target, Repair(tokens=0.1, select_by="deviation"), 1024) > recency
+    assert repair_budget(target, Repair(tokens=0.1, select_by="attention"), 1024) > recency
+
+
+def test_the_speedup_bound_with_a_repair_is_lower_and_none_leaves_it_as_it_was():
+    source, target = _qwen3_v0()
+    per_token = mapper_macs_per_token(source, target, 1, "linear")
+    plain = speedup_bound(source, target, per_token, 1024)
+    assert speedup_bound(source, target, per_token, 1024, Repair()) == plain
+    assert speedup_bound(source, target, per_token, 1024, Repair(sink=4, tokens=0.1, select_by="attention")) < plain
+
+
+def test_the_lm_eval_face_takes_a_repair_and_refuses_a_malformed_one_before_loading(tiny_pair):
+    with pytest.raises(RepairError, match="bad part 'sink:x'"):
+        KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:x",
+                               device="cpu")
+    lm = KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:2",
+                                device="cpu")
+    assert lm.handoff.repair == Repair(sink=2)
