@@ -8,6 +8,7 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     mapper=<mapper file, for mapped>  dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
     fallback=entropy|kl|disagree  threshold=<float>  disagree=<k=1 mapper file>:<k=max mapper file>
+    allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
 
 With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step and falls back to the
 target's own prefill where its score exceeds `threshold`; `routes` keeps each context's score and way.
@@ -88,6 +89,7 @@ class KVTransferLM(TemplateLM):
         fallback: str | None = None,
         threshold: float | str | None = None,
         disagree: str | None = None,
+        allow_other_models: bool | str = False,
         **unknown,
     ) -> "KVTransferLM":
         """The model lm-eval's model args name (the module docstring lists them): the pair, then its handoff."""
@@ -99,9 +101,12 @@ class KVTransferLM(TemplateLM):
         # stages, every handoff refuses a sequence longer than the window when it comes (Handoff.check_length)
         pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
                     target_revision=target_revision, source_revision=source_revision,
-                    max_tokens=int(max_length) if max_length else None)
+                    max_tokens=int(max_length) if max_length else None,
+                    allow_other_models=str(allow_other_models).lower() == "true")
         handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed))
         gate = gate_from_args(pair, handoff, fallback, threshold, disagree)
+        for difference in pair.other_models:  # the run's config records allow_other_models=true beside this
+            log.warning("kv-transfer: allow_other_models=true: %s", difference)
         return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks, gate)
 
     # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the
