@@ -286,6 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [mode for mode in modes if mode not in TRANSFERS]
     if unknown:
         cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(TRANSFERS)})")
+    if not modes:
+        raise ParamError(f"--transfer {args.transfer!r} names no mode (known: {', '.join(TRANSFERS)})")
+    for flag, value in (("--threshold", args.threshold), ("--temperature", args.temperature)):
+        if value is not None and value != value:  # nan: a gate that never fires, a sampler that never samples
+            raise ParamError(f"{flag}: nan is not a number; give a finite value (or -inf / inf for --threshold)")
+    if args.temperature < 0 or args.temperature == float("inf"):
+        raise ParamError(f"--temperature: expected a finite number >= 0 (0 is greedy), got {args.temperature}")
     gate = gate_request(cli, args, modes)
     if args.max_new_tokens < 1 or (args.eval is not None and args.eval < 1):
         cli.error("--max-new-tokens and --eval must be at least 1")

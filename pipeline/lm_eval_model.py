@@ -49,6 +49,7 @@ from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.store.models import default_device
+from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -270,7 +271,13 @@ def gate_from_args(pair: Pair, handoff: Handoff, fallback: str | None, threshold
     files = None if disagree is None else map_pair(disagree)
     if disagree is not None and files is None:
         raise TypeError(f"kv-transfer: disagree={disagree!r} names two mapper files as <k=1 file>:<k=max file>")
-    return pair.gate(handoff, fallback, float(threshold), files)
+    try:
+        value = float(threshold)
+    except ValueError:
+        value = float("nan")
+    if value != value:  # nan compares false with every score: a gate that never fires
+        raise ParamError(f"kv-transfer: threshold={threshold!r}: expected a number, or -inf / inf")
+    return pair.gate(handoff, fallback, value, files)
 
 
 def main(argv: list[str] | None = None) -> None:
