@@ -12,7 +12,7 @@ from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
-from pipeline.store.models import pair_fingerprints
+from pipeline.store.models import IncompatiblePairError, pair_fingerprints
 
 VOCAB = 97
 
@@ -107,10 +107,12 @@ def run_main(capsys, monkeypatch, tmp_path, *argv) -> str:
     return capsys.readouterr().out
 
 
-def test_a_mode_the_contract_refuses_is_one_line_and_the_others_still_run(capsys, monkeypatch, tmp_path, tiny_pair,
-                                                                         deeper_source):
-    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--source",
-                   str(deeper_source), "--transfer", "oracle,direct,mapped,source")
+def test_a_default_mode_the_contract_refuses_is_one_line_and_the_others_still_run_but_an_asked_one_stops(
+        capsys, monkeypatch, tmp_path, tiny_pair, deeper_source):
+    pair = ("--target", str(tiny_pair["target"]), "--source", str(deeper_source))
+    with pytest.raises(IncompatiblePairError, match="direct injection needs equal KV geometry"):
+        run_main(capsys, monkeypatch, tmp_path, *pair, "--transfer", "oracle,direct,source")
+    out = run_main(capsys, monkeypatch, tmp_path, *pair)  # the default modes
     direct = [line for line in out.splitlines() if line.startswith("direct")]
     assert len(direct) == 1 and direct[0].startswith("direct: skipped") and "geometry" in direct[0]
     assert "mapped: skipped, no mapper given for this pair: give --mapper PATH" in out.splitlines()
