@@ -48,7 +48,7 @@ from pipeline.store.artifacts import ArtifactError, atomic_path
 from pipeline.store.cachefiles import KINDS, first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_config, load_model
+from pipeline.store.models import ModelsParams, load_config, load_model, pair_fingerprints
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
@@ -202,6 +202,8 @@ def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Par
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
     # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
     key_space = "rotated" if source_manifest["keys"].startswith("rotated") else "content"
+    # the pair the caches were extracted from, by content: every map is bound to it (kv.pair.Pair.handoff)
+    models = pair_fingerprints(source_manifest["model_path"], target_manifest["model_path"])
     metrics = {}
     for candidate in tqdm(candidates, desc="write mappers", unit="mapper"):
         name, family, k = str(candidate), candidate.family, candidate.k
@@ -215,7 +217,8 @@ def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Par
                         ridge_lambda=candidate.ridge_lambda or 0.0,
                         source_layers=[sorted(order[:k]) for order in orders],
                         keys=parts.take(name, geo_t["layers"], "keys"),
-                        values=parts.take(name, geo_t["layers"], "values"), extra=extra, key_space=key_space)
+                        values=parts.take(name, geo_t["layers"], "values"), extra=extra, key_space=key_space,
+                        models=models)
         save_mapper(mapper, paths.fitted_map(name, out_dir))
         metrics[f"maps/{name}/r2_keys_select"] = round(statistics.mean(heldout[(name, "keys")]), 6)
         metrics[f"maps/{name}/r2_values_select"] = round(statistics.mean(heldout[(name, "values")]), 6)

@@ -39,9 +39,10 @@ from pipeline.kv.contract import MODES
 from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
 from pipeline.kv.handoff import SOURCE_MODES, Handoff
-from pipeline.kv.pair import Pair
+from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cli import Refusal, entry, parser
 from pipeline.store.devices import DTYPES
 from pipeline.store.lazy import lazy
@@ -52,6 +53,7 @@ from pipeline.studies.format import md_table
 torch = lazy("torch")
 
 TRANSFERS = tuple(MODES)
+DEFAULT_TRANSFER = "oracle,mapped,source,direct"  # a mode of these the pair does not allow is skipped, not refused
 FELL_BACK = "fell back to the target's prefill"
 EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
 
@@ -100,15 +102,18 @@ def build_handoff(pair: Pair, mode: str, mapper: Path | None, shuffle_seed: int)
 
 
 def build_handoffs(pair: Pair, modes: Sequence[str], mapper: Path | None, shuffle_seed: int,
-                   say: Callable[[str], None] = print) -> dict[str, Handoff]:
-    """Each mode's handoff (weights loaded here, once per model); a refused mode is said in one line and left
-    out. The oracle is first, and always there: it is what the others are compared with."""
+                   say: Callable[[str], None] = print, asked: bool = False) -> dict[str, Handoff]:
+    """Each mode's handoff (weights loaded here, once per model); a refused mode of the default list is said in
+    one line and left out, one the user `asked` for stops the run, and so does a map that cannot be used (corrupt,
+    or fitted on other models). The oracle is first, and always there: it is what the others are compared with."""
     handoffs = {}
     for mode in dict.fromkeys(["oracle", *modes]):
         try:
             handoffs[mode] = build_handoff(pair, mode, mapper, shuffle_seed)
+        except (OtherModelsError, ArtifactError):
+            raise
         except (Refusal, FileNotFoundError) as err:
-            if mode == "oracle":
+            if mode == "oracle" or asked:
                 raise
             say(f"{mode}: skipped, {err}")
     return handoffs
@@ -161,13 +166,15 @@ class Stream:
 
 
 def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path | None, max_new_tokens: int,
-        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: GateRequest | None = None
-        ) -> list[list[Generation]]:
+        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: GateRequest | None = None,
+        asked: bool = False) -> list[list[Generation]]:
     """Each prompt continued in every mode the pair allows (a gated mode the way its gate sends it), streamed to
     `out` (by default stdout), then its summary table."""
     out = out or sys.stdout
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
-    handoffs = build_handoffs(pair, modes, mapper, shuffle_seed, say)
+    handoffs = build_handoffs(pair, modes, mapper, shuffle_seed, say, asked)
+    for difference in pair.other_models:
+        say(f"other models allowed (--allow-other-models): {difference}")
     tokenizer = pair.target_tokenizer
     stop = eos_ids(pair.target, tokenizer)
     width = max(len(mode) for mode in handoffs)
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("prompt", nargs="?", help="the prompt text")
     cli.add_argument("--file", help="read the prompt from this file")
     cli.add_argument("--eval", type=int, metavar="N", help="the first N prompts of data/eval.parquet")
-    cli.add_argument("--transfer", default="oracle,mapped,source,direct",
+    cli.add_argument("--transfer", default=DEFAULT_TRANSFER,
                      help=f"comma-separated modes among {', '.join(TRANSFERS)} (default: %(default)s)")
     cli.add_argument("--mapper", type=Path, help=f"the map of mapped and shuffled (default: the selected one, "
                      f"{SELECTED_MAPPER}, for the pipeline's pair; none for a --target pair)")
@@ -266,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
                      "when no --target is given; none otherwise)")
     cli.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default: models.dtype)")
     cli.add_argument("--device", help="cpu, cuda, ... (default: models.device)")
+    cli.add_argument("--allow-other-models", action="store_true", help="use a map fitted on other models than "
+                     "--target/--source (refused by default; the difference is printed before the prompts)")
     cli.add_argument("--threads", type=int, help="torch CPU threads; 0 keeps torch's default (default: "
                      "latency.threads, as the latency stage times)")
     args = cli.parse_args(argv)
@@ -277,6 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [mode for mode in modes if mode not in TRANSFERS]
     if unknown:
         cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(TRANSFERS)})")
+    if not modes:
+        raise ParamError(f"--transfer {args.transfer!r} names no mode (known: {', '.join(TRANSFERS)})")
+    for flag, value in (("--threshold", args.threshold), ("--temperature", args.temperature)):
+        if value is not None and value != value:  # nan: a gate that never fires, a sampler that never samples
+            raise ParamError(f"{flag}: nan is not a number; give a finite value (or -inf / inf for --threshold)")
+    if args.temperature < 0 or args.temperature == float("inf"):
+        raise ParamError(f"--temperature: expected a finite number >= 0 (0 is greedy), got {args.temperature}")
     gate = gate_request(cli, args, modes)
     if args.max_new_tokens < 1 or (args.eval is not None and args.eval < 1):
         cli.error("--max-new-tokens and --eval must be at least 1")
@@ -290,15 +306,16 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or models.torch_device
     device_map = None if args.device or models is None else models.device_map
     if args.target:
-        pair = Pair(args.target, args.source, dtype, device, device_map)
+        pair = Pair(args.target, args.source, dtype, device, device_map, allow_other_models=args.allow_other_models)
     else:
         pair = Pair.load(models.model_copy(update={"dtype": dtype, "device_map": device_map}), device)
+        pair.allow_other_models = args.allow_other_models
     shuffle_seed = args.shuffle_seed
     if shuffle_seed is None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
     mapper = args.mapper or (None if args.target else SELECTED_MAPPER)
     run(pair, read_prompt_ids(args, pair.target_tokenizer), modes, mapper, args.max_new_tokens,
-        args.temperature, args.seed, shuffle_seed, gate=gate)
+        args.temperature, args.seed, shuffle_seed, gate=gate, asked=args.transfer != DEFAULT_TRANSFER)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     target_revision=...  source_revision=...  shuffle_seed=<int>  max_length=<int>
     fallback=entropy|kl|disagree  threshold=<float>  disagree=<k=1 mapper file>:<k=max mapper file>
     repair=<kv.repair setting, e.g. sink:4+tokens:0.1:attention: the target recomputes part of the cache>
+    allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
 
 With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step and falls back to the
 target's own prefill where its score exceeds `threshold`; `routes` keeps each context's score and way.
@@ -50,6 +51,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.store.models import default_device
+from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -91,6 +93,7 @@ class KVTransferLM(TemplateLM):
         threshold: float | str | None = None,
         disagree: str | None = None,
         repair: str | None = None,
+        allow_other_models: bool | str = False,
         **unknown,
     ) -> "KVTransferLM":
         """The model lm-eval's model args name (the module docstring lists them): the pair, then its handoff."""
@@ -103,9 +106,12 @@ class KVTransferLM(TemplateLM):
         # stages, every handoff refuses a sequence longer than the window when it comes (Handoff.check_length)
         pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
                     target_revision=target_revision, source_revision=source_revision,
-                    max_tokens=int(max_length) if max_length else None)
+                    max_tokens=int(max_length) if max_length else None,
+                    allow_other_models=str(allow_other_models).lower() == "true")
         handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed), repair=setting)
         gate = gate_from_args(pair, handoff, fallback, threshold, disagree)
+        for difference in pair.other_models:  # the run's config records allow_other_models=true beside this
+            log.warning("kv-transfer: allow_other_models=true: %s", difference)
         return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks, gate)
 
     # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the
@@ -269,7 +275,13 @@ def gate_from_args(pair: Pair, handoff: Handoff, fallback: str | None, threshold
     files = None if disagree is None else map_pair(disagree)
     if disagree is not None and files is None:
         raise TypeError(f"kv-transfer: disagree={disagree!r} names two mapper files as <k=1 file>:<k=max file>")
-    return pair.gate(handoff, fallback, float(threshold), files)
+    try:
+        value = float(threshold)
+    except ValueError:
+        value = float("nan")
+    if value != value:  # nan compares false with every score: a gate that never fires
+        raise ParamError(f"kv-transfer: threshold={threshold!r}: expected a number, or -inf / inf")
+    return pair.gate(handoff, fallback, value, files)
 
 
 def main(argv: list[str] | None = None) -> None:

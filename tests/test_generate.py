@@ -11,7 +11,8 @@ from pipeline.generate import FELL_BACK, GateRequest, departure, main, run
 from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
-from pipeline.kv.pair import Pair
+from pipeline.kv.pair import OtherModelsError, Pair
+from pipeline.store.models import IncompatiblePairError, pair_fingerprints
 
 VOCAB = 97
 
@@ -106,10 +107,12 @@ def run_main(capsys, monkeypatch, tmp_path, *argv) -> str:
     return capsys.readouterr().out
 
 
-def test_a_mode_the_contract_refuses_is_one_line_and_the_others_still_run(capsys, monkeypatch, tmp_path, tiny_pair,
-                                                                         deeper_source):
-    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--source",
-                   str(deeper_source), "--transfer", "oracle,direct,mapped,source")
+def test_a_default_mode_the_contract_refuses_is_one_line_and_the_others_still_run_but_an_asked_one_stops(
+        capsys, monkeypatch, tmp_path, tiny_pair, deeper_source):
+    pair = ("--target", str(tiny_pair["target"]), "--source", str(deeper_source))
+    with pytest.raises(IncompatiblePairError, match="direct injection needs equal KV geometry"):
+        run_main(capsys, monkeypatch, tmp_path, *pair, "--transfer", "oracle,direct,source")
+    out = run_main(capsys, monkeypatch, tmp_path, *pair)  # the default modes
     direct = [line for line in out.splitlines() if line.startswith("direct")]
     assert len(direct) == 1 and direct[0].startswith("direct: skipped") and "geometry" in direct[0]
     assert "mapped: skipped, no mapper given for this pair: give --mapper PATH" in out.splitlines()
@@ -120,8 +123,9 @@ def test_a_mode_the_contract_refuses_is_one_line_and_the_others_still_run(capsys
 def test_the_cli_prints_each_modes_stream_and_row_for_any_pair(capsys, monkeypatch, tmp_path, tiny_pair):
     source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
     mapper = tmp_path / "identity.safetensors"
-    save_mapper(identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config),
-                mapper)
+    identity = identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config)
+    identity.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(identity, mapper)
     out = run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--source",
                    str(tiny_pair["source"]), "--mapper", str(mapper),
                    "--transfer", "oracle,mapped,source,direct,zero,shuffled")
@@ -139,7 +143,9 @@ def random_maps(tmp_path_factory, wide_pair):
     source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
     folder = tmp_path_factory.mktemp("maps")
     for k in (1, 2):
-        save_mapper(random_mapper(source.config, target.config, k=k, seed=k), folder / f"k{k}.safetensors")
+        mapper = random_mapper(source.config, target.config, k=k, seed=k)
+        mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
+        save_mapper(mapper, folder / f"k{k}.safetensors")
     return folder / "k1.safetensors", folder / "k2.safetensors"
 
 
@@ -189,3 +195,18 @@ def test_a_gate_missing_a_part_is_refused_in_one_line_naming_it(capsys, monkeypa
     with pytest.raises(SystemExit) as exit_:
         run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), *argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_refuses_a_map_fitted_on_other_models_and_runs_and_says_so_when_allowed(
+        capsys, monkeypatch, tmp_path, tiny_pair):
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = tmp_path / "identity.safetensors"
+    identity = identity_mapper("s", "t", source.config, target.config)
+    identity.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(identity, mapper)
+    swapped = ("--target", str(tiny_pair["source"]), "--source", str(tiny_pair["target"]), "--mapper", str(mapper),
+               "--transfer", "oracle,mapped", "--max-new-tokens", "2")
+    with pytest.raises(OtherModelsError, match="swapped"):
+        run_main(capsys, monkeypatch, tmp_path, *swapped)
+    out = run_main(capsys, monkeypatch, tmp_path, *swapped, "--allow-other-models")
+    assert "other models allowed (--allow-other-models): " in out and _row(out, "mapped")

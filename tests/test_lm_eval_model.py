@@ -24,7 +24,7 @@ from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
-from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
+from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError, pair_fingerprints
 from pipeline.store.params import parse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,8 +276,9 @@ def test_the_readme_local_command_runs_offline_on_cpu(tmp_path, tiny_pair):
         shutil.copytree(tiny_pair[name], tmp_path / "models" / name)
     target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     source = AutoModelForCausalLM.from_pretrained(tiny_pair["source"])
-    save_mapper(identity_mapper("source", "target", source.config, target.config),
-                tmp_path / "models" / "mapper.safetensors")
+    mapper = identity_mapper("source", "target", source.config, target.config)
+    mapper.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))  # fitted on this pair
+    save_mapper(mapper, tmp_path / "models" / "mapper.safetensors")
     data = committed("data", fit_sequences=4, select_sequences=3, eval_prompts=3, sequence_length=48,
                      prompt_length=20, continuation_length=8, dev_items=6, eval_items=6,
                      world=committed("data.world", corpus_docs=300))

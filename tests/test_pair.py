@@ -9,9 +9,9 @@ from transformers import AutoConfig
 
 import pipeline.kv.pair as pair_module
 from pipeline.kv.mapper import identity_mapper, save_mapper
-from pipeline.kv.pair import Pair
+from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.scoring import score_continuations
-from pipeline.store.models import IncompatiblePairError
+from pipeline.store.models import IncompatiblePairError, pair_fingerprints
 
 
 @pytest.fixture
@@ -32,8 +32,86 @@ def loads(monkeypatch):
 def mapper_file(tiny_pair, tmp_path):
     configs = {name: AutoConfig.from_pretrained(tiny_pair[name]) for name in ("source", "target")}
     path = tmp_path / "identity.safetensors"
-    save_mapper(identity_mapper("source", "target", configs["source"], configs["target"]), path)
+    mapper = identity_mapper("source", "target", configs["source"], configs["target"])
+    mapper.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(mapper, path)
     return path
+
+
+def perturbed(folder, out, noise: float = 0.05):
+    """A copy of the model in `folder` with 5% relative weight noise: same geometry, same tokenizer."""
+    from transformers import AutoModelForCausalLM
+    shutil.copytree(folder, out)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(noise * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(out)
+    return out
+
+
+def other_tokenizer(folder, out):
+    """A copy of the model in `folder` whose tokenizer files differ (one more special token)."""
+    from transformers import AutoTokenizer
+    shutil.copytree(folder, out)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<other>"]})
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def other_models(case: str, tiny_pair, tmp_path) -> tuple[str, str]:
+    """(target, source) of each way to use a map with models it was not fitted on."""
+    target, source = str(tiny_pair["target"]), str(tiny_pair["source"])
+    if case == "same-geometry other model":  # the source is the target's geometry: another model in its place
+        return source, source
+    if case == "swapped pair":
+        return source, target
+    if case == "perturbed target":
+        return str(perturbed(tiny_pair["target"], tmp_path / "noisy")), source
+    # both sides retokenized alike: the contract's one-tokenizer rule holds, the map's fingerprints do not
+    return (str(other_tokenizer(tiny_pair["target"], tmp_path / "target")),
+            str(other_tokenizer(tiny_pair["source"], tmp_path / "source")))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("same-geometry other model", "the target's weights and config differ"),
+    ("swapped pair", "source and target swapped"),
+    ("perturbed target", "the target's weights and config differ"),
+    ("other tokenizer", "the target's tokenizer files differ"),
+])
+def test_a_map_is_refused_with_models_it_was_not_fitted_on_before_any_weight_is_loaded(
+        tiny_pair, mapper_file, tmp_path, loads, case, message):
+    target, source = other_models(case, tiny_pair, tmp_path)
+    pair = Pair(target, source, device="cpu")
+    with pytest.raises(OtherModelsError, match=message) as refused:
+        pair.handoff("mapped", mapper_file)
+    assert "allow_other_models=true" in str(refused.value) and "\n" not in str(refused.value)
+    assert loads == []
+
+
+def test_a_map_without_fingerprints_is_refused_naming_the_refit(tiny_pair, tmp_path):
+    configs = {name: AutoConfig.from_pretrained(tiny_pair[name]) for name in ("source", "target")}
+    save_mapper(identity_mapper("source", "target", configs["source"], configs["target"]), tmp_path / "old.safetensors")
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), device="cpu")
+    with pytest.raises(OtherModelsError, match="records no fingerprints.*refit it"):
+        pair.handoff("mapped", tmp_path / "old.safetensors")
+
+
+def test_allowing_other_models_runs_the_map_and_keeps_what_differs(tiny_pair, mapper_file, tmp_path):
+    target, source = other_models("perturbed target", tiny_pair, tmp_path)
+    pair = Pair(target, source, device="cpu", allow_other_models=True)
+    handoff = pair.handoff("mapped", mapper_file)
+    assert score_continuations(handoff, [([5, 9, 14], [7])], progress=False)
+    assert len(pair.other_models) == 1 and "the target's weights and config differ" in pair.other_models[0]
+
+
+def test_a_map_fitted_on_the_pair_is_bound_to_its_content_not_its_path(tiny_pair, mapper_file, tmp_path):
+    shutil.copytree(tiny_pair["target"], tmp_path / "moved")
+    pair = Pair(str(tmp_path / "moved"), str(tiny_pair["source"]), device="cpu")
+    pair.handoff("mapped", mapper_file)
+    assert pair.other_models == []
 
 
 def test_every_handoff_of_a_pair_shares_its_models_loaded_once(tiny_pair, mapper_file, loads):

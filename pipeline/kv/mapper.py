@@ -7,9 +7,10 @@ linear, head_matched, mlp, low_rank, ...): the family says what a layer's tensor
 
 File: a checksummed artifact (see `artifacts`) with tensors `{keys,values}.{layer}.{name}` (the family's
 `tensor_names`) and metadata naming the source and target, k, lambda, the chosen source layers per target layer
-and both models' rotary settings and KV geometry; `extra` holds the fit's facts, among them the two the other
-stages read, typed here: the key space (`key_space: rotated` for the no-strip ablation) and the distillation
-facts of a distilled map.
+and both models' rotary settings and KV geometry, both models' fingerprints (`models`: the pair it is bound
+to, `store.models.pair_fingerprints`, checked by `kv.pair.Pair.handoff`); `extra` holds the fit's facts, among
+them the two the other stages read, typed here: the key space (`key_space: rotated` for the no-strip ablation)
+and the distillation facts of a distilled map.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class Mapper:
     extra: dict[str, Any] = field(default_factory=dict)  # the fit's facts, for the record
     key_space: str = "content"  # rotated: fitted on keys with RoPE kept (the length study's ablation)
     distilled: dict | None = None  # a distilled map's facts (start digest, loss weights, best epoch, ...)
+    # the pair it was fitted on: {"source"|"target": {"pin", "tokenizer"}} (store.models.pair_fingerprints);
+    # None: a map written before maps were bound to their pair, or one made in memory
+    models: dict | None = None
 
     def __post_init__(self) -> None:
         reason = family_spec(self.family).requirement(self.source_geometry, self.target_geometry)
@@ -73,6 +77,7 @@ class Mapper:
         typed = {"key_space": self.key_space} if self.key_space != "content" else {}
         if self.distilled is not None:
             typed["distilled"] = self.distilled
+        bound = {"models": self.models} if self.models is not None else {}
         return {
             "format": FORMAT,
             "family": self.family,
@@ -86,6 +91,7 @@ class Mapper:
             "lambda": self.ridge_lambda,
             "source_layers": self.source_layers,
             "extra": {**self.extra, **typed},
+            **bound,
         }
 
     def parameter_count(self) -> int:
@@ -173,6 +179,7 @@ def load_mapper(path, device="cpu") -> Mapper:
         extra={key: value for key, value in extra.items() if key not in TYPED_EXTRA},
         key_space=extra.get("key_space", "content"),
         distilled=extra.get("distilled"),
+        models=meta.get("models"),
     )
 
 

@@ -10,6 +10,12 @@ model's weights are loaded on first use and then shared by every handoff built f
 many mappers loads the models once). A self source (`self:<n>` or a prepared folder pointing at the target,
 `store.models.self_source`) is the pair's own target truncated: its layers are the target's, shared, not loaded
 again.
+
+A map is bound to the pair it was fitted on: every handoff built with one compares the map's fingerprints of
+both models (`Mapper.models`) with the pair's (`store.models.fingerprint`: weights and config, tokenizer files)
+before any forward, and refuses a mismatch in one line naming what differs (`OtherModelsError`), unless the pair
+was built with `allow_other_models`; then each mismatch is kept in `other_models` for the outputs to record.
+A pair of models in memory (`Pair.of`) has no files to fingerprint: its maps are the caller's, unchecked.
 """
 from __future__ import annotations
 
@@ -22,9 +28,46 @@ from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
 from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.kv.repair import Repair
 from pipeline.store import paths
-from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, self_source
+from pipeline.store.cli import Refusal
+from pipeline.store.models import ModelsParams, fingerprint, load_config, load_model, load_tokenizer, self_source
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import truncate
+
+OVERRIDE = "allow_other_models=true (kv-transfer) or --allow-other-models (generate, check_pair)"
+
+
+class OtherModelsError(Refusal, ValueError):
+    """A map used with models it was not fitted on (or one that records none)."""
+
+
+def short(value: str | None) -> str:
+    return "none" if value is None else value if len(value) <= 24 else value[:24] + "…"
+
+
+def model_differences(fitted: dict | None, loaded: dict) -> str | None:
+    """What differs between the models a map was fitted on (`Mapper.models`) and the ones loaded
+    (`store.models.pair_fingerprints`), as the rest of a sentence; None when they are the same."""
+    if fitted is None:
+        return "records no fingerprints of the models it was fitted on (written before maps were bound to their pair)"
+    if fitted == loaded:
+        return None
+    if fitted.get("source") == loaded["target"] and fitted.get("target") == loaded["source"]:
+        return "was fitted on this pair with source and target swapped"
+    what = {"pin": "weights and config", "tokenizer": "tokenizer files"}
+    parts = [f"the {side}'s {what[key]} differ (fitted on {short(fitted.get(side, {}).get(key))}, "
+             f"loaded {short(loaded[side][key])})"
+             for side in ("source", "target") for key in what if fitted.get(side, {}).get(key) != loaded[side][key]]
+    return "was fitted on other models: " + "; ".join(parts)
+
+
+def check_models(label: str, fitted: dict | None, loaded: dict, allow: bool) -> str | None:
+    """Refuse (`OtherModelsError`, one line with the fix) a map whose models differ from the loaded ones; with
+    `allow`, return the difference for the outputs to record instead (None when there is none)."""
+    difference = model_differences(fitted, loaded)
+    if difference is None or allow:
+        return difference and f"{label} {difference}"
+    fix = "refit it (dvc repro)" if fitted is None else "refit it on these models (dvc repro)"
+    raise OtherModelsError(f"map {label} {difference}; {fix}, or pass {OVERRIDE} to use it anyway")
 
 
 class Pair:
@@ -32,11 +75,14 @@ class Pair:
 
     def __init__(self, target: str, source: str | None = None, dtype: str = "float32", device: str | None = None,
                  device_map: str | None = None, target_revision: str | None = None,
-                 source_revision: str | None = None, max_tokens: int | None = None):
+                 source_revision: str | None = None, max_tokens: int | None = None,
+                 allow_other_models: bool = False):
         """`source` None: a target alone (the oracle and zero modes); `device_map`: accelerate spreads each model
         over the devices (`store.models.load_model`); `max_tokens`: the longest sequence a handoff will see (a
         sliding window shorter than it is refused now); without it every handoff refuses a sequence longer than
-        a sliding window when it comes (`Handoff.check_length`)."""
+        a sliding window when it comes (`Handoff.check_length`); `allow_other_models`: a map fitted on other models
+        is used (and its difference kept in `other_models`) instead of refused."""
+        self.allow_other_models, self.other_models = allow_other_models, []
         self.sides = {"target": (target, target_revision), "source": (source, source_revision)}  # name, revision
         self.dtype, self.device, self.device_map = dtype, device, device_map
         self.target_tokenizer = load_tokenizer(target, target_revision)
@@ -65,6 +111,8 @@ class Pair:
         pair.sides = {"target": (target.config._name_or_path, None),
                       "source": (None if source is None else source.config._name_or_path, None)}
         pair.dtype, pair.device, pair.device_map = target.dtype, target.device, None
+        pair.allow_other_models, pair.other_models = False, []
+        pair.__dict__["fingerprints"] = None  # models in memory: no files to fingerprint
         pair.target_tokenizer = pair.source_tokenizer = None
         pair.self_layers = None
         pair.max_tokens = max_tokens
@@ -89,6 +137,20 @@ class Pair:
     def has_source(self) -> bool:
         return self.sides["source"][0] is not None
 
+    @cached_property
+    def fingerprints(self) -> dict | None:
+        """Both models' `store.models.fingerprint` (hashed once, when the first map is bound); None in `Pair.of`."""
+        return {side: fingerprint(*self.sides[side]) if self.sides[side][0] else None for side in self.sides}
+
+    def bind(self, mapper: Mapper, label: str) -> None:
+        """Refuse `mapper` (called `label` in the message) unless it was fitted on this pair's models, or the pair
+        allows other models; then the difference is kept in `other_models`."""
+        if self.fingerprints is None:
+            return
+        difference = check_models(label, mapper.models, self.fingerprints, self.allow_other_models)
+        if difference and difference not in self.other_models:
+            self.other_models.append(difference)
+
     def _load(self, side: str):
         name, revision = self.sides[side]
         return load_model(name, revision, dtype=self.dtype, device=self.device, device_map=self.device_map)
@@ -108,9 +170,10 @@ class Pair:
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
                 shuffle_seed: int = 0, repair: Repair | str | None = None) -> Handoff:
         """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
-        pair's device; ignored by the modes that read none). A mode the contract leaves undefined is refused
-        before any weight is loaded. `source`, the source model alone, is the source's own prefill: its cache,
-        its predictions. `repair`: a setting or its string form (`kv.repair`), applied to every prefix cache."""
+        pair's device; ignored by the modes that read none), refused unless fitted on the pair's models. A mode the
+        contract leaves undefined is refused before any weight is loaded. `source`, the source model alone, is the
+        source's own prefill: its cache, its predictions. `repair`: a setting or its string form (`kv.repair`),
+        applied to every prefix cache."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
         if mode == "source":
             if repair is not None and not repair.empty:
@@ -122,7 +185,11 @@ class Pair:
         if mode not in MAPPER_MODES:
             mapper = None
         elif isinstance(mapper, (str, Path)):
+            label = str(mapper)
             mapper = load_mapper(mapper, device=self.device)
+            self.bind(mapper, label)
+        else:
+            self.bind(mapper, f"{mapper.family} k={mapper.k}")
         return Handoff(self.target, self.source if mode in SOURCE_MODES else None, mode, mapper,
                        shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens,
                        repair=repair)

@@ -12,8 +12,8 @@ from pipeline.store.shapes import PAIRS
 
 
 class SelectiveParams(Params):
-    maps: dict[str, str]  # name -> mapper file (a stage's output): the maps gated
-    scores: list[str]  # kv.gate.SCORES compared
+    maps: Annotated[dict[str, str], Field(min_length=1)]  # name -> mapper file (a stage's output): the maps gated
+    scores: Annotated[list[str], Field(min_length=1)]  # kv.gate.SCORES compared, each once
     disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
     target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
     probe_l2: Annotated[float, Field(gt=0)]  # the `probe` score's L2 penalty on its standardised weights
@@ -33,6 +33,12 @@ class SelectiveParams(Params):
         for name in self.scores:
             if name not in SCORES:
                 raise ParamError(f"selective.scores: unknown score {name!r} (known: {', '.join(SCORES)})")
+        twice = sorted({name for name in self.scores if self.scores.count(name) > 1})
+        if twice:
+            raise ParamError(f"selective.scores: {twice[0]!r} is listed twice; list each score once")
+        if "disagree" in self.scores and len(set(self.disagree)) == 1 and len(self.disagree) == 2:
+            raise ParamError(f"selective.disagree: the same file twice ({self.disagree[0]}); the score compares two "
+                             f"maps (k=1 and k=max): name two different files")
         if "disagree" in self.scores and len(self.disagree) != 2:
             raise ParamError("selective.disagree: name two mapper files (k=1 and k=max) for the 'disagree' score")
         if self.bound_pair not in PAIRS:
