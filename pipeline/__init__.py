@@ -53,7 +53,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "truncated",
-              "models", "cachefiles"),
+              "models", "fingerprints", "cachefiles"),
     "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
            "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),

@@ -47,8 +47,9 @@ from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, atomic_path
 from pipeline.store.cachefiles import KINDS, first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
+from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.lazy import lazy
-from pipeline.store.models import ModelsParams, load_config, load_model, pair_fingerprints
+from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 

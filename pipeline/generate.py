@@ -249,7 +249,8 @@ def gate_request(cli, args, modes: Sequence[str]) -> GateRequest | None:
     return GateRequest(args.fallback, args.threshold, files)
 
 
-def main(argv: list[str] | None = None) -> None:
+def command_line():
+    """generate's command line: the prompt, the modes, decoding, the gate and the pair."""
     cli = parser("pipeline.generate", __doc__)
     cli.add_argument("prompt", nargs="?", help="the prompt text")
     cli.add_argument("--file", help="read the prompt from this file")
@@ -277,7 +278,11 @@ def main(argv: list[str] | None = None) -> None:
                      "--target/--source (refused by default; the difference is printed before the prompts)")
     cli.add_argument("--threads", type=int, help="torch CPU threads; 0 keeps torch's default (default: "
                      "latency.threads, as the latency stage times)")
-    args = cli.parse_args(argv)
+    return cli
+
+
+def checked_modes(cli, args) -> list[str]:
+    """The modes asked for, once every flag is checked: one line and exit 2 for the first bad one."""
     if sum(bool(given) for given in (args.prompt, args.file, args.eval)) != 1:
         cli.error("give one of: a PROMPT, --file PATH or --eval N")
     if args.source and not args.target:
@@ -293,23 +298,35 @@ def main(argv: list[str] | None = None) -> None:
             raise ParamError(f"{flag}: nan is not a number; give a finite value (or -inf / inf for --threshold)")
     if args.temperature < 0 or args.temperature == float("inf"):
         raise ParamError(f"--temperature: expected a finite number >= 0 (0 is greedy), got {args.temperature}")
-    gate = gate_request(cli, args, modes)
     if args.max_new_tokens < 1 or (args.eval is not None and args.eval < 1):
         cli.error("--max-new-tokens and --eval must be at least 1")
+    return modes
+
+
+def built_pair(args, models: ModelsParams | None) -> Pair:
+    """The pair the flags name (`--target`/`--source`), else the pipeline's, in the flags' dtype and device."""
+    dtype = args.dtype or models.dtype
+    device = args.device or models.torch_device
+    device_map = None if args.device or models is None else models.device_map
+    if args.target:
+        return Pair(args.target, args.source, dtype, device, device_map, allow_other_models=args.allow_other_models)
+    pair = Pair.load(models.model_copy(update={"dtype": dtype, "device_map": device_map}), device)
+    pair.allow_other_models = args.allow_other_models
+    return pair
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = command_line()
+    args = cli.parse_args(argv)
+    modes = checked_modes(cli, args)
+    gate = gate_request(cli, args, modes)
     models = load_section(ModelsParams, "models") if PARAMS_FILE.is_file() else None
     if models is None and not (args.target and args.dtype and args.device):
         cli.error(f"no {PARAMS_FILE} here: give --target, --dtype and --device")
     threads = args.threads if args.threads is not None else read_key("latency.threads") if models else 0
     if threads > 0:  # threads contending for shared cores make a time to first token swing tenfold
         torch.set_num_threads(threads)
-    dtype = args.dtype or models.dtype
-    device = args.device or models.torch_device
-    device_map = None if args.device or models is None else models.device_map
-    if args.target:
-        pair = Pair(args.target, args.source, dtype, device, device_map, allow_other_models=args.allow_other_models)
-    else:
-        pair = Pair.load(models.model_copy(update={"dtype": dtype, "device_map": device_map}), device)
-        pair.allow_other_models = args.allow_other_models
+    pair = built_pair(args, models)
     shuffle_seed = args.shuffle_seed
     if shuffle_seed is None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0

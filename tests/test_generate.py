@@ -12,7 +12,8 @@ from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
-from pipeline.store.models import IncompatiblePairError, pair_fingerprints
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.models import IncompatiblePairError
 
 VOCAB = 97
 

@@ -14,6 +14,7 @@ from pipeline import latency
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.measure import latency as measure
+from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError
 
 VOCAB = 97
@@ -33,7 +34,10 @@ def stage_dir(tmp_path, monkeypatch, pair, tokenizer):
     for side, model in (("target", target), ("source", source)):  # a model folder as prepare_models leaves it
         model.save_pretrained(tmp_path / "models" / side)
         tokenizer.save_pretrained(tmp_path / "models" / side)
-    save_mapper(random_mapper(source.config, target.config, k=1), tmp_path / "models" / "mapper.safetensors")
+    mapper = random_mapper(source.config, target.config, k=1)
+    # bound to the pair it is used with, as a fitted map is (kv.pair refuses a map of other models)
+    mapper.models = pair_fingerprints(str(tmp_path / "models" / "source"), str(tmp_path / "models" / "target"))
+    save_mapper(mapper, tmp_path / "models" / "mapper.safetensors")
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     yield tmp_path

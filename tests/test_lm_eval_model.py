@@ -24,7 +24,8 @@ from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
-from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError, pair_fingerprints
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
 from pipeline.store.params import parse
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import pipeline.kv.pair as pair_module
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.scoring import score_continuations
-from pipeline.store.models import IncompatiblePairError, pair_fingerprints
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.models import IncompatiblePairError
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ linear, head_matched, mlp, low_rank, ...): the family says what a layer's tensor
 File: a checksummed artifact (see `artifacts`) with tensors `{keys,values}.{layer}.{name}` (the family's
 `tensor_names`) and metadata naming the source and target, k, lambda, the chosen source layers per target layer
 and both models' rotary settings and KV geometry, both models' fingerprints (`models`: the pair it is bound
-to, `store.models.pair_fingerprints`, checked by `kv.pair.Pair.handoff`); `extra` holds the fit's facts, among
+to, `store.fingerprints.pair_fingerprints`, checked by `kv.pair.Pair.handoff`); `extra` holds the fit's facts, among
 them the two the other stages read, typed here: the key space (`key_space: rotated` for the no-strip ablation)
 and the distillation facts of a distilled map.
 """
@@ -51,7 +51,7 @@ class Mapper:
     extra: dict[str, Any] = field(default_factory=dict)  # the fit's facts, for the record
     key_space: str = "content"  # rotated: fitted on keys with RoPE kept (the length study's ablation)
     distilled: dict | None = None  # a distilled map's facts (start digest, loss weights, best epoch, ...)
-    # the pair it was fitted on: {"source"|"target": {"pin", "tokenizer"}} (store.models.pair_fingerprints);
+    # the pair it was fitted on: {"source"|"target": {"pin", "tokenizer"}} (store.fingerprints.pair_fingerprints);
     # None: a map written before maps were bound to their pair, or one made in memory
     models: dict | None = None
 

@@ -12,7 +12,7 @@ many mappers loads the models once). A self source (`self:<n>` or a prepared fol
 again.
 
 A map is bound to the pair it was fitted on: every handoff built with one compares the map's fingerprints of
-both models (`Mapper.models`) with the pair's (`store.models.fingerprint`: weights and config, tokenizer files)
+both models (`Mapper.models`) with the pair's (`store.fingerprints.fingerprint`: weights and config, tokenizer files)
 before any forward, and refuses a mismatch in one line naming what differs (`OtherModelsError`), unless the pair
 was built with `allow_other_models`; then each mismatch is kept in `other_models` for the outputs to record.
 A pair of models in memory (`Pair.of`) has no files to fingerprint: its maps are the caller's, unchecked.
@@ -29,7 +29,8 @@ from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
-from pipeline.store.models import ModelsParams, fingerprint, load_config, load_model, load_tokenizer, self_source
+from pipeline.store.fingerprints import fingerprint
+from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, self_source
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import truncate
 
@@ -46,7 +47,7 @@ def short(value: str | None) -> str:
 
 def model_differences(fitted: dict | None, loaded: dict) -> str | None:
     """What differs between the models a map was fitted on (`Mapper.models`) and the ones loaded
-    (`store.models.pair_fingerprints`), as the rest of a sentence; None when they are the same."""
+    (`store.fingerprints.pair_fingerprints`), as the rest of a sentence; None when they are the same."""
     if fitted is None:
         return "records no fingerprints of the models it was fitted on (written before maps were bound to their pair)"
     if fitted == loaded:
@@ -139,8 +140,11 @@ class Pair:
 
     @cached_property
     def fingerprints(self) -> dict | None:
-        """Both models' `store.models.fingerprint` (hashed once, when the first map is bound); None in `Pair.of`."""
-        return {side: fingerprint(*self.sides[side]) if self.sides[side][0] else None for side in self.sides}
+        """Both models' `store.fingerprints.fingerprint` (hashed once, when the first map is bound); None in
+        `Pair.of`."""
+        target = self.sides["target"][0]  # a self source is fingerprinted as its target's first n layers
+        return {side: fingerprint(*self.sides[side], target=target) if self.sides[side][0] else None
+                for side in self.sides}
 
     def bind(self, mapper: Mapper, label: str) -> None:
         """Refuse `mapper` (called `label` in the message) unless it was fitted on this pair's models, or the pair
