@@ -67,6 +67,13 @@ def scored(lm, handoff, tasks, prompts, oracle, batch_size: int) -> tuple[dict, 
     return figures, items, rows
 
 
+def repaired(pair: Pair, path, setting, tasks, prompts, oracle, batch_size: int):
+    """The map at `path` under one repair setting: its handoff, and `scored`'s figures, item and prompt rows."""
+    handoff = pair.handoff("mapped", path, repair=setting)
+    lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=batch_size)
+    return handoff, scored(lm, handoff, tasks, prompts, oracle, batch_size)
+
+
 def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
     """Every map at every setting of the grid, and the truncated prompt at each budget level; `timed`: measure the
     speedup here (False in tests)."""
@@ -81,9 +88,8 @@ def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
     with atomic_dir(OUT) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
-            handoff = pair.handoff("mapped", params.maps[name], repair=setting)
-            lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
-            figures, items, rows = scored(lm, handoff, pair.eval_tasks, prompts, oracle, params.batch_size)
+            handoff, (figures, items, rows) = repaired(pair, params.maps[name], setting, pair.eval_tasks, prompts,
+                                                      oracle, params.batch_size)
             write_rows(staging, name, str(setting), items, rows)
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
