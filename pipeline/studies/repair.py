@@ -82,6 +82,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
                         "vs_none_high": against["high"], "gate": gate_at(inputs.curves, selective, name, budget)})
         rows.append(row)
+    rows.sort(key=lambda row: (row["map"] == TRUNCATED, row["map"], row["budget"]))
     return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"]}
 
 
