@@ -24,15 +24,15 @@ from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, load_value
-from pipeline.studies import calibration, candidates, distillation, length, selective, variants
+from pipeline.studies import calibration, candidates, distillation, length, repair, selective, variants
 from pipeline.studies.settings import ReportParams
 
 plt = lazy("matplotlib.pyplot")
 pd = lazy("pandas")
 
 # the studies beside the variants, in the report's order: key in metrics/report.json -> module
-STUDIES = {"distillation": distillation, "candidates": candidates, "selective": selective, "calibration": calibration,
-           "length": length}
+STUDIES = {"distillation": distillation, "candidates": candidates, "selective": selective, "repair": repair,
+           "calibration": calibration, "length": length}
 HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 

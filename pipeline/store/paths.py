@@ -35,6 +35,7 @@ CANDIDATE_ITEMS = EVAL / "candidates"
 CANDIDATE_PROMPTS = CANDIDATE_ITEMS / "prompts"  # per eval prompt: each distilled map and its start
 CALIBRATION_ITEMS = EVAL / "calibration"
 LENGTH_ROWS = EVAL / "length"
+REPAIR_ROWS = EVAL / "repair"  # per repaired map and setting, and per truncated-prompt budget: item and prompt rows
 SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gated map, and the curves
 
 # metrics/: small JSON kept in git, compared by `dvc metrics diff`
@@ -53,6 +54,7 @@ CALIBRATION = METRICS / "calibration"
 LENGTH = METRICS / "length.json"
 LATENCY = METRICS / "latency.json"
 SELECTIVE_METRICS = METRICS / "selective.json"
+REPAIR_METRICS = METRICS / "repair.json"
 REPORT = METRICS / "report.json"
 HEADLINE = METRICS / "headline"
 
@@ -176,3 +178,9 @@ def candidate_items(name: str, folder: Path = CANDIDATE_ITEMS) -> Path:
 def candidate_prompts(name: str, folder: Path = CANDIDATE_PROMPTS) -> Path:
     """One map's per-prompt rows from the candidates stage (a distilled map and its start)."""
     return folder / f"{name}.parquet"
+
+
+def repair_rows(table: str, name: str, setting: str, folder: Path = REPAIR_ROWS) -> Path:
+    """A repaired map's (or `truncated`'s) `items` or `prompts` rows at one setting (or budget), eval/repair/<name>/;
+    the setting's string form made a file name (`:` -> `_`, `+` -> `-`)."""
+    return folder / name / f"{setting.replace(':', '_').replace('+', '-')}.{table}.parquet"

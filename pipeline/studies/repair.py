@@ -1,0 +1,158 @@
+"""The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
+
+Inputs: metrics/repair.json (per map and setting: task accuracies, prompt figures, budget, FLOP bound, measured
+speedup; per budget level the truncated prompt's) and eval/repair/ (their item rows), the oracle's and the source's
+items for retention and gap closure, and the selective study's curves (the gate at the same mean cost: its best
+score's retention at the fallback rate equal to the budget, interpolated; the score's own cost is left out).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.store import paths
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import Run
+
+np = lazy("numpy")
+pd = lazy("pandas")
+
+TRUNCATED = "truncated"  # stage repair's name of the truncated-prompt baseline
+
+
+@dataclass
+class Inputs:
+    items: dict[str, pd.DataFrame]  # the variants' per-item rows (the oracle's and the source's are read)
+    metrics: dict
+    rows: dict[tuple[str, str], pd.DataFrame]  # (map or `truncated`, setting or budget) -> item rows
+    curves: pd.DataFrame | None  # the selective stage's curves, None when it did not run
+
+
+def load(run: Run) -> Inputs | None:
+    """None when the stage did not run, or without the oracle's and the source's items."""
+    if not paths.REPAIR_METRICS.is_file() or not {"oracle", "source"} <= set(run.items):
+        return None
+    metrics = json.loads(paths.REPAIR_METRICS.read_text())
+    rows = {(name, setting): pd.read_parquet(paths.repair_rows("items", name, setting))
+            for name, settings in metrics["maps"].items() for setting in settings}
+    rows.update({(TRUNCATED, budget): pd.read_parquet(paths.repair_rows("items", TRUNCATED, budget))
+                 for budget in metrics.get(TRUNCATED, {})})
+    curves = pd.read_parquet(paths.SELECTIVE / "curves.parquet") if paths.SELECTIVE_METRICS.is_file() else None
+    return Inputs(run.items, metrics, rows, curves)
+
+
+def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budget: float) -> float | None:
+    """The selective gate's retention (eval items) for map `name` at the fallback rate equal to `budget`, with the
+    map's best score by AUROC; None when the gate was not run for the map."""
+    if curves is None or not selective or name not in selective.get("maps", {}):
+        return None
+    scores = selective["maps"][name]["scores"]
+    best = max(scores, key=lambda score: scores[score]["auroc_items"])
+    curve = curves[(curves["map"] == name) & (curves.score == best) & (curves.requests == "items")]
+    curve = curve.sort_values("fallback_rate")
+    return float(np.interp(min(budget, 1.0), curve.fallback_rate, curve.retention)) if len(curve) else None
+
+
+def compute(params: ReportParams, inputs: Inputs) -> dict:
+    """Per map and setting (and per truncated budget): retention and gap closure with paired 95% intervals, and
+    against the unrepaired map (`none`); the figures of the stage; the gate at the same cost."""
+    selective = json.loads(paths.SELECTIVE_METRICS.read_text()) if inputs.curves is not None else None
+    rows = []
+    for (name, setting), frame in inputs.rows.items():
+        key = f"{name}@{setting}"
+        both = {**inputs.items, key: frame}
+        retention = retention_interval(both, key, params.retention_metric, params.bootstrap_iters, params.seed)
+        closure = gap_closure_interval(both, key, params.retention_metric, params.bootstrap_iters, params.seed)
+        figures = (inputs.metrics[TRUNCATED][setting] if name == TRUNCATED
+                   else inputs.metrics["maps"][name][setting])
+        budget = float(setting) if name == TRUNCATED else figures["budget"]
+        row = {"map": name, "setting": setting, "budget": budget,
+               "policy": "truncated prompt" if name == TRUNCATED else policy(setting),
+               "retention": retention["retention"], "retention_low": retention["low"],
+               "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
+               "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
+               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")}}
+        if name != TRUNCATED:
+            unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
+            against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
+            row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
+                        "vs_none_high": against["high"], "gate": gate_at(inputs.curves, selective, name, budget)})
+        rows.append(row)
+    rows.sort(key=lambda row: (row["map"] == TRUNCATED, row["map"], row["budget"]))
+    return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"]}
+
+
+def policy(setting: str) -> str:
+    """A setting's policy for the figure's lines: its token choice, or its parts without their sizes."""
+    if setting == "none":
+        return "none"
+    parts = [part.split(":") for part in setting.split("+")]
+    return "+".join(part[2] if part[0] == "tokens" else part[0] for part in parts)
+
+
+def cheapest(rows: list[dict]) -> str:
+    """The sentence naming, per map, the cheapest setting whose retention interval reaches the oracle (upper end
+    at least 100%), or saying that none does."""
+    out = []
+    for name in dict.fromkeys(row["map"] for row in rows if row["map"] != TRUNCATED):
+        reaching = [row for row in rows if row["map"] == name and row["retention_high"] >= 1.0]
+        if reaching:
+            row = min(reaching, key=lambda row: row["budget"])
+            out.append(f"For `{name}` the cheapest setting whose retention interval reaches the oracle is "
+                       f"`{row['setting']}` (budget {pct(row['budget'])} of the target's prefill, retention "
+                       f"{pct_interval(row['retention'], row['retention_low'], row['retention_high'])}).")
+        else:
+            out.append(f"For `{name}` no setting's retention interval reaches the oracle.")
+    return " ".join(out)
+
+
+def lines(study: dict) -> list[str]:
+    rows = study["rows"]
+    speed = lambda value: "—" if value is None else f"{value:.2f}x"  # noqa: E731
+    out = ["## Repair: the target recomputes part of the mapped cache", "",
+           f"Each map at each repair setting (`kv.repair`), evaluated on the eval part. Budget: the repair's "
+           f"multiply-adds over the target's prefill at `{study['bound_pair']}`'s shapes for {study['length']} "
+           f"prompt tokens; bound: the handoff's FLOP speedup bound there with the repair; measured: time to first "
+           f"token here. Against `none`: retention with the unrepaired map in the oracle's place. The truncated "
+           f"prompt is the target's own prefill of only the last budget share of each context; the gate column is "
+           f"the selective gate's retention at a fallback rate equal to the budget (its score's cost left out).", ""]
+    pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
+    out += md_table(
+        ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
+         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured"],
+        [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pm(r["next_token_top1"]), pm(r["rollout_agreement"]),
+          pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
+          pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
+          "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
+          pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"])] for r in rows])
+    out += ["", cheapest(rows), "", "![retention against budget](report/repair.png)", ""]
+    return out
+
+
+def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
+    """Per map: retention against budget, one line per policy; the truncated prompt and the gate as baselines."""
+    table = pd.DataFrame(study["rows"])
+    maps = [name for name in dict.fromkeys(table["map"]) if name != TRUNCATED]
+    fig, axes = subplots(1, max(len(maps), 1), figsize=(5 * max(len(maps), 1), 3.8), squeeze=False, sharey=True)
+    truncated = table[table["map"] == TRUNCATED].sort_values("budget")
+    for ax, name in zip(axes[0], maps):
+        part = table[table["map"] == name]
+        none = part[part.setting == "none"]
+        for label, group in part[part.setting != "none"].groupby("policy", sort=True):
+            group = pd.concat([none, group]).sort_values("budget")
+            ax.plot(group.budget, group.retention, marker="o", label=label)
+        ax.plot(truncated.budget, truncated.retention, "k--", marker="x", label="truncated prompt")
+        gated = part.dropna(subset=["gate"]) if "gate" in part else part.iloc[:0]
+        ax.scatter(gated.budget, gated.gate, marker="s", facecolors="none", edgecolors="grey", label="gate, same cost")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel(f"budget (share of target prefill, {study['bound_pair']})")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("retention (eval items)")
+    fig.tight_layout()
+    save_figure(fig, folder / "repair.png")
+    return {"repair": table}

@@ -1,0 +1,90 @@
+"""Stage `repair` on a tiny pair built here (the unrepaired setting is the mapped handoff, a full repair the oracle)
+and the repair study's sentence on hand-made rows."""
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import hellaswag_rows, piqa_rows
+
+from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.pair import Pair
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure.compare import oracle_outputs
+from pipeline.repair import kept, repaired, scored
+from pipeline.studies.repair import cheapest, policy
+
+ITEMS = 6  # per task
+PROMPTS = 4
+
+
+@pytest.fixture(scope="module")
+def setup(wide_pair, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("repair")
+    pair = Pair(str(wide_pair["target"]), str(wide_pair["source"]), "float32", "cpu")
+    save_mapper(random_mapper(pair.source.config, pair.target.config, k=1, seed=0), root / "k1.safetensors")
+    pd.DataFrame(hellaswag_rows(ITEMS)).to_parquet(root / "hellaswag.parquet", index=False)
+    pd.DataFrame(piqa_rows(ITEMS)).to_parquet(root / "piqa.parquet", index=False)
+    tasks = {"hellaswag": root / "hellaswag.parquet", "piqa": root / "piqa.parquet"}
+    prompts = [(list(range(3 + i, 15 + 2 * i)), [5, 6, 7, 8]) for i in range(PROMPTS)]
+    oracle = oracle_outputs(pair.handoff("oracle"), prompts, 8, 4, 2, progress=False)
+    return {"pair": pair, "map": root / "k1.safetensors", "tasks": tasks, "prompts": prompts, "oracle": oracle}
+
+
+def _figures(setup: dict, handoff) -> tuple[dict, pd.DataFrame]:
+    lm = KVTransferLM(handoff, setup["pair"].target_tokenizer, batch_size=4)
+    figures, items, _ = scored(lm, handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+    return figures, items
+
+
+@pytest.mark.slow  # five lm-eval runs of 12 items on a tiny pair
+def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
+    pair, path = setup["pair"], setup["map"]
+    grid = {}
+    for setting in ("none", "tokens:1:recency"):
+        _, (figures, items, _) = repaired(pair, path, setting, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+        grid[setting] = figures, items
+    mapped, mapped_items = _figures(setup, pair.handoff("mapped", path))
+    oracle, oracle_items = _figures(setup, pair.handoff("oracle"))
+    assert grid["none"][0] == mapped
+    pd.testing.assert_frame_equal(grid["none"][1], mapped_items)
+    repaired_figures, repaired_items = grid["tokens:1:recency"]
+    for key in ("hellaswag_acc", "hellaswag_acc_norm", "piqa_acc", "piqa_acc_norm"):
+        assert repaired_figures[key] == oracle[key]
+    assert (repaired_items.acc.to_numpy() == oracle_items.acc.to_numpy()).all()
+    assert repaired_figures["next_token_top1"] == 1.0 and repaired_figures["rollout_agreement"] == 1.0
+    assert repaired_figures["mean_kl"] < 1e-4
+
+
+def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_one_token():
+    assert kept(list(range(10)), 0.3) == [7, 8, 9]
+    assert kept(list(range(10)), 0.01) == [9]
+    assert kept(list(range(10)), 1.0) == list(range(10))
+
+
+def _row(name: str, setting: str, budget: float, high: float) -> dict:
+    return {"map": name, "setting": setting, "budget": budget, "retention": high - 0.1, "retention_low": high - 0.2,
+            "retention_high": high}
+
+
+def test_the_sentence_names_the_cheapest_setting_whose_interval_reaches_the_oracle():
+    rows = [_row("m", "none", 0.0, 0.9), _row("m", "tokens:0.2:recency", 0.2, 1.02),
+            _row("m", "tokens:0.1:attention", 0.11, 1.0), _row("m", "layers:1", 0.05, 0.95),
+            _row("truncated", "0.01", 0.01, 1.5)]
+    sentence = cheapest(rows)
+    assert "`tokens:0.1:attention`" in sentence and "tokens:0.2" not in sentence and "truncated" not in sentence
+
+
+def test_the_sentence_says_none_reaches_when_no_interval_reaches_the_oracle():
+    sentence = cheapest([_row("m", "none", 0.0, 0.9), _row("m", "layers:1", 0.05, 0.99)])
+    assert sentence == "For `m` no setting's retention interval reaches the oracle."
+
+
+def test_a_settings_policy_is_its_token_choice_or_its_parts_without_sizes():
+    assert [policy(s) for s in ("none", "layers:1", "tokens:0.1:attention", "sink:4+tokens:0.1:deviation")] == [
+        "none", "layers", "attention", "sink+deviation"]
+
+
+def test_paths_of_rows_are_file_names_without_colons():
+    from pipeline.store import paths
+    assert paths.repair_rows("items", "m", "sink:4+tokens:0.1:attention") == Path(
+        "eval/repair/m/sink_4-tokens_0.1_attention.items.parquet")
