@@ -84,7 +84,8 @@ def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0]
     settings = params.settings()
     budgets = {str(s): repair_budget(bound_configs[1], s, params.length) for s in settings}
-    metrics: dict = {"length": params.length, "bound_pair": params.bound_pair, "grid": [str(s) for s in settings]}
+    metrics: dict = {"length": params.length, "bound_pair": params.bound_pair, "grid": [str(s) for s in settings],
+                     "gate_score": params.gate_score}
     with atomic_dir(OUT) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):

@@ -11,6 +11,7 @@ from pipeline.kv.pair import Pair
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs
 from pipeline.repair import kept, repaired, scored
+from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.studies.repair import cheapest, policy
 
 ITEMS = 6  # per task
@@ -21,7 +22,9 @@ PROMPTS = 4
 def setup(wide_pair, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("repair")
     pair = Pair(str(wide_pair["target"]), str(wide_pair["source"]), "float32", "cpu")
-    save_mapper(random_mapper(pair.source.config, pair.target.config, k=1, seed=0), root / "k1.safetensors")
+    mapper = random_mapper(pair.source.config, pair.target.config, k=1, seed=0)
+    mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))  # bound to its pair
+    save_mapper(mapper, root / "k1.safetensors")
     pd.DataFrame(hellaswag_rows(ITEMS)).to_parquet(root / "hellaswag.parquet", index=False)
     pd.DataFrame(piqa_rows(ITEMS)).to_parquet(root / "piqa.parquet", index=False)
     tasks = {"hellaswag": root / "hellaswag.parquet", "piqa": root / "piqa.parquet"}

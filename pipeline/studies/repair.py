@@ -2,8 +2,9 @@
 
 Inputs: metrics/repair.json (per map and setting: task accuracies, prompt figures, budget, FLOP bound, measured
 speedup; per budget level the truncated prompt's) and eval/repair/ (their item rows), the oracle's and the source's
-items for retention and gap closure, and the selective study's curves (the gate at the same mean cost: its best
-score's retention at the fallback rate equal to the budget, interpolated; the score's own cost is left out).
+items for retention and gap closure, and the selective study's curves (the gate at the same mean cost: the
+retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the score's own
+cost is left out).
 """
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ def load(run: Run) -> Inputs | None:
     return Inputs(run.items, metrics, rows, curves)
 
 
-def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budget: float) -> float | None:
-    """The selective gate's retention (eval items) for map `name` at the fallback rate equal to `budget`, with the
-    map's best score by AUROC; None when the gate was not run for the map."""
+def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budget: float,
+            score: str) -> float | None:
+    """The selective gate's retention (eval items) for map `name` at the fallback rate equal to `budget`, by the
+    score `repair.gate_score` declares (chosen on nothing of the eval part); None when the gate was not run for the
+    map with that score."""
     if curves is None or not selective or name not in selective.get("maps", {}):
         return None
-    scores = selective["maps"][name]["scores"]
-    best = max(scores, key=lambda score: scores[score]["auroc_items"])
-    curve = curves[(curves["map"] == name) & (curves.score == best) & (curves.requests == "items")]
+    curve = curves[(curves["map"] == name) & (curves.score == score) & (curves.requests == "items")]
     curve = curve.sort_values("fallback_rate")
     return float(np.interp(min(budget, 1.0), curve.fallback_rate, curve.retention)) if len(curve) else None
 
@@ -80,10 +81,12 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
-                        "vs_none_high": against["high"], "gate": gate_at(inputs.curves, selective, name, budget)})
+                        "vs_none_high": against["high"],
+                        "gate": gate_at(inputs.curves, selective, name, budget, inputs.metrics["gate_score"])})
         rows.append(row)
     rows.sort(key=lambda row: (row["map"] == TRUNCATED, row["map"], row["budget"]))
-    return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"]}
+    return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"],
+            "gate_score": inputs.metrics["gate_score"]}
 
 
 def policy(setting: str) -> str:
@@ -119,7 +122,8 @@ def lines(study: dict) -> list[str]:
            f"prompt tokens; bound: the handoff's FLOP speedup bound there with the repair; measured: time to first "
            f"token here. Against `none`: retention with the unrepaired map in the oracle's place. The truncated "
            f"prompt is the target's own prefill of only the last budget share of each context; the gate column is "
-           f"the selective gate's retention at a fallback rate equal to the budget (its score's cost left out).", ""]
+           f"the selective gate's retention by its `{study['gate_score']}` score (declared in params) at a fallback "
+           f"rate equal to the budget (the score's own cost left out).", ""]
     pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
