@@ -141,7 +141,8 @@ def fitted_worlds(two_worlds):
 def test_fit_on_two_processes_writes_the_same_mappers_and_tables_as_one(fitted_worlds):
     one, two = fitted_worlds
     mappers = _files(one / "models/mappers")
-    assert len(mappers) == 9 and mappers == _files(two / "models/mappers")  # 2 families x 2 k x 2 lambdas + mlp
+    # linear, head_matched and low_rank x 2 k x 2 lambdas (one rank), and the MLP
+    assert len(mappers) == 13 and mappers == _files(two / "models/mappers")
     for table in ("fit_layers.csv", "fit_probe.csv"):
         assert (one / "metrics" / table).read_bytes() == (two / "metrics" / table).read_bytes()
     assert _untimed(one / "metrics/fit.json") == _untimed(two / "metrics/fit.json")

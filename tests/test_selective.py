@@ -19,6 +19,7 @@ from pipeline.measure import gating
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.schema.selective import SelectiveParams
 from pipeline.selective import METRIC, add_probe, item_rows, task_frame, train_probe
+from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import parse
 
 VOCAB = 97
@@ -196,7 +197,9 @@ def sharp_pair(wide_pair, tmp_path_factory) -> dict[str, Path]:
     PIQA items as Parquet, as the stage reads them."""
     root = tmp_path_factory.mktemp("sharp")
     source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
-    save_mapper(random_mapper(source.config, target.config, k=1, seed=0), root / "k1.safetensors")
+    mapper = random_mapper(source.config, target.config, k=1, seed=0)
+    mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))  # bound to its pair
+    save_mapper(mapper, root / "k1.safetensors")
     pd.DataFrame(hellaswag_rows(E2E_ITEMS)).to_parquet(root / "hellaswag.parquet", index=False)
     pd.DataFrame(piqa_rows(E2E_ITEMS)).to_parquet(root / "piqa.parquet", index=False)
     return {**wide_pair, "mapper": root / "k1.safetensors", "hellaswag": root / "hellaswag.parquet",
