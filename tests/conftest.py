@@ -15,6 +15,8 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from pipeline import pin_models, prepare_models
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
@@ -180,3 +182,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.path])  # stable: each file's tests keep their order
+
+
+def pin_and_prepare(root: Path, params: dict, monkeypatch) -> None:
+    """`pin_models` then `prepare_models` as dvc runs them: in `root`, with `params` as its params.yaml, offline
+    (the stages' paths, models/pins.json and models/<side>, are relative to the working directory)."""
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    pin_models.main([])
+    prepare_models.main([])
+    torch.set_num_threads(threads)  # the stage sets the process's thread count

@@ -4,9 +4,8 @@ import json
 import shutil
 
 import pytest
-import torch
 import yaml
-from conftest import ROOT, committed
+from conftest import ROOT, committed, pin_and_prepare
 from huggingface_hub import constants as hf_constants
 
 from pipeline import pin_models, prepare_models
@@ -55,15 +54,9 @@ def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_na
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["models"] = committed("models", kind="hub", source=str(tmp_path / "ckpt" / "source"),
                                  target=str(tmp_path / "ckpt" / "target"))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     # both stages run as dvc runs them, in the working directory: their paths (models/pins.json, models/<side>)
     # are relative and fixed at import, so moving the directory, not patching a module's MODELS, moves them all
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    pin_models.main([])
-    prepare_models.main([])
-    torch.set_num_threads(threads)  # the stage sets the process's thread count
+    pin_and_prepare(tmp_path, params, monkeypatch)
     for name in ("source", "target"):
         pointer = json.loads((tmp_path / "models" / name / "local.json").read_text())
         assert pointer["path"] == str((tmp_path / "ckpt" / name).resolve())

@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, build_model, committed, tiny_config
+from conftest import ROOT, build_model, committed, pin_and_prepare, tiny_config
 from kvworld import write_sequences
 
 import pipeline.kv.pair as pair_module
-from pipeline import check_pair, pin_models, prepare_models
+from pipeline import check_pair
 from pipeline.check_params import check
 from pipeline.extract import run as extract
 from pipeline.fit import run as fit
@@ -159,13 +159,7 @@ def test_pin_and_prepare_make_the_source_the_targets_pin_plus_n_and_a_pointer_wi
     shutil.copytree(ROOT / "models" / "target", tmp_path / "ckpt" / "target")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["models"] = committed("models", kind="hub", source="self:2", target=str(tmp_path / "ckpt" / "target"))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    pin_models.main([])
-    prepare_models.main([])
-    torch.set_num_threads(threads)  # the stage sets the process's thread count
+    pin_and_prepare(tmp_path, params, monkeypatch)
     pins = json.loads((tmp_path / "models" / "pins.json").read_text())
     assert pins["source"] == {"kind": "self", "layers": 2, "target": pins["target"]}
     assert sorted(path.name for path in (tmp_path / "models" / "source").iterdir()) == ["self.json"]
