@@ -310,9 +310,8 @@ def built_pair(args, models: ModelsParams | None) -> Pair:
     device_map = None if args.device or models is None else models.device_map
     if args.target:
         return Pair(args.target, args.source, dtype, device, device_map, allow_other_models=args.allow_other_models)
-    pair = Pair.load(models.model_copy(update={"dtype": dtype, "device_map": device_map}), device)
-    pair.allow_other_models = args.allow_other_models
-    return pair
+    return Pair.load(models.model_copy(update={"dtype": dtype, "device_map": device_map}), device,
+                     allow_other_models=args.allow_other_models)
 
 
 def main(argv: list[str] | None = None) -> None:

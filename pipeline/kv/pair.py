@@ -99,11 +99,12 @@ class Pair:
 
     @classmethod
     def load(cls, models: ModelsParams, device: str, dtype: str | None = None, max_tokens: int | None = None,
-             source: bool = True) -> "Pair":
+             source: bool = True, allow_other_models: bool = False) -> "Pair":
         """The pipeline's pair (models/target, models/source, as prepare_models left them) in `models.dtype` (or
         `dtype`), on `device` or spread by `models.device_map`; `source` False: the target alone."""
         return cls(str(paths.model("target")), str(paths.model("source")) if source else None,
-                   dtype or models.dtype, device, models.device_map, max_tokens=max_tokens)
+                   dtype or models.dtype, device, models.device_map, max_tokens=max_tokens,
+                   allow_other_models=allow_other_models)
 
     @classmethod
     def of(cls, target, source=None, max_tokens: int | None = None) -> "Pair":
