@@ -11,8 +11,19 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     repair=<kv.repair setting, e.g. sink:4+tokens:0.1:attention: the target recomputes part of the cache>
     allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
 
-With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step and falls back to the
-target's own prefill where its score exceeds `threshold`; `routes` keeps each context's score and way.
+With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step (the map's cache, before
+any repair) and falls back to the target's own prefill where its score exceeds `threshold`; `routes` keeps each
+context's score and way.
+
+Every request's route is recorded (`ledger`, per lm-eval Instance: task, doc id, request index): served by the
+handoff itself (its mode: `mapped`, `direct`, ...; `repaired` under a `repair=` setting), `fell_back` to the
+target's prefill (with the gate's score), or `empty_prefix` (a one-token context hands nothing off: the target reads
+it alone, as the oracle would). lm-eval's results record the counts per task in their `config` (`kv_transfer`:
+transfer, repair, gate score and threshold, `routes`), zeros included, so a gate that never fires shows
+`fell_back: 0`; the `run` command prints them after lm-eval's table, and with `--log_samples` each sample carries
+`route` (and `gate_score` under a gate), one per request in the order of its `arguments`. A request the handoff
+cannot serve (a sequence longer than a sliding window) stops the run: no route is `refused`. Requests lm-eval
+answers from its own cache (`--use_cache`) never reach the model and are not counted.
 
 lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
 own Pair passes a handoff of it to `KVTransferLM(handoff, tokenizer, ...)` and scores many handoffs on models
@@ -33,10 +44,14 @@ cuda when there is one, else cpu; the README shows the hub and the local-task fo
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from dataclasses import dataclass
+from typing import Iterator
 
 import jinja2
+import lm_eval.evaluator as lm_eval_evaluator
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -55,8 +70,18 @@ from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
 
 DEFAULT_MAX_GEN_TOKS = 256
+FELL_BACK, EMPTY_PREFIX, REPAIRED = "fell_back", "empty_prefix", "repaired"  # routes besides the handoff's mode
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one request was served: `way` (the handoff's mode, REPAIRED, FELL_BACK or EMPTY_PREFIX) and, under a
+    gate, its context's score."""
+
+    way: str
+    score: float | None = None
 
 
 @register_model("kv-transfer")
@@ -69,6 +94,8 @@ class KVTransferLM(TemplateLM):
         super().__init__()
         self.handoff, self.gate = handoff, gate
         self.routes: dict[tuple[int, ...], tuple[float, bool]] = {}  # gated context -> (score, fell back)
+        self.ledger: dict[tuple, tuple[Route, str]] = {}  # (task, doc id, request index) -> route, repr of its args
+        self.request_routes: dict[tuple[str, str], Route] = {}  # lm-eval's (context, continuation) -> its route
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
@@ -197,6 +224,70 @@ class KVTransferLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def served_by(self) -> str:
+        """The way of a request the handoff serves itself: its mode, or `repaired` under a repair setting."""
+        return self.handoff.mode if self.handoff.repair.empty else REPAIRED
+
+    def ways(self) -> list[str]:
+        """Every way this model can send a request, in the order the counts list them."""
+        return ([self.served_by] + ([EMPTY_PREFIX] if self.handoff.mode != "oracle" else [])
+                + ([FELL_BACK] if self.gate is not None else []))
+
+    def routed(self, contexts: list[list[int]]) -> list[Route]:
+        """Each context's route (the gate's decisions recorded in `routes`)."""
+        fell = self.route(contexts)
+        scored = [self.routes[tuple(context)][0] if self.gate is not None else None for context in contexts]
+        return [Route(FELL_BACK if fell_back else EMPTY_PREFIX if len(context) < 2 and self.handoff.mode != "oracle"
+                      else self.served_by, score) for context, fell_back, score in zip(contexts, fell, scored)]
+
+    def record(self, request, route: Route) -> None:
+        """`route` as the route of lm-eval's Instance `request`."""
+        self.ledger[(request.task_name, request.doc_id, request.idx)] = (route, repr(request.args))
+
+    def route_counts(self) -> dict[str, dict[str, int]]:
+        """Per task: its requests and how many went each way (every way of `ways()`, zeros included)."""
+        counts: dict[str, dict[str, int]] = {}
+        for (task, _, _), (route, _) in self.ledger.items():
+            tally = counts.setdefault(str(task), dict.fromkeys(["requests", *self.ways()], 0))
+            tally["requests"] += 1
+            tally[route.way] = tally.get(route.way, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def gather_routes(self) -> None:
+        """Every rank's ledger merged into rank 0's (lm-eval gives each rank every N-th document; its padding repeats
+        a rank's own request, the same key); in one process, nothing changes."""
+        ledgers = self._ranks.gather(self.ledger)
+        if ledgers is not None:
+            self.ledger = {key: value for ledger in ledgers for key, value in ledger.items()}
+
+    def get_model_info(self) -> dict:
+        """What lm-eval records in its results' `config` beside the model args (lm-eval calls this on rank 0 after
+        the evaluation): the transfer, the repair setting, the gate and each task's requests by route."""
+        gate = None if self.gate is None else {"score": self.gate.score, "threshold": self.gate.threshold}
+        return {"kv_transfer": {"transfer": self.handoff.mode, "repair": str(self.handoff.repair), "gate": gate,
+                                "routes": self.route_counts()}}
+
+    def mark_samples(self, samples: dict[str, list[dict]]) -> None:
+        """Each of lm-eval's logged samples (task -> samples) given `route`, one way per request in the order of its
+        `arguments` (None for one this model did not see), and under a gate `gate_score`."""
+        by_args = {(str(task), args): route for (task, _, _), (route, args) in self.ledger.items()}
+        for task, rows in samples.items():
+            for sample in rows:
+                routes = [by_args.get((task, repr(args))) for args in sample["arguments"]]
+                sample["route"] = [None if route is None else route.way for route in routes]
+                if self.gate is not None:
+                    sample["gate_score"] = [None if route is None else route.score for route in routes]
+
+    def route_lines(self) -> list[str]:
+        """The counts as the `run` command prints them: one line for the setting, one per task."""
+        gate = "no gate" if self.gate is None else f"{FELL_BACK} where {self.gate.score} > {self.gate.threshold:g}"
+        lines = [f"kv-transfer routes (transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}):"]
+        for task, counts in self.route_counts().items():
+            ways = ", ".join(f"{count} {way}" for way, count in counts.items() if way != "requests")
+            lines.append(f"  {task}: {counts['requests']} requests: {ways}")
+        return lines
+
     def route(self, contexts: list[list[int]]) -> list[bool]:
         """Whether each context falls back to the target's own prefill (all False without a gate), recorded in
         `routes`."""
@@ -208,26 +299,39 @@ class KVTransferLM(TemplateLM):
             self.routes.update(zip(unseen, zip(scores.tolist(), fallback.tolist())))
         return [self.routes[tuple(context)][1] for context in contexts]
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        results = super().loglikelihood(requests, disable_tqdm)  # tokenized by TemplateLM, scored below
+        for request in requests:
+            self.record(request, self.request_routes[request.args])
+        return results
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        results, routes = self.scored(requests, disable_tqdm)
+        for (request, _, _), result, route in zip(requests, results, routes):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, result)
+                self.request_routes[request] = route
+        return results
+
+    def scored(self, requests, disable_tqdm: bool = False) -> tuple[list[tuple[float, bool]], list[Route]]:
+        """lm-eval's tokenized requests (key, context, continuation) scored, each the way its route says."""
         pairs = [(context, continuation) for _, context, continuation in requests]
-        ways = self.route([truncate(context, continuation, self.max_length) for context, continuation in pairs])
+        routes = self.routed([truncate(context, continuation, self.max_length) for context, continuation in pairs])
         results: list = [None] * len(pairs)
-        for handoff, way in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
-            members = [index for index, fell in enumerate(ways) if fell == way]
+        for handoff, fell_back in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
+            members = [index for index, route in enumerate(routes) if (route.way == FELL_BACK) == fell_back]
             if not members:
                 continue
             scored = score_continuations(handoff, [pairs[index] for index in members], self.batch_size,
                                          max_length=self.max_length, progress=not disable_tqdm)
             for index, result in zip(members, scored):
                 results[index] = result
-        for (request, _, _), result in zip(requests, results):
-            if request is not None:
-                self.cache_hook.add_partial("loglikelihood", request, result)
-        return results
+        return results, routes
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         totals = []
-        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="rolling loglikelihood"):
+        for request in tqdm(requests, disable=disable_tqdm, desc="rolling loglikelihood"):
+            (string,) = request.args
             windows = [
                 (None, *make_disjoint_window(window))
                 for window in get_rolling_token_windows(
@@ -237,7 +341,11 @@ class KVTransferLM(TemplateLM):
                     context_len=1,
                 )
             ]
-            total = sum(ll for ll, _ in self._loglikelihood_tokens(windows, disable_tqdm=True))
+            results, routes = self.scored(windows, disable_tqdm=True)
+            total = sum(ll for ll, _ in results)
+            # every window has its own one-token context (context_len=1): one way, unless a gate splits them
+            self.record(request, Route("+".join(dict.fromkeys(route.way for route in routes)),
+                                       routes[0].score if len(routes) == 1 else None))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             totals.append(total)
         return totals
@@ -245,7 +353,8 @@ class KVTransferLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         outputs = []
-        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
+        for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, gen_kwargs = request.args
             options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
             until = handle_stop_sequences(options.pop("until", None), eos=eos)
             max_new = int(options.pop("max_gen_toks"))
@@ -254,9 +363,10 @@ class KVTransferLM(TemplateLM):
             def should_stop(tokens: list[int]) -> bool:
                 return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
-            fell_back = self.route([context_ids])[0]
-            tokens = greedy_generate(self.gate.fallback if fell_back else self.handoff, context_ids, max_new,
-                                     should_stop)
+            route = self.routed([context_ids])[0]
+            self.record(request, route)
+            tokens = greedy_generate(self.gate.fallback if route.way == FELL_BACK else self.handoff, context_ids,
+                                     max_new, should_stop)
             text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)
@@ -291,8 +401,37 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
     sys.argv = [sys.argv[0], *args]
-    cli_evaluate()
+    with recording_routes() as evaluated:
+        cli_evaluate()
+    for lm in evaluated:
+        if lm.rank == 0:
+            print("\n".join(lm.route_lines()))
     leave(launched_ranks())  # from_args's join: after lm-eval's last collective
+
+
+@contextlib.contextmanager
+def recording_routes() -> Iterator[list[KVTransferLM]]:
+    """While open, lm-eval's `evaluate` of a kv-transfer model is followed by `gather_routes` on every rank (so rank
+    0's results, whose config simple_evaluate then fills from `get_model_info`, count every rank's requests) and,
+    with logged samples, by `mark_samples`, before lm-eval writes or prints anything. Yields the models evaluated."""
+    original, evaluated = lm_eval_evaluator.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        results = original(*args, **kwargs)
+        lm = kwargs["lm"] if "lm" in kwargs else args[0]
+        lm = getattr(lm, "lm", lm)  # lm-eval's CachingLM (--use_cache) wraps the model
+        if isinstance(lm, KVTransferLM):
+            lm.gather_routes()
+            if results is not None and "samples" in results:
+                lm.mark_samples(results["samples"])
+            evaluated.append(lm)
+        return results
+
+    lm_eval_evaluator.evaluate = evaluate
+    try:
+        yield evaluated
+    finally:
+        lm_eval_evaluator.evaluate = original
 
 
 if __name__ == "__main__":
