@@ -15,15 +15,11 @@ With `fallback` (a `kv.gate` score) each context is scored from the handoff's fi
 any repair) and falls back to the target's own prefill where its score exceeds `threshold`; `routes` keeps each
 context's score and way.
 
-Every request's route is recorded (`ledger`, per lm-eval Instance: task, doc id, request index): served by the
-handoff itself (its mode: `mapped`, `direct`, ...; `repaired` under a `repair=` setting), `fell_back` to the
-target's prefill (with the gate's score), or `empty_prefix` (a one-token context hands nothing off: the target reads
-it alone, as the oracle would). lm-eval's results record the counts per task in their `config` (`kv_transfer`:
-transfer, repair, gate score and threshold, `routes`), zeros included, so a gate that never fires shows
-`fell_back: 0`; the `run` command prints them after lm-eval's table, and with `--log_samples` each sample carries
-`route` (and `gate_score` under a gate), one per request in the order of its `arguments`. A request the handoff
-cannot serve (a sequence longer than a sliding window) stops the run: no route is `refused`. Requests lm-eval
-answers from its own cache (`--use_cache`) never reach the model and are not counted.
+Every request's route is recorded in `ledger` (`measure.routes`): lm-eval's results record the counts per task in
+their `config` (`kv_transfer`: transfer, repair, gate score and threshold, `routes`), the `run` command prints them
+after lm-eval's table, and with `--log_samples` each sample carries `route` (and `gate_score` under a gate), one
+per request in the order of its `arguments`. Requests lm-eval answers from its own cache (`--use_cache`) never
+reach the model and are not counted.
 
 lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
 own Pair passes a handoff of it to `KVTransferLM(handoff, tokenizer, ...)` and scores many handoffs on models
@@ -44,14 +40,10 @@ cuda when there is one, else cpu; the README shows the hub and the local-task fo
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from dataclasses import dataclass
-from typing import Iterator
 
 import jinja2
-import lm_eval.evaluator as lm_eval_evaluator
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -65,23 +57,14 @@ from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import score_continuations, truncate
+from pipeline.measure.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Ledger, Route, count_lines, recording_routes
 from pipeline.store.models import default_device
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
 
 DEFAULT_MAX_GEN_TOKS = 256
-FELL_BACK, EMPTY_PREFIX, REPAIRED = "fell_back", "empty_prefix", "repaired"  # routes besides the handoff's mode
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Route:
-    """How one request was served: `way` (the handoff's mode, REPAIRED, FELL_BACK or EMPTY_PREFIX) and, under a
-    gate, its context's score."""
-
-    way: str
-    score: float | None = None
 
 
 @register_model("kv-transfer")
@@ -94,7 +77,7 @@ class KVTransferLM(TemplateLM):
         super().__init__()
         self.handoff, self.gate = handoff, gate
         self.routes: dict[tuple[int, ...], tuple[float, bool]] = {}  # gated context -> (score, fell back)
-        self.ledger: dict[tuple, tuple[Route, str]] = {}  # (task, doc id, request index) -> route, repr of its args
+        self.ledger = Ledger()  # every Instance's route
         self.request_routes: dict[tuple[str, str], Route] = {}  # lm-eval's (context, continuation) -> its route
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
@@ -241,25 +224,13 @@ class KVTransferLM(TemplateLM):
         return [Route(FELL_BACK if fell_back else EMPTY_PREFIX if len(context) < 2 and self.handoff.mode != "oracle"
                       else self.served_by, score) for context, fell_back, score in zip(contexts, fell, scored)]
 
-    def record(self, request, route: Route) -> None:
-        """`route` as the route of lm-eval's Instance `request`."""
-        self.ledger[(request.task_name, request.doc_id, request.idx)] = (route, repr(request.args))
-
     def route_counts(self) -> dict[str, dict[str, int]]:
         """Per task: its requests and how many went each way (every way of `ways()`, zeros included)."""
-        counts: dict[str, dict[str, int]] = {}
-        for (task, _, _), (route, _) in self.ledger.items():
-            tally = counts.setdefault(str(task), dict.fromkeys(["requests", *self.ways()], 0))
-            tally["requests"] += 1
-            tally[route.way] = tally.get(route.way, 0) + 1
-        return dict(sorted(counts.items()))
+        return self.ledger.counts(self.ways())
 
     def gather_routes(self) -> None:
-        """Every rank's ledger merged into rank 0's (lm-eval gives each rank every N-th document; its padding repeats
-        a rank's own request, the same key); in one process, nothing changes."""
-        ledgers = self._ranks.gather(self.ledger)
-        if ledgers is not None:
-            self.ledger = {key: value for ledger in ledgers for key, value in ledger.items()}
+        """Every rank's routes on rank 0 (a collective: every rank calls it once lm-eval has evaluated)."""
+        self.ledger.gather(self._ranks)
 
     def get_model_info(self) -> dict:
         """What lm-eval records in its results' `config` beside the model args (lm-eval calls this on rank 0 after
@@ -268,25 +239,10 @@ class KVTransferLM(TemplateLM):
         return {"kv_transfer": {"transfer": self.handoff.mode, "repair": str(self.handoff.repair), "gate": gate,
                                 "routes": self.route_counts()}}
 
-    def mark_samples(self, samples: dict[str, list[dict]]) -> None:
-        """Each of lm-eval's logged samples (task -> samples) given `route`, one way per request in the order of its
-        `arguments` (None for one this model did not see), and under a gate `gate_score`."""
-        by_args = {(str(task), args): route for (task, _, _), (route, args) in self.ledger.items()}
-        for task, rows in samples.items():
-            for sample in rows:
-                routes = [by_args.get((task, repr(args))) for args in sample["arguments"]]
-                sample["route"] = [None if route is None else route.way for route in routes]
-                if self.gate is not None:
-                    sample["gate_score"] = [None if route is None else route.score for route in routes]
-
     def route_lines(self) -> list[str]:
-        """The counts as the `run` command prints them: one line for the setting, one per task."""
+        """The counts as the `run` command prints them."""
         gate = "no gate" if self.gate is None else f"{FELL_BACK} where {self.gate.score} > {self.gate.threshold:g}"
-        lines = [f"kv-transfer routes (transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}):"]
-        for task, counts in self.route_counts().items():
-            ways = ", ".join(f"{count} {way}" for way, count in counts.items() if way != "requests")
-            lines.append(f"  {task}: {counts['requests']} requests: {ways}")
-        return lines
+        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts())
 
     def route(self, contexts: list[list[int]]) -> list[bool]:
         """Whether each context falls back to the target's own prefill (all False without a gate), recorded in
@@ -302,7 +258,7 @@ class KVTransferLM(TemplateLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         results = super().loglikelihood(requests, disable_tqdm)  # tokenized by TemplateLM, scored below
         for request in requests:
-            self.record(request, self.request_routes[request.args])
+            self.ledger.record(request, self.request_routes[request.args])
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -344,7 +300,7 @@ class KVTransferLM(TemplateLM):
             results, routes = self.scored(windows, disable_tqdm=True)
             total = sum(ll for ll, _ in results)
             # every window has its own one-token context (context_len=1): one way, unless a gate splits them
-            self.record(request, Route("+".join(dict.fromkeys(route.way for route in routes)),
+            self.ledger.record(request, Route("+".join(dict.fromkeys(route.way for route in routes)),
                                        routes[0].score if len(routes) == 1 else None))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             totals.append(total)
@@ -364,7 +320,7 @@ class KVTransferLM(TemplateLM):
                 return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
             route = self.routed([context_ids])[0]
-            self.record(request, route)
+            self.ledger.record(request, route)
             tokens = greedy_generate(self.gate.fallback if route.way == FELL_BACK else self.handoff, context_ids,
                                      max_new, should_stop)
             text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
@@ -407,31 +363,6 @@ def main(argv: list[str] | None = None) -> None:
         if lm.rank == 0:
             print("\n".join(lm.route_lines()))
     leave(launched_ranks())  # from_args's join: after lm-eval's last collective
-
-
-@contextlib.contextmanager
-def recording_routes() -> Iterator[list[KVTransferLM]]:
-    """While open, lm-eval's `evaluate` of a kv-transfer model is followed by `gather_routes` on every rank (so rank
-    0's results, whose config simple_evaluate then fills from `get_model_info`, count every rank's requests) and,
-    with logged samples, by `mark_samples`, before lm-eval writes or prints anything. Yields the models evaluated."""
-    original, evaluated = lm_eval_evaluator.evaluate, []
-
-    def evaluate(*args, **kwargs):
-        results = original(*args, **kwargs)
-        lm = kwargs["lm"] if "lm" in kwargs else args[0]
-        lm = getattr(lm, "lm", lm)  # lm-eval's CachingLM (--use_cache) wraps the model
-        if isinstance(lm, KVTransferLM):
-            lm.gather_routes()
-            if results is not None and "samples" in results:
-                lm.mark_samples(results["samples"])
-            evaluated.append(lm)
-        return results
-
-    lm_eval_evaluator.evaluate = evaluate
-    try:
-        yield evaluated
-    finally:
-        lm_eval_evaluator.evaluate = original
 
 
 if __name__ == "__main__":

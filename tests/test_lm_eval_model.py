@@ -25,7 +25,8 @@ from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import truncate
-from pipeline.lm_eval_model import EMPTY_PREFIX, FELL_BACK, REPAIRED, KVTransferLM, Route, recording_routes
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Route, recording_routes
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
@@ -343,18 +344,18 @@ def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(t
 
     other_rank = KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu")
     for doc_id in (1, 3):
-        other_rank.record(request(doc_id, 0), Route("oracle"))
+        other_rank.ledger.record(request(doc_id, 0), Route("oracle"))
 
     class TwoRanks:  # rank 0 of two, receiving the other rank's ledger (lm-eval gave it the odd documents)
         rank, size = 0, 2
 
         def gather(self, value, dst: int = 0) -> list:
-            return [value, other_rank.ledger]
+            return [value, other_rank.ledger.entries]
 
     lm = KVTransferLM(other_rank.handoff, other_rank.tokenizer, ranks=TwoRanks())
     for doc_id in (0, 2):
         for _ in range(2):  # lm-eval pads a rank's requests with copies of its last one: the same request
-            lm.record(request(doc_id, 0), Route("oracle"))
+            lm.ledger.record(request(doc_id, 0), Route("oracle"))
     assert lm.route_counts() == {"piqa_local": {"requests": 2, "oracle": 2}}
     lm.gather_routes()
     assert lm.route_counts() == {"piqa_local": {"requests": 4, "oracle": 4}}
