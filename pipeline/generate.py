@@ -23,12 +23,23 @@ source prefill, map and first step, on top of the time to first token of the way
 its own way or fell back. `--threshold=-inf` (the `=` keeps argparse from reading an option) sends every gated
 mode to the oracle, `inf` none.
 
+With `--repair SETTING` (`kv.repair`'s form, as kv-transfer's `repair=`: `sink:4+tokens:0.1:attention`, ...) the
+target recomputes that part of the cache of every mode that hands off the source's cache (direct, mapped,
+shuffled; a gated one when it keeps its way) before its first step; the repair's time is part of the time to first
+token. A gate scores the map's cache before the repair.
+
+Each row's route says how the mode's cache came: `oracle`, `source`, the mode's own handoff (`mapped`, `direct`,
+...), `repaired <setting>: [layers 0-n exact,] N tokens recomputed in T ms` (the repair's own time, from the
+handoff's `repaired.log`), `fell back to the target's prefill: <score> S > threshold T`, or `nothing handed off`
+(a one-token prompt has no prefix to hand off).
+
 The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
 (`--target DIR [--source DIR]`); dtype and device come from the `models` section unless given, CPU threads
 from `latency.threads`.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +51,7 @@ from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
 from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import OtherModelsError, Pair
+from pipeline.kv.repair import Repair, RepairError
 from pipeline.measure.compare import read_prompts
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError
@@ -68,6 +80,7 @@ class Generation:
     score: float | None = None  # a gated mode's score of the prompt
     fell_back: bool = False  # a gated mode continued from the target's own prefill
     score_ms: float = 0.0  # a gated mode's scoring (its own source prefill, map and first step)
+    route: str = ""  # how its cache came (`route_text`)
 
 
 @dataclass
@@ -89,27 +102,31 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
     return None if len(tokens) == len(oracle) else min(len(tokens), len(oracle))
 
 
-def build_handoff(pair: Pair, mode: str, mapper: Path | None, shuffle_seed: int) -> Handoff:
-    """The handoff of `mode` between the pair's models; a refusal (contract, missing mapper) raises."""
+def build_handoff(pair: Pair, mode: str, mapper: Path | None, shuffle_seed: int, repair: Repair | None = None
+                  ) -> Handoff:
+    """The handoff of `mode` between the pair's models, `repair` applied where it hands off the source's cache; a
+    refusal (contract, missing mapper) raises."""
     pair.contract.require(mode)
+    repair = repair if mode in SOURCE_MODES else None
     if mode in ("mapped", "shuffled"):
         if mapper is None:  # the selected map was fitted for the pipeline's pair, not for one given by hand
             raise FileNotFoundError("no mapper given for this pair: give --mapper PATH")
         if not mapper.is_file():
             raise FileNotFoundError(f"no mapper at {mapper}: run the pipeline's `select` stage, or give --mapper")
-        return pair.handoff(mode, mapper, shuffle_seed=shuffle_seed)
-    return pair.handoff(mode)
+        return pair.handoff(mode, mapper, shuffle_seed=shuffle_seed, repair=repair)
+    return pair.handoff(mode, repair=repair)
 
 
 def build_handoffs(pair: Pair, modes: Sequence[str], mapper: Path | None, shuffle_seed: int,
-                   say: Callable[[str], None] = print, asked: bool = False) -> dict[str, Handoff]:
+                   say: Callable[[str], None] = print, asked: bool = False, repair: Repair | None = None
+                   ) -> dict[str, Handoff]:
     """Each mode's handoff (weights loaded here, once per model); a refused mode of the default list is said in
     one line and left out, one the user `asked` for stops the run, and so does a map that cannot be used (corrupt,
     or fitted on other models). The oracle is first, and always there: it is what the others are compared with."""
     handoffs = {}
     for mode in dict.fromkeys(["oracle", *modes]):
         try:
-            handoffs[mode] = build_handoff(pair, mode, mapper, shuffle_seed)
+            handoffs[mode] = build_handoff(pair, mode, mapper, shuffle_seed, repair)
         except (OtherModelsError, ArtifactError):
             raise
         except (Refusal, FileNotFoundError) as err:
@@ -132,6 +149,24 @@ def route(gate: Gate, prompt: Sequence[int]) -> tuple[float, bool, float]:
     start = time.perf_counter()
     scores, fallback = gate.route([list(prompt)], batch_size=1)
     return float(scores[0]), bool(fallback[0]), 1000 * (time.perf_counter() - start)
+
+
+def route_text(mode: str, prompt: Sequence[int], gate: Gate | None, score: float | None, fell_back: bool,
+          repaired: list[tuple[int, float]], setting: Repair) -> str:
+    """How a mode's cache of `prompt` came, in words; `repaired`: the repair log's entries (tokens, seconds) of this
+    continuation."""
+    if fell_back:
+        return f"{FELL_BACK}: {gate.score} {score:.4g} > threshold {gate.threshold:g}"
+    if mode in ("oracle", "source"):
+        return mode
+    if len(prompt) < 2:
+        return "nothing handed off (a one-token prompt)"
+    if repaired:
+        tokens, seconds = (sum(column) for column in zip(*repaired))
+        layers = setting.exact_layers
+        exact = "" if not layers else "layer 0 exact, " if layers == 1 else f"layers 0-{layers - 1} exact, "
+        return f"repaired {setting}: {exact}{tokens} tokens recomputed in {1000 * seconds:.1f} ms"
+    return mode
 
 
 def warm_up(handoffs: dict[str, Handoff], gates: dict[str, Gate], prompt: Sequence[int]) -> None:
@@ -167,12 +202,13 @@ class Stream:
 
 def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path | None, max_new_tokens: int,
         temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: GateRequest | None = None,
-        asked: bool = False) -> list[list[Generation]]:
-    """Each prompt continued in every mode the pair allows (a gated mode the way its gate sends it), streamed to
-    `out` (by default stdout), then its summary table."""
+        asked: bool = False, repair: Repair | None = None) -> list[list[Generation]]:
+    """Each prompt continued in every mode the pair allows (a gated mode the way its gate sends it; `repair` applied
+    to each mode that hands off the source's cache), streamed to `out` (by default stdout), then its summary
+    table."""
     out = out or sys.stdout
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
-    handoffs = build_handoffs(pair, modes, mapper, shuffle_seed, say, asked)
+    handoffs = build_handoffs(pair, modes, mapper, shuffle_seed, say, asked, repair)
     for difference in pair.other_models:
         say(f"other models allowed (--allow-other-models): {difference}")
     tokenizer = pair.target_tokenizer
@@ -187,10 +223,13 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
         for mode, handoff in handoffs.items():
             score, fell_back, score_ms = route(gates[mode], prompt) if mode in gates else (None, False, 0.0)
             stream = Stream(tokenizer, mode, width, out)
+            logged = len(handoff.repaired.log)
             tokens, ttft_ms = generate(gates[mode].fallback if fell_back else handoff, prompt, max_new_tokens, stop,
                                        temperature, seed, stream)
             stream.close()
-            generations.append(Generation(mode, tokens, ttft_ms, score, fell_back, score_ms))
+            way = route_text(mode, prompt, gates.get(mode), score, fell_back, handoff.repaired.log[logged:],
+                        handoff.repair)
+            generations.append(Generation(mode, tokens, ttft_ms, score, fell_back, score_ms, way))
         say("")
         say("\n".join(summary(generations)))
         results.append(generations)
@@ -198,8 +237,8 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
 
 
 def summary(generations: list[Generation]) -> list[str]:
-    """The table of one prompt: per mode its time to first token, new tokens and departure from the oracle; with
-    a gate, each gated mode's score (and the scoring's time) and the way it went."""
+    """The table of one prompt: per mode its time to first token, new tokens, departure from the oracle and route;
+    with a gate, each gated mode's score (and the scoring's time)."""
     oracle = generations[0].tokens
     gated = any(generation.score is not None for generation in generations)
     rows = []
@@ -207,13 +246,12 @@ def summary(generations: list[Generation]) -> list[str]:
         index = departure(generation.tokens, oracle)
         rows.append([generation.mode, f"{generation.ttft_ms:.1f}", len(generation.tokens),
                      "same as oracle" if index is None else f"token {index}"])
-        if gated and generation.score is None:
-            rows[-1] += ["—", "not gated"]
-        elif gated:
-            rows[-1] += [f"{generation.score:.4g} ({generation.score_ms:.1f} ms)",
-                         FELL_BACK if generation.fell_back else generation.mode]
+        if gated:
+            rows[-1].append("—" if generation.score is None
+                            else f"{generation.score:.4g} ({generation.score_ms:.1f} ms)")
+        rows[-1].append(generation.route)
     header = ["mode", "time to first token (ms)", "new tokens", "departs from the oracle at"]
-    return md_table(header + (["score (scoring time)", "went"] if gated else []), rows)
+    return md_table(header + (["score (scoring time)"] if gated else []) + ["route"], rows)
 
 
 def read_prompt_ids(args, tokenizer) -> list[list[int]]:
@@ -269,6 +307,9 @@ def command_line():
     cli.add_argument("--threshold", type=float, help="the gate's threshold (-inf: every gated mode falls back, "
                      "inf: none; a value starting with '-' as --threshold=-inf)")
     cli.add_argument("--disagree", metavar="K1:KMAX", help="the disagree score's two mapper files (k=1 and k=max)")
+    cli.add_argument("--repair", type=repair_setting, metavar="SETTING", help="the target recomputes this part of "
+                     "the cache of each mode that hands off the source's cache (kv.repair: e.g. layers:1, "
+                     "sink:4+tokens:0.1:attention)")
     cli.add_argument("--target", help="target model folder or hub id (default: the pipeline's models/target)")
     cli.add_argument("--source", help="source model folder or hub id (default: the pipeline's models/source "
                      "when no --target is given; none otherwise)")
@@ -279,6 +320,14 @@ def command_line():
     cli.add_argument("--threads", type=int, help="torch CPU threads; 0 keeps torch's default (default: "
                      "latency.threads, as the latency stage times)")
     return cli
+
+
+def repair_setting(text: str) -> Repair:
+    """`--repair`'s setting by kv.repair's one parser; a malformed one is argparse's one-line refusal."""
+    try:
+        return Repair.parse(text)
+    except RepairError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def checked_modes(cli, args) -> list[str]:
@@ -331,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
     mapper = args.mapper or (None if args.target else SELECTED_MAPPER)
     run(pair, read_prompt_ids(args, pair.target_tokenizer), modes, mapper, args.max_new_tokens,
-        args.temperature, args.seed, shuffle_seed, gate=gate, asked=args.transfer != DEFAULT_TRANSFER)
+        args.temperature, args.seed, shuffle_seed, gate=gate, asked=args.transfer != DEFAULT_TRANSFER,
+        repair=args.repair)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,15 @@ last-token protocol of `pipeline.kv.handoff`. Model args (comma-separated `key=v
     repair=<kv.repair setting, e.g. sink:4+tokens:0.1:attention: the target recomputes part of the cache>
     allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
 
-With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step and falls back to the
-target's own prefill where its score exceeds `threshold`; `routes` keeps each context's score and way.
+With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step (the map's cache, before
+any repair) and falls back to the target's own prefill where its score exceeds `threshold`; `routes` keeps each
+context's score and way.
+
+Every request's route is recorded in `ledger` (`measure.routes`): lm-eval's results record the counts per task in
+their `config` (`kv_transfer`: transfer, repair, gate score and threshold, `routes`), the `run` command prints them
+after lm-eval's table, and with `--log_samples` each sample carries `route` (and `gate_score` under a gate), one
+per request in the order of its `arguments`. Requests lm-eval answers from its own cache (`--use_cache`) never
+reach the model and are not counted.
 
 lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
 own Pair passes a handoff of it to `KVTransferLM(handoff, tokenizer, ...)` and scores many handoffs on models
@@ -50,6 +57,7 @@ from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import score_continuations, truncate
+from pipeline.measure.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Ledger, Route, count_lines, recording_routes
 from pipeline.store.models import default_device
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
@@ -69,6 +77,8 @@ class KVTransferLM(TemplateLM):
         super().__init__()
         self.handoff, self.gate = handoff, gate
         self.routes: dict[tuple[int, ...], tuple[float, bool]] = {}  # gated context -> (score, fell back)
+        self.ledger = Ledger()  # every Instance's route
+        self.request_routes: dict[tuple[str, str], Route] = {}  # lm-eval's (context, continuation) -> its route
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
@@ -197,6 +207,43 @@ class KVTransferLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def served_by(self) -> str:
+        """The way of a request the handoff serves itself: its mode, or `repaired` under a repair setting."""
+        return self.handoff.mode if self.handoff.repair.empty else REPAIRED
+
+    def ways(self) -> list[str]:
+        """Every way this model can send a request, in the order the counts list them."""
+        return ([self.served_by] + ([EMPTY_PREFIX] if self.handoff.mode != "oracle" else [])
+                + ([FELL_BACK] if self.gate is not None else []))
+
+    def routed(self, contexts: list[list[int]]) -> list[Route]:
+        """Each context's route (the gate's decisions recorded in `routes`)."""
+        fell = self.route(contexts)
+        scored = [self.routes[tuple(context)][0] if self.gate is not None else None for context in contexts]
+        return [Route(FELL_BACK if fell_back else EMPTY_PREFIX if len(context) < 2 and self.handoff.mode != "oracle"
+                      else self.served_by, score) for context, fell_back, score in zip(contexts, fell, scored)]
+
+    def route_counts(self) -> dict[str, dict[str, int]]:
+        """Per task: its requests and how many went each way (every way of `ways()`, zeros included)."""
+        return self.ledger.counts(self.ways())
+
+    def gather_routes(self) -> None:
+        """Every rank's routes on rank 0 (a collective: every rank calls it once lm-eval has evaluated)."""
+        self.ledger.gather(self._ranks)
+
+    def get_model_info(self) -> dict:
+        """What lm-eval records in its results' `config` beside the model args (lm-eval calls this on rank 0 after
+        the evaluation): the transfer, the repair setting, the gate and each task's requests by route."""
+        gate = None if self.gate is None else {"score": self.gate.score, "threshold": self.gate.threshold}
+        return {"kv_transfer": {"transfer": self.handoff.mode, "repair": str(self.handoff.repair), "gate": gate,
+                                "routes": self.route_counts()}}
+
+    def route_lines(self) -> list[str]:
+        """The counts as the `run` command prints them."""
+        gate = "no gate" if self.gate is None else f"{FELL_BACK} where {self.gate.score} > {self.gate.threshold:g}"
+        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts())
+
     def route(self, contexts: list[list[int]]) -> list[bool]:
         """Whether each context falls back to the target's own prefill (all False without a gate), recorded in
         `routes`."""
@@ -208,26 +255,39 @@ class KVTransferLM(TemplateLM):
             self.routes.update(zip(unseen, zip(scores.tolist(), fallback.tolist())))
         return [self.routes[tuple(context)][1] for context in contexts]
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        results = super().loglikelihood(requests, disable_tqdm)  # tokenized by TemplateLM, scored below
+        for request in requests:
+            self.ledger.record(request, self.request_routes[request.args])
+        return results
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        results, routes = self.scored(requests, disable_tqdm)
+        for (request, _, _), result, route in zip(requests, results, routes):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, result)
+                self.request_routes[request] = route
+        return results
+
+    def scored(self, requests, disable_tqdm: bool = False) -> tuple[list[tuple[float, bool]], list[Route]]:
+        """lm-eval's tokenized requests (key, context, continuation) scored, each the way its route says."""
         pairs = [(context, continuation) for _, context, continuation in requests]
-        ways = self.route([truncate(context, continuation, self.max_length) for context, continuation in pairs])
+        routes = self.routed([truncate(context, continuation, self.max_length) for context, continuation in pairs])
         results: list = [None] * len(pairs)
-        for handoff, way in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
-            members = [index for index, fell in enumerate(ways) if fell == way]
+        for handoff, fell_back in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
+            members = [index for index, route in enumerate(routes) if (route.way == FELL_BACK) == fell_back]
             if not members:
                 continue
             scored = score_continuations(handoff, [pairs[index] for index in members], self.batch_size,
                                          max_length=self.max_length, progress=not disable_tqdm)
             for index, result in zip(members, scored):
                 results[index] = result
-        for (request, _, _), result in zip(requests, results):
-            if request is not None:
-                self.cache_hook.add_partial("loglikelihood", request, result)
-        return results
+        return results, routes
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         totals = []
-        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="rolling loglikelihood"):
+        for request in tqdm(requests, disable=disable_tqdm, desc="rolling loglikelihood"):
+            (string,) = request.args
             windows = [
                 (None, *make_disjoint_window(window))
                 for window in get_rolling_token_windows(
@@ -237,7 +297,11 @@ class KVTransferLM(TemplateLM):
                     context_len=1,
                 )
             ]
-            total = sum(ll for ll, _ in self._loglikelihood_tokens(windows, disable_tqdm=True))
+            results, routes = self.scored(windows, disable_tqdm=True)
+            total = sum(ll for ll, _ in results)
+            # every window has its own one-token context (context_len=1): one way, unless a gate splits them
+            self.ledger.record(request, Route("+".join(dict.fromkeys(route.way for route in routes)),
+                                       routes[0].score if len(routes) == 1 else None))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             totals.append(total)
         return totals
@@ -245,7 +309,8 @@ class KVTransferLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         outputs = []
-        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
+        for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, gen_kwargs = request.args
             options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
             until = handle_stop_sequences(options.pop("until", None), eos=eos)
             max_new = int(options.pop("max_gen_toks"))
@@ -254,9 +319,10 @@ class KVTransferLM(TemplateLM):
             def should_stop(tokens: list[int]) -> bool:
                 return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
-            fell_back = self.route([context_ids])[0]
-            tokens = greedy_generate(self.gate.fallback if fell_back else self.handoff, context_ids, max_new,
-                                     should_stop)
+            route = self.routed([context_ids])[0]
+            self.ledger.record(request, route)
+            tokens = greedy_generate(self.gate.fallback if route.way == FELL_BACK else self.handoff, context_ids,
+                                     max_new, should_stop)
             text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)
@@ -291,7 +357,11 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
     sys.argv = [sys.argv[0], *args]
-    cli_evaluate()
+    with recording_routes() as evaluated:
+        cli_evaluate()
+    for lm in evaluated:
+        if lm.rank == 0:
+            print("\n".join(lm.route_lines()))
     leave(launched_ranks())  # from_args's join: after lm-eval's last collective
 
 

@@ -12,6 +12,7 @@ from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
+from pipeline.kv.repair import Repair, RepairError
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError
 
@@ -168,9 +169,11 @@ def test_a_gate_at_minus_infinity_sends_every_gated_mode_to_the_oracle_and_at_pl
                     continue
                 assert after.fell_back == (threshold < 0) and after.score == pytest.approx(after.score)  # finite
                 assert after.tokens == (oracle if threshold < 0 else before.tokens), after.mode
-        for mode in ("mapped", "direct"):
-            assert _row(out.getvalue(), mode)[5] == (FELL_BACK if threshold < 0 else mode)
-        assert _row(out.getvalue(), "source")[4:] == ["—", "not gated"]
+                assert after.route == (f"{FELL_BACK}: entropy {after.score:.4g} > threshold -inf" if threshold < 0
+                                       else after.mode)
+        for generation in gated[0]:  # the first prompt's table
+            assert _row(out.getvalue(), generation.mode)[-1] == generation.route
+        assert _row(out.getvalue(), "source")[4:] == ["—", "source"]
 
 
 def test_the_cli_gates_by_the_score_it_is_given_and_says_which_way_each_mode_went(capsys, monkeypatch, tmp_path,
@@ -180,9 +183,10 @@ def test_the_cli_gates_by_the_score_it_is_given_and_says_which_way_each_mode_wen
                    "--fallback", "disagree", "--disagree", f"{random_maps[0]}:{random_maps[1]}", "--threshold=-inf")
     for mode in ("mapped", "shuffled"):
         cells = _row(out, mode)
-        assert cells[3] == "same as oracle" and cells[5] == FELL_BACK
-        assert float(cells[4].split(" (")[0]) >= 0  # the two maps' Jensen-Shannon divergence on the first step
-    assert _row(out, "oracle")[4:] == ["—", "not gated"]
+        score = float(cells[4].split(" (")[0])  # the two maps' Jensen-Shannon divergence on the first step
+        assert cells[3] == "same as oracle" and cells[5] == f"{FELL_BACK}: disagree {score:.4g} > threshold -inf"
+        assert score >= 0
+    assert _row(out, "oracle")[4:] == ["—", "oracle"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -211,3 +215,47 @@ def test_generate_refuses_a_map_fitted_on_other_models_and_runs_and_says_so_when
         run_main(capsys, monkeypatch, tmp_path, *swapped)
     out = run_main(capsys, monkeypatch, tmp_path, *swapped, "--allow-other-models")
     assert "other models allowed (--allow-other-models): " in out and _row(out, "mapped")
+
+
+def test_generate_prints_each_modes_route_and_a_repairs_recomputed_tokens_gated_or_not(capsys, monkeypatch, tmp_path,
+                                                                                     tiny_pair, tokenizer):
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = tmp_path / "identity.safetensors"
+    identity = identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config)
+    identity.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(identity, mapper)
+    setting = Repair.parse("layers:1+sink:2+tokens:0.25:recency")
+    prefix = len(tokenizer.encode("Question: How do I open a jar?\nAnswer:")) - 1  # run_main's prompt, handed off
+    recomputed = setting.sink + setting.chosen(prefix)
+    modes = ("--target", str(tiny_pair["target"]), "--source", str(tiny_pair["source"]), "--mapper", str(mapper),
+             "--transfer", "oracle,mapped,direct,shuffled,zero,source", "--repair", str(setting))
+    for gate in ([], ["--fallback", "entropy", "--threshold=inf"]):  # a gated mode that keeps its way is repaired
+        out = run_main(capsys, monkeypatch, tmp_path, *modes, *gate)
+        for mode in ("mapped", "direct", "shuffled"):
+            route = _row(out, mode)[-1]
+            assert route.startswith(f"repaired {setting}: layer 0 exact, {recomputed} tokens recomputed in "), route
+            assert float(route.split(" in ")[1].removesuffix(" ms")) > 0
+        for mode in ("oracle", "zero", "source"):  # no cache of the source's to repair
+            assert _row(out, mode)[-1] == mode
+    # the identity map repaired by the target itself is still the oracle's cache, token for token
+    assert _row(out, "mapped")[3] == "same as oracle"
+
+
+def test_a_one_token_prompt_hands_nothing_off_and_its_route_says_so(capsys, monkeypatch, tmp_path, tiny_pair):
+    monkeypatch.chdir(tmp_path)
+    main(["Question", "--max-new-tokens", "2", "--dtype", "float32", "--device", "cpu", "--threads", "0",
+          "--target", str(tiny_pair["target"]), "--source", str(tiny_pair["source"]), "--transfer", "oracle,direct",
+          "--repair", "sink:2"])
+    out = capsys.readouterr().out
+    assert "(1 tokens)" in out and _row(out, "direct")[-1] == "nothing handed off (a one-token prompt)"
+
+
+@pytest.mark.parametrize("setting", ["sink:x", "tokens:0.1", "tokens:2:recency", "bogus:1"])
+def test_a_malformed_repair_is_the_repair_parsers_one_line_refusal(capsys, monkeypatch, tmp_path, tiny_pair,
+                                                                    setting):
+    with pytest.raises(RepairError) as parsed:
+        Repair.parse(setting)
+    with pytest.raises(SystemExit) as exit_:
+        run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--repair", setting)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit_.value.code == 2 and len(errors) == 1 and errors[0].endswith(f"argument --repair: {parsed.value}")

@@ -1,5 +1,6 @@
 """The `kv-transfer` lm-eval model: the exactness gate against lm-eval's stock `hf` model on real
 HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files."""
+import json
 import os
 import re
 import shlex
@@ -19,8 +20,13 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig
 
 from pipeline.kv.contract import UnsupportedModelError
-from pipeline.kv.mapper import identity_mapper, save_mapper
+from pipeline.kv.gate import Scorer
+from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
+from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
+from pipeline.kv.scoring import truncate
 from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Route, recording_routes
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
@@ -241,13 +247,133 @@ def test_generate_until_stops_and_matches_stock_hf(tiny_pair):
     assert ours == reference
 
 
-def test_command_line_runs_lm_eval_with_kv_transfer(tiny_pair, task_dir):
+def test_command_line_runs_lm_eval_with_kv_transfer_and_reports_every_requests_route(tiny_pair, task_dir, tmp_path):
+    limit, choices = 4, 2  # PIQA: two solutions per item, one request each
     args = ["--model", "kv-transfer", "--model_args", f"target={tiny_pair['target']},source={tiny_pair['source']},"
-            "transfer=zero,device=cpu", "--tasks", "piqa_local", "--include_path", str(task_dir), "--limit", "4"]
+            "transfer=direct,device=cpu,fallback=entropy,threshold=inf", "--tasks", "piqa_local", "--include_path",
+            str(task_dir), "--limit", str(limit), "--log_samples", "--output_path", str(tmp_path)]
     run = subprocess.run([sys.executable, "-m", "pipeline.lm_eval_model", *args], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "piqa_local" in run.stdout and "acc" in run.stdout
+    # a gate that never fires says so, in what the command prints and in the results it writes
+    requests = limit * choices
+    assert "kv-transfer routes (transfer=direct, repair=none, fell_back where entropy > inf):" in run.stdout
+    assert f"  piqa_local: {requests} requests: {requests} direct, 0 {EMPTY_PREFIX}, 0 {FELL_BACK}" in run.stdout
+    (results,) = tmp_path.rglob("results_*.json")
+    recorded = json.loads(results.read_text())["config"]["kv_transfer"]
+    assert recorded["gate"] == {"score": "entropy", "threshold": float("inf")} and recorded["repair"] == "none"
+    assert recorded["routes"] == {"piqa_local": {"requests": requests, "direct": requests, EMPTY_PREFIX: 0,
+                                                 FELL_BACK: 0}}
+    (samples,) = tmp_path.rglob("samples_piqa_local_*.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(rows) == limit
+    for row in rows:
+        assert row["route"] == ["direct"] * choices and all(score > 0 for score in row["gate_score"])
+
+
+@pytest.fixture(scope="module")
+def wide_map(wide_pair, tmp_path_factory) -> Path:
+    """A random k=1 map of conftest's wide pair (where the gate's scores spread), bound to the pair."""
+    source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
+    mapper = random_mapper(source.config, target.config, k=1, seed=0)
+    mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
+    path = tmp_path_factory.mktemp("wide-map") / "k1.safetensors"
+    save_mapper(mapper, path)
+    return path
+
+
+ROUTED_ITEMS = 6  # per task, in the route tests
+
+
+def routed_run(task_dir, **model_args) -> tuple[KVTransferLM, dict]:
+    """The kv-transfer model of `model_args` (on the wide pair's CPU float32 defaults) evaluated on ROUTED_ITEMS items
+    of each task as the `run` command evaluates it: its results carry the routes."""
+    lm = KVTransferLM.from_args(dtype="float32", device="cpu", batch_size=4, **model_args)
+    with recording_routes():
+        out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir),
+                                                                             include_defaults=False),
+                              num_fewshot=0, log_samples=True, bootstrap_iters=0, limit=ROUTED_ITEMS)
+    return lm, out
+
+
+def request_contexts(lm: KVTransferLM, samples: list[dict]) -> list[list[int]]:
+    """Every request's context tokens, as the handoff sees them, in the samples' order."""
+    return [truncate(lm.context_tokens(context, continuation), lm.tok_encode(continuation), lm.max_length)
+            for sample in samples for context, continuation in sample["arguments"]]
+
+
+def test_route_counts_add_up_per_task_and_follow_the_gate_at_minus_inf_plus_inf_and_a_middle_threshold(
+        wide_pair, wide_map, task_dir):
+    pair = dict(target=str(wide_pair["target"]), source=str(wide_pair["source"]), transfer="mapped",
+                mapper=str(wide_map), fallback="entropy")
+    lm, out = routed_run(task_dir, **pair, threshold="inf")
+    contexts = {task: request_contexts(lm, out["samples"][task]) for task in TASKS}
+    distinct = list(dict.fromkeys(tuple(context) for task in TASKS for context in contexts[task]))
+    scored = dict(zip(distinct, Scorer(lm.handoff).scores(distinct, ["entropy"], 4)["entropy"].tolist()))
+    scores = {task: torch.tensor([scored[tuple(context)] for context in contexts[task]]) for task in TASKS}
+    # in the widest gap between the middle half of the contexts' scores: no score within float noise of it
+    ranked = np.sort(list(scored.values()))[len(scored) // 4 : len(scored) - len(scored) // 4]
+    gap = int(np.argmax(np.diff(ranked)))
+    middle = float(ranked[gap] + ranked[gap + 1]) / 2
+    fell_back_somewhere = set()
+    for threshold in (float("inf"), float("-inf"), middle):
+        if threshold != float("inf"):  # inf: the run above
+            lm, out = routed_run(task_dir, **pair, threshold=repr(threshold))
+        counts = out["config"]["kv_transfer"]["routes"]
+        assert out["config"]["kv_transfer"]["gate"] == {"score": "entropy", "threshold": threshold}
+        for task in TASKS:
+            expected = (scores[task] > threshold).tolist()  # the gate's routing, request by request
+            assert counts[task] == {"requests": len(expected), "mapped": expected.count(False), EMPTY_PREFIX: 0,
+                                    FELL_BACK: expected.count(True)}
+            assert sum(count for way, count in counts[task].items() if way != "requests") == len(contexts[task])
+            routes = [way for sample in out["samples"][task] for way in sample["route"]]
+            assert routes == [FELL_BACK if fell else "mapped" for fell in expected]
+            logged = [score for sample in out["samples"][task] for score in sample["gate_score"]]
+            assert logged == pytest.approx(scores[task].tolist(), rel=1e-4)
+            fell_back_somewhere |= {threshold} if 0 < sum(expected) < len(expected) else set()
+    assert middle in fell_back_somewhere  # the middle threshold sends some requests each way: the case can fail
+
+
+def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(tiny_pair):
+    from lm_eval.api.instance import Instance
+
+    def request(doc_id: int, index: int) -> Instance:
+        return Instance("loglikelihood", {}, (f"context {doc_id}", f" ending {index}"), index,
+                        ("piqa_local", doc_id, 1))
+
+    other_rank = KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu")
+    for doc_id in (1, 3):
+        other_rank.ledger.record(request(doc_id, 0), Route("oracle"))
+
+    class TwoRanks:  # rank 0 of two, receiving the other rank's ledger (lm-eval gave it the odd documents)
+        rank, size = 0, 2
+
+        def gather(self, value, dst: int = 0) -> list:
+            return [value, other_rank.ledger.entries]
+
+    lm = KVTransferLM(other_rank.handoff, other_rank.tokenizer, ranks=TwoRanks())
+    for doc_id in (0, 2):
+        for _ in range(2):  # lm-eval pads a rank's requests with copies of its last one: the same request
+            lm.ledger.record(request(doc_id, 0), Route("oracle"))
+    assert lm.route_counts() == {"piqa_local": {"requests": 2, "oracle": 2}}
+    lm.gather_routes()
+    assert lm.route_counts() == {"piqa_local": {"requests": 4, "oracle": 4}}
+
+
+def test_a_repair_setting_routes_every_request_as_repaired(wide_pair, wide_map, task_dir):
+    setting = Repair.parse("sink:2")
+    lm, out = routed_run(task_dir, target=str(wide_pair["target"]), source=str(wide_pair["source"]),
+                         transfer="mapped", mapper=str(wide_map), repair=str(setting))
+    assert out["config"]["kv_transfer"]["repair"] == str(setting) and out["config"]["kv_transfer"]["gate"] is None
+    for task in TASKS:
+        requests = len(request_contexts(lm, out["samples"][task]))
+        assert out["config"]["kv_transfer"]["routes"][task] == {"requests": requests, REPAIRED: requests,
+                                                                EMPTY_PREFIX: 0}
+        for sample in out["samples"][task]:
+            assert sample["route"] == [REPAIRED] * len(sample["arguments"])
+    # and it was repaired: the sink of every prefix the source handed off (each longer than the sink)
+    assert lm.handoff.repaired.recomputed == setting.sink * lm.handoff.source_prefills > 0
 
 
 def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):

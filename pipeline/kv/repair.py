@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache
+from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -37,8 +38,8 @@ POLICIES = ("deviation", "attention", "recency")
 FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:" + "|".join(POLICIES)
 
 
-class RepairError(ValueError):
-    """A malformed repair setting: one line naming the bad part."""
+class RepairError(Refusal, ValueError):
+    """A malformed repair setting: one line naming the bad part (a command prints it as `error: ...`, exit 2)."""
 
 
 @dataclass(frozen=True)
