@@ -257,7 +257,7 @@ def lines(report: dict, context: dict) -> list[str]:
     if kinds:
         out += ["", "### By item kind (acc)", ""]
         out += md_table(["Variant", *(k[:-4].replace("_", " ") for k in kinds)],
-                        [[label(n), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
+                        [[label(n, v[n].get("repair")), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
     return out + _comparison_lines(report) + ["## Reading", "", reading(report, context["selected_name"]), ""]
 
 
@@ -272,8 +272,8 @@ def _gap_lines(report: dict) -> list[str]:
            "Per-prompt measures: next-token top-1 and the continuation's log-perplexity, paired bootstrap over the "
            f"eval prompts. The gap-closure criterion reads `{report['gap_closure_metric']}` (declared in params).", ""]
     out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
-                    [[label(n), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
-                                  for k in GAP_CLOSURE_KEYS.values())] for n in rows])
+                    [[label(n, v[n].get("repair")), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
+                                                      for k in GAP_CLOSURE_KEYS.values())] for n in rows])
     wide = [n for n in rows if v[n]["gap_closure_low"] is not None and v[n]["gap_closure_low"] < 0
             < v[n]["gap_closure_high"] and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
     if wide:
