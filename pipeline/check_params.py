@@ -7,7 +7,8 @@ imported here), and a top-level key no stage reads is refused, so a typo anywher
 empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here, naming the key, before anything is
 computed. Then the rules between sections (`ParamsFile`'s validators),
 which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
-a calibration size beyond its pool, a mapper file no stage writes, a report variant that is not evaluated, a
+a calibration size beyond its pool, a mapper file no stage writes, a repaired variant reading a choice select
+does not make, a report variant that is not evaluated, a
 trained pair without its settings, a k beyond the source's layers, a split fit reads and extract skips.
 Writes metrics/params_check.json, the names of the sections checked: its bytes do not depend on the values,
 so `prepare_data`, which depends on it, and everything after it rerun only for the parameters they read.
@@ -23,7 +24,7 @@ from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.schema.controls import ControlsParams, ToleranceParams
 from pipeline.schema.distill import DistillParams, distilled_name
-from pipeline.schema.evaluate import EvaluateParams
+from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.schema.extract import ExtractParams
 from pipeline.schema.fit import FitParams
 from pipeline.schema.latency import LatencyParams
@@ -157,6 +158,14 @@ class ParamsFile(Params):
             if path not in produced:
                 raise ParamError(f"{key}: {path} is not written by fit, distill or select "
                                  f"(they write: {', '.join(produced)})")
+        return self
+
+    @model_validator(mode="after")
+    def _selected_repair_is_chosen(self) -> ParamsFile:
+        for name, setting in self.evaluate.repair.items():
+            if setting == SELECTED and self.select.repairs == ["none"]:
+                raise ParamError(f"evaluate.repair.{name}: reads the setting select chose, but select.repairs is "
+                                 f"[none] (the variant would be `selected` again); add settings to select.repairs")
         return self
 
     @model_validator(mode="after")

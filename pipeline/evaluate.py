@@ -11,7 +11,10 @@ document; rank 0 gathers and writes.
 Variants: `oracle` (the target's own cache; it also computes and stores the oracle's outputs that every
 other variant is compared with), `direct`, `source` (the source model alone), `zero`, and the mapped
 variants of `evaluate.mapped`: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen
-by `select`) and `shuffled` (the selected mapper's cache with its token order permuted). Every variant needs the
+by `select`) and `shuffled` (the selected mapper's cache with its token order permuted). A variant named in
+`evaluate.repair` hands off its map's cache repaired by the target (`kv.repair`): by the setting given there, or
+by the one `select` chose with the selected map (`selected`, read from models/mapper_repair.json); its metrics
+name the setting (`repair`). Every variant needs the
 controls to have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined
 (`direct` between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
 
@@ -21,13 +24,15 @@ statistics of the report) and lm-eval's own results and samples (eval/<variant>/
 """
 from __future__ import annotations
 
+import json
 import sys
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
 from pipeline.measure.taskeval import by_kind, evaluate_tasks
-from pipeline.schema.evaluate import EvaluateParams
+from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.store import paths
 from pipeline.store.artifacts import (
     ArtifactError,
@@ -61,7 +66,18 @@ def build_handoff(variant: str, params: EvaluateParams, pair: Pair) -> Handoff:
     the work began) evaluates, between the pair's models (each loaded here, on first use)."""
     if variant in BASELINES:
         return pair.handoff(variant)
-    return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed)
+    return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed,
+                        repair=variant_repair(variant, params))
+
+
+def variant_repair(variant: str, params: EvaluateParams) -> Repair | None:
+    """The repair setting `variant` applies (evaluate.repair; `selected`: select's choice), None for none."""
+    setting = params.repair.get(variant)
+    if setting == SELECTED:
+        if not paths.SELECTED_REPAIR.is_file():
+            raise ArtifactError(f"evaluate.repair.{variant}: {paths.SELECTED_REPAIR} not found; run the select stage")
+        setting = json.loads(paths.SELECTED_REPAIR.read_text())["repair"]
+    return None if setting is None else Repair.parse(setting)
 
 
 def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PROCESS) -> dict | None:
@@ -79,6 +95,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
     handoff = build_handoff(variant, params, pair)
+    repair = variant_repair(variant, params)
     prompts = read_prompts(EVAL_PROMPTS)
     if variant == "oracle":
         oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks)
@@ -110,6 +127,8 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
         for key, value in by_kind(items, metric).items():
             if "/" in key:
                 metrics[f"{key.replace('/', '_')}_{metric}"] = round(value, 6)
+    if repair is not None:
+        metrics["repair"] = str(repair)
     return metrics
 
 

@@ -9,6 +9,12 @@ agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
 for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
 V0 rows k=1 and k=4 whatever the rule picks (closed-form maps only: V0's method; a distilled map, from
 models/distilled/, competes for the selected map).
+
+The map is chosen together with a repair setting (`kv.repair`) of `select.repairs`: the best `repair_maps` maps by
+the rule, unrepaired, are scored again at every setting whose budget (`kv.flops.repair_budget` at `bound_pair`'s
+shapes for `length` tokens, as stage `repair` counts it) is at most `max_recompute`, and the same rule ranks every
+(map, setting) pair; ties go to lower perplexity, fewer parameters, then the smaller budget. The chosen setting is
+written beside the map (`models/mapper_repair.json`); `repairs: [none]` scores the maps alone, as before.
 """
 from __future__ import annotations
 
@@ -17,20 +23,24 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pipeline.kv.flops import repair_budget
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
 from pipeline.schema.select import SelectParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact
+from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
+from pipeline.store.shapes import pair_configs
 
 pd = lazy("pandas")
 
 MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
+SCORED = ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine")
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
@@ -47,48 +57,71 @@ def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int],
 
 
 def rank_key(rule: str):
-    """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters."""
+    """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters, then to the smaller
+    repair budget."""
     primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"],
                "kl": lambda s: s["mean_kl"], "attention_cosine": lambda s: -s["attention_cosine"]}[rule]
-    return lambda s: (primary(s), s["perplexity"], s["parameters"])
+    return lambda s: (primary(s), s["perplexity"], s["parameters"], s["budget"])
 
 
-def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path],
-                     ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
-    """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`. Under several
-    processes the oracle's prompts and then the candidates are shared out (every N-th), and rank 0 gets the
-    scores in candidate order (the others None)."""
-    oracle_handoff = pair.handoff("oracle")
-    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
-                            attention=True)
-    oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
+def budgets(params: SelectParams) -> dict[str, float]:
+    """Each setting of `select.repairs` (canonical form): its multiply-adds over the target's prefill at
+    `bound_pair`'s shapes for `length` tokens."""
+    target = pair_configs(params.bound_pair)[1]
+    return {str(setting): repair_budget(target, setting, params.length) for setting in params.settings()}
+
+
+def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tuple[Path, Repair]], costs: dict,
+               ranks: Ranks) -> list[dict]:
+    """Each (map file, repair setting) of `jobs` handed off on the select prompts and compared with the oracle; under
+    several processes every N-th job, the scores gathered on every rank in job order."""
     scores = []
-    mine = [candidates[i] for i in ranks.share(len(candidates))]
-    for path in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
-        handoff = pair.handoff("mapped", path)
+    mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
+    for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
+        handoff = pair.handoff("mapped", path, repair=None if setting.empty else setting)
         mapper = handoff.mapper
         summary = summarize(variant_rows(handoff, prompts, oracle, params.batch_size))
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
-            parameters=mapper.parameter_count(), distilled=mapper.distilled is not None,
+            parameters=mapper.parameter_count(), distilled=mapper.distilled is not None, repair=str(setting),
+            budget=costs[str(setting)], job=index,
         )
         scores.append(summary)
-    per_rank = ranks.gather(scores)
+    return sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
+
+
+def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path],
+                     ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
+    """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
+    `repair_maps` of them at every setting of `select.repairs` within `max_recompute`. Under several processes the
+    oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the scores, the candidates'
+    first in their order (the others None)."""
+    oracle_handoff = pair.handoff("oracle")
+    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
+                            attention=True)
+    oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
+    costs = budgets(params)
+    scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, ranks)
+    settings = [s for s in params.settings() if not s.empty and costs[str(s)] <= params.max_recompute]
+    best = sorted(scores, key=rank_key(params.rule))[: params.repair_maps] if settings else []
+    by_name = {path.stem: path for path in candidates}
+    jobs = [(by_name[score["name"]], setting) for score in best for setting in settings]
+    scores += score_jobs(pair, prompts, params, oracle, jobs, costs, ranks)
     if not ranks.main:
         return None
     oracle_summary = summarize(oracle_rows)
-    order = {path.stem: index for index, path in enumerate(candidates)}
-    scores = sorted((score for part in per_rank for score in part), key=lambda score: order[score["name"]])
     for score in scores:
         score["ppl_ratio"] = score["perplexity"] / oracle_summary["perplexity"]
     return oracle_summary, scores
 
 
-def choose(scores: list[dict], rule: str) -> tuple[dict, dict[int, dict]]:
-    ranked = sorted(scores, key=rank_key(rule))
+def choose(scores: list[dict], rule: str, max_recompute: float) -> tuple[dict, dict[int, dict]]:
+    """The best (map, repair setting) by `rule` among those whose budget is at most `max_recompute`, and per k of the
+    linear family its best closed-form map unrepaired (V0's rows)."""
+    ranked = sorted((score for score in scores if score["budget"] <= max_recompute), key=rank_key(rule))
     best_per_k: dict[int, dict] = {}
     for score in ranked:
-        if score["family"] == "linear" and not score["distilled"]:  # V0's rows: its closed-form maps
+        if score["family"] == "linear" and not score["distilled"] and score["repair"] == "none":
             best_per_k.setdefault(score["k"], score)
     return ranked[0], best_per_k
 
@@ -105,19 +138,31 @@ def copy_verified(source: Path, destination: Path) -> None:
 
 
 def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int) -> dict:
-    """Copy the chosen candidate to models/mapper.safetensors and the best of each k to models/best/; the
-    stage's metrics (every candidate's scores beside the oracle's)."""
+    """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json and
+    the best of each k to models/best/; the stage's metrics (every candidate's scores beside the oracle's, and each
+    repaired one's under repaired/<map>/<setting>/)."""
     oracle_summary, scores = scored
-    chosen, best_per_k = choose(scores, params.rule)
+    chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     copy_verified(candidate_path(chosen["name"]), SELECTED)
+    write_json_atomic(paths.SELECTED_REPAIR, {"map": chosen["name"], "repair": chosen["repair"],
+                                              "budget": round(chosen["budget"], 6)})
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
             copy_verified(candidate_path(score["name"]), paths.best_map(k, staging))
     metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
                                              "oracle_perplexity": round(oracle_summary["perplexity"], 4),
-                                             "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4)}
+                                             "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4),
+                                             "selected_repair": chosen["repair"],
+                                             "selected_repair_budget": round(chosen["budget"], 6),
+                                             "max_recompute": params.max_recompute}
+    for setting, budget in budgets(params).items():
+        metrics[f"repairs/{setting}/budget"] = round(budget, 6)
     for score in scores:
-        for key in ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine"):
+        if score["repair"] != "none":
+            for key in SCORED:
+                metrics[f"repaired/{score['name']}/{score['repair']}/{key}"] = round(score[key], 4)
+            continue
+        for key in SCORED:
             metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
         layers = sum(key.startswith("attention_cosine_layer") for key in score)  # compare.attention_summary's
         for key in (f"attention_cosine_layer{layer}" for layer in range(layers)):
@@ -127,16 +172,28 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int)
     return metrics
 
 
-def main(argv: list[str] | None = None) -> None:
-    no_arguments("pipeline.select", __doc__, argv)
-    params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
+def candidates_on_disk() -> list[Path]:
+    """Every map fit and distill left (models/mappers/, models/distilled/), refused when there is none."""
     candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+    return candidates
+
+
+def run(params: SelectParams, pair: Pair, candidates: list[Path], ranks: Ranks = ONE_PROCESS) -> dict:
+    """Score `candidates` on the select split's prompts (the only data read) and promote the choice; the stage's
+    metrics on rank 0 ({} on the others)."""
+    prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
+    scored = score_candidates(pair, prompts, params, candidates, ranks)
+    return promote(scored, params, len(prompts)) if ranks.main else {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.select", __doc__, argv)
+    params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
+    candidates = candidates_on_disk()
     with stage_ranks(models.torch_device, params.processes, "pipeline.select", [], params.threads) as stage:
-        prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
-        scored = score_candidates(Pair.load(models, stage.device), prompts, params, candidates, stage.ranks)
-        stage.write_metrics(paths.SELECT, promote(scored, params, len(prompts)) if stage.ranks.main else {})
+        stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, stage.ranks))
 
 
 if __name__ == "__main__":

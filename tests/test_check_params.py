@@ -55,6 +55,15 @@ RULES = {
         r"^evaluate\.mapped\.mapped_k1: models/best/mapped_k1\.safetensors is not written"),
     "timed mapper no stage writes": (
         {"latency": {"mapper": "models/mapper.pt"}}, r"^latency\.mapper: models/mapper\.pt is not written"),
+    "repaired variant reading a choice select does not make": (
+        {"select": {"repairs": ["none"]}},
+        r"^evaluate\.repair\.selected_repaired: reads the setting select chose, but select\.repairs is \[none\]"),
+    "repair of a variant that is not evaluated": (
+        {"evaluate": {"repair": {"mapped_k9": "layers:1"}}}, r"^evaluate\.repair\.mapped_k9: not a variant of"),
+    "select repair setting out of range": (
+        {"select": {"repairs": ["none", "tokens:2:recency"]}},
+        r"^select\.repairs: repair tokens:2: the fraction must be in \[0, 1\]"),
+    "select budget of no stored pair": ({"select": {"bound_pair": "qwen3-99b"}}, r"^select\.bound_pair: unknown pair"),
     "report variant that is not evaluated": (
         {"report": {"mapped_variant": "chosen"}}, r"^report\.mapped_variant: 'chosen' is not a variant of evaluate"),
     "trained pair without its settings": (

@@ -13,7 +13,7 @@ from pipeline.schema.fit import FitParams
 from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, load_value, parse
 
 # mappings (variant -> file, family -> rate, map -> file), not sets of parameters
-MAPPINGS = {"evaluate.mapped", "distill.lrs", "selective.maps", "repair.maps"}
+MAPPINGS = {"evaluate.mapped", "evaluate.repair", "distill.lrs", "selective.maps", "repair.maps"}
 
 
 class Inner(Params):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import hellaswag_rows, piqa_rows
+from conftest import committed, hellaswag_rows, piqa_rows
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -12,7 +12,9 @@ from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.compare import oracle_outputs
 from pipeline.repair import kept, repaired, scored
 from pipeline.store.fingerprints import pair_fingerprints
-from pipeline.studies.repair import cheapest, policy
+from pipeline.store.params import parse
+from pipeline.studies.repair import SOURCE, Inputs, against_baselines, cheapest, policy, source_row
+from pipeline.studies.settings import ReportParams
 
 ITEMS = 6  # per task
 PROMPTS = 4
@@ -72,9 +74,10 @@ def _row(name: str, setting: str, budget: float, high: float) -> dict:
 def test_the_sentence_names_the_cheapest_setting_whose_interval_reaches_the_oracle():
     rows = [_row("m", "none", 0.0, 0.9), _row("m", "tokens:0.2:recency", 0.2, 1.02),
             _row("m", "tokens:0.1:attention", 0.11, 1.0), _row("m", "layers:1", 0.05, 0.95),
-            _row("truncated", "0.01", 0.01, 1.5)]
+            _row("truncated", "0.01", 0.01, 1.5), _row(SOURCE, "—", 0.0, 1.2)]
     sentence = cheapest(rows)
     assert "`tokens:0.1:attention`" in sentence and "tokens:0.2" not in sentence and "truncated" not in sentence
+    assert SOURCE not in sentence
 
 
 def test_the_sentence_says_none_reaches_when_no_interval_reaches_the_oracle():
@@ -91,3 +94,35 @@ def test_paths_of_rows_are_file_names_without_colons():
     from pipeline.store import paths
     assert paths.repair_rows("items", "m", "sink:4+tokens:0.1:attention") == Path(
         "eval/repair/m/sink_4-tokens_0.1_attention.items.parquet")
+
+
+def _level(name: str, setting: str, budget: float, retention: float, gate: float | None = None) -> dict:
+    return {"map": name, "setting": setting, "budget": budget, "retention": retention, "gate": gate}
+
+
+def test_each_budget_says_whether_each_maps_best_repair_beats_the_truncated_prompt_and_the_gate():
+    rows = [_level("a", "none", 0.0, 0.5, 0.5), _level("a", "tokens:0.1:attention", 0.1071, 0.8, 0.85),
+            _level("a", "tokens:0.1:recency", 0.1069, 0.6, 0.85), _level("b", "tokens:0.1:attention", 0.1071, 0.9, 0.5),
+            _level("a", "layers:1", 0.003, 0.4, 0.51), _level("truncated", "0.107", 0.107, 0.2),
+            _level("truncated", "0.003", 0.003, 0.45), _level(SOURCE, "—", 0.0, 0.7)]
+    assert against_baselines(rows) == [
+        "- At 0.3% of the target's prefill (truncated prompt 45.0%): `a`'s best, `layers:1` (40.0%), does not beat the "
+        "truncated prompt and does not beat the gate at the same cost (51.0%).",
+        "- At 10.7% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:attention` (80.0%), "
+        "beats the truncated prompt and does not beat the gate at the same cost (85.0%); `b`'s best, "
+        "`tokens:0.1:attention` (90.0%), beats the truncated prompt and beats the gate at the same cost (50.0%)."]
+
+
+def _items(correct: list[int]) -> pd.DataFrame:
+    rows = [{"task": task, "item": i, "acc": c, "acc_norm": c} for task in ("hellaswag", "piqa")
+            for i, c in enumerate(correct)]
+    return pd.DataFrame(rows)
+
+
+def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_gap_closed():
+    params = parse(ReportParams, committed("report", bootstrap_iters=50), "report")
+    items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
+    figures = {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}
+    row = source_row(params, Inputs(items, {}, {}, None, figures))
+    assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
+    assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)

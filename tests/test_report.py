@@ -333,3 +333,20 @@ def test_the_gap_closure_criterion_reads_the_measure_declared_in_params_and_a_wi
     chosen.update(gap_closure_low=-1.5, gap_closure_high=0.9)  # around 0 and wider than the whole gap
     text = "\n".join(variants._gap_lines(report))
     assert "reads `next_token_top1`" in text and "Too wide to decide anything" in text
+
+
+def test_a_repaired_variant_is_its_own_row_after_the_selected_map_its_setting_in_the_label(tmp_path, monkeypatch):
+    rng = np.random.default_rng(3)
+    metrics, items, prompts = {}, {}, {}
+    for name, args in {"oracle": (0.9, 0.95, 1.0), "selected": (0.8, 0.85, 0.7), "source": (0.5, 0.6, 0.4),
+                       "selected_repaired": (0.85, 0.9, 0.8)}.items():
+        metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
+    metrics["selected_repaired"]["repair"] = "layers:1+tokens:0.09:deviation"
+    report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
+    context = {"profile": "tiny", "data_kind": "generated", "source": "s", "target": "t", "dtype": "float32",
+               "device": "cpu", "pair": ("models/source", "models/target"), "selected_name": "selected"}
+    table = [line for line in variants.lines(report, context) if line.startswith("| ")]
+    names = [line.split(" | ")[0][2:] for line in table[:5]]
+    assert names[2:4] == ["Selected mapped transfer",
+                          "Selected mapped transfer, repaired (`layers:1+tokens:0.09:deviation`)"]
+    assert report["variants"]["selected_repaired"]["repair"] == "layers:1+tokens:0.09:deviation"

@@ -1,11 +1,14 @@
-"""The `select` section of params.yaml, read by stage `select`: the prompts and the rule that choose the map."""
+"""The `select` section of params.yaml, read by stage `select`: the prompts and the rule that choose the map, and the
+repair settings (`kv.repair`) it may choose with the map under a declared budget."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from pipeline.store.params import Params, Positive, Processes, Threads
+from pipeline.kv.repair import Repair, RepairError
+from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
+from pipeline.store.shapes import PAIRS
 
 
 class SelectParams(Params):
@@ -16,3 +19,27 @@ class SelectParams(Params):
     batch_size: Positive  # select prompts per forward
     threads: Threads
     processes: Processes  # sharing out the oracle's prompts, then the candidates
+    repairs: list[str]  # kv.repair settings chosen with the map, `none` among them; [none]: the maps alone
+    repair_maps: Positive  # the best maps by the rule unrepaired, each scored at every setting of `repairs`
+    max_recompute: Annotated[float, Field(ge=0.0, le=1.0)]  # the largest budget chosen (kv.flops.repair_budget)
+    bound_pair: str  # a pair of store.shapes.PAIRS: the budgets are counted at its shapes ...
+    length: Annotated[int, Field(ge=2)]  # ... for prompts of this many tokens
+
+    @model_validator(mode="after")
+    def _repairs(self) -> SelectParams:
+        for text in self.repairs:
+            try:
+                Repair.parse(text)
+            except RepairError as error:
+                raise ParamError(f"select.repairs: {error}") from None
+        if len({str(setting) for setting in self.settings()}) != len(self.repairs):
+            raise ParamError("select.repairs: a setting is named twice (compare their canonical forms); drop one")
+        if "none" not in self.repairs:
+            raise ParamError("select.repairs: add `none`, the maps unrepaired (they always compete, and V0's best "
+                             "map per k is chosen among them)")
+        if self.bound_pair not in PAIRS:
+            raise ParamError(f"select.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
+        return self
+
+    def settings(self) -> list[Repair]:
+        return [Repair.parse(text) for text in self.repairs]

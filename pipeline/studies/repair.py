@@ -2,7 +2,8 @@
 
 Inputs: metrics/repair.json (per map and setting: task accuracies, prompt figures, budget, FLOP bound, measured
 speedup; per budget level the truncated prompt's) and eval/repair/ (their item rows), the oracle's and the source's
-items for retention and gap closure, and the selective study's curves (the gate at the same mean cost: the
+items for retention and gap closure (the source alone is also a row of its own, at budget 0, with its figures from
+metrics/eval/source.json), and the selective study's curves (the gate at the same mean cost: the
 retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the score's own
 cost is left out).
 """
@@ -23,6 +24,8 @@ np = lazy("numpy")
 pd = lazy("pandas")
 
 TRUNCATED = "truncated"  # stage repair's name of the truncated-prompt baseline
+SOURCE = "source alone"  # the source model alone (stage evaluate's `source`): no target prefill at all, budget 0
+BASELINES = (TRUNCATED, SOURCE)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Inputs:
     metrics: dict
     rows: dict[tuple[str, str], pd.DataFrame]  # (map or `truncated`, setting or budget) -> item rows
     curves: pd.DataFrame | None  # the selective stage's curves, None when it did not run
+    source: dict  # the source alone's figures (metrics/eval/source.json)
 
 
 def load(run: Run) -> Inputs | None:
@@ -43,7 +47,7 @@ def load(run: Run) -> Inputs | None:
     rows.update({(TRUNCATED, budget): pd.read_parquet(paths.repair_rows("items", TRUNCATED, budget))
                  for budget in metrics.get(TRUNCATED, {})})
     curves = pd.read_parquet(paths.SELECTIVE / "curves.parquet") if paths.SELECTIVE_METRICS.is_file() else None
-    return Inputs(run.items, metrics, rows, curves)
+    return Inputs(run.items, metrics, rows, curves, run.metrics["source"])
 
 
 def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budget: float,
@@ -84,9 +88,23 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                         "vs_none_high": against["high"],
                         "gate": gate_at(inputs.curves, selective, name, budget, inputs.metrics["gate_score"])})
         rows.append(row)
-    rows.sort(key=lambda row: (row["map"] == TRUNCATED, row["map"], row["budget"]))
+    rows.append(source_row(params, inputs))
+    rows.sort(key=lambda row: (row["map"] in BASELINES, row["map"], row["budget"]))
     return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"],
             "gate_score": inputs.metrics["gate_score"]}
+
+
+def source_row(params: ReportParams, inputs: Inputs) -> dict:
+    """The source model alone as a row of the table: budget 0 (the target computes nothing), its gap closure 0."""
+    retention = retention_interval(inputs.items, "source", params.retention_metric, params.bootstrap_iters,
+                                   params.seed)
+    closure = gap_closure_interval(inputs.items, "source", params.retention_metric, params.bootstrap_iters,
+                                   params.seed)
+    return {"map": SOURCE, "setting": "—", "budget": 0.0, "policy": SOURCE, "retention": retention["retention"],
+            "retention_low": retention["low"], "retention_high": retention["high"],
+            "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
+            "gap_closure_high": closure["high"], "bound": None, "speedup": None,
+            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")}}
 
 
 def policy(setting: str) -> str:
@@ -101,7 +119,7 @@ def cheapest(rows: list[dict]) -> str:
     """The sentence naming, per map, the cheapest setting whose retention interval reaches the oracle (upper end
     at least 100%), or saying that none does."""
     out = []
-    for name in dict.fromkeys(row["map"] for row in rows if row["map"] != TRUNCATED):
+    for name in maps(rows):
         reaching = [row for row in rows if row["map"] == name and row["retention_high"] >= 1.0]
         if reaching:
             row = min(reaching, key=lambda row: row["budget"])
@@ -111,6 +129,34 @@ def cheapest(rows: list[dict]) -> str:
         else:
             out.append(f"For `{name}` no setting's retention interval reaches the oracle.")
     return " ".join(out)
+
+
+def maps(rows: list[dict]) -> list[str]:
+    """The repaired maps of the rows, in their order (the baselines left out)."""
+    return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in BASELINES))
+
+
+def against_baselines(rows: list[dict]) -> list[str]:
+    """Per budget level of the grid (the truncated prompt's), whether each map's best repair at that cost retains
+    more than the truncated prompt and than its gate at the same cost (point estimates), one line each."""
+    truncated = {round(row["budget"], 3): row for row in rows if row["map"] == TRUNCATED}
+    verdict = lambda mine, theirs: "beats" if mine > theirs else "does not beat"  # noqa: E731
+    out = []
+    for level, base in sorted(truncated.items()):
+        parts = []
+        for name in maps(rows):
+            same = [r for r in rows if r["map"] == name and r["setting"] != "none" and round(r["budget"], 3) == level]
+            if not same:
+                continue
+            best = max(same, key=lambda row: row["retention"])
+            said = [f"{verdict(best['retention'], base['retention'])} the truncated prompt"]
+            if best.get("gate") is not None:
+                said.append(f"{verdict(best['retention'], best['gate'])} the gate at the same cost "
+                            f"({pct(best['gate'])})")
+            parts.append(f"`{name}`'s best, `{best['setting']}` ({pct(best['retention'])}), {' and '.join(said)}")
+        out.append(f"- At {pct(level)} of the target's prefill (truncated prompt {pct(base['retention'])}): "
+                   f"{'; '.join(parts)}.")
+    return out
 
 
 def lines(study: dict) -> list[str]:
@@ -123,7 +169,8 @@ def lines(study: dict) -> list[str]:
            f"token here. Against `none`: retention with the unrepaired map in the oracle's place. The truncated "
            f"prompt is the target's own prefill of only the last budget share of each context; the gate column is "
            f"the selective gate's retention by its `{study['gate_score']}` score (declared in params) at a fallback "
-           f"rate equal to the budget (the score's own cost left out).", ""]
+           f"rate equal to the budget (the score's own cost left out). The source model alone is the budget-0 "
+           f"baseline: the target computes nothing.", ""]
     pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
@@ -133,6 +180,7 @@ def lines(study: dict) -> list[str]:
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
           "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
           pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"])] for r in rows])
+    out += ["", "Against the matched-cost baselines, by retention (point estimates):", "", *against_baselines(rows)]
     out += ["", cheapest(rows), "", "![retention against budget](report/repair.png)", ""]
     return out
 
@@ -140,10 +188,11 @@ def lines(study: dict) -> list[str]:
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     """Per map: retention against budget, one line per policy; the truncated prompt and the gate as baselines."""
     table = pd.DataFrame(study["rows"])
-    maps = [name for name in dict.fromkeys(table["map"]) if name != TRUNCATED]
-    fig, axes = subplots(1, max(len(maps), 1), figsize=(5 * max(len(maps), 1), 3.8), squeeze=False, sharey=True)
+    names = maps(study["rows"])
+    fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)
     truncated = table[table["map"] == TRUNCATED].sort_values("budget")
-    for ax, name in zip(axes[0], maps):
+    source = table[table["map"] == SOURCE].retention
+    for ax, name in zip(axes[0], names):
         part = table[table["map"] == name]
         none = part[part.setting == "none"]
         for label, group in part[part.setting != "none"].groupby("policy", sort=True):
@@ -153,6 +202,7 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
         gated = part.dropna(subset=["gate"]) if "gate" in part else part.iloc[:0]
         ax.scatter(gated.budget, gated.gate, marker="s", facecolors="none", edgecolors="grey", label="gate, same cost")
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(float(source.iloc[0]), color="black", ls=":", lw=0.8, label="source alone")
         ax.set_xlabel(f"budget (share of target prefill, {study['bound_pair']})")
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)

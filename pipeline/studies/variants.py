@@ -50,6 +50,7 @@ LABELS = {
     "zero": "Null control: zero cache",
     "shuffled": "Null control: shuffled cache",
     "selected": "Selected mapped transfer",
+    "selected_repaired": "Selected mapped transfer, repaired",
 }
 RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
           "direct": "direct injection"}
@@ -74,7 +75,10 @@ class Run:
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
 
 
-def label(variant: str) -> str:
+def label(variant: str, repair: str | None = None) -> str:
+    """A variant's row name; `repair`: the setting a repaired variant applied (its metrics' `repair`), named."""
+    if repair is not None:
+        return f"{label(variant)} (`{repair}`)"
     if paths.variant_k(variant, "distilled") is not None:
         return f"Distilled mapped transfer, k={paths.variant_k(variant, 'distilled')}"
     if paths.best_k(variant) is not None:
@@ -170,7 +174,7 @@ def _figures(params: ReportParams, metrics: dict, items: dict, variant: str, pro
     }
     for t in TASKS:
         entry[f"{t}_acc"], entry[f"{t}_acc_norm"], entry[f"{t}_n"] = m[f"{t}_acc"], m[f"{t}_acc_norm"], m[f"{t}_n"]
-    entry.update({k: v for k, v in m.items() if k.count("_") >= 2 and k.split("_")[1] in ITEM_KINDS})
+    entry.update({k: v for k, v in m.items() if k == "repair" or k.count("_") >= 2 and k.split("_")[1] in ITEM_KINDS})
     return entry
 
 
@@ -189,7 +193,7 @@ def headline(report: dict) -> dict[str, dict]:
 
 def order(variants: dict) -> list[str]:
     first = ["oracle", "direct"] + sorted((v for v in variants if paths.best_k(v) is not None), key=paths.best_k)
-    rest = ["selected", "source", "zero", "shuffled"]
+    rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]), "source", "zero", "shuffled"]
     return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
 
 
@@ -226,8 +230,9 @@ def lines(report: dict, context: dict) -> list[str]:
     out += md_table(
         ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "Gap closure [95% CI]",
          *(["V0 reference"] if v0 else [])],
-        [[label(n), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]), pct(v[n]["hellaswag"]),
-          pct(v[n]["piqa"]), pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
+        [[label(n, v[n].get("repair")), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]),
+          pct(v[n]["hellaswag"]), pct(v[n]["piqa"]),
+          pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
           pct_interval(v[n]["gap_closure"], v[n]["gap_closure_low"], v[n]["gap_closure_high"]),
           *([_v0_reference(n, v[n])] if v0 else [])] for n in rows])
     o = v["oracle"]
@@ -246,13 +251,13 @@ def lines(report: dict, context: dict) -> list[str]:
     out += md_table(
         ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
          f"{pq} acc"],
-        [[label(n), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
+        [[label(n, v[n].get("repair")), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
           pct(v[n]["rollout_agreement"]), pct(v[n]["hellaswag_acc"]), pct(v[n]["piqa_acc"])] for n in rows])
     kinds = sorted({k for e in v.values() for k in e if k.endswith("_acc") and k.split("_")[1] in ITEM_KINDS})
     if kinds:
         out += ["", "### By item kind (acc)", ""]
         out += md_table(["Variant", *(k[:-4].replace("_", " ") for k in kinds)],
-                        [[label(n), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
+                        [[label(n, v[n].get("repair")), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
     return out + _comparison_lines(report) + ["## Reading", "", reading(report, context["selected_name"]), ""]
 
 
@@ -267,8 +272,8 @@ def _gap_lines(report: dict) -> list[str]:
            "Per-prompt measures: next-token top-1 and the continuation's log-perplexity, paired bootstrap over the "
            f"eval prompts. The gap-closure criterion reads `{report['gap_closure_metric']}` (declared in params).", ""]
     out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
-                    [[label(n), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
-                                  for k in GAP_CLOSURE_KEYS.values())] for n in rows])
+                    [[label(n, v[n].get("repair")), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
+                                                      for k in GAP_CLOSURE_KEYS.values())] for n in rows])
     wide = [n for n in rows if v[n]["gap_closure_low"] is not None and v[n]["gap_closure_low"] < 0
             < v[n]["gap_closure_high"] and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
     if wide:
