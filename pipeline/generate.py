@@ -228,7 +228,7 @@ def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
             raise FileNotFoundError(f"no {EVAL_PROMPTS} here: run the pipeline's `prepare_data` stage (dvc repro "
                                     f"prepare_data), or give a PROMPT")
         prompts = read_prompts(EVAL_PROMPTS)
-        inputs.within(args.eval, "--eval", len(prompts), EVAL_PROMPTS)
+        inputs.within(args.eval, "--eval", len(prompts), f"prompts in {EVAL_PROMPTS}")
         prompts, flag = [list(context) for context, _ in prompts[: args.eval]], "--eval"
     else:
         text = inputs.text_file(args.file, "--file") if args.file else args.prompt

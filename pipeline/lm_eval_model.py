@@ -120,6 +120,8 @@ class KVTransferLM(TemplateLM):
         pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
                     target_revision=target_revision, source_revision=source_revision,
                     max_tokens=checked["max_length"], allow_other_models=checked["allow_other_models"])
+        if checked["max_length"] is not None:
+            inputs.within(checked["max_length"], "kv-transfer max_length", pair.positions, "positions in the models")
         handoff = pair.handoff(transfer, mapper, shuffle_seed=checked["shuffle_seed"], repair=setting)
         gate = None if fallback is None else pair.gate(handoff, fallback, checked["threshold"],
                                                         map_pair(disagree) if disagree is not None else None)

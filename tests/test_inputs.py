@@ -51,8 +51,11 @@ RULES = {
         "generate", [PROMPT, "--temperature", "-1"],
         r"^error: --temperature: expected a finite number >= 0 \(0 is greedy\), got -1"),
     "generate: --eval beyond the eval prompts": (
-        "generate", ["--eval", "100000"], r"^error: --eval: 100000 asked, but data/eval\.parquet holds 3; give at "
-        r"most 3$"),
+        "generate", ["--eval", "100000"], r"^error: --eval: 100000 asked, but there are 3 prompts in "
+        r"data/eval\.parquet; give at most 3$"),
+    "kv-transfer: max_length past the models' positions": (
+        "kv-transfer", f"{KV},max_length=100000", r"^error: kv-transfer max_length: 100000 asked, but there are 512 "
+        r"positions in the models; give at most 512$"),
     "generate: --transfer naming no mode": (
         "generate", [PROMPT, "--transfer", ""], r"^error: --transfer '' names no mode \(known: oracle, "),
     "kv-transfer: a gate's threshold nan": (

@@ -82,9 +82,10 @@ def ks(values: Sequence, name: str, source_layers: int, source: str) -> list[int
 
 
 def within(count: int, name: str, available: int, what: str) -> int:
-    """A count of items to take (`--eval N`): at most the `available` ones (`what` names them)."""
+    """A count to take (`--eval N` prompts, `max_length` positions): at most the `available` ones (`what` names
+    them: "prompts in data/eval.parquet")."""
     if count > available:
-        raise ParamError(f"{name}: {count} asked, but {what} holds {available}; give at most {available}")
+        raise ParamError(f"{name}: {count} asked, but there are {available} {what}; give at most {available}")
     return count
 
 
