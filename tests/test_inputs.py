@@ -1,6 +1,7 @@
 """Every number and input of the user tools is checked before work (`store.inputs`): each input issue 36 found
 silently wrong or ending in a traceback, through `generate`, `check_pair`, the lm-eval model `kv-transfer` and
-`distill`, now stops with exit 2 and one line naming the flag, model arg, file or model and the fix."""
+`distill` (and `fit` / `extract`, whose `--out` follows distill's rule), now stops with exit 2 and one line naming
+the flag, model arg, file or model and the fix."""
 from __future__ import annotations
 
 import io
@@ -14,7 +15,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from pipeline import check_pair, distill, generate
+from pipeline import check_pair, distill, extract, fit, generate
 from pipeline.generate import FELL_BACK, GateRequest, run
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -131,6 +132,9 @@ RULES = {
     "distill: --out an existing file": (
         "distill", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file, not a folder; give a "
         r"folder \(it is made if absent\)$"),
+    "fit: --out an existing file": ("fit", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+    "extract: --out an existing file": (
+        "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
 }
 
 
@@ -167,8 +171,8 @@ def kv_transfer_main(argv: list[str]) -> None:
     KVTransferLM.create_from_arg_string(argv[0], {"device": None, "batch_size": None})
 
 
-MAINS = {"generate": generate.main, "check_pair": check_pair.main,
-         "distill": distill.main, "kv-transfer": kv_transfer_main}
+MAINS = {"generate": generate.main, "check_pair": check_pair.main, "distill": distill.main, "fit": fit.main,
+         "extract": extract.main, "kv-transfer": kv_transfer_main}
 
 
 def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
