@@ -292,8 +292,8 @@ def checked_args(transfer, mapper, dtype, device, batch_size, shuffle_seed, max_
              "disagree": list(map_pair(disagree) or []) if disagree is not None else []}
     missing = [(arg, file) for arg, names in files.items() for file in names if not Path(file).is_file()]
     if missing:
-        raise ParamError(f"kv-transfer {missing[0][0]}=: no mapper file {missing[0][1]}; give one that fit, distill or "
-                         f"select wrote (models/)")
+        raise ParamError(f"kv-transfer {missing[0][0]}: no mapper file at {missing[0][1]}; give one that fit, distill "
+                         f"or select wrote (under models/)")
     inputs.choice(dtype, name("dtype"), DTYPES)
     if device is not None:
         inputs.device(str(device), name("device"))

@@ -110,7 +110,11 @@ RULES = {
         r"mapped, shuffled, got 'bogus'$"),
     "kv-transfer: a missing mapper": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{folder}}/none.safetensors",
-        r"^error: kv-transfer mapper=: no mapper file .*none\.safetensors; give one that fit, distill or select"),
+        r"^error: kv-transfer mapper: no mapper file at .*none\.safetensors; give one that fit, distill or select"),
+    "kv-transfer: a missing map of the disagree score": (
+        "kv-transfer", f"{KV},transfer=direct,fallback=disagree,threshold=1,disagree={{map}}:{{folder}}/none"
+        ".safetensors",
+        r"^error: kv-transfer disagree: no mapper file at .*none\.safetensors; give one"),
     "kv-transfer: a corrupt mapper": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{corrupt}}", r"^error: .*corrupt\.safetensors: "),
     "kv-transfer: a map fitted on other models": (
