@@ -29,7 +29,8 @@ Importing a stage or a wing loads no heavy library (Params and --help take a fra
 transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named as `torch = lazy("torch")`
 (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
 huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
-    store/    the lazy import; files and settings: checksummed artifacts, params, dtypes/devices, several
+    store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
+              (checked by the rules of params), dtypes/devices, several
               processes (torchrun), split names, real shapes, the target's first layers as the source, model
               loading, sharded caches
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
@@ -52,8 +53,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 """
 
 WINGS = {
-    "store": ("lazy", "paths", "cli", "artifacts", "params", "devices", "ranks", "splits", "shapes", "truncated",
-              "models", "fingerprints", "cachefiles"),
+    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
+              "truncated", "models", "fingerprints", "cachefiles"),
     "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
            "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),

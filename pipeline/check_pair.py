@@ -11,9 +11,17 @@ token at a few prompt lengths and the `self:<n>` source of the real source's pre
 when the mapped handoff is refused. The ks, the lengths and the mlp width default to params.yaml's fit.ks,
 latency.lengths and fit.mlp.hidden; the run length a sliding window is checked against (--max-tokens) to the
 longest sequence params.yaml's profile feeds the models (`kv.contract.run_length`), or the models' position
-range without a params.yaml.
+range without a params.yaml. Every k must be within the source's layers and every length at least 2
+(`store.inputs`), each refusal one line.
+
+`--mapper FILE` checks a map against the pair as every handoff does before any forward: the fingerprints of the
+models it was fitted on against these models' (`store.fingerprints`: weights, config and tokenizer files; not for a
+`shape:` side, which has none) and its KV geometry against theirs; it prints what it checked, and a mismatch is the
+one-line refusal. `--allow-other-models` reports a map fitted on other models instead of refusing it.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 from pipeline.kv.contract import Contract, ModelCard, pair_contract, run_length, which_pairs_work
 from pipeline.kv.families.registry import FAMILIES, FITTED
@@ -25,11 +33,17 @@ from pipeline.kv.flops import (
     repair_budget,
     speedup_bound,
 )
+from pipeline.kv.handoff import check_map_geometry
+from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.mapper import load_mapper
+from pipeline.kv.pair import check_models
 from pipeline.kv.repair import Repair
 from pipeline.kv.rope import model_name
+from pipeline.store import inputs
 from pipeline.store.cli import entry, parser
+from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
-from pipeline.store.params import PARAMS_FILE, read_key
+from pipeline.store.params import PARAMS_FILE, ParamError, read_key
 from pipeline.store.shapes import shape_config
 from pipeline.store.truncated import self_layers, self_name, truncated_config
 from pipeline.studies.format import md_table
@@ -162,6 +176,24 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
     return "\n".join(lines)
 
 
+def mapper_lines(path: Path, source: str, target: str, source_config, target_config, allow: bool) -> list[str]:
+    """Check the map at `path` against the pair (the models it was fitted on, by fingerprint, and its KV geometry)
+    as `kv.pair.Pair.handoff` does; refuse a mismatch in one line, else say what was checked (and, with `allow`,
+    how the models differ)."""
+    if any(name.startswith(SHAPE) for name in (source, target)):
+        raise ParamError(f"--mapper: a {SHAPE}<name> model has no weights or tokenizer to check a map against; give "
+                         f"model folders or hub ids")
+    mapper = load_mapper(path)
+    source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
+    check_map_geometry(mapper, source_geometry, target_geometry, f"source {source!r} and target {target!r}")
+    difference = check_models(str(path), mapper.models, pair_fingerprints(source, target), allow)
+    lines = [f"map {path}: {mapper.family} k={mapper.k}, KV geometry {mapper.source_geometry} -> "
+             f"{mapper.target_geometry}: the pair's"]
+    if difference:
+        return lines + [f"other models allowed (--allow-other-models): {difference}"]
+    return lines + [f"map {path}: fitted on these models (weights, config and tokenizer files of both)"]
+
+
 def as_list(value) -> list:
     """A params value that is one size or a list of them, as a list (None: none)."""
     return [] if value is None else list(value) if isinstance(value, list) else [value]
@@ -183,26 +215,41 @@ def main(argv: list[str] | None = None) -> None:
                      "(default: repair.grid of params.yaml, when there is one)")
     cli.add_argument("--max-tokens", type=int, help="the run's longest sequence, against which a sliding window "
                      "is checked (default: kv.contract.run_length of params.yaml; without one, the position range)")
+    cli.add_argument("--mapper", type=Path, help="check this map against the pair: the models it was fitted on "
+                     "(fingerprints) and its KV geometry")
+    cli.add_argument("--allow-other-models", action="store_true", help="with --mapper: report a map fitted on "
+                     "other models instead of refusing it")
     args = cli.parse_args(argv)
     if args.which_pairs:
         print(which_pairs_work())
         return
     if not args.target:
         cli.error("give a SOURCE and a TARGET model (or --which-pairs)")
-    ks = args.ks or read_key("fit.ks")
-    lengths = args.lengths or read_key("latency.lengths")
+    if args.allow_other_models and not args.mapper:
+        cli.error("--allow-other-models goes with --mapper FILE (the map to check)")
+    lengths = inputs.lengths(args.lengths or read_key("latency.lengths"),
+                             "--lengths" if args.lengths else "latency.lengths (params.yaml; or give --lengths)")
+    if args.max_tokens is not None:
+        inputs.lengths([args.max_tokens], "--max-tokens")
     # without a params.yaml a family's inner size comes from its flag alone (none: its rows are left out)
-    widths = {family: as_list(getattr(args, f"width_{family}") or (read_key(spec.width_param)
-                                                                   if PARAMS_FILE.is_file() else None))
+    widths = {family: [inputs.at_least(width, f"--{family.replace('_', '-')}-{spec.width_name}", 1)
+                       for width in as_list(getattr(args, f"width_{family}")
+                                            or (read_key(spec.width_param) if PARAMS_FILE.is_file() else None))]
               for family, spec in FAMILIES.items() if spec.width_name}
     target_config, target_tokenizer = read(args.target)
     source_config, source_tokenizer = read_source(args.source, (target_config, target_tokenizer))
+    ks = inputs.ks(args.ks or read_key("fit.ks"), "--ks" if args.ks else "fit.ks (params.yaml; or give --ks)",
+                   source_config.num_hidden_layers, model_name(source_config))
+    checked = (mapper_lines(args.mapper, args.source, args.target, source_config, target_config,
+                            args.allow_other_models) if args.mapper else [])
     # without a params.yaml the run is as long as the models allow
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
     repairs = args.repairs or (read_key("repair.grid") if PARAMS_FILE.is_file() else [])
     print(report(contract, source_config, target_config, ks, lengths, widths, repairs))
+    if checked:
+        print("\n" + "\n".join(checked))
     contract.require("mapped")
 
 

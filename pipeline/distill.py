@@ -46,6 +46,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
+from pipeline.store.inputs import out_folder
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--out", type=Path, help="write maps, curves and metrics here instead")
     argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
+    out_folder(args.out, "--out")  # refused now, not after the distillation
     params, models = load_section(DistillParams, "distill"), load_section(ModelsParams, "models")
     names = args.only or params.start
     mappers = args.mappers or paths.MAPPERS

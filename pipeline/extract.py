@@ -34,6 +34,7 @@ from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import no_grad, parse_dtype
+from pipeline.store.inputs import out_folder
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                      help="with --out: keys as cached, RoPE not stripped (the length study's ablation)")
     argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
+    out_folder(args.out, "--out")  # refused now, not after the work
     name = args.model
     params = load_section(ExtractParams, "extract")
     if args.keep_rope and not args.out:

@@ -48,6 +48,7 @@ from pipeline.store.artifacts import ArtifactError, atomic_path
 from pipeline.store.cachefiles import KINDS, first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.inputs import out_folder
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                           "refit, the calibration curve's fits")
     argv = sys.argv[1:] if argv is None else argv
     args = cli.parse_args(argv)
+    out_folder(args.out, "--out")  # refused now, not after the work
     params, models = load_section(FitParams, "fit"), load_section(ModelsParams, "models")
     out, metrics_dir = (args.out, args.out) if args.out else (paths.MAPPERS, paths.METRICS)
     caches = args.caches or paths.CACHES

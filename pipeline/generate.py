@@ -33,6 +33,10 @@ Each row's route says how the mode's cache came: `oracle`, `source`, the mode's 
 handoff's `repaired.log`), `fell back to the target's prefill: <score> S > threshold T`, or `nothing handed off`
 (a one-token prompt has no prefix to hand off).
 
+Every flag is checked before any model work by the rules of `store.inputs` (a threshold never nan, a temperature
+finite and >= 0, `--eval N` within the eval prompts, a UTF-8 `--file`, each prompt and its new tokens within the
+models' positions, a device this machine has): one line and exit 2 for the first bad one.
+
 The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
 (`--target DIR [--source DIR]`); dtype and device come from the `models` section unless given, CPU threads
 from `latency.threads`.
@@ -53,7 +57,7 @@ from pipeline.kv.handoff import SOURCE_MODES, Handoff
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.measure.compare import read_prompts
-from pipeline.store import paths
+from pipeline.store import inputs, paths
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cli import Refusal, entry, parser
 from pipeline.store.devices import DTYPES
@@ -254,18 +258,24 @@ def summary(generations: list[Generation]) -> list[str]:
     return md_table(header + (["score (scoring time)"] if gated else []) + ["route"], rows)
 
 
-def read_prompt_ids(args, tokenizer) -> list[list[int]]:
-    """The prompts asked for, as target token ids: the text, the file's text, or the eval part's first N."""
+def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
+    """The prompts asked for, as target token ids: the text, the file's text, or the eval part's first N (at most
+    the part's prompts); each with its --max-new-tokens within the pair's `positions`."""
     if args.eval:
         if not EVAL_PROMPTS.is_file():
             raise FileNotFoundError(f"no {EVAL_PROMPTS} here: run the pipeline's `prepare_data` stage (dvc repro "
                                     f"prepare_data), or give a PROMPT")
-        return [list(context) for context, _ in read_prompts(EVAL_PROMPTS)[: args.eval]]
-    text = Path(args.file).read_text() if args.file else args.prompt
-    ids = tokenizer.encode(text)
-    if not ids:
-        raise ParamError("the prompt encodes to no tokens: give some text")
-    return [ids]
+        prompts = read_prompts(EVAL_PROMPTS)
+        inputs.within(args.eval, "--eval", len(prompts), f"prompts in {EVAL_PROMPTS}")
+        prompts, flag = [list(context) for context, _ in prompts[: args.eval]], "--eval"
+    else:
+        text = inputs.text_file(args.file, "--file") if args.file else args.prompt
+        prompts, flag = [tokenizer.encode(text)], "--file" if args.file else "PROMPT"
+        if not prompts[0]:
+            raise ParamError("the prompt encodes to no tokens: give some text")
+    for prompt in prompts:
+        inputs.positions(len(prompt), args.max_new_tokens, flag, positions)
+    return prompts
 
 
 def gate_request(cli, args, modes: Sequence[str]) -> GateRequest | None:
@@ -342,20 +352,23 @@ def checked_modes(cli, args) -> list[str]:
         cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(TRANSFERS)})")
     if not modes:
         raise ParamError(f"--transfer {args.transfer!r} names no mode (known: {', '.join(TRANSFERS)})")
-    for flag, value in (("--threshold", args.threshold), ("--temperature", args.temperature)):
-        if value is not None and value != value:  # nan: a gate that never fires, a sampler that never samples
-            raise ParamError(f"{flag}: nan is not a number; give a finite value (or -inf / inf for --threshold)")
-    if args.temperature < 0 or args.temperature == float("inf"):
-        raise ParamError(f"--temperature: expected a finite number >= 0 (0 is greedy), got {args.temperature}")
-    if args.max_new_tokens < 1 or (args.eval is not None and args.eval < 1):
-        cli.error("--max-new-tokens and --eval must be at least 1")
+    if args.threshold is not None:
+        inputs.threshold(args.threshold, "--threshold")
+    inputs.temperature(args.temperature, "--temperature")
+    inputs.at_least(args.max_new_tokens, "--max-new-tokens", 1)
+    if args.eval is not None:
+        inputs.at_least(args.eval, "--eval", 1)
+    if args.prompt:
+        inputs.text(args.prompt, "PROMPT")
+    if args.device:
+        inputs.device(args.device, "--device")
     return modes
 
 
 def built_pair(args, models: ModelsParams | None) -> Pair:
     """The pair the flags name (`--target`/`--source`), else the pipeline's, in the flags' dtype and device."""
     dtype = args.dtype or models.dtype
-    device = args.device or models.torch_device
+    device = args.device or inputs.device(models.torch_device, "models.device (params.yaml; or give --device)")
     device_map = None if args.device or models is None else models.device_map
     if args.target:
         return Pair(args.target, args.source, dtype, device, device_map, allow_other_models=args.allow_other_models)
@@ -379,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     if shuffle_seed is None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
     mapper = args.mapper or (None if args.target else SELECTED_MAPPER)
-    run(pair, read_prompt_ids(args, pair.target_tokenizer), modes, mapper, args.max_new_tokens,
+    run(pair, read_prompt_ids(args, pair.target_tokenizer, pair.positions), modes, mapper, args.max_new_tokens,
         args.temperature, args.seed, shuffle_seed, gate=gate, asked=args.transfer != DEFAULT_TRANSFER,
         repair=args.repair)
 

@@ -21,6 +21,8 @@ after lm-eval's table, and with `--log_samples` each sample carries `route` (and
 per request in the order of its `arguments`. Requests lm-eval answers from its own cache (`--use_cache`) never
 reach the model and are not counted.
 
+Every arg is checked before any model is loaded (`checked_args`, by the rules of `store.inputs`).
+
 lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
 own Pair passes a handoff of it to `KVTransferLM(handoff, tokenizer, ...)` and scores many handoffs on models
 loaded once.
@@ -40,8 +42,10 @@ cuda when there is one, else cpu; the README shows the hub and the local-task fo
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
+from pathlib import Path
 
 import jinja2
 from lm_eval.__main__ import cli_evaluate
@@ -52,17 +56,21 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm.auto import tqdm
 
 from pipeline.kv.decode import greedy_generate
-from pipeline.kv.gate import Gate, map_pair
-from pipeline.kv.handoff import SOURCE_MODES, Handoff
+from pipeline.kv.gate import FITTED, SCORES, Gate, map_pair
+from pipeline.kv.handoff import MAPPER_MODES, MODES, SOURCE_MODES, Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import score_continuations, truncate
 from pipeline.measure.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Ledger, Route, count_lines, recording_routes
+from pipeline.store import inputs
+from pipeline.store.cli import entry
+from pipeline.store.devices import DTYPES
 from pipeline.store.models import default_device
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks, join, launched_ranks, leave
 
 DEFAULT_MAX_GEN_TOKS = 256
+AUTO_BATCH = 8  # batch_size=auto: lm-eval's search for the largest batch is not implemented; this is used instead
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +88,7 @@ class KVTransferLM(TemplateLM):
         self.ledger = Ledger()  # every Instance's route
         self.request_routes: dict[tuple[str, str], Route] = {}  # lm-eval's (context, continuation) -> its route
         self.tokenizer = tokenizer
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else AUTO_BATCH
         self._max_length = int(max_length) if max_length else handoff.target.config.max_position_embeddings
         self._device = handoff.device
         self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
@@ -106,9 +114,14 @@ class KVTransferLM(TemplateLM):
         allow_other_models: bool | str = False,
         **unknown,
     ) -> "KVTransferLM":
-        """The model lm-eval's model args name (the module docstring lists them): the pair, then its handoff."""
+        """The model lm-eval's model args name (the module docstring lists them): every arg checked
+        (`checked_args`), then the pair, then its handoff."""
         if unknown:
-            raise TypeError(f"kv-transfer: unknown model args {sorted(unknown)}")
+            known = [arg for arg in inspect.signature(cls.from_args).parameters if arg != "unknown"]
+            raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")
+        checked = checked_args(transfer=transfer, mapper=mapper, dtype=dtype, device=device, batch_size=batch_size,
+                               shuffle_seed=shuffle_seed, max_length=max_length, fallback=fallback,
+                               threshold=threshold, disagree=disagree, allow_other_models=allow_other_models)
         setting = Repair.parse(repair) if repair is not None else None  # a malformed one before any loading
         ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
         device = ranks.device(device or default_device())
@@ -116,10 +129,13 @@ class KVTransferLM(TemplateLM):
         # stages, every handoff refuses a sequence longer than the window when it comes (Handoff.check_length)
         pair = Pair(target, source if transfer in SOURCE_MODES else None, dtype, device,
                     target_revision=target_revision, source_revision=source_revision,
-                    max_tokens=int(max_length) if max_length else None,
-                    allow_other_models=str(allow_other_models).lower() == "true")
-        handoff = pair.handoff(transfer, mapper, shuffle_seed=int(shuffle_seed), repair=setting)
-        gate = gate_from_args(pair, handoff, fallback, threshold, disagree)
+                    max_tokens=checked["max_length"], allow_other_models=checked["allow_other_models"])
+        if checked["max_length"] is not None:
+            inputs.within(checked["max_length"], "kv-transfer max_length", pair.positions, "positions in the models")
+        handoff = pair.handoff(transfer, mapper, shuffle_seed=checked["shuffle_seed"], repair=setting)
+        gate = None if fallback is None else pair.gate(handoff, fallback, checked["threshold"],
+                                                        map_pair(disagree) if disagree is not None else None)
+        batch_size, max_length = checked["batch_size"], checked["max_length"]
         for difference in pair.other_models:  # the run's config records allow_other_models=true beside this
             log.warning("kv-transfer: allow_other_models=true: %s", difference)
         return cls(handoff, pair.target_tokenizer, batch_size, max_length, ranks, gate)
@@ -329,30 +345,48 @@ class KVTransferLM(TemplateLM):
         return outputs
 
 
-def gate_from_args(pair: Pair, handoff: Handoff, fallback: str | None, threshold, disagree: str | None
-                   ) -> Gate | None:
-    """The gate the model args `fallback=<score>,threshold=<t>[,disagree=<a>:<b>]` name, or None without one."""
-    if fallback is None:
-        if threshold is not None or disagree is not None:
-            raise TypeError("kv-transfer: threshold= and disagree= gate a handoff: give fallback=<score> too")
-        return None
-    if threshold is None:
-        raise TypeError(f"kv-transfer: fallback={fallback} needs threshold=<float> (falls back above it)")
-    files = None if disagree is None else map_pair(disagree)
-    if disagree is not None and files is None:
-        raise TypeError(f"kv-transfer: disagree={disagree!r} names two mapper files as <k=1 file>:<k=max file>")
-    try:
-        value = float(threshold)
-    except ValueError:
-        value = float("nan")
-    if value != value:  # nan compares false with every score: a gate that never fires
-        raise ParamError(f"kv-transfer: threshold={threshold!r}: expected a number, or -inf / inf")
-    return pair.gate(handoff, fallback, value, files)
+def checked_args(transfer, mapper, dtype, device, batch_size, shuffle_seed, max_length, fallback, threshold,
+                 disagree, allow_other_models) -> dict:
+    """The model args' values checked before any model work by the rules of every face (`store.inputs`), each
+    failure one line naming the arg: {batch_size, shuffle_seed, max_length (None: the model's), threshold (None
+    without a gate), allow_other_models} as the model uses them."""
+    name = lambda arg: f"kv-transfer {arg}"  # noqa: E731
+    inputs.choice(transfer, name("transfer"), MODES)
+    if transfer == "mapped" and mapper is None:
+        raise ParamError("kv-transfer transfer=mapped needs a mapper: give mapper=<mapper file>")
+    files = {"mapper": [mapper] if transfer in MAPPER_MODES and mapper is not None else [],
+             "disagree": list(map_pair(disagree) or []) if disagree is not None else []}
+    missing = [(arg, file) for arg, names in files.items() for file in names if not Path(file).is_file()]
+    if missing:
+        raise ParamError(f"kv-transfer {missing[0][0]}: no mapper file at {missing[0][1]}; give one that fit, distill "
+                         f"or select wrote (under models/)")
+    inputs.choice(dtype, name("dtype"), DTYPES)
+    if device is not None:
+        inputs.device(str(device), name("device"))
+    if fallback is None and (threshold is not None or disagree is not None):
+        raise ParamError("kv-transfer threshold= and disagree= gate a handoff: give fallback=<score> too")
+    if fallback is not None:
+        inputs.choice(fallback, name("fallback"), [score for score in SCORES if score not in FITTED])
+        if threshold is None:
+            raise ParamError(f"kv-transfer fallback={fallback} needs threshold=<number> (falls back above it; -inf "
+                             f"always, inf never)")
+        if disagree is not None and map_pair(disagree) is None:
+            raise ParamError(f"kv-transfer disagree={disagree!r}: name two mapper files as <k=1 file>:<k=max file>")
+        if fallback == "disagree" and disagree is None:
+            raise ParamError("kv-transfer fallback=disagree needs disagree=<k=1 file>:<k=max file>")
+    allow = str(allow_other_models).lower()
+    inputs.choice(allow, name("allow_other_models"), ("true", "false"))
+    return {"batch_size": AUTO_BATCH if batch_size == "auto" else inputs.batch_size(batch_size, name("batch_size")),
+            "shuffle_seed": inputs.at_least(shuffle_seed, name("shuffle_seed"), 0),
+            "max_length": None if max_length is None else inputs.lengths([max_length], name("max_length"))[0],
+            "threshold": None if threshold is None else inputs.threshold(threshold, name("threshold")),
+            "allow_other_models": allow == "true"}
 
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's own command line, with `kv-transfer` registered by the import above. Under torchrun the process
-    group its model joined (`from_args`) is left here, when lm-eval is done with it."""
+    group its model joined (`from_args`) is left here, when lm-eval is done with it. Run as a command (`entry`), a
+    refusal of the project's (a bad model arg, a missing or corrupt map) is one `error:` line, exit 2."""
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
@@ -366,4 +400,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)  # the project's refusals (a bad model arg, a corrupt map, models it was not fitted on): one line

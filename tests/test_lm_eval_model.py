@@ -32,7 +32,7 @@ from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
-from pipeline.store.params import parse
+from pipeline.store.params import ParamError, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = yaml.safe_load((ROOT / "params.yaml").read_text())["tolerances"]
@@ -233,7 +233,7 @@ def test_bad_model_args_are_refused(tiny_pair):
     with pytest.raises(ValueError, match="needs a mapper"):
         KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]),
                                transfer="mapped")
-    with pytest.raises(TypeError, match="unknown model args"):
+    with pytest.raises(ParamError, match=r"^kv-transfer: unknown model arg tranfser= \(known: target, source, "):
         KVTransferLM.from_args(target=str(tiny_pair["target"]), tranfser="direct")
 
 

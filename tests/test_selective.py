@@ -14,13 +14,13 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
-from pipeline.lm_eval_model import KVTransferLM, gate_from_args
+from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import gating
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.schema.selective import SelectiveParams
 from pipeline.selective import METRIC, add_probe, item_rows, task_frame, train_probe
 from pipeline.store.fingerprints import pair_fingerprints
-from pipeline.store.params import parse
+from pipeline.store.params import ParamError, parse
 
 VOCAB = 97
 E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
@@ -255,14 +255,15 @@ def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_compositi
 
 @pytest.mark.parametrize("fallback, threshold, disagree, message", [
     (None, "0.5", None, "give fallback=<score> too"),
-    ("kl", None, None, "needs threshold=<float>"),
-    ("disagree", "0.5", "only_one.safetensors", "names two mapper files"),
+    ("kl", None, None, "needs threshold=<number>"),
+    ("disagree", "0.5", "only_one.safetensors", "name two mapper files"),
+    ("disagree", "0.5", None, "needs disagree="),
 ])
 def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pair, fallback, threshold, disagree,
                                                                        message):
-    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
-    with pytest.raises(TypeError, match=message):
-        gate_from_args(pair, None, fallback, threshold, disagree)
+    with pytest.raises(ParamError, match=message):
+        KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer="direct",
+                               device="cpu", fallback=fallback, threshold=threshold, disagree=disagree)
 
 
 def _probe_rows(part: str, count: int = 60, seed: int = 0) -> pd.DataFrame:

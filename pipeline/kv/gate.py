@@ -21,7 +21,8 @@ Scores, higher = less trusted:
               cache's mean key and value norms to the source cache's), trained by the stage on dev items only
 
 A context of one token has an empty prefix: nothing is handed off, the handoff is the oracle, its score -inf.
-The `Gate` falls back where score > threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere.
+The `Gate` falls back where score > threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere
+(one-token contexts included).
 """
 from __future__ import annotations
 
@@ -234,6 +235,7 @@ class Gate:
         self.scorer, self.score, self.threshold, self.fallback = scorer, score, float(threshold), fallback
 
     def route(self, contexts: Sequence[Sequence[int]], batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (N,) and whether each request falls back (N,) bool."""
+        """Scores (N,) and whether each request falls back (N,) bool: every one at threshold -inf, a one-token
+        context too (its score is -inf, and -inf > -inf is false)."""
         scores = self.scorer.scores(contexts, [self.score], batch_size)[self.score]
-        return scores, scores > self.threshold
+        return scores, (scores > self.threshold) | (self.threshold == float("-inf"))

@@ -44,6 +44,14 @@ def check_mode(mode: str, has_source: bool, has_mapper: bool) -> None:
         raise ValueError("transfer mode 'mapped' needs a mapper")
 
 
+def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: dict, names: str) -> None:
+    """Refuse a map fitted for other KV geometries than the pair's (`names` names its models)."""
+    if (mapper.source_geometry, mapper.target_geometry) != (source_geometry, target_geometry):
+        raise IncompatiblePairError(f"mapper was fitted for KV geometry {mapper.source_geometry} -> "
+                                    f"{mapper.target_geometry}, but {names} have {source_geometry} -> "
+                                    f"{target_geometry}")
+
+
 class Handoff:
     """Builds the target's prefix cache in one of MODES and scores tokens after it."""
 
@@ -80,11 +88,7 @@ class Handoff:
         self.source_geometry = kv_geometry(source.config)
         names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
         if mapper is not None:
-            if (mapper.source_geometry, mapper.target_geometry) != (self.source_geometry, self.target_geometry):
-                raise IncompatiblePairError(
-                    f"mapper was fitted for KV geometry {mapper.source_geometry} -> {mapper.target_geometry}, "
-                    f"but {names} have {self.source_geometry} -> {self.target_geometry}"
-                )
+            check_map_geometry(mapper, self.source_geometry, self.target_geometry, names)
         elif self.source_geometry != self.target_geometry:
             raise IncompatiblePairError(
                 f"transfer mode {mode!r} without a mapper needs equal KV geometry, but {names} have "

@@ -71,6 +71,11 @@ def check_models(label: str, fitted: dict | None, loaded: dict, allow: bool) -> 
     raise OtherModelsError(f"map {label} {difference}; {fix}, or pass {OVERRIDE} to use it anyway")
 
 
+def positions(*configs) -> int:
+    """The longest sequence (prompt and decoded tokens) every model of the pair has positions for."""
+    return min(config.max_position_embeddings for config in configs if config is not None)
+
+
 class Pair:
     """A target and (optionally) a source: names, tokenizers and contract now, weights on first use."""
 
@@ -93,9 +98,10 @@ class Pair:
         self.self_layers = cut[0] if cut else None  # n of a self source, else None
         self.max_tokens = max_tokens
         # the contract, from configs and tokenizers: a refused pair costs no weight loading
-        self.contract = pair_contract(load_config(target, target_revision),
-                                      load_config(source, source_revision, **beside) if source else None,
-                                      self.target_tokenizer, self.source_tokenizer, max_tokens)
+        configs = (load_config(target, target_revision),
+                   load_config(source, source_revision, **beside) if source else None)
+        self.contract = pair_contract(*configs, self.target_tokenizer, self.source_tokenizer, max_tokens)
+        self.positions = positions(*configs)
 
     @classmethod
     def load(cls, models: ModelsParams, device: str, dtype: str | None = None, max_tokens: int | None = None,
@@ -118,8 +124,9 @@ class Pair:
         pair.target_tokenizer = pair.source_tokenizer = None
         pair.self_layers = None
         pair.max_tokens = max_tokens
-        pair.contract = pair_contract(target.config, None if source is None else source.config,
-                                      max_tokens=max_tokens)
+        configs = (target.config, None if source is None else source.config)
+        pair.contract = pair_contract(*configs, max_tokens=max_tokens)
+        pair.positions = positions(*configs)
         pair.__dict__["target"] = target  # the cached properties, filled
         if source is not None:
             pair.__dict__["source"] = source

@@ -112,6 +112,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab*",
                 "merges.txt", "*.model"]  # what describes a model without its weights
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the tokenizer's class and special tokens
 # files that carry a vocabulary: without one, transformers 5 builds a stand-in tokenizer of one to five tokens
 # for several model types (qwen2, qwen3, gemma, gpt2, phi) instead of raising, and it must never be compared
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "*.tiktoken",
@@ -336,7 +337,8 @@ def has_tokenizer_files(folder: str | Path) -> bool:
 def load_tokenizer(name_or_path: str, revision: str | None = None, target: str | None = None,
                    target_revision: str | None = None):
     """A model's tokenizer (a self source's: its target's); a hub id fetches its config and tokenizer files only,
-    never the weights. A folder without tokenizer files is refused (NoTokenizerError), never given a stand-in."""
+    never the weights. A folder without tokenizer files is refused (NoTokenizerError), never given a stand-in, and so is
+    one without tokenizer_config.json (transformers would guess the tokenizer's class from config.json)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return load_tokenizer(cut[1], cut[2])
@@ -344,6 +346,9 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, target: str |
     folder = resolve(name, revision, config_only=True)
     if not has_tokenizer_files(folder):
         raise NoTokenizerError(f"model folder {name} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+    if not (Path(folder) / TOKENIZER_CONFIG).is_file():  # transformers would guess the class and special tokens
+        raise ModelFolderError(f"model folder {name} has tokenizer files but no {TOKENIZER_CONFIG}, without which its "
+                               f"prompts are tokenized wrongly; copy the model's {TOKENIZER_CONFIG} into it")
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a broken file

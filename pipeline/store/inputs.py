@@ -1,0 +1,147 @@
+"""The numbers and inputs a user tool takes (`generate`'s and `check_pair`'s flags, `kv-transfer`'s model args, a
+stage's `--out`), checked before any model work by the rules params.yaml's values obey (`store.params`): one
+function per rule, each returning the value as the tool uses it or raising `ParamError` (a `Refusal`: one line
+naming the flag or model arg and the fix, exit 2). `name` is the flag or arg as the user spelt it (`--threshold`,
+`threshold=`), so one rule serves every face.
+
+A model arg comes from lm-eval as a string (`batch_size=0`), a flag already typed by argparse; both are read here.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+from pipeline.store.lazy import lazy
+from pipeline.store.params import ParamError
+
+torch = lazy("torch")
+
+
+def number(value, name: str, kind: type = float):
+    """`value` (a number or its text) as `kind`; anything else refused naming `name`."""
+    # lm-eval reads `batch_size=-1` as the float -1.0: an integral float is an integer, 2.5 is not
+    if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise ParamError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    try:
+        return kind(value) if not isinstance(value, str) else kind(value.strip())
+    except (TypeError, ValueError):
+        raise ParamError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+
+
+def choice(value, name: str, choices: Sequence[str]) -> str:
+    """One of `choices`, the ones accepted here (never one that is refused later)."""
+    if value not in choices:
+        raise ParamError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def threshold(value, name: str) -> float:
+    """A gate's threshold: a finite number, -inf (every gated request falls back) or inf (none does); nan, which
+    compares false with every score and so turns the gate off, is refused."""
+    parsed = number(value, name)
+    if math.isnan(parsed):
+        raise ParamError(f"{name}: nan would never fall back; give a number, or -inf (always) / inf (never)")
+    return parsed
+
+
+def temperature(value, name: str) -> float:
+    """A sampling temperature: finite and >= 0 (0 is greedy)."""
+    parsed = number(value, name)
+    if not math.isfinite(parsed) or parsed < 0:
+        raise ParamError(f"{name}: expected a finite number >= 0 (0 is greedy), got {value}")
+    return parsed
+
+
+def at_least(value, name: str, low: int, why: str = "") -> int:
+    """An integer >= `low` (a batch size, a count of tokens or prompts); `why` says what the bound is for."""
+    parsed = number(value, name, int)
+    if parsed < low:
+        raise ParamError(f"{name}: expected an integer >= {low}{f' ({why})' if why else ''}, got {value}")
+    return parsed
+
+
+def batch_size(value, name: str) -> int:
+    """Requests per forward: an integer >= 1."""
+    return at_least(value, name, 1)
+
+
+def lengths(values: Sequence, name: str) -> list[int]:
+    """Prompt lengths: each an integer >= 2 (a prefix for the source and a last token for the target)."""
+    return [at_least(value, name, 2, "a prefix for the source and a last token for the target") for value in values]
+
+
+def ks(values: Sequence, name: str, source_layers: int, source: str) -> list[int]:
+    """Source layers per target layer: each k within 1..the source's layers (`source` names the model)."""
+    parsed = [at_least(value, name, 1) for value in values]
+    for k in parsed:
+        if k > source_layers:
+            raise ParamError(f"{name}: k={k} exceeds the source's {source_layers} layers ({source}); give k in "
+                             f"1..{source_layers}")
+    return parsed
+
+
+def within(count: int, name: str, available: int, what: str) -> int:
+    """A count to take (`--eval N` prompts, `max_length` positions): at most the `available` ones (`what` names
+    them: "prompts in data/eval.parquet")."""
+    if count > available:
+        raise ParamError(f"{name}: {count} asked, but there are {available} {what}; give at most {available}")
+    return count
+
+
+def positions(tokens: int, new_tokens: int, name: str, allowed: int) -> None:
+    """A prompt of `tokens` plus `new_tokens` decoded must fit in the models' `allowed` positions."""
+    if tokens + new_tokens > allowed:
+        raise ParamError(f"{name}: the prompt is {tokens} tokens and {new_tokens} new ones are asked, past the models' "
+                         f"{allowed} positions; give a shorter prompt or fewer new tokens")
+
+
+def text(value: str, name: str) -> str:
+    """Prompt text given on the command line: UTF-8 (an argument in another encoding reaches Python as lone
+    surrogates, which no tokenizer can encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ParamError(f"{name}: not UTF-8 text (byte {value[err.start].encode('utf-8', 'surrogateescape')!r} at "
+                         f"character {err.start}); give UTF-8 text") from None
+    return value
+
+
+def text_file(path: str | Path, name: str) -> str:
+    """The UTF-8 text of a file; a missing path, a folder, a binary file or another encoding is refused naming it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ParamError(f"{name} {path}: a folder, not a text file; give a file")
+    if not path.is_file():
+        raise ParamError(f"{name} {path}: no such file")
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ParamError(f"{name} {path}: a binary file (it holds NUL bytes), not text; give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ParamError(f"{name} {path}: not UTF-8 (byte {data[err.start:err.start + 1]!r} at offset {err.start}); "
+                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def out_folder(path: Path | None, name: str) -> Path | None:
+    """A folder a long run writes into: absent (it is made) or a folder; an existing file is refused before work."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise ParamError(f"{name} {path}: an existing file, not a folder; give a folder (it is made if absent)")
+    return path
+
+
+def device(value: str, name: str) -> str:
+    """A torch device name this machine has: `cuda` (or `cuda:N`) only where CUDA sees that device."""
+    try:
+        parsed = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ParamError(f"{name}: {value!r} is not a torch device; give cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ParamError(f"{name} {value}: this machine has no CUDA device (torch.cuda.is_available() is "
+                             f"False); give cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ParamError(f"{name} {value}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return value

@@ -1,0 +1,248 @@
+"""Every number and input of the user tools is checked before work (`store.inputs`): each input issue 36 found
+silently wrong or ending in a traceback, through `generate`, `check_pair`, the lm-eval model `kv-transfer` and
+`distill` (and `fit` / `extract`, whose `--out` follows distill's rule), now stops with exit 2 and one line naming
+the flag, model arg, file or model and the fix."""
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from conftest import ROOT
+
+from pipeline import check_pair, distill, extract, fit, generate
+from pipeline.generate import FELL_BACK, GateRequest, run
+from pipeline.kv.mapper import identity_mapper, save_mapper
+from pipeline.kv.pair import Pair
+from pipeline.lm_eval_model import KVTransferLM
+from pipeline.store import inputs
+from pipeline.store.cli import entry
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.params import ParamError
+
+PROMPT = "Question: How do I open a jar?\nAnswer:"
+PAIR = ["--target", "{target}", "--source", "{source}"]
+SWAPPED = ["--target", "{source}", "--source", "{target}"]  # the map below was fitted on the pair the other way
+GENERATE = ["--dtype", "float32", "--device", "cpu", "--threads", "0", "--max-new-tokens", "4", *PAIR]
+KV = "target={target},source={source}"
+
+# (tool, its arguments with {placeholders} of the `files` fixture, the one line it must print on stderr)
+RULES = {
+    # silently wrong before
+    "generate: a map fitted on other models (the swapped pair)": (
+        "generate", [PROMPT, *SWAPPED, "--mapper", "{map}", "--transfer", "oracle,mapped"],
+        r"^error: map .*map\.safetensors was fitted on this pair with source and target swapped; .*"
+        r"--allow-other-models"),
+    "generate: a gate's threshold nan": (
+        "generate", [PROMPT, "--fallback", "entropy", "--threshold", "nan"],
+        r"^error: --threshold: nan would never fall back; give a number, or -inf \(always\) / inf \(never\)$"),
+    "generate: a --file prompt longer than the models' positions": (
+        "generate", ["--file", "{long}"], r"^error: --file: the prompt is \d+ tokens and 4 new ones are asked, past "
+        r"the models' 512 positions; give a shorter prompt or fewer new tokens$"),
+    "generate: a target folder without tokenizer_config.json": (
+        "generate", [PROMPT, "--target", "{no_tokenizer_config}", "--source", "{no_tokenizer_config}"],
+        r"^error: model folder .*no_tokenizer_config has tokenizer files but no tokenizer_config\.json, .*; copy the "
+        r"model's tokenizer_config\.json into it$"),
+    "generate: a negative temperature": (
+        "generate", [PROMPT, "--temperature", "-1"],
+        r"^error: --temperature: expected a finite number >= 0 \(0 is greedy\), got -1"),
+    "generate: --eval beyond the eval prompts": (
+        "generate", ["--eval", "100000"], r"^error: --eval: 100000 asked, but there are 3 prompts in "
+        r"data/eval\.parquet; give at most 3$"),
+    "kv-transfer: max_length past the models' positions": (
+        "kv-transfer", f"{KV},max_length=100000", r"^error: kv-transfer max_length: 100000 asked, but there are 512 "
+        r"positions in the models; give at most 512$"),
+    "generate: --transfer naming no mode": (
+        "generate", [PROMPT, "--transfer", ""], r"^error: --transfer '' names no mode \(known: oracle, "),
+    "kv-transfer: a gate's threshold nan": (
+        "kv-transfer", f"{KV},transfer=direct,fallback=entropy,threshold=nan",
+        r"^error: kv-transfer threshold: nan would never fall back; give a number, or -inf"),
+    "kv-transfer: batch_size=-1": (
+        "kv-transfer", f"{KV},batch_size=-1", r"^error: kv-transfer batch_size: expected an integer >= 1, got -1"),
+    "check_pair: k=0": (
+        "check_pair", ["{source}", "{target}", "--lengths", "8", "--ks", "0", "1"],
+        r"^error: --ks: expected an integer >= 1, got 0$"),
+    "check_pair: k beyond the source's layers": (
+        "check_pair", ["{source}", "{target}", "--lengths", "8", "--ks", "1", "99"],
+        r"^error: --ks: k=99 exceeds the source's 2 layers \(.*source\); give k in 1\.\.2$"),
+    # tracebacks before
+    "generate: prompt text that is not UTF-8": (
+        "generate", ["caf\udce9", *PAIR], r"^error: PROMPT: not UTF-8 text \(byte b'\\xe9' at character 3\); give "
+        r"UTF-8 text$"),
+    "generate: a binary --file": (
+        "generate", ["--file", "{binary}"], r"^error: --file .*binary\.bin: a binary file \(it holds NUL bytes\), "
+        r"not text; give a UTF-8 text file$"),
+    "generate: a latin-1 --file": (
+        "generate", ["--file", "{latin1}"], r"^error: --file .*latin1\.txt: not UTF-8 \(byte b'\\xe9' at offset 3\); "
+        r"convert it, e\.g\. iconv -f latin1 -t utf-8$"),
+    "generate: a folder as --file": (
+        "generate", ["--file", "{folder}"], r"^error: --file .*: a folder, not a text file; give a file$"),
+    "generate: --temperature nan": (
+        "generate", [PROMPT, "--temperature", "nan"], r"^error: --temperature: expected a finite number >= 0"),
+    "generate: --device cuda on a machine without that device": (
+        "generate", [PROMPT, "--device", "{missing_cuda}"],
+        r"^error: --device cuda:\d+: this machine has (no CUDA device .*; give cpu|\d+ CUDA device\(s\), cuda:0)"),
+    "generate: a corrupt --mapper": (
+        "generate", [PROMPT, "--mapper", "{corrupt}", "--transfer", "oracle,mapped"],
+        r"^error: .*corrupt\.safetensors: "),
+    "kv-transfer: batch_size=0": (
+        "kv-transfer", f"{KV},batch_size=0", r"^error: kv-transfer batch_size: expected an integer >= 1, got 0$"),
+    "kv-transfer: fallback without threshold": (
+        "kv-transfer", f"{KV},transfer=direct,fallback=kl", r"^error: kv-transfer fallback=kl needs threshold="),
+    "kv-transfer: threshold without fallback": (
+        "kv-transfer", f"{KV},transfer=direct,threshold=1", r"^error: kv-transfer threshold= and disagree= gate a "
+        r"handoff: give fallback=<score> too$"),
+    "kv-transfer: an unknown model arg": (
+        "kv-transfer", f"{KV},tranfser=direct", r"^error: kv-transfer: unknown model arg tranfser= \(known: target, "),
+    "kv-transfer: an unknown fallback score, the accepted ones listed": (
+        "kv-transfer", f"{KV},transfer=direct,fallback=bogus,threshold=1",
+        r"^error: kv-transfer fallback: expected one of entropy, kl, disagree, got 'bogus'$"),
+    "kv-transfer: the probe score, which needs the selective stage's probe": (
+        "kv-transfer", f"{KV},transfer=direct,fallback=probe,threshold=1",
+        r"^error: kv-transfer fallback: expected one of entropy, kl, disagree, got 'probe'$"),
+    "kv-transfer: an unknown transfer mode": (
+        "kv-transfer", f"{KV},transfer=bogus", r"^error: kv-transfer transfer: expected one of oracle, zero, direct, "
+        r"mapped, shuffled, got 'bogus'$"),
+    "kv-transfer: a missing mapper": (
+        "kv-transfer", f"{KV},transfer=mapped,mapper={{folder}}/none.safetensors",
+        r"^error: kv-transfer mapper: no mapper file at .*none\.safetensors; give one that fit, distill or select"),
+    "kv-transfer: a missing map of the disagree score": (
+        "kv-transfer", f"{KV},transfer=direct,fallback=disagree,threshold=1,disagree={{map}}:{{folder}}/none"
+        ".safetensors",
+        r"^error: kv-transfer disagree: no mapper file at .*none\.safetensors; give one"),
+    "kv-transfer: a corrupt mapper": (
+        "kv-transfer", f"{KV},transfer=mapped,mapper={{corrupt}}", r"^error: .*corrupt\.safetensors: "),
+    "kv-transfer: a map fitted on other models": (
+        "kv-transfer", "target={source},source={target},transfer=mapped,mapper={map}",
+        r"^error: map .* swapped; .*allow_other_models=true"),
+    "kv-transfer: device cuda on a machine without that device": (
+        "kv-transfer", "target={target},device={missing_cuda}", r"^error: kv-transfer device cuda:\d+: this machine"),
+    "check_pair: a negative length": (
+        "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "-3"],
+        r"^error: --lengths: expected an integer >= 2 \(a prefix for the source and a last token for the target\), "
+        r"got -3$"),
+    "check_pair: a map fitted on other models": (
+        "check_pair", ["{target}", "{source}", "--ks", "1", "--lengths", "8", "--mapper", "{map}"],
+        r"^error: map .*map\.safetensors was fitted on this pair with source and target swapped; .*"
+        r"--allow-other-models"),
+    "check_pair: a corrupt map": (
+        "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "8", "--mapper", "{corrupt}"],
+        r"^error: .*corrupt\.safetensors: "),
+    "distill: --out an existing file": (
+        "distill", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file, not a folder; give a "
+        r"folder \(it is made if absent\)$"),
+    "fit: --out an existing file": ("fit", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+    "extract: --out an existing file": (
+        "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
+    """The placeholders of RULES: the tiny pair, a map fitted on it (fingerprints recorded), a corrupt copy, bad
+    prompt files, a folder without tokenizer_config.json and a three-prompt data/eval.parquet."""
+    root = tmp_path_factory.mktemp("inputs")
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = identity_mapper("s", "t", source.config, target.config)
+    mapper.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(mapper, root / "map.safetensors")
+    corrupt = bytearray((root / "map.safetensors").read_bytes())
+    corrupt[-1] ^= 0xFF
+    (root / "corrupt.safetensors").write_bytes(bytes(corrupt))
+    (root / "long.txt").write_text("A man is sitting on a roof. " * 200)
+    (root / "binary.bin").write_bytes(b"\x7fELF\x00\x01\x02")
+    (root / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    shutil.copytree(tiny_pair["target"], root / "no_tokenizer_config")
+    (root / "no_tokenizer_config" / "tokenizer_config.json").unlink()
+    (root / "data").mkdir()
+    ids = tokenizer.encode(PROMPT)
+    eval_prompts = pd.DataFrame({"prompt_ids": [ids] * 3, "continuation_ids": [ids[:2]] * 3})
+    eval_prompts.to_parquet(root / "data" / "eval.parquet")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    made = ("map.safetensors", "corrupt.safetensors", "long.txt", "binary.bin", "latin1.txt", "no_tokenizer_config")
+    return {"target": str(tiny_pair["target"]), "source": str(tiny_pair["source"]), "folder": str(root),
+            **{name.split(".")[0]: str(root / name) for name in made}, "missing_cuda": f"cuda:{count}"}
+
+
+def kv_transfer_main(argv: list[str]) -> None:
+    """What `python -m pipeline.lm_eval_model run --model_args ARGS` does with its model args (lm-eval's parsing,
+    then the model's), without lm-eval's task set-up."""
+    KVTransferLM.create_from_arg_string(argv[0], {"device": None, "batch_size": None})
+
+
+MAINS = {"generate": generate.main, "check_pair": check_pair.main, "distill": distill.main, "fit": fit.main,
+         "extract": extract.main, "kv-transfer": kv_transfer_main}
+
+
+def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
+    """stderr of `tool` run with `arguments` (filled from `files`) as its command runs it, asserting exit 2."""
+    monkeypatch.chdir(files["folder"])  # no params.yaml: every setting from the flags; data/eval.parquet is here
+    arguments = [arguments] if isinstance(arguments, str) else [*GENERATE, *arguments] if tool == "generate" \
+        else arguments
+    argv = [argument.format(**files) for argument in arguments]
+    monkeypatch.setattr(sys, "argv", ["python -m pipeline." + tool, *argv])
+    with pytest.raises(SystemExit) as stop:
+        entry(MAINS[tool])
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_each_bad_input_stops_its_tool_with_exit_2_and_one_line_naming_it_and_the_fix(rule, files, monkeypatch,
+                                                                                       capsys):
+    tool, arguments, message = RULES[rule]
+    err = refusal(tool, arguments, files, monkeypatch, capsys)
+    lines = err.strip().splitlines()  # before it, only the progress of hashing a model (a map's fingerprints)
+    assert "Traceback" not in err and all(line.startswith("error:") == (line is lines[-1]) for line in lines), err
+    assert re.search(message, lines[-1]), err
+
+
+@pytest.mark.parametrize("model_args", ["batch_size=0", "transfer=mapped,mapper={corrupt}"])
+def test_the_lm_eval_command_line_prints_a_refusal_as_one_line_and_exits_2(model_args, files):
+    args = f"target={files['target']},source={files['source']},{model_args.format(**files)}"
+    done = subprocess.run([sys.executable, "-m", "pipeline.lm_eval_model", "run", "--model", "kv-transfer",
+                           "--model_args", args, "--tasks", "piqa", "--device", "cpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 9])
+def test_a_gate_at_minus_infinity_falls_back_on_every_prompt_length_and_at_infinity_never(tokens, tiny_pair,
+                                                                                          tokenizer):
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
+    prompt = tokenizer.encode("A man is sitting on a roof. He starts pulling up roofing.")[:tokens]
+    assert len(prompt) == tokens
+    for threshold, fell_back in ((float("-inf"), True), (float("inf"), False)):
+        out = io.StringIO()
+        generations = run(pair, [prompt], ["direct"], None, 2, out=out, gate=GateRequest("entropy", threshold))[0]
+        assert [g.fell_back for g in generations if g.mode == "direct"] == [fell_back]
+        row = next(line for line in out.getvalue().splitlines() if line.startswith("| direct"))
+        assert (FELL_BACK in row) == fell_back, row
+
+
+def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files, monkeypatch, capsys):
+    monkeypatch.chdir(files["folder"])
+    check_pair.main([files["source"], files["target"], "--ks", "1", "--lengths", "8", "--mapper", files["map"]])
+    out = capsys.readouterr().out
+    assert f"map {files['map']}: identity k=" in out and "fitted on these models" in out
+    check_pair.main([files["target"], files["source"], "--ks", "1", "--lengths", "8", "--mapper", files["map"],
+                     "--allow-other-models"])
+    out = capsys.readouterr().out
+    assert "other models allowed (--allow-other-models): " in out and "swapped" in out
+
+
+@pytest.mark.parametrize("value, expected", [("-inf", float("-inf")), ("inf", float("inf")), (0.5, 0.5), (-2, -2.0)])
+def test_a_threshold_may_be_any_number_or_an_infinity(value, expected):
+    assert inputs.threshold(value, "threshold") == expected
+
+
+@pytest.mark.parametrize("value", [2.5, True, "eight"])
+def test_a_batch_size_is_a_whole_number(value):
+    with pytest.raises(ParamError, match=r"^kv-transfer batch_size: expected an integer, got "):
+        inputs.batch_size(value, "kv-transfer batch_size")
