@@ -31,11 +31,9 @@ token. A gate scores the map's cache before the repair.
 Each row's route says how the mode's cache came: `oracle`, `source`, the mode's own handoff (`mapped`, `direct`,
 ...), `repaired <setting>: [layers 0-n exact,] N tokens recomputed in T ms` (the repair's own time, from the
 handoff's `repaired.log`), `fell back to the target's prefill: <score> S > threshold T`, or `nothing handed off`
-(a one-token prompt has no prefix to hand off).
-
-Every flag is checked before any model work by the rules of `store.inputs` (a threshold never nan, a temperature
-finite and >= 0, `--eval N` within the eval prompts, a UTF-8 `--file`, each prompt and its new tokens within the
-models' positions, a device this machine has): one line and exit 2 for the first bad one.
+(a one-token prompt has no prefix). Every flag is checked before model work by `store.inputs`' rules (a threshold
+never nan, a temperature >= 0, `--eval N` within the eval prompts, a UTF-8 `--file`, prompt and new tokens within
+the models' positions, a device this machine has): one line and exit 2 for the first bad one.
 
 The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
 (`--target DIR [--source DIR]`); dtype and device come from the `models` section unless given, CPU threads

@@ -16,11 +16,9 @@ any repair) and falls back to the target's own prefill where its score exceeds `
 context's score and way.
 
 Every request's route is recorded in `ledger` (`measure.routes`): lm-eval's results record the counts per task in
-their `config` (`kv_transfer`: transfer, repair, gate score and threshold, `routes`), the `run` command prints them
-after lm-eval's table, and with `--log_samples` each sample carries `route` (and `gate_score` under a gate), one
-per request in the order of its `arguments`. Requests lm-eval answers from its own cache (`--use_cache`) never
-reach the model and are not counted.
-
+their `config` (`kv_transfer`: transfer, repair, gate score and threshold, `routes`), `run` prints them after
+lm-eval's table, and with `--log_samples` each sample carries `route` (and `gate_score` under a gate), one per
+request in the order of its `arguments`; requests lm-eval answers from its cache (`--use_cache`) are not counted.
 Every arg is checked before any model is loaded (`checked_args`, by the rules of `store.inputs`).
 
 lm-eval builds the model from them (`from_args`: a `kv.pair.Pair`, then its handoff); a stage that holds its
@@ -347,9 +345,8 @@ class KVTransferLM(TemplateLM):
 
 def checked_args(transfer, mapper, dtype, device, batch_size, shuffle_seed, max_length, fallback, threshold,
                  disagree, allow_other_models) -> dict:
-    """The model args' values checked before any model work by the rules of every face (`store.inputs`), each
-    failure one line naming the arg: {batch_size, shuffle_seed, max_length (None: the model's), threshold (None
-    without a gate), allow_other_models} as the model uses them."""
+    """The model args checked before any model work by `store.inputs`' rules, a failure one line naming the arg:
+    {batch_size, shuffle_seed, max_length (None: the model's), threshold (None: no gate), allow_other_models}."""
     name = lambda arg: f"kv-transfer {arg}"  # noqa: E731
     inputs.choice(transfer, name("transfer"), MODES)
     if transfer == "mapped" and mapper is None:
