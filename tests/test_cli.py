@@ -102,8 +102,12 @@ def test_a_stage_run_in_this_process_keeps_the_callers_threads_and_random_state(
 
 COMMAND = '''
 import atexit
+import os
+import signal
 import sys
+import time
 
+from pipeline.store.artifacts import atomic_path
 from pipeline.store.cli import Refusal, entry
 
 
@@ -120,6 +124,15 @@ def main(argv):
     sys.stdout.write("written, not flushed")
     if argv == ["refuse"]:
         raise Refusal("nothing to do")
+    if argv == ["interrupt"]:
+        try:
+            with atomic_path("out.txt") as tmp:
+                tmp.write_text("half")
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C mid-write
+                time.sleep(60)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while the first one's cleanup runs
+            sys.stdout.write("; cleaned up")
 
 
 if __name__ == "__main__":
@@ -154,3 +167,53 @@ def test_entry_called_from_another_module_returns(monkeypatch):
     seen = []
     cli.entry(seen.append)
     assert seen == [["x"]]
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130_after_its_cleanup_which_a_second_cannot_break(tmp_path):
+    done = run_command(tmp_path, "interrupt")
+    assert done.returncode == 130
+    assert done.stderr.splitlines() == ["interrupted: command"]  # and no teardown: the process group may be broken
+    assert done.stdout == "written, not flushed; cleaned up; exit handler ran\n"
+    assert os.listdir(tmp_path) == ["command.py"]  # neither the output nor its temporary
+
+
+def _interrupted(argv):
+    raise KeyboardInterrupt
+
+
+def test_an_interrupt_is_one_line_naming_the_stage_and_status_130(monkeypatch, capsys):
+    for name in ("RANK", cli.LAUNCHER_REPORTS_ENV, cli.TRACEBACK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(_interrupted)
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: test_cli\n"
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {cli.LAUNCHER_REPORTS_ENV: "1"}], ids=["rank 1", "under relaunch"])
+def test_of_several_processes_only_rank_0_says_an_interrupt_and_none_under_the_launcher_that_says_it(env, monkeypatch,
+                                                                                                    capsys):
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(_interrupted)
+    assert stop.value.code == 130 and capsys.readouterr().err == ""
+
+
+def test_an_interrupt_keeps_its_traceback_when_asked(monkeypatch):
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        cli.entry(_interrupted)
+
+
+def test_an_error_after_an_interrupt_such_as_a_collective_a_peer_left_is_the_interrupt(monkeypatch, capsys):
+    for name in ("RANK", cli.LAUNCHER_REPORTS_ENV, cli.TRACEBACK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli, "_INTERRUPTED", [2])
+
+    def peer_left(argv):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(peer_left)
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: test_cli\n"
