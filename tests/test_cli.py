@@ -3,8 +3,10 @@ a refusal is one line on stderr (the traceback only with KVH_TRACEBACK=1)."""
 import hashlib
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,7 +110,7 @@ import sys
 import time
 
 from pipeline.store.artifacts import atomic_path
-from pipeline.store.cli import Refusal, entry
+from pipeline.store.cli import Refusal, entry, run_stage
 
 
 class Teardown:
@@ -133,6 +135,12 @@ def main(argv):
         finally:
             os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while the first one's cleanup runs
             sys.stdout.write("; cleaned up")
+    if argv == ["parent"]:
+        run_stage("command", "child", fresh_process=True)
+    if argv == ["child"]:
+        with atomic_path("out.txt") as tmp:
+            tmp.write_text("half")
+            time.sleep(60)
 
 
 if __name__ == "__main__":
@@ -140,12 +148,19 @@ if __name__ == "__main__":
 '''
 
 
-def run_command(folder: Path, *argv: str) -> subprocess.CompletedProcess:
-    """COMMAND run as a script, its standard output a pipe and block-buffered (as under DVC)."""
+def start_command(folder: Path, *argv: str) -> subprocess.Popen:
+    """COMMAND run as a script in its own session, its standard output a pipe and block-buffered (as under DVC)."""
     (folder / "command.py").write_text(COMMAND)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
-    return subprocess.run([sys.executable, "command.py", *argv], cwd=folder, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen([sys.executable, "command.py", *argv], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def run_command(folder: Path, *argv: str) -> subprocess.CompletedProcess:
+    command = start_command(folder, *argv)
+    out, err = command.communicate(timeout=60)
+    return subprocess.CompletedProcess(command.args, command.returncode, out, err)
 
 
 def test_a_command_that_succeeds_skips_the_teardown_but_flushes_its_output_and_runs_its_exit_handlers(tmp_path):
@@ -177,19 +192,37 @@ def test_ctrl_c_ends_a_command_with_one_line_and_status_130_after_its_cleanup_wh
     assert os.listdir(tmp_path) == ["command.py"]  # neither the output nor its temporary
 
 
+def test_ctrl_c_on_a_stage_running_another_in_a_fresh_process_is_said_once_after_both_cleaned_up(tmp_path):
+    command = start_command(tmp_path, "parent")
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".out.txt.*.tmp")):  # the child is writing its output
+            assert command.poll() is None and time.monotonic() < deadline, command.communicate()
+            time.sleep(0.05)
+        os.killpg(command.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
+        out, err = command.communicate(timeout=60)
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+            command.wait()
+    assert command.returncode == 130 and err.splitlines() == ["interrupted: command"]
+    assert out == "written, not flushed; exit handler ran\n"
+    assert [name for name in os.listdir(tmp_path) if name != "__pycache__"] == ["command.py"]
+
+
 def _interrupted(argv):
     raise KeyboardInterrupt
 
 
 def test_an_interrupt_is_one_line_naming_the_stage_and_status_130(monkeypatch, capsys):
-    for name in ("RANK", cli.LAUNCHER_REPORTS_ENV, cli.TRACEBACK_ENV):
+    for name in ("RANK", cli.PARENT_SAYS_ENV, cli.TRACEBACK_ENV):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as stop:
         cli.entry(_interrupted)
     assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: test_cli\n"
 
 
-@pytest.mark.parametrize("env", [{"RANK": "1"}, {cli.LAUNCHER_REPORTS_ENV: "1"}], ids=["rank 1", "under relaunch"])
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {cli.PARENT_SAYS_ENV: "1"}], ids=["rank 1", "started by a stage"])
 def test_of_several_processes_only_rank_0_says_an_interrupt_and_none_under_the_launcher_that_says_it(env, monkeypatch,
                                                                                                     capsys):
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
@@ -207,7 +240,7 @@ def test_an_interrupt_keeps_its_traceback_when_asked(monkeypatch):
 
 
 def test_an_error_after_an_interrupt_such_as_a_collective_a_peer_left_is_the_interrupt(monkeypatch, capsys):
-    for name in ("RANK", cli.LAUNCHER_REPORTS_ENV, cli.TRACEBACK_ENV):
+    for name in ("RANK", cli.PARENT_SAYS_ENV, cli.TRACEBACK_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cli, "_INTERRUPTED", [2])
 

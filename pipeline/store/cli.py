@@ -10,8 +10,8 @@ Ctrl-C (SIGINT) ends a stage with one line, `interrupted: <stage>`, and exit sta
 traceback). Outputs are written under temporary names and renamed when complete (`store.artifacts`), so an
 interrupted stage leaves no partial output; the first SIGINT is the only one a stage's command takes, so a second
 Ctrl-C (or a launcher passing the terminal's on to its processes) cannot break off the removal of its temporaries.
-Of a stage's several processes only one says it: the launcher that started them (`store.ranks.relaunch`), or rank
-0 under an outside launcher (`torchrun`, `accelerate launch`).
+Of a stage's several processes only one says it: the stage's command that started the others (`store.ranks.relaunch`,
+`run_stage(..., fresh_process=True)`), or rank 0 under an outside launcher (`torchrun`, `accelerate launch`).
 
 A stage run as a command (`python -m pipeline.<stage>`) that succeeds ends without the interpreter's teardown:
 its outputs are written and renamed by then, and destroying the hundreds of thousands of objects torch,
@@ -38,7 +38,7 @@ torch = lazy("torch")
 
 TRACEBACK_ENV = "KVH_TRACEBACK"
 INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C, as a shell reports it (128 + SIGINT)
-LAUNCHER_REPORTS_ENV = "KVH_LAUNCHER_REPORTS"  # set for the processes `ranks.relaunch` starts: it says the line
+PARENT_SAYS_ENV = "KVH_PARENT_SAYS_INTERRUPT"  # set for the processes a stage starts (`relaunch`, `run_stage`)
 
 
 class Refusal(Exception):
@@ -112,7 +112,7 @@ def _stop_interrupted(stage: str, as_command: bool) -> None:
     exception being handled goes on instead, with its traceback."""
     if _traceback_asked():
         raise  # noqa: PLE0704 - called from an except block: the exception it handles goes on
-    if LAUNCHER_REPORTS_ENV not in os.environ and os.environ.get("RANK", "0") == "0":
+    if PARENT_SAYS_ENV not in os.environ and os.environ.get("RANK", "0") == "0":
         if as_command:  # said last, after what the unwinding prints (a progress bar closed where it stopped)
             _LAST_WORDS.append(f"interrupted: {stage}")
         else:
@@ -145,10 +145,22 @@ def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
     only (a fresh process costs seconds of start-up each: four per calibration point). The caller's torch thread
     count and random state are kept (every stage seeds its own generators, so its outputs are those of a fresh
     process). `fresh_process=True` starts a new interpreter instead, for a check that needs another process (the
-    determinism control). Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py
-    reads it from the call, so the caller's dvc.yaml deps list that stage's modules."""
+    determinism control); on Ctrl-C the caller waits for it to clean up and end, and says the one line itself.
+    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py reads it from the call,
+    so the caller's dvc.yaml deps list that stage's modules."""
     if fresh_process:
-        subprocess.run([sys.executable, "-m", module, *args], check=True, stdout=subprocess.DEVNULL)
+        command = [sys.executable, "-m", module, *args]
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, PARENT_SAYS_ENV: "1"})
+        try:
+            status = child.wait()
+        except KeyboardInterrupt:  # passed on, for a SIGINT sent to this process alone (a terminal's reached both)
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            raise
+        if status == INTERRUPTED:  # a Ctrl-C that reached it alone
+            raise KeyboardInterrupt
+        if status != 0:
+            raise subprocess.CalledProcessError(status, command)
         return
     threads = torch.get_num_threads()
     try:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from pipeline.store.artifacts import nested, write_json_atomic
-from pipeline.store.cli import INTERRUPTED, LAUNCHER_REPORTS_ENV, Refusal
+from pipeline.store.cli import INTERRUPTED, PARENT_SAYS_ENV, Refusal
 from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.lazy import lazy
 
@@ -198,7 +198,7 @@ def _launching() -> Iterator[None]:
     down after a signal, and the OMP_NUM_THREADS it sets; a failure is reported from its exception)."""
     environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in TORCHRUN_SIGNALS}
     silenced = logging.root.manager.disable
-    os.environ[LAUNCHER_REPORTS_ENV] = "1"
+    os.environ[PARENT_SAYS_ENV] = "1"
     logging.disable(logging.WARNING)
     try:
         yield
