@@ -107,8 +107,8 @@ def _stage_name(main: Callable) -> str:
 
 
 def _stop_interrupted(stage: str, as_command: bool) -> None:
-    """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that reports it (not a
-    process of a launcher that says it itself, nor a rank other than 0), exit status 130. With KVH_TRACEBACK=1 the
+    """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that says it (not one a
+    stage started, which says it itself, nor a rank other than 0), exit status 130. With KVH_TRACEBACK=1 the
     exception being handled goes on instead, with its traceback."""
     if _traceback_asked():
         raise  # noqa: PLE0704 - called from an except block: the exception it handles goes on
