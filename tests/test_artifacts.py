@@ -87,6 +87,44 @@ def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
     assert sorted(p.name for p in final.parent.iterdir()) == [".oracle.abc123.tmp", "zero"]
 
 
+@pytest.fixture
+def umask():
+    """Set the process's umask for the test; the previous one comes back after it."""
+    masks = []
+    yield lambda mask: masks.append(os.umask(mask))
+    if masks:
+        os.umask(masks[0])
+
+
+# umask, then the mode of a file and of a folder that atomic writes leave
+MODES = [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775), (0o077, 0o600, 0o700)]
+
+
+def _mode(path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+@pytest.mark.parametrize("mask,file_mode,folder_mode", MODES, ids=[f"umask {m[0]:03o}" for m in MODES])
+def test_atomic_writes_leave_the_modes_the_umask_gives_a_new_file_or_folder(tmp_path, umask, mask, file_mode,
+                                                                           folder_mode):
+    umask(mask)
+    path, _ = _artifact(tmp_path)
+    artifacts.write_json_atomic(tmp_path / "pins.json", {"a": 1})
+    with artifacts.atomic_dir(tmp_path / "best") as staging:
+        artifacts.write_bytes_atomic(staging / "map.safetensors", b"map")
+        (staging / "plain.csv").write_text("a\n")
+    modes = {name: _mode(tmp_path / name) for name in ("thing.safetensors", "pins.json", "best",
+                                                       "best/map.safetensors", "best/plain.csv")}
+    assert modes == {"thing.safetensors": file_mode, "pins.json": file_mode, "best": folder_mode,
+                     "best/map.safetensors": file_mode, "best/plain.csv": file_mode}
+
+
+def test_the_umask_is_unchanged_by_an_atomic_write(tmp_path, umask):
+    umask(0o027)
+    artifacts.write_json_atomic(tmp_path / "a.json", {})
+    assert os.umask(0o027) == 0o027
+
+
 def test_failed_or_missing_controls_are_a_refusal_naming_the_control(tmp_path):
     path = tmp_path / "controls.json"
     with pytest.raises(Refusal, match="not found: run the controls stage"):

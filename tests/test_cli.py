@@ -3,8 +3,10 @@ a refusal is one line on stderr (the traceback only with KVH_TRACEBACK=1)."""
 import hashlib
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,9 +104,13 @@ def test_a_stage_run_in_this_process_keeps_the_callers_threads_and_random_state(
 
 COMMAND = '''
 import atexit
+import os
+import signal
 import sys
+import time
 
-from pipeline.store.cli import Refusal, entry
+from pipeline.store.artifacts import atomic_path
+from pipeline.store.cli import Refusal, entry, run_stage
 
 
 class Teardown:
@@ -120,6 +126,21 @@ def main(argv):
     sys.stdout.write("written, not flushed")
     if argv == ["refuse"]:
         raise Refusal("nothing to do")
+    if argv == ["interrupt"]:
+        try:
+            with atomic_path("out.txt") as tmp:
+                tmp.write_text("half")
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C mid-write
+                time.sleep(60)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while the first one's cleanup runs
+            sys.stdout.write("; cleaned up")
+    if argv == ["parent"]:
+        run_stage("command", "child", fresh_process=True)
+    if argv == ["child"]:
+        with atomic_path("out.txt") as tmp:
+            tmp.write_text("half")
+            time.sleep(60)
 
 
 if __name__ == "__main__":
@@ -127,12 +148,19 @@ if __name__ == "__main__":
 '''
 
 
-def run_command(folder: Path, *argv: str) -> subprocess.CompletedProcess:
-    """COMMAND run as a script, its standard output a pipe and block-buffered (as under DVC)."""
+def start_command(folder: Path, *argv: str) -> subprocess.Popen:
+    """COMMAND run as a script in its own session, its standard output a pipe and block-buffered (as under DVC)."""
     (folder / "command.py").write_text(COMMAND)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
-    return subprocess.run([sys.executable, "command.py", *argv], cwd=folder, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen([sys.executable, "command.py", *argv], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def run_command(folder: Path, *argv: str) -> subprocess.CompletedProcess:
+    command = start_command(folder, *argv)
+    out, err = command.communicate(timeout=60)
+    return subprocess.CompletedProcess(command.args, command.returncode, out, err)
 
 
 def test_a_command_that_succeeds_skips_the_teardown_but_flushes_its_output_and_runs_its_exit_handlers(tmp_path):
@@ -154,3 +182,71 @@ def test_entry_called_from_another_module_returns(monkeypatch):
     seen = []
     cli.entry(seen.append)
     assert seen == [["x"]]
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130_after_its_cleanup_which_a_second_cannot_break(tmp_path):
+    done = run_command(tmp_path, "interrupt")
+    assert done.returncode == 130
+    assert done.stderr.splitlines() == ["interrupted: command"]  # and no teardown: the process group may be broken
+    assert done.stdout == "written, not flushed; cleaned up; exit handler ran\n"
+    assert os.listdir(tmp_path) == ["command.py"]  # neither the output nor its temporary
+
+
+def test_ctrl_c_on_a_stage_running_another_in_a_fresh_process_is_said_once_after_both_cleaned_up(tmp_path):
+    command = start_command(tmp_path, "parent")
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".out.txt.*.tmp")):  # the child is writing its output
+            assert command.poll() is None and time.monotonic() < deadline, command.communicate()
+            time.sleep(0.05)
+        os.killpg(command.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
+        out, err = command.communicate(timeout=60)
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+            command.wait()
+    assert command.returncode == 130 and err.splitlines() == ["interrupted: command"]
+    assert out == "written, not flushed; exit handler ran\n"
+    assert [name for name in os.listdir(tmp_path) if name != "__pycache__"] == ["command.py"]
+
+
+def _interrupted(argv):
+    raise KeyboardInterrupt
+
+
+def test_an_interrupt_is_one_line_naming_the_stage_and_status_130(monkeypatch, capsys):
+    for name in ("RANK", cli.PARENT_SAYS_ENV, cli.TRACEBACK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(_interrupted)
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: test_cli\n"
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {cli.PARENT_SAYS_ENV: "1"}], ids=["rank 1", "started by a stage"])
+def test_of_several_processes_only_rank_0_says_an_interrupt_and_none_under_the_launcher_that_says_it(env, monkeypatch,
+                                                                                                    capsys):
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(_interrupted)
+    assert stop.value.code == 130 and capsys.readouterr().err == ""
+
+
+def test_an_interrupt_keeps_its_traceback_when_asked(monkeypatch):
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        cli.entry(_interrupted)
+
+
+def test_an_error_after_an_interrupt_such_as_a_collective_a_peer_left_is_the_interrupt(monkeypatch, capsys):
+    for name in ("RANK", cli.PARENT_SAYS_ENV, cli.TRACEBACK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli, "_INTERRUPTED", [2])
+
+    def peer_left(argv):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(peer_left)
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: test_cli\n"

@@ -2,6 +2,7 @@
 ends the stage instead of leaving the other waiting."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import yaml
 from conftest import ROOT, committed
 from kvworld import make_world
 
+from pipeline.store.artifacts import verify_file
 from pipeline.store.devices import SHARED_NOTE, StageUsage, usage_of_ranks
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
@@ -215,3 +217,43 @@ def test_a_killed_rank_ends_the_stage_with_an_error_instead_of_leaving_the_other
     assert stage.returncode != 0 and took < 60
     assert not ranks["0"].is_running()  # the rank left alive was ended too, not left waiting in a collective
     assert err.strip().splitlines()[-1].startswith("error: pipeline.extract failed on one of its 2 processes"), err
+
+
+PROGRESS_BAR = re.compile(r"[\w ]+: +\d+%\|")  # tqdm's, as the stage's and transformers' loading print them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_ctrl_c_mid_work_ends_the_stage_with_one_line_and_status_130_leaving_no_partial_file(tmp_path, processes):
+    root = make_world(tmp_path / "world", fit=40, select=10, length=40)
+    params = {"models": committed("models", device="cpu"),  # enough repeats that the stage outlives the interrupt
+              "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1000, threads=1,
+                                   processes=processes)}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    stage = subprocess.Popen([sys.executable, "-m", "pipeline.extract", "source"], cwd=root, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        at_work = root / "caches/source/fit/shard-00001.safetensors"  # the last rank's first shard: all at work
+        deadline = time.monotonic() + 300
+        while not at_work.exists():
+            assert stage.poll() is None and time.monotonic() < deadline, "the stage never started its work"
+            time.sleep(0.1)
+        ranks = _rank_processes(psutil.Process(stage.pid))
+        assert len(ranks) == (processes if processes > 1 else 0)
+        os.killpg(stage.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
+        try:
+            _, err = stage.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the stage still runs 60 s after Ctrl-C")
+    finally:
+        if stage.poll() is None:
+            os.killpg(stage.pid, signal.SIGKILL)
+            stage.wait()
+    said = [line for line in err.splitlines() if line.strip() and not PROGRESS_BAR.match(line)]
+    assert stage.returncode == 130 and said == ["interrupted: extract"], err
+    assert not any(rank.is_running() for rank in ranks.values())
+    assert not [path for path in root.rglob("*") if path.name.endswith((".tmp", ".old"))]
+    assert not (root / "caches/source/manifest.json").exists() and not (root / "metrics/extract_source.json").exists()
+    shards = sorted((root / "caches/source").rglob("*.safetensors"))
+    assert shards and all(verify_file(shard) for shard in shards)  # each shard written whole, or not at all

@@ -4,7 +4,9 @@ Every artifact is one safetensors file whose header metadata holds the artifact'
 SHA-256 of the whole file as written with the digest field zeroed. So the checksum covers every byte:
 tensor data, tensor names, dtypes, shapes and the metadata that gives them meaning. A flipped byte anywhere
 is refused at load with an error naming the file. Files are written under a temporary name in the same
-folder and renamed when complete, so an interrupted write never appears under the final name.
+folder and renamed when complete, so an interrupted write never appears under the final name; the temporary
+names are private to their writer while written (`tempfile`'s 0600 and 0700) and take the modes the user's umask
+gives a new file or folder before they are renamed (0644 and 0755 under umask 022, group-writable under 002).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -66,6 +69,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield staging
+        os.chmod(staging, 0o777 & ~_umask())
         if final.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
             os.replace(final, retired / final.name)
@@ -75,6 +79,13 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: it is set back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -6,6 +6,13 @@ dataset that cannot be had, an incompatible pair, a failed control) or a missing
 `error: <sentence>` on stderr with exit status 2; set KVH_TRACEBACK=1 to get the traceback instead. Any
 other exception is a bug and keeps its traceback.
 
+Ctrl-C (SIGINT) ends a stage with one line, `interrupted: <stage>`, and exit status 130 (KVH_TRACEBACK=1 keeps the
+traceback). Outputs are written under temporary names and renamed when complete (`store.artifacts`), so an
+interrupted stage leaves no partial output; the first SIGINT is the only one a stage's command takes, so a second
+Ctrl-C (or a launcher passing the terminal's on to its processes) cannot break off the removal of its temporaries.
+Of a stage's several processes only one says it: the stage's command that started the others (`store.ranks.relaunch`,
+`run_stage(..., fresh_process=True)`), or rank 0 under an outside launcher (`torchrun`, `accelerate launch`).
+
 A stage run as a command (`python -m pipeline.<stage>`) that succeeds ends without the interpreter's teardown:
 its outputs are written and renamed by then, and destroying the hundreds of thousands of objects torch,
 transformers and lm-eval leave behind costs about a second per process (25 stage processes in a tiny run).
@@ -20,6 +27,7 @@ import importlib
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
 from typing import Callable
@@ -29,6 +37,8 @@ from pipeline.store.lazy import lazy
 torch = lazy("torch")
 
 TRACEBACK_ENV = "KVH_TRACEBACK"
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C, as a shell reports it (128 + SIGINT)
+PARENT_SAYS_ENV = "KVH_PARENT_SAYS_INTERRUPT"  # set for the processes a stage starts (`relaunch`, `run_stage`)
 
 
 class Refusal(Exception):
@@ -47,36 +57,84 @@ def no_arguments(module: str, doc: str, argv: list[str] | None) -> None:
 
 
 def entry(main: Callable[[list[str]], object]) -> None:
-    """Run a stage's main(argv) with the command line's arguments; a refusal exits 2 with one line. A main run as
-    the command itself (defined in `__main__`) that returns ends the process without the interpreter's teardown
-    (the module's docstring); called from another module (a test), entry only returns."""
+    """Run a stage's main(argv) with the command line's arguments; a refusal exits 2 with one line, Ctrl-C 130 with
+    one line. A main run as the command itself (defined in `__main__`) that returns or is interrupted ends the
+    process without the interpreter's teardown (the module's docstring); called from another module (a test), entry
+    only returns."""
     as_command = main.__module__ == "__main__"
     if as_command:
         atexit.register(_end_without_teardown)  # runs after the exit handlers registered while main runs
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         main(sys.argv[1:])
-    except (Refusal, FileNotFoundError) as err:
-        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    except KeyboardInterrupt:
+        _stop_interrupted(_stage_name(main), as_command)
+    except Exception as err:
+        if _INTERRUPTED:  # e.g. a collective broken off because an interrupted peer left first
+            _stop_interrupted(_stage_name(main), as_command)
+        if not isinstance(err, (Refusal, FileNotFoundError)) or _traceback_asked():
             raise
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     if as_command:
-        _SUCCEEDED.append(True)
+        _QUICK_EXIT.append(0)
 
 
-_SUCCEEDED: list[bool] = []  # a command's main returned: its exit may skip the teardown
+_QUICK_EXIT: list[int] = []  # a command's main returned (0) or was interrupted: its exit may skip the teardown
+_INTERRUPTED: list[int] = []  # the signal that interrupted this process's stage, once it came
+_LAST_WORDS: list[str] = []  # the line an interrupted command ends with
+
+
+def _traceback_asked() -> bool:
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def _interrupt(signum: int, frame) -> None:
+    """SIGINT's handler in a stage's command: the first raises KeyboardInterrupt where the stage is; later ones are
+    ignored, so the cleanup that exception runs (temporary files and folders removed) is not broken off."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _INTERRUPTED.append(signum)
+    raise KeyboardInterrupt
+
+
+def _stage_name(main: Callable) -> str:
+    """The stage a main belongs to, as its module's last name (`distill` for `python -m pipeline.distill`)."""
+    module = main.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)  # None for a script run by its path
+        module = spec.name if spec is not None else os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    return module.rpartition(".")[2]
+
+
+def _stop_interrupted(stage: str, as_command: bool) -> None:
+    """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that says it (not one a
+    stage started, which says it itself, nor a rank other than 0), exit status 130. With KVH_TRACEBACK=1 the
+    exception being handled goes on instead, with its traceback."""
+    if _traceback_asked():
+        raise  # noqa: PLE0704 - called from an except block: the exception it handles goes on
+    if PARENT_SAYS_ENV not in os.environ and os.environ.get("RANK", "0") == "0":
+        if as_command:  # said last, after what the unwinding prints (a progress bar closed where it stopped)
+            _LAST_WORDS.append(f"interrupted: {stage}")
+        else:
+            print(f"interrupted: {stage}", file=sys.stderr)
+    if as_command:
+        _QUICK_EXIT.append(INTERRUPTED)
+    raise SystemExit(INTERRUPTED) from None
 
 
 def _end_without_teardown() -> None:
-    """The last exit handler of a command whose main returned: flush what is buffered and end the process with
-    status 0, skipping the destruction of every module's objects. After a failure it returns: the interpreter
-    ends as usual, with the failure's status."""
-    if not _SUCCEEDED:
+    """The last exit handler of a command whose main returned or was interrupted: flush what is buffered and end
+    the process with its status (0 or 130), skipping the destruction of every module's objects (after an interrupt
+    that includes a process group some peers may have left). After a failure it returns: the interpreter ends as
+    usual, with the failure's status."""
+    if not _QUICK_EXIT:
         return
     logging.shutdown()
     sys.stdout.flush()
+    for line in _LAST_WORDS:
+        print(line, file=sys.stderr)
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(_QUICK_EXIT[-1])
 
 
 def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
@@ -87,10 +145,22 @@ def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
     only (a fresh process costs seconds of start-up each: four per calibration point). The caller's torch thread
     count and random state are kept (every stage seeds its own generators, so its outputs are those of a fresh
     process). `fresh_process=True` starts a new interpreter instead, for a check that needs another process (the
-    determinism control). Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py
-    reads it from the call, so the caller's dvc.yaml deps list that stage's modules."""
+    determinism control); on Ctrl-C the caller waits for it to clean up and end, and says the one line itself.
+    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py reads it from the call,
+    so the caller's dvc.yaml deps list that stage's modules."""
     if fresh_process:
-        subprocess.run([sys.executable, "-m", module, *args], check=True, stdout=subprocess.DEVNULL)
+        command = [sys.executable, "-m", module, *args]
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, PARENT_SAYS_ENV: "1"})
+        try:
+            status = child.wait()
+        except KeyboardInterrupt:  # passed on, for a SIGINT sent to this process alone (a terminal's reached both)
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            raise
+        if status == INTERRUPTED:  # a Ctrl-C that reached it alone
+            raise KeyboardInterrupt
+        if status != 0:
+            raise subprocess.CalledProcessError(status, command)
         return
     threads = torch.get_num_threads()
     try:

@@ -3,13 +3,18 @@
 device `cuda:<LOCAL_RANK>`.
 
 A stage's whole life among its processes is `stage_ranks` (a `with` block around its work): a stage whose
-`<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again through
-`torch.distributed.run --standalone --nproc_per_node N` (`relaunch`) and waits, so `dvc.yaml` keeps one command
-per stage and `dvc repro` stays the only verb; `--standalone` picks a free rendezvous port, so concurrent
-experiments (DVC's queue) do not collide; the launching process then ends (`Relaunched`: its processes did the
-work). Each process then joins the process group, takes the stage's torch thread count, runs the stage and writes
-its metrics through `Stage.write_metrics` (rank 0 writes, with every rank's usage figures). One process is
-`Ranks` of size 1: every helper is then a no-op.
+`<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again as torchrun would, `torchrun
+--standalone --nproc_per_node N -m <stage> ...` (`relaunch`: torchrun's own agent, run in this process), and waits,
+so `dvc.yaml` keeps one command per stage and `dvc repro` stays the only verb; `--standalone` picks a free
+rendezvous port, so concurrent experiments (DVC's queue) do not collide; the launching process then ends
+(`Relaunched`: its processes did the work). Each process then joins the process group, takes the stage's torch
+thread count, runs the stage and writes its metrics through `Stage.write_metrics` (rank 0 writes, with every
+rank's usage figures). One process is `Ranks` of size 1: every helper is then a no-op.
+
+Running torchrun's agent in the launching process lets the launcher say an interrupt's one line (`store.cli`)
+where torchrun's command prints its own report of the signal: Ctrl-C reaches the launcher, whose agent passes it
+on to the processes (each in its own session), waits for them to remove their temporaries and end, and the stage
+ends `interrupted: <stage>` with status 130.
 
 Work is split by index (`Ranks.share`: rank r takes items r, r+N, ...) and results come back to rank 0 as
 Python objects (`gather`), which puts them in a fixed order, so a stage can write exactly what one process
@@ -23,8 +28,9 @@ minutes long); on gloo a rank also sees a dead peer's closed connection at its n
 from __future__ import annotations
 
 import json
+import logging
 import os
-import subprocess
+import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,12 +38,15 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from pipeline.store.artifacts import nested, write_json_atomic
-from pipeline.store.cli import Refusal
+from pipeline.store.cli import INTERRUPTED, PARENT_SAYS_ENV, Refusal
 from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 dist = lazy("torch.distributed")
+torchrun = lazy("torch.distributed.run")
+elastic = lazy("torch.distributed.elastic.multiprocessing")
+elastic_errors = lazy("torch.distributed.elastic.multiprocessing.errors")
 
 LAUNCHED = "WORLD_SIZE"  # set by torchrun / accelerate launch in every process they start
 
@@ -154,18 +163,51 @@ def launched() -> bool:
 
 def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes,
-    wait for them and return True (the caller is done; a failed rank raises SystemExit with its status, after
-    torchrun's report of which rank failed first). Otherwise return False: the caller does the work itself."""
+    wait for them and return True (the caller is done). A failed rank raises SystemExit(1) after torchrun's report
+    of which rank failed first; Ctrl-C (here, or a rank's own that ended it with status 130) raises
+    KeyboardInterrupt once every rank has ended. Otherwise return False: the caller does the work itself."""
     if processes == 1 or launched():
         return False
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "-m", module, *argv]
-    status = subprocess.run(command).returncode
-    if status != 0:
-        print(f"error: {module} failed on one of its {processes} processes (exit status {status}) and torchrun "
-              f"ended the others; its report above names the rank that failed first", file=sys.stderr)
-        raise SystemExit(status)
+    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
+    with _launching():
+        try:
+            torchrun.run(args)
+        except elastic.SignalException as stopped:  # the agent has passed the signal on and its ranks have ended
+            if stopped.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            print(f"error: {module} on {processes} processes stopped by {stopped.sigval.name}", file=sys.stderr)
+            raise SystemExit(128 + stopped.sigval) from None
+        except elastic_errors.ChildFailedError as failed:
+            if failed.get_first_failure()[1].exitcode == INTERRUPTED:
+                raise KeyboardInterrupt from None
+            print(failed, file=sys.stderr)
+            print(f"error: {module} failed on one of its {processes} processes and torchrun ended the others; its "
+                  f"report above names the rank that failed first", file=sys.stderr)
+            raise SystemExit(1) from None
     return True
+
+
+TORCHRUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # those its agent takes over
+
+
+@contextmanager
+def _launching() -> Iterator[None]:
+    """What torchrun's agent changes in the process that runs it, put back afterwards (a stage can relaunch from
+    inside another's process, `store.cli.run_stage`): the environment its ranks inherit (with the flag that the
+    launcher says an interrupt's line), the signal handlers, and its warnings silenced (about shutting ranks
+    down after a signal, and the OMP_NUM_THREADS it sets; a failure is reported from its exception)."""
+    environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in TORCHRUN_SIGNALS}
+    silenced = logging.root.manager.disable
+    os.environ[PARENT_SAYS_ENV] = "1"
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(silenced)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def launched_ranks() -> Ranks:
