@@ -48,6 +48,8 @@ def compute(params: ReportParams, run: variants.Run, inputs: dict) -> dict:
     """metrics/report.json: the variants' study, then one key per study that ran."""
     report = variants.compute(params, run)
     report.update({key: STUDIES[key].compute(params, given) for key, given in inputs.items()})
+    if "repair" in report:  # the frontier gains the repaired points: over the candidates study's maps too
+        repair.join_front(report["repair"], report.get("candidates"))
     return report
 
 

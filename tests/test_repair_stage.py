@@ -13,7 +13,16 @@ from pipeline.measure.compare import oracle_outputs
 from pipeline.repair import kept, repaired, scored
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import parse
-from pipeline.studies.repair import SOURCE, Inputs, against_baselines, cheapest, policy, source_row
+from pipeline.studies.repair import (
+    SOURCE,
+    Inputs,
+    against_baselines,
+    cheapest,
+    front_sentence,
+    join_front,
+    policy,
+    source_row,
+)
 from pipeline.studies.settings import ReportParams
 
 ITEMS = 6  # per task
@@ -126,3 +135,29 @@ def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_ga
     row = source_row(params, Inputs(items, {}, {}, None, figures))
     assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
     assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
+
+
+def _point(name: str, setting: str, closure: float, bound: float | None) -> dict:
+    return {"map": name, "setting": setting, "gap_closure": closure, "bound": bound}
+
+
+def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_a_candidate_does():
+    candidates = {"bound_pair": "qwen3-v0", "length": 256,
+                  "rows": {"fast": {"gap_closure": 0.1, "bound_at_pair": 3.0},
+                           "good": {"gap_closure": 0.9, "bound_at_pair": 2.4}}}
+    study = {"bound_pair": "qwen3-v0", "length": 256,
+             "rows": [_point("good", "none", 0.9, 2.4), _point("good", "tokens:0.1:attention", 1.0, 2.0),
+                      _point("fast", "layers:1", 0.05, 2.9), _point("truncated", "0.107", -2.0, None),
+                      _point(SOURCE, "—", 0.0, None)]}
+    join_front(study, candidates)
+    assert study["front"] == ["fast", "good", "good@tokens:0.1:attention"]
+    assert study["front_gains"] == ["good@tokens:0.1:attention"]
+    assert [row.get("front") for row in study["rows"]] == [None, True, False, None, None]
+    assert front_sentence(study).endswith("it gains `good@tokens:0.1:attention`.")
+
+
+def test_no_frontier_is_joined_across_studies_counted_at_other_lengths():
+    candidates = {"bound_pair": "qwen3-v0", "length": 1024, "rows": {"a": {"gap_closure": 0.1, "bound_at_pair": 3.0}}}
+    study = {"bound_pair": "qwen3-v0", "length": 256, "rows": [_point("a", "layers:1", 0.2, 2.9)]}
+    join_front(study, candidates)
+    assert "front" not in study and "front" not in study["rows"][0] and front_sentence(study) == ""

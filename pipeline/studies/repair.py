@@ -5,7 +5,8 @@ speedup; per budget level the truncated prompt's) and eval/repair/ (their item r
 items for retention and gap closure (the source alone is also a row of its own, at budget 0, with its figures from
 metrics/eval/source.json), and the selective study's curves (the gate at the same mean cost: the
 retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the score's own
-cost is left out).
+cost is left out). With the candidates study at the same pair and length, the report joins the two: the frontier of
+gap closure against the FLOP bound gains the repaired points (`join_front`).
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import Run
 
@@ -107,6 +109,34 @@ def source_row(params: ReportParams, inputs: Inputs) -> dict:
             **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")}}
 
 
+def join_front(study: dict, candidates: dict | None) -> None:
+    """The frontier with the repaired points: the Pareto front of gap closure against the FLOP bound over every
+    candidate (the candidates study's rows, unrepaired) and every repaired point (a map at a setting other than
+    `none`), set on each repaired row (`front`) and the study (`front`: the names on it, `front_gains`: the repaired
+    ones). Only where both studies count at the same pair and prompt length; otherwise left unset."""
+    if not candidates or (candidates["bound_pair"], candidates["length"]) != (study["bound_pair"], study["length"]):
+        return
+    repaired = [row for row in study["rows"] if row["map"] not in BASELINES and row["setting"] != "none"]
+    points = [(name, row["gap_closure"], row["bound_at_pair"]) for name, row in candidates["rows"].items()]
+    points += [(f"{row['map']}@{row['setting']}", row["gap_closure"], row["bound"]) for row in repaired]
+    on = pareto_front([closure for _, closure, _ in points], [bound for _, _, bound in points])
+    names = [name for (name, _, _), on_front in zip(points, on) if on_front]
+    for row in repaired:
+        row["front"] = f"{row['map']}@{row['setting']}" in names
+    study["front"] = names
+    study["front_gains"] = [name for name in names if "@" in name]
+
+
+def front_sentence(study: dict) -> str:
+    """What the frontier gains from the repaired points, from the numbers; empty when it was not computed."""
+    if "front" not in study:
+        return ""
+    said = (f"it gains {and_([f'`{name}`' for name in study['front_gains']])}" if study["front_gains"]
+            else "no repaired point is on it")
+    return (f"Over the candidates study's maps and the repaired points, the Pareto front of gap closure against the "
+            f"FLOP bound at {study['bound_pair']} is {and_([f'`{name}`' for name in study['front']])}: {said}.")
+
+
 def policy(setting: str) -> str:
     """A setting's policy for the figure's lines: its token choice, or its parts without their sizes."""
     if setting == "none":
@@ -170,18 +200,21 @@ def lines(study: dict) -> list[str]:
            f"prompt is the target's own prefill of only the last budget share of each context; the gate column is "
            f"the selective gate's retention by its `{study['gate_score']}` score (declared in params) at a fallback "
            f"rate equal to the budget (the score's own cost left out). The source model alone is the budget-0 "
-           f"baseline: the target computes nothing.", ""]
+           f"baseline: the target computes nothing. Front: a repaired point on the Pareto front of gap closure "
+           f"against the bound, over the candidates study's maps and the repaired points.", ""]
     pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
-         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured"],
+         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front"],
         [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pm(r["next_token_top1"]), pm(r["rollout_agreement"]),
           pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
           "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
-          pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"])] for r in rows])
+          pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"]),
+          {True: "at pair", False: "—", None: ""}[r.get("front")]] for r in rows])
     out += ["", "Against the matched-cost baselines, by retention (point estimates):", "", *against_baselines(rows)]
-    out += ["", cheapest(rows), "", "![retention against budget](report/repair.png)", ""]
+    out += ["", cheapest(rows), *(["", front_sentence(study)] if "front" in study else []), "",
+            "![retention against budget](report/repair.png)", ""]
     return out
 
 
