@@ -45,6 +45,12 @@ RULES = {
         {"distill": {"lrs": {"linear": [0.001, 0.001]}}}, r"^distill\.lrs\.linear: a rate is listed twice"),
     "distillation learning rate grid left empty": (
         {"distill": {"lrs": {"linear": []}}}, r"^distill\.lrs\.linear: "),
+    "distillation regression weight grid left empty": (
+        {"distill": {"kv_weights": []}}, r"^distill\.kv_weights: expected at least one value"),
+    "distillation regression weight listed twice": (
+        {"distill": {"kv_weights": [0.1, 1.0, 0.1]}}, r"^distill\.kv_weights: a weight is listed twice"),
+    "distillation regression weight below zero": (
+        {"distill": {"kv_weights": [0.1, -1.0]}}, r"^distill\.kv_weights\[1\]: expected a number >= 0, got -1\.0"),
     "distillation probe of no steps": (
         {"distill": {"probe_steps": 0}}, r"^distill\.probe_steps: "),
     "distillation context without a prefix": (

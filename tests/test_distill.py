@@ -1,8 +1,8 @@
-"""Distilling a fitted map through the frozen target (`fitting.distill`): the trained map builds the mapped
-handoff's cache, its loss has the right gradient and the gradient reaches the map alone, an exact map stays put,
-a noisy exact map recovers (also at real Llama shapes, the rate chosen on the select split), both models come out
-untouched, the probes choose the rate and are the full run's first steps, timings stay outside the map, and the
-result is deterministic and saves as any mapper."""
+"""Distilling a fitted map through the frozen target (`fitting.distill`): the trained map builds the mapped handoff's
+cache, its loss has the right gradient and the gradient reaches the map alone, an exact map stays put, a noisy
+exact map recovers (also at real Llama shapes, the rate and the regression weight chosen on the select split),
+both models come out untouched, the probes choose the rate and weight and are the full run's first steps, timings stay
+outside the map, and the result is deterministic and saves as any mapper."""
 import copy
 import math
 from dataclasses import replace
@@ -19,7 +19,7 @@ from pipeline.fitting.distill import (
     PARTS,
     Clock,
     DistillSettings,
-    chosen_rate,
+    chosen_pair,
     distill,
     epoch_batches,
     evaluate,
@@ -53,7 +53,7 @@ PREFIX, HORIZON = 12, 3  # the prefix c[0..n-2] and the teacher-forced positions
 
 
 def settings(**overrides) -> DistillSettings:
-    values = dict(lrs=(1e-2,), probe_steps=1, weight_decay=0.0, batch=16, epochs=25, patience=5, kv_weight=1.0,
+    values = dict(lrs=(1e-2,), probe_steps=1, weight_decay=0.0, batch=16, epochs=25, patience=5, kv_weights=(1.0,),
                   seed=0)
     return DistillSettings(**{**values, **overrides})
 
@@ -232,7 +232,7 @@ def recovery(periodic):
     before = {name: t.clone() for name, t in periodic.state_dict().items()}
     splits = Splits([periodic_rows(periodic, 1, 256)], [periodic_rows(periodic, 2, 16)])
     distilled, history = distill(start, splits, oracle_of(periodic),
-                                 settings(kv_weight=0.0, batch=64, epochs=60, patience=10))
+                                 settings(kv_weights=(0.0,), batch=64, epochs=60, patience=10))
     return dict(start=start, distilled=distilled, history=history, weights_before=before)
 
 
@@ -291,7 +291,7 @@ def random_runs(random_pair):
     before = [{name: t.clone() for name, t in model.state_dict().items()} for model in random_pair]
     start = random_mapper(source.config, target.config, k=1)
     splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
-    runs = [distill(start, splits, oracle_of(target), settings(epochs=3, batch=8, lrs=(3e-3,), kv_weight=0.0))
+    runs = [distill(start, splits, oracle_of(target), settings(epochs=3, batch=8, lrs=(3e-3,), kv_weights=(0.0,)))
             for _ in range(2)]
     return dict(runs=runs, weights_before=before)
 
@@ -330,7 +330,7 @@ def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_pe
     assert all(isinstance(group, StoredOracle) for group in groups)
     start = random_mapper(source.config, target.config, k=1)
     kept, history = distill(start, Splits([groups[0]], [groups[1]]), oracle_of(target),
-                            settings(epochs=3, batch=8, lrs=(3e-3,), kv_weight=0.0))
+                            settings(epochs=3, batch=8, lrs=(3e-3,), kv_weights=(0.0,)))
     computed, computed_history = random_runs["runs"][0]
     assert all(torch.equal(a, b) for a, b in zip(map_tensors(kept), map_tensors(computed), strict=True))
     assert history == computed_history
@@ -384,44 +384,66 @@ def test_cache_rows_cut_from_stored_sequences_hold_the_sources_own_cache_of_each
         CacheRows(open_split_shards(tmp_path), [ids.tolist() for ids in sequences[:2]], 10, 3, (1, 1, 1))
 
 
+RATES, WEIGHTS = (1e-5, 3e-3, 3.0), (0.0, 10.0)  # the regression pulls a random map towards the target's cache
+
+
 @pytest.fixture(scope="module")
 def probed(random_pair):
-    """The random map distilled with a three-rate grid (probes of one epoch: 16 fit rows, 8 a step), a clock, and
-    each rate's own one-epoch run."""
+    """The random map distilled with a grid of three rates by two regression weights (probes of one epoch: 16 fit
+    rows, 8 a step), a clock, each pair's own one-epoch run, and the same three rates at the second weight alone."""
     target, source = random_pair
     start = random_mapper(source.config, target.config, k=1)
     splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
-    grid = dict(batch=8, kv_weight=0.0)
     clock = Clock()
     run = distill(start, splits, oracle_of(target),
-                  settings(lrs=(1e-5, 3e-3, 3.0), probe_steps=2, epochs=3, **grid), clock)
-    alone = {lr: distill(start, splits, oracle_of(target), settings(lrs=(lr,), epochs=1, patience=1, **grid))
-             for lr in (1e-5, 3e-3, 3.0)}
-    return dict(run=run, clock=clock, alone=alone, start=start, splits=splits)
+                  settings(lrs=RATES, kv_weights=WEIGHTS, probe_steps=2, epochs=3, batch=8), clock)
+    alone = {(lr, kv_weight): distill(start, splits, oracle_of(target),
+                                      settings(lrs=(lr,), kv_weights=(kv_weight,), epochs=1, patience=1, batch=8))
+             for lr in RATES for kv_weight in WEIGHTS}
+    one_weight = distill(start, splits, oracle_of(target),
+                         settings(lrs=RATES, kv_weights=WEIGHTS[1:], probe_steps=2, epochs=3, batch=8))
+    return dict(run=run, clock=clock, alone=alone, one_weight=one_weight, start=start, splits=splits)
 
 
-def test_each_probe_scores_the_full_runs_first_steps_at_its_rate(probed):
+def test_each_probe_scores_the_full_runs_first_steps_at_its_rate_and_weight(probed):
     (mapper, _), alone = probed["run"], probed["alone"]
     probes = mapper.distilled["probes"]
-    assert [row["lr"] for row in probes] == [1e-5, 3e-3, 3.0] and mapper.distilled["probe_steps"] == 2
-    for row in probes:  # a probe of one epoch's steps is the select KL after epoch 1 of a run at that rate alone
-        assert row["select_kl"] == alone[row["lr"]][1][1]["select_kl"]
+    assert [(row["lr"], row["kv_weight"]) for row in probes] == [(lr, w) for lr in RATES for w in WEIGHTS]
+    assert mapper.distilled["probe_steps"] == 2 and mapper.distilled["kv_weights"] == list(WEIGHTS)
+    for row in probes:  # a probe of one epoch's steps is the select KL after epoch 1 of a run at that pair alone
+        assert row["select_kl"] == alone[row["lr"], row["kv_weight"]][1][1]["select_kl"]
 
 
-def test_the_rate_with_the_lowest_probe_select_kl_trains_the_full_run_bit_for_bit(probed, random_pair):
+def test_a_probe_grid_over_rates_and_weights_trains_the_pair_of_the_lowest_select_kl_bit_for_bit(probed, random_pair):
     (mapper, history), probes = probed["run"], probed["run"][0].distilled["probes"]
     best = min(probes, key=lambda row: row["select_kl"])
-    assert mapper.distilled["lr"] == best["lr"] and max(row["select_kl"] for row in probes) > best["select_kl"]
+    facts = mapper.distilled
+    assert (facts["lr"], facts["kv_weight"]) == (best["lr"], best["kv_weight"])
+    at_rate = [row["select_kl"] for row in probes if row["lr"] == best["lr"]]
+    assert max(at_rate) > best["select_kl"]  # the weight mattered at the chosen rate
     target, _ = random_pair
     single, single_history = distill(probed["start"], probed["splits"], oracle_of(target),
-                                     settings(lrs=(best["lr"],), epochs=3, batch=8, kv_weight=0.0))
+                                     settings(lrs=(best["lr"],), kv_weights=(best["kv_weight"],), epochs=3, batch=8))
     assert all(torch.equal(a, b) for a, b in zip(map_tensors(mapper), map_tensors(single), strict=True))
     assert history == single_history and single.distilled["probes"] == [] and single.distilled["probe_steps"] == 0
 
 
-def test_a_diverged_probe_never_wins_and_a_tie_goes_to_the_first_rate_declared():
-    assert chosen_rate([{"lr": 1e-2, "select_kl": math.nan}, {"lr": 1e-3, "select_kl": 0.7},
-                        {"lr": 1e-4, "select_kl": 0.5}, {"lr": 1e-5, "select_kl": 0.5}]) == 1e-4
+def test_a_one_weight_grid_probes_the_rates_alone_and_records_them_as_a_rate_grid_did(probed):
+    (mapper, history), grid = probed["one_weight"], probed["run"][0].distilled["probes"]
+    facts, weight = mapper.distilled, WEIGHTS[1]
+    assert facts["probes"] == [{"lr": row["lr"], "select_kl": row["select_kl"]} for row in grid
+                               if row["kv_weight"] == weight]  # the same probes, each without its weight
+    assert "kv_weights" not in facts and facts["kv_weight"] == weight
+    best = min(facts["probes"], key=lambda row: row["select_kl"])
+    assert facts["lr"] == best["lr"]
+    assert history[1]["select_kl"] == probed["alone"][best["lr"], weight][1][1]["select_kl"]
+
+
+def test_a_diverged_probe_never_wins_and_a_tie_goes_to_the_first_pair_tried():
+    assert chosen_pair([{"lr": 1e-2, "kv_weight": 0.1, "select_kl": math.nan},
+                        {"lr": 1e-3, "kv_weight": 0.1, "select_kl": 0.7}, {"lr": 1e-3, "kv_weight": 1.0,
+                                                                           "select_kl": 0.5},
+                        {"lr": 1e-4, "kv_weight": 0.1, "select_kl": 0.5}]) == (1e-3, 1.0)
 
 
 def test_every_part_of_the_work_is_timed_and_no_timing_enters_the_map(probed, random_pair):
@@ -431,7 +453,7 @@ def test_every_part_of_the_work_is_timed_and_no_timing_enters_the_map(probed, ra
     facts = repr(mapper.distilled)
     assert all(word not in facts for word in ("second", "time", "cost"))
     again, _ = distill(probed["start"], probed["splits"], oracle_of(random_pair[0]),  # no clock: the same bytes
-                       settings(lrs=(1e-5, 3e-3, 3.0), probe_steps=2, epochs=3, batch=8, kv_weight=0.0))
+                       settings(lrs=RATES, kv_weights=WEIGHTS, probe_steps=2, epochs=3, batch=8))
     assert again.extra == mapper.extra and all(torch.equal(a, b) for a, b in
                                                zip(map_tensors(again), map_tensors(mapper), strict=True))
 
@@ -441,12 +463,12 @@ WORLD_TOKENS = 128  # about the tiny world's vocabulary (109 words and specials)
 
 
 @pytest.mark.realshape
-def test_at_llama_shapes_the_rate_chosen_on_select_recovers_most_of_a_perturbed_exact_maps_kl():
+def test_at_llama_shapes_the_rate_and_weight_chosen_on_select_recover_most_of_a_perturbed_exact_maps_kl():
     """Llama-3.2-3B's config (24 heads, 8 KV heads x 128, hidden 3072, llama3 RoPE) cut to 2 of its 28 layers and
     an 8192-token output vocabulary, random weights in float32 (two CPU cores), handed its own cache by the exact
-    k=1 map perturbed by 20% of each key and value; the default grid and loss weights (conf/base.yaml's linear
-    `distill.lrs` and `kv_weight`) with probes of 4 steps and 16 epochs of 4 steps must win back at least half of
-    the perturbation's select KL. The prompts draw from WORLD_TOKENS ids, as the shape profiles feed the tiny
+    k=1 map perturbed by 20% of each key and value; the default grids (conf/base.yaml's linear `distill.lrs` by
+    `distill.kv_weights`) with probes of 4 steps and 16 epochs of 4 steps must win back at least half of the
+    perturbation's select KL. The prompts draw from WORLD_TOKENS ids, as the shape profiles feed the tiny
     world's words: drawn from the whole vocabulary, 32 fit rows' keys span 378 of the 1024 input dimensions,
     and no map the fit rows can teach recovers half of the select KL (issue 37)."""
     config = shape_config("llama-3.2-3b")
@@ -460,14 +482,15 @@ def test_at_llama_shapes_the_rate_chosen_on_select_recovers_most_of_a_perturbed_
     start = with_noise(exact, 0.2 / width**0.5, seed=5)
     base = yaml.safe_load(BASE.read_text())["distill"]
     chosen = settings(lrs=tuple(base["lrs"]["linear"]), probe_steps=4, batch=8, epochs=16, patience=3,
-                      kv_weight=base["kv_weight"])
+                      kv_weights=tuple(base["kv_weights"]))
     distilled, history = distill(start, Splits([fit], [select]), oracle_of(model), chosen)
     floor = evaluate(trainable(exact, "cpu"), [select], Handoff(model), 8)["kl"]
     facts = distilled.distilled
     recovered = (facts["select_kl_start"] - facts["select_kl"]) / (facts["select_kl_start"] - floor)
-    print(f"\nkv_weight {facts['kv_weight']:g}; probe table (rate -> select KL after {facts['probe_steps']} steps):")
+    print(f"\nprobe table (rate x kv_weight -> select KL after {facts['probe_steps']} steps):")
     for row in facts["probes"]:
-        print(f"  {row['lr']:g} -> {row['select_kl']:.5f}{'  (chosen)' if row['lr'] == facts['lr'] else ''}")
+        chosen = (row["lr"], row["kv_weight"]) == (facts["lr"], facts["kv_weight"])
+        print(f"  {row['lr']:g} x {row['kv_weight']:g} -> {row['select_kl']:.5f}{'  (chosen)' if chosen else ''}")
     print(f"select KL exact {floor:.3g}, perturbed {facts['select_kl_start']:.4g}, distilled {facts['select_kl']:.4g} "
           f"(epoch {facts['best_epoch']} of {facts['epochs']}): {recovered:.0%} recovered; "
           f"curve {[round(row['select_kl'], 4) for row in history]}")

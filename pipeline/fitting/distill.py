@@ -11,15 +11,15 @@ values are. One batch holds rows of equal prefix length, under the last-token pr
     loss = mean over positions of KL(p_oracle || p_mapped)
            + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
 
-Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require
-grad, so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy
-of it and one batch's activations. The learning rate is chosen on the select rows: each rate of the declared grid
-trains a fresh copy of the start for a short probe (the full run's first steps at that rate), and the rate whose
-probe scores the lowest select KL trains the full run. Training stops early on the select rows' KL; the result
-is a `Mapper` of the start's family, so `save_mapper` and the handoff need nothing new. Where the time goes
-(the oracle, the mapped step through the target, the map update, the select scoring) is added up in a `Clock`,
-outside the map's facts, so timings never change its bytes. Bit-identical given the seed and the
-thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
+Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require grad,
+so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy of it and
+one batch's activations. The learning rate and the regression's weight are chosen on the select rows: each (rate,
+kv_weight) pair of the declared grids trains a fresh copy of the start for a short probe (the full run's first
+steps at that pair), and the pair whose probe scores the lowest select KL trains the full run. Training stops
+early on the select rows' KL; the result is a `Mapper` of the start's family, so `save_mapper` and the handoff
+need nothing new. Where the time goes (the oracle, the mapped step through the target, the map update, the select
+scoring) is added up in a `Clock`, outside the map's facts, so timings never change its bytes. Bit-identical given
+the seed and the thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
 CUBLAS_WORKSPACE_CONFIG set before torch starts).
 """
 from __future__ import annotations
@@ -48,14 +48,21 @@ F = lazy("torch.nn.functional")
 
 @dataclass(frozen=True)
 class DistillSettings:
-    lrs: tuple[float, ...]  # AdamW's learning rates tried; one rate is taken as it is, without a probe
-    probe_steps: int  # optimizer steps of each rate's probe, scored on the select rows
+    lrs: tuple[float, ...]  # AdamW's learning rates tried
+    probe_steps: int  # optimizer steps of each probe, scored on the select rows
     weight_decay: float  # AdamW's decoupled decay, towards zero (not towards the start map)
     batch: int  # rows per optimizer step, and per forward when the select rows are scored
     epochs: int  # at most; fewer when the select KL stops falling
     patience: int  # epochs without a new lowest select KL before training stops
-    kv_weight: float  # weight of the normalised key/value regression beside the KL; 0 turns it off
+    # weights of the normalised key/value regression beside the KL tried with every rate (0: the KL alone); one
+    # (rate, weight) pair in all is taken as it is, without a probe
+    kv_weights: tuple[float, ...]
     seed: int
+
+    def pairs(self) -> list[tuple[float, float]]:
+        """The (rate, kv_weight) pairs the probes try, in the order a tie goes by: rate by rate as declared, each
+        rate's weights as declared."""
+        return [(lr, kv_weight) for lr in self.lrs for kv_weight in self.kv_weights]
 
 
 PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")  # rows: reading the stored source caches
@@ -251,47 +258,61 @@ def fresh(start: Mapper, handoff: Handoff, settings: DistillSettings, lr: float)
     return mapper, optimizer, torch.Generator().manual_seed(settings.seed)
 
 
-def probe(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, lr: float, clock: Clock,
-          label: str | None) -> float:
-    """The select KL after `settings.probe_steps` steps at `lr` from `start`: the full run's first steps at that
-    rate, epochs run together."""
+def probe(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, lr: float, kv_weight: float,
+          clock: Clock, label: str | None) -> float:
+    """The select KL after `settings.probe_steps` steps at `lr` and `kv_weight` from `start`: the full run's first
+    steps at that pair, epochs run together."""
     mapper, optimizer, generator = fresh(start, handoff, settings, lr)
     order = []
     while len(order) < settings.probe_steps:
         order += epoch_batches(batches.fit, settings.batch, generator)
     order = order[: settings.probe_steps]
-    bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} probe lr={lr:g}", unit="row", leave=False,
-               disable=label is None)
-    fit_steps(mapper, optimizer, batches.fit, order, handoff, settings.kv_weight, clock, bar)
+    bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} probe lr={lr:g} kv_weight={kv_weight:g}",
+               unit="row", leave=False, disable=label is None)
+    fit_steps(mapper, optimizer, batches.fit, order, handoff, kv_weight, clock, bar)
     return evaluate(mapper, batches.select, handoff, settings.batch, clock)["kl"]
 
 
-def chosen_rate(probes: list[dict]) -> float:
-    """The rate of the lowest probe select KL (the first declared on a tie; a diverged, NaN probe never wins)."""
-    return min(probes, key=lambda row: math.inf if math.isnan(row["select_kl"]) else row["select_kl"])["lr"]
+def chosen_pair(probes: list[dict]) -> tuple[float, float]:
+    """The (rate, kv_weight) of the probe of the lowest select KL (the first tried on a tie; a diverged, NaN probe
+    never wins)."""
+    best = min(probes, key=lambda row: math.inf if math.isnan(row["select_kl"]) else row["select_kl"])
+    return best["lr"], best["kv_weight"]
+
+
+def probe_facts(probes: list[dict], settings: DistillSettings) -> dict:
+    """The probes as a map's facts record them. With one kv_weight declared every probe used the facts' own
+    `kv_weight`, and the record is the one the stage wrote before the weight was a grid (rate and select KL per
+    probe), so those maps keep their bytes; with several, each probe names its weight and the grid is kept."""
+    if len(settings.kv_weights) == 1:
+        return {"probes": [{"lr": row["lr"], "select_kl": row["select_kl"]} for row in probes]}
+    return {"kv_weights": list(settings.kv_weights), "probes": probes}
 
 
 def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, clock: Clock | None = None,
             label: str | None = None) -> tuple[Mapper, list[dict]]:
-    """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit` at the rate of
-    `settings.lrs` whose probe scores the lowest select KL; keep the epoch (0: the start itself) with the lowest
-    select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold the chosen rate and every
-    probe's select KL), and per epoch its fit losses and select KL and agreement. `clock` adds up the time per
-    part; `label` names the map on the progress bars (None: no bars)."""
+    """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit` at the (rate,
+    kv_weight) pair of `settings.pairs()` whose probe scores the lowest select KL; keep the epoch (0: the start
+    itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold
+    the chosen pair and every probe's select KL), and per epoch its fit losses and select KL and agreement.
+    `clock` adds up the time per part; `label` names the map on the progress bars (None: no bars)."""
     check_frozen(handoff.target)
     for name in ("batch", "epochs", "patience", "probe_steps"):
         if getattr(settings, name) < 1:
             raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
-    if not settings.lrs:
-        raise ValueError("distillation setting lrs is empty: expected at least one learning rate")
+    for name in ("lrs", "kv_weights"):
+        if not getattr(settings, name):
+            raise ValueError(f"distillation setting {name} is empty: expected at least one value")
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
         raise ValueError(f"distillation needs fit and select rows, got {counts[0]} and {counts[1]}")
     clock = clock or Clock()
     with deterministic(settings.seed):
-        probes = [{"lr": lr, "select_kl": probe(start, batches, handoff, settings, lr, clock, label)}
-                  for lr in settings.lrs] if len(settings.lrs) > 1 else []
-        lr = chosen_rate(probes) if probes else settings.lrs[0]
+        pairs = settings.pairs()
+        probes = [{"lr": lr, "kv_weight": kv_weight,
+                   "select_kl": probe(start, batches, handoff, settings, lr, kv_weight, clock, label)}
+                  for lr, kv_weight in pairs] if len(pairs) > 1 else []
+        lr, kv_weight = chosen_pair(probes) if probes else pairs[0]
         mapper, optimizer, generator = fresh(start, handoff, settings, lr)
         parameters = map_tensors(mapper)
         scored = evaluate(mapper, batches.select, handoff, settings.batch, clock)
@@ -302,7 +323,7 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
             order = epoch_batches(batches.fit, settings.batch, generator)
             bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} epoch {epoch}/{settings.epochs}",
                        unit="row", leave=False, disable=label is None, postfix={"select_kl": f"{scored['kl']:.4g}"})
-            fitted = fit_steps(mapper, optimizer, batches.fit, order, handoff, settings.kv_weight, clock, bar)
+            fitted = fit_steps(mapper, optimizer, batches.fit, order, handoff, kv_weight, clock, bar)
             steps += len(order)
             scored = evaluate(mapper, batches.select, handoff, settings.batch, clock)
             history.append({"epoch": epoch, **fitted, "select_kl": scored["kl"],
@@ -313,8 +334,8 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
                 break
     facts = {"start": {"family": start.family, "k": start.k, "lambda": start.ridge_lambda,
                        "tensors_sha256": tensors_digest(start)},
-             "kl_weight": 1.0, "kv_weight": settings.kv_weight, "lr": lr, "lrs": list(settings.lrs),
-             "probe_steps": settings.probe_steps if probes else 0, "probes": probes,
+             "kl_weight": 1.0, "kv_weight": kv_weight, "lr": lr, "lrs": list(settings.lrs),
+             "probe_steps": settings.probe_steps if probes else 0, **probe_facts(probes, settings),
              "weight_decay": settings.weight_decay, "batch": settings.batch, "seed": settings.seed, "steps": steps,
              "epochs": history[-1]["epoch"], "best_epoch": best_epoch, "select_kl_start": history[0]["select_kl"],
              "select_kl": best_kl}

@@ -14,12 +14,14 @@ class DistillParams(Params):
     start: Annotated[list[str], Field(min_length=1)]  # fit's map names (the candidates fit writes)
     context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
     horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position
-    # AdamW's learning rates tried per map family (linear, head_matched, mlp, ...): each for a probe of
-    # probe_steps steps, the lowest select KL trains the full run (one rate: taken as it is, no probe)
+    # AdamW's learning rates tried per map family (linear, head_matched, mlp, ...): each with every kv_weight for a
+    # probe of probe_steps steps, the lowest select KL trains the full run (one pair in all: taken as it is, no probe)
     lrs: dict[str, Annotated[list[PositiveFloat], Field(min_length=1)]]
     probe_steps: Positive
     weight_decay: Annotated[float, Field(ge=0)]
-    kv_weight: Annotated[float, Field(ge=0)]  # the key/value regression beside the KL; 0 turns it off
+    # weights of the key/value regression beside the KL (0: the KL alone), each tried with every rate of the
+    # family's grid: the (rate, weight) pair of the lowest select KL after its probe trains the full run
+    kv_weights: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1)]
     batch_size: Positive  # rows per optimizer step
     epochs: Positive  # at most
     patience: Positive  # epochs without a lower select KL before stopping
@@ -36,6 +38,8 @@ class DistillParams(Params):
         for family, rates in self.lrs.items():
             if len(set(rates)) < len(rates):
                 raise ParamError(f"distill.lrs.{family}: a rate is listed twice ({rates}); list each once")
+        if len(set(self.kv_weights)) < len(self.kv_weights):
+            raise ParamError(f"distill.kv_weights: a weight is listed twice ({self.kv_weights}); list each once")
         for name in self.start:
             try:
                 family = MapName.parse(name).family

@@ -1,6 +1,7 @@
 """The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
 
-Inputs: metrics/distill.json (per map the learning rate chosen on the select split and each probe's select KL;
+Inputs: metrics/distill.json (per map the learning rate and the regression's weight chosen on the select split and
+each probe's select KL;
 the stage's time per part) and its per-epoch curves (metrics/distill/<map>.csv), metrics/select.json (both
 maps scored on the select split: next-token top-1, agreement and rollout agreement with the oracle, mean KL),
 and, when the candidates study ran, both maps' task items on the eval part (eval/candidates/): retention and gap
@@ -81,8 +82,9 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
     for name, facts in inputs.distill["maps"].items():
         start = facts["start"]
         row = {"start": start, **{key: facts[key] for key in ("best_epoch", "epochs", "steps", "seconds", "lr",
-                                                               "probe_steps", "select_kl_start", "select_kl")},
-               "probes": facts.get("probes", {})}  # none when the family's grid holds one rate
+                                                               "kv_weight", "probe_steps", "select_kl_start",
+                                                               "select_kl")},
+               "probes": facts.get("probes", {})}  # none when the grids hold one (rate, kv_weight) pair
         for when, which in (("before", start), ("after", name)):
             scores = inputs.select.get("maps", {}).get(which, {})
             row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
@@ -170,22 +172,31 @@ def _kl(value: float | None) -> str:
     return "diverged" if value is None else f"{value:.4f}"
 
 
+def probe_cells(r: dict) -> str:
+    """A map's probes as `rate × kv_weight: select KL`, by rate then weight, the chosen pair in bold."""
+    cells = []
+    for rate, weights in sorted(r["probes"].items(), key=lambda item: float(item[0])):
+        for weight, kl in sorted(weights.items(), key=lambda item: float(item[0])):
+            cell = f"{rate} × {weight}: {_kl(kl)}"
+            cells.append(f"**{cell}**" if (float(rate), float(weight)) == (r["lr"], r["kv_weight"]) else cell)
+    return " · ".join(cells)
+
+
 def probe_lines(rows: dict) -> list[str]:
-    """The learning rate each map chose on the select split (rate -> select KL after its probe, the chosen in bold),
-    and a sentence for each map no epoch of which beat its start."""
+    """The learning rate and regression weight each map chose on the select split ((rate, kv_weight) -> select KL
+    after its probe, the chosen pair in bold), and a sentence for each map no epoch of which beat its start."""
     out = []
     probed = {name: r for name, r in rows.items() if r["probes"]}
     if probed:
         steps = sorted({r["probe_steps"] for r in probed.values()})
-        out += ["", f"The learning rate was chosen on the select split: each rate of the family's grid "
-                f"(`distill.lrs`) trained the start map for {', '.join(map(str, steps))} steps, and the rate with the "
-                "lowest select KL trained the full run (select KL after each probe; the chosen rate in bold):", ""]
-        chosen = lambda r, rate: float(rate) == r["lr"]  # noqa: E731
-        out += md_table(["Map", "Select KL at the start", "Rate → select KL after the probe", "Chosen rate"],
-                        [[name, _kl(r["select_kl_start"]),
-                          " · ".join(f"**{rate}: {_kl(kl)}**" if chosen(r, rate) else f"{rate}: {_kl(kl)}"
-                                     for rate, kl in sorted(r["probes"].items(), key=lambda item: float(item[0]))),
-                          f"{r['lr']:g}"]
+        out += ["", f"The learning rate and the weight of the key/value regression beside the KL were chosen on the "
+                f"select split: each pair of a rate of the family's grid (`distill.lrs`) and a weight "
+                f"(`distill.kv_weights`) trained the start map for {', '.join(map(str, steps))} steps, and the pair "
+                "with the lowest select KL trained the full run (select KL after each probe; the chosen pair in "
+                "bold):", ""]
+        out += md_table(["Map", "Select KL at the start", "Rate × kv_weight → select KL after the probe",
+                         "Chosen rate", "Chosen kv_weight"],
+                        [[name, _kl(r["select_kl_start"]), probe_cells(r), f"{r['lr']:g}", f"{r['kv_weight']:g}"]
                          for name, r in probed.items()])
     kept = [name for name, r in rows.items() if r["best_epoch"] == 0]
     if kept:
