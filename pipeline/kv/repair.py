@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
+from pipeline.store.params import ParamError
 
 torch = lazy("torch")
 transformers = lazy("transformers")
@@ -95,6 +96,23 @@ class Repair:
     def chosen(self, length: int) -> int:
         """Tokens the `tokens` part recomputes in a prefix of `length` (after the sink)."""
         return math.floor(self.tokens * max(length - self.sink, 0) + 0.5)
+
+
+
+def parse_grid(texts: list[str], key: str, why_none: str) -> list[Repair]:
+    """A declared list of settings (params' `key`): each parsed, none named twice (by canonical form), `none` among
+    them (`why_none` says what it is there for); a failure is one line naming the key."""
+    settings = []
+    for text in texts:
+        try:
+            settings.append(Repair.parse(text))
+        except RepairError as error:
+            raise ParamError(f"{key}: {error}") from None
+    if len({str(setting) for setting in settings}) != len(settings):
+        raise ParamError(f"{key}: a setting is named twice (compare their canonical forms); drop one")
+    if "none" not in texts:
+        raise ParamError(f"{key}: add `none`, {why_none}")
+    return settings
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.kv.gate import SCORES
-from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.repair import Repair, parse_grid
 from pipeline.store.params import Count, ParamError, Params, Positive, Threads
 from pipeline.store.shapes import PAIRS
 
@@ -27,15 +27,7 @@ class RepairParams(Params):
 
     @model_validator(mode="after")
     def _known(self) -> RepairParams:
-        for text in self.grid:
-            try:
-                Repair.parse(text)
-            except RepairError as error:
-                raise ParamError(f"repair.grid: {error}") from None
-        if len({str(Repair.parse(text)) for text in self.grid}) != len(self.grid):
-            raise ParamError("repair.grid: a setting is named twice (compare their canonical forms); drop one")
-        if "none" not in self.grid:
-            raise ParamError("repair.grid: add `none`, the unrepaired map every setting is compared with")
+        parse_grid(self.grid, "repair.grid", "the unrepaired map every setting is compared with")
         if self.gate_score not in SCORES:
             raise ParamError(f"repair.gate_score: unknown score {self.gate_score!r} (known: {', '.join(SCORES)})")
         if self.bound_pair not in PAIRS:

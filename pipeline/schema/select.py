@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.repair import Repair, parse_grid
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
 from pipeline.store.shapes import PAIRS
 
@@ -27,16 +27,8 @@ class SelectParams(Params):
 
     @model_validator(mode="after")
     def _repairs(self) -> SelectParams:
-        for text in self.repairs:
-            try:
-                Repair.parse(text)
-            except RepairError as error:
-                raise ParamError(f"select.repairs: {error}") from None
-        if len({str(setting) for setting in self.settings()}) != len(self.repairs):
-            raise ParamError("select.repairs: a setting is named twice (compare their canonical forms); drop one")
-        if "none" not in self.repairs:
-            raise ParamError("select.repairs: add `none`, the maps unrepaired (they always compete, and V0's best "
-                             "map per k is chosen among them)")
+        parse_grid(self.repairs, "select.repairs", "the maps unrepaired (they always compete, and V0's best map per "
+                   "k is chosen among them)")
         if self.bound_pair not in PAIRS:
             raise ParamError(f"select.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
         return self
