@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, parse_grid
-from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
-from pipeline.store.shapes import PAIRS
+from pipeline.store.params import Params, Positive, Processes, Threads
+from pipeline.store.shapes import BoundPair
 
 
 class SelectParams(Params):
@@ -22,15 +22,13 @@ class SelectParams(Params):
     repairs: list[str]  # kv.repair settings chosen with the map, `none` among them; [none]: the maps alone
     repair_maps: Positive  # the best maps by the rule unrepaired, each scored at every setting of `repairs`
     max_recompute: Annotated[float, Field(ge=0.0, le=1.0)]  # the largest budget chosen (kv.flops.repair_budget)
-    bound_pair: str  # a pair of store.shapes.PAIRS: the budgets are counted at its shapes ...
+    bound_pair: BoundPair  # a pair of store.shapes.PAIRS: the budgets are counted at its shapes ...
     length: Annotated[int, Field(ge=2)]  # ... for prompts of this many tokens
 
     @model_validator(mode="after")
     def _repairs(self) -> SelectParams:
         parse_grid(self.repairs, "select.repairs", "the maps unrepaired (they always compete, and V0's best map per "
                    "k is chosen among them)")
-        if self.bound_pair not in PAIRS:
-            raise ParamError(f"select.bound_pair: unknown pair {self.bound_pair!r} (known: {', '.join(PAIRS)})")
         return self
 
     def settings(self) -> list[Repair]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from pipeline.store.devices import no_grad, parse_dtype
 from pipeline.store.lazy import lazy
@@ -27,6 +30,16 @@ PAIRS = {
     "qwen3-4b-8b": ("qwen3-4b", "qwen3-8b"),
     "llama-3.2-1b-3b": ("llama-3.2-1b", "llama-3.2-3b"),
 }
+
+
+def _known_pair(name: str) -> str:
+    if name not in PAIRS:
+        raise ValueError(f"unknown pair {name!r} (known: {', '.join(PAIRS)})")
+    return name
+
+
+# a params key naming one of PAIRS (`<section>.bound_pair: unknown pair ...` otherwise)
+BoundPair = Annotated[str, AfterValidator(_known_pair)]
 POOL_SIZE = 1_000_003  # a prime
 
 
