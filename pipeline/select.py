@@ -90,17 +90,16 @@ def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tup
     return sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
 
 
-def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path],
+def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], costs: dict[str, float],
                      ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
-    `repair_maps` of them at every setting of `select.repairs` within `max_recompute`. Under several processes the
-    oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the scores, the candidates'
-    first in their order (the others None)."""
+    `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`). Under
+    several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
+    scores, the candidates' first in their order (the others None)."""
     oracle_handoff = pair.handoff("oracle")
     oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
                             attention=True)
     oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
-    costs = budgets(params)
     scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, ranks)
     settings = [s for s in params.settings() if not s.empty and costs[str(s)] <= params.max_recompute]
     best = sorted(scores, key=rank_key(params.rule))[: params.repair_maps] if settings else []
@@ -137,7 +136,7 @@ def copy_verified(source: Path, destination: Path) -> None:
         shutil.copyfile(source, tmp)
 
 
-def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int) -> dict:
+def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int, costs: dict[str, float]) -> dict:
     """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json and
     the best of each k to models/best/; the stage's metrics (every candidate's scores beside the oracle's, and each
     repaired one's under repaired/<map>/<setting>/)."""
@@ -155,7 +154,7 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int)
                                              "selected_repair": chosen["repair"],
                                              "selected_repair_budget": round(chosen["budget"], 6),
                                              "max_recompute": params.max_recompute}
-    for setting, budget in budgets(params).items():
+    for setting, budget in costs.items():
         metrics[f"repairs/{setting}/budget"] = round(budget, 6)
     for score in scores:
         if score["repair"] != "none":
@@ -184,8 +183,9 @@ def run(params: SelectParams, pair: Pair, candidates: list[Path], ranks: Ranks =
     """Score `candidates` on the select split's prompts (the only data read) and promote the choice; the stage's
     metrics on rank 0 ({} on the others)."""
     prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
-    scored = score_candidates(pair, prompts, params, candidates, ranks)
-    return promote(scored, params, len(prompts)) if ranks.main else {}
+    costs = budgets(params)
+    scored = score_candidates(pair, prompts, params, candidates, costs, ranks)
+    return promote(scored, params, len(prompts), costs) if ranks.main else {}
 
 
 def main(argv: list[str] | None = None) -> None:

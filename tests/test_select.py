@@ -12,7 +12,7 @@ from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec
 from pipeline.schema.select import SelectParams
-from pipeline.select import candidates_on_disk, choose, run, score_candidates, select_prompts
+from pipeline.select import budgets, candidates_on_disk, choose, run, score_candidates, select_prompts
 from pipeline.store import paths
 from pipeline.store.params import ParamError, parse
 
@@ -44,7 +44,8 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     sequences = periodic_batch(torch.Generator().manual_seed(3), 8, 30, 32).tolist()
     prompts = select_prompts(sequences, 0.6)
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
-    oracle, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths)
+    oracle, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
+                                     budgets(params))
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"
     exact = next(s for s in scores if s["name"] == "linear_k1_exact")
