@@ -36,12 +36,13 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the mapper families (kv/families/, one module each, and their registry), the repair (the target
               recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
-              decoding after it, scoring continuations after it, the pair (its models
-              loaded once, its handoffs)
+              decoding after it, scoring continuations after it, the route words, the pair (its models
+              loaded once, its handoffs), the request a face validates, the router (each context's handoff
+              and route)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target
-    measure/  paired statistics, lm-eval tasks on local files and kv-transfer's request routes, retention,
-              agreement with the oracle, timing and latency
+    measure/  paired statistics, lm-eval tasks on local files, kv-transfer's request routes and lm-eval's model
+              over a router (`adapter`), retention, agreement with the oracle, timing and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting
@@ -56,9 +57,10 @@ WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
               "truncated", "models", "fingerprints", "cachefiles"),
     "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
-           "gate", "pair"),
+           "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
-    "measure": ("stats", "tasks", "retention", "gating", "taskeval", "routes", "compare", "timing", "latency"),
+    "measure": ("stats", "tasks", "retention", "gating", "routes", "adapter", "taskeval", "compare", "timing",
+                "latency"),
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective", "repair"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),

@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.pair import Pair
-from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.kv.router import Router
+from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
@@ -41,7 +42,6 @@ from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
-lm_eval_model = lazy("pipeline.lm_eval_model")
 
 
 def scratch_split(first: pd.DataFrame, folder: Path) -> None:
@@ -95,8 +95,8 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             handoff = pair.handoff("mapped", paths.distilled_map(name, distilled_maps) if starts[name] else
                                    paths.fitted_map(name, mappers))
-            lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
-            tasks, items = evaluate_tasks(lm, pair.eval_tasks)
+            tasks, items = score_tasks(Router(handoff, batch_size=params.batch_size), pair.target_tokenizer,
+                                       pair.eval_tasks)
             items.to_parquet(paths.candidate_items(name, staging), index=False)
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size
             if not starts[name]:  # the held-out R² is the fitted map's own

@@ -7,8 +7,8 @@ gives each one's held-out R². Whether any of those cheap numbers predicts the e
 can only be read off candidates whose retention was measured too, and the quality/speed frontier needs every
 candidate's speed beside its quality. So this stage runs, for each mapper in models/mappers:
 
-- lm-eval's HellaSwag and PIQA on the eval part through `KVTransferLM`, exactly as `evaluate` scores a mapped
-  variant (per-item outcomes to eval/candidates/<candidate>.parquet);
+- lm-eval's HellaSwag and PIQA on the eval part through the router (`measure.taskeval.score_tasks`), exactly as
+  `evaluate` scores a mapped variant (per-item outcomes to eval/candidates/<candidate>.parquet);
 - the handoff's time to first token against the target's own prefill at `candidates.length` prompt tokens
   (`measure.latency`, medians of `repeats` after `warmup`), with the FLOP bound of that mapper on this pair
   and of the same family and k at the shapes of `candidates.bound_pair` (`kv.flops`);
@@ -27,20 +27,18 @@ from pipeline.kv.families.registry import MapName
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts, variant_rows
 from pipeline.measure.latency import measure
-from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
-
-lm_eval_model = lazy("pipeline.lm_eval_model")
 
 MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
 
@@ -77,8 +75,8 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
     with atomic_dir(OUT) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
             handoff = pair.handoff("mapped", path)
-            lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
-            tasks, items = evaluate_tasks(lm, pair.eval_tasks)
+            tasks, items = score_tasks(Router(handoff, batch_size=params.batch_size), pair.target_tokenizer,
+                                       pair.eval_tasks)
             items.to_parquet(paths.candidate_items(path.stem, staging), index=False)
             if path.stem in paired:
                 rows = variant_rows(handoff, prompts, oracle, params.batch_size, progress=False)

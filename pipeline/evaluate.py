@@ -30,8 +30,9 @@ import sys
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.router import Router
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
-from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.measure.taskeval import by_kind, score_tasks
 from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.store import paths
 from pipeline.store.artifacts import (
@@ -43,12 +44,9 @@ from pipeline.store.artifacts import (
     write_json_atomic,
 )
 from pipeline.store.cli import entry, parser
-from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
-
-lm_eval_model = lazy("pipeline.lm_eval_model")
 
 ORACLE_OUTPUTS, EVAL_PROMPTS, BASELINES = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS, paths.BASELINES
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
@@ -109,15 +107,15 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
                                 f"data/eval.parquet {len(prompts)}: the oracle outputs do not match the prompts; "
                                 f"rerun the evaluate stage (its oracle)")
     rows = variant_rows(handoff, prompts, oracle, params.batch_size, ranks=ranks)
-    lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size, ranks=ranks)
+    router = Router(handoff, batch_size=params.batch_size)
     files = pair.eval_tasks
     if not ranks.main:  # lm-eval gathers this rank's samples and metrics on rank 0
-        evaluate_tasks(lm, files)
+        score_tasks(router, pair.target_tokenizer, files, ranks=ranks)
         return {}
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in summarize(rows).items()}
     with atomic_dir(paths.variant_folder(variant)) as staging:
-        tasks, items = evaluate_tasks(lm, files, raw_to=staging / "lm_eval")
+        tasks, items = score_tasks(router, pair.target_tokenizer, files, raw_to=staging / "lm_eval", ranks=ranks)
         rows.to_parquet(paths.variant_rows("prompts", staging), index=False)
         items.to_parquet(paths.variant_rows("items", staging), index=False)
     for task, result in tasks.items():

@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
-from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.length import LengthParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
@@ -39,7 +40,6 @@ from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
-lm_eval_model = lazy("pipeline.lm_eval_model")
 
 KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
 CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
@@ -99,8 +99,8 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
                          for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, mapper in maps.items():
-            lm = lm_eval_model.KVTransferLM(pair.handoff("mapped", mapper), pair.target_tokenizer, params.batch_size)
-            tasks, items = evaluate_tasks(lm, pair.eval_tasks)
+            router = Router(pair.handoff("mapped", mapper), batch_size=params.batch_size)
+            tasks, items = score_tasks(router, pair.target_tokenizer, pair.eval_tasks)
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
             items.to_parquet(paths.length_tasks(space, staging), index=False)
             for task, result in tasks.items():

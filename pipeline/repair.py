@@ -4,15 +4,16 @@
 
 For each map in `repair.maps` and each setting in `repair.grid` (`none` is the map unrepaired):
 
-- lm-eval's tasks on the eval part through `KVTransferLM`, as `candidates` scores a map (per-item rows), and the
-  eval prompts against the oracle's stored outputs (`measure.compare.variant_rows`: next-token top-1, rollout
-  agreement, KL), rows to eval/repair/<map>/<setting>.{items,prompts}.parquet;
+- lm-eval's tasks on the eval part through the router (`measure.taskeval.score_tasks`), as `candidates` scores a
+  map (per-item rows), and the eval prompts against the oracle's stored outputs (`measure.compare.variant_rows`:
+  next-token top-1, rollout agreement, KL), rows to eval/repair/<map>/<setting>.{items,prompts}.parquet;
 - the setting's budget (its multiply-adds over the target's prefill, `kv.flops.repair_budget`) and the handoff's
   FLOP speedup bound with the repair, both at `repair.bound_pair`'s shapes for `repair.length` tokens, and the
   measured speedup of the repaired handoff over the target's prefill here (`measure.latency`).
 
 A matched-cost baseline is run once per budget level of the grid: the truncated prompt, the target's own prefill of
-only the last round(budget x context length) tokens of each context (rows under eval/repair/truncated/). The source
+only the last round(budget x context length) tokens of each context (the oracle's handoff with `keep`, which its
+tasks and prompts both read; rows under eval/repair/truncated/). The source
 alone and the selective gate at the same cost are read by the report (eval/source, eval/selective). Writes
 metrics/repair.json.
 """
@@ -22,43 +23,26 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts, summarize, variant_rows
 from pipeline.measure.latency import measure
-from pipeline.measure.taskeval import evaluate_tasks
+from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.repair import RepairParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 
-lm_eval_model = lazy("pipeline.lm_eval_model")
-
 OUT, METRICS = paths.REPAIR_ROWS, paths.REPAIR_METRICS
 TRUNCATED = "truncated"  # the folder (and name) of the truncated-prompt baseline's rows
 
 
-def kept(context: list[int], keep: float) -> list[int]:
-    """The last round(keep x len) tokens of a context (at least one)."""
-    return list(context)[-max(1, round(keep * len(context))):]
-
-
-def truncated_lm(pair: Pair, keep: float, batch_size: int):
-    """lm-eval's model over the target's own prefill that sees only the last `keep` share of each context."""
-    class TruncatedLM(lm_eval_model.KVTransferLM):
-        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-            trimmed = [(request, kept(context, keep), continuation) for request, context, continuation in requests]
-            return super()._loglikelihood_tokens(trimmed, disable_tqdm=disable_tqdm, **kwargs)
-
-    return TruncatedLM(pair.handoff("oracle"), pair.target_tokenizer, batch_size=batch_size)
-
-
-def scored(lm, handoff, tasks, prompts, oracle, batch_size: int) -> tuple[dict, object, object]:
-    """One evaluated configuration: its figures (task accuracies, `summarize`'s), item and prompt rows."""
-    tasks, items = evaluate_tasks(lm, tasks)
+def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int) -> tuple[dict, object, object]:
+    """One evaluated handoff: its figures (task accuracies, `summarize`'s), item and prompt rows."""
+    tasks, items = score_tasks(Router(handoff, batch_size=batch_size), pair.target_tokenizer, tasks)
     rows = variant_rows(handoff, prompts, oracle, batch_size, progress=False)
     figures = {f"{task}_{metric}": round(result[metric], 6) for task, result in tasks.items()
                for metric in ("acc", "acc_norm")}
@@ -70,8 +54,7 @@ def scored(lm, handoff, tasks, prompts, oracle, batch_size: int) -> tuple[dict, 
 def repaired(pair: Pair, path, setting, tasks, prompts, oracle, batch_size: int):
     """The map at `path` under one repair setting: its handoff, and `scored`'s figures, item and prompt rows."""
     handoff = pair.handoff("mapped", path, repair=setting)
-    lm = lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=batch_size)
-    return handoff, scored(lm, handoff, tasks, prompts, oracle, batch_size)
+    return handoff, scored(pair, handoff, tasks, prompts, oracle, batch_size)
 
 
 def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
@@ -103,9 +86,8 @@ def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
                                 "speedup": round(row["speedup"], 4)})
             metrics.update({f"maps/{name}/{setting}/{key}": value for key, value in figures.items()})
         for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
-            lm = truncated_lm(pair, keep, params.batch_size)
-            trimmed = [(kept(context, keep), continuation) for context, continuation in prompts]
-            figures, items, rows = scored(lm, lm.handoff, pair.eval_tasks, trimmed, oracle, params.batch_size)
+            truncated = pair.handoff("oracle", keep=keep)
+            figures, items, rows = scored(pair, truncated, pair.eval_tasks, prompts, oracle, params.batch_size)
             write_rows(staging, TRUNCATED, f"{keep:g}", items, rows)
             metrics.update({f"{TRUNCATED}/{keep:g}/{key}": value for key, value in figures.items()})
     return metrics

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.measure.stats import paired_bootstrap
-from pipeline.measure.taskeval import by_kind, evaluate_tasks
+from pipeline.measure.taskeval import by_kind, score_tasks
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
@@ -22,7 +23,6 @@ from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
 
 pd = lazy("pandas")
-lm_eval_model = lazy("pipeline.lm_eval_model")
 
 
 def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFrame]:
@@ -32,13 +32,13 @@ def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFr
     summaries, frames = {}, []
     for variant, mode in (("target", "oracle"), ("source", "source"), ("direct", "direct")):
         try:
-            lm = lm_eval_model.KVTransferLM(pair.handoff(mode), pair.target_tokenizer, batch_size)
+            router = Router(pair.handoff(mode), batch_size=batch_size)
         except ValueError as err:  # direct injection undefined for this pair's KV geometry
             print(f"skipping {variant}: {err}")
             continue
-        summaries[variant], frame = evaluate_tasks(lm, files)
+        summaries[variant], frame = score_tasks(router, pair.target_tokenizer, files)
         frames.append(frame.assign(variant=variant))
-        del lm
+        del router
     return summaries, pd.concat(frames, ignore_index=True)
 
 

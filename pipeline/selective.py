@@ -50,7 +50,7 @@ from pipeline.store.splits import TASKS
 np = lazy("numpy")
 pd = lazy("pandas")
 torch = lazy("torch")
-lm_eval_model = lazy("pipeline.lm_eval_model")
+adapter = lazy("pipeline.measure.adapter")
 
 OUT, METRICS = paths.SELECTIVE, paths.SELECTIVE_METRICS
 METRIC = "acc_norm"  # the retention metric the threshold is chosen for (report.retention_metric's default)
@@ -130,8 +130,8 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
 def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
     """Per-request rows of every map: task items of both parts, eval prompts."""
     oracle = pair.handoff("oracle")
-    lm = lambda handoff: lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer,  # noqa: E731
-                                                    batch_size=params.batch_size)
+    lm = lambda handoff: adapter.HandoffLM(handoff, pair.target_tokenizer,  # noqa: E731
+                                           batch_size=params.batch_size)
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}

@@ -8,9 +8,9 @@ from conftest import committed, hellaswag_rows, piqa_rows
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.lm_eval_model import KVTransferLM
-from pipeline.measure.compare import oracle_outputs
-from pipeline.repair import kept, repaired, scored
+from pipeline.kv.scoring import score_continuations
+from pipeline.measure.compare import oracle_outputs, variant_rows
+from pipeline.repair import repaired, scored
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import parse
 from pipeline.studies.repair import (
@@ -45,8 +45,7 @@ def setup(wide_pair, tmp_path_factory) -> dict:
 
 
 def _figures(setup: dict, handoff) -> tuple[dict, pd.DataFrame]:
-    lm = KVTransferLM(handoff, setup["pair"].target_tokenizer, batch_size=4)
-    figures, items, _ = scored(lm, handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+    figures, items, _ = scored(setup["pair"], handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2)
     return figures, items
 
 
@@ -69,10 +68,24 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     assert repaired_figures["mean_kl"] < 1e-4
 
 
-def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_one_token():
-    assert kept(list(range(10)), 0.3) == [7, 8, 9]
-    assert kept(list(range(10)), 0.01) == [9]
-    assert kept(list(range(10)), 1.0) == list(range(10))
+def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_one_token(setup):
+    pair = setup["pair"]
+    assert pair.handoff("oracle", keep=0.3).context(range(10)) == [7, 8, 9]
+    assert pair.handoff("oracle", keep=0.01).context(range(10)) == [9]
+    assert pair.handoff("oracle", keep=1.0).context(range(10)) == list(range(10))
+    with pytest.raises(ValueError, match=r"^keep 0: "):
+        pair.handoff("oracle", keep=0)
+
+
+def test_the_truncated_prompt_handoff_scores_tasks_and_prompts_as_the_oracle_on_the_trimmed_contexts(setup):
+    pair, prompts, keep = setup["pair"], setup["prompts"], 0.4
+    truncated, oracle = pair.handoff("oracle", keep=keep), pair.handoff("oracle")
+    trimmed = [(truncated.context(context), continuation) for context, continuation in prompts]
+    assert all(len(short) < len(context) for (short, _), (context, _) in zip(trimmed, prompts))
+    assert score_continuations(truncated, prompts, progress=False) == score_continuations(oracle, trimmed,
+                                                                                          progress=False)
+    pd.testing.assert_frame_equal(variant_rows(truncated, prompts, setup["oracle"], 2, progress=False),
+                                  variant_rows(oracle, trimmed, setup["oracle"], 2, progress=False))
 
 
 def _row(name: str, setting: str, budget: float, high: float) -> dict:

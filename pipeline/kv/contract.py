@@ -40,6 +40,7 @@ class Mode(NamedTuple):
     target: bool  # the target decodes (False: the source alone, its own cache and its own predictions)
     source: bool  # the source model: its cache handed to the target, or the source alone
     map: bool  # a fitted map (`shuffled` also runs without one: the source's cache itself, permuted)
+    own: bool  # the decoding model prefills the prompt itself: nothing is handed off, nothing to repair or gate
 
 
 # families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py); the
@@ -47,12 +48,12 @@ class Mode(NamedTuple):
 TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 # every mode the study compares, in the order the contract reports them; every other list of modes derives from it
 MODES = {
-    "oracle": Mode(target=True, source=False, map=False),  # the target's own prefill
-    "zero": Mode(target=True, source=False, map=False),  # an all-zero cache of the target's shape
-    "source": Mode(target=False, source=True, map=False),  # the source model alone
-    "direct": Mode(target=True, source=True, map=False),  # the source's cache unmapped
-    "mapped": Mode(target=True, source=True, map=True),  # the source's cache through a fitted map
-    "shuffled": Mode(target=True, source=True, map=True),  # what `mapped` injects, its token order permuted
+    "oracle": Mode(target=True, source=False, map=False, own=True),  # the target's own prefill
+    "zero": Mode(target=True, source=False, map=False, own=False),  # an all-zero cache of the target's shape
+    "source": Mode(target=False, source=True, map=False, own=True),  # the source model alone
+    "direct": Mode(target=True, source=True, map=False, own=False),  # the source's cache unmapped
+    "mapped": Mode(target=True, source=True, map=True, own=False),  # the source's cache through a fitted map
+    "shuffled": Mode(target=True, source=True, map=True, own=False),  # what `mapped` injects, its order permuted
 }
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 

@@ -163,7 +163,7 @@ class Scorer:
         if handoff.source is None:
             raise ValueError(f"scores read the source's prefill; the {handoff.mode!r} handoff has no source")
         self.handoff, self.disagree, self.probe = handoff, disagree, probe
-        self.source_alone = Handoff(handoff.source)  # the source's own step after its own cache
+        self.source_alone = Handoff(handoff.source, mode="source")  # the source's own step after its own cache
 
     def check(self, names: Sequence[str]) -> None:
         for name in names:

@@ -10,6 +10,12 @@ Modes: `oracle` (the target's own prefill of c[0..n-2]), `direct` (the source ca
 geometry), `mapped` (through a fitted mapper), and the null controls `zero` (an all-zero cache of the
 target's shape) and `shuffled` (what `mapped` would inject, or the source cache without a mapper, with its
 token order permuted by a seeded permutation in content space, before the target's RoPE).
+`source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
+(`target`) is the source, the same protocol as the oracle's, recorded as `source`.
+
+Option `keep` (a share in (0, 1]): the handoff reads only the last round(keep x n) tokens of each context (at
+least one), at positions 0, 1, ... again: the truncated-prompt baseline (the oracle at `keep`), which the scoring
+(`kv.scoring`), the prompt comparison (`measure.compare`) and the latency measurement read through `context`.
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from pipeline.store.models import IncompatiblePairError
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 
-MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.target)  # the modes a Handoff builds
-SOURCE_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].source)  # the source's cache to the target
+MODES = tuple(TRANSFER_MODES)  # the modes a Handoff builds: every mode of the contract
+SOURCE_MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.source and reads.target)  # handed over
+OWN_MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].map)  # `shuffled` also runs without a map
 
 
@@ -56,7 +63,8 @@ class Handoff:
     """Builds the target's prefix cache in one of MODES and scores tokens after it."""
 
     def __init__(self, target, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
-                 tokenizers: tuple | None = None, max_tokens: int | None = None, repair: Repair | None = None):
+                 tokenizers: tuple | None = None, max_tokens: int | None = None, repair: Repair | None = None,
+                 keep: float | None = None):
         """`repair`: a setting (`kv.repair`) the target applies to every prefix cache of a source mode or `zero`
         before its first step (refused for `oracle`, which has nothing to repair); `tokenizers`: (source,
         target) tokenizers, compared by the contract when given (otherwise only the vocabulary sizes can be);
@@ -69,7 +77,7 @@ class Handoff:
         # the contract decides from the configs, before any forward; the rotary buffers are then checked
         self.contract = pair_contract(target.config, source.config if mode in SOURCE_MODES else None,
                                       target_tokenizer, source_tokenizer, max_tokens)
-        self.contract.require(mode)
+        self.contract.require("oracle" if mode in OWN_MODES else mode)  # `source`: the source model decodes alone
         windows = [sliding_window(model.config) for model in (target, source if mode in SOURCE_MODES else None)
                    if model is not None]
         self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
@@ -77,8 +85,11 @@ class Handoff:
         self.target_geometry = kv_geometry(target.config)
         self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
         self.repair = repair or Repair()
-        if not self.repair.empty and mode == "oracle":
-            raise ValueError(f"repair {self.repair}: the oracle's cache is the target's own, nothing to repair")
+        if not self.repair.empty and mode in OWN_MODES:
+            raise ValueError(f"repair {self.repair}: the {mode} handoff's cache is its model's own, nothing to repair")
+        if keep is not None and not 0 < keep <= 1:
+            raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
+        self.keep = keep
         self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
@@ -107,6 +118,12 @@ class Handoff:
     def device(self):
         return self.target.device
 
+    def context(self, tokens) -> list[int]:
+        """The part of a context c[0..n-1] this handoff reads: all of it, or under `keep` its last round(keep x n)
+        tokens (at least one)."""
+        tokens = list(tokens)
+        return tokens if self.keep is None else tokens[-max(1, round(self.keep * len(tokens))):]
+
     @no_grad
     def prefix_layers(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> Layers | None:
         """Target-space cache (rotated, target dtype) for prefix_ids (B, P); None for an empty prefix.
@@ -121,7 +138,7 @@ class Handoff:
             return None
         mask = None if lengths is None else (torch.arange(length)[None] < lengths[:, None]).long()  # (B, P)
         dtype = self.target.dtype
-        if self.mode == "oracle":
+        if self.mode in OWN_MODES:
             return cache_to_layers(self.target.model(input_ids=prefix_ids, attention_mask=_on(mask, self.device),
                                                      use_cache=True).cache)
         if self.mode == "zero":

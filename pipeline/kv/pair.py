@@ -180,18 +180,19 @@ class Pair:
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
-                shuffle_seed: int = 0, repair: Repair | str | None = None) -> Handoff:
+                shuffle_seed: int = 0, repair: Repair | str | None = None, keep: float | None = None) -> Handoff:
         """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
         pair's device; ignored by the modes that read none), refused unless fitted on the pair's models. A mode the
         contract leaves undefined is refused before any weight is loaded. `source`, the source model alone, is the
         source's own prefill: its cache, its predictions. `repair`: a setting or its string form (`kv.repair`),
-        applied to every prefix cache."""
+        applied to every prefix cache; `keep`: the share of each context's end the handoff reads (`Handoff.keep`,
+        the truncated prompt)."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
-        if mode == "source":
+        if mode == "source":  # the source model decodes alone: the handoff's decoding model is the source
             if repair is not None and not repair.empty:
                 raise ValueError(f"repair {repair}: the source alone hands no cache to the target")
             self.contract.require(mode)
-            return Handoff(self.source)
+            return Handoff(self.source, mode="source", keep=keep)
         check_mode(mode, self.has_source, mapper is not None)
         self.contract.require(mode)
         if mode not in MAPPER_MODES:
@@ -204,7 +205,7 @@ class Pair:
             self.bind(mapper, f"{mapper.family} k={mapper.k}")
         return Handoff(self.target, self.source if mode in SOURCE_MODES else None, mode, mapper,
                        shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens,
-                       repair=repair)
+                       repair=repair, keep=keep)
 
     def gate(self, handoff: Handoff, score: str, threshold: float,
              disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:

@@ -7,7 +7,7 @@ from the others and at positions n-1, n, ... again (`kv.decode.packed_logprobs`)
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -52,7 +52,7 @@ def score_continuations(
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
     """
     max_length = max_length or handoff.target.config.max_position_embeddings
-    ordered = shared_contexts(requests, max_length)
+    ordered = shared_contexts(requests, max_length, handoff.context)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
     for chunk in context_batches(ordered, batch_size):
@@ -72,15 +72,15 @@ def score_continuations(
     return results  # type: ignore[return-value]
 
 
-def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int
-                    ) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Each context (as truncated to `max_length`) with the indices of the requests that share it, the largest
-    first (its tokens and all its continuations' together)."""
+def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
+                    reads: Callable[[Sequence[int]], list[int]] = list) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Each context (as truncated to `max_length`, then as the handoff `reads` it: `Handoff.context`) with the
+    indices of the requests that share it, the largest first (its tokens and all its continuations' together)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, (context, continuation) in enumerate(requests):
         if not continuation:
             raise ValueError(f"request {index} has an empty continuation")
-        groups.setdefault(tuple(truncate(context, continuation, max_length)), []).append(index)
+        groups.setdefault(tuple(reads(truncate(context, continuation, max_length))), []).append(index)
     if any(not context for context in groups):
         raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
     size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731

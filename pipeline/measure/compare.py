@@ -112,7 +112,8 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
     bar = tqdm(total=len(prompts), desc=f"compare ({handoff.mode})", unit="prompt",
                disable=not progress or not ranks.main)
     for start in _my_batches(len(prompts), batch_size, ranks):
-        batch = prompts[start : start + batch_size]
+        batch = [(handoff.context(context), continuation)  # as the handoff reads it (the truncated prompt's tail)
+                 for context, continuation in prompts[start : start + batch_size]]
         rollouts = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()  # (B, horizon)
         captured = [] if attention else None
         for i, (logprobs, (_, continuation), rollout) in enumerate(zip(teacher_forced(handoff, batch, captured),

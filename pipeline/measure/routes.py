@@ -1,30 +1,11 @@
-"""Every request's route through the `kv-transfer` lm-eval model: how each of lm-eval's requests was served, counted
-per task, gathered over ranks and written into lm-eval's logged samples.
-
-A route's way is the handoff's own mode (`mapped`, `direct`, ...; REPAIRED under a repair setting), FELL_BACK to the
-target's prefill (a gate's score above its threshold) or EMPTY_PREFIX (a one-token context hands nothing off: the
-target reads it alone, as the oracle would). No way is `refused`: a request the handoff cannot serve (a sequence
-longer than a sliding window) stops the run.
+"""Every request's route through the `kv-transfer` lm-eval model (`measure.adapter`): how each of lm-eval's requests
+was served (the words are `kv.routes`'), counted per task, listed per document and gathered over ranks.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable
 
-from pipeline.store.lazy import lazy
-
-lm_eval_evaluator = lazy("lm_eval.evaluator")
-
-FELL_BACK, EMPTY_PREFIX, REPAIRED = "fell_back", "empty_prefix", "repaired"  # ways besides the handoff's mode
-
-
-@dataclass(frozen=True)
-class Route:
-    """How one request was served: its `way` and, under a gate, its context's score."""
-
-    way: str
-    score: float | None = None
+from pipeline.kv.routes import Route
 
 
 class Ledger:
@@ -48,24 +29,28 @@ class Ledger:
             tally[route.way] = tally.get(route.way, 0) + 1
         return dict(sorted(counts.items()))
 
+    def by_document(self, keep: Callable[[list[Route]], bool]) -> dict[str, dict[str, dict[str, list]]]:
+        """Per task and document (its id as text), its requests' ways (and gate scores, where gated) in request
+        order, for the documents whose routes `keep` accepts."""
+        documents: dict[tuple[str, int], dict[int, Route]] = {}
+        for (task, doc_id, index), (route, _) in self.entries.items():
+            documents.setdefault((str(task), doc_id), {})[index] = route
+        out: dict[str, dict[str, dict[str, list]]] = {}
+        for (task, doc_id), requests in sorted(documents.items()):
+            routes = [requests[index] for index in sorted(requests)]
+            if keep(routes):
+                entry = {"route": [route.way for route in routes]}
+                if any(route.score is not None for route in routes):  # a gated request's score
+                    entry["gate_score"] = [route.score for route in routes]
+                out.setdefault(task, {})[str(doc_id)] = entry
+        return out
+
     def gather(self, ranks) -> None:
         """Every rank's entries merged into rank 0's (`ranks`: a `store.ranks.Ranks`; lm-eval gives each rank every
         N-th document); in one process, nothing changes."""
         ledgers = ranks.gather(self.entries)
         if ledgers is not None:
             self.entries = {key: value for entries in ledgers for key, value in entries.items()}
-
-    def mark_samples(self, samples: dict[str, list[dict]], gated: bool) -> None:
-        """Each of lm-eval's logged samples (task -> samples) given `route`, one way per request in the order of its
-        `arguments` (None for one this model did not see: lm-eval's own cache answered it), and when `gated`
-        `gate_score`."""
-        by_args = {(str(task), args): route for (task, _, _), (route, args) in self.entries.items()}
-        for task, rows in samples.items():
-            for sample in rows:
-                routes = [by_args.get((task, repr(args))) for args in sample["arguments"]]
-                sample["route"] = [None if route is None else route.way for route in routes]
-                if gated:
-                    sample["gate_score"] = [None if route is None else route.score for route in routes]
 
 
 def count_lines(setting: str, counts: dict[str, dict[str, int]]) -> list[str]:
@@ -75,29 +60,3 @@ def count_lines(setting: str, counts: dict[str, dict[str, int]]) -> list[str]:
         ways = ", ".join(f"{count} {way}" for way, count in tally.items() if way != "requests")
         lines.append(f"  {task}: {tally['requests']} requests: {ways}")
     return lines
-
-
-@contextlib.contextmanager
-def recording_routes() -> Iterator[list]:
-    """While open, lm-eval's `evaluate` of a model that keeps a `ledger` (kv-transfer) is followed by its
-    `gather_routes()` on every rank (so rank 0's results, whose config simple_evaluate then fills from the model's
-    `get_model_info`, count every rank's requests) and, with logged samples, by marking each sample's routes, before
-    lm-eval writes or prints anything. Yields the models evaluated."""
-    original, evaluated = lm_eval_evaluator.evaluate, []
-
-    def evaluate(*args, **kwargs):
-        results = original(*args, **kwargs)
-        lm = kwargs["lm"] if "lm" in kwargs else args[0]
-        lm = getattr(lm, "lm", lm)  # lm-eval's CachingLM (--use_cache) wraps the model
-        if isinstance(getattr(lm, "ledger", None), Ledger):
-            lm.gather_routes()
-            if results is not None and "samples" in results:
-                lm.ledger.mark_samples(results["samples"], gated=lm.gate is not None)
-            evaluated.append(lm)
-        return results
-
-    lm_eval_evaluator.evaluate = evaluate
-    try:
-        yield evaluated
-    finally:
-        lm_eval_evaluator.evaluate = original

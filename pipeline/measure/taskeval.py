@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.measure.tasks import write_task_config
 from pipeline.store.lazy import lazy
+from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 pd = lazy("pandas")
 lm_eval = lazy("lm_eval")
@@ -23,6 +24,7 @@ lm_eval_metrics = lazy("lm_eval.api.metrics")
 lm_eval_tasks = lazy("lm_eval.tasks")
 lm_eval_utils = lazy("lm_eval.utils")
 collect_env = lazy("torch.utils.collect_env")
+adapter = lazy("pipeline.measure.adapter")  # lm-eval's model over a router: it imports lm-eval itself
 
 PREFIX = "kvh_"
 NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (the study protocol's "Tasks"), as V0 did
@@ -72,6 +74,14 @@ def without_repeated_work() -> None:
         collect_env.get_pretty_env_info = functools.cache(collect_env.get_pretty_env_info)
 
 
+def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS
+                ) -> tuple[dict | None, pd.DataFrame | None]:
+    """`evaluate_tasks` of the requests `router` (`kv.router.Router`, or a handoff it routes alone) serves,
+    tokenized by the target's `tokenizer` (`measure.adapter.HandoffLM`, `router.batch_size` contexts a forward)."""
+    batch_size = getattr(router, "batch_size", None) or 8
+    return evaluate_tasks(adapter.HandoffLM(router, tokenizer, batch_size=batch_size, ranks=ranks), files, raw_to)
+
+
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict | None, pd.DataFrame | None]:
     """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame), or
     (None, None) on a rank other than 0 of several processes.
@@ -97,13 +107,7 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
         return None, None
     samples = {task: sorted(out["samples"][PREFIX + task], key=lambda sample: sample["doc_id"]) for task in files}
     if raw_to is not None:
-        raw_to.mkdir(parents=True, exist_ok=True)
-        stored = {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}
-        (raw_to / "lm_eval_results.json").write_text(json.dumps(portable(stored, {folder: "tasks"}), indent=2))
-        for task in files:
-            with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
-                for sample in samples[task]:
-                    handle.write(json.dumps(portable(sample, {folder: "tasks"})) + "\n")
+        write_raw(out, samples, raw_to, {folder: "tasks"})
     summary, rows = {}, []
     for task, path in files.items():
         # lm-eval's own aggregation (mean and its closed-form stderr), on the items in document order: the
@@ -131,6 +135,20 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
                 "choices": [str(argument[1]) for argument in sample["arguments"]],
             })
     return summary, pd.DataFrame(rows)
+
+
+def write_raw(out: dict, samples: dict[str, list[dict]], raw_to: Path, folders: dict[str, str]) -> None:
+    """lm-eval's own results (with the route record kv-transfer's `run` writes too) and each task's samples, in
+    `raw_to`, `portable` (`folders` renamed)."""
+    raw_to.mkdir(parents=True, exist_ok=True)
+    stored = {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}
+    if "kv_transfer" in out.get("config", {}):
+        stored["config"] = {"kv_transfer": out["config"]["kv_transfer"]}
+    (raw_to / "lm_eval_results.json").write_text(json.dumps(portable(stored, folders), indent=2))
+    for task, rows in samples.items():
+        with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
+            for sample in rows:
+                handle.write(json.dumps(portable(sample, folders)) + "\n")
 
 
 def by_kind(frame: pd.DataFrame, metric: str = "acc") -> dict[str, float]:

@@ -132,11 +132,14 @@ def out_folder(path: Path | None, name: str) -> Path | None:
 
 
 def device(value: str, name: str) -> str:
-    """A torch device name this machine has: `cuda` (or `cuda:N`) only where CUDA sees that device."""
+    """A torch device name this machine has and can run a model on: `cuda` (or `cuda:N`) only where CUDA sees that
+    device; never `meta` (shapes without data)."""
     try:
         parsed = torch.device(value)
     except (RuntimeError, TypeError):
         raise ParamError(f"{name}: {value!r} is not a torch device; give cpu, cuda or cuda:N") from None
+    if parsed.type == "meta":
+        raise ParamError(f"{name} meta: a meta device holds no weights to run the models on; give cpu or cuda")
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

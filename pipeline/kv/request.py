@@ -1,0 +1,158 @@
+"""What a user asks of a handoff, validated before any model loads: one request object for every face.
+
+A `Request` is the mode, its map, its repair setting, its gate and whether a map may be used on other models. The
+faces spell its fields their own way (`Face`: kv-transfer's model args `transfer=`, `mapper=`, ...; generate's
+flags `--transfer`, `--mapper`, ...), and every refusal is one line naming the arg as the face spells it and the
+fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped). Rules, one table for both faces
+(`USES`): an arg the mode does not read is refused (`transfer=oracle,mapper=...`), a mode that reads a source
+needs one, a repair setting larger than the pair's target (its layers, its positions) is refused from the configs.
+
+Built by `Request.of(face, **args)`; `Router.of(pair, request)` (`kv.router`) turns it into handoffs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from pipeline.kv.gate import FITTED, SCORES, map_pair
+from pipeline.kv.handoff import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES
+from pipeline.kv.repair import Repair
+from pipeline.store import inputs
+from pipeline.store.params import ParamError
+
+GATE_SCORES = tuple(score for score in SCORES if score not in FITTED)  # a gate named by arguments alone
+REPAIRED_MODES = tuple(mode for mode in MODES if mode not in OWN_MODES)  # a cache the decoding model did not prefill
+# the modes that read each optional field; any other mode given it refuses it
+USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "fallback": SOURCE_MODES, "threshold": SOURCE_MODES,
+        "disagree": SOURCE_MODES, "shuffle_seed": ("shuffled",)}
+
+
+class Face(NamedTuple):
+    """How a face names the request's fields: `tool` before a value's name, `args` each field's spelling."""
+
+    tool: str  # "kv-transfer" or "" (generate's flags name themselves)
+    args: dict[str, str]
+
+    def name(self, field: str) -> str:
+        """The field as a value's name in a refusal: `kv-transfer threshold`, `--threshold`."""
+        return f"{self.tool} {self.args[field]}".strip()
+
+    def given(self, field: str, value=None) -> str:
+        """The field as the user wrote it: `threshold=` / `transfer=oracle`, `--threshold` / `--transfer oracle`."""
+        spelt = self.args[field] + ("=" if self.tool else "")
+        return spelt if value is None else f"{spelt}{'' if self.tool else ' '}{value}"
+
+
+FIELDS = ("mode", "mapper", "repair", "fallback", "threshold", "disagree", "shuffle_seed", "allow_other_models")
+KV_TRANSFER = Face("kv-transfer", {**{field: field for field in FIELDS}, "mode": "transfer"})
+GENERATE = Face("", {**{field: "--" + field.replace("_", "-") for field in FIELDS}, "mode": "--transfer"})
+
+
+class Request(BaseModel):
+    """One handoff asked for: checked on construction (`Request.of`), values as the handoff takes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    face: Face
+    mode: str
+    mapper: str | None = None
+    repair: Repair | None = None
+    fallback: str | None = None
+    threshold: float | None = None
+    disagree: tuple[str, str] | None = None
+    shuffle_seed: int | None = None
+    allow_other_models: bool = False
+
+    @classmethod
+    def of(cls, face: Face, **args) -> "Request":
+        """The request `args` (a face's values, strings as lm-eval passes them or typed by argparse) name; the
+        first bad one refused in one line."""
+        try:
+            return cls.model_validate({"face": face, **args})
+        except ValidationError as error:
+            cause = error.errors()[0].get("ctx", {}).get("error")
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise ParamError(f"{face.tool or 'generate'}: {error.errors()[0]['msg']}") from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read(cls, values: dict) -> dict:
+        face, values = values["face"], {k: v for k, v in values.items() if v is not None}
+        mode = inputs.choice(values.get("mode"), face.name("mode"), MODES)
+        for field, modes in USES.items():
+            if field in values and mode not in modes:
+                raise ParamError(f"{face.tool} {face.given('mode', mode)} does not use {face.given(field)}: leave it "
+                                 f"out ({face.given(field)} is read by {', '.join(modes)})".strip())
+        if "repair" in values and not isinstance(values["repair"], Repair):
+            values["repair"] = Repair.parse(values["repair"])
+        if "threshold" in values:
+            values["threshold"] = inputs.threshold(values["threshold"], face.name("threshold"))
+        if "shuffle_seed" in values:
+            values["shuffle_seed"] = inputs.at_least(values["shuffle_seed"], face.name("shuffle_seed"), 0)
+        allow = str(values.get("allow_other_models", False)).lower()
+        values["allow_other_models"] = inputs.choice(allow, face.name("allow_other_models"), ("true", "false"))
+        values["allow_other_models"] = values["allow_other_models"] == "true"
+        if isinstance(values.get("disagree"), str):
+            spec = values["disagree"]
+            values["disagree"] = map_pair(spec) or _bad_pair(face, spec)
+        return values
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Request":
+        face = self.face
+        if self.mode == "mapped" and self.mapper is None:
+            raise ParamError(f"{face.tool} {face.given('mode', 'mapped')} needs a mapper: give "
+                             f"{face.given('mapper', '<mapper file>')}".strip())
+        if self.fallback is None and (self.threshold is not None or self.disagree is not None):
+            raise ParamError(f"{face.tool} {face.given('threshold')} and {face.given('disagree')} gate a handoff: give "
+                             f"{face.given('fallback', '<score>')} too".strip())
+        if self.fallback is not None:
+            inputs.choice(self.fallback, face.name("fallback"), GATE_SCORES)
+            if self.threshold is None:
+                raise ParamError(f"{face.tool} {face.given('fallback', self.fallback)} needs "
+                                 f"{face.given('threshold', '<number>')} (falls back above it; -inf always, inf "
+                                 f"never)".strip())
+            if self.fallback == "disagree" and self.disagree is None:
+                raise ParamError(f"{face.tool} {face.given('fallback', 'disagree')} needs "
+                                 f"{face.given('disagree', '<k=1 file>:<k=max file>')}".strip())
+        files = {"mapper": [self.mapper] if self.mapper else [], "disagree": list(self.disagree or [])}
+        for field, names in files.items():
+            for file in names:
+                if not Path(file).is_file():
+                    raise ParamError(f"{face.name(field)}: no mapper file at {file}; give one that fit, distill or "
+                                     f"select wrote (under models/)")
+        return self
+
+    @property
+    def setting(self) -> Repair | None:
+        """The repair setting, None for none."""
+        return None if self.repair is None or self.repair.empty else self.repair
+
+    def needs_source(self) -> bool:
+        return self.mode in SOURCE_MODES or self.mode == "source"
+
+    def require_source(self, has_source: bool, how: str) -> None:
+        """Refuse a mode that reads a source model when none is given; `how`: the face's way to give one."""
+        if self.needs_source() and not has_source:
+            raise ParamError(f"{self.face.tool} {self.face.given('mode', self.mode)} needs a source model: give "
+                             f"{how}".strip())
+
+    def check_geometry(self, layers: int, positions: int) -> None:
+        """Refuse a repair larger than the pair's target (`layers` layers, `positions` positions), from configs."""
+        setting = self.setting
+        if setting is None:
+            return
+        if setting.exact_layers > layers:
+            raise ParamError(f"{self.face.name('repair')} {setting}: layers:{setting.exact_layers} exceeds the "
+                             f"target's {layers} layers; give at most layers:{layers}")
+        if setting.sink >= positions:
+            raise ParamError(f"{self.face.name('repair')} {setting}: sink:{setting.sink} is not below the models' "
+                             f"{positions} positions; give a smaller sink")
+
+
+def _bad_pair(face: Face, spec: str):
+    raise ParamError(f"{face.name('disagree')}={spec!r}: name two mapper files as <k=1 file>:<k=max file>"
+                     if face.tool else f"--disagree {spec}: name two mapper files as K1:KMAX (k=1 and k=max)")

@@ -1,0 +1,90 @@
+"""The one request path: given contexts, each one's handoff and route together.
+
+A `Router` holds a handoff and, optionally, its gate (`kv.gate`): a context whose gate score exceeds the threshold
+goes to the gate's fallback (the target's own prefill), every other one to the handoff, and a one-token context
+hands nothing off (`kv.routes`). Decisions are memoised per context, so a context scored for several continuations
+(HellaSwag's four endings, lm-eval's rolling windows, a decode's every token) is gated once. `score` then scores
+(context, continuation) requests through `kv.scoring.score_continuations`, each group on its route's handoff, after
+truncating each context once to the window (`truncate`: lm-eval's left-truncation).
+
+Built from a `Pair` and a validated `kv.request.Request` (`Router.of`), or from a handoff a stage already holds.
+`record()` is what a face writes beside its results: the mode, the repair, the gate and, once counted, the routes.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pipeline.kv.gate import Gate
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.routes import FELL_BACK, Route, way, ways
+from pipeline.kv.scoring import score_continuations, truncate
+
+Request = tuple[Sequence[int], Sequence[int]]  # (context, continuation) token ids
+
+
+class Router:
+    """Each context's handoff and route, memoised; scoring on the routes."""
+
+    def __init__(self, handoff: Handoff, gate: Gate | None = None, batch_size: int = 16):
+        """`gate`: per context, the handoff or `gate.fallback` (the target's own prefill); `batch_size`: contexts a
+        forward when the gate scores them."""
+        self.handoff, self.gate, self.batch_size = handoff, gate, batch_size
+        self.decisions: dict[tuple[int, ...], tuple[float, bool]] = {}  # gated context -> (score, fell back)
+
+    @classmethod
+    def of(cls, pair, request, batch_size: int = 16) -> "Router":
+        """The router of `request` (`kv.request.Request`) between `pair`'s models (weights loaded on first use)."""
+        handoff = pair.handoff(request.mode, request.mapper, shuffle_seed=request.shuffle_seed or 0,
+                               repair=request.setting)
+        gate = None if request.fallback is None else pair.gate(handoff, request.fallback, request.threshold,
+                                                                request.disagree)
+        return cls(handoff, gate, batch_size)
+
+    @property
+    def repaired(self) -> bool:
+        return not self.handoff.repair.empty
+
+    def ways(self) -> list[str]:
+        """Every way this router can send a request, in the order counts list them."""
+        return ways(self.handoff.mode, self.repaired, self.gate is not None)
+
+    def routes(self, contexts: Sequence[Sequence[int]]) -> list[Route]:
+        """Each context's route (its gate's score where gated)."""
+        if self.gate is not None:
+            unseen = list(dict.fromkeys(tuple(c) for c in contexts if tuple(c) not in self.decisions))
+            if unseen:
+                scores, fallback = self.gate.route(unseen, self.batch_size)
+                self.decisions.update(zip(unseen, zip(scores.tolist(), fallback.tolist())))
+        decided = [self.decisions.get(tuple(context), (None, False)) for context in contexts]
+        return [Route(way(self.handoff.mode, self.repaired, context, fell_back), score)
+                for context, (score, fell_back) in zip(contexts, decided)]
+
+    def handoff_of(self, route: Route) -> Handoff:
+        """The handoff that serves a request of `route`."""
+        return self.gate.fallback if route.way == FELL_BACK else self.handoff
+
+    def routed(self, contexts: Sequence[Sequence[int]]) -> list[tuple[Handoff, Route]]:
+        """Each context's handoff and route together."""
+        return [(self.handoff_of(route), route) for route in self.routes(contexts)]
+
+    def score(self, requests: Sequence[Request], max_length: int, progress: bool = True
+              ) -> tuple[list[tuple[float, bool]], list[Route]]:
+        """Each request's (sum of log-probabilities, greedy) and route: contexts truncated once to `max_length`,
+        routed, and each route's requests scored on its handoff."""
+        trimmed = [(truncate(context, continuation, max_length), continuation) for context, continuation in requests]
+        routes = self.routes([context for context, _ in trimmed])
+        results: list = [None] * len(trimmed)
+        for handoff, fell_back in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
+            members = [index for index, route in enumerate(routes) if (route.way == FELL_BACK) == fell_back]
+            if not members:
+                continue
+            scored = score_continuations(handoff, [trimmed[index] for index in members], self.batch_size,
+                                         max_length=max_length, progress=progress)
+            for index, result in zip(members, scored):
+                results[index] = result
+        return results, routes
+
+    def record(self) -> dict:
+        """The handoff this router serves, as results record it: mode, repair setting and gate."""
+        gate = None if self.gate is None else {"score": self.gate.score, "threshold": self.gate.threshold}
+        return {"transfer": self.handoff.mode, "repair": str(self.handoff.repair), "gate": gate}

@@ -1,0 +1,55 @@
+"""The route words: how one request was served, the one place they and their rules are written.
+
+A route's way is the handoff's own mode (`oracle`, `source`, `mapped`, `direct`, ...; REPAIRED under a repair
+setting), FELL_BACK to the target's prefill (a gate's score above its threshold) or EMPTY_PREFIX (a one-token
+context hands nothing off: the target reads it alone, as the oracle would). No way is `refused`: a request the
+handoff cannot serve (a sequence longer than a sliding window) stops the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pipeline.kv.handoff import OWN_MODES
+
+FELL_BACK, EMPTY_PREFIX, REPAIRED = "fell_back", "empty_prefix", "repaired"
+SENTENCES = {  # the ways a reader meets in generate's table
+    FELL_BACK: "fell back to the target's prefill",
+    EMPTY_PREFIX: "nothing handed off (a one-token prompt)",
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one request was served: its `way` and, under a gate, its context's score."""
+
+    way: str
+    score: float | None = None
+
+
+def hands_off(mode: str, context: Sequence[int]) -> bool:
+    """Whether `mode` hands a cache to the decoding model for `context` c[0..n-1]: not for a mode whose model
+    prefills itself, and not for a one-token context (its prefix c[0..n-2] is empty)."""
+    return mode not in OWN_MODES and len(context) >= 2
+
+
+def served_by(mode: str, repaired: bool) -> str:
+    """The way of a request the handoff serves itself: its mode, or REPAIRED under a repair setting."""
+    return REPAIRED if repaired else mode
+
+
+def ways(mode: str, repaired: bool, gated: bool) -> list[str]:
+    """Every way a handoff of `mode` (under a repair, under a gate) can send a request, in the order counts list
+    them."""
+    return ([served_by(mode, repaired)] + ([] if mode in OWN_MODES else [EMPTY_PREFIX])
+            + ([FELL_BACK] if gated else []))
+
+
+def way(mode: str, repaired: bool, context: Sequence[int], fell_back: bool) -> str:
+    """The way of one context: FELL_BACK where its gate sent it to the target's prefill, EMPTY_PREFIX where nothing
+    is handed off, else the handoff's own."""
+    if fell_back:
+        return FELL_BACK
+    if mode not in OWN_MODES and not hands_off(mode, context):
+        return EMPTY_PREFIX
+    return served_by(mode, repaired)

@@ -1,0 +1,215 @@
+"""lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff.
+
+Tokenization and the context/continuation split come from lm-eval's `TemplateLM`, exactly as for its stock `hf`
+model; the scoring hooks hand lm-eval's tokenized requests to the router (`Router.score`: each context truncated
+once, routed, scored by `kv.scoring`) and record each Instance's route in a `measure.routes.Ledger`. What lm-eval
+records of the model (`get_model_info`, in its results' `config`) is the router's record (mode, repair, gate), the
+route counts per task and, per document, the routes (and gate scores) that differ from the handoff's own way, so a
+result says what served every request. Several processes follow lm-eval's rank contract (`rank`, `world_size`,
+`all_gather`, `gather_object`, `barrier`); each rank's routes reach rank 0 at lm-eval's first gather after the
+requests are served.
+
+The stages score through `measure.taskeval.score_tasks`, which builds this model; lm-eval's own command line builds
+its subclass `kv-transfer` (`pipeline.lm_eval_model`) from model args.
+"""
+from __future__ import annotations
+
+import logging
+
+import jinja2
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm.auto import tqdm
+
+from pipeline.kv.decode import greedy_generate
+from pipeline.kv.gate import Gate
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.router import Router
+from pipeline.kv.routes import Route, served_by
+from pipeline.measure.routes import Ledger, count_lines
+from pipeline.store.ranks import ONE_PROCESS, Ranks
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+log = logging.getLogger(__name__)
+
+
+class HandoffLM(TemplateLM):
+    """lm-eval's model whose every request goes through `router`."""
+
+    def __init__(self, router: Router | Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
+                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None):
+        """`router` (or a handoff, routed through `gate` if given) with the target's `tokenizer`; `max_length`: the
+        window contexts are truncated to (default: the target's positions); `ranks`: this process's place."""
+        super().__init__()
+        self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
+        self.router.batch_size = self.batch_size = batch_size
+        self.tokenizer, self.ledger = tokenizer, Ledger()
+        self._max_length = max_length or self.handoff.target.config.max_position_embeddings
+        self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
+        self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs
+        self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
+
+    @property
+    def handoff(self) -> Handoff:
+        return self.router.handoff
+
+    @property
+    def gate(self) -> Gate | None:
+        return self.router.gate
+
+    # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the ranks'
+    # request counts to equal (all_gather) and, once every request is served, gathers samples and metrics on rank 0
+    # (gather_object), where the routes are gathered too, before lm-eval asks for the model's info
+    def all_gather(self, tensor):
+        return self._ranks.all_gather_tensor(tensor)
+
+    def gather_object(self, obj, dst: int = 0):
+        if not self._gathered:
+            self.ledger.gather(self._ranks)
+            self._gathered = True
+        return self._ranks.gather(obj, dst)
+
+    def barrier(self) -> None:
+        self._ranks.barrier()
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        # as lm-eval's HFLM: BOS when the tokenizer has one, else EOS
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return self.handoff.device
+
+    @property
+    def tokenizer_name(self) -> str:
+        # lm-eval puts this name in its request-cache file names, hence no slashes (as `hf`)
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """`chat_history` rendered as text by the target tokenizer's chat template, as lm-eval's `hf` renders it.
+        `chat_template(...)`, the template lm-eval records, is TemplateLM's, read from the same tokenizer."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of "
+                             f"{self.tokenizer.name_or_path} has none; leave the flag out or use a chat model")
+
+        def render(messages: list[dict[str, str]]) -> str:
+            # without a generation prompt the history ends in the task's assistant prefix, left open to continue
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            # as `hf`: a template that refuses a system turn gets the history without it
+            log.warning("kv-transfer: the chat template of %s failed on this history; rendering it again without "
+                        "the system message", self.tokenizer.name_or_path)
+            return render([message for message in chat_history if message["role"] != "system"])
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        bos = self.tokenizer.bos_token
+        if add_special_tokens is None and bos is not None and string.startswith(bos):
+            options["add_special_tokens"] = False
+        return self.tokenizer.encode(string, **options)
+
+    def context_tokens(self, context: str, continuation: str) -> list[int]:
+        """The context tokens lm-eval's `loglikelihood` gives `_loglikelihood_tokens` for this request."""
+        if context:
+            return self._encode_pair(context, continuation)[0]
+        first = self.tok_encode(continuation, add_special_tokens=False)[:1]
+        return [self.prefix_token_id] if [self.prefix_token_id] != first else first
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def route_counts(self) -> dict[str, dict[str, int]]:
+        """Per task: its requests and how many went each way (every way the router has, zeros included)."""
+        return self.ledger.counts(self.router.ways())
+
+    def gather_routes(self) -> None:
+        """Every rank's routes on rank 0 (a collective: every rank calls it once, after the requests)."""
+        self.ledger.gather(self._ranks)
+
+    def route_record(self) -> dict:
+        """The route record results carry: the router's, the counts per task, and per document the routes (and
+        gate scores) of its requests where any differs from the handoff's own way (every document under a gate)."""
+        own = served_by(self.handoff.mode, self.router.repaired)
+        return {**self.router.record(), "routes": self.route_counts(),
+                "requests": self.ledger.by_document(keep=lambda routes: self.gate is not None
+                                                    or any(route.way != own for route in routes))}
+
+    def get_model_info(self) -> dict:
+        """What lm-eval records in its results' `config` (on rank 0, after the evaluation): the route record."""
+        return {"kv_transfer": self.route_record()}
+
+    def route_lines(self) -> list[str]:
+        """The counts as the `run` command prints them."""
+        gate = "no gate" if self.gate is None else f"fell_back where {self.gate.score} > {self.gate.threshold:g}"
+        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts())
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self._served, self._gathered = {}, False
+        results = super().loglikelihood(requests, disable_tqdm)  # tokenized by TemplateLM, scored below
+        for request in requests:
+            self.ledger.record(request, self._served[request.args])
+        return results
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        results, routes = self.router.score([(context, continuation) for _, context, continuation in requests],
+                                            self.max_length, progress=not disable_tqdm)
+        for (request, _, _), result, route in zip(requests, results, routes):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, result)
+                self._served[request] = route
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        totals, self._gathered = [], False
+        for request in tqdm(requests, disable=disable_tqdm, desc="rolling loglikelihood"):
+            (string,) = request.args
+            windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1)]
+            results, routes = self.router.score(windows, self.max_length, progress=False)
+            total = sum(ll for ll, _ in results)
+            # every window has its own one-token context (context_len=1): one way, unless a gate splits them
+            self.ledger.record(request, Route("+".join(dict.fromkeys(route.way for route in routes)),
+                                              routes[0].score if len(routes) == 1 else None))
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            totals.append(total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        outputs, self._gathered = [], False
+        for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, gen_kwargs = request.args
+            options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+            until = handle_stop_sequences(options.pop("until", None), eos=eos)
+            max_new = int(options.pop("max_gen_toks"))
+            context_ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+
+            def should_stop(tokens: list[int]) -> bool:
+                return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
+
+            ((handoff, route),) = self.router.routed([context_ids])
+            self.ledger.record(request, route)
+            tokens = greedy_generate(handoff, context_ids, max_new, should_stop)
+            text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            outputs.append(text)
+        return outputs
