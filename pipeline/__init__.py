@@ -42,7 +42,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target
     measure/  paired statistics, lm-eval tasks on local files, kv-transfer's request routes and lm-eval's model
-              over a router (`adapter`), retention, agreement with the oracle, timing and latency
+              over a router (`adapter`), retention, agreement with the oracle, generate's continuations shown
+              beside the oracle's, timing and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting
@@ -59,8 +60,8 @@ WINGS = {
     "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
            "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
-    "measure": ("stats", "tasks", "retention", "gating", "routes", "adapter", "taskeval", "compare", "timing",
-                "latency"),
+    "measure": ("stats", "tasks", "retention", "gating", "routes", "adapter", "taskeval", "compare", "generation",
+                "timing", "latency"),
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective", "repair"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),

@@ -94,7 +94,7 @@ class KVTransferLM(HandoffLM):
         pair = Pair(target, source if request.needs_source() else None, dtype, ranks.device(device or default_device()),
                     target_revision=target_revision, source_revision=source_revision, max_tokens=length,
                     allow_other_models=request.allow_other_models)
-        request.check_geometry(pair.contract.target.geometry["layers"], pair.positions)
+        request.check_geometry(pair)
         if length is not None:
             inputs.within(length, "kv-transfer max_length", pair.positions, "positions in the models")
         router = Router.of(pair, request, batch)

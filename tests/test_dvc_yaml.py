@@ -34,7 +34,8 @@ def test_a_stage_run_through_store_clis_run_stage_counts_as_an_import_of_it():
 
 
 def test_a_lazy_reference_counts_as_an_import():
-    assert "pipeline.lm_eval_model" in closure("pipeline.evaluate", graph(ROOT))  # lazy("pipeline.lm_eval_model")
+    # measure.taskeval: adapter = lazy("pipeline.measure.adapter")
+    assert "pipeline.measure.adapter" in closure("pipeline.evaluate", graph(ROOT))
 
 
 def test_every_stage_run_in_a_subprocess_or_lazy_module_is_named_by_a_literal():

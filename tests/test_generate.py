@@ -7,14 +7,16 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from pipeline.generate import FELL_BACK, GateRequest, departure, main, run
+from pipeline.generate import departure, main, run
 from pipeline.kv.decode import eos_ids, generate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.routes import FELL_BACK, SENTENCES
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError
+from pipeline.store.params import ParamError
 
 VOCAB = 97
 
@@ -160,7 +162,8 @@ def test_a_gate_at_minus_infinity_sends_every_gated_mode_to_the_oracle_and_at_pl
     assert any(mapped.tokens != oracle.tokens for oracle, mapped, *_ in ungated)  # the case can tell the ways apart
     for threshold in (float("-inf"), float("inf")):
         out = io.StringIO()
-        gated = run(pair, prompts, modes, random_maps[0], 8, out=out, gate=GateRequest("entropy", threshold))
+        gated = run(pair, prompts, modes, random_maps[0], 8, out=out,
+                    gate={"fallback": "entropy", "threshold": threshold})
         for plain, routed in zip(ungated, gated):
             oracle = plain[0].tokens
             for before, after in zip(plain, routed):
@@ -169,7 +172,8 @@ def test_a_gate_at_minus_infinity_sends_every_gated_mode_to_the_oracle_and_at_pl
                     continue
                 assert after.fell_back == (threshold < 0) and after.score == pytest.approx(after.score)  # finite
                 assert after.tokens == (oracle if threshold < 0 else before.tokens), after.mode
-                assert after.route == (f"{FELL_BACK}: entropy {after.score:.4g} > threshold -inf" if threshold < 0
+                assert after.route == (f"{SENTENCES[FELL_BACK]}: entropy {after.score:.4g} > threshold -inf"
+                                       if threshold < 0
                                        else after.mode)
         for generation in gated[0]:  # the first prompt's table
             assert _row(out.getvalue(), generation.mode)[-1] == generation.route
@@ -184,22 +188,24 @@ def test_the_cli_gates_by_the_score_it_is_given_and_says_which_way_each_mode_wen
     for mode in ("mapped", "shuffled"):
         cells = _row(out, mode)
         score = float(cells[4].split(" (")[0])  # the two maps' Jensen-Shannon divergence on the first step
-        assert cells[3] == "same as oracle" and cells[5] == f"{FELL_BACK}: disagree {score:.4g} > threshold -inf"
+        assert cells[3] == "same as oracle"
+        assert cells[5] == f"{SENTENCES[FELL_BACK]}: disagree {score:.4g} > threshold -inf"
         assert score >= 0
     assert _row(out, "oracle")[4:] == ["—", "oracle"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--threshold", "1"], "give --fallback SCORE too"),
-    (["--fallback", "kl"], "needs --threshold T"),
-    (["--fallback", "disagree", "--threshold", "1"], "needs --disagree K1:KMAX"),
-    (["--fallback", "kl", "--threshold", "1", "--transfer", "oracle,source"], "--transfer names none"),
+    (["--threshold", "1"], "give --fallback <score> too"),
+    (["--fallback", "kl"], "needs --threshold <number>"),
+    (["--fallback", "disagree", "--threshold", "1"], "needs --disagree <k=1 file>:<k=max file>"),
+    (["--fallback", "kl", "--threshold", "1", "--transfer", "oracle,source"],
+     "--fallback: --transfer oracle,source names no mode it applies to (direct, mapped, shuffled)"),
 ])
 def test_a_gate_missing_a_part_is_refused_in_one_line_naming_it(capsys, monkeypatch, tmp_path, tiny_pair, argv,
                                                                  message):
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(ParamError) as refused:
         run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), *argv)
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_generate_refuses_a_map_fitted_on_other_models_and_runs_and_says_so_when_allowed(
@@ -231,11 +237,11 @@ def test_generate_prints_each_modes_route_and_a_repairs_recomputed_tokens_gated_
              "--transfer", "oracle,mapped,direct,shuffled,zero,source", "--repair", str(setting))
     for gate in ([], ["--fallback", "entropy", "--threshold=inf"]):  # a gated mode that keeps its way is repaired
         out = run_main(capsys, monkeypatch, tmp_path, *modes, *gate)
-        for mode in ("mapped", "direct", "shuffled"):
+        for mode in ("mapped", "direct", "shuffled", "zero"):  # as kv-transfer: every cache the target did not make
             route = _row(out, mode)[-1]
             assert route.startswith(f"repaired {setting}: layer 0 exact, {recomputed} tokens recomputed in "), route
             assert float(route.split(" in ")[1].removesuffix(" ms")) > 0
-        for mode in ("oracle", "zero", "source"):  # no cache of the source's to repair
+        for mode in ("oracle", "source"):  # their model's own prefill: nothing to repair
             assert _row(out, mode)[-1] == mode
     # the identity map repaired by the target itself is still the oracle's cache, token for token
     assert _row(out, "mapped")[3] == "same as oracle"

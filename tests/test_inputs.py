@@ -16,9 +16,10 @@ import torch
 from conftest import ROOT
 
 from pipeline import check_pair, distill, extract, fit, generate
-from pipeline.generate import FELL_BACK, GateRequest, run
+from pipeline.generate import run
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.routes import FELL_BACK, SENTENCES
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store import inputs
 from pipeline.store.cli import entry
@@ -106,8 +107,8 @@ RULES = {
         "kv-transfer", f"{KV},transfer=direct,fallback=probe,threshold=1",
         r"^error: kv-transfer fallback: expected one of entropy, kl, disagree, got 'probe'$"),
     "kv-transfer: an unknown transfer mode": (
-        "kv-transfer", f"{KV},transfer=bogus", r"^error: kv-transfer transfer: expected one of oracle, zero, direct, "
-        r"mapped, shuffled, got 'bogus'$"),
+        "kv-transfer", f"{KV},transfer=bogus", r"^error: kv-transfer transfer: expected one of oracle, zero, source, "
+        r"direct, mapped, shuffled, got 'bogus'$"),
     "kv-transfer: a missing mapper": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{folder}}/none.safetensors",
         r"^error: kv-transfer mapper: no mapper file at .*none\.safetensors; give one that fit, distill or select"),
@@ -136,6 +137,57 @@ RULES = {
     "distill: --out an existing file": (
         "distill", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file, not a folder; give a "
         r"folder \(it is made if absent\)$"),
+    # issue 43: silently wrong, a traceback or checked late before
+    "kv-transfer: a model arg given twice": (
+        "kv-transfer", f"{KV},transfer=mapped,mapper={{map}},transfer=direct",
+        r"^error: kv-transfer transfer= given twice \(mapped, then direct\): give it once$"),
+    "kv-transfer: a map beside a transfer that reads none": (
+        "kv-transfer", f"{KV},transfer=oracle,mapper={{folder}}/none.safetensors",
+        r"^error: kv-transfer transfer=oracle does not use mapper=: leave it out \(mapper= is read by mapped, "
+        r"shuffled\)$"),
+    "kv-transfer: a repair of the oracle": (
+        "kv-transfer", f"{KV},transfer=oracle,repair=sink:2",
+        r"^error: kv-transfer transfer=oracle does not use repair=: leave it out \(repair= is read by zero, direct, "
+        r"mapped, shuffled\)$"),
+    "kv-transfer: a gate of the oracle": (
+        "kv-transfer", f"{KV},transfer=oracle,fallback=entropy,threshold=1",
+        r"^error: kv-transfer transfer=oracle does not use fallback=: leave it out"),
+    "kv-transfer: a shuffle seed beside mapped": (
+        "kv-transfer", f"{KV},transfer=mapped,mapper={{map}},shuffle_seed=3",
+        r"^error: kv-transfer transfer=mapped does not use shuffle_seed=: leave it out \(shuffle_seed= is read by "
+        r"shuffled\)$"),
+    "kv-transfer: direct without a source": (
+        "kv-transfer", "target={target},transfer=direct",
+        r"^error: kv-transfer transfer=direct needs a source model: give source=<hub id or path>$"),
+    "kv-transfer: mapped without a source": (
+        "kv-transfer", "target={target},transfer=mapped,mapper={map}",
+        r"^error: kv-transfer transfer=mapped needs a source model: give source="),
+    "kv-transfer: the meta device": (
+        "kv-transfer", "target={target},device=meta",
+        r"^error: kv-transfer device meta: a meta device holds no weights to run the models on; give cpu or cuda$"),
+    "kv-transfer: a repair of more layers than the target has": (
+        "kv-transfer", f"{KV},transfer=direct,repair=layers:99",
+        r"^error: kv-transfer repair layers:99: layers:99 exceeds the target's \d+ layers; give at most layers:\d+$"),
+    "kv-transfer: a repair sink past the models' positions": (
+        "kv-transfer", f"{KV},transfer=direct,repair=sink:100000",
+        r"^error: kv-transfer repair sink:100000: sink:100000 is not below the models' 512 positions; give a smaller "
+        r"sink$"),
+    "generate: a prompt of only whitespace": (
+        "generate", ["   "], r"^error: PROMPT: only whitespace, which encodes to no word; give some text$"),
+    "generate: negative --threads": (
+        "generate", [PROMPT, "--threads", "-3"], r"^error: --threads: expected an integer >= 0, got -3$"),
+    "generate: a negative --shuffle-seed": (
+        "generate", [PROMPT, "--shuffle-seed", "-1"], r"^error: --shuffle-seed: expected an integer >= 0, got -1$"),
+    "generate: --eval 0": ("generate", ["--eval", "0"], r"^error: --eval: expected an integer >= 1, got 0$"),
+    "generate: a repair of the oracle alone": (
+        "generate", [PROMPT, "--transfer", "oracle", "--repair", "sink:2"],
+        r"^error: --repair: --transfer oracle names no mode it applies to \(zero, direct, mapped, shuffled\); add "
+        r"one or leave the flag out$"),
+    "generate: a repair of more layers than the target has": (
+        "generate", [PROMPT, "--transfer", "oracle,direct", "--repair", "layers:99"],
+        r"^error: --repair layers:99: layers:99 exceeds the target's \d+ layers; give at most layers:\d+$"),
+    "generate: the meta device": (
+        "generate", [PROMPT, "--device", "meta"], r"^error: --device meta: a meta device holds no weights"),
     "fit: --out an existing file": ("fit", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
     "extract: --out an existing file": (
         "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
@@ -220,10 +272,11 @@ def test_a_gate_at_minus_infinity_falls_back_on_every_prompt_length_and_at_infin
     assert len(prompt) == tokens
     for threshold, fell_back in ((float("-inf"), True), (float("inf"), False)):
         out = io.StringIO()
-        generations = run(pair, [prompt], ["direct"], None, 2, out=out, gate=GateRequest("entropy", threshold))[0]
+        generations = run(pair, [prompt], ["direct"], None, 2, out=out,
+                          gate={"fallback": "entropy", "threshold": threshold})[0]
         assert [g.fell_back for g in generations if g.mode == "direct"] == [fell_back]
         row = next(line for line in out.getvalue().splitlines() if line.startswith("| direct"))
-        assert (FELL_BACK in row) == fell_back, row
+        assert (SENTENCES[FELL_BACK] in row) == fell_back, row
 
 
 def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files, monkeypatch, capsys):

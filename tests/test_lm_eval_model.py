@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -24,9 +25,11 @@ from pipeline.kv.gate import Scorer
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.router import Router
+from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Route
 from pipeline.kv.scoring import truncate
-from pipeline.lm_eval_model import KVTransferLM
-from pipeline.measure.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Route, recording_routes
+from pipeline.lm_eval_model import KVTransferLM, cache_key
+from pipeline.measure.taskeval import score_tasks
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
@@ -265,11 +268,10 @@ def test_command_line_runs_lm_eval_with_kv_transfer_and_reports_every_requests_r
     assert recorded["gate"] == {"score": "entropy", "threshold": float("inf")} and recorded["repair"] == "none"
     assert recorded["routes"] == {"piqa_local": {"requests": requests, "direct": requests, EMPTY_PREFIX: 0,
                                                  FELL_BACK: 0}}
-    (samples,) = tmp_path.rglob("samples_piqa_local_*.jsonl")
-    rows = [json.loads(line) for line in samples.read_text().splitlines()]
-    assert len(rows) == limit
-    for row in rows:
-        assert row["route"] == ["direct"] * choices and all(score > 0 for score in row["gate_score"])
+    documents = recorded["requests"]["piqa_local"]  # under a gate, every document's routes and scores
+    assert len(documents) == limit
+    for document in documents.values():
+        assert document["route"] == ["direct"] * choices and all(score > 0 for score in document["gate_score"])
 
 
 @pytest.fixture(scope="module")
@@ -290,10 +292,9 @@ def routed_run(task_dir, **model_args) -> tuple[KVTransferLM, dict]:
     """The kv-transfer model of `model_args` (on the wide pair's CPU float32 defaults) evaluated on ROUTED_ITEMS items
     of each task as the `run` command evaluates it: its results carry the routes."""
     lm = KVTransferLM.from_args(dtype="float32", device="cpu", batch_size=4, **model_args)
-    with recording_routes():
-        out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir),
-                                                                             include_defaults=False),
-                              num_fewshot=0, log_samples=True, bootstrap_iters=0, limit=ROUTED_ITEMS)
+    out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir),
+                                                                         include_defaults=False),
+                          num_fewshot=0, log_samples=True, bootstrap_iters=0, limit=ROUTED_ITEMS)
     return lm, out
 
 
@@ -327,9 +328,11 @@ def test_route_counts_add_up_per_task_and_follow_the_gate_at_minus_inf_plus_inf_
             assert counts[task] == {"requests": len(expected), "mapped": expected.count(False), EMPTY_PREFIX: 0,
                                     FELL_BACK: expected.count(True)}
             assert sum(count for way, count in counts[task].items() if way != "requests") == len(contexts[task])
-            routes = [way for sample in out["samples"][task] for way in sample["route"]]
+            documents = [out["config"]["kv_transfer"]["requests"][task][str(sample["doc_id"])]
+                         for sample in out["samples"][task]]
+            routes = [way for document in documents for way in document["route"]]
             assert routes == [FELL_BACK if fell else "mapped" for fell in expected]
-            logged = [score for sample in out["samples"][task] for score in sample["gate_score"]]
+            logged = [score for document in documents for score in document["gate_score"]]
             assert logged == pytest.approx(scores[task].tolist(), rel=1e-4)
             fell_back_somewhere |= {threshold} if 0 < sum(expected) < len(expected) else set()
     assert middle in fell_back_somewhere  # the middle threshold sends some requests each way: the case can fail
@@ -370,8 +373,7 @@ def test_a_repair_setting_routes_every_request_as_repaired(wide_pair, wide_map, 
         requests = len(request_contexts(lm, out["samples"][task]))
         assert out["config"]["kv_transfer"]["routes"][task] == {"requests": requests, REPAIRED: requests,
                                                                 EMPTY_PREFIX: 0}
-        for sample in out["samples"][task]:
-            assert sample["route"] == [REPAIRED] * len(sample["arguments"])
+    assert out["config"]["kv_transfer"]["requests"] == {}  # no request went another way than the handoff's own
     # and it was repaired: the sink of every prefix the source handed off (each longer than the sink)
     assert lm.handoff.repaired.recomputed == setting.sink * lm.handoff.source_prefills > 0
 
@@ -418,3 +420,77 @@ def test_the_readme_local_command_runs_offline_on_cpu(tmp_path, tiny_pair):
                          env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "kvh_hellaswag_eval" in run.stdout and "kvh_piqa_eval" in run.stdout
+
+
+@pytest.fixture(scope="module")
+def identity_map(tiny_pair, tmp_path_factory) -> Path:
+    """The identity map of the tiny pair (equal geometry), bound to it."""
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = identity_mapper("s", "t", source.config, target.config)
+    mapper.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    path = tmp_path_factory.mktemp("identity") / "identity.safetensors"
+    save_mapper(mapper, path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["oracle", "zero", "source", "direct", "mapped", "shuffled"])
+def test_every_mode_through_kv_transfer_records_itself_as_what_served_its_requests(mode, tiny_pair, identity_map,
+                                                                                   task_dir):
+    mapper = {"mapper": str(identity_map)} if mode in ("mapped", "shuffled") else {}
+    lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer=mode,
+                                device="cpu", **mapper)
+    assert lm.handoff.mode == mode
+    out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir),
+                                                                         include_defaults=False),
+                          num_fewshot=0, log_samples=True, bootstrap_iters=0, limit=3)
+    record = out["config"]["kv_transfer"]
+    assert record["transfer"] == mode and record["repair"] == "none" and record["gate"] is None
+    for task in TASKS:
+        requests = sum(len(sample["arguments"]) for sample in out["samples"][task])
+        assert record["routes"][task]["requests"] == record["routes"][task][mode] == requests
+    assert record["requests"] == {}
+
+
+def test_the_request_cache_is_keyed_by_everything_that_changes_an_answer(identity_map, tmp_path):
+    base = "target=t,source=s,transfer=mapped,mapper=" + str(identity_map)
+    assert cache_key(base) == cache_key(base + ",batch_size=4")  # the batch changes no answer
+    for other in ("target=t,source=s,transfer=oracle", base + ",repair=sink:2", base + ",dtype=bfloat16",
+                  "target=t,source=s2,transfer=mapped,mapper=" + str(identity_map)):
+        assert cache_key(other) != cache_key(base), other
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(identity_map.read_bytes())
+    assert cache_key(base.replace(str(identity_map), str(copy))) == cache_key(base)  # a map by its content
+    copy.write_bytes(identity_map.read_bytes() + b" ")
+    assert cache_key(base.replace(str(identity_map), str(copy))) != cache_key(base)
+
+
+def test_a_run_sharing_a_request_cache_with_an_oracle_run_is_served_by_its_own_handoff(tiny_pair, task_dir,
+                                                                                        tmp_path):
+    cache = tmp_path / "requests"
+    recorded = {}
+    for transfer in ("oracle", "direct"):
+        out = tmp_path / transfer
+        args = ["run", "--model", "kv-transfer", "--model_args", f"target={tiny_pair['target']},"
+                f"source={tiny_pair['source']},transfer={transfer},device=cpu", "--tasks", "piqa_local",
+                "--include_path", str(task_dir), "--limit", "3", "--use_cache", str(cache), "--output_path", str(out)]
+        done = subprocess.run([sys.executable, "-m", "pipeline.lm_eval_model", *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (results,) = out.rglob("results_*.json")
+        recorded[transfer] = json.loads(results.read_text())["config"]["kv_transfer"]
+    # before the key, the direct run read the oracle's answers from the shared file and counted no request
+    assert recorded["direct"]["routes"] == {"piqa_local": {"requests": 6, "direct": 6, EMPTY_PREFIX: 0}}
+    assert len(list(tmp_path.glob("requests_kv-*_rank0.db"))) == 2
+
+
+def test_a_stages_lm_eval_results_carry_the_route_record_the_run_command_writes(tiny_pair, tmp_path):
+    files = {"hellaswag": tmp_path / "hellaswag.parquet", "piqa": tmp_path / "piqa.parquet"}
+    pd.DataFrame(hellaswag_rows(3)).to_parquet(files["hellaswag"], index=False)
+    pd.DataFrame(piqa_rows(3)).to_parquet(files["piqa"], index=False)
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
+    tasks, items = score_tasks(Router(pair.handoff("source"), batch_size=4), pair.target_tokenizer, files,
+                               raw_to=tmp_path / "lm_eval")
+    record = json.loads((tmp_path / "lm_eval" / "lm_eval_results.json").read_text())["config"]["kv_transfer"]
+    assert record["transfer"] == "source" and record["gate"] is None
+    assert {task: counts["source"] for task, counts in record["routes"].items()} == {
+        f"kvh_{task}": int(sum(len(choices) for choices in items[items.task == task].choices)) for task in files}

@@ -127,9 +127,9 @@ def test_a_gated_request_gets_the_oracle_exactly_where_its_score_exceeds_the_thr
     oracle = score_continuations(Handoff(target), pairs, 4, progress=False)
     for index, (_, context, _) in enumerate(requests):
         fell_back = scores[contexts.index(context)].item() > threshold
-        assert lm.routes[tuple(context)][1] == fell_back
+        assert lm.router.decisions[tuple(context)][1] == fell_back
         assert got[index][0] == pytest.approx((oracle if fell_back else ungated)[index][0], abs=1e-4)
-    assert 0 < sum(way for _, way in lm.routes.values()) < len(contexts)
+    assert 0 < sum(way for _, way in lm.router.decisions.values()) < len(contexts)
 
 
 def test_a_gate_must_fall_back_to_the_targets_own_prefill(handoffs):
@@ -237,10 +237,10 @@ def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_compositi
     _, got = evaluate_tasks(lm, files)
     assert list(zip(got.task, got.item)) == list(zip(rows.task, rows.item))
     # each item went the way its score implies, all its endings the same way (one context per item)
-    assert len(lm.routes) == len(set(map(tuple, frames["mapped"].tokens)))
+    assert len(lm.router.decisions) == len(set(map(tuple, frames["mapped"].tokens)))
     for tokens, score, fell_back in zip(frames["mapped"].tokens, rows.score_kl, fallback):
-        assert lm.routes[tuple(tokens)][0] == pytest.approx(score, rel=1e-4)
-        assert lm.routes[tuple(tokens)][1] == fell_back
+        assert lm.router.decisions[tuple(tokens)][0] == pytest.approx(score, rel=1e-4)
+        assert lm.router.decisions[tuple(tokens)][1] == fell_back
     for metric in ("acc", "acc_norm"):
         assert got[metric].tolist() == expected[metric].tolist(), metric
         chosen = {name: gating.decisions(frame, metric) for name, frame in frames.items()}

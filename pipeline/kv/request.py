@@ -140,11 +140,13 @@ class Request(BaseModel):
             raise ParamError(f"{self.face.tool} {self.face.given('mode', self.mode)} needs a source model: give "
                              f"{how}".strip())
 
-    def check_geometry(self, layers: int, positions: int) -> None:
-        """Refuse a repair larger than the pair's target (`layers` layers, `positions` positions), from configs."""
-        setting = self.setting
-        if setting is None:
+    def check_geometry(self, pair) -> None:
+        """Refuse a repair larger than `pair`'s target (its layers, its positions), from the configs; a target the
+        contract refuses is left to its refusal."""
+        setting, geometry = self.setting, pair.contract.target.geometry
+        if setting is None or geometry is None:
             return
+        layers, positions = geometry["layers"], pair.positions
         if setting.exact_layers > layers:
             raise ParamError(f"{self.face.name('repair')} {setting}: layers:{setting.exact_layers} exceeds the "
                              f"target's {layers} layers; give at most layers:{layers}")
