@@ -12,7 +12,7 @@ Vocabulary: one word per meaning, for docstrings, comments and the report (PROTO
                which select and the candidates stage score; a distilled map's start is the fitted map it
                begins from (`distill.start`).
     variant    a named evaluated configuration: a mode with its map (`mapped_k1`, `distilled_k1`, `selected`)
-               or a mode that reads none (the baselines, `store.paths.BASELINES`); a row of the report's table.
+               or a mode that reads none (the baselines, `kv.contract.BASELINES`); a row of the report's table.
     gate       the per-request fallback to the target's own prefill (`kv.gate`, stage `selective`, lm-eval's
                `fallback=`, generate's `--fallback`). PROTOCOL's "exactness gate" is a control, not a gate.
     criteria   the report's predeclared pass/fail thresholds (params `report.criteria`, `studies.criteria`).

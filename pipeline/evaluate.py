@@ -3,7 +3,7 @@
     python -m pipeline.evaluate <variant> [<variant> ...]
 
 Several variants run one after the other in one process, sharing the pair's models (the `evaluate` stage: the
-oracle and the three baselines, `store.paths.BASELINES`; `evaluate_mapped`: one mapped variant each); the oracle
+oracle and the three baselines, `kv.contract.BASELINES`; `evaluate_mapped`: one mapped variant each); the oracle
 runs first wherever it is named. With `evaluate.processes` N > 1 it runs as N torchrun processes
 (`store.ranks`): each scores every N-th batch of prompts and, through lm-eval's rank contract, every N-th task
 document; rank 0 gathers and writes.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 
+from pipeline.kv.contract import BASELINES
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
@@ -48,7 +49,7 @@ from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-ORACLE_OUTPUTS, EVAL_PROMPTS, BASELINES = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS, paths.BASELINES
+ORACLE_OUTPUTS, EVAL_PROMPTS = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
 
 

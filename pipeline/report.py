@@ -15,6 +15,7 @@ import platform
 from importlib.metadata import version
 from pathlib import Path
 
+from pipeline.kv.contract import BASELINES
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.evaluate import EvaluateParams
 from pipeline.schema.prepare_data import DataParams
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     mapped = load_section(EvaluateParams, "evaluate").mapped
     sizes = load_section(CalibrationParams, "calibration").sizes
     data = load_section(DataParams, "data")
-    run, inputs = load([*paths.BASELINES, *mapped], sizes)
+    run, inputs = load([*BASELINES, *mapped], sizes)
     report = compute(params, run, inputs)
     tables = figures(report, run, FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data.kind, "source": models.source,

@@ -55,6 +55,11 @@ MODES = {
     "mapped": Mode(target=True, source=True, map=True, own=False),  # the source's cache through a fitted map
     "shuffled": Mode(target=True, source=True, map=True, own=False),  # what `mapped` injects, its order permuted
 }
+# the modes without a map: the `evaluate` stage's baselines, in the order it runs them in one process and the report
+# lists them (the oracle first: every other variant is compared with its outputs; then by name); each writes
+# eval/<variant>/ and metrics/eval/<variant>.json
+BASELINES = tuple(sorted((mode for mode, reads in MODES.items() if not reads.map),
+                         key=lambda mode: (mode != "oracle", mode)))
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 
 

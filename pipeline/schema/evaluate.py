@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
+from pipeline.kv.contract import BASELINES
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
-from pipeline.store.paths import BASELINES, SELECTED_MAPPER
+from pipeline.store.paths import SELECTED_MAPPER
 
 SELECTED = "selected"  # a repair of evaluate.repair read from select's choice (store.paths.SELECTED_REPAIR)
 

@@ -90,11 +90,6 @@ def length_rows(space: str, length: int, folder: Path = LENGTH_ROWS) -> Path:
     return folder / f"{space}_L{length}.parquet"
 
 
-# the variants without a map, in the order the `evaluate` stage runs them in one process (the oracle first: every
-# other variant is compared with its outputs); each writes eval/<variant>/ and metrics/eval/<variant>.json
-BASELINES = ("oracle", "direct", "source", "zero")
-
-
 def variant_metrics(variant: str) -> Path:
     return VARIANT_METRICS / f"{variant}.json"
 
