@@ -177,10 +177,11 @@ class Scorer:
             self.check(self.probe.features)
 
     @no_grad
-    def scores(self, contexts: Sequence[Sequence[int]], names: Sequence[str], batch_size: int = 16
-               ) -> dict[str, torch.Tensor]:
+    def scores(self, contexts: Sequence[Sequence[int]], names: Sequence[str], batch_size: int = 16,
+               keep: dict | None = None) -> dict[str, torch.Tensor]:
         """Each named score or feature (N,), float64 on the CPU, of contexts c[0..n-1], `batch_size` contexts a
-        forward (`probe`: its features first, then the probe)."""
+        forward (`probe`: its features first, then the probe); `keep`: filled with each prefix's mapped cache
+        (`Handoff.kept_maps`)."""
         self.check(names)
         needed = list(dict.fromkeys([*(n for n in names if n != "probe"), *(self.probe.features if "probe" in names
                                                                               else ())]))
@@ -188,18 +189,24 @@ class Scorer:
         rows = [row for row, context in enumerate(contexts) if len(context) >= 2]  # the others hand off nothing
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
-            for name, values in self._batch([contexts[row] for row in chunk], needed).items():
+            for name, values in self._batch([contexts[row] for row in chunk], needed, keep).items():
                 out[name][chunk] = values.double().cpu()
         if "probe" in names:
             out["probe"] = self.probe(out)
         return {name: out[name] for name in names}
 
-    def _batch(self, contexts: Sequence[Sequence[int]], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    def _batch(self, contexts: Sequence[Sequence[int]], names: Sequence[str], keep: dict | None = None
+               ) -> dict[str, torch.Tensor]:
         prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P), (B,)
         lengths = lengths if padded else None
         mask = None if lengths is None else (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()
         source_layers = self.handoff.source_prefill(prefixes, mask)
         mapped = self.handoff.to_target(source_layers, lengths)
+        if keep is not None:  # each row's real prefix, (1, H, n - 1, D) per layer
+            real = [prefixes.shape[1]] * len(contexts) if lengths is None else lengths.tolist()
+            for row, (context, count) in enumerate(zip(contexts, real)):
+                keep[tuple(context[:-1])] = [(k[row : row + 1, :, :count], v[row : row + 1, :, :count])
+                                             for k, v in mapped]
         last = torch.tensor([[context[-1]] for context in contexts])  # (B, 1): c[n-1]
         step = lambda handoff, layers: handoff.step_logprobs(  # noqa: E731  (B, V) after `handoff`'s map
             layers, last, lengths)[:, -1]
@@ -234,8 +241,9 @@ class Gate:
             raise ValueError(f"a gate falls back to the target's own prefill (oracle), not {fallback.mode!r}")
         self.scorer, self.score, self.threshold, self.fallback = scorer, score, float(threshold), fallback
 
-    def route(self, contexts: Sequence[Sequence[int]], batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, contexts: Sequence[Sequence[int]], batch_size: int = 16, keep: dict | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (N,) and whether each request falls back (N,) bool: every one at threshold -inf, a one-token
-        context too (its score is -inf, and -inf > -inf is false)."""
-        scores = self.scorer.scores(contexts, [self.score], batch_size)[self.score]
+        context too (its score is -inf, and -inf > -inf is false); `keep`: as `Scorer.scores`."""
+        scores = self.scorer.scores(contexts, [self.score], batch_size, keep)[self.score]
         return scores, (scores > self.threshold) | (self.threshold == float("-inf"))

@@ -91,6 +91,9 @@ class Handoff:
             raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
         self.keep = keep
         self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
+        # prefix -> its mapped cache (batch 1, before any repair), kept by a gate's scorer that mapped it already, for
+        # prefix_layers to use instead of prefilling and mapping it again (`kv.router`)
+        self.kept_maps: dict[tuple[int, ...], Layers] = {}
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if mode not in SOURCE_MODES:
@@ -146,8 +149,24 @@ class Handoff:
             zeros = torch.zeros(shape, dtype=dtype, device=self.device)
             return self.repaired_layers([(zeros, zeros) for _ in range(self.target_geometry["layers"])], prefix_ids,
                                         lengths)
-        return self.repaired_layers(self.to_target(self.source_prefill(prefix_ids, mask), lengths), prefix_ids,
-                                    lengths)
+        mapped = self.kept(prefix_ids, lengths)
+        if mapped is None:
+            mapped = self.to_target(self.source_prefill(prefix_ids, mask), lengths)
+        return self.repaired_layers(mapped, prefix_ids, lengths)
+
+    def kept(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers | None:
+        """The mapped cache of prefix_ids (B, P) put together from `kept_maps`, each row right-padded with zeros
+        (slots the step's mask hides); None unless every row's prefix is kept there."""
+        if not self.kept_maps:
+            return None
+        width = prefix_ids.shape[1]
+        real = [width] * prefix_ids.shape[0] if lengths is None else lengths.tolist()
+        rows = [tuple(prefix_ids[row, :count].tolist()) for row, count in enumerate(real)]
+        if not all(row in self.kept_maps for row in rows):
+            return None
+        return [tuple(torch.cat([F.pad(self.kept_maps[row][layer][side], (0, 0, 0, width - count))  # (1, H, P, D)
+                                 for row, count in zip(rows, real)]) for side in (0, 1))
+                for layer in range(len(self.kept_maps[rows[0]]))]
 
     def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers:
         """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`."""

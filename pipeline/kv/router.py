@@ -5,7 +5,10 @@ goes to the gate's fallback (the target's own prefill), every other one to the h
 hands nothing off (`kv.routes`). Decisions are memoised per context, so a context scored for several continuations
 (HellaSwag's four endings, lm-eval's rolling windows, a decode's every token) is gated once. `score` then scores
 (context, continuation) requests through `kv.scoring.score_continuations`, each group on its route's handoff, after
-truncating each context once to the window (`truncate`: lm-eval's left-truncation).
+truncating each context once to the window (`truncate`: lm-eval's left-truncation). Under a gate it does so
+`batch_size` contexts at a time, and the gate's scorer keeps the mapped cache of each context it scores
+(`Handoff.kept_maps`): a context that keeps its map is prefilled by the source and mapped once, for its score and
+its continuations, and no more than a batch of mapped caches is held at once.
 
 Built from a `Pair` and a validated `kv.request.Request` (`Router.of`), or from a handoff a stage already holds.
 `record()` is what a face writes beside its results: the mode, the repair, the gate and, once counted, the routes.
@@ -48,13 +51,18 @@ class Router:
         """Every way this router can send a request, in the order counts list them."""
         return ways(self.handoff.mode, self.repaired, self.gate is not None)
 
-    def routes(self, contexts: Sequence[Sequence[int]]) -> list[Route]:
-        """Each context's route (its gate's score where gated)."""
+    def routes(self, contexts: Sequence[Sequence[int]], keep: bool = False) -> list[Route]:
+        """Each context's route (its gate's score where gated); `keep`: the mapped cache of each newly gated context
+        that keeps its map stays in the handoff's `kept_maps`, for its scoring."""
         if self.gate is not None:
             unseen = list(dict.fromkeys(tuple(c) for c in contexts if tuple(c) not in self.decisions))
             if unseen:
-                scores, fallback = self.gate.route(unseen, self.batch_size)
+                kept = self.handoff.kept_maps if keep else None
+                scores, fallback = self.gate.route(unseen, self.batch_size, kept)
                 self.decisions.update(zip(unseen, zip(scores.tolist(), fallback.tolist())))
+                for context, fell_back in zip(unseen, fallback.tolist()):
+                    if keep and fell_back:
+                        self.handoff.kept_maps.pop(context[:-1], None)
         decided = [self.decisions.get(tuple(context), (None, False)) for context in contexts]
         return [Route(way(self.handoff.mode, self.repaired, context, fell_back), score)
                 for context, (score, fell_back) in zip(contexts, decided)]
@@ -72,7 +80,29 @@ class Router:
         """Each request's (sum of log-probabilities, greedy) and route: contexts truncated once to `max_length`,
         routed, and each route's requests scored on its handoff."""
         trimmed = [(truncate(context, continuation, max_length), continuation) for context, continuation in requests]
-        routes = self.routes([context for context, _ in trimmed])
+        if self.gate is None:
+            return self.scored(trimmed, self.routes([context for context, _ in trimmed]), max_length, progress)
+        results: list = [None] * len(trimmed)
+        routes: list = [None] * len(trimmed)
+        sharing: dict[tuple[int, ...], list[int]] = {}  # each context -> the requests that share it
+        for index, (context, _) in enumerate(trimmed):
+            sharing.setdefault(tuple(context), []).append(index)
+        distinct = list(sharing)
+        for start in range(0, len(distinct), self.batch_size):
+            members = [index for context in distinct[start : start + self.batch_size] for index in sharing[context]]
+            part = [trimmed[index] for index in members]
+            try:
+                scored, routed = self.scored(part, self.routes([context for context, _ in part], keep=True),
+                                             max_length, progress=False)
+            finally:
+                self.handoff.kept_maps.clear()
+            for index, result, route in zip(members, scored, routed):
+                results[index], routes[index] = result, route
+        return results, routes
+
+    def scored(self, trimmed: Sequence[Request], routes: list[Route], max_length: int, progress: bool
+               ) -> tuple[list[tuple[float, bool]], list[Route]]:
+        """Truncated requests scored on their routes' handoffs."""
         results: list = [None] * len(trimmed)
         for handoff, fell_back in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
             members = [index for index, route in enumerate(routes) if (route.way == FELL_BACK) == fell_back]
