@@ -360,6 +360,8 @@ def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(t
         for _ in range(2):  # lm-eval pads a rank's requests with copies of its last one: the same request
             lm.ledger.record(request(doc_id, 0), Route("oracle"))
     assert lm.route_counts() == {"piqa_local": {"requests": 2, "oracle": 2}}
+    lm.gather_object({"samples": []})  # lm-eval's first gather after the requests: the routes come along
+    assert lm.route_counts() == {"piqa_local": {"requests": 4, "oracle": 4}}
     lm.gather_routes()
     assert lm.route_counts() == {"piqa_local": {"requests": 4, "oracle": 4}}
 

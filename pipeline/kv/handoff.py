@@ -15,7 +15,8 @@ token order permuted by a seeded permutation in content space, before the target
 
 Option `keep` (a share in (0, 1]): the handoff reads only the last round(keep x n) tokens of each context (at
 least one), at positions 0, 1, ... again: the truncated-prompt baseline (the oracle at `keep`), which the scoring
-(`kv.scoring`), the prompt comparison (`measure.compare`) and the latency measurement read through `context`.
+(`kv.scoring`, so lm-eval's tasks through the router) and the prompt comparison (`measure.compare`) read through
+`context`.
 """
 from __future__ import annotations
 
