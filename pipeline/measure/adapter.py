@@ -1,13 +1,14 @@
 """lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff.
 
 Tokenization and the context/continuation split come from lm-eval's `TemplateLM`, exactly as for its stock `hf`
-model; the scoring hooks hand lm-eval's tokenized requests to the router (`Router.score`: each context truncated
-once, routed, scored by `kv.scoring`) and record each Instance's route in a `measure.routes.Ledger`. What lm-eval
-records of the model (`get_model_info`, in its results' `config`) is the router's record (mode, repair, gate), the
-route counts per task and, per document, the routes (and gate scores) that differ from the handoff's own way, so a
-result says what served every request. Several processes follow lm-eval's rank contract (`rank`, `world_size`,
-`all_gather`, `gather_object`, `barrier`); each rank's routes reach rank 0 at lm-eval's first gather after the
-requests are served.
+model (`TargetTokensLM`: the target's tokenizer, special tokens and chat template); the scoring hooks hand
+lm-eval's tokenized requests to the router (`Router.score`: each context truncated once, routed, scored by
+`kv.scoring`) and record each Instance's route in a `measure.routes.Ledger`. What lm-eval records of the model
+(`get_model_info`, in its results' `config`) is the router's record (mode, repair, gate), the route counts per task
+and, per document, the routes (and gate scores) that differ from the handoff's own way, so a result says what
+served every request. Several processes follow lm-eval's rank contract (`rank`, `world_size`, `all_gather`,
+`gather_object`, `barrier`); each rank's routes reach rank 0 at lm-eval's first gather after the requests are
+served.
 
 The stages score through `measure.taskeval.score_tasks`, which builds this model; lm-eval's own command line builds
 its subclass `kv-transfer` (`pipeline.lm_eval_model`) from model args.
@@ -34,45 +35,13 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 log = logging.getLogger(__name__)
 
+class TargetTokensLM(TemplateLM):
+    """lm-eval's model's text side, as its stock `hf` model has it: the target's tokenizer, its special tokens, its
+    chat template and the context tokens lm-eval's split gives; scoring is the subclass's."""
 
-class HandoffLM(TemplateLM):
-    """lm-eval's model whose every request goes through `router`."""
-
-    def __init__(self, router: Router | Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
-                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None):
-        """`router` (or a handoff, routed through `gate` if given) with the target's `tokenizer`; `max_length`: the
-        window contexts are truncated to (default: the target's positions); `ranks`: this process's place."""
+    def __init__(self, tokenizer, max_length: int):
         super().__init__()
-        self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
-        self.router.batch_size = self.batch_size = batch_size
-        self.tokenizer, self.ledger = tokenizer, Ledger()
-        self._max_length = max_length or self.handoff.target.config.max_position_embeddings
-        self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
-        self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs
-        self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
-
-    @property
-    def handoff(self) -> Handoff:
-        return self.router.handoff
-
-    @property
-    def gate(self) -> Gate | None:
-        return self.router.gate
-
-    # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the ranks'
-    # request counts to equal (all_gather) and, once every request is served, gathers samples and metrics on rank 0
-    # (gather_object), where the routes are gathered too, before lm-eval asks for the model's info
-    def all_gather(self, tensor):
-        return self._ranks.all_gather_tensor(tensor)
-
-    def gather_object(self, obj, dst: int = 0):
-        if not self._gathered:
-            self.ledger.gather(self._ranks)
-            self._gathered = True
-        return self._ranks.gather(obj, dst)
-
-    def barrier(self) -> None:
-        self._ranks.barrier()
+        self.tokenizer, self._max_length = tokenizer, max_length
 
     @property
     def eot_token_id(self) -> int:
@@ -88,10 +57,6 @@ class HandoffLM(TemplateLM):
     @property
     def max_length(self) -> int:
         return self._max_length
-
-    @property
-    def device(self):
-        return self.handoff.device
 
     @property
     def tokenizer_name(self) -> str:
@@ -135,6 +100,48 @@ class HandoffLM(TemplateLM):
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+
+class HandoffLM(TargetTokensLM):
+    """lm-eval's model whose every request goes through `router`."""
+
+    def __init__(self, router: Router | Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
+                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None):
+        """`router` (or a handoff, routed through `gate` if given) with the target's `tokenizer`; `max_length`: the
+        window contexts are truncated to (default: the target's positions); `ranks`: this process's place."""
+        self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
+        super().__init__(tokenizer, max_length or self.handoff.target.config.max_position_embeddings)
+        self.router.batch_size = self.batch_size = batch_size
+        self.ledger = Ledger()
+        self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
+        self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs
+        self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
+
+    @property
+    def handoff(self) -> Handoff:
+        return self.router.handoff
+
+    @property
+    def gate(self) -> Gate | None:
+        return self.router.gate
+
+    # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the ranks'
+    # request counts to equal (all_gather) and, once every request is served, gathers samples and metrics on rank 0
+    # (gather_object), where the routes are gathered too, before lm-eval asks for the model's info
+    def all_gather(self, tensor):
+        return self._ranks.all_gather_tensor(tensor)
+
+    def gather_object(self, obj, dst: int = 0):
+        if not self._gathered:
+            self.ledger.gather(self._ranks)
+            self._gathered = True
+        return self._ranks.gather(obj, dst)
+
+    def barrier(self) -> None:
+        self._ranks.barrier()
+    @property
+    def device(self):
+        return self.handoff.device
 
     def route_counts(self) -> dict[str, dict[str, int]]:
         """Per task: its requests and how many went each way (every way the router has, zeros included)."""
