@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 
 @register_model("kv-transfer")
 class KVTransferLM(HandoffLM):
-    built: list["KVTransferLM"] = []  # every model lm-eval built in this process: `run` prints their routes
+    """`measure.adapter.HandoffLM` built from lm-eval's model args (`from_args`): the model `kv-transfer`."""
+
+    built: list["KVTransferLM"] | None = None  # while `main` runs lm-eval: the models it built, whose routes it prints
 
     @classmethod
     def from_args(cls, target: str, source: str | None = None, transfer: str = "oracle", mapper: str | None = None,
@@ -101,7 +103,8 @@ class KVTransferLM(HandoffLM):
         for difference in pair.other_models:  # the run's config records allow_other_models=true beside this
             log.warning("kv-transfer: allow_other_models=true: %s", difference)
         lm = cls(router, pair.target_tokenizer, batch, length, ranks)
-        cls.built.append(lm)
+        if cls.built is not None:
+            cls.built.append(lm)
         return lm
 
     @classmethod
@@ -174,8 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
     sys.argv = [sys.argv[0], *keyed_cache(args)]
-    cli_evaluate()
-    for lm in KVTransferLM.built:
+    KVTransferLM.built = []
+    try:
+        cli_evaluate()
+        built = KVTransferLM.built
+    finally:
+        KVTransferLM.built = None
+    for lm in built:
         if lm.rank == 0:
             print("\n".join(lm.route_lines()))
     leave(launched_ranks())  # from_args's join: after lm-eval's last collective
