@@ -17,6 +17,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import safetensors.torch as safetensors_torch
+
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Params
@@ -25,6 +27,7 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 PROVENANCE = "converted.json"
+WEIGHTS = "model.safetensors"
 
 
 class WheelError(Refusal, RuntimeError):
@@ -89,11 +92,16 @@ def load_gguf(path: Path):
 
 
 def write_folder(model, tokenizer, out: Path, provenance: dict) -> None:
-    """A plain Hugging Face checkpoint folder: float32 safetensors, config (no quantization entry), tokenizer."""
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config  # dequantized already: a reader must not look for the GGUF
-    model.config._name_or_path = ""
-    model.save_pretrained(out)
+    """A plain Hugging Face checkpoint folder: float32 safetensors, config (no quantization entry), tokenizer.
+    transformers refuses `save_pretrained` on a model it read from GGUF, so the parts are written one by one."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized already: a reader must not look for the GGUF
+    config._name_or_path = ""
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    safetensors_torch.save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})  # tied embeddings once
     tokenizer.save_pretrained(out)
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
 
