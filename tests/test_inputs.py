@@ -137,6 +137,9 @@ RULES = {
         "distill", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file, not a folder; give a "
         r"folder \(it is made if absent\)$"),
     "fit: --out an existing file": ("fit", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+    "fit: --out a path under a file": (
+        "fit", ["--out", "{binary}/maps"], r"^error: --out .*binary\.bin/maps: .*binary\.bin is a file, so no folder "
+        r"can be made under it; give a folder path outside it$"),
     "extract: --out an existing file": (
         "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
 }
