@@ -13,7 +13,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, committed
 
 from pipeline import check_pair, distill, extract, fit, generate
 from pipeline.generate import FELL_BACK, GateRequest, run
@@ -122,6 +122,9 @@ RULES = {
         r"^error: map .* swapped; .*allow_other_models=true"),
     "kv-transfer: device cuda on a machine without that device": (
         "kv-transfer", "target={target},device={missing_cuda}", r"^error: kv-transfer device cuda:\d+: this machine"),
+    "check_pair: --max-tokens past the models' positions": (
+        "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "8", "--max-tokens", "1000000"],
+        r"^error: --max-tokens: 1000000 asked, but there are 512 positions in the models; give at most 512$"),
     "check_pair: a negative length": (
         "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "-3"],
         r"^error: --lengths: expected an integer >= 2 \(a prefix for the source and a last token for the target\), "
@@ -238,6 +241,16 @@ def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files,
                      "--allow-other-models"])
     out = capsys.readouterr().out
     assert "other models allowed (--allow-other-models): " in out and "swapped" in out
+
+
+def test_check_pair_leaves_out_the_params_ks_a_self_source_is_too_shallow_for(monkeypatch, capsys):
+    beyond = [k for k in committed("fit")["ks"] if k > 1]
+    assert beyond, "params.yaml's fit.ks no longer reach past one layer: this test needs one that does"
+    monkeypatch.chdir(ROOT)
+    check_pair.main(["self:1", "models/target", "--lengths", "8"])
+    assert f"fit.ks {beyond} left out: beyond the source's 1 layers (self:1); --ks chooses" in capsys.readouterr().out
+    with pytest.raises(ParamError, match=rf"^--ks: k={beyond[0]} exceeds the source's 1 layers \(self:1\)"):
+        check_pair.main(["self:1", "models/target", "--lengths", "8", "--ks", "1", str(beyond[0])])
 
 
 @pytest.mark.parametrize("value, expected", [("-inf", float("-inf")), ("inf", float("inf")), (0.5, 0.5), (-2, -2.0)])
