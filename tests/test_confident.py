@@ -4,17 +4,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import periodic_batch
+from conftest import committed, periodic_batch
 
 from pipeline.kv.handoff import Handoff
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
-from pipeline.measure.confident import (
-    confidence_intervals,
-    confidence_summary,
-    confident_comparison,
-    oracle_margin,
-    oracle_probability,
-)
+from pipeline.measure.confident import confidence_intervals, confidence_summary, oracle_margin, oracle_probability
+from pipeline.store.artifacts import ArtifactError
+from pipeline.store.params import parse
+from pipeline.studies import confident
+from pipeline.studies.confident import comparison
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import Run
 
 VOCAB, TOP_K = 6, 4
 
@@ -100,8 +100,9 @@ def test_a_margin_above_every_margin_counts_no_confident_prompt_and_gives_none_n
     assert summary["confident_prompt_share"] == 0.0 and summary["oracle_weighted_agreement"] is not None
     bounds = confidence_intervals(rows, 0.95, 200, 0)
     assert bounds["confident_top1_low"] is None and bounds["confident_agreement_high"] is None
-    assert confident_comparison(rows, rows, 0.95, 200, 0) == {"confident_diff": None, "confident_low": None,
-                                                              "confident_high": None, "confident_n": 0}
+    assert comparison(rows, rows, 0.95, 200, 0) == {"confident_diff": None, "confident_low": None,
+                                                    "confident_high": None, "confident_mcnemar_p": None,
+                                                    "confident_n": 0}
 
 
 def test_the_intervals_hold_the_figures_and_the_paired_difference_counts_the_confident_prompts():
@@ -111,7 +112,7 @@ def test_the_intervals_hold_the_figures_and_the_paired_difference_counts_the_con
     for name in ("confident_top1", "confident_agreement", "oracle_weighted_agreement"):
         assert bounds[f"{name}_low"] <= figures[name] <= bounds[f"{name}_high"], name
         assert bounds[f"{name}_low"] < bounds[f"{name}_high"], name
-    difference = confident_comparison(faithful, shuffled, 0.2, 500, 0)
+    difference = comparison(faithful, shuffled, 0.2, 500, 0)
     assert difference["confident_n"] == 20 and difference["confident_low"] > 0
     assert difference["confident_diff"] == pytest.approx(1.0 - figures["confident_top1"])
 
@@ -138,3 +139,37 @@ def test_the_stored_rows_give_the_oracle_full_confident_agreement_and_its_mean_t
     null = confidence_summary(variant_rows(Handoff(periodic_model, periodic_model, "zero"), prompts, stored,
                                            batch_size=5, progress=False), 0.2)
     assert null["oracle_weighted_agreement"] < summary["oracle_weighted_agreement"] - 0.2
+
+
+def study_run(margin_rows: dict[str, pd.DataFrame]):
+    """A V0 run whose variants left `margin_rows` (their tokens: each prompt's positions) and V0's top-1."""
+    prompts = {name: rows.assign(tokens=len(rows.agree_by_position[0])) for name, rows in margin_rows.items()}
+    metrics = {name: {"next_token_top1": float(rows.first_agree.mean())} for name, rows in prompts.items()}
+    return Run(metrics, {}, prompts, skipped={}, controls={}, select={}, latency=None,
+               pair=("models/source", "models/target"), calibration_sizes=[])
+
+
+def test_the_study_puts_confident_agreement_beside_v0s_top1_and_writes_na_where_no_prompt_is_confident():
+    oracle = distributions(5)
+    run = study_run({"oracle": rows_of(oracle, oracle), "selected": rows_of(oracle, swap_near_ties(oracle)),
+                     "shuffled": rows_of(oracle, oracle[torch.randperm(len(oracle))])})
+    study = confident.compute(parse(ReportParams, committed("report"), "report"), confident.load(run))
+    selected = study["variants"]["selected"]
+    assert selected["next_token_top1"] == 0.5 and selected["confident_top1"] == 1.0
+    assert study["confident_prompts"] == 20 and study["positions"] == 200
+    assert study["comparisons"]["selected_minus_shuffled"]["confident_low"] > 0
+    assert set(study["comparisons"]) == {"selected_minus_shuffled", "oracle_minus_selected"}
+    text = "\n".join(confident.lines(study))
+    assert "| Selected mapped transfer | 50.0% | 100.0% [100.0%, 100.0%] (n = 20) |" in text
+    assert "20 of 40 (50.0%)" in text
+    assert confident.headline(study, "selected")["confident_top1"] == 1.0 and confident.headline({}, "selected") == {}
+    unsure = confident.compute(parse(ReportParams, committed("report", confident_margin=0.95), "report"), run)
+    text = "\n".join(confident.lines(unsure))
+    assert "| Selected mapped transfer | 50.0% | n/a (n = 0) | n/a (n = 0) |" in text and "0 of 40 (0.0%)" in text
+
+
+def test_rows_evaluated_before_the_margins_are_refused_with_the_fix():
+    oracle = distributions(6)
+    run = study_run({"oracle": rows_of(oracle, oracle).drop(columns="margin_by_position")})
+    with pytest.raises(ArtifactError, match="rerun the evaluate stages"):
+        confident.load(run)

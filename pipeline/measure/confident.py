@@ -20,7 +20,6 @@ A share over no confident prompt or position is None (the report's "n/a"), never
 """
 from __future__ import annotations
 
-from pipeline.measure.stats import paired_bootstrap
 from pipeline.store.lazy import lazy
 
 np = lazy("numpy")
@@ -49,11 +48,16 @@ def _share(hits, count: int) -> float | None:
     return float(np.sum(hits) / count) if count else None
 
 
+def confident_prompts(rows: pd.DataFrame, margin: float) -> np.ndarray:
+    """Per prompt (N,): the oracle is sure at the first position after it (margin >= `margin`)."""
+    return np.array([np.asarray(m, dtype=float)[0] >= margin for m in rows[MARGINS]], dtype=bool)
+
+
 def _arrays(rows: pd.DataFrame, margin: float) -> tuple:
     """Per prompt: first position confident (N,) and first agreement (N,); per position of all prompts (P,): the
     prompt it belongs to, confident, agreeing and the oracle's probability of the variant's argmax."""
     margins = [np.asarray(m, dtype=float) for m in rows[MARGINS]]
-    first = np.array([m[0] >= margin for m in margins], dtype=bool)  # (N,)
+    first = confident_prompts(rows, margin)  # (N,)
     owner = np.concatenate([np.full(len(m), i) for i, m in enumerate(margins)])  # (P,)
     confident = np.concatenate(margins) >= margin  # (P,)
     agree = np.concatenate([np.asarray(a, dtype=float) for a in rows.agree_by_position])  # (P,)
@@ -104,15 +108,3 @@ def confidence_intervals(rows: pd.DataFrame, margin: float, iters: int, seed: in
         out.update({f"{name}_low": low, f"{name}_high": high})
     return out
 
-
-def confident_comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed: int) -> dict:
-    """Confident-prompt top-1 of `a` minus `b` over the prompts where the oracle is sure at their first position
-    (the same prompts for both: one oracle), with a paired bootstrap 95% interval over those prompts; the
-    difference and its bounds None where there is none."""
-    a, b = a.sort_values("prompt"), b.sort_values("prompt")
-    first = _arrays(a, margin)[0]
-    if not first.any():
-        return {"confident_diff": None, "confident_low": None, "confident_high": None, "confident_n": 0}
-    paired = paired_bootstrap(a.first_agree.to_numpy()[first], b.first_agree.to_numpy()[first], iters, seed)
-    return {"confident_diff": paired["diff"], "confident_low": paired["low"], "confident_high": paired["high"],
-            "confident_n": paired["n"]}
