@@ -40,8 +40,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               loaded once, its handoffs)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target
-    measure/  paired statistics, lm-eval tasks on local files and kv-transfer's request routes, retention,
-              agreement with the oracle, timing and latency
+    measure/  paired statistics, agreement where the oracle is sure, lm-eval tasks on local files and
+              kv-transfer's request routes, retention, agreement with the oracle, timing and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting
@@ -58,9 +58,10 @@ WINGS = {
     "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
            "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
-    "measure": ("stats", "tasks", "retention", "gating", "taskeval", "routes", "compare", "timing", "latency"),
-    "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
-                "selective", "repair"),
+    "measure": ("stats", "confident", "tasks", "retention", "gating", "taskeval", "routes", "compare", "timing",
+                "latency"),
+    "studies": ("format", "settings", "criteria", "variants", "confident", "candidates", "calibration", "length",
+                "distillation", "selective", "repair"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "convert_models", "prepare_models", "score_models", "extract", "fit", "distill",
                "select", "controls",

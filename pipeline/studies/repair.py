@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.measure.confident import FIGURES as CONFIDENT
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
@@ -82,7 +83,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
-               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")}}
+               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")},
+               **{k: figures.get(k) for k in CONFIDENT}}
         if name != TRUNCATED:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
@@ -106,7 +108,8 @@ def source_row(params: ReportParams, inputs: Inputs) -> dict:
             "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
             "gap_closure_high": closure["high"], "bound": None, "speedup": None,
-            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")}}
+            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")},
+            **{k: inputs.source.get(k) for k in CONFIDENT}}
 
 
 def join_front(study: dict, candidates: dict | None) -> None:
@@ -205,13 +208,15 @@ def lines(study: dict) -> list[str]:
     pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
-         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front"],
+         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front", "Confident top-1",
+         "Oracle-weighted agreement"],
         [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pm(r["next_token_top1"]), pm(r["rollout_agreement"]),
           pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
           "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
           pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"]),
-          {True: "at pair", False: "—", None: ""}[r.get("front")]] for r in rows])
+          {True: "at pair", False: "—", None: ""}[r.get("front")], pm(r["confident_top1"]),
+          pm(r["oracle_weighted_agreement"])] for r in rows])
     out += ["", "Against the matched-cost baselines, by retention (point estimates):", "", *against_baselines(rows)]
     out += ["", cheapest(rows), *(["", front_sentence(study)] if "front" in study else []), "",
             "![retention against budget](report/repair.png)", ""]
