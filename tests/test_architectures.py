@@ -1,13 +1,14 @@
 """Every family the architecture contract accepts, through `Pair.handoff` in every mode it defines and with every
 repair policy of the registry: each runs a forward and scores continuations, and a full repair by any policy, or
 of every layer, gives the oracle's scores (so the exact layers and each policy's query and key paths are the
-model's own, whatever its norms and rotary settings)."""
+model's own, whatever its norms and rotary settings); decoding after the handoff is the model's own greedy decoding."""
 import pytest
 import torch
 from test_contract import SUPPORTED, random_of
 from test_handoff import _requests
 
 from pipeline.kv.contract import MODES
+from pipeline.kv.decode import greedy_rollout
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
@@ -47,3 +48,19 @@ def test_every_policy_repairs_every_mode_that_hands_off_a_cache(pair, mode):
 @pytest.mark.parametrize("repair", ["layers:2", *(f"tokens:1:{policy}" for policy in POLICIES)])
 def test_a_full_repair_gives_the_oracles_scores(pair, repair):
     assert _scores(pair, "mapped", pair[1], repair) == pytest.approx(_scores(pair, "oracle", None), abs=1e-4)
+
+
+def _plain_greedy(model, context: list[int], steps: int) -> list[int]:
+    tokens = list(context)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(context):]
+
+
+def test_decoding_after_the_oracle_handoff_is_the_models_own_greedy_continuation(pair):
+    contexts = [list(range(3, 20)), list(range(40, 49))]
+    rolled = greedy_rollout(pair[0].handoff("oracle"), contexts, steps=6)
+    assert rolled.tolist() == [_plain_greedy(pair[0].target, context, 6) for context in contexts]
+    repaired = greedy_rollout(pair[0].handoff("mapped", pair[1], repair="tokens:1:attention"), contexts, steps=6)
+    assert torch.equal(repaired, rolled)
