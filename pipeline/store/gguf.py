@@ -17,12 +17,11 @@ import sys
 import zipfile
 from pathlib import Path
 
-import safetensors.torch as safetensors_torch
-
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Params
 
+safetensors_torch = lazy("safetensors.torch")
 torch = lazy("torch")
 transformers = lazy("transformers")
 
