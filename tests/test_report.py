@@ -10,8 +10,9 @@ from pipeline.measure.retention import gap_closure, mean_retention, prompt_gap_c
 from pipeline.report import markdown
 from pipeline.store.params import parse
 from pipeline.studies import calibration, candidates, distillation, length, variants
+from pipeline.studies.run import Run, pair_names
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import V0, Run
+from pipeline.studies.variants import V0
 
 
 def test_retention_reproduces_v0_headline():
@@ -198,7 +199,7 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     reason = "direct injection needs equal KV geometry, but ..."
     (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": reason}))
     (tmp_path / "metrics/controls.json").write_text(json.dumps({"compatibility": {"passed": True}}))
-    run = variants.load(["oracle", "direct", "selected"], [])
+    run = Run.load(["oracle", "direct", "selected"], [])
     assert run.skipped == {"direct": reason} and set(run.metrics) == {"oracle", "selected"}
     report = variants.compute(report_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
@@ -218,7 +219,7 @@ def _head(tmp_path, monkeypatch, pointers: dict[str, dict], profile: str = "qwen
     report = build(report_params(), *_study(np.random.default_rng(7), (0.85, 0.9, 0.9)),
                    {"compatibility": {"passed": True}})
     context = {"profile": profile, "data_kind": "hub", "source": "s", "target": "t", "dtype": "bfloat16",
-               "device": "cuda", "pair": variants.pair_names(), "selected_name": "selected"}
+               "device": "cuda", "pair": pair_names(), "selected_name": "selected"}
     return "\n".join(variants.lines(report, context))
 
 
@@ -243,8 +244,8 @@ def test_a_qwen3_v0_profile_on_other_checkpoints_names_its_pair_and_leaves_the_v
 
 def test_the_tiny_pair_and_random_shapes_are_not_v0s_pair_either(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert variants.pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
-    assert not variants.is_v0_pair(variants.pair_names())
+    assert pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
+    assert not variants.is_v0_pair(pair_names())
     text = _head(tmp_path, monkeypatch, {"source": {"kind": "random", "shape": "qwen3-0.6b", "seed": 0},
                                          "target": {"kind": "random", "shape": "qwen3-1.7b", "seed": 1}})
     assert "V0 reference" not in text

@@ -5,8 +5,8 @@ speedup; per budget level the truncated prompt's) and eval/repair/ (their item r
 items for retention and gap closure (the source alone is also a row of its own, at budget 0, with its figures from
 metrics/eval/source.json), and the selective study's curves (the gate at the same mean cost: the
 retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the score's own
-cost is left out). With the candidates study at the same pair and length, the report joins the two: the frontier of
-gap closure against the FLOP bound gains the repaired points (`join_front`).
+cost is left out). With the candidates study at the same pair and length, the report joins the two (`JOINS`,
+`join`): the frontier of gap closure against the FLOP bound gains the repaired points.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 np = lazy("numpy")
 pd = lazy("pandas")
@@ -28,6 +28,7 @@ pd = lazy("pandas")
 TRUNCATED = "truncated"  # stage repair's name of the truncated-prompt baseline
 SOURCE = "source alone"  # the source model alone (stage evaluate's `source`): no target prefill at all, budget 0
 BASELINES = (TRUNCATED, SOURCE)
+JOINS = "candidates"  # the study whose result `join` reads (studies.run.Joining)
 
 
 @dataclass
@@ -109,7 +110,7 @@ def source_row(params: ReportParams, inputs: Inputs) -> dict:
             **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")}}
 
 
-def join_front(study: dict, candidates: dict | None) -> None:
+def join(study: dict, candidates: dict | None) -> None:
     """The frontier with the repaired points: the Pareto front of gap closure against the FLOP bound over every
     candidate (the candidates study's rows, unrepaired) and every repaired point (a map at a setting other than
     `none`), set on each repaired row (`front`) and the study (`front`: the names on it, `front_gains`: the repaired
