@@ -25,7 +25,6 @@ from pipeline.fitting.distill import (
     evaluate,
     losses,
     map_tensors,
-    map_to_target,
     tensors_digest,
     trainable,
 )
@@ -41,7 +40,7 @@ from pipeline.fitting.distill_rows import (
 )
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
-from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper
+from pipeline.kv.mapper import Mapper, load_mapper, map_cache, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.cachefiles import ShardWriter, open_shard
@@ -151,7 +150,7 @@ def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pa
     ids = torch.randint(0, VOCAB, (3, PREFIX), generator=torch.Generator().manual_seed(3))
     handed = Handoff(target, source, "mapped", start).prefix_layers(ids)
     rotation = Rotation(RotarySpec.from_model(target), torch.arange(PREFIX))
-    _, built = map_to_target(mapper, content_cache(source, ids), rotation, target.dtype)
+    built = [cache for _, cache in map_cache(mapper, content_cache(source, ids), rotation, target.dtype, 'cpu')]
     for (keys, values), (keys_built, values_built) in zip(handed, built, strict=True):
         assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
 

@@ -7,9 +7,10 @@ import torch
 from conftest import build_model, periodic_batch, tiny_config
 
 from pipeline.kv.decode import greedy_generate
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import layers_to_cache
-from pipeline.kv.mapper import identity_mapper
+from pipeline.kv.handoff import Handoff, shuffle_order
+from pipeline.kv.kvcache import cache_to_layers, layers_to_cache
+from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
+from pipeline.kv.rope import Rotation
 from pipeline.kv.scoring import score_continuations, window_parts
 from pipeline.store.models import IncompatiblePairError, load_model
 from pipeline.store.params import ParamError
@@ -189,3 +190,23 @@ def test_a_device_map_for_a_random_model_is_refused_by_its_key(tmp_path):
     (tmp_path / "random" / "random.json").write_text(json.dumps({"shape": "qwen3-0.6b", "seed": 0}))
     with pytest.raises(ParamError, match="models.device_map: 'auto' needs a checkpoint"):
         load_model(str(tmp_path / "random"), device_map="auto")
+
+
+@pytest.mark.parametrize("mode", ["mapped", "shuffled"])
+def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carries_the_gradient(target, source, mode):
+    mapper, prefix = random_mapper(source.config, target.config, k=1), 9
+    ids = torch.randint(0, VOCAB, (2, prefix), generator=torch.Generator().manual_seed(4))
+    handoff = Handoff(target, source, mode, mapper, shuffle_seed=3)
+    handed = handoff.prefix_layers(ids)  # under no_grad
+    with torch.no_grad():
+        cached = cache_to_layers(source.model(input_ids=ids, use_cache=True).cache)
+    content = [(Rotation(handoff.source_spec, torch.arange(prefix)).strip(k.float()), v.float()) for k, v in cached]
+    trained = replace(mapper, keys=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.keys],
+                      values=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.values])
+    order = shuffle_order(3, prefix, None, 2) if mode == "shuffled" else None
+    layers = list(map_cache(trained, content, Rotation(handoff.target_spec, torch.arange(prefix)), target.dtype,
+                            "cpu", order))
+    for (keys, values), (_, (keys_built, values_built)) in zip(handed, layers, strict=True):
+        assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
+    sum(keys.sum() + values.sum() for _, (keys, values) in layers).backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for ts in trained.keys + trained.values for t in ts)

@@ -5,7 +5,7 @@ a float64 start), trained on what the target does after the handoff rather than 
 values are. One batch holds rows of equal prefix length, under the last-token protocol:
 
     source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
-        (the mapped handoff's cache, as `Handoff.to_target` builds it; differentiable in the map)
+        (`kv.mapper.map_cache`, the mapped handoff's own function, here with autograd on)
     target: mapped cache + c[n-1] e[0..h-1]     -> log p_mapped  at the h + 1 positions it reads
     target: own prefill of c[0..n-2] + the same -> log p_oracle  (no grad; once per row while they fit a budget)
     loss = mean over positions of KL(p_oracle || p_mapped)
@@ -38,7 +38,7 @@ from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, in_order,
 from pipeline.kv.families.registry import TRAINABLE
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
-from pipeline.kv.mapper import Mapper
+from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.rope import Rotation
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -112,15 +112,6 @@ def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
     return [t for tensors in mapper.keys + mapper.values for t in tensors]
 
 
-def map_to_target(mapper: Mapper, source: Layers, rotation: Rotation, dtype: torch.dtype) -> tuple[Layers, Layers]:
-    """The mapped handoff's cache (rotated, `dtype`) and the target-space content it was rotated from, from the
-    source's content cache: `Handoff.to_target`'s steps in mode `mapped`, with autograd left on."""
-    positions = torch.arange(rotation.tokens, device=source[0][0].device)  # (P,)
-    content = [mapper.apply_layer(source, layer, positions) for layer in range(mapper.target_layers(source))]
-    cache = [(rotation.apply(keys).to(dtype), values.to(dtype)) for keys, values in content]
-    return content, cache
-
-
 def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
     """Mean over target layers and kinds of MSE(mapped, own) / variance(own), the variance centred per head and
     dimension over rows and tokens: one minus the pooled R² of the batch, so every layer and kind weighs alike
@@ -144,7 +135,8 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
     reference = oracle(handoff, batch) if reference is None else reference
     rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     source = [(k.to(handoff.device), v.to(handoff.device)) for k, v in batch.source]
-    content, cache = map_to_target(mapper, source, rotation, handoff.target.dtype)
+    layers = list(map_cache(mapper, source, rotation, handoff.target.dtype, handoff.device))  # what the handoff maps
+    content, cache = [mapped for mapped, _ in layers], [cached for _, cached in layers]
     logprobs = F.log_softmax(widened(handoff.step_logits(cache, batch.steps)), dim=-1)  # (B, h + 1, V)
     kl = F.kl_div(logprobs, reference.logprobs, reduction="none", log_target=True).sum(-1)  # (B, h + 1)
     kv = kv_regression(content, reference.content) if kv_weight else torch.zeros((), device=kl.device)
