@@ -197,15 +197,20 @@ class Handoff:
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.target_cache(layers, tokens.shape[0])
-        options = {}
-        if prefix_lengths is not None and layers is not None:
-            width, steps = layers[0][0].shape[2], tokens.shape[1]
-            prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
-            options["attention_mask"] = torch.cat([prefix_mask, torch.ones(len(tokens), steps, dtype=torch.bool)],
-                                                  dim=1).long().to(self.device)  # (B, P + L)
-            options["position_ids"] = (prefix_lengths[:, None] + torch.arange(steps)[None]).to(self.device)  # (B, L)
+        options = {} if prefix_lengths is None or layers is None else padded_prefix(prefix_lengths, width,
+                                                                                  tokens.shape[1], self.device)
         return self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                            **options).logits
+
+
+def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device) -> dict[str, torch.Tensor]:
+    """The attention mask and positions of `steps` tokens read after right-padded prefixes of real lengths
+    `prefix_lengths` (B,) in a cache `width` slots wide: the padded slots masked out, row b's tokens at positions
+    prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+    prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
+    steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
+    return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
+            "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
 
 
 def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:
