@@ -103,8 +103,11 @@ def test_shared_context_costs_one_source_prefill(target, source):
 def test_null_controls_really_replace_the_cache(periodic_model):
     sequences = periodic_batch(torch.Generator().manual_seed(1), 24, 30, 32).tolist()
     requests = [(s[:24], s[24:]) for s in sequences]
-    mean = lambda mode: sum(score for score, _ in score_continuations(  # noqa: E731
-        Handoff(periodic_model, periodic_model, mode), requests, progress=False)) / len(requests)
+
+    def mean(mode: str) -> float:
+        scores = score_continuations(Handoff(periodic_model, periodic_model, mode), requests, progress=False)
+        return sum(score for score, _ in scores) / len(requests)
+
     oracle, zero, shuffled = mean("oracle"), mean("zero"), mean("shuffled")
     assert oracle > -0.5 * 6 * 2  # the model did learn to use the prefix (< 2 nats per token)
     assert zero < oracle - 3.0
@@ -113,8 +116,11 @@ def test_null_controls_really_replace_the_cache(periodic_model):
 
 def test_shuffled_is_seeded(periodic_model):
     requests = [(list(range(1, 20)), [5, 6])]
-    run = lambda seed: score_continuations(  # noqa: E731
-        Handoff(periodic_model, periodic_model, "shuffled", shuffle_seed=seed), requests, progress=False)
+
+    def run(seed: int) -> list:
+        return score_continuations(Handoff(periodic_model, periodic_model, "shuffled", shuffle_seed=seed), requests,
+                                   progress=False)
+
     assert run(3) == run(3)
     assert run(3) != run(4)
 
@@ -158,8 +164,10 @@ def test_batched_contexts_of_different_lengths_score_as_one_at_a_time(target, mo
     assert len({len(c) for c, _ in requests}) > 1
     source = build_model(tiny_config(VOCAB, 64), seed=9)  # same geometry, other weights
     mapper = identity_mapper("source", "target", source.config, target.config) if mode == "mapped" else None
-    make = lambda: Handoff(target, source, mode, mapper) if mode not in ("oracle", "zero") else Handoff(  # noqa: E731
-        target, mode=mode)
+
+    def make() -> Handoff:
+        return Handoff(target, source, mode, mapper) if mode not in ("oracle", "zero") else Handoff(target, mode=mode)
+
     one = score_continuations(make(), requests, batch_size=1, progress=False)
     batched_handoff = make()
     batched = score_continuations(batched_handoff, requests, batch_size=9, progress=False)

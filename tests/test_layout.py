@@ -28,8 +28,13 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     rank = {name: i for i, name in enumerate(order)}
     # a sub-package named in WINGS (kv/families/): its modules stand at its place and import each other freely
     # (the cycle check below still holds between them)
-    package = lambda module: module.rsplit(".", 1)[0] if module.rsplit(".", 1)[0] in rank else None  # noqa: E731
-    place = lambda module: rank.get(module, rank.get(package(module) or "", -1))  # noqa: E731
+
+    def package(module: str) -> str | None:
+        return module.rsplit(".", 1)[0] if module.rsplit(".", 1)[0] in rank else None
+
+    def place(module: str) -> int:
+        return rank.get(module, rank.get(package(module) or "", -1))
+
     found = []
     for wing, names in wings.items():
         folder = root / "pipeline" / wing
@@ -182,8 +187,7 @@ MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_MODULE_LINES = 60, 150, 400
 # refused by the rules below on this branch, each being fixed on another branch of issue 42 (the lead removes an
 # entry once its fix is merged; an entry that no longer breaks a rule fails the tests until it is removed)
 KNOWN_LONG = {"pipeline/lm_eval_model.py:KVTransferLM"}  # the router's thin lm-eval face
-KNOWN_LAMBDAS = {"pipeline/lm_eval_model.py", "pipeline/generate.py",  # the router's
-                 "pipeline/kv/repair.py"}  # the architecture fix's
+KNOWN_LAMBDAS = {"pipeline/lm_eval_model.py", "pipeline/generate.py", "tests/test_generate.py"}  # the router's
 
 
 def too_long(root: Path) -> list[str]:

@@ -267,10 +267,10 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     cost = {"oracle": 1.0, "rows": 0.5, "mapped_step": 2.0, "map_update": 0.25, "select_scoring": 1.5}
     select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
                        "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}
-    rows = lambda top1, rollout, kl: pd.DataFrame({"prompt": range(4), "first_agree": top1,  # noqa: E731
-                                                   "rollout_agree": rollout, "horizon": 4, "kl": kl, "tokens": 2})
-    prompts = {"lin": rows([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
-               "lin+kl": rows([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}
+    columns = {"lin": ([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
+               "lin+kl": ([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}  # top-1, rollout, KL per prompt
+    prompts = {name: pd.DataFrame({"prompt": range(4), "first_agree": top1, "rollout_agree": rollout, "horizon": 4,
+                                   "kl": kl, "tokens": 2}) for name, (top1, rollout, kl) in columns.items()}
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5, "cost_s": cost},
                                  {"lin+kl": curve},
                                  select, items, prompts)

@@ -102,9 +102,9 @@ def trainable(start: Mapper, device) -> Mapper:
         raise ValueError("the start map reads and writes rotated keys (the no-strip ablation); distillation starts "
                          "from a content-space map")
     dtype = torch.promote_types(start.keys[0][0].dtype, torch.float32)
-    as_parameters = lambda layers: [tuple(torch.nn.Parameter(t.detach().to(device, dtype).clone())  # noqa: E731
-                                          for t in tensors) for tensors in layers]
-    return replace(start, keys=as_parameters(start.keys), values=as_parameters(start.values), extra=dict(start.extra))
+    keys, values = ([tuple(torch.nn.Parameter(t.detach().to(device, dtype).clone()) for t in tensors)
+                     for tensors in layers] for layers in (start.keys, start.values))
+    return replace(start, keys=keys, values=values, extra=dict(start.extra))
 
 
 def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
@@ -338,6 +338,6 @@ def finished(start: Mapper, tensors: list[torch.Tensor], facts: dict) -> Mapper:
     """`start` with `tensors` (in `map_tensors` order) in its place, on the CPU in its dtype, and `facts` as its
     distillation record."""
     flat = iter(t.detach().to("cpu", start.keys[0][0].dtype).contiguous() for t in tensors)
-    take = lambda layers: [tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]  # noqa: E731
-    keys, values = take(start.keys), take(start.values)
+    keys, values = ([tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]
+                    for layers in (start.keys, start.values))
     return replace(start, keys=keys, values=values, distilled=facts)

@@ -124,8 +124,8 @@ class Mapper:
         return self.spec.project(key_in, *self.keys[layer]), self.spec.project(value_in, *self.values[layer])
 
     def to(self, device=None, dtype=None) -> "Mapper":
-        move = lambda layers: [tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]  # noqa: E731
-        self.keys, self.values = move(self.keys), move(self.values)
+        self.keys, self.values = ([tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]
+                                  for layers in (self.keys, self.values))
         return self
 
 

@@ -167,11 +167,14 @@ def maps(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in BASELINES))
 
 
+def verdict(mine: float, theirs: float) -> str:
+    return "beats" if mine > theirs else "does not beat"
+
+
 def against_baselines(rows: list[dict]) -> list[str]:
     """Per budget level of the grid (the truncated prompt's), whether each map's best repair at that cost retains
     more than the truncated prompt and than its gate at the same cost (point estimates), one line each."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == TRUNCATED}
-    verdict = lambda mine, theirs: "beats" if mine > theirs else "does not beat"  # noqa: E731
     out = []
     for level, base in sorted(truncated.items()):
         parts = []
@@ -190,9 +193,18 @@ def against_baselines(rows: list[dict]) -> list[str]:
     return out
 
 
+def speed(value: float | None) -> str:
+    """A speedup cell: `2.50x`, or a dash where there is none (the baselines')."""
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def pm(value: float | None) -> str:
+    """A percentage cell, or a dash where there is none (the source alone's unmeasured figures)."""
+    return "—" if value is None else pct(value)
+
+
 def lines(study: dict) -> list[str]:
     rows = study["rows"]
-    speed = lambda value: "—" if value is None else f"{value:.2f}x"  # noqa: E731
     out = ["## Repair: the target recomputes part of the mapped cache", "",
            f"Each map at each repair setting (`kv.repair`), evaluated on the eval part. Budget: the repair's "
            f"multiply-adds over the target's prefill at `{study['bound_pair']}`'s shapes for {study['length']} "
@@ -203,7 +215,6 @@ def lines(study: dict) -> list[str]:
            f"rate equal to the budget (the score's own cost left out). The source model alone is the budget-0 "
            f"baseline: the target computes nothing. Front: a repaired point on the Pareto front of gap closure "
            f"against the bound, over the candidates study's maps and the repaired points.", ""]
-    pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
          "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front"],

@@ -298,9 +298,10 @@ def appendix(run: Run) -> list[str]:
     if run.latency is not None:
         rows = []
         for n, row in sorted((int(n), row) for n, row in run.latency["by_length"].items()):
-            get = lambda key: row.get(key, float("nan"))  # noqa: E731
-            rows.append([n, f"{get('target_ms'):.2f}", f"{get('handoff_ms'):.2f}", f"{get('speedup'):.2f}x",
-                         f"{get('bound'):.2f}x", pct(get("fraction_of_bound"))])
+            get = {key: row.get(key, float("nan"))
+                   for key in ("target_ms", "handoff_ms", "speedup", "bound", "fraction_of_bound")}
+            rows.append([n, f"{get['target_ms']:.2f}", f"{get['handoff_ms']:.2f}", f"{get['speedup']:.2f}x",
+                         f"{get['bound']:.2f}x", pct(get["fraction_of_bound"])])
         out += ["## Latency (time to first token)", ""]
         out += md_table(["Prompt tokens", "Target prefill ms", "Handoff ms", "Speedup", "FLOP bound",
                          "Fraction of bound"], rows)
