@@ -11,8 +11,9 @@ token at a few prompt lengths and the `self:<n>` source of the real source's pre
 when the mapped handoff is refused. The ks, the lengths and the mlp width default to params.yaml's fit.ks,
 latency.lengths and fit.mlp.hidden; the run length a sliding window is checked against (--max-tokens) to the
 longest sequence params.yaml's profile feeds the models (`kv.contract.run_length`), or the models' position
-range without a params.yaml. Every k must be within the source's layers and every length at least 2
-(`store.inputs`), each refusal one line.
+range without a params.yaml, and never past the models' positions. Every k must be within the source's layers
+and every length at least 2 (`store.inputs`), each refusal one line; params' fit.ks beyond a shallower source (the
+`self:<n>` this tool suggests) are left out, and named, rather than refused.
 
 `--mapper FILE` checks a map against the pair as every handoff does before any forward: the fingerprints of the
 models it was fitted on against these models' (`store.fingerprints`: weights, config and tokenizer files; not for a
@@ -204,6 +205,17 @@ def as_list(value) -> list:
     return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
+def default_ks(given: list[int] | None, source_layers: int, source: str) -> tuple[list[int], list[int]]:
+    """(ks, left out): --ks as given, each within the source's layers; else params' fit.ks, less those beyond a
+    shallower source (a `self:<n>` this tool suggests), which are left out rather than refused."""
+    if given:
+        return inputs.ks(given, "--ks", source_layers, source), []
+    name = "fit.ks (params.yaml; or give --ks)"
+    ks = [inputs.at_least(k, name, 1) for k in read_key("fit.ks")]
+    within = [k for k in ks if k <= source_layers]
+    return inputs.ks(within or [1], name, source_layers, source), [k for k in ks if k > source_layers]
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.check_pair", __doc__)
     cli.add_argument("source", nargs="?", help="source model: hub id, local folder or shape:<name>")
@@ -243,8 +255,10 @@ def main(argv: list[str] | None = None) -> None:
               for family, spec in FAMILIES.items() if spec.width_name}
     target_config, target_tokenizer = read(args.target)
     source_config, source_tokenizer = read_source(args.source, (target_config, target_tokenizer))
-    ks = inputs.ks(args.ks or read_key("fit.ks"), "--ks" if args.ks else "fit.ks (params.yaml; or give --ks)",
-                   source_config.num_hidden_layers, model_name(source_config))
+    if args.max_tokens is not None:
+        inputs.within(args.max_tokens, "--max-tokens", min(config.max_position_embeddings for config in
+                                                            (source_config, target_config)), "positions in the models")
+    ks, left_out = default_ks(args.ks, source_config.num_hidden_layers, model_name(source_config))
     checked = (mapper_lines(args.mapper, args.source, args.target, source_config, target_config,
                             args.allow_other_models) if args.mapper else [])
     # without a params.yaml the run is as long as the models allow
@@ -253,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
     repairs = args.repairs or (read_key("repair.grid") if PARAMS_FILE.is_file() else [])
     print(report(contract, source_config, target_config, ks, lengths, widths, repairs))
+    if left_out:
+        print(f"\nfit.ks {left_out} left out: beyond the source's {source_config.num_hidden_layers} layers "
+              f"({model_name(source_config)}); --ks chooses")
     if checked:
         print("\n" + "\n".join(checked))
     contract.require("mapped")

@@ -24,7 +24,7 @@ from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, load_value
-from pipeline.studies import variants
+from pipeline.studies import confident, variants
 from pipeline.studies.registry import STUDIES
 from pipeline.studies.run import Joining, Run
 from pipeline.studies.settings import ReportParams
@@ -93,7 +93,8 @@ def write(report: dict, tables: dict[str, pd.DataFrame], text: str) -> None:
     write_json_atomic(paths.REPORT, report)
     with atomic_dir(HEADLINE) as staging:
         for variant, row in variants.headline(report).items():
-            write_json_atomic(staging / f"{variant}.json", row)
+            sure = confident.headline(report.get("confident", {}), variant)  # beside V0's columns
+            write_json_atomic(staging / f"{variant}.json", {**row, **sure})
     write_bytes_atomic(paths.REPORT_MD, text.encode())
 
 

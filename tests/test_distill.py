@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import build_model, periodic_batch, tiny_config
+from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -141,9 +141,11 @@ def start_map(source, target, family: str) -> Mapper:
     return replace(linear, family="mlp", keys=keys, values=values)
 
 
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("family", ["linear", "head_matched", "mlp"])
-def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pair, family):
-    target, source = random_pair
+def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(architecture, family):
+    config = ARCHITECTURES[architecture]
+    target, source = frozen(build_model(config(VOCAB, 64), seed=1)), frozen(build_model(config(VOCAB, 32), seed=2))
     start = start_map(source, target, family)
     mapper = trainable(start, "cpu")
     assert mapper.parameter_count() == start.parameter_count()

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_model, periodic_batch, tiny_config
+from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
 
 from pipeline.kv.decode import greedy_generate
 from pipeline.kv.handoff import Handoff, shuffle_order
@@ -18,14 +18,20 @@ from pipeline.store.params import ParamError
 VOCAB = 97
 
 
-@pytest.fixture(scope="module")
-def target():
-    return build_model(tiny_config(VOCAB, 64), seed=1)
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def architecture(request) -> str:
+    """Each test of the tiny pair runs on the Qwen3-shaped pair and the Llama one (conftest.ARCHITECTURES)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def source():
-    return build_model(tiny_config(VOCAB, 32), seed=2)
+def target(architecture):
+    return build_model(ARCHITECTURES[architecture](VOCAB, 64), seed=1)
+
+
+@pytest.fixture(scope="module")
+def source(architecture):
+    return build_model(ARCHITECTURES[architecture](VOCAB, 32), seed=2)
 
 
 def _requests(n_contexts=4, endings=3, seed=0):

@@ -9,13 +9,15 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT
+import yaml
+from conftest import ROOT, committed, merge
 
-from pipeline import check_pair, distill, extract, fit, generate
+from pipeline import check_pair, check_params, distill, extract, fit, generate
 from pipeline.generate import FELL_BACK, GateRequest, run
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -122,6 +124,9 @@ RULES = {
         r"^error: map .* swapped; .*allow_other_models=true"),
     "kv-transfer: device cuda on a machine without that device": (
         "kv-transfer", "target={target},device={missing_cuda}", r"^error: kv-transfer device cuda:\d+: this machine"),
+    "check_pair: --max-tokens past the models' positions": (
+        "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "8", "--max-tokens", "1000000"],
+        r"^error: --max-tokens: 1000000 asked, but there are 512 positions in the models; give at most 512$"),
     "check_pair: a negative length": (
         "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "-3"],
         r"^error: --lengths: expected an integer >= 2 \(a prefix for the source and a last token for the target\), "
@@ -137,6 +142,23 @@ RULES = {
         "distill", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file, not a folder; give a "
         r"folder \(it is made if absent\)$"),
     "fit: --out an existing file": ("fit", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+    "fit: --out a path under a file": (
+        "fit", ["--out", "{binary}/maps"], r"^error: --out .*binary\.bin/maps: .*binary\.bin is a file, so no folder "
+        r"can be made under it; give a folder path outside it$"),
+    "check_params: repair.grid recomputing more layers than the target has": (
+        "check_params", {"repair": {"grid": ["none", "layers:9"]}},
+        r"^error: repair\.grid: layers:9 recomputes 9 layers, but the target has 3 \(trained models/target\); give "
+        r"layers:N with N <= 3$"),
+    "check_params: select.repairs recomputing more layers than the target has": (
+        "check_params", {"select": {"repairs": ["none", "layers:4+tokens:0.09:recency"]}},
+        r"^error: select\.repairs: layers:4\+tokens:0\.09:recency recomputes 4 layers, but the target has 3 "),
+    "check_params: evaluate.repair recomputing more layers than the target has": (
+        "check_params", {"evaluate": {"repair": {"selected_repaired": "layers:9"}}},
+        r"^error: evaluate\.repair\.selected_repaired: layers:9 recomputes 9 layers, but the target has 3 "),
+    "check_params: a repair's sink past the target's positions": (
+        "check_params", {"repair": {"grid": ["none", "sink:1000"]}},
+        r"^error: repair\.grid: sink:1000 recomputes a sink of 1000 tokens, but the target has 256 positions "
+        r"\(trained models/target\); give sink:S with S < 256$"),
     "extract: --out an existing file": (
         "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
 }
@@ -169,6 +191,10 @@ def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
             **{name.split(".")[0]: str(root / name) for name in made}, "missing_cuda": f"cuda:{count}"}
 
 
+def committed_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
 def kv_transfer_main(argv: list[str]) -> None:
     """What `python -m pipeline.lm_eval_model run --model_args ARGS` does with its model args (lm-eval's parsing,
     then the model's), without lm-eval's task set-up."""
@@ -176,12 +202,18 @@ def kv_transfer_main(argv: list[str]) -> None:
 
 
 MAINS = {"generate": generate.main, "check_pair": check_pair.main, "distill": distill.main, "fit": fit.main,
-         "extract": extract.main, "kv-transfer": kv_transfer_main}
+         "extract": extract.main, "kv-transfer": kv_transfer_main, "check_params": check_params.main}
 
 
 def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
     """stderr of `tool` run with `arguments` (filled from `files`) as its command runs it, asserting exit 2."""
     monkeypatch.chdir(files["folder"])  # no params.yaml: every setting from the flags; data/eval.parquet is here
+    if tool == "check_params":  # its input is params.yaml: the committed one with `arguments` merged in
+        folder = Path(files["folder"]) / "check_params"
+        folder.mkdir(exist_ok=True)
+        (folder / "params.yaml").write_text(yaml.safe_dump(merge(committed_params(), arguments), sort_keys=False))
+        monkeypatch.chdir(folder)
+        arguments = []
     arguments = [arguments] if isinstance(arguments, str) else [*GENERATE, *arguments] if tool == "generate" \
         else arguments
     argv = [argument.format(**files) for argument in arguments]
@@ -235,6 +267,16 @@ def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files,
                      "--allow-other-models"])
     out = capsys.readouterr().out
     assert "other models allowed (--allow-other-models): " in out and "swapped" in out
+
+
+def test_check_pair_leaves_out_the_params_ks_a_self_source_is_too_shallow_for(monkeypatch, capsys):
+    beyond = [k for k in committed("fit")["ks"] if k > 1]
+    assert beyond, "params.yaml's fit.ks no longer reach past one layer: this test needs one that does"
+    monkeypatch.chdir(ROOT)
+    check_pair.main(["self:1", "models/target", "--lengths", "8"])
+    assert f"fit.ks {beyond} left out: beyond the source's 1 layers (self:1); --ks chooses" in capsys.readouterr().out
+    with pytest.raises(ParamError, match=rf"^--ks: k={beyond[0]} exceeds the source's 1 layers \(self:1\)"):
+        check_pair.main(["self:1", "models/target", "--lengths", "8", "--ks", "1", str(beyond[0])])
 
 
 @pytest.mark.parametrize("value, expected", [("-inf", float("-inf")), ("inf", float("inf")), (0.5, 0.5), (-2, -2.0)])

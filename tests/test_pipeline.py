@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 from conftest import merge
+from scratch import scratch_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
@@ -54,12 +55,10 @@ def run(cmd, cwd, **kw):
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    """A copy of the tracked tree with its own git history (so DVC and `metrics diff` work)."""
+    """A copy of the tracked tree with its own git history (so DVC and `metrics diff` work): stage outputs as HEAD
+    has them, whatever a failed stage left in the workspace (tests/scratch.py)."""
     copy = tmp_path_factory.mktemp("repo")
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for name in filter(None, files.split("\0")):
-        (copy / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, copy / name)
+    scratch_copy(ROOT, copy)
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     os.environ.update(env)
     run(["git", "init", "-q"], copy)

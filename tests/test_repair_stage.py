@@ -46,7 +46,7 @@ def setup(wide_pair, tmp_path_factory) -> dict:
 
 def _figures(setup: dict, handoff) -> tuple[dict, pd.DataFrame]:
     lm = KVTransferLM(handoff, setup["pair"].target_tokenizer, batch_size=4)
-    figures, items, _ = scored(lm, handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+    figures, items, _ = scored(lm, handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2, 0.2)
     return figures, items
 
 
@@ -55,7 +55,8 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     pair, path = setup["pair"], setup["map"]
     grid = {}
     for setting in ("none", "tokens:1:recency"):
-        _, (figures, items, _) = repaired(pair, path, setting, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+        _, (figures, items, _) = repaired(pair, path, setting, setup["tasks"], setup["prompts"], setup["oracle"], 2,
+                                             0.2)
         grid[setting] = figures, items
     mapped, mapped_items = _figures(setup, pair.handoff("mapped", path))
     oracle, oracle_items = _figures(setup, pair.handoff("oracle"))
@@ -67,6 +68,8 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     assert (repaired_items.acc.to_numpy() == oracle_items.acc.to_numpy()).all()
     assert repaired_figures["next_token_top1"] == 1.0 and repaired_figures["rollout_agreement"] == 1.0
     assert repaired_figures["mean_kl"] < 1e-4
+    assert repaired_figures["confident_top1"] in (1.0, None) and repaired_figures["confident_agreement"] in (1.0, None)
+    assert repaired_figures["oracle_weighted_agreement"] == pytest.approx(oracle["oracle_weighted_agreement"], abs=1e-5)
 
 
 def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_one_token():
@@ -135,6 +138,9 @@ def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_ga
     row = source_row(params, Inputs(items, {}, {}, None, figures))
     assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
     assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
+    assert row["confident_top1"] is None  # a source evaluated before the confident figures: shown as "—"
+    figures["confident_top1"] = 0.75
+    assert source_row(params, Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
 
 
 def _point(name: str, setting: str, closure: float, bound: float | None) -> dict:

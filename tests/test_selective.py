@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import build_model, committed, hellaswag_rows, piqa_rows, tiny_config
+from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
 
 from pipeline.kv.gate import FEATURES, SCORES, Gate, Probe, Scorer, fit_probe, jensen_shannon
 from pipeline.kv.handoff import Handoff
@@ -26,9 +26,11 @@ VOCAB = 97
 E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
 
 
-@pytest.fixture(scope="module")
-def models():
-    return build_model(tiny_config(VOCAB, 64), seed=1), build_model(tiny_config(VOCAB, 32), seed=2)
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def models(request):
+    """The tiny pair, Qwen3-shaped and Llama (conftest.ARCHITECTURES): every gate test runs on both."""
+    config = ARCHITECTURES[request.param]
+    return build_model(config(VOCAB, 64), seed=1), build_model(config(VOCAB, 32), seed=2)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ EVAL_PROMPTS = DATA / "eval.parquet"
 # models/: the pair, its pins, every fitted map and the selected one
 MODELS = Path("models")
 PINS = MODELS / "pins.json"
+CONVERTED = MODELS / "converted"  # a GGUF checkpoint made a Hugging Face folder (stage convert_models)
 MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl
 SELECTED_MAPPER = MODELS / "mapper.safetensors"

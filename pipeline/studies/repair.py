@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.kv.repair import Repair
+from pipeline.measure.confident import FIGURES as CONFIDENT
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
@@ -83,7 +85,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
-               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")}}
+               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")},
+               **{k: figures.get(k) for k in CONFIDENT}}
         if name != TRUNCATED:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
@@ -107,7 +110,8 @@ def source_row(params: ReportParams, inputs: Inputs) -> dict:
             "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
             "gap_closure_high": closure["high"], "bound": None, "speedup": None,
-            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")}}
+            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")},
+            **{k: inputs.source.get(k) for k in CONFIDENT}}
 
 
 def join(study: dict, candidates: dict | None) -> None:
@@ -139,11 +143,12 @@ def front_sentence(study: dict) -> str:
 
 
 def policy(setting: str) -> str:
-    """A setting's policy for the figure's lines: its token choice, or its parts without their sizes."""
-    if setting == "none":
-        return "none"
-    parts = [part.split(":") for part in setting.split("+")]
-    return "+".join(part[2] if part[0] == "tokens" else part[0] for part in parts)
+    """A setting's policy for the figure's lines: its parts without their sizes, in the applied order (the token
+    choice with its own parameter, `key_norm@2`), read by the one parser."""
+    repair = Repair.parse(setting)
+    parts = (["layers"] if repair.exact_layers else []) + (["sink"] if repair.sink else []) + (
+        [repair.policy] if repair.tokens else [])
+    return "+".join(parts) or "none"
 
 
 def cheapest(rows: list[dict]) -> str:
@@ -217,13 +222,15 @@ def lines(study: dict) -> list[str]:
            f"against the bound, over the candidates study's maps and the repaired points.", ""]
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
-         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front"],
+         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front", "Confident top-1",
+         "Oracle-weighted agreement"],
         [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pm(r["next_token_top1"]), pm(r["rollout_agreement"]),
           pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
           "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
           pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"]),
-          {True: "at pair", False: "—", None: ""}[r.get("front")]] for r in rows])
+          {True: "at pair", False: "—", None: ""}[r.get("front")], pm(r["confident_top1"]),
+          pm(r["oracle_weighted_agreement"])] for r in rows])
     out += ["", "Against the matched-cost baselines, by retention (point estimates):", "", *against_baselines(rows)]
     out += ["", cheapest(rows), *(["", front_sentence(study)] if "front" in study else []), "",
             "![retention against budget](report/repair.png)", ""]
