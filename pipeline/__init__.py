@@ -45,7 +45,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               kv-transfer's request routes, retention, agreement with the oracle, timing and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
-              formatting
+              formatting, the run they all read and the protocol a study keeps (`run`), their registry
     tiny/     the embedded world: its tokenizer, its language, its task items, its corpus, and the training of
               the tiny pair
     schema/   the parameter classes, one module per stage that reads a section of params.yaml (`schema.fit` is
@@ -61,8 +61,8 @@ WINGS = {
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("stats", "confident", "tasks", "retention", "gating", "taskeval", "routes", "compare", "timing",
                 "latency"),
-    "studies": ("format", "settings", "criteria", "variants", "confident", "candidates", "calibration", "length",
-                "distillation", "selective", "repair"),
+    "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
+                "length", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "convert_models", "prepare_models", "score_models", "extract", "fit", "distill",
                "select", "controls",

@@ -96,12 +96,17 @@ def rotary_cell(card: ModelCard) -> str:
     return f"{spec.rope_type}, theta {spec.theta:g}" + (f" ({scaling})" if scaling else "")
 
 
+def geometry_cell(card) -> str:
+    """A model's `layers / KV heads / head_dim`, or a dash when its configuration gives none."""
+    if card.geometry is None:
+        return "—"
+    return f"{card.geometry['layers']} / {card.geometry['kv_heads']} / {card.geometry['head_dim']}"
+
+
 def model_rows(contract: Contract) -> list[list[object]]:
     source, target = contract.source, contract.target
-    geometry = lambda card: ("—" if card.geometry is None else  # noqa: E731
-                             f"{card.geometry['layers']} / {card.geometry['kv_heads']} / {card.geometry['head_dim']}")
     return [["model", source.name, target.name], ["family", source.model_type, target.model_type],
-            ["layers / KV heads / head_dim", geometry(source), geometry(target)],
+            ["layers / KV heads / head_dim", geometry_cell(source), geometry_cell(target)],
             ["rotary", rotary_cell(source), rotary_cell(target)],
             ["verdict", source.refusal or "understood", target.refusal or "understood"]]
 

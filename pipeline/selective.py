@@ -130,8 +130,10 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
 def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
     """Per-request rows of every map: task items of both parts, eval prompts."""
     oracle = pair.handoff("oracle")
-    lm = lambda handoff: lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer,  # noqa: E731
-                                                    batch_size=params.batch_size)
+
+    def lm(handoff: Handoff):
+        return lm_eval_model.KVTransferLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
+
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}

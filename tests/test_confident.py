@@ -13,8 +13,8 @@ from pipeline.store.artifacts import ArtifactError
 from pipeline.store.params import parse
 from pipeline.studies import confident
 from pipeline.studies.confident import comparison
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 VOCAB, TOP_K = 6, 4
 

@@ -264,9 +264,10 @@ def test_evaluation_on_two_processes_writes_what_one_process_wrote(repo):
         assert two.drop(columns="loglikelihoods").equals(one.drop(columns="loglikelihoods"))
         assert all(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(two.loglikelihoods, one.loglikelihoods))
         for sample in (kept / f"eval/{variant}/lm_eval").glob("lm_eval_samples_*.jsonl"):
-            decided = lambda path: [{k: row[k] for k in ("doc_id", "acc", "acc_norm")}  # noqa: E731
-                                    for row in map(json.loads, path.read_text().splitlines())]
-            assert decided(repo / f"eval/{variant}/lm_eval/{sample.name}") == decided(sample)
+            decided = [[{k: row[k] for k in ("doc_id", "acc", "acc_norm")}
+                        for row in map(json.loads, path.read_text().splitlines())]
+                       for path in (repo / f"eval/{variant}/lm_eval/{sample.name}", sample)]
+            assert decided[0] == decided[1]
     assert (repo / "eval/oracle_outputs.safetensors").read_bytes() == \
         (kept / "eval/oracle_outputs.safetensors").read_bytes()
 

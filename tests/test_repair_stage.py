@@ -19,7 +19,7 @@ from pipeline.studies.repair import (
     against_baselines,
     cheapest,
     front_sentence,
-    join_front,
+    join,
     policy,
     source_row,
 )
@@ -155,7 +155,7 @@ def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_
              "rows": [_point("good", "none", 0.9, 2.4), _point("good", "tokens:0.1:attention", 1.0, 2.0),
                       _point("fast", "layers:1", 0.05, 2.9), _point("truncated", "0.107", -2.0, None),
                       _point(SOURCE, "—", 0.0, None)]}
-    join_front(study, candidates)
+    join(study, candidates)
     assert study["front"] == ["fast", "good", "good@tokens:0.1:attention"]
     assert study["front_gains"] == ["good@tokens:0.1:attention"]
     assert [row.get("front") for row in study["rows"]] == [None, True, False, None, None]
@@ -165,5 +165,5 @@ def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_
 def test_no_frontier_is_joined_across_studies_counted_at_other_lengths():
     candidates = {"bound_pair": "qwen3-v0", "length": 1024, "rows": {"a": {"gap_closure": 0.1, "bound_at_pair": 3.0}}}
     study = {"bound_pair": "qwen3-v0", "length": 256, "rows": [_point("a", "layers:1", 0.2, 2.9)]}
-    join_front(study, candidates)
+    join(study, candidates)
     assert "front" not in study and "front" not in study["rows"][0] and front_sentence(study) == ""

@@ -10,8 +10,9 @@ from pipeline.measure.retention import gap_closure, mean_retention, prompt_gap_c
 from pipeline.report import markdown
 from pipeline.store.params import parse
 from pipeline.studies import calibration, candidates, distillation, length, variants
+from pipeline.studies.run import Run, pair_names
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import V0, Run
+from pipeline.studies.variants import V0
 
 
 def test_retention_reproduces_v0_headline():
@@ -204,7 +205,7 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     reason = "direct injection needs equal KV geometry, but ..."
     (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": reason}))
     (tmp_path / "metrics/controls.json").write_text(json.dumps({"compatibility": {"passed": True}}))
-    run = variants.load(["oracle", "direct", "selected"], [])
+    run = Run.load(["oracle", "direct", "selected"], [])
     assert run.skipped == {"direct": reason} and set(run.metrics) == {"oracle", "selected"}
     report = variants.compute(report_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
@@ -224,7 +225,7 @@ def _head(tmp_path, monkeypatch, pointers: dict[str, dict], profile: str = "qwen
     report = build(report_params(), *_study(np.random.default_rng(7), (0.85, 0.9, 0.9)),
                    {"compatibility": {"passed": True}})
     context = {"profile": profile, "data_kind": "hub", "source": "s", "target": "t", "dtype": "bfloat16",
-               "device": "cuda", "pair": variants.pair_names(), "selected_name": "selected"}
+               "device": "cuda", "pair": pair_names(), "selected_name": "selected"}
     return "\n".join(variants.lines(report, context))
 
 
@@ -249,8 +250,8 @@ def test_a_qwen3_v0_profile_on_other_checkpoints_names_its_pair_and_leaves_the_v
 
 def test_the_tiny_pair_and_random_shapes_are_not_v0s_pair_either(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert variants.pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
-    assert not variants.is_v0_pair(variants.pair_names())
+    assert pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
+    assert not variants.is_v0_pair(pair_names())
     text = _head(tmp_path, monkeypatch, {"source": {"kind": "random", "shape": "qwen3-0.6b", "seed": 0},
                                          "target": {"kind": "random", "shape": "qwen3-1.7b", "seed": 1}})
     assert "V0 reference" not in text
@@ -272,10 +273,10 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     cost = {"oracle": 1.0, "rows": 0.5, "mapped_step": 2.0, "map_update": 0.25, "select_scoring": 1.5}
     select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
                        "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}
-    rows = lambda top1, rollout, kl: pd.DataFrame({"prompt": range(4), "first_agree": top1,  # noqa: E731
-                                                   "rollout_agree": rollout, "horizon": 4, "kl": kl, "tokens": 2})
-    prompts = {"lin": rows([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
-               "lin+kl": rows([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}
+    columns = {"lin": ([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
+               "lin+kl": ([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}  # top-1, rollout, KL per prompt
+    prompts = {name: pd.DataFrame({"prompt": range(4), "first_agree": top1, "rollout_agree": rollout, "horizon": 4,
+                                   "kl": kl, "tokens": 2}) for name, (top1, rollout, kl) in columns.items()}
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5, "cost_s": cost},
                                  {"lin+kl": curve},
                                  select, items, prompts)

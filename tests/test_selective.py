@@ -155,7 +155,10 @@ def _items(mapped, oracle, task="piqa"):
 def test_the_threshold_is_the_highest_that_reaches_the_declared_quality_on_its_split():
     items = _items(mapped=[0, 1, 1, 0, 1, 1], oracle=[1, 1, 1, 1, 1, 1])  # PIQA: chance 0.5
     scores = np.array([0.9, 0.1, 0.2, 0.7, 0.3, 0.4])  # the two wrong items score highest
-    quality = lambda fallback: gating.item_quality(items, fallback)["retention"]  # noqa: E731
+
+    def quality(fallback: np.ndarray) -> float:
+        return gating.item_quality(items, fallback)["retention"]
+
     assert gating.choose_threshold(scores, quality, 1.0) == pytest.approx(0.4)  # falls back on 0.9 and 0.7 only
     assert gating.choose_threshold(scores, quality, 0.3) == float("inf")  # ungated: (4/6 - .5) / .5 = 0.33
     assert gating.choose_threshold(np.zeros(6), quality, 1.0) == float("-inf")  # no score separates them

@@ -201,8 +201,10 @@ class Scorer:
         source_layers = self.handoff.source_prefill(prefixes, mask)
         mapped = self.handoff.to_target(source_layers, lengths)
         last = torch.tensor([[context[-1]] for context in contexts])  # (B, 1): c[n-1]
-        step = lambda handoff, layers: handoff.step_logprobs(  # noqa: E731  (B, V) after `handoff`'s map
-            layers, last, lengths)[:, -1]
+
+        def step(handoff: Handoff, layers: Layers) -> torch.Tensor:  # (B, V) after `handoff`'s map
+            return handoff.step_logprobs(layers, last, lengths)[:, -1]
+
         target = step(self.handoff, mapped)
         out = {}
         if "top1" in names:

@@ -18,7 +18,7 @@ import time
 from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
-from pipeline.kv.mapper import Mapper
+from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.repair import Repair, RepairCount, repair_cache
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.devices import no_grad
@@ -172,20 +172,7 @@ class Handoff:
         if self.mode == "shuffled":
             order = shuffle_order(self.shuffle_seed, length, lengths, source_layers[0][0].shape[0]).to(self.device)
         target_rotation = Rotation(self.target_spec, positions.to(self.device))
-        layers = []
-        # one target layer at a time, from content space to the target's dtype: only one layer's float32
-        # intermediates live at once beside the stripped source cache
-        for layer in range(mapper.target_layers(content) if mapper else len(content)):
-            keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
-            if order is not None:  # permute each row's tokens, (B, H, T, D)
-                index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
-                keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
-            # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this
-            # layer is live, not all at once when the cache is built
-            values = values.to(self.device, dtype, memory_format=torch.contiguous_format)
-            keys = keys.to(self.device)
-            layers.append(((keys if rotated else target_rotation.apply(keys)).to(dtype), values))
-        return layers
+        return [cache for _, cache in map_cache(mapper, content, target_rotation, dtype, self.device, order)]
 
     def target_cache(self, layers: Layers | None, batch: int = 1):
         """A fresh target cache holding `layers`; a batch-1 prefix is shared by `batch` rows."""
@@ -210,15 +197,20 @@ class Handoff:
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.target_cache(layers, tokens.shape[0])
-        options = {}
-        if prefix_lengths is not None and layers is not None:
-            width, steps = layers[0][0].shape[2], tokens.shape[1]
-            prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
-            options["attention_mask"] = torch.cat([prefix_mask, torch.ones(len(tokens), steps, dtype=torch.bool)],
-                                                  dim=1).long().to(self.device)  # (B, P + L)
-            options["position_ids"] = (prefix_lengths[:, None] + torch.arange(steps)[None]).to(self.device)  # (B, L)
+        options = {} if prefix_lengths is None or layers is None else padded_prefix(prefix_lengths, width,
+                                                                                  tokens.shape[1], self.device)
         return self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                            **options).logits
+
+
+def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device) -> dict[str, torch.Tensor]:
+    """The attention mask and positions of `steps` tokens read after right-padded prefixes of real lengths
+    `prefix_lengths` (B,) in a cache `width` slots wide: the padded slots masked out, row b's tokens at positions
+    prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+    prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
+    steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
+    return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
+            "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
 
 
 def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -15,8 +15,8 @@ from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 
@@ -69,12 +69,13 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             **{key: figures[key] for key in ("speedup", "bound_at_pair", "parameters", "mapper_bytes")},
         }
     names = list(rows)
-    scored = lambda proxy: [n for n in names if rows[n][proxy] is not None]  # noqa: E731  (R²: fitted maps only)
-    proxies = {proxy: rank_correlation([rows[n][proxy] for n in scored(proxy)],
-                                       [rows[n]["retention"] for n in scored(proxy)], params.bootstrap_iters,
+    scored = {proxy: [n for n in names if rows[n][proxy] is not None]  # R²: fitted maps only
+              for proxy in [*PROXIES, *CONFIDENT_PROXIES]}
+    proxies = {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
+                                       [rows[n]["retention"] for n in scored[proxy]], params.bootstrap_iters,
                                        params.seed) for proxy in PROXIES}
-    confident = {proxy: rank_correlation([rows[n][proxy] for n in scored(proxy)],
-                                         [rows[n]["retention"] for n in scored(proxy)], params.bootstrap_iters,
+    confident = {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
+                                         [rows[n]["retention"] for n in scored[proxy]], params.bootstrap_iters,
                                          params.seed) for proxy in CONFIDENT_PROXIES}
     closure_values = [rows[n]["gap_closure"] for n in names]
     for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):
@@ -84,11 +85,15 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             "bound_pair": inputs.figures["bound_pair"]}
 
 
+def front(row: dict) -> str:
+    """Which Pareto fronts a candidate is on: `here` (the measured speedup), `at pair` (the FLOP bound), or a dash."""
+    return " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))
+                    if row[key]) or "—"
+
+
 def lines(study: dict) -> list[str]:
     """The report's section on every candidate: quality, proxies, speed, and what predicts what."""
     rows, proxies = study["rows"], study["proxies"]
-    front = lambda row: " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))  # noqa: E731
-                                 if row[key]) or "—"
     out = ["## Every candidate: what predicts retention, and the quality/speed frontier", "",
            f"Each fitted map evaluated on the eval part like a mapped variant (stage `candidates`); speedup is the "
            f"measured time to first token of the target's own prefill over the handoff's at {study['length']} "

@@ -18,8 +18,9 @@ from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import md_table, pct, pct_interval
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run, label, order
+from pipeline.studies.variants import label, order
 
 pd = lazy("pandas")
 

@@ -16,8 +16,8 @@ from pipeline.measure.gating import effective_speedup
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 
