@@ -100,7 +100,11 @@ def write_folder(model, tokenizer, out: Path, provenance: dict) -> None:
     config.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
-    safetensors_torch.save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})  # tied embeddings once
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding itself: stored once, under its name, as transformers does
+    safetensors_torch.save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(out / WEIGHTS),
+                                metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
 
