@@ -16,9 +16,10 @@ and every length at least 2 (`store.inputs`), each refusal one line; params' fit
 `self:<n>` this tool suggests) are left out, and named, rather than refused.
 
 `--mapper FILE` checks a map against the pair as every handoff does before any forward: the fingerprints of the
-models it was fitted on against these models' (`store.fingerprints`: weights, config and tokenizer files; not for a
-`shape:` side, which has none) and its KV geometry against theirs; it prints what it checked, and a mismatch is the
-one-line refusal. `--allow-other-models` reports a map fitted on other models instead of refusing it.
+models it was fitted on against these models' (`store.fingerprints`: weights, config, generation config and
+tokenizer, each named when it differs; not for a `shape:` side, which has none) and its KV geometry against
+theirs; it prints what it checked, and a mismatch is the one-line refusal. `--allow-other-models` reports a map
+fitted on other models instead of refusing it.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from pipeline.kv.repair import Repair
 from pipeline.kv.rope import model_name
 from pipeline.store import inputs
 from pipeline.store.cli import entry, parser
-from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.fingerprints import PairFingerprints
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, ParamError, read_key
 from pipeline.store.shapes import shape_config
@@ -192,12 +193,12 @@ def mapper_lines(path: Path, source: str, target: str, source_config, target_con
     mapper = load_mapper(path)
     source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
     check_map_geometry(mapper, source_geometry, target_geometry, f"source {source!r} and target {target!r}")
-    difference = check_models(str(path), mapper.models, pair_fingerprints(source, target), allow)
+    difference = check_models(str(path), mapper.models, PairFingerprints(source, target), allow)
     lines = [f"map {path}: {mapper.family} k={mapper.k}, KV geometry {mapper.source_geometry} -> "
              f"{mapper.target_geometry}: the pair's"]
     if difference:
         return lines + [f"other models allowed (--allow-other-models): {difference}"]
-    return lines + [f"map {path}: fitted on these models (weights, config and tokenizer files of both)"]
+    return lines + [f"map {path}: fitted on these models (weights, config, generation config and tokenizer of both)"]
 
 
 def as_list(value) -> list:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, committed, merge
+from test_fingerprints import EDITS, edited_copy
 
 from pipeline import check_pair, check_params, distill, extract, fit, generate
 from pipeline.generate import FELL_BACK, GateRequest, run
@@ -40,6 +41,23 @@ RULES = {
         "generate", [PROMPT, *SWAPPED, "--mapper", "{map}", "--transfer", "oracle,mapped"],
         r"^error: map .*map\.safetensors was fitted on this pair with source and target swapped; .*"
         r"--allow-other-models"),
+    "check_pair: a map with a copy of its target whose weights changed": (
+        "check_pair", ["{source}", "{target_weights}", "--ks", "1", "--lengths", "8", "--mapper", "{map}"],
+        r"^error: map .*map\.safetensors was fitted on other models: the target's weights differ \(fitted on "
+        r"sha256:[^;]*\); refit it on these models \(dvc repro\), or pass .*--allow-other-models"),
+    "check_pair: a map with a copy of its target whose config.json was edited": (
+        "check_pair", ["{source}", "{target_config}", "--ks", "1", "--lengths", "8", "--mapper", "{map}"],
+        r"^error: map .*map\.safetensors was fitted on other models: the target's config differs \(fitted on "
+        r"sha256:[^;]*\); refit it on these models"),
+    "generate: a map with a copy of its target whose generation_config.json was edited": (
+        "generate", [PROMPT, "--target", "{target_generation_config}", "--mapper", "{map}", "--transfer",
+                     "oracle,mapped"],
+        r"^error: map .*map\.safetensors was fitted on other models: the target's generation config differs "
+        r"\(fitted on sha256:[^;]*\); refit it on these models .*--allow-other-models"),
+    "kv-transfer: a map with a copy of its target whose tokenizer file was edited": (
+        "kv-transfer", "target={target_tokenizer},source={source},transfer=mapped,mapper={map}",
+        r"^error: map .*map\.safetensors was fitted on other models: the target's tokenizer differs \(fitted on "
+        r"sha256:[^;]*\); refit it on these models .*allow_other_models=true"),
     "generate: a gate's threshold nan": (
         "generate", [PROMPT, "--fallback", "entropy", "--threshold", "nan"],
         r"^error: --threshold: nan would never fall back; give a number, or -inf \(always\) / inf \(never\)$"),
@@ -167,7 +185,8 @@ RULES = {
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
     """The placeholders of RULES: the tiny pair, a map fitted on it (fingerprints recorded), a corrupt copy, bad
-    prompt files, a folder without tokenizer_config.json and a three-prompt data/eval.parquet."""
+    prompt files, a folder without tokenizer_config.json, copies of the target each edited by one of
+    `test_fingerprints.EDITS` (`target_weights`, ..., `target_extra_files`) and a three-prompt data/eval.parquet."""
     root = tmp_path_factory.mktemp("inputs")
     source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
     mapper = identity_mapper("s", "t", source.config, target.config)
@@ -185,10 +204,12 @@ def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
     ids = tokenizer.encode(PROMPT)
     eval_prompts = pd.DataFrame({"prompt_ids": [ids] * 3, "continuation_ids": [ids[:2]] * 3})
     eval_prompts.to_parquet(root / "data" / "eval.parquet")
+    edited = {f"target_{edit.replace(' ', '_')}": edit for edit in EDITS}
+    edited = {name: edited_copy(tiny_pair["target"], root / name, edit) for name, edit in edited.items()}
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     made = ("map.safetensors", "corrupt.safetensors", "long.txt", "binary.bin", "latin1.txt", "no_tokenizer_config")
     return {"target": str(tiny_pair["target"]), "source": str(tiny_pair["source"]), "folder": str(root),
-            **{name.split(".")[0]: str(root / name) for name in made}, "missing_cuda": f"cuda:{count}"}
+            **{name.split(".")[0]: str(root / name) for name in made}, **edited, "missing_cuda": f"cuda:{count}"}
 
 
 def committed_params() -> dict:
@@ -267,6 +288,17 @@ def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files,
                      "--allow-other-models"])
     out = capsys.readouterr().out
     assert "other models allowed (--allow-other-models): " in out and "swapped" in out
+
+
+def test_a_copy_of_the_target_with_only_extra_files_is_the_same_fingerprint_and_accepts_its_map(files, monkeypatch,
+                                                                                                capsys):
+    monkeypatch.chdir(files["folder"])
+    check_pair.main([files["source"], files["target_extra_files"], "--ks", "1", "--lengths", "8", "--mapper",
+                     files["map"]])
+    assert f"map {files['map']}: fitted on these models" in capsys.readouterr().out
+    pair = Pair(files["target_extra_files"], files["source"], device="cpu")
+    pair.handoff("mapped", files["map"])
+    assert pair.other_models == []
 
 
 def test_check_pair_leaves_out_the_params_ks_a_self_source_is_too_shallow_for(monkeypatch, capsys):

@@ -51,7 +51,8 @@ class Mapper:
     extra: dict[str, Any] = field(default_factory=dict)  # the fit's facts, for the record
     key_space: str = "content"  # rotated: fitted on keys with RoPE kept (the length study's ablation)
     distilled: dict | None = None  # a distilled map's facts (start digest, loss weights, best epoch, ...)
-    # the pair it was fitted on: {"source"|"target": {"pin", "tokenizer"}} (store.fingerprints.pair_fingerprints);
+    # the pair it was fitted on: {"source"|"target": {"weights", "config", "generation_config", "tokenizer"}}
+    # (store.fingerprints.pair_fingerprints; {"pin", "tokenizer"} in a map written before fingerprints had parts);
     # None: a map written before maps were bound to their pair, or one made in memory
     models: dict | None = None
 
