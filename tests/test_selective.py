@@ -20,8 +20,11 @@ from pipeline.measure.confident import MARGINS
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.schema.selective import SelectiveParams
 from pipeline.selective import METRIC, add_probe, item_rows, summarize, task_frame, train_probe
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError, parse
+from pipeline.studies import selective as study
+from pipeline.studies.settings import ReportParams
 
 VOCAB = 97
 E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
@@ -421,3 +424,32 @@ def test_the_summary_gives_confident_top1_over_the_prompts_sure_at_their_first_t
     sure_nowhere = summarize(items, prompts, params, costs, margin=0.95)[0]["maps"]["a"]
     assert sure_nowhere["confident_prompts"] == 0 and sure_nowhere["confident_top1"] is None
     assert sure_nowhere["scores"]["entropy"]["confident_top1"] is None
+
+
+def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_and_draws_confident_top1(tmp_path):
+    margins = [[0.9, 0.0], [0.5, 0.0], [0.1, 0.9], [0.3, 0.9], [0.05, 0.9], [0.25, 0.0]] * 5
+    items, prompts, params, costs = _summary_inputs(margins)
+    params.maps = {"a": "models/mapper.safetensors"}  # select's output: the selected map
+    metrics, curves = summarize(items, prompts, params, costs, margin=0.2)
+    report = parse(ReportParams, committed("report"), "report")
+    figures = study.compute(report, study.Inputs(metrics, curves))
+    text = "\n".join(study.lines(figures))
+    row = metrics["maps"]["a"]["scores"]["entropy"]
+    auroc = f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
+    assert (f"Selected map (`a`, models/mapper.safetensors): AUROC on the eval items entropy {auroc} (n = 40 items, "
+            f"14 where the map changes the decision)") in text
+    assert "| a | none (ungated) | — | 40 (14) | 50.0% | 75.0% (n = 20) |" in text
+    study.figure(figures, tmp_path)
+    assert (tmp_path / "selective.png").stat().st_size > 0 and (tmp_path / "selective_top1.png").stat().st_size > 0
+    params.maps = {"a": "models/best/mapped_k1.safetensors"}  # not the selected map: no such sentence
+    other = summarize(items, prompts, params, costs, margin=0.2)[0]
+    assert "Selected map" not in "\n".join(study.lines(study.compute(report, study.Inputs(other, curves))))
+
+
+def test_the_study_refuses_selective_metrics_written_before_the_confident_figures(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "metrics" / "selective.json"
+    metrics.parent.mkdir()
+    metrics.write_text('{"target_retention": 0.99, "maps": {}}')
+    with pytest.raises(ArtifactError, match="rerun the selective stage"):
+        study.load(None)
