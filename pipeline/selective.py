@@ -233,12 +233,12 @@ def confident_row(prompts: pd.DataFrame, fallback: np.ndarray, iters: int, seed:
     return {"confident_top1": top1["diff"], "confident_top1_low": top1["low"], "confident_top1_high": top1["high"]}
 
 
-def ungated(ev: pd.DataFrame, pr: pd.DataFrame, file: str) -> dict:
-    """A map's facts without a gate: its quality, the share (and count) of requests where it changes the decision,
-    the counts of requests and of confident prompts, and its file."""
-    quality = {**gating.item_quality(ev, np.zeros(len(ev), bool)), **gating.prompt_quality(pr, np.zeros(len(pr), bool))}
-    sure = quality["confident_top1"]
-    return {**quality, "confident_top1": None if sure != sure else sure, "changed_items": float(ev.changed.mean()),
+def ungated(ev: pd.DataFrame, pr: pd.DataFrame, file: str, iters: int, seed: int) -> dict:
+    """A map's facts without a gate: its quality (confident top-1 with its interval), the share (and count) of
+    requests where it changes the decision, the counts of requests and of confident prompts, and its file."""
+    kept = np.zeros(len(pr), bool)
+    return {**gating.item_quality(ev, np.zeros(len(ev), bool)), **gating.prompt_quality(pr, kept),
+            **confident_row(pr, kept, iters, seed), "changed_items": float(ev.changed.mean()),
             "changed_prompts": float(pr.changed.mean()), "items": len(ev), "prompts": len(pr),
             "changed_item_count": int(ev.changed.sum()), "confident_prompts": int(pr.confident.sum()), "file": file}
 
@@ -260,8 +260,8 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
         pr["confident"] = confident_prompts(pr, margin)
         references = {"items": gating.reference_scores(ev.changed, params.seed),
                       "prompts": gating.reference_scores(pr.changed, params.seed)}
-        facts = {**ungated(ev, pr, params.maps[name]), **{key: round(value, 4) for key, value in costs[name].items()},
-                 "scores": {}}
+        facts = {**ungated(ev, pr, params.maps[name], params.bootstrap_iters, params.seed),
+                 **{key: round(value, 4) for key, value in costs[name].items()}, "scores": {}}
         for score in [*params.scores, *REFERENCES]:
             for kind, frame, quality in (("items", ev, gating.item_quality), ("prompts", pr, gating.prompt_quality)):
                 values = frame[f"score_{score}"] if score in params.scores else references[kind][score]

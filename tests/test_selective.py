@@ -423,6 +423,7 @@ def test_the_summary_gives_confident_top1_over_the_prompts_sure_at_their_first_t
     assert curves[curves.requests == "items"].confident_top1.isna().all()  # the items' curves as they were
     sure_nowhere = summarize(items, prompts, params, costs, margin=0.95)[0]["maps"]["a"]
     assert sure_nowhere["confident_prompts"] == 0 and sure_nowhere["confident_top1"] is None
+    assert sure_nowhere["confident_top1_low"] is None and sure_nowhere["confident_top1_high"] is None
     assert sure_nowhere["scores"]["entropy"]["confident_top1"] is None
 
 
@@ -438,7 +439,10 @@ def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_an
     auroc = f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
     assert (f"Selected map (`a`, models/mapper.safetensors): AUROC on the eval items entropy {auroc} (n = 40 items, "
             f"14 where the map changes the decision)") in text
-    assert "| a | none (ungated) | — | 40 (14) | 50.0% | 75.0% (n = 20) |" in text
+    facts = metrics["maps"]["a"]
+    assert facts["confident_top1_low"] < 0.75 < facts["confident_top1_high"]
+    assert (f"| a | none (ungated) | — | 40 (14) | 50.0% | 75.0% [{100 * facts['confident_top1_low']:.1f}%, "
+            f"{100 * facts['confident_top1_high']:.1f}%] (n = 20) |") in text
     study.figure(figures, tmp_path)
     assert (tmp_path / "selective.png").stat().st_size > 0 and (tmp_path / "selective_top1.png").stat().st_size > 0
     params.maps = {"a": "models/best/mapped_k1.safetensors"}  # not the selected map: no such sentence

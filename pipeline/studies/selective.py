@@ -96,13 +96,9 @@ def _auroc(row: dict) -> str:
 
 
 def _confident(row: dict, count: int) -> str:
-    """A confident top-1 cell: with its interval where the row has one (a dev threshold's), its n."""
-    value = row["confident_top1"]
-    if value is None:
+    if row["confident_top1"] is None:
         return f"n/a (n = {count})"
-    shown = pct(value) if "confident_top1_low" not in row else pct_interval(value, row["confident_top1_low"],
-                                                                             row["confident_top1_high"])
-    return f"{shown} (n = {count})"
+    return f"{pct_interval(*(row[f'confident_top1{end}'] for end in ('', '_low', '_high')))} (n = {count})"
 
 
 def judged_lines(study: dict) -> list[str]:
