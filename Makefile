@@ -1,6 +1,7 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
 # Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
-# `make lint` runs ruff (config in pyproject.toml); `make gpu-check` is the prepared check for a machine with a GPU;
+# `make lint` runs ruff (config in pyproject.toml); `make deps` rewrites each dvc.yaml stage's pipeline/ deps from
+# the imports of its module (tests/stagedeps.py); `make gpu-check` is the prepared check for a machine with a GPU;
 # `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tests/bench_eval.py);
 # `make timings` times `make repro`, `make test` and `make test-fast` in a fresh clone of HEAD, on this .venv (install
 # not counted), and writes timings.md, the README's figures (tests/timings.py; `--only`, `--out` there).
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed
 # dvc runs each stage's `python -m ...` through PATH: it must find this environment's python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test test-fast lint test-realshape gpu-check bench-eval timings clean-venv
+.PHONY: setup repro test test-fast lint deps test-realshape gpu-check bench-eval timings clean-venv
 
 setup: $(STAMP)
 
@@ -35,6 +36,9 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check pipeline tests
+
+deps: setup
+	$(BIN)/python tests/stagedeps.py
 
 test-realshape: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -s -m realshape

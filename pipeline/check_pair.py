@@ -11,13 +11,15 @@ token at a few prompt lengths and the `self:<n>` source of the real source's pre
 when the mapped handoff is refused. The ks, the lengths and the mlp width default to params.yaml's fit.ks,
 latency.lengths and fit.mlp.hidden; the run length a sliding window is checked against (--max-tokens) to the
 longest sequence params.yaml's profile feeds the models (`kv.contract.run_length`), or the models' position
-range without a params.yaml. Every k must be within the source's layers and every length at least 2
-(`store.inputs`), each refusal one line.
+range without a params.yaml, and never past the models' positions. Every k must be within the source's layers
+and every length at least 2 (`store.inputs`), each refusal one line; params' fit.ks beyond a shallower source (the
+`self:<n>` this tool suggests) are left out, and named, rather than refused.
 
 `--mapper FILE` checks a map against the pair as every handoff does before any forward: the fingerprints of the
-models it was fitted on against these models' (`store.fingerprints`: weights, config and tokenizer files; not for a
-`shape:` side, which has none) and its KV geometry against theirs; it prints what it checked, and a mismatch is the
-one-line refusal. `--allow-other-models` reports a map fitted on other models instead of refusing it.
+models it was fitted on against these models' (`store.fingerprints`: weights, config, generation config and
+tokenizer, each named when it differs; not for a `shape:` side, which has none) and its KV geometry against
+theirs; it prints what it checked, and a mismatch is the one-line refusal. `--allow-other-models` reports a map
+fitted on other models instead of refusing it.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from pipeline.kv.repair import Repair
 from pipeline.kv.rope import model_name
 from pipeline.store import inputs
 from pipeline.store.cli import entry, parser
-from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.fingerprints import PairFingerprints
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, ParamError, read_key
 from pipeline.store.shapes import shape_config
@@ -95,12 +97,17 @@ def rotary_cell(card: ModelCard) -> str:
     return f"{spec.rope_type}, theta {spec.theta:g}" + (f" ({scaling})" if scaling else "")
 
 
+def geometry_cell(card) -> str:
+    """A model's `layers / KV heads / head_dim`, or a dash when its configuration gives none."""
+    if card.geometry is None:
+        return "—"
+    return f"{card.geometry['layers']} / {card.geometry['kv_heads']} / {card.geometry['head_dim']}"
+
+
 def model_rows(contract: Contract) -> list[list[object]]:
     source, target = contract.source, contract.target
-    geometry = lambda card: ("—" if card.geometry is None else  # noqa: E731
-                             f"{card.geometry['layers']} / {card.geometry['kv_heads']} / {card.geometry['head_dim']}")
     return [["model", source.name, target.name], ["family", source.model_type, target.model_type],
-            ["layers / KV heads / head_dim", geometry(source), geometry(target)],
+            ["layers / KV heads / head_dim", geometry_cell(source), geometry_cell(target)],
             ["rotary", rotary_cell(source), rotary_cell(target)],
             ["verdict", source.refusal or "understood", target.refusal or "understood"]]
 
@@ -186,17 +193,28 @@ def mapper_lines(path: Path, source: str, target: str, source_config, target_con
     mapper = load_mapper(path)
     source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
     check_map_geometry(mapper, source_geometry, target_geometry, f"source {source!r} and target {target!r}")
-    difference = check_models(str(path), mapper.models, pair_fingerprints(source, target), allow)
+    difference = check_models(str(path), mapper.models, PairFingerprints(source, target), allow)
     lines = [f"map {path}: {mapper.family} k={mapper.k}, KV geometry {mapper.source_geometry} -> "
              f"{mapper.target_geometry}: the pair's"]
     if difference:
         return lines + [f"other models allowed (--allow-other-models): {difference}"]
-    return lines + [f"map {path}: fitted on these models (weights, config and tokenizer files of both)"]
+    return lines + [f"map {path}: fitted on these models (weights, config, generation config and tokenizer of both)"]
 
 
 def as_list(value) -> list:
     """A params value that is one size or a list of them, as a list (None: none)."""
     return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
+def default_ks(given: list[int] | None, source_layers: int, source: str) -> tuple[list[int], list[int]]:
+    """(ks, left out): --ks as given, each within the source's layers; else params' fit.ks, less those beyond a
+    shallower source (a `self:<n>` this tool suggests), which are left out rather than refused."""
+    if given:
+        return inputs.ks(given, "--ks", source_layers, source), []
+    name = "fit.ks (params.yaml; or give --ks)"
+    ks = [inputs.at_least(k, name, 1) for k in read_key("fit.ks")]
+    within = [k for k in ks if k <= source_layers]
+    return inputs.ks(within or [1], name, source_layers, source), [k for k in ks if k > source_layers]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,8 +256,10 @@ def main(argv: list[str] | None = None) -> None:
               for family, spec in FAMILIES.items() if spec.width_name}
     target_config, target_tokenizer = read(args.target)
     source_config, source_tokenizer = read_source(args.source, (target_config, target_tokenizer))
-    ks = inputs.ks(args.ks or read_key("fit.ks"), "--ks" if args.ks else "fit.ks (params.yaml; or give --ks)",
-                   source_config.num_hidden_layers, model_name(source_config))
+    if args.max_tokens is not None:
+        inputs.within(args.max_tokens, "--max-tokens", min(config.max_position_embeddings for config in
+                                                            (source_config, target_config)), "positions in the models")
+    ks, left_out = default_ks(args.ks, source_config.num_hidden_layers, model_name(source_config))
     checked = (mapper_lines(args.mapper, args.source, args.target, source_config, target_config,
                             args.allow_other_models) if args.mapper else [])
     # without a params.yaml the run is as long as the models allow
@@ -248,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
     repairs = args.repairs or (read_key("repair.grid") if PARAMS_FILE.is_file() else [])
     print(report(contract, source_config, target_config, ks, lengths, widths, repairs))
+    if left_out:
+        print(f"\nfit.ks {left_out} left out: beyond the source's {source_config.num_hidden_layers} layers "
+              f"({model_name(source_config)}); --ks chooses")
     if checked:
         print("\n" + "\n".join(checked))
     contract.require("mapped")

@@ -7,9 +7,11 @@ imported here), and a top-level key no stage reads is refused, so a typo anywher
 empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here, naming the key, before anything is
 computed. Then the rules between sections (`ParamsFile`'s validators),
 which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
-a calibration size beyond its pool, a mapper file no stage writes, a repaired variant reading a choice select
-does not make, a report variant that is not evaluated, a
-trained pair without its settings, a k beyond the source's layers, a split fit reads and extract skips.
+a calibration size beyond its pool, a sibling source cut from no checkpoint, a mapper file no stage writes, a
+repaired variant reading a choice select does not make, a report variant that is not evaluated, a
+trained pair without its settings, a k beyond the source's layers, a repair (repair.grid, select.repairs,
+evaluate.repair) recomputing more layers than the target has or a sink past its positions, a split fit reads and
+extract skips.
 Writes metrics/params_check.json, the names of the sections checked: its bytes do not depend on the values,
 so `prepare_data`, which depends on it, and everything after it rerun only for the parameters they read.
 """
@@ -20,9 +22,11 @@ import json
 from pydantic import model_validator
 
 from pipeline.kv.families.registry import MapName
+from pipeline.kv.repair import Repair
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.schema.controls import ControlsParams, ToleranceParams
+from pipeline.schema.convert_models import ConvertParams
 from pipeline.schema.distill import DistillParams, distilled_name
 from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.schema.extract import ExtractParams
@@ -35,6 +39,7 @@ from pipeline.schema.repair import RepairParams
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.schema.select import SelectParams
 from pipeline.schema.selective import SelectiveParams
+from pipeline.schema.sibling import SiblingParams, names_sibling
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
@@ -53,6 +58,8 @@ class ParamsFile(Params):
 
     profile: str
     data: DataParams
+    convert: ConvertParams
+    sibling: SiblingParams
     models: ModelsParams
     train: TrainParams
     score_models: ScoreModelsParams
@@ -85,11 +92,46 @@ class ParamsFile(Params):
         source's n); None for a hub model, known once prepare_models fetched its config."""
         if side == "source" and self.models.self_layers:
             return self.models.self_layers
+        if side == "source" and names_sibling(self.models.source):
+            return self.sibling.layers
         if self.models.kind == "trained":
             return getattr(self.train, side).layers
         if self.models.kind == "random":
             return shape_config(getattr(self.models, side)).num_hidden_layers
         return None
+
+    def _positions(self) -> int | None:
+        """The target's positions where params alone tell it, as `_depth` its layers."""
+        if self.models.kind == "trained":
+            return self.train.target.max_positions
+        if self.models.kind == "random":
+            return shape_config(self.models.target).max_position_embeddings
+        return None
+
+    @model_validator(mode="after")
+    def _repairs_within_the_target(self) -> ParamsFile:
+        layers, positions = self._depth("target"), self._positions()
+        named = [("repair.grid", text) for text in self.repair.grid]
+        named += [("select.repairs", text) for text in self.select.repairs]
+        named += [(f"evaluate.repair.{name}", text) for name, text in self.evaluate.repair.items() if text != SELECTED]
+        target = f"{self.models.kind} {self.models.target}"
+        for key, text in named:
+            repair = Repair.parse(text)
+            if layers is not None and repair.exact_layers > layers:
+                raise ParamError(f"{key}: {text} recomputes {repair.exact_layers} layers, but the target has {layers} "
+                                 f"({target}); give layers:N with N <= {layers}")
+            if positions is not None and repair.sink >= positions:
+                raise ParamError(f"{key}: {text} recomputes a sink of {repair.sink} tokens, but the target has "
+                                 f"{positions} positions ({target}); give sink:S with S < {positions}")
+        return self
+
+    @model_validator(mode="after")
+    def _sibling_is_cut_from_a_checkpoint(self) -> ParamsFile:
+        if names_sibling(self.models.source) and self.models.kind != "hub":
+            raise ParamError(f"models.source: {self.models.source} is the sibling, cut from a checkpoint target, but "
+                             f"models.kind is {self.models.kind!r}; set models.kind: hub and models.target to a "
+                             f"checkpoint")
+        return self
 
     @model_validator(mode="after")
     def _self_source_within_the_target(self) -> ParamsFile:

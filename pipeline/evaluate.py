@@ -18,7 +18,9 @@ name the setting (`repair`). Every variant needs the
 controls to have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined
 (`direct` between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
 
-Writes, per variant, metrics/eval/<variant>.json (small, flat; its wall time is the variant's own),
+Writes, per variant, metrics/eval/<variant>.json (small, flat; its wall time is the variant's own; beside V0's
+top-1 the agreement where the oracle is sure, at the margin `report.confident_margin`, and the oracle-weighted
+agreement: `measure.confident`),
 eval/<variant>/prompts.parquet (per prompt), eval/<variant>/items.parquet (per task item, for the paired
 statistics of the report) and lm-eval's own results and samples (eval/<variant>/lm_eval/).
 """
@@ -33,6 +35,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
 from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
+from pipeline.measure.confident import confidence_summary
 from pipeline.measure.taskeval import by_kind, score_tasks
 from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.store import paths
@@ -46,7 +49,7 @@ from pipeline.store.artifacts import (
 )
 from pipeline.store.cli import entry, parser
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, load_section
+from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 ORACLE_OUTPUTS, EVAL_PROMPTS = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS
@@ -79,10 +82,12 @@ def variant_repair(variant: str, params: EvaluateParams) -> Repair | None:
     return None if setting is None else Repair.parse(setting)
 
 
-def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PROCESS) -> dict | None:
+def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
+        ranks: Ranks = ONE_PROCESS) -> dict | None:
     """Evaluate `variant` between `pair`'s models; under several processes every rank scores its share of the
-    prompts and task items, and rank 0 writes eval/<variant>/ and returns the metrics (the others {}). None when
-    the pair's contract leaves the variant undefined: its reason is written instead, on rank 0."""
+    prompts and task items, and rank 0 writes eval/<variant>/ and returns the metrics (the others {}); `margin`: the
+    oracle's top-2 margin from which a position is confident. None when the pair's contract leaves the variant
+    undefined: its reason is written instead, on rank 0."""
     require_controls_passed()
     # undefined by the pair's architecture contract (e.g. `direct` between unequal KV geometries), from the configs
     # and tokenizers alone
@@ -114,7 +119,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, ranks: Ranks = ONE_PRO
         score_tasks(router, pair.target_tokenizer, files, ranks=ranks)
         return {}
     metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
-                                       for k, v in summarize(rows).items()}
+                                       for k, v in {**summarize(rows), **confidence_summary(rows, margin)}.items()}
     with atomic_dir(paths.variant_folder(variant)) as staging:
         tasks, items = score_tasks(router, pair.target_tokenizer, files, raw_to=staging / "lm_eval", ranks=ranks)
         rows.to_parquet(paths.variant_rows("prompts", staging), index=False)
@@ -148,12 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     names = cli.parse_args(argv).variants
     params, models = load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models")
+    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
     variants = ordered_variants(names, params)
     with stage_ranks(models.torch_device, params.processes, "pipeline.evaluate", argv, params.threads) as stage:
         pair = Pair.load(models, stage.device)  # one load of each model, shared by the variants
         for variant in variants:
             stage.restart_usage()  # each variant's metrics: its own wall time
-            metrics = run(variant, params, pair, stage.ranks)
+            metrics = run(variant, params, pair, margin, stage.ranks)
             if metrics is not None:  # None: a variant the pair's contract leaves undefined, its reason recorded
                 stage.write_metrics(paths.variant_metrics(variant), metrics)
 

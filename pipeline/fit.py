@@ -124,8 +124,11 @@ def fit_layers(layers: list[int], orders: list[list[int]], splits: tuple, held: 
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
                       params.mlp.patience, seed=params.seed)
     units = [(k, layer, kind) for layer in layers for k in mlp_ks for kind in KINDS]
-    train = lambda unit: fit_mlp_unit(unit[1], orders[unit[1]], unit[0], unit[2], fit_pairs,  # noqa: E731
-                                      select_pairs, held, mlp, geometry.heads_t, parts, device)
+
+    def train(unit: tuple[int, int, str]):  # (k, layer, kind)
+        return fit_mlp_unit(unit[1], orders[unit[1]], unit[0], unit[2], fit_pairs, select_pairs, held, mlp,
+                            geometry.heads_t, parts, device)
+
     pool = ThreadPoolExecutor(params.mlp.workers)
     try:
         training = {unit: pool.submit(train, unit) for unit in units}

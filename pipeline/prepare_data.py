@@ -52,6 +52,10 @@ def generated(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     frames = {"corpus": world["corpus"]}
     for split in SEQUENCE_SPLITS:
         frames[split] = tokenize_sequences(world[split], tokenizer, params, split)
+    if len(frames["eval"]) < params.eval_prompts:
+        raise ParamError(
+            f"data.prompt_length + data.continuation_length = {params.prompt_length + params.continuation_length} "
+            f"tokens: only {len(frames['eval'])} of {len(world['eval'])} eval documents are that long; shorten them")
     frames["eval"] = frames["eval"].head(params.eval_prompts)
     frames["calibration"], frames["fit"] = frames["fit"], frames["fit"].head(params.fit_sequences)
     for task in TASKS:
@@ -73,13 +77,7 @@ def tokenize_sequences(docs: pd.DataFrame, tokenizer, params: DataParams, split:
             row["prompt_ids"] = ids[: params.prompt_length]
             row["continuation_ids"] = ids[params.prompt_length : needed]
         rows.append(row)
-    frame = pd.DataFrame(rows)
-    if split == "eval" and len(frame) < params.eval_prompts:
-        raise ParamError(
-            f"data.prompt_length + data.continuation_length = {params.prompt_length + params.continuation_length} "
-            f"tokens: only {len(frame)} of {len(docs)} eval documents are that long; shorten them"
-        )
-    return frame
+    return pd.DataFrame(rows)
 
 
 # ---- hub (V0) ----

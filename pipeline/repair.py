@@ -25,6 +25,7 @@ from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_boun
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts, summarize, variant_rows
+from pipeline.measure.confident import FIGURES, confidence_summary
 from pipeline.measure.latency import measure
 from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.repair import RepairParams
@@ -32,7 +33,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import load_section
+from pipeline.store.params import load_section, load_value
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 
@@ -40,26 +41,29 @@ OUT, METRICS = paths.REPAIR_ROWS, paths.REPAIR_METRICS
 TRUNCATED = "truncated"  # the folder (and name) of the truncated-prompt baseline's rows
 
 
-def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int) -> tuple[dict, object, object]:
-    """One evaluated handoff: its figures (task accuracies, `summarize`'s), item and prompt rows."""
+def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int, margin: float) -> tuple[dict, object, object]:
+    """One evaluated handoff: its figures (task accuracies, `summarize`'s, `measure.confident`'s at oracle margin >=
+    `margin`), item and prompt rows."""
     tasks, items = score_tasks(Router(handoff, batch_size=batch_size), pair.target_tokenizer, tasks)
     rows = variant_rows(handoff, prompts, oracle, batch_size, progress=False)
     figures = {f"{task}_{metric}": round(result[metric], 6) for task, result in tasks.items()
                for metric in ("acc", "acc_norm")}
     summary = summarize(rows)
     figures.update({key: round(summary[key], 6) for key in ("next_token_top1", "rollout_agreement", "mean_kl")})
+    sure = confidence_summary(rows, margin)
+    figures.update({key: None if sure[key] is None else round(sure[key], 6) for key in FIGURES})
     return figures, items, rows
 
 
-def repaired(pair: Pair, path, setting, tasks, prompts, oracle, batch_size: int):
+def repaired(pair: Pair, path, setting, tasks, prompts, oracle, batch_size: int, margin: float):
     """The map at `path` under one repair setting: its handoff, and `scored`'s figures, item and prompt rows."""
     handoff = pair.handoff("mapped", path, repair=setting)
-    return handoff, scored(pair, handoff, tasks, prompts, oracle, batch_size)
+    return handoff, scored(pair, handoff, tasks, prompts, oracle, batch_size, margin)
 
 
-def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
-    """Every map at every setting of the grid, and the truncated prompt at each budget level; `timed`: measure the
-    speedup here (False in tests)."""
+def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool = True) -> dict:
+    """Every map at every setting of the grid, and the truncated prompt at each budget level (`margin`:
+    `report.confident_margin`); `timed`: measure the speedup here (False in tests)."""
     require_controls_passed()
     pair = Pair.load(models, models.torch_device)
     bound_configs = pair_configs(params.bound_pair)
@@ -73,7 +77,7 @@ def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
             handoff, (figures, items, rows) = repaired(pair, params.maps[name], setting, pair.eval_tasks, prompts,
-                                                      oracle, params.batch_size)
+                                                      oracle, params.batch_size, margin)
             write_rows(staging, name, str(setting), items, rows)
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
@@ -87,7 +91,8 @@ def run(params: RepairParams, models: ModelsParams, timed: bool = True) -> dict:
             metrics.update({f"maps/{name}/{setting}/{key}": value for key, value in figures.items()})
         for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
             truncated = pair.handoff("oracle", keep=keep)
-            figures, items, rows = scored(pair, truncated, pair.eval_tasks, prompts, oracle, params.batch_size)
+            figures, items, rows = scored(pair, truncated, pair.eval_tasks, prompts, oracle, params.batch_size,
+                                          margin)
             write_rows(staging, TRUNCATED, f"{keep:g}", items, rows)
             metrics.update({f"{TRUNCATED}/{keep:g}/{key}": value for key, value in figures.items()})
     return metrics
@@ -103,8 +108,9 @@ def write_rows(staging, name: str, setting: str, items, rows) -> None:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.repair", __doc__, argv)
     params, models = load_section(RepairParams, "repair"), load_section(ModelsParams, "models")
+    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(METRICS, run(params, models))
+        stage.write_metrics(METRICS, run(params, models, margin))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Stage `report`: normalized retention, gap closure, paired statistics, acceptance criteria, the V0-style report.
 
 The recipe: load every study's inputs, compute each study, write. The studies are `pipeline/studies/`, one
-module each (inputs, statistics, Markdown, figure): the V0 variants, then each in `STUDIES`, which a study
-joins with one line here. Writes metrics/report.json (the variants' `variants`, `selected`, `comparisons`,
-`criteria`, `retention_metric`, `skipped`, then one key per study that ran), metrics/headline/<variant>.json (the
-few figures per variant that `dvc metrics show/diff` compare), report.md (the V0 table, intervals, criteria, every
-study's section, environment, a reading generated from the numbers), PNG figures under report/, and the tables
-behind them for `dvc plots` under plots/.
+module each (inputs, statistics, Markdown, figure: the protocol of `studies.run`): the V0 variants, then each in
+`studies.registry.STUDIES`, which a study joins with one line there. Writes metrics/report.json (the variants'
+`variants`, `selected`, `comparisons`, `criteria`, `retention_metric`, `skipped`, then one key per study that
+ran), metrics/headline/<variant>.json (the few figures per variant that `dvc metrics show/diff` compare), report.md
+(the V0 table, intervals, criteria, every study's section, environment, a reading generated from the numbers), PNG
+figures under report/, and the tables behind them for `dvc plots` under plots/.
 """
 from __future__ import annotations
 
@@ -25,36 +25,36 @@ from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, load_value
-from pipeline.studies import calibration, candidates, distillation, length, repair, selective, variants
+from pipeline.studies import confident, variants
+from pipeline.studies.registry import STUDIES
+from pipeline.studies.run import Joining, Run
 from pipeline.studies.settings import ReportParams
 
 plt = lazy("matplotlib.pyplot")
 pd = lazy("pandas")
 
-# the studies beside the variants, in the report's order: key in metrics/report.json -> module
-STUDIES = {"distillation": distillation, "candidates": candidates, "selective": selective, "repair": repair,
-           "calibration": calibration, "length": length}
 HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 
-def load(variant_names: list[str], calibration_sizes: list[int]) -> tuple[variants.Run, dict]:
+def load(variant_names: list[str], calibration_sizes: list[int]) -> tuple[Run, dict]:
     """The variants' run and each study's inputs (a study that did not run is left out): every file the
     report reads, read before anything is computed or written."""
-    run = variants.load(variant_names, calibration_sizes)
+    run = Run.load(variant_names, calibration_sizes)
     inputs = {key: study.load(run) for key, study in STUDIES.items()}
     return run, {key: given for key, given in inputs.items() if given is not None}
 
 
-def compute(params: ReportParams, run: variants.Run, inputs: dict) -> dict:
+def compute(params: ReportParams, run: Run, inputs: dict) -> dict:
     """metrics/report.json: the variants' study, then one key per study that ran."""
     report = variants.compute(params, run)
     report.update({key: STUDIES[key].compute(params, given) for key, given in inputs.items()})
-    if "repair" in report:  # the frontier gains the repaired points: over the candidates study's maps too
-        repair.join_front(report["repair"], report.get("candidates"))
+    for key, study in STUDIES.items():  # once every study is computed: a join reads another's result
+        if key in report and isinstance(study, Joining):
+            study.join(report[key], report.get(study.JOINS))
     return report
 
 
-def figures(report: dict, run: variants.Run, folder: Path) -> dict[str, pd.DataFrame]:
+def figures(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
     """Every study's PNG figures under `folder`, and the tables behind them (for `dvc plots`)."""
     tables = variants.figure(report, run, folder)
     for key, study in STUDIES.items():
@@ -64,7 +64,7 @@ def figures(report: dict, run: variants.Run, folder: Path) -> dict[str, pd.DataF
     return tables
 
 
-def markdown(report: dict, run: variants.Run, context: dict) -> str:
+def markdown(report: dict, run: Run, context: dict) -> str:
     """report.md: the variants' head, each study's section, the controls and latency, the environment."""
     lines = variants.lines(report, context)
     for key, study in STUDIES.items():
@@ -94,7 +94,8 @@ def write(report: dict, tables: dict[str, pd.DataFrame], text: str) -> None:
     write_json_atomic(paths.REPORT, report)
     with atomic_dir(HEADLINE) as staging:
         for variant, row in variants.headline(report).items():
-            write_json_atomic(staging / f"{variant}.json", row)
+            sure = confident.headline(report.get("confident", {}), variant)  # beside V0's columns
+            write_json_atomic(staging / f"{variant}.json", {**row, **sure})
     write_bytes_atomic(paths.REPORT_MD, text.encode())
 
 

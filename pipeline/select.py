@@ -4,8 +4,10 @@ Each select sequence is cut into a context (the first `prompt_fraction` of its t
 (the rest); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
 outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
 mean KL, and per target layer the cosine between the oracle's attention output and the candidate's (a cheap
-proxy for task retention; the report correlates every proxy with retention). The rule (default: highest
-agreement, ties by lower perplexity) picks `models/mapper.safetensors`;
+proxy for task retention; the report correlates every proxy with retention), and beside them the agreement where
+the oracle is sure (top-2 margin >= `report.confident_margin`: confident-prompt top-1 and confident-position
+agreement) and the oracle-weighted agreement (`measure.confident`). The rule (`select.rule`: agreement, perplexity,
+kl, attention_cosine or one of those three; ties by lower perplexity) picks `models/mapper.safetensors`;
 for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
 V0 rows k=1 and k=4 whatever the rule picks (closed-form maps only: V0's method; a distilled map, from
 models/distilled/, competes for the selected map).
@@ -27,20 +29,22 @@ from pipeline.kv.flops import repair_budget
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
+from pipeline.measure.confident import FIGURES, confidence_summary
 from pipeline.schema.select import SelectParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import ParamError, load_section
+from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 from pipeline.store.shapes import pair_configs
 
 pd = lazy("pandas")
 
 MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
-SCORED = ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine")
+SCORED = ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine", *FIGURES)
+SHARES = ("confident_prompts", "confident_prompt_share", "confident_positions", "confident_position_share")
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
@@ -59,6 +63,8 @@ def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int],
 def rank_key(rule: str):
     """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters, then to the smaller
     repair budget."""
+    if rule in FIGURES:  # higher is better; `confident_scores` refused a rule over no confident prompt or position
+        return lambda s: (-s[rule], s["perplexity"], s["parameters"], s["budget"])
     primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"],
                "kl": lambda s: s["mean_kl"], "attention_cosine": lambda s: -s["attention_cosine"]}[rule]
     return lambda s: (primary(s), s["perplexity"], s["parameters"], s["budget"])
@@ -72,15 +78,17 @@ def budgets(params: SelectParams) -> dict[str, float]:
 
 
 def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tuple[Path, Repair]], costs: dict,
-               ranks: Ranks) -> list[dict]:
-    """Each (map file, repair setting) of `jobs` handed off on the select prompts and compared with the oracle; under
-    several processes every N-th job, the scores gathered on every rank in job order."""
+               margin: float, ranks: Ranks) -> list[dict]:
+    """Each (map file, repair setting) of `jobs` handed off on the select prompts and compared with the oracle (the
+    confident figures at oracle margin >= `margin`); under several processes every N-th job, the scores gathered on
+    every rank in job order."""
     scores = []
     mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
     for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
         handoff = pair.handoff("mapped", path, repair=None if setting.empty else setting)
         mapper = handoff.mapper
-        summary = summarize(variant_rows(handoff, prompts, oracle, params.batch_size))
+        rows = variant_rows(handoff, prompts, oracle, params.batch_size)
+        summary = {**summarize(rows), **confidence_summary(rows, margin)}
         summary.update(
             name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
             parameters=mapper.parameter_count(), distilled=mapper.distilled is not None, repair=str(setting),
@@ -91,27 +99,38 @@ def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tup
 
 
 def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], costs: dict[str, float],
-                     ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
+                     margin: float, ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
-    `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`). Under
+    `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`); `margin`:
+    the oracle's top-2 margin from which a position is confident (`report.confident_margin`). Under
     several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
     scores, the candidates' first in their order (the others None)."""
     oracle_handoff = pair.handoff("oracle")
     oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
                             attention=True)
     oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
-    scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, ranks)
+    scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, margin,
+                        ranks)
+    confident_scores(scores, params.rule, margin)
     settings = [s for s in params.settings() if not s.empty and costs[str(s)] <= params.max_recompute]
     best = sorted(scores, key=rank_key(params.rule))[: params.repair_maps] if settings else []
     by_name = {path.stem: path for path in candidates}
     jobs = [(by_name[score["name"]], setting) for score in best for setting in settings]
-    scores += score_jobs(pair, prompts, params, oracle, jobs, costs, ranks)
+    scores += score_jobs(pair, prompts, params, oracle, jobs, costs, margin, ranks)
     if not ranks.main:
         return None
-    oracle_summary = summarize(oracle_rows)
+    oracle_summary = {**summarize(oracle_rows), **confidence_summary(oracle_rows, margin)}
     for score in scores:
         score["ppl_ratio"] = score["perplexity"] / oracle_summary["perplexity"]
     return oracle_summary, scores
+
+
+def confident_scores(scores: list[dict], rule: str, margin: float) -> None:
+    """Refuse a rule that names a confident figure when the select prompts have no position (or, for confident
+    top-1, no first position) where the oracle is sure: every candidate's figure is None and ranks nothing."""
+    if rule in FIGURES and any(score[rule] is None for score in scores):
+        raise ParamError(f"select.rule {rule}: no select prompt has an oracle top-2 margin >= report.confident_margin "
+                         f"{margin} where it counts; lower report.confident_margin or choose another select.rule")
 
 
 def choose(scores: list[dict], rule: str, max_recompute: float) -> tuple[dict, dict[int, dict]]:
@@ -151,6 +170,7 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int,
     metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
                                              "oracle_perplexity": round(oracle_summary["perplexity"], 4),
                                              "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4),
+                                             **{key: _rounded(oracle_summary[key]) for key in SHARES},
                                              "selected_repair": chosen["repair"],
                                              "selected_repair_budget": round(chosen["budget"], 6),
                                              "max_recompute": params.max_recompute}
@@ -159,16 +179,21 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int,
     for score in scores:
         if score["repair"] != "none":
             for key in SCORED:
-                metrics[f"repaired/{score['name']}/{score['repair']}/{key}"] = round(score[key], 4)
+                metrics[f"repaired/{score['name']}/{score['repair']}/{key}"] = _rounded(score[key])
             continue
         for key in SCORED:
-            metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
+            metrics[f"maps/{score['name']}/{key}"] = _rounded(score[key])
         layers = sum(key.startswith("attention_cosine_layer") for key in score)  # compare.attention_summary's
         for key in (f"attention_cosine_layer{layer}" for layer in range(layers)):
             metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]
     return metrics
+
+
+def _rounded(value: float | int | None) -> float | int | None:
+    """A figure as metrics/select.json holds it: 4 decimals; a count as it is; None (no confident prompt) as null."""
+    return round(value, 4) if isinstance(value, float) else value
 
 
 def candidates_on_disk() -> list[Path]:
@@ -179,21 +204,23 @@ def candidates_on_disk() -> list[Path]:
     return candidates
 
 
-def run(params: SelectParams, pair: Pair, candidates: list[Path], ranks: Ranks = ONE_PROCESS) -> dict:
-    """Score `candidates` on the select split's prompts (the only data read) and promote the choice; the stage's
-    metrics on rank 0 ({} on the others)."""
+def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS) -> dict:
+    """Score `candidates` on the select split's prompts (the only data read; `margin`: `report.confident_margin`) and
+    promote the choice; the stage's metrics on rank 0 ({} on the others)."""
     prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
     costs = budgets(params)
-    scored = score_candidates(pair, prompts, params, candidates, costs, ranks)
+    scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks)
     return promote(scored, params, len(prompts), costs) if ranks.main else {}
 
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.select", __doc__, argv)
     params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
+    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
     candidates = candidates_on_disk()
     with stage_ranks(models.torch_device, params.processes, "pipeline.select", [], params.threads) as stage:
-        stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, stage.ranks))
+        stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, margin,
+                                              stage.ranks))
 
 
 if __name__ == "__main__":

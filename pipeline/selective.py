@@ -10,12 +10,16 @@ oracle's outcomes on the same requests come from running both ungated (lm-eval's
 the stored oracle outputs). From them (`measure.gating`):
 
 - the curve of quality against the fallback rate: retention and gap closure on the eval items, next-token top-1
-  and rollout agreement on the eval prompts, for each score, the oracle gate (upper bound) and a random one (null);
-- each score's AUROC for "the map changes the decision" (items and prompts);
+  and rollout agreement on the eval prompts, and top-1 on the confident ones (the oracle's top-2 margin at the first
+  token >= `report.confident_margin`, `measure.confident`), for each score, the oracle gate (upper bound) and a
+  random one (null);
+- each score's AUROC for "the map changes the decision" (items, with a 95% interval from resampling them within
+  each class, and prompts);
 - a threshold per (map, score) chosen on the dev items, the highest reaching `selective.target_retention`,
-  then reported once on the eval part: its fallback rates, the quality it reached with paired-bootstrap 95%
-  intervals, and the effective speedup at `selective.length` prompt tokens, from per-request times measured here
-  (target prefill, handoff, each score's extra) and from multiply-adds at the shapes of `selective.bound_pair`.
+  then reported once on the eval part: its fallback rates, the quality it reached (confident top-1 included) with
+  paired-bootstrap 95% intervals, and the effective speedup at `selective.length` prompt tokens, from per-request
+  times measured here (target prefill, handoff, each score's extra) and from multiply-adds at the shapes of
+  `selective.bound_pair`.
 
 Writes eval/selective/items.parquet and prompts.parquet (per request: outcomes, whether the map changed the
 decision, every score and the probe's other features), eval/selective/curves.parquet and metrics/selective.json.
@@ -31,6 +35,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import truncate
 from pipeline.measure import gating
 from pipeline.measure.compare import read_prompts, variant_rows
+from pipeline.measure.confident import MARGINS, confident_prompts
 from pipeline.measure.latency import handoff_first_token, measure
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import paired_bootstrap
@@ -42,7 +47,7 @@ from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import load_section
+from pipeline.store.params import load_section, load_value
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 from pipeline.store.splits import TASKS
@@ -130,8 +135,10 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
 def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
     """Per-request rows of every map: task items of both parts, eval prompts."""
     oracle = pair.handoff("oracle")
-    lm = lambda handoff: adapter.HandoffLM(handoff, pair.target_tokenizer,  # noqa: E731
-                                           batch_size=params.batch_size)
+
+    def lm(handoff: Handoff):
+        return adapter.HandoffLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
+
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}
@@ -149,7 +156,7 @@ def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree
         frame = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
         scores = Scorer(handoff, disagree).scores([context for context, _ in prompts], measured(params, disagree),
                                                   params.batch_size)
-        rows.append(frame[["prompt", "first_agree", "rollout_agree", "horizon"]].assign(
+        rows.append(frame[["prompt", "first_agree", "rollout_agree", "horizon", MARGINS]].assign(
             map=name, changed=frame.first_agree == 0, **{column(s): v.numpy() for s, v in scores.items()}))
     return pd.concat(items, ignore_index=True), pd.concat(rows, ignore_index=True)
 
@@ -208,6 +215,7 @@ def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, sc
            "prompt_fallback_rate": float(prompt_fallback.mean()), "next_token_top1": first["diff"],
            "next_token_top1_low": first["low"], "next_token_top1_high": first["high"],
            "rollout_agreement": gating.prompt_quality(prompts, prompt_fallback)["rollout_agreement"]}
+    row.update(confident_row(prompts, prompt_fallback, iters, seed))
     row["speedup"] = gating.effective_speedup(costs["target_ms"], costs["handoff_ms"], costs[f"{score}_ms"],
                                               row["fallback_rate"])
     row["speedup_bound"] = gating.effective_speedup(costs["target"], costs["handoff"], costs[score],
@@ -215,12 +223,33 @@ def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, sc
     return row
 
 
-def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, costs: dict
+def confident_row(prompts: pd.DataFrame, fallback: np.ndarray, iters: int, seed: int) -> dict:
+    """The gated system's top-1 over the prompts where the oracle is sure (column `confident`), with a bootstrap 95%
+    interval over them; None for each where there is none."""
+    sure = prompts.confident.to_numpy(bool)
+    if not sure.any():
+        return {"confident_top1": None, "confident_top1_low": None, "confident_top1_high": None}
+    top1 = paired_bootstrap(gating.gated_first(prompts, fallback)[sure], np.zeros(int(sure.sum())), iters, seed)
+    return {"confident_top1": top1["diff"], "confident_top1_low": top1["low"], "confident_top1_high": top1["high"]}
+
+
+def ungated(ev: pd.DataFrame, pr: pd.DataFrame, file: str, iters: int, seed: int) -> dict:
+    """A map's facts without a gate: its quality (confident top-1 with its interval), the share (and count) of
+    requests where it changes the decision, the counts of requests and of confident prompts, and its file."""
+    kept = np.zeros(len(pr), bool)
+    return {**gating.item_quality(ev, np.zeros(len(ev), bool)), **gating.prompt_quality(pr, kept),
+            **confident_row(pr, kept, iters, seed), "changed_items": float(ev.changed.mean()),
+            "changed_prompts": float(pr.changed.mean()), "items": len(ev), "prompts": len(pr),
+            "changed_item_count": int(ev.changed.sum()), "confident_prompts": int(pr.confident.sum()), "file": file}
+
+
+def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, costs: dict, margin: float
               ) -> tuple[dict, pd.DataFrame]:
     """metrics/selective.json (per map: ungated quality, per score AUROC and the chosen threshold's row) and the
-    curves (map, score, requests: items or prompts, fallback_rate, quality)."""
+    curves (map, score, requests: items or prompts, fallback_rate, quality); a prompt is confident where the
+    oracle's top-2 margin at its first token is at least `margin` (`report.confident_margin`)."""
     rates = np.linspace(0, 1, params.rates + 1)
-    metrics: dict = {"target_retention": params.target_retention, "length": params.length,
+    metrics: dict = {"target_retention": params.target_retention, "confident_margin": margin, "length": params.length,
                      **({"probe_l2": params.probe_l2, "probe_folds": params.probe_folds}
                         if "probe" in params.scores else {}),
                      "bound_pair": params.bound_pair, "maps": {}}
@@ -228,11 +257,10 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
     for name in params.maps:
         dev, ev, pr = (frame[frame["map"] == name].reset_index(drop=True)
                        for frame in (items[items.part == "dev"], items[items.part == "eval"], prompts))
+        pr["confident"] = confident_prompts(pr, margin)
         references = {"items": gating.reference_scores(ev.changed, params.seed),
                       "prompts": gating.reference_scores(pr.changed, params.seed)}
-        facts = {**gating.item_quality(ev, np.zeros(len(ev), bool)),
-                 **gating.prompt_quality(pr, np.zeros(len(pr), bool)), "changed_items": float(ev.changed.mean()),
-                 "changed_prompts": float(pr.changed.mean()), "items": len(ev), "prompts": len(pr),
+        facts = {**ungated(ev, pr, params.maps[name], params.bootstrap_iters, params.seed),
                  **{key: round(value, 4) for key, value in costs[name].items()}, "scores": {}}
         for score in [*params.scores, *REFERENCES]:
             for kind, frame, quality in (("items", ev, gating.item_quality), ("prompts", pr, gating.prompt_quality)):
@@ -240,14 +268,17 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
                 curves += [{"map": name, "score": score, "requests": kind, **row}
                            for row in gating.curve(frame, values, quality, rates, params.seed)]
             if score in params.scores:
+                low, high = gating.auroc_interval(ev[f"score_{score}"], ev.changed, params.bootstrap_iters, params.seed)
                 facts["scores"][score] = {"auroc_items": gating.auroc(ev[f"score_{score}"], ev.changed),
+                                          "auroc_items_low": low, "auroc_items_high": high,
                                           "auroc_prompts": gating.auroc(pr[f"score_{score}"], pr.changed),
                                           **chosen_row(dev, ev, pr, score, params, costs[name])}
         metrics["maps"][name] = facts
     return metrics, pd.DataFrame(curves)
 
 
-def run(params: SelectiveParams, models: ModelsParams) -> dict:
+def run(params: SelectiveParams, models: ModelsParams, margin: float) -> dict:
+    """Every map of `params.maps` scored, gated and timed (`margin`: `report.confident_margin`)."""
     require_controls_passed()
     pair = Pair.load(models, models.torch_device)
     handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
@@ -257,7 +288,7 @@ def run(params: SelectiveParams, models: ModelsParams) -> dict:
     probes = add_probe(items, prompts, params, disagree) if "probe" in params.scores else {}
     costs = {name: request_times(handoff, disagree, params, probes.get(name)) | bound_costs(params, handoff, disagree)
              for name, handoff in handoffs.items()}
-    metrics, curves = summarize(items, prompts, params, costs)
+    metrics, curves = summarize(items, prompts, params, costs, margin)
     for name, probe in probes.items():
         metrics["maps"][name]["probe_fit"] = asdict(probe)  # its features, standardisation and weights
     with atomic_dir(OUT) as staging:
@@ -270,8 +301,9 @@ def run(params: SelectiveParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.selective", __doc__, argv)
     params, models = load_section(SelectiveParams, "selective"), load_section(ModelsParams, "models")
+    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(METRICS, run(params, models))
+        stage.write_metrics(METRICS, run(params, models, margin))
 
 
 if __name__ == "__main__":

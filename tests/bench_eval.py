@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> None:
                     and kv["acc"] == hf["acc"] and kv["acc_norm"] == hf["acc_norm"])
             table.append((batch, hf, kv, delta, same))
 
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
     print(f"\nHellaSwag, {args.items} items, float32, {args.threads} threads, fastest of {args.repeats}")
     print("| batch | hf s | kv-transfer s | ratio | hf acc / acc_norm | kv acc / acc_norm | max abs delta ll | "
           "same is_greedy and decisions |")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from pipeline import pin_models, prepare_models
 
@@ -93,9 +93,26 @@ def tiny_config(vocab_size: int, hidden: int, layers: int = 2, **extra) -> Qwen3
                        num_hidden_layers=layers, **{**fields, **extra})
 
 
-def build_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
+# llama3-style frequency scaling over its own theta: the tiny Llama pair rotates unlike the Qwen3 one
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def llama_config(vocab_size: int, hidden: int, layers: int = 2, **extra) -> LlamaConfig:
+    """SmolLM2's architecture in miniature: Llama (no q_norm/k_norm), grouped queries (8 heads over 2 KV heads),
+    llama3 RoPE scaling, tied embeddings; the same KV geometry as `tiny_config` (2 KV heads of 16)."""
+    fields = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True)
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, **{**fields, **extra})
+
+
+ARCHITECTURES = {"qwen3": tiny_config, "llama": llama_config}  # the tiny pairs' configs, by architecture
+
+
+def build_model(config, seed: int):
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.fixture(scope="session")

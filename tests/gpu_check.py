@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     lengths = sorted(map(int, latency["by_length"]))
     print(f"\nTTFT, Qwen3-0.6B -> 1.7B shapes, bfloat16, median of {args.repeats} (handoff: source prefill, map "
           f"k=1 linear, target step):\n")
-    row = lambda n, key, fmt: format(latency["by_length"][str(n)][key], fmt)  # noqa: E731
+
+    def row(n: int, key: str, fmt: str) -> str:
+        return format(latency["by_length"][str(n)][key], fmt)
+
     print(table(["prompt tokens", "target prefill ms", "handoff ms", "speedup", "FLOP bound", "fraction of bound",
                  "target peak MiB", "handoff peak MiB"],
                 [[str(n), row(n, "target_ms", ".2f"), row(n, "handoff_ms", ".2f"), row(n, "speedup", ".2f") + "x",

@@ -59,6 +59,13 @@ RULES = {
         {"fit": {"families": ["head_matched"]}, "calibration": {"candidates": ["mlp_k3"]},
          "length": {"candidate": "head_matched_k1_lam0.001"}, "distill": {"start": ["mlp_k3"]}},
         r"^evaluate\.mapped\.mapped_k1: models/best/mapped_k1\.safetensors is not written"),
+    "sibling source cut from no checkpoint": (
+        {"models": {"source": "models/sibling"}},
+        r"^models\.source: models/sibling is the sibling, cut from a checkpoint target, but models\.kind is 'trained'"),
+    "k beyond the sibling's layers": (
+        {"models": {"kind": "hub", "source": "models/sibling", "target": "models/converted"},
+         "sibling": {"layers": 2, "keep": "influence"}},
+        r"^fit\.ks: k=3 exceeds the source's 2 layers \(hub models/sibling\)"),
     "timed mapper no stage writes": (
         {"latency": {"mapper": "models/mapper.pt"}}, r"^latency\.mapper: models/mapper\.pt is not written"),
     "repaired variant reading a choice select does not make": (

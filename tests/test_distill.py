@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import build_model, periodic_batch, tiny_config
+from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -25,7 +25,6 @@ from pipeline.fitting.distill import (
     evaluate,
     losses,
     map_tensors,
-    map_to_target,
     tensors_digest,
     trainable,
 )
@@ -41,7 +40,7 @@ from pipeline.fitting.distill_rows import (
 )
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
-from pipeline.kv.mapper import Mapper, load_mapper, random_mapper, save_mapper
+from pipeline.kv.mapper import Mapper, load_mapper, map_cache, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.cachefiles import ShardWriter, open_shard
@@ -98,16 +97,16 @@ def exact_map(model) -> Mapper:
     weight = torch.zeros(heads, heads * dim, dim)  # (H_t, H_s*D_s, D_t)
     for head in range(heads):
         weight[head, head * dim : (head + 1) * dim] = torch.eye(dim)
-    pairs = lambda: [(weight.clone(), torch.zeros(heads, dim)) for _ in range(geometry["layers"])]  # noqa: E731
+    keys, values = ([(weight.clone(), torch.zeros(heads, dim)) for _ in range(geometry["layers"])] for _ in range(2))
     return Mapper("linear", "self", "self", geometry, geometry, spec, spec, k=1,
-                  source_layers=[[layer] for layer in range(geometry["layers"])], keys=pairs(), values=pairs())
+                  source_layers=[[layer] for layer in range(geometry["layers"])], keys=keys, values=values)
 
 
 def with_noise(mapper: Mapper, scale: float, seed: int) -> Mapper:
     generator = torch.Generator().manual_seed(seed)
-    noisy = lambda layers: [tuple(t + scale * torch.randn(t.shape, generator=generator) for t in tensors)  # noqa: E731
-                            for tensors in layers]
-    return replace(mapper, keys=noisy(mapper.keys), values=noisy(mapper.values))
+    keys, values = ([tuple(t + scale * torch.randn(t.shape, generator=generator) for t in tensors)
+                     for tensors in layers] for layers in (mapper.keys, mapper.values))
+    return replace(mapper, keys=keys, values=values)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,14 +135,17 @@ def start_map(source, target, family: str) -> Mapper:
     linear = random_mapper(source.config, target.config, k=1)
     generator = torch.Generator().manual_seed(0)
     width, (heads, dim) = linear.keys[0][0].shape[1], linear.keys[0][1].shape
-    tensors = lambda: (torch.randn(width, 8, generator=generator) / width**0.5, torch.zeros(8),  # noqa: E731
-                       torch.randn(heads, 8, dim, generator=generator) / 8**0.5, torch.zeros(heads, dim))
-    return replace(linear, family="mlp", keys=[tensors() for _ in linear.keys], values=[tensors() for _ in linear.keys])
+    keys, values = ([(torch.randn(width, 8, generator=generator) / width**0.5, torch.zeros(8),
+                      torch.randn(heads, 8, dim, generator=generator) / 8**0.5, torch.zeros(heads, dim))
+                     for _ in linear.keys] for _ in range(2))
+    return replace(linear, family="mlp", keys=keys, values=values)
 
 
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("family", ["linear", "head_matched", "mlp"])
-def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pair, family):
-    target, source = random_pair
+def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(architecture, family):
+    config = ARCHITECTURES[architecture]
+    target, source = frozen(build_model(config(VOCAB, 64), seed=1)), frozen(build_model(config(VOCAB, 32), seed=2))
     start = start_map(source, target, family)
     mapper = trainable(start, "cpu")
     assert mapper.parameter_count() == start.parameter_count()
@@ -151,7 +153,7 @@ def test_the_trainable_map_builds_the_cache_the_mapped_handoff_injects(random_pa
     ids = torch.randint(0, VOCAB, (3, PREFIX), generator=torch.Generator().manual_seed(3))
     handed = Handoff(target, source, "mapped", start).prefix_layers(ids)
     rotation = Rotation(RotarySpec.from_model(target), torch.arange(PREFIX))
-    _, built = map_to_target(mapper, content_cache(source, ids), rotation, target.dtype)
+    built = [cache for _, cache in map_cache(mapper, content_cache(source, ids), rotation, target.dtype, 'cpu')]
     for (keys, values), (keys_built, values_built) in zip(handed, built, strict=True):
         assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
 
@@ -474,9 +476,9 @@ def test_at_llama_shapes_the_rate_and_weight_chosen_on_select_recover_most_of_a_
     config = shape_config("llama-3.2-3b")
     config.num_hidden_layers, config.vocab_size = 2, 8192  # the map's shapes and the attention's stay Llama-3B's
     model = frozen(random_model(config, "float32", "cpu", seed=0))
-    draw = lambda seed, rows: torch.randint(0, WORLD_TOKENS, (rows, PREFIX + 1 + HORIZON),  # noqa: E731
-                                            generator=torch.Generator().manual_seed(seed))
-    fit, select = rows_of(model, draw(1, 32)), rows_of(model, draw(2, 16))
+    fit, select = (rows_of(model, torch.randint(0, WORLD_TOKENS, (rows, PREFIX + 1 + HORIZON),
+                                                generator=torch.Generator().manual_seed(seed)))
+                   for seed, rows in ((1, 32), (2, 16)))
     exact = exact_map(model)
     width = exact.keys[0][0].shape[1]  # H_s * D_s = 1024 inputs per output: the noise keeps its sum's scale
     start = with_noise(exact, 0.2 / width**0.5, seed=5)

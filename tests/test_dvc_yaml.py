@@ -4,21 +4,81 @@ affect; and every params section a stage loads is declared in its `params:`."""
 import ast
 from pathlib import Path
 
+import pytest
+import stagedeps
 import yaml
 from importgraph import body, closure, edges, graph, modules, stage_module
 from ruamel.yaml import YAML
+from stagedeps import COMMAND, needed_modules, rewritten, stale
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
 def test_every_stage_depends_on_the_modules_it_imports():
-    known, imports = modules(ROOT), graph(ROOT, subprocess=True)
-    for name, stage in STAGES.items():
-        needed = {str(known[m].relative_to(ROOT)) for m in closure(stage_module(stage), imports)}
-        listed = {d for d in body(stage)["deps"] if isinstance(d, str) and d.startswith("pipeline/")}
-        assert not needed - listed, f"stage {name}: deps lack {sorted(needed - listed)}"
-        assert not listed - needed, f"stage {name}: deps list modules it does not import: {sorted(listed - needed)}"
+    diff = stale(ROOT)
+    assert not diff, f"dvc.yaml's stage deps differ from the imports; run `{COMMAND}`:\n{diff}"
+
+
+STALE = """\
+# a comment kept
+stages:
+  one:  # its comment kept
+    cmd: python -m pipeline.one
+    deps:
+      - data/first.parquet
+      - pipeline/one.py  # the stage itself
+      - pipeline/gone.py
+      - models/${item}
+    params:
+      - one
+  two:
+    foreach: [a, b]
+    do:
+      cmd: python -m pipeline.two ${item}
+      deps:
+        - data/${item}.parquet
+      outs:
+        - out/${item}
+  three:
+    cmd: python -m pipeline.helper
+plots:
+  - metrics/x.csv
+"""
+FRESH = STALE.replace("      - pipeline/gone.py\n", "      - pipeline/wing/helper.py\n").replace(
+    "      deps:\n        - data/", "      deps:\n        - pipeline/two.py\n        - pipeline/wing/helper.py\n"
+    "        - data/").replace("python -m pipeline.helper\n", "python -m pipeline.helper\n    deps:\n"
+                              "      - pipeline/helper.py\n")
+
+
+@pytest.fixture
+def stale_project(tmp_path):
+    for name, text in {"one.py": "from pipeline.wing import helper\n", "two.py": "import pipeline.wing.helper\n",
+                       "helper.py": "", "wing/helper.py": ""}.items():
+        (tmp_path / "pipeline" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pipeline" / name).write_text(text)
+    (tmp_path / "dvc.yaml").write_text(STALE)
+    return tmp_path
+
+
+def test_make_deps_rewrites_only_the_pipeline_deps_keeping_comments_order_and_other_deps(stale_project):
+    assert rewritten(STALE, needed_modules(stale_project)) == FRESH
+
+
+def test_make_deps_is_idempotent_and_the_check_is_empty_after_it(stale_project):
+    assert "-      - pipeline/gone.py" in stale(stale_project)
+    (stale_project / "dvc.yaml").write_text(rewritten(STALE, needed_modules(stale_project)))
+    assert stale(stale_project) == ""
+    assert rewritten(FRESH, needed_modules(stale_project)) == FRESH
+
+
+def test_the_stale_deps_check_prints_the_diff_and_names_make_deps(monkeypatch, capsys, stale_project):
+    monkeypatch.setattr(stagedeps, "ROOT", stale_project)
+    assert stagedeps.main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "+        - pipeline/two.py" in out and out.rstrip().endswith("run `make deps`")
+    assert stagedeps.main([]) == 0 and (stale_project / "dvc.yaml").read_text() == FRESH
+    assert stagedeps.main(["--check"]) == 0
 
 
 def test_the_controls_refit_counts_as_an_import_of_the_fit_stage():

@@ -57,7 +57,10 @@ def test_a_one_token_prompt_decodes_from_an_empty_cache(target):
 
 def test_sampling_with_a_seed_is_reproducible_and_another_seed_draws_otherwise(target):
     prompt = _prompt(seed=7)
-    draw = lambda seed: generate(Handoff(target), prompt, 12, temperature=1.0, seed=seed)[0]  # noqa: E731
+
+    def draw(seed: int) -> list[int]:
+        return generate(Handoff(target), prompt, 12, temperature=1.0, seed=seed)[0]
+
     assert draw(3) == draw(3)
     assert draw(3) != draw(4)
 

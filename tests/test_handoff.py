@@ -4,12 +4,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_model, periodic_batch, tiny_config
+from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
 
 from pipeline.kv.decode import greedy_generate
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import layers_to_cache
-from pipeline.kv.mapper import identity_mapper
+from pipeline.kv.handoff import Handoff, shuffle_order
+from pipeline.kv.kvcache import cache_to_layers, layers_to_cache
+from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
+from pipeline.kv.rope import Rotation
 from pipeline.kv.scoring import score_continuations, window_parts
 from pipeline.store.models import IncompatiblePairError, load_model
 from pipeline.store.params import ParamError
@@ -17,14 +18,20 @@ from pipeline.store.params import ParamError
 VOCAB = 97
 
 
-@pytest.fixture(scope="module")
-def target():
-    return build_model(tiny_config(VOCAB, 64), seed=1)
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def architecture(request) -> str:
+    """Each test of the tiny pair runs on the Qwen3-shaped pair and the Llama one (conftest.ARCHITECTURES)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def source():
-    return build_model(tiny_config(VOCAB, 32), seed=2)
+def target(architecture):
+    return build_model(ARCHITECTURES[architecture](VOCAB, 64), seed=1)
+
+
+@pytest.fixture(scope="module")
+def source(architecture):
+    return build_model(ARCHITECTURES[architecture](VOCAB, 32), seed=2)
 
 
 def _requests(n_contexts=4, endings=3, seed=0):
@@ -102,8 +109,11 @@ def test_shared_context_costs_one_source_prefill(target, source):
 def test_null_controls_really_replace_the_cache(periodic_model):
     sequences = periodic_batch(torch.Generator().manual_seed(1), 24, 30, 32).tolist()
     requests = [(s[:24], s[24:]) for s in sequences]
-    mean = lambda mode: sum(score for score, _ in score_continuations(  # noqa: E731
-        Handoff(periodic_model, periodic_model, mode), requests, progress=False)) / len(requests)
+
+    def mean(mode: str) -> float:
+        scores = score_continuations(Handoff(periodic_model, periodic_model, mode), requests, progress=False)
+        return sum(score for score, _ in scores) / len(requests)
+
     oracle, zero, shuffled = mean("oracle"), mean("zero"), mean("shuffled")
     assert oracle > -0.5 * 6 * 2  # the model did learn to use the prefix (< 2 nats per token)
     assert zero < oracle - 3.0
@@ -112,8 +122,11 @@ def test_null_controls_really_replace_the_cache(periodic_model):
 
 def test_shuffled_is_seeded(periodic_model):
     requests = [(list(range(1, 20)), [5, 6])]
-    run = lambda seed: score_continuations(  # noqa: E731
-        Handoff(periodic_model, periodic_model, "shuffled", shuffle_seed=seed), requests, progress=False)
+
+    def run(seed: int) -> list:
+        return score_continuations(Handoff(periodic_model, periodic_model, "shuffled", shuffle_seed=seed), requests,
+                                   progress=False)
+
     assert run(3) == run(3)
     assert run(3) != run(4)
 
@@ -157,8 +170,10 @@ def test_batched_contexts_of_different_lengths_score_as_one_at_a_time(target, mo
     assert len({len(c) for c, _ in requests}) > 1
     source = build_model(tiny_config(VOCAB, 64), seed=9)  # same geometry, other weights
     mapper = identity_mapper("source", "target", source.config, target.config) if mode == "mapped" else None
-    make = lambda: Handoff(target, source, mode, mapper) if mode not in ("oracle", "zero") else Handoff(  # noqa: E731
-        target, mode=mode)
+
+    def make() -> Handoff:
+        return Handoff(target, source, mode, mapper) if mode not in ("oracle", "zero") else Handoff(target, mode=mode)
+
     one = score_continuations(make(), requests, batch_size=1, progress=False)
     batched_handoff = make()
     batched = score_continuations(batched_handoff, requests, batch_size=9, progress=False)
@@ -189,3 +204,23 @@ def test_a_device_map_for_a_random_model_is_refused_by_its_key(tmp_path):
     (tmp_path / "random" / "random.json").write_text(json.dumps({"shape": "qwen3-0.6b", "seed": 0}))
     with pytest.raises(ParamError, match="models.device_map: 'auto' needs a checkpoint"):
         load_model(str(tmp_path / "random"), device_map="auto")
+
+
+@pytest.mark.parametrize("mode", ["mapped", "shuffled"])
+def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carries_the_gradient(target, source, mode):
+    mapper, prefix = random_mapper(source.config, target.config, k=1), 9
+    ids = torch.randint(0, VOCAB, (2, prefix), generator=torch.Generator().manual_seed(4))
+    handoff = Handoff(target, source, mode, mapper, shuffle_seed=3)
+    handed = handoff.prefix_layers(ids)  # under no_grad
+    with torch.no_grad():
+        cached = cache_to_layers(source.model(input_ids=ids, use_cache=True).cache)
+    content = [(Rotation(handoff.source_spec, torch.arange(prefix)).strip(k.float()), v.float()) for k, v in cached]
+    trained = replace(mapper, keys=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.keys],
+                      values=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.values])
+    order = shuffle_order(3, prefix, None, 2) if mode == "shuffled" else None
+    layers = list(map_cache(trained, content, Rotation(handoff.target_spec, torch.arange(prefix)), target.dtype,
+                            "cpu", order))
+    for (keys, values), (_, (keys_built, values_built)) in zip(handed, layers, strict=True):
+        assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
+    sum(keys.sum() + values.sum() for _, (keys, values) in layers).backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for ts in trained.keys + trained.values for t in ts)

@@ -9,13 +9,16 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT
+import yaml
+from conftest import ROOT, committed, merge
+from test_fingerprints import EDITS, edited_copy
 
-from pipeline import check_pair, distill, extract, fit, generate
+from pipeline import check_pair, check_params, distill, extract, fit, generate
 from pipeline.generate import run
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -39,6 +42,23 @@ RULES = {
         "generate", [PROMPT, *SWAPPED, "--mapper", "{map}", "--transfer", "oracle,mapped"],
         r"^error: map .*map\.safetensors was fitted on this pair with source and target swapped; .*"
         r"--allow-other-models"),
+    "check_pair: a map with a copy of its target whose weights changed": (
+        "check_pair", ["{source}", "{target_weights}", "--ks", "1", "--lengths", "8", "--mapper", "{map}"],
+        r"^error: map .*map\.safetensors was fitted on other models: the target's weights differ \(fitted on "
+        r"sha256:[^;]*\); refit it on these models \(dvc repro\), or pass .*--allow-other-models"),
+    "check_pair: a map with a copy of its target whose config.json was edited": (
+        "check_pair", ["{source}", "{target_config}", "--ks", "1", "--lengths", "8", "--mapper", "{map}"],
+        r"^error: map .*map\.safetensors was fitted on other models: the target's config differs \(fitted on "
+        r"sha256:[^;]*\); refit it on these models"),
+    "generate: a map with a copy of its target whose generation_config.json was edited": (
+        "generate", [PROMPT, "--target", "{target_generation_config}", "--mapper", "{map}", "--transfer",
+                     "oracle,mapped"],
+        r"^error: map .*map\.safetensors was fitted on other models: the target's generation config differs "
+        r"\(fitted on sha256:[^;]*\); refit it on these models .*--allow-other-models"),
+    "kv-transfer: a map with a copy of its target whose tokenizer file was edited": (
+        "kv-transfer", "target={target_tokenizer},source={source},transfer=mapped,mapper={map}",
+        r"^error: map .*map\.safetensors was fitted on other models: the target's tokenizer differs \(fitted on "
+        r"sha256:[^;]*\); refit it on these models .*allow_other_models=true"),
     "generate: a gate's threshold nan": (
         "generate", [PROMPT, "--fallback", "entropy", "--threshold", "nan"],
         r"^error: --threshold: nan would never fall back; give a number, or -inf \(always\) / inf \(never\)$"),
@@ -123,6 +143,9 @@ RULES = {
         r"^error: map .* swapped; .*allow_other_models=true"),
     "kv-transfer: device cuda on a machine without that device": (
         "kv-transfer", "target={target},device={missing_cuda}", r"^error: kv-transfer device cuda:\d+: this machine"),
+    "check_pair: --max-tokens past the models' positions": (
+        "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "8", "--max-tokens", "1000000"],
+        r"^error: --max-tokens: 1000000 asked, but there are 512 positions in the models; give at most 512$"),
     "check_pair: a negative length": (
         "check_pair", ["{source}", "{target}", "--ks", "1", "--lengths", "-3"],
         r"^error: --lengths: expected an integer >= 2 \(a prefix for the source and a last token for the target\), "
@@ -189,6 +212,23 @@ RULES = {
     "generate: the meta device": (
         "generate", [PROMPT, "--device", "meta"], r"^error: --device meta: a meta device holds no weights"),
     "fit: --out an existing file": ("fit", ["--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+    "fit: --out a path under a file": (
+        "fit", ["--out", "{binary}/maps"], r"^error: --out .*binary\.bin/maps: .*binary\.bin is a file, so no folder "
+        r"can be made under it; give a folder path outside it$"),
+    "check_params: repair.grid recomputing more layers than the target has": (
+        "check_params", {"repair": {"grid": ["none", "layers:9"]}},
+        r"^error: repair\.grid: layers:9 recomputes 9 layers, but the target has 3 \(trained models/target\); give "
+        r"layers:N with N <= 3$"),
+    "check_params: select.repairs recomputing more layers than the target has": (
+        "check_params", {"select": {"repairs": ["none", "layers:4+tokens:0.09:recency"]}},
+        r"^error: select\.repairs: layers:4\+tokens:0\.09:recency recomputes 4 layers, but the target has 3 "),
+    "check_params: evaluate.repair recomputing more layers than the target has": (
+        "check_params", {"evaluate": {"repair": {"selected_repaired": "layers:9"}}},
+        r"^error: evaluate\.repair\.selected_repaired: layers:9 recomputes 9 layers, but the target has 3 "),
+    "check_params: a repair's sink past the target's positions": (
+        "check_params", {"repair": {"grid": ["none", "sink:1000"]}},
+        r"^error: repair\.grid: sink:1000 recomputes a sink of 1000 tokens, but the target has 256 positions "
+        r"\(trained models/target\); give sink:S with S < 256$"),
     "extract: --out an existing file": (
         "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
 }
@@ -197,7 +237,8 @@ RULES = {
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
     """The placeholders of RULES: the tiny pair, a map fitted on it (fingerprints recorded), a corrupt copy, bad
-    prompt files, a folder without tokenizer_config.json and a three-prompt data/eval.parquet."""
+    prompt files, a folder without tokenizer_config.json, copies of the target each edited by one of
+    `test_fingerprints.EDITS` (`target_weights`, ..., `target_extra_files`) and a three-prompt data/eval.parquet."""
     root = tmp_path_factory.mktemp("inputs")
     source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
     mapper = identity_mapper("s", "t", source.config, target.config)
@@ -215,10 +256,16 @@ def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
     ids = tokenizer.encode(PROMPT)
     eval_prompts = pd.DataFrame({"prompt_ids": [ids] * 3, "continuation_ids": [ids[:2]] * 3})
     eval_prompts.to_parquet(root / "data" / "eval.parquet")
+    edited = {f"target_{edit.replace(' ', '_')}": edit for edit in EDITS}
+    edited = {name: edited_copy(tiny_pair["target"], root / name, edit) for name, edit in edited.items()}
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     made = ("map.safetensors", "corrupt.safetensors", "long.txt", "binary.bin", "latin1.txt", "no_tokenizer_config")
     return {"target": str(tiny_pair["target"]), "source": str(tiny_pair["source"]), "folder": str(root),
-            **{name.split(".")[0]: str(root / name) for name in made}, "missing_cuda": f"cuda:{count}"}
+            **{name.split(".")[0]: str(root / name) for name in made}, **edited, "missing_cuda": f"cuda:{count}"}
+
+
+def committed_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
 def kv_transfer_main(argv: list[str]) -> None:
@@ -228,12 +275,18 @@ def kv_transfer_main(argv: list[str]) -> None:
 
 
 MAINS = {"generate": generate.main, "check_pair": check_pair.main, "distill": distill.main, "fit": fit.main,
-         "extract": extract.main, "kv-transfer": kv_transfer_main}
+         "extract": extract.main, "kv-transfer": kv_transfer_main, "check_params": check_params.main}
 
 
 def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
     """stderr of `tool` run with `arguments` (filled from `files`) as its command runs it, asserting exit 2."""
     monkeypatch.chdir(files["folder"])  # no params.yaml: every setting from the flags; data/eval.parquet is here
+    if tool == "check_params":  # its input is params.yaml: the committed one with `arguments` merged in
+        folder = Path(files["folder"]) / "check_params"
+        folder.mkdir(exist_ok=True)
+        (folder / "params.yaml").write_text(yaml.safe_dump(merge(committed_params(), arguments), sort_keys=False))
+        monkeypatch.chdir(folder)
+        arguments = []
     arguments = [arguments] if isinstance(arguments, str) else [*GENERATE, *arguments] if tool == "generate" \
         else arguments
     argv = [argument.format(**files) for argument in arguments]
@@ -288,6 +341,27 @@ def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files,
                      "--allow-other-models"])
     out = capsys.readouterr().out
     assert "other models allowed (--allow-other-models): " in out and "swapped" in out
+
+
+def test_a_copy_of_the_target_with_only_extra_files_is_the_same_fingerprint_and_accepts_its_map(files, monkeypatch,
+                                                                                                capsys):
+    monkeypatch.chdir(files["folder"])
+    check_pair.main([files["source"], files["target_extra_files"], "--ks", "1", "--lengths", "8", "--mapper",
+                     files["map"]])
+    assert f"map {files['map']}: fitted on these models" in capsys.readouterr().out
+    pair = Pair(files["target_extra_files"], files["source"], device="cpu")
+    pair.handoff("mapped", files["map"])
+    assert pair.other_models == []
+
+
+def test_check_pair_leaves_out_the_params_ks_a_self_source_is_too_shallow_for(monkeypatch, capsys):
+    beyond = [k for k in committed("fit")["ks"] if k > 1]
+    assert beyond, "params.yaml's fit.ks no longer reach past one layer: this test needs one that does"
+    monkeypatch.chdir(ROOT)
+    check_pair.main(["self:1", "models/target", "--lengths", "8"])
+    assert f"fit.ks {beyond} left out: beyond the source's 1 layers (self:1); --ks chooses" in capsys.readouterr().out
+    with pytest.raises(ParamError, match=rf"^--ks: k={beyond[0]} exceeds the source's 1 layers \(self:1\)"):
+        check_pair.main(["self:1", "models/target", "--lengths", "8", "--ks", "1", str(beyond[0])])
 
 
 @pytest.mark.parametrize("value, expected", [("-inf", float("-inf")), ("inf", float("inf")), (0.5, 0.5), (-2, -2.0)])

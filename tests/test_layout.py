@@ -28,8 +28,13 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     rank = {name: i for i, name in enumerate(order)}
     # a sub-package named in WINGS (kv/families/): its modules stand at its place and import each other freely
     # (the cycle check below still holds between them)
-    package = lambda module: module.rsplit(".", 1)[0] if module.rsplit(".", 1)[0] in rank else None  # noqa: E731
-    place = lambda module: rank.get(module, rank.get(package(module) or "", -1))  # noqa: E731
+
+    def package(module: str) -> str | None:
+        return module.rsplit(".", 1)[0] if module.rsplit(".", 1)[0] in rank else None
+
+    def place(module: str) -> int:
+        return rank.get(module, rank.get(package(module) or "", -1))
+
     found = []
     for wing, names in wings.items():
         folder = root / "pipeline" / wing
@@ -178,11 +183,15 @@ def test_the_path_literal_check_sees_a_literal_under_a_shared_folder(tmp_path, t
     assert [line.split(": ", 1)[0] for line in path_literals(tmp_path)] == ["pipeline/stage.py:2"]
 
 
-MAX_FUNCTION_LINES, MAX_MODULE_LINES = 60, 400
+MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_MODULE_LINES = 60, 150, 400
+# refused by the rules below on this branch, each being fixed on another branch of issue 42 (the lead removes an
+# entry once its fix is merged; an entry that no longer breaks a rule fails the tests until it is removed)
+KNOWN_LONG = {"pipeline/check_params.py:ParamsFile"}  # 153 lines after main's merges: its rules to split by section
 
 
 def too_long(root: Path) -> list[str]:
-    """Every function of pipeline/ over MAX_FUNCTION_LINES (decorators not counted) and every module over
+    """Every function of pipeline/ over MAX_FUNCTION_LINES (decorators not counted), every class over
+    MAX_CLASS_LINES (its methods' lines count: a class is split by idea like a module) and every module over
     MAX_MODULE_LINES, as `path:name (lines)`."""
     found = []
     for path in sorted((root / "pipeline").rglob("*.py")):
@@ -190,20 +199,49 @@ def too_long(root: Path) -> list[str]:
         if len(text.splitlines()) > MAX_MODULE_LINES:
             found.append(f"{name} ({len(text.splitlines())} lines)")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    found.append(f"{name}:{node.name} ({length} lines)")
+            limit = (MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     else MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else None)
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     return found
 
 
-def test_every_function_fits_a_screen_and_every_module_holds_one_idea():
-    assert too_long(ROOT) == []
+def test_every_function_fits_a_screen_and_every_class_and_module_holds_one_idea():
+    found = too_long(ROOT)
+    assert [f for f in found if f.split(" (")[0] not in KNOWN_LONG] == []
+    assert not KNOWN_LONG - {f.split(" (")[0] for f in found}, "fits now: remove it from KNOWN_LONG"
 
 
-def test_the_length_check_sees_a_long_function_and_a_long_module(tmp_path):
+def test_the_length_check_sees_a_long_function_a_long_class_and_a_long_module(tmp_path):
     (tmp_path / "pipeline").mkdir()
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
-    (tmp_path / "pipeline" / "long.py").write_text(f"def f():\n{body}" + "\n" * MAX_MODULE_LINES)
-    assert too_long(tmp_path) == [f"pipeline/long.py ({MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines)",
-                                  f"pipeline/long.py:f ({MAX_FUNCTION_LINES + 1} lines)"]
+    methods = "".join(f"    def m{i}(self):\n        pass\n" for i in range(MAX_CLASS_LINES // 2))
+    (tmp_path / "pipeline" / "long.py").write_text(f"def f():\n{body}class C:\n{methods}" + "\n" * MAX_MODULE_LINES)
+    lines = MAX_FUNCTION_LINES + 1 + MAX_CLASS_LINES + 1 + MAX_MODULE_LINES
+    assert too_long(tmp_path) == [f"pipeline/long.py ({lines} lines)",
+                                  f"pipeline/long.py:f ({MAX_FUNCTION_LINES + 1} lines)",
+                                  f"pipeline/long.py:C ({MAX_CLASS_LINES + 1} lines)"]
+
+
+def assigned_lambdas(root: Path) -> list[str]:
+    """Every lint suppression of E731 (a lambda assigned to a name, which saves the lines of a def) under
+    pipeline/ and tests/, as `path:line`."""
+    found = []
+    for folder in ("pipeline", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"#\s*noqa:[^#]*\bE731\b", line):
+                    found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_no_lambda_is_assigned_to_a_name_to_save_lines():
+    assert assigned_lambdas(ROOT) == []
+
+
+def test_the_lambda_check_sees_a_suppressed_e731(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pipeline" / "m.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "tests" / "t.py").write_text("x = 1\nf = lambda: 0  # noqa" + ": E731  (one line)\n")
+    assert assigned_lambdas(tmp_path) == ["tests/t.py:2"]

@@ -19,17 +19,14 @@ def _mapper(family: str, k: int = 2, hidden: int = 5) -> Mapper:
     """Random tensors of `family`'s shapes; `hidden`: the mlp family's width, the low_rank family's rank."""
     generator = torch.Generator().manual_seed(0)
     width = k * SOURCE["head_dim"] * (1 if family == "head_matched" else SOURCE["kv_heads"])
-    pair = lambda: (torch.randn(TARGET["kv_heads"], width, TARGET["head_dim"], generator=generator),  # noqa: E731
-                    torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
-    layer = pair
-    if family == "mlp":
-        layer = lambda: (torch.randn(width, hidden, generator=generator), torch.randn(hidden, generator=generator),  # noqa: E731
-                         torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
-                         torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
-    if family == "low_rank":
-        layer = lambda: (torch.randn(width, hidden, generator=generator),  # noqa: E731
-                         torch.randn(TARGET["kv_heads"], hidden, TARGET["head_dim"], generator=generator),
-                         torch.randn(TARGET["kv_heads"], TARGET["head_dim"], generator=generator))
+    heads, dim = TARGET["kv_heads"], TARGET["head_dim"]
+    shapes = {"mlp": [(width, hidden), (hidden,), (heads, hidden, dim), (heads, dim)],
+              "low_rank": [(width, hidden), (heads, hidden, dim), (heads, dim)]}.get(family, [(heads, width, dim),
+                                                                                          (heads, dim)])
+
+    def layer() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(*shape, generator=generator) for shape in shapes)
+
     return Mapper(family, "src", "tgt", SOURCE, TARGET, ROTARY, dict(ROTARY, head_dim=6), k=k, ridge_lambda=0.1,
                   source_layers=[[0, 2], [1, 2]], keys=[layer(), layer()], values=[layer(), layer()])
 

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 from conftest import merge
+from scratch import scratch_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
@@ -54,12 +55,10 @@ def run(cmd, cwd, **kw):
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    """A copy of the tracked tree with its own git history (so DVC and `metrics diff` work)."""
+    """A copy of the tracked tree with its own git history (so DVC and `metrics diff` work): stage outputs as HEAD
+    has them, whatever a failed stage left in the workspace (tests/scratch.py)."""
     copy = tmp_path_factory.mktemp("repo")
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for name in filter(None, files.split("\0")):
-        (copy / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, copy / name)
+    scratch_copy(ROOT, copy)
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     os.environ.update(env)
     run(["git", "init", "-q"], copy)
@@ -265,9 +264,10 @@ def test_evaluation_on_two_processes_writes_what_one_process_wrote(repo):
         assert two.drop(columns="loglikelihoods").equals(one.drop(columns="loglikelihoods"))
         assert all(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(two.loglikelihoods, one.loglikelihoods))
         for sample in (kept / f"eval/{variant}/lm_eval").glob("lm_eval_samples_*.jsonl"):
-            decided = lambda path: [{k: row[k] for k in ("doc_id", "acc", "acc_norm")}  # noqa: E731
-                                    for row in map(json.loads, path.read_text().splitlines())]
-            assert decided(repo / f"eval/{variant}/lm_eval/{sample.name}") == decided(sample)
+            decided = [[{k: row[k] for k in ("doc_id", "acc", "acc_norm")}
+                        for row in map(json.loads, path.read_text().splitlines())]
+                       for path in (repo / f"eval/{variant}/lm_eval/{sample.name}", sample)]
+            assert decided[0] == decided[1]
     assert (repo / "eval/oracle_outputs.safetensors").read_bytes() == \
         (kept / "eval/oracle_outputs.safetensors").read_bytes()
 

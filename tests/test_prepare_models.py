@@ -35,6 +35,17 @@ def test_a_local_checkpoint_is_pinned_by_path_and_content_and_one_changed_byte_c
     assert pin_models.pin(str(folder), None)["sha256"] != pinned["sha256"]
 
 
+def test_a_local_checkpoint_pin_leaves_out_files_that_are_no_part_of_its_fingerprint(tmp_path):
+    folder = shutil.copytree(ROOT / "models" / "target", tmp_path / "ckpt")
+    pinned = pin_models.pin(str(folder), None)
+    (folder / "NOTES.md").write_text("converted on a laptop; see the model card\n")
+    (folder / "train_stats.json").write_text("{}")
+    assert pin_models.pin(str(folder), None) == pinned
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.7}))
+    assert pin_models.pin(str(folder), None)["sha256"] != pinned["sha256"]
+
+
 def test_a_hub_id_in_the_local_cache_is_pinned_offline_to_its_cached_commit(tmp_path, monkeypatch):
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--someone--tiny-target"

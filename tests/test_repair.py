@@ -1,27 +1,35 @@
 """Repair after the map (`kv.repair`): the setting's one parser, its known answers against the oracle's cache, and
-what it makes the target compute."""
+what it makes the target compute; on a Qwen3-shaped pair (q_norm/k_norm per head) and a Llama one (no q/k norm,
+grouped queries, llama3 RoPE), every policy of the registry."""
 import pytest
 import torch
-from conftest import build_model, tiny_config
+import yaml
+from conftest import ARCHITECTURES, ROOT, build_model
 
 from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.selectors.registry import POLICIES
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.shapes import pair_configs
 
 VOCAB, LAYERS = 97, 3
 
 
-@pytest.fixture(scope="module")
-def target():
-    return build_model(tiny_config(VOCAB, 64, layers=LAYERS), seed=1)
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def architecture(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def source():
-    return build_model(tiny_config(VOCAB, 32, layers=LAYERS), seed=2)
+def target(architecture):
+    return build_model(ARCHITECTURES[architecture](VOCAB, 64, layers=LAYERS), seed=1)
+
+
+@pytest.fixture(scope="module")
+def source(architecture):
+    return build_model(ARCHITECTURES[architecture](VOCAB, 32, layers=LAYERS), seed=2)
 
 
 def _mapped(target, source, repair: str = "none") -> Handoff:
@@ -69,8 +77,9 @@ def test_the_empty_setting_is_the_mapped_cache_bit_for_bit(target, source):
     assert all(torch.equal(k, rk) and torch.equal(v, rv) for (k, v), (rk, rv) in zip(plain, repaired))
 
 
-@pytest.mark.parametrize("repair", [f"layers:{LAYERS}", "sink:19", "tokens:1:recency", "tokens:1:deviation",
-                                    "tokens:1:attention", "sink:3+tokens:1:attention", "layers:1+tokens:1:deviation"])
+@pytest.mark.parametrize("repair", [f"layers:{LAYERS}", "sink:19", *(f"tokens:1:{policy}" for policy in POLICIES),
+                                    "sink:3+tokens:1:attention", "layers:1+tokens:1:deviation",
+                                    "layers:2+tokens:1:key_norm@2"])
 def test_a_full_repair_gives_the_oracles_cache_within_float_rounding(target, source, repair):
     ids, lengths = _prefixes()
     oracle = Handoff(target).prefix_layers(ids, lengths)
@@ -89,7 +98,7 @@ def test_exact_layers_replace_those_layers_and_leave_the_rest_mapped(target, sou
     assert _max_error(repaired[2:], mapped[2:], lengths) == 0
 
 
-@pytest.mark.parametrize("policy", ["recency", "deviation", "attention"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_partial_repair_changes_exactly_its_chosen_tokens(target, source, policy):
     ids, lengths = _prefixes(batch=1, width=20)
     mapped = _mapped(target, source).prefix_layers(ids, lengths)
@@ -111,7 +120,8 @@ def _count_token_layers(model):
 
 
 @pytest.mark.parametrize("repair, per_layer", [("none", 0), ("sink:3", 3), ("sink:3+tokens:0.25:recency", 3 + 4),
-                                               ("tokens:0.25:deviation", 5), ("tokens:0.25:attention", 5 + 1)])
+                                               ("tokens:0.25:deviation", 5), ("tokens:0.25:attention", 5 + 1),
+                                               ("tokens:0.25:key_norm", 5)])
 def test_a_repair_runs_the_target_over_only_the_tokens_it_was_asked_to_recompute(target, source, repair,
                                                                                    per_layer):
     ids, lengths = _prefixes(batch=1, width=20)
@@ -181,3 +191,32 @@ def test_the_lm_eval_face_takes_a_repair_and_refuses_a_malformed_one_before_load
     lm = KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:2",
                                 device="cpu")
     assert lm.handoff.repair == Repair(sink=2)
+
+
+def _declared_settings() -> list[str]:
+    """Every repair setting conf/ declares (grids, select's candidates, evaluate's), as written."""
+    found = []
+    for path in sorted((ROOT / "conf").rglob("*.yaml")):
+        text = yaml.safe_load(path.read_text()) or {}
+        sections = [text.get("repair", {}).get("grid"), text.get("select", {}).get("repairs"),
+                    list((text.get("evaluate", {}).get("repair") or {}).values())]
+        found += [setting for section in sections if section for setting in section if setting != "selected"]
+    return sorted(set(found))
+
+
+def test_conf_declares_repair_settings_for_the_parse_check_below():
+    assert {"none", "layers:1", "tokens:0.09:deviation", "sink:4+tokens:0.1:attention"} <= set(_declared_settings())
+
+
+@pytest.mark.parametrize("text", _declared_settings())
+def test_every_declared_setting_prints_back_as_written(text):
+    # params, artifact paths and metric keys name settings by these strings: the grammar must keep them
+    assert str(Repair.parse(text)) == text
+
+
+@pytest.mark.parametrize("text, part", [("tokens:0.1:recency@2", "tokens:0.1:recency@2"),
+                                        ("tokens:0.1:key_norm@x", "tokens:0.1:key_norm@x")])
+def test_a_parameter_a_policy_cannot_take_is_one_line_naming_the_part(text, part):
+    with pytest.raises(RepairError) as error:
+        Repair.parse(text)
+    assert f"bad part {part!r}" in str(error.value) and "\n" not in str(error.value)

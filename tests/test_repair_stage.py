@@ -19,7 +19,7 @@ from pipeline.studies.repair import (
     against_baselines,
     cheapest,
     front_sentence,
-    join_front,
+    join,
     policy,
     source_row,
 )
@@ -45,7 +45,7 @@ def setup(wide_pair, tmp_path_factory) -> dict:
 
 
 def _figures(setup: dict, handoff) -> tuple[dict, pd.DataFrame]:
-    figures, items, _ = scored(setup["pair"], handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+    figures, items, _ = scored(setup["pair"], handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2, 0.2)
     return figures, items
 
 
@@ -54,7 +54,8 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     pair, path = setup["pair"], setup["map"]
     grid = {}
     for setting in ("none", "tokens:1:recency"):
-        _, (figures, items, _) = repaired(pair, path, setting, setup["tasks"], setup["prompts"], setup["oracle"], 2)
+        _, (figures, items, _) = repaired(pair, path, setting, setup["tasks"], setup["prompts"], setup["oracle"], 2,
+                                             0.2)
         grid[setting] = figures, items
     mapped, mapped_items = _figures(setup, pair.handoff("mapped", path))
     oracle, oracle_items = _figures(setup, pair.handoff("oracle"))
@@ -66,6 +67,8 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     assert (repaired_items.acc.to_numpy() == oracle_items.acc.to_numpy()).all()
     assert repaired_figures["next_token_top1"] == 1.0 and repaired_figures["rollout_agreement"] == 1.0
     assert repaired_figures["mean_kl"] < 1e-4
+    assert repaired_figures["confident_top1"] in (1.0, None) and repaired_figures["confident_agreement"] in (1.0, None)
+    assert repaired_figures["oracle_weighted_agreement"] == pytest.approx(oracle["oracle_weighted_agreement"], abs=1e-5)
 
 
 def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_one_token(setup):
@@ -148,6 +151,9 @@ def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_ga
     row = source_row(params, Inputs(items, {}, {}, None, figures))
     assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
     assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
+    assert row["confident_top1"] is None  # a source evaluated before the confident figures: shown as "—"
+    figures["confident_top1"] = 0.75
+    assert source_row(params, Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
 
 
 def _point(name: str, setting: str, closure: float, bound: float | None) -> dict:
@@ -162,7 +168,7 @@ def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_
              "rows": [_point("good", "none", 0.9, 2.4), _point("good", "tokens:0.1:attention", 1.0, 2.0),
                       _point("fast", "layers:1", 0.05, 2.9), _point("truncated", "0.107", -2.0, None),
                       _point(SOURCE, "—", 0.0, None)]}
-    join_front(study, candidates)
+    join(study, candidates)
     assert study["front"] == ["fast", "good", "good@tokens:0.1:attention"]
     assert study["front_gains"] == ["good@tokens:0.1:attention"]
     assert [row.get("front") for row in study["rows"]] == [None, True, False, None, None]
@@ -172,5 +178,5 @@ def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_
 def test_no_frontier_is_joined_across_studies_counted_at_other_lengths():
     candidates = {"bound_pair": "qwen3-v0", "length": 1024, "rows": {"a": {"gap_closure": 0.1, "bound_at_pair": 3.0}}}
     study = {"bound_pair": "qwen3-v0", "length": 256, "rows": [_point("a", "layers:1", 0.2, 2.9)]}
-    join_front(study, candidates)
+    join(study, candidates)
     assert "front" not in study and "front" not in study["rows"][0] and front_sentence(study) == ""

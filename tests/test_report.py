@@ -10,8 +10,9 @@ from pipeline.measure.retention import gap_closure, mean_retention, prompt_gap_c
 from pipeline.report import markdown
 from pipeline.store.params import parse
 from pipeline.studies import calibration, candidates, distillation, length, variants
+from pipeline.studies.run import Run, pair_names
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import V0, Run
+from pipeline.studies.variants import V0
 
 
 def test_retention_reproduces_v0_headline():
@@ -122,7 +123,9 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
         figures_["maps"][name] = {"family": "linear", "k": 1, "speedup": speed[name], "bound_at_pair": 2 * speed[name],
                                   "parameters": 10, "mapper_bytes": 100}
         fit["maps"][name] = {"r2_keys_select": 0.5 - 0.1 * rank, "r2_values_select": 0.5 - 0.1 * rank}
-        select["maps"][name] = {"attention_cosine": 0.6 + 0.1 * rank, "agreement": 0.5, "mean_kl": 1.0 - 0.2 * rank}
+        select["maps"][name] = {"attention_cosine": 0.6 + 0.1 * rank, "agreement": 0.5, "mean_kl": 1.0 - 0.2 * rank,
+                                "confident_top1": 0.7 + 0.1 * rank, "confident_agreement": None,
+                                "oracle_weighted_agreement": 0.9 - 0.1 * rank}
     study = candidates.compute(report_params(bootstrap_iters=200),
                                candidates.Inputs(items, candidate_items, figures_, fit, select))
     rows = study["rows"]
@@ -131,10 +134,14 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
     assert study["proxies"]["attention_cosine"]["rho"] == 1.0 and study["proxies"]["mean_kl"]["rho"] == -1.0
     assert study["proxies"]["r2_heldout"]["rho"] == -1.0  # here built to mislead: R² falls as retention rises
     assert np.isnan(study["proxies"]["agreement"]["rho"])  # the same for every candidate: no ranking
+    confident = study["confident_proxies"]
+    assert confident["confident_top1"]["rho"] == 1.0 and confident["oracle_weighted_agreement"]["rho"] == -1.0
+    assert confident["confident_agreement"]["n"] == 0  # no confident select position: no candidate to rank
     assert [n for n, r in rows.items() if r["pareto_measured"]] == ["c_low", "c_mid", "c_high"]
     assert not rows["c_bad"]["pareto_at_pair"]
     text = "\n".join(candidates.lines(study))
     assert "attention-output cosine (select) tracks retention most closely" in text
+    assert "| confident-prompt top-1 (select) | +1.00" in text and "| 100.0% | 60.0% |" in text
     assert "On the front against the measured speedup: c_low, c_mid and c_high." in text
 
 
@@ -198,7 +205,7 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     reason = "direct injection needs equal KV geometry, but ..."
     (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": reason}))
     (tmp_path / "metrics/controls.json").write_text(json.dumps({"compatibility": {"passed": True}}))
-    run = variants.load(["oracle", "direct", "selected"], [])
+    run = Run.load(["oracle", "direct", "selected"], [])
     assert run.skipped == {"direct": reason} and set(run.metrics) == {"oracle", "selected"}
     report = variants.compute(report_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
@@ -218,7 +225,7 @@ def _head(tmp_path, monkeypatch, pointers: dict[str, dict], profile: str = "qwen
     report = build(report_params(), *_study(np.random.default_rng(7), (0.85, 0.9, 0.9)),
                    {"compatibility": {"passed": True}})
     context = {"profile": profile, "data_kind": "hub", "source": "s", "target": "t", "dtype": "bfloat16",
-               "device": "cuda", "pair": variants.pair_names(), "selected_name": "selected"}
+               "device": "cuda", "pair": pair_names(), "selected_name": "selected"}
     return "\n".join(variants.lines(report, context))
 
 
@@ -243,8 +250,8 @@ def test_a_qwen3_v0_profile_on_other_checkpoints_names_its_pair_and_leaves_the_v
 
 def test_the_tiny_pair_and_random_shapes_are_not_v0s_pair_either(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert variants.pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
-    assert not variants.is_v0_pair(variants.pair_names())
+    assert pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
+    assert not variants.is_v0_pair(pair_names())
     text = _head(tmp_path, monkeypatch, {"source": {"kind": "random", "shape": "qwen3-0.6b", "seed": 0},
                                          "target": {"kind": "random", "shape": "qwen3-1.7b", "seed": 1}})
     assert "V0 reference" not in text
@@ -266,10 +273,10 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     cost = {"oracle": 1.0, "rows": 0.5, "mapped_step": 2.0, "map_update": 0.25, "select_scoring": 1.5}
     select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
                        "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}
-    rows = lambda top1, rollout, kl: pd.DataFrame({"prompt": range(4), "first_agree": top1,  # noqa: E731
-                                                   "rollout_agree": rollout, "horizon": 4, "kl": kl, "tokens": 2})
-    prompts = {"lin": rows([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
-               "lin+kl": rows([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}
+    columns = {"lin": ([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
+               "lin+kl": ([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}  # top-1, rollout, KL per prompt
+    prompts = {name: pd.DataFrame({"prompt": range(4), "first_agree": top1, "rollout_agree": rollout, "horizon": 4,
+                                   "kl": kl, "tokens": 2}) for name, (top1, rollout, kl) in columns.items()}
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5, "cost_s": cost},
                                  {"lin+kl": curve},
                                  select, items, prompts)

@@ -12,7 +12,15 @@ from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec
 from pipeline.schema.select import SelectParams
-from pipeline.select import budgets, candidates_on_disk, choose, run, score_candidates, select_prompts
+from pipeline.select import (
+    budgets,
+    candidates_on_disk,
+    choose,
+    confident_scores,
+    run,
+    score_candidates,
+    select_prompts,
+)
 from pipeline.store import paths
 from pipeline.store.params import ParamError, parse
 
@@ -45,7 +53,7 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     prompts = select_prompts(sequences, 0.6)
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
     oracle, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
-                                     budgets(params))
+                                     budgets(params), 0.2)
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"
     exact = next(s for s in scores if s["name"] == "linear_k1_exact")
@@ -54,13 +62,31 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     assert exact["attention_cosine"] > 0.999 and oracle["attention_cosine"] == pytest.approx(1.0, abs=1e-5)
     assert choose(scores, "attention_cosine", params.max_recompute)[0]["name"] == "linear_k1_exact"
     assert min(s["attention_cosine"] for s in scores) < 0.99  # the noisy maps' attention drifts from the oracle's
+    assert exact["confident_top1"] == 1.0 and oracle["confident_top1"] == 1.0 and oracle["confident_prompts"] > 0
+    assert exact["oracle_weighted_agreement"] == pytest.approx(oracle["oracle_weighted_agreement"], abs=1e-3)
+    assert min(s["oracle_weighted_agreement"] for s in scores) < exact["oracle_weighted_agreement"]
+    assert choose(scores, "confident_agreement", params.max_recompute)[0]["name"] == "linear_k1_exact"
 
 
 def score(name: str, agreement: float, perplexity: float = 3.0, parameters: int = 1, distilled: bool = False,
-          repair: str = "none", budget: float = 0.0) -> dict:
+          repair: str = "none", budget: float = 0.0, confident_top1: float | None = 1.0) -> dict:
     """A hand-made candidate score of the linear family at k=1."""
     return dict(name=name, agreement=agreement, perplexity=perplexity, parameters=parameters, family="linear", k=1,
-                distilled=distilled, repair=repair, budget=budget)
+                distilled=distilled, repair=repair, budget=budget, confident_top1=confident_top1)
+
+
+def test_a_rule_may_name_confident_top1_which_near_ties_do_not_decide():
+    scores = [score("ties", 0.6, confident_top1=0.8), score("sure", 0.5, confident_top1=1.0),
+              score("rough", 0.4, confident_top1=1.0, perplexity=4.0)]
+    assert choose(scores, "agreement", 0.1)[0]["name"] == "ties"
+    assert choose(scores, "confident_top1", 0.1)[0]["name"] == "sure"  # tie with rough: lower perplexity
+
+
+def test_a_confident_rule_over_no_confident_prompt_is_refused_naming_the_margin():
+    scores = [score("a", 0.5, confident_top1=None), score("b", 0.6, confident_top1=None)]
+    with pytest.raises(ParamError, match=r"^select\.rule confident_top1: .* report\.confident_margin 0\.9"):
+        confident_scores(scores, "confident_top1", 0.9)
+    confident_scores(scores, "agreement", 0.9)  # a rule that does not read them is not refused
 
 
 def test_ties_go_to_lower_perplexity():
@@ -119,24 +145,26 @@ def promoted() -> tuple[bytes, dict]:
 
 def test_with_repairs_none_select_scores_the_maps_alone_and_promotes_the_best_maps_own_bytes(select_folder):
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
-    metrics = run(params, select_folder, candidates_on_disk())
+    metrics = run(params, select_folder, candidates_on_disk(), 0.2)
     assert metrics["selected"] == "linear_k1_exact" and "repaired/" not in "".join(metrics)
+    assert metrics["maps/linear_k1_exact/confident_top1"] == 1.0 and metrics["confident_prompts"] > 0
+    assert 0 < metrics["confident_position_share"] <= 1 and "maps/linear_k1_noisy/oracle_weighted_agreement" in metrics
     assert promoted() == (paths.fitted_map("linear_k1_exact").read_bytes(),
                           {"map": "linear_k1_exact", "repair": "none", "budget": 0.0})
     over = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none", "tokens:1:recency"],
                                          max_recompute=0.5), "select")
-    assert run(over, select_folder, candidates_on_disk())["selected_repair"] == "none"  # 1.0 > 0.5: not scored
+    assert run(over, select_folder, candidates_on_disk(), 0.2)["selected_repair"] == "none"  # 1.0 > 0.5: not scored
     assert promoted()[0] == paths.fitted_map("linear_k1_exact").read_bytes()
 
 
 def test_the_best_maps_are_scored_at_each_setting_and_the_choice_reads_only_the_select_split(select_folder):
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repair_maps=2, max_recompute=1.0,
                                            repairs=["none", "sink:255", "layers:1"]), "select")
-    first = run(params, select_folder, candidates_on_disk())
+    first = run(params, select_folder, candidates_on_disk(), 0.2)
     repaired = {"/".join(key.split("/")[1:3]) for key in first if key.startswith("repaired/")}
     assert repaired == {f"{name}/{setting}" for name in ("linear_k1_exact", "linear_k1_rough")
                         for setting in ("sink:255", "layers:1")}
     assert first["repaired/linear_k1_rough/sink:255/agreement"] == pytest.approx(1.0)  # every prefix token: the oracle
     before = promoted()
     pd.DataFrame({"token_ids": [[1, 2, 3]] * 4}).to_parquet(paths.split("eval"), index=False)
-    assert run(params, select_folder, candidates_on_disk()) == first and promoted() == before
+    assert run(params, select_folder, candidates_on_disk(), 0.2) == first and promoted() == before

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import build_model, committed, hellaswag_rows, piqa_rows, tiny_config
+from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
 
 from pipeline.kv.gate import FEATURES, SCORES, Gate, Probe, Scorer, fit_probe, jensen_shannon
 from pipeline.kv.handoff import Handoff
@@ -16,19 +16,25 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import gating
+from pipeline.measure.confident import MARGINS
 from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.schema.selective import SelectiveParams
-from pipeline.selective import METRIC, add_probe, item_rows, task_frame, train_probe
+from pipeline.selective import METRIC, add_probe, item_rows, summarize, task_frame, train_probe
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError, parse
+from pipeline.studies import selective as study
+from pipeline.studies.settings import ReportParams
 
 VOCAB = 97
 E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
 
 
-@pytest.fixture(scope="module")
-def models():
-    return build_model(tiny_config(VOCAB, 64), seed=1), build_model(tiny_config(VOCAB, 32), seed=2)
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def models(request):
+    """The tiny pair, Qwen3-shaped and Llama (conftest.ARCHITECTURES): every gate test runs on both."""
+    config = ARCHITECTURES[request.param]
+    return build_model(config(VOCAB, 64), seed=1), build_model(config(VOCAB, 32), seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +159,10 @@ def _items(mapped, oracle, task="piqa"):
 def test_the_threshold_is_the_highest_that_reaches_the_declared_quality_on_its_split():
     items = _items(mapped=[0, 1, 1, 0, 1, 1], oracle=[1, 1, 1, 1, 1, 1])  # PIQA: chance 0.5
     scores = np.array([0.9, 0.1, 0.2, 0.7, 0.3, 0.4])  # the two wrong items score highest
-    quality = lambda fallback: gating.item_quality(items, fallback)["retention"]  # noqa: E731
+
+    def quality(fallback: np.ndarray) -> float:
+        return gating.item_quality(items, fallback)["retention"]
+
     assert gating.choose_threshold(scores, quality, 1.0) == pytest.approx(0.4)  # falls back on 0.9 and 0.7 only
     assert gating.choose_threshold(scores, quality, 0.3) == float("inf")  # ungated: (4/6 - .5) / .5 = 0.33
     assert gating.choose_threshold(np.zeros(6), quality, 1.0) == float("-inf")  # no score separates them
@@ -339,3 +348,112 @@ def test_the_stage_trains_each_maps_probe_on_its_dev_items_alone_and_scores_ever
 
     assert add_probe(flipped("eval"), prompts.copy(), params, disagree=None) == probes  # eval labels unread
     assert add_probe(flipped("dev"), prompts.copy(), params, disagree=None) != probes
+
+
+def test_the_auroc_interval_brackets_the_auroc_and_a_score_blind_to_the_labels_straddles_one_half():
+    rng = np.random.default_rng(0)
+    changed = rng.random(300) < 0.35
+    scores = changed + rng.normal(size=300)  # informative: AUROC about 0.76
+    area, (low, high) = gating.auroc(scores, changed), gating.auroc_interval(scores, changed, 2000, 0)
+    assert 0.5 < low < area < high < 1
+    # the control fails on a broken input: the same scores detached from their requests tell nothing
+    blind = gating.auroc_interval(rng.permutation(scores), changed, 2000, 0)
+    assert blind[0] < 0.5 < blind[1]
+    assert gating.auroc_interval(scores, changed, 2000, 0) == (low, high)  # seeded
+    assert all(math.isnan(bound) for bound in gating.auroc_interval(scores, np.ones(300, bool), 2000, 0))
+
+
+def _prompts(first_agree, confident) -> pd.DataFrame:
+    return pd.DataFrame({"first_agree": first_agree, "rollout_agree": [2 * a for a in first_agree],
+                         "horizon": 2, "confident": confident})
+
+
+def test_confident_top1_under_the_gate_counts_only_the_prompts_where_the_oracle_is_sure():
+    prompts = _prompts([1, 0, 1, 0, 0, 1], [True, True, True, False, False, False])
+    fallback = np.zeros(6, bool)
+    assert gating.prompt_quality(prompts, fallback)["next_token_top1"] == pytest.approx(3 / 6)
+    assert gating.prompt_quality(prompts, fallback)["confident_top1"] == pytest.approx(2 / 3)
+    fallback[3] = True  # a near-tie the map missed: top-1 gains, the confident top-1 cannot
+    assert gating.prompt_quality(prompts, fallback)["next_token_top1"] == pytest.approx(4 / 6)
+    assert gating.prompt_quality(prompts, fallback)["confident_top1"] == pytest.approx(2 / 3)
+    fallback[1] = True  # the confident prompt the map missed: the oracle's answer
+    assert gating.prompt_quality(prompts, fallback)["confident_top1"] == 1.0
+    assert math.isnan(gating.prompt_quality(prompts.assign(confident=False), fallback)["confident_top1"])
+    assert set(gating.prompt_quality(prompts.drop(columns="confident"), fallback)) == {"next_token_top1",
+                                                                                      "rollout_agreement"}
+
+
+def _summary_inputs(margins: list[list[float]]) -> tuple:
+    """One map `a` scored by `entropy` on hand-built rows: 40 dev and 40 eval items (both tasks) where the score ranks
+    the changed ones first (with noise), and eval prompts with the oracle's margins `margins` per position."""
+    rng = np.random.default_rng(3)
+    items = []
+    for part in ("dev", "eval"):
+        changed = np.arange(40) % 3 == 0
+        task = np.where(np.arange(40) % 2, "piqa", "hellaswag")
+        items.append(pd.DataFrame({"part": part, "map": "a", "task": task, "item": range(40),
+                                   "mapped": (~changed).astype(int), "oracle": 1, "source": 0, "changed": changed,
+                                   "score_entropy": changed + rng.normal(0, 0.4, 40)}))
+    first_agree = np.arange(len(margins)) % 2
+    prompts = pd.DataFrame({"map": "a", "prompt": range(len(margins)), "first_agree": first_agree,
+                            "rollout_agree": first_agree, "horizon": 1, MARGINS: margins, "changed": first_agree == 0,
+                            "score_entropy": (first_agree == 0) + rng.normal(0, 0.4, len(margins))})
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors"}, "scores": ["entropy"],
+                                     "bootstrap_iters": 200}, "selective")
+    costs = {"a": {"target_ms": 10.0, "handoff_ms": 4.0, "entropy_ms": 0.1, "target": 10.0, "handoff": 3.0,
+                   "entropy": 0.01}}
+    return pd.concat(items, ignore_index=True), prompts, params, costs
+
+
+def test_the_summary_gives_confident_top1_over_the_prompts_sure_at_their_first_token_with_n_and_an_interval():
+    margins = [[0.9, 0.0], [0.5, 0.0], [0.1, 0.9], [0.3, 0.9], [0.05, 0.9], [0.25, 0.0]] * 5  # 30 prompts
+    items, prompts, params, costs = _summary_inputs(margins)
+    metrics, curves = summarize(items, prompts, params, costs, margin=0.2)
+    facts = metrics["maps"]["a"]
+    # confident at the first token: positions 0, 1, 3 and 5 of each six; of those the map agrees on 1, 3 and 5
+    assert metrics["confident_margin"] == 0.2 and facts["confident_prompts"] == 20
+    assert facts["confident_top1"] == pytest.approx(15 / 20) and facts["next_token_top1"] == pytest.approx(0.5)
+    assert facts["items"] == 40 and facts["changed_item_count"] == 14 and facts["file"] == "a.safetensors"
+    row = facts["scores"]["entropy"]
+    assert row["auroc_items_low"] <= row["auroc_items"] <= row["auroc_items_high"]
+    assert row["confident_top1_low"] <= row["confident_top1"] <= row["confident_top1_high"]
+    assert row["confident_top1"] >= facts["confident_top1"]  # a fallback only ever takes the oracle's answer
+    oracle = curves[(curves.requests == "prompts") & (curves.score == "oracle")]
+    assert oracle.confident_top1.iloc[0] == pytest.approx(15 / 20) and oracle.confident_top1.iloc[-1] == 1.0
+    assert curves[curves.requests == "items"].confident_top1.isna().all()  # the items' curves as they were
+    sure_nowhere = summarize(items, prompts, params, costs, margin=0.95)[0]["maps"]["a"]
+    assert sure_nowhere["confident_prompts"] == 0 and sure_nowhere["confident_top1"] is None
+    assert sure_nowhere["confident_top1_low"] is None and sure_nowhere["confident_top1_high"] is None
+    assert sure_nowhere["scores"]["entropy"]["confident_top1"] is None
+
+
+def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_and_draws_confident_top1(tmp_path):
+    margins = [[0.9, 0.0], [0.5, 0.0], [0.1, 0.9], [0.3, 0.9], [0.05, 0.9], [0.25, 0.0]] * 5
+    items, prompts, params, costs = _summary_inputs(margins)
+    params.maps = {"a": "models/mapper.safetensors"}  # select's output: the selected map
+    metrics, curves = summarize(items, prompts, params, costs, margin=0.2)
+    report = parse(ReportParams, committed("report"), "report")
+    figures = study.compute(report, study.Inputs(metrics, curves))
+    text = "\n".join(study.lines(figures))
+    row = metrics["maps"]["a"]["scores"]["entropy"]
+    auroc = f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
+    assert (f"Selected map (`a`, models/mapper.safetensors): AUROC on the eval items entropy {auroc} (n = 40 items, "
+            f"14 where the map changes the decision)") in text
+    facts = metrics["maps"]["a"]
+    assert facts["confident_top1_low"] < 0.75 < facts["confident_top1_high"]
+    assert (f"| a | none (ungated) | — | 40 (14) | 50.0% | 75.0% [{100 * facts['confident_top1_low']:.1f}%, "
+            f"{100 * facts['confident_top1_high']:.1f}%] (n = 20) |") in text
+    study.figure(figures, tmp_path)
+    assert (tmp_path / "selective.png").stat().st_size > 0 and (tmp_path / "selective_top1.png").stat().st_size > 0
+    params.maps = {"a": "models/best/mapped_k1.safetensors"}  # not the selected map: no such sentence
+    other = summarize(items, prompts, params, costs, margin=0.2)[0]
+    assert "Selected map" not in "\n".join(study.lines(study.compute(report, study.Inputs(other, curves))))
+
+
+def test_the_study_refuses_selective_metrics_written_before_the_confident_figures(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "metrics" / "selective.json"
+    metrics.parent.mkdir()
+    metrics.write_text('{"target_retention": 0.99, "maps": {}}')
+    with pytest.raises(ArtifactError, match="rerun the selective stage"):
+        study.load(None)

@@ -35,7 +35,8 @@ from pipeline.store.models import (
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs, shape_config
 from pipeline.store.truncated import truncate
-from pipeline.studies.variants import model_phrase, pair_names
+from pipeline.studies.run import pair_names
+from pipeline.studies.variants import model_phrase
 
 LAYERS = 3  # the target's; the self source takes 2 of them
 

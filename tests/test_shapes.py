@@ -14,6 +14,9 @@ QWEN3 = {"vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps":
 LLAMA32 = {"vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+ARCHITECTURE_OF = {"smollm2": "llama"}  # a model family whose name is not its architecture's
+SMOLLM2 = {"vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+           "rope_parameters": {"rope_theta": 100000, "rope_type": "default"}}
 # name: family, (layers, kv_heads, head_dim), heads, hidden, intermediate, tied embeddings, parameters (tied once)
 PUBLIC = {
     "qwen3-0.6b": (QWEN3, (28, 8, 128), 16, 1024, 3072, True, 596_049_920),
@@ -22,6 +25,8 @@ PUBLIC = {
     "qwen3-8b": (QWEN3, (36, 8, 128), 32, 4096, 12288, False, 8_190_735_360),  # "8.2B"
     "llama-3.2-1b": (LLAMA32, (16, 8, 64), 32, 2048, 8192, True, 1_235_814_400),
     "llama-3.2-3b": (LLAMA32, (28, 8, 128), 24, 3072, 8192, True, 3_212_749_824),
+    "smollm2-135m": (SMOLLM2, (30, 3, 64), 9, 576, 1536, True, 134_515_008),  # the converted GGUF's count too
+    "smollm2-135m-first9": (SMOLLM2, (9, 3, 64), 9, 576, 1536, True, 134_515_008 - 21 * 3_540_096),
 }
 
 
@@ -48,7 +53,9 @@ def test_every_stored_shape_has_its_public_figures():
 def test_shape_configs_have_the_public_geometry_and_parameter_count(name):
     family, (layers, kv_heads, head_dim), heads, hidden, intermediate, tied, parameters = PUBLIC[name]
     config = shape_config(name)
-    assert config.model_type == name.split("-")[0] and config._name_or_path == f"shapes/{name}"
+    family_name = name.split("-")[0]
+    assert config.model_type == ARCHITECTURE_OF.get(family_name, family_name)
+    assert config._name_or_path == f"shapes/{name}"
     assert kv_geometry(config) == {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     assert (config.num_attention_heads, config.hidden_size, config.intermediate_size) == (heads, hidden, intermediate)
     assert {key: getattr(config, key) for key in family} == family
@@ -68,7 +75,8 @@ def test_unknown_shape_is_refused_naming_the_known_ones():
 def test_every_pair_resolves_to_a_larger_target_of_the_same_family_and_vocabulary(pair):
     source, target = pair_configs(pair)
     assert (source.model_type, source.vocab_size) == (target.model_type, target.vocab_size)
-    assert source.hidden_size < target.hidden_size
+    smaller = (source.hidden_size, source.num_hidden_layers) < (target.hidden_size, target.num_hidden_layers)
+    assert smaller and source.hidden_size <= target.hidden_size  # wider, or (a self source) as wide and shallower
     assert kv_geometry(source)["layers"] <= kv_geometry(target)["layers"]
 
 

@@ -5,7 +5,7 @@ a float64 start), trained on what the target does after the handoff rather than 
 values are. One batch holds rows of equal prefix length, under the last-token protocol:
 
     source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
-        (the mapped handoff's cache, as `Handoff.to_target` builds it; differentiable in the map)
+        (`kv.mapper.map_cache`, the mapped handoff's own function, here with autograd on)
     target: mapped cache + c[n-1] e[0..h-1]     -> log p_mapped  at the h + 1 positions it reads
     target: own prefill of c[0..n-2] + the same -> log p_oracle  (no grad; once per row while they fit a budget)
     loss = mean over positions of KL(p_oracle || p_mapped)
@@ -38,7 +38,7 @@ from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, in_order,
 from pipeline.kv.families.registry import TRAINABLE
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
-from pipeline.kv.mapper import Mapper
+from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.rope import Rotation
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -102,23 +102,14 @@ def trainable(start: Mapper, device) -> Mapper:
         raise ValueError("the start map reads and writes rotated keys (the no-strip ablation); distillation starts "
                          "from a content-space map")
     dtype = torch.promote_types(start.keys[0][0].dtype, torch.float32)
-    as_parameters = lambda layers: [tuple(torch.nn.Parameter(t.detach().to(device, dtype).clone())  # noqa: E731
-                                          for t in tensors) for tensors in layers]
-    return replace(start, keys=as_parameters(start.keys), values=as_parameters(start.values), extra=dict(start.extra))
+    keys, values = ([tuple(torch.nn.Parameter(t.detach().to(device, dtype).clone()) for t in tensors)
+                     for tensors in layers] for layers in (start.keys, start.values))
+    return replace(start, keys=keys, values=values, extra=dict(start.extra))
 
 
 def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
     """The map's tensors in one fixed order: keys then values, layer by layer, the family's tensor order within."""
     return [t for tensors in mapper.keys + mapper.values for t in tensors]
-
-
-def map_to_target(mapper: Mapper, source: Layers, rotation: Rotation, dtype: torch.dtype) -> tuple[Layers, Layers]:
-    """The mapped handoff's cache (rotated, `dtype`) and the target-space content it was rotated from, from the
-    source's content cache: `Handoff.to_target`'s steps in mode `mapped`, with autograd left on."""
-    positions = torch.arange(rotation.tokens, device=source[0][0].device)  # (P,)
-    content = [mapper.apply_layer(source, layer, positions) for layer in range(mapper.target_layers(source))]
-    cache = [(rotation.apply(keys).to(dtype), values.to(dtype)) for keys, values in content]
-    return content, cache
 
 
 def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
@@ -144,7 +135,8 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
     reference = oracle(handoff, batch) if reference is None else reference
     rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     source = [(k.to(handoff.device), v.to(handoff.device)) for k, v in batch.source]
-    content, cache = map_to_target(mapper, source, rotation, handoff.target.dtype)
+    layers = list(map_cache(mapper, source, rotation, handoff.target.dtype, handoff.device))  # what the handoff maps
+    content, cache = [mapped for mapped, _ in layers], [cached for _, cached in layers]
     logprobs = F.log_softmax(widened(handoff.step_logits(cache, batch.steps)), dim=-1)  # (B, h + 1, V)
     kl = F.kl_div(logprobs, reference.logprobs, reduction="none", log_target=True).sum(-1)  # (B, h + 1)
     kv = kv_regression(content, reference.content) if kv_weight else torch.zeros((), device=kl.device)
@@ -346,6 +338,6 @@ def finished(start: Mapper, tensors: list[torch.Tensor], facts: dict) -> Mapper:
     """`start` with `tensors` (in `map_tensors` order) in its place, on the CPU in its dtype, and `facts` as its
     distillation record."""
     flat = iter(t.detach().to("cpu", start.keys[0][0].dtype).contiguous() for t in tensors)
-    take = lambda layers: [tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]  # noqa: E731
-    keys, values = take(start.keys), take(start.values)
+    keys, values = ([tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]
+                    for layers in (start.keys, start.values))
     return replace(start, keys=keys, values=values, distilled=facts)

@@ -84,8 +84,8 @@ class CacheRows:
                 for kind, layers in per_kind.items():
                     for layer, blocks in enumerate(layers):
                         blocks.append(stored.get_slice(f"{kind}.{layer}")[start : start + prefix_length])  # (P, H, D)
-        stack = lambda blocks: torch.stack(blocks).to(torch.float32).transpose(1, 2)  # noqa: E731  (B, H, P, D)
-        source = [(stack(keys), stack(values)) for keys, values in zip(per_kind["keys"], per_kind["values"])]
+        source = [tuple(torch.stack(blocks).to(torch.float32).transpose(1, 2) for blocks in pair)  # (B, H, P, D)
+                  for pair in zip(per_kind["keys"], per_kind["values"])]
         shape = (len(chosen), self.heads, prefix_length, self.head_dim)
         if source and tuple(source[0][0].shape) != shape:
             raise ValueError(f"cache rows of shape {tuple(source[0][0].shape)}, expected {shape} from the manifest")

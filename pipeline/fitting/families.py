@@ -199,6 +199,12 @@ def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Te
     return out.permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
+def squares(x: torch.Tensor, y: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual and the total sum of squares (float64, per output column) of the map `tensors` on rows x (N, F),
+    y (N, O): what `ridge.pooled_r2` reads."""
+    return ((y - predict_rows(x, tensors)) ** 2).double().sum(0), ((y - y.mean(0)) ** 2).double().sum(0)
+
+
 def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pairs, select_pairs: Pairs,
                  held: set[str], settings: MlpSettings, heads_t: int, parts: Parts, device) -> tuple[dict, R2Table]:
     """The `mlp_k<k>` candidate's map for one target layer and kind, trained with its own seed (derived from the
@@ -213,10 +219,8 @@ def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pai
     parts.put(name, layer, kind, tensors)
     x_sel, y_sel = (t.to(device) for t in gather_rows(select_pairs, layer, chosen, kind, set())[:2])
     with torch.no_grad():
-        sse = lambda x_, y_: ((y_ - predict_rows(x_, tensors)) ** 2).double().sum(0)  # noqa: E731
-        sst = lambda y_: ((y_ - y_.mean(0)) ** 2).double().sum(0)  # noqa: E731
-        r2_fit = ridge.pooled_r2(sse(x[~mask], y[~mask]), sst(y[~mask]), heads_t)
-        r2_sel = ridge.pooled_r2(sse(x_sel, y_sel), sst(y_sel), heads_t)
+        r2_fit = ridge.pooled_r2(*squares(x[~mask], y[~mask], tensors), heads_t)
+        r2_sel = ridge.pooled_r2(*squares(x_sel, y_sel, tensors), heads_t)
     n_params = sum(t.numel() for t in tensors)
     table.record(name, layer, kind, r2_fit, r2_sel, n_params / (int((~mask).sum()) * y.shape[1]))
     return facts, table

@@ -36,9 +36,8 @@ def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     device = x_train.device
     x_mean, x_std = x_train.mean(0), x_train.std(0).clamp_min(1e-6)  # (F,)
     y_mean, y_scale = y_train.mean(0), (y_train - y_train.mean(0)).pow(2).mean().sqrt().clamp_min(1e-6)
-    standardize = lambda x, y: ((x - x_mean) / x_std, (y - y_mean) / y_scale)  # noqa: E731
-    x_train_s, y_train_s = standardize(x_train, y_train)
-    x_val_s, y_val_s = standardize(x_val, y_val)
+    x_train_s, y_train_s = (x_train - x_mean) / x_std, (y_train - y_mean) / y_scale
+    x_val_s, y_val_s = (x_val - x_mean) / x_std, (y_val - y_mean) / y_scale
 
     in_width, out_width = x_train.shape[1], y_train.shape[1]
     w1 = (torch.randn(in_width, settings.hidden, generator=generator) / in_width**0.5).to(device).requires_grad_()
@@ -48,7 +47,9 @@ def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     b2 = torch.zeros(out_width, device=device, requires_grad=True)
     params = [w1, b1, w2, b2]
     optimizer = torch.optim.Adam(params, lr=settings.lr)
-    predict = lambda x: hidden_layer(x, w1, b1) @ w2 + b2  # noqa: E731  (N, out_width)
+
+    def predict(x: torch.Tensor) -> torch.Tensor:  # (N, out_width)
+        return hidden_layer(x, w1, b1) @ w2 + b2
 
     best_loss, best_epoch, best = float("inf"), -1, [p.detach().clone() for p in params]
     for epoch in range(settings.max_epochs):

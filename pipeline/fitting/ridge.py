@@ -38,8 +38,8 @@ class Moments:
     @classmethod
     def zeros(cls, in_width: int, out_width: int, device: str | torch.device) -> "Moments":
         """Empty moments on `device`: rows added later are moved there, so the float64 products run there."""
-        new = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
-        return cls(0, new(in_width), new(out_width), new(in_width, in_width), new(in_width, out_width), new(out_width))
+        shapes = [(in_width,), (out_width,), (in_width, in_width), (in_width, out_width), (out_width,)]
+        return cls(0, *(torch.zeros(*shape, dtype=torch.float64, device=device) for shape in shapes))
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
         """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass

@@ -121,7 +121,10 @@ def attention_outputs(model, active: bool = True):
     if not active:
         yield outputs
         return
-    record = lambda module, inputs, output: outputs.append(output[0].detach().cpu())  # noqa: E731
+
+    def record(module, inputs, output) -> None:
+        outputs.append(output[0].detach().cpu())
+
     hooks = [layer.self_attn.register_forward_hook(record) for layer in model.get_decoder().layers]
     try:
         yield outputs

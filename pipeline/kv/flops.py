@@ -18,8 +18,9 @@ A repair (`kv.repair`) adds, over the prefix of P = n-1 tokens (`repair_macs`):
     sink s            s tokens through every layer, attention over themselves
     tokens rho        round(rho (P - s)) tokens through every layer, each attending over the whole prefix (the 4D
                       mask's dense reads: P + chosen keys, an upper bound on the causal count)
-    selection         deviation: layer 0's K/V projections over P tokens (free when m >= 1); attention: one more
-                      step of one token over the prefix, and its scores (one more q.k per layer); recency: none
+    selection         the selector's own count (`kv.selectors`: each policy's `cost`), e.g. deviation: layer 0's
+                      K/V projections over P tokens (free when m >= 1); attention: one more step of one token over
+                      the prefix, and its scores (one more q.k per layer); recency: none
 
 Its budget is that count over the target's prefill of the same prompt (`repair_budget`): 0 is the mapped cache.
 """
@@ -31,6 +32,7 @@ from pipeline.kv.families.base import Geometry
 from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.repair import Repair
+from pipeline.kv.selectors.base import Work
 
 
 def linear_macs_per_token(config) -> int:
@@ -121,10 +123,11 @@ def repair_macs(target_config, repair: Repair, length: int) -> dict[str, int]:
     sink = min(repair.sink, prefix)
     chosen = repair.chosen(prefix)
     selection = 0
-    if repair.tokens and repair.select_by == "deviation" and not exact:
-        selection = prefix * kv_projection_macs_per_token(target_config)
-    elif repair.tokens and repair.select_by == "attention":
-        selection = linear_macs_per_token(target_config) + read * layers * (prefix + 1) * 3 // 2
+    if repair.tokens:
+        geometry = kv_geometry(target_config)
+        work = Work(prefix, layers, exact, linear_macs_per_token(target_config),
+                    kv_projection_macs_per_token(target_config), read, geometry["kv_heads"] * geometry["head_dim"])
+        selection = repair.selector.cost(work, repair.argument)
     return {
         "exact_layers": 0 if not exact else (exact - 1) * (prefix * per_layer + attention_macs(
             target_config, 0, prefix) // layers) + prefix * kv_projection_macs_per_token(target_config),

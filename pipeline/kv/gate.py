@@ -208,8 +208,10 @@ class Scorer:
                 keep[tuple(context[:-1])] = [(k[row : row + 1, :, :count], v[row : row + 1, :, :count])
                                              for k, v in mapped]
         last = torch.tensor([[context[-1]] for context in contexts])  # (B, 1): c[n-1]
-        step = lambda handoff, layers: handoff.step_logprobs(  # noqa: E731  (B, V) after `handoff`'s map
-            layers, last, lengths)[:, -1]
+
+        def step(handoff: Handoff, layers: Layers) -> torch.Tensor:  # (B, V) after `handoff`'s map
+            return handoff.step_logprobs(layers, last, lengths)[:, -1]
+
         target = step(self.handoff, mapped)
         out = {}
         if "top1" in names:

@@ -25,7 +25,7 @@ import time
 from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
-from pipeline.kv.mapper import Mapper
+from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.repair import Repair, RepairCount, repair_cache
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.devices import no_grad
@@ -60,6 +60,35 @@ def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: d
                                     f"{target_geometry}")
 
 
+def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) -> dict:
+    """The source's KV geometry, refused unless `mapper` was fitted for the pair's geometries or, without a
+    mapper, it equals the target's."""
+    source_geometry, target_geometry = kv_geometry(source.config), kv_geometry(target.config)
+    names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
+    if mapper is not None:
+        check_map_geometry(mapper, source_geometry, target_geometry, names)
+    elif source_geometry != target_geometry:
+        raise IncompatiblePairError(
+            f"transfer mode {mode!r} without a mapper needs equal KV geometry, but {names} have "
+            f"{source_geometry} vs {target_geometry}; use transfer=mapped with a fitted mapper"
+        )
+    return source_geometry
+
+
+def pair_window(target, source=None) -> int | None:
+    """The shorter sliding window of the models that compute a handoff (None when neither has one)."""
+    windows = [sliding_window(model.config) for model in (target, source) if model is not None]
+    return min((w for w in windows if w is not None), default=None)
+
+
+def check_options(mode: str, repair: Repair, keep: float | None) -> None:
+    """Refuse a repair of a cache that is its model's own, and a share `keep` outside (0, 1]."""
+    if not repair.empty and mode in OWN_MODES:
+        raise ValueError(f"repair {repair}: the {mode} handoff's cache is its model's own, nothing to repair")
+    if keep is not None and not 0 < keep <= 1:
+        raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
+
+
 class Handoff:
     """Builds the target's prefix cache in one of MODES and scores tokens after it."""
 
@@ -79,36 +108,21 @@ class Handoff:
         self.contract = pair_contract(target.config, source.config if mode in SOURCE_MODES else None,
                                       target_tokenizer, source_tokenizer, max_tokens)
         self.contract.require("oracle" if mode in OWN_MODES else mode)  # `source`: the source model decodes alone
-        windows = [sliding_window(model.config) for model in (target, source if mode in SOURCE_MODES else None)
-                   if model is not None]
-        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
+        self.window = pair_window(target, source if mode in SOURCE_MODES else None)  # the longest sequence it may see
         self.target_spec = RotarySpec.from_model(target)
         self.target_geometry = kv_geometry(target.config)
         self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
-        self.repair = repair or Repair()
-        if not self.repair.empty and mode in OWN_MODES:
-            raise ValueError(f"repair {self.repair}: the {mode} handoff's cache is its model's own, nothing to repair")
-        if keep is not None and not 0 < keep <= 1:
-            raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
-        self.keep = keep
+        self.repair, self.keep = repair or Repair(), keep
+        check_options(mode, self.repair, keep)
         self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
         # prefix -> its mapped cache (batch 1, before any repair), kept by a gate's scorer that mapped it already, for
         # prefix_layers to use instead of prefilling and mapping it again (`kv.router`)
         self.kept_maps: dict[tuple[int, ...], Layers] = {}
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
-        if mode not in SOURCE_MODES:
-            return
-        self.source_spec = RotarySpec.from_model(source)
-        self.source_geometry = kv_geometry(source.config)
-        names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
-        if mapper is not None:
-            check_map_geometry(mapper, self.source_geometry, self.target_geometry, names)
-        elif self.source_geometry != self.target_geometry:
-            raise IncompatiblePairError(
-                f"transfer mode {mode!r} without a mapper needs equal KV geometry, but {names} have "
-                f"{self.source_geometry} vs {self.target_geometry}; use transfer=mapped with a fitted mapper"
-            )
+        if mode in SOURCE_MODES:
+            self.source_spec = RotarySpec.from_model(source)
+            self.source_geometry = checked_source_geometry(source, target, mode, mapper)
 
     def check_length(self, tokens: int) -> None:
         """Refuse a sequence of `tokens` longer than a sliding window of the pair: the model masks attention past
@@ -150,24 +164,10 @@ class Handoff:
             zeros = torch.zeros(shape, dtype=dtype, device=self.device)
             return self.repaired_layers([(zeros, zeros) for _ in range(self.target_geometry["layers"])], prefix_ids,
                                         lengths)
-        mapped = self.kept(prefix_ids, lengths)
+        mapped = kept_layers(self.kept_maps, prefix_ids, lengths)
         if mapped is None:
             mapped = self.to_target(self.source_prefill(prefix_ids, mask), lengths)
         return self.repaired_layers(mapped, prefix_ids, lengths)
-
-    def kept(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers | None:
-        """The mapped cache of prefix_ids (B, P) put together from `kept_maps`, each row right-padded with zeros
-        (slots the step's mask hides); None unless every row's prefix is kept there."""
-        if not self.kept_maps:
-            return None
-        width = prefix_ids.shape[1]
-        real = [width] * prefix_ids.shape[0] if lengths is None else lengths.tolist()
-        rows = [tuple(prefix_ids[row, :count].tolist()) for row, count in enumerate(real)]
-        if not all(row in self.kept_maps for row in rows):
-            return None
-        return [tuple(torch.cat([F.pad(self.kept_maps[row][layer][side], (0, 0, 0, width - count))  # (1, H, P, D)
-                                 for row, count in zip(rows, real)]) for side in (0, 1))
-                for layer in range(len(self.kept_maps[rows[0]]))]
 
     def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers:
         """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`."""
@@ -209,20 +209,7 @@ class Handoff:
         if self.mode == "shuffled":
             order = shuffle_order(self.shuffle_seed, length, lengths, source_layers[0][0].shape[0]).to(self.device)
         target_rotation = Rotation(self.target_spec, positions.to(self.device))
-        layers = []
-        # one target layer at a time, from content space to the target's dtype: only one layer's float32
-        # intermediates live at once beside the stripped source cache
-        for layer in range(mapper.target_layers(content) if mapper else len(content)):
-            keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
-            if order is not None:  # permute each row's tokens, (B, H, T, D)
-                index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
-                keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
-            # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this
-            # layer is live, not all at once when the cache is built
-            values = values.to(self.device, dtype, memory_format=torch.contiguous_format)
-            keys = keys.to(self.device)
-            layers.append(((keys if rotated else target_rotation.apply(keys)).to(dtype), values))
-        return layers
+        return [cache for _, cache in map_cache(mapper, content, target_rotation, dtype, self.device, order)]
 
     def target_cache(self, layers: Layers | None, batch: int = 1):
         """A fresh target cache holding `layers`; a batch-1 prefix is shared by `batch` rows."""
@@ -247,15 +234,37 @@ class Handoff:
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.target_cache(layers, tokens.shape[0])
-        options = {}
-        if prefix_lengths is not None and layers is not None:
-            width, steps = layers[0][0].shape[2], tokens.shape[1]
-            prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
-            options["attention_mask"] = torch.cat([prefix_mask, torch.ones(len(tokens), steps, dtype=torch.bool)],
-                                                  dim=1).long().to(self.device)  # (B, P + L)
-            options["position_ids"] = (prefix_lengths[:, None] + torch.arange(steps)[None]).to(self.device)  # (B, L)
+        options = {} if prefix_lengths is None or layers is None else padded_prefix(prefix_lengths, width,
+                                                                                  tokens.shape[1], self.device)
         return self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                            **options).logits
+
+
+def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device) -> dict[str, torch.Tensor]:
+    """The attention mask and positions of `steps` tokens read after right-padded prefixes of real lengths
+    `prefix_lengths` (B,) in a cache `width` slots wide: the padded slots masked out, row b's tokens at positions
+    prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+    prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
+    steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
+    return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
+            "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
+
+
+def kept_layers(kept_maps: dict[tuple[int, ...], Layers], prefix_ids: torch.Tensor,
+                lengths: torch.Tensor | None) -> Layers | None:
+    """The mapped cache of prefix_ids (B, P) put together from `kept_maps` (a handoff's: prefix -> its mapped
+    cache, batch 1), each row right-padded with zeros (slots the step's mask hides); None unless every row's prefix
+    is kept there."""
+    if not kept_maps:
+        return None
+    width = prefix_ids.shape[1]
+    real = [width] * prefix_ids.shape[0] if lengths is None else lengths.tolist()
+    rows = [tuple(prefix_ids[row, :count].tolist()) for row, count in enumerate(real)]
+    if not all(row in kept_maps for row in rows):
+        return None
+    return [tuple(torch.cat([F.pad(kept_maps[row][layer][side], (0, 0, 0, width - count))  # (1, H, P, D)
+                             for row, count in zip(rows, real)]) for side in (0, 1))
+            for layer in range(len(kept_maps[rows[0]]))]
 
 
 def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, 
 """
 from __future__ import annotations
 
+from pipeline.kv import projections
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -54,22 +55,17 @@ def kv_geometry(config) -> dict:
 
 def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
     """Run `model` on token_ids; per layer, the keys (1, kv_heads, T, head_dim) its attention computed just before
-    the rotary embedding (the output of k_norm, or of k_proj in a model without one), and its cache."""
-    geometry = kv_geometry(model.config)
+    the rotary embedding (`kv.projections.keys` of the states the attention read), and its cache."""
     captured: dict[int, torch.Tensor] = {}
 
     def keep(index):
-        def hook(module, inputs, output):
-            batch, tokens = output.shape[0], output.shape[1]
-            # (B, T, H*D) or (B, T, H, D) -> (B, H, T, D)
-            captured[index] = output.reshape(batch, tokens, geometry["kv_heads"], geometry["head_dim"]).transpose(1, 2)
+        def hook(module, args, kwargs, output):
+            captured[index] = projections.keys(module, kwargs["hidden_states"] if "hidden_states" in kwargs
+                                               else args[0])  # (B, H, T, D)
         return hook
 
-    hooks = []
-    for index, layer in enumerate(model.model.layers):
-        attention = layer.self_attn
-        module = getattr(attention, "k_norm", None) or attention.k_proj
-        hooks.append(module.register_forward_hook(keep(index)))
+    hooks = [layer.self_attn.register_forward_hook(keep(index), with_kwargs=True)
+             for index, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad():
             cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache

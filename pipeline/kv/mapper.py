@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from pipeline.kv.families.base import Geometry
 from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.families.registry import family as family_spec
 from pipeline.kv.kvcache import Layers, kv_geometry
-from pipeline.kv.rope import RotarySpec
+from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.artifacts import ArtifactError, load_artifact, stream_artifact
 from pipeline.store.lazy import lazy
 
@@ -51,7 +51,8 @@ class Mapper:
     extra: dict[str, Any] = field(default_factory=dict)  # the fit's facts, for the record
     key_space: str = "content"  # rotated: fitted on keys with RoPE kept (the length study's ablation)
     distilled: dict | None = None  # a distilled map's facts (start digest, loss weights, best epoch, ...)
-    # the pair it was fitted on: {"source"|"target": {"pin", "tokenizer"}} (store.fingerprints.pair_fingerprints);
+    # the pair it was fitted on: {"source"|"target": {"weights", "config", "generation_config", "tokenizer"}}
+    # (store.fingerprints.pair_fingerprints; {"pin", "tokenizer"} in a map written before fingerprints had parts);
     # None: a map written before maps were bound to their pair, or one made in memory
     models: dict | None = None
 
@@ -124,9 +125,34 @@ class Mapper:
         return self.spec.project(key_in, *self.keys[layer]), self.spec.project(value_in, *self.values[layer])
 
     def to(self, device=None, dtype=None) -> "Mapper":
-        move = lambda layers: [tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]  # noqa: E731
-        self.keys, self.values = move(self.keys), move(self.values)
+        self.keys, self.values = ([tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]
+                                  for layers in (self.keys, self.values))
         return self
+
+
+LayerPair = tuple["torch.Tensor", "torch.Tensor"]  # one layer's (keys, values), each (B, H, T, D)
+
+
+def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype, device,
+              order: torch.Tensor | None = None) -> Iterator[tuple[LayerPair, LayerPair]]:
+    """The source's content cache (float32, RoPE stripped; as cached for a map of rotated keys) through `mapper`
+    (None: each layer as it is) into the target's cache, one target layer at a time: per layer, the target-space
+    content the map made (after the shuffle) and the cache the target reads, keys rotated to `rotation`'s positions
+    (unless the map writes rotated keys), both on `device` in `dtype`. `order` (B, T): the shuffled null's token
+    order. The one way a cache is mapped: the handoff takes the caches under no_grad, distillation takes both
+    with autograd on, so what a map is trained on is what the handoff injects."""
+    positions = torch.arange(rotation.tokens, device=content[0][0].device)  # (T,)
+    rotated = mapper is not None and mapper.key_space == "rotated"
+    for layer in range(mapper.target_layers(content) if mapper else len(content)):
+        keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
+        if order is not None:  # permute each row's tokens, (B, H, T, D)
+            index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
+            keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
+        # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this layer is
+        # live, not all at once when the cache is built
+        cached_values = values.to(device, dtype, memory_format=torch.contiguous_format)
+        keys = keys.to(device)
+        yield (keys, values), ((keys if rotated else rotation.apply(keys)).to(dtype), cached_values)
 
 
 def identity_mapper(source: str, target: str, source_config, target_config) -> Mapper:

@@ -12,7 +12,7 @@ many mappers loads the models once). A self source (`self:<n>` or a prepared fol
 again.
 
 A map is bound to the pair it was fitted on: every handoff built with one compares the map's fingerprints of
-both models (`Mapper.models`) with the pair's (`store.fingerprints.fingerprint`: weights and config, tokenizer files)
+both models (`Mapper.models`) with the pair's (`store.fingerprints`: weights, config, generation config, tokenizer)
 before any forward, and refuses a mismatch in one line naming what differs (`OtherModelsError`), unless the pair
 was built with `allow_other_models`; then each mismatch is kept in `other_models` for the outputs to record.
 A pair of models in memory (`Pair.of`) has no files to fingerprint: its maps are the caller's, unchecked.
@@ -29,7 +29,7 @@ from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
-from pipeline.store.fingerprints import fingerprint
+from pipeline.store.fingerprints import PairFingerprints, model_differences
 from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, self_source
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import truncate
@@ -41,27 +41,7 @@ class OtherModelsError(Refusal, ValueError):
     """A map used with models it was not fitted on (or one that records none)."""
 
 
-def short(value: str | None) -> str:
-    return "none" if value is None else value if len(value) <= 24 else value[:24] + "…"
-
-
-def model_differences(fitted: dict | None, loaded: dict) -> str | None:
-    """What differs between the models a map was fitted on (`Mapper.models`) and the ones loaded
-    (`store.fingerprints.pair_fingerprints`), as the rest of a sentence; None when they are the same."""
-    if fitted is None:
-        return "records no fingerprints of the models it was fitted on (written before maps were bound to their pair)"
-    if fitted == loaded:
-        return None
-    if fitted.get("source") == loaded["target"] and fitted.get("target") == loaded["source"]:
-        return "was fitted on this pair with source and target swapped"
-    what = {"pin": "weights and config", "tokenizer": "tokenizer files"}
-    parts = [f"the {side}'s {what[key]} differ (fitted on {short(fitted.get(side, {}).get(key))}, "
-             f"loaded {short(loaded[side][key])})"
-             for side in ("source", "target") for key in what if fitted.get(side, {}).get(key) != loaded[side][key]]
-    return "was fitted on other models: " + "; ".join(parts)
-
-
-def check_models(label: str, fitted: dict | None, loaded: dict, allow: bool) -> str | None:
+def check_models(label: str, fitted: dict | None, loaded: PairFingerprints, allow: bool) -> str | None:
     """Refuse (`OtherModelsError`, one line with the fix) a map whose models differ from the loaded ones; with
     `allow`, return the difference for the outputs to record instead (None when there is none)."""
     difference = model_differences(fitted, loaded)
@@ -147,12 +127,11 @@ class Pair:
         return self.sides["source"][0] is not None
 
     @cached_property
-    def fingerprints(self) -> dict | None:
-        """Both models' `store.fingerprints.fingerprint` (hashed once, when the first map is bound); None in
+    def fingerprints(self) -> PairFingerprints | None:
+        """Both models' fingerprints (`store.fingerprints`, hashed once, when the first map is bound); None in
         `Pair.of`."""
-        target = self.sides["target"][0]  # a self source is fingerprinted as its target's first n layers
-        return {side: fingerprint(*self.sides[side], target=target) if self.sides[side][0] else None
-                for side in self.sides}
+        (source, source_revision), (target, target_revision) = self.sides["source"], self.sides["target"]
+        return PairFingerprints(source, target, source_revision, target_revision)
 
     def bind(self, mapper: Mapper, label: str) -> None:
         """Refuse `mapper` (called `label` in the message) unless it was fitted on this pair's models, or the pair

@@ -11,23 +11,25 @@ fixed order, each part over what the parts before it left:
                         one forward of the decoder body: each at its own position, seeing the cache of the tokens
                         before it (mapped, or recomputed in the same forward), a 4D mask as `decode.packed_logprobs`
 
-    chosen by     deviation   sum over keys and values of |exact - mapped|^2 / mean |exact|^2 at layer n-1 (layer 0
-                              when n = 0: the embedding's K/V projections of every token, the selection's cost)
-                  attention   what the prefix's last token c[P-1], read once more over the cache, attends to
-                              (summed over layers and heads; c[P-1] itself scores its weight on its own key). The
-                              handoff knows the prefix only, so c[P-1] stands for the first step's query c[P]
-                  recency     the last tokens: a chunked prefill of the prompt's end over the mapped rest
+    chosen by     a selector (`kv/selectors/`, one module each, listed in its registry): deviation (the mapped
+                  keys/values furthest from the target's exact ones at layer n-1), attention (what the first step
+                  attends to), recency (the prompt's end), key_norm (the largest mapped keys); `POLICY@VALUE` gives a
+                  policy its own parameter where it takes one (`key_norm@2`)
 
 Known answers: exact_layers = L, sink = P and rho = 1 each give the oracle's cache within float rounding; the
-empty setting returns the cache untouched. The string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`)
-has one parser, `Repair.parse`; its parts are joined by `+` in any order and applied in the order above.
+empty setting returns the cache untouched. The string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`,
+`tokens:0.1:key_norm@2`) has one parser, `Repair.parse`; its parts are joined by `+` in any order and applied in
+the order above.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from pipeline.kv import projections
 from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache
+from pipeline.kv.selectors.base import EXACT, Evidence, Selector
+from pipeline.kv.selectors.registry import POLICIES, SELECTORS
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 from pipeline.store.params import ParamError
@@ -35,8 +37,9 @@ from pipeline.store.params import ParamError
 torch = lazy("torch")
 transformers = lazy("transformers")
 
-POLICIES = ("deviation", "attention", "recency")
-FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:" + "|".join(POLICIES)
+FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:POLICY (POLICY: " + "|".join(
+    name + ("" if selector.parameter is None else f"[@N: {selector.parameter}]") for name, selector in SELECTORS.items()
+) + ")"
 
 
 class RepairError(Refusal, ValueError):
@@ -51,6 +54,7 @@ class Repair:
     sink: int = 0
     tokens: float = 0.0  # rho: the fraction of the prefix tokens after the sink
     select_by: str = "recency"
+    argument: int | float | None = None  # the policy's own parameter (`POLICY@VALUE`), None where it takes none
 
     def __post_init__(self):
         if self.exact_layers < 0 or self.sink < 0:
@@ -59,6 +63,9 @@ class Repair:
             raise RepairError(f"repair tokens:{self.tokens:g}: the fraction must be in [0, 1]")
         if self.select_by not in POLICIES:
             raise RepairError(f"repair select_by {self.select_by!r}: known {', '.join(POLICIES)}")
+        problem = self.selector.refusal(self.argument, None)
+        if problem:
+            raise RepairError(f"repair {self}: {problem}")
 
     @classmethod
     def parse(cls, text: str) -> Repair:
@@ -74,9 +81,12 @@ class Repair:
                 raise RepairError(f"repair {text!r}: bad part {part!r} (form: {FORM})")
             try:
                 if key == "tokens":
-                    fields["tokens"], fields["select_by"] = float(values[0]), values[1]
-                    if values[1] not in POLICIES or not math.isfinite(fields["tokens"]):
+                    name, at, argument = values[1].partition("@")
+                    fields["tokens"], fields["select_by"] = float(values[0]), name
+                    if name not in POLICIES or not math.isfinite(fields["tokens"]):
                         raise ValueError
+                    if at:
+                        fields["argument"] = SELECTORS[name].read(argument)
                 else:
                     fields[key] = int(values[0])
             except ValueError:
@@ -86,8 +96,17 @@ class Repair:
     def __str__(self) -> str:
         parts = ([f"layers:{self.exact_layers}"] if self.exact_layers else []) + (
             [f"sink:{self.sink}"] if self.sink else []) + (
-            [f"tokens:{self.tokens:g}:{self.select_by}"] if self.tokens else [])
+            [f"tokens:{self.tokens:g}:{self.policy}"] if self.tokens else [])
         return "+".join(parts) or "none"
+
+    @property
+    def policy(self) -> str:
+        """The token choice as the string form writes it: the policy, and `@VALUE` where it has a parameter."""
+        return self.select_by + ("" if self.argument is None else f"@{self.argument:g}")
+
+    @property
+    def selector(self) -> Selector:
+        return SELECTORS[self.select_by]
 
     @property
     def empty(self) -> bool:
@@ -137,14 +156,16 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
     config = target.config
     if setting.exact_layers > config.num_hidden_layers:
         raise RepairError(f"repair {setting}: the target has only {config.num_hidden_layers} layers")
+    selector = setting.selector if setting.tokens else None
+    problem = selector and selector.refusal(setting.argument, config.num_hidden_layers)
+    if problem:
+        raise RepairError(f"repair {setting}: {problem}")
     lengths = torch.full((batch,), width) if lengths is None else lengths.cpu()
-    layers = [(k.clone(), v.clone()) for k, v in layers]
-    deviation_layer = max(setting.exact_layers - 1, 0)
-    scores = None
-    if setting.exact_layers or (setting.tokens and setting.select_by == "deviation"):
+    mapped, layers = layers, [(k.clone(), v.clone()) for k, v in layers]
+    exact_index = max(setting.exact_layers - 1, 0)
+    exact = None
+    if setting.exact_layers or (selector and EXACT in selector.needs):
         exact = exact_layers(target, prefix_ids, max(setting.exact_layers, 1), count)
-        if setting.tokens and setting.select_by == "deviation":
-            scores = deviation(exact[deviation_layer], layers[deviation_layer])  # (B, P)
         for index in range(setting.exact_layers):
             layers[index] = tuple(t.to(layers[index][0].device, layers[index][0].dtype) for t in exact[index])
     sink = min(setting.sink, width)
@@ -163,10 +184,9 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
     chosen_per_row = [setting.chosen(int(n)) for n in lengths]
     if max(chosen_per_row) == 0:
         return layers
-    if setting.select_by == "recency":
-        scores = torch.arange(width, dtype=torch.float32)[None].expand(batch, -1)  # (B, P)
-    elif setting.select_by == "attention":
-        scores = attention_scores(target, layers, prefix_ids, lengths, count, devices)
+    evidence = Evidence(target, layers, mapped, None if exact is None else exact[exact_index], exact_index,
+                        prefix_ids, lengths, count, devices)
+    scores = selector.score(evidence, setting.argument)  # (B, P)
     chosen = choose(scores, lengths, sink, chosen_per_row)  # (B, M), -1 past a row's count
     return recompute(target, layers, prefix_ids, lengths, chosen, count, devices)
 
@@ -192,13 +212,6 @@ def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:
     return mask[None, None].expand(batch, 1, -1, -1)
 
 
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the model applies it: states (B, H, T, D), cos/sin (B, T, D)."""
-    half = states.shape[-1] // 2
-    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-    return states * cos[:, None] + rotated * sin[:, None]
-
-
 def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -> Layers:
     """The target's own keys/values (B, H, P, D), rotated, of its first n layers over prefix_ids (B, P): layers
     0..n-2 in full, layer n-1's input norm and K/V projections only; no logits."""
@@ -216,65 +229,9 @@ def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -
     count.forwards += 1
     count.token_layers += batch * width * (n - 1)
     attention = decoder.layers[n - 1].self_attn
-    normed = decoder.layers[n - 1].input_layernorm(hidden)  # (B, P, hidden)
-    shape = (batch, width, -1, attention.head_dim)
-    keys = attention.k_norm(attention.k_proj(normed).view(shape)).transpose(1, 2)  # (B, H, P, D)
-    values = attention.v_proj(normed).view(shape).transpose(1, 2)  # (B, H, P, D)
-    return cache_to_layers(cache)[: n - 1] + [(_rotate(keys, cos, sin), values)]
-
-
-def deviation(exact: tuple, mapped: tuple) -> torch.Tensor:
-    """(B, P): per token, sum over keys and values of |exact - mapped|^2 over heads and dims, each relative to
-    the mean |exact|^2 of its kind (so keys and values weigh alike)."""
-    total = 0
-    for reference, other in zip(exact, mapped):
-        reference = reference.float().cpu()
-        error = (reference - other.float().cpu()).pow(2).sum(dim=(1, 3))  # (B, P)
-        total = total + error / reference.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
-    return total
-
-
-def attention_scores(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor, count: RepairCount,
-                     devices) -> torch.Tensor:
-    """(B, P): the attention of each row's last prefix token c[len-1], read once more at its position over the
-    cache, summed over layers and heads; slot len-1 scores the weight on its fresh key (one extra step)."""
-    batch, width = prefix_ids.shape
-    last = (lengths - 1).clamp(min=0)  # (B,)
-    tokens = prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
-    allowed = torch.cat([torch.arange(width)[None] < last[:, None], torch.ones(batch, 1, dtype=torch.bool)], dim=1)
-    dtype = target.dtype
-    mask = torch.zeros(batch, 1, 1, width + 1, dtype=dtype).masked_fill_(~allowed[:, None, None],
-                                                                         torch.finfo(dtype).min)  # (B, 1, 1, P + 1)
-    captured: list = []
-
-    def keep(module, args, kwargs, output):
-        captured.append((module, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
-                         kwargs["position_embeddings"]))
-
-    decoder = target.model
-    hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in decoder.layers]
-    cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
-    try:
-        decoder(input_ids=tokens.to(target.device), cache=cache, use_cache=True, attention_mask=mask.to(target.device),
-                position_ids=last[:, None].to(target.device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    count.forwards += 1
-    count.token_layers += batch * target.config.num_hidden_layers
-    scores = torch.zeros(batch, width + 1)
-    for index, (module, hidden, (cos, sin)) in enumerate(captured):
-        shape = (batch, 1, -1, module.head_dim)
-        query = _rotate(module.q_norm(module.q_proj(hidden).view(shape)).transpose(1, 2), cos, sin)  # (B, Hq, 1, D)
-        keys = cache.layers[index].keys  # (B, H, P + 1, D)
-        keys = keys.repeat_interleave(module.num_key_value_groups, dim=1).to(query.device)  # (B, Hq, P + 1, D)
-        logits = (query.float() @ keys.float().transpose(2, 3)) * module.scaling  # (B, Hq, 1, P + 1)
-        logits = logits + mask.float().to(logits.device)
-        scores += logits.softmax(dim=-1).sum(dim=(1, 2)).cpu()  # (B, P + 1)
-    own = scores[:, width]  # the last token's weight on its fresh key
-    scores = scores[:, :width].clone()
-    scores[torch.arange(batch), last] = own
-    return scores
+    normed = projections.layer_input(decoder.layers[n - 1], hidden)  # (B, P, hidden)
+    keys = projections.rotate(projections.keys(attention, normed), cos, sin)  # (B, H, P, D)
+    return cache_to_layers(cache)[: n - 1] + [(keys, projections.values(attention, normed))]
 
 
 def recompute(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor, chosen: torch.Tensor,

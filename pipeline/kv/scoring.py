@@ -83,7 +83,10 @@ def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max
         groups.setdefault(tuple(reads(truncate(context, continuation, max_length))), []).append(index)
     if any(not context for context in groups):
         raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
-    size = lambda group: len(group[0]) + sum(len(requests[index][1]) for index in group[1])  # noqa: E731
+
+    def size(group: tuple[tuple[int, ...], list[int]]) -> int:  # the context's tokens and its continuations'
+        return len(group[0]) + sum(len(requests[index][1]) for index in group[1])
+
     return sorted(groups.items(), key=size, reverse=True)
 
 

@@ -12,6 +12,8 @@ against that stored copy:
 - mean KL(oracle || variant) per position, on the oracle's top-K tokens plus one bucket for the rest of
   the vocabulary (exact when K covers the vocabulary, otherwise a lower bound of the full KL);
 - rollout agreement: share of greedy tokens over a fixed horizon identical to the oracle's greedy tokens;
+- per position, the oracle's top-2 margin and its probability of the variant's argmax (`measure.confident`: the
+  agreement where the oracle is sure, and weighted by it);
 - with the oracle's attention outputs stored (`oracle_outputs(..., attention=True)`, the select stage's proxy
   for retention): per target layer, the mean cosine between the oracle's attention output and the variant's
   at each continuation position (1 for the oracle itself).
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.decode import greedy_rollout, teacher_forced
 from pipeline.kv.handoff import Handoff
+from pipeline.measure.confident import MARGINS, PROBABILITIES, oracle_margin, oracle_probability
 from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
@@ -121,7 +124,8 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
             m = len(continuation)
             logprobs = logprobs.cpu()  # (m, V)
             targets = torch.tensor(list(continuation))
-            agree = (logprobs.argmax(-1) == oracle["top_ids"][i, :m, 0]).to(torch.int64)  # (m,)
+            choice = logprobs.argmax(-1)  # (m,)
+            agree = (choice == oracle["top_ids"][i, :m, 0]).to(torch.int64)  # (m,)
             kl = _kl_on_top(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m], logprobs)
             rows.append({
                 "prompt": i,
@@ -130,6 +134,9 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
                 "first_agree": int(agree[0]),
                 "agree": int(agree.sum()),
                 "agree_by_position": agree.tolist(),
+                MARGINS: oracle_margin(oracle["top_logprobs"][i, :m]).tolist(),
+                PROBABILITIES: oracle_probability(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m],
+                                                  choice).tolist(),
                 "kl": float(kl.sum()),
                 "rollout_agree": int((rollout == oracle["greedy"][i]).sum()),
                 "horizon": horizon,

@@ -5,7 +5,9 @@ A gated system answers a request with the target's own prefill (the oracle) wher
 mapped handoff elsewhere, so its outcome per request is read off the two ungated runs:
 
     task item:  gated = oracle's outcome if fallback else the map's     -> retention, gap closure per task
-    prompt:     first token agrees with the oracle if fallback else the map's first_agree; rollout likewise
+    prompt:     first token agrees with the oracle if fallback else the map's first_agree; rollout likewise;
+                confident top-1 the same first token over the prompts where the oracle is sure (`confident`:
+                its top-2 margin at that token >= report.confident_margin, `measure.confident`)
 
 "The map changes the decision": a task item whose chosen answer under the map differs from the oracle's (by the
 retention metric's rule: acc the highest log-likelihood, acc_norm the highest per character of the choice), or
@@ -36,6 +38,23 @@ def auroc(scores, labels) -> float:
         return float("nan")
     ranks = scipy_stats.rankdata(scores)  # average ranks: a tie between classes counts one half
     return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def auroc_interval(scores, labels, iters: int, seed: int) -> tuple[float, float]:
+    """95% percentile interval of `auroc` from resampling the requests within each class (both classes' counts
+    kept, so every draw has both); NaN, NaN with one class."""
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels).astype(bool)
+    positives, negatives = scores[labels], scores[~labels]
+    if len(positives) == 0 or len(negatives) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    drawn = np.concatenate([positives[rng.integers(0, len(positives), (iters, len(positives)))],
+                            negatives[rng.integers(0, len(negatives), (iters, len(negatives)))]], axis=1)  # (iters, N)
+    ranks = scipy_stats.rankdata(drawn, axis=1)[:, : len(positives)]  # (iters, positives)
+    count = len(positives)
+    areas = (ranks.sum(axis=1) - count * (count + 1) / 2) / (count * len(negatives))  # (iters,)
+    low, high = np.percentile(areas, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def decisions(frame: pd.DataFrame, metric: str) -> np.ndarray:
@@ -81,12 +100,24 @@ def item_quality(items: pd.DataFrame, fallback) -> dict[str, float]:
     return {"retention": float(np.mean(kept)), "gap_closure": float(np.mean(closed)) if closed else float("nan")}
 
 
+def gated_first(prompts: pd.DataFrame, fallback) -> np.ndarray:
+    """The gated system's first-token agreement with the oracle per prompt (N,): 1 where it falls back."""
+    return np.where(np.asarray(fallback, dtype=bool), 1, prompts.first_agree.to_numpy())
+
+
 def prompt_quality(prompts: pd.DataFrame, fallback) -> dict[str, float]:
-    """Next-token top-1 and rollout agreement with the oracle of the gated system on the eval prompts."""
+    """Next-token top-1 and rollout agreement with the oracle of the gated system on the eval prompts, and where
+    `prompts` marks them (column `confident`) the top-1 over the prompts where the oracle is sure (NaN without
+    any)."""
     fallback = np.asarray(fallback, dtype=bool)
-    first = np.where(fallback, 1, prompts.first_agree.to_numpy())
+    first = gated_first(prompts, fallback)
     rollout = np.where(fallback, prompts.horizon.to_numpy(), prompts.rollout_agree.to_numpy())
-    return {"next_token_top1": float(first.mean()), "rollout_agreement": float(rollout.sum() / prompts.horizon.sum())}
+    quality = {"next_token_top1": float(first.mean()),
+               "rollout_agreement": float(rollout.sum() / prompts.horizon.sum())}
+    if "confident" in prompts:
+        sure = prompts.confident.to_numpy(bool)
+        quality["confident_top1"] = float(first[sure].mean()) if sure.any() else float("nan")
+    return quality
 
 
 def curve(frame: pd.DataFrame, scores, quality: Callable, rates, seed: int) -> list[dict]:

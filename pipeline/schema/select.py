@@ -15,7 +15,9 @@ class SelectParams(Params):
     prompt_fraction: Annotated[float, Field(ge=0.05, le=0.95)]
     top_k: Positive
     horizon: Positive
-    rule: Literal["agreement", "perplexity", "kl", "attention_cosine"]
+    # confident_*, oracle_weighted_agreement: measure.confident's, at report.confident_margin
+    rule: Literal["agreement", "perplexity", "kl", "attention_cosine", "confident_top1", "confident_agreement",
+                  "oracle_weighted_agreement"]
     batch_size: Positive  # select prompts per forward
     threads: Threads
     processes: Processes  # sharing out the oracle's prompts, then the candidates

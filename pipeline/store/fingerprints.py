@@ -1,41 +1,115 @@
-"""What a map is bound to: a fingerprint of each model of the pair it was fitted on (the pin `pin_models`
-records, and a digest of its tokenizer files), content only, so a map's bytes depend on its models alone and a
-copied folder still matches. `kv.pair.Pair` compares a map's fingerprints with its own models' before any forward.
+"""What a map is bound to: a fingerprint of each model of the pair it was fitted on, made of named parts (`PARTS`:
+the weights, the config, the generation config and the tokenizer), content only, so a map's bytes depend on its
+models alone and a copied folder still matches. Any other file of a checkpoint folder (README.md, NOTES.md,
+.gitattributes, a training log, a provenance record) is no part of it: a folder that differs only by those is the
+same model. `pin_models` pins a local folder by the same parts (`folder_pin`).
+
+`model_differences` compares a map's fingerprints (`Mapper.models`) with the loaded pair's (`PairFingerprints`) and
+names each part that differs; `kv.pair.Pair` and `check_pair` refuse with it. A map written before fingerprints had
+parts records, per model, one `pin` (a digest of a local folder's every file, a hub commit, a random shape) and a
+`tokenizer` digest: it is compared in that form (`legacy_fingerprint`, hashed only when such a map is bound), so it
+still loads, the folder it was fitted on (byte for byte) accepts it, and a difference is named "tokenizer" or
+"weights, config, generation config or extra files", which its one digest cannot tell apart.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+from functools import cached_property
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from pipeline.store.models import TOKENIZER_FILES, folder_digest, follow, pin_hub_id, resolve, self_source
 
 TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
+# each part of a fingerprint: the top-level files of a checkpoint folder it digests
+PART_FILES = {
+    "weights": ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json"),
+    "config": ("config.json",),
+    "generation_config": ("generation_config.json",),
+    "tokenizer": (*TOKENIZER_FILES, *TOKENIZER_DESCRIPTION),
+}
+# what a refusal says of each part that differs
+PARTS = {"weights": "weights differ", "config": "config differs", "generation_config": "generation config differs",
+         "tokenizer": "tokenizer differs"}
+LEGACY_PARTS = {"pin": "weights, config, generation config or extra files differ", "tokenizer": "tokenizer differs"}
+LEGACY_NOTE = ("; the map records one digest of a folder's every file, as maps did before fingerprints named their "
+               "parts, so it cannot say which")
 
 
-def tokenizer_digest(folder: str | Path) -> str | None:
-    """sha256 over a model folder's tokenizer files (names and contents); None where it holds none."""
+def part_files(folder: str | Path, part: str) -> list[Path]:
+    """The files of `folder` (top level) that `part` digests, in name order."""
     folder = Path(folder)
-    files = sorted({path for pattern in (*TOKENIZER_FILES, *TOKENIZER_DESCRIPTION) for path in folder.glob(pattern)
-                    if path.is_file()})
+    return sorted({path for pattern in PART_FILES[part] for path in folder.glob(pattern) if path.is_file()})
+
+
+def files_digest(files: list[Path], bar: tqdm | None = None) -> str | None:
+    """sha256 over `files` (each name, NUL, contents, NUL); None where there are none."""
     if not files:
         return None
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}\0".encode())
-        digest.update(path.read_bytes())
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
         digest.update(b"\0")
     return digest.hexdigest()
 
 
-def fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None) -> dict:
-    """What a map is bound to, of one model: its pin, the identity `pin_models` records (`folder_digest`, the sha256
-    of a local folder's weights, config and tokenizer; `pin_hub_id`, a hub id's commit; a random model's shape and
-    seed), and `tokenizer_digest`. Content only, never a path or a time: a map's bytes depend on its models alone.
-    A self source (`self_source`; the bare name with its `target`) is its target's fingerprint and its n."""
-    cut = self_source(name_or_path, target)
+def tokenizer_digest(folder: str | Path) -> str | None:
+    """sha256 over a model folder's tokenizer files (names and contents); None where it holds none."""
+    return files_digest(part_files(folder, "tokenizer"))
+
+
+def folder_parts(folder: str | Path, parts=tuple(PARTS)) -> dict[str, str | None]:
+    """`parts` of a checkpoint folder's fingerprint: each a sha256 over its files, None where the folder has none."""
+    files = {part: part_files(folder, part) for part in parts}
+    size = sum(path.stat().st_size for paths in files.values() for path in paths)
+    with tqdm(total=size, unit="B", unit_scale=True, desc=f"hashing {Path(folder).name}") as bar:
+        digests = {part: files_digest(paths, bar) for part, paths in files.items()}
+    return {part: None if digest is None else f"sha256:{digest}" for part, digest in digests.items()}
+
+
+def folder_pin(folder: str | Path) -> str:
+    """One sha256 over a local checkpoint folder's fingerprint, what `pin_models` records: a changed part reruns
+    the pipeline, a NOTES.md written beside the weights does not."""
+    return hashlib.sha256(json.dumps(folder_parts(folder), sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None,
+                target_revision: str | None = None) -> dict[str, str | None]:
+    """What a map is bound to, of one model, by `PARTS`: a local folder's `folder_parts`; a hub id's config,
+    generation config and tokenizer files by content and its weights by the commit its revision resolves to; a
+    random model's shape and seed. Content only, never a path or a time: a map's bytes depend on its models alone.
+    A self source (`self_source`; the bare name with its `target`) is its target's, weights and config cut at n."""
+    cut = self_source(name_or_path, target, target_revision)
     if cut:
         layers, target, target_revision = cut
         whole = fingerprint(target, target_revision)
+        return {**whole, "weights": f"self:{layers}:{whole['weights']}", "config": f"self:{layers}:{whole['config']}"}
+    name, revision, random = follow(name_or_path, revision)
+    if random:
+        return {"weights": f"random:{random['shape']}:seed{random['seed']}", "config": f"shape:{random['shape']}",
+                "generation_config": None, "tokenizer": None}
+    if Path(name).is_dir():
+        return folder_parts(name)
+    described = folder_parts(resolve(name, revision, config_only=True), ("config", "generation_config", "tokenizer"))
+    return {"weights": f"hub:{name}@{pin_hub_id(name, revision)}", **described}
+
+
+def legacy_fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None,
+                       target_revision: str | None = None) -> dict[str, str | None]:
+    """A model's fingerprint in the form maps recorded before it had parts: `pin` (a local folder's
+    `store.models.folder_digest` over every file, a hub id's commit, a random shape and seed, a self source's n and
+    its target's pin) and `tokenizer` (`tokenizer_digest`)."""
+    cut = self_source(name_or_path, target, target_revision)
+    if cut:
+        layers, target, target_revision = cut
+        whole = legacy_fingerprint(target, target_revision)
         return {"pin": f"self:{layers}:{whole['pin']}", "tokenizer": whole["tokenizer"]}
     name, revision, random = follow(name_or_path, revision)
     if random:
@@ -46,7 +120,52 @@ def fingerprint(name_or_path: str, revision: str | None = None, target: str | No
             "tokenizer": tokenizer_digest(resolve(name, revision, config_only=True))}
 
 
+class PairFingerprints:
+    """A loaded pair's fingerprints, each form hashed once, when first compared: `parts` (what a map records) and
+    `legacy` (for a map written before fingerprints had parts). `source` None: a target alone."""
+
+    def __init__(self, source: str | None, target: str, source_revision: str | None = None,
+                 target_revision: str | None = None):
+        self.sides = {"source": (source, source_revision), "target": (target, target_revision)}
+
+    def _each(self, of) -> dict:
+        target, target_revision = self.sides["target"]
+        return {side: of(name, revision, target, target_revision) if name else None
+                for side, (name, revision) in self.sides.items()}
+
+    @cached_property
+    def parts(self) -> dict:
+        return self._each(fingerprint)
+
+    @cached_property
+    def legacy(self) -> dict:
+        return self._each(legacy_fingerprint)
+
+
 def pair_fingerprints(source: str, target: str, source_revision: str | None = None,
                       target_revision: str | None = None) -> dict:
     """Both models' `fingerprint`s, as a map's metadata records them (`Mapper.models`)."""
-    return {"source": fingerprint(source, source_revision, target), "target": fingerprint(target, target_revision)}
+    return PairFingerprints(source, target, source_revision, target_revision).parts
+
+
+def short(value: str | None) -> str:
+    return "none" if value is None else value if len(value) <= 24 else value[:24] + "…"
+
+
+def model_differences(fitted: dict | None, loaded: PairFingerprints) -> str | None:
+    """What differs between the models a map was fitted on (`Mapper.models`) and the loaded ones, as the rest of a
+    sentence naming each part that differs; None when they are the same (extra files are no part of either)."""
+    if fitted is None:
+        return "records no fingerprints of the models it was fitted on (written before maps were bound to their pair)"
+    legacy = any("pin" in (side or {}) for side in fitted.values())
+    said, current = (LEGACY_PARTS, loaded.legacy) if legacy else (PARTS, loaded.parts)
+    if fitted == current:
+        return None
+    if fitted.get("source") == current["target"] and fitted.get("target") == current["source"]:
+        return "was fitted on this pair with source and target swapped"
+    differ = []
+    for side in ("source", "target"):
+        was, now = fitted.get(side) or {}, current[side] or {}
+        differ += [f"the {side}'s {said[part]} (fitted on {short(was.get(part))}, loaded {short(now.get(part))})"
+                   for part in said if was.get(part) != now.get(part)]
+    return "was fitted on other models: " + "; ".join(differ) + (LEGACY_NOTE if legacy else "")

@@ -125,9 +125,14 @@ def text_file(path: str | Path, name: str) -> str:
 
 
 def out_folder(path: Path | None, name: str) -> Path | None:
-    """A folder a long run writes into: absent (it is made) or a folder; an existing file is refused before work."""
+    """A folder a long run writes into: absent (it is made) or a folder; an existing file, or a path under one (no
+    folder can be made there), is refused before work."""
     if path is not None and path.exists() and not path.is_dir():
         raise ParamError(f"{name} {path}: an existing file, not a folder; give a folder (it is made if absent)")
+    blocking = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ParamError(f"{name} {path}: {blocking} is a file, so no folder can be made under it; give a folder "
+                         f"path outside it")
     return path
 
 

@@ -20,6 +20,8 @@ EVAL_PROMPTS = DATA / "eval.parquet"
 # models/: the pair, its pins, every fitted map and the selected one
 MODELS = Path("models")
 PINS = MODELS / "pins.json"
+CONVERTED = MODELS / "converted"  # a GGUF checkpoint made a Hugging Face folder (stage convert_models)
+SIBLING = MODELS / "sibling"  # the target pruned in depth and healed (stage sibling), or its marker file
 MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl
 SELECTED_MAPPER = MODELS / "mapper.safetensors"
@@ -45,6 +47,7 @@ PARAMS_CHECK = METRICS / "params_check.json"
 MODEL_SCORES = METRICS / "models.json"
 FIT = METRICS / "fit.json"  # fit_metrics()
 DISTILL = METRICS / "distill.json"
+SIBLING_METRICS = METRICS / "sibling.json"
 DISTILL_CURVES = METRICS / "distill"  # per map, per epoch: fit losses, select KL and agreement
 SELECT = METRICS / "select.json"
 CONTROLS = METRICS / "controls.json"

@@ -15,8 +15,8 @@ from pipeline.measure.stats import paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import interval, md_table, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 np = lazy("numpy")
 pd = lazy("pandas")

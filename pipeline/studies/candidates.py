@@ -15,14 +15,18 @@ from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 
 FIGURES, ITEMS, FIT = paths.CANDIDATES, paths.CANDIDATE_ITEMS, paths.FIT
 PROXIES = {"r2_heldout": "held-out R² (fit, select split)", "attention_cosine": "attention-output cosine (select)",
            "agreement": "agreement (select)", "mean_kl": "mean KL (select; lower is better)"}
+# measure.confident's figures on the select split, correlated beside PROXIES (the reading names the best of PROXIES)
+CONFIDENT_PROXIES = {"confident_top1": "confident-prompt top-1 (select)",
+                     "confident_agreement": "confident-position agreement (select)",
+                     "oracle_weighted_agreement": "oracle-weighted agreement (select)"}
 
 
 @dataclass
@@ -61,26 +65,35 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             "gap_closure_high": closure["high"],
             "r2_heldout": (fit["r2_keys_select"] + fit["r2_values_select"]) / 2 if fit else None,
             **{key: select[key] for key in ("attention_cosine", "agreement", "mean_kl")},
+            **{key: select[key] for key in CONFIDENT_PROXIES},  # None: no confident select prompt or position
             **{key: figures[key] for key in ("speedup", "bound_at_pair", "parameters", "mapper_bytes")},
         }
     names = list(rows)
-    scored = lambda proxy: [n for n in names if rows[n][proxy] is not None]  # noqa: E731  (R²: fitted maps only)
-    proxies = {proxy: rank_correlation([rows[n][proxy] for n in scored(proxy)],
-                                       [rows[n]["retention"] for n in scored(proxy)], params.bootstrap_iters,
+    scored = {proxy: [n for n in names if rows[n][proxy] is not None]  # R²: fitted maps only
+              for proxy in [*PROXIES, *CONFIDENT_PROXIES]}
+    proxies = {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
+                                       [rows[n]["retention"] for n in scored[proxy]], params.bootstrap_iters,
                                        params.seed) for proxy in PROXIES}
+    confident = {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
+                                         [rows[n]["retention"] for n in scored[proxy]], params.bootstrap_iters,
+                                         params.seed) for proxy in CONFIDENT_PROXIES}
     closure_values = [rows[n]["gap_closure"] for n in names]
     for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):
         for name, on_front in zip(names, pareto_front(closure_values, [rows[n][speed] for n in names])):
             rows[name][key] = on_front
-    return {"rows": rows, "proxies": proxies, "length": inputs.figures["length"],
+    return {"rows": rows, "proxies": proxies, "confident_proxies": confident, "length": inputs.figures["length"],
             "bound_pair": inputs.figures["bound_pair"]}
+
+
+def front(row: dict) -> str:
+    """Which Pareto fronts a candidate is on: `here` (the measured speedup), `at pair` (the FLOP bound), or a dash."""
+    return " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))
+                    if row[key]) or "—"
 
 
 def lines(study: dict) -> list[str]:
     """The report's section on every candidate: quality, proxies, speed, and what predicts what."""
     rows, proxies = study["rows"], study["proxies"]
-    front = lambda row: " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))  # noqa: E731
-                                 if row[key]) or "—"
     out = ["## Every candidate: what predicts retention, and the quality/speed frontier", "",
            f"Each fitted map evaluated on the eval part like a mapped variant (stage `candidates`); speedup is the "
            f"measured time to first token of the target's own prefill over the handoff's at {study['length']} "
@@ -89,18 +102,21 @@ def lines(study: dict) -> list[str]:
            f"the bound (at pair).", ""]
     out += md_table(
         ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
-         "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front"],
+         "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front", "Confident top-1",
+         "Oracle-weighted agreement"],
         [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
           "—" if r["r2_heldout"] is None else f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}",
           pct(r["agreement"]), f"{r['mean_kl']:.3f}",
           f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
-          front(r)] for name, r in rows.items()])
+          front(r), pct(r["confident_top1"]), pct(r["oracle_weighted_agreement"])] for name, r in rows.items()])
     out += ["", "Rank correlation (Spearman) of each cheap figure with eval-part retention across the candidates "
             "above; intervals resample the candidates.", ""]
+    named = [(PROXIES[name], c) for name, c in proxies.items()] + [
+        (CONFIDENT_PROXIES[name], c) for name, c in study["confident_proxies"].items()]
     out += md_table(["Proxy", "Spearman ρ [95% CI]", "p", "n"],
-                    [[PROXIES[name], f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
-                      c["n"]] for name, c in proxies.items()])
+                    [[name, f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
+                      c["n"]] for name, c in named])
     out += ["", reading(study), "", "![Gap closure against speedup](report/frontier.png)", ""]
     return out
 

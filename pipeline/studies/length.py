@@ -16,8 +16,8 @@ from pipeline.measure.stats import mcnemar, paired_bootstrap, sign_test
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import interval, md_table, pct, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 

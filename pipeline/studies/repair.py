@@ -5,8 +5,8 @@ speedup; per budget level the truncated prompt's) and eval/repair/ (their item r
 items for retention and gap closure (the source alone is also a row of its own, at budget 0, with its figures from
 metrics/eval/source.json), and the selective study's curves (the gate at the same mean cost: the
 retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the score's own
-cost is left out). With the candidates study at the same pair and length, the report joins the two: the frontier of
-gap closure against the FLOP bound gains the repaired points (`join_front`).
+cost is left out). With the candidates study at the same pair and length, the report joins the two (`JOINS`,
+`join`): the frontier of gap closure against the FLOP bound gains the repaired points.
 """
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.kv.repair import Repair
+from pipeline.measure.confident import FIGURES as CONFIDENT
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 np = lazy("numpy")
 pd = lazy("pandas")
@@ -28,6 +30,7 @@ pd = lazy("pandas")
 TRUNCATED = "truncated"  # stage repair's name of the truncated-prompt baseline
 SOURCE = "source alone"  # the source model alone (stage evaluate's `source`): no target prefill at all, budget 0
 BASELINES = (TRUNCATED, SOURCE)
+JOINS = "candidates"  # the study whose result `join` reads (studies.run.Joining)
 
 
 @dataclass
@@ -82,7 +85,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
-               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")}}
+               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")},
+               **{k: figures.get(k) for k in CONFIDENT}}
         if name != TRUNCATED:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
@@ -106,10 +110,11 @@ def source_row(params: ReportParams, inputs: Inputs) -> dict:
             "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
             "gap_closure_high": closure["high"], "bound": None, "speedup": None,
-            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")}}
+            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")},
+            **{k: inputs.source.get(k) for k in CONFIDENT}}
 
 
-def join_front(study: dict, candidates: dict | None) -> None:
+def join(study: dict, candidates: dict | None) -> None:
     """The frontier with the repaired points: the Pareto front of gap closure against the FLOP bound over every
     candidate (the candidates study's rows, unrepaired) and every repaired point (a map at a setting other than
     `none`), set on each repaired row (`front`) and the study (`front`: the names on it, `front_gains`: the repaired
@@ -138,11 +143,12 @@ def front_sentence(study: dict) -> str:
 
 
 def policy(setting: str) -> str:
-    """A setting's policy for the figure's lines: its token choice, or its parts without their sizes."""
-    if setting == "none":
-        return "none"
-    parts = [part.split(":") for part in setting.split("+")]
-    return "+".join(part[2] if part[0] == "tokens" else part[0] for part in parts)
+    """A setting's policy for the figure's lines: its parts without their sizes, in the applied order (the token
+    choice with its own parameter, `key_norm@2`), read by the one parser."""
+    repair = Repair.parse(setting)
+    parts = (["layers"] if repair.exact_layers else []) + (["sink"] if repair.sink else []) + (
+        [repair.policy] if repair.tokens else [])
+    return "+".join(parts) or "none"
 
 
 def cheapest(rows: list[dict]) -> str:
@@ -166,11 +172,14 @@ def maps(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in BASELINES))
 
 
+def verdict(mine: float, theirs: float) -> str:
+    return "beats" if mine > theirs else "does not beat"
+
+
 def against_baselines(rows: list[dict]) -> list[str]:
     """Per budget level of the grid (the truncated prompt's), whether each map's best repair at that cost retains
     more than the truncated prompt and than its gate at the same cost (point estimates), one line each."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == TRUNCATED}
-    verdict = lambda mine, theirs: "beats" if mine > theirs else "does not beat"  # noqa: E731
     out = []
     for level, base in sorted(truncated.items()):
         parts = []
@@ -189,9 +198,18 @@ def against_baselines(rows: list[dict]) -> list[str]:
     return out
 
 
+def speed(value: float | None) -> str:
+    """A speedup cell: `2.50x`, or a dash where there is none (the baselines')."""
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def pm(value: float | None) -> str:
+    """A percentage cell, or a dash where there is none (the source alone's unmeasured figures)."""
+    return "—" if value is None else pct(value)
+
+
 def lines(study: dict) -> list[str]:
     rows = study["rows"]
-    speed = lambda value: "—" if value is None else f"{value:.2f}x"  # noqa: E731
     out = ["## Repair: the target recomputes part of the mapped cache", "",
            f"Each map at each repair setting (`kv.repair`), evaluated on the eval part. Budget: the repair's "
            f"multiply-adds over the target's prefill at `{study['bound_pair']}`'s shapes for {study['length']} "
@@ -202,16 +220,17 @@ def lines(study: dict) -> list[str]:
            f"rate equal to the budget (the score's own cost left out). The source model alone is the budget-0 "
            f"baseline: the target computes nothing. Front: a repaired point on the Pareto front of gap closure "
            f"against the bound, over the candidates study's maps and the repaired points.", ""]
-    pm = lambda value: "—" if value is None else pct(value)  # noqa: E731
     out += md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
-         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front"],
+         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front", "Confident top-1",
+         "Oracle-weighted agreement"],
         [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pm(r["next_token_top1"]), pm(r["rollout_agreement"]),
           pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
           pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
           "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
           pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"]),
-          {True: "at pair", False: "—", None: ""}[r.get("front")]] for r in rows])
+          {True: "at pair", False: "—", None: ""}[r.get("front")], pm(r["confident_top1"]),
+          pm(r["oracle_weighted_agreement"])] for r in rows])
     out += ["", "Against the matched-cost baselines, by retention (point estimates):", "", *against_baselines(rows)]
     out += ["", cheapest(rows), *(["", front_sentence(study)] if "front" in study else []), "",
             "![retention against budget](report/repair.png)", ""]

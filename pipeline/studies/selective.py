@@ -3,8 +3,11 @@
 Inputs: metrics/selective.json (per map: the ungated quality, per score its AUROC for "the map changes the
 decision" and the dev-chosen threshold's row on the eval part, the per-request times and multiply-adds) and
 eval/selective/curves.parquet (quality at each fallback rate, per map and score, with the oracle and random
-gates). The figure: retention against the fallback rate, and against the effective speedup bound at the bound
-pair's shapes, one row of panels per map.
+gates). Beside them: each score's AUROC on the eval items with its 95% interval and n (the figure a gate is judged
+by, the selected map's first), and next-token top-1 over the prompts where the oracle is sure
+(`report.confident_margin`), ungated, at each dev threshold and along the curves. The figures: retention against
+the fallback rate, and against the effective speedup bound at the bound pair's shapes, one row of panels per map;
+and next-token top-1 beside confident top-1 against the fallback rate.
 """
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ from pathlib import Path
 
 from pipeline.measure.gating import effective_speedup
 from pipeline.store import paths
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
-from pipeline.studies.variants import Run
 
 pd = lazy("pandas")
 
@@ -34,7 +38,11 @@ def load(run: Run) -> Inputs | None:
     """None when the stage did not run."""
     if not paths.SELECTIVE_METRICS.is_file():
         return None
-    return Inputs(json.loads(paths.SELECTIVE_METRICS.read_text()), pd.read_parquet(CURVES))
+    metrics = json.loads(paths.SELECTIVE_METRICS.read_text())
+    if "confident_margin" not in metrics:
+        raise ArtifactError(f"{paths.SELECTIVE_METRICS} has no confident top-1 or item AUROC intervals: it was written "
+                            f"before them; rerun the selective stage (dvc repro)")
+    return Inputs(metrics, pd.read_parquet(CURVES))
 
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:
@@ -80,6 +88,42 @@ def lines(study: dict) -> list[str]:
     out += md_table(["Map", "Score", "AUROC items", "AUROC prompts", "Threshold", "Fallback (eval items)",
                      "Retention", "Gap closure", "Next-token top-1", "Speedup measured", "Speedup bound"], rows)
     out += ["", "![quality against fallback rate and effective speedup](report/selective.png)", ""]
+    return out + judged_lines(study)
+
+
+def _auroc(row: dict) -> str:
+    return f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
+
+
+def _confident(row: dict, count: int) -> str:
+    if row["confident_top1"] is None:
+        return f"n/a (n = {count})"
+    return f"{pct_interval(*(row[f'confident_top1{end}'] for end in ('', '_low', '_high')))} (n = {count})"
+
+
+def judged_lines(study: dict) -> list[str]:
+    """The gate's discrimination on the eval items with its interval and n (the selected map's in a sentence), and
+    top-1 where the oracle is sure, ungated and at each dev threshold, beside V0's top-1."""
+    out = ["### The gate judged: AUROC on the eval items, top-1 where the oracle is sure", "",
+           f"AUROC for \"the map changes the decision\" on the eval items, with a 95% interval from resampling the "
+           f"items within each class. Confident top-1: next-token top-1 over the eval prompts where the oracle's two "
+           f"most probable first tokens differ in probability by at least {study['confident_margin']} "
+           f"(`report.confident_margin`), where a near-tie cannot decide it; a fallback there counts as agreeing.", ""]
+    for name, facts in study["maps"].items():
+        if facts["file"] == str(paths.SELECTED_MAPPER):
+            scores = ", ".join(f"{score} {_auroc(row)}" for score, row in facts["scores"].items())
+            out += [f"Selected map (`{name}`, {facts['file']}): AUROC on the eval items {scores} (n = "
+                    f"{facts['items']} items, {facts['changed_item_count']} where the map changes the decision).", ""]
+    rows = []
+    for name, facts in study["maps"].items():
+        count = facts["confident_prompts"]
+        rows.append([name, "none (ungated)", "—", f"{facts['items']} ({facts['changed_item_count']})",
+                     pct(facts["next_token_top1"]), _confident(facts, count)])
+        rows += [[name, score, _auroc(row), f"{facts['items']} ({facts['changed_item_count']})",
+                  pct(row["next_token_top1"]), _confident(row, count)] for score, row in facts["scores"].items()]
+    out += md_table(["Map", "Score (dev threshold)", "AUROC items [95% CI]", "Eval items (changed)",
+                     "Next-token top-1", "Confident top-1 [95% CI] (n prompts)"], rows)
+    out += ["", "![next-token top-1 and confident top-1 against fallback rate](report/selective_top1.png)", ""]
     return out
 
 
@@ -102,4 +146,24 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
         axes[row][0].legend(fontsize=7)
     fig.suptitle("Selective handoff")
     save_figure(fig, folder / "selective.png")
+    top1_figure(study, curves[curves.requests == "prompts"], folder)
     return {"selective": curves}
+
+
+def top1_figure(study: dict, prompts: pd.DataFrame, folder: Path) -> None:
+    """Per map: next-token top-1 of the eval prompts (solid) and top-1 over the confident ones (dotted, the same
+    colour) against the fallback rate, one colour per score, the oracle gate and the random one included."""
+    maps = list(study["maps"])
+    fig, axes = subplots(1, len(maps), figsize=(5 * len(maps), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], maps):
+        for score, part in prompts[prompts["map"] == name].groupby("score", sort=False):
+            line, = ax.plot(part.fallback_rate, part.next_token_top1, "-", marker=".", label=f"{score}: top-1")
+            ax.plot(part.fallback_rate, part.confident_top1, ":", color=line.get_color(), label=f"{score}: confident")
+        ax.set_xlabel("fallback rate (eval prompts)")
+        ax.set_ylabel(f"agreement with the oracle ({name})")
+        ax.set_title(f"{name}: {study['maps'][name]['confident_prompts']} of {study['maps'][name]['prompts']} "
+                     f"prompts confident", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Next-token top-1 and confident top-1 (margin >= {study['confident_margin']})")
+    fig.tight_layout()
+    save_figure(fig, folder / "selective_top1.png")

@@ -23,6 +23,9 @@ class ReportParams(Params):
     # what the gap-closure criterion reads: the tasks' accuracy, or a per-prompt measure of the eval prompts (whose
     # intervals resolve at sizes where a 2-point task gap cannot)
     gap_closure_metric: Literal["tasks", "next_token_top1", "log_perplexity"]
+    # a position is confident where the oracle's top-2 probabilities differ by at least this (`measure.confident`);
+    # read by the stages that score against the oracle (evaluate, select, repair, selective) as well
+    confident_margin: Share
     mapped_variant: str  # one of evaluate.mapped (check_params)
     bootstrap_iters: Positive
     seed: int

@@ -2,15 +2,13 @@
 acceptance criteria, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls
 and latency summaries.
 
-Inputs: metrics/eval/<variant>.json and eval/<variant>/{items,prompts}.parquet (stage `evaluate`),
-metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that say
-which pair ran. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another
+Inputs: the `Run` (`studies.run`): metrics/eval/<variant>.json and eval/<variant>/{items,prompts}.parquet (stage
+`evaluate`), metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that
+say which pair ran. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another
 pair's run names its pair instead.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.retention import (
@@ -24,11 +22,11 @@ from pipeline.measure.retention import (
 )
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
-from pipeline.store.models import read_pointer
 from pipeline.store.splits import ITEM_KINDS, TASKS
-from pipeline.store.truncated import self_layers, self_name
+from pipeline.store.truncated import self_layers
 from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
 from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
 np = lazy("numpy")
@@ -42,7 +40,6 @@ V0 = {
     "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
-CONTROLS, SELECT, LATENCY = paths.CONTROLS, paths.SELECT, paths.LATENCY
 LABELS = {
     "oracle": "Target full-prefill oracle",
     "direct": "Direct source-cache injection",
@@ -54,24 +51,6 @@ LABELS = {
 }
 RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
           "direct": "direct injection"}
-
-
-@dataclass
-class Run:
-    """What the variants' evaluation left: per variant its metrics, per-item and per-prompt rows (those the
-    pair's contract skipped only with their reason), the controls, the selection, the latency study (None
-    when it did not run), the pair that ran (`pair_names`) and the other stages' params the studies read."""
-    metrics: dict
-    items: dict[str, pd.DataFrame]
-    prompts: dict[str, pd.DataFrame]
-    skipped: dict[str, str]
-    controls: dict
-    select: dict
-    latency: dict | None
-    pair: tuple[str, str]
-    calibration_sizes: list[int]  # params calibration.sizes (report.py reads it: dvc.yaml declares it there)
-
-
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
 
 
@@ -86,44 +65,12 @@ def label(variant: str, repair: str | None = None) -> str:
     return LABELS.get(variant, variant)
 
 
-def pair_names(models: str = "models") -> tuple[str, str]:
-    """What each side of the pair that ran is: its hub id, its local folder, `shape:<name>` for random weights
-    of a stored shape, `self:<n>` for the target's own first n layers, or the prepared folder itself (the trained
-    tiny pair), from the pointers under models/."""
-    names = []
-    for side in ("source", "target"):
-        pointer = read_pointer(f"{models}/{side}") or {"kind": "trained"}
-        names.append({"hub": pointer.get("id"), "local": pointer.get("path"), "random": f"shape:{pointer.get('shape')}",
-                      "self": self_name(pointer.get("layers", 0))}.get(pointer["kind"], f"{models}/{side}"))
-    return names[0], names[1]
-
-
 def model_phrase(name: str) -> str:
     """How the report names a model: in backticks, or a self source as the target's first n layers."""
     layers = self_layers(name)
     if layers is None:
         return f"`{name}`"
     return f"the target's first {'layer' if layers == 1 else f'{layers} layers'} (`{name}`)"
-
-
-def load(names: list[str], calibration_sizes: list[int]) -> Run:
-    """The declared variants' results (not whatever else metrics/eval holds: a profile with other k candidates
-    leaves other files there) and the files every study beside them reads."""
-    metrics, items, prompts, skipped = {}, {}, {}, {}
-    for variant in names:
-        metrics[variant] = json.loads(paths.variant_metrics(variant).read_text())
-        if "skipped" in metrics[variant]:  # undefined for this pair (kv.contract): reported, not compared
-            skipped[variant] = metrics.pop(variant)["skipped"]
-            continue
-        items[variant] = pd.read_parquet(paths.variant_rows("items", paths.variant_folder(variant)))
-        prompts[variant] = pd.read_parquet(paths.variant_rows("prompts", paths.variant_folder(variant)))
-    if "oracle" not in metrics:
-        raise FileNotFoundError(f"{paths.variant_metrics('oracle')} not found: the report needs the oracle's "
-                                "evaluation")
-    return Run(metrics, items, prompts, skipped, controls=json.loads(CONTROLS.read_text()),
-               select=json.loads(SELECT.read_text()) if SELECT.is_file() else {},
-               latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(),
-               calibration_sizes=calibration_sizes)
 
 
 def compute(params: ReportParams, run: Run) -> dict:
@@ -351,9 +298,10 @@ def appendix(run: Run) -> list[str]:
     if run.latency is not None:
         rows = []
         for n, row in sorted((int(n), row) for n, row in run.latency["by_length"].items()):
-            get = lambda key: row.get(key, float("nan"))  # noqa: E731
-            rows.append([n, f"{get('target_ms'):.2f}", f"{get('handoff_ms'):.2f}", f"{get('speedup'):.2f}x",
-                         f"{get('bound'):.2f}x", pct(get("fraction_of_bound"))])
+            get = {key: row.get(key, float("nan"))
+                   for key in ("target_ms", "handoff_ms", "speedup", "bound", "fraction_of_bound")}
+            rows.append([n, f"{get['target_ms']:.2f}", f"{get['handoff_ms']:.2f}", f"{get['speedup']:.2f}x",
+                         f"{get['bound']:.2f}x", pct(get["fraction_of_bound"])])
         out += ["## Latency (time to first token)", ""]
         out += md_table(["Prompt tokens", "Target prefill ms", "Handoff ms", "Speedup", "FLOP bound",
                          "Fraction of bound"], rows)

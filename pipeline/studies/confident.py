@@ -1,0 +1,121 @@
+"""The V0 variants where the oracle is sure: agreement that near-ties cannot decide, beside V0's top-1.
+
+Inputs: the V0 variants' per-prompt rows (eval/<variant>/prompts.parquet, stage `evaluate`), which hold per
+continuation position the oracle's top-2 margin and its probability of the variant's argmax (`measure.confident`).
+Per variant, at the declared margin `report.confident_margin`: confident-prompt top-1 (V0's position, over the
+prompts where the oracle is sure there), confident-position agreement (every teacher-forced position where it is
+sure), the oracle-weighted agreement, each with a 95% bootstrap interval over prompts and its count; and the paired
+confident top-1 difference of the mapped variant with every other, over the confident prompts. V0's column stays
+as it is, for comparison with V0.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.measure.confident import FIGURES, MARGINS, confidence_intervals, confidence_summary, confident_prompts
+from pipeline.measure.stats import mcnemar, paired_bootstrap
+from pipeline.store import paths
+from pipeline.store.artifacts import ArtifactError
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import md_table, pct, pct_interval
+from pipeline.studies.run import Run
+from pipeline.studies.settings import ReportParams
+from pipeline.studies.variants import label, order
+
+pd = lazy("pandas")
+
+
+def load(run: Run) -> Run:
+    """The V0 variants' run, refused when a variant's rows predate the per-position margins."""
+    for variant, rows in run.prompts.items():
+        if MARGINS not in rows:
+            raise ArtifactError(f"{paths.variant_rows('prompts', paths.variant_folder(variant))} has no "
+                                f"{MARGINS!r} column: it was evaluated before the confident metrics; rerun the "
+                                f"evaluate stages (dvc repro)")
+    return run
+
+
+def comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed: int) -> dict:
+    """Confident-prompt top-1 of `a` minus `b` over the prompts where the oracle is sure at their first position
+    (the same prompts for both: one oracle), with a paired bootstrap 95% interval and McNemar's p over them;
+    None for each where there is no such prompt."""
+    a, b = a.sort_values("prompt"), b.sort_values("prompt")
+    sure = confident_prompts(a, margin)
+    if not sure.any():
+        return {"confident_diff": None, "confident_low": None, "confident_high": None, "confident_mcnemar_p": None,
+                "confident_n": 0}
+    x, y = a.first_agree.to_numpy()[sure], b.first_agree.to_numpy()[sure]
+    paired = paired_bootstrap(x, y, iters, seed)
+    return {"confident_diff": paired["diff"], "confident_low": paired["low"], "confident_high": paired["high"],
+            "confident_mcnemar_p": mcnemar(x, y), "confident_n": paired["n"]}
+
+
+def compute(params: ReportParams, run: Run) -> dict:
+    """Per variant its confident figures with intervals and counts (and V0's top-1 beside them), the paired
+    confident top-1 differences of the mapped variant, and the shares every variant shares (one oracle)."""
+    margin, iters, seed = params.confident_margin, params.bootstrap_iters, params.seed
+    rows = {}
+    for name in order(run.metrics):
+        if name not in run.prompts:
+            continue
+        figures = confidence_summary(run.prompts[name], margin)
+        rows[name] = {"label": label(name, run.metrics[name].get("repair")),
+                      "next_token_top1": run.metrics[name]["next_token_top1"], **figures,
+                      **confidence_intervals(run.prompts[name], margin, iters, seed)}
+    mapped = params.mapped_variant
+    pairs = [(mapped, other) for other in rows if other not in (mapped, "oracle")] + [("oracle", mapped)]
+    comparisons = {f"{a}_minus_{b}": comparison(run.prompts[a], run.prompts[b], margin, iters, seed)
+                   for a, b in pairs if a in rows and b in rows}
+    oracle = rows["oracle"]
+    return {"margin": margin, "prompts": len(run.prompts["oracle"]), "confident_prompts": oracle["confident_prompts"],
+            "confident_prompt_share": oracle["confident_prompt_share"],
+            "positions": int(run.prompts["oracle"].tokens.sum()), "confident_positions": oracle["confident_positions"],
+            "confident_position_share": oracle["confident_position_share"], "variants": rows,
+            "comparisons": comparisons}
+
+
+def _cell(row: dict, name: str, count: int) -> str:
+    if row[name] is None:
+        return f"n/a (n = {count})"
+    return f"{pct_interval(row[name], row[f'{name}_low'], row[f'{name}_high'])} (n = {count})"
+
+
+def lines(study: dict) -> list[str]:
+    """The section: the shares where the oracle is sure (the ceiling a reader needs), the table beside V0's
+    top-1 and the paired confident top-1 differences."""
+    out = ["## Where the oracle is sure: agreement beside V0's top-1", "",
+           f"A position is confident where the oracle's two most probable next tokens differ in probability by at "
+           f"least {study['margin']} (`report.confident_margin`); elsewhere top-1 agreement measures a near-tie, not "
+           f"the map. Confident prompts (the oracle sure at the first token after the prompt, V0's position): "
+           f"{study['confident_prompts']} of {study['prompts']} ({pct(study['confident_prompt_share'])}); confident "
+           f"positions over all teacher-forced positions: {study['confident_positions']} of {study['positions']} "
+           f"({pct(study['confident_position_share'])}). Oracle-weighted agreement: the mean over all positions of "
+           f"the oracle's probability of the variant's argmax (the oracle's own is its mean top probability). "
+           f"Intervals: 95% bootstrap over prompts.", ""]
+    v = study["variants"]
+    out += md_table(["Variant", "Next-token top-1 (V0)", "Confident-prompt top-1 [95% CI]",
+                     "Confident-position agreement [95% CI]", "Oracle-weighted agreement [95% CI]"],
+                    [[row["label"], pct(row["next_token_top1"]), _cell(row, "confident_top1", row["confident_prompts"]),
+                      _cell(row, "confident_agreement", row["confident_positions"]),
+                      pct_interval(*(row[f"oracle_weighted_agreement{end}"] for end in ("", "_low", "_high")))]
+                     for row in v.values()])
+    if study["comparisons"]:
+        out += ["", "Paired confident-prompt top-1 differences (over the confident prompts; exact McNemar p):", ""]
+        out += md_table(["Comparison", "Confident top-1 Δ [95% CI]", "McNemar p", "n"],
+                        [[name.replace("_", " "), "n/a" if c["confident_diff"] is None else
+                          f"{100 * c['confident_diff']:+.1f} [{100 * c['confident_low']:+.1f}, "
+                          f"{100 * c['confident_high']:+.1f}]",
+                          "n/a" if c["confident_mcnemar_p"] is None else f"{c['confident_mcnemar_p']:.3g}",
+                          c["confident_n"]] for name, c in study["comparisons"].items()])
+    return out + [""]
+
+
+def headline(study: dict, variant: str) -> dict:
+    """The figures of `variant` that `dvc metrics diff` compares beside V0's columns ({} without the study)."""
+    row = study.get("variants", {}).get(variant)
+    return {} if row is None else {name: row[name] for name in FIGURES}
+
+
+def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
+    """No figure: the section's table says it all."""
+    return {}
