@@ -88,6 +88,15 @@ def _umask() -> int:
     return mask
 
 
+def hash_file(digest, path: str | os.PathLike, bar=None) -> None:
+    """Feed a file's bytes to `digest` (a hashlib object) in 16 MiB chunks, advancing a tqdm `bar` where given."""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as out:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pipeline.store.artifacts import hash_file
 from pipeline.store.models import TOKENIZER_FILES, folder_digest, follow, pin_hub_id, resolve, self_source
 
 TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
@@ -51,11 +52,7 @@ def files_digest(files: list[Path], bar: tqdm | None = None) -> str | None:
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}\0".encode())
-        with open(path, "rb") as handle:
-            while chunk := handle.read(1 << 24):
-                digest.update(chunk)
-                if bar is not None:
-                    bar.update(len(chunk))
+        hash_file(digest, path, bar)
         digest.update(b"\0")
     return digest.hexdigest()
 

@@ -17,6 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from pipeline.store.artifacts import hash_file
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Params
@@ -44,9 +45,7 @@ class GgufWheel(Params):
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
+    hash_file(digest, path)
     return digest.hexdigest()
 
 

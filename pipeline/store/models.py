@@ -27,6 +27,7 @@ import huggingface_hub.constants as hub_constants
 from pydantic import model_validator
 from tqdm.auto import tqdm
 
+from pipeline.store.artifacts import hash_file
 from pipeline.store.cli import Refusal
 from pipeline.store.devices import default_device, parse_dtype
 from pipeline.store.lazy import lazy
@@ -187,10 +188,7 @@ def folder_digest(folder: str | Path) -> str:
               desc=f"hashing {folder.name}") as bar:
         for path in files:
             digest.update(f"{path.relative_to(folder).as_posix()}\0".encode())
-            with open(path, "rb") as handle:
-                while chunk := handle.read(1 << 24):
-                    digest.update(chunk)
-                    bar.update(len(chunk))
+            hash_file(digest, path, bar)
     return digest.hexdigest()
 
 
