@@ -191,6 +191,14 @@ def test_pair_verdicts_name_what_differs():
         contract.require("direct")
 
 
+def test_a_folder_inside_the_repository_is_named_relative_to_it_and_one_elsewhere_by_its_absolute_path(tmp_path):
+    source, target = config_of("qwen3", head_dim=16), config_of("qwen3", head_dim=32)
+    source._name_or_path = str(ROOT.resolve() / "models" / "converted")
+    target._name_or_path = str(tmp_path / "elsewhere")
+    reason = pair_contract(target, source).reason("direct")
+    assert "source 'models/converted'" in reason and f"target '{tmp_path / 'elsewhere'}'" in reason
+
+
 def test_configs_without_tokenizers_leave_the_tokenizers_unchecked_and_say_what_the_configs_differ_in():
     target = config_of("qwen3", head_dim=16, eos_token_id=2)
     padded = config_of("qwen3", head_dim=16, vocab_size=VOCAB + 31, eos_token_id=3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.store import paths
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 
@@ -30,7 +31,8 @@ class UnsupportedRopeError(Refusal, ValueError):
 
 
 def model_name(config) -> str:
-    return getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?")
+    """The config's model as messages name it: its hub id or folder (`paths.shown`), else its model type."""
+    return paths.shown(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?"))
 
 
 def rope_parameters(config) -> dict:

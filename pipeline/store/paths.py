@@ -10,6 +10,19 @@ from pathlib import Path
 
 PARAMS = Path("params.yaml")
 
+
+def shown(name: str) -> str:
+    """A model's name as messages and reports show it: an absolute folder inside the working directory (the
+    repository, where every stage runs) relative to it, so a report does not carry the run's own absolute path;
+    anything else (a hub id, a folder elsewhere) as given."""
+    path = Path(name)
+    if not path.is_absolute():
+        return name
+    try:
+        return path.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return name
+
 # data/: the splits (one parquet per split) and the task items (one parquet per task and part)
 DATA = Path("data")
 TOKENIZER = DATA / "tokenizer"
