@@ -54,7 +54,7 @@ PLAIN = {"profile": str}  # top-level values that are not sections
 
 class ParamsFile(Params):
     """The whole of params.yaml: each section as the stage that reads it parses it, then the rules between
-    sections (run in this order, once every section is valid; each names the keys it compares)."""
+    sections (`RULES`, in that order, once every section is valid; each names the keys it compares)."""
 
     profile: str
     data: DataParams
@@ -79,143 +79,149 @@ class ParamsFile(Params):
     tolerances: ToleranceParams
 
     @model_validator(mode="after")
-    def _trained_pair_is_declared(self) -> ParamsFile:
-        if self.models.kind != "trained":
-            return self
-        if self.train.target is None or (self.train.source is None and not self.models.self_layers):
-            raise ParamError("train.source and train.target: required when models.kind is 'trained' (train.target "
-                             "alone when models.source is self:<n>)")
+    def _rules_between_sections(self) -> ParamsFile:
+        for rule in RULES:
+            rule(self)
         return self
 
-    def _depth(self, side: str) -> int | None:
-        """A side's decoder layers where params alone tell it (a trained pair's settings, a stored shape; a self
-        source's n); None for a hub model, known once prepare_models fetched its config."""
-        if side == "source" and self.models.self_layers:
-            return self.models.self_layers
-        if side == "source" and names_sibling(self.models.source):
-            return self.sibling.layers
-        if self.models.kind == "trained":
-            return getattr(self.train, side).layers
-        if self.models.kind == "random":
-            return shape_config(getattr(self.models, side)).num_hidden_layers
-        return None
 
-    def _positions(self) -> int | None:
-        """The target's positions where params alone tell it, as `_depth` its layers."""
-        if self.models.kind == "trained":
-            return self.train.target.max_positions
-        if self.models.kind == "random":
-            return shape_config(self.models.target).max_position_embeddings
-        return None
+def trained_pair_is_declared(params: ParamsFile) -> None:
+    if params.models.kind != "trained":
+        return
+    if params.train.target is None or (params.train.source is None and not params.models.self_layers):
+        raise ParamError("train.source and train.target: required when models.kind is 'trained' (train.target "
+                         "alone when models.source is self:<n>)")
 
-    @model_validator(mode="after")
-    def _repairs_within_the_target(self) -> ParamsFile:
-        layers, positions = self._depth("target"), self._positions()
-        named = [("repair.grid", text) for text in self.repair.grid]
-        named += [("select.repairs", text) for text in self.select.repairs]
-        named += [(f"evaluate.repair.{name}", text) for name, text in self.evaluate.repair.items() if text != SELECTED]
-        target = f"{self.models.kind} {self.models.target}"
-        for key, text in named:
-            repair = Repair.parse(text)
-            if layers is not None and repair.exact_layers > layers:
-                raise ParamError(f"{key}: {text} recomputes {repair.exact_layers} layers, but the target has {layers} "
-                                 f"({target}); give layers:N with N <= {layers}")
-            if positions is not None and repair.sink >= positions:
-                raise ParamError(f"{key}: {text} recomputes a sink of {repair.sink} tokens, but the target has "
-                                 f"{positions} positions ({target}); give sink:S with S < {positions}")
-        return self
 
-    @model_validator(mode="after")
-    def _sibling_is_cut_from_a_checkpoint(self) -> ParamsFile:
-        if names_sibling(self.models.source) and self.models.kind != "hub":
-            raise ParamError(f"models.source: {self.models.source} is the sibling, cut from a checkpoint target, but "
-                             f"models.kind is {self.models.kind!r}; set models.kind: hub and models.target to a "
-                             f"checkpoint")
-        return self
+def depth_of(params: ParamsFile, side: str) -> int | None:
+    """A side's decoder layers where params alone tell it (a trained pair's settings, a stored shape; a self
+    source's n); None for a hub model, known once prepare_models fetched its config."""
+    if side == "source" and params.models.self_layers:
+        return params.models.self_layers
+    if side == "source" and names_sibling(params.models.source):
+        return params.sibling.layers
+    if params.models.kind == "trained":
+        return getattr(params.train, side).layers
+    if params.models.kind == "random":
+        return shape_config(getattr(params.models, side)).num_hidden_layers
+    return None
 
-    @model_validator(mode="after")
-    def _self_source_within_the_target(self) -> ParamsFile:
-        layers, depth = self.models.self_layers, self._depth("target")
-        if layers and depth is not None and layers >= depth:
-            raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {depth} decoder layers "
-                             f"({self.models.kind} {self.models.target}); use self:<n> with 1 <= n <= {depth - 1}")
-        return self
 
-    @model_validator(mode="after")
-    def _ks_within_the_source(self) -> ParamsFile:
-        layers = self._depth("source")
-        if layers is None:
-            return self
-        for key, ks in (("fit.ks", self.fit.ks), ("fit.mlp.ks", self.fit.mlp.ks)):
-            if max(ks, default=0) > layers:
-                raise ParamError(f"{key}: k={max(ks)} exceeds the source's {layers} layers "
-                                 f"({self.models.kind} {self.models.source}); lower it")
-        return self
+def positions_of(params: ParamsFile) -> int | None:
+    """The target's positions where params alone tell it, as `depth_of` its layers."""
+    if params.models.kind == "trained":
+        return params.train.target.max_positions
+    if params.models.kind == "random":
+        return shape_config(params.models.target).max_position_embeddings
+    return None
 
-    @model_validator(mode="after")
-    def _fit_splits_are_extracted(self) -> ParamsFile:
-        for split in ("fit", "select"):  # fit solves on the one and scores on the other
-            if split not in self.extract.splits:
-                raise ParamError(f"extract.splits: the fit stage reads the {split!r} caches; add {split!r} "
-                                 f"(got {self.extract.splits})")
-        return self
 
-    @model_validator(mode="after")
-    def _candidates_are_fitted(self) -> ParamsFile:
-        grid = self.fit.candidates()
-        named = [("calibration.candidates", str(map_name("calibration.candidates", name).start))
-                 for name in self.calibration.candidates]
-        named += [("distill.start", name) for name in self.distill.start]
-        for key, name in [*named, ("length.candidate", self.length.candidate)]:
-            if name not in grid:
-                raise ParamError(f"{key}: {name!r} is not a map of the fit grid (fit.families, fit.ks, fit.lambdas, "
-                                 f"fit.mlp.ks make: {', '.join(grid)})")
-        return self
+def repairs_within_the_target(params: ParamsFile) -> None:
+    layers, positions = depth_of(params, "target"), positions_of(params)
+    named = [("repair.grid", text) for text in params.repair.grid]
+    named += [("select.repairs", text) for text in params.select.repairs]
+    named += [(f"evaluate.repair.{name}", text) for name, text in params.evaluate.repair.items() if text != SELECTED]
+    target = f"{params.models.kind} {params.models.target}"
+    for key, text in named:
+        repair = Repair.parse(text)
+        if layers is not None and repair.exact_layers > layers:
+            raise ParamError(f"{key}: {text} recomputes {repair.exact_layers} layers, but the target has {layers} "
+                             f"({target}); give layers:N with N <= {layers}")
+        if positions is not None and repair.sink >= positions:
+            raise ParamError(f"{key}: {text} recomputes a sink of {repair.sink} tokens, but the target has "
+                             f"{positions} positions ({target}); give sink:S with S < {positions}")
+        problem = repair.tokens and layers is not None and repair.selector.refusal(repair.argument, layers)
+        if problem:
+            raise ParamError(f"{key}: {text}: {problem} ({target})")
 
-    @model_validator(mode="after")
-    def _distilled_candidates_have_a_learning_rate(self) -> ParamsFile:
-        for name in self.calibration.candidates:
-            parsed = map_name("calibration.candidates", name)
-            if parsed.distilled and parsed.family not in self.distill.lrs:
-                raise ParamError(f"calibration.candidates: {name!r} is distilled from a {parsed.family} map but "
-                                 f"distill.lrs has no {parsed.family} entry; add one")
-        return self
 
-    @model_validator(mode="after")
-    def _calibration_sizes_fit_the_pool(self) -> ParamsFile:
-        for size in self.calibration.sizes:
-            if size > self.data.calibration_sequences:
-                raise ParamError(f"calibration.sizes: {size} sequences, but data.calibration_sequences is "
-                                 f"{self.data.calibration_sequences}; raise it or drop the size")
-        return self
+def sibling_is_cut_from_a_checkpoint(params: ParamsFile) -> None:
+    if names_sibling(params.models.source) and params.models.kind != "hub":
+        raise ParamError(f"models.source: {params.models.source} is the sibling, cut from a checkpoint target, but "
+                         f"models.kind is {params.models.kind!r}; set models.kind: hub and models.target to a "
+                         f"checkpoint")
 
-    @model_validator(mode="after")
-    def _mappers_are_produced(self) -> ParamsFile:
-        produced = mapper_files(self.fit, self.distill)
-        named = [(f"evaluate.mapped.{variant}", path) for variant, path in self.evaluate.mapped.items()]
-        named += [(f"selective.maps.{name}", path) for name, path in self.selective.maps.items()]
-        named += [("selective.disagree", path) for path in self.selective.disagree]
-        named += [(f"repair.maps.{name}", path) for name, path in self.repair.maps.items()]
-        for key, path in [*named, ("latency.mapper", self.latency.mapper)]:
-            if path not in produced:
-                raise ParamError(f"{key}: {path} is not written by fit, distill or select "
-                                 f"(they write: {', '.join(produced)})")
-        return self
 
-    @model_validator(mode="after")
-    def _selected_repair_is_chosen(self) -> ParamsFile:
-        for name, setting in self.evaluate.repair.items():
-            if setting == SELECTED and self.select.repairs == ["none"]:
-                raise ParamError(f"evaluate.repair.{name}: reads the setting select chose, but select.repairs is "
-                                 f"[none] (the variant would be `selected` again); add settings to select.repairs")
-        return self
+def self_source_within_the_target(params: ParamsFile) -> None:
+    layers, depth = params.models.self_layers, depth_of(params, "target")
+    if layers and depth is not None and layers >= depth:
+        raise ParamError(f"models.source: params:{layers} asks for {layers} of the target's {depth} decoder layers "
+                         f"({params.models.kind} {params.models.target}); use params:<n> with 1 <= n <= {depth - 1}")
 
-    @model_validator(mode="after")
-    def _report_variant_is_evaluated(self) -> ParamsFile:
-        if self.report.mapped_variant not in self.evaluate.mapped:
-            raise ParamError(f"report.mapped_variant: {self.report.mapped_variant!r} is not a variant of "
-                             f"evaluate.mapped ({', '.join(self.evaluate.mapped)})")
-        return self
+
+def ks_within_the_source(params: ParamsFile) -> None:
+    layers = depth_of(params, "source")
+    if layers is None:
+        return
+    for key, ks in (("fit.ks", params.fit.ks), ("fit.mlp.ks", params.fit.mlp.ks)):
+        if max(ks, default=0) > layers:
+            raise ParamError(f"{key}: k={max(ks)} exceeds the source's {layers} layers "
+                             f"({params.models.kind} {params.models.source}); lower it")
+
+
+def fit_splits_are_extracted(params: ParamsFile) -> None:
+    for split in ("fit", "select"):  # fit solves on the one and scores on the other
+        if split not in params.extract.splits:
+            raise ParamError(f"extract.splits: the fit stage reads the {split!r} caches; add {split!r} "
+                             f"(got {params.extract.splits})")
+
+
+def candidates_are_fitted(params: ParamsFile) -> None:
+    grid = params.fit.candidates()
+    named = [("calibration.candidates", str(map_name("calibration.candidates", name).start))
+             for name in params.calibration.candidates]
+    named += [("distill.start", name) for name in params.distill.start]
+    for key, name in [*named, ("length.candidate", params.length.candidate)]:
+        if name not in grid:
+            raise ParamError(f"{key}: {name!r} is not a map of the fit grid (fit.families, fit.ks, fit.lambdas, "
+                             f"fit.mlp.ks make: {', '.join(grid)})")
+
+
+def distilled_candidates_have_a_learning_rate(params: ParamsFile) -> None:
+    for name in params.calibration.candidates:
+        parsed = map_name("calibration.candidates", name)
+        if parsed.distilled and parsed.family not in params.distill.lrs:
+            raise ParamError(f"calibration.candidates: {name!r} is distilled from a {parsed.family} map but "
+                             f"distill.lrs has no {parsed.family} entry; add one")
+
+
+def calibration_sizes_fit_the_pool(params: ParamsFile) -> None:
+    for size in params.calibration.sizes:
+        if size > params.data.calibration_sequences:
+            raise ParamError(f"calibration.sizes: {size} sequences, but data.calibration_sequences is "
+                             f"{params.data.calibration_sequences}; raise it or drop the size")
+
+
+def mappers_are_produced(params: ParamsFile) -> None:
+    produced = mapper_files(params.fit, params.distill)
+    named = [(f"evaluate.mapped.{variant}", path) for variant, path in params.evaluate.mapped.items()]
+    named += [(f"selective.maps.{name}", path) for name, path in params.selective.maps.items()]
+    named += [("selective.disagree", path) for path in params.selective.disagree]
+    named += [(f"repair.maps.{name}", path) for name, path in params.repair.maps.items()]
+    for key, path in [*named, ("latency.mapper", params.latency.mapper)]:
+        if path not in produced:
+            raise ParamError(f"{key}: {path} is not written by fit, distill or select "
+                             f"(they write: {', '.join(produced)})")
+
+
+def selected_repair_is_chosen(params: ParamsFile) -> None:
+    for name, setting in params.evaluate.repair.items():
+        if setting == SELECTED and params.select.repairs == ["none"]:
+            raise ParamError(f"evaluate.repair.{name}: reads the setting select chose, but select.repairs is "
+                             f"[none] (the variant would be `selected` again); add settings to select.repairs")
+
+
+def report_variant_is_evaluated(params: ParamsFile) -> None:
+    if params.report.mapped_variant not in params.evaluate.mapped:
+        raise ParamError(f"report.mapped_variant: {params.report.mapped_variant!r} is not a variant of "
+                         f"evaluate.mapped ({', '.join(params.evaluate.mapped)})")
+
+
+# the rules between sections, in the order they run (each names the keys it compares)
+RULES = (trained_pair_is_declared, repairs_within_the_target, sibling_is_cut_from_a_checkpoint,
+         self_source_within_the_target, ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
+         distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
+         selected_repair_is_chosen, report_variant_is_evaluated)
 
 
 SECTIONS = {name: field.annotation for name, field in ParamsFile.model_fields.items() if name not in PLAIN}

@@ -73,6 +73,9 @@ RULES = {
         r"^evaluate\.repair\.selected_repaired: reads the setting select chose, but select\.repairs is \[none\]"),
     "repair of a variant that is not evaluated": (
         {"evaluate": {"repair": {"mapped_k9": "layers:1"}}}, r"^evaluate\.repair\.mapped_k9: not a variant of"),
+    "repair policy reading more layers than the target has": (
+        {"repair": {"grid": ["none", "tokens:0.1:key_norm@9"]}},
+        r"^repair\.grid: tokens:0\.1:key_norm@9: policy key_norm@9: the target has only 3 layers \(trained "),
     "select repair setting out of range": (
         {"select": {"repairs": ["none", "tokens:2:recency"]}},
         r"^select\.repairs: repair tokens:2: the fraction must be in \[0, 1\]"),

@@ -69,8 +69,9 @@ def pair_names(models: str = "models") -> tuple[str, str]:
     names = []
     for side in ("source", "target"):
         pointer = read_pointer(f"{models}/{side}") or {"kind": "trained"}
-        names.append({"hub": pointer.get("id"), "local": paths.shown(pointer.get("path", "")),
-                      "random": f"shape:{pointer.get('shape')}", "self": self_name(pointer.get("layers", 0))}.get(pointer["kind"], f"{models}/{side}"))
+        named = {"hub": pointer.get("id"), "local": paths.shown(pointer.get("path", "")),
+                 "random": f"shape:{pointer.get('shape')}", "self": self_name(pointer.get("layers", 0))}
+        names.append(named.get(pointer["kind"], f"{models}/{side}"))
     return names[0], names[1]
 
 
