@@ -145,8 +145,8 @@ def sibling_is_cut_from_a_checkpoint(params: ParamsFile) -> None:
 def self_source_within_the_target(params: ParamsFile) -> None:
     layers, depth = params.models.self_layers, depth_of(params, "target")
     if layers and depth is not None and layers >= depth:
-        raise ParamError(f"models.source: params:{layers} asks for {layers} of the target's {depth} decoder layers "
-                         f"({params.models.kind} {params.models.target}); use params:<n> with 1 <= n <= {depth - 1}")
+        raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {depth} decoder layers "
+                         f"({params.models.kind} {params.models.target}); use self:<n> with 1 <= n <= {depth - 1}")
 
 
 def ks_within_the_source(params: ParamsFile) -> None:
