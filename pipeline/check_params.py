@@ -130,7 +130,7 @@ def repairs_within_the_target(params: ParamsFile) -> None:
         if positions is not None and repair.sink >= positions:
             raise ParamError(f"{key}: {text} recomputes a sink of {repair.sink} tokens, but the target has "
                              f"{positions} positions ({target}); give sink:S with S < {positions}")
-        problem = repair.tokens and layers is not None and repair.selector.refusal(repair.argument, layers)
+        problem = layers is not None and repair.policy_refusal(layers)
         if problem:
             raise ParamError(f"{key}: {text}: {problem} ({target})")
 

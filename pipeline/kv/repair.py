@@ -108,6 +108,11 @@ class Repair:
     def selector(self) -> Selector:
         return SELECTORS[self.select_by]
 
+    def policy_refusal(self, layers: int) -> str | None:
+        """Why the token policy cannot read a target of `layers` decoder layers (`key_norm@N` past them); None when
+        it can, or when no tokens are recomputed (then no policy runs)."""
+        return self.selector.refusal(self.argument, layers) if self.tokens else None
+
     @property
     def empty(self) -> bool:
         return not (self.exact_layers or self.sink or self.tokens)
@@ -157,7 +162,7 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
     if setting.exact_layers > config.num_hidden_layers:
         raise RepairError(f"repair {setting}: the target has only {config.num_hidden_layers} layers")
     selector = setting.selector if setting.tokens else None
-    problem = selector and selector.refusal(setting.argument, config.num_hidden_layers)
+    problem = setting.policy_refusal(config.num_hidden_layers)
     if problem:
         raise RepairError(f"repair {setting}: {problem}")
     lengths = torch.full((batch,), width) if lengths is None else lengths.cpu()

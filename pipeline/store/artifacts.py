@@ -89,9 +89,9 @@ def _umask() -> int:
 
 
 def hash_file(digest, path: str | os.PathLike, bar=None) -> None:
-    """Feed a file's bytes to `digest` (a hashlib object) in 16 MiB chunks, advancing a tqdm `bar` where given."""
+    """Feed a file's bytes to `digest` (a hashlib object) in `_CHUNK`s, advancing a tqdm `bar` where given."""
     with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 24):
+        while chunk := handle.read(_CHUNK):
             digest.update(chunk)
             if bar is not None:
                 bar.update(len(chunk))

@@ -23,6 +23,7 @@ def shown(name: str) -> str:
     except ValueError:
         return name
 
+
 # data/: the splits (one parquet per split) and the task items (one parquet per task and part)
 DATA = Path("data")
 TOKENIZER = DATA / "tokenizer"
