@@ -128,3 +128,5 @@ def test_what_an_evaluation_cannot_do_is_refused_naming_the_fix(pair, prompts, s
         evaluate(Router(handoff, pair.gate(handoff, "entropy", 0.0)), prompts, stored, margin=MARGIN)
     with pytest.raises(ValueError, match="oracle outputs must come from the oracle handoff"):
         evaluate(router, prompts, margin=MARGIN, store=STORE, timed=True)
+    with pytest.raises(ValueError, match="a timed evaluation reads no attention outputs"):
+        evaluate(router, prompts, margin=MARGIN, store=STORE._replace(attention=True), timed=True)

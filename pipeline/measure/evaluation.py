@@ -160,6 +160,8 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
         raise ValueError("evaluate: without the oracle's stored outputs, say how to store them (store=OracleStore)")
     if timed and ranks.size > 1:
         raise ValueError("evaluate: a timed evaluation runs in one process (several would share the machine's time)")
+    if timed and ((store is not None and store.attention) or (oracle is not None and "attention" in oracle)):
+        raise ValueError("evaluate: a timed evaluation reads no attention outputs; compare them untimed")
     if prompts and router.gate is not None and not timed:
         raise ValueError("evaluate: prompts under a gate are evaluated timed, one at a time (timed=True)")
     rows = None
