@@ -112,12 +112,77 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab*",
-                "merges.txt", "*.model"]  # what describes a model without its weights
+                "merges.txt", "*.model", "chat_template*"]  # what describes a model without its weights
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the tokenizer's class and special tokens
 # files that carry a vocabulary: without one, transformers 5 builds a stand-in tokenizer of one to five tokens
 # for several model types (qwen2, qwen3, gemma, gpt2, phi) instead of raising, and it must never be compared
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "*.tiktoken",
                    "sentencepiece*.model")
+
+
+# the files transformers reads a folder's weights from, in its order of preference: one file, or an index of shards
+WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+SAFETENSORS_PREFIX = 8  # a safetensors file: an 8-byte little-endian header length, the JSON header, the data
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The files transformers would load `folder`'s weights from: the first of WEIGHT_NAMES there (an index with the
+    shards its weight_map names); any other weight-like file beside them is not read, so it is no part of the model."""
+    folder = Path(folder)
+    for name in WEIGHT_NAMES:
+        path = folder / name
+        if path.is_file():
+            return [path, *shards(path)] if name.endswith(".index.json") else [path]
+    return []
+
+
+def shards(index: Path) -> list[Path]:
+    """The shard files an index's weight_map names ([] when the index is no JSON object: `weights_refusal` says so)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return []
+    return [index.parent / shard for shard in sorted(set(weight_map.values()))]
+
+
+def safetensors_refusal(path: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (header unreadable, data shorter or longer than the header
+    says: a truncated download), read from its header alone; None when whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(SAFETENSORS_PREFIX)
+        length = int.from_bytes(prefix, "little") if len(prefix) == SAFETENSORS_PREFIX else None
+        raw = handle.read(length) if length is not None and length <= size else b""
+    try:
+        header = json.loads(raw) if length is not None and len(raw) == length else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        return f"{path.name} is not a safetensors file (its header cannot be read)"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    expected = SAFETENSORS_PREFIX + length + max(ends, default=0)
+    if size != expected:
+        return f"{path.name} holds {size} bytes where its header describes {expected} (truncated or altered)"
+    return None
+
+
+def weights_refusal(folder: str | Path) -> str | None:
+    """What keeps a checkpoint folder's weights from loading whole, as the rest of a sentence naming the folder: no
+    weight file, an index naming a missing shard, a safetensors file cut short; None when complete."""
+    files = weight_files(folder)
+    if not files:
+        return (f"holds no weights (none of {', '.join(WEIGHT_NAMES)}); download the model's weights into it or "
+                f"point at the folder that has them")
+    if files[0].name.endswith(".index.json") and len(files) == 1:
+        return f"has an index {files[0].name} that names no shards (not a weight_map); download it again"
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        return f"misses the shard {missing[0]} its {files[0].name} names; download it"
+    for path in files:
+        problem = path.suffix == ".safetensors" and safetensors_refusal(path)
+        if problem:
+            return f"has incomplete weights: {problem}; download them again"
+    return None
 
 
 def hub_offline() -> bool:
@@ -251,17 +316,17 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
         raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
                          f"model of a stored shape; set models.device_map: null")
     if device_map:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision),
-                                                                  dtype=parse_dtype(dtype), device_map=device_map)
-        model.config._name_or_path = name
-        return model.eval()
+        return loaded(transformers.AutoModelForCausalLM.from_pretrained(
+            model_folder(name, revision), dtype=parse_dtype(dtype), device_map=device_map, output_loading_info=True),
+            name).eval()
     if random:
         model = random_model(shape_config(random["shape"]), parse_dtype(dtype), device or default_device(),
                              random["seed"])
         model.config._name_or_path = f"random:{random['shape']}"
         return model.eval()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype))
-    model.config._name_or_path = name
+    model = loaded(transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision),
+                                                                     dtype=parse_dtype(dtype),
+                                                                     output_loading_info=True), name)
     return model.to(device or default_device()).eval()
 
 
@@ -296,10 +361,37 @@ def model_folder(name: str, revision: str | None = None, config_only: bool = Fal
     """`resolve`, then refuse in one sentence naming the folder a config.json transformers cannot build: the one
     place every stage and check_pair go through before reading a config or weights."""
     folder = resolve(name, revision, config_only)
-    refusal = config_refusal(folder)
+    refusal = config_refusal(folder) or (None if config_only else weights_refusal(folder))
     if refusal:
         raise ModelFolderError(f"model folder {name if folder == name else f'{name} ({folder})'} {refusal}")
     return folder
+
+
+def require_weights(name_or_path: str, revision: str | None = None, target: str | None = None,
+                    target_revision: str | None = None) -> None:
+    """Refuse (ModelFolderError, one line) a local checkpoint whose weights would not load whole, from its files
+    alone, before anything is loaded (a self source: its target's; a hub id or a random shape has no folder yet)."""
+    cut = self_source(name_or_path, target, target_revision)
+    if cut:
+        return require_weights(cut[1], cut[2])
+    name, _, random = follow(name_or_path, revision)
+    refusal = None if random or not Path(name).is_dir() else weights_refusal(name)
+    if refusal:
+        raise ModelFolderError(f"model folder {name} {refusal}")
+    return None
+
+
+def loaded(loading, name: str):
+    """The model of `from_pretrained(..., output_loading_info=True)`, refused (one line) where the checkpoint lacks
+    a tensor the architecture has: transformers would leave it at its random initialisation."""
+    model, info = loading
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ModelFolderError(f"model folder {name}: its weights lack {len(missing)} tensor(s) of the architecture "
+                               f"({missing[0]}{', ...' if len(missing) > 1 else ''}), which would run at random "
+                               f"values; download the complete checkpoint")
+    model.config._name_or_path = name
+    return model
 
 
 def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,
