@@ -199,6 +199,9 @@ def looks_like_path(name: str) -> bool:
 
 
 def unavailable(name_or_path: str, revision: str | None) -> ModelNotAvailableError:
+    if Path(name_or_path).exists():  # a file (README.md): a path, never a hub id to download
+        return ModelNotAvailableError(f"model folder {name_or_path}: a file, not a folder; point at the folder that "
+                                      f"holds the model's config.json")
     if looks_like_path(name_or_path):
         return ModelNotAvailableError(f"model folder {name_or_path}: no such folder")
     return ModelNotAvailableError(
@@ -214,7 +217,7 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
     `config_only`, a snapshot of the config and tokenizer files alone: no weights are fetched)."""
     if Path(name_or_path).is_dir():
         return str(name_or_path)
-    if looks_like_path(name_or_path):
+    if looks_like_path(name_or_path) or Path(name_or_path).exists():
         raise unavailable(name_or_path, revision)
     patterns = CONFIG_FILES if config_only else None
     try:
