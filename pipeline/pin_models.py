@@ -7,9 +7,9 @@ writes models/pins.json, the identity of each side; `prepare_models` depends on 
 after it) reruns exactly when an identity changes, and never otherwise:
 
 - kind `hub`, a local folder: its path (relative to the repository root when inside it, else absolute), refused
-  unless its weights are complete (`store.models.weights_refusal`), and a sha256 over its fingerprint (weights, config, generation
-  config, tokenizer: `store.fingerprints.folder_pin`); a changed part changes the hash, a file that is no part
-  (a README, NOTES.md) does not, and a moved folder is refused by name when a later stage loads it;
+  unless its weights are complete (`store.weights.weights_refusal`), and a sha256 over its fingerprint (weights,
+  config, generation config, tokenizer: `store.fingerprints.folder_pin`); a changed part changes the hash, a file
+  that is no part (a README, NOTES.md) does not, and a moved folder is refused by name when a later stage loads it;
 - kind `hub`, a hub id: the commit of `models.*_revision` (null: the current one), read from the local
   Hugging Face cache when the id is there (so it works offline), else asked from the hub;
 - kinds `trained` and `random`: nothing outside the repository, the names only;

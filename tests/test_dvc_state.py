@@ -21,10 +21,11 @@ TRACKED_OUTPUTS = ("dvc.lock", "metrics", "plots", "report", "report.md", "model
 CHEAP_STAGES = ("check_params", "convert_models", "prepare_data")  # seconds each on the tiny profile
 
 
-def tracked(*paths: str) -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "-z", "--", *paths], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    return [ROOT / name for name in listed.split("\0") if name]
+def tracked(*paths: str, new: bool = False) -> list[Path]:
+    """The files git tracks under `paths` (all with none); `new`: and the files not yet added that it does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", *(["--others", "--exclude-standard"] if new else []),
+                             "--", *paths], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / name for name in listed.split("\0") if name and name != ".venv"]
 
 
 def absolute_paths(files: list[Path]) -> list[str]:
@@ -89,11 +90,11 @@ def dvc(folder: Path, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def committed_tree(tmp_path_factory) -> Path:
-    """This working tree's tracked files (as they are now, edits included) committed in a fresh repository: what a
-    clone of the commit under test holds."""
+    """This working tree's files (as they are now: edits and files not yet added included) committed in a fresh
+    repository: what a clone of the commit under test holds."""
     folder = tmp_path_factory.mktemp("origin") / "repo"
-    for path in tracked():
-        if path.is_file():
+    for path in tracked(new=True):
+        if path.is_file() and not path.is_symlink():
             (folder / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, folder / path.relative_to(ROOT))
     for command in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"]):
@@ -110,7 +111,8 @@ def test_two_clones_in_two_folders_agree_on_dvc_status_and_the_second_restores_f
     ran = dvc(first, "repro", CHEAP_STAGES[-1])
     assert all(f"Running stage '{stage}'" in ran for stage in CHEAP_STAGES), ran
     outputs = [path for path in (first / "data").rglob("*") if path.is_file()]
-    outputs += [first / "dvc.lock", first / "metrics" / "params_check.json", *(first / "models" / "converted").iterdir()]
+    outputs += [first / "dvc.lock", first / "metrics" / "params_check.json",
+                *(first / "models" / "converted").iterdir()]
     assert [found for found in absolute_paths(outputs) if str(tmp_path) in found] == []
     restored = dvc(second, "repro", CHEAP_STAGES[-1])
     for stage in CHEAP_STAGES[1:]:  # check_params keeps its output (persist), which DVC never restores

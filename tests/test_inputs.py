@@ -87,15 +87,16 @@ RULES = {
         "generate", ["--eval", "100000"], r"^error: --eval: 100000 asked, but there are 3 prompts in "
         r"data/eval\.parquet; give at most 3$"),
     "kv-transfer: max_length past the models' positions": (
-        "kv-transfer", f"{KV_ALONE},max_length=100000", r"^error: kv-transfer max_length: 100000 asked, but there are 512 "
-        r"positions in the models; give at most 512$"),
+        "kv-transfer", f"{KV_ALONE},max_length=100000",
+        r"^error: kv-transfer max_length: 100000 asked, but there are 512 positions in the models; give at most 512$"),
     "generate: --transfer naming no mode": (
         "generate", [PROMPT, "--transfer", ""], r"^error: --transfer '' names no mode \(known: oracle, "),
     "kv-transfer: a gate's threshold nan": (
         "kv-transfer", f"{KV},transfer=direct,fallback=entropy,threshold=nan",
         r"^error: kv-transfer threshold: nan would never fall back; give a number, or -inf"),
     "kv-transfer: batch_size=-1": (
-        "kv-transfer", f"{KV_ALONE},batch_size=-1", r"^error: kv-transfer batch_size: expected an integer >= 1, got -1"),
+        "kv-transfer", f"{KV_ALONE},batch_size=-1",
+        r"^error: kv-transfer batch_size: expected an integer >= 1, got -1"),
     "check_pair: k=0": (
         "check_pair", ["{source}", "{target}", "--lengths", "8", "--ks", "0", "1"],
         r"^error: --ks: expected an integer >= 1, got 0$"),

@@ -9,8 +9,14 @@ from conftest import ROOT, committed, pin_and_prepare
 from huggingface_hub import constants as hf_constants
 
 from pipeline import pin_models, prepare_models
-from pipeline.store.models import (ModelFolderError, ModelNotAvailableError, ModelsParams, load_config, load_model,
-                                   load_tokenizer)
+from pipeline.store.models import (
+    ModelFolderError,
+    ModelNotAvailableError,
+    ModelsParams,
+    load_config,
+    load_model,
+    load_tokenizer,
+)
 from pipeline.store.params import ParamError, parse
 
 

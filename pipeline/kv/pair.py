@@ -30,8 +30,7 @@ from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
 from pipeline.store.fingerprints import PairFingerprints, model_differences
-from pipeline.store.models import (ModelsParams, load_config, load_model, load_tokenizer, require_weights,
-                                   self_source)
+from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, require_weights, self_source
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import truncate
 

@@ -27,7 +27,7 @@ from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate
 from pipeline.kv.handoff import OWN_MODES, Handoff
 from pipeline.kv.router import Router
-from pipeline.kv.routes import CACHED, Route, served_by
+from pipeline.kv.routes import CACHED, served_by
 from pipeline.measure.routes import Ledger, RequestCache, count_lines
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks
@@ -41,6 +41,23 @@ def refuse_without_chat_template(tokenizer) -> None:
     if tokenizer.chat_template is None:
         raise ParamError(f"kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of "
                          f"{tokenizer.name_or_path} has none; leave the flag out or use a chat model")
+
+
+def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[str], int]:
+    """(stop sequences, max_gen_toks) of a generate_until request, refused in one line where max_gen_toks leaves no
+    position for the prompt in `max_length` (as lm-eval's `hf` refuses it) or where it asks for sampling."""
+    options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+    until = handle_stop_sequences(options.pop("until", None), eos=eos)
+    max_new = int(options.pop("max_gen_toks"))
+    if max_new >= max_length:
+        raise ParamError(f"kv-transfer: generate_until asks max_gen_toks={max_new}, which leaves no position for the "
+                         f"prompt in the {max_length} positions (max_length); give --gen_kwargs max_gen_toks=N with "
+                         f"N < {max_length}")
+    if options.get("do_sample") or float(options.get("temperature") or 0) > 0:
+        raise ParamError(f"kv-transfer decodes greedily, and this generate_until asks for sampling "
+                         f"({ {key: options.get(key) for key in ('do_sample', 'temperature')} }); give --gen_kwargs "
+                         f"do_sample=false,temperature=0")
+    return until, max_new
 
 
 class TargetTokensLM(TemplateLM):
@@ -137,7 +154,8 @@ class HandoffLM(TargetTokensLM):
         if getattr(cache_hook, "dbdict", None) is not None:
             raise ParamError("kv-transfer: lm-eval's use_cache keys its file by its path alone, so it would serve "
                              "one handoff's answers to another; give --use_cache PATH to python -m "
-                             "pipeline.lm_eval_model run (keyed by the handoff), or build the model with a RequestCache")
+                             "pipeline.lm_eval_model run (keyed by the handoff), or build the model with a "
+                             "RequestCache")
         super().set_cache_hook(cache_hook)
 
     # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the ranks'
@@ -245,18 +263,8 @@ class HandoffLM(TargetTokensLM):
         """One generate_until request's text, greedy, after its context's handoff (left-truncated as `hf` does, to
         the positions max_gen_toks leaves; max_gen_toks reaching them, or sampling, refused in one line)."""
         context, gen_kwargs = request.args
-        options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        until = handle_stop_sequences(options.pop("until", None), eos=eos)
-        max_new = int(options.pop("max_gen_toks"))
-        if max_new >= self.max_length:
-            raise ParamError(f"kv-transfer: generate_until asks max_gen_toks={max_new}, which leaves no position for "
-                             f"the prompt in the {self.max_length} positions (max_length); give --gen_kwargs "
-                             f"max_gen_toks=N with N < {self.max_length}")
-        if options.get("do_sample") or float(options.get("temperature") or 0) > 0:
-            raise ParamError(f"kv-transfer decodes greedily, and this generate_until asks for sampling "
-                             f"({ {key: options.get(key) for key in ('do_sample', 'temperature')} }); give "
-                             f"--gen_kwargs do_sample=false,temperature=0")
+        until, max_new = greedy_options(gen_kwargs, eos, self.max_length)
         context_ids = self.tok_encode(context)[-(self.max_length - max_new):]
 
         def should_stop(tokens: list[int]) -> bool:

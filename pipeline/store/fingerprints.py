@@ -21,8 +21,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pipeline.store.artifacts import hash_file
-from pipeline.store.models import (TOKENIZER_FILES, folder_digest, follow, pin_hub_id, resolve, self_source,
-                                   weight_files)
+from pipeline.store.models import TOKENIZER_FILES, folder_digest, follow, pin_hub_id, resolve, self_source
+from pipeline.store.weights import weight_files
 
 TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
 # the chat template in a file of its own (transformers 5 writes chat_template.jinja; earlier versions kept it inside
