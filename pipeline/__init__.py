@@ -22,6 +22,8 @@ in `schema/`) are listed in `STAGES` below, in the order `dvc repro` meets them;
 The lm-eval face: `lm_eval_model` registers the lm-eval model `kv-transfer`.
 The pair checker: `check_pair SOURCE TARGET` prints a pair's architecture contract from configs alone.
 The generator: `generate PROMPT` continues a prompt in each handoff mode beside the oracle, streamed and timed.
+The Python API: `api` gives a researcher's own code a pair, a handoff (map, repair, gate) and its cache as a
+transformers `Cache` that `target.generate` continues.
 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.

@@ -22,7 +22,7 @@ CHEAP_STAGES = ("check_params", "convert_models", "prepare_data")  # seconds eac
 
 
 def tracked(*paths: str, new: bool = False) -> list[Path]:
-    """The files git tracks under `paths` (all with none); `new`: and the files not yet added that it does not ignore."""
+    """The files git tracks under `paths` (all with none); `new`: also those not yet added that it does not ignore."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", *(["--others", "--exclude-standard"] if new else []),
                              "--", *paths], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return [ROOT / name for name in listed.split("\0") if name and name != ".venv"]
