@@ -505,6 +505,7 @@ def test_a_gate_at_minus_infinity_falls_back_on_every_prompt_length_and_at_infin
         assert [g.fell_back for g in generations if g.mode == "direct"] == [fell_back]
         row = next(line for line in out.getvalue().splitlines() if line.startswith("| direct"))
         assert (SENTENCES[FELL_BACK] in row) == fell_back, row
+        assert " -inf > threshold" not in row, row  # before, a one-token prompt said "entropy -inf > threshold -inf"
 
 
 def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files, monkeypatch, capsys):
