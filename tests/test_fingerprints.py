@@ -50,9 +50,28 @@ def reindent_tokenizer(folder: Path) -> None:
     path.write_text(json.dumps(json.loads(path.read_text()), indent=4))
 
 
+def add_stray_weights(folder: Path) -> None:
+    """Weight-like files transformers does not read beside model.safetensors: a map, an old .bin, a stray shard."""
+    (folder / "mapper.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:64])
+    (folder / "pytorch_model.bin").write_bytes(b"an older checkpoint")
+    (folder / "model-00001-of-00002.safetensors").write_bytes(b"a leftover shard")
+
+
+def reindent_config(folder: Path) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=8, sort_keys=True) + "\n\n")
+
+
+def add_chat_template(folder: Path) -> None:
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
 # each way to change a copy of a model folder: the part of its fingerprint that changes (None: no part)
 EDITS = {
     "extra files": (add_extra_files, None),
+    "stray weight files": (add_stray_weights, None),
+    "reindented config": (reindent_config, None),
+    "chat template": (add_chat_template, "tokenizer"),
     "weights": (flip_last_weight_byte, "weights"),
     "config": (edit_json("config.json", "initializer_range", 0.05), "config"),
     "generation config": (edit_json("generation_config.json", "temperature", 0.7), "generation_config"),
@@ -106,8 +125,10 @@ def test_a_refusal_names_the_part_that_differs_and_a_copy_with_extra_files_accep
 def test_a_folder_pin_ignores_extra_files_and_follows_every_part(tiny_pair, tmp_path):
     folder = tiny_pair["target"]
     pins = {edit: folder_pin(edited_copy(folder, tmp_path / edit.replace(" ", "_"), edit)) for edit in EDITS}
-    assert pins["extra files"] == folder_pin(folder)
-    assert len({pin for edit, pin in pins.items() if edit != "extra files"} | {folder_pin(folder)}) == len(EDITS)
+    unchanged = [edit for edit, (_, part) in EDITS.items() if part is None]
+    assert {pins[edit] for edit in unchanged} == {folder_pin(folder)}
+    changed = [pins[edit] for edit in EDITS if edit not in unchanged]
+    assert len(set(changed) | {folder_pin(folder)}) == len(changed) + 1
 
 
 PREVIOUS_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",

@@ -109,8 +109,10 @@ def deeper_source(tmp_path_factory, tokenizer):
 
 def run_main(capsys, monkeypatch, tmp_path, *argv) -> str:
     monkeypatch.chdir(tmp_path)  # no params.yaml, no models/: every setting from the flags
+    transfer = argv[argv.index("--transfer") + 1] if "--transfer" in argv else ""
+    seed = ["--shuffle-seed", "0"] if "shuffled" in transfer else []  # refused beside no shuffled mode
     main(["Question: How do I open a jar?\nAnswer:", "--max-new-tokens", "4", "--dtype", "float32",
-          "--device", "cpu", "--threads", "0", "--shuffle-seed", "0", *argv])
+          "--device", "cpu", "--threads", "0", *seed, *argv])
     return capsys.readouterr().out
 
 

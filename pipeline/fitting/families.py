@@ -22,6 +22,7 @@ from pipeline.fitting.mlpfit import MlpSettings, train_mlp
 from pipeline.fitting.probes import Pairs, held_rows
 from pipeline.kv.families.base import Geometry, columns
 from pipeline.kv.families.registry import FAMILIES, MapName
+from pipeline.store.artifacts import take_umask
 from pipeline.store.cachefiles import KINDS
 from pipeline.store.lazy import lazy
 
@@ -111,7 +112,9 @@ class Parts:
 
     def put(self, candidate: str, layer: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
         named = {str(i): t.to("cpu", torch.float32).contiguous() for i, t in enumerate(tensors)}
-        safetensors_torch.save_file(named, str(self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"))
+        path = self.folder / f"{candidate}.{kind}.{layer:03d}.safetensors"
+        safetensors_torch.save_file(named, str(path))
+        take_umask(path)  # save_file writes 0600
 
     def take(self, candidate: str, layers: int, kind: str) -> list[tuple[torch.Tensor, ...]]:
         out = []

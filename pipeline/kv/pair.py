@@ -30,7 +30,7 @@ from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
 from pipeline.store.fingerprints import PairFingerprints, model_differences
-from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, self_source
+from pipeline.store.models import ModelsParams, load_config, load_model, load_tokenizer, require_weights, self_source
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import truncate
 
@@ -77,6 +77,9 @@ class Pair:
         cut = self_source(source, **beside) if source else None
         self.self_layers = cut[0] if cut else None  # n of a self source, else None
         self.max_tokens = max_tokens
+        require_weights(target, target_revision)  # a folder without complete weights: one line now, not at load
+        if source:
+            require_weights(source, source_revision, **beside)
         # the contract, from configs and tokenizers: a refused pair costs no weight loading
         configs = (load_config(target, target_revision),
                    load_config(source, source_revision, **beside) if source else None)

@@ -5,7 +5,8 @@ faces spell its fields their own way (`Face`: kv-transfer's model args `transfer
 flags `--transfer`, `--mapper`, ...), and every refusal is one line naming the arg as the face spells it and the
 fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped). Rules, one table for both faces
 (`USES`): an arg the mode does not read is refused (`transfer=oracle,mapper=...`), a mode that reads a source
-needs one, a repair setting larger than the pair's target (its layers, its positions) is refused from the configs.
+needs one, a repair setting larger than the pair's target (its layers, its positions, a policy reading layers past
+them: `key_norm@N`) is refused from the configs.
 
 Built by `Request.of(face, **args)`; `Router.of(pair, request)` (`kv.router`) turns it into handoffs.
 """
@@ -118,6 +119,10 @@ class Request(BaseModel):
             if self.fallback == "disagree" and self.disagree is None:
                 raise ParamError(f"{face.tool} {face.given('fallback', 'disagree')} needs "
                                  f"{face.given('disagree', '<k=1 file>:<k=max file>')}".strip())
+            if self.fallback != "disagree" and self.disagree is not None:
+                raise ParamError(f"{face.tool} {face.given('fallback', self.fallback)} does not use "
+                                 f"{face.given('disagree')}: leave it out (it names the maps of "
+                                 f"{face.given('fallback', 'disagree')})".strip())
         files = {"mapper": [self.mapper] if self.mapper else [], "disagree": list(self.disagree or [])}
         for field, names in files.items():
             for file in names:
@@ -141,8 +146,8 @@ class Request(BaseModel):
                              f"{how}".strip())
 
     def check_geometry(self, pair) -> None:
-        """Refuse a repair larger than `pair`'s target (its layers, its positions), from the configs; a target the
-        contract refuses is left to its refusal."""
+        """Refuse a repair larger than `pair`'s target (its layers, its positions, a token policy reading layers
+        past them), from the configs; a target the contract refuses is left to its refusal."""
         setting, geometry = self.setting, pair.contract.target.geometry
         if setting is None or geometry is None:
             return
@@ -153,6 +158,9 @@ class Request(BaseModel):
         if setting.sink >= positions:
             raise ParamError(f"{self.face.name('repair')} {setting}: sink:{setting.sink} is not below the models' "
                              f"{positions} positions; give a smaller sink")
+        problem = setting.policy_refusal(layers)
+        if problem:
+            raise ParamError(f"{self.face.name('repair')} {setting}: {problem}")
 
 
 def _bad_pair(face: Face, spec: str):

@@ -2,8 +2,9 @@
 
 A route's way is the handoff's own mode (`oracle`, `source`, `mapped`, `direct`, ...; REPAIRED under a repair
 setting), FELL_BACK to the target's prefill (a gate's score above its threshold) or EMPTY_PREFIX (a one-token
-context hands nothing off: the target reads it alone, as the oracle would). No way is `refused`: a request the
-handoff cannot serve (a sequence longer than a sliding window) stops the run.
+context hands nothing off: the target reads it alone, as the oracle would); CACHED is a request answered from
+kv-transfer's request cache, and its route keeps the way it was first served (`first`). No way is `refused`: a
+request the handoff cannot serve (a sequence longer than a sliding window) stops the run.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Sequence
 
 from pipeline.kv.handoff import OWN_MODES
 
-FELL_BACK, EMPTY_PREFIX, REPAIRED = "fell_back", "empty_prefix", "repaired"
+FELL_BACK, EMPTY_PREFIX, REPAIRED, CACHED = "fell_back", "empty_prefix", "repaired", "cached"
 SENTENCES = {  # the ways a reader meets in generate's table
     FELL_BACK: "fell back to the target's prefill",
     EMPTY_PREFIX: "nothing handed off (a one-token prompt)",
@@ -21,10 +22,16 @@ SENTENCES = {  # the ways a reader meets in generate's table
 
 @dataclass(frozen=True)
 class Route:
-    """How one request was served: its `way` and, under a gate, its context's score."""
+    """How one request was served: its `way`, under a gate its context's score, and for a CACHED request the way
+    that first served it (`first`, whose score `score` is)."""
 
     way: str
     score: float | None = None
+    first: str | None = None
+
+    def from_cache(self) -> "Route":
+        """This route as the route of a request answered later from the cache that stored it."""
+        return Route(CACHED, self.score, self.first or self.way)
 
 
 def hands_off(mode: str, context: Sequence[int]) -> bool:

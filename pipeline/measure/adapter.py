@@ -25,15 +25,40 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate
-from pipeline.kv.handoff import Handoff
+from pipeline.kv.handoff import OWN_MODES, Handoff
 from pipeline.kv.router import Router
-from pipeline.kv.routes import Route, served_by
-from pipeline.measure.routes import Ledger, count_lines
+from pipeline.kv.routes import CACHED, served_by
+from pipeline.measure.routes import Ledger, RequestCache, count_lines
+from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 DEFAULT_MAX_GEN_TOKS = 256
 
 log = logging.getLogger(__name__)
+
+def refuse_without_chat_template(tokenizer) -> None:
+    """Refuse (one line) `--apply_chat_template` with a tokenizer that has no chat template."""
+    if tokenizer.chat_template is None:
+        raise ParamError(f"kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of "
+                         f"{tokenizer.name_or_path} has none; leave the flag out or use a chat model")
+
+
+def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[str], int]:
+    """(stop sequences, max_gen_toks) of a generate_until request, refused in one line where max_gen_toks leaves no
+    position for the prompt in `max_length` (as lm-eval's `hf` refuses it) or where it asks for sampling."""
+    options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+    until = handle_stop_sequences(options.pop("until", None), eos=eos)
+    max_new = int(options.pop("max_gen_toks"))
+    if max_new >= max_length:
+        raise ParamError(f"kv-transfer: generate_until asks max_gen_toks={max_new}, which leaves no position for the "
+                         f"prompt in the {max_length} positions (max_length); give --gen_kwargs max_gen_toks=N with "
+                         f"N < {max_length}")
+    if options.get("do_sample") or float(options.get("temperature") or 0) > 0:
+        raise ParamError(f"kv-transfer decodes greedily, and this generate_until asks for sampling "
+                         f"({ {key: options.get(key) for key in ('do_sample', 'temperature')} }); give --gen_kwargs "
+                         f"do_sample=false,temperature=0")
+    return until, max_new
+
 
 class TargetTokensLM(TemplateLM):
     """lm-eval's model's text side, as its stock `hf` model has it: the target's tokenizer, its special tokens, its
@@ -66,9 +91,7 @@ class TargetTokensLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """`chat_history` rendered as text by the target tokenizer's chat template, as lm-eval's `hf` renders it.
         `chat_template(...)`, the template lm-eval records, is TemplateLM's, read from the same tokenizer."""
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of "
-                             f"{self.tokenizer.name_or_path} has none; leave the flag out or use a chat model")
+        refuse_without_chat_template(self.tokenizer)
 
         def render(messages: list[dict[str, str]]) -> str:
             # without a generation prompt the history ends in the task's assistant prefix, left open to continue
@@ -103,16 +126,17 @@ class TargetTokensLM(TemplateLM):
 
 
 class HandoffLM(TargetTokensLM):
-    """lm-eval's model whose every request goes through `router`."""
+    """lm-eval's model whose every request goes through `router` (answered from `cache` where it holds the answer)."""
 
     def __init__(self, router: Router | Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
-                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None):
+                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None, cache: RequestCache | None = None):
         """`router` (or a handoff, routed through `gate` if given) with the target's `tokenizer`; `max_length`: the
-        window contexts are truncated to (default: the target's positions); `ranks`: this process's place."""
+        window contexts are truncated to (default: the target's positions); `ranks`: this process's place; `cache`:
+        the handoff's request cache (`measure.routes.RequestCache`), None for none."""
         self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
         super().__init__(tokenizer, max_length or self.handoff.target.config.max_position_embeddings)
         self.router.batch_size = self.batch_size = batch_size
-        self.ledger = Ledger()
+        self.ledger, self.cache = Ledger(), cache
         self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
         self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs
         self._tokens: dict = {}  # ... and the token ids it was scored on (before the router's truncation)
@@ -125,6 +149,15 @@ class HandoffLM(TargetTokensLM):
     @property
     def gate(self) -> Gate | None:
         return self.router.gate
+
+    def set_cache_hook(self, cache_hook) -> None:
+        # lm-eval's CachingLM (simple_evaluate's use_cache) keys its file by path alone: another handoff's answers
+        if getattr(cache_hook, "dbdict", None) is not None:
+            raise ParamError("kv-transfer: lm-eval's use_cache keys its file by its path alone, so it would serve "
+                             "one handoff's answers to another; give --use_cache PATH to python -m "
+                             "pipeline.lm_eval_model run (keyed by the handoff), or build the model with a "
+                             "RequestCache")
+        super().set_cache_hook(cache_hook)
 
     # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the ranks'
     # request counts to equal (all_gather) and, once every request is served, gathers samples and metrics on rank 0
@@ -140,23 +173,27 @@ class HandoffLM(TargetTokensLM):
 
     def barrier(self) -> None:
         self._ranks.barrier()
+
     @property
     def device(self):
         return self.handoff.device
 
     def route_counts(self) -> dict[str, dict[str, int]]:
-        """Per task: its requests and how many went each way (every way the router has, zeros included)."""
-        return self.ledger.counts(self.router.ways())
+        """Per task: its requests and how many went each way (every way the router has, and CACHED under a cache,
+        zeros included)."""
+        return self.ledger.counts(self.router.ways() + ([CACHED] if self.cache is not None else []))
 
     def gather_routes(self) -> None:
         """Every rank's routes on rank 0 (a collective: every rank calls it once, after the requests)."""
         self.ledger.gather(self._ranks)
 
     def route_record(self) -> dict:
-        """The route record results carry: the router's, the counts per task, and per document the routes (and
-        gate scores) of its requests where any differs from the handoff's own way (every document under a gate)."""
+        """The route record results carry: the router's, the counts per task (and per task the ways that first
+        served its cached requests), and per document the routes (and gate scores) of its requests where any
+        differs from the handoff's own way (every document under a gate)."""
         own = served_by(self.handoff.mode, self.router.repaired)
-        return {**self.router.record(), "routes": self.route_counts(),
+        cached = {} if self.cache is None else {"cached": self.ledger.cached(), "cache": self.cache.path}
+        return {**self.router.record(), "routes": self.route_counts(), **cached,
                 "requests": self.ledger.by_document(keep=lambda routes: self.gate is not None
                                                     or any(route.way != own for route in routes))}
 
@@ -167,57 +204,74 @@ class HandoffLM(TargetTokensLM):
     def route_lines(self) -> list[str]:
         """The counts as the `run` command prints them."""
         gate = "no gate" if self.gate is None else f"fell_back where {self.gate.score} > {self.gate.threshold:g}"
-        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts())
+        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts(),
+                           self.ledger.cached())
+
+    def served(self, kind: str, requests: list, answer) -> list:
+        """`answer(requests)`, or under a cache the cached answers and `answer` of the rest (`RequestCache.serve`)."""
+        self._gathered = False
+        return answer(requests) if self.cache is None else self.cache.serve(kind, requests, answer, self.ledger)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        self._served, self._tokens, self._gathered = {}, {}, False
-        results = super().loglikelihood(requests, disable_tqdm)  # tokenized by TemplateLM, scored below
-        for request in requests:
-            self.ledger.record(request, self._served[request.args], self._tokens[request.args])
-        return results
+        def answer(fresh: list) -> list:
+            self._served, self._tokens = {}, {}
+            results = super(HandoffLM, self).loglikelihood(fresh, disable_tqdm)  # tokenized by TemplateLM
+            for request in fresh:
+                self.ledger.record(request, self._served[request.args], self._tokens[request.args])
+            return results
+        return self.served("loglikelihood", requests, answer)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        for request, _, continuation in requests:
+            if len(continuation) > self.max_length:
+                raise ParamError(f"kv-transfer max_length={self.max_length}: a continuation of {len(continuation)} "
+                                 f"tokens ({request!r:.80}) does not fit; give max_length >= {len(continuation)} or "
+                                 f"leave it out (the models' positions)")
         results, routes = self.router.score([(context, continuation) for _, context, continuation in requests],
                                             self.max_length, progress=not disable_tqdm)
-        for (request, context, continuation), result, route in zip(requests, results, routes):
+        for (request, context, continuation), route in zip(requests, routes):
             if request is not None:
-                self.cache_hook.add_partial("loglikelihood", request, result)
                 self._served[request], self._tokens[request] = route, (list(context), list(continuation))
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        totals, self._gathered = [], False
-        for request in tqdm(requests, disable=disable_tqdm, desc="rolling loglikelihood"):
-            (string,) = request.args
-            windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                context_len=1)]
-            results, routes = self.router.score(windows, self.max_length, progress=False)
-            total = sum(ll for ll, _ in results)
-            # every window has its own one-token context (context_len=1): one way, unless a gate splits them
-            self.ledger.record(request, Route("+".join(dict.fromkeys(route.way for route in routes)),
-                                              routes[0].score if len(routes) == 1 else None))
-            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            totals.append(total)
-        return totals
+        mode = self.handoff.mode
+        if mode not in OWN_MODES:
+            raise ParamError(f"kv-transfer transfer={mode}: loglikelihood_rolling (a perplexity task such as wikitext) "
+                             f"scores a document's first window from a one-token context, so nothing would be handed "
+                             f"off; run it with transfer=oracle or transfer=source, and the handoff's perplexity with "
+                             f"the pipeline's evaluate stage")
+        return self.served("loglikelihood_rolling", requests, lambda fresh: [
+            self.rolling_total(request, disable_tqdm) for request in tqdm(fresh, disable=disable_tqdm,
+                                                                          desc="rolling loglikelihood")])
+
+    def rolling_total(self, request, disable_tqdm: bool) -> float:
+        """One document's log-likelihood, summed over lm-eval's rolling windows (the first reads a one-token
+        context, each later one the tokens before it), served by the model's own prefill (OWN_MODES only)."""
+        (string,) = request.args
+        windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
+            token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+            context_len=1)]
+        results, routes = self.router.score(windows, self.max_length, progress=False)
+        self.ledger.record(request, routes[0])  # a model reading its own prefill: one way for every window
+        return sum(ll for ll, _ in results)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        return self.served("generate_until", requests, lambda fresh: [
+            self.generated(request) for request in tqdm(fresh, disable=disable_tqdm, desc="generate_until")])
+
+    def generated(self, request) -> str:
+        """One generate_until request's text, greedy, after its context's handoff (left-truncated as `hf` does, to
+        the positions max_gen_toks leaves; max_gen_toks reaching them, or sampling, refused in one line)."""
+        context, gen_kwargs = request.args
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        outputs, self._gathered = [], False
-        for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
-            context, gen_kwargs = request.args
-            options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
-            until = handle_stop_sequences(options.pop("until", None), eos=eos)
-            max_new = int(options.pop("max_gen_toks"))
-            context_ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+        until, max_new = greedy_options(gen_kwargs, eos, self.max_length)
+        context_ids = self.tok_encode(context)[-(self.max_length - max_new):]
 
-            def should_stop(tokens: list[int]) -> bool:
-                return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
+        def should_stop(tokens: list[int]) -> bool:
+            return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
-            ((handoff, route),) = self.router.routed([context_ids])
-            self.ledger.record(request, route)
-            tokens = greedy_generate(handoff, context_ids, max_new, should_stop)
-            text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            outputs.append(text)
-        return outputs
+        ((handoff, route),) = self.router.routed([context_ids])
+        self.ledger.record(request, route)
+        tokens = greedy_generate(handoff, context_ids, max_new, should_stop)
+        return postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)

@@ -49,8 +49,11 @@ def route_text(router: Router, prompt: Sequence[int], score: float | None, fell_
     (tokens, seconds) of this continuation."""
     handoff, gate = router.handoff, router.gate
     taken = way(handoff.mode, router.repaired, prompt, fell_back)
-    if taken == FELL_BACK:
+    if taken == FELL_BACK and score > gate.threshold:
         return f"{SENTENCES[FELL_BACK]}: {gate.score} {score:.4g} > threshold {gate.threshold:g}"
+    if taken == FELL_BACK:  # at threshold -inf every prompt falls back, whatever its score (-inf at one token)
+        alone = " (a one-token prompt: no handoff to score)" if len(prompt) < 2 else ""
+        return f"{SENTENCES[FELL_BACK]}: threshold -inf sends every prompt there{alone}"
     if taken == EMPTY_PREFIX:
         return SENTENCES[EMPTY_PREFIX]
     if taken == REPAIRED and repaired:

@@ -1,11 +1,16 @@
 """Every request's route through the `kv-transfer` lm-eval model (`measure.adapter`): how each of lm-eval's requests
-was served (the words are `kv.routes`'), counted per task, listed per document and gathered over ranks.
+was served (the words are `kv.routes`'), counted per task, listed per document and gathered over ranks; and the
+request cache of `--use_cache`, which keeps each answer with the route that first served it, so a request it answers
+later is counted as `cached` with that way.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from pipeline.kv.routes import Route
+from lm_eval.api.model import hash_args
+from sqlitedict import SqliteDict
+
+from pipeline.kv.routes import CACHED, Route
 
 
 class Ledger:
@@ -24,6 +29,10 @@ class Ledger:
         if tokens is not None:
             self.tokens[key] = tokens
 
+    def route(self, request) -> Route:
+        """The route recorded for lm-eval's Instance `request`."""
+        return self.entries[(request.task_name, request.doc_id, request.idx)][0]
+
     def counts(self, ways: list[str]) -> dict[str, dict[str, int]]:
         """Per task: its requests and how many went each way (every one of `ways`, zeros included: a gate that never
         fires shows `fell_back: 0`)."""
@@ -34,9 +43,18 @@ class Ledger:
             tally[route.way] = tally.get(route.way, 0) + 1
         return dict(sorted(counts.items()))
 
+    def cached(self) -> dict[str, dict[str, int]]:
+        """Per task with cached requests: how many of them each way first served."""
+        counts: dict[str, dict[str, int]] = {}
+        for (task, _, _), (route, _) in sorted(self.entries.items(), key=lambda entry: str(entry[0])):
+            if route.way == CACHED:
+                tally = counts.setdefault(str(task), {})
+                tally[route.first] = tally.get(route.first, 0) + 1
+        return dict(sorted(counts.items()))
+
     def by_document(self, keep: Callable[[list[Route]], bool]) -> dict[str, dict[str, dict[str, list]]]:
-        """Per task and document (its id as text), its requests' ways (and gate scores, where gated) in request
-        order, for the documents whose routes `keep` accepts."""
+        """Per task and document (its id as text), its requests' ways (and gate scores, where gated; the ways that
+        first served cached ones) in request order, for the documents whose routes `keep` accepts."""
         documents: dict[tuple[str, int], dict[int, Route]] = {}
         for (task, doc_id, index), (route, _) in self.entries.items():
             documents.setdefault((str(task), doc_id), {})[index] = route
@@ -47,6 +65,8 @@ class Ledger:
                 entry = {"route": [route.way for route in routes]}
                 if any(route.score is not None for route in routes):  # a gated request's score
                     entry["gate_score"] = [route.score for route in routes]
+                if any(route.first is not None for route in routes):  # a cached request's first way
+                    entry["first_served"] = [route.first for route in routes]
                 out.setdefault(task, {})[str(doc_id)] = entry
         return out
 
@@ -59,10 +79,41 @@ class Ledger:
             self.tokens = {key: value for _, tokens in ledgers for key, value in tokens.items()}
 
 
-def count_lines(setting: str, counts: dict[str, dict[str, int]]) -> list[str]:
-    """The counts as the `run` command prints them: one line for the `setting`, one per task."""
+class RequestCache:
+    """One handoff's answers on disk, `<base>_kv-<key>_rank<rank>.db` (sqlite): per request (lm-eval's hash of its
+    kind and arguments) its answer and the route that first served it. `key` names the handoff (every model arg,
+    each model's and map's content: `pipeline.lm_eval_model.cache_key`), so no other handoff ever reads it."""
+
+    def __init__(self, base: str, key: str, rank: int = 0):
+        self.path = f"{base}_kv-{key}_rank{rank}.db"
+        self.entries = SqliteDict(self.path, autocommit=False)
+
+    def serve(self, kind: str, requests: list, answer: Callable[[list], list], ledger: Ledger) -> list:
+        """Each request's answer: from the cache where it holds one (recorded in `ledger` as CACHED, with the way
+        that first served it), else by `answer` (which records its routes in `ledger`), stored with its route."""
+        keys = [hash_args(kind, request.args) for request in requests]
+        held = [self.entries.get(key) for key in keys]
+        fresh = [index for index, stored in enumerate(held) if stored is None]
+        answers = [None if stored is None else stored[0] for stored in held]
+        for index, result in zip(fresh, answer([requests[index] for index in fresh]) if fresh else []):
+            answers[index] = result
+            self.entries[keys[index]] = (result, ledger.route(requests[index]))
+        for request, stored in zip(requests, held):
+            if stored is not None:
+                ledger.record(request, stored[1].from_cache())
+        self.entries.commit()
+        return answers
+
+
+def count_lines(setting: str, counts: dict[str, dict[str, int]], cached: dict[str, dict[str, int]] | None = None
+                ) -> list[str]:
+    """The counts as the `run` command prints them: one line for the `setting`, one per task (with the ways that
+    first served its cached requests)."""
     lines = [f"kv-transfer routes ({setting}):"]
     for task, tally in counts.items():
         ways = ", ".join(f"{count} {way}" for way, count in tally.items() if way != "requests")
+        first = (cached or {}).get(task)
+        if first:
+            ways += " (first served: " + ", ".join(f"{count} {way}" for way, count in first.items()) + ")"
         lines.append(f"  {task}: {tally['requests']} requests: {ways}")
     return lines

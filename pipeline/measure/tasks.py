@@ -5,6 +5,7 @@ preprocessing and metrics are lm-eval's) and overrides only where the documents 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -26,8 +27,10 @@ def builtin_yaml(task: str) -> Path:
 def write_task_config(folder: str | Path, task: str, name: str, data_file: str | Path) -> Path:
     """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file`
     (.jsonl/.json or .parquet). Returns the YAML path; pass `folder` as TaskManager's include_path (or as
-    lm-eval's --include_path). A data file under the working directory is named relative to it, so the
-    config works from the repository root wherever the clone is."""
+    lm-eval's --include_path). No absolute path is written, so two clones write the same bytes: a data file under
+    the working directory is named relative to it (the config works from the repository root wherever the clone
+    is), and lm-eval's own definition relative to `folder` (lm-eval reads an include from the including file's
+    folder; with the environment inside the clone, .venv/, that path is the same in every clone)."""
     data_file = Path(data_file).resolve()
     if not data_file.is_file():
         raise FileNotFoundError(f"task data file {data_file} not found (task {task})")
@@ -36,7 +39,7 @@ def write_task_config(folder: str | Path, task: str, name: str, data_file: str |
     kind = "parquet" if data_file.suffix == ".parquet" else "json"
     config = {
         "task": name,
-        "include": str(builtin_yaml(task)),
+        "include": os.path.relpath(builtin_yaml(task), Path(folder).absolute()),
         "tag": [],
         "dataset_path": kind,
         "dataset_name": None,

@@ -6,7 +6,8 @@ tensor data, tensor names, dtypes, shapes and the metadata that gives them meani
 is refused at load with an error naming the file. Files are written under a temporary name in the same
 folder and renamed when complete, so an interrupted write never appears under the final name; the temporary
 names are private to their writer while written (`tempfile`'s 0600 and 0700) and take the modes the user's umask
-gives a new file or folder before they are renamed (0644 and 0755 under umask 022, group-writable under 002).
+gives a new file or folder before they are renamed (0644 and 0755 under umask 022, group-writable under 002): a
+staged folder with everything in it, whatever wrote its files (`take_umask`; safetensors' `save_file` writes 0600).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield staging
-        os.chmod(staging, 0o777 & ~_umask())
+        take_umask(staging)
         if final.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
             os.replace(final, retired / final.name)
@@ -79,6 +80,18 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def take_umask(root: str | os.PathLike) -> None:
+    """`root` and everything under it given the modes the umask gives a new file or folder: writers that make
+    their files private (`tempfile`'s 0700, safetensors' `save_file`, transformers' `save_pretrained`: 0600) do not
+    decide who may read an output."""
+    mask, root = _umask(), Path(root)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        os.chmod(path, (0o777 if executable else 0o666) & ~mask)
 
 
 def _umask() -> int:

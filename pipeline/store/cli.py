@@ -6,10 +6,11 @@ dataset that cannot be had, an incompatible pair, a failed control) or a missing
 `error: <sentence>` on stderr with exit status 2; set KVH_TRACEBACK=1 to get the traceback instead. Any
 other exception is a bug and keeps its traceback.
 
-Ctrl-C (SIGINT) ends a stage with one line, `interrupted: <stage>`, and exit status 130 (KVH_TRACEBACK=1 keeps the
-traceback). Outputs are written under temporary names and renamed when complete (`store.artifacts`), so an
-interrupted stage leaves no partial output; the first SIGINT is the only one a stage's command takes, so a second
-Ctrl-C (or a launcher passing the terminal's on to its processes) cannot break off the removal of its temporaries.
+Ctrl-C (SIGINT) or SIGTERM ends a stage with one line, `interrupted: <stage>`, and exit status 130 (KVH_TRACEBACK=1
+keeps the traceback). Outputs are written under temporary names and renamed when complete (`store.artifacts`), so an
+interrupted stage leaves no partial output and no temporary; the first signal is the only one a stage's command
+takes, so a second (or a launcher passing the terminal's on to its processes) cannot break off the removal of its
+temporaries.
 Of a stage's several processes only one says it: the stage's command that started the others (`store.ranks.relaunch`,
 `run_stage(..., fresh_process=True)`), or rank 0 under an outside launcher (`torchrun`, `accelerate launch`).
 
@@ -65,6 +66,7 @@ def entry(main: Callable[[list[str]], object]) -> None:
     if as_command:
         atexit.register(_end_without_teardown)  # runs after the exit handlers registered while main runs
         signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)  # a `kill` or a scheduler's stop: the same cleanup as Ctrl-C
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt:
@@ -93,6 +95,7 @@ def _interrupt(signum: int, frame) -> None:
     """SIGINT's handler in a stage's command: the first raises KeyboardInterrupt where the stage is; later ones are
     ignored, so the cleanup that exception runs (temporary files and folders removed) is not broken off."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _INTERRUPTED.append(signum)
     raise KeyboardInterrupt
 

@@ -22,15 +22,20 @@ from tqdm.auto import tqdm
 
 from pipeline.store.artifacts import hash_file
 from pipeline.store.models import TOKENIZER_FILES, folder_digest, follow, pin_hub_id, resolve, self_source
+from pipeline.store.weights import weight_files
 
 TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
-# each part of a fingerprint: the top-level files of a checkpoint folder it digests
+# the chat template in a file of its own (transformers 5 writes chat_template.jinja; earlier versions kept it inside
+# tokenizer_config.json): part of the tokenizer, though maps written before it was recorded their digest without it
+CHAT_TEMPLATES = ("chat_template.jinja", "chat_template.json")
+# each part of a fingerprint but the weights (the files transformers loads, `store.models.weight_files`): the
+# top-level files of a checkpoint folder it digests
 PART_FILES = {
-    "weights": ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json"),
     "config": ("config.json",),
     "generation_config": ("generation_config.json",),
-    "tokenizer": (*TOKENIZER_FILES, *TOKENIZER_DESCRIPTION),
+    "tokenizer": (*TOKENIZER_FILES, *TOKENIZER_DESCRIPTION, *CHAT_TEMPLATES),
 }
+PARSED = ("config", "generation_config")  # parts compared by their parsed JSON: a re-indented config is the same
 # what a refusal says of each part that differs
 PARTS = {"weights": "weights differ", "config": "config differs", "generation_config": "generation config differs",
          "tokenizer": "tokenizer differs"}
@@ -40,26 +45,45 @@ LEGACY_NOTE = ("; the map records one digest of a folder's every file, as maps d
 
 
 def part_files(folder: str | Path, part: str) -> list[Path]:
-    """The files of `folder` (top level) that `part` digests, in name order."""
+    """The files of `folder` (top level) that `part` digests: the weights transformers would load, or the files
+    PART_FILES names, in name order."""
     folder = Path(folder)
+    if part == "weights":
+        return [path for path in weight_files(folder) if path.is_file()]
     return sorted({path for pattern in PART_FILES[part] for path in folder.glob(pattern) if path.is_file()})
 
 
-def files_digest(files: list[Path], bar: tqdm | None = None) -> str | None:
-    """sha256 over `files` (each name, NUL, contents, NUL); None where there are none."""
+def parsed_json(path: Path) -> bytes | None:
+    """A JSON file's content in one canonical form (keys sorted, no whitespace); None when it is not JSON."""
+    try:
+        return json.dumps(json.loads(path.read_text()), sort_keys=True, separators=(",", ":")).encode()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def files_digest(files: list[Path], bar: tqdm | None = None, parsed: bool = False) -> str | None:
+    """sha256 over `files` (each name, NUL, contents, NUL; with `parsed`, a JSON file's canonical content); None
+    where there are none."""
     if not files:
         return None
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}\0".encode())
-        hash_file(digest, path, bar)
+        canonical = parsed_json(path) if parsed else None
+        if canonical is None:
+            hash_file(digest, path, bar)
+        else:
+            digest.update(canonical)
+            if bar is not None:
+                bar.update(path.stat().st_size)
         digest.update(b"\0")
     return digest.hexdigest()
 
 
 def tokenizer_digest(folder: str | Path) -> str | None:
-    """sha256 over a model folder's tokenizer files (names and contents); None where it holds none."""
-    return files_digest(part_files(folder, "tokenizer"))
+    """sha256 over a model folder's tokenizer files as maps recorded them before fingerprints had parts (names and
+    contents, the chat template files aside); None where it holds none."""
+    return files_digest([path for path in part_files(folder, "tokenizer") if path.name not in CHAT_TEMPLATES])
 
 
 def folder_parts(folder: str | Path, parts=tuple(PARTS)) -> dict[str, str | None]:
@@ -67,7 +91,7 @@ def folder_parts(folder: str | Path, parts=tuple(PARTS)) -> dict[str, str | None
     files = {part: part_files(folder, part) for part in parts}
     size = sum(path.stat().st_size for paths in files.values() for path in paths)
     with tqdm(total=size, unit="B", unit_scale=True, desc=f"hashing {Path(folder).name}") as bar:
-        digests = {part: files_digest(paths, bar) for part, paths in files.items()}
+        digests = {part: files_digest(paths, bar, part in PARSED) for part, paths in files.items()}
     return {part: None if digest is None else f"sha256:{digest}" for part, digest in digests.items()}
 
 

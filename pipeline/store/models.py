@@ -34,6 +34,7 @@ from pipeline.store.lazy import lazy
 from pipeline.store.params import Dtype, ParamError, Params
 from pipeline.store.shapes import random_model, shape_config
 from pipeline.store.truncated import SELF_POINTER, self_layers, truncate, truncated_config
+from pipeline.store.weights import weights_refusal
 
 transformers = lazy("transformers")
 configuration_auto = lazy("transformers.models.auto.configuration_auto")
@@ -112,7 +113,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab*",
-                "merges.txt", "*.model"]  # what describes a model without its weights
+                "merges.txt", "*.model", "chat_template*"]  # what describes a model without its weights
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the tokenizer's class and special tokens
 # files that carry a vocabulary: without one, transformers 5 builds a stand-in tokenizer of one to five tokens
 # for several model types (qwen2, qwen3, gemma, gpt2, phi) instead of raising, and it must never be compared
@@ -134,6 +135,9 @@ def looks_like_path(name: str) -> bool:
 
 
 def unavailable(name_or_path: str, revision: str | None) -> ModelNotAvailableError:
+    if Path(name_or_path).exists():  # a file (README.md): a path, never a hub id to download
+        return ModelNotAvailableError(f"model folder {name_or_path}: a file, not a folder; point at the folder that "
+                                      f"holds the model's config.json")
     if looks_like_path(name_or_path):
         return ModelNotAvailableError(f"model folder {name_or_path}: no such folder")
     return ModelNotAvailableError(
@@ -149,7 +153,7 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
     `config_only`, a snapshot of the config and tokenizer files alone: no weights are fetched)."""
     if Path(name_or_path).is_dir():
         return str(name_or_path)
-    if looks_like_path(name_or_path):
+    if looks_like_path(name_or_path) or Path(name_or_path).exists():
         raise unavailable(name_or_path, revision)
     patterns = CONFIG_FILES if config_only else None
     try:
@@ -251,17 +255,17 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
         raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
                          f"model of a stored shape; set models.device_map: null")
     if device_map:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision),
-                                                                  dtype=parse_dtype(dtype), device_map=device_map)
-        model.config._name_or_path = name
-        return model.eval()
+        return loaded(transformers.AutoModelForCausalLM.from_pretrained(
+            model_folder(name, revision), dtype=parse_dtype(dtype), device_map=device_map, output_loading_info=True),
+            name).eval()
     if random:
         model = random_model(shape_config(random["shape"]), parse_dtype(dtype), device or default_device(),
                              random["seed"])
         model.config._name_or_path = f"random:{random['shape']}"
         return model.eval()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision), dtype=parse_dtype(dtype))
-    model.config._name_or_path = name
+    model = loaded(transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision),
+                                                                     dtype=parse_dtype(dtype),
+                                                                     output_loading_info=True), name)
     return model.to(device or default_device()).eval()
 
 
@@ -296,10 +300,37 @@ def model_folder(name: str, revision: str | None = None, config_only: bool = Fal
     """`resolve`, then refuse in one sentence naming the folder a config.json transformers cannot build: the one
     place every stage and check_pair go through before reading a config or weights."""
     folder = resolve(name, revision, config_only)
-    refusal = config_refusal(folder)
+    refusal = config_refusal(folder) or (None if config_only else weights_refusal(folder))
     if refusal:
         raise ModelFolderError(f"model folder {name if folder == name else f'{name} ({folder})'} {refusal}")
     return folder
+
+
+def require_weights(name_or_path: str, revision: str | None = None, target: str | None = None,
+                    target_revision: str | None = None) -> None:
+    """Refuse (ModelFolderError, one line) a local checkpoint whose weights would not load whole, from its files
+    alone, before anything is loaded (a self source: its target's; a hub id or a random shape has no folder yet)."""
+    cut = self_source(name_or_path, target, target_revision)
+    if cut:
+        return require_weights(cut[1], cut[2])
+    name, _, random = follow(name_or_path, revision)
+    refusal = None if random or not Path(name).is_dir() else weights_refusal(name)
+    if refusal:
+        raise ModelFolderError(f"model folder {name} {refusal}")
+    return None
+
+
+def loaded(loading, name: str):
+    """The model of `from_pretrained(..., output_loading_info=True)`, refused (one line) where the checkpoint lacks
+    a tensor the architecture has: transformers would leave it at its random initialisation."""
+    model, info = loading
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ModelFolderError(f"model folder {name}: its weights lack {len(missing)} tensor(s) of the architecture "
+                               f"({missing[0]}{', ...' if len(missing) > 1 else ''}), which would run at random "
+                               f"values; download the complete checkpoint")
+    model.config._name_or_path = name
+    return model
 
 
 def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,

@@ -1,0 +1,98 @@
+"""The handoff from a researcher's own code: a pair, a handoff, and its cache as a transformers `Cache`.
+
+    import torch
+    from pipeline.api import handed_off, handoff, pair
+
+    models = pair("models/target", "models/source")  # two folders or hub ids; or pair("models/target", "self:2")
+    mapped = handoff(models, "mapped", "models/mapper.safetensors", repair="layers:1", fallback="entropy",
+                     threshold=4.0)
+    prompt = models.target_tokenizer.encode("story: ray teal toy . pat navy box .")
+    handed = handed_off(mapped, prompt)                     # prompt[:-1]'s cache as the handoff (or its gate) made it
+    out = models.target.generate(torch.tensor([prompt]), cache=handed.cache, max_new_tokens=8)
+
+`pair` is a `kv.pair.Pair` (configs, tokenizers and the contract read now, each model's weights on first use, a
+`self:<n>` source sharing the target's layers); `handoff` checks its arguments by the rules kv-transfer's model args
+and generate's flags obey (`kv.request.Request`: a mode's map, a repair no larger than the target, a gate's score and
+threshold, each refused in one line before any weight loads) and returns the `kv.router.Router` of that handoff and
+gate; `handed_off` gives the cache the target reads prompt[-1] after: the handoff's own (mapped, repaired, ...) or,
+where the gate falls back, the target's own prefill, with the route that says which (`kv.routes`). The cache is a
+fresh transformers `DynamicCache` of prompt[:-1] at positions 0..n-2: `generate` with the whole prompt as
+`input_ids` reads prompt[-1] and continues from it, as the pipeline's own decoding does. A map is bound to the models
+it was fitted on (`store.fingerprints`); `allow_other_models=True` uses it anyway. Under `handoff(..., "source")` the
+decoding model is the source itself: continue with `handed.model`, which is the target in every other mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from pipeline.kv.pair import Pair
+from pipeline.kv.request import FIELDS, Face, Request
+from pipeline.kv.router import Router
+from pipeline.kv.routes import Route
+from pipeline.store import inputs
+from pipeline.store.devices import DTYPES, default_device
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+
+API = Face("pipeline.api", {**{field: field for field in FIELDS}, "mode": "mode"})  # refusals name keyword args
+
+
+def pair(target: str, source: str | None = None, dtype: str = "float32", device: str | None = None,
+         allow_other_models: bool = False, max_tokens: int | None = None) -> Pair:
+    """The pair of `target` and `source` (folders, hub ids or `self:<n>`, the target's first n layers; None: the
+    target alone, for the oracle and zero modes) in `dtype` on `device` (default: cuda where there is one, else cpu);
+    `max_tokens`: the longest sequence it will see (a sliding window shorter than it is refused now)."""
+    inputs.choice(dtype, "pair() dtype", DTYPES)
+    device = inputs.device(device, "pair() device") if device is not None else default_device()
+    return Pair(str(target), None if source is None else str(source), dtype, device, max_tokens=max_tokens,
+                allow_other_models=allow_other_models)
+
+
+def handoff(models: Pair, mode: str = "mapped", mapper: str | Path | None = None, repair: str | None = None,
+            fallback: str | None = None, threshold: float | None = None, disagree: str | None = None,
+            shuffle_seed: int | None = None, batch_size: int = 16) -> Router:
+    """The handoff of `mode` between `models` (a `pair`) through the map file `mapper` (mapped, shuffled), the
+    target recomputing part of the cache first (`repair`, a `kv.repair` setting: `layers:1`,
+    `sink:4+tokens:0.1:attention`), gated by `fallback` (entropy, kl, disagree with its `disagree` maps
+    "k1.safetensors:kmax.safetensors") above `threshold`; every argument checked before any weight loads."""
+    request = Request.of(API, mode=mode, mapper=None if mapper is None else str(mapper), repair=repair,
+                         fallback=fallback, threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
+                         allow_other_models=models.allow_other_models)
+    request.require_source(models.has_source, "one: pair(target, source)")
+    request.check_geometry(models)
+    return Router.of(models, request, inputs.batch_size(batch_size, "handoff() batch_size"))
+
+
+@dataclass
+class HandedOff:
+    """A prompt's handed-off cache: `cache` holds prompt[:-1] (None for a one-token prompt, which hands nothing
+    off), `model` is the model that reads prompt[-1] after it, `route` says how the cache came."""
+
+    cache: object  # a transformers DynamicCache, or None
+    model: object
+    route: Route
+    prompt: list[int]
+
+    def next_token_logits(self):
+        """The logits (V,) `model` gives for the token after the prompt, reading prompt[-1] after `cache` (which
+        this extends by one position: take a fresh `handed_off` for another use)."""
+        last = torch.tensor([self.prompt[-1:]], device=self.model.device)  # (1, 1)
+        positions = torch.tensor([[len(self.prompt) - 1]], device=self.model.device)  # (1, 1)
+        with torch.no_grad():
+            out = self.model(input_ids=last, cache=self.cache, position_ids=positions,
+                             use_cache=self.cache is not None)
+        return out.logits[0, -1]  # (V,)
+
+
+def handed_off(router: Router, prompt: Sequence[int]) -> HandedOff:
+    """`prompt`'s cache as `router`'s handoff builds it (the way its gate sends the prompt: the handoff's own cache,
+    repaired where it repairs, or the target's own prefill where it falls back), as a fresh transformers cache."""
+    prompt = [int(token) for token in prompt]
+    if not prompt:
+        raise ValueError("handed_off(): the prompt is empty; give at least one token")
+    ((chosen, route),) = router.routed([prompt])
+    layers = chosen.prefix_layers(torch.tensor([prompt[:-1]], dtype=torch.long))
+    return HandedOff(chosen.target_cache(layers), chosen.target, route, prompt)

@@ -1,0 +1,74 @@
+"""A checkpoint folder's weight files, from the files alone: which ones transformers would load (`weight_files`:
+one file, or an index and the shards it names; any other weight-like file beside them is no part of the model) and
+whether they are complete (`weights_refusal`: none at all, a missing shard, a safetensors file cut short or
+altered, read from its header), so a folder that cannot load whole is refused in one line before any weight is read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# the files transformers reads a folder's weights from, in its order of preference: one file, or an index of shards
+WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+SAFETENSORS_PREFIX = 8  # a safetensors file: an 8-byte little-endian header length, the JSON header, the data
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The files transformers would load `folder`'s weights from: the first of WEIGHT_NAMES there (an index with the
+    shards its weight_map names); any other weight-like file beside them is not read, so it is no part of the model."""
+    folder = Path(folder)
+    for name in WEIGHT_NAMES:
+        path = folder / name
+        if path.is_file():
+            return [path, *shards(path)] if name.endswith(".index.json") else [path]
+    return []
+
+
+def shards(index: Path) -> list[Path]:
+    """The shard files an index's weight_map names ([] when the index is no JSON object: `weights_refusal` says so)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return []
+    return [index.parent / shard for shard in sorted(set(weight_map.values()))]
+
+
+def safetensors_refusal(path: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (header unreadable, data shorter or longer than the header
+    says: a truncated download), read from its header alone; None when whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(SAFETENSORS_PREFIX)
+        length = int.from_bytes(prefix, "little") if len(prefix) == SAFETENSORS_PREFIX else None
+        raw = handle.read(length) if length is not None and length <= size else b""
+    try:
+        header = json.loads(raw) if length is not None and len(raw) == length else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        return f"{path.name} is not a safetensors file (its header cannot be read)"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    expected = SAFETENSORS_PREFIX + length + max(ends, default=0)
+    if size != expected:
+        return f"{path.name} holds {size} bytes where its header describes {expected} (truncated or altered)"
+    return None
+
+
+def weights_refusal(folder: str | Path) -> str | None:
+    """What keeps a checkpoint folder's weights from loading whole, as the rest of a sentence naming the folder: no
+    weight file, an index naming a missing shard, a safetensors file cut short; None when complete."""
+    files = weight_files(folder)
+    if not files:
+        return (f"holds no weights (none of {', '.join(WEIGHT_NAMES)}); download the model's weights into it or "
+                f"point at the folder that has them")
+    if files[0].name.endswith(".index.json") and len(files) == 1:
+        return f"has an index {files[0].name} that names no shards (not a weight_map); download it again"
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        return f"misses the shard {missing[0]} its {files[0].name} names; download it"
+    for path in files:
+        problem = path.suffix == ".safetensors" and safetensors_refusal(path)
+        if problem:
+            return f"has incomplete weights: {problem}; download them again"
+    return None
