@@ -12,13 +12,12 @@ them.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 
 from pipeline.schema.convert_models import ConvertParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir
+from pipeline.store.checkpoints import write_marker
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.gguf import PROVENANCE, convert
 from pipeline.store.lazy import lazy
@@ -28,14 +27,10 @@ torch = lazy("torch")
 
 
 def run(params: ConvertParams, out: Path) -> dict:
-    with atomic_dir(out) as staging:
-        if params.gguf is None:
-            provenance = {"gguf": None}
-            (staging / PROVENANCE).write_text(json.dumps(provenance) + "\n")
-            return provenance
-        torch.set_num_threads(params.threads)
-        with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
-            return convert(params.gguf, staging, Path(scratch), params.fetch_timeout_s)
+    if params.gguf is None:
+        return write_marker(out, PROVENANCE, {"gguf": None})
+    torch.set_num_threads(params.threads)
+    return convert(params.gguf, out, params.fetch_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

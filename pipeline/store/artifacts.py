@@ -52,7 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -69,7 +69,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield staging
-        os.chmod(staging, 0o777 & ~_umask())
+        os.chmod(staging, 0o777 & ~current_umask())
         if final.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
             os.replace(final, retired / final.name)
@@ -81,7 +81,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's umask (reading it means setting it: it is set back at once)."""
     mask = os.umask(0o077)
     os.umask(mask)
