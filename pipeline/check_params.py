@@ -118,7 +118,7 @@ def depth_of(params: ParamsFile, side: str) -> int | None:
     if side == "source" and params.models.self_layers:
         return params.models.self_layers
     if side == "source" and names_sibling(params.models.source):
-        return params.sibling.layers
+        return params.sibling.cut.layers or depth_of(params, "target")  # no layers:<n>: the target's own
     if params.models.kind == "trained":
         return getattr(params.train, side).layers
     if params.models.kind == "random":

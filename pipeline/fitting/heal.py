@@ -2,38 +2,50 @@
 sibling trained with AdamW on the mean over tokens of KL(target || sibling) between their next-token distributions
 on the healing rows, which neither model has seen in any other role (the fit stream of the corpus).
 
-The target's body runs once per row: its final hidden states (after its final norm) are kept (`Teacher`), and its
-logits at each step are one product with its LM head. Rows are dealt in seeded epochs, the learning rate warms up
-linearly and decays on a cosine to zero at the declared step count, and a wall-clock cap stops healing at the first
-step past it (then the run is no longer a function of params alone: `stopped_by` says which limit ended it).
+The target runs once over the healing rows, before the first step (`TopTeacher`): at each position it keeps its
+`top_k` largest log-probabilities, their token ids and the log of the mass left over, so every step's work is the
+sibling's alone. The loss reads the target's distribution coarsened to those k tokens and one bucket for the rest:
+
+    KL_k = sum_{i in top k} p_i (log p_i - log q_i) + p_rest (log p_rest - log q_rest),  p_rest = 1 - sum_top p_i
+
+exact where the target puts no mass outside its top k, and never above the full KL (coarsening a pair of
+distributions cannot raise their divergence). The select rows' figures are exact (`Teacher`: the target's final
+hidden states kept, its logits rebuilt from them with its LM head). Rows are dealt in seeded epochs, the learning
+rate warms up linearly and decays on a cosine to zero at the declared step count, and a wall-clock cap stops
+healing at the first step past it (then the run is no longer a function of params alone: `stopped_by` says which
+limit ended it).
 """
 from __future__ import annotations
 
 import math
 import random
 import time
-from dataclasses import dataclass
+from typing import Annotated, NamedTuple
 
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
+from pipeline.store.params import Count, Params, Positive, PositiveFloat
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 
 
-@dataclass(frozen=True)
-class Healing:
-    steps: int
-    batch_sequences: int
-    lr: float
-    warmup_steps: int
-    weight_decay: float
-    max_seconds: float
-    curve_every: int
-    curve_sequences: int
-    seed: int
+class Healing(Params):
+    """How a sibling is healed: the `sibling` section's healing keys (`schema.sibling.SiblingParams` adds the cut)."""
+
+    steps: Count  # AdamW steps of healing (0: pruned only)
+    batch_sequences: Positive  # healing rows per step (and per forward when the target or the select rows are run)
+    lr: PositiveFloat
+    warmup_steps: Count  # linear warmup, then cosine decay to zero at `steps`
+    weight_decay: Annotated[float, Field(ge=0)]
+    top_k: Positive  # the target's log-probabilities kept per position of the healing rows (the rest: one bucket)
+    max_seconds: PositiveFloat  # wall-clock cap of the whole build: healing stops at the first step past it
+    curve_every: Positive  # steps between points of the healing curve
+    curve_sequences: Positive  # select rows each point of the curve scores (the final figures read them all)
+    seed: Count
 
 
 def padded(rows: list[list[int]], indices: list[int]):
@@ -65,6 +77,51 @@ class Teacher:
                 self.hidden[index] = state[: len(self.rows[index])].clone()  # (T_row, hidden)
         states = torch.nn.utils.rnn.pad_sequence([self.hidden[index] for index in indices], batch_first=True)
         return self.target.get_output_embeddings()(states)  # (B, T, vocab)
+
+
+class TopK(NamedTuple):
+    """The target's kept distribution at each position of a batch of rows (padded: (B, T, ...))."""
+
+    log_probs: torch.Tensor  # (B, T, k) float32: its top-k log-probabilities
+    tokens: torch.Tensor  # (B, T, k) int64: their token ids
+    log_rest: torch.Tensor  # (B, T) float32: log of the probability outside its top k
+
+
+def log_rest(log_probs, tokens):
+    """log of the mass of `log_probs` (B, T, V) outside `tokens` (B, T, k): (B, T), exact where it is tiny."""
+    return log_probs.scatter(-1, tokens, float("-inf")).logsumexp(-1)
+
+
+class TopTeacher:
+    """The target's kept distribution at every position of every row, computed once, in batches, before healing."""
+
+    def __init__(self, target, rows: list[list[int]], k: int, batch: int):
+        self.rows, self.log_probs, self.tokens, self.log_rest = rows, [], [], []
+        with torch.no_grad():
+            for chunk in tqdm(batches_of(list(range(len(rows))), batch), desc="target's top-k", unit="batch"):
+                ids, mask = padded(rows, chunk)
+                log_probs = F.log_softmax(target(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(),
+                                          dim=-1)  # (b, T, V)
+                values, tokens = log_probs.topk(k, dim=-1)  # (b, T, k) each
+                rest = log_rest(log_probs, tokens)  # (b, T)
+                for line, index in enumerate(chunk):
+                    length = len(rows[index])
+                    self.log_probs.append(values[line, :length].clone())
+                    self.tokens.append(tokens[line, :length].to(torch.int32))
+                    self.log_rest.append(rest[line, :length].clone())
+
+    def kept(self, indices: list[int]) -> TopK:
+        def pad(parts):
+            return torch.nn.utils.rnn.pad_sequence([parts[index] for index in indices], batch_first=True)
+        return TopK(pad(self.log_probs), pad(self.tokens).long(), pad(self.log_rest))
+
+
+def kept_kl(kept: TopK, student_logits):
+    """KL_k(target || sibling) at each position (the module's docstring): (B, T)."""
+    student = F.log_softmax(student_logits.float(), dim=-1)  # (B, T, V)
+    student_top = student.gather(-1, kept.tokens)  # (B, T, k)
+    top = (kept.log_probs.exp() * (kept.log_probs - student_top)).sum(-1)  # (B, T)
+    return top + kept.log_rest.exp() * (kept.log_rest - log_rest(student, kept.tokens))
 
 
 def kl_per_position(teacher_logits, student_logits):
@@ -124,8 +181,8 @@ def warmup_cosine(settings: Healing):
     return factor
 
 
-def heal(student, teacher: Teacher, held_out: Teacher, settings: Healing, started: float) -> dict:
-    """Train every weight of `student` on KL(teacher || student) over the teacher's rows; the curve scores the first
+def heal(student, teacher: TopTeacher, held_out: Teacher, settings: Healing, started: float) -> dict:
+    """Train every weight of `student` on KL_k(teacher || student) over the teacher's rows; the curve scores the first
     `curve_sequences` rows of `held_out` every `curve_every` steps. `started`: the build's start (the cap counts it)."""
     torch.manual_seed(settings.seed)
     curve_rows = list(range(min(settings.curve_sequences, len(held_out.rows))))
@@ -145,7 +202,7 @@ def heal(student, teacher: Teacher, held_out: Teacher, settings: Healing, starte
         student.train()
         ids, mask = padded(teacher.rows, indices)
         logits = student(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (B, T, vocab)
-        loss = (kl_per_position(teacher.logits(indices), logits) * mask).sum() / mask.sum()
+        loss = (kept_kl(teacher.kept(indices), logits) * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

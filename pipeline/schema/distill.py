@@ -6,26 +6,17 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from pipeline.fitting.distill import DistillSettings
 from pipeline.kv.families.registry import TRAINABLE, MapName
-from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Processes, Threads
+from pipeline.store.params import ParamError, Positive, Processes, Threads
 
 
-class DistillParams(Params):
+class DistillParams(DistillSettings):
+    """The training keys (`fitting.distill.DistillSettings`), and which maps are trained on which rows."""
+
     start: Annotated[list[str], Field(min_length=1)]  # fit's map names (the candidates fit writes)
     context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
     horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position
-    # AdamW's learning rates tried per map family (linear, head_matched, mlp, ...): each with every kv_weight for a
-    # probe of probe_steps steps, the lowest select KL trains the full run (one pair in all: taken as it is, no probe)
-    lrs: dict[str, Annotated[list[PositiveFloat], Field(min_length=1)]]
-    probe_steps: Positive
-    weight_decay: Annotated[float, Field(ge=0)]
-    # weights of the key/value regression beside the KL (0: the KL alone), each tried with every rate of the
-    # family's grid: the (rate, weight) pair of the lowest select KL after its probe trains the full run
-    kv_weights: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1)]
-    batch_size: Positive  # rows per optimizer step
-    epochs: Positive  # at most
-    patience: Positive  # epochs without a lower select KL before stopping
-    seed: int
     oracle_gib: Annotated[float, Field(ge=0)]  # each row and the target's own prefill of it kept across epochs and maps
     threads: Threads
     processes: Processes  # each distilling every N-th map (at most one per map)

