@@ -103,6 +103,16 @@ def long_part(kind: str, length: int) -> Path:
     return LONG / f"{kind}_{length}.parquet"
 
 
+def operating_rows(length: int) -> Path:
+    """The operating study's rows at one prompt length: eval/operating/<n>/<variant>/{prompts,retrieval}.parquet."""
+    return EVAL / "operating" / str(length)
+
+
+def operating_metrics(length: int) -> Path:
+    """The operating study's figures at one prompt length, per variant."""
+    return VARIANT_METRICS / "operating" / f"{length}.json"
+
+
 def task_items(task: str, part: str) -> Path:
     """One task's items of one part (`dev` or `eval`) under data/."""
     return DATA / f"{task}_{part}.parquet"
