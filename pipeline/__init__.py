@@ -43,10 +43,11 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target, a sibling cut
               from the target in depth and healed from its logits
-    measure/  paired statistics, agreement where the oracle is sure, pass-key retrieval and recall positions,
-              lm-eval tasks on local files, kv-transfer's request routes and lm-eval's model over a router
-              (`adapter`), retention, agreement with the oracle,
-              generate's continuations shown beside the oracle's, timing and latency
+    measure/  paired statistics, agreement where the oracle is sure, pass-key retrieval and recall positions, the
+              prompt metrics' one table, lm-eval tasks on local files, retention, kv-transfer's request routes,
+              timing (the first step's stopwatch), lm-eval's model over a router (`adapter`), agreement with the
+              oracle, generate's continuations shown beside the oracle's, latency, and the one evaluation of a
+              handoff every stage calls (`evaluation`)
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting, the run they all read and the protocol a study keeps (`run`), their registry
@@ -63,8 +64,8 @@ WINGS = {
     "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "prune", "heal"),
-    "measure": ("stats", "confident", "retrieval", "tasks", "retention", "gating", "routes", "adapter", "taskeval",
-                "compare", "generation", "timing", "latency"),
+    "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
+                "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
                 "length", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),

@@ -12,9 +12,9 @@ split; the `extract` stage's own command extracts both models' caches there (onc
 stage's own narrow refit fits exactly `calibration.candidates` (fit's names: e.g. linear k=1, linear k=max and
 the MLP, with fit's settings), and the `distill` stage's own narrow refit distils each `<name>+kl` candidate
 from its start on the same n sequences; then each map is evaluated on the eval tasks as `evaluate` scores a mapped
-variant. The point whose n sequences are the fit split itself takes the main fit's caches and maps instead of
-extracting and fitting them again: a narrow refit on the same data makes the same bytes (the determinism control's
-check), so only the time differs.
+variant (`measure.evaluation`). The point whose n sequences are the fit split itself takes the main fit's caches
+and maps instead of extracting and fitting them again: a narrow refit on the same data makes the same bytes (the
+determinism control's check), so only the time differs.
 
 Writes eval/calibration/<n>/<candidate>.parquet (per item) and metrics/calibration/<n>.json (sequences, tokens,
 each candidate's held-out R² and task accuracies); the report draws the curve.
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.measure.taskeval import score_tasks
+from pipeline.measure.evaluation import evaluate
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
@@ -95,9 +95,9 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             handoff = pair.handoff("mapped", paths.distilled_map(name, distilled_maps) if starts[name] else
                                    paths.fitted_map(name, mappers))
-            tasks, items = score_tasks(Router(handoff, batch_size=params.batch_size), pair.target_tokenizer,
-                                       pair.eval_tasks)
-            items.to_parquet(paths.candidate_items(name, staging), index=False)
+            evaluation = evaluate(Router(handoff, batch_size=params.batch_size), tasks=pair.eval_tasks,
+                                  tokenizer=pair.target_tokenizer)
+            evaluation.write_rows(items=paths.candidate_items(name, staging))
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size
             if not starts[name]:  # the held-out R² is the fitted map's own
                 metrics.update({f"maps/{name}/r2_{kind}_select": fit[f"r2_{kind}_select"]
@@ -105,9 +105,7 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
             metrics.update({f"maps/{name}/{key}": fit[key] for key in ("family", "k")})
             metrics[f"maps/{name}/distilled"] = bool(starts[name])
             metrics[f"maps/{name}/params_per_token"] = round(fit["params"] / metrics["tokens"], 6)
-            for task, result in tasks.items():
-                metrics.update({f"maps/{name}/{task}_{metric}": round(result[metric], 6)
-                                for metric in ("acc", "acc_norm")})
+            metrics[f"maps/{name}/tasks"] = evaluation.figures()["tasks"]
         if work.exists():  # none when the maps were the main fit's
             shutil.rmtree(work)
     return metrics

@@ -7,8 +7,9 @@ gives each one's held-out R². Whether any of those cheap numbers predicts the e
 can only be read off candidates whose retention was measured too, and the quality/speed frontier needs every
 candidate's speed beside its quality. So this stage runs, for each mapper in models/mappers:
 
-- lm-eval's HellaSwag and PIQA on the eval part through the router (`measure.taskeval.score_tasks`), exactly as
-  `evaluate` scores a mapped variant (per-item outcomes to eval/candidates/<candidate>.parquet);
+- lm-eval's HellaSwag and PIQA on the eval part through the router, one evaluation (`measure.evaluation`) as
+  `evaluate` scores a mapped variant (per-item outcomes to eval/candidates/<candidate>.parquet; each distilled map
+  and its start also on the eval prompts, without the confident figures, which read `report.confident_margin`);
 - the handoff's time to first token against the target's own prefill at `candidates.length` prompt tokens
   (`measure.latency`, medians of `repeats` after `warmup`), with the FLOP bound of that mapper on this pair
   and of the same family and k at the shapes of `candidates.bound_pair` (`kv.flops`);
@@ -28,9 +29,9 @@ from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.measure.compare import read_prompts, variant_rows
+from pipeline.measure.compare import read_prompts
+from pipeline.measure.evaluation import evaluate
 from pipeline.measure.latency import measure
-from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
@@ -75,17 +76,13 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
     with atomic_dir(OUT) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
             handoff = pair.handoff("mapped", path)
-            tasks, items = score_tasks(Router(handoff, batch_size=params.batch_size), pair.target_tokenizer,
-                                       pair.eval_tasks)
-            items.to_parquet(paths.candidate_items(path.stem, staging), index=False)
-            if path.stem in paired:
-                rows = variant_rows(handoff, prompts, oracle, params.batch_size, progress=False)
-                (staging / paths.CANDIDATE_PROMPTS.name).mkdir(exist_ok=True)
-                rows.to_parquet(paths.candidate_prompts(path.stem, staging / paths.CANDIDATE_PROMPTS.name), index=False)
-            figures = candidate_figures(handoff, path, params, bound_configs)
-            for task, result in tasks.items():
-                figures.update({f"{task}_{metric}": round(result[metric], 6) for metric in ("acc", "acc_norm")})
-            metrics.update({f"maps/{path.stem}/{key}": value for key, value in figures.items()})
+            on_prompts = path.stem in paired
+            evaluation = evaluate(Router(handoff, batch_size=params.batch_size), prompts if on_prompts else (),
+                                  oracle, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, progress=False)
+            evaluation.write_rows(paths.candidate_prompts(path.stem, staging / paths.CANDIDATE_PROMPTS.name)
+                                  if on_prompts else None, paths.candidate_items(path.stem, staging))
+            metrics[f"maps/{path.stem}"] = {**evaluation.figures(),
+                                            **candidate_figures(handoff, path, params, bound_configs)}
     return metrics
 
 

@@ -18,9 +18,10 @@ name the setting (`repair`). Every variant needs the
 controls to have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined
 (`direct` between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
 
-Writes, per variant, metrics/eval/<variant>.json (small, flat; its wall time is the variant's own; beside V0's
-top-1 the agreement where the oracle is sure, at the margin `report.confident_margin`, and the oracle-weighted
-agreement: `measure.confident`),
+Each variant is one evaluation (`measure.evaluation.evaluate`, through a router of its handoff). Writes, per variant,
+metrics/eval/<variant>.json (the evaluation's nested figures: `prompts` beside V0's top-1 the agreement where the
+oracle is sure, at the margin `report.confident_margin`, and the oracle-weighted agreement, `measure.prompt_metrics`;
+`tasks` per task and item kind; a mapped variant's `map`; its wall time is the variant's own),
 eval/<variant>/prompts.parquet (per prompt), eval/<variant>/items.parquet (per task item, for the paired
 statistics of the report) and lm-eval's own results and samples (eval/<variant>/lm_eval/).
 """
@@ -28,15 +29,15 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from pipeline.kv.contract import BASELINES
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
-from pipeline.measure.compare import oracle_outputs, read_prompts, summarize, variant_rows
-from pipeline.measure.confident import confidence_summary
-from pipeline.measure.taskeval import by_kind, score_tasks
+from pipeline.measure.compare import read_prompts
+from pipeline.measure.evaluation import OracleStore, evaluate
 from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.store import paths
 from pipeline.store.artifacts import (
@@ -101,39 +102,39 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
     handoff = build_handoff(variant, params, pair)
     repair = variant_repair(variant, params)
     prompts = read_prompts(EVAL_PROMPTS)
-    if variant == "oracle":
-        oracle = oracle_outputs(handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks)
-        if ranks.main:
-            save_artifact(ORACLE_OUTPUTS, oracle,
-                          {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
+    router = Router(handoff, batch_size=params.batch_size)
+    options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}
+    if variant == "oracle":  # its outputs are stored, and every other variant compared with them
+        options["store"] = OracleStore(params.top_k, params.horizon)
+        oracle = None
     else:
         oracle, meta = load_artifact(ORACLE_OUTPUTS)
         if meta["prompts"] != len(prompts):
             raise ArtifactError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
                                 f"data/eval.parquet {len(prompts)}: the oracle outputs do not match the prompts; "
                                 f"rerun the evaluate stage (its oracle)")
-    rows = variant_rows(handoff, prompts, oracle, params.batch_size, ranks=ranks)
-    router = Router(handoff, batch_size=params.batch_size)
-    files = pair.eval_tasks
     if not ranks.main:  # lm-eval gathers this rank's samples and metrics on rank 0
-        score_tasks(router, pair.target_tokenizer, files, ranks=ranks)
+        evaluate(router, prompts, oracle, **options)
         return {}
-    metrics: dict[str, float | int] = {k: round(v, 6) if isinstance(v, float) else v
-                                       for k, v in {**summarize(rows), **confidence_summary(rows, margin)}.items()}
     with atomic_dir(paths.variant_folder(variant)) as staging:
-        tasks, items = score_tasks(router, pair.target_tokenizer, files, raw_to=staging / "lm_eval", ranks=ranks)
-        rows.to_parquet(paths.variant_rows("prompts", staging), index=False)
-        items.to_parquet(paths.variant_rows("items", staging), index=False)
-    for task, result in tasks.items():
-        for key, value in result.items():
-            metrics[f"{task}_{key}"] = round(value, 6) if isinstance(value, float) else value
-    for metric in ("acc", "acc_norm"):
-        for key, value in by_kind(items, metric).items():
-            if "/" in key:
-                metrics[f"{key.replace('/', '_')}_{metric}"] = round(value, 6)
+        evaluation = evaluate(router, prompts, oracle, raw_to=staging / "lm_eval", **options)
+        evaluation.write_rows(paths.variant_rows("prompts", staging), paths.variant_rows("items", staging))
+    if evaluation.oracle is not None:
+        save_artifact(ORACLE_OUTPUTS, evaluation.oracle,
+                      {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
+    metrics = evaluation.figures()
     if repair is not None:
         metrics["repair"] = str(repair)
+    if handoff.mapper is not None:
+        metrics["map"] = map_facts(handoff.mapper, params.mapped[variant])
     return metrics
+
+
+def map_facts(mapper, path) -> dict:
+    """What the report says of a mapped variant's map: its family and k, whether it is distilled, and whether it is
+    select's best closed-form map of its k (models/best/, V0's rows)."""
+    return {"family": mapper.family, "k": mapper.k, "distilled": mapper.distilled is not None,
+            "best_of_k": Path(path) == paths.best_map(mapper.k)}
 
 
 def ordered_variants(names: list[str], params: EvaluateParams) -> list[str]:

@@ -8,7 +8,8 @@ stripped, as the pipeline does, and on keys as cached, rotated in and out (the a
 a map that reads and writes rotated keys). Both run through the extract and fit stages' own commands in a
 scratch folder. Then every eval sequence long enough is cut into a prompt of each of `length.prompt_lengths`
 tokens (1x, 2x, 4x the fit length) and the next `length.continuation` tokens, and both maps' handoffs are
-compared with the oracle on them (`measure.compare`: perplexity, next-token and all-position agreement, KL).
+evaluated against the oracle on them (`measure.evaluation`: perplexity, next-token and all-position agreement, KL, the
+other prompt metrics but the confident ones, which read `report.confident_margin`).
 
 Task accuracy by length: both maps are also scored on the eval task items (lm-eval, as `evaluate` scores a
 mapped variant), whose contexts are longer than the fit length; each item keeps its context's length in tokens
@@ -28,8 +29,7 @@ from tqdm.auto import tqdm
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
-from pipeline.measure.taskeval import score_tasks
+from pipeline.measure.evaluation import OracleStore, evaluate
 from pipeline.schema.length import LengthParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
@@ -81,30 +81,25 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
         pair = Pair.load(models, models.torch_device)
         maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=pair.device)
                 for space in KEY_SPACES}
-        oracle = pair.handoff("oracle")
+        oracle = Router(pair.handoff("oracle"), batch_size=params.batch_size)
         for length in tqdm(params.prompt_lengths, desc="lengths", unit="length"):
             prompts = [(ids[:length], ids[length : length + params.continuation]) for ids in sequences]
-            stored = oracle_outputs(oracle, prompts, params.top_k, params.horizon, params.batch_size, progress=False)
-            reference = summarize(variant_rows(oracle, prompts, stored, params.batch_size, progress=False))
-            metrics[f"oracle/by_length/{length}/perplexity"] = round(reference["perplexity"], 6)
+            reference = evaluate(oracle, prompts, store=OracleStore(params.top_k, params.horizon), progress=False)
+            metrics[f"oracle/by_length/{length}"] = reference.figures()
             for space, mapper in maps.items():
-                handoff = pair.handoff("mapped", mapper)
-                rows = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
-                rows.to_parquet(paths.length_rows(space, length, staging), index=False)
-                summary = summarize(rows)
-                at = f"{space}/by_length/{length}"
-                metrics[f"{at}/ppl_ratio"] = round(summary["perplexity"] / reference["perplexity"], 6)
-                for key in ("perplexity", "next_token_top1", "agreement", "mean_kl"):
-                    metrics[f"{at}/{key}"] = round(summary[key], 6)
+                handoff = Router(pair.handoff("mapped", mapper), batch_size=params.batch_size)
+                evaluation = evaluate(handoff, prompts, reference.oracle, progress=False)
+                evaluation.write_rows(paths.length_rows(space, length, staging))
+                metrics[f"{space}/by_length/{length}"] = evaluation.figures(oracle=reference)
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
                          for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, mapper in maps.items():
             router = Router(pair.handoff("mapped", mapper), batch_size=params.batch_size)
-            tasks, items = score_tasks(router, pair.target_tokenizer, pair.eval_tasks)
+            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer)
+            items = evaluation.item_rows
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
             items.to_parquet(paths.length_tasks(space, staging), index=False)
-            for task, result in tasks.items():
-                metrics[f"{space}/{task}_acc"] = round(result["acc"], 6)
+            metrics[f"{space}/tasks"] = evaluation.figures()["tasks"]
         shutil.rmtree(work)
     return metrics
 

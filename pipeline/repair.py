@@ -4,9 +4,9 @@
 
 For each map in `repair.maps` and each setting in `repair.grid` (`none` is the map unrepaired):
 
-- lm-eval's tasks on the eval part through the router (`measure.taskeval.score_tasks`), as `candidates` scores a
-  map (per-item rows), and the eval prompts against the oracle's stored outputs (`measure.compare.variant_rows`:
-  next-token top-1, rollout agreement, KL), rows to eval/repair/<map>/<setting>.{items,prompts}.parquet;
+- one evaluation (`measure.evaluation`): lm-eval's tasks on the eval part through the router, as `candidates` scores
+  a map (per-item rows), and the eval prompts against the oracle's stored outputs (every prompt metric: next-token
+  top-1, rollout agreement, KL, ...), rows to eval/repair/<map>/<setting>.{items,prompts}.parquet;
 - the setting's budget (its multiply-adds over the target's prefill, `kv.flops.repair_budget`) and the handoff's
   FLOP speedup bound with the repair, both at `repair.bound_pair`'s shapes for `repair.length` tokens, and the
   measured speedup of the repaired handoff over the target's prefill here (`measure.latency`).
@@ -24,10 +24,9 @@ from tqdm.auto import tqdm
 from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.measure.compare import read_prompts, summarize, variant_rows
-from pipeline.measure.confident import FIGURES, confidence_summary
+from pipeline.measure.compare import read_prompts
+from pipeline.measure.evaluation import Evaluation, evaluate
 from pipeline.measure.latency import measure
-from pipeline.measure.taskeval import score_tasks
 from pipeline.schema.repair import RepairParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
@@ -41,24 +40,11 @@ OUT, METRICS = paths.REPAIR_ROWS, paths.REPAIR_METRICS
 TRUNCATED = "truncated"  # the folder (and name) of the truncated-prompt baseline's rows
 
 
-def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int, margin: float) -> tuple[dict, object, object]:
-    """One evaluated handoff: its figures (task accuracies, `summarize`'s, `measure.confident`'s at oracle margin >=
-    `margin`), item and prompt rows."""
-    tasks, items = score_tasks(Router(handoff, batch_size=batch_size), pair.target_tokenizer, tasks)
-    rows = variant_rows(handoff, prompts, oracle, batch_size, progress=False)
-    figures = {f"{task}_{metric}": round(result[metric], 6) for task, result in tasks.items()
-               for metric in ("acc", "acc_norm")}
-    summary = summarize(rows)
-    figures.update({key: round(summary[key], 6) for key in ("next_token_top1", "rollout_agreement", "mean_kl")})
-    sure = confidence_summary(rows, margin)
-    figures.update({key: None if sure[key] is None else round(sure[key], 6) for key in FIGURES})
-    return figures, items, rows
-
-
-def repaired(pair: Pair, path, setting, tasks, prompts, oracle, batch_size: int, margin: float):
-    """The map at `path` under one repair setting: its handoff, and `scored`'s figures, item and prompt rows."""
-    handoff = pair.handoff("mapped", path, repair=setting)
-    return handoff, scored(pair, handoff, tasks, prompts, oracle, batch_size, margin)
+def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int, margin: float) -> Evaluation:
+    """One evaluated handoff: on `tasks` and on the eval prompts against the oracle's stored outputs (the confident
+    figures at oracle margin >= `margin`)."""
+    return evaluate(Router(handoff, batch_size=batch_size), prompts, oracle, margin=margin, tasks=tasks,
+                    tokenizer=pair.target_tokenizer, progress=False)
 
 
 def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool = True) -> dict:
@@ -76,11 +62,12 @@ def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool =
     with atomic_dir(OUT) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
-            handoff, (figures, items, rows) = repaired(pair, params.maps[name], setting, pair.eval_tasks, prompts,
-                                                      oracle, params.batch_size, margin)
-            write_rows(staging, name, str(setting), items, rows)
+            handoff = pair.handoff("mapped", params.maps[name], repair=setting)
+            evaluation = scored(pair, handoff, pair.eval_tasks, prompts, oracle, params.batch_size, margin)
+            write_rows(staging, name, str(setting), evaluation)
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
+            figures = evaluation.figures()
             figures.update({"budget": round(budgets[str(setting)], 6),
                             "bound": round(speedup_bound(*bound_configs, macs, params.length, setting), 4),
                             "recomputed": handoff.repaired.recomputed})
@@ -88,21 +75,18 @@ def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool =
                 row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
                 figures.update({"target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
                                 "speedup": round(row["speedup"], 4)})
-            metrics.update({f"maps/{name}/{setting}/{key}": value for key, value in figures.items()})
+            metrics[f"maps/{name}/{setting}"] = figures
         for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
-            truncated = pair.handoff("oracle", keep=keep)
-            figures, items, rows = scored(pair, truncated, pair.eval_tasks, prompts, oracle, params.batch_size,
-                                          margin)
-            write_rows(staging, TRUNCATED, f"{keep:g}", items, rows)
-            metrics.update({f"{TRUNCATED}/{keep:g}/{key}": value for key, value in figures.items()})
+            evaluation = scored(pair, pair.handoff("oracle", keep=keep), pair.eval_tasks, prompts, oracle,
+                                params.batch_size, margin)
+            write_rows(staging, TRUNCATED, f"{keep:g}", evaluation)
+            metrics[f"{TRUNCATED}/{keep:g}"] = evaluation.figures()
     return metrics
 
 
-def write_rows(staging, name: str, setting: str, items, rows) -> None:
-    for table, frame in (("items", items), ("prompts", rows)):
-        path = paths.repair_rows(table, name, setting, staging)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_parquet(path, index=False)
+def write_rows(staging, name: str, setting: str, evaluation: Evaluation) -> None:
+    evaluation.write_rows(paths.repair_rows("prompts", name, setting, staging),
+                          paths.repair_rows("items", name, setting, staging))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,8 +2,9 @@
 
 Per model its parameter count, and for the trained tiny pair its training loss and time; then accuracy on
 the task items' dev part (never eval) scored through lm-eval with the `kv-transfer` model: the target in
-oracle mode, the source alone, and direct injection of the source cache (when the KV geometry allows it),
-per task and per item kind, with paired-bootstrap intervals of the target's lead.
+oracle mode, the source alone, and direct injection of the source cache (when the KV geometry allows it), one
+evaluation each (`measure.evaluation`: per task and per item kind), with paired-bootstrap intervals of the target's
+lead.
 """
 from __future__ import annotations
 
@@ -11,35 +12,31 @@ import json
 
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
+from pipeline.measure.evaluation import Evaluation, evaluate
 from pipeline.measure.stats import paired_bootstrap
-from pipeline.measure.taskeval import by_kind, score_tasks
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
 
-pd = lazy("pandas")
 
-
-def dev_accuracy(models: ModelsParams, batch_size: int) -> tuple[dict, pd.DataFrame]:
-    """Dev-part accuracy of the target (oracle), the source alone and direct injection, per item."""
+def dev_accuracy(models: ModelsParams, batch_size: int) -> dict[str, Evaluation]:
+    """Dev-part evaluations of the target (oracle), the source alone and direct injection."""
     files = {task: paths.task_items(task, "dev") for task in TASKS}
     pair = Pair.load(models, models.torch_device)
-    summaries, frames = {}, []
+    evaluations = {}
     for variant, mode in (("target", "oracle"), ("source", "source"), ("direct", "direct")):
         try:
             router = Router(pair.handoff(mode), batch_size=batch_size)
         except ValueError as err:  # direct injection undefined for this pair's KV geometry
             print(f"skipping {variant}: {err}")
             continue
-        summaries[variant], frame = score_tasks(router, pair.target_tokenizer, files)
-        frames.append(frame.assign(variant=variant))
+        evaluations[variant] = evaluate(router, tasks=files, tokenizer=pair.target_tokenizer)
         del router
-    return summaries, pd.concat(frames, ignore_index=True)
+    return evaluations
 
 
 def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
@@ -51,29 +48,21 @@ def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
             stats = json.loads(stats_file.read_text())
             metrics[f"{name}_final_loss"] = stats["final_loss"]
             metrics[f"{name}_train_seconds"] = stats["train_seconds"]
-    summaries, items = dev_accuracy(models, params.batch_size)
-    for variant, per_task in summaries.items():
-        for task, result in per_task.items():
-            for metric in ("acc", "acc_norm"):
-                metrics[f"{variant}_{task}_{metric}"] = round(result[metric], 4)
-            metrics[f"{variant}_{task}_n"] = result["n"]
-        for key, value in _kinds(items[items.variant == variant]).items():
-            metrics[f"{variant}_{key}"] = round(value, 4)
+    evaluations = dev_accuracy(models, params.batch_size)
+    for variant, evaluation in evaluations.items():
+        metrics[variant] = evaluation.figures(digits=4)  # its tasks, per item kind too
+    items = {variant: evaluation.item_rows for variant, evaluation in evaluations.items()}
     for other in ("source", "direct"):
-        if other not in summaries:
+        if other not in evaluations:
             continue
         for task in TASKS:
-            a = items[(items.variant == "target") & (items.task == task)].sort_values("item").acc.to_numpy()
-            b = items[(items.variant == other) & (items.task == task)].sort_values("item").acc.to_numpy()
+            a, b = (items[variant][items[variant].task == task].sort_values("item").acc.to_numpy()
+                    for variant in ("target", other))
             interval = paired_bootstrap(a, b, iters=params.bootstrap_iters, seed=params.seed)
             metrics[f"target_minus_{other}_{task}_acc"] = round(interval["diff"], 4)
             metrics[f"target_minus_{other}_{task}_low"] = round(interval["low"], 4)
             metrics[f"target_minus_{other}_{task}_high"] = round(interval["high"], 4)
     return metrics
-
-
-def _kinds(frame: pd.DataFrame) -> dict[str, float]:
-    return {key.replace("/", "_") + "_acc": value for key, value in by_kind(frame).items() if "/" in key}
 
 
 def main(argv: list[str] | None = None) -> None:

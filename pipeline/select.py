@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 from pipeline.kv.flops import repair_budget
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
-from pipeline.measure.confident import FIGURES, confidence_summary
+from pipeline.kv.router import Router
+from pipeline.measure.evaluation import Evaluation, OracleStore, evaluate
+from pipeline.measure.prompt_metrics import CONFIDENT, PROMPT_METRICS
 from pipeline.schema.select import SelectParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
@@ -43,8 +44,7 @@ from pipeline.store.shapes import pair_configs
 pd = lazy("pandas")
 
 MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
-SCORED = ("agreement", "next_token_top1", "ppl_ratio", "mean_kl", "rollout_agreement", "attention_cosine", *FIGURES)
-SHARES = ("confident_prompts", "confident_prompt_share", "confident_positions", "confident_position_share")
+DIGITS = 4  # metrics/select.json's figures
 
 
 def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
@@ -61,13 +61,11 @@ def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int],
 
 
 def rank_key(rule: str):
-    """Sort key: best first. Ties always go to lower perplexity, then to fewer parameters, then to the smaller
-    repair budget."""
-    if rule in FIGURES:  # higher is better; `confident_scores` refused a rule over no confident prompt or position
-        return lambda s: (-s[rule], s["perplexity"], s["parameters"], s["budget"])
-    primary = {"agreement": lambda s: -s["agreement"], "perplexity": lambda s: s["perplexity"],
-               "kl": lambda s: s["mean_kl"], "attention_cosine": lambda s: -s["attention_cosine"]}[rule]
-    return lambda s: (primary(s), s["perplexity"], s["parameters"], s["budget"])
+    """Sort key: best first by the prompt metric `rule` (`measure.prompt_metrics`, its direction; `confident_scores`
+    refused a rule undefined on the select prompts). Ties always go to lower perplexity, then to fewer parameters,
+    then to the smaller repair budget."""
+    metric = PROMPT_METRICS[rule]
+    return lambda s: (-metric.better(s[rule]), s["perplexity"], s["parameters"], s["budget"])
 
 
 def budgets(params: SelectParams) -> dict[str, float]:
@@ -80,35 +78,33 @@ def budgets(params: SelectParams) -> dict[str, float]:
 def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tuple[Path, Repair]], costs: dict,
                margin: float, ranks: Ranks) -> list[dict]:
     """Each (map file, repair setting) of `jobs` handed off on the select prompts and compared with the oracle (the
-    confident figures at oracle margin >= `margin`); under several processes every N-th job, the scores gathered on
-    every rank in job order."""
+    confident figures at oracle margin >= `margin`): its prompt metrics by name, what it is, and its evaluation;
+    under several processes every N-th job, the scores gathered on every rank in job order."""
     scores = []
     mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
     for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
         handoff = pair.handoff("mapped", path, repair=None if setting.empty else setting)
         mapper = handoff.mapper
-        rows = variant_rows(handoff, prompts, oracle, params.batch_size)
-        summary = {**summarize(rows), **confidence_summary(rows, margin)}
-        summary.update(
-            name=path.stem, family=mapper.family, k=mapper.k, ridge_lambda=mapper.ridge_lambda,
-            parameters=mapper.parameter_count(), distilled=mapper.distilled is not None, repair=str(setting),
-            budget=costs[str(setting)], job=index,
-        )
-        scores.append(summary)
+        evaluation = evaluate(Router(handoff, batch_size=params.batch_size), prompts, oracle, margin=margin)
+        scores.append({
+            **evaluation.prompts.metrics, "evaluation": evaluation, "name": path.stem, "family": mapper.family,
+            "k": mapper.k, "ridge_lambda": mapper.ridge_lambda, "parameters": mapper.parameter_count(),
+            "distilled": mapper.distilled is not None, "repair": str(setting), "budget": costs[str(setting)],
+            "job": index})
     return sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
 
 
 def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], costs: dict[str, float],
-                     margin: float, ranks: Ranks = ONE_PROCESS) -> tuple[dict, list[dict]] | None:
+                     margin: float, ranks: Ranks = ONE_PROCESS) -> tuple[Evaluation, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
     `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`); `margin`:
     the oracle's top-2 margin from which a position is confident (`report.confident_margin`). Under
     several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
-    scores, the candidates' first in their order (the others None)."""
-    oracle_handoff = pair.handoff("oracle")
-    oracle = oracle_outputs(oracle_handoff, prompts, params.top_k, params.horizon, params.batch_size, ranks=ranks,
-                            attention=True)
-    oracle_rows = variant_rows(oracle_handoff, prompts, oracle, params.batch_size, ranks=ranks)
+    oracle's evaluation and the scores, the candidates' first in their order (the others None)."""
+    store = OracleStore(params.top_k, params.horizon, attention=True)
+    reference = evaluate(Router(pair.handoff("oracle"), batch_size=params.batch_size), prompts, margin=margin,
+                         store=store, ranks=ranks)
+    oracle = reference.oracle
     scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, margin,
                         ranks)
     confident_scores(scores, params.rule, margin)
@@ -119,18 +115,19 @@ def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list
     scores += score_jobs(pair, prompts, params, oracle, jobs, costs, margin, ranks)
     if not ranks.main:
         return None
-    oracle_summary = {**summarize(oracle_rows), **confidence_summary(oracle_rows, margin)}
     for score in scores:
-        score["ppl_ratio"] = score["perplexity"] / oracle_summary["perplexity"]
-    return oracle_summary, scores
+        score.update(score["evaluation"].prompts.ratios(reference.prompts))
+    return reference, scores
 
 
 def confident_scores(scores: list[dict], rule: str, margin: float) -> None:
-    """Refuse a rule that names a confident figure when the select prompts have no position (or, for confident
-    top-1, no first position) where the oracle is sure: every candidate's figure is None and ranks nothing."""
-    if rule in FIGURES and any(score[rule] is None for score in scores):
-        raise ParamError(f"select.rule {rule}: no select prompt has an oracle top-2 margin >= report.confident_margin "
-                         f"{margin} where it counts; lower report.confident_margin or choose another select.rule")
+    """Refuse a rule that is undefined on the select prompts for some candidate: a confident figure where no position
+    (or, for confident top-1, no first position) has the oracle sure ranks nothing."""
+    if any(score[rule] is None for score in scores):
+        where = (f"no select prompt has an oracle top-2 margin >= report.confident_margin {margin} where it counts; "
+                 f"lower report.confident_margin or choose another select.rule" if PROMPT_METRICS[rule].group ==
+                 CONFIDENT else "it is undefined on the select prompts; choose another select.rule")
+        raise ParamError(f"select.rule {rule}: {where}")
 
 
 def choose(scores: list[dict], rule: str, max_recompute: float) -> tuple[dict, dict[int, dict]]:
@@ -155,11 +152,12 @@ def copy_verified(source: Path, destination: Path) -> None:
         shutil.copyfile(source, tmp)
 
 
-def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int, costs: dict[str, float]) -> dict:
+def promote(scored: tuple[Evaluation, list[dict]], params: SelectParams, prompts: int, costs: dict[str, float]
+            ) -> dict:
     """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json and
-    the best of each k to models/best/; the stage's metrics (every candidate's scores beside the oracle's, and each
-    repaired one's under repaired/<map>/<setting>/)."""
-    oracle_summary, scores = scored
+    the best of each k to models/best/; the stage's metrics (the oracle's figures, every candidate's evaluation
+    beside them under maps/<map>/, and each repaired one's under repaired/<map>/<setting>/)."""
+    reference, scores = scored
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     copy_verified(candidate_path(chosen["name"]), SELECTED)
     write_json_atomic(paths.SELECTED_REPAIR, {"map": chosen["name"], "repair": chosen["repair"],
@@ -167,33 +165,17 @@ def promote(scored: tuple[dict, list[dict]], params: SelectParams, prompts: int,
     with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
             copy_verified(candidate_path(score["name"]), paths.best_map(k, staging))
-    metrics: dict[str, float | int | str] = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
-                                             "oracle_perplexity": round(oracle_summary["perplexity"], 4),
-                                             "oracle_attention_cosine": round(oracle_summary["attention_cosine"], 4),
-                                             **{key: _rounded(oracle_summary[key]) for key in SHARES},
-                                             "selected_repair": chosen["repair"],
-                                             "selected_repair_budget": round(chosen["budget"], 6),
-                                             "max_recompute": params.max_recompute}
+    metrics: dict = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
+                     "oracle": reference.figures(DIGITS), "selected_repair": chosen["repair"],
+                     "selected_repair_budget": round(chosen["budget"], 6), "max_recompute": params.max_recompute}
     for setting, budget in costs.items():
         metrics[f"repairs/{setting}/budget"] = round(budget, 6)
     for score in scores:
-        if score["repair"] != "none":
-            for key in SCORED:
-                metrics[f"repaired/{score['name']}/{score['repair']}/{key}"] = _rounded(score[key])
-            continue
-        for key in SCORED:
-            metrics[f"maps/{score['name']}/{key}"] = _rounded(score[key])
-        layers = sum(key.startswith("attention_cosine_layer") for key in score)  # compare.attention_summary's
-        for key in (f"attention_cosine_layer{layer}" for layer in range(layers)):
-            metrics[f"maps/{score['name']}/{key}"] = round(score[key], 4)
+        where = f"maps/{score['name']}" if score["repair"] == "none" else f"repaired/{score['name']}/{score['repair']}"
+        metrics[where] = score["evaluation"].figures(DIGITS, reference)
     for k, score in best_per_k.items():
         metrics[f"best_k{k}"] = score["name"]
     return metrics
-
-
-def _rounded(value: float | int | None) -> float | int | None:
-    """A figure as metrics/select.json holds it: 4 decimals; a count as it is; None (no confident prompt) as null."""
-    return round(value, 4) if isinstance(value, float) else value
 
 
 def candidates_on_disk() -> list[Path]:

@@ -32,14 +32,15 @@ from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefil
 from pipeline.kv.gate import FEATURES, REFERENCES, SCORES, Probe, Scorer, fit_probe, score_macs
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.kv.scoring import truncate
 from pipeline.measure import gating
-from pipeline.measure.compare import read_prompts, variant_rows
+from pipeline.measure.compare import read_prompts
 from pipeline.measure.confident import MARGINS, confident_prompts
+from pipeline.measure.evaluation import evaluate
 from pipeline.measure.latency import handoff_first_token, measure
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import paired_bootstrap
-from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.measure.timing import median_seconds
 from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
@@ -55,7 +56,6 @@ from pipeline.store.splits import TASKS
 np = lazy("numpy")
 pd = lazy("pandas")
 torch = lazy("torch")
-adapter = lazy("pipeline.measure.adapter")
 
 OUT, METRICS = paths.SELECTIVE, paths.SELECTIVE_METRICS
 METRIC = "acc_norm"  # the retention metric the threshold is chosen for (report.retention_metric's default)
@@ -113,11 +113,13 @@ def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
     return probes
 
 
-def task_frame(lm, files: dict) -> pd.DataFrame:
-    """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods, choices and context tokens."""
-    _, items = evaluate_tasks(lm, files)
-    items["tokens"] = [truncate(lm.context_tokens(context, choices[0]), lm.tok_encode(choices[0]), lm.max_length)
-                       for context, choices in zip(items.context, items.choices)]
+def task_frame(pair: Pair, handoff: Handoff, files: dict, batch_size: int) -> pd.DataFrame:
+    """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods and choices through `handoff` (one
+    evaluation), and `tokens`, the context its first choice was scored after, as the router truncated it."""
+    items = evaluate(Router(handoff, batch_size=batch_size), tasks=files, tokenizer=pair.target_tokenizer).item_rows
+    window = handoff.target.config.max_position_embeddings  # the router's window (`measure.adapter.HandoffLM`)
+    items["tokens"] = [truncate(contexts[0], continuations[0], window)
+                       for contexts, continuations in zip(items.context_ids, items.continuation_ids)]
     return items
 
 
@@ -135,25 +137,21 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
 def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
     """Per-request rows of every map: task items of both parts, eval prompts."""
     oracle = pair.handoff("oracle")
-
-    def lm(handoff: Handoff):
-        return adapter.HandoffLM(handoff, pair.target_tokenizer, batch_size=params.batch_size)
-
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}
-        base = {"oracle": task_frame(lm(oracle), files)}
+        base = {"oracle": task_frame(pair, oracle, files, params.batch_size)}
         if part == "eval":
-            base["source"] = task_frame(lm(pair.handoff("source")), files)
+            base["source"] = task_frame(pair, pair.handoff("source"), files, params.batch_size)
         for name, handoff in handoffs.items():
-            frame = task_frame(lm(handoff), files)
+            frame = task_frame(pair, handoff, files, params.batch_size)
             scores = Scorer(handoff, disagree).scores(list(frame.tokens), measured(params, disagree),
                                                       params.batch_size)
             items.append(item_rows(part, name, frame, base, scores))
     prompts, stored = read_prompts(paths.EVAL_PROMPTS), load_artifact(paths.ORACLE_OUTPUTS)[0]
     rows = []
     for name, handoff in handoffs.items():
-        frame = variant_rows(handoff, prompts, stored, params.batch_size, progress=False)
+        frame = evaluate(Router(handoff, batch_size=params.batch_size), prompts, stored, progress=False).prompt_rows
         scores = Scorer(handoff, disagree).scores([context for context, _ in prompts], measured(params, disagree),
                                                   params.batch_size)
         rows.append(frame[["prompt", "first_agree", "rollout_agree", "horizon", MARGINS]].assign(

@@ -7,8 +7,9 @@ import torch
 from conftest import committed, periodic_batch
 
 from pipeline.kv.handoff import Handoff
-from pipeline.measure.compare import oracle_outputs, summarize, variant_rows
+from pipeline.measure.compare import oracle_outputs, variant_rows
 from pipeline.measure.confident import confidence_intervals, confidence_summary, oracle_margin, oracle_probability
+from pipeline.measure.prompt_metrics import prompt_figures
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.params import parse
 from pipeline.studies import confident
@@ -135,7 +136,7 @@ def test_the_stored_rows_give_the_oracle_full_confident_agreement_and_its_mean_t
     assert summary["confident_agreement"] == 1.0
     top = stored["top_logprobs"][:, :, 0].exp()  # (N, m): every continuation here is m = 10 long
     assert summary["oracle_weighted_agreement"] == pytest.approx(float(top.mean()), abs=1e-5)
-    assert summarize(rows)["next_token_top1"] == 1.0  # the existing figures are untouched
+    assert prompt_figures(rows, 0.2)["next_token_top1"] == 1.0  # the existing figures are untouched
     null = confidence_summary(variant_rows(Handoff(periodic_model, periodic_model, "zero"), prompts, stored,
                                            batch_size=5, progress=False), 0.2)
     assert null["oracle_weighted_agreement"] < summary["oracle_weighted_agreement"] - 0.2
@@ -144,7 +145,7 @@ def test_the_stored_rows_give_the_oracle_full_confident_agreement_and_its_mean_t
 def study_run(margin_rows: dict[str, pd.DataFrame]):
     """A V0 run whose variants left `margin_rows` (their tokens: each prompt's positions) and V0's top-1."""
     prompts = {name: rows.assign(tokens=len(rows.agree_by_position[0])) for name, rows in margin_rows.items()}
-    metrics = {name: {"next_token_top1": float(rows.first_agree.mean())} for name, rows in prompts.items()}
+    metrics = {name: {"prompts": {"next_token_top1": float(rows.first_agree.mean())}} for name, rows in prompts.items()}
     return Run(metrics, {}, prompts, skipped={}, controls={}, select={}, latency=None,
                pair=("models/source", "models/target"), calibration_sizes=[])
 

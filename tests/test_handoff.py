@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
 
-from pipeline.kv.decode import greedy_generate
+from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teacher_forced
 from pipeline.kv.handoff import Handoff, shuffle_order
-from pipeline.kv.kvcache import cache_to_layers, layers_to_cache
+from pipeline.kv.kvcache import Prefixes, cache_to_layers, layers_to_cache, padded_prefixes
 from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
 from pipeline.kv.rope import Rotation
 from pipeline.kv.scoring import score_continuations, window_parts
@@ -224,3 +224,51 @@ def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carri
         assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
     sum(keys.sum() + values.sum() for _, (keys, values) in layers).backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for ts in trained.keys + trained.values for t in ts)
+
+
+def test_padded_prefixes_hold_each_prefix_its_real_length_the_one_mask_and_the_last_token():
+    prefixes = padded_prefixes([[5, 6, 7, 8], [9, 10], [11]])
+    assert prefixes.ids.tolist() == [[5, 6, 7], [9, 0, 0], [0, 0, 0]] and prefixes.lengths.tolist() == [3, 1, 0]
+    assert prefixes.mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]] and prefixes.last.tolist() == [[8], [10], [11]]
+    assert prefixes.padded and prefixes.padded_lengths is prefixes.lengths
+    whole = Prefixes.of(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert not whole.padded and whole.padded_lengths is None and whole.attention_mask is None
+    assert whole.mask.tolist() == [[1, 1], [1, 1]] and whole.last.tolist() == [[3], [6]]
+
+
+@pytest.mark.parametrize("mode", ["oracle", "direct", "zero"])
+def test_the_first_step_is_the_prefix_cache_then_the_step_on_the_last_token_and_decoding_continues_from_it(
+        target, mode):
+    contexts = [list(range(3, 17)), list(range(20, 26)), [40]]  # padded rows, and a one-token context
+    handoff = Handoff(target, target if mode == "direct" else None, mode)
+    prefixes = padded_prefixes(contexts)
+    told = []
+    first = handoff.first_step(prefixes, told.append)
+    assert told == {"oracle": ["prefill", "step"], "direct": ["prefill", "map", "step"],
+                    "zero": ["map", "step"]}[mode]
+    layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
+    stepped = handoff.step_logprobs(layers, prefixes.last, prefixes.padded_lengths)[:, -1]  # (B, V)
+    assert torch.allclose(first.logprobs, stepped, atol=1e-5)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first.layers, layers))
+    assert first.source is None and first.mapped is None  # kept only when retained (a gate's scores)
+    if mode != "zero":  # the target's own next-token distribution after the whole context
+        with torch.no_grad():
+            plain = [torch.log_softmax(target(torch.tensor([c])).logits[0, -1].float(), -1) for c in contexts]
+        assert torch.allclose(first.logprobs, torch.stack(plain), atol=1e-4)
+    alone = handoff.first_step(padded_prefixes(contexts[:1]))
+    logprobs, rollout = read_after(handoff, alone, [50, 51, 52], 4)  # teacher-forced, then cropped back: greedy
+    assert torch.allclose(logprobs, teacher_forced(handoff, [(contexts[0], [50, 51, 52])])[0], atol=1e-4)
+    assert rollout.tolist() == greedy_rollout(handoff, contexts[:1], 4)[0].tolist()
+
+
+def test_a_first_step_retains_the_source_and_mapped_caches_for_a_gate_and_reuses_a_prefill_it_is_given(
+        target, source):
+    handoff = Handoff(target, source, "mapped", random_mapper(source.config, target.config, k=1))
+    prefixes = padded_prefixes([list(range(3, 12)), list(range(4, 8))])
+    first = handoff.first_step(prefixes, retain=True)
+    assert first.source[0][0].shape[:3] == (2, source.config.num_key_value_heads, 8) and first.mapped is not None
+    forwards = handoff.source_forwards
+    again = handoff.first_step(prefixes, prefilled=first.source)
+    assert handoff.source_forwards == forwards and torch.equal(again.logits, first.logits)
+    kept = first.kept()
+    assert sorted(map(len, kept)) == [3, 8] and kept[tuple(range(4, 7))][0][0].shape[2] == 3

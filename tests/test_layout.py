@@ -186,7 +186,11 @@ def test_the_path_literal_check_sees_a_literal_under_a_shared_folder(tmp_path, t
 MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_MODULE_LINES = 60, 150, 400
 # refused by the rules below on this branch, each being fixed on another branch of issue 42 (the lead removes an
 # entry once its fix is merged; an entry that no longer breaks a rule fails the tests until it is removed)
-KNOWN_LONG: set[str] = set()  # a function, class or module allowed over its limit, with the reason
+KNOWN_LONG: set[str] = {  # a function, class or module allowed over its limit, with the reason
+    # 149 lines before it gained the one first step (`built`, `first_step`, `forward`: issue 50 item 3); its mode
+    # branches leave it for the modes' own entries (issue 50 item 2)
+    "pipeline/kv/handoff.py:Handoff",
+}
 
 
 def too_long(root: Path) -> list[str]:

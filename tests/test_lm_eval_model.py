@@ -347,13 +347,13 @@ def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(t
 
     other_rank = KVTransferLM.from_args(target=str(tiny_pair["target"]), device="cpu")
     for doc_id in (1, 3):
-        other_rank.ledger.record(request(doc_id, 0), Route("oracle"))
+        other_rank.ledger.record(request(doc_id, 0), Route("oracle"), ([1, 2], [3]))
 
     class TwoRanks:  # rank 0 of two, receiving the other rank's ledger (lm-eval gave it the odd documents)
         rank, size = 0, 2
 
         def gather(self, value, dst: int = 0) -> list:
-            return [value, other_rank.ledger.entries]
+            return [value, (other_rank.ledger.entries, other_rank.ledger.tokens)]
 
     lm = KVTransferLM(other_rank.handoff, other_rank.tokenizer, ranks=TwoRanks())
     for doc_id in (0, 2):
@@ -364,6 +364,7 @@ def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(t
     assert lm.route_counts() == {"piqa_local": {"requests": 4, "oracle": 4}}
     lm.gather_routes()
     assert lm.route_counts() == {"piqa_local": {"requests": 4, "oracle": 4}}
+    assert lm.ledger.tokens == {("piqa_local", doc_id, 0): ([1, 2], [3]) for doc_id in (1, 3)}  # the scored ids too
 
 
 def test_a_repair_setting_routes_every_request_as_repaired(wide_pair, wide_map, task_dir):

@@ -154,7 +154,7 @@ def test_whole_pipeline_reproduces_on_a_reduced_tiny_profile(repo):
         + [f"{space}_tasks.parquet" for space in ("rotated", "stripped")])
     assert sum(b["items"] for b in length["task_bins"]) == 2 * 24  # every eval item of both tasks, binned once
     select = json.loads((repo / "metrics/select.json").read_text())
-    assert select["oracle_attention_cosine"] == pytest.approx(1.0, abs=1e-4)
+    assert select["oracle"]["prompts"]["attention_cosine"] == pytest.approx(1.0, abs=1e-4)
     status = json.loads(run(DVC + ["status", "--json"], repo))
     assert status == {"pin_models": ["always changed"]}, status  # the one stage that looks outside the repo
     shown = run(DVC + ["metrics", "show"], repo).splitlines()  # one row per variant, a few columns

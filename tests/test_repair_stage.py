@@ -10,7 +10,7 @@ from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
 from pipeline.measure.compare import oracle_outputs, variant_rows
-from pipeline.repair import repaired, scored
+from pipeline.repair import scored
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import parse
 from pipeline.studies.repair import (
@@ -45,8 +45,8 @@ def setup(wide_pair, tmp_path_factory) -> dict:
 
 
 def _figures(setup: dict, handoff) -> tuple[dict, pd.DataFrame]:
-    figures, items, _ = scored(setup["pair"], handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2, 0.2)
-    return figures, items
+    evaluation = scored(setup["pair"], handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2, 0.2)
+    return evaluation.figures(), evaluation.item_rows
 
 
 @pytest.mark.slow  # five lm-eval runs of 12 items on a tiny pair
@@ -54,21 +54,22 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     pair, path = setup["pair"], setup["map"]
     grid = {}
     for setting in ("none", "tokens:1:recency"):
-        _, (figures, items, _) = repaired(pair, path, setting, setup["tasks"], setup["prompts"], setup["oracle"], 2,
-                                             0.2)
-        grid[setting] = figures, items
+        grid[setting] = _figures(setup, pair.handoff("mapped", path, repair=setting))
     mapped, mapped_items = _figures(setup, pair.handoff("mapped", path))
     oracle, oracle_items = _figures(setup, pair.handoff("oracle"))
     assert grid["none"][0] == mapped
     pd.testing.assert_frame_equal(grid["none"][1], mapped_items)
     repaired_figures, repaired_items = grid["tokens:1:recency"]
-    for key in ("hellaswag_acc", "hellaswag_acc_norm", "piqa_acc", "piqa_acc_norm"):
-        assert repaired_figures[key] == oracle[key]
+    for task in ("hellaswag", "piqa"):
+        for metric in ("acc", "acc_norm"):
+            assert repaired_figures["tasks"][task][metric] == oracle["tasks"][task][metric]
     assert (repaired_items.acc.to_numpy() == oracle_items.acc.to_numpy()).all()
-    assert repaired_figures["next_token_top1"] == 1.0 and repaired_figures["rollout_agreement"] == 1.0
-    assert repaired_figures["mean_kl"] < 1e-4
-    assert repaired_figures["confident_top1"] in (1.0, None) and repaired_figures["confident_agreement"] in (1.0, None)
-    assert repaired_figures["oracle_weighted_agreement"] == pytest.approx(oracle["oracle_weighted_agreement"], abs=1e-5)
+    repaired_prompts, oracle_prompts = repaired_figures["prompts"], oracle["prompts"]
+    assert repaired_prompts["next_token_top1"] == 1.0 and repaired_prompts["rollout_agreement"] == 1.0
+    assert repaired_prompts["mean_kl"] < 1e-4
+    assert repaired_prompts["confident_top1"] in (1.0, None) and repaired_prompts["confident_agreement"] in (1.0, None)
+    assert repaired_prompts["oracle_weighted_agreement"] == pytest.approx(oracle_prompts["oracle_weighted_agreement"],
+                                                                          abs=1e-5)
 
 
 def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_one_token(setup):
@@ -147,12 +148,12 @@ def _items(correct: list[int]) -> pd.DataFrame:
 def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_gap_closed():
     params = parse(ReportParams, committed("report", bootstrap_iters=50), "report")
     items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
-    figures = {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}
+    figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
     row = source_row(params, Inputs(items, {}, {}, None, figures))
     assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
     assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
     assert row["confident_top1"] is None  # a source evaluated before the confident figures: shown as "—"
-    figures["confident_top1"] = 0.75
+    figures["prompts"]["confident_top1"] = 0.75
     assert source_row(params, Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
 
 

@@ -31,10 +31,10 @@ def _fake_variant(rng, acc_hs, acc_pq, agree, n=300, prompts=60):
     prompt_rows = pd.DataFrame({"prompt": range(prompts), "first_agree": (rng.random(prompts) < agree).astype(int),
                                 "tokens": 16})
     prompt_rows["nll"] = 16 * (2 - agree) - prompt_rows.first_agree  # no draw: the items' draws stay as they were
-    metrics = {"perplexity": 10 / max(agree, 0.1), "next_token_top1": agree, "agreement": agree, "mean_kl": 1 - agree,
-               "rollout_agreement": agree, "prompts": prompts}
-    for task, frame in items.groupby("task"):
-        metrics.update({f"{task}_acc": frame.acc.mean(), f"{task}_acc_norm": frame.acc.mean(), f"{task}_n": n})
+    metrics = {"prompts": {"perplexity": 10 / max(agree, 0.1), "next_token_top1": agree, "agreement": agree,
+                           "mean_kl": 1 - agree, "rollout_agreement": agree, "n": prompts},
+               "tasks": {task: {"acc": frame.acc.mean(), "acc_norm": frame.acc.mean(), "n": n, "kinds": {}}
+                         for task, frame in items.groupby("task")}}
     return metrics, items, prompt_rows
 
 
@@ -123,9 +123,9 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
         figures_["maps"][name] = {"family": "linear", "k": 1, "speedup": speed[name], "bound_at_pair": 2 * speed[name],
                                   "parameters": 10, "mapper_bytes": 100}
         fit["maps"][name] = {"r2_keys_select": 0.5 - 0.1 * rank, "r2_values_select": 0.5 - 0.1 * rank}
-        select["maps"][name] = {"attention_cosine": 0.6 + 0.1 * rank, "agreement": 0.5, "mean_kl": 1.0 - 0.2 * rank,
-                                "confident_top1": 0.7 + 0.1 * rank, "confident_agreement": None,
-                                "oracle_weighted_agreement": 0.9 - 0.1 * rank}
+        select["maps"][name] = {"prompts": {"attention_cosine": 0.6 + 0.1 * rank, "agreement": 0.5,
+                                            "mean_kl": 1.0 - 0.2 * rank, "confident_top1": 0.7 + 0.1 * rank,
+                                            "confident_agreement": None, "oracle_weighted_agreement": 0.9 - 0.1 * rank}}
     study = candidates.compute(report_params(bootstrap_iters=200),
                                candidates.Inputs(items, candidate_items, figures_, fit, select))
     rows = study["rows"]
@@ -179,7 +179,7 @@ def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
             rows[(space, tokens)] = pd.DataFrame({"prompt": range(40), "nll": nll + extra + 0.01 * rng.random(40),
                                                   "agree": (rng.random(40) < 0.8 - 0.5 * extra) * 4, "tokens": 4})
             keys = ("ppl_ratio", "agreement", "next_token_top1")
-            figures_[space]["by_length"][str(tokens)] = dict.fromkeys(keys, 1.0)
+            figures_[space]["by_length"][str(tokens)] = {"prompts": dict.fromkeys(keys, 1.0)}
     context = np.r_[np.full(50, 20), np.full(50, 60)]  # 1-2x and 2-4x the fit length
     tasks = {space: pd.DataFrame({"task": "piqa", "item": range(100), "context_tokens": context,
                                   "acc": np.r_[rng.random(50) < 0.8, rng.random(50) < 0.8 - drop].astype(float)})
@@ -272,8 +272,10 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
                                           "0.0001": {"1": 0.48, "0.1": 0.49}},
              "select_kl_start": 0.5, "select_kl": 0.4}
     cost = {"oracle": 1.0, "rows": 0.5, "mapped_step": 2.0, "map_update": 0.25, "select_scoring": 1.5}
-    select = {"maps": {"lin": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3, "mean_kl": 0.5},
-                       "lin+kl": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.4}}}
+    select = {"maps": {"lin": {"prompts": {"next_token_top1": 0.5, "agreement": 0.4, "rollout_agreement": 0.3,
+                                           "mean_kl": 0.5}},
+                       "lin+kl": {"prompts": {"next_token_top1": 0.6, "agreement": 0.5, "rollout_agreement": 0.4,
+                                              "mean_kl": 0.4}}}}
     columns = {"lin": ([1, 0, 0, 0], [2, 1, 0, 1], [1.0, 1.0, 2.0, 2.0]),
                "lin+kl": ([1, 1, 0, 1], [4, 1, 2, 1], [0.5, 0.5, 1.0, 1.0])}  # top-1, rollout, KL per prompt
     prompts = {name: pd.DataFrame({"prompt": range(4), "first_agree": top1, "rollout_agree": rollout, "horizon": 4,
@@ -361,3 +363,24 @@ def test_a_repaired_variant_is_its_own_row_after_the_selected_map_its_setting_in
     assert names[2:4] == ["Selected mapped transfer",
                           "Selected mapped transfer, repaired (`layers:1+tokens:0.09:deviation`)"]
     assert report["variants"]["selected_repaired"]["repair"] == "layers:1+tokens:0.09:deviation"
+
+
+def test_v0s_rows_and_their_comparisons_come_from_each_variants_map_not_from_its_name():
+    rng = np.random.default_rng(8)
+    spec = {"oracle": (0.9, 0.95, 1.0), "selected": (0.8, 0.85, 0.7), "source": (0.5, 0.6, 0.4),
+            "v0_small": (0.7, 0.8, 0.6), "v0_large": (0.75, 0.8, 0.6), "trained": (0.8, 0.85, 0.7)}
+    metrics, items, prompts = {}, {}, {}
+    for name, args in spec.items():
+        metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
+    facts = {"v0_small": (1, False, True), "v0_large": (4, False, True), "trained": (1, True, False),
+             "selected": (1, True, False)}  # k, distilled, select's best closed-form map of its k
+    for name, (k, distilled, best) in facts.items():
+        metrics[name]["map"] = {"family": "linear", "k": k, "distilled": distilled, "best_of_k": best}
+    report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
+    assert {"k1_minus_k4", "trained_minus_v0_small"} <= set(report["comparisons"])
+    entries = report["variants"]
+    assert [variants.label(name, entries[name]) for name in ("v0_small", "v0_large", "trained", "selected")] == [
+        "Learned mapped transfer, k=1", "Learned mapped transfer, k=4", "Distilled mapped transfer, k=1",
+        "Selected mapped transfer"]  # a named role keeps its name whatever its map
+    assert variants.order(entries)[:4] == ["oracle", "v0_small", "v0_large", "selected"]
+    assert "k=1 vs k=4: " in variants.reading(report, "selected")

@@ -52,8 +52,9 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     sequences = periodic_batch(torch.Generator().manual_seed(3), 8, 30, 32).tolist()
     prompts = select_prompts(sequences, 0.6)
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
-    oracle, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
-                                     budgets(params), 0.2)
+    reference, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
+                                         budgets(params), 0.2)
+    oracle = {**reference.prompts.metrics, **reference.prompts.counts}
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"
     exact = next(s for s in scores if s["name"] == "linear_k1_exact")
@@ -147,8 +148,11 @@ def test_with_repairs_none_select_scores_the_maps_alone_and_promotes_the_best_ma
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
     metrics = run(params, select_folder, candidates_on_disk(), 0.2)
     assert metrics["selected"] == "linear_k1_exact" and "repaired/" not in "".join(metrics)
-    assert metrics["maps/linear_k1_exact/confident_top1"] == 1.0 and metrics["confident_prompts"] > 0
-    assert 0 < metrics["confident_position_share"] <= 1 and "maps/linear_k1_noisy/oracle_weighted_agreement" in metrics
+    oracle = metrics["oracle"]["prompts"]
+    assert metrics["maps/linear_k1_exact"]["prompts"]["confident_top1"] == 1.0 and oracle["confident_prompts"] > 0
+    assert 0 < oracle["confident_position_share"] <= 1
+    assert "oracle_weighted_agreement" in metrics["maps/linear_k1_noisy"]["prompts"]
+    assert len(oracle["attention_cosine_layers"]) == select_folder.target.config.num_hidden_layers
     assert promoted() == (paths.fitted_map("linear_k1_exact").read_bytes(),
                           {"map": "linear_k1_exact", "repair": "none", "budget": 0.0})
     over = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none", "tokens:1:recency"],
@@ -164,7 +168,8 @@ def test_the_best_maps_are_scored_at_each_setting_and_the_choice_reads_only_the_
     repaired = {"/".join(key.split("/")[1:3]) for key in first if key.startswith("repaired/")}
     assert repaired == {f"{name}/{setting}" for name in ("linear_k1_exact", "linear_k1_rough")
                         for setting in ("sink:255", "layers:1")}
-    assert first["repaired/linear_k1_rough/sink:255/agreement"] == pytest.approx(1.0)  # every prefix token: the oracle
+    # every prefix token recomputed: the oracle
+    assert first["repaired/linear_k1_rough/sink:255"]["prompts"]["agreement"] == pytest.approx(1.0)
     before = promoted()
     pd.DataFrame({"token_ids": [[1, 2, 3]] * 4}).to_parquet(paths.split("eval"), index=False)
     assert run(params, select_folder, candidates_on_disk(), 0.2) == first and promoted() == before

@@ -230,7 +230,7 @@ def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_compositi
     pair = Pair(str(sharp_pair["target"]), str(sharp_pair["source"]), "float32", "cpu")
     mapped = pair.handoff("mapped", sharp_pair["mapper"])
     # the stage's way (selective.score_requests): each handoff ungated through lm-eval, each item's context scored
-    frames = {name: task_frame(KVTransferLM(handoff, pair.target_tokenizer, batch_size=4), files)
+    frames = {name: task_frame(pair, handoff, files, 4)
               for name, handoff in (("mapped", mapped), ("oracle", pair.handoff("oracle")))}
     scores = Scorer(mapped).scores(list(frames["mapped"].tokens), ["kl"], 4)
     rows = item_rows("eval", "k1", frames["mapped"], {"oracle": frames["oracle"]}, scores)

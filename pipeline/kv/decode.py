@@ -3,11 +3,12 @@
 `kv.handoff` builds the target's prefix cache in each mode; these functions batch contexts for it (right-padded,
 masked, each row at its own positions) and read the target after it: several continuations packed into one row
 (`packed_logprobs`, for `kv.scoring`), every prompt teacher-forced through its continuation (`teacher_forced`,
-with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), and one context decoded
-token by token with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's
-`generate_until`); and the target alone, for the exactness control: its plain forward over a whole sequence
-(`full_logprobs`) and the same in chunks through its own cache (`chunked_logprobs`). `generate` decodes greedy or
-sampled tokens up to an end-of-sequence id (`eos_ids`) and times the first: what `pipeline.generate` shows.
+with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), both reads of one context
+from its single first step (`read_after`: the timed evaluation's), and one context decoded token by token after its
+first step with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's `generate_until`);
+and the target alone, for the exactness control: its plain forward over a whole sequence (`full_logprobs`) and the
+same in chunks through its own cache (`chunked_logprobs`). `generate` decodes greedy or sampled tokens up to an
+end-of-sequence id (`eos_ids`) and times the first: what `pipeline.generate` shows.
 """
 from __future__ import annotations
 
@@ -15,23 +16,14 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Sequence
 
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Layers
+from pipeline.kv.handoff import FirstStep, Handoff
+from pipeline.kv.kvcache import Layers, Prefixes, padded_prefixes, real_slots
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 transformers = lazy("transformers")
-
-
-def padded_prefixes(contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Each context[:-1], right-padded: ids (B, P), real lengths (B,), and whether any row is padded."""
-    lengths = torch.tensor([len(context) - 1 for context in contexts])
-    prefixes = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
-    for row, context in enumerate(contexts):
-        prefixes[row, : len(context) - 1] = torch.tensor(list(context[:-1]), dtype=torch.long)
-    return prefixes, lengths, bool((lengths != lengths.max()).any())
 
 
 @no_grad
@@ -45,7 +37,7 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
     prefix_lengths[b] + offset, so each continuation scores as if it were alone after the prefix."""
     batch, steps = tokens.shape
     width = 0 if layers is None else layers[0][0].shape[2]
-    prefix = (torch.arange(width)[None] < prefix_lengths[:, None])[:, None].expand(-1, steps, -1)  # (B, L, P)
+    prefix = real_slots(prefix_lengths, width)[:, None].expand(-1, steps, -1)  # (B, L, P)
     causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
     own = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, L, L): padding sees padding only
     allowed = torch.cat([prefix, own], dim=2)[:, None]  # (B, 1, L, P + L)
@@ -60,24 +52,17 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
     return F.log_softmax(logits.float(), dim=-1)
 
 
-def _decoding_cache(handoff: Handoff, contexts: torch.Tensor):
-    """The target cache to decode from: the handoff of contexts[:, :-1], or an empty cache."""
-    cache = handoff.target_cache(handoff.prefix_layers(contexts[:, :-1]), contexts.shape[0])
-    if cache is None:
-        cache = transformers.DynamicCache(config=handoff.target.config)
-    return cache
-
-
 @no_grad
 def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: int) -> torch.Tensor:
     """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
     different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
-    prefixes, lengths, padded = padded_prefixes(contexts)
-    cache = handoff.target_cache(handoff.prefix_layers(prefixes, lengths if padded else None), len(contexts))
+    prefixes = padded_prefixes(contexts)
+    lengths, padded = prefixes.lengths, prefixes.padded
+    cache = handoff.target_cache(handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths), len(contexts))
     if cache is None:
         cache = transformers.DynamicCache(config=handoff.target.config)
-    next_input = torch.tensor([[context[-1]] for context in contexts], device=handoff.device)  # (B, 1)
-    mask = (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()  # (B, P): real prefix slots
+    next_input = prefixes.last.to(handoff.device)  # (B, 1)
+    mask = prefixes.mask  # (B, P): real prefix slots
     handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
     tokens = []
     for step in range(steps):
@@ -100,17 +85,44 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
     continuation; all prompts in one batch: one prefill, one step forward. With `attention` (a list), each
     prompt's attention outputs of those positions are appended to it: (L_t, m, hidden) per prompt, in the
     model's dtype on the CPU (what every target layer's attention block wrote, after its output projection)."""
-    prefixes, lengths, padded = padded_prefixes([context for context, _ in prompts])
-    layers = handoff.prefix_layers(prefixes, lengths if padded else None)
+    prefixes = padded_prefixes([context for context, _ in prompts])
+    layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
     steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
     for row, (context, continuation) in enumerate(prompts):
         steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
     with attention_outputs(handoff.target, attention is not None) as outputs:  # only the step, not a prefill
-        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, M, V)
+        logprobs = handoff.step_logprobs(layers, steps, prefixes.padded_lengths)  # (B, M, V)
     if attention is not None:
         stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
         attention.extend(stacked[row, :, : len(continuation)] for row, (_, continuation) in enumerate(prompts))
     return [logprobs[row, : len(continuation)] for row, (_, continuation) in enumerate(prompts)]
+
+
+@no_grad
+def read_after(handoff: Handoff, first: FirstStep, continuation: Sequence[int], horizon: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One context's two reads from its first step (batch 1; `Handoff.first_step`), one prefix cache for both: the
+    log-probabilities (m, V), float32, teacher-forced through the continuation e (the step's own for e[0], then
+    e[0..m-2] fed after it), and the greedy rollout (horizon,) from the step's argmax, after the cache is cropped
+    back to the prefix and c[n-1]:
+
+        cache  c[0..n-2] c[n-1] | e[0] ... e[m-2]        -> scores e[1] ... e[m-1]
+               c[0..n-2] c[n-1] | g[0] ... g[h-2]        -> g[1] ... g[h-1]   (g[0]: the first step's argmax)
+    """
+    cache, width = first.cache, first.cache.get_seq_length()  # the prefix and c[n-1]
+    logprobs = [first.logprobs]  # (1, V): e[0]
+    if len(continuation) > 1:
+        handoff.check_length(width + len(continuation) - 1)
+        ids = torch.tensor([list(continuation[:-1])], device=handoff.device)  # (1, m - 1)
+        logits = handoff.target(input_ids=ids, cache=cache, use_cache=True).logits  # (1, m - 1, V)
+        logprobs.append(F.log_softmax(logits[0].float(), dim=-1))
+        cache.crop(width - cache.get_seq_length())  # a negative count: the tokens fed after the step go
+    handoff.check_length(width + horizon - 1)
+    tokens = [first.logits.argmax(-1, keepdim=True)]  # (1, 1): g[0]
+    for _ in range(horizon - 1):
+        logits = handoff.target(input_ids=tokens[-1], cache=cache, use_cache=True, logits_to_keep=1).logits
+        tokens.append(logits[:, -1].argmax(-1, keepdim=True))  # (1, 1)
+    return torch.cat(logprobs), torch.cat(tokens, dim=1)[0]
 
 
 @contextmanager
@@ -141,20 +153,21 @@ def argmax_token(logits: torch.Tensor) -> int:
 @no_grad
 def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
            on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens the target decodes after the handed-off cache of context[:-1], from context[-1]: `choose` picks
-    each from its position's logits (V,) (an int: the device has finished the step), `on_token(tokens so far)`
+    """The tokens the target decodes after the handoff's first step on `context` (`Handoff.first_step`): `choose`
+    picks each from its position's logits (V,) (an int: the device has finished the step), `on_token(tokens so far)`
     sees each as it comes and returns True to stop there."""
-    cache = _decoding_cache(handoff, torch.tensor([list(context)], dtype=torch.long))
     tokens: list[int] = []
-    next_input = torch.tensor([[context[-1]]], device=handoff.device)  # (1, 1)
-    for _ in range(max_new_tokens):
+    if max_new_tokens <= 0:
+        return tokens
+    first = handoff.first_step(Prefixes.of(torch.tensor([list(context)], dtype=torch.long)))
+    cache, logits = first.cache, first.logits[0]  # (V,)
+    while True:
+        tokens.append(choose(logits))
+        if on_token(tokens) or len(tokens) == max_new_tokens:
+            return tokens
         handoff.check_length(len(context) + len(tokens))
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits
-        tokens.append(choose(logits[0, -1]))
-        if on_token(tokens):
-            break
-        next_input = torch.tensor([[tokens[-1]]], device=handoff.device)
-    return tokens
+        next_input = torch.tensor([[tokens[-1]]], device=handoff.device)  # (1, 1)
+        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 def greedy_generate(

@@ -20,6 +20,9 @@ Scores, higher = less trusted:
               (`FEATURES`: the three scores above, the target's top-1 probability, and the log-ratio of the mapped
               cache's mean key and value norms to the source cache's), trained by the stage on dev items only
 
+Every score is read off one `Handoff.first_step` of the gated handoff (retained: the source's cache and the mapped
+one), whose prefix cache the router keeps for the context's scoring (`FirstStep.kept`, `kv.router`).
+
 A context of one token has an empty prefix: nothing is handed off, the handoff is the oracle, its score -inf.
 The `Gate` falls back where score > threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere
 (one-token contexts included).
@@ -29,10 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pipeline.kv.decode import padded_prefixes
 from pipeline.kv.flops import attention_macs, linear_macs_per_token, logits_macs
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Layers, kv_geometry
+from pipeline.kv.handoff import FirstStep, Handoff
+from pipeline.kv.kvcache import Layers, kv_geometry, padded_prefixes
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
@@ -180,57 +182,54 @@ class Scorer:
     def scores(self, contexts: Sequence[Sequence[int]], names: Sequence[str], batch_size: int = 16,
                keep: dict | None = None) -> dict[str, torch.Tensor]:
         """Each named score or feature (N,), float64 on the CPU, of contexts c[0..n-1], `batch_size` contexts a
-        forward (`probe`: its features first, then the probe); `keep`: filled with each prefix's mapped cache
-        (`Handoff.kept_maps`)."""
+        forward (`probe`: its features first, then the probe); `keep`: filled with each prefix's cache from the
+        handoff's first step (`FirstStep.kept`), for the router to score its continuations on."""
         self.check(names)
-        needed = list(dict.fromkeys([*(n for n in names if n != "probe"), *(self.probe.features if "probe" in names
-                                                                              else ())]))
-        out = {name: torch.full((len(contexts),), float("-inf"), dtype=torch.float64) for name in needed}
+        out = {name: torch.full((len(contexts),), float("-inf"), dtype=torch.float64) for name in names}
         rows = [row for row, context in enumerate(contexts) if len(context) >= 2]  # the others hand off nothing
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
-            for name, values in self._batch([contexts[row] for row in chunk], needed, keep).items():
-                out[name][chunk] = values.double().cpu()
+            first = self.handoff.first_step(padded_prefixes([contexts[row] for row in chunk]), retain=True)
+            for name, values in self.step_scores(first, names).items():
+                out[name][chunk] = values
+            if keep is not None:
+                keep.update(first.kept())
+        return out
+
+    def step_scores(self, first: FirstStep, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Each named score or feature (B,), float64 on the CPU, of a first step of the handoff (`retain`ed)."""
+        out = {name: values.double().cpu() for name, values in self.of_step(first, self.needed(names)).items()}
         if "probe" in names:
             out["probe"] = self.probe(out)
         return {name: out[name] for name in names}
 
-    def _batch(self, contexts: Sequence[Sequence[int]], names: Sequence[str], keep: dict | None = None
-               ) -> dict[str, torch.Tensor]:
-        prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P), (B,)
-        lengths = lengths if padded else None
-        mask = None if lengths is None else (torch.arange(prefixes.shape[1])[None] < lengths[:, None]).long()
-        source_layers = self.handoff.source_prefill(prefixes, mask)
-        mapped = self.handoff.to_target(source_layers, lengths)
-        if keep is not None:  # each row's real prefix, (1, H, n - 1, D) per layer
-            real = [prefixes.shape[1]] * len(contexts) if lengths is None else lengths.tolist()
-            for row, (context, count) in enumerate(zip(contexts, real)):
-                keep[tuple(context[:-1])] = [(k[row : row + 1, :, :count], v[row : row + 1, :, :count])
-                                             for k, v in mapped]
-        last = torch.tensor([[context[-1]] for context in contexts])  # (B, 1): c[n-1]
+    def needed(self, names: Sequence[str]) -> list[str]:
+        """What is computed from a first step for `names`: the scores but the probe, and the probe's features."""
+        probe = self.probe.features if "probe" in names else ()
+        return list(dict.fromkeys([*(name for name in names if name != "probe"), *probe]))
 
-        def step(handoff: Handoff, layers: Layers) -> torch.Tensor:  # (B, V) after `handoff`'s map
-            return handoff.step_logprobs(layers, last, lengths)[:, -1]
-
-        target = step(self.handoff, mapped)
+    def of_step(self, first: FirstStep, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Each score or feature of `names` but the probe (B,) from the handoff's first step (retained: its source
+        and mapped caches), and from the steps it shares that step's source prefill with."""
+        prefixes, target = first.prefixes, first.logprobs  # (B, V) after the handoff's cache
         out = {}
         if "top1" in names:
             out["top1"] = target.max(-1).values.exp()
         if "key_norm" in names or "value_norm" in names:
-            real = torch.ones(prefixes.shape, dtype=torch.long) if mask is None else mask  # (B, P)
-            (mapped_keys, mapped_values), (source_keys, source_values) = (mean_norms(layers, real)
-                                                                          for layers in (mapped, source_layers))
+            (mapped_keys, mapped_values), (source_keys, source_values) = (mean_norms(layers, prefixes.mask)
+                                                                          for layers in (first.mapped, first.source))
             out["key_norm"] = (mapped_keys / source_keys).log()
             out["value_norm"] = (mapped_values / source_values).log()
         if "entropy" in names:
             out["entropy"] = entropy(target)
         if "kl" in names:
-            source = self.source_alone.step_logprobs(source_layers, last, lengths)[:, -1]  # (B, V_s)
+            source = self.source_alone.first_step(prefixes, prefilled=first.source).logprobs  # (B, V_s)
             out["kl"] = kl(source.to(target.device), target)
         if "disagree" in names:
-            first, second = (target if handoff is self.handoff else step(handoff, handoff.to_target(
-                source_layers, lengths)) for handoff in self.disagree)
-            out["disagree"] = jensen_shannon(first, second.to(first.device))
+            first_map, second_map = (target if handoff is self.handoff else
+                                     handoff.first_step(prefixes, prefilled=first.source).logprobs
+                                     for handoff in self.disagree)
+            out["disagree"] = jensen_shannon(first_map, second_map.to(first_map.device))
         return out
 
 
@@ -248,4 +247,8 @@ class Gate:
         """Scores (N,) and whether each request falls back (N,) bool: every one at threshold -inf, a one-token
         context too (its score is -inf, and -inf > -inf is false); `keep`: as `Scorer.scores`."""
         scores = self.scorer.scores(contexts, [self.score], batch_size, keep)[self.score]
-        return scores, (scores > self.threshold) | (self.threshold == float("-inf"))
+        return scores, self.falls_back(scores)
+
+    def falls_back(self, scores: torch.Tensor) -> torch.Tensor:
+        """Whether each request of `scores` (N,) falls back: score > threshold, or every one at threshold -inf."""
+        return (scores > self.threshold) | (self.threshold == float("-inf"))

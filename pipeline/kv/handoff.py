@@ -13,6 +13,11 @@ token order permuted by a seeded permutation in content space, before the target
 `source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
 (`target`) is the source, the same protocol as the oracle's, recorded as `source`.
 
+A handoff's first step (`Handoff.first_step`, on a batch of contexts as `kvcache.Prefixes`) is defined once: the
+prefix cache built in the handoff's mode and repaired (`Handoff.built`), then the target's step on each context's
+c[n-1]; it gives the first token's logits and the cache to continue from, and tells a clock hook as each part ends
+(`prefill`, `map`, `step`). The gate's scores, the latency study, the timed evaluation and the decoders read it.
+
 Option `keep` (a share in (0, 1]): the handoff reads only the last round(keep x n) tokens of each context (at
 least one), at positions 0, 1, ... again: the truncated-prompt baseline (the oracle at `keep`), which the scoring
 (`kv.scoring`, so lm-eval's tasks through the router) and the prompt comparison (`measure.compare`) read through
@@ -21,10 +26,21 @@ least one), at positions 0, 1, ... again: the truncated-prompt baseline (the ora
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
-from pipeline.kv.kvcache import Layers, cache_to_layers, expand_batch, kv_geometry, layer_devices, layers_to_cache
+from pipeline.kv.kvcache import (
+    Layers,
+    Prefixes,
+    cache_to_layers,
+    expand_batch,
+    kv_geometry,
+    layer_devices,
+    layers_to_cache,
+    real_slots,
+)
 from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.repair import Repair, RepairCount, repair_cache
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
@@ -34,6 +50,9 @@ from pipeline.store.models import IncompatiblePairError
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
+transformers = lazy("transformers")
+
+ClockHook = Callable[[str], None]  # told each part of a first step as it ends (`measure.timing.Stopwatch`)
 
 MODES = tuple(TRANSFER_MODES)  # the modes a Handoff builds: every mode of the contract
 SOURCE_MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.source and reads.target)  # handed over
@@ -89,6 +108,49 @@ def check_options(mode: str, repair: Repair, keep: float | None) -> None:
         raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
 
 
+class Built(NamedTuple):
+    """A prefix cache as `Handoff.built` made it; each part None where the mode has none (an empty prefix: all)."""
+
+    source: Layers | None  # the source's own cache (a source mode)
+    mapped: Layers | None  # the cache handed to the target, before the repair (a source mode, `zero`)
+    layers: Layers | None  # the cache the target reads
+
+
+@dataclass
+class FirstStep:
+    """A handoff's first step on a batch of contexts (`Handoff.first_step`): what every later read continues from."""
+
+    prefixes: Prefixes
+    logits: torch.Tensor  # (B, V) the target's, in its dtype, at each context's last token c[n-1]
+    cache: object  # the target's DynamicCache after the step: the prefix's P slots, then c[n-1]'s
+    source: Layers | None = None  # the source's own cache of the prefixes, where retained (a gate's scores)
+    mapped: Layers | None = None  # the cache handed over before the repair, where retained
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        """(B, V) float32 log-probabilities of the first token after each context."""
+        return F.log_softmax(self.logits.float(), dim=-1)
+
+    @property
+    def layers(self) -> Layers | None:
+        """The prefix cache the step read, (B, H, P, D) per layer: the cache's slots before c[n-1]'s (None for an
+        empty prefix)."""
+        width = self.prefixes.ids.shape[1]
+        if width == 0:
+            return None
+        return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in self.cache.layers]
+
+    def kept(self) -> dict[tuple[int, ...], Layers]:
+        """Each context's prefix -> its own prefix cache, (1, H, n - 1, D) per layer: what a router keeps of a
+        gate's first step, so the context's continuations are scored without building it again (`kv.router`)."""
+        layers, lengths = self.layers, self.prefixes.lengths.tolist()
+        if layers is None:
+            return {}
+        return {tuple(self.prefixes.ids[row, :count].tolist()):
+                [(k[row : row + 1, :, :count], v[row : row + 1, :, :count]) for k, v in layers]
+                for row, count in enumerate(lengths)}
+
+
 class Handoff:
     """Builds the target's prefix cache in one of MODES and scores tokens after it."""
 
@@ -115,9 +177,6 @@ class Handoff:
         self.repair, self.keep = repair or Repair(), keep
         check_options(mode, self.repair, keep)
         self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
-        # prefix -> its mapped cache (batch 1, before any repair), kept by a gate's scorer that mapped it already, for
-        # prefix_layers to use instead of prefilling and mapping it again (`kv.router`)
-        self.kept_maps: dict[tuple[int, ...], Layers] = {}
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if mode in SOURCE_MODES:
@@ -149,25 +208,55 @@ class Handoff:
         Prefixes of different lengths come right-padded, `lengths` (B,) their real lengths: causal attention
         never lets a real token see the padding after it, so every real slot is what batch 1 computes; the
         padded slots hold junk that `step_logprobs` masks out."""
+        mask = None if lengths is None else real_slots(lengths, prefix_ids.shape[1]).long()  # (B, P)
+        return self.built(prefix_ids, lengths, mask).layers
+
+    def built(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | None,
+              clock: ClockHook | None = None, prefilled: Layers | None = None) -> Built:
+        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made: the decoding
+        model's own prefill (an own mode), the zero cache, or the source's prefill mapped; then repaired. `lengths`
+        (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as `prefill` and `map`
+        (with the repair) end; `prefilled`: the prefill's cache, made already by a handoff of the same model."""
         prefix_ids = prefix_ids.to(self.device)
         batch, length = prefix_ids.shape
         self.check_length(length)
         if length == 0:
-            return None
-        mask = None if lengths is None else (torch.arange(length)[None] < lengths[:, None]).long()  # (B, P)
-        dtype = self.target.dtype
+            return Built(None, None, None)
         if self.mode in OWN_MODES:
-            return cache_to_layers(self.target.model(input_ids=prefix_ids, attention_mask=_on(mask, self.device),
-                                                     use_cache=True).cache)
+            own = prefilled if prefilled is not None else cache_to_layers(self.target.model(
+                input_ids=prefix_ids, attention_mask=_on(mask, self.device), use_cache=True).cache)
+            _tell(clock, "prefill")
+            return Built(None, None, own)
+        source = None
         if self.mode == "zero":
             shape = (batch, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
-            zeros = torch.zeros(shape, dtype=dtype, device=self.device)
-            return self.repaired_layers([(zeros, zeros) for _ in range(self.target_geometry["layers"])], prefix_ids,
-                                        lengths)
-        mapped = kept_layers(self.kept_maps, prefix_ids, lengths)
-        if mapped is None:
-            mapped = self.to_target(self.source_prefill(prefix_ids, mask), lengths)
-        return self.repaired_layers(mapped, prefix_ids, lengths)
+            zeros = torch.zeros(shape, dtype=self.target.dtype, device=self.device)
+            mapped = [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
+        else:
+            source = prefilled if prefilled is not None else self.source_prefill(prefix_ids, mask)
+            _tell(clock, "prefill")
+            mapped = self.to_target(source, lengths)
+        layers = self.repaired_layers(mapped, prefix_ids, lengths)
+        _tell(clock, "map")
+        return Built(source, mapped, layers)
+
+    @no_grad
+    def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None, prefilled: Layers | None = None,
+                   retain: bool = False) -> FirstStep:
+        """The handoff's first step on a batch of contexts: their prefix cache built in this handoff's mode and
+        repaired (`built`), then the target's step on each context's last token c[n-1], giving the logits of the
+        first token after the context and the cache to continue from (the prefix and c[n-1]). `clock(part)` is told
+        as each part ends: `prefill`, `map` (with the repair), `step`; `prefilled`: as `built`; `retain`: keep the
+        source's cache and the mapped one before the repair in the result (a gate's scores read them)."""
+        built = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock, prefilled)
+        source, mapped, layers = (built.source, built.mapped, built.layers) if retain else (None, None, built.layers)
+        del built  # unless retained, the source's cache is freed once mapped, as a server would
+        logits, cache = self.forward(layers, prefixes.last, prefixes.padded_lengths, logits_to_keep=1,
+                                     keep_cache=True)
+        logits = logits[:, -1]  # (B, V)
+        logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
+        _tell(clock, "step")
+        return FirstStep(prefixes, logits, cache, source, mapped)
 
     def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers:
         """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`."""
@@ -231,44 +320,44 @@ class Handoff:
                     prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (B, L, V) under `step_logprobs`, in the target's dtype, with autograd left as the caller
         set it: a map trained through the frozen target (`fitting.distill`) backpropagates through the cache."""
+        return self.forward(layers, tokens, prefix_lengths)[0]
+
+    def forward(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
+                logits_to_keep: int = 0, keep_cache: bool = False) -> tuple[torch.Tensor, object]:
+        """The target's logits (B, L, V) over tokens (B, L) after the prefix cache `layers`, as `step_logprobs` reads
+        them (`logits_to_keep` > 0: the last ones only), and the cache it read, which now holds the tokens too
+        (`keep_cache`: a fresh one where there is no prefix, so decoding can go on; else None there)."""
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.target_cache(layers, tokens.shape[0])
+        if cache is None and keep_cache:
+            cache = transformers.DynamicCache(config=self.target.config)
         options = {} if prefix_lengths is None or layers is None else padded_prefix(prefix_lengths, width,
                                                                                   tokens.shape[1], self.device)
-        return self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
-                           **options).logits
+        if logits_to_keep:
+            options["logits_to_keep"] = logits_to_keep
+        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
+                             **options).logits
+        return logits, cache
 
 
 def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device) -> dict[str, torch.Tensor]:
     """The attention mask and positions of `steps` tokens read after right-padded prefixes of real lengths
     `prefix_lengths` (B,) in a cache `width` slots wide: the padded slots masked out, row b's tokens at positions
     prefix_lengths[b], prefix_lengths[b] + 1, ..."""
-    prefix_mask = torch.arange(width)[None] < prefix_lengths[:, None]  # (B, P)
+    prefix_mask = real_slots(prefix_lengths, width)  # (B, P)
     steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
     return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
             "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
 
 
-def kept_layers(kept_maps: dict[tuple[int, ...], Layers], prefix_ids: torch.Tensor,
-                lengths: torch.Tensor | None) -> Layers | None:
-    """The mapped cache of prefix_ids (B, P) put together from `kept_maps` (a handoff's: prefix -> its mapped
-    cache, batch 1), each row right-padded with zeros (slots the step's mask hides); None unless every row's prefix
-    is kept there."""
-    if not kept_maps:
-        return None
-    width = prefix_ids.shape[1]
-    real = [width] * prefix_ids.shape[0] if lengths is None else lengths.tolist()
-    rows = [tuple(prefix_ids[row, :count].tolist()) for row, count in enumerate(real)]
-    if not all(row in kept_maps for row in rows):
-        return None
-    return [tuple(torch.cat([F.pad(kept_maps[row][layer][side], (0, 0, 0, width - count))  # (1, H, P, D)
-                             for row, count in zip(rows, real)]) for side in (0, 1))
-            for layer in range(len(kept_maps[rows[0]]))]
-
-
 def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if mask is None else mask.to(device)
+
+
+def _tell(clock: ClockHook | None, part: str) -> None:
+    if clock is not None:
+        clock(part)
 
 
 def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""Per-layer keys/values out of a transformers cache, a transformers cache built from tensors, and the keys a
-model computes before its rotary embedding (what a stripped cache must equal: the RoPE control's reference).
+"""Per-layer keys/values out of a transformers cache, a transformers cache built from tensors, the keys a model
+computes before its rotary embedding (what a stripped cache must equal: the RoPE control's reference), and a batch
+of contexts' prefixes, right-padded (`Prefixes`) with the one mask of their real slots (`real_slots`).
 
 Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, tokens, head_dim).
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Sequence
 
 from pipeline.kv import projections
 from pipeline.store.lazy import lazy
@@ -12,6 +15,57 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
+
+
+def real_slots(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, width) bool: the real slots of right-padded rows of real lengths `lengths` (B,), slot j < lengths[b]; the
+    one place a padded batch's mask is made."""
+    return torch.arange(width)[None] < lengths.cpu()[:, None]
+
+
+class Prefixes(NamedTuple):
+    """A batch of contexts c[0..n-1] as the handoff reads them: each prefix c[0..n-2] right-padded, and c[n-1].
+
+        ids     c0[0] ... c0[n0-2] pad pad      (B, P)       last  c0[n0-1]   (B, 1)
+                c1[0] ... ......... c1[n1-2]                        c1[n1-1]
+    """
+
+    ids: torch.Tensor  # (B, P) long
+    lengths: torch.Tensor  # (B,) each prefix's real length n - 1
+    mask: torch.Tensor  # (B, P) long: 1 at the real slots (`real_slots`)
+    last: torch.Tensor  # (B, 1) long: each context's last token c[n-1]
+
+    @classmethod
+    def of(cls, contexts: torch.Tensor) -> Prefixes:
+        """The prefixes of contexts (B, n) of one length: none padded."""
+        ids = contexts[:, :-1]
+        lengths = torch.full((len(contexts),), ids.shape[1])
+        return cls(ids, lengths, real_slots(lengths, ids.shape[1]).long(), contexts[:, -1:])
+
+    @property
+    def padded(self) -> bool:
+        """Whether any row is shorter than the batch's width (a full batch is read without a mask)."""
+        return bool((self.lengths != self.ids.shape[1]).any())
+
+    @property
+    def padded_lengths(self) -> torch.Tensor | None:
+        """The real lengths where some row is padded, else None: what the cache builders and steps take."""
+        return self.lengths if self.padded else None
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """The mask (B, P) a prefill reads where some row is padded, else None (a full batch needs none)."""
+        return self.mask if self.padded else None
+
+
+def padded_prefixes(contexts: Sequence[Sequence[int]]) -> Prefixes:
+    """Each context[:-1] right-padded, with its real length, the batch's mask and each context's last token."""
+    lengths = torch.tensor([len(context) - 1 for context in contexts])
+    ids = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        ids[row, : len(context) - 1] = torch.tensor(list(context[:-1]), dtype=torch.long)
+    last = torch.tensor([[context[-1]] for context in contexts], dtype=torch.long)
+    return Prefixes(ids, lengths, real_slots(lengths, ids.shape[1]).long(), last)
 
 
 def cache_to_layers(cache) -> Layers:

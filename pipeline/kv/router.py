@@ -6,9 +6,10 @@ hands nothing off (`kv.routes`). Decisions are memoised per context, so a contex
 (HellaSwag's four endings, lm-eval's rolling windows, a decode's every token) is gated once. `score` then scores
 (context, continuation) requests through `kv.scoring.score_continuations`, each group on its route's handoff, after
 truncating each context once to the window (`truncate`: lm-eval's left-truncation). Under a gate it does so
-`batch_size` contexts at a time, and the gate's scorer keeps the mapped cache of each context it scores
-(`Handoff.kept_maps`): a context that keeps its map is prefilled by the source and mapped once, for its score and
-its continuations, and no more than a batch of mapped caches is held at once.
+`batch_size` contexts at a time, and the router keeps the prefix cache of each context from the handoff's first
+step the gate scored (`FirstStep.kept`): a context that keeps its map is prefilled by the source, mapped and repaired
+once, for its score and its continuations, and no more than a batch of those caches is held at once. `first_step`
+routes one context to its first step (a timed evaluation's, `measure.evaluation`).
 
 Built from a `Pair` and a validated `kv.request.Request` (`Router.of`), or from a handoff a stage already holds.
 `record()` is what a face writes beside its results: the mode, the repair, the gate and, once counted, the routes.
@@ -18,8 +19,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeline.kv.gate import Gate
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.routes import FELL_BACK, Route, way, ways
+from pipeline.kv.handoff import ClockHook, FirstStep, Handoff
+from pipeline.kv.kvcache import Layers, padded_prefixes
+from pipeline.kv.routes import FELL_BACK, Route, hands_off, way, ways
 from pipeline.kv.scoring import score_continuations, truncate
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context, continuation) token ids
@@ -51,21 +53,43 @@ class Router:
         """Every way this router can send a request, in the order counts list them."""
         return ways(self.handoff.mode, self.repaired, self.gate is not None)
 
-    def routes(self, contexts: Sequence[Sequence[int]], keep: bool = False) -> list[Route]:
-        """Each context's route (its gate's score where gated); `keep`: the mapped cache of each newly gated context
-        that keeps its map stays in the handoff's `kept_maps`, for its scoring."""
+    def routes(self, contexts: Sequence[Sequence[int]], kept: dict[tuple[int, ...], Layers] | None = None
+               ) -> list[Route]:
+        """Each context's route (its gate's score where gated); `kept`: filled with the prefix cache of each newly
+        gated context that keeps its map (the gate's first step of it), for its scoring."""
         if self.gate is not None:
             unseen = list(dict.fromkeys(tuple(c) for c in contexts if tuple(c) not in self.decisions))
             if unseen:
-                kept = self.handoff.kept_maps if keep else None
                 scores, fallback = self.gate.route(unseen, self.batch_size, kept)
                 self.decisions.update(zip(unseen, zip(scores.tolist(), fallback.tolist())))
                 for context, fell_back in zip(unseen, fallback.tolist()):
-                    if keep and fell_back:
-                        self.handoff.kept_maps.pop(context[:-1], None)
-        decided = [self.decisions.get(tuple(context), (None, False)) for context in contexts]
-        return [Route(way(self.handoff.mode, self.repaired, context, fell_back), score)
-                for context, (score, fell_back) in zip(contexts, decided)]
+                    if kept is not None and fell_back:
+                        kept.pop(context[:-1], None)
+        return [self.route(context) for context in contexts]
+
+    def route(self, context: Sequence[int]) -> Route:
+        """A context's route, as decided (ungated, or not yet gated: the handoff's own)."""
+        score, fell_back = self.decisions.get(tuple(context), (None, False))
+        return Route(way(self.handoff.mode, self.repaired, context, fell_back), score)
+
+    def first_step(self, context: Sequence[int], clock: ClockHook | None = None) -> tuple[FirstStep, Route]:
+        """One context's first step on its route, batch 1 (a timed evaluation's), and the route: under a gate the
+        handoff's first step, the gate's score of it and, where it falls back, the fallback's own first step.
+        `clock` is told each part: the handoff's (`Handoff.first_step`), `gate` after the score, `fallback` after
+        each part of the fallback's."""
+        prefixes = padded_prefixes([context])
+        if self.gate is None or not hands_off(self.handoff.mode, context):
+            route = self.routes([context])[0]
+            return self.handoff_of(route).first_step(prefixes, clock), route
+        first = self.handoff.first_step(prefixes, clock, retain=True)
+        score = self.gate.scorer.step_scores(first, [self.gate.score])[self.gate.score]  # (1,)
+        fell_back = bool(self.gate.falls_back(score)[0])
+        if clock is not None:
+            clock("gate")
+        self.decisions[tuple(context)] = (float(score[0]), fell_back)
+        if fell_back:
+            first = self.gate.fallback.first_step(prefixes, None if clock is None else lambda part: clock("fallback"))
+        return first, self.route(context)
 
     def handoff_of(self, route: Route) -> Handoff:
         """The handoff that serves a request of `route`."""
@@ -91,25 +115,24 @@ class Router:
         for start in range(0, len(distinct), self.batch_size):
             members = [index for context in distinct[start : start + self.batch_size] for index in sharing[context]]
             part = [trimmed[index] for index in members]
-            try:
-                scored, routed = self.scored(part, self.routes([context for context, _ in part], keep=True),
-                                             max_length, progress=False)
-            finally:
-                self.handoff.kept_maps.clear()
+            kept: dict[tuple[int, ...], Layers] = {}  # this batch's prefix caches from the gate's first steps
+            scored, routed = self.scored(part, self.routes([context for context, _ in part], kept), max_length,
+                                         progress=False, kept=kept)
             for index, result, route in zip(members, scored, routed):
                 results[index], routes[index] = result, route
         return results, routes
 
-    def scored(self, trimmed: Sequence[Request], routes: list[Route], max_length: int, progress: bool
-               ) -> tuple[list[tuple[float, bool]], list[Route]]:
-        """Truncated requests scored on their routes' handoffs."""
+    def scored(self, trimmed: Sequence[Request], routes: list[Route], max_length: int, progress: bool,
+               kept: dict[tuple[int, ...], Layers] | None = None) -> tuple[list[tuple[float, bool]], list[Route]]:
+        """Truncated requests scored on their routes' handoffs (`kept`: prefix caches the handoff built already)."""
         results: list = [None] * len(trimmed)
         for handoff, fell_back in ((self.handoff, False), (self.gate and self.gate.fallback, True)):
             members = [index for index, route in enumerate(routes) if (route.way == FELL_BACK) == fell_back]
             if not members:
                 continue
             scored = score_continuations(handoff, [trimmed[index] for index in members], self.batch_size,
-                                         max_length=max_length, progress=progress)
+                                         max_length=max_length, progress=progress,
+                                         kept=None if fell_back else kept)
             for index, result in zip(members, scored):
                 results[index] = result
         return results, routes

@@ -7,16 +7,17 @@ from the others and at positions n-1, n, ... again (`kv.decode.packed_logprobs`)
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.decode import packed_logprobs, padded_prefixes
+from pipeline.kv.decode import packed_logprobs
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Layers
+from pipeline.kv.kvcache import Layers, Prefixes, padded_prefixes
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
+F = lazy("torch.nn.functional")
 
 
 def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
@@ -33,6 +34,7 @@ def score_continuations(
     batch_size: int = 8,
     max_length: int | None = None,
     progress: bool = True,
+    kept: Mapping[tuple[int, ...], Layers] | None = None,
 ) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
 
@@ -50,6 +52,8 @@ def score_continuations(
 
     so no prefix is copied per continuation and a row is padded only to the longest packed row. Contexts are
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
+    `kept`: prefix -> its cache (batch 1) already built by this handoff (a gate's first step, `kv.router`), read
+    instead of building a batch's cache again where it holds every prefix of the batch.
     """
     max_length = max_length or handoff.target.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
@@ -57,19 +61,36 @@ def score_continuations(
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
     for chunk in context_batches(ordered, batch_size):
         contexts = [context for context, _ in chunk]
-        prefixes, lengths, padded = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
-        layers = handoff.prefix_layers(prefixes, lengths if padded else None)
+        prefixes = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
+        layers = kept_layers(kept or {}, prefixes)
+        if layers is None:
+            layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
         if len(chunk) == 1:  # one context, however many continuations: as few rows as its window allows
             forwards = [[part] for part in window_parts(chunk[0][1], requests, max_length)]
         else:
             forwards = [[indices for _, indices in chunk]]
         for forward in forwards:
             rows = [[(index, requests[index][1]) for index in indices] for indices in forward]
-            for index, result in score_rows(handoff, layers, contexts, rows, lengths, padded).items():
+            for index, result in score_rows(handoff, layers, contexts, rows, prefixes.lengths,
+                                            prefixes.padded).items():
                 results[index] = result
             bar.update(sum(len(members) for members in rows))
     bar.close()
     return results  # type: ignore[return-value]
+
+
+def kept_layers(kept: Mapping[tuple[int, ...], Layers], prefixes: Prefixes) -> Layers | None:
+    """The cache of a batch of prefixes put together from `kept` (prefix -> its cache, batch 1), each row
+    right-padded with zeros (slots the step's mask hides); None unless every row's prefix is kept there."""
+    if not kept:
+        return None
+    rows = [tuple(prefixes.ids[row, :count].tolist()) for row, count in enumerate(prefixes.lengths.tolist())]
+    if not all(row in kept for row in rows):
+        return None
+    width = prefixes.ids.shape[1]
+    return [tuple(torch.cat([F.pad(kept[row][layer][side], (0, 0, 0, width - len(row)))  # (1, H, P, D)
+                             for row in rows]) for side in (0, 1))
+            for layer in range(len(kept[rows[0]]))]
 
 
 def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,

@@ -115,6 +115,7 @@ class HandoffLM(TargetTokensLM):
         self.ledger = Ledger()
         self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
         self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs
+        self._tokens: dict = {}  # ... and the token ids it was scored on (before the router's truncation)
         self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
 
     @property
@@ -169,19 +170,19 @@ class HandoffLM(TargetTokensLM):
         return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts())
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        self._served, self._gathered = {}, False
+        self._served, self._tokens, self._gathered = {}, {}, False
         results = super().loglikelihood(requests, disable_tqdm)  # tokenized by TemplateLM, scored below
         for request in requests:
-            self.ledger.record(request, self._served[request.args])
+            self.ledger.record(request, self._served[request.args], self._tokens[request.args])
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         results, routes = self.router.score([(context, continuation) for _, context, continuation in requests],
                                             self.max_length, progress=not disable_tqdm)
-        for (request, _, _), result, route in zip(requests, results, routes):
+        for (request, context, continuation), result, route in zip(requests, results, routes):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, result)
-                self._served[request] = route
+                self._served[request], self._tokens[request] = route, (list(context), list(continuation))
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

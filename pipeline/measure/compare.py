@@ -17,6 +17,11 @@ against that stored copy:
 - with the oracle's attention outputs stored (`oracle_outputs(..., attention=True)`, the select stage's proxy
   for retention): per target layer, the mean cosine between the oracle's attention output and the variant's
   at each continuation position (1 for the oracle itself).
+
+`variant_rows` batches prompts and reads each batch twice (teacher-forced, then a greedy rollout: two prefix
+caches); `timed_rows` runs each prompt alone through its router's first step, timed (`kv.router.Router.first_step`,
+`measure.timing.Stopwatch`), and reads both from that one cache (`kv.decode.read_after`), and `timed_oracle` stores
+the oracle's outputs from those same reads. The figures over the rows are `measure.prompt_metrics`'.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.decode import greedy_rollout, teacher_forced
+from pipeline.kv.decode import greedy_rollout, read_after, teacher_forced
 from pipeline.kv.handoff import Handoff
+from pipeline.kv.router import Router
 from pipeline.measure.confident import MARGINS, PROBABILITIES, oracle_margin, oracle_probability
+from pipeline.measure.timing import Stopwatch
 from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
@@ -121,29 +128,8 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
         captured = [] if attention else None
         for i, (logprobs, (_, continuation), rollout) in enumerate(zip(teacher_forced(handoff, batch, captured),
                                                                        batch, rollouts), start):
-            m = len(continuation)
-            logprobs = logprobs.cpu()  # (m, V)
-            targets = torch.tensor(list(continuation))
-            choice = logprobs.argmax(-1)  # (m,)
-            agree = (choice == oracle["top_ids"][i, :m, 0]).to(torch.int64)  # (m,)
-            kl = _kl_on_top(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m], logprobs)
-            rows.append({
-                "prompt": i,
-                "tokens": m,
-                "nll": float(-logprobs.gather(-1, targets[:, None]).sum()),
-                "first_agree": int(agree[0]),
-                "agree": int(agree.sum()),
-                "agree_by_position": agree.tolist(),
-                MARGINS: oracle_margin(oracle["top_logprobs"][i, :m]).tolist(),
-                PROBABILITIES: oracle_probability(oracle["top_logprobs"][i, :m], oracle["top_ids"][i, :m],
-                                                  choice).tolist(),
-                "kl": float(kl.sum()),
-                "rollout_agree": int((rollout == oracle["greedy"][i]).sum()),
-                "horizon": horizon,
-            })
-            if attention:  # per target layer, the sum over positions of the cosine with the oracle's
-                cosine = F.cosine_similarity(captured[i - start].float(), oracle["attention"][i].float(), dim=-1)
-                rows[-1]["attention_cosine"] = cosine.sum(-1).tolist()  # (L_t,) sums over the m positions
+            rows.append(prompt_row(i, logprobs, continuation, rollout, oracle,
+                                   captured[i - start] if attention else None))
         bar.update(len(batch))
     bar.close()
     per_rank = ranks.gather(rows)
@@ -152,25 +138,83 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
     return pd.DataFrame(sorted((row for part in per_rank for row in part), key=lambda row: row["prompt"]))
 
 
-def summarize(rows: pd.DataFrame) -> dict[str, float]:
-    tokens = rows.tokens.sum()
-    return {
-        "perplexity": float(np.exp(rows.nll.sum() / tokens)),
-        "next_token_top1": float(rows.first_agree.mean()),
-        "agreement": float(rows.agree.sum() / tokens),
-        "mean_kl": float(rows.kl.sum() / tokens),
-        "rollout_agreement": float(rows.rollout_agree.sum() / rows.horizon.sum()),
-        "prompts": int(len(rows)),
-        "tokens": int(tokens),
-        **attention_summary(rows),
+def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], rollout: torch.Tensor,
+               oracle: dict, attention: torch.Tensor | None = None) -> dict:
+    """Prompt `index`'s row against the stored oracle from the variant's log-probabilities (m, V) over its
+    continuation, its greedy rollout (horizon,) and, where the oracle's are stored, its attention outputs (L_t, m,
+    hidden)."""
+    m = len(continuation)
+    logprobs = logprobs.cpu()  # (m, V)
+    targets = torch.tensor(list(continuation))
+    choice = logprobs.argmax(-1)  # (m,)
+    agree = (choice == oracle["top_ids"][index, :m, 0]).to(torch.int64)  # (m,)
+    kl = _kl_on_top(oracle["top_logprobs"][index, :m], oracle["top_ids"][index, :m], logprobs)
+    row = {
+        "prompt": index,
+        "tokens": m,
+        "nll": float(-logprobs.gather(-1, targets[:, None]).sum()),
+        "first_agree": int(agree[0]),
+        "agree": int(agree.sum()),
+        "agree_by_position": agree.tolist(),
+        MARGINS: oracle_margin(oracle["top_logprobs"][index, :m]).tolist(),
+        PROBABILITIES: oracle_probability(oracle["top_logprobs"][index, :m], oracle["top_ids"][index, :m],
+                                          choice).tolist(),
+        "kl": float(kl.sum()),
+        "rollout_agree": int((rollout.cpu() == oracle["greedy"][index]).sum()),
+        "horizon": oracle["greedy"].shape[1],
     }
+    if attention is not None:  # per target layer, the sum over positions of the cosine with the oracle's
+        cosine = F.cosine_similarity(attention.float(), oracle["attention"][index].float(), dim=-1)
+        row["attention_cosine"] = cosine.sum(-1).tolist()  # (L_t,) sums over the m positions
+    return row
 
 
-def attention_summary(rows: pd.DataFrame) -> dict[str, float]:
-    """Mean attention-output cosine with the oracle per target layer over all continuation positions, and its
-    mean over layers (`attention_cosine`); {} when the rows have none."""
-    if "attention_cosine" not in rows:
-        return {}
-    per_layer = np.array(rows.attention_cosine.tolist()).sum(0) / rows.tokens.sum()  # (L_t,)
-    return {"attention_cosine": float(per_layer.mean()),
-            **{f"attention_cosine_layer{layer}": float(value) for layer, value in enumerate(per_layer)}}
+PARTS = ("prefill", "map", "step", "gate", "fallback")  # a timed first step's parts (`Router.first_step`)
+
+
+def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
+    """Per prompt, one at a time through `router`'s first step: its index, log-probabilities (m, V), greedy rollout
+    (horizon,), route and times (`ttft_ms`: the first step's whole path; each part of `PARTS` in ms). The first
+    prompt is run `warmup` times untimed first."""
+    for _ in range(warmup if prompts else 0):
+        router.first_step(router.handoff.context(prompts[0][0]))
+    for index, (context, continuation) in enumerate(tqdm(prompts, desc=f"timed ({router.handoff.mode})",
+                                                         unit="prompt", disable=not progress)):
+        clock = Stopwatch(router.handoff.device)
+        first, route = router.first_step(router.handoff.context(context), clock)
+        times = {"ttft_ms": clock.total_ms(), **dict.fromkeys((f"{part}_ms" for part in PARTS), 0.0)}
+        times.update({f"{part}_ms": ms for part, ms in clock.parts_ms().items()})
+        logprobs, rollout = read_after(router.handoff_of(route), first, continuation, horizon)
+        yield index, logprobs, rollout, route, times
+
+
+def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int, progress: bool = True
+               ) -> pd.DataFrame:
+    """`variant_rows`' rows, each prompt timed alone through `router` (`timed_reads`), with its route's way and
+    times."""
+    rows = [{**prompt_row(index, logprobs, prompts[index][1], rollout, oracle), "way": route.way, **times}
+            for index, logprobs, rollout, route, times in timed_reads(router, prompts, oracle["greedy"].shape[1],
+                                                                      warmup, progress)]
+    return pd.DataFrame(rows)
+
+
+def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
+                 progress: bool = True) -> tuple[dict, pd.DataFrame]:
+    """The oracle's stored outputs (`oracle_outputs`' form) from one timed pass of the oracle's router, and its
+    timed rows against them: each prompt's prefix prefilled once for both."""
+    if router.handoff.mode != "oracle" or router.gate is not None:
+        raise ValueError("oracle outputs must come from the oracle handoff, ungated")
+    width = max(len(cont) for _, cont in prompts)
+    k = min(top_k, router.handoff.target.config.vocab_size)
+    stored = {"top_ids": torch.zeros(len(prompts), width, k, dtype=torch.int64),
+              "top_logprobs": torch.full((len(prompts), width, k), float("-inf")),
+              "lengths": torch.tensor([len(cont) for _, cont in prompts]),
+              "greedy": torch.zeros(len(prompts), horizon, dtype=torch.int64)}
+    reads = list(timed_reads(router, prompts, horizon, warmup, progress))
+    for index, logprobs, rollout, _, _ in reads:
+        values, ids = logprobs.topk(k, dim=-1)  # (m, K)
+        stored["top_ids"][index, : len(ids)], stored["top_logprobs"][index, : len(ids)] = ids.cpu(), values.cpu()
+        stored["greedy"][index] = rollout.cpu()
+    rows = [{**prompt_row(index, logprobs, prompts[index][1], rollout, stored), "way": route.way, **times}
+            for index, logprobs, rollout, route, times in reads]
+    return stored, pd.DataFrame(rows)

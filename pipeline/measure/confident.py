@@ -27,7 +27,6 @@ pd = lazy("pandas")
 torch = lazy("torch")
 
 MARGINS, PROBABILITIES = "margin_by_position", "oracle_prob_by_position"  # the per-prompt rows' list columns
-FIGURES = ("confident_top1", "confident_agreement", "oracle_weighted_agreement")
 
 
 def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
@@ -80,9 +79,9 @@ def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | i
 
 
 def confidence_intervals(rows: pd.DataFrame, margin: float, iters: int, seed: int) -> dict[str, float | None]:
-    """95% percentile intervals of `FIGURES` (`<figure>_low`, `<figure>_high`) from resampling prompts (a prompt's
-    positions stay together: they share its context); None where the figure has no confident prompt or
-    position."""
+    """95% percentile intervals of the confident figures and the oracle-weighted agreement (`<figure>_low`,
+    `<figure>_high`) from resampling prompts (a prompt's positions stay together: they share its context); None
+    where the figure has no confident prompt or position."""
     first, first_agree, owner, confident, agree, probability = _arrays(rows, margin)
     count = len(first)
     picks = np.random.default_rng(seed).integers(0, count, size=(iters, count))  # (iters, N)

@@ -19,17 +19,17 @@ allocator (Python objects, BLAS scratch) is not counted.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 from tqdm.auto import tqdm
 
 from pipeline.kv.flops import speedup_bound
-from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.handoff import FirstStep, Handoff
+from pipeline.kv.kvcache import Prefixes, kv_geometry
 from pipeline.kv.mapper import random_mapper
 from pipeline.kv.pair import Pair
+from pipeline.measure.timing import Stopwatch, read_clock
 from pipeline.store.artifacts import atomic_path, write_bytes_atomic
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -58,12 +58,6 @@ def check_lengths(lengths: list[int], where: str) -> None:
         raise ParamError(f"{where}: repeated prompt length in {lengths}; list each length once")
 
 
-def _clock(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter_ns()
-
-
 @no_grad
 def target_first_token(target, ids: torch.Tensor):
     """Path (a): the target prefills ids (1, n); returns its output (cache and last logits)."""
@@ -73,34 +67,24 @@ def target_first_token(target, ids: torch.Tensor):
 
 
 @no_grad
-def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[object, list[int]]:
-    """Path (b) for ids (1, n): the target's output and clock readings (ns) around and between its parts."""
-    device = handoff.device
-    marks = [_clock(device)]
-    source_layers = handoff.source_prefill(ids[:, :-1])
-    marks.append(_clock(device))
-    target_layers = handoff.repaired_layers(handoff.to_target(source_layers), ids[:, :-1], None)  # map + repair
-    del source_layers  # a server frees the source cache once it is mapped
-    cache = handoff.target_cache(target_layers)
-    del target_layers  # DynamicCache holds its own copy
-    marks.append(_clock(device))
-    output = handoff.target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1)
-    output.logits[0, -1].argmax().item()
-    marks.append(_clock(device))
-    return output, marks
+def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[FirstStep, Stopwatch]:
+    """Path (b) for ids (1, n): the handoff's first step (`Handoff.first_step`) and the clock that timed its parts
+    (`prefill`, the source's; `map`, with the repair; `step`)."""
+    clock = Stopwatch(handoff.device)
+    return handoff.first_step(Prefixes.of(ids), clock), clock
 
 
 def time_target(target, ids: torch.Tensor) -> float:
-    start = _clock(target.device)
+    start = read_clock(target.device)
     target_first_token(target, ids)
-    return (_clock(target.device) - start) / 1e6
+    return (read_clock(target.device) - start) / 1e6
 
 
 def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
     """Milliseconds of path (b) and of each of its parts, from one run."""
-    _, marks = handoff_first_token(handoff, ids)
-    parts = {name: (marks[i + 1] - marks[i]) / 1e6 for i, name in enumerate(("source", "map", "step"))}
-    return {"handoff": (marks[-1] - marks[0]) / 1e6, **parts}
+    _, clock = handoff_first_token(handoff, ids)
+    parts = clock.parts_ms()
+    return {"handoff": clock.total_ms(), "source": parts["prefill"], "map": parts["map"], "step": parts["step"]}
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:

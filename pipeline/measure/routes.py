@@ -10,14 +10,19 @@ from pipeline.kv.routes import Route
 
 class Ledger:
     """The route of every lm-eval Instance a model served: (task, doc id, request index) -> (route, repr of its
-    args). A request seen twice (lm-eval pads a rank's requests with copies of its last one) is one entry."""
+    args), and of each log-likelihood request the token ids it was scored on: (context, continuation). A request
+    seen twice (lm-eval pads a rank's requests with copies of its last one) is one entry."""
 
     def __init__(self):
         self.entries: dict[tuple, tuple[Route, str]] = {}
+        self.tokens: dict[tuple, tuple[list[int], list[int]]] = {}
 
-    def record(self, request, route: Route) -> None:
-        """`route` as the route of lm-eval's Instance `request`."""
-        self.entries[(request.task_name, request.doc_id, request.idx)] = (route, repr(request.args))
+    def record(self, request, route: Route, tokens: tuple[list[int], list[int]] | None = None) -> None:
+        """`route` as the route of lm-eval's Instance `request`, and the `tokens` it was scored on where given."""
+        key = (request.task_name, request.doc_id, request.idx)
+        self.entries[key] = (route, repr(request.args))
+        if tokens is not None:
+            self.tokens[key] = tokens
 
     def counts(self, ways: list[str]) -> dict[str, dict[str, int]]:
         """Per task: its requests and how many went each way (every one of `ways`, zeros included: a gate that never
@@ -48,9 +53,10 @@ class Ledger:
     def gather(self, ranks) -> None:
         """Every rank's entries merged into rank 0's (`ranks`: a `store.ranks.Ranks`; lm-eval gives each rank every
         N-th document); in one process, nothing changes."""
-        ledgers = ranks.gather(self.entries)
+        ledgers = ranks.gather((self.entries, self.tokens))
         if ledgers is not None:
-            self.entries = {key: value for entries in ledgers for key, value in entries.items()}
+            self.entries = {key: value for entries, _ in ledgers for key, value in entries.items()}
+            self.tokens = {key: value for _, tokens in ledgers for key, value in tokens.items()}
 
 
 def count_lines(setting: str, counts: dict[str, dict[str, int]]) -> list[str]:

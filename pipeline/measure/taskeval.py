@@ -1,9 +1,10 @@
 """Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
 
 Returns lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in
-document order) and one row per item (acc, acc_norm,
-the choices' log-likelihoods, the item's `kind` where the data marks one, and lm-eval's context and choice
-continuations, which a selective handoff scores the item by) for paired statistics.
+document order) and one row per item (acc, acc_norm, the choices' log-likelihoods, the item's `kind` where the data
+marks one, lm-eval's context and choice continuations, and per choice the token ids it was scored on: its context as
+lm-eval encoded it, before the router's truncation, and its continuation) for paired statistics and for the gate's
+scores of the same requests.
 """
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
     if raw_to is not None:
         write_raw(out, samples, raw_to, {folder: "tasks"})
     summary, rows = {}, []
+    tokens = lm.ledger.tokens  # (task, doc id, choice) -> (context ids, continuation ids), every rank's
     for task, path in files.items():
         # lm-eval's own aggregation (mean and its closed-form stderr), on the items in document order: the
         # same figures whichever process scored which item
@@ -133,6 +135,10 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
                 "loglikelihoods": [float(r[0][0]) for r in sample["resps"]],
                 "context": str(sample["arguments"][0][0]),
                 "choices": [str(argument[1]) for argument in sample["arguments"]],
+                "context_ids": [tokens[PREFIX + task, sample["doc_id"], choice][0]
+                                for choice in range(len(sample["arguments"]))],
+                "continuation_ids": [tokens[PREFIX + task, sample["doc_id"], choice][1]
+                                     for choice in range(len(sample["arguments"]))],
             })
     return summary, pd.DataFrame(rows)
 
@@ -149,13 +155,3 @@ def write_raw(out: dict, samples: dict[str, list[dict]], raw_to: Path, folders: 
         with open(raw_to / f"lm_eval_samples_{task}.jsonl", "w") as handle:
             for sample in rows:
                 handle.write(json.dumps(portable(sample, folders)) + "\n")
-
-
-def by_kind(frame: pd.DataFrame, metric: str = "acc") -> dict[str, float]:
-    """Accuracy per task and per task/kind, flat: {'hellaswag': .., 'hellaswag/recall': .., ...}."""
-    out = {}
-    for task, group in frame.groupby("task", sort=True):
-        out[task] = float(group[metric].mean())
-        for kind, part in group.dropna(subset=["kind"]).groupby("kind", sort=True):
-            out[f"{task}/{kind}"] = float(part[metric].mean())
-    return out

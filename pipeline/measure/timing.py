@@ -1,4 +1,5 @@
-"""Timing helpers shared by the stages: medians of repeated runs, a mapper's cost against the source's prefill."""
+"""Timing helpers shared by the stages: medians of repeated runs, a mapper's cost against the source's prefill, and
+the clock a handoff's first step is timed by, part by part (`Stopwatch`)."""
 from __future__ import annotations
 
 import statistics
@@ -10,6 +11,36 @@ from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
+
+
+def read_clock(device: torch.device) -> int:
+    """Nanoseconds now, once the device's queued kernels are done (a CUDA synchronize on a GPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter_ns()
+
+
+class Stopwatch:
+    """Synchronized readings of one request's parts: made at the start, called with a part's name as the part ends
+    (`kv.handoff.ClockHook`, the hook `Handoff.first_step` tells); a part told twice adds up."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks: list[tuple[str, int]] = [("start", read_clock(device))]
+
+    def __call__(self, part: str) -> None:
+        self.marks.append((part, read_clock(self.device)))
+
+    def parts_ms(self) -> dict[str, float]:
+        """Each part's milliseconds, in the order first told."""
+        parts: dict[str, float] = {}
+        for (_, before), (part, after) in zip(self.marks, self.marks[1:]):
+            parts[part] = parts.get(part, 0.0) + (after - before) / 1e6
+        return parts
+
+    def total_ms(self) -> float:
+        """Milliseconds from the start to the last part's end."""
+        return (self.marks[-1][1] - self.marks[0][1]) / 1e6
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.device) -> float:

@@ -2,12 +2,13 @@
 repair settings (`kv.repair`) it may choose with the map under a declared budget."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, parse_grid
-from pipeline.store.params import Params, Positive, Processes, Threads
+from pipeline.measure.prompt_metrics import PROMPT_METRICS
+from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
 from pipeline.store.shapes import BoundPair
 
 
@@ -15,9 +16,8 @@ class SelectParams(Params):
     prompt_fraction: Annotated[float, Field(ge=0.05, le=0.95)]
     top_k: Positive
     horizon: Positive
-    # confident_*, oracle_weighted_agreement: measure.confident's, at report.confident_margin
-    rule: Literal["agreement", "perplexity", "kl", "attention_cosine", "confident_top1", "confident_agreement",
-                  "oracle_weighted_agreement"]
+    rule: str  # a prompt metric (measure.prompt_metrics): the map best by it; the confident ones at
+    # report.confident_margin
     batch_size: Positive  # select prompts per forward
     threads: Threads
     processes: Processes  # sharing out the oracle's prompts, then the candidates
@@ -26,6 +26,12 @@ class SelectParams(Params):
     max_recompute: Annotated[float, Field(ge=0.0, le=1.0)]  # the largest budget chosen (kv.flops.repair_budget)
     bound_pair: BoundPair  # a pair of store.shapes.PAIRS: the budgets are counted at its shapes ...
     length: Annotated[int, Field(ge=2)]  # ... for prompts of this many tokens
+
+    @model_validator(mode="after")
+    def _rule(self) -> SelectParams:
+        if self.rule not in PROMPT_METRICS:
+            raise ParamError(f"select.rule: expected a prompt metric ({', '.join(PROMPT_METRICS)}), got {self.rule!r}")
+        return self
 
     @model_validator(mode="after")
     def _repairs(self) -> SelectParams:

@@ -162,26 +162,9 @@ def distill_curve(name: str, folder: Path = DISTILL_CURVES) -> Path:
     return folder / f"{name}.csv"
 
 
-def variant_k(variant: str, kind: str) -> int | None:
-    """The k of a variant named `<kind>_k<k>` (`mapped_k4`, `distilled_k1`), None for any other variant."""
-    stem = variant.removeprefix(f"{kind}_k")
-    return int(stem) if stem != variant and stem.isdigit() else None
-
-
-def best_variant(k: int, kind: str = "mapped") -> str:
-    """The variant of the linear family at k: `mapped_k<k>` (select's best map, V0's row, also its file stem) or
-    `distilled_k<k>` (that map distilled)."""
-    return f"{kind}_k{k}"
-
-
-def best_k(variant: str) -> int | None:
-    """The k of a `best_variant` name (`mapped_k4` -> 4), None for any other variant."""
-    return variant_k(variant, "mapped")
-
-
 def best_map(k: int, folder: Path = BEST) -> Path:
-    """select's best map of the linear family at k (in `folder` while staged)."""
-    return folder / f"{best_variant(k)}.safetensors"
+    """select's best map of the linear family at k (in `folder` while staged): `mapped_k<k>`, V0's row."""
+    return folder / f"mapped_k{k}.safetensors"
 
 
 def calibration_point(size: int) -> Path:

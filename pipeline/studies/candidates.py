@@ -1,5 +1,6 @@
 """The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each
-cheap figure (`PROXIES`) ranks them the way retention does, and the quality/speed frontier.
+cheap figure ranks them the way retention does (held-out R², and each prompt metric on the select split that
+`measure.prompt_metrics` marks a proxy), and the quality/speed frontier.
 
 Inputs: metrics/candidates.json and eval/candidates/<name>.parquet (stage `candidates`), metrics/fit.json and
 metrics/select.json for the proxies; the oracle's and the source's items for retention and gap closure.
@@ -10,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.measure.prompt_metrics import CONFIDENT, FIDELITY, PROMPT_METRICS
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
@@ -21,12 +23,15 @@ from pipeline.studies.settings import ReportParams
 pd = lazy("pandas")
 
 FIGURES, ITEMS, FIT = paths.CANDIDATES, paths.CANDIDATE_ITEMS, paths.FIT
-PROXIES = {"r2_heldout": "held-out R² (fit, select split)", "attention_cosine": "attention-output cosine (select)",
-           "agreement": "agreement (select)", "mean_kl": "mean KL (select; lower is better)"}
-# measure.confident's figures on the select split, correlated beside PROXIES (the reading names the best of PROXIES)
-CONFIDENT_PROXIES = {"confident_top1": "confident-prompt top-1 (select)",
-                     "confident_agreement": "confident-position agreement (select)",
-                     "oracle_weighted_agreement": "oracle-weighted agreement (select)"}
+R2 = "r2_heldout"  # fit's held-out R² (keys and values averaged), the one proxy that is not a prompt metric
+
+
+def proxies(group: str) -> dict[str, str]:
+    """The proxies of a group of prompt metrics (`fidelity`, with R² first; `confident`, correlated beside them: the
+    reading names the best of the first), each with its name in the table."""
+    named = {R2: "held-out R² (fit, select split)"} if group == FIDELITY else {}
+    return named | {metric.name: f"{metric.label} (select{'' if metric.higher else '; lower is better'})"
+                    for metric in PROMPT_METRICS.values() if metric.proxy and metric.group == group}
 
 
 @dataclass
@@ -48,7 +53,7 @@ def load(run: Run) -> Inputs | None:
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:
     """Every candidate's retention and gap closure on the eval part (intervals as for the variants), its cheap
-    figures (`PROXIES`), speed and size; the rank correlation of each proxy with retention across candidates;
+    figures (`proxies`), speed and size; the rank correlation of each proxy with retention across candidates;
     and the Pareto fronts of gap closure against the measured speedup and against the FLOP bound at the real
     pair's shapes."""
     maps, rows = inputs.figures["maps"], {}
@@ -63,26 +68,24 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
             "gap_closure_high": closure["high"],
-            "r2_heldout": (fit["r2_keys_select"] + fit["r2_values_select"]) / 2 if fit else None,
-            **{key: select[key] for key in ("attention_cosine", "agreement", "mean_kl")},
-            **{key: select[key] for key in CONFIDENT_PROXIES},  # None: no confident select prompt or position
+            R2: (fit["r2_keys_select"] + fit["r2_values_select"]) / 2 if fit else None,
+            # None: no confident select prompt or position
+            **{key: select["prompts"][key] for group in (FIDELITY, CONFIDENT) for key in proxies(group) if key != R2},
             **{key: figures[key] for key in ("speedup", "bound_at_pair", "parameters", "mapper_bytes")},
         }
     names = list(rows)
     scored = {proxy: [n for n in names if rows[n][proxy] is not None]  # R²: fitted maps only
-              for proxy in [*PROXIES, *CONFIDENT_PROXIES]}
-    proxies = {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
-                                       [rows[n]["retention"] for n in scored[proxy]], params.bootstrap_iters,
-                                       params.seed) for proxy in PROXIES}
-    confident = {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
-                                         [rows[n]["retention"] for n in scored[proxy]], params.bootstrap_iters,
-                                         params.seed) for proxy in CONFIDENT_PROXIES}
+              for group in (FIDELITY, CONFIDENT) for proxy in proxies(group)}
+    correlated = {group: {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
+                                                  [rows[n]["retention"] for n in scored[proxy]],
+                                                  params.bootstrap_iters, params.seed) for proxy in proxies(group)}
+                  for group in (FIDELITY, CONFIDENT)}
     closure_values = [rows[n]["gap_closure"] for n in names]
     for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):
         for name, on_front in zip(names, pareto_front(closure_values, [rows[n][speed] for n in names])):
             rows[name][key] = on_front
-    return {"rows": rows, "proxies": proxies, "confident_proxies": confident, "length": inputs.figures["length"],
-            "bound_pair": inputs.figures["bound_pair"]}
+    return {"rows": rows, "proxies": correlated[FIDELITY], "confident_proxies": correlated[CONFIDENT],
+            "length": inputs.figures["length"], "bound_pair": inputs.figures["bound_pair"]}
 
 
 def front(row: dict) -> str:
@@ -93,7 +96,7 @@ def front(row: dict) -> str:
 
 def lines(study: dict) -> list[str]:
     """The report's section on every candidate: quality, proxies, speed, and what predicts what."""
-    rows, proxies = study["rows"], study["proxies"]
+    rows = study["rows"]
     out = ["## Every candidate: what predicts retention, and the quality/speed frontier", "",
            f"Each fitted map evaluated on the eval part like a mapped variant (stage `candidates`); speedup is the "
            f"measured time to first token of the target's own prefill over the handoff's at {study['length']} "
@@ -112,8 +115,8 @@ def lines(study: dict) -> list[str]:
           front(r), pct(r["confident_top1"]), pct(r["oracle_weighted_agreement"])] for name, r in rows.items()])
     out += ["", "Rank correlation (Spearman) of each cheap figure with eval-part retention across the candidates "
             "above; intervals resample the candidates.", ""]
-    named = [(PROXIES[name], c) for name, c in proxies.items()] + [
-        (CONFIDENT_PROXIES[name], c) for name, c in study["confident_proxies"].items()]
+    named = [(proxies(FIDELITY)[name], c) for name, c in study["proxies"].items()] + [
+        (proxies(CONFIDENT)[name], c) for name, c in study["confident_proxies"].items()]
     out += md_table(["Proxy", "Spearman ρ [95% CI]", "p", "n"],
                     [[name, f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
                       c["n"]] for name, c in named])
@@ -124,8 +127,8 @@ def lines(study: dict) -> list[str]:
 def reading(study: dict) -> str:
     """Which proxy tracks retention best, and which candidates are on the fronts, from the numbers."""
     # in the direction each proxy should point: higher R², cosine and agreement, lower KL
-    strength = {name: c["rho"] * (-1 if name == "mean_kl" else 1) for name, c in study["proxies"].items()
-                if c["rho"] == c["rho"]}
+    strength = {name: c["rho"] if name == R2 else PROMPT_METRICS[name].better(c["rho"])
+                for name, c in study["proxies"].items() if c["rho"] == c["rho"]}
     parts = []
     if strength and max(strength.values()) <= 0:
         parts.append("No cheap figure ranks the candidates the way retention does.")
@@ -133,7 +136,7 @@ def reading(study: dict) -> str:
         best = max(strength, key=strength.get)
         c = study["proxies"][best]
         settled = c["low"] > 0 or c["high"] < 0
-        parts.append(f"Across {c['n']} candidates the {PROXIES[best]} tracks retention most closely (ρ "
+        parts.append(f"Across {c['n']} candidates the {proxies(FIDELITY)[best]} tracks retention most closely (ρ "
                      f"{c['rho']:+.2f}, 95% interval [{c['low']:+.2f}, {c['high']:+.2f}]"
                      f"{'' if settled else ', which includes 0'}).")
     for key, where in (("pareto_measured", "against the measured speedup"),

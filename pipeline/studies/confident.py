@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.measure.confident import FIGURES, MARGINS, confidence_intervals, confidence_summary, confident_prompts
+from pipeline.measure.confident import MARGINS, confidence_intervals, confidence_summary, confident_prompts
+from pipeline.measure.prompt_metrics import CONFIDENT, in_group
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError
@@ -59,8 +60,8 @@ def compute(params: ReportParams, run: Run) -> dict:
         if name not in run.prompts:
             continue
         figures = confidence_summary(run.prompts[name], margin)
-        rows[name] = {"label": label(name, run.metrics[name].get("repair")),
-                      "next_token_top1": run.metrics[name]["next_token_top1"], **figures,
+        rows[name] = {"label": label(name, run.metrics[name]),
+                      "next_token_top1": run.metrics[name]["prompts"]["next_token_top1"], **figures,
                       **confidence_intervals(run.prompts[name], margin, iters, seed)}
     mapped = params.mapped_variant
     pairs = [(mapped, other) for other in rows if other not in (mapped, "oracle")] + [("oracle", mapped)]
@@ -113,7 +114,7 @@ def lines(study: dict) -> list[str]:
 def headline(study: dict, variant: str) -> dict:
     """The figures of `variant` that `dvc metrics diff` compares beside V0's columns ({} without the study)."""
     row = study.get("variants", {}).get(variant)
-    return {} if row is None else {name: row[name] for name in FIGURES}
+    return {} if row is None else {metric.name: row[metric.name] for metric in in_group(CONFIDENT)}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:

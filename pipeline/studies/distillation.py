@@ -86,7 +86,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                                                                "select_kl")},
                "probes": facts.get("probes", {})}  # none when the grids hold one (rate, kv_weight) pair
         for when, which in (("before", start), ("after", name)):
-            scores = inputs.select.get("maps", {}).get(which, {})
+            scores = inputs.select.get("maps", {}).get(which, {}).get("prompts", {})
             row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
         if start in inputs.items and name in inputs.items and "source" in inputs.items:
             metric, iters, seed = params.retention_metric, params.bootstrap_iters, params.seed

@@ -3,7 +3,8 @@ way) and with keys as cached (the ablation), used on prompts longer than the fit
 prompt length both maps against the oracle and against each other, and both maps' task accuracy per bin of
 context length (`report.length_bins`).
 
-Inputs: metrics/length.json, eval/length/<keys>_L<n>.parquet (per prompt: NLL, agreeing and scored tokens) and
+Inputs: metrics/length.json (per key space and prompt length an evaluation's nested figures, `measure.evaluation`),
+eval/length/<keys>_L<n>.parquet (per prompt: NLL, agreeing and scored tokens) and
 eval/length/<keys>_tasks.parquet (per task item: context tokens and accuracy).
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
         agree = paired_bootstrap((stripped.agree / stripped.tokens).to_numpy(),
                                  (rotated.agree / rotated.tokens).to_numpy(), params.bootstrap_iters, params.seed)
         out.append({"length": length, "ratio_to_fit": length / figures["fit_tokens"],
-                    **{f"{space}_{key}": figures[space]["by_length"][str(length)][key] for space in SPACES
+                    **{f"{space}_{key}": figures[space]["by_length"][str(length)]["prompts"][key] for space in SPACES
                        for key in ("ppl_ratio", "agreement", "next_token_top1")},
                     "nll_sign_test": sign_test(stripped.nll.to_numpy(), rotated.nll.to_numpy()),
                     "agreement_diff": agree})

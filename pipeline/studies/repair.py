@@ -1,12 +1,13 @@
 """The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
 
-Inputs: metrics/repair.json (per map and setting: task accuracies, prompt figures, budget, FLOP bound, measured
-speedup; per budget level the truncated prompt's) and eval/repair/ (their item rows), the oracle's and the source's
-items for retention and gap closure (the source alone is also a row of its own, at budget 0, with its figures from
-metrics/eval/source.json), and the selective study's curves (the gate at the same mean cost: the
-retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the score's own
-cost is left out). With the candidates study at the same pair and length, the report joins the two (`JOINS`,
-`join`): the frontier of gap closure against the FLOP bound gains the repaired points.
+Inputs: metrics/repair.json (per map and setting: its evaluation's nested figures, `measure.evaluation`, its budget,
+FLOP bound and measured speedup; per budget level the truncated prompt's) and eval/repair/ (their item rows), the
+oracle's and the source's items for retention and gap closure (the source alone is also a row of its own, at budget
+0, with its figures from metrics/eval/source.json), and the selective study's curves (the gate at the same mean
+cost: the retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the
+score's own cost is left out). Each row carries every prompt metric (`measure.prompt_metrics`). With the candidates
+study at the same pair and length, the report joins the two (`JOINS`, `join`): the frontier of gap closure against
+the FLOP bound gains the repaired points.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.kv.repair import Repair
-from pipeline.measure.confident import FIGURES as CONFIDENT
+from pipeline.measure.prompt_metrics import PROMPT_METRICS
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
@@ -85,8 +86,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
-               **{k: figures.get(k) for k in ("next_token_top1", "rollout_agreement", "mean_kl", "bound", "speedup")},
-               **{k: figures.get(k) for k in CONFIDENT}}
+               **prompt_metrics(figures), **{k: figures.get(k) for k in ("bound", "speedup")}}
         if name != TRUNCATED:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
@@ -109,9 +109,12 @@ def source_row(params: ReportParams, inputs: Inputs) -> dict:
     return {"map": SOURCE, "setting": "—", "budget": 0.0, "policy": SOURCE, "retention": retention["retention"],
             "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
-            "gap_closure_high": closure["high"], "bound": None, "speedup": None,
-            **{k: inputs.source[k] for k in ("next_token_top1", "rollout_agreement", "mean_kl")},
-            **{k: inputs.source.get(k) for k in CONFIDENT}}
+            "gap_closure_high": closure["high"], "bound": None, "speedup": None, **prompt_metrics(inputs.source)}
+
+
+def prompt_metrics(figures: dict) -> dict:
+    """Every prompt metric (`measure.prompt_metrics`) of an evaluation's figures: None where it was not measured."""
+    return {name: figures["prompts"].get(name) for name in PROMPT_METRICS}
 
 
 def join(study: dict, candidates: dict | None) -> None:

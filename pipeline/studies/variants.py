@@ -2,15 +2,17 @@
 acceptance criteria, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls
 and latency summaries.
 
-Inputs: the `Run` (`studies.run`): metrics/eval/<variant>.json and eval/<variant>/{items,prompts}.parquet (stage
-`evaluate`), metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that
-say which pair ran. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another
+Inputs: the `Run` (`studies.run`): metrics/eval/<variant>.json (an evaluation's nested figures, `measure.evaluation`,
+and a mapped variant's `map`: its family, k and role) and eval/<variant>/{items,prompts}.parquet (stage `evaluate`),
+metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that say which
+pair ran. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another
 pair's run names its pair instead.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.measure.prompt_metrics import FIDELITY, in_group
 from pipeline.measure.retention import (
     PROMPT_MEASURES,
     comparison,
@@ -20,9 +22,8 @@ from pipeline.measure.retention import (
     prompt_gap_closure,
     retention_interval,
 )
-from pipeline.store import paths
 from pipeline.store.lazy import lazy
-from pipeline.store.splits import ITEM_KINDS, TASKS
+from pipeline.store.splits import TASKS
 from pipeline.store.truncated import self_layers
 from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
 from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
@@ -54,15 +55,37 @@ RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "sh
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
 
 
-def label(variant: str, repair: str | None = None) -> str:
-    """A variant's row name; `repair`: the setting a repaired variant applied (its metrics' `repair`), named."""
-    if repair is not None:
-        return f"{label(variant)} (`{repair}`)"
-    if paths.variant_k(variant, "distilled") is not None:
-        return f"Distilled mapped transfer, k={paths.variant_k(variant, 'distilled')}"
-    if paths.best_k(variant) is not None:
-        return f"Learned mapped transfer, k={paths.best_k(variant)}"
-    return LABELS.get(variant, variant)
+def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
+    """A variant's row name, from its figures (`entry`: its metrics, or its entry of the report): a mapped variant
+    by its map (select's best closed-form map of its k, or a distilled one), a repaired one with its setting (unless
+    `setting` is False)."""
+    entry = entry or {}
+    facts = entry.get("map") or {}
+    name = LABELS.get(variant)
+    if name is None and facts.get("distilled"):
+        name = f"Distilled mapped transfer, k={facts['k']}"
+    if name is None and facts.get("best_of_k"):
+        name = f"Learned mapped transfer, k={facts['k']}"
+    name = name or variant
+    return f"{name} (`{entry['repair']}`)" if setting and entry.get("repair") is not None else name
+
+
+def best_of_k(variants: dict) -> dict[int, str]:
+    """Per k, the variant evaluating select's best closed-form map of that k (V0's rows), by its figures' `map`."""
+    best: dict[int, str] = {}
+    for name in sorted(variants):
+        facts = variants[name].get("map") or {}
+        if facts.get("best_of_k") and name not in LABELS:
+            best.setdefault(facts["k"], name)
+    return dict(sorted(best.items()))
+
+
+def k_comparison(variants: dict) -> tuple[str, int] | None:
+    """V0's k=1 against the largest other k (the tiny pair's largest k is its layers): the comparison's name and
+    that k, or None without both."""
+    best = best_of_k(variants)
+    larger = [k for k in best if k != 1]
+    return (f"k1_minus_k{larger[-1]}", larger[-1]) if 1 in best and larger else None
 
 
 def model_phrase(name: str) -> str:
@@ -82,13 +105,13 @@ def compute(params: ReportParams, run: Run) -> dict:
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
     compared = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
-    larger_k = sorted(k for k in map(paths.best_k, metrics) if k is not None and k != 1)
-    if paths.best_variant(1) in metrics and larger_k:  # V0's k=1 vs k=4; the tiny pair's largest k is its layers
-        compared[f"k1_minus_k{larger_k[-1]}"] = (paths.best_variant(1), paths.best_variant(larger_k[-1]))
-    for variant in sorted(v for v in metrics if paths.variant_k(v, "distilled") is not None):  # vs its start's k
-        start = paths.best_variant(paths.variant_k(variant, "distilled"))
-        if start in metrics:
-            compared[f"{variant}_minus_{start}"] = (variant, start)
+    best, ks = best_of_k(metrics), k_comparison(metrics)
+    if ks is not None:
+        compared[ks[0]] = (best[1], best[ks[1]])
+    for variant in sorted(metrics):  # a distilled map against the best closed-form map of its start's k
+        facts = metrics[variant].get("map") or {}
+        if variant not in LABELS and facts.get("distilled") and facts["k"] in best:
+            compared[f"{variant}_minus_{best[facts['k']]}"] = (variant, best[facts["k"]])
     compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
                    for name, (a, b) in compared.items()}
@@ -99,7 +122,7 @@ def compute(params: ReportParams, run: Run) -> dict:
 
 
 def _figures(params: ReportParams, metrics: dict, items: dict, variant: str, prompts: dict) -> dict:
-    accuracy = {name: {t: m[f"{t}_{params.retention_metric}"] for t in TASKS} for name, m in metrics.items()}
+    accuracy = {name: {t: m["tasks"][t][params.retention_metric] for t in TASKS} for name, m in metrics.items()}
     m, acc, oracle_acc = metrics[variant], accuracy[variant], accuracy["oracle"]
     bounds = retention_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
     closure = {"gap_closure": None, "gap_closure_low": None, "gap_closure_high": None}
@@ -112,16 +135,14 @@ def _figures(params: ReportParams, metrics: dict, items: dict, variant: str, pro
             gap = prompt_gap_closure(prompts, variant, measure, params.bootstrap_iters, params.seed)
             closure.update({f"gap_closure_{measure}": gap["gap_closure"], f"gap_closure_{measure}_low": gap["low"],
                             f"gap_closure_{measure}_high": gap["high"]})
-    entry = {
-        "perplexity": m["perplexity"], "ppl_ratio": m["perplexity"] / metrics["oracle"]["perplexity"],
-        "next_token_top1": m["next_token_top1"], "agreement": m["agreement"], "mean_kl": m["mean_kl"],
-        "rollout_agreement": m["rollout_agreement"], **{t: acc[t] for t in TASKS},
-        "retention": mean_retention(acc, oracle_acc), "retention_low": bounds["low"],
-        "retention_high": bounds["high"], **closure, "prompts": m["prompts"],
-    }
-    for t in TASKS:
-        entry[f"{t}_acc"], entry[f"{t}_acc_norm"], entry[f"{t}_n"] = m[f"{t}_acc"], m[f"{t}_acc_norm"], m[f"{t}_n"]
-    entry.update({k: v for k, v in m.items() if k == "repair" or k.count("_") >= 2 and k.split("_")[1] in ITEM_KINDS})
+    figures, oracle = m["prompts"], metrics["oracle"]["prompts"]
+    entry = {metric.name: figures[metric.name] for metric in in_group(FIDELITY) if metric.name in figures}
+    entry.update({metric.ratio: figures[metric.name] / oracle[metric.name] for metric in in_group(FIDELITY)
+                  if metric.ratio and metric.name in figures})
+    entry.update({**{t: acc[t] for t in TASKS}, "retention": mean_retention(acc, oracle_acc),
+                  "retention_low": bounds["low"], "retention_high": bounds["high"], **closure,
+                  "prompts": figures["n"], "tasks": m["tasks"]})
+    entry.update({key: m[key] for key in ("repair", "map") if key in m})
     return entry
 
 
@@ -139,7 +160,9 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    first = ["oracle", "direct"] + sorted((v for v in variants if paths.best_k(v) is not None), key=paths.best_k)
+    """The table's rows: the oracle, direct injection and V0's best map per k, then the selected map, the repaired
+    variants and the other baselines, then any other variant (each by its figures, `variants`)."""
+    first = ["oracle", "direct", *best_of_k(variants).values()]
     rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]), "source", "zero", "shuffled"]
     return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
 
@@ -177,7 +200,7 @@ def lines(report: dict, context: dict) -> list[str]:
     out += md_table(
         ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "Gap closure [95% CI]",
          *(["V0 reference"] if v0 else [])],
-        [[label(n, v[n].get("repair")), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]),
+        [[label(n, v[n]), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]),
           pct(v[n]["hellaswag"]), pct(v[n]["piqa"]),
           pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
           pct_interval(v[n]["gap_closure"], v[n]["gap_closure_low"], v[n]["gap_closure_high"]),
@@ -190,7 +213,8 @@ def lines(report: dict, context: dict) -> list[str]:
                  "comparable only as ratios — deltas shown)." if v0 else
                  f"V0's published figures are for `{V0_PAIR[0]}` → `{V0_PAIR[1]}`; this run's pair is "
                  f"{model_phrase(context['pair'][0])} → `{context['pair'][1]}`, so they are not shown.")
-    out += ["", f"Items: {hs} {o['hellaswag_n']}, {pq} {o['piqa_n']}; eval prompts {o['prompts']}. {reference} "
+    out += ["", f"Items: {hs} {o['tasks']['hellaswag']['n']}, {pq} {o['tasks']['piqa']['n']}; eval prompts "
+            f"{o['prompts']}. {reference} "
             f"Retention is measured from chance; the gap closure, (variant − source alone) / (oracle − source alone), "
             f"from the source model alone: 0 means the handoff buys nothing over running the small model.", ""]
     out += _gap_lines(report)
@@ -198,13 +222,16 @@ def lines(report: dict, context: dict) -> list[str]:
     out += md_table(
         ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
          f"{pq} acc"],
-        [[label(n, v[n].get("repair")), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
-          pct(v[n]["rollout_agreement"]), pct(v[n]["hellaswag_acc"]), pct(v[n]["piqa_acc"])] for n in rows])
-    kinds = sorted({k for e in v.values() for k in e if k.endswith("_acc") and k.split("_")[1] in ITEM_KINDS})
+        [[label(n, v[n]), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
+          pct(v[n]["rollout_agreement"]), pct(v[n]["tasks"]["hellaswag"]["acc"]), pct(v[n]["tasks"]["piqa"]["acc"])]
+         for n in rows])
+    kinds = sorted({(task, kind) for e in v.values() for task, figures in e["tasks"].items()
+                    for kind in figures["kinds"]})
     if kinds:
         out += ["", "### By item kind (acc)", ""]
-        out += md_table(["Variant", *(k[:-4].replace("_", " ") for k in kinds)],
-                        [[label(n, v[n].get("repair")), *(pct(v[n].get(k)) for k in kinds)] for n in rows])
+        out += md_table(["Variant", *(f"{task} {kind}" for task, kind in kinds)],
+                        [[label(n, v[n]), *(pct(v[n]["tasks"][task]["kinds"].get(kind, {}).get("acc"))
+                                            for task, kind in kinds)] for n in rows])
     return out + _comparison_lines(report) + ["## Reading", "", reading(report, context["selected_name"]), ""]
 
 
@@ -219,13 +246,14 @@ def _gap_lines(report: dict) -> list[str]:
            "Per-prompt measures: next-token top-1 and the continuation's log-perplexity, paired bootstrap over the "
            f"eval prompts. The gap-closure criterion reads `{report['gap_closure_metric']}` (declared in params).", ""]
     out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
-                    [[label(n, v[n].get("repair")), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
+                    [[label(n, v[n]), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
                                                       for k in GAP_CLOSURE_KEYS.values())] for n in rows])
     wide = [n for n in rows if v[n]["gap_closure_low"] is not None and v[n]["gap_closure_low"] < 0
             < v[n]["gap_closure_high"] and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
     if wide:
         out += ["", f"Too wide to decide anything: the task gap closure's interval holds 0 and spans more than the "
-                f"whole gap for {', '.join(label(n) for n in wide)} (the tasks separate the source and the oracle "
+                f"whole gap for {', '.join(label(n, v[n], setting=False) for n in wide)} (the tasks separate the "
+                f"source and the oracle "
                 f"by too few items); read the per-prompt columns."]
     return out + [""]
 
@@ -255,7 +283,8 @@ def reading(report: dict, selected_name: str) -> str:
     e = v[mapped]
     width = 100 * (e["retention_high"] - e["retention_low"]) / 2
     parts = [f"The selected map ({selected_name}) retains {pct(e['retention'])} of the oracle's above-chance task "
-             f"accuracy (95% interval ±{width:.0f} points at {e['hellaswag_n']} + {e['piqa_n']} items), with "
+             f"accuracy (95% interval ±{width:.0f} points at {e['tasks']['hellaswag']['n']} + "
+             f"{e['tasks']['piqa']['n']} items), with "
              f"perplexity {e['ppl_ratio']:.2f}x the oracle's and next-token agreement {pct(e['next_token_top1'])}."]
     if e["gap_closure"] is not None:
         parts.append(f"Measured from the source model alone instead of chance, it closes {pct(e['gap_closure'])} "
@@ -276,9 +305,11 @@ def reading(report: dict, selected_name: str) -> str:
     parts.append(f"Non-inferiority to the oracle within {crit['noninferiority']['threshold']} is "
                  f"{'established' if crit['noninferiority']['passed'] else 'not established'} "
                  f"(upper bound of the oracle's lead {100 * ni['tasks_high']:.1f} points).")
-    for name in [n for n in c if n.startswith("k1_minus_k")]:
+    ks = k_comparison(v)
+    if ks is not None and ks[0] in c:
+        name, larger = ks
         k = c[name]
-        parts.append(f"k=1 vs k={name[len('k1_minus_k'):]}: {100 * k['tasks_diff']:+.1f} points on tasks "
+        parts.append(f"k=1 vs k={larger}: {100 * k['tasks_diff']:+.1f} points on tasks "
                      f"[{100 * k['tasks_low']:+.1f}, {100 * k['tasks_high']:+.1f}]"
                      f"{'' if k['tasks_low'] > 0 or k['tasks_high'] < 0 else ', not distinguishable here'}.")
     failed = [name for name, criterion in crit.items() if not criterion["passed"] and not criterion.get("milestone")]
@@ -331,7 +362,9 @@ def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
     ax.bar(range(len(names)), y, yerr=np.nan_to_num(errors), capsize=4, color="#4c72b0")
     ax.axhline(report["criteria"]["retention_floor"]["threshold"], color="#c44e52", ls="--", lw=1,
                label="retention floor")
-    ax.set_xticks(range(len(names)), [label(n).replace(" ", "\n", 2) for n in names], fontsize=7)
+    entries = report["variants"]
+    ax.set_xticks(range(len(names)), [label(n, entries[n], setting=False).replace(" ", "\n", 2) for n in names],
+                  fontsize=7)
     ax.set_ylabel("normalized retention")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -339,7 +372,7 @@ def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
 
     fig, ax = subplots(figsize=(7, 3.5))
     for name, group in position_table.groupby("variant", sort=False):
-        ax.plot(group.position, group.agreement, marker=".", label=label(name))
+        ax.plot(group.position, group.agreement, marker=".", label=label(name, entries[name], setting=False))
     ax.set_xlabel("continuation position")
     ax.set_ylabel("top-1 agreement with the oracle")
     ax.legend(fontsize=7, ncol=2)

@@ -1,0 +1,184 @@
+"""One evaluation of a handoff: what every stage that scores a handoff calls, and the record it gets back.
+
+`evaluate(router, prompts, oracle, ...)` scores the requests `router` (`kv.router.Router`: a handoff, maybe gated)
+serves on the eval prompts against the oracle's stored outputs (`measure.compare`: per-prompt rows, their figures
+`measure.prompt_metrics`') and on lm-eval's tasks (`measure.taskeval`: per-item rows, which keep the token ids each
+choice was scored on, and per task acc, acc_norm, their stderr, n and the accuracies per item kind). It returns an
+`Evaluation`: the figures, typed, and both tables of rows; `Evaluation.figures()` is the nested JSON a stage writes
+(`{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`), read back by the studies field by field.
+
+Untimed, prompts are batched exactly as `measure.compare.variant_rows` batches them. Timed (`timed=True`), each
+prompt runs alone through the router's first step (`kv.router.Router.first_step`: under a gate the gate's scoring
+and, where it falls back, the target's own prefill), timed part by part on a synchronized clock, and both reads of
+it come from that one prefix cache (`measure.compare.timed_rows`): each row gains `ttft_ms` and its parts, the
+figures the median and mean time to first token. Without stored outputs (`oracle=None`) the router is the oracle's
+and `store` says how to keep its outputs: they are computed first (timed: from the same single pass) and returned
+in `Evaluation.oracle`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from pipeline.kv.router import Router
+from pipeline.measure.compare import PARTS, Prompt, oracle_outputs, timed_oracle, timed_rows, variant_rows
+from pipeline.measure.confident import confidence_summary
+from pipeline.measure.prompt_metrics import PROMPT_METRICS, attention_layers, prompt_figures
+from pipeline.measure.taskeval import score_tasks
+from pipeline.store.lazy import lazy
+from pipeline.store.ranks import ONE_PROCESS, Ranks
+
+pd = lazy("pandas")
+
+METRICS = ("acc", "acc_norm")  # the task metrics per item kind
+COUNTS = ("confident_prompts", "confident_prompt_share", "confident_positions", "confident_position_share")
+
+
+class OracleStore(NamedTuple):
+    """How the oracle's outputs are stored when an evaluation computes them (`measure.compare.oracle_outputs`)."""
+
+    top_k: int
+    horizon: int
+    attention: bool = False  # its attention outputs too (the select stage's cosine)
+
+
+@dataclass
+class TaskFigures:
+    """One task's figures: lm-eval's aggregates over its items, and the accuracies per item kind."""
+
+    acc: float
+    acc_norm: float
+    acc_stderr: float
+    acc_norm_stderr: float
+    n: int
+    kinds: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> {acc, acc_norm}
+
+
+@dataclass
+class PromptFigures:
+    """The figures over the prompt rows: every measured `PROMPT_METRICS` entry, the counts beside them and, timed,
+    the time to first token."""
+
+    n: int  # prompts
+    tokens: int  # scored continuation positions
+    metrics: dict[str, float | None]  # PROMPT_METRICS name -> figure (None: undefined, e.g. no confident prompt)
+    counts: dict[str, float | int | None]  # `COUNTS`: the confident prompts and positions, counts and shares
+    attention_layers: list[float] | None = None  # per target layer, where the oracle's attention outputs were stored
+    ttft: dict | None = None  # timed: median_ms, mean_ms and parts_ms (each part's median)
+
+    @classmethod
+    def of(cls, rows: pd.DataFrame, margin: float | None) -> PromptFigures:
+        """The figures of prompt rows; without a `margin`, no confident figure and no counts."""
+        summary = {} if margin is None else confidence_summary(rows, margin)
+        timed = None
+        if "ttft_ms" in rows:
+            timed = {"median_ms": float(rows.ttft_ms.median()), "mean_ms": float(rows.ttft_ms.mean()),
+                     "parts_ms": {part: float(rows[f"{part}_ms"].median()) for part in PARTS}}
+        return cls(int(len(rows)), int(rows.tokens.sum()), prompt_figures(rows, margin),
+                   {key: summary[key] for key in COUNTS if key in summary},
+                   attention_layers(rows) if "attention_cosine" in rows else None, timed)
+
+    def ratios(self, oracle: PromptFigures) -> dict[str, float]:
+        """Each metric compared across texts as a ratio (perplexity's `ppl_ratio`): figure / the oracle's."""
+        return {metric.ratio: self.metrics[name] / oracle.metrics[name] for name, metric in PROMPT_METRICS.items()
+                if metric.ratio and name in self.metrics}
+
+    def as_json(self, oracle: PromptFigures | None = None) -> dict:
+        out = {"n": self.n, "tokens": self.tokens, **self.metrics, **self.counts}
+        if oracle is not None:
+            out.update(self.ratios(oracle))
+        if self.attention_layers is not None:
+            out["attention_cosine_layers"] = self.attention_layers
+        if self.ttft is not None:
+            out["ttft"] = self.ttft
+        return out
+
+
+@dataclass
+class Evaluation:
+    """One evaluated handoff: its figures and its rows (None, {}: what was not asked, or another rank's share)."""
+
+    prompts: PromptFigures | None
+    tasks: dict[str, TaskFigures]
+    prompt_rows: pd.DataFrame | None
+    item_rows: pd.DataFrame | None
+    oracle: dict | None = None  # the oracle's stored outputs, where this evaluation computed them
+
+    def figures(self, digits: int = 6, oracle: Evaluation | None = None) -> dict:
+        """The nested JSON of the figures, floats rounded to `digits`; with the `oracle`'s evaluation, the prompt
+        figures compared as ratios too."""
+        out: dict = {}
+        if self.prompts is not None:
+            out["prompts"] = self.prompts.as_json(None if oracle is None else oracle.prompts)
+        if self.tasks:
+            out["tasks"] = {task: dict(vars(figures)) for task, figures in self.tasks.items()}
+        return rounded(out, digits)
+
+    def write_rows(self, prompts: Path | None = None, items: Path | None = None) -> None:
+        """The prompt and item rows as parquet files, where given a path and held."""
+        for path, rows in ((prompts, self.prompt_rows), (items, self.item_rows)):
+            if path is not None and rows is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                rows.to_parquet(path, index=False)
+
+
+def rounded(value, digits: int):
+    """`value` with every float in it rounded to `digits` (None, ints and strings as they are)."""
+    if isinstance(value, dict):
+        return {key: rounded(item, digits) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item, digits) for item in value]
+    return round(value, digits) if isinstance(value, float) else value
+
+
+def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
+    """Per task, lm-eval's aggregates (`measure.taskeval.evaluate_tasks`' summary) and the mean of each of
+    `METRICS` over the items of each kind the data marks."""
+    out = {}
+    for task, result in summary.items():
+        marked = items[items.task == task].dropna(subset=["kind"])
+        kinds = {kind: {metric: float(part[metric].mean()) for metric in METRICS}
+                 for kind, part in marked.groupby("kind", sort=True)}
+        out[task] = TaskFigures(result["acc"], result["acc_norm"], result["acc_stderr"], result["acc_norm_stderr"],
+                                result["n"], kinds)
+    return out
+
+
+def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None = None, *,
+             margin: float | None = None, store: OracleStore | None = None, tasks: dict[str, Path] | None = None,
+             tokenizer=None, timed: bool = False, warmup: int = 0, ranks: Ranks = ONE_PROCESS,
+             raw_to: Path | None = None, progress: bool = True) -> Evaluation:
+    """The evaluation of the handoff `router` serves: on `prompts` against the `oracle`'s stored outputs (without
+    them: the router is the oracle's, its outputs computed as `store` says and returned), the confident figures at
+    `margin` (None: not measured), and on `tasks` (task -> item file) tokenized by `tokenizer` (lm-eval's own
+    results and samples to `raw_to`). `router.batch_size` prompts and contexts a forward; `timed`: each prompt
+    alone, timed (`warmup` untimed runs of the first before). Under several processes (`ranks`) every rank scores
+    its share, untimed, and rank 0 gets the rows and figures."""
+    prompts = list(prompts)
+    if prompts and oracle is None and store is None:
+        raise ValueError("evaluate: without the oracle's stored outputs, say how to store them (store=OracleStore)")
+    if timed and ranks.size > 1:
+        raise ValueError("evaluate: a timed evaluation runs in one process (several would share the machine's time)")
+    if prompts and router.gate is not None and not timed:
+        raise ValueError("evaluate: prompts under a gate are evaluated timed, one at a time (timed=True)")
+    rows = None
+    if prompts:
+        oracle, rows = prompt_rows(router, prompts, oracle, store, timed, warmup, ranks, progress)
+    summary, items = score_tasks(router, tokenizer, tasks, raw_to, ranks) if tasks else ({}, None)
+    figures = None if rows is None else PromptFigures.of(rows, margin)
+    return Evaluation(figures, task_figures(summary, items) if summary else {}, rows, items,
+                      oracle if store is not None else None)
+
+
+def prompt_rows(router: Router, prompts: list[Prompt], oracle: dict | None, store: OracleStore | None, timed: bool,
+                warmup: int, ranks: Ranks, progress: bool) -> tuple[dict, pd.DataFrame | None]:
+    """The oracle's stored outputs (computed first where not given) and the router's prompt rows against them."""
+    handoff, batch = router.handoff, router.batch_size
+    if timed:
+        if oracle is None:
+            return timed_oracle(router, prompts, store.top_k, store.horizon, warmup, progress)
+        return oracle, timed_rows(router, prompts, oracle, warmup, progress)
+    if oracle is None:
+        oracle = oracle_outputs(handoff, prompts, store.top_k, store.horizon, batch, progress, ranks, store.attention)
+    return oracle, variant_rows(handoff, prompts, oracle, batch, progress, ranks)

@@ -1,0 +1,91 @@
+"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry of one table each.
+
+The rows are `measure.compare.variant_rows`' (per prompt: the continuation's NLL and tokens, agreement counts, the KL
+sum, rollout agreement, per position the oracle's top-2 margin and its probability of the variant's argmax, and the
+attention-output cosines where the oracle's attention outputs were stored). A metric's entry says how it is computed
+from them at the confident margin (`report.confident_margin`, `measure.confident`), which way is better, how the
+report names it, whether it compares across texts only as a ratio to the oracle's (perplexity's `ppl_ratio`:
+perplexities of different text do not compare), its group (`fidelity`: the figures beside V0's column;
+`confident`: where the oracle is sure) and whether the candidates study correlates it with retention (`proxy`).
+
+Every reader takes the metrics from `PROMPT_METRICS`: the evaluation's figures (`measure.evaluation`), select's rule
+and ranking, the candidates study's proxies, the repair and variants studies' figures. A new metric is one entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pipeline.measure.confident import confidence_summary
+from pipeline.store.lazy import lazy
+
+np = lazy("numpy")
+pd = lazy("pandas")
+
+FIDELITY, CONFIDENT = "fidelity", "confident"  # the groups
+
+
+@dataclass(frozen=True)
+class PromptMetric:
+    """One figure of a variant's prompt rows."""
+
+    name: str
+    label: str  # how the report names it (a proxy's row: `<label> (select)`)
+    higher: bool  # higher is better
+    compute: Callable[[pd.DataFrame, float], float | None]  # (rows, confident margin) -> figure; None: undefined
+    group: str = FIDELITY
+    proxy: bool = False  # the candidates study correlates it, measured on the select split, with retention
+    ratio: str | None = None  # compared across texts as figure / the oracle's, under this name
+    needs: str | None = None  # a column the rows hold only sometimes: without it the metric is not measured
+
+    def measured(self, rows: pd.DataFrame, margin: float | None) -> bool:
+        """Whether the rows measure it: they hold the column it needs, and a confident figure has its margin."""
+        return (self.needs is None or self.needs in rows) and (margin is not None or self.group != CONFIDENT)
+
+    def better(self, value: float) -> float:
+        """`value` turned so that larger is better (a sort key, a correlation's sign)."""
+        return value if self.higher else -value
+
+
+def attention_layers(rows: pd.DataFrame) -> list[float]:
+    """Per target layer, the mean attention-output cosine with the oracle over all continuation positions."""
+    return (np.array(rows.attention_cosine.tolist()).sum(0) / rows.tokens.sum()).tolist()  # (L_t,)
+
+
+def confident(name: str) -> Callable[[pd.DataFrame, float], float | None]:
+    def compute(rows: pd.DataFrame, margin: float) -> float | None:
+        return confidence_summary(rows, margin)[name]
+    return compute
+
+
+ENTRIES = (
+    PromptMetric("perplexity", "perplexity", False, lambda rows, _: float(np.exp(rows.nll.sum() / rows.tokens.sum())),
+                 ratio="ppl_ratio"),
+    PromptMetric("next_token_top1", "next-token top-1", True, lambda rows, _: float(rows.first_agree.mean())),
+    PromptMetric("attention_cosine", "attention-output cosine", True,
+                 lambda rows, _: float(np.mean(attention_layers(rows))), proxy=True,
+                 needs="attention_cosine"),
+    PromptMetric("agreement", "agreement", True, lambda rows, _: float(rows.agree.sum() / rows.tokens.sum()),
+                 proxy=True),
+    PromptMetric("mean_kl", "mean KL", False, lambda rows, _: float(rows.kl.sum() / rows.tokens.sum()), proxy=True),
+    PromptMetric("rollout_agreement", "rollout agreement", True,
+                 lambda rows, _: float(rows.rollout_agree.sum() / rows.horizon.sum())),
+    PromptMetric("confident_top1", "confident-prompt top-1", True, confident("confident_top1"), CONFIDENT, True),
+    PromptMetric("confident_agreement", "confident-position agreement", True, confident("confident_agreement"),
+                 CONFIDENT, True),
+    PromptMetric("oracle_weighted_agreement", "oracle-weighted agreement", True,
+                 confident("oracle_weighted_agreement"), CONFIDENT, True),
+)
+PROMPT_METRICS: dict[str, PromptMetric] = {metric.name: metric for metric in ENTRIES}
+
+
+def in_group(group: str) -> list[PromptMetric]:
+    """The metrics of `group`, in the table's order."""
+    return [metric for metric in PROMPT_METRICS.values() if metric.group == group]
+
+
+def prompt_figures(rows: pd.DataFrame, margin: float | None) -> dict[str, float | None]:
+    """Every metric the rows measure (`margin` None: none of the confident ones), by name (None: undefined on
+    them, e.g. no confident prompt)."""
+    return {name: metric.compute(rows, margin) for name, metric in PROMPT_METRICS.items()
+            if metric.measured(rows, margin)}
