@@ -71,7 +71,7 @@ WINGS = {
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "convert_models", "sibling", "prepare_models", "score_models", "extract", "fit",
                "distill", "select", "controls",
-               "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
+               "evaluate", "candidates", "selective", "repair", "calibrate", "length", "operating", "latency"),
 }
 
 STAGES = {
@@ -93,6 +93,7 @@ STAGES = {
     "repair": "mapped caches partly recomputed by the target: quality against budget, with matched-cost baselines",
     "calibrate": "one point of the calibration curve: a few maps refitted on the first n sequences",
     "length": "a map fitted at one length on prompts 2x and 4x longer, RoPE stripped and kept",
+    "operating": "the handoff at an operating length: quality and time to first token from the same prompts",
     "report": "retention, gap closure, paired statistics, acceptance criteria, every study and report.md",
     "latency": "time to first token of the handoff against target prefill",
 }

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
 
 from pipeline.kv.flops import (
     handoff_macs,
@@ -40,8 +43,9 @@ from pipeline.kv.gate import score_macs
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
-from pipeline.measure.evaluation import OracleStore, evaluate
-from pipeline.measure.retrieval import recall_agreement, recall_positions, retrieval_rows, retrieval_summary
+from pipeline.kv.routes import FELL_BACK
+from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
+from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
 from pipeline.schema.operating import SELECTED, OperatingParams
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, atomic_dir, require_controls_passed
@@ -55,9 +59,8 @@ np = lazy("numpy")
 pd = lazy("pandas")
 
 
-def read_prompts(path) -> list[tuple[list[int], list[int]]]:
+def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, continuation ids) per row of a part of data/long/."""
-    frame = pd.read_parquet(path, columns=["prompt_ids", "continuation_ids"])
     return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
@@ -77,96 +80,113 @@ def selected_repair() -> Repair:
     return Repair.parse(json.loads(paths.SELECTED_REPAIR.read_text())["repair"])
 
 
-def routers(params: OperatingParams, pair: Pair, length: int) -> dict[str, tuple[Router, float]]:
-    """Every variant but the oracle, in the report's order: its router and its FLOP bound at `length`."""
+@dataclass
+class Variant:
+    """A variant at one length: its router and its FLOP bound there (a gate's waits for its measured fallback
+    share: `gated_cost`, the handoff's and the score's multiply-adds, and `prefill`, what a fallback adds)."""
+
+    router: Router
+    bound: float | None = None
+    gated_cost: float | None = None
+    prefill: float | None = None
+
+    def flop_bound(self, rows: pd.DataFrame) -> float:
+        if self.gated_cost is None:
+            return self.bound
+        return self.prefill / (self.gated_cost + float((rows.way == FELL_BACK).mean()) * self.prefill)
+
+
+def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict[str, Variant]:
+    """Every variant but the oracle, in the report's order, between `pair`'s models at `length` (`contexts`: a
+    callable giving the select split's contexts, where a gate chooses its threshold)."""
     source, target = pair.source.config, pair.target.config
     prefill = target_prefill_macs(target, length)
     out = {}
     for name in params.baselines:
         bound = (source_alone_bound(source, target, length) if name == "source"
                  else prefill / handoff_macs(source, target, 0, length)["step"])  # nothing to prefill, map or repair
-        out[name] = Router(pair.handoff(name)), bound
+        out[name] = Variant(Router(pair.handoff(name)), bound)
     handoffs = {name: pair.handoff("mapped", path) for name, path in params.maps.items()}
     for name, handoff in handoffs.items():
-        out[name] = Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length)
+        out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length))
     budgets = {}
-    for name, entry in params.repaired.items():
-        setting = selected_repair() if entry.repair == SELECTED else Repair.parse(entry.repair)
-        handoff = pair.handoff("mapped", params.maps[entry.map], repair=setting)
-        out[name] = Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length, setting)
+    for name, repaired in params.repaired.items():
+        setting = selected_repair() if repaired.repair == SELECTED else Repair.parse(repaired.repair)
+        handoff = pair.handoff("mapped", params.maps[repaired.map], repair=setting)
+        out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length,
+                                                           setting))
         budgets[name] = repair_budget(target, setting, length)
-    for name, entry in params.gated.items():
-        handoff = handoffs[entry.map]
-        gate = pair.gate(handoff, entry.score, float("inf"))
-        scores = gate.scorer.scores(select_contexts(length), [entry.score])[entry.score]
-        gate.threshold = float(np.quantile(scores.numpy(), 1 - entry.fallback))
+    for name, gated in params.gated.items():
+        handoff = handoffs[gated.map]
+        gate = pair.gate(handoff, gated.score, float("inf"))
+        scores = gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
+        gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
         cost = (sum(handoff_macs(source, target, handoff.mapper.macs_per_token(), length).values())
-                + score_macs(entry.score, source, target, 0, length))
-        out[name] = Router(handoff, gate), (cost, prefill)  # the bound waits for the measured fallback share
+                + score_macs(gated.score, source, target, 0, length))
+        out[name] = Variant(Router(handoff, gate), gated_cost=cost, prefill=prefill)
     if params.truncated:
-        for name, budget in budgets.items():
-            out[f"truncated_{name}"] = Router(pair.handoff("oracle", keep=budget)), truncated_bound(target, budget,
-                                                                                                     length)
+        for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
+            keep = min(budget, 1.0)
+            out[f"truncated_{name}"] = Variant(Router(pair.handoff("oracle", keep=keep)),
+                                               truncated_bound(target, keep, length))
     return out
 
 
-def run(params: OperatingParams, pair: Pair, length: int, margin: float) -> dict:
-    """The study at `length`: every variant's figures (metrics/eval/operating/<n>.json) and rows."""
-    require_controls_passed()
-    prompts = read_prompts(paths.long_part("eval", length))
-    items = pd.read_parquet(paths.long_part("retrieval", length)) if paths.long_part("retrieval", length).is_file() \
-        else None
-    retrieval = [] if items is None else [(list(p), list(c)) for p, c in zip(items.prompt_ids, items.continuation_ids)]
-    recall = [recall_positions(p, c, params.recall_ngram) for p, c in prompts]
+def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts: pd.DataFrame,
+        items: pd.DataFrame | None, out, contexts=lambda: []) -> dict:
+    """The study at `length` on its eval `prompts` and pass-key `items` (data/long/ frames): every variant's figures
+    (what metrics/eval/operating/<n>.json holds) and rows, written under `out`."""
+    texts = read_prompts(prompts)
+    keys = [] if items is None else read_prompts(items)
+    recall = [recall_positions(p, c, params.recall_ngram) for p, c in texts]
     store = OracleStore(params.top_k, params.horizon)
-    folder = paths.operating_rows(length)
-    metrics: dict = {"length": length, "prompts": len(prompts), "retrieval_items": len(retrieval),
+    metrics: dict = {"length": length, "prompts": len(texts), "retrieval_items": len(keys),
                      "recall_ngram": params.recall_ngram, "variants": {}}
-    with atomic_dir(folder) as staging:
-        oracle_router = Router(pair.handoff("oracle"))
-        oracle = evaluate(oracle_router, prompts, store=store, margin=margin, timed=True, warmup=1)
-        oracle_items = evaluate(oracle_router, retrieval, store=store, timed=True) if retrieval else None
-        variants = {"oracle": (oracle_router, 1.0), **routers(params, pair, length)}
-        for name, (router, bound) in variants.items():
-            if name == "oracle":
-                evaluation, on_items = oracle, oracle_items
-            else:
-                evaluation = evaluate(router, prompts, oracle.oracle, margin=margin, timed=True, warmup=1)
-                on_items = evaluate(router, retrieval, oracle_items.oracle, timed=True) if retrieval else None
-            rows = evaluation.prompt_rows.assign(recall_by_position=recall)
-            figures = evaluation.figures(oracle=oracle)["prompts"]
-            speedup = oracle.prompt_rows.ttft_ms.mean() / rows.ttft_ms.mean()
-            if isinstance(bound, tuple):  # a gate: its measured fallback share decides its cost
-                cost, prefill = bound
-                share = float((rows.way == "fell back").mean())
-                bound = prefill / (cost + share * prefill)
-                figures["fallback_share"] = share
-            entry = {**figures, **recall_agreement(rows.agree_by_position, rows.recall_by_position),
-                     "speedup_measured": float(speedup), "flop_bound": float(bound)}
-            write = {"prompts": rows}
-            if on_items is not None:
-                found = retrieval_rows(items, on_items.prompt_rows.greedy)
-                entry["retrieval"] = retrieval_summary(found, retrieval_rows(items, oracle_items.prompt_rows.greedy))
-                write["retrieval"] = found
-            for table, frame in write.items():
-                path = staging / name / f"{table}.parquet"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                frame.to_parquet(path, index=False)
-            metrics["variants"][name] = entry
+    oracle_router = Router(pair.handoff("oracle"))
+    oracle = evaluate(oracle_router, texts, store=store, margin=margin, timed=True, warmup=1, progress=False)
+    oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
+    reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None
+    everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, contexts)}
+    for name, variant in tqdm(everything.items(), desc=f"operating n={length}", unit="variant"):
+        on_texts, on_keys = oracle, oracle_keys
+        if name != "oracle":
+            on_texts = evaluate(variant.router, texts, oracle.oracle, margin=margin, timed=True, warmup=1,
+                                progress=False)
+            on_keys = evaluate(variant.router, keys, oracle_keys.oracle, timed=True, progress=False) if keys else None
+        rows = on_texts.prompt_rows.assign(**{RECALL: recall})
+        figures = PromptFigures.of(rows, margin).as_json(oracle.prompts)
+        figures.update(speedup_measured=float(oracle.prompt_rows.ttft_ms.mean() / rows.ttft_ms.mean()),
+                       flop_bound=float(variant.flop_bound(rows)),
+                       fallback_share=float((rows.way == FELL_BACK).mean()))
+        tables = {"prompts": rows}
+        if keys:
+            tables["retrieval"] = retrieval_rows(items, on_keys.prompt_rows.greedy)
+            figures["retrieval"] = retrieval_summary(tables["retrieval"], reference)
+        for table, frame in tables.items():
+            path = out / name / f"{table}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_parquet(path, index=False)
+        metrics["variants"][name] = rounded(figures, 6)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.operating", __doc__)
-    cli.add_argument("length", type=int, help="the operating length: a key of data.long.lengths")
+    cli.add_argument("length", type=int, help="the operating length: one of operating.lengths")
     length = cli.parse_args(sys.argv[1:] if argv is None else argv).length
     params, models = load_section(OperatingParams, "operating"), load_section(ModelsParams, "models")
     if length not in params.lengths:
         raise ParamError(f"pipeline.operating: {length} is not one of operating.lengths ({params.lengths})")
     margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
+    require_controls_passed()
+    prompts = pd.read_parquet(paths.long_part("eval", length))
+    retrieval = paths.long_part("retrieval", length)
+    items = pd.read_parquet(retrieval) if retrieval.is_file() else None
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
         pair = Pair.load(models, stage.device)
-        stage.write_metrics(paths.operating_metrics(length), run(params, pair, length, margin))
+        with atomic_dir(paths.operating_rows(length)) as staging:
+            metrics = run(params, pair, length, margin, prompts, items, staging, lambda: select_contexts(length))
+        stage.write_metrics(paths.operating_metrics(length), metrics)
 
 
 if __name__ == "__main__":

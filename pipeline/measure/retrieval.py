@@ -23,6 +23,8 @@ from pipeline.store.lazy import lazy
 np = lazy("numpy")
 pd = lazy("pandas")
 
+RECALL = "recall_by_position"  # a prompt row's list column: per continuation position, whether it is a recall one
+
 
 def exact_match(greedy: Sequence[int], answer: Sequence[int]) -> bool:
     """Whether the first len(answer) greedy tokens are the answer's tokens."""

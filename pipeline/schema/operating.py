@@ -36,8 +36,6 @@ class OperatingParams(Params):
     recall_ngram: Annotated[int, Field(ge=2)]  # a recall position extends an (n-1)-gram the prompt holds
     top_k: Positive
     horizon: Positive  # greedy rollout tokens after each prompt (a pass-key item reads its key's first tokens)
-    bootstrap_iters: Positive
-    seed: int
     threads: Threads
 
     @model_validator(mode="after")
