@@ -67,7 +67,7 @@ WINGS = {
     "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
                 "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
-                "length", "distillation", "selective", "repair", "registry"),
+                "length", "operating", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "convert_models", "sibling", "prepare_models", "score_models", "extract", "fit",
                "distill", "select", "controls",
