@@ -2,7 +2,8 @@
 
 Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
 (the rest), or with `prompt_lengths` into a prompt of each of those lengths (its first n tokens) and the next
-`continuation` tokens (the operating lengths: the map and its repair chosen where they will be used); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
+`continuation` tokens (the operating lengths: the map and its repair chosen where they will be used); every
+candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
 outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
 mean KL, and per target layer the cosine between the oracle's attention output and the candidate's (a cheap
 proxy for task retention; the report correlates every proxy with retention), and beside them the agreement where
