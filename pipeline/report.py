@@ -18,6 +18,7 @@ from pathlib import Path
 from pipeline.kv.contract import BASELINES
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.evaluate import EvaluateParams
+from pipeline.schema.operating import OperatingParams
 from pipeline.schema.prepare_data import DataParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
@@ -36,10 +37,10 @@ pd = lazy("pandas")
 HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 
-def load(variant_names: list[str], calibration_sizes: list[int]) -> tuple[Run, dict]:
+def load(variant_names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> tuple[Run, dict]:
     """The variants' run and each study's inputs (a study that did not run is left out): every file the
     report reads, read before anything is computed or written."""
-    run = Run.load(variant_names, calibration_sizes)
+    run = Run.load(variant_names, calibration_sizes, operating_lengths)
     inputs = {key: study.load(run) for key, study in STUDIES.items()}
     return run, {key: given for key, given in inputs.items() if given is not None}
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     mapped = load_section(EvaluateParams, "evaluate").mapped
     sizes = load_section(CalibrationParams, "calibration").sizes
     data = load_section(DataParams, "data")
-    run, inputs = load([*BASELINES, *mapped], sizes)
+    lengths = load_section(OperatingParams, "operating").lengths
+    run, inputs = load([*BASELINES, *mapped], sizes, lengths)
     report = compute(params, run, inputs)
     tables = figures(report, run, FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data.kind, "source": models.source,

@@ -1,7 +1,9 @@
 """Stage `select`: score every fitted and distilled mapper on the select split and choose one by the declared rule.
 
 Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
-(the rest); every candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
+(the rest), or with `prompt_lengths` into a prompt of each of those lengths (its first n tokens) and the next
+`continuation` tokens (the operating lengths: the map and its repair chosen where they will be used); every
+candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
 outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
 mean KL, and per target layer the cosine between the oracle's attention output and the candidate's (a cheap
 proxy for task retention; the report correlates every proxy with retention), and beside them the agreement where
@@ -47,16 +49,22 @@ MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELEC
 DIGITS = 4  # metrics/select.json's figures
 
 
-def select_prompts(token_lists, prompt_fraction: float) -> list[tuple[list[int], list[int]]]:
+def select_prompts(token_lists, params: SelectParams) -> list[tuple[list[int], list[int]]]:
+    """The select split's prompts: each sequence cut at `prompt_fraction` of its tokens (context, the rest), or with
+    `prompt_lengths` its first n tokens and the next `continuation`, for each n it holds."""
     prompts = []
-    for ids in token_lists:
-        ids = list(ids)
-        cut = max(2, int(len(ids) * prompt_fraction))
+    for ids in map(list, token_lists):
+        if params.prompt_lengths:
+            prompts += [(ids[:n], ids[n : n + params.continuation]) for n in params.prompt_lengths
+                        if len(ids) >= n + params.continuation]
+            continue
+        cut = max(2, int(len(ids) * params.prompt_fraction))
         if len(ids) - cut >= 1:
             prompts.append((ids[:cut], ids[cut:]))
     if not prompts:
-        raise ParamError("select.prompt_fraction: no select sequence is long enough to split into context and "
-                         "continuation; raise data.sequence_length")
+        key = "select.prompt_lengths" if params.prompt_lengths else "select.prompt_fraction"
+        raise ParamError(f"{key}: no select sequence is long enough to split into context and continuation; raise "
+                         f"data.sequence_length")
     return prompts
 
 
@@ -189,7 +197,7 @@ def candidates_on_disk() -> list[Path]:
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS) -> dict:
     """Score `candidates` on the select split's prompts (the only data read; `margin`: `report.confident_margin`) and
     promote the choice; the stage's metrics on rank 0 ({} on the others)."""
-    prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params.prompt_fraction)
+    prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params)
     costs = budgets(params)
     scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks)
     return promote(scored, params, len(prompts), costs) if ranks.main else {}

@@ -176,6 +176,9 @@ def test_the_run_length_is_the_longest_sequence_any_stage_feeds_the_models():
     assert run_length({**params, "length": {"prompt_lengths": [512], "continuation": 32, "horizon": 8}}) == 544
     assert run_length({**params, "latency": {"lengths": [128, 8192]}}) == 8192
     assert run_length({**params, "candidates": {"length": 1024}}) == 1024
+    long = {"continuation": 64, "lengths": {1024: {}, 2048: {}}}
+    assert run_length({**params, "data": {**params["data"], "long": long}, "operating": {"horizon": 16}}) == 2048 + 64
+    assert run_length({**params, "select": {"prompt_lengths": [4096], "continuation": 8, "horizon": 32}}) == 4096 + 32
 
 
 def test_no_stage_but_the_pair_checker_reads_the_run_length_so_no_stage_reruns_when_an_unrelated_length_changes():

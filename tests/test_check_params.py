@@ -132,6 +132,21 @@ RULES = {
     "no selective score": ({"selective": {"scores": []}}, r"^selective\.scores: expected at least one value"),
     "a selective score listed twice": ({"selective": {"scores": ["kl", "entropy", "kl"]}},
                                        r"^selective\.scores: 'kl' is listed twice"),
+    "operating length without an eval part": (
+        {"operating": {"lengths": [1024]}},
+        r"^operating\.lengths: 1024 has no eval part \(data\.long\.lengths: none\)"),
+    "operating map no stage writes": (
+        {"operating": {"maps": {"k9": "models/best/mapped_k9.safetensors"}}},
+        r"^operating\.maps\.k9: models/best/mapped_k9\.safetensors is not written by fit, distill or select"),
+    "operating repair reading a choice select does not make": (
+        {"select": {"repairs": ["none"]}, "evaluate": {"repair": {"selected_repaired": "layers:1"}},
+         "operating": {"maps": {"selected": "models/mapper.safetensors"},
+                       "repaired": {"fixed": {"map": "selected", "repair": "selected"}}}},
+        r"^operating\.repaired\.fixed\.repair: reads the setting select chose, but select\.repairs is \[none\]"),
+    "operating repair beyond the target's layers": (
+        {"operating": {"maps": {"selected": "models/mapper.safetensors"},
+                       "repaired": {"fixed": {"map": "selected", "repair": "layers:9"}}}},
+        r"^operating\.repaired\.fixed\.repair: layers:9 recomputes 9 layers, but the target has 3"),
     "the same disagree file twice": (
         {"selective": {"disagree": ["models/best/mapped_k1.safetensors"] * 2}},
         r"^selective\.disagree: the same file twice"),

@@ -147,7 +147,7 @@ def study_run(margin_rows: dict[str, pd.DataFrame]):
     prompts = {name: rows.assign(tokens=len(rows.agree_by_position[0])) for name, rows in margin_rows.items()}
     metrics = {name: {"prompts": {"next_token_top1": float(rows.first_agree.mean())}} for name, rows in prompts.items()}
     return Run(metrics, {}, prompts, skipped={}, controls={}, select={}, latency=None,
-               pair=("models/source", "models/target"), calibration_sizes=[])
+               pair=("models/source", "models/target"), calibration_sizes=[], operating_lengths=[])
 
 
 def test_the_study_puts_confident_agreement_beside_v0s_top1_and_writes_na_where_no_prompt_is_confident():

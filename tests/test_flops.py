@@ -6,8 +6,10 @@ from pipeline.kv.flops import (
     handoff_macs,
     linear_macs_per_token,
     mapper_macs_per_token,
+    source_alone_bound,
     speedup_bound,
     target_prefill_macs,
+    truncated_bound,
 )
 from pipeline.kv.mapper import random_mapper
 from pipeline.store.shapes import pair_configs
@@ -54,3 +56,14 @@ def test_handoff_step_reads_the_whole_prefix_once_and_source_computes_no_logits(
 def test_bound_refuses_a_prompt_without_a_prefix():
     with pytest.raises(ValueError, match="at least 2 tokens"):
         speedup_bound(SOURCE, TARGET, 0, 1)
+
+
+def test_the_source_alone_costs_its_own_prefill_and_the_truncated_prompt_its_kept_tokens():
+    # the source's prefill at the V0 pair's shapes: about 440M / 1410M of the target's linear work per token, plus
+    # attention (equal per token) and logits (the source has its own)
+    assert 2.5 < source_alone_bound(SOURCE, TARGET, 1024) < 3.2
+    assert source_alone_bound(SOURCE, TARGET, 8192) < source_alone_bound(SOURCE, TARGET, 128)  # attention dominates
+    assert truncated_bound(TARGET, 1.0, 1024) == 1.0
+    tenth = truncated_bound(TARGET, 0.1, 1024)
+    assert tenth == target_prefill_macs(TARGET, 1024) / target_prefill_macs(TARGET, 102) and tenth > 10  # quadratic
+    assert truncated_bound(TARGET, 1e-6, 1024) == target_prefill_macs(TARGET, 1024) / target_prefill_macs(TARGET, 1)

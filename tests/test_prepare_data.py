@@ -9,7 +9,7 @@ from pipeline.prepare_data import run
 from pipeline.schema.prepare_data import DataParams
 from pipeline.store.models import ModelNotAvailableError
 from pipeline.store.params import ParamError, parse
-from pipeline.store.splits import OverlapError, check_disjoint
+from pipeline.store.splits import OverlapError, check_disjoint, document
 
 SMALL_WORLD = committed("data.world", corpus_docs=300)
 SPLITS = ["fit", "select", "eval", "hellaswag_dev", "hellaswag_eval", "piqa_dev", "piqa_eval"]
@@ -182,3 +182,73 @@ def test_too_few_windows_is_refused_naming_the_split(tmp_path, tokenizer):
     with pytest.raises(ParamError, match=r"data.calibration_sequences: the corpus's fit documents hold only \d+ "
                                          r"windows of 64 tokens for 5000 sequences"):
         run(hub_params(tmp_path, tokenizer, fit_sequences=5000), tmp_path / "data")
+
+
+RETRIEVAL = {"needle": "\nThe pass key is {key}. Remember it.\n",
+             "question": "\nWhat is the pass key? The pass key is ", "digits": 5, "depths": [0.1, 0.5, 0.9]}
+
+
+def long_params(tmp_path, tokenizer, lengths=None, **overrides) -> DataParams:
+    lengths = lengths or {96: {"prompts": 3, "retrieval": 3}, 160: {"prompts": 2, "retrieval": 2}}
+    return hub_params(tmp_path, tokenizer, long={"continuation": 8, "lengths": lengths, "retrieval": RETRIEVAL},
+                      **overrides)
+
+
+def long_frames(folder) -> dict[str, pd.DataFrame]:
+    return {path.stem: pd.read_parquet(path) for path in sorted((folder / "long").glob("*.parquet"))}
+
+
+def test_each_operating_length_has_windows_of_its_length_from_documents_of_its_own(tmp_path, tokenizer):
+    run(long_params(tmp_path, tokenizer), tmp_path / "data")
+    long, short = long_frames(tmp_path / "data"), frames(tmp_path / "data")
+    assert sorted(long) == ["eval_160", "eval_96", "retrieval_160", "retrieval_96"]
+    for length, count in ((96, 3), (160, 2)):
+        prompts = long[f"eval_{length}"]
+        assert len(prompts) == count and prompts.doc_id.is_unique
+        assert all(len(p) == length for p in prompts.prompt_ids) and all(len(c) == 8 for c in prompts.continuation_ids)
+        assert all(list(t) == list(p) + list(c) for t, p, c in zip(prompts.token_ids, prompts.prompt_ids,
+                                                                   prompts.continuation_ids))
+    documents = {name: {document(d) for d in frame.doc_id}
+                 for name, frame in {**short, "calibration": pd.read_parquet(tmp_path / "data" / "calibration.parquet"),
+                                     **long}.items() if name in ("calibration", "select", "eval") or "_" in name
+                 and name.split("_")[0] in ("eval", "retrieval")}
+    groups = {"calibration": documents["calibration"], "select": documents["select"], "eval": documents["eval"],
+              96: documents["eval_96"] | documents["retrieval_96"],
+              160: documents["eval_160"] | documents["retrieval_160"]}
+    for a in groups:
+        for b in groups:
+            assert a == b or not groups[a] & groups[b], (a, b)  # no document in two splits, the lengths included
+
+
+def test_the_operating_lengths_leave_the_fit_and_select_splits_as_they_were(tmp_path, tokenizer):
+    run(hub_params(tmp_path, tokenizer), tmp_path / "without")
+    run(long_params(tmp_path, tokenizer), tmp_path / "with")
+    for name in ("fit", "select", "hellaswag_eval", "piqa_dev"):
+        assert (tmp_path / "with" / f"{name}.parquet").read_bytes() == \
+            (tmp_path / "without" / f"{name}.parquet").read_bytes(), name
+    assert not any((tmp_path / "without" / "long").iterdir())  # written empty without data.long
+
+
+def test_a_length_whose_documents_are_too_few_is_refused_naming_its_key(tmp_path, tokenizer):
+    with pytest.raises(ParamError, match=r"data\.long\.lengths\.160\.prompts: the corpus's eval_160 documents hold "
+                                         r"only \d+ windows of 168 tokens for 500 sequences"):
+        run(long_params(tmp_path, tokenizer, {160: {"prompts": 500, "retrieval": 0}}), tmp_path / "data")
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"long": {"continuation": 8, "lengths": {}, "retrieval": RETRIEVAL}}, r"data\.long\.lengths: "),
+    ({"long": {"continuation": 8, "lengths": {64: {"prompts": 2, "retrieval": 1}},
+               "retrieval": {**RETRIEVAL, "needle": "no key here"}}}, r"data\.long\.retrieval: the needle states"),
+    ({"long": {"continuation": 8, "lengths": {64: {"prompts": 2, "retrieval": 1}},
+               "retrieval": {**RETRIEVAL, "depths": [1.5]}}},
+     r"data\.long\.retrieval\.depths\[0\]: expected a number <= 1"),
+])
+def test_bad_long_params_are_named(tmp_path, tokenizer, data, message):
+    with pytest.raises(ParamError, match=message):
+        hub_params(tmp_path, tokenizer, **data)
+
+
+def test_the_generated_world_has_no_operating_lengths():
+    with pytest.raises(ParamError, match=r"data\.long: the operating lengths' parts are cut from real text"):
+        generated_params(long={"continuation": 8, "lengths": {64: {"prompts": 2, "retrieval": 0}},
+                               "retrieval": RETRIEVAL})

@@ -45,7 +45,7 @@ def report_params(**overrides) -> ReportParams:
 def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, controls: dict) -> dict:
     """The variants' study of a run that evaluated `metrics` (the pair and the other studies' files unused)."""
     run = Run(metrics, items, prompts, skipped={}, controls=controls, select={}, latency=None,
-              pair=("models/source", "models/target"), calibration_sizes=[])
+              pair=("models/source", "models/target"), calibration_sizes=[], operating_lengths=[])
     return variants.compute(params, run)
 
 
@@ -205,7 +205,7 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     reason = "direct injection needs equal KV geometry, but ..."
     (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": reason}))
     (tmp_path / "metrics/controls.json").write_text(json.dumps({"compatibility": {"passed": True}}))
-    run = Run.load(["oracle", "direct", "selected"], [])
+    run = Run.load(["oracle", "direct", "selected"], [], [])
     assert run.skipped == {"direct": reason} and set(run.metrics) == {"oracle", "selected"}
     report = variants.compute(report_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",

@@ -50,8 +50,9 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
         paths.append(tmp_path / f"{name}.safetensors")
         save_mapper(linear_copy_mapper(periodic_model, noise, lam), paths[-1])
     sequences = periodic_batch(torch.Generator().manual_seed(3), 8, 30, 32).tolist()
-    prompts = select_prompts(sequences, 0.6)
-    params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
+    params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"], prompt_fraction=0.6),
+                   "select")
+    prompts = select_prompts(sequences, params)
     reference, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
                                          budgets(params), 0.2)
     oracle = {**reference.prompts.metrics, **reference.prompts.counts}
@@ -173,3 +174,15 @@ def test_the_best_maps_are_scored_at_each_setting_and_the_choice_reads_only_the_
     before = promoted()
     pd.DataFrame({"token_ids": [[1, 2, 3]] * 4}).to_parquet(paths.split("eval"), index=False)
     assert run(params, select_folder, candidates_on_disk(), 0.2) == first and promoted() == before
+
+
+def test_select_prompts_are_cut_at_each_declared_length_where_a_sequence_holds_it():
+    sequences = [list(range(30)), list(range(100, 112))]
+    params = parse(SelectParams, committed("select", prompt_lengths=[8, 20], continuation=4), "select")
+    assert select_prompts(sequences, params) == [
+        (list(range(8)), list(range(8, 12))), (list(range(20)), list(range(20, 24))),
+        (list(range(100, 108)), list(range(108, 112)))]  # the short sequence holds 8 + 4 tokens, not 20 + 4
+    with pytest.raises(ParamError, match=r"select\.prompt_lengths: no select sequence is long enough"):
+        select_prompts([list(range(10))], params)
+    with pytest.raises(ParamError, match=r"select\.continuation: required with select\.prompt_lengths"):
+        parse(SelectParams, committed("select", prompt_lengths=[8]), "select")

@@ -164,6 +164,9 @@ def run_length(params: dict | None = None) -> int:
         eval prompt              data.prompt_length + the longest of its continuation and the rollouts after it
                                  (evaluate.horizon, controls.horizon)
         length study            the longest of length.prompt_lengths + its continuation or rollout
+        operating lengths        the longest of data.long.lengths (and select.prompt_lengths) + the longest of
+                                 data.long.continuation, select.continuation and the rollouts after them
+                                 (operating.horizon, select.horizon)
         latency, candidates      latency.lengths, candidates.length (prompt tokens)
 
     A key that is null (a profile that does not use it) counts for nothing. `check_pair` reads it, to judge a
@@ -183,12 +186,16 @@ def run_length(params: dict | None = None) -> int:
     def after(prompt: int, *keys: str) -> int:
         return prompt + longest(*keys) if prompt else 0
 
+    long = (params.get("data") or {}).get("long") or {}
+    operating = max([0, *map(int, long.get("lengths") or {}), *values("select.prompt_lengths")])
+    after_operating = operating + max([0, long.get("continuation") or 0, *values("select.continuation"),
+                                       *values("operating.horizon"), *values("select.horizon")]) if operating else 0
     sequence = longest("data.sequence_length")
     select_context = max(2, int(sequence * max(values("select.prompt_fraction") or [0]))) if sequence else 0
     return max(sequence, after(select_context, "select.horizon"),
                after(longest("data.prompt_length"), "data.continuation_length", "evaluate.horizon", "controls.horizon"),
                after(longest("length.prompt_lengths"), "length.continuation", "length.horizon"),
-               longest("latency.lengths"), longest("candidates.length"))
+               after_operating, longest("latency.lengths"), longest("candidates.length"))
 
 
 def which_pairs_work() -> str:

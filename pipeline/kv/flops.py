@@ -10,7 +10,9 @@ none). Norms, RoPE and activations are elementwise and left out: under 1% at the
                      map                                   n-1 tokens
                      target step c[n-1] over n-1 cached    1 token + 1 logit row
 
-The bound is the ratio of the two totals: what the handoff could gain if time were proportional to work.
+The bound is the ratio of the two totals: what the handoff could gain if time were proportional to work. The other
+ways to a first token get theirs the same way: the source model alone (its own prefill and logits,
+`source_alone_bound`) and the truncated prompt (the target's prefill of the prompt's last tokens, `truncated_bound`).
 
 A repair (`kv.repair`) adds, over the prefix of P = n-1 tokens (`repair_macs`):
 
@@ -151,3 +153,14 @@ def speedup_bound(source_config, target_config, mapper_macs_per_token: int, leng
     if repair is not None:
         handoff += sum(repair_macs(target_config, repair, length).values())
     return target_prefill_macs(target_config, length) / handoff
+
+
+def source_alone_bound(source_config, target_config, length: int) -> float:
+    """Target prefill over the source model's own prefill of the same prompt (its logits included)."""
+    return target_prefill_macs(target_config, length) / target_prefill_macs(source_config, length)
+
+
+def truncated_bound(target_config, keep: float, length: int) -> float:
+    """Target prefill over its prefill of the prompt's last round(keep x length) tokens (at least one): the truncated
+    prompt's bound (`Handoff.keep`)."""
+    return target_prefill_macs(target_config, length) / target_prefill_macs(target_config, max(1, round(keep * length)))

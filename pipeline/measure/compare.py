@@ -192,10 +192,16 @@ def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int,
                ) -> pd.DataFrame:
     """`variant_rows`' rows, each prompt timed alone through `router` (`timed_reads`), with its route's way and
     times."""
-    rows = [{**prompt_row(index, logprobs, prompts[index][1], rollout, oracle), "way": route.way, **times}
-            for index, logprobs, rollout, route, times in timed_reads(router, prompts, oracle["greedy"].shape[1],
-                                                                      warmup, progress)]
-    return pd.DataFrame(rows)
+    reads = timed_reads(router, prompts, oracle["greedy"].shape[1], warmup, progress)
+    return pd.DataFrame([timed_row(read, prompts, oracle) for read in reads])
+
+
+def timed_row(read: tuple, prompts: list[Prompt], oracle: dict) -> dict:
+    """A timed read's row (`timed_reads`): `prompt_row`'s, its greedy tokens (a pass-key item is scored on them),
+    its route's way and its times."""
+    index, logprobs, rollout, route, times = read
+    return {**prompt_row(index, logprobs, prompts[index][1], rollout, oracle), "greedy": rollout.cpu().tolist(),
+            "way": route.way, **times}
 
 
 def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
@@ -215,6 +221,4 @@ def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int
         values, ids = logprobs.topk(k, dim=-1)  # (m, K)
         stored["top_ids"][index, : len(ids)], stored["top_logprobs"][index, : len(ids)] = ids.cpu(), values.cpu()
         stored["greedy"][index] = rollout.cpu()
-    rows = [{**prompt_row(index, logprobs, prompts[index][1], rollout, stored), "way": route.way, **times}
-            for index, logprobs, rollout, route, times in reads]
-    return stored, pd.DataFrame(rows)
+    return stored, pd.DataFrame([timed_row(read, prompts, stored) for read in reads])

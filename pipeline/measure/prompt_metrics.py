@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pipeline.measure.confident import confidence_summary
+from pipeline.measure.retrieval import RECALL, recall_agreement
 from pipeline.store.lazy import lazy
 
 np = lazy("numpy")
@@ -58,6 +59,12 @@ def confident(name: str) -> Callable[[pd.DataFrame, float], float | None]:
     return compute
 
 
+def recall(name: str) -> Callable[[pd.DataFrame, float], float | None]:
+    def compute(rows: pd.DataFrame, _) -> float | None:
+        return recall_agreement(rows.agree_by_position, rows[RECALL])[name]
+    return compute
+
+
 ENTRIES = (
     PromptMetric("perplexity", "perplexity", False, lambda rows, _: float(np.exp(rows.nll.sum() / rows.tokens.sum())),
                  ratio="ppl_ratio"),
@@ -75,6 +82,9 @@ ENTRIES = (
                  CONFIDENT, True),
     PromptMetric("oracle_weighted_agreement", "oracle-weighted agreement", True,
                  confident("oracle_weighted_agreement"), CONFIDENT, True),
+    PromptMetric("recall_agreement", "agreement on recall positions", True, recall("recall_agreement"), needs=RECALL),
+    PromptMetric("other_agreement", "agreement on the other positions", True, recall("other_agreement"),
+                 needs=RECALL),
 )
 PROMPT_METRICS: dict[str, PromptMetric] = {metric.name: metric for metric in ENTRIES}
 

@@ -2,11 +2,12 @@
 sequences and task items come from (the generated tiny world, or hub / local datasets)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
-from pipeline.store.params import ParamError, Params, Positive
+from pipeline.store.haystack import RetrievalForm
+from pipeline.store.params import Count, ParamError, Params, Positive, Share
 from pipeline.tiny.world import WorldConfig
 
 
@@ -22,6 +23,36 @@ class HubDataset(Params):
         if not self.dataset and not self.path:
             raise ValueError("give a hub `dataset` or a local `path`")
         return self
+
+
+class Retrieval(Params):
+    """The pass-key items' form (`store.haystack`): the needle states `{key}` once, the question ends the prompt."""
+    needle: str
+    question: str
+    digits: Positive
+    depths: Annotated[list[Share], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _one_key(self) -> Retrieval:
+        if self.needle.count("{key}") != 1 or "{key}" in self.question:
+            raise ParamError("data.long.retrieval: the needle states {key} exactly once and the question never")
+        return self
+
+    def form(self) -> RetrievalForm:
+        return RetrievalForm(self.needle, self.question, self.digits, tuple(self.depths))
+
+
+class LengthPart(Params):
+    prompts: Positive  # eval prompts of this length: windows of real text
+    retrieval: Count  # pass-key items of this length, their haystacks from the same documents
+
+
+class LongData(Params):
+    """Eval parts at the operating lengths: per prompt length, windows of real text from documents of their own (the
+    eval stream's documents dealt again), each prompt followed by `continuation` tokens, and pass-key items."""
+    continuation: Positive
+    lengths: Annotated[dict[Annotated[int, Field(ge=2)], LengthPart], Field(min_length=1)]
+    retrieval: Retrieval
 
 
 class DataParams(Params):
@@ -42,6 +73,7 @@ class DataParams(Params):
     corpus: HubDataset | None
     hellaswag: HubDataset | None
     piqa: HubDataset | None
+    long: LongData | None  # hub: eval parts at the operating lengths (data/long/); null: none
 
     @model_validator(mode="after")
     def _consistent(self) -> DataParams:
@@ -52,6 +84,9 @@ class DataParams(Params):
         if self.calibration_sequences < self.fit_sequences:
             raise ParamError(f"data.calibration_sequences: {self.calibration_sequences} is fewer than "
                              f"data.fit_sequences ({self.fit_sequences}); the pool continues the fit split")
+        if self.long is not None and self.kind == "generated":
+            raise ParamError("data.long: the operating lengths' parts are cut from real text (data.kind: hub); set "
+                             "data.long: null for the generated world")
         if self.eval_items is None and self.kind == "generated":
             raise ParamError("data.eval_items: null (every item) needs real task data (data.kind: hub); "
                              "give the generated world a count")

@@ -13,7 +13,9 @@ from pipeline.store.shapes import BoundPair
 
 
 class SelectParams(Params):
-    prompt_fraction: Annotated[float, Field(ge=0.05, le=0.95)]
+    prompt_fraction: Annotated[float, Field(ge=0.05, le=0.95)]  # each sequence's context share, without prompt_lengths
+    prompt_lengths: list[Annotated[int, Field(ge=2)]]  # else: each sequence's first n tokens, for each n, ...
+    continuation: Positive | None  # ... and the next `continuation` tokens
     top_k: Positive
     horizon: Positive
     rule: str  # a prompt metric (measure.prompt_metrics): the map best by it; the confident ones at
@@ -31,6 +33,15 @@ class SelectParams(Params):
     def _rule(self) -> SelectParams:
         if self.rule not in PROMPT_METRICS:
             raise ParamError(f"select.rule: expected a prompt metric ({', '.join(PROMPT_METRICS)}), got {self.rule!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _cuts(self) -> SelectParams:
+        if self.prompt_lengths and self.continuation is None:
+            raise ParamError("select.continuation: required with select.prompt_lengths (the tokens scored after each "
+                             "prompt)")
+        if len(set(self.prompt_lengths)) != len(self.prompt_lengths):
+            raise ParamError(f"select.prompt_lengths: a length is listed twice in {self.prompt_lengths}")
         return self
 
     @model_validator(mode="after")

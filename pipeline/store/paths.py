@@ -30,6 +30,7 @@ TOKENIZER = DATA / "tokenizer"
 CORPUS = DATA / "corpus.parquet"  # the tiny world's training corpus
 CALIBRATION_POOL = DATA / "calibration.parquet"
 EVAL_PROMPTS = DATA / "eval.parquet"
+LONG = DATA / "long"  # the operating lengths' eval prompts and pass-key items (data.long)
 
 # models/: the pair, its pins, every fitted map and the selected one
 MODELS = Path("models")
@@ -95,6 +96,21 @@ def train_stats(folder: Path) -> Path:
 def split(name: str) -> Path:
     """One sequence split (fit, select, eval, calibration) under data/."""
     return DATA / f"{name}.parquet"
+
+
+def long_part(kind: str, length: int) -> Path:
+    """An operating length's eval prompts (`eval`) or pass-key items (`retrieval`) under data/long/."""
+    return LONG / f"{kind}_{length}.parquet"
+
+
+def operating_rows(length: int) -> Path:
+    """The operating study's rows at one prompt length: eval/operating/<n>/<variant>/{prompts,retrieval}.parquet."""
+    return EVAL / "operating" / str(length)
+
+
+def operating_metrics(length: int) -> Path:
+    """The operating study's figures at one prompt length, per variant."""
+    return VARIANT_METRICS / "operating" / f"{length}.json"
 
 
 def task_items(task: str, part: str) -> Path:

@@ -6,6 +6,7 @@ share either, so nothing fitted or selected on is ever evaluated on.
 from __future__ import annotations
 
 import hashlib
+import re
 
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
@@ -18,17 +19,37 @@ TASKS = ("hellaswag", "piqa")
 ITEM_KINDS = ("recall", "gist", "knowledge")  # the tiny world marks each task item with one (column `kind`)
 
 
+WINDOW = re.compile(r"/(?:w|key)\d+$")  # a later window or a pass-key item of a document: <doc_id>/w<k>, /key<i>
+
+
 class OverlapError(Refusal, ValueError):
     pass
+
+
+def document(doc_id: str) -> str:
+    """The document a sequence row comes from: its doc_id without a window's or a pass-key item's suffix."""
+    return WINDOW.sub("", doc_id)
 
 
 def content_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_disjoint(frames: dict[str, pd.DataFrame]) -> None:
-    """Raise OverlapError if any document id or content hash appears in two of the frames."""
-    for column in ("doc_id", "content_hash"):
+def check_disjoint(frames: dict[str, pd.DataFrame], documents: dict[str, list[str]] | None = None) -> None:
+    """Raise OverlapError if any document id or content hash appears in two of the frames, or a document in two
+    groups of `documents` (group -> names of frames of token sequences whose windows may share documents)."""
+    for group, names in (documents or {}).items():
+        for name in names:
+            if name not in frames:
+                raise ValueError(f"frame {name!r} of document group {group!r} is not among the frames")
+    if documents:
+        _disjoint({group: pd.concat([frames[name][["doc_id"]] for name in names]).assign(
+            document=lambda frame: frame.doc_id.map(document)) for group, names in documents.items()}, ("document",))
+    _disjoint(frames, ("doc_id", "content_hash"))
+
+
+def _disjoint(frames: dict[str, pd.DataFrame], columns: tuple[str, ...]) -> None:
+    for column in columns:
         seen: dict[str, str] = {}
         for name, frame in frames.items():
             if column not in frame:

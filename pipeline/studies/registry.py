@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from pipeline.studies import calibration, candidates, confident, distillation, length, repair, selective
+from pipeline.studies import calibration, candidates, confident, distillation, length, operating, repair, selective
 from pipeline.studies.run import Joining, Study
 
 
@@ -27,4 +27,5 @@ def checked(studies: dict[str, ModuleType]) -> dict[str, Study]:
 
 
 STUDIES = checked({"confident": confident, "distillation": distillation, "candidates": candidates,
-                   "selective": selective, "repair": repair, "calibration": calibration, "length": length})
+                   "selective": selective, "repair": repair, "calibration": calibration, "length": length,
+                   "lengths": operating})

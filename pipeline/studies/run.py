@@ -40,9 +40,10 @@ class Run:
     latency: dict | None
     pair: tuple[str, str]
     calibration_sizes: list[int]  # params calibration.sizes (report.py reads it: dvc.yaml declares it there)
+    operating_lengths: list[int]  # params operating.lengths, likewise
 
     @classmethod
-    def load(cls, names: list[str], calibration_sizes: list[int]) -> Run:
+    def load(cls, names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> Run:
         """The declared variants' results (not whatever else metrics/eval holds: a profile with other k candidates
         leaves other files there) and the files every study beside them reads."""
         metrics, items, prompts, skipped = {}, {}, {}, {}
@@ -59,7 +60,7 @@ class Run:
         return cls(metrics, items, prompts, skipped, controls=json.loads(CONTROLS.read_text()),
                    select=json.loads(SELECT.read_text()) if SELECT.is_file() else {},
                    latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(),
-                   calibration_sizes=calibration_sizes)
+                   calibration_sizes=calibration_sizes, operating_lengths=operating_lengths)
 
 
 def pair_names(models: str = "models") -> tuple[str, str]:

@@ -1,0 +1,193 @@
+"""Stage `operating@<n>`: the handoff where prefill costs, quality and time to first token from the same prompts.
+
+    python -m pipeline.operating <n>
+
+At prompt length n (a key of data.long.lengths) two sets of prompts: the eval prompts of data/long/eval_<n>.parquet
+(real text, n tokens and a continuation) and the pass-key items of data/long/retrieval_<n>.parquet (a key stated once
+at a seeded depth, asked for at the end). Every variant is evaluated timed on both (`measure.evaluation.evaluate`,
+`timed=True`: each prompt alone at batch 1, its time to first token measured in the pass that scores it, its prefix
+cache built once for its teacher-forced continuation and its greedy rollout):
+
+    oracle              the target's own prefill: its outputs are stored first, every variant is compared with them
+    baselines           operating.baselines (`source`, the source model alone; `zero`, the null cache)
+    maps                operating.maps: each map's handoff
+    repaired            operating.repaired: a map under a repair setting (`selected`: select's choice)
+    gated               operating.gated: a map behind a gate whose threshold sends `fallback` of the select split's
+                        prompts at n back to the target's prefill (chosen there, never on the eval prompts)
+    truncated_<name>    the truncated prompt (the target's own prefill of the prompt's last tokens) at the budget of
+                        each repaired variant at n (operating.truncated)
+
+Per variant: the per-position figures against the oracle (`measure.prompt_metrics`: confident-position agreement,
+KL, perplexity ratio, ...), agreement on recall positions against the others (`measure.retrieval`), the pass-key
+exact match, the measured speedup (the oracle's mean time to first token over the variant's, on the same eval
+prompts) and the FLOP bound at n (`kv.flops`, at the pair's own configs). Writes
+eval/operating/<n>/<variant>/{prompts,retrieval}.parquet and metrics/eval/operating/<n>.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from pipeline.kv.flops import (
+    handoff_macs,
+    repair_budget,
+    source_alone_bound,
+    speedup_bound,
+    target_prefill_macs,
+    truncated_bound,
+)
+from pipeline.kv.gate import score_macs
+from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
+from pipeline.kv.router import Router
+from pipeline.kv.routes import FELL_BACK
+from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
+from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
+from pipeline.schema.operating import SELECTED, OperatingParams
+from pipeline.store import paths
+from pipeline.store.artifacts import ArtifactError, atomic_dir, require_controls_passed
+from pipeline.store.cli import entry, parser
+from pipeline.store.lazy import lazy
+from pipeline.store.models import ModelsParams
+from pipeline.store.params import ParamError, load_section, load_value
+from pipeline.store.ranks import stage_ranks
+
+np = lazy("numpy")
+pd = lazy("pandas")
+
+
+def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, continuation ids) per row of a part of data/long/."""
+    return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
+
+
+def select_contexts(length: int) -> list[list[int]]:
+    """The select split's contexts at `length`: each select sequence's first `length` tokens, where it holds them."""
+    contexts = [list(ids)[:length] for ids in pd.read_parquet(paths.split("select")).token_ids if len(ids) >= length]
+    if not contexts:
+        raise ParamError(f"operating.gated: no select sequence holds {length} tokens to choose the gate's threshold "
+                         f"on; raise data.sequence_length to at least the operating length")
+    return contexts
+
+
+def selected_repair() -> Repair:
+    """The repair setting select chose beside the selected map (models/mapper_repair.json)."""
+    if not paths.SELECTED_REPAIR.is_file():
+        raise ArtifactError(f"operating.repaired: {paths.SELECTED_REPAIR} not found; run the select stage")
+    return Repair.parse(json.loads(paths.SELECTED_REPAIR.read_text())["repair"])
+
+
+@dataclass
+class Variant:
+    """A variant at one length: its router and its FLOP bound there (a gate's waits for its measured fallback
+    share: `gated_cost`, the handoff's and the score's multiply-adds, and `prefill`, what a fallback adds)."""
+
+    router: Router
+    bound: float | None = None
+    gated_cost: float | None = None
+    prefill: float | None = None
+
+    def flop_bound(self, rows: pd.DataFrame) -> float:
+        if self.gated_cost is None:
+            return self.bound
+        return self.prefill / (self.gated_cost + float((rows.way == FELL_BACK).mean()) * self.prefill)
+
+
+def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict[str, Variant]:
+    """Every variant but the oracle, in the report's order, between `pair`'s models at `length` (`contexts`: a
+    callable giving the select split's contexts, where a gate chooses its threshold)."""
+    source, target = pair.source.config, pair.target.config
+    prefill = target_prefill_macs(target, length)
+    out = {}
+    for name in params.baselines:
+        bound = (source_alone_bound(source, target, length) if name == "source"
+                 else prefill / handoff_macs(source, target, 0, length)["step"])  # nothing to prefill, map or repair
+        out[name] = Variant(Router(pair.handoff(name)), bound)
+    handoffs = {name: pair.handoff("mapped", path) for name, path in params.maps.items()}
+    for name, handoff in handoffs.items():
+        out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length))
+    budgets = {}
+    for name, repaired in params.repaired.items():
+        setting = selected_repair() if repaired.repair == SELECTED else Repair.parse(repaired.repair)
+        handoff = pair.handoff("mapped", params.maps[repaired.map], repair=setting)
+        out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length,
+                                                           setting))
+        budgets[name] = repair_budget(target, setting, length)
+    for name, gated in params.gated.items():
+        handoff = handoffs[gated.map]
+        gate = pair.gate(handoff, gated.score, float("inf"))
+        scores = gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
+        gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
+        cost = (sum(handoff_macs(source, target, handoff.mapper.macs_per_token(), length).values())
+                + score_macs(gated.score, source, target, 0, length))
+        out[name] = Variant(Router(handoff, gate), gated_cost=cost, prefill=prefill)
+    if params.truncated:
+        for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
+            keep = min(budget, 1.0)
+            out[f"truncated_{name}"] = Variant(Router(pair.handoff("oracle", keep=keep)),
+                                               truncated_bound(target, keep, length))
+    return out
+
+
+def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts: pd.DataFrame,
+        items: pd.DataFrame | None, out, contexts=lambda: []) -> dict:
+    """The study at `length` on its eval `prompts` and pass-key `items` (data/long/ frames): every variant's figures
+    (what metrics/eval/operating/<n>.json holds) and rows, written under `out`."""
+    texts = read_prompts(prompts)
+    keys = [] if items is None else read_prompts(items)
+    recall = [recall_positions(p, c, params.recall_ngram) for p, c in texts]
+    store = OracleStore(params.top_k, params.horizon)
+    metrics: dict = {"length": length, "prompts": len(texts), "retrieval_items": len(keys),
+                     "recall_ngram": params.recall_ngram, "variants": {}}
+    oracle_router = Router(pair.handoff("oracle"))
+    oracle = evaluate(oracle_router, texts, store=store, margin=margin, timed=True, warmup=1, progress=False)
+    oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
+    reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None
+    everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, contexts)}
+    for name, variant in tqdm(everything.items(), desc=f"operating n={length}", unit="variant"):
+        on_texts, on_keys = oracle, oracle_keys
+        if name != "oracle":
+            on_texts = evaluate(variant.router, texts, oracle.oracle, margin=margin, timed=True, warmup=1,
+                                progress=False)
+            on_keys = evaluate(variant.router, keys, oracle_keys.oracle, timed=True, progress=False) if keys else None
+        rows = on_texts.prompt_rows.assign(**{RECALL: recall})
+        figures = PromptFigures.of(rows, margin).as_json(oracle.prompts)
+        figures.update(speedup_measured=float(oracle.prompt_rows.ttft_ms.mean() / rows.ttft_ms.mean()),
+                       flop_bound=float(variant.flop_bound(rows)),
+                       fallback_share=float((rows.way == FELL_BACK).mean()))
+        tables = {"prompts": rows}
+        if keys:
+            tables["retrieval"] = retrieval_rows(items, on_keys.prompt_rows.greedy)
+            figures["retrieval"] = retrieval_summary(tables["retrieval"], reference)
+        for table, frame in tables.items():
+            path = out / name / f"{table}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_parquet(path, index=False)
+        metrics["variants"][name] = rounded(figures, 6)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parser("pipeline.operating", __doc__)
+    cli.add_argument("length", type=int, help="the operating length: one of operating.lengths")
+    length = cli.parse_args(sys.argv[1:] if argv is None else argv).length
+    params, models = load_section(OperatingParams, "operating"), load_section(ModelsParams, "models")
+    if length not in params.lengths:
+        raise ParamError(f"pipeline.operating: {length} is not one of operating.lengths ({params.lengths})")
+    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
+    require_controls_passed()
+    prompts = pd.read_parquet(paths.long_part("eval", length))
+    retrieval = paths.long_part("retrieval", length)
+    items = pd.read_parquet(retrieval) if retrieval.is_file() else None
+    with stage_ranks(models.torch_device, threads=params.threads) as stage:
+        pair = Pair.load(models, stage.device)
+        with atomic_dir(paths.operating_rows(length)) as staging:
+            metrics = run(params, pair, length, margin, prompts, items, staging, lambda: select_contexts(length))
+        stage.write_metrics(paths.operating_metrics(length), metrics)
+
+
+if __name__ == "__main__":
+    entry(main)

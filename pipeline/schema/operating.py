@@ -1,0 +1,74 @@
+"""The `operating` section of params.yaml, read by stage `operating@<n>`: the variants handed off at each operating
+length (data.long.lengths), and how each is scored against the oracle and timed on the same prompts."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from pipeline.kv.contract import BASELINES
+from pipeline.kv.gate import FITTED, SCORES
+from pipeline.kv.repair import Repair, RepairError
+from pipeline.store.params import ParamError, Params, Positive, Threads
+from pipeline.store.paths import SELECTED_MAPPER
+
+SELECTED = "selected"  # a repair read from select's choice (store.paths.SELECTED_REPAIR), for the selected map only
+
+
+class Repaired(Params):
+    map: str  # a variant of operating.maps
+    repair: str  # kv.repair's string form, or `selected`
+
+
+class Gated(Params):
+    map: str  # a variant of operating.maps
+    score: str  # a kv.gate score that needs no fitted probe
+    fallback: Annotated[float, Field(gt=0, lt=1)]  # the share of the select split's prompts the threshold sends back
+
+
+class OperatingParams(Params):
+    lengths: list[Annotated[int, Field(ge=2)]]  # one stage each, every one a key of data.long.lengths
+    baselines: list[str]  # modes without a map beside the oracle (kv.contract.BASELINES)
+    maps: dict[str, str]  # variant -> mapper file (a stage's output)
+    repaired: dict[str, Repaired]  # variant -> a map of `maps` under a repair
+    gated: dict[str, Gated]  # variant -> a map of `maps` behind a gate
+    truncated: bool  # the truncated prompt (the oracle at `keep`) at each repaired variant's budget at the length
+    recall_ngram: Annotated[int, Field(ge=2)]  # a recall position extends an (n-1)-gram the prompt holds
+    top_k: Positive
+    horizon: Positive  # greedy rollout tokens after each prompt (a pass-key item reads its key's first tokens)
+    threads: Threads
+
+    @model_validator(mode="after")
+    def _variants(self) -> OperatingParams:
+        names = [*self.baselines, *self.maps, *self.repaired, *self.gated]
+        twice = sorted({name for name in names if names.count(name) > 1} | {"oracle"} & set(names))
+        if twice:
+            raise ParamError(f"operating: the variant name {twice[0]!r} is used twice (or is the oracle's); give "
+                             f"each variant of baselines, maps, repaired and gated its own name")
+        for name in self.baselines:
+            if name not in BASELINES:
+                raise ParamError(f"operating.baselines: {name!r} is not a mode without a map ({', '.join(BASELINES)})")
+        for section, entries in (("repaired", self.repaired), ("gated", self.gated)):
+            for name, entry in entries.items():
+                if entry.map not in self.maps:
+                    raise ParamError(f"operating.{section}.{name}.map: {entry.map!r} is not a variant of "
+                                     f"operating.maps ({', '.join(self.maps) or 'none'})")
+        for name, entry in self.repaired.items():
+            key = f"operating.repaired.{name}.repair"
+            if entry.repair == SELECTED:
+                if self.maps[entry.map] != str(SELECTED_MAPPER):
+                    raise ParamError(f"{key}: `selected` is the setting select chose for {SELECTED_MAPPER}, but "
+                                     f"{entry.map!r} maps with {self.maps[entry.map]}; name a setting instead")
+                continue
+            try:
+                Repair.parse(entry.repair)
+            except RepairError as error:
+                raise ParamError(f"{key}: {error} (or `selected`)") from None
+        for name, entry in self.gated.items():
+            if entry.score not in SCORES or entry.score in FITTED or entry.score == "disagree":
+                usable = [score for score in SCORES if score not in FITTED and score != "disagree"]
+                raise ParamError(f"operating.gated.{name}.score: {entry.score!r}; a gate at the operating lengths "
+                                 f"reads one map and no fitted probe: {', '.join(usable)}")
+        if len(set(self.lengths)) != len(self.lengths):
+            raise ParamError(f"operating.lengths: a length is listed twice in {self.lengths}; list each once")
+        return self

@@ -1,0 +1,172 @@
+"""The operating study: the handoff at the prompt lengths where prefill costs (stage `operating@<n>`), every variant's
+quality and measured time to first token from the same prompts, one table per length, the frontier by measured
+speedup, and the pass-key retrieval beside the oracle's own score.
+
+Inputs: metrics/eval/operating/<n>.json (per variant its figures: `measure.evaluation`'s, agreement on recall
+positions, the retrieval summary, the measured speedup and the FLOP bound at n) and eval/operating/<n>/<variant>/
+prompts.parquet (per prompt, for the bootstrap intervals), for each of operating.lengths. What metrics/report.json
+holds under `lengths.<n>.<variant>`: confident_agreement with its 95% interval (`_low`, `_high`: prompts resampled),
+kl, ppl_ratio, speedup_measured, flop_bound, retrieval (the exact-match share), n (prompts) and the rest beside them.
+A point is on a length's front (`on_front`) only by its measured figures: confident agreement against measured
+speedup, no other variant at least as good on both.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.measure.confident import confidence_intervals
+from pipeline.measure.stats import pareto_front
+from pipeline.store import paths
+from pipeline.store.lazy import lazy
+from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.run import Run
+from pipeline.studies.settings import ReportParams
+
+pd = lazy("pandas")
+
+FIGURE = "operating.png"
+
+
+@dataclass
+class Inputs:
+    figures: dict[int, dict]  # per length: metrics/eval/operating/<n>.json
+    rows: dict[tuple[int, str], pd.DataFrame]  # per (length, variant): one row per eval prompt
+
+
+def load(run: Run) -> Inputs:
+    """Every operating length's figures and prompt rows (none when the profile declares no length: the study is then
+    empty, and its figure says so)."""
+    figures = {length: json.loads(paths.operating_metrics(length).read_text()) for length in run.operating_lengths}
+    rows = {(length, name): pd.read_parquet(paths.operating_rows(length) / name / "prompts.parquet")
+            for length, study in figures.items() for name in study["variants"]}
+    return Inputs(figures, rows)
+
+
+def compute(params: ReportParams, inputs: Inputs) -> dict:
+    """Per length, per variant: its figures with the confident-position agreement's interval and its place on the
+    front (what metrics/report.json holds under `lengths`)."""
+    out = {}
+    for length, study in sorted(inputs.figures.items()):
+        entries = {}
+        for name, figures in study["variants"].items():
+            bounds = confidence_intervals(inputs.rows[(length, name)], params.confident_margin, params.bootstrap_iters,
+                                          params.seed)
+            retrieval = figures.get("retrieval") or {}
+            entries[name] = {
+                "confident_agreement": figures.get("confident_agreement"),
+                "confident_agreement_low": bounds["confident_agreement_low"],
+                "confident_agreement_high": bounds["confident_agreement_high"],
+                "kl": figures["mean_kl"], "ppl_ratio": figures["ppl_ratio"],
+                "speedup_measured": figures["speedup_measured"], "flop_bound": figures["flop_bound"],
+                "retrieval": retrieval.get("exact_match"), "retrieval_of_oracle": retrieval.get("of_oracle"),
+                "retrieval_by_depth": retrieval.get("by_depth"), "retrieval_n": retrieval.get("n", 0),
+                "n": figures["n"], "positions": figures["tokens"],
+                "confident_positions": figures.get("confident_positions"),
+                "next_token_top1": figures["next_token_top1"], "rollout_agreement": figures["rollout_agreement"],
+                "recall_agreement": figures.get("recall_agreement"), "recall_positions": _recall_count(
+                    inputs.rows[(length, name)]), "other_agreement": figures.get("other_agreement"),
+                "ttft_ms": figures["ttft"]["mean_ms"], "fallback_share": figures.get("fallback_share", 0.0),
+            }
+        front = pareto_front([_nan(e["confident_agreement"]) for e in entries.values()],
+                             [e["speedup_measured"] for e in entries.values()])
+        for entry, on in zip(entries.values(), front):
+            entry["on_front"] = bool(on)
+        out[str(length)] = entries
+    return out
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _recall_count(rows: pd.DataFrame) -> int:
+    return int(sum(sum(flags) for flags in rows.recall_by_position))
+
+
+def _speed(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def lines(study: dict) -> list[str]:
+    """The report's section: per length the table, the retrieval by depth, and a reading of quality with length."""
+    if not study:
+        return []
+    out = ["## Where prefill costs: the operating lengths", "",
+           "Every variant handed off on the same eval prompts of real text at each operating length (stage "
+           "`operating@<n>`), each prompt alone at batch 1: its figures against the oracle and its time to first "
+           "token from the same pass (the measured speedup is the oracle's mean time over the variant's, on the same "
+           "prompts; the FLOP bound is counted at the length, a repair's budget too). Confident agreement: over the "
+           "continuation positions where the oracle's top-2 margin is at least `report.confident_margin`, 95% "
+           "interval from resampling prompts. Retrieval: a pass key stated once at a seeded depth of a real-text "
+           "haystack of the same length, asked for at the end, the greedy tokens after the handoff against the key "
+           "(exact match). Recall positions: continuation tokens that extend an n-gram the prompt holds. "
+           "Front: no other variant has both higher confident agreement and a higher measured speedup.", ""]
+    for length, entries in study.items():
+        oracle = entries["oracle"]
+        out += [f"### {int(length):,} tokens", "",
+                f"{oracle['n']} prompts ({oracle['positions']} positions, {oracle['confident_positions']} confident, "
+                f"{oracle['recall_positions']} recall), {oracle['retrieval_n']} pass-key items; the oracle's time to "
+                f"first token {oracle['ttft_ms'] / 1000:.2f} s, its retrieval {pct(oracle['retrieval'])}.", ""]
+        out += md_table(
+            ["Variant", "Confident agreement [95% CI]", "KL", "PPL ratio", "Recall / other agreement",
+             "Retrieval (of oracle's)", "Measured TTFT speedup", "FLOP bound", "Front"],
+            [[name, pct_interval(e["confident_agreement"], e["confident_agreement_low"],
+                                 e["confident_agreement_high"]),
+              f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}", f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
+              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", _speed(e["speedup_measured"]),
+              _speed(e["flop_bound"]), "yes" if e["on_front"] else ""]
+             for name, e in entries.items()])
+        depths = sorted((oracle["retrieval_by_depth"] or {}), key=float)
+        if depths:
+            out += ["", "Retrieval by the needle's depth in the haystack (exact-match share):", ""]
+            out += md_table(["Variant", *(f"depth {d}" for d in depths)],
+                            [[name, *(pct(e["retrieval_by_depth"][d]) for d in depths)] for name, e in entries.items()])
+        out += [""]
+    out += _with_length(study)
+    out += [f"![Confident agreement against measured speedup at each length](report/{FIGURE})", ""]
+    return out
+
+
+def _with_length(study: dict) -> list[str]:
+    """Whether each variant's quality holds or falls from the shortest operating length to the longest."""
+    if len(study) < 2:
+        return []
+    short, long = study[min(study, key=int)], study[max(study, key=int)]
+    words = []
+    for name in short:
+        a, b = short[name]["confident_agreement"], long.get(name, {}).get("confident_agreement")
+        if name == "oracle" or a is None or b is None:
+            continue
+        words.append(f"{name} {pct(a)} -> {pct(b)}")
+    if not words:
+        return []
+    return [f"Confident agreement from {int(min(study, key=int)):,} to {int(max(study, key=int)):,} tokens: "
+            f"{'; '.join(words)}.", ""]
+
+
+def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
+    """Per length, confident agreement against the measured speedup, the front joined; a note when no length ran."""
+    table = pd.DataFrame([{"length": int(length), "variant": name, "speedup": e["speedup_measured"],
+                           "confident_agreement": e["confident_agreement"], "on_front": e["on_front"]}
+                          for length, entries in study.items() for name, e in entries.items()],
+                         columns=["length", "variant", "speedup", "confident_agreement", "on_front"])
+    fig, axes = subplots(1, max(1, len(study)), figsize=(5 * max(1, len(study)), 4), squeeze=False)
+    if not study:
+        axes[0][0].text(0.5, 0.5, "no operating length in this profile (data.long, operating.lengths)",
+                        ha="center", va="center")
+        axes[0][0].set_axis_off()
+    for ax, (length, part) in zip(axes[0], table.groupby("length", sort=True)):
+        ax.scatter(part.speedup, part.confident_agreement, color="tab:blue")
+        for row in part.itertuples():
+            ax.annotate(row.variant, (row.speedup, row.confident_agreement), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        front = part[part.on_front].sort_values("speedup")
+        ax.plot(front.speedup, front.confident_agreement, color="tab:red", lw=1, label="front (measured)")
+        ax.set(xlabel="measured TTFT speedup over the target's prefill", ylabel="confident-position agreement",
+               title=f"{length:,} tokens")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, folder / FIGURE)
+    return {"operating": table}
