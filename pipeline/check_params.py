@@ -175,10 +175,9 @@ def self_source_within_the_target(params: ParamsFile) -> None:
 
 
 def sibling_within_the_target(params: ParamsFile) -> None:
-    depth = params.models.kind == "hub" and depth_of(params, "target")
-    if depth and params.sibling.layers >= depth:
-        raise ParamError(f"sibling.layers: {params.sibling.layers} of the target's {depth} decoder layers "
-                         f"({params.models.target}) cuts nothing; give 2 <= sibling.layers <= {depth - 1}")
+    config = named_config(params, "target") if params.models.kind == "hub" else None
+    if config is not None:
+        params.sibling.within(config, params.models.target)  # a count past the target's, or the whole target
 
 
 def model_paths_are_relative(params: ParamsFile) -> None:

@@ -253,10 +253,12 @@ SMOL_RULES = {
     "a repair of more layers than the converted target has": (
         {"repair": {"grid": ["none", "layers:99"]}},
         r"^repair\.grid: layers:99 recomputes 99 layers, but the target has 30 \(hub models/converted\)"),
-    "a sibling as deep as the target": (
-        {"sibling": {"layers": 40}},
-        r"^sibling\.layers: 40 of the target's 30 decoder layers \(models/converted\) cuts nothing; give 2 <= "
-        r"sibling\.layers <= 29$"),
+    "a sibling deeper than the target": (
+        {"sibling": {"shape": "layers:40"}},
+        r"^sibling\.shape: layers:40, but the target has 30 decoder layers \(models/converted\); give at most 30$"),
+    "a sibling that keeps the whole target": (
+        {"sibling": {"shape": "layers:30+heads:9"}},
+        r"^sibling\.shape: layers:30\+heads:9 keeps the whole target \(models/converted\); drop layers"),
     "a self source as deep as the target": (
         {"models": {"source": "self:30"}},
         r"^models\.source: self:30 asks for 30 of the target's 30 decoder layers \(hub models/converted\)"),
