@@ -18,7 +18,8 @@ from pipeline.store.ranks import Ranks
 
 MARGIN = 0.2
 STORE = OracleStore(top_k=64, horizon=5)
-FIGURES = [name for name in PROMPT_METRICS if name != "attention_cosine"]  # no attention outputs stored here
+# the metrics these rows measure: none that needs a column only some rows hold (attention outputs, recall positions)
+FIGURES = [name for name, metric in PROMPT_METRICS.items() if metric.needs is None]
 
 
 @pytest.fixture(scope="module")
