@@ -10,8 +10,9 @@ from pipeline.store.params import Params, Positive, Threads
 
 
 class CalibrationParams(Params):
-    # fit sequences per point, at most data.calibration_sequences; one calibrate@<n> stage each
-    sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
+    # fit sequences per point, at most data.calibration_sequences; one calibrate@<n> stage each ([]: no curve, and
+    # the report says so)
+    sizes: list[Annotated[int, Field(ge=2)]]
     # names of fit's candidates (linear_k1_lam0.001, mlp_k3, ...), or one distilled (`<name>+kl`, with the
     # distill section's settings): check_params refuses a map fit does not make
     candidates: Annotated[list[str], Field(min_length=1)]
