@@ -168,6 +168,15 @@ def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off()
         "\n".join(calibration.lines(study))
 
 
+def test_without_a_calibration_size_the_section_says_so_and_the_declared_plot_files_are_written(tmp_path):
+    study = calibration.compute(report_params(), calibration.Inputs({}, {}, {}))
+    assert study["rows"] == [] and study["larger_k"] is None and study["larger_k_pays_from"] is None
+    assert "No calibration point in this profile" in "\n".join(calibration.lines(study))
+    tables = calibration.figure(study, tmp_path)  # dvc.yaml declares plots/calibration.csv and the figure
+    assert list(tables["calibration"].columns) == calibration.COLUMNS and tables["calibration"].empty
+    assert (tmp_path / "calibration.png").stat().st_size > 0
+
+
 def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
     rng = np.random.default_rng(6)
     figures_ = {"fit_tokens": 16, "candidate": "linear_k1_lam0.001", "prompts": 40,

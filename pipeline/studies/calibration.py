@@ -23,6 +23,10 @@ pd = lazy("pandas")
 
 
 
+COLUMNS = ["sequences", "tokens", "candidate", "retention", "retention_low", "retention_high", "gap_closure",
+           "gap_closure_low", "gap_closure_high", "params_per_token"]  # a row of the curve (plots/calibration.csv)
+
+
 @dataclass
 class Inputs:
     items: dict[str, pd.DataFrame]  # the variants' per-item rows (the oracle's and the source's are read)
@@ -31,10 +35,13 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """None when no declared size ran, or without the source's items (gap closure needs them)."""
+    """No point when no declared size ran (the study is then empty, and its figure says so); None without the
+    source's items (gap closure needs them)."""
     points = {size: json.loads(path.read_text()) for size, path in paths.calibration_points().items()}
     points = {size: point for size, point in points.items() if size in run.calibration_sizes}
-    if not points or "source" not in run.items:
+    if not points:
+        return Inputs(run.items, {}, {})
+    if "source" not in run.items:
         return None
     return Inputs(run.items, points, {size: {path.stem: pd.read_parquet(path)
                                              for path in sorted(paths.calibration_items(size).glob("*.parquet"))}
@@ -72,8 +79,11 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
 
 
 def lines(study: dict) -> list[str]:
-    """The report's section on the calibration curve."""
+    """The report's section on the calibration curve (one line when the profile declares no size)."""
     sizes = sorted({row["sequences"] for row in study["rows"]})
+    if not sizes:
+        return ["## How much calibration", "", "No calibration point in this profile (`calibration.sizes` is empty: "
+                "`dvc exp run -S 'calibration.sizes=[...]'` adds one stage per size).", ""]
     out = ["## How much calibration", "",
            "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; its first "
            f"sequences are the fit split), each evaluated on the eval part, at n = {', '.join(map(str, sizes))} "
@@ -101,9 +111,13 @@ def lines(study: dict) -> list[str]:
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     """Retention and gap closure of each candidate against calibration tokens, with intervals."""
-    table = pd.DataFrame(study["rows"])
+    table = pd.DataFrame(study["rows"], columns=COLUMNS)
     fig, axes = subplots(1, 2, figsize=(10, 4), sharex=True)
     for ax, column in ((axes[0], "retention"), (axes[1], "gap_closure")):
+        if table.empty:
+            ax.text(0.5, 0.5, "no calibration point in this profile (calibration.sizes)", ha="center", va="center")
+            ax.set_axis_off()
+            continue
         for name, group in table.groupby("candidate", sort=False):
             y = group[column].to_numpy()
             errors = np.vstack([y - group[f"{column}_low"].to_numpy(), group[f"{column}_high"].to_numpy() - y])
@@ -111,7 +125,8 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
         ax.set_xscale("log")
         ax.set_xlabel("calibration tokens")
         ax.set_ylabel(column.replace("_", " ") + " (eval part)")
-    axes[0].legend(fontsize=7)
+    if not table.empty:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, folder / "calibration.png")
     return {"calibration": table}
