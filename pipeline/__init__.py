@@ -65,7 +65,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
               "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
-    "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
+    "kv": ("rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair", "flops", "mapper",
            "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",

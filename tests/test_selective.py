@@ -329,7 +329,7 @@ def test_a_dev_items_probe_score_is_out_of_fold_so_its_own_label_cannot_move_it(
 
 def test_a_gate_by_the_probe_needs_a_fitted_probe(handoffs):
     with pytest.raises(ValueError, match="fitted on dev items"):
-        Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].target))
+        Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].decoder))
 
 
 def test_the_stage_trains_each_maps_probe_on_its_dev_items_alone_and_scores_every_request():

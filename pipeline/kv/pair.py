@@ -24,8 +24,9 @@ from pathlib import Path
 
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.gate import Gate, Scorer
-from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
+from pipeline.kv.modes.registry import MAPPER_MODES, SOURCE_MODES, check_mode
 from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
