@@ -66,7 +66,7 @@ WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
               "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
     "kv": ("rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair", "flops", "mapper",
-           "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
+           "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
                 "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),

@@ -29,10 +29,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefill_macs
-from pipeline.kv.gate import FEATURES, REFERENCES, SCORES, Probe, Scorer, fit_probe, score_macs
+from pipeline.kv.gate import REFERENCES, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
+from pipeline.kv.scores.registry import FEATURES, SCORES, score_macs
 from pipeline.kv.scoring import truncate
 from pipeline.measure import gating
 from pipeline.measure.compare import read_prompts

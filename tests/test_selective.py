@@ -9,10 +9,12 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
 
-from pipeline.kv.gate import FEATURES, SCORES, Gate, Probe, Scorer, fit_probe, jensen_shannon
+from pipeline.kv.gate import Gate, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.scores.disagree import jensen_shannon
+from pipeline.kv.scores.registry import FEATURES, SCORES
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import gating

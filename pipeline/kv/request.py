@@ -17,9 +17,10 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from pipeline.kv.gate import FITTED, SCORES, map_pair
+from pipeline.kv.gate import map_pair
 from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES
 from pipeline.kv.repair import Repair
+from pipeline.kv.scores.registry import FITTED, SCORES
 from pipeline.store import inputs
 from pipeline.store.params import ParamError
 
