@@ -44,7 +44,6 @@ from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
-F = lazy("torch.nn.functional")
 
 REFERENCES = ("oracle", "random")  # the upper bound and the null: curves of the stage, not request-time scores
 
