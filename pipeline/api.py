@@ -95,4 +95,4 @@ def handed_off(router: Router, prompt: Sequence[int]) -> HandedOff:
         raise ValueError("handed_off(): the prompt is empty; give at least one token")
     ((chosen, route),) = router.routed([prompt])
     layers = chosen.prefix_layers(torch.tensor([prompt[:-1]], dtype=torch.long))
-    return HandedOff(chosen.target_cache(layers), chosen.target, route, prompt)
+    return HandedOff(chosen.decoder_cache(layers), chosen.decoder, route, prompt)

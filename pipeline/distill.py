@@ -89,7 +89,7 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
     the splits' token ids under inputs["data"]: the metrics and, per name, (distilled map, per-epoch history).
     Under several processes each rank distils every N-th map, and rank 0 gets them all (the others None)."""
     oracle = Pair.load(models, ranks.device(models.torch_device), source=False).handoff("oracle")
-    oracle.target.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
+    oracle.decoder.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}
     # the oracles kept up to distill.oracle_gib, the select rows' first (they are scored after every epoch)

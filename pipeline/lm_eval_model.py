@@ -56,7 +56,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.utils import setup_logging, simple_parse_args_string
 
-from pipeline.kv.handoff import MODES, SOURCE_MODES
+from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import KV_TRANSFER, Request
 from pipeline.kv.router import Router
@@ -156,7 +156,7 @@ def unused(request: Request, sides: dict[str, tuple[str | None, str | None]]) ->
     """Refuse a model arg the handoff would not read: `source=` beside a mode that reads no source, a revision
     beside no model or beside a local folder or self source (a revision names a hub commit)."""
     if sides["source"][0] is not None and not request.needs_source():
-        readers = [mode for mode in MODES if mode in SOURCE_MODES or mode == "source"]
+        readers = [name for name, mode in MODES.items() if mode.reads.source]
         raise ParamError(f"kv-transfer transfer={request.mode} does not use source=: leave it out (source= is read "
                          f"by {', '.join(readers)})")
     for side, (name, revision) in sides.items():

@@ -39,11 +39,11 @@ from pipeline.kv.flops import (
     target_prefill_macs,
     truncated_bound,
 )
-from pipeline.kv.gate import score_macs
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
 from pipeline.kv.routes import FELL_BACK
+from pipeline.kv.scores.registry import score_macs
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
 from pipeline.schema.operating import SELECTED, OperatingParams

@@ -29,10 +29,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefill_macs
-from pipeline.kv.gate import FEATURES, REFERENCES, SCORES, Probe, Scorer, fit_probe, score_macs
+from pipeline.kv.gate import REFERENCES, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
+from pipeline.kv.scores.registry import FEATURES, SCORES, score_macs
 from pipeline.kv.scoring import truncate
 from pipeline.measure import gating
 from pipeline.measure.compare import read_prompts
@@ -117,7 +118,7 @@ def task_frame(pair: Pair, handoff: Handoff, files: dict, batch_size: int) -> pd
     """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods and choices through `handoff` (one
     evaluation), and `tokens`, the context its first choice was scored after, as the router truncated it."""
     items = evaluate(Router(handoff, batch_size=batch_size), tasks=files, tokenizer=pair.target_tokenizer).item_rows
-    window = handoff.target.config.max_position_embeddings  # the router's window (`measure.adapter.HandoffLM`)
+    window = handoff.decoder.config.max_position_embeddings  # the router's window (`measure.adapter.HandoffLM`)
     items["tokens"] = [truncate(contexts[0], continuations[0], window)
                        for contexts, continuations in zip(items.context_ids, items.continuation_ids)]
     return items
@@ -163,7 +164,7 @@ def request_times(handoff: Handoff, disagree, params: SelectiveParams, probe: Pr
     """Per-request milliseconds at `params.length` tokens: target prefill, handoff, and each score's extra (its
     scorer's whole path less the handoff's)."""
     row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
-    ids = torch.randint(0, handoff.target.config.vocab_size, (1, params.length),
+    ids = torch.randint(0, handoff.decoder.config.vocab_size, (1, params.length),
                         generator=torch.Generator().manual_seed(params.seed)).to(handoff.device)
     scorer, context = Scorer(handoff, disagree, probe), [ids[0].tolist()]
     handoff_ms = 1e3 * median_seconds(lambda: handoff_first_token(handoff, ids), params.repeats, handoff.device)

@@ -57,7 +57,7 @@ def mapped_pair(wide_pair, tmp_path_factory) -> tuple:
 def evaluated(handoff) -> pd.DataFrame:
     """A handoff's per-prompt rows against the oracle on a few prompts (`measure.compare`)."""
     prompts = [(list(range(3 + i, 15 + 2 * i)), [5, 6, 7, 8]) for i in range(3)]
-    oracle = oracle_outputs(Handoff(handoff.target), prompts, 8, 4, 2, progress=False)
+    oracle = oracle_outputs(Handoff(handoff.decoder), prompts, 8, 4, 2, progress=False)
     return variant_rows(handoff, prompts, oracle, 2, progress=False)
 
 

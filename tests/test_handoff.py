@@ -7,9 +7,10 @@ import torch
 from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
 
 from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teacher_forced
-from pipeline.kv.handoff import Handoff, shuffle_order
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Prefixes, cache_to_layers, layers_to_cache, padded_prefixes
 from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
+from pipeline.kv.modes.shuffled import shuffle_order
 from pipeline.kv.rope import Rotation
 from pipeline.kv.scoring import score_continuations, window_parts
 from pipeline.store.models import IncompatiblePairError, load_model
@@ -218,7 +219,7 @@ def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carri
     trained = replace(mapper, keys=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.keys],
                       values=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.values])
     order = shuffle_order(3, prefix, None, 2) if mode == "shuffled" else None
-    layers = list(map_cache(trained, content, Rotation(handoff.target_spec, torch.arange(prefix)), target.dtype,
+    layers = list(map_cache(trained, content, Rotation(handoff.decoder_spec, torch.arange(prefix)), target.dtype,
                             "cpu", order))
     for (keys, values), (_, (keys_built, values_built)) in zip(handed, layers, strict=True):
         assert torch.equal(keys, keys_built) and torch.equal(values, values_built)

@@ -120,7 +120,7 @@ def test_every_handoff_of_a_pair_shares_its_models_loaded_once(tiny_pair, mapper
     assert loads == []  # the tokenizers and the contract need no weights
     oracle, mapped, again = pair.handoff("oracle"), pair.handoff("mapped", mapper_file), pair.handoff("direct")
     assert loads == [str(tiny_pair["target"]), str(tiny_pair["source"])]  # the target first, as the stages did
-    assert oracle.target is mapped.target is again.target and mapped.source is again.source
+    assert oracle.decoder is mapped.decoder is again.decoder and mapped.source is again.source
     assert oracle.source is None and mapped.mapper.family == "identity" and again.mapper is None
 
 
@@ -162,7 +162,7 @@ def test_the_pipelines_pair_is_models_target_and_source_with_its_settings(tiny_p
     monkeypatch.chdir(tmp_path)
     pair = Pair.load(SimpleNamespace(dtype="bfloat16", device_map=None), "cpu")
     handoff = pair.handoff("zero")
-    assert handoff.target.dtype == torch.bfloat16 and handoff.target.config._name_or_path == "models/target"
+    assert handoff.decoder.dtype == torch.bfloat16 and handoff.decoder.config._name_or_path == "models/target"
     assert pair.contract.tokenizers == "identical"
     assert {task: str(path) for task, path in pair.eval_tasks.items()} == {
         "hellaswag": "data/hellaswag_eval.parquet", "piqa": "data/piqa_eval.parquet"}

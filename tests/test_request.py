@@ -2,7 +2,7 @@
 line in the face's own spelling, before any model loads."""
 import pytest
 
-from pipeline.kv.handoff import MODES
+from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import GENERATE, KV_TRANSFER, USES, Request

@@ -2,7 +2,7 @@
 gated context that keeps its map prefilled and mapped once; scores equal to the handoff's own or the oracle's."""
 import pytest
 
-from pipeline.kv.handoff import MODES, OWN_MODES
+from pipeline.kv.modes.registry import MODES, OWN_MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
 from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, hands_off, way, ways

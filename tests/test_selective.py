@@ -9,10 +9,12 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
 
-from pipeline.kv.gate import FEATURES, SCORES, Gate, Probe, Scorer, fit_probe, jensen_shannon
+from pipeline.kv.gate import Gate, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.scores.disagree import jensen_shannon
+from pipeline.kv.scores.registry import FEATURES, SCORES
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import gating
@@ -329,7 +331,7 @@ def test_a_dev_items_probe_score_is_out_of_fold_so_its_own_label_cannot_move_it(
 
 def test_a_gate_by_the_probe_needs_a_fitted_probe(handoffs):
     with pytest.raises(ValueError, match="fitted on dev items"):
-        Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].target))
+        Gate(Scorer(handoffs[0]), "probe", 0.0, Handoff(handoffs[0].decoder))
 
 
 def test_the_stage_trains_each_maps_probe_on_its_dev_items_alone_and_scores_every_request():

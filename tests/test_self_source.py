@@ -124,7 +124,7 @@ def test_the_pair_cuts_its_source_from_its_own_target_loading_the_weights_once(w
 
     monkeypatch.setattr(pair_module, "load_model", counted)
     pair = Pair(str(world / "models" / "target"), "self:2", device="cpu")
-    source = pair.handoff("source").target  # the source alone decodes with the source model
+    source = pair.handoff("source").decoder  # the source alone decodes with the source model
     assert loaded == [str(world / "models" / "target")]
     assert source.model.embed_tokens is pair.target.model.embed_tokens and len(source.model.layers) == 2
 

@@ -144,9 +144,9 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
         if keys.requires_grad or values.requires_grad:
             raise ValueError("the source cache requires grad: the source is frozen, its cache is a constant")
     reference = oracle(handoff, batch) if reference is None else reference
-    rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
+    rotation = Rotation(handoff.decoder_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     source = [(k.to(handoff.device), v.to(handoff.device)) for k, v in batch.source]
-    layers = list(map_cache(mapper, source, rotation, handoff.target.dtype, handoff.device))  # what the handoff maps
+    layers = list(map_cache(mapper, source, rotation, handoff.decoder.dtype, handoff.device))  # what the handoff maps
     content, cache = [mapped for mapped, _ in layers], [cached for _, cached in layers]
     logprobs = F.log_softmax(widened(handoff.step_logits(cache, batch.steps)), dim=-1)  # (B, h + 1, V)
     kl = F.kl_div(logprobs, reference.logprobs, reduction="none", log_target=True).sum(-1)  # (B, h + 1)
@@ -299,7 +299,7 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
     start itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold
     the chosen pair and every probe's select KL), and per epoch its fit losses and select KL and agreement.
     `clock` adds up the time per part; `label` names the map on the progress bars (None: no bars)."""
-    check_frozen(handoff.target)
+    check_frozen(handoff.decoder)
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
         raise ValueError(f"distillation needs fit and select rows, got {counts[0]} and {counts[1]}")

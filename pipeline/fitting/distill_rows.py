@@ -172,5 +172,5 @@ def widened(tensor: torch.Tensor) -> torch.Tensor:
 def oracle(handoff: Handoff, batch: Batch) -> Oracle:
     layers = handoff.prefix_layers(batch.prefix)
     logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
-    rotation = Rotation(handoff.target_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
+    rotation = Rotation(handoff.decoder_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     return Oracle(logprobs, [(rotation.strip(keys), values) for keys, values in layers])

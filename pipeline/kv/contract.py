@@ -23,42 +23,23 @@ the smaller sizes have 151,936, with one tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from pipeline.kv.families.base import Family
 from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.modes.registry import MODES
 from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal
 from pipeline.store.cli import Refusal
 from pipeline.store.models import IncompatiblePairError, tokenizer_fingerprint
 from pipeline.store.params import read_params
 
-
-class Mode(NamedTuple):
-    """What a handoff mode reads: the mode's one declaration is its entry in MODES."""
-
-    target: bool  # the target decodes (False: the source alone, its own cache and its own predictions)
-    source: bool  # the source model: its cache handed to the target, or the source alone
-    map: bool  # a fitted map (`shuffled` also runs without one: the source's cache itself, permuted)
-    own: bool  # the decoding model prefills the prompt itself: nothing is handed off, nothing to repair or gate
-
-
 # families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py); the
 # mixture-of-experts ones route the MLP per token and keep their dense siblings' attention and cache
 TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-# every mode the study compares, in the order the contract reports them; every other list of modes derives from it
-MODES = {
-    "oracle": Mode(target=True, source=False, map=False, own=True),  # the target's own prefill
-    "zero": Mode(target=True, source=False, map=False, own=False),  # an all-zero cache of the target's shape
-    "source": Mode(target=False, source=True, map=False, own=True),  # the source model alone
-    "direct": Mode(target=True, source=True, map=False, own=False),  # the source's cache unmapped
-    "mapped": Mode(target=True, source=True, map=True, own=False),  # the source's cache through a fitted map
-    "shuffled": Mode(target=True, source=True, map=True, own=False),  # what `mapped` injects, its order permuted
-}
 # the modes without a map: the `evaluate` stage's baselines, in the order it runs them in one process and the report
 # lists them (the oracle first: every other variant is compared with its outputs; then by name); each writes
 # eval/<variant>/ and metrics/eval/<variant>.json
-BASELINES = tuple(sorted((mode for mode, reads in MODES.items() if not reads.map),
+BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map),
                          key=lambda mode: (mode != "oracle", mode)))
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 

@@ -42,12 +42,12 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
     own = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, L, L): padding sees padding only
     allowed = torch.cat([prefix, own], dim=2)[:, None]  # (B, 1, L, P + L)
     # an additive mask, as eager attention reads it and SDPA accepts it; transformers takes a 4D mask as is
-    dtype = handoff.target.dtype
+    dtype = handoff.decoder.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     positions = prefix_lengths[:, None] + offsets  # (B, L)
     handoff.check_length(int(positions[segments >= 0].max()) + 1 if (segments >= 0).any() else 0)
-    cache = handoff.target_cache(layers, batch)
-    logits = handoff.target(input_ids=tokens.to(handoff.device), cache=cache, use_cache=cache is not None,
+    cache = handoff.decoder_cache(layers, batch)
+    logits = handoff.decoder(input_ids=tokens.to(handoff.device), cache=cache, use_cache=cache is not None,
                          attention_mask=mask.to(handoff.device), position_ids=positions.to(handoff.device)).logits
     return F.log_softmax(logits.float(), dim=-1)
 
@@ -58,9 +58,9 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
     different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
     prefixes = padded_prefixes(contexts)
     lengths, padded = prefixes.lengths, prefixes.padded
-    cache = handoff.target_cache(handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths), len(contexts))
+    cache = handoff.decoder_cache(handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths), len(contexts))
     if cache is None:
-        cache = transformers.DynamicCache(config=handoff.target.config)
+        cache = transformers.DynamicCache(config=handoff.decoder.config)
     next_input = prefixes.last.to(handoff.device)  # (B, 1)
     mask = prefixes.mask  # (B, P): real prefix slots
     handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
@@ -71,7 +71,7 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
             mask = torch.cat([mask, torch.ones(len(contexts), 1, dtype=torch.long)], dim=1)  # (B, P + step + 1)
             options = {"attention_mask": mask.to(handoff.device),
                        "position_ids": (lengths[:, None] + step).to(handoff.device)}  # (B, 1)
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
+        logits = handoff.decoder(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
                                 **options).logits
         next_input = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         tokens.append(next_input)
@@ -90,7 +90,7 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
     steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
     for row, (context, continuation) in enumerate(prompts):
         steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
-    with attention_outputs(handoff.target, attention is not None) as outputs:  # only the step, not a prefill
+    with attention_outputs(handoff.decoder, attention is not None) as outputs:  # only the step, not a prefill
         logprobs = handoff.step_logprobs(layers, steps, prefixes.padded_lengths)  # (B, M, V)
     if attention is not None:
         stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
@@ -114,13 +114,13 @@ def read_after(handoff: Handoff, first: FirstStep, continuation: Sequence[int], 
     if len(continuation) > 1:
         handoff.check_length(width + len(continuation) - 1)
         ids = torch.tensor([list(continuation[:-1])], device=handoff.device)  # (1, m - 1)
-        logits = handoff.target(input_ids=ids, cache=cache, use_cache=True).logits  # (1, m - 1, V)
+        logits = handoff.decoder(input_ids=ids, cache=cache, use_cache=True).logits  # (1, m - 1, V)
         logprobs.append(F.log_softmax(logits[0].float(), dim=-1))
         cache.crop(width - cache.get_seq_length())  # a negative count: the tokens fed after the step go
     handoff.check_length(width + horizon - 1)
     tokens = [first.logits.argmax(-1, keepdim=True)]  # (1, 1): g[0]
     for _ in range(horizon - 1):
-        logits = handoff.target(input_ids=tokens[-1], cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = handoff.decoder(input_ids=tokens[-1], cache=cache, use_cache=True, logits_to_keep=1).logits
         tokens.append(logits[:, -1].argmax(-1, keepdim=True))  # (1, 1)
     return torch.cat(logprobs), torch.cat(tokens, dim=1)[0]
 
@@ -167,7 +167,7 @@ def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose
             return tokens
         handoff.check_length(len(context) + len(tokens))
         next_input = torch.tensor([[tokens[-1]]], device=handoff.device)  # (1, 1)
-        logits = handoff.target(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = handoff.decoder(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 def greedy_generate(
@@ -212,7 +212,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """The tokens handoff.target decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`decode`),
+    """The tokens handoff.decoder decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`decode`),
     and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
     a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
     token in `stop`."""

@@ -17,8 +17,12 @@ Scores, higher = less trusted:
     kl        KL(p_source || p_target(. | mapped)): the target after the handoff far from what the source predicts
     disagree  JS(p_target(. | map a), p_target(. | map b)): two maps (k=1 and k=max) disagree on the first step
     probe     a logistic regression's logit for "the map changes the decision" from the first step's features
-              (`FEATURES`: the three scores above, the target's top-1 probability, and the log-ratio of the mapped
-              cache's mean key and value norms to the source cache's), trained by the stage on dev items only
+              (`kv.scores.registry.FEATURES`: the three scores above, the target's top-1 probability, and the
+              log-ratio of the mapped cache's mean key and value norms to the source cache's), trained by the stage
+              on dev items only
+
+Each score is a module of `kv/scores/` (what it needs, how it scores, its cost in multiply-adds), listed once in
+`kv.scores.registry`; the scorer computes the entries its names ask for and what they read.
 
 Every score is read off one `Handoff.first_step` of the gated handoff (retained: the source's cache and the mapped
 one), whose prefix cache the router keeps for the context's scoring (`FirstStep.kept`, `kv.router`).
@@ -32,18 +36,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pipeline.kv.flops import attention_macs, linear_macs_per_token, logits_macs
 from pipeline.kv.handoff import FirstStep, Handoff
-from pipeline.kv.kvcache import Layers, kv_geometry, padded_prefixes
+from pipeline.kv.kvcache import padded_prefixes
+from pipeline.kv.scores.base import Evidence, Score
+from pipeline.kv.scores.registry import INPUTS, SCORES, refusal
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
-F = lazy("torch.nn.functional")
 
-SCORES = ("entropy", "kl", "disagree", "probe")
-FITTED = ("probe",)  # scores that need a probe the stage trained: not for a gate named by arguments alone
-FEATURES = ("entropy", "kl", "disagree", "top1", "key_norm", "value_norm")  # a probe's inputs (first step only)
 REFERENCES = ("oracle", "random")  # the upper bound and the null: curves of the stage, not request-time scores
 
 
@@ -52,57 +53,6 @@ def map_pair(spec: str) -> tuple[str, str] | None:
     count."""
     files = tuple(spec.split(":"))
     return files if len(files) == 2 else None
-
-
-def entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """Entropy (B,) of next-token log-probabilities (B, V)."""
-    return -(logprobs.exp() * logprobs).sum(-1)
-
-
-def kl(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) (B,) of log-probabilities (B, V) over their common vocabulary (a padded vocabulary's tail cut)."""
-    vocab = min(p_logprobs.shape[-1], q_logprobs.shape[-1])
-    p, q = p_logprobs[..., :vocab], q_logprobs[..., :vocab]
-    return (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
-
-
-def jensen_shannon(a_logprobs: torch.Tensor, b_logprobs: torch.Tensor) -> torch.Tensor:
-    """Jensen-Shannon divergence (B,) of two next-token log-probabilities (B, V), in nats (at most log 2)."""
-    middle = torch.logsumexp(torch.stack([a_logprobs, b_logprobs]), dim=0) - torch.log(torch.tensor(2.0))
-    return 0.5 * (kl(a_logprobs, middle) + kl(b_logprobs, middle))
-
-
-def score_macs(name: str, source_config, target_config, second_map_macs: int, length: int,
-               features: Sequence[str] = FEATURES) -> int:
-    """Multiply-adds a score adds to the handoff of a prompt of `length` tokens (the handoff's own first step
-    is not counted again): `entropy` one per logit; `kl` the source's step on c[n-1] with its logits;
-    `disagree` a second map (`second_map_macs` per token) over the prefix and a second target step; `probe`
-    the scores among its `features`, a pass over the logits (top-1), one over both caches (norms) and its dot
-    product."""
-    prefix = length - 1
-    if name == "probe":
-        source, target = kv_geometry(source_config), kv_geometry(target_config)
-        norms = prefix * sum(geometry["layers"] * geometry["kv_heads"] * geometry["head_dim"] * 2
-                             for geometry in (source, target))
-        return (sum(score_macs(feature, source_config, target_config, second_map_macs, length)
-                    for feature in features if feature in SCORES) + target_config.vocab_size + norms + len(features))
-    if name == "entropy":
-        return target_config.vocab_size
-    if name == "kl":
-        return (linear_macs_per_token(source_config) + attention_macs(source_config, prefix, length)
-                + logits_macs(source_config) + source_config.vocab_size)
-    if name == "disagree":
-        return (prefix * second_map_macs + linear_macs_per_token(target_config)
-                + attention_macs(target_config, prefix, length) + logits_macs(target_config))
-    raise ValueError(f"unknown score {name!r} (known: {', '.join(SCORES)})")
-
-
-def mean_norms(layers: Layers, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean key and value norms (B,) of a cache over its layers, heads and real tokens (`mask` (B, T))."""
-    weights = mask.float() / (mask.float().sum(-1, keepdim=True) * len(layers))  # (B, T)
-    keys, values = (sum((tensors[side].float().norm(dim=-1).mean(1).cpu() * weights).sum(-1)  # (B, H, T) -> (B,)
-                        for tensors in layers) for side in (0, 1))
-    return keys, values
 
 
 def float64(values) -> torch.Tensor:
@@ -158,25 +108,23 @@ class Scorer:
     """The scores of requests handed off through `handoff` (a source mode), from its first step only.
 
     `disagree`: the two mapped handoffs (k=1 and k=max) whose first steps the `disagree` score compares; they
-    share `handoff`'s source prefill. `probe`: the fitted probe of the `probe` score. No score reads the target's
-    prefill of the prompt (tests make it fail)."""
+    share `handoff`'s source prefill. `probe`: the fitted probe of the `probe` score. `scores`: the registry of
+    the scores it computes (`kv.scores.registry.SCORES`), beside the probe's other inputs. No score reads the
+    target's prefill of the prompt (tests make it fail)."""
 
-    def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None, probe: Probe | None = None):
+    def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None, probe: Probe | None = None,
+                 scores: Mapping[str, Score] = SCORES):
         if handoff.source is None:
             raise ValueError(f"scores read the source's prefill; the {handoff.mode!r} handoff has no source")
-        self.handoff, self.disagree, self.probe = handoff, disagree, probe
+        self.handoff, self.disagree, self.probe, self.registry = handoff, disagree, probe, scores
+        self.known = {**scores, **INPUTS}  # every score or feature it computes, by name
         self.source_alone = Handoff(handoff.source, mode="source")  # the source's own step after its own cache
 
     def check(self, names: Sequence[str]) -> None:
-        for name in names:
-            if name not in SCORES and name not in FEATURES:
-                raise ValueError(f"unknown score {name!r} (known: {', '.join(SCORES)})")
-            if name == "disagree" and self.disagree is None:
-                raise ValueError("the 'disagree' score needs its two maps (k=1 and k=max)")
-            if name == "probe" and self.probe is None:
-                raise ValueError("the 'probe' score needs a probe fitted on dev items (the selective stage fits one)")
-        if "probe" in names:
-            self.check(self.probe.features)
+        """Refuse a name its registry does not hold, or one whose needs (maps, a probe) it was not given."""
+        reason = refusal(names, self, self.registry)
+        if reason:
+            raise ValueError(reason)
 
     @no_grad
     def scores(self, contexts: Sequence[Sequence[int]], names: Sequence[str], batch_size: int = 16,
@@ -197,40 +145,21 @@ class Scorer:
         return out
 
     def step_scores(self, first: FirstStep, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Each named score or feature (B,), float64 on the CPU, of a first step of the handoff (`retain`ed)."""
-        out = {name: values.double().cpu() for name, values in self.of_step(first, self.needed(names)).items()}
-        if "probe" in names:
-            out["probe"] = self.probe(out)
-        return {name: out[name] for name in names}
+        """Each named score or feature (B,), float64 on the CPU, of a first step of the handoff (`retain`ed), and of
+        the steps it shares that step's source prefill with: each entry's `score`, what it reads first."""
+        evidence = Evidence(first, self)
+        for name in self.needed(names):
+            evidence.values[name] = self.known[name].score(evidence).double().cpu()
+        return {name: evidence.values[name] for name in names}
 
     def needed(self, names: Sequence[str]) -> list[str]:
-        """What is computed from a first step for `names`: the scores but the probe, and the probe's features."""
-        probe = self.probe.features if "probe" in names else ()
-        return list(dict.fromkeys([*(name for name in names if name != "probe"), *probe]))
-
-    def of_step(self, first: FirstStep, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Each score or feature of `names` but the probe (B,) from the handoff's first step (retained: its source
-        and mapped caches), and from the steps it shares that step's source prefill with."""
-        prefixes, target = first.prefixes, first.logprobs  # (B, V) after the handoff's cache
-        out = {}
-        if "top1" in names:
-            out["top1"] = target.max(-1).values.exp()
-        if "key_norm" in names or "value_norm" in names:
-            (mapped_keys, mapped_values), (source_keys, source_values) = (mean_norms(layers, prefixes.mask)
-                                                                          for layers in (first.mapped, first.source))
-            out["key_norm"] = (mapped_keys / source_keys).log()
-            out["value_norm"] = (mapped_values / source_values).log()
-        if "entropy" in names:
-            out["entropy"] = entropy(target)
-        if "kl" in names:
-            source = self.source_alone.first_step(prefixes, prefilled=first.source).logprobs  # (B, V_s)
-            out["kl"] = kl(source.to(target.device), target)
-        if "disagree" in names:
-            first_map, second_map = (target if handoff is self.handoff else
-                                     handoff.first_step(prefixes, prefilled=first.source).logprobs
-                                     for handoff in self.disagree)
-            out["disagree"] = jensen_shannon(first_map, second_map.to(first_map.device))
-        return out
+        """What is computed from a first step for `names`, each once, what an entry reads before it (the probe: its
+        features)."""
+        order: dict[str, None] = {}
+        for name in names:
+            order.update(dict.fromkeys(self.needed(self.known[name].reads(self))))
+            order[name] = None
+        return list(order)
 
 
 class Gate:

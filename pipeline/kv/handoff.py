@@ -11,7 +11,8 @@ geometry), `mapped` (through a fitted mapper), and the null controls `zero` (an 
 target's shape) and `shuffled` (what `mapped` would inject, or the source cache without a mapper, with its
 token order permuted by a seeded permutation in content space, before the target's RoPE).
 `source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
-(`target`) is the source, the same protocol as the oracle's, recorded as `source`.
+(`decoder`) is the source, the same protocol as the oracle's, recorded as `source`. Each mode is an entry of
+`kv.modes.registry.MODES` (`Handoff.kind`) whose hook builds the prefix cache; the handoff has no branch on a mode.
 
 A handoff's first step (`Handoff.first_step`, on a batch of contexts as `kvcache.Prefixes`) is defined once: the
 prefix cache built in the handoff's mode and repaired (`Handoff.built`), then the target's step on each context's
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
 
-from pipeline.kv.contract import MODES as TRANSFER_MODES
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
 from pipeline.kv.kvcache import (
     Layers,
@@ -42,6 +41,8 @@ from pipeline.kv.kvcache import (
     real_slots,
 )
 from pipeline.kv.mapper import Mapper, map_cache
+from pipeline.kv.modes.base import Built, ClockHook, tell
+from pipeline.kv.modes.registry import MODES, check_mode
 from pipeline.kv.repair import Repair, RepairCount, repair_cache
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.devices import no_grad
@@ -51,25 +52,6 @@ from pipeline.store.models import IncompatiblePairError
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 transformers = lazy("transformers")
-
-ClockHook = Callable[[str], None]  # told each part of a first step as it ends (`measure.timing.Stopwatch`)
-
-MODES = tuple(TRANSFER_MODES)  # the modes a Handoff builds: every mode of the contract
-SOURCE_MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.source and reads.target)  # handed over
-OWN_MODES = tuple(mode for mode, reads in TRANSFER_MODES.items() if reads.own)  # the decoding model's own prefill
-MAPPER_MODES = tuple(mode for mode in MODES if TRANSFER_MODES[mode].map)  # `shuffled` also runs without a map
-
-
-def check_mode(mode: str, has_source: bool, has_mapper: bool) -> None:
-    """Refuse a mode that is unknown or lacks the source or mapper it reads: before any weight is loaded when
-    called on names (`kv.pair`), and again by every Handoff on the models themselves."""
-    if mode not in MODES:
-        raise ValueError(f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})")
-    if mode in SOURCE_MODES and not has_source:
-        raise ValueError(f"transfer mode {mode!r} needs a source model")
-    if mode == "mapped" and not has_mapper:
-        raise ValueError("transfer mode 'mapped' needs a mapper")
-
 
 def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: dict, names: str) -> None:
     """Refuse a map fitted for other KV geometries than the pair's (`names` names its models)."""
@@ -102,18 +84,10 @@ def pair_window(target, source=None) -> int | None:
 
 def check_options(mode: str, repair: Repair, keep: float | None) -> None:
     """Refuse a repair of a cache that is its model's own, and a share `keep` outside (0, 1]."""
-    if not repair.empty and mode in OWN_MODES:
+    if not repair.empty and MODES[mode].reads.own:
         raise ValueError(f"repair {repair}: the {mode} handoff's cache is its model's own, nothing to repair")
     if keep is not None and not 0 < keep <= 1:
         raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
-
-
-class Built(NamedTuple):
-    """A prefix cache as `Handoff.built` made it; each part None where the mode has none (an empty prefix: all)."""
-
-    source: Layers | None  # the source's own cache (a source mode)
-    mapped: Layers | None  # the cache handed to the target, before the repair (a source mode, `zero`)
-    layers: Layers | None  # the cache the target reads
 
 
 @dataclass
@@ -152,36 +126,39 @@ class FirstStep:
 
 
 class Handoff:
-    """Builds the target's prefix cache in one of MODES and scores tokens after it."""
+    """Builds the decoding model's prefix cache in one of MODES (the mode's hook) and scores tokens after it."""
 
-    def __init__(self, target, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
+    def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
                  tokenizers: tuple | None = None, max_tokens: int | None = None, repair: Repair | None = None,
                  keep: float | None = None):
-        """`repair`: a setting (`kv.repair`) the target applies to every prefix cache of a source mode or `zero`
-        before its first step (refused for `oracle`, which has nothing to repair); `tokenizers`: (source,
-        target) tokenizers, compared by the contract when given (otherwise only the vocabulary sizes can be);
-        `max_tokens`: the longest sequence this handoff will see (a sliding window shorter than it is refused
-        now); without it a pair with a sliding window is accepted and every sequence longer than the window is
-        refused when it comes (`check_length`)."""
+        """`decoder`: the model that decodes (the target; in mode `source` the source itself); `repair`: a setting
+        (`kv.repair`) the target applies to every prefix cache of a source mode or `zero` before its first step
+        (refused for `oracle`, which has nothing to repair); `tokenizers`: (source, target) tokenizers, compared by
+        the contract when given (otherwise only the vocabulary sizes can be); `max_tokens`: the longest sequence this
+        handoff will see (a sliding window shorter than it is refused now); without it a pair with a sliding window
+        is accepted and every sequence longer than the window is refused when it comes (`check_length`)."""
         check_mode(mode, source is not None, mapper is not None)
-        self.target, self.source, self.mode, self.mapper, self.shuffle_seed = target, source, mode, mapper, shuffle_seed
+        self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
+        self.shuffle_seed = shuffle_seed
+        self.kind = MODES[mode]  # the mode's entry: its hook builds every prefix cache
+        handed = source if self.kind.hands_over else None
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
         # the contract decides from the configs, before any forward; the rotary buffers are then checked
-        self.contract = pair_contract(target.config, source.config if mode in SOURCE_MODES else None,
+        self.contract = pair_contract(decoder.config, None if handed is None else handed.config,
                                       target_tokenizer, source_tokenizer, max_tokens)
-        self.contract.require("oracle" if mode in OWN_MODES else mode)  # `source`: the source model decodes alone
-        self.window = pair_window(target, source if mode in SOURCE_MODES else None)  # the longest sequence it may see
-        self.target_spec = RotarySpec.from_model(target)
-        self.target_geometry = kv_geometry(target.config)
-        self.target_devices = layer_devices(target)  # a target spread over devices: each layer's cache goes there
+        self.contract.require("oracle" if self.kind.reads.own else mode)  # `source`: the source model decodes alone
+        self.window = pair_window(decoder, handed)  # the longest sequence it may see
+        self.decoder_spec = RotarySpec.from_model(decoder)
+        self.decoder_geometry = kv_geometry(decoder.config)
+        self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
         self.repair, self.keep = repair or Repair(), keep
         check_options(mode, self.repair, keep)
         self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
-        if mode in SOURCE_MODES:
+        if self.kind.hands_over:
             self.source_spec = RotarySpec.from_model(source)
-            self.source_geometry = checked_source_geometry(source, target, mode, mapper)
+            self.source_geometry = checked_source_geometry(source, decoder, mode, mapper)
 
     def check_length(self, tokens: int) -> None:
         """Refuse a sequence of `tokens` longer than a sliding window of the pair: the model masks attention past
@@ -189,11 +166,11 @@ class Handoff:
         if self.window is not None and tokens > self.window:
             raise LongerThanWindowError(
                 f"a sequence of {tokens} tokens is longer than the sliding window ({self.window} tokens) of "
-                f"{model_name(self.target.config)!r} or its source: shorten the profile's lengths or drop the item")
+                f"{model_name(self.decoder.config)!r} or its source: shorten the profile's lengths or drop the item")
 
     @property
     def device(self):
-        return self.target.device
+        return self.decoder.device
 
     def context(self, tokens) -> list[int]:
         """The part of a context c[0..n-1] this handoff reads: all of it, or under `keep` its last round(keep x n)
@@ -213,32 +190,16 @@ class Handoff:
 
     def built(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | None,
               clock: ClockHook | None = None, prefilled: Layers | None = None) -> Built:
-        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made: the decoding
-        model's own prefill (an own mode), the zero cache, or the source's prefill mapped; then repaired. `lengths`
+        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made: the mode's hook
+        (`kv.modes`: the decoding model's own prefill, the zero cache, or the source's prefill mapped; then repaired,
+        where the cache was handed over). `lengths`
         (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as `prefill` and `map`
         (with the repair) end; `prefilled`: the prefill's cache, made already by a handoff of the same model."""
         prefix_ids = prefix_ids.to(self.device)
-        batch, length = prefix_ids.shape
-        self.check_length(length)
-        if length == 0:
+        self.check_length(prefix_ids.shape[1])
+        if prefix_ids.shape[1] == 0:
             return Built(None, None, None)
-        if self.mode in OWN_MODES:
-            own = prefilled if prefilled is not None else cache_to_layers(self.target.model(
-                input_ids=prefix_ids, attention_mask=_on(mask, self.device), use_cache=True).cache)
-            _tell(clock, "prefill")
-            return Built(None, None, own)
-        source = None
-        if self.mode == "zero":
-            shape = (batch, self.target_geometry["kv_heads"], length, self.target_geometry["head_dim"])
-            zeros = torch.zeros(shape, dtype=self.target.dtype, device=self.device)
-            mapped = [(zeros, zeros) for _ in range(self.target_geometry["layers"])]
-        else:
-            source = prefilled if prefilled is not None else self.source_prefill(prefix_ids, mask)
-            _tell(clock, "prefill")
-            mapped = self.to_target(source, lengths)
-        layers = self.repaired_layers(mapped, prefix_ids, lengths)
-        _tell(clock, "map")
-        return Built(source, mapped, layers)
+        return self.kind.prefix(self, prefix_ids, lengths, mask, clock, prefilled)
 
     @no_grad
     def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None, prefilled: Layers | None = None,
@@ -255,7 +216,7 @@ class Handoff:
                                      keep_cache=True)
         logits = logits[:, -1]  # (B, V)
         logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
-        _tell(clock, "step")
+        tell(clock, "step")
         return FirstStep(prefixes, logits, cache, source, mapped)
 
     def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers:
@@ -263,10 +224,15 @@ class Handoff:
         if self.repair.empty:
             return layers
         start, before = time.perf_counter(), self.repaired.recomputed
-        layers = repair_cache(self.target, layers, prefix_ids, lengths, self.repair, self.repaired,
-                              self.target_devices)
+        layers = repair_cache(self.decoder, layers, prefix_ids, lengths, self.repair, self.repaired,
+                              self.decoder_devices)
         self.repaired.log.append((self.repaired.recomputed - before, time.perf_counter() - start))
         return layers
+
+    def own_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:
+        """The decoding model's own cache for prefix_ids (B, P) on its device, `mask` (B, P) marking real tokens."""
+        return cache_to_layers(self.decoder.model(input_ids=prefix_ids, attention_mask=_on(mask, self.device),
+                                                  use_cache=True).cache)
 
     @no_grad
     def source_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:
@@ -280,33 +246,33 @@ class Handoff:
 
     @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
-        """Source cache -> target-space cache (rotated, target dtype), per this handoff's mode; `lengths` (B,)
-        are the real lengths of right-padded rows (the shuffle permutes each row's real tokens only)."""
-        dtype = self.target.dtype
-        if self.mode == "direct" and self.source_spec == self.target_spec:
-            return [(k.to(self.device, dtype), v.to(self.device, dtype)) for k, v in source_layers]
+        """Source cache -> target-space cache (rotated, target dtype), as this handoff's mode hands it over
+        (`kv.modes.base.FromSource.to_target`); `lengths` (B,) are the real lengths of right-padded rows (the
+        shuffle permutes each row's real tokens only)."""
+        return self.kind.to_target(self, source_layers, lengths)
 
+    def rebuilt(self, source_layers: Layers, mapper: Mapper | None = None, order: torch.Tensor | None = None
+                ) -> Layers:
+        """The source's cache re-encoded for the target: its RoPE stripped, through `mapper` (None: unmapped), its
+        tokens in `order` (B, P) (None: as they are), the target's RoPE applied, cast to the target's dtype."""
         length = source_layers[0][0].shape[2]
         positions = torch.arange(length, device=self.source.device)
         source_rotation = Rotation(self.source_spec, positions)
-        mapper = self.mapper if self.mode in MAPPER_MODES else None
         # a map fitted on rotated keys (the length study's no-strip ablation) reads and writes them as cached
         rotated = mapper is not None and mapper.key_space == "rotated"
         content = [(k.float() if rotated else source_rotation.strip(k.float()), v.float())
                    for k, v in source_layers]  # float32, content space (or rotated, for the ablation)
-        order = None
-        if self.mode == "shuffled":
-            order = shuffle_order(self.shuffle_seed, length, lengths, source_layers[0][0].shape[0]).to(self.device)
-        target_rotation = Rotation(self.target_spec, positions.to(self.device))
-        return [cache for _, cache in map_cache(mapper, content, target_rotation, dtype, self.device, order)]
+        target_rotation = Rotation(self.decoder_spec, positions.to(self.device))
+        return [cache for _, cache in map_cache(mapper, content, target_rotation, self.decoder.dtype, self.device,
+                                                order)]
 
-    def target_cache(self, layers: Layers | None, batch: int = 1):
-        """A fresh target cache holding `layers`; a batch-1 prefix is shared by `batch` rows."""
+    def decoder_cache(self, layers: Layers | None, batch: int = 1):
+        """A fresh cache of the decoding model holding `layers`; a batch-1 prefix is shared by `batch` rows."""
         if layers is None:
             return None
         if layers[0][0].shape[0] != batch:
             layers = expand_batch(layers, batch)
-        return layers_to_cache(layers, self.target.config, self.target.dtype, self.target_devices or self.device)
+        return layers_to_cache(layers, self.decoder.config, self.decoder.dtype, self.decoder_devices or self.device)
 
     @no_grad
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
@@ -329,14 +295,14 @@ class Handoff:
         (`keep_cache`: a fresh one where there is no prefix, so decoding can go on; else None there)."""
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
-        cache = self.target_cache(layers, tokens.shape[0])
+        cache = self.decoder_cache(layers, tokens.shape[0])
         if cache is None and keep_cache:
-            cache = transformers.DynamicCache(config=self.target.config)
+            cache = transformers.DynamicCache(config=self.decoder.config)
         options = {} if prefix_lengths is None or layers is None else padded_prefix(prefix_lengths, width,
                                                                                   tokens.shape[1], self.device)
         if logits_to_keep:
             options["logits_to_keep"] = logits_to_keep
-        logits = self.target(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
+        logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                              **options).logits
         return logits, cache
 
@@ -353,18 +319,3 @@ def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device) 
 
 def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if mask is None else mask.to(device)
-
-
-def _tell(clock: ClockHook | None, part: str) -> None:
-    if clock is not None:
-        clock(part)
-
-
-def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """(B, T) token order of the shuffled null: each row's real tokens permuted by the same seeded permutation
-    batch 1 would draw for its length; padding stays in place."""
-    real = lengths.tolist() if lengths is not None else [length] * batch
-    order = torch.arange(length).repeat(batch, 1)  # (B, T)
-    for row, count in enumerate(real):
-        order[row, :count] = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-    return order

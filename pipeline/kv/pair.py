@@ -24,8 +24,9 @@ from pathlib import Path
 
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.gate import Gate, Scorer
-from pipeline.kv.handoff import MAPPER_MODES, SOURCE_MODES, Handoff, check_mode
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
+from pipeline.kv.modes.registry import MAPPER_MODES, MODES, SOURCE_MODES, check_mode
 from pipeline.kv.repair import Repair
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
@@ -170,11 +171,11 @@ class Pair:
         applied to every prefix cache; `keep`: the share of each context's end the handoff reads (`Handoff.keep`,
         the truncated prompt)."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
-        if mode == "source":  # the source model decodes alone: the handoff's decoding model is the source
+        if mode in MODES and not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
             if repair is not None and not repair.empty:
                 raise ValueError(f"repair {repair}: the source alone hands no cache to the target")
             self.contract.require(mode)
-            return Handoff(self.source, mode="source", keep=keep)
+            return Handoff(self.source, mode=mode, keep=keep)
         check_mode(mode, self.has_source, mapper is not None)
         self.contract.require(mode)
         if mode not in MAPPER_MODES:

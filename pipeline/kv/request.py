@@ -17,9 +17,10 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from pipeline.kv.gate import FITTED, SCORES, map_pair
-from pipeline.kv.handoff import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES
+from pipeline.kv.gate import map_pair
+from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES
 from pipeline.kv.repair import Repair
+from pipeline.kv.scores.registry import FITTED, SCORES
 from pipeline.store import inputs
 from pipeline.store.params import ParamError
 
@@ -104,8 +105,8 @@ class Request(BaseModel):
     @model_validator(mode="after")
     def _rules(self) -> "Request":
         face = self.face
-        if self.mode == "mapped" and self.mapper is None:
-            raise ParamError(f"{face.tool} {face.given('mode', 'mapped')} needs a mapper: give "
+        if MODES[self.mode].needs_map and self.mapper is None:
+            raise ParamError(f"{face.tool} {face.given('mode', self.mode)} needs a mapper: give "
                              f"{face.given('mapper', '<mapper file>')}".strip())
         if self.fallback is None and (self.threshold is not None or self.disagree is not None):
             raise ParamError(f"{face.tool} {face.given('threshold')} and {face.given('disagree')} gate a handoff: give "
@@ -137,7 +138,7 @@ class Request(BaseModel):
         return None if self.repair is None or self.repair.empty else self.repair
 
     def needs_source(self) -> bool:
-        return self.mode in SOURCE_MODES or self.mode == "source"
+        return MODES[self.mode].reads.source
 
     def require_source(self, has_source: bool, how: str) -> None:
         """Refuse a mode that reads a source model when none is given; `how`: the face's way to give one."""

@@ -55,7 +55,7 @@ def score_continuations(
     `kept`: prefix -> its cache (batch 1) already built by this handoff (a gate's first step, `kv.router`), read
     instead of building a batch's cache again where it holds every prefix of the batch.
     """
-    max_length = max_length or handoff.target.config.max_position_embeddings
+    max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)

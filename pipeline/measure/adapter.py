@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate
-from pipeline.kv.handoff import OWN_MODES, Handoff
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.modes.registry import OWN_MODES
 from pipeline.kv.router import Router
 from pipeline.kv.routes import CACHED, served_by
 from pipeline.measure.routes import Ledger, RequestCache, count_lines
@@ -134,7 +135,7 @@ class HandoffLM(TargetTokensLM):
         window contexts are truncated to (default: the target's positions); `ranks`: this process's place; `cache`:
         the handoff's request cache (`measure.routes.RequestCache`), None for none."""
         self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
-        super().__init__(tokenizer, max_length or self.handoff.target.config.max_position_embeddings)
+        super().__init__(tokenizer, max_length or self.handoff.decoder.config.max_position_embeddings)
         self.router.batch_size = self.batch_size = batch_size
         self.ledger, self.cache = Ledger(), cache
         self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size

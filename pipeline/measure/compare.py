@@ -60,7 +60,7 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     if handoff.mode != "oracle":
         raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
-    k = min(top_k, handoff.target.config.vocab_size)
+    k = min(top_k, handoff.decoder.config.vocab_size)
     top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
     top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
     greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
@@ -211,7 +211,7 @@ def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int
     if router.handoff.mode != "oracle" or router.gate is not None:
         raise ValueError("oracle outputs must come from the oracle handoff, ungated")
     width = max(len(cont) for _, cont in prompts)
-    k = min(top_k, router.handoff.target.config.vocab_size)
+    k = min(top_k, router.handoff.decoder.config.vocab_size)
     stored = {"top_ids": torch.zeros(len(prompts), width, k, dtype=torch.int64),
               "top_logprobs": torch.full((len(prompts), width, k), float("-inf")),
               "lengths": torch.tensor([len(cont) for _, cont in prompts]),

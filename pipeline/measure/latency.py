@@ -131,7 +131,7 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
     """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths.
 
     Memory takes one more (untimed, profiled on a CPU) run of each path per length."""
-    target, source, mapper = handoff.target, handoff.source, handoff.mapper
+    target, source, mapper = handoff.decoder, handoff.source, handoff.mapper
     mapper_macs = mapper.macs_per_token()
     geometry = kv_geometry(target.config)
     cache_bytes_per_token = 2 * geometry["layers"] * geometry["kv_heads"] * geometry["head_dim"] * target.dtype.itemsize
@@ -185,7 +185,7 @@ def environment(handoff: Handoff, repeats: int, warmup: int) -> dict:
     mapper = handoff.mapper
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(handoff.target.dtype).removeprefix("torch."),
+        "dtype": str(handoff.decoder.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "repeats": repeats,

@@ -7,8 +7,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.kv.contract import BASELINES
-from pipeline.kv.gate import FITTED, SCORES
 from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.scores.registry import FITTED, SCORES
 from pipeline.store.params import ParamError, Params, Positive, Threads
 from pipeline.store.paths import SELECTED_MAPPER
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.kv.modes.registry import MODES
 from pipeline.measure.prompt_metrics import FIDELITY, in_group
 from pipeline.measure.retention import (
     PROMPT_MEASURES,
@@ -41,17 +42,10 @@ V0 = {
     "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
-LABELS = {
-    "oracle": "Target full-prefill oracle",
-    "direct": "Direct source-cache injection",
-    "source": "Source model alone",
-    "zero": "Null control: zero cache",
-    "shuffled": "Null control: shuffled cache",
-    "selected": "Selected mapped transfer",
-    "selected_repaired": "Selected mapped transfer, repaired",
-}
-RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
-          "direct": "direct injection"}
+# a mode's row name and the words the reading names it by beside the mapped transfer are its entry's (`kv.modes`)
+LABELS = {**{name: mode.label for name, mode in MODES.items() if mode.label},
+          "selected": "Selected mapped transfer", "selected_repaired": "Selected mapped transfer, repaired"}
+RIVALS = {name: MODES[name].rival for name in ("source", "zero", "shuffled", "direct")}  # in the reading's order
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
 
 
@@ -291,7 +285,7 @@ def reading(report: dict, selected_name: str) -> str:
                      f"[{pct(e['gap_closure_low'])}, {pct(e['gap_closure_high'])}] of the gap between the source "
                      f"and the oracle.")
     established, open_ = [], []
-    for other in ("source", "zero", "shuffled", "direct"):
+    for other in RIVALS:
         key = f"{mapped}_minus_{other}"
         if key in c:
             (established if c[key]["tasks_low"] > 0 else open_).append(RIVALS[other])

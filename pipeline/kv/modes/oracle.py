@@ -1,0 +1,13 @@
+"""`oracle`: the target's own prefill of the prompt, the upper bound every other mode is compared with."""
+from __future__ import annotations
+
+from pipeline.kv.modes.base import Own, Reads
+
+
+class Oracle(Own):
+    name = "oracle"
+    reads = Reads(target=True, source=False, map=False, own=True)
+    label = "Target full-prefill oracle"
+
+
+MODE = Oracle()

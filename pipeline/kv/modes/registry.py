@@ -1,0 +1,37 @@
+"""The one list of handoff modes, in the order the contract reports them.
+
+Every other list of modes is derived from `MODES` (the contract's, the baselines, the request's fields, the faces'
+choices, the report's names). Adding a mode is adding its module beside this one and its line here.
+"""
+from __future__ import annotations
+
+from pipeline.kv.modes import direct, mapped, oracle, shuffled, source, zero
+from pipeline.kv.modes.base import Mode
+
+
+def register(*modes: Mode) -> dict[str, Mode]:
+    """The registry of `modes` by name; anything but a named `Mode` instance (and so one with a prefix hook) is
+    refused."""
+    for mode in modes:
+        if not isinstance(mode, Mode) or not mode.name:
+            raise TypeError(f"{mode!r} is not a named kv.modes.base.Mode instance")
+    names = [mode.name for mode in modes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"modes named twice: {names}")
+    return {mode.name: mode for mode in modes}
+
+
+MODES = register(oracle.MODE, zero.MODE, source.MODE, direct.MODE, mapped.MODE, shuffled.MODE)
+SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
+OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
+MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map
+
+
+def check_mode(name: str, has_source: bool, has_mapper: bool) -> None:
+    """Refuse a mode that is unknown or lacks the source or mapper it reads: before any weight is loaded when
+    called on names (`kv.pair`), and again by every Handoff on the models themselves."""
+    if name not in MODES:
+        raise ValueError(f"unknown transfer mode {name!r} (known: {', '.join(MODES)})")
+    reason = MODES[name].refusal(has_source, has_mapper)
+    if reason:
+        raise ValueError(reason)

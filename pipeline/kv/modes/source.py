@@ -1,0 +1,15 @@
+"""`source`: the source model alone, its own prefill and its own predictions (the handoff's decoding model is the
+source)."""
+from __future__ import annotations
+
+from pipeline.kv.modes.base import Own, Reads
+
+
+class Source(Own):
+    name = "source"
+    reads = Reads(target=False, source=True, map=False, own=True)
+    label = "Source model alone"
+    rival = "the source model alone"
+
+
+MODE = Source()

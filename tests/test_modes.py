@@ -1,0 +1,50 @@
+"""The handoff modes as a registry (`kv.modes`): each mode an entry with its own prefix hook, the handoff calling the
+hook and branching on no mode's name."""
+from pathlib import Path
+
+import pytest
+
+from pipeline.kv.contract import BASELINES
+from pipeline.kv.modes.base import Handed, Mode, Own, Reads
+from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, check_mode, register
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_handoff_branches_on_no_mode_name():
+    text = (ROOT / "pipeline" / "kv" / "handoff.py").read_text()
+    assert "mode ==" not in text and "mode in" not in text and "mode !=" not in text
+
+
+def test_every_list_of_modes_is_derived_from_the_entries():
+    assert list(MODES) == ["oracle", "zero", "source", "direct", "mapped", "shuffled"]
+    assert OWN_MODES == ("oracle", "source") and all(isinstance(MODES[name], Own) for name in OWN_MODES)
+    assert SOURCE_MODES == ("direct", "mapped", "shuffled") and MAPPER_MODES == ("mapped", "shuffled")
+    assert all(isinstance(mode, Handed) for name, mode in MODES.items() if name not in OWN_MODES)
+    assert BASELINES == ("oracle", "direct", "source", "zero")
+
+
+@pytest.mark.parametrize("name,has_source,has_mapper,message", [
+    ("sideways", True, True, r"unknown transfer mode 'sideways' \(known: oracle, zero, source, direct, mapped, "),
+    ("direct", False, False, "transfer mode 'direct' needs a source model"),
+    ("mapped", True, False, "transfer mode 'mapped' needs a mapper"),
+])
+def test_a_mode_lacking_what_it_reads_is_refused_in_one_line(name, has_source, has_mapper, message):
+    with pytest.raises(ValueError, match=message):
+        check_mode(name, has_source, has_mapper)
+
+
+def test_shuffled_and_the_own_modes_need_no_mapper():
+    for name in ("oracle", "zero", "source", "shuffled"):
+        check_mode(name, True, False)
+
+
+def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
+    class Unnamed(Own):
+        reads = Reads(target=True, source=False, map=False, own=True)
+
+    with pytest.raises(TypeError, match="is not a named kv.modes.base.Mode instance"):
+        register(Unnamed())
+    with pytest.raises(ValueError, match="modes named twice"):
+        register(*MODES.values(), MODES["oracle"])
+    assert all(isinstance(mode, Mode) and mode.name == name for name, mode in MODES.items())
