@@ -109,7 +109,9 @@ def test_two_clones_in_two_folders_agree_on_dvc_status_and_the_second_restores_f
     first = clone(committed_tree, tmp_path / "one" / "kv-handoff", cache)
     second = clone(committed_tree, tmp_path / "elsewhere" / "deeper" / "copy", cache)
     ran = dvc(first, "repro", CHEAP_STAGES[-1])
-    assert all(f"Running stage '{stage}'" in ran for stage in CHEAP_STAGES), ran
+    # check_params' output is in git: with dvc.lock as DVC wrote it, it is up to date in a fresh clone
+    assert "Stage 'check_params' didn't change, skipping" in ran, ran
+    assert all(f"Running stage '{stage}'" in ran for stage in CHEAP_STAGES[1:]), ran
     outputs = [path for path in (first / "data").rglob("*") if path.is_file()]
     outputs += [first / "dvc.lock", first / "metrics" / "params_check.json",
                 *(first / "models" / "converted").iterdir()]
