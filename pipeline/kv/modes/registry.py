@@ -5,6 +5,7 @@ choices, the report's names). Adding a mode is adding its module beside this one
 """
 from __future__ import annotations
 
+from pipeline.kv import entries
 from pipeline.kv.modes import direct, mapped, oracle, shuffled, source, zero
 from pipeline.kv.modes.base import Mode
 
@@ -12,13 +13,7 @@ from pipeline.kv.modes.base import Mode
 def register(*modes: Mode) -> dict[str, Mode]:
     """The registry of `modes` by name; anything but a named `Mode` instance (and so one with a prefix hook) is
     refused."""
-    for mode in modes:
-        if not isinstance(mode, Mode) or not mode.name:
-            raise TypeError(f"{mode!r} is not a named kv.modes.base.Mode instance")
-    names = [mode.name for mode in modes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"modes named twice: {names}")
-    return {mode.name: mode for mode in modes}
+    return entries.register(Mode, "modes", modes)
 
 
 MODES = register(oracle.MODE, zero.MODE, source.MODE, direct.MODE, mapped.MODE, shuffled.MODE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from pipeline.kv import entries
 from pipeline.kv.scores import disagree, entropy, features, kl, probe
 from pipeline.kv.scores.base import Score, Work
 
@@ -15,13 +16,7 @@ from pipeline.kv.scores.base import Score, Work
 def register(*scores: Score) -> dict[str, Score]:
     """The registry of `scores` by name; anything but a named `Score` instance (and so one with a score and a cost)
     is refused."""
-    for score in scores:
-        if not isinstance(score, Score) or not score.name:
-            raise TypeError(f"{score!r} is not a named kv.scores.base.Score instance")
-    names = [score.name for score in scores]
-    if len(set(names)) != len(names):
-        raise ValueError(f"scores named twice: {names}")
-    return {score.name: score for score in scores}
+    return entries.register(Score, "scores", scores)
 
 
 SCORES = register(entropy.SCORE, kl.SCORE, disagree.SCORE, probe.SCORE)

@@ -5,6 +5,7 @@ FLOP model's selection cost). Adding a policy is adding its module beside this o
 """
 from __future__ import annotations
 
+from pipeline.kv import entries
 from pipeline.kv.selectors import attention, deviation, key_norm, recency
 from pipeline.kv.selectors.base import Selector
 
@@ -12,13 +13,7 @@ from pipeline.kv.selectors.base import Selector
 def register(*selectors: Selector) -> dict[str, Selector]:
     """The registry of `selectors` by name; anything but a named `Selector` instance (and so one with a score and a
     cost) is refused."""
-    for selector in selectors:
-        if not isinstance(selector, Selector) or not selector.name:
-            raise TypeError(f"{selector!r} is not a named kv.selectors.base.Selector instance")
-    names = [selector.name for selector in selectors]
-    if len(set(names)) != len(names):
-        raise ValueError(f"policies named twice: {names}")
-    return {selector.name: selector for selector in selectors}
+    return entries.register(Selector, "policies", selectors)
 
 
 SELECTORS = register(deviation.SELECTOR, attention.SELECTOR, recency.SELECTOR, key_norm.SELECTOR)

@@ -1,0 +1,16 @@
+"""The one rule of kv's registries (modes, gate scores, repair selectors): entries by name, each a named instance of
+the registry's base class, no name twice."""
+from __future__ import annotations
+
+
+def register(base: type, plural: str, entries: tuple) -> dict:
+    """`entries` by name; anything but a named `base` instance is refused, and so is a name given twice (`plural`
+    names the entries in that message)."""
+    kind = f"{base.__module__.removeprefix('pipeline.')}.{base.__qualname__}"
+    for entry in entries:
+        if not isinstance(entry, base) or not entry.name:
+            raise TypeError(f"{entry!r} is not a named {kind} instance")
+    names = [entry.name for entry in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{plural} named twice: {names}")
+    return {entry.name: entry for entry in entries}
