@@ -34,7 +34,7 @@ SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention
 
 def run(params: ConvertParams, out: Path) -> dict:
     """The converted folder at `out` (`store.checkpoints`: its marker alone without a GGUF); the GGUF member is read
-    in a scratch folder beside it (`.converted.scratch-*.tmp`: git-ignored, removed on an interrupt and by the next
+    in a scratch folder beside it (`.converted.scratch.*.tmp`: git-ignored, removed on an interrupt and by the next
     run), and the converted config checked against `convert.gguf.shape` before the folder is written."""
     if params.gguf is None:
         return write_marker(out, PROVENANCE, {"gguf": None})

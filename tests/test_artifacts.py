@@ -74,6 +74,37 @@ def test_interrupted_write_keeps_the_previous_version(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["thing.safetensors"]
 
 
+def test_an_interrupt_just_after_the_temporary_is_created_leaves_nothing(tmp_path, monkeypatch):
+    """The window `tempfile.mkstemp` left open: the file made, its handle not yet closed (a rank's Ctrl-C in CI)."""
+    def interrupted(_fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifacts.os, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_artifact(tmp_path / "shard.safetensors", {"w": torch.randn(4)}, {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_interrupted_between_its_two_renames_is_the_previous_one(tmp_path, monkeypatch):
+    final = tmp_path / "zero"
+    with artifacts.atomic_dir(final) as staging:
+        (staging / "items.parquet").write_text("before")
+    replace, calls = os.replace, []
+
+    def second_interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the old folder retired, the new one not yet in its place
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(artifacts.os, "replace", second_interrupted)
+    with pytest.raises(KeyboardInterrupt), artifacts.atomic_dir(final) as staging:
+        (staging / "items.parquet").write_text("after")
+    monkeypatch.setattr(artifacts.os, "replace", replace)
+    assert (final / "items.parquet").read_text() == "before"
+    assert os.listdir(tmp_path) == ["zero"]
+
+
 def test_a_staging_folder_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
     final = tmp_path / "eval" / "zero"
     leftover = tmp_path / "eval" / ".zero.abc123.tmp"

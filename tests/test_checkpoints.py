@@ -87,7 +87,7 @@ def test_a_sigterm_in_the_scratch_folder_removes_it_and_a_killed_run_is_removed_
             (scratch / "model.gguf").write_bytes(b"gguf")
             os.kill(os.getpid(), signal.SIGTERM)
     assert leftovers(tmp_path) == []
-    stale = tmp_path / ".converted.scratch-abc.tmp"
+    stale = tmp_path / ".converted.scratch.abc.tmp"
     stale.mkdir()
     with scratch_for(out) as scratch:
         assert scratch.is_dir() and leftovers(tmp_path) == [scratch.name]

@@ -5,7 +5,7 @@ SHA-256 of the whole file as written with the digest field zeroed. So the checks
 tensor data, tensor names, dtypes, shapes and the metadata that gives them meaning. A flipped byte anywhere
 is refused at load with an error naming the file. Files are written under a temporary name in the same
 folder and renamed when complete, so an interrupted write never appears under the final name; the temporary
-names are private to their writer while written (`tempfile`'s 0600 and 0700) and take the modes the user's umask
+names are private to their writer while written (0600 and 0700) and take the modes the user's umask
 gives a new file or folder before they are renamed (0644 and 0755 under umask 022, group-writable under 002): a
 staged folder with everything in it, whatever wrote its files (`take_umask`; safetensors' `save_file` writes 0600).
 """
@@ -16,9 +16,9 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -48,10 +48,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it to `path` only if the block completes."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(handle)
-    tmp = Path(tmp_name)
+    tmp = private_name(final, ".tmp")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, final)
@@ -67,24 +66,34 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     for leftover in [*final.parent.glob(f".{final.name}.*.tmp"), *final.parent.glob(f".{final.name}.*.old")]:
         shutil.rmtree(leftover, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    staging, retired = private_name(final, ".tmp"), private_name(final, ".old")
     try:
+        os.mkdir(staging, 0o700)
         yield staging
         take_umask(staging)
         if final.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+            os.mkdir(retired, 0o700)
             os.replace(final, retired / final.name)
             os.replace(staging, final)
-            shutil.rmtree(retired)
         else:
             os.replace(staging, final)
     finally:
+        if (retired / final.name).exists() and not final.exists():  # interrupted between the two renames
+            os.replace(retired / final.name, final)
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def private_name(final: Path, suffix: str) -> Path:
+    """A fresh temporary name beside `final` (`.<name>.<random>.tmp`), chosen before anything is made under it: the
+    writer holds the name from the start, so an interrupt at any point (even between creating the file and
+    learning its name, as with `tempfile.mkstemp`) leaves nothing that its `finally` does not remove."""
+    return final.parent / f".{final.name}.{secrets.token_hex(6)}{suffix}"
 
 
 def take_umask(root: str | os.PathLike) -> None:
     """`root` and everything under it given the modes the umask gives a new file or folder: writers that make
-    their files private (`tempfile`'s 0700, safetensors' `save_file`, transformers' `save_pretrained`: 0600) do not
+    their files private (a staging folder's 0700, safetensors' `save_file`, transformers' `save_pretrained`: 0600) do not
     decide who may read an output."""
     mask, root = _umask(), Path(root)
     for path in [root, *root.rglob("*")]:

@@ -16,12 +16,11 @@ import contextlib
 import json
 import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.store.artifacts import atomic_dir
+from pipeline.store.artifacts import atomic_dir, private_name
 from pipeline.store.lazy import lazy
 
 safetensors_torch = lazy("safetensors.torch")
@@ -54,11 +53,12 @@ def scratch_for(out: Path) -> Iterator[Path]:
     """A temporary folder beside `out` for the work that makes it (removed at the end, and on SIGINT or SIGTERM);
     ones a killed earlier run left are removed first."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in out.parent.glob(f".{out.name}.scratch-*.tmp"):
+    for leftover in out.parent.glob(f".{out.name}.scratch.*.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
     with terminate_interrupts():
-        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.scratch-", suffix=".tmp", dir=out.parent))
+        scratch = private_name(out.parent / f"{out.name}.scratch", ".tmp")  # .<name>.scratch.<random>.tmp
         try:
+            scratch.mkdir(mode=0o700)
             yield scratch
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
