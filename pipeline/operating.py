@@ -39,6 +39,7 @@ from pipeline.kv.flops import (
     target_prefill_macs,
     truncated_bound,
 )
+from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
@@ -96,6 +97,17 @@ class Variant:
         return self.prefill / (self.gated_cost + float((rows.way == FELL_BACK).mean()) * self.prefill)
 
 
+def baseline_bound(name: str, source, target, length: int) -> float:
+    """The FLOP bound of a mode without a map, by what its entry reads: the source alone against the target's
+    prefill; otherwise the target's step, after the source's prefill where the source's cache is handed over
+    (`direct`) and after nothing where it is not (`zero`)."""
+    mode = MODES[name]
+    if not mode.reads.target:
+        return source_alone_bound(source, target, length)
+    parts = handoff_macs(source, target, 0, length)  # no map, no repair
+    return target_prefill_macs(target, length) / (parts["step"] + (parts["source"] if mode.hands_over else 0))
+
+
 def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict[str, Variant]:
     """Every variant but the oracle, in the report's order, between `pair`'s models at `length` (`contexts`: a
     callable giving the select split's contexts, where a gate chooses its threshold)."""
@@ -103,9 +115,7 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict
     prefill = target_prefill_macs(target, length)
     out = {}
     for name in params.baselines:
-        bound = (source_alone_bound(source, target, length) if name == "source"
-                 else prefill / handoff_macs(source, target, 0, length)["step"])  # nothing to prefill, map or repair
-        out[name] = Variant(Router(pair.handoff(name)), bound)
+        out[name] = Variant(Router(pair.handoff(name)), baseline_bound(name, source, target, length))
     handoffs = {name: pair.handoff("mapped", path) for name, path in params.maps.items()}
     for name, handoff in handoffs.items():
         out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length))

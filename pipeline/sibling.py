@@ -6,13 +6,14 @@ distillation from its logits, when `models.source` names that folder; otherwise 
 `sibling.shape` says what it keeps (`schema.sibling`): fewer decoder layers (depth: `sibling.keep`, a list, or
 `influence`: the first and last and those of highest block influence), fewer MLP channels and query heads in every
 layer (width: those of highest activation importance, the heads within each KV group, so the KV geometry is the
-target's and direct injection is defined for the pair), or both. The rankings read the first
-`sibling.ranking_sequences` rows of data/calibration.parquet, the fit stream of the corpus, disjoint by document
-from the select and eval splits (`fitting.importance`, `fitting.prune`); every weight is then trained on
-KL(target || sibling) over all its rows, against the target's top-k log-probabilities computed once
-(`fitting.heal`). The folder is a Hugging Face checkpoint (`store.checkpoints`: float32 safetensors, config, the
-target's tokenizer files copied byte for byte, sibling.json with the cut and the healing settings), so `pin_models`
-pins it by content like any local checkpoint and every map binds to it. metrics/sibling.json gives the shape kept
+target's and direct injection is defined for the pair), or both. The windows of data/calibration.parquet (the fit
+stream of the corpus, disjoint by document from the select and eval splits) are cut into rows of
+`sibling.row_length` tokens; the rankings read the first `sibling.ranking_sequences` rows (`fitting.importance`,
+`fitting.prune`); every weight is then trained on KL(target || sibling) over all the rows, against the target's
+top-k log-probabilities computed once (`fitting.heal`). The folder is a Hugging Face checkpoint
+(`store.checkpoints`: float32 safetensors, config, the target's tokenizer files copied byte for byte, sibling.json
+with the cut and the healing settings), so `pin_models` pins it by content like any local checkpoint and every map
+binds to it. metrics/sibling.json gives the shape kept
 (layers, widths), the select perplexity of the sibling and of the target (never eval) and their KL before and after
 healing, the healing curve, steps, tokens, the build's seconds and the prefill cost ratio at
 `sibling.prefill_length` tokens (`kv.flops`). Any other source (the tiny pair, `self:<n>`) costs nothing here: the
@@ -24,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.fitting.heal import Teacher, TopTeacher, batches_of, heal, padded, scored
+from pipeline.fitting.heal import Teacher, TopTeacher, batches_of, cut_rows, heal, padded, scored
 from pipeline.fitting.importance import importance
 from pipeline.fitting.prune import choose_cut, choose_layers, pruned
 from pipeline.kv.flops import handoff_macs, target_prefill_macs
@@ -83,7 +84,7 @@ def build(params: SiblingParams, models: ModelsParams, pool: Path, select: Path,
     torch.manual_seed(params.seed)
     counts = params.within(load_config(models.target, models.target_revision), models.target)  # before weights
     target = load_model(models.target, models.target_revision, dtype="float32", device="cpu")
-    rows, held_out = sequences(pool), sequences(select)
+    rows, held_out = cut_rows(sequences(pool), params.row_length), sequences(select)
     cut, chosen = cut_of(params, counts, target, rows)
     sibling = pruned(target, cut)
     select_teacher, every_row = Teacher(target, held_out), list(range(len(held_out)))

@@ -6,12 +6,13 @@ from conftest import WIKITEXT, committed
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.operating import run
+from pipeline.operating import baseline_bound, run
 from pipeline.prepare_data import corpus_documents
 from pipeline.schema.operating import OperatingParams
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.haystack import RetrievalForm, retrieval_items
 from pipeline.store.params import ParamError, parse
+from pipeline.store.shapes import pair_configs
 from pipeline.studies import operating
 from pipeline.studies.settings import ReportParams
 
@@ -85,6 +86,14 @@ def test_retrieval_is_the_greedy_tokens_against_the_key_and_the_oracle(study):
     assert list(full.exact) == list(oracle.exact)  # the oracle's cache, recomputed: the same greedy tokens
     share = metrics["variants"]["oracle"]["retrieval"]["exact_match"]
     assert metrics["variants"]["oracle"]["retrieval"]["of_oracle"] == (1.0 if share else None)
+
+
+@pytest.mark.parametrize("pair", ["smol-sibling", "qwen3-v0"])
+def test_a_baselines_bound_counts_what_its_mode_reads_so_direct_pays_the_sources_prefill_and_zero_nothing(pair):
+    source, target = pair_configs(pair)
+    zero, direct, alone = (baseline_bound(name, source, target, 1024) for name in ("zero", "direct", "source"))
+    assert 0.9 * alone < direct < alone  # the source's prefill of the prefix and the target's one step
+    assert zero > 20 * direct  # the target's one step alone
 
 
 def test_operating_params_refuse_unknown_maps_and_scores(tmp_path):

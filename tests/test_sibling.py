@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline import sibling as stage
 from pipeline.check_params import check
-from pipeline.fitting.heal import Teacher, TopTeacher, heal, kept_kl, kl_per_position, scored
+from pipeline.fitting.heal import Teacher, TopTeacher, cut_rows, heal, kept_kl, kl_per_position, scored
 from pipeline.fitting.importance import importance
 from pipeline.fitting.prune import Cut, choose_cut, choose_layers, pruned, sibling_config
 from pipeline.kv.contract import pair_contract
@@ -35,8 +35,8 @@ from pipeline.store.shapes import PAIRS, pair_configs
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, KV_HEADS, CHANNELS, HEAD_DIM = 6, 4, 2, 64, 8
 SETTINGS = dict(shape="mlp:16+heads:2", keep="influence", ranking_sequences=4, prefill_length=64, steps=40,
-                batch_sequences=4, lr=3e-3, warmup_steps=4, weight_decay=0.0, top_k=16, max_seconds=600.0,
-                curve_every=20, curve_sequences=4, seed=0, threads=1)
+                batch_sequences=4, row_length=20, lr=3e-3, warmup_steps=4, weight_decay=0.0, top_k=16,
+                max_seconds=600.0, curve_every=20, curve_sequences=4, seed=0, threads=1)
 
 
 def llama_target() -> LlamaForCausalLM:
@@ -172,6 +172,14 @@ def test_the_kept_kl_is_the_full_kl_with_one_token_left_over_and_below_it_with_f
         few = kept_kl(TopTeacher(target, row, 4, 1).kept([0]), student_logits)
     torch.testing.assert_close(every, full, atol=1e-5, rtol=1e-4)
     assert bool((few <= full + 1e-6).all()) and bool((few > 0).all())
+
+
+def test_calibration_windows_are_cut_into_full_rows_in_order_and_a_short_window_stays_whole():
+    long, short = list(range(10)), [7, 8]
+    assert cut_rows([long, short], 4) == [[0, 1, 2, 3], [4, 5, 6, 7], short]  # the tail 8, 9 is left out
+    assert cut_rows([long], 5) == [long[:5], long[5:]] and cut_rows([short], 2) == [short]
+    with pytest.raises(ValueError, match="row length 0"):
+        cut_rows([long], 0)
 
 
 def test_healing_lowers_the_kl_to_the_target_on_held_out_rows(project):

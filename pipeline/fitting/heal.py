@@ -38,6 +38,7 @@ class Healing(Params):
 
     steps: Count  # AdamW steps of healing (0: pruned only)
     batch_sequences: Positive  # healing rows per step (and per forward when the target or the select rows are run)
+    row_length: Positive  # tokens per healing and ranking row: each calibration window cut into rows this long
     lr: PositiveFloat
     warmup_steps: Count  # linear warmup, then cosine decay to zero at `steps`
     weight_decay: Annotated[float, Field(ge=0)]
@@ -46,6 +47,20 @@ class Healing(Params):
     curve_every: Positive  # steps between points of the healing curve
     curve_sequences: Positive  # select rows each point of the curve scores (the final figures read them all)
     seed: Count
+
+
+def cut_rows(windows: list[list[int]], length: int) -> list[list[int]]:
+    """Each window cut into consecutive rows of `length` tokens, in order; a window no longer than `length` stays
+    whole, and a longer window's tail shorter than `length` is left out (every row of a long window is full)."""
+    if length < 1:
+        raise ValueError(f"row length {length}: rows hold at least one token")
+    rows = []
+    for window in windows:
+        if len(window) <= length:
+            rows.append(list(window))
+        else:
+            rows.extend(list(window[start:start + length]) for start in range(0, len(window) - length + 1, length))
+    return rows
 
 
 def padded(rows: list[list[int]], indices: list[int]):

@@ -93,8 +93,8 @@ def private_name(final: Path, suffix: str) -> Path:
 
 def take_umask(root: str | os.PathLike) -> None:
     """`root` and everything under it given the modes the umask gives a new file or folder: writers that make
-    their files private (a staging folder's 0700, safetensors' `save_file`, transformers' `save_pretrained`: 0600) do not
-    decide who may read an output."""
+    their files private (a staging folder's 0700, safetensors' `save_file`, transformers' `save_pretrained`: 0600)
+    do not decide who may read an output."""
     mask, root = _umask(), Path(root)
     for path in [root, *root.rglob("*")]:
         if path.is_symlink():
