@@ -1,10 +1,10 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
 # Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
 # `make lint` runs ruff (config in pyproject.toml); `make deps` rewrites each dvc.yaml stage's pipeline/ deps from
-# the imports of its module (tests/stagedeps.py); `make gpu-check` is the prepared check for a machine with a GPU;
-# `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tests/bench_eval.py);
+# the imports of its module, last in the stage after cmd, params and outs (tools/stagedeps.py); `make gpu-check` is the prepared check for a machine with a GPU;
+# `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tools/bench_eval.py);
 # `make timings` times `make repro`, `make test` and `make test-fast` in a fresh clone of HEAD, on this .venv (install
-# not counted), and writes timings.md, the README's figures (tests/timings.py; `--only`, `--out` there).
+# not counted), and writes timings.md, the README's figures (tools/timings.py; `--only`, `--out` there).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -35,25 +35,25 @@ test-fast: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -m 'not slow and not realshape'
 
 lint: setup
-	$(BIN)/ruff check pipeline tests
+	$(BIN)/ruff check pipeline tests tools
 
 deps: setup
-	$(BIN)/python tests/stagedeps.py
+	$(BIN)/python tools/stagedeps.py
 
 test-realshape: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -s -m realshape
 
-# on a machine with one GPU: qwen3-shapes through report in bf16, then TTFT at 512/2048/8192 tokens (tests/gpu_check.py)
+# on a machine with one GPU: qwen3-shapes through report in bf16, then TTFT at 512/2048/8192 tokens (tools/gpu_check.py)
 gpu-check: setup
-	DVC_NO_ANALYTICS=1 $(BIN)/python tests/gpu_check.py
+	DVC_NO_ANALYTICS=1 $(BIN)/python tools/gpu_check.py
 
 # hf vs the kv-transfer oracle on 40 HellaSwag items at batch 1 and 16, a random 107M Llama, two threads (~3 min)
 bench-eval: setup
-	$(BIN)/python tests/bench_eval.py --items 40 --batch-sizes 1 16 --threads 2
+	$(BIN)/python tools/bench_eval.py --items 40 --batch-sizes 1 16 --threads 2
 
 # refused while tracked files have uncommitted changes: a clone of HEAD would not measure them
 timings: setup
-	$(BIN)/python tests/timings.py
+	$(BIN)/python tools/timings.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -45,10 +45,38 @@ stages:
 plots:
   - metrics/x.csv
 """
-FRESH = STALE.replace("      - pipeline/gone.py\n", "      - pipeline/wing/helper.py\n").replace(
-    "      deps:\n        - data/", "      deps:\n        - pipeline/two.py\n        - pipeline/wing/helper.py\n"
-    "        - data/").replace("python -m pipeline.helper\n", "python -m pipeline.helper\n    deps:\n"
-                              "      - pipeline/helper.py\n")
+FRESH = """\
+# a comment kept
+stages:
+  one:  # its comment kept
+    cmd: python -m pipeline.one
+    params:
+      - one
+    deps:
+      - data/first.parquet
+      - models/${item}
+      # code (make deps): the pipeline/ modules the command imports
+      - pipeline/one.py  # the stage itself
+      - pipeline/wing/helper.py
+  two:
+    foreach: [a, b]
+    do:
+      cmd: python -m pipeline.two ${item}
+      outs:
+        - out/${item}
+      deps:
+        - data/${item}.parquet
+        # code (make deps): the pipeline/ modules the command imports
+        - pipeline/two.py
+        - pipeline/wing/helper.py
+  three:
+    cmd: python -m pipeline.helper
+    deps:
+      # code (make deps): the pipeline/ modules the command imports
+      - pipeline/helper.py
+plots:
+  - metrics/x.csv
+"""
 
 
 @pytest.fixture
@@ -61,7 +89,8 @@ def stale_project(tmp_path):
     return tmp_path
 
 
-def test_make_deps_rewrites_only_the_pipeline_deps_keeping_comments_order_and_other_deps(stale_project):
+def test_make_deps_orders_each_stage_cmd_params_outs_deps_with_the_code_last_keeping_comments_and_data(
+        stale_project):
     assert rewritten(STALE, needed_modules(stale_project)) == FRESH
 
 
@@ -79,6 +108,17 @@ def test_the_stale_deps_check_prints_the_diff_and_names_make_deps(monkeypatch, c
     assert "+        - pipeline/two.py" in out and out.rstrip().endswith("run `make deps`")
     assert stagedeps.main([]) == 0 and (stale_project / "dvc.yaml").read_text() == FRESH
     assert stagedeps.main(["--check"]) == 0
+
+
+def test_every_stage_of_dvc_yaml_reads_cmd_params_outs_then_deps_with_its_code_last():
+    text = (ROOT / "dvc.yaml").read_text()
+    for name, stage in STAGES.items():
+        stage = stage.get("do", stage)
+        keys = [key for key in stage if key in stagedeps.ORDER]
+        assert keys == sorted(keys, key=stagedeps.ORDER.get), (name, keys)
+        code = [dep for dep in stage["deps"] if str(dep).startswith("pipeline/")]
+        assert stage["deps"][-len(code):] == code, name  # the data first
+    assert text.count(stagedeps.CODE) == len(STAGES)
 
 
 def test_the_controls_refit_counts_as_an_import_of_the_fit_stage():

@@ -1,4 +1,4 @@
-"""tests/timings.py reads per-stage times from dvc's streamed output and the slowest tests from pytest's; no clone."""
+"""tools/timings.py reads per-stage times from dvc's streamed output and the slowest tests from pytest's; no clone."""
 from __future__ import annotations
 
 from timings import slowest_tests, stage_times, summary

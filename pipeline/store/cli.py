@@ -149,7 +149,7 @@ def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
     count and random state are kept (every stage seeds its own generators, so its outputs are those of a fresh
     process). `fresh_process=True` starts a new interpreter instead, for a check that needs another process (the
     determinism control); on Ctrl-C the caller waits for it to clean up and end, and says the one line itself.
-    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tests/importgraph.py reads it from the call,
+    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tools/importgraph.py reads it from the call,
     so the caller's dvc.yaml deps list that stage's modules."""
     if fresh_process:
         command = [sys.executable, "-m", module, *args]

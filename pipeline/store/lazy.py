@@ -50,5 +50,5 @@ class LazyModule:
 
 def lazy(name: str) -> Any:
     """A stand-in for `import name` that imports it at the first attribute read (`lazy("torch").cat`).
-    `name` is a literal: tests/importgraph.py reads `lazy("pipeline.x.y")` as an import of that module."""
+    `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an import of that module."""
     return LazyModule(name)

@@ -8,7 +8,7 @@ process start and DVC's hashing after it; the tests' slowest 15 are pytest's `--
 starts without .pytest_cache, as in a fresh clone (conftest caches a trained model there). Before and after, the
 seconds a fresh interpreter takes for a stage's imports say how fast the machine was. Run `make timings`, or:
 
-    python tests/timings.py [--only repro|test|test-fast ...] [--out PATH]
+    python tools/timings.py [--only repro|test|test-fast ...] [--out PATH]
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def markdown(commit: str, host: dict, started: str, results: list[dict]) -> str:
     quiet = "a quiet machine" if host["quiet"] else "not a quiet machine: other work may have slowed these figures"
     lines = [
         "# Measured times", "",
-        "Written by `make timings` (tests/timings.py): a fresh clone of the commit below ran each command with the "
+        "Written by `make timings` (tools/timings.py): a fresh clone of the commit below ran each command with the "
         "caller's installed environment, so the install is not counted; each test command started without "
         ".pytest_cache.", "",
         f"- date: {started}",

@@ -6,7 +6,7 @@ on HellaSwag it should take about half of `hf`'s time at equal results. Both rea
 and score the rows in `tests/data/` through lm-eval's own HellaSwag task; only their `loglikelihood` calls are
 timed. Run `make bench-eval`, or:
 
-    python tests/bench_eval.py --items 40 --batch-sizes 1 16 --threads 2 [--profile kv-16]
+    python tools/bench_eval.py --items 40 --batch-sizes 1 16 --threads 2 [--profile kv-16]
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import hellaswag_rows, task_texts, train_tokenizer, write_jsonl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the world it times is the tests' own
+from conftest import hellaswag_rows, task_texts, train_tokenizer, write_jsonl  # noqa: E402
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager

@@ -10,7 +10,7 @@ Then it prints, from each stage's metrics JSON, the wall time, peak memory and d
 of the handoff against target prefill with the FLOP bound. `--profile tiny --device cpu` runs the same
 mechanics on a machine without a GPU (with `--set` overrides that shrink it, a few minutes).
 
-    python tests/gpu_check.py [--profile qwen3-shapes] [--device cuda] [--lengths 512,2048,8192] [--repeats 10]
+    python tools/gpu_check.py [--profile qwen3-shapes] [--device cuda] [--lengths 512,2048,8192] [--repeats 10]
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli = argparse.ArgumentParser(prog="python tests/gpu_check.py", description=__doc__,
+    cli = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--profile", default="qwen3-shapes")
     cli.add_argument("--device", default="cuda")
