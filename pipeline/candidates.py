@@ -41,8 +41,6 @@ from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 
-MAPPERS, OUT, METRICS = paths.MAPPERS, paths.CANDIDATE_ITEMS, paths.CANDIDATES
-
 
 def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bound_configs) -> dict:
     """One mapper's speed and size: handoff and target TTFT (ms) at `params.length`, the measured speedup, the
@@ -59,9 +57,9 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
 
 def run(params: CandidatesParams, models: ModelsParams) -> dict:
     require_controls_passed()
-    candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
+    candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
-        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+        raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
     pair = Pair.load(models, models.torch_device)
     bound_configs = pair_configs(params.bound_pair)
     metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,
@@ -73,7 +71,7 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
     paired = set(distilled) | set(distilled.values())
     prompts = read_prompts(paths.EVAL_PROMPTS) if paired else []
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0] if paired else {}
-    with atomic_dir(OUT) as staging:
+    with atomic_dir(paths.CANDIDATE_ITEMS) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
             handoff = pair.handoff("mapped", path)
             on_prompts = path.stem in paired
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.candidates", __doc__, argv)
     params, models = load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models")
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(METRICS, run(params, models))
+        stage.write_metrics(paths.CANDIDATES, run(params, models))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.kv.contract import Contract, ModelCard, pair_contract, run_length, which_pairs_work
-from pipeline.kv.families.registry import FAMILIES, FITTED
+from pipeline.kv.families.registry import FAMILIES, FITTED_FAMILIES
 from pipeline.kv.flops import (
     handoff_macs,
     mapper_macs_per_token,
@@ -117,7 +117,7 @@ def size_rows(contract: Contract, source_config, target_config, ks: list[int],
     """Parameters and float32 size of every fitted family's map the pair defines, per k (and per inner size, for
     a family with one: `widths`; such a family without a width given is left out)."""
     rows = []
-    for family in FITTED:
+    for family in FITTED_FAMILIES:
         spec = FAMILIES[family]
         if not contract.family_defined(family):
             continue

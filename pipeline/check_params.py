@@ -52,13 +52,12 @@ from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_p
 from pipeline.store.shapes import shape_config
 from pipeline.studies.settings import ReportParams
 
-OUTPUT = paths.PARAMS_CHECK
 PLAIN = {"profile": str}  # top-level values that are not sections
 
 
 class ParamsFile(Params):
     """The whole of params.yaml: each section as the stage that reads it parses it, then the rules between
-    sections (`RULES`, in that order, once every section is valid; each names the keys it compares)."""
+    sections (`PARAMS_RULES`, in that order, once every section is valid; each names the keys it compares)."""
 
     profile: str
     data: DataParams
@@ -85,7 +84,7 @@ class ParamsFile(Params):
 
     @model_validator(mode="after")
     def _rules_between_sections(self) -> ParamsFile:
-        for rule in RULES:
+        for rule in PARAMS_RULES:
             rule(self)
         return self
 
@@ -271,7 +270,7 @@ def report_variant_is_evaluated(params: ParamsFile) -> None:
 
 
 # the rules between sections, in the order they run (each names the keys it compares)
-RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_within_the_target,
+PARAMS_RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_within_the_target,
          sibling_is_cut_from_a_checkpoint, self_source_within_the_target, sibling_within_the_target,
          ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
          distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
@@ -317,7 +316,7 @@ def check(params: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.check_params", __doc__, argv)
     result = {"valid": True, "checked": check(read_params())}
-    write_json_atomic(OUTPUT, result)
+    write_json_atomic(paths.PARAMS_CHECK, result)
     print(json.dumps(result))
 
 

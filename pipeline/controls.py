@@ -56,7 +56,6 @@ from pipeline.store.ranks import stage_ranks
 
 torch = lazy("torch")
 
-MAPPER, EVAL_PROMPTS = paths.SELECTED_MAPPER, paths.EVAL_PROMPTS
 
 
 class ControlFailed(Refusal, RuntimeError):
@@ -216,7 +215,7 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
     """Every control on the pair and the selected mapper, each with its figures and `passed`. A pair the
     compatibility control refuses (from the configs alone: nothing is loaded) stops here, with that one entry."""
     device = models.torch_device
-    prompts = read_prompts(EVAL_PROMPTS)[: params.prompts]
+    prompts = read_prompts(paths.EVAL_PROMPTS)[: params.prompts]
     pair = Pair.load(models, device, max_tokens=max(len(c) + len(e) for c, e in prompts) + params.horizon)
     results = {"compatibility": compatibility(pair.contract)}
     if not results["compatibility"]["passed"]:  # refused from the configs: nothing is loaded or run
@@ -237,7 +236,7 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
                 folder)
             float32_pair = in_dtype if dtype == "float32" else float32_pair
             del target, in_dtype
-        results["corruption_detection"] = corruption(MAPPER, params.corruption_flips, folder)
+        results["corruption_detection"] = corruption(paths.SELECTED_MAPPER, params.corruption_flips, folder)
         # the rotary settings do not depend on the dtype; float32 keeps rounding far below any real error
         float32_pair = float32_pair or Pair.load(models, device, "float32")
         exact = {"target": float32_pair.target, "source": float32_pair.source}
@@ -252,7 +251,7 @@ def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParam
         del exact, float32_pair  # the refits below run in other processes: leave them the memory
         gc.collect()
         selected = json.loads(paths.SELECT.read_text())["selected"]
-        results["deterministic_mapper"] = deterministic_refit(MAPPER, selected, folder)
+        results["deterministic_mapper"] = deterministic_refit(paths.SELECTED_MAPPER, selected, folder)
     return results
 
 
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     params = load_section(ControlsParams, "controls")
     models = load_section(ModelsParams, "models")
     tolerances = load_section(ToleranceParams, "tolerances")
-    verify_file(MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
+    verify_file(paths.SELECTED_MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
         results = run(params, models, tolerances)
         stage.write_metrics(paths.CONTROLS, results, usage_to=paths.CONTROLS_USAGE)

@@ -19,7 +19,7 @@ from pipeline.schema.convert_models import ConvertParams
 from pipeline.store import paths
 from pipeline.store.checkpoints import write_marker
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.gguf import PROVENANCE, convert
+from pipeline.store.gguf import CONVERTED_PROVENANCE, convert
 from pipeline.store.lazy import lazy
 from pipeline.store.models import load_config
 from pipeline.store.params import ParamError, load_section
@@ -37,7 +37,7 @@ def run(params: ConvertParams, out: Path) -> dict:
     in a scratch folder beside it (`.converted.scratch.*.tmp`: git-ignored, removed on an interrupt and by the next
     run), and the converted config checked against `convert.gguf.shape` before the folder is written."""
     if params.gguf is None:
-        return write_marker(out, PROVENANCE, {"gguf": None})
+        return write_marker(out, CONVERTED_PROVENANCE, {"gguf": None})
     torch.set_num_threads(params.threads)
     shape = params.gguf.shape
     return convert(params.gguf, out, params.fetch_timeout_s, check=lambda config: check_shape(config, shape))

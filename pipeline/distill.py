@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill import PARTS, Clock, distill
+from pipeline.fitting.distill import TIMED_PARTS, Clock, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -111,13 +111,13 @@ def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: d
     metrics: dict = {"rows_fit": sum(map(len, splits.fit)), "rows_select": sum(map(len, splits.select))}
     # the stage's time per part, summed over ranks: each rank keeps its own oracles, then distils its maps
     metrics.update({f"cost_s/{part}": round(sum(kept[part] for _, kept in shares)
-                                            + sum(done[name][3][part] for name in names), 1) for part in PARTS})
+                                            + sum(done[name][3][part] for name in names), 1) for part in TIMED_PARTS})
     for name in names:
         mapper, history, seconds, parts = done[name]
         metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in map_figures(
             name, mapper.distilled, history).items()})
         metrics[f"maps/{distilled_name(name)}/seconds"] = round(seconds, 1)
-        metrics.update({f"maps/{distilled_name(name)}/cost_s/{part}": round(parts[part], 1) for part in PARTS})
+        metrics.update({f"maps/{distilled_name(name)}/cost_s/{part}": round(parts[part], 1) for part in TIMED_PARTS})
     return metrics, {name: done[name][:2] for name in names}
 
 

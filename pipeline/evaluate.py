@@ -53,7 +53,6 @@ from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-ORACLE_OUTPUTS, EVAL_PROMPTS = paths.ORACLE_OUTPUTS, paths.EVAL_PROMPTS
 SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leaves undefined: the reason
 
 
@@ -101,16 +100,16 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         return None
     handoff = build_handoff(variant, params, pair)
     repair = variant_repair(variant, params)
-    prompts = read_prompts(EVAL_PROMPTS)
+    prompts = read_prompts(paths.EVAL_PROMPTS)
     router = Router(handoff, batch_size=params.batch_size)
     options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}
     if variant == "oracle":  # its outputs are stored, and every other variant compared with them
         options["store"] = OracleStore(params.top_k, params.horizon)
         oracle = None
     else:
-        oracle, meta = load_artifact(ORACLE_OUTPUTS)
+        oracle, meta = load_artifact(paths.ORACLE_OUTPUTS)
         if meta["prompts"] != len(prompts):
-            raise ArtifactError(f"{ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
+            raise ArtifactError(f"{paths.ORACLE_OUTPUTS} holds {meta['prompts']} prompts, "
                                 f"data/eval.parquet {len(prompts)}: the oracle outputs do not match the prompts; "
                                 f"rerun the evaluate stage (its oracle)")
     if not ranks.main:  # lm-eval gathers this rank's samples and metrics on rank 0
@@ -120,7 +119,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         evaluation = evaluate(router, prompts, oracle, raw_to=staging / "lm_eval", **options)
         evaluation.write_rows(paths.variant_rows("prompts", staging), paths.variant_rows("items", staging))
     if evaluation.oracle is not None:
-        save_artifact(ORACLE_OUTPUTS, evaluation.oracle,
+        save_artifact(paths.ORACLE_OUTPUTS, evaluation.oracle,
                       {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     metrics = evaluation.figures()
     if repair is not None:

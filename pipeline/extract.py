@@ -43,7 +43,7 @@ from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 pd = lazy("pandas")
 torch = lazy("torch")
 
-MODELS = ("source", "target")
+SIDES = ("source", "target")
 
 
 def read_sequences(path: Path) -> pd.DataFrame:
@@ -56,7 +56,7 @@ def read_sequences(path: Path) -> pd.DataFrame:
     return frame
 
 
-KEY_SPACES = {"content": "content (RoPE stripped)", "rotated": "rotated (RoPE kept: the no-strip ablation)"}
+KEY_SPACE_WORDS = {"content": "content (RoPE stripped)", "rotated": "rotated (RoPE kept: the no-strip ablation)"}
 
 
 @no_grad
@@ -143,7 +143,7 @@ def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], o
             for run in batches([lengths[i] for i in members], params.batch_sequences):
                 run = [members[i] for i in run]
                 caches = content_caches(model, rotation, [frame.token_ids[i] for i in run],
-                                        strip=base["keys"] == KEY_SPACES["content"])
+                                        strip=base["keys"] == KEY_SPACE_WORDS["content"])
                 for i, (keys_content, values) in zip(run, caches):
                     writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
                 bar.update(len(run))
@@ -204,7 +204,7 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
     rotation = Rotation(spec, torch.arange(max(len(ids) for ids in all_ids), device=model.device))
     base = {"model": name, "model_path": str(model_dir), "geometry": kv_geometry(model.config),
             "rotary": spec.to_dict(), "dtype": params.dtype, "model_dtype": model_dtype,
-            "keys": KEY_SPACES["rotated" if keep_rope else "content"]}
+            "keys": KEY_SPACE_WORDS["rotated" if keep_rope else "content"]}
     if ranks.main:
         for split in frames:
             for stale in (out_dir / split).glob("shard-*.safetensors"):
@@ -234,7 +234,7 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
 
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.extract", __doc__)
-    cli.add_argument("model", choices=MODELS, help="which prepared model's caches to extract")
+    cli.add_argument("model", choices=SIDES, help="which prepared model's caches to extract")
     cli.add_argument("--data", type=Path, help="read the splits' sequence files from this folder instead of data/")
     cli.add_argument("--out", type=Path, help="write the caches here instead of caches/<model> (untimed: once)")
     cli.add_argument("--keep-rope", action="store_true",

@@ -71,7 +71,6 @@ torch = lazy("torch")
 
 DEFAULT_TRANSFER = "oracle,mapped,source,direct"  # a mode of these the pair does not allow is skipped, not refused
 GATE_FLAGS = ("fallback", "threshold", "disagree")  # the gate's part of a request
-EVAL_PROMPTS, SELECTED_MAPPER = paths.EVAL_PROMPTS, paths.SELECTED_MAPPER
 
 
 def mode_request(mode: str, options: dict) -> Request:
@@ -173,11 +172,11 @@ def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
     """The prompts asked for, as target token ids: the text, the file's text, or the eval part's first N (at most
     the part's prompts); each with its --max-new-tokens within the pair's `positions`."""
     if args.eval:
-        if not EVAL_PROMPTS.is_file():
-            raise FileNotFoundError(f"no {EVAL_PROMPTS} here: run the pipeline's `prepare_data` stage (dvc repro "
+        if not paths.EVAL_PROMPTS.is_file():
+            raise FileNotFoundError(f"no {paths.EVAL_PROMPTS} here: run the pipeline's `prepare_data` stage (dvc repro "
                                     f"prepare_data), or give a PROMPT")
-        prompts = read_prompts(EVAL_PROMPTS)
-        inputs.within(args.eval, "--eval", len(prompts), f"prompts in {EVAL_PROMPTS}")
+        prompts = read_prompts(paths.EVAL_PROMPTS)
+        inputs.within(args.eval, "--eval", len(prompts), f"prompts in {paths.EVAL_PROMPTS}")
         prompts, flag = [list(context) for context, _ in prompts[: args.eval]], "--eval"
     else:
         text = inputs.text_file(args.file, "--file") if args.file else args.prompt
@@ -217,7 +216,7 @@ def command_line():
     cli.add_argument("--transfer", default=DEFAULT_TRANSFER,
                      help=f"comma-separated modes among {', '.join(MODES)} (default: %(default)s)")
     cli.add_argument("--mapper", type=Path, help=f"the map of mapped and shuffled (default: the selected one, "
-                     f"{SELECTED_MAPPER}, for the pipeline's pair; none for a --target pair)")
+                     f"{paths.SELECTED_MAPPER}, for the pipeline's pair; none for a --target pair)")
     cli.add_argument("--max-new-tokens", type=int, default=32, help="default: %(default)s")
     cli.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above, sampled")
     cli.add_argument("--seed", type=int, default=0, help="the sampling seed, the same for each mode")
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     shuffle_seed = args.shuffle_seed
     if shuffle_seed is None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
-    mapper = args.mapper or (None if args.target else SELECTED_MAPPER)
+    mapper = args.mapper or (None if args.target else paths.SELECTED_MAPPER)
     gate = {field: options[field] for field in GATE_FLAGS if options[field] is not None}
     run(pair, read_prompt_ids(args, pair.target_tokenizer, pair.positions), modes, mapper, args.max_new_tokens,
         args.temperature, args.seed, shuffle_seed, gate=gate or None, asked=args.transfer != DEFAULT_TRANSFER,

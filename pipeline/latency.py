@@ -36,7 +36,6 @@ from pipeline.store.shapes import PAIRS
 
 torch = lazy("torch")
 
-METRICS, TABLE, PLOT = paths.LATENCY, paths.PLOTS / "latency.csv", paths.PLOTS / "latency.png"
 
 
 def stage(params: LatencyParams) -> dict:
@@ -45,10 +44,10 @@ def stage(params: LatencyParams) -> dict:
         pair = Pair(str(paths.model("target")), str(paths.model("source")), params.dtype, device)
         handoff = pair.handoff("mapped", params.mapper)
         rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
-        write_table(rows, TABLE)
-        write_plot(rows, env, PLOT)
+        write_table(rows, paths.LATENCY_TABLE)
+        write_plot(rows, env, paths.LATENCY_PLOT)
         print(format_table(rows, env))
-        return timed.write_metrics(METRICS, length_metrics(rows, env))
+        return timed.write_metrics(paths.LATENCY, length_metrics(rows, env))
 
 
 def shapes_benchmark(args: argparse.Namespace) -> dict:

@@ -41,7 +41,7 @@ from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
 
-KEY_SPACES = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
+KEY_SPACE_FLAGS = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
 CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
 
 
@@ -72,7 +72,7 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
     with atomic_dir(paths.LENGTH_ROWS) as staging:
         work = staging / ".work"
         scratch_data(params.fit_tokens, work / "data")
-        for space, flag in KEY_SPACES.items():  # the other stages' own commands (a failure stops this one)
+        for space, flag in KEY_SPACE_FLAGS.items():  # the other stages' own commands (a failure stops this one)
             for model in ("source", "target"):
                 run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / space / model),
                           *flag)
@@ -80,7 +80,7 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
                       params.candidate)
         pair = Pair.load(models, models.torch_device)
         maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=pair.device)
-                for space in KEY_SPACES}
+                for space in KEY_SPACE_FLAGS}
         oracle = Router(pair.handoff("oracle"), batch_size=params.batch_size)
         for length in tqdm(params.prompt_lengths, desc="lengths", unit="length"):
             prompts = [(ids[:length], ids[length : length + params.continuation]) for ids in sequences]

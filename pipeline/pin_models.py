@@ -27,8 +27,6 @@ from pipeline.store.fingerprints import folder_pin
 from pipeline.store.models import ModelsParams, pin_hub_id, require_weights
 from pipeline.store.params import load_section
 
-PINS = paths.PINS
-
 
 def pin(name_or_path: str, revision: str | None) -> dict:
     """The identity of one model: a local folder's path (relative to the repository when inside it, so every clone
@@ -57,7 +55,7 @@ def pins(models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.pin_models", __doc__, argv)
     result = pins(load_section(ModelsParams, "models"))
-    write_json_atomic(PINS, result)
+    write_json_atomic(paths.PINS, result)
     print(json.dumps(result, indent=2))
 
 

@@ -48,7 +48,6 @@ from pipeline.tiny.tokenizer import train_tokenizer
 
 datasets = lazy("datasets")
 
-LONG = paths.LONG.name  # data/long/: the operating lengths' parts, eval_<n>.parquet and retrieval_<n>.parquet
 pd = lazy("pandas")
 
 
@@ -279,17 +278,17 @@ def run(params: DataParams, out: Path) -> dict[str, int]:
     checked = {name: frame for name, frame in frames.items() if name != "fit"}
     groups = {split: [split] for split in ("calibration", "select", "eval")}
     for name in checked:
-        if name.startswith(LONG + "/"):
+        if name.startswith(paths.LONG.name + "/"):
             groups.setdefault(name.rsplit("_", 1)[1], []).append(name)
     check_disjoint(checked, groups)
     out.mkdir(parents=True, exist_ok=True)
     for name, frame in frames.items():
-        if not name.startswith(LONG + "/"):
+        if not name.startswith(paths.LONG.name + "/"):
             with atomic_path(out / f"{name}.parquet") as tmp:
                 frame.to_parquet(tmp, index=False)
-    with atomic_dir(out / LONG) as staging:  # empty without data.long
+    with atomic_dir(out / paths.LONG.name) as staging:  # empty without data.long
         for name, frame in frames.items():
-            if name.startswith(LONG + "/"):
+            if name.startswith(paths.LONG.name + "/"):
                 frame.to_parquet(staging / f"{name.split('/', 1)[1]}.parquet", index=False)
     with atomic_dir(out / "tokenizer") as staging:
         tokenizer.save_pretrained(staging)

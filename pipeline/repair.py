@@ -36,9 +36,6 @@ from pipeline.store.params import load_section, load_value
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 
-OUT, METRICS = paths.REPAIR_ROWS, paths.REPAIR_METRICS
-TRUNCATED = "truncated"  # the folder (and name) of the truncated-prompt baseline's rows
-
 
 def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int, margin: float) -> Evaluation:
     """One evaluated handoff: on `tasks` and on the eval prompts against the oracle's stored outputs (the confident
@@ -59,7 +56,7 @@ def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool =
     budgets = {str(s): repair_budget(bound_configs[1], s, params.length) for s in settings}
     metrics: dict = {"length": params.length, "bound_pair": params.bound_pair, "grid": [str(s) for s in settings],
                      "gate_score": params.gate_score}
-    with atomic_dir(OUT) as staging:
+    with atomic_dir(paths.REPAIR_ROWS) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
             handoff = pair.handoff("mapped", params.maps[name], repair=setting)
@@ -79,8 +76,8 @@ def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool =
         for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
             evaluation = scored(pair, pair.handoff("oracle", keep=keep), pair.eval_tasks, prompts, oracle,
                                 params.batch_size, margin)
-            write_rows(staging, TRUNCATED, f"{keep:g}", evaluation)
-            metrics[f"{TRUNCATED}/{keep:g}"] = evaluation.figures()
+            write_rows(staging, paths.TRUNCATED_BASELINE, f"{keep:g}", evaluation)
+            metrics[f"{paths.TRUNCATED_BASELINE}/{keep:g}"] = evaluation.figures()
     return metrics
 
 
@@ -94,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(RepairParams, "repair"), load_section(ModelsParams, "models")
     margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(METRICS, run(params, models, margin))
+        stage.write_metrics(paths.REPAIR_METRICS, run(params, models, margin))
 
 
 if __name__ == "__main__":

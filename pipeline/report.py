@@ -34,7 +34,6 @@ from pipeline.studies.settings import ReportParams
 plt = lazy("matplotlib.pyplot")
 pd = lazy("pandas")
 
-HEADLINE, FIGURES, PLOTS = paths.HEADLINE, paths.FIGURES, paths.PLOTS
 
 
 def load(variant_names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> tuple[Run, dict]:
@@ -88,12 +87,12 @@ def environment(models: ModelsParams) -> dict:
 
 
 def write(report: dict, tables: dict[str, pd.DataFrame], text: str) -> None:
-    PLOTS.mkdir(exist_ok=True)
+    paths.PLOTS.mkdir(exist_ok=True)
     for name, table in tables.items():
-        with atomic_path(PLOTS / f"{name}.csv") as tmp:
+        with atomic_path(paths.PLOTS / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
     write_json_atomic(paths.REPORT, report)
-    with atomic_dir(HEADLINE) as staging:
+    with atomic_dir(paths.HEADLINE) as staging:
         for variant, row in variants.headline(report).items():
             sure = confident.headline(report.get("confident", {}), variant)  # beside V0's columns
             write_json_atomic(staging / f"{variant}.json", {**row, **sure})
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = load_section(OperatingParams, "operating").lengths
     run, inputs = load([*BASELINES, *mapped], sizes, lengths)
     report = compute(params, run, inputs)
-    tables = figures(report, run, FIGURES)
+    tables = figures(report, run, paths.FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data.kind, "source": models.source,
                "target": models.target, "dtype": models.dtype, "device": models.device, "pair": run.pair,
                "environment": environment(models), "selected_name": run.select.get("selected", params.mapped_variant)}

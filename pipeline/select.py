@@ -45,7 +45,6 @@ from pipeline.store.shapes import pair_configs
 
 pd = lazy("pandas")
 
-MAPPERS, DISTILLED, SELECTED, BEST = paths.MAPPERS, paths.DISTILLED, paths.SELECTED_MAPPER, paths.BEST
 DIGITS = 4  # metrics/select.json's figures
 
 
@@ -167,10 +166,10 @@ def promote(scored: tuple[Evaluation, list[dict]], params: SelectParams, prompts
     beside them under maps/<map>/, and each repaired one's under repaired/<map>/<setting>/)."""
     reference, scores = scored
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
-    copy_verified(candidate_path(chosen["name"]), SELECTED)
+    copy_verified(candidate_path(chosen["name"]), paths.SELECTED_MAPPER)
     write_json_atomic(paths.SELECTED_REPAIR, {"map": chosen["name"], "repair": chosen["repair"],
                                               "budget": round(chosen["budget"], 6)})
-    with atomic_dir(BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
+    with atomic_dir(paths.BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
             copy_verified(candidate_path(score["name"]), paths.best_map(k, staging))
     metrics: dict = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
@@ -188,9 +187,9 @@ def promote(scored: tuple[Evaluation, list[dict]], params: SelectParams, prompts
 
 def candidates_on_disk() -> list[Path]:
     """Every map fit and distill left (models/mappers/, models/distilled/), refused when there is none."""
-    candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(DISTILLED.glob("*.safetensors"))
+    candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
-        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+        raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
     return candidates
 
 

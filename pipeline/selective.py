@@ -58,7 +58,6 @@ np = lazy("numpy")
 pd = lazy("pandas")
 torch = lazy("torch")
 
-OUT, METRICS = paths.SELECTIVE, paths.SELECTIVE_METRICS
 METRIC = "acc_norm"  # the retention metric the threshold is chosen for (report.retention_metric's default)
 
 
@@ -290,10 +289,10 @@ def run(params: SelectiveParams, models: ModelsParams, margin: float) -> dict:
     metrics, curves = summarize(items, prompts, params, costs, margin)
     for name, probe in probes.items():
         metrics["maps"][name]["probe_fit"] = asdict(probe)  # its features, standardisation and weights
-    with atomic_dir(OUT) as staging:
+    with atomic_dir(paths.SELECTIVE) as staging:
         items.to_parquet(staging / "items.parquet", index=False)
         prompts.to_parquet(staging / "prompts.parquet", index=False)
-        curves.to_parquet(staging / "curves.parquet", index=False)
+        curves.to_parquet(staging / paths.SELECTIVE_CURVES.name, index=False)
     return metrics
 
 
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(SelectiveParams, "selective"), load_section(ModelsParams, "models")
     margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
     with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(METRICS, run(params, models, margin))
+        stage.write_metrics(paths.SELECTIVE_METRICS, run(params, models, margin))
 
 
 if __name__ == "__main__":

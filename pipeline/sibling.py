@@ -42,7 +42,7 @@ from pipeline.store.params import ParamError, load_section
 pd = lazy("pandas")
 torch = lazy("torch")
 
-PROVENANCE = "sibling.json"
+SIBLING_PROVENANCE = "sibling.json"
 
 
 def sequences(path: Path) -> list[list[int]]:
@@ -93,7 +93,7 @@ def build(params: SiblingParams, models: ModelsParams, pool: Path, select: Path,
                    started)
     after = scored(sibling, select_teacher, every_row, params.batch_sequences)
     shape = shape_of(sibling.config, params.shape, cut.layers)
-    write_checkpoint(out, sibling, Path(model_folder(models.target, models.target_revision)), PROVENANCE,
+    write_checkpoint(out, sibling, Path(model_folder(models.target, models.target_revision)), SIBLING_PROVENANCE,
                      {"built": True, "target": models.target, "shape": shape, "heads": cut.heads,
                       "channels": cut.channels, "steps": healing["steps"], "settings": params.model_dump()})
     return {"built": True, "shape": shape, **chosen, "select_perplexity": after["perplexity"],
@@ -110,7 +110,7 @@ def build(params: SiblingParams, models: ModelsParams, pool: Path, select: Path,
 def run(params: SiblingParams, models: ModelsParams, pool: Path, select: Path, out: Path) -> dict:
     """The sibling built into `out` when `models.source` names it; else `out` holds the marker alone."""
     if not names_sibling(models.source):
-        write_marker(out, PROVENANCE, {"built": False})
+        write_marker(out, SIBLING_PROVENANCE, {"built": False})
         return {"built": False, "source": models.source}
     if models.kind != "hub":
         raise ParamError(f"models.source: {models.source} is the sibling, cut from a checkpoint target, but "

@@ -12,6 +12,7 @@ from pipeline import check_params
 from pipeline.check_params import check, mapper_files
 from pipeline.schema.distill import DistillParams
 from pipeline.schema.fit import FitParams
+from pipeline.store import paths
 from pipeline.store.params import ParamError, parse
 
 
@@ -205,7 +206,7 @@ def test_the_stage_writes_the_sections_checked_in_bytes_free_of_their_values(tmp
     for params in (committed_params(), merge(committed_params(), changed)):
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         check_params.main([])
-        written.append((tmp_path / check_params.OUTPUT).read_bytes())
+        written.append((tmp_path / paths.PARAMS_CHECK).read_bytes())
         result = json.loads(written[-1])
         assert result["valid"] is True and sorted(result["checked"]) == sorted(params)
         assert json.loads(capsys.readouterr().out) == result

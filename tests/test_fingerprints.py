@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from pipeline.kv.mapper import identity_mapper, load_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.store.fingerprints import (
-    PARTS,
+    FINGERPRINT_PARTS,
     PairFingerprints,
     fingerprint,
     folder_pin,
@@ -98,9 +98,9 @@ def map_file(pair: dict[str, Path], path: Path, models: dict) -> Path:
 def test_each_edit_changes_exactly_its_part_and_extra_files_change_none(edit, tiny_pair, tmp_path):
     folder = tiny_pair["target"]
     before = fingerprint(str(folder))
-    assert set(before) == set(PARTS) and all(value.startswith("sha256:") for value in before.values())
+    assert set(before) == set(FINGERPRINT_PARTS) and all(value.startswith("sha256:") for value in before.values())
     after = fingerprint(edited_copy(folder, tmp_path / "edited", edit))
-    changed = sorted(part for part in PARTS if before[part] != after[part])
+    changed = sorted(part for part in FINGERPRINT_PARTS if before[part] != after[part])
     assert changed == ([] if EDITS[edit][1] is None else [EDITS[edit][1]])
 
 
@@ -115,7 +115,7 @@ def test_a_refusal_names_the_part_that_differs_and_a_copy_with_extra_files_accep
         loaded.handoff("mapped", path)
         assert loaded.other_models == []
         return
-    said = PARTS[EDITS[edit][1]]
+    said = FINGERPRINT_PARTS[EDITS[edit][1]]
     with pytest.raises(OtherModelsError, match=rf"was fitted on other models: the target's {said} \(fitted on "
                                                rf"sha256:[^;]*\); refit it on these models") as refused:
         loaded.handoff("mapped", path)

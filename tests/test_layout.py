@@ -250,3 +250,53 @@ def test_the_lambda_check_sees_a_suppressed_e731(tmp_path):
     (tmp_path / "pipeline" / "m.py").write_text("def f():\n    return 1\n")
     (tmp_path / "tests" / "t.py").write_text("x = 1\nf = lambda: 0  # noqa" + ": E731  (one line)\n")
     assert assigned_lambdas(tmp_path) == ["tests/t.py:2"]
+
+
+# one instance per module, read through its registry (kv/families, kv/modes, kv/scores, kv/selectors)
+REGISTRY_ENTRIES = {"FAMILY", "MODE", "SCORE", "SELECTOR"}
+
+
+def constants_defined_twice(root: Path) -> list[str]:
+    """Module-level UPPER_CASE names of pipeline/ assigned in more than one module, and aliases of a store.paths
+    constant (`X = paths.Y`) outside it, as `name: path, path`. A registry's entry name and a lazy module handle
+    (`F = lazy("torch.nn.functional")`) are each module's own and pass."""
+    places: dict[str, list[str]] = {}
+    aliases = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        where = str(path.relative_to(root))
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [name for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)]
+            lazy = (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                    and node.value.func.id == "lazy")
+            for name in names:
+                if name.id.lstrip("_").isupper() and name.id not in REGISTRY_ENTRIES and not lazy:
+                    places.setdefault(name.id, []).append(where)
+            paired = (zip(names, node.value.elts) if isinstance(node.value, ast.Tuple) and len(names) > 1
+                      else zip(names, [node.value]))  # `A, B = paths.X, paths.Y` pairs each name with its value
+            aliased = [name.id for name, value in paired if isinstance(value, ast.Attribute)
+                       and isinstance(value.value, ast.Name) and value.value.id == "paths" and value.attr.isupper()]
+            if aliased and where != "pipeline/store/paths.py":
+                aliases.append(f"{', '.join(aliased)}: an alias of store.paths in {where}")
+    return [f"{name}: {', '.join(where)}" for name, where in sorted(places.items()) if len(where) > 1] + aliases
+
+
+def test_a_module_level_constant_is_defined_in_one_place_of_pipeline():
+    assert constants_defined_twice(ROOT) == []
+
+
+@pytest.mark.parametrize("second, found", [
+    ('PARTS = ("a",)\n', ["PARTS: pipeline/a.py, pipeline/b.py"]),
+    ('OUT, PARTS = paths.EVAL, 1\n',
+     ["PARTS: pipeline/a.py, pipeline/b.py", "OUT: an alias of store.paths in pipeline/b.py"]),
+    ('PAIR = (paths.EVAL, 1)\n', []),  # a tuple holding a path is not an alias of it
+    ('MODE = Zero()\nF = lazy("torch.nn.functional")\n', []),
+])
+def test_the_constants_check_sees_a_name_defined_twice_and_an_alias_of_a_path(tmp_path, second, found):
+    (tmp_path / "pipeline" / "store").mkdir(parents=True)
+    (tmp_path / "pipeline" / "a.py").write_text('PARTS = ("b",)\nMODE = Own()\nF = lazy("torch.nn.functional")\n')
+    (tmp_path / "pipeline" / "b.py").write_text(second)
+    (tmp_path / "pipeline" / "store" / "paths.py").write_text('EVAL = Path("eval")\nMODELS = EVAL\n')
+    assert constants_defined_twice(tmp_path) == found

@@ -3,7 +3,7 @@ can leave out (the FLOP model asks each selector for its own)."""
 import pytest
 
 from pipeline.kv import flops
-from pipeline.kv.repair import FORM, Repair
+from pipeline.kv.repair import REPAIR_FORM, Repair
 from pipeline.kv.selectors import registry
 from pipeline.kv.selectors.base import Selector
 from pipeline.kv.selectors.registry import POLICIES, SELECTORS, register
@@ -39,7 +39,7 @@ def test_the_registry_refuses_a_name_twice():
 
 def test_policies_and_the_settings_form_come_from_the_registry():
     assert POLICIES == tuple(SELECTORS) and set(POLICIES) >= {"deviation", "attention", "recency", "key_norm"}
-    assert all(name in FORM for name in POLICIES)
+    assert all(name in REPAIR_FORM for name in POLICIES)
 
 
 def test_a_new_policy_is_parsed_and_its_own_cost_is_in_the_budget(monkeypatch):

@@ -256,7 +256,7 @@ def test_two_builds_give_byte_identical_folders_a_loadable_checkpoint_and_its_fi
                               "query_heads": 2, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "hidden_size": 32}
     assert {"built", "select_perplexity", "target_select_perplexity", "prefill_ratio", "build_seconds"} <= set(first)
     assert first["built"] and first["steps"] == 6 and 0 < first["prefill_ratio"] < 0.6
-    assert json.loads(kept[stage.PROVENANCE])["shape"] == first["shape"]
+    assert json.loads(kept[stage.SIBLING_PROVENANCE])["shape"] == first["shape"]
     mask = os.umask(0o077)
     os.umask(mask)
     assert {stat.S_IMODE((project / paths.SIBLING / name).stat().st_mode) for name in kept} == {0o666 & ~mask}
@@ -275,7 +275,7 @@ def test_any_other_source_gets_the_marker_alone_and_loads_nothing(project, monke
     monkeypatch.setattr(stage, "load_model", None)  # a call would raise
     result = build(project, "self:2", monkeypatch)
     assert result == {"built": False, "source": "self:2"}
-    assert files(project / paths.SIBLING) == {stage.PROVENANCE: b'{"built": false}\n'}
+    assert files(project / paths.SIBLING) == {stage.SIBLING_PROVENANCE: b'{"built": false}\n'}
 
 
 @pytest.mark.parametrize("changes, message", [

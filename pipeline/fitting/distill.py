@@ -76,15 +76,16 @@ class DistillSettings(Params):
         return [(lr, kv_weight) for lr in self.rates(family) for kv_weight in self.kv_weights]
 
 
-PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")  # rows: reading the stored source caches
+# the parts of the work timed; rows: reading the stored source caches
+TIMED_PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")
 
 
 class Clock:
-    """Seconds spent per part of the work (`PARTS`), added up over every call timed; on CUDA each part waits for
+    """Seconds spent per part of the work (`TIMED_PARTS`), added up over every call timed; on CUDA each part waits for
     the device, so the time is the part's own."""
 
     def __init__(self):
-        self.seconds: Counter = Counter({part: 0.0 for part in PARTS})
+        self.seconds: Counter = Counter({part: 0.0 for part in TIMED_PARTS})
 
     @contextmanager
     def timed(self, part: str, device) -> Iterator[None]:

@@ -110,7 +110,7 @@ def _untested_family(config, max_tokens):
 
 # (feature, why it is refused, check): every rule that applies is named, in this order; the sliding window,
 # the one a run can work around (by running shorter), comes last
-RULES = (
+CONTRACT_RULES = (
     ("no `num_key_value_heads` (GPT-NeoX, GPT-2)",
      "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads", _no_kv_heads),
     ("multi-head latent attention (DeepSeek-V2/V3)",
@@ -130,7 +130,7 @@ def model_refusal(config, max_tokens: int | None = None) -> str | None:
     """Why this model's cache cannot be handed off (one sentence, naming the model and every rule that refuses
     it, so the advice of one is never given alone where another refuses too); None when it can."""
     details = [detail + ("" if "; " in detail else f": {why}")
-               for _, why, check in RULES if (detail := check(config, max_tokens))]
+               for _, why, check in CONTRACT_RULES if (detail := check(config, max_tokens))]
     if not details:
         return None
     prefix = f"model {model_name(config)!r} ({getattr(config, 'model_type', '?')})"
@@ -195,7 +195,7 @@ def which_pairs_work() -> str:
              "than the run: the longest sequence the profile's params feed the models (`kv.contract.run_length`; "
              "`check_pair --max-tokens`). Everything else is refused before any weight is loaded, with one sentence "
              "naming the model and every feature that refuses it:", "",
-             "| refused | why |", "|---|---|", *(f"| {feature} | {why} |" for feature, why, _ in RULES)]
+             "| refused | why |", "|---|---|", *(f"| {feature} | {why} |" for feature, why, _ in CONTRACT_RULES)]
     return "\n".join(lines)
 
 

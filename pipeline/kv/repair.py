@@ -37,7 +37,7 @@ from pipeline.store.params import ParamError
 torch = lazy("torch")
 transformers = lazy("transformers")
 
-FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:POLICY (POLICY: " + "|".join(
+REPAIR_FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:POLICY (POLICY: " + "|".join(
     name + ("" if selector.parameter is None else f"[@N: {selector.parameter}]") for name, selector in SELECTORS.items()
 ) + ")"
 
@@ -69,7 +69,7 @@ class Repair:
 
     @classmethod
     def parse(cls, text: str) -> Repair:
-        """The setting of its string form (FORM); a bad part raises one line naming it."""
+        """The setting of its string form (REPAIR_FORM); a bad part raises one line naming it."""
         text = str(text).strip()
         if text in ("", "none"):
             return cls()
@@ -78,7 +78,7 @@ class Repair:
             name, *values = part.strip().split(":")
             key = {"layers": "exact_layers", "sink": "sink", "tokens": "tokens"}.get(name)
             if key is None or key in fields or len(values) != (2 if key == "tokens" else 1):
-                raise RepairError(f"repair {text!r}: bad part {part!r} (form: {FORM})")
+                raise RepairError(f"repair {text!r}: bad part {part!r} (form: {REPAIR_FORM})")
             try:
                 if key == "tokens":
                     name, at, argument = values[1].partition("@")
@@ -90,7 +90,7 @@ class Repair:
                 else:
                     fields[key] = int(values[0])
             except ValueError:
-                raise RepairError(f"repair {text!r}: bad part {part!r} (form: {FORM})") from None
+                raise RepairError(f"repair {text!r}: bad part {part!r} (form: {REPAIR_FORM})") from None
         return cls(**fields)
 
     def __str__(self) -> str:

@@ -20,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pipeline.kv.gate import map_pair
 from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES
 from pipeline.kv.repair import Repair
-from pipeline.kv.scores.registry import FITTED, SCORES
+from pipeline.kv.scores.registry import FITTED_SCORES, SCORES
 from pipeline.store import inputs
 from pipeline.store.params import ParamError
 
-GATE_SCORES = tuple(score for score in SCORES if score not in FITTED)  # a gate named by arguments alone
+GATE_SCORES = tuple(score for score in SCORES if score not in FITTED_SCORES)  # a gate named by arguments alone
 REPAIRED_MODES = tuple(mode for mode in MODES if mode not in OWN_MODES)  # a cache the decoding model did not prefill
 # the modes that read each optional field; any other mode given it refuses it
 USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "fallback": SOURCE_MODES, "threshold": SOURCE_MODES,

@@ -169,20 +169,20 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
     return row
 
 
-PARTS = ("prefill", "map", "step", "gate", "fallback")  # a timed first step's parts (`Router.first_step`)
+FIRST_STEP_PARTS = ("prefill", "map", "step", "gate", "fallback")  # a timed first step's parts (`Router.first_step`)
 
 
 def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
     """Per prompt, one at a time through `router`'s first step: its index, log-probabilities (m, V), greedy rollout
-    (horizon,), route and times (`ttft_ms`: the first step's whole path; each part of `PARTS` in ms). The first
-    prompt is run `warmup` times untimed first."""
+    (horizon,), route and times (`ttft_ms`: the first step's whole path; each part of `FIRST_STEP_PARTS` in ms). The
+    first prompt is run `warmup` times untimed first."""
     for _ in range(warmup if prompts else 0):
         router.first_step(router.handoff.context(prompts[0][0]))
     for index, (context, continuation) in enumerate(tqdm(prompts, desc=f"timed ({router.handoff.mode})",
                                                          unit="prompt", disable=not progress)):
         clock = Stopwatch(router.handoff.device)
         first, route = router.first_step(router.handoff.context(context), clock)
-        times = {"ttft_ms": clock.total_ms(), **dict.fromkeys((f"{part}_ms" for part in PARTS), 0.0)}
+        times = {"ttft_ms": clock.total_ms(), **dict.fromkeys((f"{part}_ms" for part in FIRST_STEP_PARTS), 0.0)}
         times.update({f"{part}_ms": ms for part, ms in clock.parts_ms().items()})
         logprobs, rollout = read_after(router.handoff_of(route), first, continuation, horizon)
         yield index, logprobs, rollout, route, times

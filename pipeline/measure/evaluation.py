@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from pipeline.kv.router import Router
-from pipeline.measure.compare import PARTS, Prompt, oracle_outputs, timed_oracle, timed_rows, variant_rows
+from pipeline.measure.compare import FIRST_STEP_PARTS, Prompt, oracle_outputs, timed_oracle, timed_rows, variant_rows
 from pipeline.measure.confident import confidence_summary
 from pipeline.measure.prompt_metrics import PROMPT_METRICS, attention_layers, prompt_figures
 from pipeline.measure.taskeval import score_tasks
@@ -31,7 +31,7 @@ from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 pd = lazy("pandas")
 
-METRICS = ("acc", "acc_norm")  # the task metrics per item kind
+TASK_METRICS = ("acc", "acc_norm")  # the task metrics per item kind
 COUNTS = ("confident_prompts", "confident_prompt_share", "confident_positions", "confident_position_share")
 
 
@@ -74,7 +74,7 @@ class PromptFigures:
         timed = None
         if "ttft_ms" in rows:
             timed = {"median_ms": float(rows.ttft_ms.median()), "mean_ms": float(rows.ttft_ms.mean()),
-                     "parts_ms": {part: float(rows[f"{part}_ms"].median()) for part in PARTS}}
+                     "parts_ms": {part: float(rows[f"{part}_ms"].median()) for part in FIRST_STEP_PARTS}}
         return cls(int(len(rows)), int(rows.tokens.sum()), prompt_figures(rows, margin),
                    {key: summary[key] for key in COUNTS if key in summary},
                    attention_layers(rows) if "attention_cosine" in rows else None, timed)
@@ -134,11 +134,11 @@ def rounded(value, digits: int):
 
 def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
     """Per task, lm-eval's aggregates (`measure.taskeval.evaluate_tasks`' summary) and the mean of each of
-    `METRICS` over the items of each kind the data marks."""
+    `TASK_METRICS` over the items of each kind the data marks."""
     out = {}
     for task, result in summary.items():
         marked = items[items.task == task].dropna(subset=["kind"])
-        kinds = {kind: {metric: float(part[metric].mean()) for metric in METRICS}
+        kinds = {kind: {metric: float(part[metric].mean()) for metric in TASK_METRICS}
                  for kind, part in marked.groupby("kind", sort=True)}
         out[task] = TaskFigures(result["acc"], result["acc_norm"], result["acc_stderr"], result["acc_norm_stderr"],
                                 result["n"], kinds)

@@ -8,11 +8,10 @@ from pydantic import Field, model_validator
 
 from pipeline.kv.contract import BASELINES
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.scores.registry import FITTED, SCORES
+from pipeline.kv.scores.registry import FITTED_SCORES, SCORES
+from pipeline.schema.evaluate import SELECTED
 from pipeline.store.params import ParamError, Params, Positive, Threads
 from pipeline.store.paths import SELECTED_MAPPER
-
-SELECTED = "selected"  # a repair read from select's choice (store.paths.SELECTED_REPAIR), for the selected map only
 
 
 class Repaired(Params):
@@ -65,8 +64,8 @@ class OperatingParams(Params):
             except RepairError as error:
                 raise ParamError(f"{key}: {error} (or `selected`)") from None
         for name, entry in self.gated.items():
-            if entry.score not in SCORES or entry.score in FITTED or entry.score == "disagree":
-                usable = [score for score in SCORES if score not in FITTED and score != "disagree"]
+            if entry.score not in SCORES or entry.score in FITTED_SCORES or entry.score == "disagree":
+                usable = [score for score in SCORES if score not in FITTED_SCORES and score != "disagree"]
                 raise ParamError(f"operating.gated.{name}.score: {entry.score!r}; a gate at the operating lengths "
                                  f"reads one map and no fitted probe: {', '.join(usable)}")
         if len(set(self.lengths)) != len(self.lengths):

@@ -23,8 +23,8 @@ from pipeline.store import paths
 from pipeline.store.params import Count, ParamError, Positive, Threads
 
 INFLUENCE = "influence"  # sibling.keep: the layers of highest block influence on the calibration rows
-PARTS = {"layers": "decoder layers", "mlp": "MLP channels per layer", "heads": "query heads per layer"}
-FORM = "parts joined by +, each layers:<n>, mlp:<n> or heads:<n>, e.g. mlp:256+heads:6"
+SHAPE_PARTS = {"layers": "decoder layers", "mlp": "MLP channels per layer", "heads": "query heads per layer"}
+SHAPE_FORM = "parts joined by +, each layers:<n>, mlp:<n> or heads:<n>, e.g. mlp:256+heads:6"
 
 
 def names_sibling(source: str) -> bool:
@@ -52,20 +52,20 @@ class Shape(NamedTuple):
         counts: dict[str, int] = {}
         for part in str(text).split("+"):
             name, colon, count = part.strip().partition(":")
-            if name not in PARTS or name in counts or not colon or not count.isdigit() or int(count) < 1:
-                raise ValueError(f"{text!r}: bad part {part!r} ({FORM})")
+            if name not in SHAPE_PARTS or name in counts or not colon or not count.isdigit() or int(count) < 1:
+                raise ValueError(f"{text!r}: bad part {part!r} ({SHAPE_FORM})")
             counts[name] = int(count)
         if counts.get("layers", 2) < 2:
             raise ValueError(f"{text!r}: a sibling keeps at least 2 decoder layers")
-        return cls(**{name: counts.get(name) for name in PARTS})
+        return cls(**{name: counts.get(name) for name in SHAPE_PARTS})
 
     def within(self, config, target: str) -> Counts:
         """The counts against the target's `config`, or the one-line refusal of a count it cannot keep."""
         own = Counts(config.num_hidden_layers, config.intermediate_size, config.num_attention_heads)
         kept = Counts(*(mine or theirs for mine, theirs in zip(self, own)))
-        for name, mine, theirs in zip(PARTS, kept, own):
+        for name, mine, theirs in zip(SHAPE_PARTS, kept, own):
             if mine > theirs:
-                raise ParamError(f"sibling.shape: {name}:{mine}, but the target has {theirs} {PARTS[name]} "
+                raise ParamError(f"sibling.shape: {name}:{mine}, but the target has {theirs} {SHAPE_PARTS[name]} "
                                  f"({target}); give at most {theirs}")
         kv_heads = kv_geometry(config)["kv_heads"]
         if kept.heads % kv_heads:
@@ -77,7 +77,7 @@ class Shape(NamedTuple):
         return kept
 
     def text(self) -> str:
-        return "+".join(f"{name}:{count}" for name, count in zip(PARTS, self) if count is not None)
+        return "+".join(f"{name}:{count}" for name, count in zip(SHAPE_PARTS, self) if count is not None)
 
 
 def _shape(text: str) -> str:

@@ -27,7 +27,7 @@ safetensors_torch = lazy("safetensors.torch")
 
 WEIGHTS = "model.safetensors"
 # the files of a checkpoint folder that make its tokenizer (copied from a folder, `write_checkpoint`)
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*")
+TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*")
 
 
 def _interrupt(signum: int, frame) -> None:
@@ -90,7 +90,7 @@ def write_checkpoint(out: Path, model, tokenizer, name: str, provenance: dict) -
         safetensors_torch.save_file({key: tensor.contiguous() for key, tensor in state.items()},
                                     str(staging / WEIGHTS), metadata={"format": "pt"})
         if isinstance(tokenizer, Path):
-            for pattern in TOKENIZER_FILES:
+            for pattern in TOKENIZER_GLOBS:
                 for path in sorted(tokenizer.glob(pattern)):
                     shutil.copyfile(path, staging / path.name)
         else:

@@ -1,8 +1,8 @@
-"""What a map is bound to: a fingerprint of each model of the pair it was fitted on, made of named parts (`PARTS`:
-the weights, the config, the generation config and the tokenizer), content only, so a map's bytes depend on its
-models alone and a copied folder still matches. Any other file of a checkpoint folder (README.md, NOTES.md,
-.gitattributes, a training log, a provenance record) is no part of it: a folder that differs only by those is the
-same model. `pin_models` pins a local folder by the same parts (`folder_pin`).
+"""What a map is bound to: a fingerprint of each model of the pair it was fitted on, made of named parts
+(`FINGERPRINT_PARTS`: the weights, the config, the generation config and the tokenizer), content only, so a map's
+bytes depend on its models alone and a copied folder still matches. Any other file of a checkpoint folder
+(README.md, NOTES.md, .gitattributes, a training log, a provenance record) is no part of it: a folder that differs
+only by those is the same model. `pin_models` pins a local folder by the same parts (`folder_pin`).
 
 `model_differences` compares a map's fingerprints (`Mapper.models`) with the loaded pair's (`PairFingerprints`) and
 names each part that differs; `kv.pair.Pair` and `check_pair` refuse with it. A map written before fingerprints had
@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pipeline.store.artifacts import hash_file
-from pipeline.store.models import TOKENIZER_FILES, folder_digest, follow, pin_hub_id, resolve, self_source
+from pipeline.store.models import TOKENIZER_MARKERS, folder_digest, follow, pin_hub_id, resolve, self_source
 from pipeline.store.weights import weight_files
 
 TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
@@ -33,12 +33,12 @@ CHAT_TEMPLATES = ("chat_template.jinja", "chat_template.json")
 PART_FILES = {
     "config": ("config.json",),
     "generation_config": ("generation_config.json",),
-    "tokenizer": (*TOKENIZER_FILES, *TOKENIZER_DESCRIPTION, *CHAT_TEMPLATES),
+    "tokenizer": (*TOKENIZER_MARKERS, *TOKENIZER_DESCRIPTION, *CHAT_TEMPLATES),
 }
 PARSED = ("config", "generation_config")  # parts compared by their parsed JSON: a re-indented config is the same
 # what a refusal says of each part that differs
-PARTS = {"weights": "weights differ", "config": "config differs", "generation_config": "generation config differs",
-         "tokenizer": "tokenizer differs"}
+FINGERPRINT_PARTS = {"weights": "weights differ", "config": "config differs",
+                     "generation_config": "generation config differs", "tokenizer": "tokenizer differs"}
 LEGACY_PARTS = {"pin": "weights, config, generation config or extra files differ", "tokenizer": "tokenizer differs"}
 LEGACY_NOTE = ("; the map records one digest of a folder's every file, as maps did before fingerprints named their "
                "parts, so it cannot say which")
@@ -86,7 +86,7 @@ def tokenizer_digest(folder: str | Path) -> str | None:
     return files_digest([path for path in part_files(folder, "tokenizer") if path.name not in CHAT_TEMPLATES])
 
 
-def folder_parts(folder: str | Path, parts=tuple(PARTS)) -> dict[str, str | None]:
+def folder_parts(folder: str | Path, parts=tuple(FINGERPRINT_PARTS)) -> dict[str, str | None]:
     """`parts` of a checkpoint folder's fingerprint: each a sha256 over its files, None where the folder has none."""
     files = {part: part_files(folder, part) for part in parts}
     size = sum(path.stat().st_size for paths in files.values() for path in paths)
@@ -103,7 +103,7 @@ def folder_pin(folder: str | Path) -> str:
 
 def fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None) -> dict[str, str | None]:
-    """What a map is bound to, of one model, by `PARTS`: a local folder's `folder_parts`; a hub id's config,
+    """What a map is bound to, of one model, by `FINGERPRINT_PARTS`: a local folder's `folder_parts`; a hub id's config,
     generation config and tokenizer files by content and its weights by the commit its revision resolves to; a
     random model's shape and seed. Content only, never a path or a time: a map's bytes depend on its models alone.
     A self source (`self_source`; the bare name with its `target`) is its target's, weights and config cut at n."""
@@ -179,7 +179,7 @@ def model_differences(fitted: dict | None, loaded: PairFingerprints) -> str | No
     if fitted is None:
         return "records no fingerprints of the models it was fitted on (written before maps were bound to their pair)"
     legacy = any("pin" in (side or {}) for side in fitted.values())
-    said, current = (LEGACY_PARTS, loaded.legacy) if legacy else (PARTS, loaded.parts)
+    said, current = (LEGACY_PARTS, loaded.legacy) if legacy else (FINGERPRINT_PARTS, loaded.parts)
     if fitted == current:
         return None
     if fitted.get("source") == current["target"] and fitted.get("target") == current["source"]:

@@ -28,7 +28,7 @@ from pipeline.store.params import Params
 torch = lazy("torch")
 transformers = lazy("transformers")
 
-PROVENANCE = "converted.json"
+CONVERTED_PROVENANCE = "converted.json"
 
 
 class WheelError(Refusal, RuntimeError):
@@ -113,5 +113,5 @@ def convert(spec: GgufWheel, out: Path, timeout_s: float, check: Callable[[objec
                   "parameters": sum(p.numel() for p in model.parameters())}
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # dequantized already: a reader must not look for the GGUF
-    write_checkpoint(out, model, tokenizer, PROVENANCE, provenance)
+    write_checkpoint(out, model, tokenizer, CONVERTED_PROVENANCE, provenance)
     return provenance

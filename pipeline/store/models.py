@@ -117,7 +117,7 @@ CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the tokenizer's class and special tokens
 # files that carry a vocabulary: without one, transformers 5 builds a stand-in tokenizer of one to five tokens
 # for several model types (qwen2, qwen3, gemma, gpt2, phi) instead of raising, and it must never be compared
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "*.tiktoken",
+TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "*.tiktoken",
                    "sentencepiece*.model")
 
 
@@ -360,7 +360,7 @@ def first_line(err: Exception) -> str:
 
 
 def has_tokenizer_files(folder: str | Path) -> bool:
-    return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_FILES)
+    return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_MARKERS)
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, target: str | None = None,
@@ -374,7 +374,7 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, target: str |
     name, revision, _ = follow(name_or_path, revision)
     folder = resolve(name, revision, config_only=True)
     if not has_tokenizer_files(folder):
-        raise NoTokenizerError(f"model folder {name} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+        raise NoTokenizerError(f"model folder {name} holds no tokenizer files (none of {', '.join(TOKENIZER_MARKERS)})")
     if not (Path(folder) / TOKENIZER_CONFIG).is_file():  # transformers would guess the class and special tokens
         raise ModelFolderError(f"model folder {name} has tokenizer files but no {TOKENIZER_CONFIG}, without which its "
                                f"prompts are tokenized wrongly; copy the model's {TOKENIZER_CONFIG} into it")

@@ -53,8 +53,10 @@ CANDIDATE_ITEMS = EVAL / "candidates"
 CANDIDATE_PROMPTS = CANDIDATE_ITEMS / "prompts"  # per eval prompt: each distilled map and its start
 CALIBRATION_ITEMS = EVAL / "calibration"
 LENGTH_ROWS = EVAL / "length"
+TRUNCATED_BASELINE = "truncated"  # the truncated-prompt baseline: its name in stage repair and its folder there
 REPAIR_ROWS = EVAL / "repair"  # per repaired map and setting, and per truncated-prompt budget: item and prompt rows
 SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gated map, and the curves
+SELECTIVE_CURVES = SELECTIVE / "curves.parquet"  # quality at each fallback rate, per map and score
 
 # metrics/: small JSON kept in git, compared by `dvc metrics diff`
 METRICS = Path("metrics")
@@ -81,6 +83,8 @@ HEADLINE = METRICS / "headline"
 REPORT_MD = Path("report.md")
 FIGURES = Path("report")
 PLOTS = Path("plots")
+LATENCY_TABLE = PLOTS / "latency.csv"
+LATENCY_PLOT = PLOTS / "latency.png"
 
 
 def model(side: str) -> Path:

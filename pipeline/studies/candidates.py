@@ -22,7 +22,6 @@ from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
 
-FIGURES, ITEMS, FIT = paths.CANDIDATES, paths.CANDIDATE_ITEMS, paths.FIT
 R2 = "r2_heldout"  # fit's held-out R² (keys and values averaged), the one proxy that is not a prompt metric
 
 
@@ -45,10 +44,11 @@ class Inputs:
 
 def load(run: Run) -> Inputs | None:
     """None when the stage did not run, or without the source's items (each candidate's gap closure needs them)."""
-    if not FIGURES.is_file() or "source" not in run.items:
+    if not paths.CANDIDATES.is_file() or "source" not in run.items:
         return None
-    return Inputs(run.items, {path.stem: pd.read_parquet(path) for path in sorted(ITEMS.glob("*.parquet"))},
-                  json.loads(FIGURES.read_text()), json.loads(FIT.read_text()), run.select)
+    items = {path.stem: pd.read_parquet(path) for path in sorted(paths.CANDIDATE_ITEMS.glob("*.parquet"))}
+    return Inputs(run.items, items, json.loads(paths.CANDIDATES.read_text()), json.loads(paths.FIT.read_text()),
+                  run.select)
 
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:

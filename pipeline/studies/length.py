@@ -22,7 +22,6 @@ from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
 
-FIGURES, ROWS = paths.LENGTH, paths.LENGTH_ROWS
 SPACES = ("stripped", "rotated")
 
 
@@ -35,13 +34,13 @@ class Inputs:
 
 def load(run: Run) -> Inputs | None:
     """None when the stage did not run."""
-    if not FIGURES.is_file():
+    if not paths.LENGTH.is_file():
         return None
-    figures = json.loads(FIGURES.read_text())
-    rows = {(space, length): pd.read_parquet(paths.length_rows(space, length, ROWS))
+    figures = json.loads(paths.LENGTH.read_text())
+    rows = {(space, length): pd.read_parquet(paths.length_rows(space, length, paths.LENGTH_ROWS))
             for space in SPACES for length in sorted(map(int, figures["oracle"]["by_length"]))}
     return Inputs(figures, rows,
-                  {space: pd.read_parquet(paths.length_tasks(space, ROWS)) for space in SPACES})
+                  {space: pd.read_parquet(paths.length_tasks(space, paths.LENGTH_ROWS)) for space in SPACES})
 
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:

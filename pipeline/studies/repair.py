@@ -28,9 +28,8 @@ from pipeline.studies.settings import ReportParams
 np = lazy("numpy")
 pd = lazy("pandas")
 
-TRUNCATED = "truncated"  # stage repair's name of the truncated-prompt baseline
 SOURCE = "source alone"  # the source model alone (stage evaluate's `source`): no target prefill at all, budget 0
-BASELINES = (TRUNCATED, SOURCE)
+MATCHED_BASELINES = (paths.TRUNCATED_BASELINE, SOURCE)
 JOINS = "candidates"  # the study whose result `join` reads (studies.run.Joining)
 
 
@@ -50,9 +49,10 @@ def load(run: Run) -> Inputs | None:
     metrics = json.loads(paths.REPAIR_METRICS.read_text())
     rows = {(name, setting): pd.read_parquet(paths.repair_rows("items", name, setting))
             for name, settings in metrics["maps"].items() for setting in settings}
-    rows.update({(TRUNCATED, budget): pd.read_parquet(paths.repair_rows("items", TRUNCATED, budget))
-                 for budget in metrics.get(TRUNCATED, {})})
-    curves = pd.read_parquet(paths.SELECTIVE / "curves.parquet") if paths.SELECTIVE_METRICS.is_file() else None
+    truncated = paths.TRUNCATED_BASELINE
+    rows.update({(truncated, budget): pd.read_parquet(paths.repair_rows("items", truncated, budget))
+                 for budget in metrics.get(truncated, {})})
+    curves = pd.read_parquet(paths.SELECTIVE_CURVES) if paths.SELECTIVE_METRICS.is_file() else None
     return Inputs(run.items, metrics, rows, curves, run.metrics["source"])
 
 
@@ -78,16 +78,16 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
         both = {**inputs.items, key: frame}
         retention = retention_interval(both, key, params.retention_metric, params.bootstrap_iters, params.seed)
         closure = gap_closure_interval(both, key, params.retention_metric, params.bootstrap_iters, params.seed)
-        figures = (inputs.metrics[TRUNCATED][setting] if name == TRUNCATED
+        figures = (inputs.metrics[paths.TRUNCATED_BASELINE][setting] if name == paths.TRUNCATED_BASELINE
                    else inputs.metrics["maps"][name][setting])
-        budget = float(setting) if name == TRUNCATED else figures["budget"]
+        budget = float(setting) if name == paths.TRUNCATED_BASELINE else figures["budget"]
         row = {"map": name, "setting": setting, "budget": budget,
-               "policy": "truncated prompt" if name == TRUNCATED else policy(setting),
+               "policy": "truncated prompt" if name == paths.TRUNCATED_BASELINE else policy(setting),
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
                **prompt_metrics(figures), **{k: figures.get(k) for k in ("bound", "speedup")}}
-        if name != TRUNCATED:
+        if name != paths.TRUNCATED_BASELINE:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
@@ -95,7 +95,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                         "gate": gate_at(inputs.curves, selective, name, budget, inputs.metrics["gate_score"])})
         rows.append(row)
     rows.append(source_row(params, inputs))
-    rows.sort(key=lambda row: (row["map"] in BASELINES, row["map"], row["budget"]))
+    rows.sort(key=lambda row: (row["map"] in MATCHED_BASELINES, row["map"], row["budget"]))
     return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"],
             "gate_score": inputs.metrics["gate_score"]}
 
@@ -124,7 +124,7 @@ def join(study: dict, candidates: dict | None) -> None:
     ones). Only where both studies count at the same pair and prompt length; otherwise left unset."""
     if not candidates or (candidates["bound_pair"], candidates["length"]) != (study["bound_pair"], study["length"]):
         return
-    repaired = [row for row in study["rows"] if row["map"] not in BASELINES and row["setting"] != "none"]
+    repaired = [row for row in study["rows"] if row["map"] not in MATCHED_BASELINES and row["setting"] != "none"]
     points = [(name, row["gap_closure"], row["bound_at_pair"]) for name, row in candidates["rows"].items()]
     points += [(f"{row['map']}@{row['setting']}", row["gap_closure"], row["bound"]) for row in repaired]
     on = pareto_front([closure for _, closure, _ in points], [bound for _, _, bound in points])
@@ -172,7 +172,7 @@ def cheapest(rows: list[dict]) -> str:
 
 def maps(rows: list[dict]) -> list[str]:
     """The repaired maps of the rows, in their order (the baselines left out)."""
-    return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in BASELINES))
+    return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in MATCHED_BASELINES))
 
 
 def verdict(mine: float, theirs: float) -> str:
@@ -182,7 +182,7 @@ def verdict(mine: float, theirs: float) -> str:
 def against_baselines(rows: list[dict]) -> list[str]:
     """Per budget level of the grid (the truncated prompt's), whether each map's best repair at that cost retains
     more than the truncated prompt and than its gate at the same cost (point estimates), one line each."""
-    truncated = {round(row["budget"], 3): row for row in rows if row["map"] == TRUNCATED}
+    truncated = {round(row["budget"], 3): row for row in rows if row["map"] == paths.TRUNCATED_BASELINE}
     out = []
     for level, base in sorted(truncated.items()):
         parts = []
@@ -245,7 +245,7 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     table = pd.DataFrame(study["rows"])
     names = maps(study["rows"])
     fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)
-    truncated = table[table["map"] == TRUNCATED].sort_values("budget")
+    truncated = table[table["map"] == paths.TRUNCATED_BASELINE].sort_values("budget")
     source = table[table["map"] == SOURCE].retention
     for ax, name in zip(axes[0], names):
         part = table[table["map"] == name]

@@ -23,7 +23,6 @@ from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
 
-CONTROLS, SELECT, LATENCY = paths.CONTROLS, paths.SELECT, paths.LATENCY
 
 
 @dataclass
@@ -57,10 +56,10 @@ class Run:
         if "oracle" not in metrics:
             raise FileNotFoundError(f"{paths.variant_metrics('oracle')} not found: the report needs the oracle's "
                                     "evaluation")
-        return cls(metrics, items, prompts, skipped, controls=json.loads(CONTROLS.read_text()),
-                   select=json.loads(SELECT.read_text()) if SELECT.is_file() else {},
-                   latency=json.loads(LATENCY.read_text()) if LATENCY.is_file() else None, pair=pair_names(),
-                   calibration_sizes=calibration_sizes, operating_lengths=operating_lengths)
+        return cls(metrics, items, prompts, skipped, controls=json.loads(paths.CONTROLS.read_text()),
+                   select=json.loads(paths.SELECT.read_text()) if paths.SELECT.is_file() else {},
+                   latency=json.loads(paths.LATENCY.read_text()) if paths.LATENCY.is_file() else None,
+                   pair=pair_names(), calibration_sizes=calibration_sizes, operating_lengths=operating_lengths)
 
 
 def pair_names(models: str = "models") -> tuple[str, str]:

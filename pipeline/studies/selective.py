@@ -25,7 +25,6 @@ from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
 
-CURVES = paths.SELECTIVE / "curves.parquet"
 
 
 @dataclass
@@ -42,7 +41,7 @@ def load(run: Run) -> Inputs | None:
     if "confident_margin" not in metrics:
         raise ArtifactError(f"{paths.SELECTIVE_METRICS} has no confident top-1 or item AUROC intervals: it was written "
                             f"before them; rerun the selective stage (dvc repro)")
-    return Inputs(metrics, pd.read_parquet(CURVES))
+    return Inputs(metrics, pd.read_parquet(paths.SELECTIVE_CURVES))
 
 
 def compute(params: ReportParams, inputs: Inputs) -> dict:

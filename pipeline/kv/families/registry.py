@@ -16,7 +16,7 @@ FAMILIES: dict[str, Family] = {spec.name: spec for spec in (
     identity.FAMILY, linear.FAMILY, head_matched.FAMILY, mlp.FAMILY, low_rank.FAMILY)}
 CLOSED_FORM = tuple(name for name, spec in FAMILIES.items() if spec.fitting == "closed_form")
 TRAINED = tuple(name for name, spec in FAMILIES.items() if spec.fitting == "trained")
-FITTED = CLOSED_FORM + TRAINED  # the families a fit makes maps of
+FITTED_FAMILIES = CLOSED_FORM + TRAINED  # the families a fit makes maps of
 TRAINABLE = tuple(name for name, spec in FAMILIES.items() if spec.trainable)
 
 DISTILLED_SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
@@ -76,12 +76,12 @@ class MapName:
         """A map's name read back; a name no family makes is refused in one line naming the forms known."""
         distilled = text.endswith(DISTILLED_SUFFIX)
         stem = text.removesuffix(DISTILLED_SUFFIX)
-        for name in sorted(FITTED, key=len, reverse=True):  # `low_rank_...` is not read as a family `low`
+        for name in sorted(FITTED_FAMILIES, key=len, reverse=True):  # `low_rank_...` is not read as a family `low`
             pattern = re.escape(name) + "".join(_FIELDS[field][0] for field in FAMILIES[name].name_fields)
             match = re.fullmatch(pattern, stem)
             if match:
                 lam, rank = match.groupdict().get("lam"), match.groupdict().get("rank")
                 return cls(name, int(match["k"]), None if lam is None else float(lam),
                            None if rank is None else int(rank), distilled)
-        forms = ", ".join(str(cls(name, 1, 0.001, 8)) for name in FITTED)
+        forms = ", ".join(str(cls(name, 1, 0.001, 8)) for name in FITTED_FAMILIES)
         raise ValueError(f"{text!r} is not a map name (forms: {forms}; {DISTILLED_SUFFIX} after a distilled map's)")

@@ -21,8 +21,8 @@ def register(*scores: Score) -> dict[str, Score]:
 
 SCORES = register(entropy.SCORE, kl.SCORE, disagree.SCORE, probe.SCORE)
 INPUTS = register(features.TOP1, features.KEY_NORM, features.VALUE_NORM)  # the probe's inputs that are no score
-FITTED = tuple(name for name, score in SCORES.items() if score.fitted)  # not for a gate named by arguments alone
-FEATURES = (*(name for name in SCORES if name not in FITTED), *INPUTS)  # a probe's inputs (first step only)
+FITTED_SCORES = tuple(name for name, score in SCORES.items() if score.fitted)  # not for a gate named by arguments alone
+FEATURES = (*(name for name in SCORES if name not in FITTED_SCORES), *INPUTS)  # a probe's inputs (first step only)
 
 
 def refusal(names: Sequence[str], scorer, scores: Mapping[str, Score]) -> str | None:

@@ -1,7 +1,7 @@
 """The one list of the repair's token selectors (policies).
 
-Every other list of policies is derived from `SELECTORS` (`POLICIES`, the setting grammar's FORM and its checks, the
-FLOP model's selection cost). Adding a policy is adding its module beside this one and its line here.
+Every other list of policies is derived from `SELECTORS` (`POLICIES`, the setting grammar's REPAIR_FORM and its
+checks, the FLOP model's selection cost). Adding a policy is adding its module beside this one and its line here.
 """
 from __future__ import annotations
 
