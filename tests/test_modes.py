@@ -7,6 +7,7 @@ import pytest
 from pipeline.kv.contract import BASELINES
 from pipeline.kv.modes.base import Handed, Mode, Own, Reads
 from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, check_mode, register
+from pipeline.studies import variants
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,3 +49,17 @@ def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
     with pytest.raises(ValueError, match="modes named twice"):
         register(*MODES.values(), MODES["oracle"])
     assert all(isinstance(mode, Mode) and mode.name == name for name, mode in MODES.items())
+
+
+def test_a_fake_mode_reaches_the_reports_table_at_its_row_by_its_label_and_the_reading_by_its_words(monkeypatch):
+    fake = type("Fake", (type(MODES["zero"]),), {"name": "fake", "label": "Null control: a fake cache", "row": 2,
+                                                  "rival": "the fake null", "reading": 4})()
+    monkeypatch.setattr(variants, "MODES", register(*MODES.values(), fake))  # the report reads the entries alone
+    figures = {name: {} for name in ("zero", "source", "selected", "fake", "direct", "oracle")}
+    figures["linear_k1"] = {"map": {"best_of_k": True, "k": 1}}
+    assert variants.order(figures) == ["oracle", "direct", "fake", "linear_k1", "selected", "source", "zero"]
+    assert variants.label("fake") == "Null control: a fake cache"
+    assert list(variants.rivals()) == ["source", "zero", "shuffled", "direct", "fake"]
+    assert variants.rivals()["fake"] == "the fake null"
+    monkeypatch.setattr(variants, "MODES", MODES)
+    assert "fake" not in variants.order(figures)[:3] and variants.label("fake") == "fake"

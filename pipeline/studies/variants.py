@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.kv.modes.base import MAPS_ROW
 from pipeline.kv.modes.registry import MODES
 from pipeline.measure.prompt_metrics import FIDELITY, in_group
 from pipeline.measure.retention import (
@@ -42,11 +43,20 @@ V0 = {
     "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
-# a mode's row name and the words the reading names it by beside the mapped transfer are its entry's (`kv.modes`)
-LABELS = {**{name: mode.label for name, mode in MODES.items() if mode.label},
-          "selected": "Selected mapped transfer", "selected_repaired": "Selected mapped transfer, repaired"}
-RIVALS = {name: MODES[name].rival for name in ("source", "zero", "shuffled", "direct")}  # in the reading's order
+SELECTED_LABELS = {"selected": "Selected mapped transfer", "selected_repaired": "Selected mapped transfer, repaired"}
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
+
+
+def labels() -> dict[str, str]:
+    """Each variant named by its own row name: a mode's is its entry's (`kv.modes`), then the selected map's."""
+    return {**{name: mode.label for name, mode in MODES.items() if mode.label}, **SELECTED_LABELS}
+
+
+def rivals() -> dict[str, str]:
+    """The modes the reading compares a mapped transfer with, in the reading's order, each by its words (the
+    entries' `rival` and `reading`)."""
+    return {name: MODES[name].rival for _, name in sorted((mode.reading, name) for name, mode in MODES.items()
+                                                         if mode.rival)}
 
 
 def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
@@ -55,7 +65,7 @@ def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
     `setting` is False)."""
     entry = entry or {}
     facts = entry.get("map") or {}
-    name = LABELS.get(variant)
+    name = labels().get(variant)
     if name is None and facts.get("distilled"):
         name = f"Distilled mapped transfer, k={facts['k']}"
     if name is None and facts.get("best_of_k"):
@@ -69,7 +79,7 @@ def best_of_k(variants: dict) -> dict[int, str]:
     best: dict[int, str] = {}
     for name in sorted(variants):
         facts = variants[name].get("map") or {}
-        if facts.get("best_of_k") and name not in LABELS:
+        if facts.get("best_of_k") and name not in labels():
             best.setdefault(facts["k"], name)
     return dict(sorted(best.items()))
 
@@ -98,13 +108,13 @@ def compute(params: ReportParams, run: Run) -> dict:
     mapped = params.mapped_variant
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
-    compared = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
+    compared = {f"{mapped}_minus_{other}": (mapped, other) for other in rivals() if other in metrics}
     best, ks = best_of_k(metrics), k_comparison(metrics)
     if ks is not None:
         compared[ks[0]] = (best[1], best[ks[1]])
     for variant in sorted(metrics):  # a distilled map against the best closed-form map of its start's k
         facts = metrics[variant].get("map") or {}
-        if variant not in LABELS and facts.get("distilled") and facts["k"] in best:
+        if variant not in labels() and facts.get("distilled") and facts["k"] in best:
             compared[f"{variant}_minus_{best[facts['k']]}"] = (variant, best[facts["k"]])
     compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
@@ -154,10 +164,13 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    """The table's rows: the oracle, direct injection and V0's best map per k, then the selected map, the repaired
-    variants and the other baselines, then any other variant (each by its figures, `variants`)."""
-    first = ["oracle", "direct", *best_of_k(variants).values()]
-    rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]), "source", "zero", "shuffled"]
+    """The table's rows: the modes placed before the maps (the entries' `row`: the oracle, direct injection) and V0's
+    best map per k, then the selected map, the repaired variants and the modes placed after the maps (the other
+    baselines), then any other variant (each by its figures, `variants`)."""
+    rows = sorted((mode.row, name) for name, mode in MODES.items() if mode.row is not None)
+    first = [*(name for row, name in rows if row < MAPS_ROW), *best_of_k(variants).values()]
+    rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]),
+            *(name for row, name in rows if row >= MAPS_ROW)]
     return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
 
 
@@ -285,10 +298,10 @@ def reading(report: dict, selected_name: str) -> str:
                      f"[{pct(e['gap_closure_low'])}, {pct(e['gap_closure_high'])}] of the gap between the source "
                      f"and the oracle.")
     established, open_ = [], []
-    for other in RIVALS:
+    for other, words in rivals().items():
         key = f"{mapped}_minus_{other}"
         if key in c:
-            (established if c[key]["tasks_low"] > 0 else open_).append(RIVALS[other])
+            (established if c[key]["tasks_low"] > 0 else open_).append(words)
     if established:
         parts.append(f"It beats {and_(established)} on task accuracy with intervals that exclude 0.")
     if open_:

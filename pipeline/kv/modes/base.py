@@ -41,6 +41,9 @@ def tell(clock: ClockHook | None, part: str) -> None:
         clock(part)
 
 
+MAPS_ROW = 100  # the report's rows of maps (V0's best per k, the selected, the repaired) stand here
+
+
 class Mode(ABC):
     """The interface of a mode; a mode module defines one subclass and one instance, `MODE`."""
 
@@ -48,7 +51,9 @@ class Mode(ABC):
     reads: Reads
     needs_map: bool = False  # refused without a fitted map (`shuffled` reads one where given)
     label: str = ""  # the report's row name
+    row: int | None = None  # its place in the report's table: below MAPS_ROW before the maps, else after them
     rival: str | None = None  # how the report's reading names it beside a mapped transfer (None: it does not)
+    reading: int | None = None  # its place among the rivals the reading compares a mapped transfer with
 
     @property
     def hands_over(self) -> bool:

@@ -8,7 +8,9 @@ class Direct(FromSource):
     name = "direct"
     reads = Reads(target=True, source=True, map=False, own=False)
     label = "Direct source-cache injection"
+    row = 1  # V0's second row
     rival = "direct injection"
+    reading = 3
 
     def to_target(self, handoff, source_layers, lengths):
         if handoff.source_spec == handoff.decoder_spec:  # one rotation: the cache only changes device and dtype

@@ -8,6 +8,7 @@ class Oracle(Own):
     name = "oracle"
     reads = Reads(target=True, source=False, map=False, own=True)
     label = "Target full-prefill oracle"
+    row = 0
 
 
 MODE = Oracle()

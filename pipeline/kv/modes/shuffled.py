@@ -22,7 +22,9 @@ class Shuffled(FromSource):
     name = "shuffled"
     reads = Reads(target=True, source=True, map=True, own=False)
     label = "Null control: shuffled cache"
+    row = 103
     rival = "the shuffled-cache null"
+    reading = 2
 
     def to_target(self, handoff, source_layers, lengths):
         batch, _, length, _ = source_layers[0][0].shape  # (B, H_s, P, D_s)

@@ -9,7 +9,9 @@ class Source(Own):
     name = "source"
     reads = Reads(target=False, source=True, map=False, own=True)
     label = "Source model alone"
+    row = 101
     rival = "the source model alone"
+    reading = 0
 
 
 MODE = Source()

@@ -11,7 +11,9 @@ class Zero(Handed):
     name = "zero"
     reads = Reads(target=True, source=False, map=False, own=False)
     label = "Null control: zero cache"
+    row = 102
     rival = "the zero-cache null"
+    reading = 1
 
     def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
         geometry, (batch, length) = handoff.decoder_geometry, prefix_ids.shape
