@@ -1,5 +1,6 @@
 """Fit stage: the ridge math against direct solves, probes that find a planted layer, determinism, corruption."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -294,6 +295,23 @@ def test_fit_writes_every_candidate_with_its_metadata(extracted, tmp_path):
     assert (both.relative > both.absolute).all()  # the mean centered Gram diagonal of these caches is above 1
     assert {f"lambda_scale_check/linear_k2/{scale}/values_worst_layer_r2" for scale in ("relative", "absolute")} \
         <= set(metrics)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_every_file_fit_writes_takes_the_mode_the_umask_gives(extracted, tmp_path, mask, mode):
+    """safetensors' `save_file` writes 0600: a map, a layer's spilled tensors or a metrics file must not."""
+    params = parse(FitParams, {**FIT, "ks": [1], "families": ["linear"], "mlp": {**FIT["mlp"], "ks": [1]}}, "fit")
+    before = os.umask(mask)
+    try:
+        fit(extracted / "caches/source", extracted / "caches/target", extracted / "models/source",
+            extracted / "data/select.parquet", tmp_path / "mappers", tmp_path / "metrics", params, {}, "cpu",
+            "float32")
+    finally:
+        os.umask(before)
+    written = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".safetensors" for path in written) and any(path.suffix == ".csv" for path in written)
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in written} == {path.name: oct(mode)
+                                                                                 for path in written}
 
 
 def test_a_family_the_contract_leaves_undefined_is_skipped_with_its_reason(extracted, tmp_path):
