@@ -1,7 +1,7 @@
 """Stage `sibling`: models/sibling, a real smaller model of the target's family, cut from the target and healed by
 distillation from its logits, when `models.source` names that folder; otherwise a marker file alone.
 
-    dvc exp run -S profile=smol -S models.source=models/sibling
+    dvc exp run -S profile=smol-sibling     # the smol profile with models.source: models/sibling
 
 `sibling.shape` says what it keeps (`schema.sibling`): fewer decoder layers (depth: `sibling.keep`, a list, or
 `influence`: the first and last and those of highest block influence), fewer MLP channels and query heads in every
