@@ -320,8 +320,8 @@ RULES = {
     "generate: key_norm@N past the target's layers, before the weights load": (
         "generate", [PROMPT, "--transfer", "oracle,direct", "--repair", "tokens:0.1:key_norm@9"],
         r"^error: --repair tokens:0\.1:key_norm@9: policy key_norm@9: the target has only 2 layers"),
-    "check_pair: a file named as a model": (
-        "check_pair", ["{latin1}", "{target}", "--ks", "1", "--lengths", "8"],
+    "check_pair: a file named as a model, by a path relative to here (README.md), not a hub id": (
+        "check_pair", ["latin1.txt", "{target}", "--ks", "1", "--lengths", "8"],
         r"^error: model folder .*latin1\.txt: a file, not a folder; point at the folder that holds the model's "
         r"config\.json$"),
     "check_pair: self:<n> as the TARGET": (
