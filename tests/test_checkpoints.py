@@ -74,8 +74,14 @@ def test_a_signal_while_the_weights_are_written_leaves_no_temporary_folder_nor_a
         raise AssertionError("the signal did not interrupt the write")
     monkeypatch.setattr(safetensors.torch, "save_file", killed)
     out = tmp_path / "converted"
-    with pytest.raises(KeyboardInterrupt):
-        write_checkpoint(out, tiny_model(), word_tokenizer(), "converted.json", {})
+    # SIGINT raises KeyboardInterrupt, as in a stage's command, even where this process was started with SIGINT
+    # ignored (a background job of a non-interactive shell, which Python then leaves ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write_checkpoint(out, tiny_model(), word_tokenizer(), "converted.json", {})
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert not out.exists() and leftovers(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) is not checkpoints._interrupt  # SIGTERM's handler set back
 
