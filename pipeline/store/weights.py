@@ -7,6 +7,7 @@ cannot load whole is refused in one line before any weight is read.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from pipeline.store.lazy import lazy
@@ -94,8 +95,10 @@ def weights_refusal(folder: str | Path) -> str | None:
 
 def missing_tensors(folder: str | Path, files: list[Path]) -> list[str]:
     """The tensors the folder's architecture has (its config's model built on the meta device: no memory, no
-    weights) that no safetensors header of `files` names, a tied tensor counted present under any of its names;
-    [] where a weight file is not safetensors (its names cannot be read without loading it)."""
+    weights) that no safetensors header of `files` names, a tied tensor counted present under any of its names and
+    a tensor the architecture lets a checkpoint leave out (`_keys_to_ignore_on_load_missing`, matched as
+    transformers' own load matches it) not counted; [] where a weight file is not safetensors (its names cannot be
+    read without loading it)."""
     if any(path.suffix != ".safetensors" for path in files if not path.name.endswith(".index.json")):
         return []
     present = {name for path in files if path.suffix == ".safetensors"
@@ -107,4 +110,6 @@ def missing_tensors(folder: str | Path, files: list[Path]) -> list[str]:
         aliases.setdefault(id(parameter), []).append(name)
     named = {name for names in aliases.values() for name in names}
     buffers = [[name] for name in model.state_dict() if name not in named]  # persistent buffers
-    return sorted(names[0] for names in [*aliases.values(), *buffers] if not present.intersection(names))
+    optional = [re.compile(pattern) for pattern in model._keys_to_ignore_on_load_missing or ()]
+    return sorted(names[0] for names in [*aliases.values(), *buffers] if not present.intersection(names)
+                  and not any(pattern.search(name) for pattern in optional for name in names))

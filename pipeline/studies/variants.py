@@ -77,9 +77,10 @@ def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
 def best_of_k(variants: dict) -> dict[int, str]:
     """Per k, the variant evaluating select's best closed-form map of that k (V0's rows), by its figures' `map`."""
     best: dict[int, str] = {}
+    named = labels()
     for name in sorted(variants):
         facts = variants[name].get("map") or {}
-        if facts.get("best_of_k") and name not in labels():
+        if facts.get("best_of_k") and name not in named:
             best.setdefault(facts["k"], name)
     return dict(sorted(best.items()))
 
@@ -112,9 +113,10 @@ def compute(params: ReportParams, run: Run) -> dict:
     best, ks = best_of_k(metrics), k_comparison(metrics)
     if ks is not None:
         compared[ks[0]] = (best[1], best[ks[1]])
+    named = labels()
     for variant in sorted(metrics):  # a distilled map against the best closed-form map of its start's k
         facts = metrics[variant].get("map") or {}
-        if variant not in labels() and facts.get("distilled") and facts["k"] in best:
+        if variant not in named and facts.get("distilled") and facts["k"] in best:
             compared[f"{variant}_minus_{best[facts['k']]}"] = (variant, best[facts["k"]])
     compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
