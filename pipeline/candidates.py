@@ -9,7 +9,7 @@ candidate's speed beside its quality. So this stage runs, for each mapper in mod
 
 - lm-eval's HellaSwag and PIQA on the eval part through the router, one evaluation (`measure.evaluation`) as
   `evaluate` scores a mapped variant (per-item outcomes to eval/candidates/<candidate>.parquet; each distilled map
-  and its start also on the eval prompts, without the confident figures, which read `report.confident_margin`);
+  and its start also on the eval prompts, without the confident figures, which read `measure.confident_margin`);
 - the handoff's time to first token against the target's own prefill at `candidates.length` prompt tokens
   (`measure.latency`, medians of `repeats` after `warmup`), with the FLOP bound of that mapper on this pair
   and of the same family and k at the shapes of `candidates.bound_pair` (`kv.flops`);
@@ -36,6 +36,7 @@ from pipeline.schema.candidates import CandidatesParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
@@ -55,12 +56,12 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
             "bound_at_pair": round(speedup_bound(*bound_configs, real_macs, params.length), 4)}
 
 
-def run(params: CandidatesParams, models: ModelsParams) -> dict:
+def run(params: CandidatesParams, models: ModelsParams, device: str) -> dict:
     require_controls_passed()
     candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
-    pair = Pair.load(models, models.torch_device)
+    pair = Pair.load(models, device)
     bound_configs = pair_configs(params.bound_pair)
     metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,
                                              "bound_pair": params.bound_pair}
@@ -87,8 +88,9 @@ def run(params: CandidatesParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.candidates", __doc__, argv)
     params, models = load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(paths.CANDIDATES, run(params, models))
+    machine = load_section(MachineParams, "machine")
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        stage.write_metrics(paths.CANDIDATES, run(params, models, stage.device))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pydantic import model_validator
 
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.repair import Repair
+from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.schema.controls import ControlsParams, ToleranceParams
@@ -47,6 +48,7 @@ from pipeline.schema.sibling import SiblingParams, names_sibling
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config
 from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
 from pipeline.store.shapes import shape_config
@@ -60,6 +62,8 @@ class ParamsFile(Params):
     sections (`PARAMS_RULES`, in that order, once every section is valid; each names the keys it compares)."""
 
     profile: str
+    machine: MachineParams
+    measure: MeasureParams
     data: DataParams
     convert: ConvertParams
     sibling: SiblingParams

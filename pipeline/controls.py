@@ -50,6 +50,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import load_artifact, save_artifact, verify_file
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
@@ -211,10 +212,9 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_su
     return {"passed": refit_digest == selected, "processes": 2, "matches_selected_file": refit_digest == selected}
 
 
-def run(params: ControlsParams, models: ModelsParams, tolerances: ToleranceParams) -> dict:
+def run(params: ControlsParams, models: ModelsParams, device: str, tolerances: ToleranceParams) -> dict:
     """Every control on the pair and the selected mapper, each with its figures and `passed`. A pair the
     compatibility control refuses (from the configs alone: nothing is loaded) stops here, with that one entry."""
-    device = models.torch_device
     prompts = read_prompts(paths.EVAL_PROMPTS)[: params.prompts]
     pair = Pair.load(models, device, max_tokens=max(len(c) + len(e) for c, e in prompts) + params.horizon)
     results = {"compatibility": compatibility(pair.contract)}
@@ -259,10 +259,11 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.controls", __doc__, argv)
     params = load_section(ControlsParams, "controls")
     models = load_section(ModelsParams, "models")
+    machine = load_section(MachineParams, "machine")
     tolerances = load_section(ToleranceParams, "tolerances")
     verify_file(paths.SELECTED_MAPPER)  # a damaged selected mapper is refused by its checksum, before any control runs
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        results = run(params, models, tolerances)
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        results = run(params, models, stage.device, tolerances)
         stage.write_metrics(paths.CONTROLS, results, usage_to=paths.CONTROLS_USAGE)
     compatible = results["compatibility"]
     if not compatible["passed"]:  # the pair is refused from its configs: no other control ran

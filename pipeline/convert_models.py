@@ -21,6 +21,7 @@ from pipeline.store.checkpoints import write_marker
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.gguf import CONVERTED_PROVENANCE, convert
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import load_config
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.shapes import shape_config
@@ -32,13 +33,13 @@ SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention
                 "head_dim", "max_position_embeddings", "vocab_size")  # what convert.gguf.shape must agree on
 
 
-def run(params: ConvertParams, out: Path) -> dict:
+def run(params: ConvertParams, out: Path, threads: int) -> dict:
     """The converted folder at `out` (`store.checkpoints`: its marker alone without a GGUF); the GGUF member is read
     in a scratch folder beside it (`.converted.scratch.*.tmp`: git-ignored, removed on an interrupt and by the next
     run), and the converted config checked against `convert.gguf.shape` before the folder is written."""
     if params.gguf is None:
         return write_marker(out, CONVERTED_PROVENANCE, {"gguf": None})
-    torch.set_num_threads(params.threads)
+    torch.set_num_threads(threads)
     shape = params.gguf.shape
     return convert(params.gguf, out, params.fetch_timeout_s, check=lambda config: check_shape(config, shape))
 
@@ -58,7 +59,8 @@ def check_shape(converted, shape: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.convert_models", __doc__, argv)
     started = time.perf_counter()
-    provenance = run(load_section(ConvertParams, "convert"), paths.CONVERTED)
+    threads = load_section(MachineParams, "machine").threads
+    provenance = run(load_section(ConvertParams, "convert"), paths.CONVERTED, threads)
     print(json.dumps({**provenance, "seconds": round(time.perf_counter() - started, 1)}))
 
 

@@ -50,6 +50,7 @@ from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.inputs import out_folder
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
@@ -83,12 +84,12 @@ def write_curve(path: Path, history: list[dict]) -> None:
                           for key, value in row.items()} for row in history)
 
 
-def run(params: DistillParams, models: ModelsParams, names: list[str], inputs: dict[str, Path],
+def run(params: DistillParams, models: ModelsParams, device: str, names: list[str], inputs: dict[str, Path],
         ranks: Ranks = ONE_PROCESS) -> tuple[dict, dict] | None:
     """Distil each named start map from inputs["mappers"], reading the source caches under inputs["caches"] and
     the splits' token ids under inputs["data"]: the metrics and, per name, (distilled map, per-epoch history).
     Under several processes each rank distils every N-th map, and rank 0 gets them all (the others None)."""
-    oracle = Pair.load(models, ranks.device(models.torch_device), source=False).handoff("oracle")
+    oracle = Pair.load(models, ranks.device(device), source=False).handoff("oracle")
     oracle.decoder.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     args = cli.parse_args(argv)
     out_folder(args.out, "--out")  # refused now, not after the distillation
     params, models = load_section(DistillParams, "distill"), load_section(ModelsParams, "models")
+    machine = load_section(MachineParams, "machine")
     names = args.only or params.start
     mappers = args.mappers or paths.MAPPERS
     missing = [name for name in names if not paths.fitted_map(name, mappers).is_file()]
@@ -169,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                          "candidates (models/mappers) or rerun fit")
     inputs = {"mappers": mappers, "caches": args.caches or paths.CACHES, "data": args.data or paths.DATA}
     processes = min(params.processes, len(names))  # a process without a map would only wait
-    with stage_ranks(models.torch_device, processes, "pipeline.distill", argv, params.threads) as stage:
-        found = run(params, models, names, inputs, stage.ranks)
+    with stage_ranks(machine.torch_device, processes, "pipeline.distill", argv, machine.threads) as stage:
+        found = run(params, models, stage.device, names, inputs, stage.ranks)
         metrics = {}  # rank 0's, written below; the other ranks' maps went to it
         if found is not None:
             metrics, distilled = found

@@ -20,7 +20,7 @@ controls to have passed (metrics/controls.json). A variant the pair's architectu
 
 Each variant is one evaluation (`measure.evaluation.evaluate`, through a router of its handoff). Writes, per variant,
 metrics/eval/<variant>.json (the evaluation's nested figures: `prompts` beside V0's top-1 the agreement where the
-oracle is sure, at the margin `report.confident_margin`, and the oracle-weighted agreement, `measure.prompt_metrics`;
+oracle is sure, at the margin `measure.confident_margin`, and the oracle-weighted agreement, `measure.prompt_metrics`;
 `tasks` per task and item kind; a mapped variant's `map`; its wall time is the variant's own),
 eval/<variant>/prompts.parquet (per prompt), eval/<variant>/items.parquet (per task item, for the paired
 statistics of the report) and lm-eval's own results and samples (eval/<variant>/lm_eval/).
@@ -49,6 +49,7 @@ from pipeline.store.artifacts import (
     write_json_atomic,
 )
 from pipeline.store.cli import entry, parser
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
@@ -153,9 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     names = cli.parse_args(argv).variants
     params, models = load_section(EvaluateParams, "evaluate"), load_section(ModelsParams, "models")
-    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
+    machine = load_section(MachineParams, "machine")
+    margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
     variants = ordered_variants(names, params)
-    with stage_ranks(models.torch_device, params.processes, "pipeline.evaluate", argv, params.threads) as stage:
+    with stage_ranks(machine.torch_device, params.processes, "pipeline.evaluate", argv, machine.threads) as stage:
         pair = Pair.load(models, stage.device)  # one load of each model, shared by the variants
         for variant in variants:
             stage.restart_usage()  # each variant's metrics: its own wall time

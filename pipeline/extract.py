@@ -9,7 +9,7 @@ Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see
 `metrics/extract_<model>.json`. With `--data` and `--out` (the calibration curve's extraction of its own fit
 split) it reads the splits from that folder and writes the caches to `--out`, its figures beside them as
 `<out>.json`, extracting once (`repeats` are for the stage's own timing). Only the decoder body runs (no
-logits), in `models.dtype` on `models.device`. Keys are RoPE-stripped in float32 (content space), values
+logits), in `models.dtype` on `machine.device`. Keys are RoPE-stripped in float32 (content space), values
 kept as cached; both stored in `extract.dtype`. Shards are hashed and written on a background thread while
 the model computes the next ones, so extraction should cost little more than the slower of its two floors,
 measured in the same run: a plain forward over the same tokens, and a plain write of the same bytes to the
@@ -36,6 +36,7 @@ from pipeline.store.cli import entry, parser
 from pipeline.store.devices import no_grad, parse_dtype
 from pipeline.store.inputs import out_folder
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
@@ -193,7 +194,6 @@ def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: Extra
 
     The model runs in `model_dtype` (`models.dtype`, as every later stage runs it, so the map is fitted on the
     caches it will be given); only the RoPE strip is float32 math."""
-    torch.set_num_threads(params.threads)
     frames = {split: read_sequences(data_dir / f"{split}.parquet") for split in params.splits}
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
     # the contract, from the config: a model whose cache cannot be stripped is refused before it is loaded
@@ -249,11 +249,11 @@ def main(argv: list[str] | None = None) -> None:
                          "give --out")
     if args.out:
         params = params.model_copy(update={"repeats": 1})
-    models = load_section(ModelsParams, "models")
+    models, machine = load_section(ModelsParams, "models"), load_section(MachineParams, "machine")
     out = args.out or paths.CACHES / name
-    with stage_ranks(models.torch_device, params.processes, "pipeline.extract", argv) as stage:
+    with stage_ranks(machine.torch_device, params.processes, "pipeline.extract", argv, machine.threads) as stage:
         metrics = run(paths.model(name), name, args.data or paths.DATA, out, params, models.dtype,
-                      models.torch_device, stage.ranks, models.device_map, args.keep_rope)
+                      machine.torch_device, stage.ranks, models.device_map, args.keep_rope)
         stage.write_metrics(out.with_suffix(".json") if args.out else paths.METRICS / f"extract_{name}.json",
                             metrics)
 

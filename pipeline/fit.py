@@ -50,6 +50,7 @@ from pipeline.store.cli import entry, parser
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.inputs import out_folder
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_model
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
@@ -67,7 +68,6 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     source in `model_dtype`. Under several processes each fits every N-th target layer (and probe group), with
     the sums of one process; rank 0 merges, writes and times the mappers and returns the metrics (the others
     return {})."""
-    torch.set_num_threads(params.threads)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = manifests(source_root, target_root, params)
@@ -285,9 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     args = cli.parse_args(argv)
     out_folder(args.out, "--out")  # refused now, not after the work
     params, models = load_section(FitParams, "fit"), load_section(ModelsParams, "models")
+    machine = load_section(MachineParams, "machine")
     out, metrics_dir = (args.out, args.out) if args.out else (paths.MAPPERS, paths.METRICS)
     caches = args.caches or paths.CACHES
-    with stage_ranks(models.torch_device, params.processes, "pipeline.fit", argv) as stage:
+    with stage_ranks(machine.torch_device, params.processes, "pipeline.fit", argv, machine.threads) as stage:
         contract = pair_contract(load_config(paths.model("target")), load_config(paths.model("source")))
         skipped = {family: contract.families[family] for family in params.families
                    if not contract.family_defined(family)}

@@ -40,8 +40,8 @@ UTF-8 `--file`, prompt and new tokens within the models' positions, a device thi
 one line and exit 2 for the first bad one.
 
 The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
-(`--target DIR [--source DIR]`); dtype and device come from the `models` section unless given, CPU threads
-from `latency.threads`.
+(`--target DIR [--source DIR]`); the dtype comes from the `models` section unless given, the device and CPU threads
+from the `machine` section.
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cli import Refusal, entry, parser
 from pipeline.store.devices import DTYPES
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import PARAMS_FILE, ParamError, load_section, read_key
 from pipeline.studies.format import md_table
@@ -234,11 +235,11 @@ def command_line():
     cli.add_argument("--source", help="source model folder or hub id (default: the pipeline's models/source "
                      "when no --target is given; none otherwise)")
     cli.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default: models.dtype)")
-    cli.add_argument("--device", help="cpu, cuda, ... (default: models.device)")
+    cli.add_argument("--device", help="cpu, cuda, ... (default: machine.device)")
     cli.add_argument("--allow-other-models", action="store_true", help="use a map fitted on other models than "
                      "--target/--source (refused by default; the difference is printed before the prompts)")
     cli.add_argument("--threads", type=int, help="torch CPU threads; 0 keeps torch's default (default: "
-                     "latency.threads, as the latency stage times)")
+                     "machine.threads, as the latency stage times)")
     return cli
 
 
@@ -278,10 +279,10 @@ def checked_modes(cli, args) -> list[str]:
     return modes
 
 
-def built_pair(args, models: ModelsParams | None) -> Pair:
+def built_pair(args, models: ModelsParams | None, machine: MachineParams | None) -> Pair:
     """The pair the flags name (`--target`/`--source`), else the pipeline's, in the flags' dtype and device."""
     dtype = args.dtype or models.dtype
-    device = args.device or inputs.device(models.torch_device, "models.device (params.yaml; or give --device)")
+    device = args.device or inputs.device(machine.torch_device, "machine.device (params.yaml; or give --device)")
     device_map = None if args.device or models is None else models.device_map
     if args.target:
         return Pair(args.target, args.source, dtype, device, device_map, allow_other_models=args.allow_other_models)
@@ -297,10 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     models = load_section(ModelsParams, "models") if PARAMS_FILE.is_file() else None
     if models is None and not (args.target and args.dtype and args.device):
         cli.error(f"no {PARAMS_FILE} here: give --target, --dtype and --device")
-    threads = args.threads if args.threads is not None else read_key("latency.threads") if models else 0
+    machine = load_section(MachineParams, "machine") if models else None
+    threads = args.threads if args.threads is not None else machine.threads if machine else 0
     if threads > 0:  # threads contending for shared cores make a time to first token swing tenfold
         torch.set_num_threads(threads)
-    pair = built_pair(args, models)
+    pair = built_pair(args, models, machine)
     shuffle_seed = args.shuffle_seed
     if shuffle_seed is None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0

@@ -30,6 +30,7 @@ from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import PAIRS
@@ -38,9 +39,9 @@ torch = lazy("torch")
 
 
 
-def stage(params: LatencyParams) -> dict:
-    device = default_device() if params.device == "auto" else params.device
-    with stage_ranks(device, threads=params.threads) as timed:
+def stage(params: LatencyParams, machine: MachineParams) -> dict:
+    device = machine.torch_device
+    with stage_ranks(device, threads=machine.threads) as timed:
         pair = Pair(str(paths.model("target")), str(paths.model("source")), params.dtype, device)
         handoff = pair.handoff("mapped", params.mapper)
         rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
@@ -105,7 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.config_shapes is None:
-        stage(load_section(LatencyParams, "latency"))
+        stage(load_section(LatencyParams, "latency"), load_section(MachineParams, "machine"))
     else:
         shapes_benchmark(args)
 

@@ -9,7 +9,7 @@ a map that reads and writes rotated keys). Both run through the extract and fit 
 scratch folder. Then every eval sequence long enough is cut into a prompt of each of `length.prompt_lengths`
 tokens (1x, 2x, 4x the fit length) and the next `length.continuation` tokens, and both maps' handoffs are
 evaluated against the oracle on them (`measure.evaluation`: perplexity, next-token and all-position agreement, KL, the
-other prompt metrics but the confident ones, which read `report.confident_margin`).
+other prompt metrics but the confident ones, which read `measure.confident_margin`).
 
 Task accuracy by length: both maps are also scored on the eval task items (lm-eval, as `evaluate` scores a
 mapped variant), whose contexts are longer than the fit length; each item keeps its context's length in tokens
@@ -35,6 +35,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
@@ -64,7 +65,7 @@ def long_sequences(params: LengthParams) -> list[list[int]]:
     return found
 
 
-def run(params: LengthParams, models: ModelsParams) -> dict:
+def run(params: LengthParams, models: ModelsParams, device: str) -> dict:
     require_controls_passed()
     sequences = long_sequences(params)
     metrics: dict[str, float | int | str] = {"fit_tokens": params.fit_tokens, "candidate": params.candidate,
@@ -78,7 +79,7 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
                           *flag)
             run_stage("pipeline.fit", "--caches", str(work / space), "--out", str(work / space / "maps"), "--only",
                       params.candidate)
-        pair = Pair.load(models, models.torch_device)
+        pair = Pair.load(models, device)
         maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=pair.device)
                 for space in KEY_SPACE_FLAGS}
         oracle = Router(pair.handoff("oracle"), batch_size=params.batch_size)
@@ -107,8 +108,9 @@ def run(params: LengthParams, models: ModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.length", __doc__, argv)
     params, models = load_section(LengthParams, "length"), load_section(ModelsParams, "models")
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(paths.LENGTH, run(params, models))
+    machine = load_section(MachineParams, "machine")
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        stage.write_metrics(paths.LENGTH, run(params, models, stage.device))
 
 
 if __name__ == "__main__":

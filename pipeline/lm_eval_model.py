@@ -61,7 +61,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.request import KV_TRANSFER, Request
 from pipeline.kv.router import Router
 from pipeline.measure.adapter import HandoffLM, refuse_without_chat_template
-from pipeline.measure.routes import RequestCache
+from pipeline.measure.ledger import RequestCache
 from pipeline.store import inputs
 from pipeline.store.cli import entry
 from pipeline.store.devices import DTYPES

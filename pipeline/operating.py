@@ -52,6 +52,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, atomic_dir, require_controls_passed
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import stage_ranks
@@ -187,12 +188,13 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(OperatingParams, "operating"), load_section(ModelsParams, "models")
     if length not in params.lengths:
         raise ParamError(f"pipeline.operating: {length} is not one of operating.lengths ({params.lengths})")
-    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
+    machine = load_section(MachineParams, "machine")
+    margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
     require_controls_passed()
     prompts = pd.read_parquet(paths.long_part("eval", length))
     retrieval = paths.long_part("retrieval", length)
     items = pd.read_parquet(retrieval) if retrieval.is_file() else None
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         pair = Pair.load(models, stage.device)
         with atomic_dir(paths.operating_rows(length)) as staging:
             metrics = run(params, pair, length, margin, prompts, items, staging, lambda: select_contexts(length))

@@ -30,6 +30,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.shapes import shape_config
@@ -42,7 +43,7 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 
-def train_pair(train: TrainParams, sides: tuple[str, ...] = ("source", "target")) -> dict:
+def train_pair(train: TrainParams, threads: int, sides: tuple[str, ...] = ("source", "target")) -> dict:
     """Train each of `sides` (the target alone for a self source) and save it with the tokenizer."""
     configs = {"source": train.source, "target": train.target}
     if any(configs[side] is None for side in sides):
@@ -53,7 +54,7 @@ def train_pair(train: TrainParams, sides: tuple[str, ...] = ("source", "target")
     dev = {task: pd.read_parquet(paths.task_items(task, "dev")) for task in TASKS}
     stats = {}
     for name, cfg in ((side, configs[side]) for side in sides):
-        model, stats[name] = train_model(cfg, tokenizer, corpus, dev, train.threads)
+        model, stats[name] = train_model(cfg, tokenizer, corpus, dev, threads)
         with atomic_dir(paths.model(name)) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
@@ -112,11 +113,11 @@ def check_contract() -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.prepare_models", __doc__, argv)
     models = load_section(ModelsParams, "models")
-    train = load_section(TrainParams, "train")
-    torch.set_num_threads(train.threads)
+    train, machine = load_section(TrainParams, "train"), load_section(MachineParams, "machine")
+    torch.set_num_threads(machine.threads)
     started = time.perf_counter()
     if models.kind == "trained":
-        train_pair(train, ("target",) if models.self_layers else ("source", "target"))
+        train_pair(train, machine.threads, ("target",) if models.self_layers else ("source", "target"))
         if models.self_layers:
             point_at_target(models.self_layers)
     elif models.kind == "hub":

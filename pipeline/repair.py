@@ -31,6 +31,7 @@ from pipeline.schema.repair import RepairParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section, load_value
 from pipeline.store.ranks import stage_ranks
@@ -44,11 +45,11 @@ def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int, margin:
                     tokenizer=pair.target_tokenizer, progress=False)
 
 
-def run(params: RepairParams, models: ModelsParams, margin: float, timed: bool = True) -> dict:
+def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True) -> dict:
     """Every map at every setting of the grid, and the truncated prompt at each budget level (`margin`:
-    `report.confident_margin`); `timed`: measure the speedup here (False in tests)."""
+    `measure.confident_margin`); `timed`: measure the speedup here (False in tests)."""
     require_controls_passed()
-    pair = Pair.load(models, models.torch_device)
+    pair = Pair.load(models, device)
     bound_configs = pair_configs(params.bound_pair)
     prompts = read_prompts(paths.EVAL_PROMPTS)
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0]
@@ -89,9 +90,10 @@ def write_rows(staging, name: str, setting: str, evaluation: Evaluation) -> None
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.repair", __doc__, argv)
     params, models = load_section(RepairParams, "repair"), load_section(ModelsParams, "models")
-    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(paths.REPAIR_METRICS, run(params, models, margin))
+    machine = load_section(MachineParams, "machine")
+    margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        stage.write_metrics(paths.REPAIR_METRICS, run(params, models, stage.device, margin))
 
 
 if __name__ == "__main__":

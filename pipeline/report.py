@@ -16,6 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from pipeline.kv.contract import BASELINES
+from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.evaluate import EvaluateParams
 from pipeline.schema.operating import OperatingParams
@@ -24,6 +25,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, load_value
 from pipeline.studies import confident, variants
@@ -44,10 +46,10 @@ def load(variant_names: list[str], calibration_sizes: list[int], operating_lengt
     return run, {key: given for key, given in inputs.items() if given is not None}
 
 
-def compute(params: ReportParams, run: Run, inputs: dict) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, run: Run, inputs: dict) -> dict:
     """metrics/report.json: the variants' study, then one key per study that ran."""
-    report = variants.compute(params, run)
-    report.update({key: STUDIES[key].compute(params, given) for key, given in inputs.items()})
+    report = variants.compute(params, measure, run)
+    report.update({key: STUDIES[key].compute(params, measure, given) for key, given in inputs.items()})
     for key, study in STUDIES.items():  # once every study is computed: a join reads another's result
         if key in report and isinstance(study, Joining):
             study.join(report[key], report.get(study.JOINS))
@@ -75,12 +77,12 @@ def markdown(report: dict, run: Run, context: dict) -> str:
     return "\n".join(lines)
 
 
-def environment(models: ModelsParams) -> dict:
+def environment(models: ModelsParams, machine: MachineParams) -> dict:
     revisions = {name: (read_pointer(paths.model(name)) or {}).get("revision", "local")
                  for name in ("source", "target")}
     return {
         "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
-        "lm-eval": version("lm_eval"), "platform": platform.platform(), "device": models.device, "dtype": models.dtype,
+        "lm-eval": version("lm_eval"), "platform": platform.platform(), "device": machine.device, "dtype": models.dtype,
         "cpus": os.cpu_count(), "source revision": revisions["source"],
         "target revision": revisions["target"],
     }
@@ -102,18 +104,20 @@ def write(report: dict, tables: dict[str, pd.DataFrame], text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.report", __doc__, argv)
     params = load_section(ReportParams, "report")
-    models = load_section(ModelsParams, "models")
+    models, machine = load_section(ModelsParams, "models"), load_section(MachineParams, "machine")
+    measure = load_section(MeasureParams, "measure")
     # a key or two of other stages' sections, read through their classes (dvc.yaml declares only those keys)
     mapped = load_section(EvaluateParams, "evaluate").mapped
     sizes = load_section(CalibrationParams, "calibration").sizes
     data = load_section(DataParams, "data")
     lengths = load_section(OperatingParams, "operating").lengths
     run, inputs = load([*BASELINES, *mapped], sizes, lengths)
-    report = compute(params, run, inputs)
+    report = compute(params, measure, run, inputs)
     tables = figures(report, run, paths.FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data.kind, "source": models.source,
-               "target": models.target, "dtype": models.dtype, "device": models.device, "pair": run.pair,
-               "environment": environment(models), "selected_name": run.select.get("selected", params.mapped_variant)}
+               "target": models.target, "dtype": models.dtype, "device": machine.device, "pair": run.pair,
+               "environment": environment(models, machine),
+               "selected_name": run.select.get("selected", params.mapped_variant)}
     text = markdown(report, run, context)
     write(report, tables, text)
     print(text)

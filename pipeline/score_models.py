@@ -13,20 +13,22 @@ import json
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
 from pipeline.measure.evaluation import Evaluation, evaluate
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.store import paths
 from pipeline.store.cli import entry, no_arguments
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.splits import TASKS
 
 
-def dev_accuracy(models: ModelsParams, batch_size: int) -> dict[str, Evaluation]:
+def dev_accuracy(models: ModelsParams, device: str, batch_size: int) -> dict[str, Evaluation]:
     """Dev-part evaluations of the target (oracle), the source alone and direct injection."""
     files = {task: paths.task_items(task, "dev") for task in TASKS}
-    pair = Pair.load(models, models.torch_device)
+    pair = Pair.load(models, device)
     evaluations = {}
     for variant, mode in (("target", "oracle"), ("source", "source"), ("direct", "direct")):
         try:
@@ -39,7 +41,7 @@ def dev_accuracy(models: ModelsParams, batch_size: int) -> dict[str, Evaluation]
     return evaluations
 
 
-def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
+def models_metrics(models: ModelsParams, params: ScoreModelsParams, measure: MeasureParams, device: str) -> dict:
     metrics: dict[str, float | int | str] = {"kind": models.kind}
     for name in ("source", "target"):  # one model in memory at a time: each side of its own pair, loaded alone
         metrics[f"{name}_parameters"] = sum(p.numel() for p in getattr(Pair.load(models, "cpu"), name).parameters())
@@ -48,7 +50,7 @@ def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
             stats = json.loads(stats_file.read_text())
             metrics[f"{name}_final_loss"] = stats["final_loss"]
             metrics[f"{name}_train_seconds"] = stats["train_seconds"]
-    evaluations = dev_accuracy(models, params.batch_size)
+    evaluations = dev_accuracy(models, device, params.batch_size)
     for variant, evaluation in evaluations.items():
         metrics[variant] = evaluation.figures(digits=4)  # its tasks, per item kind too
     items = {variant: evaluation.item_rows for variant, evaluation in evaluations.items()}
@@ -58,7 +60,7 @@ def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
         for task in TASKS:
             a, b = (items[variant][items[variant].task == task].sort_values("item").acc.to_numpy()
                     for variant in ("target", other))
-            interval = paired_bootstrap(a, b, iters=params.bootstrap_iters, seed=params.seed)
+            interval = paired_bootstrap(a, b, *measure.bootstrap)
             metrics[f"target_minus_{other}_{task}_acc"] = round(interval["diff"], 4)
             metrics[f"target_minus_{other}_{task}_low"] = round(interval["low"], 4)
             metrics[f"target_minus_{other}_{task}_high"] = round(interval["high"], 4)
@@ -68,8 +70,9 @@ def models_metrics(models: ModelsParams, params: ScoreModelsParams) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.score_models", __doc__, argv)
     models, params = load_section(ModelsParams, "models"), load_section(ScoreModelsParams, "score_models")
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(paths.MODEL_SCORES, models_metrics(models, params))
+    machine, measure = load_section(MachineParams, "machine"), load_section(MeasureParams, "measure")
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        stage.write_metrics(paths.MODEL_SCORES, models_metrics(models, params, measure, machine.torch_device))
 
 
 if __name__ == "__main__":

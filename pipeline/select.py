@@ -7,7 +7,7 @@ candidate runs the handoff (last-token protocol) and is compared with the oracle
 outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
 mean KL, and per target layer the cosine between the oracle's attention output and the candidate's (a cheap
 proxy for task retention; the report correlates every proxy with retention), and beside them the agreement where
-the oracle is sure (top-2 margin >= `report.confident_margin`: confident-prompt top-1 and confident-position
+the oracle is sure (top-2 margin >= `measure.confident_margin`: confident-prompt top-1 and confident-position
 agreement) and the oracle-weighted agreement (`measure.confident`). The rule (`select.rule`: agreement, perplexity,
 kl, attention_cosine or one of those three; ties by lower perplexity) picks `models/mapper.safetensors`;
 for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
@@ -38,6 +38,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
@@ -105,7 +106,7 @@ def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list
                      margin: float, ranks: Ranks = ONE_PROCESS) -> tuple[Evaluation, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
     `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`); `margin`:
-    the oracle's top-2 margin from which a position is confident (`report.confident_margin`). Under
+    the oracle's top-2 margin from which a position is confident (`measure.confident_margin`). Under
     several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
     oracle's evaluation and the scores, the candidates' first in their order (the others None)."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
@@ -131,8 +132,8 @@ def confident_scores(scores: list[dict], rule: str, margin: float) -> None:
     """Refuse a rule that is undefined on the select prompts for some candidate: a confident figure where no position
     (or, for confident top-1, no first position) has the oracle sure ranks nothing."""
     if any(score[rule] is None for score in scores):
-        where = (f"no select prompt has an oracle top-2 margin >= report.confident_margin {margin} where it counts; "
-                 f"lower report.confident_margin or choose another select.rule" if PROMPT_METRICS[rule].group ==
+        where = (f"no select prompt has an oracle top-2 margin >= measure.confident_margin {margin} where it counts; "
+                 f"lower measure.confident_margin or choose another select.rule" if PROMPT_METRICS[rule].group ==
                  CONFIDENT else "it is undefined on the select prompts; choose another select.rule")
         raise ParamError(f"select.rule {rule}: {where}")
 
@@ -194,7 +195,7 @@ def candidates_on_disk() -> list[Path]:
 
 
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS) -> dict:
-    """Score `candidates` on the select split's prompts (the only data read; `margin`: `report.confident_margin`) and
+    """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`) and
     promote the choice; the stage's metrics on rank 0 ({} on the others)."""
     prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params)
     costs = budgets(params)
@@ -205,9 +206,10 @@ def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float,
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.select", __doc__, argv)
     params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
-    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
+    machine = load_section(MachineParams, "machine")
+    margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
     candidates = candidates_on_disk()
-    with stage_ranks(models.torch_device, params.processes, "pipeline.select", [], params.threads) as stage:
+    with stage_ranks(machine.torch_device, params.processes, "pipeline.select", [], machine.threads) as stage:
         stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, margin,
                                               stage.ranks))
 

@@ -11,7 +11,7 @@ the stored oracle outputs). From them (`measure.gating`):
 
 - the curve of quality against the fallback rate: retention and gap closure on the eval items, next-token top-1
   and rollout agreement on the eval prompts, and top-1 on the confident ones (the oracle's top-2 margin at the first
-  token >= `report.confident_margin`, `measure.confident`), for each score, the oracle gate (upper bound) and a
+  token >= `measure.confident_margin`, `measure.confident`), for each score, the oracle gate (upper bound) and a
   random one (null);
 - each score's AUROC for "the map changes the decision" (items, with a 95% interval from resampling them within
   each class, and prompts);
@@ -41,6 +41,7 @@ from pipeline.measure.confident import MARGINS, confident_prompts
 from pipeline.measure.evaluation import evaluate
 from pipeline.measure.latency import handoff_first_token, measure
 from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.measure.timing import median_seconds
 from pipeline.schema.selective import SelectiveParams
@@ -48,8 +49,9 @@ from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import load_section, load_value
+from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 from pipeline.store.splits import TASKS
@@ -191,7 +193,7 @@ def bound_costs(params: SelectiveParams, handoff: Handoff, disagree) -> dict[str
 
 
 def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, score: str,
-               params: SelectiveParams, costs: dict) -> dict:
+               params: SelectiveParams, measure: MeasureParams, costs: dict) -> dict:
     """The threshold chosen on the dev items for `params.target_retention`, and what it gave on the eval part:
     fallback rates, retention and gap closure (paired bootstrap 95% intervals), next-token top-1 and rollout
     agreement, the effective speedup measured and bounded."""
@@ -199,7 +201,7 @@ def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, sc
     threshold = gating.choose_threshold(dev[column], lambda fallback: gating.item_quality(dev, fallback)["retention"],
                                         params.target_retention)
     fallback, prompt_fallback = items[column].to_numpy() > threshold, prompts[column].to_numpy() > threshold
-    iters, seed = params.bootstrap_iters, params.seed
+    iters, seed = measure.bootstrap
     frames = {name: items[["task", "item"]].assign(**{METRIC: values}) for name, values in
               (("gated", gating.gated(items, fallback)), ("oracle", items.oracle), ("source", items.source))}
     rate = paired_bootstrap(fallback, np.zeros(len(fallback)), iters, seed)
@@ -241,11 +243,12 @@ def ungated(ev: pd.DataFrame, pr: pd.DataFrame, file: str, iters: int, seed: int
             "changed_item_count": int(ev.changed.sum()), "confident_prompts": int(pr.confident.sum()), "file": file}
 
 
-def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, costs: dict, margin: float
-              ) -> tuple[dict, pd.DataFrame]:
+def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, costs: dict,
+              measure: MeasureParams) -> tuple[dict, pd.DataFrame]:
     """metrics/selective.json (per map: ungated quality, per score AUROC and the chosen threshold's row) and the
     curves (map, score, requests: items or prompts, fallback_rate, quality); a prompt is confident where the
-    oracle's top-2 margin at its first token is at least `margin` (`report.confident_margin`)."""
+    oracle's top-2 margin at its first token is at least `measure.confident_margin`; intervals: its bootstrap."""
+    margin = measure.confident_margin
     rates = np.linspace(0, 1, params.rates + 1)
     metrics: dict = {"target_retention": params.target_retention, "confident_margin": margin, "length": params.length,
                      **({"probe_l2": params.probe_l2, "probe_folds": params.probe_folds}
@@ -258,7 +261,7 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
         pr["confident"] = confident_prompts(pr, margin)
         references = {"items": gating.reference_scores(ev.changed, params.seed),
                       "prompts": gating.reference_scores(pr.changed, params.seed)}
-        facts = {**ungated(ev, pr, params.maps[name], params.bootstrap_iters, params.seed),
+        facts = {**ungated(ev, pr, params.maps[name], *measure.bootstrap),
                  **{key: round(value, 4) for key, value in costs[name].items()}, "scores": {}}
         for score in [*params.scores, *REFERENCES]:
             for kind, frame, quality in (("items", ev, gating.item_quality), ("prompts", pr, gating.prompt_quality)):
@@ -266,19 +269,19 @@ def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
                 curves += [{"map": name, "score": score, "requests": kind, **row}
                            for row in gating.curve(frame, values, quality, rates, params.seed)]
             if score in params.scores:
-                low, high = gating.auroc_interval(ev[f"score_{score}"], ev.changed, params.bootstrap_iters, params.seed)
+                low, high = gating.auroc_interval(ev[f"score_{score}"], ev.changed, *measure.bootstrap)
                 facts["scores"][score] = {"auroc_items": gating.auroc(ev[f"score_{score}"], ev.changed),
                                           "auroc_items_low": low, "auroc_items_high": high,
                                           "auroc_prompts": gating.auroc(pr[f"score_{score}"], pr.changed),
-                                          **chosen_row(dev, ev, pr, score, params, costs[name])}
+                                          **chosen_row(dev, ev, pr, score, params, measure, costs[name])}
         metrics["maps"][name] = facts
     return metrics, pd.DataFrame(curves)
 
 
-def run(params: SelectiveParams, models: ModelsParams, margin: float) -> dict:
-    """Every map of `params.maps` scored, gated and timed (`margin`: `report.confident_margin`)."""
+def run(params: SelectiveParams, models: ModelsParams, device: str, measure: MeasureParams) -> dict:
+    """Every map of `params.maps` scored, gated and timed, measured as `measure` says."""
     require_controls_passed()
-    pair = Pair.load(models, models.torch_device)
+    pair = Pair.load(models, device)
     handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
     two_maps = "disagree" in params.scores or ("probe" in params.scores and len(params.disagree) == 2)
     disagree = tuple(pair.handoff("mapped", file) for file in params.disagree) if two_maps else None
@@ -286,7 +289,7 @@ def run(params: SelectiveParams, models: ModelsParams, margin: float) -> dict:
     probes = add_probe(items, prompts, params, disagree) if "probe" in params.scores else {}
     costs = {name: request_times(handoff, disagree, params, probes.get(name)) | bound_costs(params, handoff, disagree)
              for name, handoff in handoffs.items()}
-    metrics, curves = summarize(items, prompts, params, costs, margin)
+    metrics, curves = summarize(items, prompts, params, costs, measure)
     for name, probe in probes.items():
         metrics["maps"][name]["probe_fit"] = asdict(probe)  # its features, standardisation and weights
     with atomic_dir(paths.SELECTIVE) as staging:
@@ -299,9 +302,9 @@ def run(params: SelectiveParams, models: ModelsParams, margin: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.selective", __doc__, argv)
     params, models = load_section(SelectiveParams, "selective"), load_section(ModelsParams, "models")
-    margin = load_value(float, "report.confident_margin")  # check_params holds it within [0, 1]
-    with stage_ranks(models.torch_device, threads=params.threads) as stage:
-        stage.write_metrics(paths.SELECTIVE_METRICS, run(params, models, margin))
+    machine, measure = load_section(MachineParams, "machine"), load_section(MeasureParams, "measure")
+    with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
+        stage.write_metrics(paths.SELECTIVE_METRICS, run(params, models, stage.device, measure))
 
 
 if __name__ == "__main__":

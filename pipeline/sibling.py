@@ -36,6 +36,7 @@ from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.checkpoints import write_checkpoint, write_marker
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
+from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_model, model_folder
 from pipeline.store.params import ParamError, load_section
 
@@ -78,9 +79,9 @@ def shape_of(config, text: str, layers: list[int]) -> dict:
             "head_dim": geometry["head_dim"], "hidden_size": config.hidden_size}
 
 
-def build(params: SiblingParams, models: ModelsParams, pool: Path, select: Path, out: Path) -> dict:
+def build(params: SiblingParams, models: ModelsParams, threads: int, pool: Path, select: Path, out: Path) -> dict:
     started = time.perf_counter()
-    torch.set_num_threads(params.threads)
+    torch.set_num_threads(threads)
     torch.manual_seed(params.seed)
     counts = params.within(load_config(models.target, models.target_revision), models.target)  # before weights
     target = load_model(models.target, models.target_revision, dtype="float32", device="cpu")
@@ -107,7 +108,7 @@ def build(params: SiblingParams, models: ModelsParams, pool: Path, select: Path,
             "curve": healing["curve"]}
 
 
-def run(params: SiblingParams, models: ModelsParams, pool: Path, select: Path, out: Path) -> dict:
+def run(params: SiblingParams, models: ModelsParams, threads: int, pool: Path, select: Path, out: Path) -> dict:
     """The sibling built into `out` when `models.source` names it; else `out` holds the marker alone."""
     if not names_sibling(models.source):
         write_marker(out, SIBLING_PROVENANCE, {"built": False})
@@ -115,12 +116,13 @@ def run(params: SiblingParams, models: ModelsParams, pool: Path, select: Path, o
     if models.kind != "hub":
         raise ParamError(f"models.source: {models.source} is the sibling, cut from a checkpoint target, but "
                          f"models.kind is {models.kind!r}; set models.kind: hub and models.target to a checkpoint")
-    return build(params, models, pool, select, out)
+    return build(params, models, threads, pool, select, out)
 
 
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.sibling", __doc__, argv)
-    result = run(load_section(SiblingParams, "sibling"), load_section(ModelsParams, "models"),
+    threads = load_section(MachineParams, "machine").threads
+    result = run(load_section(SiblingParams, "sibling"), load_section(ModelsParams, "models"), threads,
                  paths.CALIBRATION_POOL, paths.split("select"), paths.SIBLING)
     write_json_atomic(paths.SIBLING_METRICS, result)
     print(json.dumps({key: value for key, value in result.items() if key not in ("curve", "influence")}, indent=2))

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from pipeline import pin_models, prepare_models
+from pipeline.measure.settings import MeasureParams
+from pipeline.store.params import parse
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -59,6 +61,11 @@ def committed(section: str, **overrides) -> dict:
     for part in section.split("."):
         data = data[part]
     return merge(data, overrides)
+
+
+def measure_params(**overrides):
+    """The committed `measure` section (how intervals resample, the confident margin) with `overrides`."""
+    return parse(MeasureParams, committed("measure", **overrides), "measure")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

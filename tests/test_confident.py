@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import committed, periodic_batch
+from conftest import committed, measure_params, periodic_batch
 
 from pipeline.kv.handoff import Handoff
 from pipeline.measure.compare import oracle_outputs, variant_rows
@@ -154,7 +154,7 @@ def test_the_study_puts_confident_agreement_beside_v0s_top1_and_writes_na_where_
     oracle = distributions(5)
     run = study_run({"oracle": rows_of(oracle, oracle), "selected": rows_of(oracle, swap_near_ties(oracle)),
                      "shuffled": rows_of(oracle, oracle[torch.randperm(len(oracle))])})
-    study = confident.compute(parse(ReportParams, committed("report"), "report"), confident.load(run))
+    study = confident.compute(parse(ReportParams, committed("report"), "report"), measure_params(), confident.load(run))
     selected = study["variants"]["selected"]
     assert selected["next_token_top1"] == 0.5 and selected["confident_top1"] == 1.0
     assert study["confident_prompts"] == 20 and study["positions"] == 200
@@ -164,7 +164,8 @@ def test_the_study_puts_confident_agreement_beside_v0s_top1_and_writes_na_where_
     assert "| Selected mapped transfer | 50.0% | 100.0% [100.0%, 100.0%] (n = 20) |" in text
     assert "20 of 40 (50.0%)" in text
     assert confident.headline(study, "selected")["confident_top1"] == 1.0 and confident.headline({}, "selected") == {}
-    unsure = confident.compute(parse(ReportParams, committed("report", confident_margin=0.95), "report"), run)
+    report = parse(ReportParams, committed("report"), "report")
+    unsure = confident.compute(report, measure_params(confident_margin=0.95), run)
     text = "\n".join(confident.lines(unsure))
     assert "| Selected mapped transfer | 50.0% | n/a (n = 0) | n/a (n = 0) |" in text and "0 of 40 (0.0%)" in text
 

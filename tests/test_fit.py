@@ -30,7 +30,7 @@ from pipeline.store.models import load_config
 from pipeline.store.params import ParamError, parse
 
 REPO = Path(__file__).resolve().parents[1]
-FIT = committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], families=["linear", "head_matched"], timing_repeats=1, threads=1,
+FIT = committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], families=["linear", "head_matched"], timing_repeats=1,
                 mlp={"ks": [1], "hidden": 16, "max_epochs": 5})
 
 
@@ -256,7 +256,8 @@ def extracted(tmp_path_factory):
     for name in ("source", "target"):
         extract(root / "models" / name, name, root / "data", root / "caches" / name,
                 parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"))
-    (root / "params.yaml").write_text(yaml.safe_dump({"fit": FIT, "models": committed("models")}))
+    sections = {"fit": FIT, "models": committed("models"), "machine": committed("machine")}
+    (root / "params.yaml").write_text(yaml.safe_dump(sections))
     return root
 
 

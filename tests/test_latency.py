@@ -46,9 +46,10 @@ def stage_dir(tmp_path, monkeypatch, pair, tokenizer):
 
 
 def _write_params(root, **section):
-    settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "threads": 1, "dtype": "float32", "device": "cpu",
+    settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "dtype": "float32",
                 "mapper": "models/mapper.safetensors"}
-    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}}))
+    machine = {"device": "cpu", "threads": 1}
+    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}, "machine": machine}))
 
 
 def test_stage_writes_every_expected_key_finite_and_positive(stage_dir):

@@ -2,7 +2,7 @@
 speedup and FLOP bound beside its figures, the pass-key items scored by their greedy tokens."""
 import pandas as pd
 import pytest
-from conftest import WIKITEXT, committed
+from conftest import WIKITEXT, committed, measure_params
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -24,7 +24,7 @@ def operating_params(path, **overrides) -> OperatingParams:
     section = committed("operating", lengths=[LENGTH], baselines=["source", "zero"], maps={"k1": str(path)},
                         repaired={"k1_full": {"map": "k1", "repair": "tokens:1:recency"}},
                         gated={"k1_gated": {"map": "k1", "score": "entropy", "fallback": 0.4}},
-                        truncated=True, top_k=16, horizon=4, threads=1)
+                        truncated=True, top_k=16, horizon=4)
     return parse(OperatingParams, {**section, **overrides}, "operating")
 
 
@@ -108,8 +108,8 @@ def test_operating_params_refuse_unknown_maps_and_scores(tmp_path):
 def test_the_study_holds_each_lengths_variants_with_the_keys_the_report_promises(study, tmp_path):
     metrics, folder = study
     rows = {(LENGTH, name): pd.read_parquet(folder / name / "prompts.parquet") for name in metrics["variants"]}
-    params = parse(ReportParams, committed("report", bootstrap_iters=200), "report")
-    result = operating.compute(params, operating.Inputs({LENGTH: metrics}, rows))
+    params = parse(ReportParams, committed("report"), "report")
+    result = operating.compute(params, measure_params(bootstrap_iters=200), operating.Inputs({LENGTH: metrics}, rows))
     entries = result[str(LENGTH)]
     for name, entry in entries.items():
         for key in ("confident_agreement", "confident_agreement_low", "confident_agreement_high", "kl", "ppl_ratio",
@@ -131,14 +131,14 @@ def test_a_point_is_on_the_front_only_by_its_measured_figures():
                        "ttft": {"mean_ms": 1.0}} for name, (q, s) in figures.items()}
     rows = pd.DataFrame({"margin_by_position": [[0.9]], "agree_by_position": [[1]], "first_agree": [1],
                          "oracle_prob_by_position": [[0.9]], "recall_by_position": [[False]]})
-    params = parse(ReportParams, committed("report", bootstrap_iters=50), "report")
-    result = operating.compute(params, operating.Inputs({8: {"variants": variants}},
+    params = parse(ReportParams, committed("report"), "report")
+    result = operating.compute(params, measure_params(bootstrap_iters=50), operating.Inputs({8: {"variants": variants}},
                                                         {(8, name): rows for name in variants}))["8"]
     assert {name for name, entry in result.items() if entry["on_front"]} == {"oracle", "fast_poor", "good"}
 
 
 def test_without_an_operating_length_the_study_is_empty_and_its_figure_says_so(tmp_path):
     params = parse(ReportParams, committed("report"), "report")
-    result = operating.compute(params, operating.Inputs({}, {}))
+    result = operating.compute(params, measure_params(), operating.Inputs({}, {}))
     assert result == {} and operating.lines(result) == []
     assert operating.figure(result, tmp_path)["operating"].empty and (tmp_path / "operating.png").is_file()

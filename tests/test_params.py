@@ -96,17 +96,22 @@ def test_parameter_classes_declare_no_default():
     assert with_defaults == []
 
 
-def test_threads_are_one_declaration_in_every_stage():
+def test_threads_and_the_device_are_declared_once_in_the_machine_section_and_no_stage_restates_them():
     def walk(cls):
         for name, field in cls.model_fields.items():
             yield name, field
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
                 yield from walk(field.annotation)
-    threads = [(section, field) for section, cls in SECTIONS.items() for name, field in walk(cls) if name == "threads"]
-    declared = FieldInfo.from_annotation(Threads)
-    assert len(threads) >= 8
-    for section, field in threads:
-        assert (field.annotation, field.metadata) == (declared.annotation, declared.metadata), section
+    found = {(section, name): field for section, cls in SECTIONS.items() for name, field in walk(cls)
+             if name in ("threads", "device")}
+    assert sorted(found) == [("machine", "device"), ("machine", "threads")], sorted(found)
+    threads, declared = found[("machine", "threads")], FieldInfo.from_annotation(Threads)
+    assert (threads.annotation, threads.metadata) == (declared.annotation, declared.metadata)
+    for profile in sorted((ROOT / "conf" / "profile").glob("*.yaml")):  # no profile writes them under a stage
+        written = yaml.safe_load(profile.read_text())
+        restated = [name for name, section in written.items()
+                    if name != "machine" and isinstance(section, dict) and {"threads", "device"} & set(section)]
+        assert not restated, f"{profile.name}: threads or device under {restated}; set them in its machine section"
 
 
 def leaves(data: dict, prefix: str = ""):

@@ -28,12 +28,11 @@ REDUCED = {
     "distill": {"start": ["linear_k1_lam0.1", "mlp_k3"], "context_lengths": [8, 16], "epochs": 2, "patience": 1},
     "evaluate": {"horizon": 4, "mapped": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"}},
     "selective": {"maps": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"}, "length": 32,
-                  "warmup": 0, "repeats": 1, "bootstrap_iters": 200},
-    "report": {"bootstrap_iters": 200},
+                  "warmup": 0, "repeats": 1},
+    "measure": {"bootstrap_iters": 200},
     "candidates": {"length": 32, "warmup": 0, "repeats": 1},
     "repair": {"maps": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"},
-               "grid": ["none", "tokens:0.1:recency"], "length": 32, "warmup": 0, "repeats": 1,
-               "bootstrap_iters": 200},
+               "grid": ["none", "tokens:0.1:recency"], "length": 32, "warmup": 0, "repeats": 1},
     "calibration": {"sizes": [4, 8], "candidates": ["linear_k1_lam0.1", "linear_k3_lam0.1", "mlp_k3"]},
     "length": {"fit_tokens": 12, "prompt_lengths": [12, 24], "continuation": 8, "candidate": "linear_k1_lam0.1"},
     "latency": {"lengths": [16, 48], "repeats": 1},
@@ -194,7 +193,7 @@ def test_metrics_diff_lists_what_changed_between_commits(repo):
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "first run"], repo)
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["report"]["bootstrap_iters"] += 100  # other intervals, the same point estimates
+    params["measure"]["bootstrap_iters"] += 100  # other intervals, the same point estimates
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(DVC + ["repro"], repo, timeout=1800)
     run(["git", "add", "-A"], repo)
@@ -204,7 +203,7 @@ def test_metrics_diff_lists_what_changed_between_commits(repo):
     assert ("selected", "retention_low") in changed or ("selected", "retention_high") in changed, changed
     assert not {key for _, key in changed} & {"perplexity", "next_token_top1", "retention"}, changed
     params_diff = json.loads(run(DVC + ["params", "diff", "HEAD~1", "HEAD", "--json"], repo))
-    assert "report.bootstrap_iters" in params_diff["params.yaml"]
+    assert "measure.bootstrap_iters" in params_diff["params.yaml"]
 
 
 TIMING = {"wall_s", "peak_memory_mib", "peak_memory_mib_per_rank", "processes"}  # a stage's usage figures

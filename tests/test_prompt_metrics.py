@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import committed, periodic_batch
+from conftest import committed, measure_params, periodic_batch
 from test_select import linear_copy_mapper
 
 from pipeline.kv.mapper import save_mapper
@@ -76,7 +76,8 @@ def test_a_new_prompt_metric_is_one_entry_that_reaches_selects_rule_and_ranking_
                                                                    "bound_at_pair": 2.0, "parameters": 10,
                                                                    "mapper_bytes": 100} for name in MAPS}},
         {"maps": {name: {"r2_keys_select": 0.5, "r2_values_select": 0.5} for name in MAPS}}, metrics)
-    study = candidates.compute(parse(ReportParams, committed("report", bootstrap_iters=100), "report"), inputs)
+    study = candidates.compute(parse(ReportParams, committed("report"), "report"), measure_params(bootstrap_iters=100),
+                               inputs)
     assert study["rows"]["linear_k1_noisy"]["missed"] == figures["linear_k1_noisy"]
     assert study["proxies"]["missed"]["rho"] == -1.0 and study["proxies"]["missed"]["n"] == 3
     assert "| missed positions (select) | -1.00" in "\n".join(candidates.lines(study))

@@ -90,13 +90,13 @@ def two_worlds(tmp_path_factory):
     other = base.parent / "two"
     shutil.copytree(base, other)
     for root, processes in ((base, 1), (other, 2)):
-        params = {"models": committed("models", device="cpu"),
-                  "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1, threads=1,
+        params = {"models": committed("models"), "machine": committed("machine", device="cpu", threads=1),
+                  "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1,
                                        processes=processes),
-                  "fit": committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], threads=1, timing_repeats=1,
+                  "fit": committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], timing_repeats=1,
                                    processes=processes, mlp={"ks": [1], "hidden": 16, "max_epochs": 3}),
                   "distill": committed("distill", start=DISTILLED, context_lengths=[6, 10], horizon=4, epochs=2,
-                                       patience=1, threads=1, processes=processes)}
+                                       patience=1, processes=processes)}
         (root / "params.yaml").write_text(yaml.safe_dump(params))
         for model in ("source", "target"):
             _stage(root, "pipeline.extract", model)
@@ -189,8 +189,9 @@ def _rank_processes(launcher: psutil.Process) -> dict[str, psutil.Process]:
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_stage_with_an_error_instead_of_leaving_the_other_waiting(tmp_path):
     root = make_world(tmp_path / "world", fit=40, select=10, length=40)
-    params = {"models": committed("models", device="cpu"),  # enough repeats that the stage outlives the kill
-              "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1000, threads=1,
+    params = {"models": committed("models"), "machine": committed("machine", device="cpu", threads=1),
+              # enough repeats that the stage outlives the kill
+              "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1000,
                                    processes=2)}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     stage = subprocess.Popen([sys.executable, "-m", "pipeline.extract", "source"], cwd=root, text=True,
@@ -226,8 +227,9 @@ PROGRESS_BAR = re.compile(r"[\w ]+: +\d+%\|")  # tqdm's, as the stage's and tran
 @pytest.mark.parametrize("processes", [1, 2])
 def test_ctrl_c_mid_work_ends_the_stage_with_one_line_and_status_130_leaving_no_partial_file(tmp_path, processes):
     root = make_world(tmp_path / "world", fit=40, select=10, length=40)
-    params = {"models": committed("models", device="cpu"),  # enough repeats that the stage outlives the interrupt
-              "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1000, threads=1,
+    params = {"models": committed("models"), "machine": committed("machine", device="cpu", threads=1),
+              # enough repeats that the stage outlives the interrupt
+              "extract": committed("extract", shard_sequences=2, batch_sequences=2, repeats=1000,
                                    processes=processes)}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     stage = subprocess.Popen([sys.executable, "-m", "pipeline.extract", "source"], cwd=root, text=True,

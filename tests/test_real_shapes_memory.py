@@ -42,10 +42,11 @@ finally:
     print('PEAK_MIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 PARAMS = {  # the committed params with the real shapes and the memory-bound settings of this test
-    "models": {"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b", "dtype": "bfloat16", "device": "cpu"},
-    "extract": {"dtype": "bfloat16", "shard_sequences": 8, "threads": 2, "repeats": 1},
+    "models": {"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b", "dtype": "bfloat16"},
+    "machine": {"device": "cpu", "threads": 2},
+    "extract": {"dtype": "bfloat16", "shard_sequences": 8, "repeats": 1},
     "fit": {"ks": [1, 8], "lambdas": [1.0], "families": ["linear", "head_matched"], "accumulator_gib": 2.0,
-            "threads": 2, "timing_repeats": 1, "mlp": {"ks": []}},
+            "timing_repeats": 1, "mlp": {"ks": []}},
 }
 
 

@@ -14,7 +14,7 @@ def fake_study(name: str, **extra) -> ModuleType:
     """A module with the protocol's four functions (its result: its name and who joined it), and `extra`."""
     module = ModuleType(name)
     module.load = lambda run: {"name": name}
-    module.compute = lambda params, inputs: {"name": inputs["name"], "joined": []}
+    module.compute = lambda params, measure, inputs: {"name": inputs["name"], "joined": []}
     module.lines = lambda study: [f"## {study['name']}"]
     module.figure = lambda study, folder: {}
     for key, value in extra.items():
@@ -52,8 +52,8 @@ def test_the_report_joins_a_study_with_the_one_it_names_once_every_study_is_comp
     # the joining study comes first: its join must still see the other's computed result
     studies = checked({"joining": fake_study("joining", JOINS="other", join=join), "other": fake_study("other")})
     monkeypatch.setattr(report, "STUDIES", studies)
-    monkeypatch.setattr(variants, "compute", lambda params, run: {"selected": "x"})
+    monkeypatch.setattr(variants, "compute", lambda params, measure, run: {"selected": "x"})
     inputs = {key: study.load(None) for key, study in studies.items()}
-    assert report.compute(None, None, inputs)["joining"]["joined"] == ["other"]
-    assert report.compute(None, None, {"joining": inputs["joining"]})["joining"]["joined"] == [None]
-    assert "joining" not in report.compute(None, None, {"other": inputs["other"]})  # nothing to join
+    assert report.compute(None, None, None, inputs)["joining"]["joined"] == ["other"]
+    assert report.compute(None, None, None, {"joining": inputs["joining"]})["joining"]["joined"] == [None]
+    assert "joining" not in report.compute(None, None, None, {"other": inputs["other"]})  # nothing to join

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import committed, hellaswag_rows, piqa_rows
+from conftest import committed, hellaswag_rows, measure_params, piqa_rows
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -146,15 +146,15 @@ def _items(correct: list[int]) -> pd.DataFrame:
 
 
 def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_gap_closed():
-    params = parse(ReportParams, committed("report", bootstrap_iters=50), "report")
+    params = parse(ReportParams, committed("report"), "report")
     items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
     figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
-    row = source_row(params, Inputs(items, {}, {}, None, figures))
+    row = source_row(params, measure_params(bootstrap_iters=50), Inputs(items, {}, {}, None, figures))
     assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
     assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
     assert row["confident_top1"] is None  # a source evaluated before the confident figures: shown as "—"
     figures["prompts"]["confident_top1"] = 0.75
-    assert source_row(params, Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
+    assert source_row(params, measure_params(), Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
 
 
 def _point(name: str, setting: str, closure: float, bound: float | None) -> dict:

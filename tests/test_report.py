@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import committed
+from conftest import committed, measure_params
 
 from pipeline.measure.retention import gap_closure, mean_retention, prompt_gap_closure, retention
 from pipeline.report import markdown
@@ -46,7 +46,7 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
     """The variants' study of a run that evaluated `metrics` (the pair and the other studies' files unused)."""
     run = Run(metrics, items, prompts, skipped={}, controls=controls, select={}, latency=None,
               pair=("models/source", "models/target"), calibration_sizes=[], operating_lengths=[])
-    return variants.compute(params, run)
+    return variants.compute(params, measure_params(), run)
 
 
 def test_criteria_follow_the_numbers():
@@ -126,7 +126,7 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
         select["maps"][name] = {"prompts": {"attention_cosine": 0.6 + 0.1 * rank, "agreement": 0.5,
                                             "mean_kl": 1.0 - 0.2 * rank, "confident_top1": 0.7 + 0.1 * rank,
                                             "confident_agreement": None, "oracle_weighted_agreement": 0.9 - 0.1 * rank}}
-    study = candidates.compute(report_params(bootstrap_iters=200),
+    study = candidates.compute(report_params(), measure_params(bootstrap_iters=200),
                                candidates.Inputs(items, candidate_items, figures_, fit, select))
     rows = study["rows"]
     assert rows["c_high"]["gap_closure"] > rows["c_mid"]["gap_closure"] > rows["c_low"]["gap_closure"]
@@ -159,7 +159,8 @@ def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off()
     points = {size: {"tokens": 100 * size, "maps": {name: {"family": "linear", "k": int(name[8]),
                                                            "params_per_token": 1.0 / size} for name in accuracy[size]}}
               for size in accuracy}
-    study = calibration.compute(report_params(bootstrap_iters=300), calibration.Inputs(items, points, point_items))
+    study = calibration.compute(report_params(), measure_params(bootstrap_iters=300),
+                                calibration.Inputs(items, points, point_items))
     assert len(study["rows"]) == 8 and study["rows"][0]["tokens"] == 1000
     by_size = study["larger_k"]["by_size"]
     assert by_size[10]["high"] < 0 and by_size[100]["low"] > 0
@@ -169,7 +170,7 @@ def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off()
 
 
 def test_without_a_calibration_size_the_section_says_so_and_the_declared_plot_files_are_written(tmp_path):
-    study = calibration.compute(report_params(), calibration.Inputs({}, {}, {}))
+    study = calibration.compute(report_params(), measure_params(), calibration.Inputs({}, {}, {}))
     assert study["rows"] == [] and study["larger_k"] is None and study["larger_k_pays_from"] is None
     assert "No calibration point in this profile" in "\n".join(calibration.lines(study))
     tables = calibration.figure(study, tmp_path)  # dvc.yaml declares plots/calibration.csv and the figure
@@ -193,7 +194,7 @@ def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
     tasks = {space: pd.DataFrame({"task": "piqa", "item": range(100), "context_tokens": context,
                                   "acc": np.r_[rng.random(50) < 0.8, rng.random(50) < 0.8 - drop].astype(float)})
              for space, drop in (("stripped", 0.0), ("rotated", 0.5))}
-    study = length.compute(report_params(bootstrap_iters=300), length.Inputs(figures_, rows, tasks))
+    study = length.compute(report_params(), measure_params(bootstrap_iters=300), length.Inputs(figures_, rows, tasks))
     short, long = study["rows"]
     assert short["nll_sign_test"]["p"] > 0.01 and long["nll_sign_test"]["lower"] == 40
     assert long["agreement_diff"]["low"] > 0
@@ -216,7 +217,7 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     (tmp_path / "metrics/controls.json").write_text(json.dumps({"compatibility": {"passed": True}}))
     run = Run.load(["oracle", "direct", "selected"], [], [])
     assert run.skipped == {"direct": reason} and set(run.metrics) == {"oracle", "selected"}
-    report = variants.compute(report_params(), run)
+    report = variants.compute(report_params(), measure_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
                "dtype": "bfloat16", "device": "cpu", "environment": {}, "pair": run.pair, "selected_name": "selected"}
     text = markdown(report, run, context)
@@ -292,7 +293,7 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5, "cost_s": cost},
                                  {"lin+kl": curve},
                                  select, items, prompts)
-    study = distillation.compute(report_params(), inputs)
+    study = distillation.compute(report_params(), measure_params(), inputs)
     row = study["rows"]["lin+kl"]
     assert row["next_token_top1_before"] == 0.5 and row["next_token_top1_after"] == 0.6
     assert row["retention_after"] > row["retention_before"] and row["gap_closure_after"] > row["gap_closure_before"]
@@ -311,7 +312,8 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     tables = distillation.figure(study, tmp_path)
     assert (tmp_path / "distillation.png").is_file() and list(tables["distillation"].select_kl) == [0.5, 0.4, 0.45]
     del items["lin+kl"]  # the candidates study did not run: the select split's table alone
-    alone = distillation.compute(report_params(), distillation.Inputs(inputs.distill, inputs.curves, select, items, {}))
+    alone = distillation.compute(report_params(), measure_params(),
+                                 distillation.Inputs(inputs.distill, inputs.curves, select, items, {}))
     assert "tasks_diff" not in alone["rows"]["lin+kl"] and "McNemar" not in "\n".join(distillation.lines(alone))
 
 
@@ -322,7 +324,7 @@ def test_the_distillation_study_says_when_no_epoch_beat_the_start_and_skips_the_
     cost = dict.fromkeys(["oracle", "rows", "mapped_step", "map_update", "select_scoring"], 1.0)
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5, "cost_s": cost},
                                  {"lin+kl": curve}, {"maps": {}}, {}, {})
-    text = "\n".join(distillation.lines(distillation.compute(report_params(), inputs)))
+    text = "\n".join(distillation.lines(distillation.compute(report_params(), measure_params(), inputs)))
     assert "lin+kl: distillation did not improve on the fitted map; the start was kept." in text
     assert "Rate × kv_weight → select KL" not in text
 

@@ -86,7 +86,7 @@ def test_a_rule_may_name_confident_top1_which_near_ties_do_not_decide():
 
 def test_a_confident_rule_over_no_confident_prompt_is_refused_naming_the_margin():
     scores = [score("a", 0.5, confident_top1=None), score("b", 0.6, confident_top1=None)]
-    with pytest.raises(ParamError, match=r"^select\.rule confident_top1: .* report\.confident_margin 0\.9"):
+    with pytest.raises(ParamError, match=r"^select\.rule confident_top1: .* measure\.confident_margin 0\.9"):
         confident_scores(scores, "confident_top1", 0.9)
     confident_scores(scores, "agreement", 0.9)  # a rule that does not read them is not refused
 

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
+from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, measure_params, piqa_rows
 
 from pipeline.kv.gate import Gate, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
@@ -400,8 +400,8 @@ def _summary_inputs(margins: list[list[float]]) -> tuple:
     prompts = pd.DataFrame({"map": "a", "prompt": range(len(margins)), "first_agree": first_agree,
                             "rollout_agree": first_agree, "horizon": 1, MARGINS: margins, "changed": first_agree == 0,
                             "score_entropy": (first_agree == 0) + rng.normal(0, 0.4, len(margins))})
-    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors"}, "scores": ["entropy"],
-                                     "bootstrap_iters": 200}, "selective")
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors"}, "scores": ["entropy"]},
+                   "selective")
     costs = {"a": {"target_ms": 10.0, "handoff_ms": 4.0, "entropy_ms": 0.1, "target": 10.0, "handoff": 3.0,
                    "entropy": 0.01}}
     return pd.concat(items, ignore_index=True), prompts, params, costs
@@ -410,7 +410,7 @@ def _summary_inputs(margins: list[list[float]]) -> tuple:
 def test_the_summary_gives_confident_top1_over_the_prompts_sure_at_their_first_token_with_n_and_an_interval():
     margins = [[0.9, 0.0], [0.5, 0.0], [0.1, 0.9], [0.3, 0.9], [0.05, 0.9], [0.25, 0.0]] * 5  # 30 prompts
     items, prompts, params, costs = _summary_inputs(margins)
-    metrics, curves = summarize(items, prompts, params, costs, margin=0.2)
+    metrics, curves = summarize(items, prompts, params, costs, measure_params(bootstrap_iters=200))
     facts = metrics["maps"]["a"]
     # confident at the first token: positions 0, 1, 3 and 5 of each six; of those the map agrees on 1, 3 and 5
     assert metrics["confident_margin"] == 0.2 and facts["confident_prompts"] == 20
@@ -423,7 +423,8 @@ def test_the_summary_gives_confident_top1_over_the_prompts_sure_at_their_first_t
     oracle = curves[(curves.requests == "prompts") & (curves.score == "oracle")]
     assert oracle.confident_top1.iloc[0] == pytest.approx(15 / 20) and oracle.confident_top1.iloc[-1] == 1.0
     assert curves[curves.requests == "items"].confident_top1.isna().all()  # the items' curves as they were
-    sure_nowhere = summarize(items, prompts, params, costs, margin=0.95)[0]["maps"]["a"]
+    sure_nowhere = summarize(items, prompts, params, costs,
+                             measure_params(confident_margin=0.95, bootstrap_iters=200))[0]["maps"]["a"]
     assert sure_nowhere["confident_prompts"] == 0 and sure_nowhere["confident_top1"] is None
     assert sure_nowhere["confident_top1_low"] is None and sure_nowhere["confident_top1_high"] is None
     assert sure_nowhere["scores"]["entropy"]["confident_top1"] is None
@@ -433,9 +434,9 @@ def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_an
     margins = [[0.9, 0.0], [0.5, 0.0], [0.1, 0.9], [0.3, 0.9], [0.05, 0.9], [0.25, 0.0]] * 5
     items, prompts, params, costs = _summary_inputs(margins)
     params.maps = {"a": "models/mapper.safetensors"}  # select's output: the selected map
-    metrics, curves = summarize(items, prompts, params, costs, margin=0.2)
+    metrics, curves = summarize(items, prompts, params, costs, measure_params(bootstrap_iters=200))
     report = parse(ReportParams, committed("report"), "report")
-    figures = study.compute(report, study.Inputs(metrics, curves))
+    figures = study.compute(report, measure_params(), study.Inputs(metrics, curves))
     text = "\n".join(study.lines(figures))
     row = metrics["maps"]["a"]["scores"]["entropy"]
     auroc = f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
@@ -448,8 +449,9 @@ def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_an
     study.figure(figures, tmp_path)
     assert (tmp_path / "selective.png").stat().st_size > 0 and (tmp_path / "selective_top1.png").stat().st_size > 0
     params.maps = {"a": "models/best/mapped_k1.safetensors"}  # not the selected map: no such sentence
-    other = summarize(items, prompts, params, costs, margin=0.2)[0]
-    assert "Selected map" not in "\n".join(study.lines(study.compute(report, study.Inputs(other, curves))))
+    other = summarize(items, prompts, params, costs, measure_params(bootstrap_iters=200))[0]
+    lines = study.lines(study.compute(report, measure_params(), study.Inputs(other, curves)))
+    assert "Selected map" not in "\n".join(lines)
 
 
 def test_the_study_refuses_selective_metrics_written_before_the_confident_figures(tmp_path, monkeypatch):

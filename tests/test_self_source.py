@@ -138,7 +138,7 @@ def test_extract_and_fit_run_on_a_self_source_and_the_map_reproduces_the_shared_
         for kind in ("keys", "values"):
             assert torch.equal(source_shard.read(kind, [layer])[0], target_shard.read(kind, [layer])[0])
     params = parse(FitParams, committed("fit", ks=[1, 2], lambdas=[1.0e-5], families=["linear"], timing_repeats=1,
-                                        threads=1, mlp={"ks": []}), "fit")
+                                        mlp={"ks": []}), "fit")
     metrics = fit(tmp_path / "caches" / "source", tmp_path / "caches" / "target", world / "models" / "source",
                   world / "data" / "select.parquet", tmp_path / "mappers", tmp_path / "metrics", params, {}, "cpu",
                   "float32")

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, KV_HEADS, CHANNELS, HEAD_DIM = 6, 4, 2, 64, 8
 SETTINGS = dict(shape="mlp:16+heads:2", keep="influence", ranking_sequences=4, prefill_length=64, steps=40,
                 batch_sequences=4, row_length=20, lr=3e-3, warmup_steps=4, weight_decay=0.0, top_k=16,
-                max_seconds=600.0, curve_every=20, curve_sequences=4, seed=0, threads=1)
+                max_seconds=600.0, curve_every=20, curve_sequences=4, seed=0)
 
 
 def llama_target() -> LlamaForCausalLM:
@@ -50,7 +50,7 @@ def llama_target() -> LlamaForCausalLM:
 
 def models(source: str) -> ModelsParams:
     return parse(ModelsParams, dict(kind="hub", source=source, target="models/target", source_revision=None,
-                                    target_revision=None, dtype="float32", device="cpu", device_map=None), "models")
+                                    target_revision=None, dtype="float32", device_map=None), "models")
 
 
 def sibling_params(**changes) -> SiblingParams:
@@ -233,7 +233,7 @@ def test_the_smol_profile_with_the_sibling_as_its_source_passes_check_params_at_
 
 def build(project: Path, source: str, monkeypatch, **changes) -> dict:
     monkeypatch.chdir(project)
-    return stage.run(sibling_params(**changes), models(source), paths.CALIBRATION_POOL, paths.split("select"),
+    return stage.run(sibling_params(**changes), models(source), 1, paths.CALIBRATION_POOL, paths.split("select"),
                      paths.SIBLING)
 
 
@@ -315,4 +315,4 @@ def test_the_stage_refuses_a_sibling_of_a_model_that_is_not_a_checkpoint(project
     monkeypatch.chdir(project)
     trained = models("models/sibling").model_copy(update={"kind": "trained"})
     with pytest.raises(ParamError, match=r"^models\.source: models/sibling is the sibling.*models\.kind is 'trained'"):
-        stage.run(sibling_params(), trained, paths.CALIBRATION_POOL, paths.split("select"), paths.SIBLING)
+        stage.run(sibling_params(), trained, 1, paths.CALIBRATION_POOL, paths.split("select"), paths.SIBLING)

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.keep or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     folder.mkdir(parents=True, exist_ok=True)
     scratch_copy(folder)
-    compose(folder, [f"profile={args.profile}", f"models.device={args.device}", f"latency.device={args.device}",
+    compose(folder, [f"profile={args.profile}", f"machine.device={args.device}",
                      *args.set])
     pipeline_s = run([sys.executable, "-m", "dvc", "repro", "-q"], folder)
     latency_json = folder / "latency-real-shapes.json"

@@ -3,7 +3,7 @@
 Tokenization and the context/continuation split come from lm-eval's `TemplateLM`, exactly as for its stock `hf`
 model (`TargetTokensLM`: the target's tokenizer, special tokens and chat template); the scoring hooks hand
 lm-eval's tokenized requests to the router (`Router.score`: each context truncated once, routed, scored by
-`kv.scoring`) and record each Instance's route in a `measure.routes.Ledger`. What lm-eval records of the model
+`kv.scoring`) and record each Instance's route in a `measure.ledger.Ledger`. What lm-eval records of the model
 (`get_model_info`, in its results' `config`) is the router's record (mode, repair, gate), the route counts per task
 and, per document, the routes (and gate scores) that differ from the handoff's own way, so a result says what
 served every request. Several processes follow lm-eval's rank contract (`rank`, `world_size`, `all_gather`,
@@ -29,7 +29,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.modes.registry import OWN_MODES
 from pipeline.kv.router import Router
 from pipeline.kv.routes import CACHED, served_by
-from pipeline.measure.routes import Ledger, RequestCache, count_lines
+from pipeline.measure.ledger import Ledger, RequestCache, count_lines
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
@@ -133,7 +133,7 @@ class HandoffLM(TargetTokensLM):
                  ranks: Ranks = ONE_PROCESS, gate: Gate | None = None, cache: RequestCache | None = None):
         """`router` (or a handoff, routed through `gate` if given) with the target's `tokenizer`; `max_length`: the
         window contexts are truncated to (default: the target's positions); `ranks`: this process's place; `cache`:
-        the handoff's request cache (`measure.routes.RequestCache`), None for none."""
+        the handoff's request cache (`measure.ledger.RequestCache`), None for none."""
         self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
         super().__init__(tokenizer, max_length or self.handoff.decoder.config.max_position_embeddings)
         self.router.batch_size = self.batch_size = batch_size

@@ -8,7 +8,7 @@ log-probabilities, `measure.compare.oracle_outputs`):
 - oracle probability: the oracle's probability of the variant's argmax (exact when that token is among the oracle's
   top-K, else 0: a lower bound, as the KL's bucket for the rest of the vocabulary).
 
-Summaries, at a declared threshold (`report.confident_margin`) on the margin:
+Summaries, at a declared threshold (`measure.confident_margin`) on the margin:
 
 - confident_top1: V0's column restricted to the confident prompts (those whose first position after the prompt,
   V0's position, has margin >= threshold), with their count and share (the ceiling a reader needs);

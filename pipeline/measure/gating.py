@@ -7,7 +7,7 @@ mapped handoff elsewhere, so its outcome per request is read off the two ungated
     task item:  gated = oracle's outcome if fallback else the map's     -> retention, gap closure per task
     prompt:     first token agrees with the oracle if fallback else the map's first_agree; rollout likewise;
                 confident top-1 the same first token over the prompts where the oracle is sure (`confident`:
-                its top-2 margin at that token >= report.confident_margin, `measure.confident`)
+                its top-2 margin at that token >= measure.confident_margin, `measure.confident`)
 
 "The map changes the decision": a task item whose chosen answer under the map differs from the oracle's (by the
 retention metric's rule: acc the highest log-likelihood, acc_norm the highest per character of the choice), or

@@ -3,7 +3,7 @@
 The rows are `measure.compare.variant_rows`' (per prompt: the continuation's NLL and tokens, agreement counts, the KL
 sum, rollout agreement, per position the oracle's top-2 margin and its probability of the variant's argmax, and the
 attention-output cosines where the oracle's attention outputs were stored). A metric's entry says how it is computed
-from them at the confident margin (`report.confident_margin`, `measure.confident`), which way is better, how the
+from them at the confident margin (`measure.confident_margin`, `measure.confident`), which way is better, how the
 report names it, whether it compares across texts only as a ratio to the oracle's (perplexity's `ppl_ratio`:
 perplexities of different text do not compare), its group (`fidelity`: the figures beside V0's column;
 `confident`: where the oracle is sure) and whether the candidates study correlates it with retention (`proxy`).

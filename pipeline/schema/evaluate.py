@@ -6,7 +6,7 @@ from pydantic import model_validator
 
 from pipeline.kv.contract import BASELINES
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
+from pipeline.store.params import ParamError, Params, Positive, Processes
 from pipeline.store.paths import SELECTED_MAPPER
 
 SELECTED = "selected"  # a repair of evaluate.repair read from select's choice (store.paths.SELECTED_REPAIR)
@@ -19,7 +19,6 @@ class EvaluateParams(Params):
     horizon: Positive
     batch_size: Positive
     shuffle_seed: int
-    threads: Threads
     processes: Processes  # each scoring every N-th batch and task document
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pipeline.store.params import Dtype, Params, Positive, PositiveFloat, Processes, Threads
+from pipeline.store.params import Dtype, Params, Positive, PositiveFloat, Processes
 
 
 class ExtractParams(Params):
@@ -13,7 +13,6 @@ class ExtractParams(Params):
     shard_sequences: Positive  # sequences per shard: memory is bounded by about three shards
     batch_sequences: Positive  # sequences of one length run through the model in one forward
     splits: Annotated[list[str], Field(min_length=1)]
-    threads: Threads
     repeats: Positive  # timed extractions, each beside both floors; medians reported
     processes: Processes  # the caches do not depend on it
     target_ratio: PositiveFloat  # the extraction time aimed at, in multiples of the slower floor (reported beside)

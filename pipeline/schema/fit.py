@@ -9,7 +9,7 @@ from pydantic import Field
 
 from pipeline.fitting.families import closed_form_candidates, mlp_candidates
 from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, MapName
-from pipeline.store.params import Params, Positive, PositiveFloat, Processes, Threads
+from pipeline.store.params import Params, Positive, PositiveFloat, Processes
 
 
 class MlpParams(Params):
@@ -38,7 +38,6 @@ class FitParams(Params):
     accumulator_gib: PositiveFloat  # float64 moments held at once; more passes if smaller
     probe_rows_gib: Annotated[float, Field(ge=0)]  # source rows kept across probe passes (stored dtype); else re-read
     seed: int
-    threads: Threads
     timing_repeats: Positive
     processes: Processes  # each fitting every N-th target layer; mappers do not change
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pipeline.store.params import Params, Positive, Threads
+from pipeline.store.params import Params, Positive
 
 
 class LengthParams(Params):
@@ -18,4 +18,3 @@ class LengthParams(Params):
     top_k: Positive
     horizon: Positive
     batch_size: Positive
-    threads: Threads

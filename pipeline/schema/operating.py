@@ -10,7 +10,7 @@ from pipeline.kv.contract import BASELINES
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.scores.registry import FITTED_SCORES, SCORES
 from pipeline.schema.evaluate import SELECTED
-from pipeline.store.params import ParamError, Params, Positive, Threads
+from pipeline.store.params import ParamError, Params, Positive
 from pipeline.store.paths import SELECTED_MAPPER
 
 
@@ -35,7 +35,6 @@ class OperatingParams(Params):
     recall_ngram: Annotated[int, Field(ge=2)]  # a recall position extends an (n-1)-gram the prompt holds
     top_k: Positive
     horizon: Positive  # greedy rollout tokens after each prompt (a pass-key item reads its key's first tokens)
-    threads: Threads
 
     @model_validator(mode="after")
     def _variants(self) -> OperatingParams:

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, parse_grid
 from pipeline.kv.scores.registry import SCORES
-from pipeline.store.params import Count, ParamError, Params, Positive, Threads
+from pipeline.store.params import Count, ParamError, Params, Positive
 from pipeline.store.shapes import BoundPair
 
 
@@ -20,10 +20,7 @@ class RepairParams(Params):
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the budget, the bound and the measured times
     warmup: Count
     repeats: Positive
-    bootstrap_iters: Positive
-    seed: int
     batch_size: Positive
-    threads: Threads
 
     @model_validator(mode="after")
     def _known(self) -> RepairParams:

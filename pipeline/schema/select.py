@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, parse_grid
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
-from pipeline.store.params import ParamError, Params, Positive, Processes, Threads
+from pipeline.store.params import ParamError, Params, Positive, Processes
 from pipeline.store.shapes import BoundPair
 
 
@@ -19,9 +19,8 @@ class SelectParams(Params):
     top_k: Positive
     horizon: Positive
     rule: str  # a prompt metric (measure.prompt_metrics): the map best by it; the confident ones at
-    # report.confident_margin
+    # measure.confident_margin
     batch_size: Positive  # select prompts per forward
-    threads: Threads
     processes: Processes  # sharing out the oracle's prompts, then the candidates
     repairs: list[str]  # kv.repair settings chosen with the map, `none` among them; [none]: the maps alone
     repair_maps: Positive  # the best maps by the rule unrepaired, each scored at every setting of `repairs`

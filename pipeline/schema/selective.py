@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.kv.scores.registry import SCORES
-from pipeline.store.params import Count, ParamError, Params, Positive, Threads
+from pipeline.store.params import Count, ParamError, Params, Positive
 from pipeline.store.shapes import BoundPair
 
 
@@ -23,10 +23,8 @@ class SelectiveParams(Params):
     warmup: Count
     repeats: Positive
     bound_pair: BoundPair  # a pair of store.shapes.PAIRS: the effective speedup bound at its shapes
-    bootstrap_iters: Positive
-    seed: int
+    seed: int  # the gate's own draws (reference scores, ties along the curves); bootstraps: measure.bootstrap_seed
     batch_size: Positive
-    threads: Threads
 
     @model_validator(mode="after")
     def _known(self) -> SelectiveParams:

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, Field, model_validator
 from pipeline.fitting.heal import Healing
 from pipeline.kv.kvcache import kv_geometry
 from pipeline.store import paths
-from pipeline.store.params import Count, ParamError, Positive, Threads
+from pipeline.store.params import Count, ParamError, Positive
 
 INFLUENCE = "influence"  # sibling.keep: the layers of highest block influence on the calibration rows
 SHAPE_PARTS = {"layers": "decoder layers", "mlp": "MLP channels per layer", "heads": "query heads per layer"}
@@ -90,7 +90,6 @@ class SiblingParams(Healing):
     keep: Literal["influence"] | list[Count]  # with layers:<n>: the rule, or the kept layers (ascending target indices)
     ranking_sequences: Positive  # calibration rows (the fit stream's first) block influence and importance read
     prefill_length: Annotated[int, Field(ge=2)]  # prompt tokens at which the prefill cost ratio is counted
-    threads: Threads
 
     @property
     def cut(self) -> Shape:

@@ -69,8 +69,7 @@ class ModelsParams(Params):
     source_revision: str | None  # hub: null resolves the current revision (recorded in models/*/hub.json)
     target_revision: str | None
     dtype: Dtype
-    device: Literal["cpu", "cuda", "auto"]
-    # null: each model whole on `device`; auto/balanced/sequential: accelerate spreads a checkpoint too large
+    # null: each model whole on `machine.device`; auto/balanced/sequential: accelerate spreads a checkpoint too large
     # for one device over the visible GPUs (then CPU), and the handoff moves each cache layer to its layer
     device_map: Literal["auto", "balanced", "sequential"] | None
 
@@ -93,10 +92,6 @@ class ModelsParams(Params):
     def self_layers(self) -> int | None:
         """n when the source is `self:<n>`, else None."""
         return self_layers(self.source)
-
-    @property
-    def torch_device(self) -> str:
-        return default_device() if self.device == "auto" else self.device
 
 
 class IncompatiblePairError(Refusal, ValueError):

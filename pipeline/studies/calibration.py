@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
@@ -48,7 +49,7 @@ def load(run: Run) -> Inputs | None:
                                       for size in points})
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Per size n (fit sequences) and candidate, retention and gap closure on the eval part with their
     intervals; per size, the task-accuracy difference of the largest-k linear candidate over the smallest-k one
     (paired bootstrap, both tasks' items), and the smallest size from which it stays above 0 at every larger
@@ -57,8 +58,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
     for size in sorted(points):
         for name, frame in point_items[size].items():
             both = {**inputs.items, name: frame}
-            retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
-            closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+            retention = retention_interval(both, name, params.retention_metric, *measure.bootstrap)
+            closure = gap_closure_interval(both, name, params.retention_metric, *measure.bootstrap)
             rows.append({"sequences": size, "tokens": points[size]["tokens"], "candidate": name,
                          "retention": retention["retention"], "retention_low": retention["low"],
                          "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
@@ -72,7 +73,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
         small, big = linear[0], linear[-1]
         for size in sorted(points):
             x, y = paired_items(point_items[size], big, small, "acc")
-            larger[size] = paired_bootstrap(x, y, params.bootstrap_iters, params.seed)
+            larger[size] = paired_bootstrap(x, y, *measure.bootstrap)
     pays = [size for size in larger if all(larger[s]["low"] > 0 for s in larger if s >= size)]
     return {"rows": rows, "larger_k": {"larger": linear[-1], "smaller": linear[0], "by_size": larger}
             if larger else None, "larger_k_pays_from": min(pays) if pays else None}

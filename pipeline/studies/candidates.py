@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.measure.prompt_metrics import CONFIDENT, FIDELITY, PROMPT_METRICS
 from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
@@ -51,7 +52,7 @@ def load(run: Run) -> Inputs | None:
                   run.select)
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Every candidate's retention and gap closure on the eval part (intervals as for the variants), its cheap
     figures (`proxies`), speed and size; the rank correlation of each proxy with retention across candidates;
     and the Pareto fronts of gap closure against the measured speedup and against the FLOP bound at the real
@@ -61,8 +62,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
         select, figures = inputs.select["maps"][name], maps[name]
         fit = inputs.fit["maps"].get(name)  # None for a distilled map: fit never saw it
         both = {**inputs.items, name: frame}
-        retention = retention_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
-        closure = gap_closure_interval(both, name, params.retention_metric, params.bootstrap_iters, params.seed)
+        retention = retention_interval(both, name, params.retention_metric, *measure.bootstrap)
+        closure = gap_closure_interval(both, name, params.retention_metric, *measure.bootstrap)
         rows[name] = {
             "family": figures["family"], "k": figures["k"],
             "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
@@ -78,7 +79,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
               for group in (FIDELITY, CONFIDENT) for proxy in proxies(group)}
     correlated = {group: {proxy: rank_correlation([rows[n][proxy] for n in scored[proxy]],
                                                   [rows[n]["retention"] for n in scored[proxy]],
-                                                  params.bootstrap_iters, params.seed) for proxy in proxies(group)}
+                                                  *measure.bootstrap) for proxy in proxies(group)}
                   for group in (FIDELITY, CONFIDENT)}
     closure_values = [rows[n]["gap_closure"] for n in names]
     for speed, key in (("speedup", "pareto_measured"), ("bound_at_pair", "pareto_at_pair")):

@@ -2,7 +2,7 @@
 
 Inputs: the V0 variants' per-prompt rows (eval/<variant>/prompts.parquet, stage `evaluate`), which hold per
 continuation position the oracle's top-2 margin and its probability of the variant's argmax (`measure.confident`).
-Per variant, at the declared margin `report.confident_margin`: confident-prompt top-1 (V0's position, over the
+Per variant, at the declared margin `measure.confident_margin`: confident-prompt top-1 (V0's position, over the
 prompts where the oracle is sure there), confident-position agreement (every teacher-forced position where it is
 sure), the oracle-weighted agreement, each with a 95% bootstrap interval over prompts and its count; and the paired
 confident top-1 difference of the mapped variant with every other, over the confident prompts. V0's column stays
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.measure.confident import MARGINS, confidence_intervals, confidence_summary, confident_prompts
 from pipeline.measure.prompt_metrics import CONFIDENT, in_group
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError
@@ -51,10 +52,10 @@ def comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed
             "confident_mcnemar_p": mcnemar(x, y), "confident_n": paired["n"]}
 
 
-def compute(params: ReportParams, run: Run) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
     """Per variant its confident figures with intervals and counts (and V0's top-1 beside them), the paired
     confident top-1 differences of the mapped variant, and the shares every variant shares (one oracle)."""
-    margin, iters, seed = params.confident_margin, params.bootstrap_iters, params.seed
+    margin, iters, seed = measure.confident_margin, *measure.bootstrap
     rows = {}
     for name in order(run.metrics):
         if name not in run.prompts:
@@ -86,7 +87,7 @@ def lines(study: dict) -> list[str]:
     top-1 and the paired confident top-1 differences."""
     out = ["## Where the oracle is sure: agreement beside V0's top-1", "",
            f"A position is confident where the oracle's two most probable next tokens differ in probability by at "
-           f"least {study['margin']} (`report.confident_margin`); elsewhere top-1 agreement measures a near-tie, not "
+           f"least {study['margin']} (`measure.confident_margin`); elsewhere top-1 agreement measures a near-tie, not "
            f"the map. Confident prompts (the oracle sure at the first token after the prompt, V0's position): "
            f"{study['confident_prompts']} of {study['prompts']} ({pct(study['confident_prompt_share'])}); confident "
            f"positions over all teacher-forced positions: {study['confident_positions']} of {study['positions']} "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
@@ -75,7 +76,7 @@ def prompt_differences(before: pd.DataFrame, after: pd.DataFrame, iters: int, se
     return out
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Per distilled map: its start, training facts, both maps' select-split figures, and on the eval part (when
     both maps' items exist) both retentions and gap closures and the paired difference of task accuracy."""
     rows = {}
@@ -89,7 +90,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
             scores = inputs.select.get("maps", {}).get(which, {}).get("prompts", {})
             row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
         if start in inputs.items and name in inputs.items and "source" in inputs.items:
-            metric, iters, seed = params.retention_metric, params.bootstrap_iters, params.seed
+            metric, iters, seed = params.retention_metric, *measure.bootstrap
             for when, which in (("before", start), ("after", name)):
                 kept = retention_interval(inputs.items, which, metric, iters, seed)
                 closed = gap_closure_interval(inputs.items, which, metric, iters, seed)
@@ -102,8 +103,7 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                         "tasks_high": difference["high"], "tasks_n": difference["n"],
                         "tasks_mcnemar_p": mcnemar(after, before)})
         if start in inputs.prompts and name in inputs.prompts:
-            row.update(prompt_differences(inputs.prompts[start], inputs.prompts[name], params.bootstrap_iters,
-                                          params.seed))
+            row.update(prompt_differences(inputs.prompts[start], inputs.prompts[name], *measure.bootstrap))
         rows[name] = row
     return {"rows": rows, "rows_fit": inputs.distill["rows_fit"], "rows_select": inputs.distill["rows_select"],
             "cost_s": inputs.distill["cost_s"],

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap, sign_test
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
@@ -43,7 +44,7 @@ def load(run: Run) -> Inputs | None:
                   {space: pd.read_parquet(paths.length_tasks(space, paths.LENGTH_ROWS)) for space in SPACES})
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Per prompt length: both maps' perplexity ratio to the oracle and agreement, and the paired comparison of
     the stripped map with the rotated one on the same prompts: a sign test on per-prompt NLL (stripped lower?)
     and a paired bootstrap of per-prompt agreement. Per bin of task context length: both maps' task accuracy,
@@ -52,17 +53,17 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
     for length in sorted({length for _, length in inputs.rows}):
         stripped, rotated = (inputs.rows[(space, length)].sort_values("prompt") for space in SPACES)
         agree = paired_bootstrap((stripped.agree / stripped.tokens).to_numpy(),
-                                 (rotated.agree / rotated.tokens).to_numpy(), params.bootstrap_iters, params.seed)
+                                 (rotated.agree / rotated.tokens).to_numpy(), *measure.bootstrap)
         out.append({"length": length, "ratio_to_fit": length / figures["fit_tokens"],
                     **{f"{space}_{key}": figures[space]["by_length"][str(length)]["prompts"][key] for space in SPACES
                        for key in ("ppl_ratio", "agreement", "next_token_top1")},
                     "nll_sign_test": sign_test(stripped.nll.to_numpy(), rotated.nll.to_numpy()),
                     "agreement_diff": agree})
     return {"fit_tokens": figures["fit_tokens"], "candidate": figures["candidate"], "prompts": figures["prompts"],
-            "rows": out, "task_bins": _task_bins(params, inputs.tasks, figures["fit_tokens"])}
+            "rows": out, "task_bins": _task_bins(params, measure, inputs.tasks, figures["fit_tokens"])}
 
 
-def _task_bins(params: ReportParams, tasks: dict[str, pd.DataFrame], fit: int) -> list[dict]:
+def _task_bins(params: ReportParams, measure: MeasureParams, tasks: dict[str, pd.DataFrame], fit: int) -> list[dict]:
     joined = tasks["stripped"].merge(tasks["rotated"], on=["task", "item", "context_tokens"],
                                      suffixes=("_stripped", "_rotated"))
     edges = [0.0, *params.length_bins]
@@ -75,7 +76,7 @@ def _task_bins(params: ReportParams, tasks: dict[str, pd.DataFrame], fit: int) -
         a, b = inside.acc_stripped.to_numpy(), inside.acc_rotated.to_numpy()
         bins.append({"bin": f"{low:g}-{high:g}x" if high else f">{low:g}x", "items": len(inside),
                      "stripped_acc": float(a.mean()), "rotated_acc": float(b.mean()),
-                     "diff": paired_bootstrap(a, b, params.bootstrap_iters, params.seed), "mcnemar_p": mcnemar(a, b)})
+                     "diff": paired_bootstrap(a, b, *measure.bootstrap), "mcnemar_p": mcnemar(a, b)})
     return bins
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.confident import confidence_intervals
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
@@ -44,15 +45,14 @@ def load(run: Run) -> Inputs:
     return Inputs(figures, rows)
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Per length, per variant: its figures with the confident-position agreement's interval and its place on the
     front (what metrics/report.json holds under `lengths`)."""
     out = {}
     for length, study in sorted(inputs.figures.items()):
         entries = {}
         for name, figures in study["variants"].items():
-            bounds = confidence_intervals(inputs.rows[(length, name)], params.confident_margin, params.bootstrap_iters,
-                                          params.seed)
+            bounds = confidence_intervals(inputs.rows[(length, name)], measure.confident_margin, *measure.bootstrap)
             retrieval = figures.get("retrieval") or {}
             entries[name] = {
                 "confident_agreement": figures.get("confident_agreement"),
@@ -98,7 +98,7 @@ def lines(study: dict) -> list[str]:
            "`operating@<n>`), each prompt alone at batch 1: its figures against the oracle and its time to first "
            "token from the same pass (the measured speedup is the oracle's mean time over the variant's, on the same "
            "prompts; the FLOP bound is counted at the length, a repair's budget too). Confident agreement: over the "
-           "continuation positions where the oracle's top-2 margin is at least `report.confident_margin`, 95% "
+           "continuation positions where the oracle's top-2 margin is at least `measure.confident_margin`, 95% "
            "interval from resampling prompts. Retrieval: a pass key stated once at a seeded depth of a real-text "
            "haystack of the same length, asked for at the end, the greedy tokens after the handoff against the key "
            "(exact match). Recall positions: continuation tokens that extend an n-gram the prompt holds. "

@@ -18,6 +18,7 @@ from pathlib import Path
 from pipeline.kv.repair import Repair
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
 from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
@@ -68,7 +69,7 @@ def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budg
     return float(np.interp(min(budget, 1.0), curve.fallback_rate, curve.retention)) if len(curve) else None
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Per map and setting (and per truncated budget): retention and gap closure with paired 95% intervals, and
     against the unrepaired map (`none`); the figures of the stage; the gate at the same cost."""
     selective = json.loads(paths.SELECTIVE_METRICS.read_text()) if inputs.curves is not None else None
@@ -76,8 +77,8 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
     for (name, setting), frame in inputs.rows.items():
         key = f"{name}@{setting}"
         both = {**inputs.items, key: frame}
-        retention = retention_interval(both, key, params.retention_metric, params.bootstrap_iters, params.seed)
-        closure = gap_closure_interval(both, key, params.retention_metric, params.bootstrap_iters, params.seed)
+        retention = retention_interval(both, key, params.retention_metric, *measure.bootstrap)
+        closure = gap_closure_interval(both, key, params.retention_metric, *measure.bootstrap)
         figures = (inputs.metrics[paths.TRUNCATED_BASELINE][setting] if name == paths.TRUNCATED_BASELINE
                    else inputs.metrics["maps"][name][setting])
         budget = float(setting) if name == paths.TRUNCATED_BASELINE else figures["budget"]
@@ -89,23 +90,21 @@ def compute(params: ReportParams, inputs: Inputs) -> dict:
                **prompt_metrics(figures), **{k: figures.get(k) for k in ("bound", "speedup")}}
         if name != paths.TRUNCATED_BASELINE:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
-            against = retention_interval(unrepaired, key, params.retention_metric, params.bootstrap_iters, params.seed)
+            against = retention_interval(unrepaired, key, params.retention_metric, *measure.bootstrap)
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
                         "vs_none_high": against["high"],
                         "gate": gate_at(inputs.curves, selective, name, budget, inputs.metrics["gate_score"])})
         rows.append(row)
-    rows.append(source_row(params, inputs))
+    rows.append(source_row(params, measure, inputs))
     rows.sort(key=lambda row: (row["map"] in MATCHED_BASELINES, row["map"], row["budget"]))
     return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"],
             "gate_score": inputs.metrics["gate_score"]}
 
 
-def source_row(params: ReportParams, inputs: Inputs) -> dict:
+def source_row(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """The source model alone as a row of the table: budget 0 (the target computes nothing), its gap closure 0."""
-    retention = retention_interval(inputs.items, "source", params.retention_metric, params.bootstrap_iters,
-                                   params.seed)
-    closure = gap_closure_interval(inputs.items, "source", params.retention_metric, params.bootstrap_iters,
-                                   params.seed)
+    retention = retention_interval(inputs.items, "source", params.retention_metric, *measure.bootstrap)
+    closure = gap_closure_interval(inputs.items, "source", params.retention_metric, *measure.bootstrap)
     return {"map": SOURCE, "setting": "—", "budget": 0.0, "policy": SOURCE, "retention": retention["retention"],
             "retention_low": retention["low"], "retention_high": retention["high"],
             "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],

@@ -2,11 +2,11 @@
 beside them starts from) and the `Study` protocol a study module fills in (`registry.STUDIES` lists them).
 
 A study is one module with four functions, called by the report in this order: `load(run)` reads its input files
-(None when its stage did not run, and the report leaves it out), `compute(params, inputs)` its statistics (its key
-of metrics/report.json), `lines(study)` its Markdown section, `figure(study, folder)` its PNG figures and the tables
-behind them (for `dvc plots`). A study whose result needs another study's (the repair study's frontier runs over the
-candidates study's maps too) is `Joining`: `JOINS` names that study, and `join(study, other)` completes its own
-result once every study is computed.
+(None when its stage did not run, and the report leaves it out), `compute(params, measure, inputs)` its statistics
+(its key of metrics/report.json; `measure`: the `measure` section, how it resamples), `lines(study)` its Markdown
+section, `figure(study, folder)` its PNG figures and the tables behind them (for `dvc plots`). A study whose result
+needs another study's (the repair study's frontier runs over the candidates study's maps too) is `Joining`: `JOINS`
+names that study, and `join(study, other)` completes its own result once every study is computed.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.lazy import lazy
 from pipeline.store.models import read_pointer
@@ -81,7 +82,7 @@ class Study(Protocol):
 
     def load(self, run: Run) -> Any | None: ...
 
-    def compute(self, params: ReportParams, inputs: Any) -> dict: ...
+    def compute(self, params: ReportParams, measure: MeasureParams, inputs: Any) -> dict: ...
 
     def lines(self, study: dict) -> list[str]: ...
 

@@ -5,7 +5,7 @@ decision" and the dev-chosen threshold's row on the eval part, the per-request t
 eval/selective/curves.parquet (quality at each fallback rate, per map and score, with the oracle and random
 gates). Beside them: each score's AUROC on the eval items with its 95% interval and n (the figure a gate is judged
 by, the selected map's first), and next-token top-1 over the prompts where the oracle is sure
-(`report.confident_margin`), ungated, at each dev threshold and along the curves. The figures: retention against
+(`measure.confident_margin`), ungated, at each dev threshold and along the curves. The figures: retention against
 the fallback rate, and against the effective speedup bound at the bound pair's shapes, one row of panels per map;
 and next-token top-1 beside confident top-1 against the fallback rate.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.gating import effective_speedup
+from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.lazy import lazy
@@ -44,7 +45,7 @@ def load(run: Run) -> Inputs | None:
     return Inputs(metrics, pd.read_parquet(paths.SELECTIVE_CURVES))
 
 
-def compute(params: ReportParams, inputs: Inputs) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """The stage's figures as they are, each map's best score (highest AUROC on the task items), and each curve
     point's effective speedup bound (the score's cost at the bound pair's shapes)."""
     maps = inputs.metrics["maps"]
@@ -107,7 +108,7 @@ def judged_lines(study: dict) -> list[str]:
            f"AUROC for \"the map changes the decision\" on the eval items, with a 95% interval from resampling the "
            f"items within each class. Confident top-1: next-token top-1 over the eval prompts where the oracle's two "
            f"most probable first tokens differ in probability by at least {study['confident_margin']} "
-           f"(`report.confident_margin`), where a near-tie cannot decide it; a fallback there counts as agreeing.", ""]
+           f"(`measure.confident_margin`), where a near-tie cannot decide it; a fallback there counts as agreeing.", ""]
     for name, facts in study["maps"].items():
         if facts["file"] == str(paths.SELECTED_MAPPER):
             scores = ", ".join(f"{score} {_auroc(row)}" for score, row in facts["scores"].items())

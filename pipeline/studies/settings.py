@@ -1,12 +1,12 @@
-"""The `report` section of params: the acceptance criteria declared before the run, and how the studies resample
-and bin."""
+"""The `report` section of params: the acceptance criteria declared before the run, and how the studies bin (how they
+resample: the `measure` section, `measure.settings`)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.store.params import ParamError, Params, Positive, PositiveFloat, Share
+from pipeline.store.params import ParamError, Params, PositiveFloat, Share
 
 
 class Criteria(Params):
@@ -23,12 +23,7 @@ class ReportParams(Params):
     # what the gap-closure criterion reads: the tasks' accuracy, or a per-prompt measure of the eval prompts (whose
     # intervals resolve at sizes where a 2-point task gap cannot)
     gap_closure_metric: Literal["tasks", "next_token_top1", "log_perplexity"]
-    # a position is confident where the oracle's top-2 probabilities differ by at least this (`measure.confident`);
-    # read by the stages that score against the oracle (evaluate, select, repair, selective) as well
-    confident_margin: Share
     mapped_variant: str  # one of evaluate.mapped (check_params)
-    bootstrap_iters: Positive
-    seed: int
     # the length study's bins of task context length, as edges in multiples of the fit length: [1, 2, 4] bins
     # (0, 1], (1, 2], (2, 4] and beyond 4
     length_bins: Annotated[list[PositiveFloat], Field(min_length=1)]

@@ -24,6 +24,7 @@ from pipeline.measure.retention import (
     prompt_gap_closure,
     retention_interval,
 )
+from pipeline.measure.settings import MeasureParams
 from pipeline.store.lazy import lazy
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import self_layers
@@ -101,11 +102,11 @@ def model_phrase(name: str) -> str:
     return f"the target's first {'layer' if layers == 1 else f'{layers} layers'} (`{name}`)"
 
 
-def compute(params: ReportParams, run: Run) -> dict:
+def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
     """Per variant its figures and intervals, the paired comparisons of the selected map with its rivals and
     the oracle, and the acceptance criteria: what metrics/report.json holds before the other studies' keys."""
     metrics, items = run.metrics, run.items
-    variants = {variant: _figures(params, metrics, items, variant, run.prompts) for variant in metrics}
+    variants = {variant: _figures(params, measure, metrics, items, variant, run.prompts) for variant in metrics}
     mapped = params.mapped_variant
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
@@ -119,7 +120,7 @@ def compute(params: ReportParams, run: Run) -> dict:
         if variant not in named and facts.get("distilled") and facts["k"] in best:
             compared[f"{variant}_minus_{best[facts['k']]}"] = (variant, best[facts["k"]])
     compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
-    comparisons = {name: comparison(items, run.prompts, a, b, "acc", params.bootstrap_iters, params.seed)
+    comparisons = {name: comparison(items, run.prompts, a, b, "acc", *measure.bootstrap)
                    for name, (a, b) in compared.items()}
     return {"variants": variants, "selected": mapped, "comparisons": comparisons,
             "criteria": criteria(params, variants[mapped], comparisons, run.controls, list(metrics)),
@@ -127,20 +128,21 @@ def compute(params: ReportParams, run: Run) -> dict:
             "skipped": run.skipped}
 
 
-def _figures(params: ReportParams, metrics: dict, items: dict, variant: str, prompts: dict) -> dict:
+def _figures(params: ReportParams, measure: MeasureParams, metrics: dict, items: dict, variant: str,
+             prompts: dict) -> dict:
     accuracy = {name: {t: m["tasks"][t][params.retention_metric] for t in TASKS} for name, m in metrics.items()}
     m, acc, oracle_acc = metrics[variant], accuracy[variant], accuracy["oracle"]
-    bounds = retention_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
+    bounds = retention_interval(items, variant, params.retention_metric, *measure.bootstrap)
     closure = {"gap_closure": None, "gap_closure_low": None, "gap_closure_high": None}
     if "source" in items:  # the gap is the source model's own: without its evaluation there is none
-        gap = gap_closure_interval(items, variant, params.retention_metric, params.bootstrap_iters, params.seed)
+        gap = gap_closure_interval(items, variant, params.retention_metric, *measure.bootstrap)
         closure = {"gap_closure": mean_gap_closure(acc, accuracy["source"], oracle_acc),
                    "gap_closure_low": gap["low"], "gap_closure_high": gap["high"]}
     if "source" in prompts and variant in prompts:  # the same gap on the eval prompts' own measures
-        for measure in PROMPT_MEASURES:
-            gap = prompt_gap_closure(prompts, variant, measure, params.bootstrap_iters, params.seed)
-            closure.update({f"gap_closure_{measure}": gap["gap_closure"], f"gap_closure_{measure}_low": gap["low"],
-                            f"gap_closure_{measure}_high": gap["high"]})
+        for name in PROMPT_MEASURES:
+            gap = prompt_gap_closure(prompts, variant, name, *measure.bootstrap)
+            closure.update({f"gap_closure_{name}": gap["gap_closure"], f"gap_closure_{name}_low": gap["low"],
+                            f"gap_closure_{name}_high": gap["high"]})
     figures, oracle = m["prompts"], metrics["oracle"]["prompts"]
     entry = {metric.name: figures[metric.name] for metric in in_group(FIDELITY) if metric.name in figures}
     entry.update({metric.ratio: figures[metric.name] / oracle[metric.name] for metric in in_group(FIDELITY)

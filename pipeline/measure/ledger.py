@@ -1,7 +1,7 @@
-"""Every request's route through the `kv-transfer` lm-eval model (`measure.adapter`): how each of lm-eval's requests
-was served (the words are `kv.routes`'), counted per task, listed per document and gathered over ranks; and the
-request cache of `--use_cache`, which keeps each answer with the route that first served it, so a request it answers
-later is counted as `cached` with that way.
+"""The ledger: every request's route through the `kv-transfer` lm-eval model (`measure.adapter`): how each of lm-eval's
+requests was served (the words are `kv.routes`'), counted per task, listed per document and gathered over ranks; and
+the request cache of `--use_cache`, which keeps each answer with the route that first served it, so a request it
+answers later is counted as `cached` with that way.
 """
 from __future__ import annotations
 

@@ -1,0 +1,17 @@
+"""The `measure` section of params.yaml: how every stage and study measures against the oracle and resamples, read
+by the stages that score (evaluate, select, repair, selective, length, operating, score_models) and the report."""
+from __future__ import annotations
+
+from pipeline.store.params import Params, Positive, Share
+
+
+class MeasureParams(Params):
+    # a position is confident where the oracle's top-2 probabilities differ by at least this (`measure.confident`)
+    confident_margin: Share
+    bootstrap_iters: Positive  # every bootstrap interval, paired or per item
+    bootstrap_seed: int
+
+    @property
+    def bootstrap(self) -> tuple[int, int]:
+        """(iterations, seed): the last two arguments of every interval of `measure.stats` and `measure.retention`."""
+        return self.bootstrap_iters, self.bootstrap_seed
