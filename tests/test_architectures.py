@@ -30,6 +30,14 @@ def _scores(pair, mode, mapper, repair=None):
     return [score for score, _ in score_continuations(handoff, _requests(n_contexts=3, endings=2), progress=False)]
 
 
+def test_the_oracle_at_batch_1_in_one_forward_scores_as_its_prefill_then_its_step(pair):
+    handoff, requests = pair[0].handoff("oracle"), _requests(n_contexts=3, endings=2)
+    one = score_continuations(handoff, requests, batch_size=1, progress=False)
+    two = score_continuations(handoff, requests, batch_size=8, progress=False)
+    assert [score for score, _ in one] == pytest.approx([score for score, _ in two], abs=1e-5)
+    assert [greedy for _, greedy in one] == [greedy for _, greedy in two]
+
+
 def test_every_mode_runs_and_only_the_oracle_and_direct_agree_where_they_must(pair):
     assert set(pair[0].contract.modes) == set(MODES)
     scores = {mode: _scores(pair, mode, pair[1]) for mode in MODES}

@@ -64,6 +64,22 @@ def test_oracle_handoff_matches_full_forward(target):
         assert score == pytest.approx(reference, abs=1e-4)
 
 
+def test_at_batch_1_the_oracle_prefills_and_scores_each_context_in_one_forward_as_the_full_forward(target):
+    requests = _requests(seed=3)
+    calls = []
+    hook = target.model.register_forward_hook(lambda *_: calls.append(1))  # the body: once per forward
+    try:
+        results = score_continuations(Handoff(target), requests, batch_size=1, progress=False)
+        one = len(calls)
+        score_continuations(Handoff(target), requests, batch_size=2, progress=False)
+    finally:
+        hook.remove()
+    contexts = len({tuple(context) for context, _ in requests})
+    assert one == contexts and len(calls) - one > contexts  # batch 2: a prefill and a step per batch
+    for (score, _), reference in zip(results, _full_forward_scores(target, requests)):
+        assert score == pytest.approx(reference, abs=1e-4)
+
+
 def test_direct_with_source_equal_to_target_matches_oracle(target):
     requests = _requests(seed=1)
     oracle = score_continuations(Handoff(target), requests, progress=False)

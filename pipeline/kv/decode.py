@@ -2,7 +2,8 @@
 
 `kv.handoff` builds the target's prefix cache in each mode; these functions batch contexts for it (right-padded,
 masked, each row at its own positions) and read the target after it: several continuations packed into one row
-(`packed_logprobs`, for `kv.scoring`), every prompt teacher-forced through its continuation (`teacher_forced`,
+(`packed_logprobs`, for `kv.scoring`; at batch 1 after the decoding model's own prefill, in the prefill's
+forward: `prefilled_packed_logprobs`), every prompt teacher-forced through its continuation (`teacher_forced`,
 with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), both reads of one context
 from its single first step (`read_after`: the timed evaluation's), and one context decoded token by token after its
 first step with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's `generate_until`);
@@ -49,6 +50,30 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
     cache = handoff.decoder_cache(layers, batch)
     logits = handoff.decoder(input_ids=tokens.to(handoff.device), cache=cache, use_cache=cache is not None,
                          attention_mask=mask.to(handoff.device), position_ids=positions.to(handoff.device)).logits
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+@no_grad
+def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens: torch.Tensor,
+                              segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`packed_logprobs` of one context (B = 1) whose prefix the decoding model prefills itself, in the same forward
+    as its packed continuations: the row reads prefix_ids (1, P) then tokens (1, L), the prefix causal, each packed
+    token seeing the whole prefix and the earlier tokens of its own continuation at position P + offset, and only
+    the L packed positions reach the head. One call instead of the prefill's and the step's (a batch-1 oracle's)."""
+    width, steps = prefix_ids.shape[1], tokens.shape[1]
+    causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
+    own = (segments[0, :, None] == segments[0, None, :]) & causal  # (L, L): padding sees padding only
+    prefix = torch.cat([torch.ones(width, width, dtype=torch.bool).tril(), torch.zeros(width, steps, dtype=torch.bool)],
+                       dim=1)  # (P, P + L)
+    packed = torch.cat([torch.ones(steps, width, dtype=torch.bool), own], dim=1)  # (L, P + L)
+    allowed = torch.cat([prefix, packed])[None, None]  # (1, 1, P + L, P + L)
+    dtype = handoff.decoder.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = torch.cat([torch.arange(width), width + offsets[0]])[None]  # (1, P + L)
+    handoff.check_length(width + int(offsets[segments >= 0].max()) + 1)
+    logits = handoff.decoder(input_ids=torch.cat([prefix_ids, tokens], dim=1).to(handoff.device),
+                             attention_mask=mask.to(handoff.device), position_ids=positions.to(handoff.device),
+                             logits_to_keep=steps).logits
     return F.log_softmax(logits.float(), dim=-1)
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.decode import packed_logprobs
+from pipeline.kv.decode import packed_logprobs, prefilled_packed_logprobs
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers, Prefixes, padded_prefixes
 from pipeline.store.lazy import lazy
@@ -53,7 +53,9 @@ def score_continuations(
     so no prefix is copied per continuation and a row is padded only to the longest packed row. Contexts are
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
     `kept`: prefix -> its cache (batch 1) already built by this handoff (a gate's first step, `kv.router`), read
-    instead of building a batch's cache again where it holds every prefix of the batch.
+    instead of building a batch's cache again where it holds every prefix of the batch. At `batch_size` 1 a mode
+    whose decoding model prefills the prompt itself (the oracle) reads the prefix and the packed row in one forward
+    (`kv.decode.prefilled_packed_logprobs`: one call, not two, and no cache to hand between them).
     """
     max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
@@ -62,17 +64,21 @@ def score_continuations(
     for chunk in context_batches(ordered, batch_size):
         contexts = [context for context, _ in chunk]
         prefixes = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
-        layers = kept_layers(kept or {}, prefixes)
-        if layers is None:
-            layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
         if len(chunk) == 1:  # one context, however many continuations: as few rows as its window allows
             forwards = [[part] for part in window_parts(chunk[0][1], requests, max_length)]
         else:
             forwards = [[indices for _, indices in chunk]]
+        layers, prefix_ids = None, None
+        if batch_size == 1 and len(forwards) == 1 and handoff.kind.reads.own and prefixes.ids.shape[1]:
+            prefix_ids = prefixes.ids  # (1, P): prefilled in the step's own forward
+        else:
+            layers = kept_layers(kept or {}, prefixes)
+            if layers is None:
+                layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
         for forward in forwards:
             rows = [[(index, requests[index][1]) for index in indices] for indices in forward]
-            for index, result in score_rows(handoff, layers, contexts, rows, prefixes.lengths,
-                                            prefixes.padded).items():
+            for index, result in score_rows(handoff, layers, contexts, rows, prefixes.lengths, prefixes.padded,
+                                            prefix_ids).items():
                 results[index] = result
             bar.update(sum(len(members) for members in rows))
     bar.close()
@@ -112,13 +118,16 @@ def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max
 
 
 def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Sequence[int]],
-               rows: list[list[tuple[int, Sequence[int]]]], lengths: torch.Tensor, padded: bool
-               ) -> dict[int, tuple[float, bool]]:
+               rows: list[list[tuple[int, Sequence[int]]]], lengths: torch.Tensor, padded: bool,
+               prefix_ids: torch.Tensor | None = None) -> dict[int, tuple[float, bool]]:
     """One forward: each context's (index, continuation) members packed into its step row after the contexts'
-    prefix cache `layers` (real prefix lengths `lengths`, right-padded when `padded`); per request index, the
-    sum of its continuation's log-probabilities and whether it is the greedy one."""
+    prefix cache `layers` (real prefix lengths `lengths`, right-padded when `padded`), or, with `prefix_ids`
+    (1, P), after the decoding model's own prefill of them in the same forward; per request index, the sum of its
+    continuation's log-probabilities and whether it is the greedy one."""
     steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
-    if (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
+    if prefix_ids is not None:
+        logprobs = prefilled_packed_logprobs(handoff, prefix_ids, steps, segments, offsets)  # (1, L, V)
+    elif (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
         logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
     else:
         logprobs = packed_logprobs(handoff, layers, steps, lengths, segments, offsets)  # (B, L, V)
