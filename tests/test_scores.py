@@ -1,14 +1,23 @@
 """The gate's scores as a registry (`kv.scores`): a score is its module and its registry line, and nothing else is
-edited to compute it, gate on it or count its cost."""
+edited to compute it, gate on it, count its cost or read it in the selective stage's summary and the report."""
+import numpy as np
+import pandas as pd
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from conftest import build_model, committed, measure_params, tiny_config
 
+import pipeline.schema.selective as selective_schema
+import pipeline.selective as selective_stage
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper
 from pipeline.kv.scores.base import Evidence, Score, Work
 from pipeline.kv.scores.registry import SCORES, register, score_macs
+from pipeline.measure.confident import MARGINS
+from pipeline.schema.selective import SelectiveParams
+from pipeline.store.params import parse
+from pipeline.studies import selective as study
+from pipeline.studies.settings import ReportParams
 
 VOCAB = 97
 
@@ -65,3 +74,32 @@ def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
         register(object())
     with pytest.raises(ValueError, match="scores named twice"):
         register(*SCORES.values(), SCORES["entropy"])
+
+
+def test_a_score_in_a_temporary_registry_reaches_the_stages_summary_and_the_reports_lines_by_its_own_name(
+        handoff, monkeypatch):
+    registry = register(*SCORES.values(), Length())
+    for module in (selective_schema, selective_stage):  # where the stage and its params read the registry
+        monkeypatch.setattr(module, "SCORES", registry)
+    generator = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, VOCAB, (int(n),), generator=generator).tolist()
+                for n in torch.randint(2, 30, (40,), generator=generator)]
+    values = Scorer(handoff, scores=registry).scores(contexts, ["length"])["length"].numpy()  # (40,)
+    changed = values > np.median(values)  # what the map changes: the long contexts, which the score ranks first
+    column = selective_stage.column("length")
+    items = pd.concat([pd.DataFrame({"part": part, "map": "a", "task": np.where(np.arange(40) % 2, "piqa", "hellaswag"),
+                                     "item": range(40), "mapped": (~changed).astype(int), "oracle": 1, "source": 0,
+                                     "changed": changed, column: values}) for part in ("dev", "eval")],
+                      ignore_index=True)
+    prompts = pd.DataFrame({"map": "a", "prompt": range(40), "first_agree": (~changed).astype(int),
+                            "rollout_agree": (~changed).astype(int), "horizon": 1, MARGINS: [[0.9, 0.0]] * 40,
+                            "changed": changed, column: values})
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "models/mapper.safetensors"},
+                                     "scores": ["length"]}, "selective")
+    costs = {"a": {"target_ms": 10.0, "handoff_ms": 4.0, "length_ms": 0.1, "target": 10.0, "handoff": 3.0,
+                   "length": 0.01}}
+    metrics, curves = selective_stage.summarize(items, prompts, params, costs, measure_params(bootstrap_iters=100))
+    assert metrics["maps"]["a"]["scores"]["length"]["auroc_items"] == 1.0
+    report = parse(ReportParams, committed("report"), "report")
+    text = "\n".join(study.lines(study.compute(report, measure_params(), study.Inputs(metrics, curves))))
+    assert "AUROC on the eval items length 1.000" in text
