@@ -12,7 +12,7 @@
 
 `pair` is a `kv.pair.Pair` (configs, tokenizers and the contract read now, each model's weights on first use, a
 `self:<n>` source sharing the target's layers); `handoff` checks its arguments by the rules kv-transfer's model args
-and generate's flags obey (`kv.request.Request`: a mode's map, a repair no larger than the target, a gate's score and
+and generate's flags obey (`kv.request.Transfer`: a mode's map, a repair no larger than the target, a gate's score and
 threshold, each refused in one line before any weight loads) and returns the `kv.router.Router` of that handoff and
 gate; `handed_off` gives the cache the target reads prompt[-1] after: the handoff's own (mapped, repaired, ...) or,
 where the gate falls back, the target's own prefill, with the route that says which (`kv.routes`). The cache is a
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import FIELDS, Face, Request
+from pipeline.kv.request import FIELDS, Face, Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import Route
 from pipeline.store import inputs
@@ -58,7 +58,7 @@ def handoff(models: Pair, mode: str = "mapped", mapper: str | Path | None = None
     target recomputing part of the cache first (`repair`, a `kv.repair` setting: `layers:1`,
     `sink:4+tokens:0.1:attention`), gated by `fallback` (entropy, kl, disagree with its `disagree` maps
     "k1.safetensors:kmax.safetensors") above `threshold`; every argument checked before any weight loads."""
-    request = Request.of(API, mode=mode, mapper=None if mapper is None else str(mapper), repair=repair,
+    request = Transfer.of(API, mode=mode, mapper=None if mapper is None else str(mapper), repair=repair,
                          fallback=fallback, threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
                          allow_other_models=models.allow_other_models)
     request.require_source(models.has_source, "one: pair(target, source)")

@@ -34,7 +34,7 @@ Each row's route says how the mode's cache came: `oracle`, `source`, the mode's 
 ...), `repaired <setting>: [layers 0-n exact,] N tokens recomputed in T ms` (the repair's own time, from the
 handoff's `repaired.log`), `fell back to the target's prefill: <score> S > threshold T`, or `nothing handed off`
 (a one-token prompt has no prefix). Every flag is checked before model work by `store.inputs`' rules and each
-mode's `kv.request.Request` (the rules kv-transfer's model args obey: a threshold never nan, a temperature >= 0,
+mode's `kv.request.Transfer` (the rules kv-transfer's model args obey: a threshold never nan, a temperature >= 0,
 `--eval N` within the eval prompts, `--threads` and `--shuffle-seed` >= 0, a prompt that is not only whitespace, a
 UTF-8 `--file`, prompt and new tokens within the models' positions, a device this machine has and can run on):
 one line and exit 2 for the first bad one.
@@ -54,7 +54,7 @@ from pipeline.kv.decode import eos_ids
 from pipeline.kv.modes.registry import MODES, SOURCE_MODES
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.request import GATE_SCORES, GENERATE, USES, Request
+from pipeline.kv.request import GATE_SCORES, GENERATE, USES, Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.generation import Generation, Stream, continued, departure, warm_up
@@ -74,7 +74,7 @@ DEFAULT_TRANSFER = "oracle,mapped,source,direct"  # a mode of these the pair doe
 GATE_FLAGS = ("fallback", "threshold", "disagree")  # the gate's part of a request
 
 
-def mode_request(mode: str, options: dict) -> Request:
+def mode_request(mode: str, options: dict) -> Transfer:
     """The request of `mode` from the run's `options` (the request fields its flags give): each field the mode reads;
     a mode reading a map without one is refused (FileNotFoundError, as the pipeline's missing selected map)."""
     mapper = options.get("mapper")
@@ -85,7 +85,7 @@ def mode_request(mode: str, options: dict) -> Request:
             raise FileNotFoundError(f"no mapper at {mapper}: run the pipeline's `select` stage, or give --mapper")
     used = {field: value for field, value in options.items()
             if value is not None and (field not in USES or mode in USES[field])}
-    return Request.of(GENERATE, mode=mode, **{field: str(value) if field == "mapper" else value
+    return Transfer.of(GENERATE, mode=mode, **{field: str(value) if field == "mapper" else value
                                               for field, value in used.items()})
 
 
@@ -204,7 +204,7 @@ def request_options(args, modes: Sequence[str]) -> dict:
                              f"({', '.join(USES[field])}); add one or leave the flag out")
     gate = {field: options[field] for field in GATE_FLAGS if options[field] is not None}
     if gate:  # the gate's rules, on a mode that reads it and nothing else
-        Request.of(GENERATE, mode=SOURCE_MODES[0], **gate)
+        Transfer.of(GENERATE, mode=SOURCE_MODES[0], **gate)
     return options
 
 

@@ -10,7 +10,7 @@ Importing this module registers the model. It is `measure.adapter.HandoffLM` (lm
     repair=<kv.repair setting, e.g. sink:4+tokens:0.1:attention: the target recomputes part of the cache>
     allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
 
-The handoff's part of them is a `kv.request.Request`, checked before any model is loaded by the rules generate's
+The handoff's part of them is a `kv.request.Transfer`, checked before any model is loaded by the rules generate's
 flags obey too: an arg the transfer does not read (`transfer=oracle,mapper=...`, `source=` beside oracle or zero,
 a revision of a local folder, `repair=` on oracle or source, a gate on a mode without a source cache,
 `shuffle_seed=` beside anything but shuffled), an arg given twice in any of lm-eval's forms (comma-separated, space-
@@ -58,7 +58,7 @@ from lm_eval.utils import setup_logging, simple_parse_args_string
 
 from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import KV_TRANSFER, Request
+from pipeline.kv.request import KV_TRANSFER, Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.adapter import HandoffLM, refuse_without_chat_template
 from pipeline.measure.ledger import RequestCache
@@ -98,7 +98,7 @@ class KVTransferLM(HandoffLM):
             raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")
         texts(target=target, source=source, mapper=mapper, disagree=disagree, target_revision=target_revision,
               source_revision=source_revision)
-        request = Request.of(KV_TRANSFER, mode=transfer, mapper=mapper, repair=repair, fallback=fallback,
+        request = Transfer.of(KV_TRANSFER, mode=transfer, mapper=mapper, repair=repair, fallback=fallback,
                              threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
                              allow_other_models=allow_other_models)
         request.require_source(source is not None, "source=<hub id or path>")
@@ -120,7 +120,7 @@ class KVTransferLM(HandoffLM):
         router = Router.of(pair, request, batch)
         for difference in pair.other_models:  # the run's config records allow_other_models=true beside this
             log.warning("kv-transfer: allow_other_models=true: %s", difference)
-        lm = cls(router, pair.target_tokenizer, batch, length, ranks)
+        lm = cls(router, pair.target_tokenizer, length, ranks)
         lm.pair = pair
         if cls.built is not None:
             cls.built.append(lm)
@@ -152,7 +152,7 @@ def texts(**values) -> None:
                              f"{name}='{value}' quoted)")
 
 
-def unused(request: Request, sides: dict[str, tuple[str | None, str | None]]) -> None:
+def unused(request: Transfer, sides: dict[str, tuple[str | None, str | None]]) -> None:
     """Refuse a model arg the handoff would not read: `source=` beside a mode that reads no source, a revision
     beside no model or beside a local folder or self source (a revision names a hub commit)."""
     if sides["source"][0] is not None and not request.needs_source():

@@ -22,6 +22,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
+from pipeline.kv.router import Router
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.models import IncompatiblePairError
@@ -293,9 +294,9 @@ def test_the_fitted_map_between_unequal_geometries_reproduces_the_oracle_through
                              [torch.randint(0, len(tokenizer), (1, 60), generator=generator) for _ in range(4)])
     texts = [("the cat sat on the", " mat"), ("a b c d e f", " g h"), ("once upon a time there", " was a king")]
     requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(texts)]
-    oracle = KVTransferLM(Handoff(target), tokenizer).loglikelihood(requests, disable_tqdm=True)
+    oracle = KVTransferLM(Router(Handoff(target)), tokenizer).loglikelihood(requests, disable_tqdm=True)
     handoff = Handoff(target, source, "mapped", mapper, tokenizers=(tokenizer, tokenizer))
-    mapped = KVTransferLM(handoff, tokenizer).loglikelihood(requests, disable_tqdm=True)
+    mapped = KVTransferLM(Router(handoff), tokenizer).loglikelihood(requests, disable_tqdm=True)
     assert [ll for ll, _ in mapped] == pytest.approx([ll for ll, _ in oracle], abs=1e-4)
     assert [greedy for _, greedy in mapped] == [greedy for _, greedy in oracle]
 

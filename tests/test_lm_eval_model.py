@@ -179,7 +179,7 @@ def test_chat_template_renders_as_stock_hf_also_without_a_system_role(chat_targe
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question: why?\nAnswer:"}]
     prefilled = [*history, {"role": "assistant", "content": "Because"}]
     ours = KVTransferLM.from_args(target=str(chat_target), device="cpu")
-    wrapped = KVTransferLM(ours.handoff, AutoTokenizer.from_pretrained(chat_target))
+    wrapped = KVTransferLM(ours.router, AutoTokenizer.from_pretrained(chat_target))
     reference = stock_hf(chat_target, torch.float32)
     for lm in (ours, wrapped):
         assert lm.tokenizer_name == reference.tokenizer_name and "/" not in lm.tokenizer_name
@@ -355,7 +355,7 @@ def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(t
         def gather(self, value, dst: int = 0) -> list:
             return [value, (other_rank.ledger.entries, other_rank.ledger.tokens)]
 
-    lm = KVTransferLM(other_rank.handoff, other_rank.tokenizer, ranks=TwoRanks())
+    lm = KVTransferLM(other_rank.router, other_rank.tokenizer, ranks=TwoRanks())
     for doc_id in (0, 2):
         for _ in range(2):  # lm-eval pads a rank's requests with copies of its last one: the same request
             lm.ledger.record(request(doc_id, 0), Route("oracle"))

@@ -5,7 +5,7 @@ import pytest
 from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import GENERATE, KV_TRANSFER, USES, Request
+from pipeline.kv.request import GENERATE, KV_TRANSFER, USES, Transfer
 from pipeline.store.params import ParamError
 
 VALUES = {"mapper": None, "repair": "sink:2", "fallback": "entropy", "threshold": "1", "disagree": None,
@@ -34,31 +34,31 @@ def test_each_arg_is_taken_by_the_modes_that_read_it_and_refused_by_the_others(m
     if mode == "mapped" and field != "mapper":
         args["mapper"] = map_file
     if mode in USES[field]:
-        Request.of(KV_TRANSFER, mode=mode, **args)
+        Transfer.of(KV_TRANSFER, mode=mode, **args)
         return
     with pytest.raises(ParamError, match=rf"^kv-transfer transfer={mode} does not use (\w+)=: leave it out"):
-        Request.of(KV_TRANSFER, mode=mode, **args)
+        Transfer.of(KV_TRANSFER, mode=mode, **args)
 
 
 def test_the_faces_spell_one_rule_their_own_way():
     with pytest.raises(ParamError, match=r"^kv-transfer threshold= and disagree= gate a handoff: give fallback="):
-        Request.of(KV_TRANSFER, mode="direct", threshold="1")
+        Transfer.of(KV_TRANSFER, mode="direct", threshold="1")
     with pytest.raises(ParamError, match=r"^--threshold and --disagree gate a handoff: give --fallback <score> too$"):
-        Request.of(GENERATE, mode="direct", threshold=1.0)
+        Transfer.of(GENERATE, mode="direct", threshold=1.0)
     with pytest.raises(ParamError, match=r"^kv-transfer threshold: nan would never fall back"):
-        Request.of(KV_TRANSFER, mode="direct", fallback="kl", threshold="nan")
+        Transfer.of(KV_TRANSFER, mode="direct", fallback="kl", threshold="nan")
 
 
 def test_a_malformed_repair_is_the_repair_parsers_refusal_unwrapped():
     with pytest.raises(Exception) as refused:
-        Request.of(KV_TRANSFER, mode="mapped", mapper="x", repair="sink:x")
+        Transfer.of(KV_TRANSFER, mode="mapped", mapper="x", repair="sink:x")
     assert type(refused.value).__name__ == "RepairError" and "bad part 'sink:x'" in str(refused.value)
 
 
 @pytest.mark.parametrize("mode, needs", [("oracle", False), ("zero", False), ("source", True), ("direct", True),
                                          ("shuffled", True)])
 def test_a_mode_that_reads_a_source_needs_one(mode, needs):
-    request = Request.of(KV_TRANSFER, mode=mode)
+    request = Transfer.of(KV_TRANSFER, mode=mode)
     request.require_source(True, "source=<path>")
     if needs:
         with pytest.raises(ParamError, match=rf"^kv-transfer transfer={mode} needs a source model: give source="):
@@ -70,11 +70,11 @@ def test_a_mode_that_reads_a_source_needs_one(mode, needs):
 def test_a_repair_larger_than_the_target_is_refused_from_its_config(tiny_pair):
     pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]))
     layers = pair.contract.target.geometry["layers"]
-    Request.of(KV_TRANSFER, mode="direct", repair=f"layers:{layers}").check_geometry(pair)
+    Transfer.of(KV_TRANSFER, mode="direct", repair=f"layers:{layers}").check_geometry(pair)
     with pytest.raises(ParamError, match=rf"layers:{layers + 1} exceeds the target's {layers} layers"):
-        Request.of(KV_TRANSFER, mode="direct", repair=f"layers:{layers + 1}").check_geometry(pair)
+        Transfer.of(KV_TRANSFER, mode="direct", repair=f"layers:{layers + 1}").check_geometry(pair)
     with pytest.raises(ParamError, match=rf"sink:{pair.positions} is not below the models' {pair.positions}"):
-        Request.of(KV_TRANSFER, mode="direct", repair=f"sink:{pair.positions}").check_geometry(pair)
+        Transfer.of(KV_TRANSFER, mode="direct", repair=f"sink:{pair.positions}").check_geometry(pair)
     assert "target" not in pair.__dict__  # decided from the config: no weights loaded
-    assert Request.of(KV_TRANSFER, mode="direct", repair="none").setting is None
-    assert Request.of(GENERATE, mode="zero", repair=Repair.parse("sink:2")).setting == Repair.parse("sink:2")
+    assert Transfer.of(KV_TRANSFER, mode="direct", repair="none").setting is None
+    assert Transfer.of(GENERATE, mode="zero", repair=Repair.parse("sink:2")).setting == Repair.parse("sink:2")

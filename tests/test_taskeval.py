@@ -8,6 +8,7 @@ from conftest import hellaswag_rows, piqa_rows
 from torch.utils import collect_env
 
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import taskeval
 from pipeline.measure.taskeval import evaluate_tasks, portable
@@ -53,7 +54,7 @@ def test_evaluations_compile_each_of_lm_evals_templates_once_and_render_what_lm_
     pd.DataFrame(hellaswag_rows(5)).to_parquet(files["hellaswag"])
     pd.DataFrame(piqa_rows(5)).to_parquet(files["piqa"])
     pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
-    lm = KVTransferLM(pair.handoff("oracle"), pair.target_tokenizer, batch_size=4)
+    lm = KVTransferLM(Router(pair.handoff("oracle"), batch_size=4), pair.target_tokenizer)
     first, _ = evaluate_tasks(lm, files)
     second, _ = evaluate_tasks(lm, files)
     assert first == second

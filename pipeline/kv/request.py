@@ -1,6 +1,6 @@
 """What a user asks of a handoff, validated before any model loads: one request object for every face.
 
-A `Request` is the mode, its map, its repair setting, its gate and whether a map may be used on other models. The
+A `Transfer` is the mode, its map, its repair setting, its gate and whether a map may be used on other models. The
 faces spell its fields their own way (`Face`: kv-transfer's model args `transfer=`, `mapper=`, ...; generate's
 flags `--transfer`, `--mapper`, ...), and every refusal is one line naming the arg as the face spells it and the
 fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped). Rules, one table for both faces
@@ -8,7 +8,7 @@ fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped)
 needs one, a repair setting larger than the pair's target (its layers, its positions, a policy reading layers past
 them: `key_norm@N`) is refused from the configs.
 
-Built by `Request.of(face, **args)`; `Router.of(pair, request)` (`kv.router`) turns it into handoffs.
+Built by `Transfer.of(face, **args)`; `Router.of(pair, request)` (`kv.router`) turns it into handoffs.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ KV_TRANSFER = Face("kv-transfer", {**{field: field for field in FIELDS}, "mode":
 GENERATE = Face("", {**{field: "--" + field.replace("_", "-") for field in FIELDS}, "mode": "--transfer"})
 
 
-class Request(BaseModel):
-    """One handoff asked for: checked on construction (`Request.of`), values as the handoff takes them."""
+class Transfer(BaseModel):
+    """One handoff asked for: checked on construction (`Transfer.of`), values as the handoff takes them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
@@ -68,7 +68,7 @@ class Request(BaseModel):
     allow_other_models: bool = False
 
     @classmethod
-    def of(cls, face: Face, **args) -> "Request":
+    def of(cls, face: Face, **args) -> "Transfer":
         """The request `args` (a face's values, strings as lm-eval passes them or typed by argparse) name; the
         first bad one refused in one line."""
         try:
@@ -103,7 +103,7 @@ class Request(BaseModel):
         return values
 
     @model_validator(mode="after")
-    def _rules(self) -> "Request":
+    def _rules(self) -> "Transfer":
         face = self.face
         if MODES[self.mode].needs_map and self.mapper is None:
             raise ParamError(f"{face.tool} {face.given('mode', self.mode)} needs a mapper: give "

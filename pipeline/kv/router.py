@@ -11,7 +11,7 @@ step the gate scored (`FirstStep.kept`): a context that keeps its map is prefill
 once, for its score and its continuations, and no more than a batch of those caches is held at once. `first_step`
 routes one context to its first step (a timed evaluation's, `measure.evaluation`).
 
-Built from a `Pair` and a validated `kv.request.Request` (`Router.of`), or from a handoff a stage already holds.
+Built from a `Pair` and a validated `kv.request.Transfer` (`Router.of`), or from a handoff a stage already holds.
 `record()` is what a face writes beside its results: the mode, the repair, the gate and, once counted, the routes.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pipeline.kv.kvcache import Layers, padded_prefixes
 from pipeline.kv.routes import FELL_BACK, Route, hands_off, way, ways
 from pipeline.kv.scoring import score_continuations, truncate
 
-Request = tuple[Sequence[int], Sequence[int]]  # (context, continuation) token ids
+TokenPair = tuple[Sequence[int], Sequence[int]]  # (context, continuation) token ids
 
 
 class Router:
@@ -38,7 +38,7 @@ class Router:
 
     @classmethod
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
-        """The router of `request` (`kv.request.Request`) between `pair`'s models (weights loaded on first use)."""
+        """The router of `request` (`kv.request.Transfer`) between `pair`'s models (weights loaded on first use)."""
         handoff = pair.handoff(request.mode, request.mapper, shuffle_seed=request.shuffle_seed or 0,
                                repair=request.setting)
         gate = None if request.fallback is None else pair.gate(handoff, request.fallback, request.threshold,
@@ -99,7 +99,7 @@ class Router:
         """Each context's handoff and route together."""
         return [(self.handoff_of(route), route) for route in self.routes(contexts)]
 
-    def score(self, requests: Sequence[Request], max_length: int, progress: bool = True
+    def score(self, requests: Sequence[TokenPair], max_length: int, progress: bool = True
               ) -> tuple[list[tuple[float, bool]], list[Route]]:
         """Each request's (sum of log-probabilities, greedy) and route: contexts truncated once to `max_length`,
         routed, and each route's requests scored on its handoff."""
@@ -122,7 +122,7 @@ class Router:
                 results[index], routes[index] = result, route
         return results, routes
 
-    def scored(self, trimmed: Sequence[Request], routes: list[Route], max_length: int, progress: bool,
+    def scored(self, trimmed: Sequence[TokenPair], routes: list[Route], max_length: int, progress: bool,
                kept: dict[tuple[int, ...], Layers] | None = None) -> tuple[list[tuple[float, bool]], list[Route]]:
         """Truncated requests scored on their routes' handoffs (`kept`: prefix caches the handoff built already)."""
         results: list = [None] * len(trimmed)

@@ -101,13 +101,17 @@ def kept_layers(kept: Mapping[tuple[int, ...], Layers], prefixes: Prefixes) -> L
 
 def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
                     reads: Callable[[Sequence[int]], list[int]] = list) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Each context (as truncated to `max_length`, then as the handoff `reads` it: `Handoff.context`) with the
-    indices of the requests that share it, the largest first (its tokens and all its continuations' together)."""
+    """Each context (as the handoff `reads` it: `Handoff.context`) with the indices of the requests that share it,
+    the largest first (its tokens and all its continuations' together). The contexts come truncated to the window
+    (`truncate`, by the router: once); a request longer than `max_length` + 1 tokens is refused, not cut again."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, (context, continuation) in enumerate(requests):
         if not continuation:
             raise ValueError(f"request {index} has an empty continuation")
-        groups.setdefault(tuple(reads(truncate(context, continuation, max_length))), []).append(index)
+        if len(context) + len(continuation) > max_length + 1:
+            raise ValueError(f"request {index} has {len(context) + len(continuation)} tokens, past the window of "
+                             f"{max_length} + 1: truncate its context first (`truncate`, as Router.score does)")
+        groups.setdefault(tuple(reads(context)), []).append(index)
     if any(not context for context in groups):
         raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
 

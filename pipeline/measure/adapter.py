@@ -129,14 +129,17 @@ class TargetTokensLM(TemplateLM):
 class HandoffLM(TargetTokensLM):
     """lm-eval's model whose every request goes through `router` (answered from `cache` where it holds the answer)."""
 
-    def __init__(self, router: Router | Handoff, tokenizer, batch_size: int = 8, max_length: int | None = None,
-                 ranks: Ranks = ONE_PROCESS, gate: Gate | None = None, cache: RequestCache | None = None):
-        """`router` (or a handoff, routed through `gate` if given) with the target's `tokenizer`; `max_length`: the
-        window contexts are truncated to (default: the target's positions); `ranks`: this process's place; `cache`:
-        the handoff's request cache (`measure.ledger.RequestCache`), None for none."""
-        self.router = router if isinstance(router, Router) else Router(router, gate, batch_size)
+    def __init__(self, router: Router, tokenizer, max_length: int | None = None, ranks: Ranks = ONE_PROCESS,
+                 cache: RequestCache | None = None):
+        """The requests `router` serves (`router.batch_size` contexts a forward), tokenized by the target's
+        `tokenizer`; `max_length`: the window contexts are truncated to (default: the target's positions); `ranks`:
+        this process's place; `cache`: the handoff's request cache (`measure.ledger.RequestCache`), None for none."""
+        if not isinstance(router, Router):
+            raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}: wrap a handoff as "
+                            "Router(handoff, gate, batch_size)")
+        self.router = router
         super().__init__(tokenizer, max_length or self.handoff.decoder.config.max_position_embeddings)
-        self.router.batch_size = self.batch_size = batch_size
+        self.batch_size = router.batch_size
         self.ledger, self.cache = Ledger(), cache
         self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
         self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pipeline.kv.decode import generate
-from pipeline.kv.gate import Gate
 from pipeline.kv.router import Router
 from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, SENTENCES, way
 
@@ -34,13 +33,6 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
         if token != reference:
             return index
     return None if len(tokens) == len(oracle) else min(len(tokens), len(oracle))
-
-
-def route(gate: Gate, prompt: Sequence[int]) -> tuple[float, bool, float]:
-    """The gate's score of the prompt, whether it falls back, and the scoring's time in ms."""
-    start = time.perf_counter()
-    scores, fallback = gate.route([list(prompt)], batch_size=1)
-    return float(scores[0]), bool(fallback[0]), 1000 * (time.perf_counter() - start)
 
 
 def route_text(router: Router, prompt: Sequence[int], score: float | None, fell_back: bool,
@@ -69,8 +61,8 @@ def warm_up(routers: dict[str, Router], prompt: Sequence[int]) -> None:
     lazy initialisation (the first cached step, the first map)."""
     for router in routers.values():
         generate(router.handoff, prompt, 1)
-        if router.gate is not None:
-            route(router.gate, prompt)
+        if router.gate is not None:  # the gate itself, not the router: a routed prompt's decision is memoised
+            router.gate.route([list(prompt)], batch_size=1)
 
 
 class Stream:
@@ -97,12 +89,14 @@ class Stream:
 
 def continued(router: Router, prompt: Sequence[int], max_new_tokens: int, stop, temperature: float, seed: int,
               stream: "Stream") -> Generation:
-    """One mode's continuation of `prompt`, streamed: the way its gate sends it (scored and timed), decoded."""
-    handoff = router.handoff
-    score, fell_back, score_ms = route(router.gate, prompt) if router.gate is not None else (None, False, 0.0)
+    """One mode's continuation of `prompt`, streamed: the handoff the router sends it to (under a gate, scored and
+    the scoring timed), decoded."""
+    handoff, start = router.handoff, time.perf_counter()
+    [(serving, taken)] = router.routed([list(prompt)])
+    score_ms = 1000 * (time.perf_counter() - start) if router.gate is not None else 0.0
+    score, fell_back = taken.score, taken.way == FELL_BACK
     logged = len(handoff.repaired.log)
-    tokens, ttft_ms = generate(router.gate.fallback if fell_back else handoff, prompt, max_new_tokens, stop,
-                               temperature, seed, stream)
+    tokens, ttft_ms = generate(serving, prompt, max_new_tokens, stop, temperature, seed, stream)
     stream.close()
     text = route_text(router, prompt, score, fell_back, handoff.repaired.log[logged:])
     return Generation(handoff.mode, tokens, ttft_ms, score, fell_back, score_ms, text)

@@ -77,10 +77,9 @@ def without_repeated_work() -> None:
 
 def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS
                 ) -> tuple[dict | None, pd.DataFrame | None]:
-    """`evaluate_tasks` of the requests `router` (`kv.router.Router`, or a handoff it routes alone) serves,
-    tokenized by the target's `tokenizer` (`measure.adapter.HandoffLM`, `router.batch_size` contexts a forward)."""
-    batch_size = getattr(router, "batch_size", None) or 8
-    return evaluate_tasks(adapter.HandoffLM(router, tokenizer, batch_size=batch_size, ranks=ranks), files, raw_to)
+    """`evaluate_tasks` of the requests `router` (`kv.router.Router`) serves, tokenized by the target's `tokenizer`
+    (`measure.adapter.HandoffLM`, `router.batch_size` contexts a forward)."""
+    return evaluate_tasks(adapter.HandoffLM(router, tokenizer, ranks=ranks), files, raw_to)
 
 
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict | None, pd.DataFrame | None]:
