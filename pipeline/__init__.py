@@ -40,8 +40,10 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               architecture's attention, cache <-> tensors,
               the handoff modes (kv/modes/, one module each with its prefix hook, and their registry), the
               architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
-              one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
-              repair (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
+              one module each, and their registry), the repair's token selectors (kv/selectors/: one declaration
+              module each, and their registry; their maths, the torch scoring, in kv/selectors/maths/, listed in
+              WINGS as `selectors.maths` and imported only by the repair's run), the repair setting and its grammar,
+              the repair's run (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
               (last-token protocol), decoding after it, scoring continuations after it, the route words, the gate's
               scores (kv/scores/, likewise), the gate, the pair (its models loaded once, its handoffs), the request
               a face validates, the router (each context's handoff and route)
@@ -68,7 +70,8 @@ WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "ranks", "splits", "haystack",
               "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints", "gguf"),
     "kv": ("entries", "rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair",
-           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
+           "selectors.maths", "recompute", "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores",
+           "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating", "routes",
                 "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),

@@ -43,7 +43,8 @@ from pipeline.kv.kvcache import (
 from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.modes.base import Built, ClockHook, tell
 from pipeline.kv.modes.registry import MODES, check_mode
-from pipeline.kv.repair import Repair, RepairCount, repair_cache
+from pipeline.kv.recompute import RepairCount, repair_cache
+from pipeline.kv.repair import Repair
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -153,7 +154,7 @@ class Handoff:
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
         self.repair, self.keep = repair or Repair(), keep
         check_options(mode, self.repair, keep)
-        self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
+        self.repaired = RepairCount()  # what the repair made the target compute (kv.recompute)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if self.kind.hands_over:
