@@ -1,5 +1,6 @@
-"""The gate's scores as a registry (`kv.scores`): a score is its module and its registry line, and nothing else is
-edited to compute it, gate on it or count its cost."""
+"""The gate's scores as a registry (`kv.scores`): a score is its declaration and its maths (`kv.scores.maths`), each a
+module and a registry line, and nothing else is edited to compute it, gate on it or count its cost; a declared score
+without maths is refused."""
 import pytest
 import torch
 from conftest import build_model, tiny_config
@@ -7,8 +8,11 @@ from conftest import build_model, tiny_config
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper
-from pipeline.kv.scores.base import Evidence, Score, Work
-from pipeline.kv.scores.registry import SCORES, register, score_macs
+from pipeline.kv.scores.base import Score, Work
+from pipeline.kv.scores.maths import registry as maths_registry
+from pipeline.kv.scores.maths.base import Evidence, ScoreMaths
+from pipeline.kv.scores.maths.registry import SCORE_MATHS
+from pipeline.kv.scores.registry import INPUTS, SCORES, register, score_macs
 
 VOCAB = 97
 
@@ -21,12 +25,19 @@ class Length(Score):
     def reads(self, scorer) -> tuple[str, ...]:
         return ("entropy",)  # computed first, so a score may read another's values
 
+    def cost(self, work: Work) -> int:
+        return work.length - 1
+
+
+LENGTH = Length()
+
+
+class LengthMaths(ScoreMaths):
+    declaration = LENGTH
+
     def score(self, evidence: Evidence) -> torch.Tensor:
         assert "entropy" in evidence.values
         return evidence.first.prefixes.lengths.double()  # (B,)
-
-    def cost(self, work: Work) -> int:
-        return work.length - 1
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +47,10 @@ def handoff():
 
 
 def test_a_score_registered_in_a_temporary_registry_reaches_the_gate_with_no_other_file_edited(handoff):
-    registry = register(*SCORES.values(), Length())
+    registry = register(*SCORES.values(), LENGTH)
+    maths = maths_registry.register(*SCORE_MATHS.values(), LengthMaths(), declared={**registry, **INPUTS})
     contexts = [[5, 6], [1, 2, 3, 4, 5, 6], [7], [8, 9, 10, 11]]
-    scorer = Scorer(handoff, scores=registry)
+    scorer = Scorer(handoff, scores=registry, maths=maths)
     assert scorer.scores(contexts, ["length"])["length"].tolist() == [1.0, 5.0, float("-inf"), 3.0]
     gate = Gate(scorer, "length", 2.0, Handoff(handoff.decoder))
     _, fell_back = gate.route(contexts)
@@ -65,3 +77,29 @@ def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
         register(object())
     with pytest.raises(ValueError, match="scores named twice"):
         register(*SCORES.values(), SCORES["entropy"])
+
+
+def test_the_maths_registry_names_every_declared_score_and_input_each_with_its_own_declaration():
+    declared = {**SCORES, **INPUTS}
+    assert list(SCORE_MATHS) == list(declared)
+    assert all(SCORE_MATHS[name].declaration is declared[name] for name in declared)
+
+
+def test_a_declared_score_without_maths_is_refused_by_the_maths_registry_and_the_scorer(handoff):
+    with pytest.raises(ValueError, match=r"^'length' is declared \(kv.scores.registry\) but has no maths: add them in "
+                                         r"kv/scores/maths/ and their line in kv.scores.maths.registry$"):
+        maths_registry.register(*SCORE_MATHS.values(), declared={**SCORES, **INPUTS, "length": LENGTH})
+    with pytest.raises(ValueError, match="^the maths 'length' compute no declared entry"):
+        maths_registry.register(*SCORE_MATHS.values(), LengthMaths())
+    with pytest.raises(ValueError, match="^score 'length' has no maths"):
+        Scorer(handoff, scores=register(*SCORES.values(), LENGTH))
+
+
+def test_maths_without_a_score_cannot_be_instantiated_or_registered():
+    class Scoreless(ScoreMaths):
+        declaration = SCORES["entropy"]
+
+    with pytest.raises(TypeError, match="score"):
+        Scoreless()
+    with pytest.raises(TypeError, match="is not a named kv.scores.maths.base.ScoreMaths instance"):
+        maths_registry.register(Scoreless)
