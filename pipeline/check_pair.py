@@ -35,8 +35,8 @@ from pipeline.kv.flops import (
     repair_budget,
     speedup_bound,
 )
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import check_map_geometry
-from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import check_models
 from pipeline.kv.repair import Repair

@@ -26,7 +26,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pipeline.kv.contract import pair_contract
-from pipeline.kv.kvcache import cache_to_layers, kv_geometry
+from pipeline.kv.geometry import kv_geometry
+from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.schema.extract import ExtractParams
 from pipeline.store import paths

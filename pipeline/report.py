@@ -15,7 +15,7 @@ import platform
 from importlib.metadata import version
 from pathlib import Path
 
-from pipeline.kv.contract import BASELINES
+from pipeline.kv.modes.registry import BASELINES
 from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.evaluate import EvaluateParams

@@ -29,7 +29,7 @@ from pipeline.fitting.heal import Teacher, TopTeacher, batches_of, cut_rows, hea
 from pipeline.fitting.importance import importance
 from pipeline.fitting.prune import choose_cut, choose_layers, pruned
 from pipeline.kv.flops import handoff_macs, target_prefill_macs
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.schema.sibling import INFLUENCE, Counts, SiblingParams, names_sibling
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic

@@ -18,8 +18,9 @@ from pipeline.kv.contract import (
 )
 from pipeline.kv.decode import greedy_rollout
 from pipeline.kv.flops import mapper_parameter_count
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import cache_to_layers, kv_geometry
+from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
 from pipeline.kv.router import Router

@@ -39,8 +39,9 @@ from pipeline.fitting.distill_rows import (
     with_oracles,
 )
 from pipeline.kv.families.registry import TRAINABLE
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
+from pipeline.kv.kvcache import Layers, cache_to_layers
 from pipeline.kv.mapper import Mapper, load_mapper, map_cache, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation

@@ -1,7 +1,11 @@
 """dvc.yaml lists, for every stage, the stage's module and every pipeline module it imports (transitively,
 counting `python -m pipeline.X` subprocesses as imports), so a code change reruns exactly the stages it can
-affect; and every params section a stage loads is declared in its `params:`."""
+affect; every params section a stage loads is declared in its `params:`; and the report, which only names modes,
+baselines, repair settings and scores, depends on no registry's maths (`kv/<registry>/maths/`)."""
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,6 +154,33 @@ def test_a_lazy_reference_the_deps_cannot_read_is_named(tmp_path):
     path.parent.mkdir()
     path.write_text('a = lazy(NAME)\nb = lazy("pipeline.nowhere")\nc = lazy("torch")\n')
     assert edges(path, modules(tmp_path))["unnamed"] == [("?", 1, False), ("pipeline.nowhere", 2, False)]
+
+
+def maths_in_closure(module: str, root: Path) -> list[str]:
+    """The modules of a registry's maths sub-package (`pipeline.kv.<registry>.maths.*`: its entries' torch code) that
+    `module` imports, as the dvc.yaml deps count imports."""
+    return sorted(name for name in closure(module, graph(root, subprocess=True)) if ".maths." in name)
+
+
+def test_the_reports_deps_hold_no_selector_and_no_other_registrys_maths():
+    assert maths_in_closure("pipeline.report", ROOT) == []
+    code = [dep for dep in STAGES["report"]["deps"] if dep.startswith("pipeline/")]
+    assert "pipeline/kv/repair.py" in code and not [dep for dep in code if "/maths/" in dep]
+    assert "pipeline/kv/recompute.py" not in code  # the repair's run, which scores tokens, is not the report's
+
+
+def test_importing_the_report_loads_no_maths_module():
+    script = "import sys, pipeline.report; print(sorted(m for m in sys.modules if '.maths' in m))"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_maths_check_sees_a_study_that_imports_a_selectors_maths(tmp_path):
+    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    study = tmp_path / "pipeline" / "studies" / "repair.py"
+    study.write_text(study.read_text() + "from pipeline.kv.selectors.maths import attention  # the study's edit\n")
+    found = maths_in_closure("pipeline.report", tmp_path)
+    assert {"pipeline.kv.selectors.maths.attention", "pipeline.kv.selectors.maths.base"} <= set(found)
 
 
 def sections_read(path: Path) -> set[str]:

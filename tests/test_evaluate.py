@@ -8,9 +8,9 @@ import yaml
 from conftest import ROOT
 
 from pipeline.evaluate import build_handoff, ordered_variants, variant_repair
-from pipeline.kv.contract import BASELINES
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.modes.registry import BASELINES
 from pipeline.kv.pair import Pair
 from pipeline.measure.compare import oracle_outputs, variant_rows
 from pipeline.schema.evaluate import EvaluateParams

@@ -10,6 +10,8 @@ from conftest import tiny_config
 from pipeline.fitting import ridge
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.families.base import Geometry
+from pipeline.kv.families.maths import registry as maths_registry
+from pipeline.kv.families.maths.registry import FAMILY_MATHS
 from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, FITTED_FAMILIES, TRAINABLE, MapName
 from pipeline.schema.fit import FitParams
 from pipeline.store.params import ParamError, parse, read_params
@@ -41,6 +43,13 @@ def test_the_family_lists_are_the_registrys():
     assert "identity" not in TRAINABLE and {"linear", "head_matched", "mlp", "low_rank"} <= set(TRAINABLE)
 
 
+def test_the_maths_registry_names_every_declared_family_and_refuses_one_without_maths():
+    assert list(FAMILY_MATHS) == list(FAMILIES)
+    assert all(FAMILY_MATHS[name].declaration is FAMILIES[name] for name in FAMILIES)
+    with pytest.raises(ValueError, match=r"^'mlp' is declared \(kv.families.registry\) but has no maths"):
+        maths_registry.register(*(maths for name, maths in FAMILY_MATHS.items() if name != "mlp"))
+
+
 def test_the_contract_judges_every_registered_family():
     source, target = tiny_config(64, 32, layers=2), tiny_config(64, 48, layers=3, num_key_value_heads=1)
     contract = pair_contract(target, source)
@@ -70,11 +79,11 @@ def _moments(rows: int = 200, seed: int = 0):
 
 
 def _predict(family: str, tensors: tuple, x: torch.Tensor) -> torch.Tensor:
-    return FAMILIES[family].project(x[None], *tensors)[0].permute(1, 0, 2).reshape(len(x), -1)  # (N, H*D)
+    return FAMILY_MATHS[family].project(x[None], *tensors)[0].permute(1, 0, 2).reshape(len(x), -1)  # (N, H*D)
 
 
 def _solve(family: str, moments, width):
-    return FAMILIES[family].solve(moments, moments, [0], 1e-3, GEOMETRY, "relative", ridge, "cpu", width)
+    return FAMILY_MATHS[family].solve(moments, moments, [0], 1e-3, GEOMETRY, "relative", ridge, "cpu", width)
 
 
 def test_the_low_rank_map_at_full_rank_is_the_linear_map():

@@ -1,13 +1,14 @@
-"""The `key_norm` policy (`kv/selectors/key_norm.py`): the tokens whose mapped keys are largest, over every layer or
-the first N (`key_norm@N`), priced by the keys it reads."""
+"""The `key_norm` policy (`kv/selectors/key_norm.py`, its maths `kv/selectors/maths/key_norm.py`): the tokens whose
+mapped keys are largest, over every layer or the first N (`key_norm@N`), priced by the keys it reads."""
 import pytest
 import torch
 from conftest import build_model, llama_config
 
 from pipeline.kv.flops import repair_budget
-from pipeline.kv.repair import Repair, RepairCount, RepairError, repair_cache
-from pipeline.kv.selectors.base import Evidence
-from pipeline.kv.selectors.key_norm import SELECTOR
+from pipeline.kv.recompute import RepairCount, repair_cache
+from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.selectors.maths.base import Evidence
+from pipeline.kv.selectors.maths.key_norm import MATHS
 from pipeline.store.shapes import pair_configs
 
 LAYERS, WIDTH = 3, 12
@@ -30,7 +31,7 @@ def _layers(scale: dict[tuple[int, int], float]) -> list:
 def _scores(layers, argument=None, length=WIDTH):
     evidence = Evidence(None, layers, layers, None, 0, torch.zeros(1, WIDTH, dtype=torch.long),
                         torch.tensor([length]), RepairCount(), None)
-    return SELECTOR.score(evidence, argument)
+    return MATHS.score(evidence, argument)
 
 
 def test_the_largest_mapped_keys_score_highest():

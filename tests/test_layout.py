@@ -26,8 +26,8 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     known = modules(root)
     order = [f"pipeline.{wing}.{name}" for wing, names in wings.items() for name in names]
     rank = {name: i for i, name in enumerate(order)}
-    # a sub-package named in WINGS (kv/families/): its modules stand at its place and import each other freely
-    # (the cycle check below still holds between them)
+    # a sub-package named in WINGS (kv/families/, or kv/selectors/maths/ as `selectors.maths`): its modules stand at
+    # its place and import each other freely (the cycle check below still holds between them)
 
     def package(module: str) -> str | None:
         return module.rsplit(".", 1)[0] if module.rsplit(".", 1)[0] in rank else None
@@ -39,7 +39,7 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     for wing, names in wings.items():
         folder = root / "pipeline" / wing
         present = ({p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
-                   | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()})
+                   | {".".join(p.parent.relative_to(folder).parts) for p in folder.glob("*/**/__init__.py")})
         if present != set(names):
             found.append(f"wing {wing}: files {sorted(present)} but pipeline.WINGS lists {sorted(names)}")
         init = root / "pipeline" / wing / "__init__.py"
@@ -95,12 +95,14 @@ def test_the_package_map_check_sees_a_stage_missing_from_the_map(tmp_path):
 @pytest.fixture
 def fake(tmp_path):
     """A tree that keeps the rules: wings a < b, a stage s importing b.top; a's sub-package fam between low and
-    high, whose modules import each other and low."""
+    high, whose modules import each other and low, and fam's own sub-package fam.deep after fam, which imports fam."""
     files = {"pipeline/__init__.py": "", "pipeline/s.py": "from pipeline.b.top import f\n",
              "pipeline/t.py": "", "pipeline/a/__init__.py": '"""a."""\n', "pipeline/a/low.py": "",
              "pipeline/a/fam/__init__.py": "", "pipeline/a/fam/base.py": "from pipeline.a import low\n",
              "pipeline/a/fam/one.py": "from pipeline.a.fam import base\n",
-             "pipeline/a/high.py": "from pipeline.a import low\nfrom pipeline.a.fam import one\n",
+             "pipeline/a/fam/deep/__init__.py": "", "pipeline/a/fam/deep/two.py": "from pipeline.a.fam import one\n",
+             "pipeline/a/high.py": ("from pipeline.a import low\nfrom pipeline.a.fam import one\n"
+                                    "from pipeline.a.fam.deep import two\n"),
              "pipeline/b/__init__.py": "",
              "pipeline/b/top.py": "from pipeline.a.high import g\n\n\ndef f():\n    return g\n"}
     for name, text in files.items():
@@ -109,8 +111,10 @@ def fake(tmp_path):
 
     def check(**edits) -> list[str]:
         for name, text in edits.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name).write_text(text)
-        return violations(tmp_path, {"pipeline.s", "pipeline.t"}, {"a": ("low", "fam", "high"), "b": ("top",)})
+        return violations(tmp_path, {"pipeline.s", "pipeline.t"}, {"a": ("low", "fam", "fam.deep", "high"),
+                                                                    "b": ("top",)})
     return check
 
 
@@ -135,6 +139,9 @@ def test_the_fake_tree_passes(fake):
     ({"pipeline/a/low.py": "from pipeline.a.fam import one\n"},
      "pipeline.a.low imports pipeline.a.fam.one, which is not before"),
     ({"pipeline/a/fam/base.py": "from pipeline.a.fam import one\n"}, "import cycle"),
+    ({"pipeline/a/fam/one.py": "from pipeline.a.fam.deep import two\n"},
+     "pipeline.a.fam.one imports pipeline.a.fam.deep.two, which is not before"),
+    ({"pipeline/a/fam/other/__init__.py": ""}, "wing a: files"),
     ({"pipeline/a/__init__.py": "from pipeline.a import low\n"}, "holds its docstring only"),
 ])
 def test_each_breach_is_named(fake, edits, message):
@@ -252,8 +259,8 @@ def test_the_lambda_check_sees_a_suppressed_e731(tmp_path):
     assert assigned_lambdas(tmp_path) == ["tests/t.py:2"]
 
 
-# one instance per module, read through its registry (kv/families, kv/modes, kv/scores, kv/selectors)
-REGISTRY_ENTRIES = {"FAMILY", "MODE", "SCORE", "SELECTOR"}
+# one instance per module, read through its registry (kv/families, kv/modes, kv/scores, kv/selectors, their maths)
+REGISTRY_ENTRIES = {"FAMILY", "MODE", "SCORE", "SELECTOR", "MATHS"}
 
 
 def constants_defined_twice(root: Path) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import committed, periodic_batch
 
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec

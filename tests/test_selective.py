@@ -14,7 +14,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.kv.scores.disagree import jensen_shannon
+from pipeline.kv.scores.maths.disagree import jensen_shannon
 from pipeline.kv.scores.registry import FEATURES, SCORES
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_config
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.mapper import random_mapper
 from pipeline.store.shapes import PAIRS, pair_configs, random_model, shape_config, shape_names
 

@@ -25,7 +25,7 @@ from pipeline.fitting.heal import Teacher, TopTeacher, cut_rows, heal, kept_kl, 
 from pipeline.fitting.importance import importance
 from pipeline.fitting.prune import Cut, choose_cut, choose_layers, pruned, sibling_config
 from pipeline.kv.contract import pair_contract
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.schema.sibling import Shape, SiblingParams
 from pipeline.store import paths
 from pipeline.store.models import ModelsParams

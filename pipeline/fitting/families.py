@@ -4,7 +4,7 @@
   of the `max(k)` chosen source layers' inputs are accumulated on all fit sequences and, separately, on the
   select split (or, for a split with fewer rows than features, the rows themselves: `ridge.summary`); every k
   (its top-k layers), every lambda and every such family are index selections of them, each solved by its
-  family's module (`kv.families`) once per layer and scored in and out of sample with no further pass.
+  family's maths (`kv.families.maths`) once per layer and scored in and out of sample with no further pass.
 - MLP: rows of the k chosen layers are gathered and a one-hidden-layer map is trained (`mlpfit`),
   early-stopped on the probes' held-out fit sequences.
 
@@ -20,7 +20,9 @@ from pathlib import Path
 from pipeline.fitting import ridge
 from pipeline.fitting.mlpfit import MlpSettings, train_mlp
 from pipeline.fitting.probes import Pairs, held_rows
-from pipeline.kv.families.base import Geometry, columns
+from pipeline.kv.families.base import Geometry
+from pipeline.kv.families.maths.base import columns
+from pipeline.kv.families.maths.registry import FAMILY_MATHS
 from pipeline.kv.families.registry import FAMILIES, MapName
 from pipeline.store.artifacts import take_umask
 from pipeline.store.cachefiles import KINDS
@@ -144,10 +146,10 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
                     device: str | torch.device, lambda_scale: str) -> None:
     """The closed-form candidates for one target layer: one accumulation over the top `depth` source layers (the
     largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
-    then each candidate's family solves its sub-blocks (`Family.solve`), on `device` in float64, with its lambda
-    read on `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own Gram diagonal). A family
-    with `scale_check` is also solved with its lambda read the other way and scored on the select split
-    (`R2Table.scales`): what the scale changes."""
+    then each candidate's family solves its sub-blocks (its maths' `FamilyMaths.solve`), on `device` in float64,
+    with its lambda read on `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own Gram
+    diagonal). A family with `scale_check` is also solved with its lambda read the other way and scored on the
+    select split (`R2Table.scales`): what the scale changes."""
     g = geometry
     chosen_max = sorted(order[:depth])
     in_width, out_width = len(chosen_max) * g.heads_s * g.dim_s, g.heads_t * g.dim_t
@@ -159,8 +161,8 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
         for candidate in candidates:
             name, spec = str(candidate), FAMILIES[candidate.family]
             blocks = [chosen_max.index(p) for p in sorted(order[:candidate.k])]
-            solved = spec.solve(fit_m, select_m, blocks, candidate.ridge_lambda, g, lambda_scale, ridge, device,
-                                candidate.width)
+            solved = FAMILY_MATHS[candidate.family].solve(fit_m, select_m, blocks, candidate.ridge_lambda, g,
+                                                          lambda_scale, ridge, device, candidate.width)
             if spec.scale_check:
                 inputs = columns(blocks, g, device)
                 _compare_scales(table, name, layer, kind, fit_m.select(inputs), select_m.select(inputs),
@@ -198,7 +200,7 @@ def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: se
 
 def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The mlp map on rows: x (N, F) -> (N, Ht*Dt), as the mapper computes it."""
-    out = FAMILIES["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
+    out = FAMILY_MATHS["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
     return out.permute(1, 0, 2).reshape(x.shape[0], -1)
 
 

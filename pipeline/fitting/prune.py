@@ -22,7 +22,7 @@ import copy
 from typing import NamedTuple
 
 from pipeline.fitting.importance import Importance
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.store.lazy import lazy
 from pipeline.store.params import ParamError
 

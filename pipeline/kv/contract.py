@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pipeline.kv.families.base import Family
 from pipeline.kv.families.registry import FAMILIES
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.modes.registry import MODES
 from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal
 from pipeline.store.cli import Refusal
@@ -36,11 +36,6 @@ from pipeline.store.params import read_params
 # families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py); the
 # mixture-of-experts ones route the MLP per token and keep their dense siblings' attention and cache
 TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-# the modes without a map: the `evaluate` stage's baselines, in the order it runs them in one process and the report
-# lists them (the oracle first: every other variant is compared with its outputs; then by name); each writes
-# eval/<variant>/ and metrics/eval/<variant>.json
-BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map),
-                         key=lambda mode: (mode != "oracle", mode)))
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 
 

@@ -32,7 +32,7 @@ import math
 
 from pipeline.kv.families.base import Geometry
 from pipeline.kv.families.registry import FAMILIES
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.repair import Repair
 from pipeline.kv.selectors.base import Work
 

@@ -12,7 +12,8 @@ target's shape) and `shuffled` (what `mapped` would inject, or the source cache 
 token order permuted by a seeded permutation in content space, before the target's RoPE).
 `source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
 (`decoder`) is the source, the same protocol as the oracle's, recorded as `source`. Each mode is an entry of
-`kv.modes.registry.MODES` (`Handoff.kind`) whose hook builds the prefix cache; the handoff has no branch on a mode.
+`kv.modes.registry.MODES` (`Handoff.kind`) whose maths' hook (`Handoff.hook`) builds the prefix cache; the handoff
+has no branch on a mode.
 
 A handoff's first step (`Handoff.first_step`, on a batch of contexts as `kvcache.Prefixes`) is defined once: the
 prefix cache built in the handoff's mode and repaired (`Handoff.built`), then the target's step on each context's
@@ -30,20 +31,22 @@ import time
 from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.kvcache import (
     Layers,
     Prefixes,
     cache_to_layers,
     expand_batch,
-    kv_geometry,
     layer_devices,
     layers_to_cache,
     real_slots,
 )
 from pipeline.kv.mapper import Mapper, map_cache
-from pipeline.kv.modes.base import Built, ClockHook, tell
+from pipeline.kv.modes.maths.base import Built, ClockHook, tell
+from pipeline.kv.modes.maths.registry import MODE_MATHS
 from pipeline.kv.modes.registry import MODES, check_mode
-from pipeline.kv.repair import Repair, RepairCount, repair_cache
+from pipeline.kv.recompute import RepairCount, repair_cache
+from pipeline.kv.repair import Repair
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -140,7 +143,7 @@ class Handoff:
         check_mode(mode, source is not None, mapper is not None)
         self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
         self.shuffle_seed = shuffle_seed
-        self.kind = MODES[mode]  # the mode's entry: its hook builds every prefix cache
+        self.kind, self.hook = MODES[mode], MODE_MATHS[mode]  # the mode's entry, and its hook: every prefix cache
         handed = source if self.kind.hands_over else None
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
         # the contract decides from the configs, before any forward; the rotary buffers are then checked
@@ -153,7 +156,7 @@ class Handoff:
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
         self.repair, self.keep = repair or Repair(), keep
         check_options(mode, self.repair, keep)
-        self.repaired = RepairCount()  # what the repair made the target compute (kv.repair)
+        self.repaired = RepairCount()  # what the repair made the target compute (kv.recompute)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
         if self.kind.hands_over:
@@ -199,7 +202,7 @@ class Handoff:
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
             return Built(None, None, None)
-        return self.kind.prefix(self, prefix_ids, lengths, mask, clock, prefilled)
+        return self.hook.prefix(self, prefix_ids, lengths, mask, clock, prefilled)
 
     @no_grad
     def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None, prefilled: Layers | None = None,
@@ -247,9 +250,9 @@ class Handoff:
     @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
         """Source cache -> target-space cache (rotated, target dtype), as this handoff's mode hands it over
-        (`kv.modes.base.FromSource.to_target`); `lengths` (B,) are the real lengths of right-padded rows (the
+        (`kv.modes.maths.base.FromSource.to_target`); `lengths` (B,) are the real lengths of right-padded rows (the
         shuffle permutes each row's real tokens only)."""
-        return self.kind.to_target(self, source_layers, lengths)
+        return self.hook.to_target(self, source_layers, lengths)
 
     def rebuilt(self, source_layers: Layers, mapper: Mapper | None = None, order: torch.Tensor | None = None
                 ) -> Layers:

@@ -102,11 +102,6 @@ def expand_batch(layers: Layers, batch: int) -> Layers:
     return [(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()) for k, v in layers]
 
 
-def kv_geometry(config) -> dict:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads, "head_dim": head_dim}
-
-
 def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
     """Run `model` on token_ids; per layer, the keys (1, kv_heads, T, head_dim) its attention computed just before
     the rotary embedding (`kv.projections.keys` of the states the attention read), and its cache."""

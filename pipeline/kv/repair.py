@@ -1,4 +1,5 @@
-"""Repair: after the map, the target recomputes part of the prefix cache itself before its first step.
+"""Repair: after the map, the target recomputes part of the prefix cache itself before its first step. This module
+is the setting and its grammar; the run that applies one is `kv.recompute`.
 
 A setting (`Repair`) is applied to a target-space cache (rotated, target dtype) of prefix tokens c[0..P-1] in a
 fixed order, each part over what the parts before it left:
@@ -11,31 +12,27 @@ fixed order, each part over what the parts before it left:
                         one forward of the decoder body: each at its own position, seeing the cache of the tokens
                         before it (mapped, or recomputed in the same forward), a 4D mask as `decode.packed_logprobs`
 
-    chosen by     a selector (`kv/selectors/`, one module each, listed in its registry): deviation (the mapped
-                  keys/values furthest from the target's exact ones at layer n-1), attention (what the first step
-                  attends to), recency (the prompt's end), key_norm (the largest mapped keys); `POLICY@VALUE` gives a
-                  policy its own parameter where it takes one (`key_norm@2`)
+    chosen by     a selector (`kv/selectors/`: one declaration module each, listed in its registry, and its maths
+                  in `kv/selectors/maths/`): deviation (the mapped keys/values furthest from the target's exact ones
+                  at layer n-1), attention (what the first step attends to), recency (the prompt's end), key_norm
+                  (the largest mapped keys); `POLICY@VALUE` gives a policy its own parameter where it takes one
+                  (`key_norm@2`)
 
 Known answers: exact_layers = L, sink = P and rho = 1 each give the oracle's cache within float rounding; the
 empty setting returns the cache untouched. The string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`,
 `tokens:0.1:key_norm@2`) has one parser, `Repair.parse`; its parts are joined by `+` in any order and applied in
-the order above.
+the order above. The grammar reads the selectors' declarations only (no torch, no selector maths): the stages and
+the report that merely name settings do not depend on how a policy scores.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pipeline.kv import projections
-from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache
-from pipeline.kv.selectors.base import EXACT, Evidence, Selector
+from pipeline.kv.selectors.base import Selector
 from pipeline.kv.selectors.registry import POLICIES, SELECTORS
 from pipeline.store.cli import Refusal
-from pipeline.store.lazy import lazy
 from pipeline.store.params import ParamError
-
-torch = lazy("torch")
-transformers = lazy("transformers")
 
 REPAIR_FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:POLICY (POLICY: " + "|".join(
     name + ("" if selector.parameter is None else f"[@N: {selector.parameter}]") for name, selector in SELECTORS.items()
@@ -122,7 +119,6 @@ class Repair:
         return math.floor(self.tokens * max(length - self.sink, 0) + 0.5)
 
 
-
 def parse_grid(texts: list[str], key: str, why_none: str) -> list[Repair]:
     """A declared list of settings (params' `key`): each parsed, none named twice (by canonical form), `none` among
     them (`why_none` says what it is there for); a failure is one line naming the key."""
@@ -137,142 +133,3 @@ def parse_grid(texts: list[str], key: str, why_none: str) -> list[Repair]:
     if "none" not in texts:
         raise ParamError(f"{key}: add `none`, {why_none}")
     return settings
-
-
-@dataclass
-class RepairCount:
-    """What repairs made the target compute, for tests and `generate`: forwards of the decoder (or of its first
-    layers), token-layers through a full decoder layer, and the tokens each recomputed in every layer."""
-
-    forwards: int = 0
-    token_layers: int = 0
-    recomputed: int = 0  # sink and chosen tokens, over every row
-    log: list = field(default_factory=list)  # per call: (recomputed tokens, seconds), for generate's print
-
-
-def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
-                 count: RepairCount, devices=None) -> Layers:
-    """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`;
-    `lengths` (B,) the real lengths of right-padded rows (None: every row is whole); `devices`: where each layer's
-    cache goes (`kv.kvcache.layer_devices`), None for the target's device."""
-    if setting.empty:
-        return layers
-    batch, width = prefix_ids.shape
-    config = target.config
-    if setting.exact_layers > config.num_hidden_layers:
-        raise RepairError(f"repair {setting}: the target has only {config.num_hidden_layers} layers")
-    selector = setting.selector if setting.tokens else None
-    problem = setting.policy_refusal(config.num_hidden_layers)
-    if problem:
-        raise RepairError(f"repair {setting}: {problem}")
-    lengths = torch.full((batch,), width) if lengths is None else lengths.cpu()
-    mapped, layers = layers, [(k.clone(), v.clone()) for k, v in layers]
-    exact_index = max(setting.exact_layers - 1, 0)
-    exact = None
-    if setting.exact_layers or (selector and EXACT in selector.needs):
-        exact = exact_layers(target, prefix_ids, max(setting.exact_layers, 1), count)
-        for index in range(setting.exact_layers):
-            layers[index] = tuple(t.to(layers[index][0].device, layers[index][0].dtype) for t in exact[index])
-    sink = min(setting.sink, width)
-    if sink:
-        mask = (torch.arange(sink)[None] < lengths[:, None]).long()  # (B, s)
-        out = target.model(input_ids=prefix_ids[:, :sink].to(target.device), attention_mask=mask.to(target.device),
-                           use_cache=True).cache
-        count.forwards += 1
-        count.token_layers += batch * sink * config.num_hidden_layers
-        count.recomputed += int(lengths.clamp(max=sink).sum())
-        for index, (keys, values) in enumerate(cache_to_layers(out)):
-            layers[index][0][:, :, :sink] = keys.to(layers[index][0].device)
-            layers[index][1][:, :, :sink] = values.to(layers[index][1].device)
-    if not setting.tokens:
-        return layers
-    chosen_per_row = [setting.chosen(int(n)) for n in lengths]
-    if max(chosen_per_row) == 0:
-        return layers
-    evidence = Evidence(target, layers, mapped, None if exact is None else exact[exact_index], exact_index,
-                        prefix_ids, lengths, count, devices)
-    scores = selector.score(evidence, setting.argument)  # (B, P)
-    chosen = choose(scores, lengths, sink, chosen_per_row)  # (B, M), -1 past a row's count
-    return recompute(target, layers, prefix_ids, lengths, chosen, count, devices)
-
-
-def choose(scores: torch.Tensor, lengths: torch.Tensor, sink: int, counts: list[int]) -> torch.Tensor:
-    """Per row, the positions (ascending) of its `counts[b]` highest scores among slots sink..lengths[b]-1;
-    (B, M) padded with -1."""
-    batch, width = scores.shape
-    slots = torch.arange(width)[None]  # (1, P)
-    eligible = (slots >= sink) & (slots < lengths[:, None])  # (B, P)
-    ranked = scores.float().cpu().masked_fill(~eligible, -math.inf)
-    top = ranked.topk(max(counts), dim=1).indices  # (B, M)
-    chosen = torch.full_like(top, -1)
-    for row, n in enumerate(counts):
-        chosen[row, :n] = top[row, :n].sort().values
-    return chosen
-
-
-def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:
-    """(B, 1, P, P) additive causal mask: right padding never reaches a real token."""
-    allowed = torch.ones(width, width, dtype=torch.bool).tril()
-    mask = torch.zeros(width, width, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, -1, -1)
-
-
-def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -> Layers:
-    """The target's own keys/values (B, H, P, D), rotated, of its first n layers over prefix_ids (B, P): layers
-    0..n-2 in full, layer n-1's input norm and K/V projections only; no logits."""
-    decoder = target.model
-    batch, width = prefix_ids.shape
-    hidden = decoder.embed_tokens(prefix_ids.to(target.device))  # (B, P, hidden)
-    positions = torch.arange(width, device=target.device)[None].expand(batch, -1)  # (B, P)
-    cos, sin = decoder.rotary_emb(hidden, positions)  # (B, P, D) each
-    cache = transformers.DynamicCache(config=target.config)
-    mask = _causal_mask(batch, width, hidden.dtype).to(target.device)
-    for layer in decoder.layers[: n - 1]:
-        hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                       position_embeddings=(cos, sin))
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-    count.forwards += 1
-    count.token_layers += batch * width * (n - 1)
-    attention = decoder.layers[n - 1].self_attn
-    normed = projections.layer_input(decoder.layers[n - 1], hidden)  # (B, P, hidden)
-    keys = projections.rotate(projections.keys(attention, normed), cos, sin)  # (B, H, P, D)
-    return cache_to_layers(cache)[: n - 1] + [(keys, projections.values(attention, normed))]
-
-
-def recompute(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor, chosen: torch.Tensor,
-              count: RepairCount, devices) -> Layers:
-    """`layers` with the tokens at `chosen` (B, M; -1 pads) recomputed by the target's decoder in one forward:
-    token i at its position p_i sees the slots before p_i that are not chosen and the chosen tokens at p <= p_i.
-
-        cache slots 0 .. P-1 (mapped/repaired)    | fresh slots P .. P+M-1 (the chosen, in order)
-        j < p_i and j not chosen                  | p_k <= p_i (itself included)
-    """
-    batch, width = prefix_ids.shape
-    valid = chosen >= 0  # (B, M)
-    positions = chosen.clamp(min=0)  # (B, M)
-    tokens = prefix_ids.cpu().gather(1, positions)  # (B, M)
-    is_chosen = torch.zeros(batch, width, dtype=torch.bool)
-    is_chosen[valid.nonzero()[:, 0], chosen[valid]] = True  # (B, P)
-    slots = torch.arange(width)
-    old = (slots[None, None] < positions[:, :, None]) & ~is_chosen[:, None]  # (B, M, P)
-    fresh = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]  # (B, M, M)
-    fresh |= torch.eye(chosen.shape[1], dtype=torch.bool)[None] & ~valid[:, :, None]  # a pad sees itself
-    allowed = torch.cat([old & valid[:, :, None], fresh], dim=2)[:, None]  # (B, 1, M, P + M)
-    dtype = target.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
-    out = target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
-                       attention_mask=mask.to(target.device), position_ids=positions.to(target.device)).cache
-    count.forwards += 1
-    count.token_layers += chosen.numel() * target.config.num_hidden_layers
-    count.recomputed += int(valid.sum())
-    rows, columns = valid.nonzero(as_tuple=True)
-    repaired = []
-    for (keys, values), layer in zip(layers, cache_to_layers(out)):
-        new_keys, new_values = layer[0][:, :, width:], layer[1][:, :, width:]  # (B, H, M, D)
-        keys, values = keys.clone(), values.clone()
-        target_slots = chosen[rows, columns]
-        keys[rows, :, target_slots] = new_keys[rows, :, columns].to(keys.device, keys.dtype)
-        values[rows, :, target_slots] = new_values[rows, :, columns].to(values.device, values.dtype)
-        repaired.append((keys, values))
-    return repaired

@@ -25,8 +25,9 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from pipeline.kv.flops import speedup_bound
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import FirstStep, Handoff
-from pipeline.kv.kvcache import Prefixes, kv_geometry
+from pipeline.kv.kvcache import Prefixes
 from pipeline.kv.mapper import random_mapper
 from pipeline.kv.pair import Pair
 from pipeline.measure.timing import Stopwatch, read_clock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from pipeline.kv.contract import BASELINES
+from pipeline.kv.modes.registry import BASELINES
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.store.params import ParamError, Params, Positive, Processes
 from pipeline.store.paths import SELECTED_MAPPER

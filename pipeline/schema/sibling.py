@@ -18,7 +18,7 @@ from typing import Annotated, Literal, NamedTuple
 from pydantic import AfterValidator, Field, model_validator
 
 from pipeline.fitting.heal import Healing
-from pipeline.kv.kvcache import kv_geometry
+from pipeline.kv.geometry import kv_geometry
 from pipeline.store import paths
 from pipeline.store.params import Count, ParamError, Positive
 

@@ -9,14 +9,6 @@ sequences); its width is `fit.mlp.hidden`.
 from __future__ import annotations
 
 from pipeline.kv.families.base import Family, Geometry
-from pipeline.store.lazy import lazy
-
-torch = lazy("torch")
-
-
-def hidden_layer(inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.Tensor) -> torch.Tensor:
-    """The hidden layer, (..., F) -> (..., hidden): the same op when training and when mapping."""
-    return torch.nn.functional.gelu(inputs @ in_weight + in_bias)
 
 
 class Mlp(Family):
@@ -36,12 +28,6 @@ class Mlp(Family):
 
     def width(self, tensors: tuple) -> int | None:
         return tensors[0].shape[1]
-
-    def project(self, inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor) -> torch.Tensor:
-        hidden = hidden_layer(inputs.to(weight.dtype), in_weight, in_bias)  # (B, T, hidden)
-        out = torch.einsum("btf,hfd->bhtd", hidden, weight)  # (B, H_t, T, D_t)
-        return out + bias[None, :, None, :]
 
 
 FAMILY = Mlp()

@@ -1,8 +1,10 @@
-"""The one list of mapper families, and the names of maps.
+"""The one list of mapper families (their declarations), and the names of maps.
 
 Every other list of families in the pipeline is derived from `FAMILIES` (the contract's, the fit's, the
-trainable ones, the params' allowed values, check_pair's table). Adding a family is adding its module beside
-this one and its line here. A map's name is a `MapName`, built and read here only.
+trainable ones, the params' allowed values, check_pair's table, the maths' registry, which refuses a declared family
+without maths). Adding a family is adding its two modules, its declaration beside this one (`kv/families/<name>.py`)
+and its maths (`kv/families/maths/<name>.py`), and their two lines: here and in `kv/families/maths/registry.py`. A
+map's name is a `MapName`, built and read here only.
 """
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """`mapped`: the source's cache through a fitted map (`kv.mapper`)."""
 from __future__ import annotations
 
-from pipeline.kv.modes.base import FromSource, Reads
+from pipeline.kv.modes.base import Mode, Reads
 
 
-class Mapped(FromSource):
+class Mapped(Mode):
     name = "mapped"
     reads = Reads(target=True, source=True, map=True, own=False)
     needs_map = True
-
-    def to_target(self, handoff, source_layers, lengths):
-        return handoff.rebuilt(source_layers, handoff.mapper)
 
 
 MODE = Mapped()

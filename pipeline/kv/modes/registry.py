@@ -1,7 +1,9 @@
 """The one list of handoff modes, in the order the contract reports them.
 
-Every other list of modes is derived from `MODES` (the contract's, the baselines, the request's fields, the faces'
-choices, the report's names). Adding a mode is adding its module beside this one and its line here.
+Every other list of modes is derived from `MODES` (the contract's, the baselines below, the request's fields, the
+faces' choices, the report's names, the maths' registry, which refuses a declared mode without maths). Adding a mode
+is adding its two modules, its declaration beside this one (`kv/modes/<name>.py`) and its maths, the prefix hook
+(`kv/modes/maths/<name>.py`), and their two lines: here and in `kv/modes/maths/registry.py`.
 """
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ from pipeline.kv.modes.base import Mode
 
 
 def register(*modes: Mode) -> dict[str, Mode]:
-    """The registry of `modes` by name; anything but a named `Mode` instance (and so one with a prefix hook) is
-    refused."""
+    """The registry of `modes` by name; anything but a named `Mode` instance is refused."""
     return entries.register(Mode, "modes", modes)
 
 
@@ -20,6 +21,11 @@ MODES = register(oracle.MODE, zero.MODE, source.MODE, direct.MODE, mapped.MODE, 
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map
+# the modes without a map: the `evaluate` stage's baselines, in the order it runs them in one process and the report
+# lists them (the oracle first: every other variant is compared with its outputs; then by name); each writes
+# eval/<variant>/ and metrics/eval/<variant>.json
+BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map),
+                         key=lambda mode: (mode != "oracle", mode)))
 
 
 def check_mode(name: str, has_source: bool, has_mapper: bool) -> None:

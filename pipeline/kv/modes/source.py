@@ -2,10 +2,10 @@
 source)."""
 from __future__ import annotations
 
-from pipeline.kv.modes.base import Own, Reads
+from pipeline.kv.modes.base import Mode, Reads
 
 
-class Source(Own):
+class Source(Mode):
     name = "source"
     reads = Reads(target=False, source=True, map=False, own=True)
     label = "Source model alone"

@@ -2,10 +2,7 @@
 the mapped cache's mean key and value norms to the source cache's. Their cost is counted in the probe's."""
 from __future__ import annotations
 
-from pipeline.kv.scores.base import Evidence, Score, Work
-from pipeline.store.lazy import lazy
-
-torch = lazy("torch")
+from pipeline.kv.scores.base import Score, Work
 
 
 class Feature(Score):
@@ -16,24 +13,13 @@ class Feature(Score):
 class Top1(Feature):
     name = "top1"
 
-    def score(self, evidence: Evidence) -> torch.Tensor:
-        return evidence.logprobs.max(-1).values.exp()
-
 
 class KeyNorm(Feature):
     name = "key_norm"
 
-    def score(self, evidence: Evidence) -> torch.Tensor:
-        (mapped, _), (source, _) = evidence.norms
-        return (mapped / source).log()
-
 
 class ValueNorm(Feature):
     name = "value_norm"
-
-    def score(self, evidence: Evidence) -> torch.Tensor:
-        (_, mapped), (_, source) = evidence.norms
-        return (mapped / source).log()
 
 
 TOP1, KEY_NORM, VALUE_NORM = Top1(), KeyNorm(), ValueNorm()

@@ -4,11 +4,8 @@ items only (`kv.gate.Probe`); its features' costs, a pass over the logits (top-1
 its dot product."""
 from __future__ import annotations
 
-from pipeline.kv.kvcache import kv_geometry
-from pipeline.kv.scores.base import PROBE, Evidence, Score, Work
-from pipeline.store.lazy import lazy
-
-torch = lazy("torch")
+from pipeline.kv.geometry import kv_geometry
+from pipeline.kv.scores.base import PROBE, Score, Work
 
 
 class Probe(Score):
@@ -18,9 +15,6 @@ class Probe(Score):
 
     def reads(self, scorer) -> tuple[str, ...]:
         return tuple(scorer.probe.features)
-
-    def score(self, evidence: Evidence) -> torch.Tensor:
-        return evidence.scorer.probe(evidence.values)
 
     def cost(self, work: Work) -> int:
         prefix = work.length - 1

@@ -1,8 +1,10 @@
-"""The one list of the gate's scores, and of the probe's other inputs.
+"""The one list of the gate's scores, and of the probe's other inputs: their declarations.
 
 Every other list of scores is derived from `SCORES` (the params' allowed values, the faces' choices, the fitted
-ones, the probe's features, the FLOP model's score cost, what a scorer checks). Adding a score is adding its module
-beside this one and its line here.
+ones, the probe's features, the FLOP model's score cost, what a scorer checks, the maths' registry, which refuses a
+declared score without maths). Adding a score is adding its two modules, its declaration beside this one
+(`kv/scores/<name>.py`) and its maths (`kv/scores/maths/<name>.py`), and their two lines: here and in
+`kv/scores/maths/registry.py`.
 """
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ from pipeline.kv.scores.base import Score, Work
 
 
 def register(*scores: Score) -> dict[str, Score]:
-    """The registry of `scores` by name; anything but a named `Score` instance (and so one with a score and a cost)
-    is refused."""
+    """The registry of `scores` by name; anything but a named `Score` instance (and so one with a cost) is refused."""
     return entries.register(Score, "scores", scores)
 
 

@@ -1,2 +1,2 @@
-"""The repair's token selectors, one module each (`base.Selector` is what a selector module fills in); `registry` is
-the one list of them."""
+"""The repair's token selectors, one declaration module each (`base.Selector` is what a selector module fills in)
+and their maths, one module each in `maths/`; `registry` is the one list of them, `maths.registry` their maths."""

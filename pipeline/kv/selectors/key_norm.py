@@ -7,10 +7,7 @@ token, sum over layers of |key|^2 over heads and dims, each relative to the mean
 """
 from __future__ import annotations
 
-from pipeline.kv.selectors.base import Evidence, Selector, Work
-from pipeline.store.lazy import lazy
-
-torch = lazy("torch")
+from pipeline.kv.selectors.base import Selector, Work
 
 
 class KeyNorm(Selector):
@@ -26,16 +23,6 @@ class KeyNorm(Selector):
         if argument is not None and layers is not None and argument > layers:
             return f"policy key_norm@{argument}: the target has only {layers} layers"
         return None
-
-    def score(self, evidence: Evidence, argument) -> torch.Tensor:
-        lengths = evidence.lengths
-        real = torch.arange(evidence.prefix_ids.shape[1])[None] < lengths[:, None]  # (B, P)
-        total = 0
-        for keys, _ in evidence.mapped[: argument or len(evidence.mapped)]:
-            norms = keys.float().cpu().pow(2).sum(dim=(1, 3))  # (B, P)
-            mean = (norms * real).sum(dim=1, keepdim=True) / lengths.clamp(min=1)[:, None]  # (B, 1)
-            total = total + norms / mean.clamp_min(1e-12)
-        return total
 
     def cost(self, work: Work, argument) -> int:
         return work.prefix * work.key_width * (argument or work.layers)  # one square per key element read

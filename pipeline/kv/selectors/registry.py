@@ -1,7 +1,9 @@
-"""The one list of the repair's token selectors (policies).
+"""The one list of the repair's token selectors (policies): their declarations.
 
 Every other list of policies is derived from `SELECTORS` (`POLICIES`, the setting grammar's REPAIR_FORM and its
-checks, the FLOP model's selection cost). Adding a policy is adding its module beside this one and its line here.
+checks, the FLOP model's selection cost, the maths' registry, which refuses a declared policy without maths).
+Adding a policy is adding its two modules, its declaration beside this one (`kv/selectors/<name>.py`) and its maths
+(`kv/selectors/maths/<name>.py`), and their two lines: here and in `kv/selectors/maths/registry.py`.
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from pipeline.kv.selectors.base import Selector
 
 
 def register(*selectors: Selector) -> dict[str, Selector]:
-    """The registry of `selectors` by name; anything but a named `Selector` instance (and so one with a score and a
-    cost) is refused."""
+    """The registry of `selectors` by name; anything but a named `Selector` instance (and so one with a cost) is
+    refused."""
     return entries.register(Selector, "policies", selectors)
 
 
