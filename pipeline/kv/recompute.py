@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.kv import projections
-from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache
+from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache, real_slots
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.selectors.base import EXACT
 from pipeline.kv.selectors.maths.base import Evidence
@@ -59,7 +59,7 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
             layers[index] = tuple(t.to(layers[index][0].device, layers[index][0].dtype) for t in exact[index])
     sink = min(setting.sink, width)
     if sink:
-        mask = (torch.arange(sink)[None] < lengths[:, None]).long()  # (B, s)
+        mask = real_slots(lengths, sink).long()  # (B, s)
         out = target.model(input_ids=prefix_ids[:, :sink].to(target.device), attention_mask=mask.to(target.device),
                            use_cache=True).cache
         count.forwards += 1

@@ -131,12 +131,11 @@ class HandoffLM(TargetTokensLM):
 
     def __init__(self, router: Router, tokenizer, max_length: int | None = None, ranks: Ranks = ONE_PROCESS,
                  cache: RequestCache | None = None):
-        """The requests `router` serves (`router.batch_size` contexts a forward), tokenized by the target's
-        `tokenizer`; `max_length`: the window contexts are truncated to (default: the target's positions); `ranks`:
-        this process's place; `cache`: the handoff's request cache (`measure.ledger.RequestCache`), None for none."""
-        if not isinstance(router, Router):
-            raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}: wrap a handoff as "
-                            "Router(handoff, gate, batch_size)")
+        """The requests `router` serves (`router.batch_size` contexts a forward) tokenized by the target's `tokenizer`;
+        `max_length`: the window contexts are truncated to (default: the target's positions); `ranks`: this process's
+        place; `cache`: the handoff's request cache (`measure.ledger.RequestCache`), None for none."""
+        if not isinstance(router, Router):  # a handoff alone: Router(handoff, gate, batch_size) routes it
+            raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}")
         self.router = router
         super().__init__(tokenizer, max_length or self.handoff.decoder.config.max_position_embeddings)
         self.batch_size = router.batch_size

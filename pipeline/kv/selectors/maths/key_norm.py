@@ -2,6 +2,7 @@
 per layer, summed over the layers read."""
 from __future__ import annotations
 
+from pipeline.kv.kvcache import real_slots
 from pipeline.kv.selectors import key_norm
 from pipeline.kv.selectors.maths.base import Evidence, SelectorMaths
 from pipeline.store.lazy import lazy
@@ -14,7 +15,7 @@ class KeyNormMaths(SelectorMaths):
 
     def score(self, evidence: Evidence, argument) -> torch.Tensor:
         lengths = evidence.lengths
-        real = torch.arange(evidence.prefix_ids.shape[1])[None] < lengths[:, None]  # (B, P)
+        real = real_slots(lengths, evidence.prefix_ids.shape[1])  # (B, P)
         total = 0
         for keys, _ in evidence.mapped[: argument or len(evidence.mapped)]:
             norms = keys.float().cpu().pow(2).sum(dim=(1, 3))  # (B, P)
