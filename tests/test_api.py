@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, build_model, llama_config
+from helpers import ROOT, build_model, llama_config
 from transformers import AutoModelForCausalLM
 
 from pipeline.api import handed_off, handoff, pair

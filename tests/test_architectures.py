@@ -4,8 +4,7 @@ of every layer, gives the oracle's scores (so the exact layers and each policy's
 model's own, whatever its norms and rotary settings); decoding after the handoff is the model's own greedy decoding."""
 import pytest
 import torch
-from test_contract import SUPPORTED, random_of
-from test_handoff import _requests
+from helpers.architectures import SUPPORTED, _requests, random_of
 
 from pipeline.kv.contract import MODES
 from pipeline.kv.decode import greedy_rollout

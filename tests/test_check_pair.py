@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, train_tokenizer
+from helpers import ROOT, train_tokenizer
 from importgraph import stage_module
 from transformers import AutoConfig, AutoTokenizer
 

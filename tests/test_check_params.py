@@ -5,8 +5,8 @@ import re
 
 import pytest
 import yaml
-from conftest import ROOT, committed, merge
 from dvc.utils.hydra import compose_and_dump
+from helpers import ROOT, committed, committed_params, merge
 
 from pipeline import check_params
 from pipeline.check_params import check, mapper_files
@@ -14,11 +14,6 @@ from pipeline.schema.distill import DistillParams
 from pipeline.schema.fit import FitParams
 from pipeline.store import paths
 from pipeline.store.params import ParamError, parse
-
-
-def committed_params() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
-
 
 # (overrides merged into the committed params.yaml, the line the check must print)
 RULES = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from kvworld import VOCAB, word_tokenizer
+from helpers.kvworld import VOCAB, word_tokenizer
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT
-from test_layout import dvc_stages
+from helpers import ROOT
+from helpers.dvc import dvc_stages
 
 from pipeline import fit
 from pipeline.store import cli

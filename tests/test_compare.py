@@ -1,7 +1,7 @@
 """Agreement with the stored oracle: the oracle agrees with itself, nulls do not, KL is exact on a full top-K."""
 import pytest
 import torch
-from conftest import periodic_batch
+from helpers import periodic_batch
 
 from pipeline.kv.handoff import Handoff
 from pipeline.measure.compare import _kl_on_top, oracle_outputs, variant_rows

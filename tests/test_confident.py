@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import committed, periodic_batch
+from helpers import committed, periodic_batch
 
 from pipeline.kv.handoff import Handoff
 from pipeline.measure.compare import oracle_outputs, variant_rows

@@ -1,10 +1,9 @@
 """The architecture contract: each supported family is handled exactly, each other model is refused up front."""
 import pytest
 import torch
-from conftest import ROOT, build_model, tiny_config
+from helpers import ROOT, build_model, tiny_config
+from helpers.architectures import SUPPORTED, VOCAB, _full_forward_scores, _requests, config_of, random_of
 from lm_eval.api.instance import Instance
-from test_handoff import _full_forward_scores, _requests
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline import check_pair
 from pipeline.controls import rope_against_model
@@ -26,47 +25,6 @@ from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.models import IncompatiblePairError
 from pipeline.store.shapes import pair_configs
-
-VOCAB = 97
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=512)
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
-
-
-def config_of(model_type: str, **extra):
-    fields = {**SMALL, "num_key_value_heads": 2, **extra}
-    if model_type == "gpt_neox":
-        fields.pop("num_key_value_heads")
-    config = AutoConfig.for_model(model_type, **fields)
-    config._name_or_path = f"tiny-{model_type}"
-    return config
-
-
-def random_of(config):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-SUPPORTED = {
-    "qwen3": lambda: config_of("qwen3", head_dim=16),
-    "qwen2": lambda: config_of("qwen2"),
-    "llama": lambda: config_of("llama", head_dim=16),
-    "llama-3-scaling": lambda: config_of("llama", head_dim=16, rope_parameters=dict(LLAMA3)),
-    "llama-yarn": lambda: config_of("llama", head_dim=16, rope_parameters=dict(YARN)),
-    "llama-linear": lambda: config_of("llama", head_dim=16, rope_parameters={"rope_type": "linear",
-                                                                             "rope_theta": 10000.0, "factor": 2.0}),
-    "mistral-no-window": lambda: config_of("mistral", head_dim=16, sliding_window=None),
-    "olmo2": lambda: config_of("olmo2"),
-    # mixture of experts: the MLP is routed per token, the attention and the cache are the dense siblings'
-    "qwen3-moe": lambda: config_of("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=32),
-    "qwen2-moe": lambda: config_of("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                   shared_expert_intermediate_size=64),
-    "mixtral": lambda: config_of("mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                 sliding_window=None),
-}
 
 REFUSED = {  # the model, and what its refusal must name
     "qwen3-sliding-layers": (lambda: config_of("qwen3", head_dim=16, use_sliding_window=True, sliding_window=32,

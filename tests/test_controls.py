@@ -3,8 +3,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, build_model, tiny_config, train_tokenizer
-from test_select import linear_copy_mapper
+from helpers import ROOT, build_model, tiny_config, train_tokenizer
+from helpers.architectures import linear_copy_mapper
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline import controls

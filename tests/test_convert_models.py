@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 import yaml
+from helpers import ROOT
 from safetensors.numpy import load_file
 
 from pipeline.convert_models import check_shape, run
@@ -30,7 +31,6 @@ from pipeline.store.gguf import CONVERTED_PROVENANCE, GgufWheel, WheelError, ext
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE = yaml.safe_load((ROOT / "conf/profile/smol.yaml").read_text())
 PROMPT = "The capital of France is"
 

@@ -6,12 +6,11 @@ outside the map, and the result is deterministic and saves as any mapper."""
 import copy
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
+from helpers import ARCHITECTURES, ROOT, build_model, periodic_batch, tiny_config
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -463,7 +462,7 @@ def test_every_part_of_the_work_is_timed_and_no_timing_enters_the_map(probed, ra
                                                zip(map_tensors(again), map_tensors(mapper), strict=True))
 
 
-BASE = Path(__file__).resolve().parents[1] / "conf" / "base.yaml"
+BASE = ROOT / "conf" / "base.yaml"
 WORLD_TOKENS = 128  # about the tiny world's vocabulary (109 words and specials)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # an absolute path of a machine: the start of a POSIX path under a top-level folder a checkout or environment lives in
 ABSOLUTE = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|usr|opt|root|mnt|srv|var|private|Users)/[\w.-]+")
 TRACKED_OUTPUTS = ("dvc.lock", "metrics", "plots", "report", "report.md", "models/pins.json", "timings.md")

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import stagedeps
 import yaml
+from helpers import ROOT
 from importgraph import body, closure, edges, graph, modules, stage_module
 from ruamel.yaml import YAML
 from stagedeps import COMMAND, needed_modules, rewritten, stale
 
-ROOT = Path(__file__).resolve().parents[1]
 STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 

@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 import yaml
-from conftest import ROOT
+from helpers import ROOT
 
 from pipeline.evaluate import build_handoff, ordered_variants, variant_repair
 from pipeline.kv.contract import BASELINES

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import periodic_batch
+from helpers import periodic_batch
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair

@@ -4,8 +4,8 @@ import json
 import pandas as pd
 import pytest
 import torch
-from conftest import committed
-from kvworld import make_world
+from helpers import committed
+from helpers.kvworld import make_world
 from transformers import AutoConfig
 
 from pipeline import extract as extract_module

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from pipeline.fitting import ridge
 from pipeline.kv.contract import pair_contract

@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import committed
-from kvworld import make_world
+from helpers import ROOT as REPO
+from helpers import committed
+from helpers.kvworld import make_world
 
 from pipeline import fit as fit_module
 from pipeline.extract import run as extract
@@ -29,7 +30,6 @@ from pipeline.store.cli import run_stage
 from pipeline.store.models import load_config
 from pipeline.store.params import ParamError, parse
 
-REPO = Path(__file__).resolve().parents[1]
 FIT = committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], families=["linear", "head_matched"], timing_repeats=1, threads=1,
                 mlp={"ks": [1], "hidden": 16, "max_epochs": 5})
 

@@ -5,7 +5,7 @@ import io
 
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from helpers import build_model, tiny_config
 
 from pipeline.generate import departure, main, run
 from pipeline.kv.decode import eos_ids, generate

@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, build_model, periodic_batch, tiny_config
+from helpers import ARCHITECTURES, build_model, periodic_batch, tiny_config
+from helpers.architectures import _full_forward_scores, _requests
 
 from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teacher_forced
 from pipeline.kv.handoff import Handoff
@@ -21,7 +22,7 @@ VOCAB = 97
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def architecture(request) -> str:
-    """Each test of the tiny pair runs on the Qwen3-shaped pair and the Llama one (conftest.ARCHITECTURES)."""
+    """Each test of the tiny pair runs on the Qwen3-shaped pair and the Llama one (helpers.ARCHITECTURES)."""
     return request.param
 
 
@@ -33,28 +34,6 @@ def target(architecture):
 @pytest.fixture(scope="module")
 def source(architecture):
     return build_model(ARCHITECTURES[architecture](VOCAB, 32), seed=2)
-
-
-def _requests(n_contexts=4, endings=3, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    requests = []
-    for _ in range(n_contexts):
-        context = torch.randint(0, VOCAB, (int(torch.randint(2, 40, (1,), generator=generator)),), generator=generator)
-        for _ in range(endings):
-            ending = torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=generator)),),
-                                   generator=generator)
-            requests.append((context.tolist(), ending.tolist()))
-    return requests
-
-
-def _full_forward_scores(model, requests):
-    scores = []
-    for context, continuation in requests:
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([context + continuation])).logits.float(), -1)[0]
-        rows = logprobs[len(context) - 1 : len(context) + len(continuation) - 1]  # position j-1 scores token j
-        scores.append(rows.gather(-1, torch.tensor(continuation)[:, None]).sum().item())
-    return scores
 
 
 def test_oracle_handoff_matches_full_forward(target):

@@ -1,6 +1,6 @@
 """Pass-key items in a real-text haystack (`store.haystack`): exactly the length, the key stated once, seeded."""
 import pytest
-from conftest import WIKITEXT
+from helpers import WIKITEXT
 
 from pipeline.prepare_data import corpus_documents
 from pipeline.store.haystack import RetrievalForm, occurrences, retrieval_items

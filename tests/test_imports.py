@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT
+from helpers import ROOT
 
 from pipeline import STAGES
 from pipeline.store.lazy import lazy

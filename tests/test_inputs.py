@@ -20,9 +20,9 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, committed, merge, piqa_rows, write_jsonl
+from helpers import ROOT, committed, committed_params, merge, piqa_rows, write_jsonl
+from helpers.fingerprints import EDITS, edited_copy
 from safetensors.torch import load_file, save_file
-from test_fingerprints import EDITS, edited_copy
 from transformers import AutoModelForCausalLM
 
 from pipeline import check_pair, check_params, convert_models, distill, extract, fit, generate, latency, lm_eval_model
@@ -401,10 +401,6 @@ def bad_wheels(root: Path) -> dict[str, str]:
     names = ["not_a_zip", *contents]
     return {**{name: str(root / f"{name}.whl") for name in names},
             **{f"{name}_sha": hashlib.sha256((root / f"{name}.whl").read_bytes()).hexdigest() for name in names}}
-
-
-def committed_params() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
 def kv_transfer_main(argv: list[str]) -> None:

@@ -2,7 +2,7 @@
 the first N (`key_norm@N`), priced by the keys it reads."""
 import pytest
 import torch
-from conftest import build_model, llama_config
+from helpers import build_model, llama_config
 
 from pipeline.kv.flops import repair_budget
 from pipeline.kv.repair import Repair, RepairCount, RepairError, repair_cache

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import yaml
-from conftest import build_model, tiny_config
+from helpers import build_model, tiny_config
 
 from pipeline import latency
 from pipeline.kv.handoff import Handoff

@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT
+from helpers.dvc import dvc_stages
 from importgraph import cycle, edges, graph, modules, stage_module
 
 from pipeline import STAGES, WINGS
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def dvc_stages(root: Path) -> set[str]:
-    """Stage modules: the `python -m pipeline.<module>` of each dvc.yaml stage."""
-    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    return {stage_module(stage) for stage in stages.values()}
 
 
 def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) -> list[str]:

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import WIKITEXT, committed, hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
+from helpers import ROOT, WIKITEXT, committed, hellaswag_rows, piqa_rows, train_tokenizer, write_jsonl
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
@@ -37,7 +37,6 @@ from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
 from pipeline.store.params import ParamError, parse
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCES = yaml.safe_load((ROOT / "params.yaml").read_text())["tolerances"]
 TASKS = ["hellaswag_local", "piqa_local"]
 N_ITEMS = 40

@@ -1,15 +1,12 @@
 """The handoff modes as a registry (`kv.modes`): each mode an entry with its own prefix hook, the handoff calling the
 hook and branching on no mode's name."""
-from pathlib import Path
-
 import pytest
+from helpers import ROOT
 
 from pipeline.kv.contract import BASELINES
 from pipeline.kv.modes.base import Handed, Mode, Own, Reads
 from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, check_mode, register
 from pipeline.studies import variants
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_handoff_branches_on_no_mode_name():

@@ -2,7 +2,7 @@
 speedup and FLOP bound beside its figures, the pass-key items scored by their greedy tokens."""
 import pandas as pd
 import pytest
-from conftest import WIKITEXT, committed
+from helpers import WIKITEXT, committed
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair

@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 import pytest
 import yaml
-from conftest import ROOT, committed
+from helpers import ROOT, committed, committed_params
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
@@ -138,10 +138,6 @@ def test_an_empty_mlp_section_names_its_first_key():
 
 def test_every_section_of_params_yaml_has_a_parameter_class():
     assert set(yaml.safe_load((ROOT / "params.yaml").read_text())) == set(SECTIONS) | {"profile"}
-
-
-def committed_params() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))

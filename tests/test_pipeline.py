@@ -11,10 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import merge
-from scratch import scratch_copy
+from helpers import ROOT, merge
+from helpers.scratch import scratch_copy
 
-ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
 
 REDUCED = {
@@ -56,7 +55,7 @@ def run(cmd, cwd, **kw):
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """A copy of the tracked tree with its own git history (so DVC and `metrics diff` work): stage outputs as HEAD
-    has them, whatever a failed stage left in the workspace (tests/scratch.py)."""
+    has them, whatever a failed stage left in the workspace (tests/helpers/scratch.py)."""
     copy = tmp_path_factory.mktemp("repo")
     scratch_copy(ROOT, copy)
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}

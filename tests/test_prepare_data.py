@@ -1,7 +1,7 @@
 """Stage prepare_data: the generated world and the hub path (on the real rows in tests/data)."""
 import pandas as pd
 import pytest
-from conftest import HELLASWAG, PIQA, PIQA_LABELS, WIKITEXT, committed, hellaswag_rows, piqa_rows
+from helpers import HELLASWAG, PIQA, PIQA_LABELS, WIKITEXT, committed, hellaswag_rows, piqa_rows
 from lm_eval.tasks import TaskManager, get_task_dict
 
 from pipeline.measure.tasks import write_task_config

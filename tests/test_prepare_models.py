@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import ROOT, committed, pin_and_prepare
+from helpers import ROOT, committed, pin_and_prepare
 from huggingface_hub import constants as hf_constants
 
 from pipeline import pin_models, prepare_models

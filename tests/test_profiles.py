@@ -1,15 +1,13 @@
 """Profiles: the committed params.yaml is what the default Hydra profile composes to, and every profile
 composes to parameters that validate."""
-from pathlib import Path
-
 import pytest
 import yaml
 from dvc.utils.hydra import compose_and_dump
+from helpers import ROOT
 
 from pipeline.check_params import SECTIONS, check
 from pipeline.store.params import parse
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted(p.stem for p in (ROOT / "conf" / "profile").glob("*.yaml"))
 
 

@@ -3,7 +3,7 @@ computes itself: its keys and values are the cache the model writes, its queries
 weights; a path that skips a norm the architecture has is caught."""
 import pytest
 import torch
-from test_contract import SUPPORTED, VOCAB, random_of
+from helpers.architectures import SUPPORTED, VOCAB, random_of
 
 from pipeline.kv import projections
 from pipeline.kv.kvcache import cache_to_layers

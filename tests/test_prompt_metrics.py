@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import committed, periodic_batch
-from test_select import linear_copy_mapper
+from helpers import committed, periodic_batch
+from helpers.architectures import linear_copy_mapper
 
 from pipeline.kv.mapper import save_mapper
 from pipeline.kv.pair import Pair

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil  # accelerate's dependency: finds the stage's rank processes under torchrun
 import pytest
 import yaml
-from conftest import ROOT, committed
-from kvworld import make_world
+from helpers import ROOT, committed
+from helpers.kvworld import make_world
 
 from pipeline.store.artifacts import verify_file
 from pipeline.store.devices import SHARED_NOTE, StageUsage, usage_of_ranks

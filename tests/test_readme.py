@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
-from scratch import scratch_copy
+from helpers import ROOT
+from helpers.scratch import scratch_copy
 
 README_LINE = "dvc repro -f check_params"
 PLAIN_PATH = os.pathsep.join(folder for folder in ("/usr/local/bin", "/usr/bin", "/bin")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import merge
+from helpers import ROOT as REPO
+from helpers import merge
 
-REPO = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 16 * 1024
 SETUP = """
 import sys, torch, pandas as pd

@@ -4,7 +4,7 @@ grouped queries, llama3 RoPE), every policy of the registry."""
 import pytest
 import torch
 import yaml
-from conftest import ARCHITECTURES, ROOT, build_model
+from helpers import ARCHITECTURES, ROOT, build_model
 
 from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.handoff import Handoff

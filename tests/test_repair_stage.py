@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import committed, hellaswag_rows, piqa_rows
+from helpers import committed, hellaswag_rows, piqa_rows
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import committed
+from helpers import committed
 
 from pipeline.measure.retention import gap_closure, mean_retention, prompt_gap_closure, retention
 from pipeline.report import markdown

@@ -1,7 +1,7 @@
 """RoPE strip/apply: round trips, agreement with the model's own rotation, unsupported settings."""
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from helpers import build_model, tiny_config
 from transformers import Qwen3Config
 
 from pipeline.kv.kvcache import cache_to_layers

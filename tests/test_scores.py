@@ -2,7 +2,7 @@
 edited to compute it, gate on it or count its cost."""
 import pytest
 import torch
-from conftest import build_model, tiny_config
+from helpers import build_model, tiny_config
 
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff

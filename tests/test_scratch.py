@@ -1,10 +1,10 @@
-"""The end-to-end tests' scratch copy (tests/scratch.py) holds every file a clone of HEAD holds, whatever a failed
-or interrupted stage deleted or half-wrote in the workspace, and the workspace's own edits to the code."""
+"""The end-to-end tests' scratch copy (tests/helpers/scratch.py) holds every file a clone of HEAD holds, whatever a
+failed or interrupted stage deleted or half-wrote in the workspace, and the workspace's own edits to the code."""
 import subprocess
 
 import pytest
-from conftest import ROOT
-from scratch import git_files, scratch_copy
+from helpers import ROOT
+from helpers.scratch import git_files, scratch_copy
 
 DELETED = "metrics/controls_usage.json"  # what `dvc repro controls` deletes before it runs
 HALF_WRITTEN = "models/pins.json"

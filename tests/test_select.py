@@ -5,12 +5,11 @@ import json
 import pandas as pd
 import pytest
 import torch
-from conftest import committed, periodic_batch
+from helpers import committed, periodic_batch
+from helpers.architectures import linear_copy_mapper
 
-from pipeline.kv.kvcache import kv_geometry
-from pipeline.kv.mapper import Mapper, save_mapper
+from pipeline.kv.mapper import save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.kv.rope import RotarySpec
 from pipeline.schema.select import SelectParams
 from pipeline.select import (
     budgets,
@@ -23,24 +22,6 @@ from pipeline.select import (
 )
 from pipeline.store import paths
 from pipeline.store.params import ParamError, parse
-
-
-def linear_copy_mapper(model, noise: float, ridge_lambda: float, seed: int = 0) -> Mapper:
-    """k=1 linear map from a model's cache to itself: target head h copies source head h, plus noise."""
-    geometry = kv_geometry(model.config)
-    heads, dim = geometry["kv_heads"], geometry["head_dim"]
-    generator = torch.Generator().manual_seed(seed)
-    pairs = []
-    for _ in range(geometry["layers"]):
-        weight = torch.zeros(heads, heads * dim, dim)
-        for h in range(heads):
-            weight[h, h * dim : (h + 1) * dim] = torch.eye(dim)
-        weight += noise * torch.randn(weight.shape, generator=generator)
-        pairs.append((weight, torch.zeros(heads, dim)))
-    rotary = RotarySpec.from_config(model.config).to_dict()
-    return Mapper("linear", "m", "m", geometry, geometry, rotary, rotary, k=1, ridge_lambda=ridge_lambda,
-                  source_layers=[[layer] for layer in range(geometry["layers"])], keys=pairs,
-                  values=[(w.clone(), b.clone()) for w, b in pairs])
 
 
 def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_model):

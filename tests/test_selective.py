@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
+from helpers import ARCHITECTURES, build_model, committed, hellaswag_rows, piqa_rows
 
 from pipeline.kv.gate import Gate, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
@@ -34,7 +34,7 @@ E2E_ITEMS = 8  # per task: the end-to-end gate check on real items
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def models(request):
-    """The tiny pair, Qwen3-shaped and Llama (conftest.ARCHITECTURES): every gate test runs on both."""
+    """The tiny pair, Qwen3-shaped and Llama (helpers.ARCHITECTURES): every gate test runs on both."""
     config = ARCHITECTURES[request.param]
     return build_model(config(VOCAB, 64), seed=1), build_model(config(VOCAB, 32), seed=2)
 

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, build_model, committed, pin_and_prepare, tiny_config
-from kvworld import write_sequences
+from helpers import ROOT, build_model, committed, pin_and_prepare, tiny_config
+from helpers.kvworld import write_sequences
 
 import pipeline.kv.pair as pair_module
 from pipeline import check_pair

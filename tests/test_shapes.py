@@ -2,7 +2,7 @@
 models (Qwen3 and Llama with llama3 RoPE scaling) and mappers are well formed."""
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
 from pipeline.kv.kvcache import kv_geometry

@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 from dvc.utils.hydra import compose_and_dump
-from kvworld import VOCAB, word_tokenizer, write_sequences
+from helpers import ROOT
+from helpers.kvworld import VOCAB, word_tokenizer, write_sequences
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline import sibling as stage
@@ -32,7 +33,6 @@ from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import PAIRS, pair_configs
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, KV_HEADS, CHANNELS, HEAD_DIM = 6, 4, 2, 64, 8
 SETTINGS = dict(shape="mlp:16+heads:2", keep="influence", ranking_sequences=4, prefill_length=64, steps=40,
                 batch_sequences=4, row_length=20, lr=3e-3, warmup_steps=4, weight_decay=0.0, top_k=16,

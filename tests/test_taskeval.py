@@ -4,7 +4,7 @@ from pathlib import Path
 
 import lm_eval.utils
 import pandas as pd
-from conftest import hellaswag_rows, piqa_rows
+from helpers import hellaswag_rows, piqa_rows
 from torch.utils import collect_env
 
 from pipeline.kv.pair import Pair

@@ -4,7 +4,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import committed
+from helpers import committed
 
 from pipeline.store.params import parse
 from pipeline.tiny.corpus import generate_world

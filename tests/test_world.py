@@ -8,7 +8,7 @@ import lm_eval.tasks
 import pandas as pd
 import pytest
 import yaml
-from conftest import committed
+from helpers import committed
 from lm_eval.tasks.hellaswag.utils import process_docs
 from lm_eval.utils import apply_template
 from transformers import AutoTokenizer
