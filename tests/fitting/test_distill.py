@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from helpers import ARCHITECTURES, ROOT, build_model, periodic_batch, tiny_config
+from helpers.distill import HORIZON, PREFIX, VOCAB, content_cache, frozen, oracle_of, random_rows, rows_of
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -27,28 +28,15 @@ from pipeline.fitting.distill import (
     tensors_digest,
     trainable,
 )
-from pipeline.fitting.distill_rows import (
-    Batch,
-    CacheRows,
-    Splits,
-    StoredOracle,
-    batch_bytes,
-    oracle,
-    oracle_bytes,
-    with_oracles,
-)
+from pipeline.fitting.distill_rows import Batch, Splits, StoredOracle, with_oracles
 from pipeline.kv.families.registry import TRAINABLE
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Layers, cache_to_layers, kv_geometry
+from pipeline.kv.kvcache import kv_geometry
 from pipeline.kv.mapper import Mapper, load_mapper, map_cache, random_mapper, save_mapper
-from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
-from pipeline.store.cachefiles import ShardWriter, open_shard
 from pipeline.store.shapes import random_model, shape_config
 
-VOCAB = 97
 PERIODIC_VOCAB = 32  # the vocabulary `periodic_model` was trained on
-PREFIX, HORIZON = 12, 3  # the prefix c[0..n-2] and the teacher-forced positions after the handoff position
 
 
 def settings(lrs=(1e-2,), kv_weights=(1.0,), batch=16, **overrides) -> DistillSettings:
@@ -56,34 +44,6 @@ def settings(lrs=(1e-2,), kv_weights=(1.0,), batch=16, **overrides) -> DistillSe
     values = dict(lrs={family: list(lrs) for family in TRAINABLE}, probe_steps=1, weight_decay=0.0, batch_size=batch,
                   epochs=25, patience=5, kv_weights=list(kv_weights), seed=0)
     return DistillSettings(**{**values, **overrides})
-
-
-def oracle_of(model) -> Handoff:
-    """The oracle handoff of `model` alone, as the stage builds it (`Pair`)."""
-    return Pair.of(model).handoff("oracle")
-
-
-def frozen(model):
-    return model.requires_grad_(False).eval()
-
-
-def content_cache(model, ids: torch.Tensor) -> Layers:
-    """`model`'s own cache of ids (B, P) with RoPE stripped: what the extract stage stores."""
-    with torch.no_grad():
-        layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)
-    rotation = Rotation(RotarySpec.from_model(model), torch.arange(ids.shape[1]))
-    return [(rotation.strip(keys), values) for keys, values in layers]  # (B, H, P, D) each
-
-
-def rows_of(source, ids: torch.Tensor) -> Batch:
-    """Sequences (B, PREFIX + 1 + HORIZON) as a batch: prefix, its source cache, and c[n-1] e[0..h-1]."""
-    prefix = ids[:, :PREFIX]
-    return Batch(prefix, content_cache(source, prefix), ids[:, PREFIX:])
-
-
-def random_rows(source, seed: int, rows: int) -> Batch:
-    generator = torch.Generator().manual_seed(seed)
-    return rows_of(source, torch.randint(0, VOCAB, (rows, PREFIX + 1 + HORIZON), generator=generator))
 
 
 def periodic_rows(model, seed: int, rows: int) -> Batch:
@@ -316,17 +276,6 @@ def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_
         assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 
 
-def test_a_kept_oracle_is_each_batchs_own_oracle_bit_for_bit_whatever_rows_share_its_batch(random_pair):
-    target, source = random_pair
-    rows = random_rows(source, 8, 12)
-    kept = StoredOracle(rows, oracle_of(target), 5)  # batches 0-4, 5-9, 10-11
-    chosen = [11, 2, 7, 3]
-    own = oracle(Handoff(target), rows.take(chosen))
-    taken = kept.oracle(chosen)
-    assert torch.equal(taken.logprobs, own.logprobs)
-    assert all(torch.equal(a, b) for pair, own_pair in zip(taken.content, own.content) for a, b in zip(pair, own_pair))
-
-
 def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_per_batch(random_pair, random_runs):
     target, source = random_pair
     groups = with_oracles([random_rows(source, 8, 16), random_rows(source, 9, 8)], oracle_of(target), 8, 2**30)
@@ -339,16 +288,6 @@ def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_pe
     assert history == computed_history
 
 
-def test_groups_beyond_the_oracle_budget_keep_no_oracle(random_pair):
-    target, source = random_pair
-    groups = [random_rows(source, 8, 16), random_rows(source, 9, 8)]
-    first_row = groups[0].take([0])
-    first_group = (oracle_bytes(oracle(Handoff(target), first_row)) + batch_bytes(first_row)) * len(groups[0])
-    assert with_oracles(groups, oracle_of(target), 8, 0) == groups
-    first_only = with_oracles(groups, oracle_of(target), 8, first_group)
-    assert isinstance(first_only[0], StoredOracle) and first_only[1] is groups[1]
-
-
 def test_an_epochs_batches_keep_one_length_each_and_cover_every_row_once():
     groups = [list(range(5)), list(range(3)), list(range(8))]  # only len() is read
     batches = epoch_batches(groups, 2, torch.Generator().manual_seed(0))
@@ -356,35 +295,6 @@ def test_an_epochs_batches_keep_one_length_each_and_cover_every_row_once():
     assert seen == [(g, r) for g, rows in enumerate(groups) for r in rows]
     assert all(len(rows) <= 2 for _, rows in batches)
     assert [group for group, _ in batches] != sorted(group for group, _ in batches)  # the groups are interleaved
-
-
-def open_split_shards(root):
-    """The fit split's shards as ShardWriter left them (no manifest: the test writes shards alone)."""
-    return [open_shard(path) for path in sorted((root / "fit").glob("*.safetensors"))]
-
-
-def test_cache_rows_cut_from_stored_sequences_hold_the_sources_own_cache_of_each_prefix(random_pair, tmp_path):
-    _, source = random_pair
-    generator = torch.Generator().manual_seed(4)
-    sequences = [torch.randint(0, VOCAB, (length,), generator=generator) for length in (20, 12, 25)]
-    writer = ShardWriter(tmp_path, {}, 2, torch.float32)  # two shards: the rows cross a shard boundary
-    writer.begin("fit", [len(ids) for ids in sequences])
-    for number, ids in enumerate(sequences):
-        layers = content_cache(source, ids[None])  # (1, H, T, D) per layer
-        stacked = [torch.stack([pair[kind][0].transpose(0, 1) for pair in layers]) for kind in (0, 1)]
-        writer.add(f"doc{number}", f"hash{number}", *stacked)  # (layers, T, H, D) each
-    writer.close()
-    geometry = kv_geometry(source.config)
-    rows = CacheRows(open_split_shards(tmp_path), [ids.tolist() for ids in sequences], 10, 3,
-                     (geometry["layers"], geometry["kv_heads"], geometry["head_dim"]))
-    assert len(rows) == 2  # the 12-token sequence is shorter than 10 + 3
-    batch = rows.take([1, 0])
-    kept = torch.stack([sequences[2][:13], sequences[0][:13]])
-    assert torch.equal(batch.prefix, kept[:, :9]) and torch.equal(batch.steps, kept[:, 9:])
-    for (keys, values), (own_keys, own_values) in zip(batch.source, content_cache(source, kept[:, :9]), strict=True):
-        assert torch.allclose(keys, own_keys, atol=1e-5) and torch.allclose(values, own_values, atol=1e-5)
-    with pytest.raises(ValueError, match="hold different sequences"):
-        CacheRows(open_split_shards(tmp_path), [ids.tolist() for ids in sequences[:2]], 10, 3, (1, 1, 1))
 
 
 RATES, WEIGHTS = (1e-5, 3e-3, 3.0), (0.0, 10.0)  # the regression pulls a random map towards the target's cache

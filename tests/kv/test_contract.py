@@ -1,30 +1,31 @@
-"""The architecture contract: each supported family is handled exactly, each other model is refused up front."""
+"""The architecture contract: each supported family is handled exactly (through `Pair.handoff` in every mode and
+repair policy too), each other model is refused up front, and the run length is the longest sequence a stage feeds."""
 import pytest
 import torch
 from helpers import ROOT, build_model, tiny_config
 from helpers.architectures import SUPPORTED, VOCAB, _full_forward_scores, _requests, config_of, random_of
 from lm_eval.api.instance import Instance
 
-from pipeline import check_pair
-from pipeline.controls import rope_against_model
 from pipeline.fitting import ridge
 from pipeline.kv.contract import (
+    MODES,
     TESTED_FAMILIES,
     LongerThanWindowError,
     UnsupportedModelError,
     pair_contract,
+    run_length,
     which_pairs_work,
 )
 from pipeline.kv.decode import greedy_rollout
-from pipeline.kv.flops import mapper_parameter_count
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, kv_geometry
-from pipeline.kv.mapper import Mapper
-from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
+from pipeline.kv.mapper import Mapper, identity_mapper
+from pipeline.kv.pair import Pair
+from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.kv.scoring import score_continuations
+from pipeline.kv.selectors.registry import POLICIES
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.models import IncompatiblePairError
-from pipeline.store.shapes import pair_configs
 
 REFUSED = {  # the model, and what its refusal must name
     "qwen3-sliding-layers": (lambda: config_of("qwen3", head_dim=16, use_sliding_window=True, sliding_window=32,
@@ -60,14 +61,6 @@ def test_supported_family_defines_every_mode_and_its_oracle_handoff_is_exact(nam
         assert score == pytest.approx(reference, abs=1e-4)
     direct = score_continuations(Handoff(model, model, "direct"), requests, progress=False)
     assert [s for s, _ in direct] == pytest.approx([s for s, _ in results], abs=1e-4)
-
-
-@pytest.mark.parametrize("name", sorted(SUPPORTED))
-def test_supported_familys_rotary_spec_strips_exactly_what_the_model_rotated(name):
-    model = random_of(SUPPORTED[name]())
-    prompts = [torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(1)).tolist()]
-    result = rope_against_model(model, prompts, RotarySpec.from_model(model), 1e-5)
-    assert result["passed"], result
 
 
 def test_every_tested_family_is_exercised_here():
@@ -118,24 +111,6 @@ def test_without_a_run_length_a_windowed_model_is_accepted_and_each_longer_seque
     with pytest.raises(LongerThanWindowError, match="longer than the sliding window"):
         greedy_rollout(handoff, [list(range(3, 30))], steps=20)
     assert Handoff(random_of(SUPPORTED["llama"]())).window is None  # no window, no limit
-
-
-def test_a_model_cast_to_bfloat16_after_loading_is_refused_naming_its_inv_freq():
-    model = random_of(SUPPORTED["llama"]()).to(torch.bfloat16)
-    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
-    with pytest.raises(UnsupportedRopeError, match="bfloat16 inv_freq"):
-        Handoff(model)
-
-
-def test_scaled_rope_spec_carries_the_models_frequencies_and_attention_factor():
-    config = SUPPORTED["llama-yarn"]()
-    model = random_of(config)
-    spec = RotarySpec.from_model(model)
-    assert spec.attention_scaling == pytest.approx(model.model.rotary_emb.attention_scaling) != 1.0
-    assert torch.equal(spec.inv_freq("cpu"), model.model.rotary_emb.inv_freq)
-    assert spec.to_dict()["scaling"]["factor"] == 4.0
-    plain = RotarySpec.from_config(config_of("llama", head_dim=16))
-    assert plain.to_dict() == {"rope_type": "default", "theta": 10000.0, "head_dim": 16, "max_positions": 512}
 
 
 def test_pair_verdicts_name_what_differs():
@@ -262,17 +237,79 @@ def test_readme_which_pairs_work_section_is_the_one_the_contract_generates():
     assert which_pairs_work() in (ROOT / "README.md").read_text()
 
 
-def test_check_pair_prints_the_contract_from_stored_configs_and_exits_non_zero_on_a_refused_pair(capsys, tmp_path):
-    check_pair.main(["shape:llama-3.2-1b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512", "--mlp-hidden",
-                     "64"])
-    out = capsys.readouterr().out
-    assert "| layers / KV heads / head_dim | 16 / 8 / 64 | 28 / 8 / 128 |" in out
-    assert "| direct | direct injection needs equal KV geometry" in out
-    assert f"| linear | 1 | {mapper_parameter_count(*pair_configs('llama-3.2-1b-3b'), 1, 'linear'):,} |" in out
-    assert "llama3, theta 500000" in out and "speedup bound" in out
-    check_pair.main(["shape:qwen3-0.6b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512"])
-    assert "tokenizers: unchecked (no tokenizer for source 'shape:qwen3-0.6b' and target 'shape:llama-3.2-3b'; " \
-        "the configs differ in vocabulary sizes 151936 vs 128256" in capsys.readouterr().out
-    config_of("gemma", head_dim=16).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="not a family"):
-        check_pair.main(["shape:qwen3-0.6b", str(tmp_path), "--ks", "1", "--lengths", "512"])
+# ---- every family through Pair.handoff --------------------------------------------------------------------------
+# Every family the architecture contract accepts, through `Pair.handoff` in every mode it defines and with every
+# repair policy of the registry: each runs a forward and scores continuations, and a full repair by any policy, or
+# of every layer, gives the oracle's scores (so the exact layers and each policy's query and key paths are the
+# model's own, whatever its norms and rotary settings); decoding after the handoff is the model's own greedy decoding.
+
+
+REPAIRED_MODES = ("direct", "mapped", "shuffled", "zero")  # the modes that hand the target a cache to repair
+
+
+@pytest.fixture(scope="module", params=sorted(SUPPORTED))
+def pair(request):
+    target = random_of(SUPPORTED[request.param]())
+    torch.manual_seed(1)
+    source = type(target)(target.config).eval()  # same geometry, other weights: every mode is defined
+    return Pair.of(target, source), identity_mapper("source", "target", source.config, target.config)
+
+
+def _scores(pair, mode, mapper, repair=None):
+    handoff = pair[0].handoff(mode, mapper, repair=repair)
+    return [score for score, _ in score_continuations(handoff, _requests(n_contexts=3, endings=2), progress=False)]
+
+
+def test_every_mode_runs_and_only_the_oracle_and_direct_agree_where_they_must(pair):
+    assert set(pair[0].contract.modes) == set(MODES)
+    scores = {mode: _scores(pair, mode, pair[1]) for mode in MODES}
+    assert all(torch.isfinite(torch.tensor(values)).all() for values in scores.values())
+    assert scores["direct"] == pytest.approx(scores["mapped"], abs=1e-5)  # the identity map moves nothing
+    assert scores["mapped"] != pytest.approx(scores["oracle"], abs=1e-3)  # another model's cache
+
+
+@pytest.mark.parametrize("mode", REPAIRED_MODES)
+def test_every_policy_repairs_every_mode_that_hands_off_a_cache(pair, mode):
+    for policy in POLICIES:
+        scores = _scores(pair, mode, pair[1], f"layers:1+sink:1+tokens:0.5:{policy}")
+        assert torch.isfinite(torch.tensor(scores)).all(), policy
+
+
+@pytest.mark.parametrize("repair", ["layers:2", *(f"tokens:1:{policy}" for policy in POLICIES)])
+def test_a_full_repair_gives_the_oracles_scores(pair, repair):
+    assert _scores(pair, "mapped", pair[1], repair) == pytest.approx(_scores(pair, "oracle", None), abs=1e-4)
+
+
+def _plain_greedy(model, context: list[int], steps: int) -> list[int]:
+    tokens = list(context)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(context):]
+
+
+def test_decoding_after_the_oracle_handoff_is_the_models_own_greedy_continuation(pair):
+    contexts = [list(range(3, 20)), list(range(40, 49))]
+    rolled = greedy_rollout(pair[0].handoff("oracle"), contexts, steps=6)
+    assert rolled.tolist() == [_plain_greedy(pair[0].target, context, 6) for context in contexts]
+    repaired = greedy_rollout(pair[0].handoff("mapped", pair[1], repair="tokens:1:attention"), contexts, steps=6)
+    assert torch.equal(repaired, rolled)
+
+
+# ---- the run length ---------------------------------------------------------------------------------------------
+
+
+def test_the_run_length_is_the_longest_sequence_any_stage_feeds_the_models():
+    params = {"data": {"sequence_length": 256, "prompt_length": 40, "continuation_length": 16},
+              "select": {"prompt_fraction": 0.5, "horizon": 8}, "evaluate": {"horizon": 16},
+              "controls": {"horizon": 8}, "length": {"prompt_lengths": [16, 32, 64], "continuation": 8, "horizon": 8},
+              "latency": {"lengths": None}, "candidates": {"length": 128}}
+    assert run_length(params) == 256
+    assert run_length({**params, "data": {**params["data"], "prompt_length": 300}}) == 316  # 300 + evaluate.horizon
+    assert run_length({**params, "select": {"prompt_fraction": 0.95, "horizon": 64}}) == 243 + 64
+    assert run_length({**params, "length": {"prompt_lengths": [512], "continuation": 32, "horizon": 8}}) == 544
+    assert run_length({**params, "latency": {"lengths": [128, 8192]}}) == 8192
+    assert run_length({**params, "candidates": {"length": 1024}}) == 1024
+    long = {"continuation": 64, "lengths": {1024: {}, 2048: {}}}
+    assert run_length({**params, "data": {**params["data"], "long": long}, "operating": {"horizon": 16}}) == 2048 + 64
+    assert run_length({**params, "select": {"prompt_lengths": [4096], "continuation": 8, "horizon": 32}}) == 4096 + 32

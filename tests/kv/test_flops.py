@@ -1,4 +1,5 @@
-"""The FLOP model against PROTOCOL.md's figures for the Qwen3-0.6B -> Qwen3-1.7B pair."""
+"""The FLOP model against PROTOCOL.md's figures for the Qwen3-0.6B -> Qwen3-1.7B pair, and a repair's budget and
+speedup bound."""
 import pytest
 
 from pipeline.kv.flops import (
@@ -6,12 +7,14 @@ from pipeline.kv.flops import (
     handoff_macs,
     linear_macs_per_token,
     mapper_macs_per_token,
+    repair_budget,
     source_alone_bound,
     speedup_bound,
     target_prefill_macs,
     truncated_bound,
 )
 from pipeline.kv.mapper import random_mapper
+from pipeline.kv.repair import Repair
 from pipeline.store.shapes import pair_configs
 
 SOURCE, TARGET = pair_configs("qwen3-v0")
@@ -67,3 +70,32 @@ def test_the_source_alone_costs_its_own_prefill_and_the_truncated_prompt_its_kep
     tenth = truncated_bound(TARGET, 0.1, 1024)
     assert tenth == target_prefill_macs(TARGET, 1024) / target_prefill_macs(TARGET, 102) and tenth > 10  # quadratic
     assert truncated_bound(TARGET, 1e-6, 1024) == target_prefill_macs(TARGET, 1024) / target_prefill_macs(TARGET, 1)
+
+
+def _qwen3_v0():
+    return pair_configs("qwen3-v0")
+
+
+def test_the_budget_is_zero_for_no_repair_and_about_one_for_a_full_one():
+    _, target = _qwen3_v0()
+    assert repair_budget(target, Repair(), 1024) == 0
+    assert 0.95 < repair_budget(target, Repair(sink=1023), 1024) < 1  # the whole prefix, no last token, no logits
+    assert 0.95 < repair_budget(target, Repair(exact_layers=target.num_hidden_layers), 1024) < 1
+    assert 1 <= repair_budget(target, Repair(tokens=1.0), 1024) < 1.5  # dense reads over the whole prefix
+
+
+def test_the_budget_grows_with_the_fraction_and_a_selection_costs_its_own_work():
+    _, target = _qwen3_v0()
+    budgets = [repair_budget(target, Repair(tokens=rho), 1024) for rho in (0.05, 0.1, 0.2)]
+    assert budgets == sorted(budgets) and 0.04 < budgets[0] < 0.07
+    recency = repair_budget(target, Repair(tokens=0.1, select_by="recency"), 1024)
+    assert repair_budget(target, Repair(tokens=0.1, select_by="deviation"), 1024) > recency
+    assert repair_budget(target, Repair(tokens=0.1, select_by="attention"), 1024) > recency
+
+
+def test_the_speedup_bound_with_a_repair_is_lower_and_none_leaves_it_as_it_was():
+    source, target = _qwen3_v0()
+    per_token = mapper_macs_per_token(source, target, 1, "linear")
+    plain = speedup_bound(source, target, per_token, 1024)
+    assert speedup_bound(source, target, per_token, 1024, Repair()) == plain
+    assert speedup_bound(source, target, per_token, 1024, Repair(sink=4, tokens=0.1, select_by="attention")) < plain

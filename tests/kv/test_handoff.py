@@ -1,5 +1,5 @@
-"""The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals."""
-import json
+"""The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals, a
+device map, and the first step a gate reads."""
 from dataclasses import replace
 
 import pytest
@@ -9,13 +9,12 @@ from helpers.architectures import _full_forward_scores, _requests
 
 from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teacher_forced
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Prefixes, cache_to_layers, layers_to_cache, padded_prefixes
+from pipeline.kv.kvcache import cache_to_layers, layers_to_cache, padded_prefixes
 from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
 from pipeline.kv.modes.shuffled import shuffle_order
 from pipeline.kv.rope import Rotation
-from pipeline.kv.scoring import score_continuations, window_parts
+from pipeline.kv.scoring import score_continuations
 from pipeline.store.models import IncompatiblePairError, load_model
-from pipeline.store.params import ParamError
 
 VOCAB = 97
 
@@ -71,12 +70,6 @@ def test_a_map_fitted_on_rotated_keys_reads_and_writes_them_as_cached(source):
     assert all(torch.equal(out, keys) for (out, _), (keys, _) in zip(as_cached, cached))
     # the pipeline's map strips the source's RoPE and applies the target's, here another theta
     assert not any(torch.allclose(out, keys, atol=1e-3) for (out, _), (keys, _) in zip(re_rotated, cached))
-
-
-def test_one_contexts_continuations_pack_into_rows_no_longer_than_the_window():
-    requests = [([1, 2], [3] * length) for length in (3, 4, 2, 5)]
-    assert window_parts([0, 1, 2, 3], requests, max_length=7) == [[0, 1], [2, 3]]
-    assert window_parts([0, 1, 2, 3], requests, max_length=2) == [[0], [1], [2], [3]]  # a long one still fits alone
 
 
 def test_shared_context_costs_one_source_prefill(target, source):
@@ -179,13 +172,6 @@ def test_a_checkpoint_loaded_with_a_device_map_scores_as_the_model_on_one_device
     assert score_continuations(Handoff(mapped), requests, 4) == score_continuations(Handoff(whole), requests, 4)
 
 
-def test_a_device_map_for_a_random_model_is_refused_by_its_key(tmp_path):
-    (tmp_path / "random").mkdir()
-    (tmp_path / "random" / "random.json").write_text(json.dumps({"shape": "qwen3-0.6b", "seed": 0}))
-    with pytest.raises(ParamError, match="models.device_map: 'auto' needs a checkpoint"):
-        load_model(str(tmp_path / "random"), device_map="auto")
-
-
 @pytest.mark.parametrize("mode", ["mapped", "shuffled"])
 def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carries_the_gradient(target, source, mode):
     mapper, prefix = random_mapper(source.config, target.config, k=1), 9
@@ -204,16 +190,6 @@ def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carri
         assert torch.equal(keys, keys_built) and torch.equal(values, values_built)
     sum(keys.sum() + values.sum() for _, (keys, values) in layers).backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for ts in trained.keys + trained.values for t in ts)
-
-
-def test_padded_prefixes_hold_each_prefix_its_real_length_the_one_mask_and_the_last_token():
-    prefixes = padded_prefixes([[5, 6, 7, 8], [9, 10], [11]])
-    assert prefixes.ids.tolist() == [[5, 6, 7], [9, 0, 0], [0, 0, 0]] and prefixes.lengths.tolist() == [3, 1, 0]
-    assert prefixes.mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]] and prefixes.last.tolist() == [[8], [10], [11]]
-    assert prefixes.padded and prefixes.padded_lengths is prefixes.lengths
-    whole = Prefixes.of(torch.tensor([[1, 2, 3], [4, 5, 6]]))
-    assert not whole.padded and whole.padded_lengths is None and whole.attention_mask is None
-    assert whole.mask.tolist() == [[1, 1], [1, 1]] and whole.last.tolist() == [[3], [6]]
 
 
 @pytest.mark.parametrize("mode", ["oracle", "direct", "zero"])

@@ -6,13 +6,10 @@ import torch
 import yaml
 from helpers import ARCHITECTURES, ROOT, build_model
 
-from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.selectors.registry import POLICIES
-from pipeline.lm_eval_model import KVTransferLM
-from pipeline.store.shapes import pair_configs
 
 VOCAB, LAYERS = 97, 3
 
@@ -153,44 +150,6 @@ def test_exact_layers_run_the_target_through_all_but_the_last_of_them_and_never_
 def test_the_oracle_refuses_a_repair(target):
     with pytest.raises(ValueError, match="nothing to repair"):
         Handoff(target, repair=Repair(sink=2))
-
-
-def _qwen3_v0():
-    return pair_configs("qwen3-v0")
-
-
-def test_the_budget_is_zero_for_no_repair_and_about_one_for_a_full_one():
-    _, target = _qwen3_v0()
-    assert repair_budget(target, Repair(), 1024) == 0
-    assert 0.95 < repair_budget(target, Repair(sink=1023), 1024) < 1  # the whole prefix, no last token, no logits
-    assert 0.95 < repair_budget(target, Repair(exact_layers=target.num_hidden_layers), 1024) < 1
-    assert 1 <= repair_budget(target, Repair(tokens=1.0), 1024) < 1.5  # dense reads over the whole prefix
-
-
-def test_the_budget_grows_with_the_fraction_and_a_selection_costs_its_own_work():
-    _, target = _qwen3_v0()
-    budgets = [repair_budget(target, Repair(tokens=rho), 1024) for rho in (0.05, 0.1, 0.2)]
-    assert budgets == sorted(budgets) and 0.04 < budgets[0] < 0.07
-    recency = repair_budget(target, Repair(tokens=0.1, select_by="recency"), 1024)
-    assert repair_budget(target, Repair(tokens=0.1, select_by="deviation"), 1024) > recency
-    assert repair_budget(target, Repair(tokens=0.1, select_by="attention"), 1024) > recency
-
-
-def test_the_speedup_bound_with_a_repair_is_lower_and_none_leaves_it_as_it_was():
-    source, target = _qwen3_v0()
-    per_token = mapper_macs_per_token(source, target, 1, "linear")
-    plain = speedup_bound(source, target, per_token, 1024)
-    assert speedup_bound(source, target, per_token, 1024, Repair()) == plain
-    assert speedup_bound(source, target, per_token, 1024, Repair(sink=4, tokens=0.1, select_by="attention")) < plain
-
-
-def test_the_lm_eval_face_takes_a_repair_and_refuses_a_malformed_one_before_loading(tiny_pair):
-    with pytest.raises(RepairError, match="bad part 'sink:x'"):
-        KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:x",
-                               device="cpu")
-    lm = KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:2",
-                                device="cpu")
-    assert lm.handoff.repair == Repair(sink=2)
 
 
 def _declared_settings() -> list[str]:

@@ -2,8 +2,11 @@
 import pytest
 import torch
 from helpers import build_model, tiny_config
+from helpers.architectures import SUPPORTED, VOCAB, config_of, random_of
 from transformers import Qwen3Config
 
+from pipeline.controls import rope_against_model
+from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError, apply_rope, strip_rope
 
@@ -70,3 +73,29 @@ def test_length_dependent_rope_type_fails_clearly():
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(UnsupportedRopeError, match="length-dependent RoPE"):
         RotarySpec.from_config(config)
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_supported_familys_rotary_spec_strips_exactly_what_the_model_rotated(name):
+    model = random_of(SUPPORTED[name]())
+    prompts = [torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(1)).tolist()]
+    result = rope_against_model(model, prompts, RotarySpec.from_model(model), 1e-5)
+    assert result["passed"], result
+
+
+def test_a_model_cast_to_bfloat16_after_loading_is_refused_naming_its_inv_freq():
+    model = random_of(SUPPORTED["llama"]()).to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    with pytest.raises(UnsupportedRopeError, match="bfloat16 inv_freq"):
+        Handoff(model)
+
+
+def test_scaled_rope_spec_carries_the_models_frequencies_and_attention_factor():
+    config = SUPPORTED["llama-yarn"]()
+    model = random_of(config)
+    spec = RotarySpec.from_model(model)
+    assert spec.attention_scaling == pytest.approx(model.model.rotary_emb.attention_scaling) != 1.0
+    assert torch.equal(spec.inv_freq("cpu"), model.model.rotary_emb.inv_freq)
+    assert spec.to_dict()["scaling"]["factor"] == 4.0
+    plain = RotarySpec.from_config(config_of("llama", head_dim=16))
+    assert plain.to_dict() == {"rope_type": "default", "theta": 10000.0, "head_dim": 16, "max_positions": 512}

@@ -1,11 +1,10 @@
-"""The router (`kv.router`) and its route words (`kv.routes`): each context's handoff and route, decided once; a
-gated context that keeps its map prefilled and mapped once; scores equal to the handoff's own or the oracle's."""
+"""The router (`kv.router`): each context's handoff and route, decided once; a gated context that keeps its map
+prefilled and mapped once; scores equal to the handoff's own or the oracle's."""
 import pytest
 
-from pipeline.kv.modes.registry import MODES, OWN_MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
-from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, hands_off, way, ways
+from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK
 from pipeline.kv.scoring import score_continuations
 
 MAX_LENGTH = 512
@@ -62,18 +61,3 @@ def test_an_ungated_router_scores_as_the_scoring_core_does(pair, requests):
     results, routes = Router(handoff, batch_size=4).score(requests, MAX_LENGTH, progress=False)
     assert results == score_continuations(pair.handoff("direct"), requests, 4, MAX_LENGTH, progress=False)
     assert {route.way for route in routes} == {"direct", EMPTY_PREFIX}
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_one_token_context_hands_nothing_off_and_a_mode_that_prefills_itself_never_does(mode):
-    assert not hands_off(mode, [5])
-    assert hands_off(mode, [5, 6]) == (mode not in OWN_MODES)
-    assert way(mode, False, [5], False) == (mode if mode in OWN_MODES else EMPTY_PREFIX)
-    assert way(mode, False, [5, 6], True) == FELL_BACK
-    assert (EMPTY_PREFIX in ways(mode, False, False)) == (mode not in OWN_MODES)
-
-
-def test_a_repaired_handoff_serves_its_requests_as_repaired_and_counts_every_way():
-    assert way("mapped", True, [5, 6], False) == REPAIRED
-    assert ways("mapped", True, True) == [REPAIRED, EMPTY_PREFIX, FELL_BACK]
-    assert ways("source", False, False) == ["source"]

@@ -1,67 +1,16 @@
 """Agreement where the oracle is sure, and weighted by it: near-ties do not count against a map, a shuffled
 variant scores far below, and no confident position is "n/a", not a division by zero."""
 import numpy as np
-import pandas as pd
 import pytest
 import torch
-from helpers import committed, periodic_batch
+from helpers import periodic_batch
+from helpers.confident import distributions, rows_of, swap_near_ties
 
 from pipeline.kv.handoff import Handoff
 from pipeline.measure.compare import oracle_outputs, variant_rows
 from pipeline.measure.confident import confidence_intervals, confidence_summary, oracle_margin, oracle_probability
 from pipeline.measure.prompt_metrics import prompt_figures
-from pipeline.store.artifacts import ArtifactError
-from pipeline.store.params import parse
-from pipeline.studies import confident
 from pipeline.studies.confident import comparison
-from pipeline.studies.run import Run
-from pipeline.studies.settings import ReportParams
-
-VOCAB, TOP_K = 6, 4
-
-
-def distributions(seed: int, prompts: int = 40, positions: int = 5) -> torch.Tensor:
-    """Oracle log-probabilities (N, m, V): every other position a near-tie (the two best 0.41 and 0.39), the others
-    sure (0.9 on one token); the best token drawn per position."""
-    generator = torch.Generator().manual_seed(seed)
-    probs = torch.full((prompts, positions, VOCAB), 0.05)
-    for i in range(prompts):
-        for j in range(positions):
-            order = torch.randperm(VOCAB, generator=generator)
-            if (i + j) % 2:
-                probs[i, j, order[0]], probs[i, j, order[1]] = 0.41, 0.39
-                probs[i, j, order[2:]] = 0.2 / (VOCAB - 2)
-            else:
-                probs[i, j] = 0.1 / (VOCAB - 1)
-                probs[i, j, order[0]] = 0.9
-    return probs.log()
-
-
-def rows_of(oracle: torch.Tensor, variant: torch.Tensor) -> pd.DataFrame:
-    """`compare.variant_rows`' columns this module reads, for a variant's log-probabilities against the oracle's
-    stored top-K."""
-    top_logprobs, top_ids = oracle.topk(TOP_K, dim=-1)  # (N, m, K)
-    rows = []
-    for i in range(len(oracle)):
-        choice = variant[i].argmax(-1)  # (m,)
-        agree = (choice == top_ids[i, :, 0]).to(torch.int64)
-        rows.append({"prompt": i, "first_agree": int(agree[0]), "agree_by_position": agree.tolist(),
-                     "margin_by_position": oracle_margin(top_logprobs[i]).tolist(),
-                     "oracle_prob_by_position": oracle_probability(top_logprobs[i], top_ids[i], choice).tolist()})
-    return pd.DataFrame(rows)
-
-
-def swap_near_ties(oracle: torch.Tensor) -> torch.Tensor:
-    """The oracle with its two best tokens swapped wherever their margin is below 0.1."""
-    variant = oracle.clone()
-    values, ids = oracle.topk(2, dim=-1)  # (N, m, 2)
-    tie = (values[..., 0].exp() - values[..., 1].exp()) < 0.1  # (N, m)
-    first, second = ids[..., 0][tie], ids[..., 1][tie]
-    flat = variant[tie]  # (T, V)
-    rows = torch.arange(len(flat))
-    flat[rows, first], flat[rows, second] = oracle[tie][rows, second], oracle[tie][rows, first]
-    variant[tie] = flat
-    return variant
 
 
 def test_a_variant_that_loses_only_near_ties_scores_one_where_the_oracle_is_sure_and_below_one_plainly():
@@ -140,37 +89,3 @@ def test_the_stored_rows_give_the_oracle_full_confident_agreement_and_its_mean_t
     null = confidence_summary(variant_rows(Handoff(periodic_model, periodic_model, "zero"), prompts, stored,
                                            batch_size=5, progress=False), 0.2)
     assert null["oracle_weighted_agreement"] < summary["oracle_weighted_agreement"] - 0.2
-
-
-def study_run(margin_rows: dict[str, pd.DataFrame]):
-    """A V0 run whose variants left `margin_rows` (their tokens: each prompt's positions) and V0's top-1."""
-    prompts = {name: rows.assign(tokens=len(rows.agree_by_position[0])) for name, rows in margin_rows.items()}
-    metrics = {name: {"prompts": {"next_token_top1": float(rows.first_agree.mean())}} for name, rows in prompts.items()}
-    return Run(metrics, {}, prompts, skipped={}, controls={}, select={}, latency=None,
-               pair=("models/source", "models/target"), calibration_sizes=[], operating_lengths=[])
-
-
-def test_the_study_puts_confident_agreement_beside_v0s_top1_and_writes_na_where_no_prompt_is_confident():
-    oracle = distributions(5)
-    run = study_run({"oracle": rows_of(oracle, oracle), "selected": rows_of(oracle, swap_near_ties(oracle)),
-                     "shuffled": rows_of(oracle, oracle[torch.randperm(len(oracle))])})
-    study = confident.compute(parse(ReportParams, committed("report"), "report"), confident.load(run))
-    selected = study["variants"]["selected"]
-    assert selected["next_token_top1"] == 0.5 and selected["confident_top1"] == 1.0
-    assert study["confident_prompts"] == 20 and study["positions"] == 200
-    assert study["comparisons"]["selected_minus_shuffled"]["confident_low"] > 0
-    assert set(study["comparisons"]) == {"selected_minus_shuffled", "oracle_minus_selected"}
-    text = "\n".join(confident.lines(study))
-    assert "| Selected mapped transfer | 50.0% | 100.0% [100.0%, 100.0%] (n = 20) |" in text
-    assert "20 of 40 (50.0%)" in text
-    assert confident.headline(study, "selected")["confident_top1"] == 1.0 and confident.headline({}, "selected") == {}
-    unsure = confident.compute(parse(ReportParams, committed("report", confident_margin=0.95), "report"), run)
-    text = "\n".join(confident.lines(unsure))
-    assert "| Selected mapped transfer | 50.0% | n/a (n = 0) | n/a (n = 0) |" in text and "0 of 40 (0.0%)" in text
-
-
-def test_rows_evaluated_before_the_margins_are_refused_with_the_fix():
-    oracle = distributions(6)
-    run = study_run({"oracle": rows_of(oracle, oracle).drop(columns="margin_by_position")})
-    with pytest.raises(ArtifactError, match="rerun the evaluate stages"):
-        confident.load(run)

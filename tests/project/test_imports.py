@@ -1,20 +1,17 @@
 """Stages start fast: importing a stage (for its `--help`, or to refuse its arguments or params) or a schema module
-(check_params reads them all) loads none of the heavy libraries; each module names them with `store.lazy.lazy`,
-imported at the first attribute read. Checked in a fresh interpreter per module, which names the line that loaded a
-heavy library."""
+(check_params reads them all) loads none of the heavy libraries; each module names them with `store.lazy.lazy`
+(tests/store/test_lazy.py), imported at the first attribute read. Checked in a fresh interpreter per module, which
+names the line that loaded a heavy library."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import types
 
 import pytest
-import torch
 from helpers import ROOT
 
 from pipeline import STAGES
-from pipeline.store.lazy import lazy
 
 # not safetensors and huggingface_hub: each imports in about a millisecond (safetensors.torch and the hub client load
 # at first use), so they are imported plainly
@@ -67,37 +64,3 @@ def test_a_stages_library_is_imported_at_its_first_use_and_is_the_real_one():
               "print(before, type(ones) is torch.Tensor, fit.torch.float64 is torch.float64)")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "True", "True"]
-
-
-def test_a_lazy_module_reads_through_to_the_module(tmp_path, monkeypatch):
-    (tmp_path / "kvh_lazy_probe.py").write_text("VALUE = 42\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "kvh_lazy_probe", raising=False)
-    probe = lazy("kvh_lazy_probe")
-    assert "kvh_lazy_probe" not in sys.modules and "(imported)" not in repr(probe)
-    assert probe.VALUE == 42
-    module = sys.modules["kvh_lazy_probe"]
-    assert isinstance(module, types.ModuleType) and "(imported)" in repr(probe)
-    monkeypatch.setattr(module, "VALUE", 7)  # a patched attribute is seen: the proxy copies nothing
-    assert probe.VALUE == 7
-    monkeypatch.delitem(sys.modules, "kvh_lazy_probe")
-
-
-def test_setting_an_attribute_of_a_lazy_module_sets_the_modules_own(tmp_path, monkeypatch):
-    (tmp_path / "kvh_lazy_target.py").write_text("VALUE = 42\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "kvh_lazy_target", raising=False)
-    probe = lazy("kvh_lazy_target")
-    probe.VALUE = 5  # imports the module, then sets its attribute (not the proxy's)
-    assert sys.modules["kvh_lazy_target"].VALUE == 5 and "VALUE" not in vars(probe)
-    monkeypatch.delitem(sys.modules, "kvh_lazy_target")
-
-
-def test_a_lazy_module_gives_the_libraries_own_objects():
-    assert lazy("torch").cat is torch.cat and lazy("torch.nn.functional").gelu is torch.nn.functional.gelu
-
-
-def test_a_lazy_module_that_does_not_exist_fails_at_its_first_use():
-    missing = lazy("kvh_no_such_module")
-    with pytest.raises(ModuleNotFoundError, match="kvh_no_such_module"):
-        missing.anything

@@ -68,7 +68,6 @@ def test_every_top_level_module_is_a_stage_the_lm_eval_face_or_a_user_tool():
                                       "pipeline.api"}
 
 
-
 def stages_in_order(root: Path) -> list[str]:
     """The stage modules of dvc.yaml in the order its entries stand, each once."""
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"].values()

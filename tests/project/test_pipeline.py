@@ -72,8 +72,9 @@ def typo(section: str):
     return lambda p: p[section].__setitem__("typo_key", 4)
 
 
-# every section's typo and empty list is refused by the whole-file check in-process (tests/test_params.py); here
-# dvc itself, for a section read first (data), one read last (report) and an empty list: check_params stops it
+# every section's typo and empty list is refused by the whole-file check in-process
+# (tests/stages/test_check_params.py); here dvc itself, for a section read first (data), one read last (report) and
+# an empty list: check_params stops it
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     *[(typo(section), f"error: {section}.typo_key: unknown parameter") for section in ("data", "report")],

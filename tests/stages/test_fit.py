@@ -1,15 +1,15 @@
-"""Fit stage: the ridge math against direct solves, probes that find a planted layer, determinism, corruption."""
-import json
+"""Fit stage: every candidate written with its metadata and the umask's mode, a family the contract leaves undefined
+skipped with its reason, determinism across processes and threads, corruption stopped; its params' families."""
+from __future__ import annotations
+
 import os
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 import yaml
 from helpers import ROOT as REPO
 from helpers import committed
@@ -18,236 +18,18 @@ from helpers.kvworld import make_world
 from pipeline import fit as fit_module
 from pipeline.extract import run as extract
 from pipeline.fit import run as fit
-from pipeline.fitting import ridge
-from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
+from pipeline.kv.families.registry import CLOSED_FORM, FITTED_FAMILIES, MapName
 from pipeline.kv.flops import mapper_macs_per_token, mapper_parameter_count
 from pipeline.kv.mapper import load_mapper
 from pipeline.schema.extract import ExtractParams
 from pipeline.schema.fit import FitParams
 from pipeline.store.artifacts import ArtifactError
-from pipeline.store.cachefiles import MANIFEST, ShardWriter, paired_split
 from pipeline.store.cli import run_stage
 from pipeline.store.models import load_config
-from pipeline.store.params import ParamError, parse
+from pipeline.store.params import ParamError, parse, read_params
 
 FIT = committed("fit", ks=[1, 2], lambdas=[0.01, 1.0], families=["linear", "head_matched"], timing_repeats=1, threads=1,
                 mlp={"ks": [1], "hidden": 16, "max_epochs": 5})
-
-
-def _data(rows=200, features=6, outputs=4, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, features, generator=generator, dtype=torch.float64) * 3 + 1
-    y = x @ torch.randn(features, outputs, generator=generator, dtype=torch.float64) + 5
-    return x, y + 0.5 * torch.randn(rows, outputs, generator=generator, dtype=torch.float64)
-
-
-def _moments(x, y, chunks=1):
-    m = ridge.Moments.zeros(x.shape[1], y.shape[1], "cpu")
-    for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
-        m.update(xs, ys)
-    return m
-
-
-def test_ridge_equals_least_squares_on_the_augmented_system():
-    x, y = _data()
-    lam = 3.0
-    weight, bias = ridge.solve(_moments(x, y), lam)
-    # [X - mean, 1; sqrt(lam) I, 0] [W; b'] = [Y; 0]: penalty on W only, bias free
-    xc = x - x.mean(0)
-    a = torch.cat([torch.cat([xc, torch.ones(len(x), 1, dtype=x.dtype)], 1),
-                   torch.cat([lam**0.5 * torch.eye(x.shape[1], dtype=x.dtype),
-                              torch.zeros(x.shape[1], 1, dtype=x.dtype)], 1)])
-    b = torch.cat([y, torch.zeros(x.shape[1], y.shape[1], dtype=x.dtype)])
-    solution = torch.linalg.lstsq(a, b).solution
-    assert torch.allclose(weight, solution[:-1], atol=1e-9)
-    assert torch.allclose(bias, solution[-1] - x.mean(0) @ solution[:-1], atol=1e-9)
-
-
-def test_streamed_accumulation_equals_one_shot_fit():
-    x, y = _data()
-    one = ridge.solve(_moments(x, y), 0.1)
-    streamed = ridge.solve(_moments(x, y, chunks=7), 0.1)
-    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(one, streamed))
-
-
-def test_one_layer_solve_equals_separate_per_head_solves():
-    x, y = _data(outputs=6)  # 3 heads of width 2
-    m = _moments(x, y)
-    weight, bias = ridge.solve(m, 1.0)
-    for head in range(3):
-        cols = torch.arange(2 * head, 2 * head + 2)
-        w_head, b_head = ridge.solve(m.select(outputs=cols), 1.0)
-        assert torch.allclose(weight[:, cols], w_head, atol=1e-12) and torch.allclose(bias[cols], b_head, atol=1e-12)
-
-
-def test_residuals_from_moments_equal_direct_residuals():
-    x, y = _data()
-    weight, bias = ridge.solve(_moments(x, y), 1.0)
-    x2, y2 = _data(seed=1)
-    direct = ((y2 - x2 @ weight - bias) ** 2).sum(0)
-    assert torch.allclose(ridge.residual_ss(_moments(x2, y2), weight, bias), direct, rtol=1e-9)
-    assert torch.allclose(ridge.total_ss(_moments(x2, y2)), ((y2 - y2.mean(0)) ** 2).sum(0), rtol=1e-9)
-
-
-def test_in_sample_residuals_from_the_normal_equations_equal_residuals_from_moments():
-    x, y = _data()
-    m = _moments(x, y)
-    for lam in (0.0, 0.1, 10.0):
-        weight, bias = ridge.solve(m, lam)
-        assert torch.allclose(ridge.fitted_residual_ss(m, weight, bias, lam), ridge.residual_ss(m, weight, bias),
-                              rtol=1e-9)
-    weight, bias = ridge.solve(m, 10.0)  # the shortcut holds for the lambda it was solved with only
-    assert not torch.allclose(ridge.fitted_residual_ss(m, weight, bias, 0.1), ridge.residual_ss(m, weight, bias),
-                              rtol=1e-3)
-
-
-def _rows(x, y, chunk=3):
-    rows = ridge.Rows([], [], "cpu")
-    for start in range(0, x.shape[0], chunk):
-        rows.update(x[start : start + chunk], y[start : start + chunk])
-    return rows
-
-
-def test_a_relative_lambda_is_the_absolute_lambda_times_the_mean_centered_gram_diagonal():
-    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [1.0, 2.0], [-1.0, -2.0]], dtype=torch.float64) + 3
-    y = torch.tensor([[1.0], [2.0], [0.0], [5.0]], dtype=torch.float64)
-    # centered columns: (1, -1, 1, -1) and (0, 0, 2, -2): sums of squares 4 and 8, mean 6
-    for summary in (_moments(x, y), _rows(x, y)):
-        assert ridge.gram_scale(summary) == pytest.approx(6.0)
-        assert ridge.effective_lambda(summary, 0.5, "relative") == pytest.approx(3.0)
-        assert ridge.effective_lambda(summary, 0.5, "absolute") == 0.5
-    with pytest.raises(ValueError, match="not absolute or relative"):
-        ridge.effective_lambda(_moments(x, y), 0.5, "percent")
-
-
-def test_a_relative_lambda_gives_the_same_predictions_whatever_the_inputs_scale_and_an_absolute_one_does_not():
-    x, y = _data()
-    predictions = {}
-    for scale in ("relative", "absolute"):
-        for factor in (1.0, 0.01):  # the same features in other units
-            m = _moments(x * factor, y)
-            weight, bias = ridge.solve(m, ridge.effective_lambda(m, 0.05, scale))
-            predictions[scale, factor] = x * factor @ weight + bias
-    assert torch.allclose(predictions["relative", 1.0], predictions["relative", 0.01], atol=1e-8)
-    assert not torch.allclose(predictions["absolute", 1.0], predictions["absolute", 0.01], atol=1e-3)
-
-
-def test_fewer_rows_than_features_are_kept_as_rows_and_more_as_moments():
-    assert isinstance(ridge.summary(5, 6, 4, "cpu"), ridge.Rows)
-    assert isinstance(ridge.summary(6, 6, 4, "cpu"), ridge.Moments)
-
-
-def test_the_dual_solve_from_rows_equals_the_primal_solve_from_moments():
-    x, y = _data(rows=12, features=30)  # fewer rows than features: the small-calibration regime at real widths
-    for lam in (0.01, 1.0, 100.0):
-        from_rows, from_moments = ridge.solve(_rows(x, y), lam), ridge.solve(_moments(x, y), lam)
-        assert all(torch.allclose(a, b, rtol=1e-8, atol=1e-10) for a, b in zip(from_rows, from_moments))
-    with pytest.raises(ValueError, match="not positive definite"):
-        ridge.solve(_rows(x, y), 0.0)  # centered rows of rank < N: no exact fit without a penalty, as from moments
-    assert not torch.allclose(ridge.solve(_rows(x, y), 1.0)[0], ridge.solve(_rows(x, y), 100.0)[0], rtol=1e-3)
-
-
-def test_scores_from_rows_equal_scores_from_moments():
-    x, y = _data()
-    weight, bias = ridge.solve(_moments(x, y), 1.0)
-    few_x, few_y = x[:5], y[:5]
-    rows, moments = _rows(few_x, few_y), _moments(few_x, few_y)
-    assert torch.allclose(ridge.residual_ss(rows, weight, bias), ridge.residual_ss(moments, weight, bias), rtol=1e-9)
-    assert torch.allclose(ridge.total_ss(rows), ridge.total_ss(moments), rtol=1e-9)
-    cols, outs = torch.tensor([0, 2, 3]), torch.tensor([1, 0])
-    w_sub, b_sub = ridge.solve(_moments(x, y).select(cols, outs), 1.0)
-    assert torch.allclose(ridge.residual_ss(rows.select(cols, outs), w_sub, b_sub),
-                          ridge.residual_ss(moments.select(cols, outs), w_sub, b_sub), rtol=1e-9)
-    lam = 0.5
-    weight, bias = ridge.solve(_rows(few_x, few_y), lam)
-    assert torch.allclose(ridge.fitted_residual_ss(rows, weight, bias, lam),
-                          ridge.residual_ss(moments, weight, bias), rtol=1e-6, atol=1e-9)
-    assert not torch.allclose(ridge.residual_ss(rows, weight, bias), ridge.residual_ss(rows, weight, bias + 0.1))
-
-
-def _fake_caches(root: Path, planted: dict[int, int], source_layers=4, sequences=8, length=30) -> None:
-    """Random source caches; target layer l is an exact linear map of source layer planted[l] (keys and values)."""
-    generator = torch.Generator().manual_seed(0)
-    heads, dim = 2, 4
-    maps = {layer: torch.randn(heads * dim, heads * dim, generator=generator) for layer in planted}
-    for name in ("source", "target"):
-        meta = {"model": name, "model_path": name,
-                "geometry": {"layers": source_layers if name == "source" else len(planted),
-                             "kv_heads": heads, "head_dim": dim}, "rotary": {}, "dtype": "float32"}
-        writer = ShardWriter(root / name, meta, 3, torch.float32)
-        gen = torch.Generator().manual_seed(1)
-        writer.begin("fit", [length] * sequences)
-        for seq in range(sequences):
-            source = [torch.randn(length, heads, dim, generator=gen) for _ in range(2 * source_layers)]
-            layers = source if name == "source" else [
-                (source[2 * p + kind].reshape(length, -1) @ maps[layer]).reshape(length, heads, dim)
-                for layer, p in planted.items() for kind in (0, 1)]
-            writer.add(f"d{seq}", f"h{seq}", torch.stack(layers[0::2]), torch.stack(layers[1::2]))
-        records = writer.close()
-        (root / name / MANIFEST).write_text(json.dumps(dict(meta, splits={"fit": {"shards": records["fit"]}})))
-
-
-def test_probes_in_many_passes_equal_one_pass_and_compute_each_inputs_gram_once(tmp_path, monkeypatch):
-    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3})
-    pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
-    held = holdout_sequences(pairs, 0.25, seed=0)
-    one_pass = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1e9, device="cpu")
-    grams = []
-    original = ridge.Moments.update
-    monkeypatch.setattr(ridge.Moments, "update",
-                        lambda self, x, y, inputs=True: (grams.append(inputs), original(self, x, y, inputs))[1])
-    three_passes = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1, device="cpu")
-    # the same R² (to float64 rounding: the solves see right-hand sides of other widths)
-    assert all(torch.allclose(one_pass[kind], three_passes[kind], rtol=1e-12, atol=1e-12) for kind in one_pass)
-    shards = len(pairs)
-    assert grams.count(True) == shards * 2 * 2 * 4  # shards x kinds x (train, held) x source layers, once
-    assert grams.count(False) == 2 * grams.count(True)  # the two later passes add only X^T Y
-
-
-def test_probes_on_fewer_rows_than_features_equal_probes_from_moments(tmp_path, monkeypatch):
-    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3}, sequences=3, length=2)  # 4 train, 2 held-out rows < 8 features
-    pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
-    held = holdout_sequences(pairs, 0.25, seed=0)
-    kinds, original = [], ridge.summary
-
-    def recorded(rows, in_width, out_width, device, force_moments=False):
-        made = original(in_width if force_moments else rows, in_width, out_width, device)
-        kinds.append(type(made).__name__)
-        return made
-
-    monkeypatch.setattr(ridge, "summary", recorded)
-    from_rows = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
-    assert set(kinds) == {"Rows"}
-    monkeypatch.setattr(ridge, "summary", lambda *args: recorded(*args, force_moments=True))
-    from_moments = probe_r2(pairs, held, 4, 3, 8, 8, 1e-3, budget_bytes=1, device="cpu")
-    assert set(kinds) == {"Rows", "Moments"}
-    assert all(torch.allclose(from_rows[kind], from_moments[kind], rtol=1e-7, atol=1e-7) for kind in from_rows)
-
-
-def test_probes_read_the_source_once_when_its_rows_fit_the_budget_with_the_same_scores(tmp_path):
-    _fake_caches(tmp_path, {0: 2, 1: 0, 2: 3})
-
-    def probe(rows_budget_bytes):
-        pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")  # fresh read counters
-        scores = probe_r2(pairs, holdout_sequences(pairs, 0.25, seed=0), 4, 3, 8, 8, 1e-6, budget_bytes=1,
-                          device="cpu", rows_budget_bytes=rows_budget_bytes)  # three passes
-        return scores, sum(s.bytes_read for s, _ in pairs) / stored_bytes(pairs, 4, 8)
-
-    (kept, kept_reads), (reread, reread_reads) = probe(1e9), probe(0)
-    assert all(torch.equal(kept[kind], reread[kind]) for kind in kept)
-    assert (kept_reads, reread_reads) == (1.0, 3.0)  # learning the stored dtype reads no tensor
-
-
-def test_probe_picks_the_planted_source_layer(tmp_path):
-    planted = {0: 2, 1: 0, 2: 3}
-    _fake_caches(tmp_path, planted)
-    pairs = paired_split(tmp_path / "source", tmp_path / "target", "fit")
-    held = holdout_sequences(pairs, 0.25, seed=0)
-    # the budget forces one target layer per pass
-    scores = probe_r2(pairs, held, 4, 3, 8, 8, 1e-6, budget_bytes=1, device="cpu")
-    assert [order[0] for order in ranking(scores)] == [planted[layer] for layer in range(3)]
-    for layer, p in planted.items():
-        assert scores["keys"][layer, p] > 0.999 and scores["values"][layer, p] > 0.999
 
 
 @pytest.fixture(scope="module")
@@ -401,3 +183,16 @@ def test_corrupted_cache_shard_stops_fit_naming_it(extracted, tmp_path):
     with pytest.raises(ArtifactError, match="shard-00001.safetensors: checksum mismatch"):
         fit(caches / "source", caches / "target", extracted / "models/source", extracted / "data/select.parquet",
             tmp_path / "mappers", tmp_path / "metrics", _fit_params(), {}, "cpu", "float32")
+
+
+def test_fit_params_take_every_closed_form_family_and_refuse_another():
+    fit = read_params()["fit"]
+    parsed = parse(FitParams, dict(fit, families=list(CLOSED_FORM)), "fit")
+    assert {MapName.parse(name).family for name in parsed.candidates()} == set(FITTED_FAMILIES)
+    with pytest.raises(ParamError, match="fit.families"):
+        parse(FitParams, dict(fit, families=["mlp"]), "fit")
+
+
+def test_an_empty_mlp_section_names_its_first_key():
+    with pytest.raises(ParamError, match=r"fit\.mlp\.ks: missing parameter"):
+        parse(FitParams, committed("fit", mlp={}) | {"mlp": {}}, "fit")

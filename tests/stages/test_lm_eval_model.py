@@ -1,5 +1,6 @@
 """The `kv-transfer` lm-eval model: the exactness gate against lm-eval's stock `hf` model on real
-HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files."""
+HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files; its model args (a repair,
+a gate) refused in one line before any model loads."""
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.gate import Scorer
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.kv.repair import Repair
+from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.router import Router
 from pipeline.kv.routes import CACHED, EMPTY_PREFIX, FELL_BACK, REPAIRED, Route
 from pipeline.kv.scoring import truncate
@@ -597,3 +598,25 @@ def test_lm_evals_own_path_keyed_cache_is_refused(tiny_pair, task_dir, tmp_path)
     with pytest.raises(ParamError, match="lm-eval's use_cache keys its file by its path alone"):
         simple_evaluate(model=lm, tasks=["piqa_local"], limit=1, use_cache=str(tmp_path / "lm_eval_cache"),
                         task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
+
+
+def test_the_lm_eval_face_takes_a_repair_and_refuses_a_malformed_one_before_loading(tiny_pair):
+    with pytest.raises(RepairError, match="bad part 'sink:x'"):
+        KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:x",
+                               device="cpu")
+    lm = KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:2",
+                                device="cpu")
+    assert lm.handoff.repair == Repair(sink=2)
+
+
+@pytest.mark.parametrize("fallback, threshold, disagree, message", [
+    (None, "0.5", None, "give fallback=<score> too"),
+    ("kl", None, None, "needs threshold=<number>"),
+    ("disagree", "0.5", "only_one.safetensors", "name two mapper files"),
+    ("disagree", "0.5", None, "needs disagree="),
+])
+def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pair, fallback, threshold, disagree,
+                                                                       message):
+    with pytest.raises(ParamError, match=message):
+        KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer="direct",
+                               device="cpu", fallback=fallback, threshold=threshold, disagree=disagree)

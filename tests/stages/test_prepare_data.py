@@ -9,7 +9,7 @@ from pipeline.prepare_data import run
 from pipeline.schema.prepare_data import DataParams
 from pipeline.store.models import ModelNotAvailableError
 from pipeline.store.params import ParamError, parse
-from pipeline.store.splits import OverlapError, check_disjoint, document
+from pipeline.store.splits import check_disjoint, document
 
 SMALL_WORLD = committed("data.world", corpus_docs=300)
 SPLITS = ["fit", "select", "eval", "hellaswag_dev", "hellaswag_eval", "piqa_dev", "piqa_eval"]
@@ -137,13 +137,6 @@ def test_missing_local_file_is_named(tmp_path, tokenizer):
     params = hub_params(tmp_path, tokenizer, piqa=local(tmp_path / "nope.jsonl"))
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         run(params, tmp_path / "data")
-
-
-def test_deliberate_overlap_is_caught():
-    fit = pd.DataFrame({"doc_id": ["a", "b"], "content_hash": ["1", "2"]})
-    select = pd.DataFrame({"doc_id": ["c"], "content_hash": ["2"]})
-    with pytest.raises(OverlapError, match="content_hash"):
-        check_disjoint({"fit": fit, "select": select})
 
 
 @pytest.mark.parametrize("data, message", [

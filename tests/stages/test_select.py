@@ -1,5 +1,6 @@
 """Stage select: the rule picks the candidate that agrees with the oracle, and the best lambda per k; with repair
-settings it chooses (map, setting) within the declared budget, on the select split alone."""
+settings it chooses (map, setting) within the declared budget, on the select split alone; a rule naming no prompt
+metric or a malformed repair is refused."""
 import json
 
 import pandas as pd
@@ -167,3 +168,8 @@ def test_select_prompts_are_cut_at_each_declared_length_where_a_sequence_holds_i
         select_prompts([list(range(10))], params)
     with pytest.raises(ParamError, match=r"select\.continuation: required with select\.prompt_lengths"):
         parse(SelectParams, committed("select", prompt_lengths=[8]), "select")
+
+
+def test_a_rule_that_names_no_prompt_metric_is_refused_naming_the_key():
+    with pytest.raises(ParamError, match=r"^select\.rule: expected a prompt metric \(perplexity, .*\), got 'kl'"):
+        parse(SelectParams, committed("select", rule="kl"), "select")

@@ -4,12 +4,11 @@ from typing import Annotated, Literal
 
 import pytest
 import yaml
-from helpers import ROOT, committed, committed_params
+from helpers import committed
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-from pipeline.check_params import SECTIONS, check
-from pipeline.schema.fit import FitParams
+from pipeline.check_params import SECTIONS
 from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, load_value, parse
 
 # mappings (variant -> file, family -> rate, map -> file), not sets of parameters
@@ -129,38 +128,6 @@ def test_every_committed_key_is_required(section):
     for key in leaves(data, section + "."):
         with pytest.raises(ParamError, match=rf"^{key}: missing parameter"):
             parse(SECTIONS[section], drop(data, key.split(".", 1)[1]), section)
-
-
-def test_an_empty_mlp_section_names_its_first_key():
-    with pytest.raises(ParamError, match=r"fit\.mlp\.ks: missing parameter"):
-        parse(FitParams, committed("fit", mlp={}) | {"mlp": {}}, "fit")
-
-
-def test_every_section_of_params_yaml_has_a_parameter_class():
-    assert set(yaml.safe_load((ROOT / "params.yaml").read_text())) == set(SECTIONS) | {"profile"}
-
-
-@pytest.mark.parametrize("section", sorted(SECTIONS))
-def test_the_whole_file_check_names_a_typo_in_any_section(section):
-    params = committed_params()
-    params[section]["typo_key"] = 1
-    with pytest.raises(ParamError, match=rf"^{section}\.typo_key: unknown parameter"):
-        check(params)
-
-
-@pytest.mark.parametrize("key", ["fit.lambdas", "fit.ks", "extract.splits"])
-def test_the_whole_file_check_refuses_an_empty_list(key):
-    params = committed_params()
-    section, name = key.split(".")
-    params[section][name] = []
-    with pytest.raises(ParamError, match=rf"^{key}: expected at least one value"):
-        check(params)
-
-
-def test_the_whole_file_check_refuses_an_unknown_section_and_passes_the_committed_file():
-    assert check(committed_params()) == ["profile", *SECTIONS]
-    with pytest.raises(ParamError, match=r"^fitt: unknown section of params.yaml"):
-        check({**committed_params(), "fitt": {}})
 
 
 def test_a_value_no_section_class_holds_is_read_typed_and_refused_when_of_another_type(tmp_path):

@@ -1,5 +1,6 @@
-"""Stages on several processes (torchrun, gloo on this CPU): the same bytes as one process, and a rank that dies
-ends the stage instead of leaving the other waiting."""
+"""Several processes (`store.ranks`; torchrun, gloo on this CPU): a rank's share of the items, its device, a stage
+that runs as one process; the stages on two processes write the same bytes as one, and a rank that dies ends the
+stage instead of leaving the other waiting."""
 import json
 import os
 import re
@@ -17,7 +18,6 @@ from helpers import ROOT, committed
 from helpers.kvworld import make_world
 
 from pipeline.store.artifacts import verify_file
-from pipeline.store.devices import SHARED_NOTE, StageUsage, usage_of_ranks
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 
@@ -46,15 +46,6 @@ def test_a_stage_that_runs_as_one_process_refuses_several():
     with pytest.raises(ValueError, match="2 processes asked of a stage that runs as one"):
         with stage_ranks("cpu", processes=2):
             pass
-
-
-def test_usage_of_several_ranks_is_the_slowest_and_the_largest_with_each_peak_beside():
-    one = {"wall_s": 3.0, "peak_memory_mib": 100.0, "peak_memory_of": "process rss", "device": "cpu"}
-    two = dict(one, wall_s=5.0, peak_memory_mib=80.0)
-    assert usage_of_ranks([one]) == one
-    both = usage_of_ranks([one, two])
-    assert (both["wall_s"], both["peak_memory_mib"], both["peak_memory_mib_per_rank"], both["processes"]) == \
-        (5.0, 100.0, [100.0, 80.0], 2)
 
 
 def _stage(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -161,16 +152,6 @@ def test_distill_on_two_processes_writes_the_same_maps_and_curves_as_one(fitted_
     figures = json.loads((two / "metrics/distill.json").read_text())
     assert figures["processes"] == 2 and len(figures["peak_memory_mib_per_rank"]) == 2
     assert _untimed(one / "metrics/distill.json") == _untimed(two / "metrics/distill.json")
-
-
-def test_stage_figures_say_when_a_queued_experiment_may_have_shared_the_machine(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("DVC_ROOT", raising=False)
-    assert "timing_note" not in StageUsage("cpu").figures()
-    monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # dvc repro / dvc exp run in the workspace itself
-    assert "timing_note" not in StageUsage("cpu").figures()
-    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "elsewhere"))  # an executor's copy under .dvc/tmp/exps
-    assert StageUsage("cpu").figures()["timing_note"] == SHARED_NOTE
 
 
 def _rank_processes(launcher: psutil.Process) -> dict[str, psutil.Process]:
