@@ -26,8 +26,8 @@ repro: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/dvc repro
 
 # two pytest-xdist workers, each test file whole on one (its module fixtures built once), in conftest's order (the
-# files with the most end-to-end runs first): tests/test_pipeline.py, whose stages use one thread each, on one core
-# from the start while the rest of the suite takes the other
+# files with the most end-to-end runs first): tests/project/test_pipeline.py, whose stages use one thread each, on
+# one core from the start while the rest of the suite takes the other
 test: setup
 	DVC_NO_ANALYTICS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

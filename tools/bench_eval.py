@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the world it times is the tests' own
-from conftest import hellaswag_rows, task_texts, train_tokenizer, write_jsonl  # noqa: E402
+from helpers import hellaswag_rows, task_texts, train_tokenizer, write_jsonl  # noqa: E402
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager

@@ -7,7 +7,7 @@ as written (the file is edited as text, stage by stage); a module's trailing com
     python tools/stagedeps.py           # rewrite dvc.yaml in place
     python tools/stagedeps.py --check   # print the diff and exit 1 when dvc.yaml is stale
 
-tests/test_dvc_yaml.py runs the check and fails with the diff.
+tests/project/test_dvc_yaml.py runs the check and fails with the diff.
 """
 from __future__ import annotations
 

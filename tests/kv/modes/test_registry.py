@@ -1,0 +1,80 @@
+"""The handoff modes as a registry (`kv.modes`): each mode a declared entry with its own prefix hook (its maths,
+`kv.modes.maths`), the handoff calling the hook and branching on no mode's name; a declared mode without a hook is
+refused."""
+import pytest
+from helpers import ROOT
+
+from pipeline.kv.modes import zero
+from pipeline.kv.modes.base import Mode, Reads
+from pipeline.kv.modes.maths import registry as maths_registry
+from pipeline.kv.modes.maths.base import Handed, ModeMaths, Own
+from pipeline.kv.modes.maths.registry import MODE_MATHS
+from pipeline.kv.modes.registry import BASELINES, MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, check_mode, register
+from pipeline.studies import variants
+
+
+def test_the_handoff_branches_on_no_mode_name():
+    text = (ROOT / "pipeline" / "kv" / "handoff.py").read_text()
+    assert "mode ==" not in text and "mode in" not in text and "mode !=" not in text
+
+
+def test_every_list_of_modes_is_derived_from_the_entries():
+    assert list(MODES) == ["oracle", "zero", "source", "direct", "mapped", "shuffled"]
+    assert OWN_MODES == ("oracle", "source") and all(isinstance(MODE_MATHS[name], Own) for name in OWN_MODES)
+    assert SOURCE_MODES == ("direct", "mapped", "shuffled") and MAPPER_MODES == ("mapped", "shuffled")
+    assert all(isinstance(maths, Handed) for name, maths in MODE_MATHS.items() if name not in OWN_MODES)
+    assert BASELINES == ("oracle", "direct", "source", "zero")
+
+
+@pytest.mark.parametrize("name,has_source,has_mapper,message", [
+    ("sideways", True, True, r"unknown transfer mode 'sideways' \(known: oracle, zero, source, direct, mapped, "),
+    ("direct", False, False, "transfer mode 'direct' needs a source model"),
+    ("mapped", True, False, "transfer mode 'mapped' needs a mapper"),
+])
+def test_a_mode_lacking_what_it_reads_is_refused_in_one_line(name, has_source, has_mapper, message):
+    with pytest.raises(ValueError, match=message):
+        check_mode(name, has_source, has_mapper)
+
+
+def test_shuffled_and_the_own_modes_need_no_mapper():
+    for name in ("oracle", "zero", "source", "shuffled"):
+        check_mode(name, True, False)
+
+
+def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
+    class Unnamed(Mode):
+        reads = Reads(target=True, source=False, map=False, own=True)
+
+    with pytest.raises(TypeError, match="is not a named kv.modes.base.Mode instance"):
+        register(Unnamed())
+    with pytest.raises(ValueError, match="modes named twice"):
+        register(*MODES.values(), MODES["oracle"])
+    assert all(isinstance(mode, Mode) and mode.name == name for name, mode in MODES.items())
+
+
+def test_the_maths_registry_gives_every_declared_mode_its_hook_and_refuses_a_mode_without_one():
+    assert list(MODE_MATHS) == list(MODES)
+    assert all(MODE_MATHS[name].declaration is MODES[name] for name in MODES)
+    fake = type("Fake", (type(MODES["zero"]),), {"name": "fake"})()
+    with pytest.raises(ValueError, match=r"^'fake' is declared \(kv.modes.registry\) but has no maths"):
+        maths_registry.register(*MODE_MATHS.values(), declared=register(*MODES.values(), fake))
+
+    class Hookless(ModeMaths):
+        declaration = zero.MODE
+
+    with pytest.raises(TypeError, match="prefix"):
+        Hookless()
+
+
+def test_a_fake_mode_reaches_the_reports_table_at_its_row_by_its_label_and_the_reading_by_its_words(monkeypatch):
+    fake = type("Fake", (type(MODES["zero"]),), {"name": "fake", "label": "Null control: a fake cache", "row": 2,
+                                                  "rival": "the fake null", "reading": 4})()
+    monkeypatch.setattr(variants, "MODES", register(*MODES.values(), fake))  # the report reads the entries alone
+    figures = {name: {} for name in ("zero", "source", "selected", "fake", "direct", "oracle")}
+    figures["linear_k1"] = {"map": {"best_of_k": True, "k": 1}}
+    assert variants.order(figures) == ["oracle", "direct", "fake", "linear_k1", "selected", "source", "zero"]
+    assert variants.label("fake") == "Null control: a fake cache"
+    assert list(variants.rivals()) == ["source", "zero", "shuffled", "direct", "fake"]
+    assert variants.rivals()["fake"] == "the fake null"
+    monkeypatch.setattr(variants, "MODES", MODES)
+    assert "fake" not in variants.order(figures)[:3] and variants.label("fake") == "fake"

@@ -1,0 +1,230 @@
+"""dvc.yaml lists, for every stage, the stage's module and every pipeline module it imports (transitively,
+counting `python -m pipeline.X` subprocesses as imports), so a code change reruns exactly the stages it can
+affect; every params section a stage loads is declared in its `params:`; and the report, which only names modes,
+baselines, repair settings and scores, depends on no registry's maths (`kv/<registry>/maths/`)."""
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import stagedeps
+import yaml
+from helpers import ROOT
+from importgraph import body, closure, edges, graph, modules, stage_module
+from ruamel.yaml import YAML
+from stagedeps import COMMAND, needed_modules, rewritten, stale
+
+STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def test_every_stage_depends_on_the_modules_it_imports():
+    diff = stale(ROOT)
+    assert not diff, f"dvc.yaml's stage deps differ from the imports; run `{COMMAND}`:\n{diff}"
+
+
+STALE = """\
+# a comment kept
+stages:
+  one:  # its comment kept
+    cmd: python -m pipeline.one
+    deps:
+      - data/first.parquet
+      - pipeline/one.py  # the stage itself
+      - pipeline/gone.py
+      - models/${item}
+    params:
+      - one
+  two:
+    foreach: [a, b]
+    do:
+      cmd: python -m pipeline.two ${item}
+      deps:
+        - data/${item}.parquet
+      outs:
+        - out/${item}
+  three:
+    cmd: python -m pipeline.helper
+plots:
+  - metrics/x.csv
+"""
+FRESH = """\
+# a comment kept
+stages:
+  one:  # its comment kept
+    cmd: python -m pipeline.one
+    params:
+      - one
+    deps:
+      - data/first.parquet
+      - models/${item}
+      # code (make deps): the pipeline/ modules the command imports
+      - pipeline/one.py  # the stage itself
+      - pipeline/wing/helper.py
+  two:
+    foreach: [a, b]
+    do:
+      cmd: python -m pipeline.two ${item}
+      outs:
+        - out/${item}
+      deps:
+        - data/${item}.parquet
+        # code (make deps): the pipeline/ modules the command imports
+        - pipeline/two.py
+        - pipeline/wing/helper.py
+  three:
+    cmd: python -m pipeline.helper
+    deps:
+      # code (make deps): the pipeline/ modules the command imports
+      - pipeline/helper.py
+plots:
+  - metrics/x.csv
+"""
+
+
+@pytest.fixture
+def stale_project(tmp_path):
+    for name, text in {"one.py": "from pipeline.wing import helper\n", "two.py": "import pipeline.wing.helper\n",
+                       "helper.py": "", "wing/helper.py": ""}.items():
+        (tmp_path / "pipeline" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pipeline" / name).write_text(text)
+    (tmp_path / "dvc.yaml").write_text(STALE)
+    return tmp_path
+
+
+def test_make_deps_orders_each_stage_cmd_params_outs_deps_with_the_code_last_keeping_comments_and_data(
+        stale_project):
+    assert rewritten(STALE, needed_modules(stale_project)) == FRESH
+
+
+def test_make_deps_is_idempotent_and_the_check_is_empty_after_it(stale_project):
+    assert "-      - pipeline/gone.py" in stale(stale_project)
+    (stale_project / "dvc.yaml").write_text(rewritten(STALE, needed_modules(stale_project)))
+    assert stale(stale_project) == ""
+    assert rewritten(FRESH, needed_modules(stale_project)) == FRESH
+
+
+def test_the_stale_deps_check_prints_the_diff_and_names_make_deps(monkeypatch, capsys, stale_project):
+    monkeypatch.setattr(stagedeps, "ROOT", stale_project)
+    assert stagedeps.main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "+        - pipeline/two.py" in out and out.rstrip().endswith("run `make deps`")
+    assert stagedeps.main([]) == 0 and (stale_project / "dvc.yaml").read_text() == FRESH
+    assert stagedeps.main(["--check"]) == 0
+
+
+def test_every_stage_of_dvc_yaml_reads_cmd_params_outs_then_deps_with_its_code_last():
+    text = (ROOT / "dvc.yaml").read_text()
+    for name, stage in STAGES.items():
+        stage = stage.get("do", stage)
+        keys = [key for key in stage if key in stagedeps.ORDER]
+        assert keys == sorted(keys, key=stagedeps.ORDER.get), (name, keys)
+        code = [dep for dep in stage["deps"] if str(dep).startswith("pipeline/")]
+        assert stage["deps"][-len(code):] == code, name  # the data first
+    assert text.count(stagedeps.CODE) == len(STAGES)
+
+
+def test_the_controls_refit_counts_as_an_import_of_the_fit_stage():
+    assert "pipeline.fit" in closure("pipeline.controls", graph(ROOT, subprocess=True))
+    assert "pipeline.fit" not in closure("pipeline.controls", graph(ROOT))
+
+
+def test_a_stage_run_through_store_clis_run_stage_counts_as_an_import_of_it():
+    for study in ("pipeline.calibrate", "pipeline.length"):  # extract and fit, in a scratch folder
+        assert {"pipeline.extract", "pipeline.fit"} <= closure(study, graph(ROOT, subprocess=True))
+        assert "pipeline.extract" not in closure(study, graph(ROOT))
+    assert "pipeline.extract" not in closure("pipeline.controls", graph(ROOT, subprocess=True))
+
+
+def test_a_lazy_reference_counts_as_an_import():
+    # measure.taskeval: adapter = lazy("pipeline.measure.adapter")
+    assert "pipeline.measure.adapter" in closure("pipeline.evaluate", graph(ROOT))
+
+
+def test_every_stage_run_in_a_subprocess_or_lazy_module_is_named_by_a_literal():
+    known = modules(ROOT)
+    unnamed = [f"{path.relative_to(ROOT)}:{line}" for path in known.values() for _, line, _ in
+               edges(path, known)["unnamed"]]
+    assert not unnamed, f"run_stage or lazy called with a module name the dvc.yaml deps cannot read: {unnamed}"
+
+
+def test_a_lazy_reference_the_deps_cannot_read_is_named(tmp_path):
+    path = tmp_path / "pipeline" / "s.py"
+    path.parent.mkdir()
+    path.write_text('a = lazy(NAME)\nb = lazy("pipeline.nowhere")\nc = lazy("torch")\n')
+    assert edges(path, modules(tmp_path))["unnamed"] == [("?", 1, False), ("pipeline.nowhere", 2, False)]
+
+
+def maths_in_closure(module: str, root: Path) -> list[str]:
+    """The modules of a registry's maths sub-package (`pipeline.kv.<registry>.maths.*`: its entries' torch code) that
+    `module` imports, as the dvc.yaml deps count imports."""
+    return sorted(name for name in closure(module, graph(root, subprocess=True)) if ".maths." in name)
+
+
+def test_the_reports_deps_hold_no_selector_and_no_other_registrys_maths():
+    assert maths_in_closure("pipeline.report", ROOT) == []
+    code = [dep for dep in STAGES["report"]["deps"] if dep.startswith("pipeline/")]
+    assert "pipeline/kv/repair.py" in code and not [dep for dep in code if "/maths/" in dep]
+    assert "pipeline/kv/recompute.py" not in code  # the repair's run, which scores tokens, is not the report's
+
+
+def test_importing_the_report_loads_no_maths_module():
+    script = "import sys, pipeline.report; print(sorted(m for m in sys.modules if '.maths' in m))"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_maths_check_sees_a_study_that_imports_a_selectors_maths(tmp_path):
+    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    study = tmp_path / "pipeline" / "studies" / "repair.py"
+    study.write_text(study.read_text() + "from pipeline.kv.selectors.maths import attention  # the study's edit\n")
+    found = maths_in_closure("pipeline.report", tmp_path)
+    assert {"pipeline.kv.selectors.maths.attention", "pipeline.kv.selectors.maths.base"} <= set(found)
+
+
+def sections_read(path: Path) -> set[str]:
+    """Params keys a module reads: the string argument of load_section(..., "x"), load_value(..., "x") and
+    read_key("x")."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if node.func.id in ("load_section", "load_value") and args:
+                found.add(args[-1])
+            elif node.func.id == "read_key" and args:
+                found.add(args[0])
+            elif node.func.id == "read_params":
+                found.add("<everything>")
+    return found
+
+
+def declared(key: str, params: list) -> bool:
+    """`key` is declared when it, a section above it or keys below it are listed."""
+    if any(isinstance(p, dict) and "params.yaml" in p and not p["params.yaml"] for p in params):
+        return True  # `- params.yaml:` with no keys: every parameter of the file
+    names = [p for p in params if isinstance(p, str)]
+    return key != "<everything>" and any(key == p or key.startswith(p + ".") or p.startswith(key + ".") for p in names)
+
+
+def test_every_params_section_a_stage_reads_is_declared():
+    for name, stage in STAGES.items():
+        module = stage_module(stage)
+        path = ROOT / (module.replace(".", "/") + ".py")
+        params = body(stage).get("params", [])
+        for key in sections_read(path):
+            assert declared(key, params), f"stage {name} reads params {key!r} but dvc.yaml does not declare it"
+
+
+def test_every_table_plot_names_its_x_and_y():
+    entries = [entry for stage in STAGES.values() for entry in body(stage).get("plots", [])]
+    for entry in entries:
+        (path, options), = entry.items() if isinstance(entry, dict) else ((entry, {}),)
+        if path.endswith(".csv"):
+            assert options.get("x") and options.get("y"), f"plot {path} lacks x or y"
+
+
+def test_dvc_reads_its_yaml_files_with_ruamels_c_parser():
+    # DVC loads dvc.yaml, dvc.lock and params.yaml with ruamel's safe loader around every stage; without
+    # ruamel.yaml.clib (a dependency of pyproject.toml) that loader is pure Python, about a second per stage here
+    assert YAML(typ="safe").Parser.__module__.startswith("ruamel.yaml.clib")

@@ -1,0 +1,142 @@
+"""The Python API (`pipeline.api`): a pair from two folders or `self:<n>`, a handoff in any mode with a map, a repair
+and a gate, and the handed-off cache as a transformers `Cache` that `target.generate(...)` continues. On the tiny
+pair and a random tiny Llama: the target's own cache injected directly continues token for token as
+`target.generate` does alone and reproduces its native next-token logits; and the README's block runs as written."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, build_model, llama_config
+from transformers import AutoModelForCausalLM
+
+from pipeline.api import handed_off, handoff, pair
+from pipeline.kv.decode import greedy_generate
+from pipeline.kv.mapper import identity_mapper, save_mapper
+from pipeline.kv.repair import RepairError
+from pipeline.kv.routes import FELL_BACK, REPAIRED
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.params import ParamError
+
+PROMPT = "Question: How do I open a jar? Answer: twist the lid while holding the jar"
+NEW_TOKENS = 12
+LOGITS_ABS = 1e-4  # |delta logit| of the injected own cache against the plain forward, float32
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer) -> Path:
+    """A random Llama (SmolLM2's architecture in miniature, weights drawn wide so greedy tokens vary)."""
+    folder = tmp_path_factory.mktemp("api") / "llama"
+    build_model(llama_config(len(tokenizer), 64, initializer_range=0.5), seed=3).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def identity_map(tiny_pair, tmp_path_factory) -> str:
+    configs = [AutoModelForCausalLM.from_pretrained(tiny_pair[side]).config for side in ("source", "target")]
+    mapper = identity_mapper("source", "target", *configs)
+    mapper.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    path = tmp_path_factory.mktemp("api-map") / "identity.safetensors"
+    save_mapper(mapper, path)
+    return str(path)
+
+
+def plain_generate(model, prompt: list[int], cache=None) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("model", ["tiny target", "tiny llama"])
+def test_direct_injection_of_the_targets_own_cache_continues_token_for_token_as_generate_alone(model, tiny_pair,
+                                                                                             tiny_llama):
+    folder = str(tiny_pair["target"] if model == "tiny target" else tiny_llama)
+    models = pair(folder, folder, device="cpu")  # the target as its own source: its cache handed over as it is
+    prompt = models.target_tokenizer.encode(PROMPT)
+    handed = handed_off(handoff(models, "direct"), prompt)
+    assert handed.route.way == "direct" and handed.cache.get_seq_length() == len(prompt) - 1
+    assert plain_generate(models.target, prompt, handed.cache) == plain_generate(models.target, prompt)
+
+
+@pytest.mark.parametrize("model", ["tiny target", "tiny llama"])
+def test_the_injected_own_cache_reproduces_the_targets_native_next_token_logits(model, tiny_pair, tiny_llama):
+    folder = str(tiny_pair["target"] if model == "tiny target" else tiny_llama)
+    models = pair(folder, folder, device="cpu")
+    prompt = models.target_tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        native = models.target(torch.tensor([prompt])).logits[0, -1]  # (V,)
+    for mode in ("direct", "oracle"):
+        injected = handed_off(handoff(models, mode), prompt).next_token_logits()
+        assert (injected - native).abs().max().item() < LOGITS_ABS, mode
+    broken = handed_off(handoff(models, "zero"), prompt).next_token_logits()  # the check sees a wrong cache
+    assert (broken - native).abs().max().item() > LOGITS_ABS
+
+
+def test_a_mapped_repaired_and_gated_handoff_hands_over_the_cache_the_pipelines_decoding_reads(tiny_pair,
+                                                                                              identity_map):
+    models = pair(tiny_pair["target"], tiny_pair["source"], device="cpu")
+    prompt = models.target_tokenizer.encode(PROMPT)
+    kept = handoff(models, "mapped", identity_map, repair="layers:1", fallback="entropy", threshold=float("inf"))
+    handed = handed_off(kept, prompt)
+    assert handed.route.way == REPAIRED and handed.route.score > 0
+    assert plain_generate(models.target, prompt, handed.cache) == greedy_generate(kept.handoff, prompt, NEW_TOKENS)
+    fell_back = handed_off(handoff(models, "mapped", identity_map, repair="layers:1", fallback="entropy",
+                                   threshold=float("-inf")), prompt)
+    assert fell_back.route.way == FELL_BACK  # the gate sent it to the target's own prefill: the oracle's tokens
+    assert plain_generate(models.target, prompt, fell_back.cache) == plain_generate(models.target, prompt)
+
+
+def test_a_self_source_is_the_targets_first_layers_and_the_source_mode_decodes_with_it(tiny_pair):
+    models = pair(tiny_pair["target"], "self:1", device="cpu")
+    assert models.source.config.num_hidden_layers == 1 and models.source.model.layers[0] is \
+           models.target.model.layers[0]
+    prompt = models.target_tokenizer.encode(PROMPT)
+    handed = handed_off(handoff(models, "source"), prompt)
+    assert handed.model is models.source and handed.route.way == "source"
+    assert plain_generate(handed.model, prompt, handed.cache) == plain_generate(models.source, prompt)
+
+
+def test_a_one_token_prompt_hands_nothing_off(tiny_pair):
+    models = pair(tiny_pair["target"], tiny_pair["target"], device="cpu")
+    handed = handed_off(handoff(models, "direct"), models.target_tokenizer.encode(PROMPT)[:1])
+    assert handed.cache is None and handed.route.way == "empty_prefix"
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ({"mode": "mapped"}, ParamError, r"^pipeline\.api mode=mapped needs a mapper: give mapper=<mapper file>$"),
+    ({"mode": "oracle", "repair": "sink:2"}, ParamError, r"^pipeline\.api mode=oracle does not use repair=: leave "),
+    ({"mode": "direct", "repair": "layers:99"}, ParamError, r"^pipeline\.api repair layers:99: layers:99 exceeds the "
+                                                            r"target's 2 layers; give at most layers:2$"),
+    ({"mode": "direct", "fallback": "entropy"}, ParamError, r"^pipeline\.api fallback=entropy needs threshold="),
+    ({"mode": "direct", "repair": "layers:x"}, RepairError, r"layers:x"),
+])
+def test_a_bad_handoff_is_refused_in_one_line_before_any_weight_loads(args, error, message, tiny_pair,
+                                                                     monkeypatch):
+    models = pair(tiny_pair["target"], tiny_pair["source"], device="cpu")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(error, match=message):
+        handoff(models, **args)
+
+
+def readme_block() -> str:
+    """The README's Python API example: the python block under its "Python API" heading."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("**The Python API.**"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readmes_python_block_runs_as_written(tmp_path, tiny_pair, identity_map):
+    for side in ("source", "target"):
+        shutil.copytree(tiny_pair[side], tmp_path / "models" / side)
+    shutil.copy(identity_map, tmp_path / "models" / "mapper.safetensors")  # bound to these models' content
+    done = subprocess.run([sys.executable, "-c", readme_block()], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), "the block prints its route and continuation"

@@ -1,0 +1,223 @@
+"""`python -m pipeline.generate`: each mode's departure from the oracle is where the tokens first differ, a refused
+mode is one line, a gated mode goes the way its score says, a repair's recomputed tokens are printed; on tiny models
+built here."""
+import io
+
+import pytest
+from helpers import build_model, tiny_config
+
+from pipeline.generate import departure, main, run
+from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
+from pipeline.kv.pair import OtherModelsError, Pair
+from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.routes import FELL_BACK, SENTENCES
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.models import IncompatiblePairError
+from pipeline.store.params import ParamError
+
+
+@pytest.mark.parametrize("tokens, oracle, expected", [
+    ([1, 2, 3], [1, 2, 3], None),
+    ([1, 2, 4], [1, 2, 3], 2),
+    ([5, 2, 3], [1, 2, 3], 0),
+    ([1, 2], [1, 2, 3], 2),  # stopped at EOS where the oracle went on
+    ([1, 2, 3, 4], [1, 2, 3], 3),
+])
+def test_departure_is_the_first_new_token_where_a_mode_leaves_the_oracle(tokens, oracle, expected):
+    assert departure(tokens, oracle) == expected
+
+
+def _row(out: str, mode: str) -> list[str]:
+    """The cells of `mode`'s row in the summary table."""
+    line = next(line for line in out.splitlines() if line.startswith(f"| {mode} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_direct_reports_where_its_tokens_first_differ_from_the_oracles(tiny_pair, tokenizer):
+    prompt = tokenizer.encode("Question: How do I open a jar?\nAnswer:")
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
+    out = io.StringIO()
+    [[oracle, direct]] = run(pair, [prompt], ["direct"], tiny_pair["target"] / "none", 8, out=out)
+    differ = [index for index, (a, b) in enumerate(zip(direct.tokens, oracle.tokens)) if a != b]
+    assert _row(out.getvalue(), "direct")[3] == (f"token {differ[0]}" if differ else "same as oracle")
+
+    # the target's own cache handed to itself is the oracle, token for token
+    itself = Pair(str(tiny_pair["target"]), str(tiny_pair["target"]), "float32", "cpu")
+    out = io.StringIO()
+    [[oracle, direct]] = run(itself, [prompt], ["direct"], tiny_pair["target"] / "none", 8, out=out)
+    assert direct.tokens == oracle.tokens
+    assert _row(out.getvalue(), "direct")[3] == "same as oracle"
+
+
+@pytest.fixture(scope="module")
+def deeper_source(tmp_path_factory, tokenizer):
+    """A source with one more layer than tiny_pair's target: direct is undefined between them."""
+    folder = tmp_path_factory.mktemp("deeper") / "source"
+    build_model(tiny_config(len(tokenizer), 32, layers=3), seed=3).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_main(capsys, monkeypatch, tmp_path, *argv) -> str:
+    monkeypatch.chdir(tmp_path)  # no params.yaml, no models/: every setting from the flags
+    transfer = argv[argv.index("--transfer") + 1] if "--transfer" in argv else ""
+    seed = ["--shuffle-seed", "0"] if "shuffled" in transfer else []  # refused beside no shuffled mode
+    main(["Question: How do I open a jar?\nAnswer:", "--max-new-tokens", "4", "--dtype", "float32",
+          "--device", "cpu", "--threads", "0", *seed, *argv])
+    return capsys.readouterr().out
+
+
+def test_a_default_mode_the_contract_refuses_is_one_line_and_the_others_still_run_but_an_asked_one_stops(
+        capsys, monkeypatch, tmp_path, tiny_pair, deeper_source):
+    pair = ("--target", str(tiny_pair["target"]), "--source", str(deeper_source))
+    with pytest.raises(IncompatiblePairError, match="direct injection needs equal KV geometry"):
+        run_main(capsys, monkeypatch, tmp_path, *pair, "--transfer", "oracle,direct,source")
+    out = run_main(capsys, monkeypatch, tmp_path, *pair)  # the default modes
+    direct = [line for line in out.splitlines() if line.startswith("direct")]
+    assert len(direct) == 1 and direct[0].startswith("direct: skipped") and "geometry" in direct[0]
+    assert "mapped: skipped, no mapper given for this pair: give --mapper PATH" in out.splitlines()
+    assert "Traceback" not in out
+    assert _row(out, "oracle")[3] == "same as oracle" and _row(out, "source")
+
+
+def test_the_cli_prints_each_modes_stream_and_row_for_any_pair(capsys, monkeypatch, tmp_path, tiny_pair):
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = tmp_path / "identity.safetensors"
+    identity = identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config)
+    identity.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(identity, mapper)
+    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--source",
+                   str(tiny_pair["source"]), "--mapper", str(mapper),
+                   "--transfer", "oracle,mapped,source,direct,zero,shuffled")
+    for mode in ("oracle", "mapped", "source", "direct", "zero", "shuffled"):
+        assert any(line.startswith(f"{mode:<8} | ") for line in out.splitlines()), mode  # its streamed text
+        cells = _row(out, mode)
+        assert float(cells[1]) > 0 and 1 <= int(cells[2]) <= 4
+    # the identity map through strip, map and re-apply is the direct handoff
+    assert _row(out, "mapped")[3] == _row(out, "direct")[3]
+
+
+@pytest.fixture(scope="module")
+def random_maps(tmp_path_factory, wide_pair):
+    """Two random maps (k=1, k=2) of conftest's wide pair, where the mapped handoff departs from the oracle."""
+    source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
+    folder = tmp_path_factory.mktemp("maps")
+    for k in (1, 2):
+        mapper = random_mapper(source.config, target.config, k=k, seed=k)
+        mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
+        save_mapper(mapper, folder / f"k{k}.safetensors")
+    return folder / "k1.safetensors", folder / "k2.safetensors"
+
+
+def test_a_gate_at_minus_infinity_sends_every_gated_mode_to_the_oracle_and_at_plus_infinity_to_its_own_way(
+        wide_pair, tokenizer, random_maps):
+    pair = Pair(str(wide_pair["target"]), str(wide_pair["source"]), "float32", "cpu")
+    prompts = [tokenizer.encode("Question: How do I open a jar?\nAnswer:"), tokenizer.encode("A man is sitting")]
+    modes = ["mapped", "direct", "source"]
+    ungated = run(pair, prompts, modes, random_maps[0], 8, out=io.StringIO())
+    assert any(mapped.tokens != oracle.tokens for oracle, mapped, *_ in ungated)  # the case can tell the ways apart
+    for threshold in (float("-inf"), float("inf")):
+        out = io.StringIO()
+        gated = run(pair, prompts, modes, random_maps[0], 8, out=out,
+                    gate={"fallback": "entropy", "threshold": threshold})
+        for plain, routed in zip(ungated, gated):
+            oracle = plain[0].tokens
+            for before, after in zip(plain, routed):
+                if after.mode in ("oracle", "source"):
+                    assert after.score is None and after.tokens == before.tokens
+                    continue
+                assert after.fell_back == (threshold < 0) and after.score == pytest.approx(after.score)  # finite
+                assert after.tokens == (oracle if threshold < 0 else before.tokens), after.mode
+                assert after.route == (f"{SENTENCES[FELL_BACK]}: entropy {after.score:.4g} > threshold -inf"
+                                       if threshold < 0
+                                       else after.mode)
+        for generation in gated[0]:  # the first prompt's table
+            assert _row(out.getvalue(), generation.mode)[-1] == generation.route
+        assert _row(out.getvalue(), "source")[4:] == ["—", "source"]
+
+
+def test_the_cli_gates_by_the_score_it_is_given_and_says_which_way_each_mode_went(capsys, monkeypatch, tmp_path,
+                                                                                 wide_pair, random_maps):
+    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(wide_pair["target"]), "--source",
+                   str(wide_pair["source"]), "--mapper", str(random_maps[0]), "--transfer", "oracle,mapped,shuffled",
+                   "--fallback", "disagree", "--disagree", f"{random_maps[0]}:{random_maps[1]}", "--threshold=-inf")
+    for mode in ("mapped", "shuffled"):
+        cells = _row(out, mode)
+        score = float(cells[4].split(" (")[0])  # the two maps' Jensen-Shannon divergence on the first step
+        assert cells[3] == "same as oracle"
+        assert cells[5] == f"{SENTENCES[FELL_BACK]}: disagree {score:.4g} > threshold -inf"
+        assert score >= 0
+    assert _row(out, "oracle")[4:] == ["—", "oracle"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threshold", "1"], "give --fallback <score> too"),
+    (["--fallback", "kl"], "needs --threshold <number>"),
+    (["--fallback", "disagree", "--threshold", "1"], "needs --disagree <k=1 file>:<k=max file>"),
+    (["--fallback", "kl", "--threshold", "1", "--transfer", "oracle,source"],
+     "--fallback: --transfer oracle,source names no mode it applies to (direct, mapped, shuffled)"),
+])
+def test_a_gate_missing_a_part_is_refused_in_one_line_naming_it(capsys, monkeypatch, tmp_path, tiny_pair, argv,
+                                                                 message):
+    with pytest.raises(ParamError) as refused:
+        run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), *argv)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_generate_refuses_a_map_fitted_on_other_models_and_runs_and_says_so_when_allowed(
+        capsys, monkeypatch, tmp_path, tiny_pair):
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = tmp_path / "identity.safetensors"
+    identity = identity_mapper("s", "t", source.config, target.config)
+    identity.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(identity, mapper)
+    swapped = ("--target", str(tiny_pair["source"]), "--source", str(tiny_pair["target"]), "--mapper", str(mapper),
+               "--transfer", "oracle,mapped", "--max-new-tokens", "2")
+    with pytest.raises(OtherModelsError, match="swapped"):
+        run_main(capsys, monkeypatch, tmp_path, *swapped)
+    out = run_main(capsys, monkeypatch, tmp_path, *swapped, "--allow-other-models")
+    assert "other models allowed (--allow-other-models): " in out and _row(out, "mapped")
+
+
+def test_generate_prints_each_modes_route_and_a_repairs_recomputed_tokens_gated_or_not(capsys, monkeypatch, tmp_path,
+                                                                                     tiny_pair, tokenizer):
+    source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
+    mapper = tmp_path / "identity.safetensors"
+    identity = identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config)
+    identity.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))
+    save_mapper(identity, mapper)
+    setting = Repair.parse("layers:1+sink:2+tokens:0.25:recency")
+    prefix = len(tokenizer.encode("Question: How do I open a jar?\nAnswer:")) - 1  # run_main's prompt, handed off
+    recomputed = setting.sink + setting.chosen(prefix)
+    modes = ("--target", str(tiny_pair["target"]), "--source", str(tiny_pair["source"]), "--mapper", str(mapper),
+             "--transfer", "oracle,mapped,direct,shuffled,zero,source", "--repair", str(setting))
+    for gate in ([], ["--fallback", "entropy", "--threshold=inf"]):  # a gated mode that keeps its way is repaired
+        out = run_main(capsys, monkeypatch, tmp_path, *modes, *gate)
+        for mode in ("mapped", "direct", "shuffled", "zero"):  # as kv-transfer: every cache the target did not make
+            route = _row(out, mode)[-1]
+            assert route.startswith(f"repaired {setting}: layer 0 exact, {recomputed} tokens recomputed in "), route
+            assert float(route.split(" in ")[1].removesuffix(" ms")) > 0
+        for mode in ("oracle", "source"):  # their model's own prefill: nothing to repair
+            assert _row(out, mode)[-1] == mode
+    # the identity map repaired by the target itself is still the oracle's cache, token for token
+    assert _row(out, "mapped")[3] == "same as oracle"
+
+
+def test_a_one_token_prompt_hands_nothing_off_and_its_route_says_so(capsys, monkeypatch, tmp_path, tiny_pair):
+    monkeypatch.chdir(tmp_path)
+    main(["Question", "--max-new-tokens", "2", "--dtype", "float32", "--device", "cpu", "--threads", "0",
+          "--target", str(tiny_pair["target"]), "--source", str(tiny_pair["source"]), "--transfer", "oracle,direct",
+          "--repair", "sink:2"])
+    out = capsys.readouterr().out
+    assert "(1 tokens)" in out and _row(out, "direct")[-1] == "nothing handed off (a one-token prompt)"
+
+
+@pytest.mark.parametrize("setting", ["sink:x", "tokens:0.1", "tokens:2:recency", "bogus:1"])
+def test_a_malformed_repair_is_the_repair_parsers_one_line_refusal(capsys, monkeypatch, tmp_path, tiny_pair,
+                                                                    setting):
+    with pytest.raises(RepairError) as parsed:
+        Repair.parse(setting)
+    with pytest.raises(SystemExit) as exit_:
+        run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--repair", setting)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit_.value.code == 2 and len(errors) == 1 and errors[0].endswith(f"argument --repair: {parsed.value}")

@@ -1,0 +1,124 @@
+"""Stage `operating@<n>` on a tiny pair built here: every variant evaluated timed on the same prompts, its measured
+speedup and FLOP bound beside its figures, the pass-key items scored by their greedy tokens."""
+import pandas as pd
+import pytest
+from helpers import WIKITEXT, committed, measure_params
+
+from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.pair import Pair
+from pipeline.operating import baseline_bound, run
+from pipeline.prepare_data import corpus_documents
+from pipeline.schema.operating import OperatingParams
+from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.haystack import RetrievalForm, retrieval_items
+from pipeline.store.params import ParamError, parse
+from pipeline.store.shapes import pair_configs
+from pipeline.studies import operating
+from pipeline.studies.settings import ReportParams
+
+LENGTH = 48
+FORM = RetrievalForm("\nThe pass key is {key}.\n", "\nThe pass key is ", 3, (0.2, 0.6))
+
+
+def operating_params(path, **overrides) -> OperatingParams:
+    section = committed("operating", lengths=[LENGTH], baselines=["source", "zero"], maps={"k1": str(path)},
+                        repaired={"k1_full": {"map": "k1", "repair": "tokens:1:recency"}},
+                        gated={"k1_gated": {"map": "k1", "score": "entropy", "fallback": 0.4}},
+                        truncated=True, top_k=16, horizon=4)
+    return parse(OperatingParams, {**section, **overrides}, "operating")
+
+
+@pytest.fixture(scope="module")
+def study(wide_pair, tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("operating")
+    pair = Pair(str(wide_pair["target"]), str(wide_pair["source"]), "float32", "cpu")
+    mapper = random_mapper(pair.source.config, pair.target.config, k=1, seed=0)
+    mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
+    save_mapper(mapper, root / "k1.safetensors")
+    documents = [(f"doc-{i}", tokenizer.encode(text)) for i, text in
+                 enumerate(corpus_documents([{"text": WIKITEXT.read_text()}])) if len(tokenizer.encode(text)) > 80]
+    prompts = pd.DataFrame([{"prompt_ids": ids[:LENGTH], "continuation_ids": ids[LENGTH : LENGTH + 6]}
+                            for _, ids in documents[:3]])
+    items = retrieval_items(documents[3:], LENGTH, 4, FORM, tokenizer, seed=0)
+    contexts = [ids[:LENGTH] for _, ids in documents[:3]]  # the gate sends back the 40% that score highest: 1 of 3
+    metrics = run(operating_params(root / "k1.safetensors"), pair, LENGTH, 0.2, prompts, items, root / "rows",
+                  lambda: contexts)
+    return metrics, root / "rows"
+
+
+def test_every_variant_is_evaluated_in_order_with_its_time_and_bound(study):
+    metrics, _ = study
+    assert list(metrics["variants"]) == ["oracle", "source", "zero", "k1", "k1_full", "k1_gated", "truncated_k1_full"]
+    for name, figures in metrics["variants"].items():
+        assert figures["n"] == 3 and figures["tokens"] == 18, name
+        assert figures["speedup_measured"] > 0 and figures["flop_bound"] > 0, name
+        assert figures["ttft"]["median_ms"] > 0 and figures["retrieval"]["n"] == 4, name
+        for key in ("confident_agreement", "mean_kl", "ppl_ratio", "recall_agreement", "other_agreement"):
+            assert key in figures, (name, key)
+    oracle = metrics["variants"]["oracle"]
+    assert oracle["speedup_measured"] == 1.0 and oracle["flop_bound"] == 1.0 and oracle["ppl_ratio"] == 1.0
+    assert oracle["agreement"] == 1.0 and oracle["mean_kl"] < 1e-6
+    assert metrics["variants"]["source"]["flop_bound"] > 1 and metrics["variants"]["k1"]["flop_bound"] > 1
+
+
+def test_a_full_repair_is_the_oracle_and_costs_more_than_the_target_prefill(study):
+    metrics, _ = study
+    full, truncated = metrics["variants"]["k1_full"], metrics["variants"]["truncated_k1_full"]
+    assert full["agreement"] == 1.0 and full["rollout_agreement"] == 1.0 and full["mean_kl"] < 1e-4
+    assert full["flop_bound"] < 1  # every token recomputed, on top of the source's prefill and the map
+    assert truncated["flop_bound"] == pytest.approx(1.0)  # its budget is above 1: the whole prompt kept
+    assert truncated["agreement"] == 1.0
+
+
+def test_the_gate_sends_back_part_of_the_prompts_at_the_threshold_the_select_split_gave(study):
+    metrics, folder = study
+    gated = metrics["variants"]["k1_gated"]
+    rows = pd.read_parquet(folder / "k1_gated" / "prompts.parquet")
+    assert gated["fallback_share"] == pytest.approx((rows.way == "fell_back").mean()) == pytest.approx(1 / 3)
+    assert metrics["variants"]["k1"]["fallback_share"] == 0.0
+
+
+def test_retrieval_is_the_greedy_tokens_against_the_key_and_the_oracle(study):
+    metrics, folder = study
+    oracle = pd.read_parquet(folder / "oracle" / "retrieval.parquet")
+    assert list(oracle.depth) == [0.2, 0.6, 0.2, 0.6] and oracle.exact.dtype == bool
+    full = pd.read_parquet(folder / "k1_full" / "retrieval.parquet")
+    assert list(full.exact) == list(oracle.exact)  # the oracle's cache, recomputed: the same greedy tokens
+    share = metrics["variants"]["oracle"]["retrieval"]["exact_match"]
+    assert metrics["variants"]["oracle"]["retrieval"]["of_oracle"] == (1.0 if share else None)
+
+
+@pytest.mark.parametrize("pair", ["smol-sibling", "qwen3-v0"])
+def test_a_baselines_bound_counts_what_its_mode_reads_so_direct_pays_the_sources_prefill_and_zero_nothing(pair):
+    source, target = pair_configs(pair)
+    zero, direct, alone = (baseline_bound(name, source, target, 1024) for name in ("zero", "direct", "source"))
+    assert 0.9 * alone < direct < alone  # the source's prefill of the prefix and the target's one step
+    assert zero > 20 * direct  # the target's one step alone
+
+
+def test_operating_params_refuse_unknown_maps_and_scores(tmp_path):
+    with pytest.raises(ParamError, match=r"operating\.repaired\.x\.map: 'nope' is not a variant of operating\.maps"):
+        operating_params(tmp_path / "k1.safetensors", repaired={"x": {"map": "nope", "repair": "layers:1"}})
+    with pytest.raises(ParamError, match=r"operating\.gated\.g\.score: 'probe'"):
+        operating_params(tmp_path / "k1.safetensors", gated={"g": {"map": "k1", "score": "probe", "fallback": 0.2}})
+    with pytest.raises(ParamError, match=r"the variant name 'k1' is used twice"):
+        operating_params(tmp_path / "k1.safetensors", repaired={"k1": {"map": "k1", "repair": "layers:1"}})
+
+
+def test_the_study_holds_each_lengths_variants_with_the_keys_the_report_promises(study, tmp_path):
+    metrics, folder = study
+    rows = {(LENGTH, name): pd.read_parquet(folder / name / "prompts.parquet") for name in metrics["variants"]}
+    params = parse(ReportParams, committed("report"), "report")
+    result = operating.compute(params, measure_params(bootstrap_iters=200), operating.Inputs({LENGTH: metrics}, rows))
+    entries = result[str(LENGTH)]
+    for name, entry in entries.items():
+        for key in ("confident_agreement", "confident_agreement_low", "confident_agreement_high", "kl", "ppl_ratio",
+                    "speedup_measured", "flop_bound", "retrieval", "n"):
+            assert key in entry, (name, key)
+        assert entry["speedup_measured"] == metrics["variants"][name]["speedup_measured"]
+    fastest = max(entries, key=lambda name: entries[name]["speedup_measured"])
+    assert entries[fastest]["on_front"]  # nothing is faster, so nothing dominates it
+    text = "\n".join(operating.lines(result))
+    assert f"### {LENGTH:,} tokens" in text and "Measured TTFT speedup" in text and "depth 0.2" in text
+    tables = operating.figure(result, tmp_path)
+    assert (tmp_path / "operating.png").is_file() and len(tables["operating"]) == len(entries)

@@ -1,0 +1,22 @@
+"""Devices and usage figures (`store.devices`): several ranks' usage is the slowest and the largest with each peak
+beside, and a stage's figures say when a queued experiment may have shared the machine."""
+from pipeline.store.devices import SHARED_NOTE, StageUsage, usage_of_ranks
+
+
+def test_usage_of_several_ranks_is_the_slowest_and_the_largest_with_each_peak_beside():
+    one = {"wall_s": 3.0, "peak_memory_mib": 100.0, "peak_memory_of": "process rss", "device": "cpu"}
+    two = dict(one, wall_s=5.0, peak_memory_mib=80.0)
+    assert usage_of_ranks([one]) == one
+    both = usage_of_ranks([one, two])
+    assert (both["wall_s"], both["peak_memory_mib"], both["peak_memory_mib_per_rank"], both["processes"]) == \
+        (5.0, 100.0, [100.0, 80.0], 2)
+
+
+def test_stage_figures_say_when_a_queued_experiment_may_have_shared_the_machine(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert "timing_note" not in StageUsage("cpu").figures()
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # dvc repro / dvc exp run in the workspace itself
+    assert "timing_note" not in StageUsage("cpu").figures()
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "elsewhere"))  # an executor's copy under .dvc/tmp/exps
+    assert StageUsage("cpu").figures()["timing_note"] == SHARED_NOTE

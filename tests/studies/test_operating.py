@@ -1,0 +1,28 @@
+"""The operating-point study (`studies.operating`): a point is on the front by its measured figures alone, and
+without an operating length the study is empty."""
+import pandas as pd
+from helpers import committed, measure_params
+
+from pipeline.store.params import parse
+from pipeline.studies import operating
+from pipeline.studies.settings import ReportParams
+
+
+def test_a_point_is_on_the_front_only_by_its_measured_figures():
+    figures = {"oracle": (0.99, 1.0), "fast_poor": (0.5, 3.0), "dominated": (0.6, 1.5), "good": (0.9, 2.0)}
+    variants = {name: {"confident_agreement": q, "speedup_measured": s, "mean_kl": 0.1, "ppl_ratio": 1.0,
+                       "flop_bound": 9.0, "n": 1, "tokens": 1, "next_token_top1": 1.0, "rollout_agreement": 1.0,
+                       "ttft": {"mean_ms": 1.0}} for name, (q, s) in figures.items()}
+    rows = pd.DataFrame({"margin_by_position": [[0.9]], "agree_by_position": [[1]], "first_agree": [1],
+                         "oracle_prob_by_position": [[0.9]], "recall_by_position": [[False]]})
+    params = parse(ReportParams, committed("report"), "report")
+    result = operating.compute(params, measure_params(bootstrap_iters=50), operating.Inputs({8: {"variants": variants}},
+                                                        {(8, name): rows for name in variants}))["8"]
+    assert {name for name, entry in result.items() if entry["on_front"]} == {"oracle", "fast_poor", "good"}
+
+
+def test_without_an_operating_length_the_study_is_empty_and_its_figure_says_so(tmp_path):
+    params = parse(ReportParams, committed("report"), "report")
+    result = operating.compute(params, measure_params(), operating.Inputs({}, {}))
+    assert result == {} and operating.lines(result) == []
+    assert operating.figure(result, tmp_path)["operating"].empty and (tmp_path / "operating.png").is_file()

@@ -1,0 +1,103 @@
+"""The repair study (`studies.repair`) on hand-made rows: its sentence names the cheapest setting that reaches the
+oracle, each budget against the truncated prompt and the gate, the source alone at budget zero, and the frontier."""
+import pandas as pd
+import pytest
+from helpers import committed, measure_params
+
+from pipeline.store.params import parse
+from pipeline.studies.repair import (
+    SOURCE,
+    Inputs,
+    against_baselines,
+    cheapest,
+    front_sentence,
+    join,
+    policy,
+    source_row,
+)
+from pipeline.studies.settings import ReportParams
+
+
+def _row(name: str, setting: str, budget: float, high: float) -> dict:
+    return {"map": name, "setting": setting, "budget": budget, "retention": high - 0.1, "retention_low": high - 0.2,
+            "retention_high": high}
+
+
+def test_the_sentence_names_the_cheapest_setting_whose_interval_reaches_the_oracle():
+    rows = [_row("m", "none", 0.0, 0.9), _row("m", "tokens:0.2:recency", 0.2, 1.02),
+            _row("m", "tokens:0.1:attention", 0.11, 1.0), _row("m", "layers:1", 0.05, 0.95),
+            _row("truncated", "0.01", 0.01, 1.5), _row(SOURCE, "—", 0.0, 1.2)]
+    sentence = cheapest(rows)
+    assert "`tokens:0.1:attention`" in sentence and "tokens:0.2" not in sentence and "truncated" not in sentence
+    assert SOURCE not in sentence
+
+
+def test_the_sentence_says_none_reaches_when_no_interval_reaches_the_oracle():
+    sentence = cheapest([_row("m", "none", 0.0, 0.9), _row("m", "layers:1", 0.05, 0.99)])
+    assert sentence == "For `m` no setting's retention interval reaches the oracle."
+
+
+def test_a_settings_policy_is_its_token_choice_or_its_parts_without_sizes():
+    assert [policy(s) for s in ("none", "layers:1", "tokens:0.1:attention", "sink:4+tokens:0.1:deviation")] == [
+        "none", "layers", "attention", "sink+deviation"]
+
+
+def _level(name: str, setting: str, budget: float, retention: float, gate: float | None = None) -> dict:
+    return {"map": name, "setting": setting, "budget": budget, "retention": retention, "gate": gate}
+
+
+def test_each_budget_says_whether_each_maps_best_repair_beats_the_truncated_prompt_and_the_gate():
+    rows = [_level("a", "none", 0.0, 0.5, 0.5), _level("a", "tokens:0.1:attention", 0.1071, 0.8, 0.85),
+            _level("a", "tokens:0.1:recency", 0.1069, 0.6, 0.85), _level("b", "tokens:0.1:attention", 0.1071, 0.9, 0.5),
+            _level("a", "layers:1", 0.003, 0.4, 0.51), _level("truncated", "0.107", 0.107, 0.2),
+            _level("truncated", "0.003", 0.003, 0.45), _level(SOURCE, "—", 0.0, 0.7)]
+    assert against_baselines(rows) == [
+        "- At 0.3% of the target's prefill (truncated prompt 45.0%): `a`'s best, `layers:1` (40.0%), does not beat the "
+        "truncated prompt and does not beat the gate at the same cost (51.0%).",
+        "- At 10.7% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:attention` (80.0%), "
+        "beats the truncated prompt and does not beat the gate at the same cost (85.0%); `b`'s best, "
+        "`tokens:0.1:attention` (90.0%), beats the truncated prompt and beats the gate at the same cost (50.0%)."]
+
+
+def _items(correct: list[int]) -> pd.DataFrame:
+    rows = [{"task": task, "item": i, "acc": c, "acc_norm": c} for task in ("hellaswag", "piqa")
+            for i, c in enumerate(correct)]
+    return pd.DataFrame(rows)
+
+
+def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_gap_closed():
+    params = parse(ReportParams, committed("report"), "report")
+    items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
+    figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
+    row = source_row(params, measure_params(bootstrap_iters=50), Inputs(items, {}, {}, None, figures))
+    assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
+    assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
+    assert row["confident_top1"] is None  # a source evaluated before the confident figures: shown as "—"
+    figures["prompts"]["confident_top1"] = 0.75
+    assert source_row(params, measure_params(), Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
+
+
+def _point(name: str, setting: str, closure: float, bound: float | None) -> dict:
+    return {"map": name, "setting": setting, "gap_closure": closure, "bound": bound}
+
+
+def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_a_candidate_does():
+    candidates = {"bound_pair": "qwen3-v0", "length": 256,
+                  "rows": {"fast": {"gap_closure": 0.1, "bound_at_pair": 3.0},
+                           "good": {"gap_closure": 0.9, "bound_at_pair": 2.4}}}
+    study = {"bound_pair": "qwen3-v0", "length": 256,
+             "rows": [_point("good", "none", 0.9, 2.4), _point("good", "tokens:0.1:attention", 1.0, 2.0),
+                      _point("fast", "layers:1", 0.05, 2.9), _point("truncated", "0.107", -2.0, None),
+                      _point(SOURCE, "—", 0.0, None)]}
+    join(study, candidates)
+    assert study["front"] == ["fast", "good", "good@tokens:0.1:attention"]
+    assert study["front_gains"] == ["good@tokens:0.1:attention"]
+    assert [row.get("front") for row in study["rows"]] == [None, True, False, None, None]
+    assert front_sentence(study).endswith("it gains `good@tokens:0.1:attention`.")
+
+
+def test_no_frontier_is_joined_across_studies_counted_at_other_lengths():
+    candidates = {"bound_pair": "qwen3-v0", "length": 1024, "rows": {"a": {"gap_closure": 0.1, "bound_at_pair": 3.0}}}
+    study = {"bound_pair": "qwen3-v0", "length": 256, "rows": [_point("a", "layers:1", 0.2, 2.9)]}
+    join(study, candidates)
+    assert "front" not in study and "front" not in study["rows"][0] and front_sentence(study) == ""
