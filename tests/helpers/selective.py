@@ -26,8 +26,8 @@ def _summary_inputs(margins: list[list[float]]) -> tuple:
     prompts = pd.DataFrame({"map": "a", "prompt": range(len(margins)), "first_agree": first_agree,
                             "rollout_agree": first_agree, "horizon": 1, MARGINS: margins, "changed": first_agree == 0,
                             "score_entropy": (first_agree == 0) + rng.normal(0, 0.4, len(margins))})
-    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors"}, "scores": ["entropy"],
-                                     "bootstrap_iters": 200}, "selective")
+    params = parse(SelectiveParams, {**committed("selective"), "maps": {"a": "a.safetensors"}, "scores": ["entropy"]},
+                   "selective")
     costs = {"a": {"target_ms": 10.0, "handoff_ms": 4.0, "entropy_ms": 0.1, "target": 10.0, "handoff": 3.0,
                    "entropy": 0.01}}
     return pd.concat(items, ignore_index=True), prompts, params, costs

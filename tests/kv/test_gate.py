@@ -11,6 +11,7 @@ from helpers import ARCHITECTURES, build_model
 from pipeline.kv.gate import Gate, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper
+from pipeline.kv.router import Router
 from pipeline.kv.scores.maths.disagree import jensen_shannon
 from pipeline.kv.scores.registry import FEATURES, SCORES
 from pipeline.kv.scoring import score_continuations
@@ -92,7 +93,7 @@ def test_two_identical_maps_never_disagree(handoffs):
 def _gated(models, handoffs, threshold, score="entropy"):
     target, _ = models
     gate = Gate(Scorer(handoffs[0], tuple(handoffs)), score, threshold, Handoff(target))
-    return KVTransferLM(handoffs[0], tokenizer=None, batch_size=4, gate=gate)
+    return KVTransferLM(Router(handoffs[0], gate, batch_size=4), tokenizer=None)
 
 
 def test_the_gate_at_plus_infinity_is_the_ungated_handoff_and_at_minus_infinity_the_oracle(models, handoffs):

@@ -38,7 +38,8 @@ def extracted(tmp_path_factory):
     for name in ("source", "target"):
         extract(root / "models" / name, name, root / "data", root / "caches" / name,
                 parse(ExtractParams, committed("extract", shard_sequences=4, repeats=1), "extract"))
-    (root / "params.yaml").write_text(yaml.safe_dump({"fit": FIT, "models": committed("models")}))
+    sections = {"fit": FIT, "models": committed("models"), "machine": committed("machine")}
+    (root / "params.yaml").write_text(yaml.safe_dump(sections))
     return root
 
 

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
 from pipeline.studies import variants
@@ -15,7 +16,7 @@ def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, contr
     """The variants' study of a run that evaluated `metrics` (the pair and the other studies' files unused)."""
     run = Run(metrics, items, prompts, skipped={}, controls=controls, select={}, latency=None,
               pair=("models/source", "models/target"), calibration_sizes=[], operating_lengths=[])
-    return variants.compute(params, run)
+    return variants.compute(params, measure_params(), run)
 
 
 def test_criteria_follow_the_numbers():
