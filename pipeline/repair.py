@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import Evaluation, evaluate
@@ -66,7 +67,7 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
             figures = evaluation.figures()
-            figures.update({"budget": round(budgets[str(setting)], 6),
+            figures.update({"policy": policy(setting), "budget": round(budgets[str(setting)], 6),
                             "bound": round(speedup_bound(*bound_configs, macs, params.length, setting), 4),
                             "recomputed": handoff.repaired.recomputed})
             if timed:
@@ -80,6 +81,14 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
             write_rows(staging, paths.TRUNCATED_BASELINE, f"{keep:g}", evaluation)
             metrics[f"{paths.TRUNCATED_BASELINE}/{keep:g}"] = evaluation.figures()
     return metrics
+
+
+def policy(setting: Repair) -> str:
+    """A setting's policy, as the report's figure draws a line per policy: its parts without their sizes, in the
+    applied order (the token choice with its own parameter, `key_norm@2`); `none` for the empty setting."""
+    parts = (["layers"] if setting.exact_layers else []) + (["sink"] if setting.sink else []) + (
+        [setting.policy] if setting.tokens else [])
+    return "+".join(parts) or "none"
 
 
 def write_rows(staging, name: str, setting: str, evaluation: Evaluation) -> None:

@@ -17,10 +17,6 @@ from pathlib import Path
 
 from pipeline.kv.modes.registry import BASELINES
 from pipeline.measure.settings import MeasureParams
-from pipeline.schema.calibrate import CalibrationParams
-from pipeline.schema.evaluate import EvaluateParams
-from pipeline.schema.operating import OperatingParams
-from pipeline.schema.prepare_data import DataParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
@@ -106,15 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     params = load_section(ReportParams, "report")
     models, machine = load_section(ModelsParams, "models"), load_section(MachineParams, "machine")
     measure = load_section(MeasureParams, "measure")
-    # a key or two of other stages' sections, read through their classes (dvc.yaml declares only those keys)
-    mapped = load_section(EvaluateParams, "evaluate").mapped
-    sizes = load_section(CalibrationParams, "calibration").sizes
-    data = load_section(DataParams, "data")
-    lengths = load_section(OperatingParams, "operating").lengths
+    # a key or two of other stages' sections, as values (dvc.yaml declares only those keys; check_params validated
+    # them through their classes, whose rules, the repair grammar among them, the report does not depend on)
+    mapped = load_value(dict, "evaluate.mapped")
+    sizes = load_value(list, "calibration.sizes")
+    data_kind = load_value(str, "data.kind")
+    lengths = load_value(list, "operating.lengths")
     run, inputs = load([*BASELINES, *mapped], sizes, lengths)
     report = compute(params, measure, run, inputs)
     tables = figures(report, run, paths.FIGURES)
-    context = {"profile": load_value(str, "profile"), "data_kind": data.kind, "source": models.source,
+    context = {"profile": load_value(str, "profile"), "data_kind": data_kind, "source": models.source,
                "target": models.target, "dtype": models.dtype, "device": machine.device, "pair": run.pair,
                "environment": environment(models, machine),
                "selected_name": run.select.get("selected", params.mapped_variant)}

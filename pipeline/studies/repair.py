@@ -15,12 +15,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.kv.repair import Repair
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
 from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -48,6 +48,9 @@ def load(run: Run) -> Inputs | None:
     if not paths.REPAIR_METRICS.is_file() or not {"oracle", "source"} <= set(run.items):
         return None
     metrics = json.loads(paths.REPAIR_METRICS.read_text())
+    if any("policy" not in figures for settings in metrics["maps"].values() for figures in settings.values()):
+        raise ArtifactError(f"{paths.REPAIR_METRICS}: written before each setting recorded its policy; rerun the "
+                            "repair stage (dvc repro repair)")
     rows = {(name, setting): pd.read_parquet(paths.repair_rows("items", name, setting))
             for name, settings in metrics["maps"].items() for setting in settings}
     truncated = paths.TRUNCATED_BASELINE
@@ -83,7 +86,7 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
                    else inputs.metrics["maps"][name][setting])
         budget = float(setting) if name == paths.TRUNCATED_BASELINE else figures["budget"]
         row = {"map": name, "setting": setting, "budget": budget,
-               "policy": "truncated prompt" if name == paths.TRUNCATED_BASELINE else policy(setting),
+               "policy": "truncated prompt" if name == paths.TRUNCATED_BASELINE else figures["policy"],
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
@@ -142,15 +145,6 @@ def front_sentence(study: dict) -> str:
             else "no repaired point is on it")
     return (f"Over the candidates study's maps and the repaired points, the Pareto front of gap closure against the "
             f"FLOP bound at {study['bound_pair']} is {and_([f'`{name}`' for name in study['front']])}: {said}.")
-
-
-def policy(setting: str) -> str:
-    """A setting's policy for the figure's lines: its parts without their sizes, in the applied order (the token
-    choice with its own parameter, `key_norm@2`), read by the one parser."""
-    repair = Repair.parse(setting)
-    parts = (["layers"] if repair.exact_layers else []) + (["sink"] if repair.sink else []) + (
-        [repair.policy] if repair.tokens else [])
-    return "+".join(parts) or "none"
 
 
 def cheapest(rows: list[dict]) -> str:

@@ -162,11 +162,24 @@ def maths_in_closure(module: str, root: Path) -> list[str]:
     return sorted(name for name in closure(module, graph(root, subprocess=True)) if ".maths." in name)
 
 
+def selectors_in_closure(module: str, root: Path) -> list[str]:
+    """The repair's modules (its grammar, its selectors, its run) and the FLOP model that `module` imports."""
+    kinds = ("pipeline.kv.selectors", "pipeline.kv.repair", "pipeline.kv.recompute", "pipeline.kv.flops")
+    return sorted(name for name in closure(module, graph(root, subprocess=True)) if name.startswith(kinds))
+
+
 def test_the_reports_deps_hold_no_selector_and_no_other_registrys_maths():
-    assert maths_in_closure("pipeline.report", ROOT) == []
+    assert maths_in_closure("pipeline.report", ROOT) == [] and selectors_in_closure("pipeline.report", ROOT) == []
     code = [dep for dep in STAGES["report"]["deps"] if dep.startswith("pipeline/")]
-    assert "pipeline/kv/repair.py" in code and not [dep for dep in code if "/maths/" in dep]
-    assert "pipeline/kv/recompute.py" not in code  # the repair's run, which scores tokens, is not the report's
+    assert not [dep for dep in code if "/maths/" in dep or "/selectors/" in dep or dep.endswith("kv/repair.py")]
+
+
+def test_the_selector_check_sees_a_study_that_parses_a_repair_setting(tmp_path):
+    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    study = tmp_path / "pipeline" / "studies" / "repair.py"
+    study.write_text(study.read_text() + "from pipeline.kv.repair import Repair  # the study's edit\n")
+    assert {"pipeline.kv.repair", "pipeline.kv.selectors.registry"} <= set(selectors_in_closure("pipeline.report",
+                                                                                                tmp_path))
 
 
 def test_importing_the_report_loads_no_maths_module():
