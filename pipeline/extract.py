@@ -138,17 +138,21 @@ def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], o
     under N) and return their records per split. Batches never cross a shard, so a shard's bytes do not depend
     on how many processes wrote the split."""
     writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
-    for split, frame in frames.items():
-        lengths = [len(ids) for ids in frame.token_ids]
-        for index, members in rank_shards(len(lengths), params.shard_sequences, ranks):
-            writer.begin(split, [lengths[i] for i in members], first_shard=index)
-            for run in batches([lengths[i] for i in members], params.batch_sequences):
-                run = [members[i] for i in run]
-                caches = content_caches(model, rotation, [frame.token_ids[i] for i in run],
-                                        strip=base["keys"] == KEY_SPACE_WORDS["content"])
-                for i, (keys_content, values) in zip(run, caches):
-                    writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
-                bar.update(len(run))
+    try:
+        for split, frame in frames.items():
+            lengths = [len(ids) for ids in frame.token_ids]
+            for index, members in rank_shards(len(lengths), params.shard_sequences, ranks):
+                writer.begin(split, [lengths[i] for i in members], first_shard=index)
+                for run in batches([lengths[i] for i in members], params.batch_sequences):
+                    run = [members[i] for i in run]
+                    caches = content_caches(model, rotation, [frame.token_ids[i] for i in run],
+                                            strip=base["keys"] == KEY_SPACE_WORDS["content"])
+                    for i, (keys_content, values) in zip(run, caches):
+                        writer.add(str(frame.doc_id[i]), str(frame.content_hash[i]), keys_content, values)
+                    bar.update(len(run))
+    except BaseException:  # Ctrl-C among them: the shard being written is finished or removed before the exit
+        writer.abort()
+        raise
     return writer.close()
 
 

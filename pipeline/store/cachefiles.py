@@ -212,6 +212,15 @@ class ShardWriter:
         self._raise_if_failed()
         return self.records
 
+    def abort(self) -> None:
+        """Stop the writer thread after the shard it is writing (whose temporary `write_streamed` renames or removes),
+        skipping any queued shard, and wait for it: a stage interrupted while a shard is being written leaves no
+        temporary behind (the thread is a daemon, which an interrupted command's exit would cut off mid-write)."""
+        if self._error is None:
+            self._error = KeyboardInterrupt("the shard writer was aborted")
+        self._queue.put(None)
+        self._thread.join()
+
     def _end_split(self) -> None:
         if self._added != len(self._lengths):
             raise ValueError(f"split {self._split!r}: {self._added} of {len(self._lengths)} declared sequences added")

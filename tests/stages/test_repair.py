@@ -6,9 +6,10 @@ from helpers import hellaswag_rows, piqa_rows
 
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.kv.scoring import score_continuations
 from pipeline.measure.compare import oracle_outputs, variant_rows
-from pipeline.repair import scored
+from pipeline.repair import policy, scored
 from pipeline.store.fingerprints import pair_fingerprints
 
 ITEMS = 6  # per task
@@ -76,3 +77,8 @@ def test_the_truncated_prompt_handoff_scores_tasks_and_prompts_as_the_oracle_on_
                                                                                           progress=False)
     pd.testing.assert_frame_equal(variant_rows(truncated, prompts, setup["oracle"], 2, progress=False),
                                   variant_rows(oracle, trimmed, setup["oracle"], 2, progress=False))
+
+
+def test_a_settings_policy_is_its_token_choice_or_its_parts_without_sizes():
+    settings = ("none", "layers:1", "tokens:0.1:attention", "sink:4+tokens:0.1:deviation")
+    assert [policy(Repair.parse(s)) for s in settings] == ["none", "layers", "attention", "sink+deviation"]

@@ -2,11 +2,13 @@
 concatenated tensors, in every layer order and storage dtype; it refuses sequences that do not match what
 was declared."""
 import json
+import threading
 
 import pytest
 import torch
 
-from pipeline.store.artifacts import load_artifact, stream_artifact
+from pipeline.store import cachefiles
+from pipeline.store.artifacts import atomic_path, load_artifact, stream_artifact
 from pipeline.store.cachefiles import SHARD_FORMAT, ShardWriter, open_split
 
 
@@ -74,3 +76,28 @@ def test_sequences_that_do_not_match_the_declaration_are_refused(tmp_path):
     writer.add("a", "h", keys, values)
     with pytest.raises(ValueError, match="1 of 2 declared"):
         writer.close()
+
+
+def test_an_aborted_writer_waits_for_the_shard_it_is_writing_and_skips_the_queued_ones(tmp_path, monkeypatch):
+    writing, release = threading.Event(), threading.Event()
+
+    def slow_write(path, prefix, chunks):  # the real write, held open inside its temporary until released
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(prefix + b"".join(bytes(chunk) for chunk in chunks))
+            writing.set()
+            release.wait(5)
+        return "0" * 64
+
+    monkeypatch.setattr(cachefiles, "write_streamed", slow_write)
+    writer = ShardWriter(tmp_path / "caches", {"model": "m"}, 1, torch.float32)
+    writer.begin("fit", [2, 3, 4])
+    sequences = _sequences(2, [2, 3, 4])
+    writer.add("fit-0", "h0", *sequences[0])
+    assert writing.wait(5)
+    writer.add("fit-1", "h1", *sequences[1])  # queued behind the shard being written
+    temporaries = list((tmp_path / "caches" / "fit").glob(".*.tmp"))
+    assert len(temporaries) == 1  # what an exit now would leave behind: the daemon thread is cut off mid-write
+    threading.Timer(0.2, release.set).start()
+    writer.abort()
+    assert not list((tmp_path / "caches" / "fit").glob(".*.tmp"))
+    assert [path.name for path in (tmp_path / "caches" / "fit").iterdir()] == ["shard-00000.safetensors"]

@@ -12,7 +12,6 @@ from pipeline.studies.repair import (
     cheapest,
     front_sentence,
     join,
-    policy,
     source_row,
 )
 from pipeline.studies.settings import ReportParams
@@ -35,11 +34,6 @@ def test_the_sentence_names_the_cheapest_setting_whose_interval_reaches_the_orac
 def test_the_sentence_says_none_reaches_when_no_interval_reaches_the_oracle():
     sentence = cheapest([_row("m", "none", 0.0, 0.9), _row("m", "layers:1", 0.05, 0.99)])
     assert sentence == "For `m` no setting's retention interval reaches the oracle."
-
-
-def test_a_settings_policy_is_its_token_choice_or_its_parts_without_sizes():
-    assert [policy(s) for s in ("none", "layers:1", "tokens:0.1:attention", "sink:4+tokens:0.1:deviation")] == [
-        "none", "layers", "attention", "sink+deviation"]
 
 
 def _level(name: str, setting: str, budget: float, retention: float, gate: float | None = None) -> dict:
