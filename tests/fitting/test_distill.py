@@ -70,18 +70,7 @@ def with_noise(mapper: Mapper, scale: float, seed: int) -> Mapper:
     return replace(mapper, keys=keys, values=values)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These runs are tiny: on shared cores, two threads spend their time waiting for each other (20x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def random_pair():
-    return frozen(build_model(tiny_config(VOCAB, 64), seed=1)), frozen(build_model(tiny_config(VOCAB, 32), seed=2))
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fitting/conftest.py: one torch thread, then back
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,14 @@
 groups beyond the budget keep none, and cache rows cut from stored sequences hold the source's own cache."""
 import pytest
 import torch
-from helpers import build_model, tiny_config
-from helpers.distill import VOCAB, content_cache, frozen, oracle_of, random_rows
+from helpers.distill import VOCAB, content_cache, oracle_of, random_rows
 
 from pipeline.fitting.distill_rows import CacheRows, StoredOracle, batch_bytes, oracle, oracle_bytes, with_oracles
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import Handoff
 from pipeline.store.cachefiles import ShardWriter, open_shard
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These runs are tiny: on shared cores, two threads spend their time waiting for each other (20x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def random_pair():
-    return frozen(build_model(tiny_config(VOCAB, 64), seed=1)), frozen(build_model(tiny_config(VOCAB, 32), seed=2))
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fitting/conftest.py: one torch thread, then back
 
 
 def test_a_kept_oracle_is_each_batchs_own_oracle_bit_for_bit_whatever_rows_share_its_batch(random_pair):
