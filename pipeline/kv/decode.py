@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Callable, Sequence
 
 from pipeline.kv.handoff import FirstStep, Handoff
-from pipeline.kv.kvcache import Layers, Prefixes, padded_prefixes, real_slots
+from pipeline.kv.kvcache import Layers, Prefixes, additive_mask, padded_prefixes, real_slots, segment_mask
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
@@ -39,12 +39,8 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
     batch, steps = tokens.shape
     width = 0 if layers is None else layers[0][0].shape[2]
     prefix = real_slots(prefix_lengths, width)[:, None].expand(-1, steps, -1)  # (B, L, P)
-    causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
-    own = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, L, L): padding sees padding only
-    allowed = torch.cat([prefix, own], dim=2)[:, None]  # (B, 1, L, P + L)
-    # an additive mask, as eager attention reads it and SDPA accepts it; transformers takes a 4D mask as is
-    dtype = handoff.decoder.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    allowed = torch.cat([prefix, segment_mask(segments)], dim=2)[:, None]  # (B, 1, L, P + L)
+    mask = additive_mask(allowed, handoff.decoder.dtype)
     positions = prefix_lengths[:, None] + offsets  # (B, L)
     handoff.check_length(int(positions[segments >= 0].max()) + 1 if (segments >= 0).any() else 0)
     cache = handoff.decoder_cache(layers, batch)
@@ -61,14 +57,11 @@ def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens
     token seeing the whole prefix and the earlier tokens of its own continuation at position P + offset, and only
     the L packed positions reach the head. One call instead of the prefill's and the step's (a batch-1 oracle's)."""
     width, steps = prefix_ids.shape[1], tokens.shape[1]
-    causal = torch.ones(steps, steps, dtype=torch.bool).tril()  # (L, L)
-    own = (segments[0, :, None] == segments[0, None, :]) & causal  # (L, L): padding sees padding only
     prefix = torch.cat([torch.ones(width, width, dtype=torch.bool).tril(), torch.zeros(width, steps, dtype=torch.bool)],
                        dim=1)  # (P, P + L)
-    packed = torch.cat([torch.ones(steps, width, dtype=torch.bool), own], dim=1)  # (L, P + L)
+    packed = torch.cat([torch.ones(steps, width, dtype=torch.bool), segment_mask(segments)[0]], dim=1)  # (L, P + L)
     allowed = torch.cat([prefix, packed])[None, None]  # (1, 1, P + L, P + L)
-    dtype = handoff.decoder.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = additive_mask(allowed, handoff.decoder.dtype)
     positions = torch.cat([torch.arange(width), width + offsets[0]])[None]  # (1, P + L)
     handoff.check_length(width + int(offsets[segments >= 0].max()) + 1)
     logits = handoff.decoder(input_ids=torch.cat([prefix_ids, tokens], dim=1).to(handoff.device),

@@ -23,6 +23,20 @@ def real_slots(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width)[None] < lengths.cpu()[:, None]
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of a bool one (True: may attend), as eager attention reads it and SDPA accepts
+    it (transformers takes a 4D mask as is): 0 where allowed, the dtype's most negative value elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, L, L) bool: which tokens of a packed row each token sees, given `segments` (B, L), each token's
+    continuation number (-1 on padding): the earlier tokens of its own continuation and itself (padding sees
+    padding only)."""
+    steps = segments.shape[1]
+    return (segments[:, :, None] == segments[:, None, :]) & torch.ones(steps, steps, dtype=torch.bool).tril()
+
+
 class Prefixes(NamedTuple):
     """A batch of contexts c[0..n-1] as the handoff reads them: each prefix c[0..n-2] right-padded, and c[n-1].
 

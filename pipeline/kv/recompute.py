@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.kv import projections
-from pipeline.kv.kvcache import Layers, cache_to_layers, layers_to_cache, real_slots
+from pipeline.kv.kvcache import Layers, additive_mask, cache_to_layers, layers_to_cache, real_slots
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.selectors.base import EXACT
 from pipeline.kv.selectors.maths.base import Evidence
@@ -96,8 +96,7 @@ def choose(scores: torch.Tensor, lengths: torch.Tensor, sink: int, counts: list[
 
 def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:
     """(B, 1, P, P) additive causal mask: right padding never reaches a real token."""
-    allowed = torch.ones(width, width, dtype=torch.bool).tril()
-    mask = torch.zeros(width, width, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = additive_mask(torch.ones(width, width, dtype=torch.bool).tril(), dtype)
     return mask[None, None].expand(batch, 1, -1, -1)
 
 
@@ -143,7 +142,7 @@ def recompute(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.T
     fresh |= torch.eye(chosen.shape[1], dtype=torch.bool)[None] & ~valid[:, :, None]  # a pad sees itself
     allowed = torch.cat([old & valid[:, :, None], fresh], dim=2)[:, None]  # (B, 1, M, P + M)
     dtype = target.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = additive_mask(allowed, dtype)
     cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
     out = target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
                        attention_mask=mask.to(target.device), position_ids=positions.to(target.device)).cache

@@ -3,7 +3,7 @@ one more step of one token."""
 from __future__ import annotations
 
 from pipeline.kv import projections
-from pipeline.kv.kvcache import layers_to_cache, real_slots
+from pipeline.kv.kvcache import additive_mask, layers_to_cache, real_slots
 from pipeline.kv.selectors import attention
 from pipeline.kv.selectors.maths.base import Evidence, SelectorMaths
 from pipeline.store.lazy import lazy
@@ -28,8 +28,7 @@ def attention_scores(target, layers: list, prefix_ids: torch.Tensor, lengths: to
     tokens = prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
     allowed = torch.cat([real_slots(last, width), torch.ones(batch, 1, dtype=torch.bool)], dim=1)  # (B, P + 1)
     dtype = target.dtype
-    mask = torch.zeros(batch, 1, 1, width + 1, dtype=dtype).masked_fill_(~allowed[:, None, None],
-                                                                         torch.finfo(dtype).min)  # (B, 1, 1, P + 1)
+    mask = additive_mask(allowed[:, None, None], dtype)  # (B, 1, 1, P + 1)
     captured: list = []
 
     def keep(module, args, kwargs, output):
