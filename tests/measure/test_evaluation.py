@@ -76,15 +76,18 @@ def test_ttft_is_positive_its_parts_tile_it_and_the_oracles_is_a_prefills_order_
     assert (rows.map_ms == 0).all() and (rows.gate_ms == 0).all()  # the oracle maps nothing and is not gated
     parts = rows[[f"{part}_ms" for part in FIRST_STEP_PARTS]].sum(axis=1)
     assert parts.tolist() == pytest.approx(rows.ttft_ms.tolist(), rel=1e-9)
-    # the oracle's first step is its own prefill and one step: between a tenth and ten times a timed prefill
+    # the oracle's first step is its own prefill and one step: between a tenth of the fastest of five timed prefills
+    # and ten times the slowest (a busy machine stretches a run, never shortens it; one slow run flaked the bound)
     model, (context, _) = pair.target, prompts[-1]
     ids = torch.tensor([context])
+    runs = []
     with torch.no_grad():
         model(input_ids=ids)  # warm
-        start = time.perf_counter()
-        model(input_ids=ids)
-        prefill_ms = 1e3 * (time.perf_counter() - start)
-    assert 0.1 * prefill_ms < float(rows.ttft_ms.iloc[-1]) < 10 * prefill_ms + 50
+        for _ in range(5):
+            start = time.perf_counter()
+            model(input_ids=ids)
+            runs.append(1e3 * (time.perf_counter() - start))
+    assert 0.1 * min(runs) < float(rows.ttft_ms.iloc[-1]) < 10 * max(runs) + 50
     figures = oracle.prompts.ttft
     assert figures["median_ms"] > 0 and set(figures["parts_ms"]) == set(FIRST_STEP_PARTS)
 
