@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.evaluation import evaluate
 from pipeline.schema.calibrate import CalibrationParams
@@ -94,10 +95,9 @@ def run(size: int, params: CalibrationParams, models: ModelsParams, device: str)
                       "--mappers", str(mappers), "--out", str(distilled_maps))
         pair = Pair.load(models, device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
-            handoff = pair.handoff("mapped", paths.distilled_map(name, distilled_maps) if starts[name] else
-                                   paths.fitted_map(name, mappers))
-            evaluation = evaluate(Router(handoff, batch_size=params.batch_size), tasks=pair.eval_tasks,
-                                  tokenizer=pair.target_tokenizer)
+            mapper = paths.distilled_map(name, distilled_maps) if starts[name] else paths.fitted_map(name, mappers)
+            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=mapper), params.batch_size)
+            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer)
             evaluation.write_rows(items=paths.candidate_items(name, staging))
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size
             if not starts[name]:  # the held-out R² is the fitted map's own

@@ -28,6 +28,7 @@ from pipeline.kv.families.registry import MapName
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import evaluate
@@ -74,14 +75,14 @@ def run(params: CandidatesParams, models: ModelsParams, device: str) -> dict:
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0] if paired else {}
     with atomic_dir(paths.CANDIDATE_ITEMS) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
-            handoff = pair.handoff("mapped", path)
+            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path), params.batch_size)
             on_prompts = path.stem in paired
-            evaluation = evaluate(Router(handoff, batch_size=params.batch_size), prompts if on_prompts else (),
-                                  oracle, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, progress=False)
+            evaluation = evaluate(router, prompts if on_prompts else (), oracle, tasks=pair.eval_tasks,
+                                  tokenizer=pair.target_tokenizer, progress=False)
             evaluation.write_rows(paths.candidate_prompts(path.stem, staging / paths.CANDIDATE_PROMPTS.name)
                                   if on_prompts else None, paths.candidate_items(path.stem, staging))
             metrics[f"maps/{path.stem}"] = {**evaluation.figures(),
-                                            **candidate_figures(handoff, path, params, bound_configs)}
+                                            **candidate_figures(router.handoff, path, params, bound_configs)}
     return metrics
 
 

@@ -43,6 +43,8 @@ from pipeline.fitting.distill import TIMED_PARTS, Clock, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
+from pipeline.kv.router import Router
 from pipeline.schema.distill import DistillParams, distilled_name
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path
@@ -89,7 +91,7 @@ def run(params: DistillParams, models: ModelsParams, device: str, names: list[st
     """Distil each named start map from inputs["mappers"], reading the source caches under inputs["caches"] and
     the splits' token ids under inputs["data"]: the metrics and, per name, (distilled map, per-epoch history).
     Under several processes each rank distils every N-th map, and rank 0 gets them all (the others None)."""
-    oracle = Pair.load(models, ranks.device(device), source=False).handoff("oracle")
+    oracle = Router.of(Pair.load(models, ranks.device(device), source=False), Transfer.stage(mode="oracle")).handoff
     oracle.decoder.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}

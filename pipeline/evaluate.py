@@ -31,10 +31,10 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.kv.handoff import Handoff
 from pipeline.kv.modes.registry import BASELINES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.request import USES, Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import OracleStore, evaluate
@@ -64,13 +64,14 @@ def variant_mode(variant: str) -> str:
     return "shuffled" if variant == "shuffled" else "mapped"
 
 
-def build_handoff(variant: str, params: EvaluateParams, pair: Pair) -> Handoff:
+def variant_request(variant: str, params: EvaluateParams) -> Transfer:
     """The handoff `variant` (a baseline or a key of evaluate.mapped: `ordered_variants` refused any other before
-    the work began) evaluates, between the pair's models (each loaded here, on first use)."""
+    the work began) evaluates, as a request (`Router.of` builds it between the pair's models)."""
     if variant in BASELINES:
-        return pair.handoff(variant)
-    return pair.handoff(variant_mode(variant), params.mapped[variant], shuffle_seed=params.shuffle_seed,
-                        repair=variant_repair(variant, params))
+        return Transfer.stage(mode=variant)
+    mode = variant_mode(variant)
+    seeded = {"shuffle_seed": params.shuffle_seed} if mode in USES["shuffle_seed"] else {}
+    return Transfer.stage(mode=mode, mapper=params.mapped[variant], repair=variant_repair(variant, params), **seeded)
 
 
 def variant_repair(variant: str, params: EvaluateParams) -> Repair | None:
@@ -99,10 +100,9 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
                 (staging / SKIPPED).write_text(reason + "\n")
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
-    handoff = build_handoff(variant, params, pair)
-    repair = variant_repair(variant, params)
+    router = Router.of(pair, variant_request(variant, params), params.batch_size)
+    handoff, repair = router.handoff, variant_repair(variant, params)
     prompts = read_prompts(paths.EVAL_PROMPTS)
-    router = Router(handoff, batch_size=params.batch_size)
     options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}
     if variant == "oracle":  # its outputs are stored, and every other variant compared with them
         options["store"] = OracleStore(params.top_k, params.horizon)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pipeline.kv.families.registry import CLOSED_FORM
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
+from pipeline.kv.router import Router
 from pipeline.measure.latency import (
     check_lengths,
     format_table,
@@ -43,8 +45,8 @@ def stage(params: LatencyParams, machine: MachineParams) -> dict:
     device = machine.torch_device
     with stage_ranks(device, threads=machine.threads) as timed:
         pair = Pair(str(paths.model("target")), str(paths.model("source")), params.dtype, device)
-        handoff = pair.handoff("mapped", params.mapper)
-        rows, env = run(handoff, params.lengths, params.warmup, params.repeats)
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.mapper))
+        rows, env = run(router.handoff, params.lengths, params.warmup, params.repeats)
         write_table(rows, paths.LATENCY_TABLE)
         write_plot(rows, env, paths.LATENCY_PLOT)
         print(format_table(rows, env))

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.evaluation import OracleStore, evaluate
 from pipeline.schema.length import LengthParams
@@ -80,22 +80,21 @@ def run(params: LengthParams, models: ModelsParams, device: str) -> dict:
             run_stage("pipeline.fit", "--caches", str(work / space), "--out", str(work / space / "maps"), "--only",
                       params.candidate)
         pair = Pair.load(models, device)
-        maps = {space: load_mapper(work / space / "maps" / f"{params.candidate}.safetensors", device=pair.device)
-                for space in KEY_SPACE_FLAGS}
-        oracle = Router(pair.handoff("oracle"), batch_size=params.batch_size)
+        routers = {space: Router.of(pair, Transfer.stage(mode="mapped", mapper=work / space / "maps" /
+                                                          f"{params.candidate}.safetensors"), params.batch_size)
+                   for space in KEY_SPACE_FLAGS}
+        oracle = Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size)
         for length in tqdm(params.prompt_lengths, desc="lengths", unit="length"):
             prompts = [(ids[:length], ids[length : length + params.continuation]) for ids in sequences]
             reference = evaluate(oracle, prompts, store=OracleStore(params.top_k, params.horizon), progress=False)
             metrics[f"oracle/by_length/{length}"] = reference.figures()
-            for space, mapper in maps.items():
-                handoff = Router(pair.handoff("mapped", mapper), batch_size=params.batch_size)
-                evaluation = evaluate(handoff, prompts, reference.oracle, progress=False)
+            for space, router in routers.items():
+                evaluation = evaluate(router, prompts, reference.oracle, progress=False)
                 evaluation.write_rows(paths.length_rows(space, length, staging))
                 metrics[f"{space}/by_length/{length}"] = evaluation.figures(oracle=reference)
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
                          for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
-        for space, mapper in maps.items():
-            router = Router(pair.handoff("mapped", mapper), batch_size=params.batch_size)
+        for space, router in routers.items():
             evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer)
             items = evaluation.item_rows
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]

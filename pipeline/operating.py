@@ -42,6 +42,7 @@ from pipeline.kv.flops import (
 from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import FELL_BACK
 from pipeline.kv.scores.registry import score_macs
@@ -116,29 +117,29 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict
     prefill = target_prefill_macs(target, length)
     out = {}
     for name in params.baselines:
-        out[name] = Variant(Router(pair.handoff(name)), baseline_bound(name, source, target, length))
-    handoffs = {name: pair.handoff("mapped", path) for name, path in params.maps.items()}
-    for name, handoff in handoffs.items():
-        out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length))
+        out[name] = Variant(Router.of(pair, Transfer.stage(mode=name)), baseline_bound(name, source, target, length))
+    for name, path in params.maps.items():
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path))
+        out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length))
     budgets = {}
     for name, repaired in params.repaired.items():
         setting = selected_repair() if repaired.repair == SELECTED else Repair.parse(repaired.repair)
-        handoff = pair.handoff("mapped", params.maps[repaired.map], repair=setting)
-        out[name] = Variant(Router(handoff), speedup_bound(source, target, handoff.mapper.macs_per_token(), length,
-                                                           setting))
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[repaired.map], repair=setting))
+        out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length,
+                                                  setting))
         budgets[name] = repair_budget(target, setting, length)
-    for name, gated in params.gated.items():
-        handoff = handoffs[gated.map]
-        gate = pair.gate(handoff, gated.score, float("inf"))
-        scores = gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
-        gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
-        cost = (sum(handoff_macs(source, target, handoff.mapper.macs_per_token(), length).values())
+    for name, gated in params.gated.items():  # the threshold is chosen here, on the select split's scores
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[gated.map], fallback=gated.score,
+                                                threshold=float("inf")))
+        scores = router.gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
+        router.gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
+        cost = (sum(handoff_macs(source, target, router.handoff.mapper.macs_per_token(), length).values())
                 + score_macs(gated.score, source, target, 0, length))
-        out[name] = Variant(Router(handoff, gate), gated_cost=cost, prefill=prefill)
+        out[name] = Variant(router, gated_cost=cost, prefill=prefill)
     if params.truncated:
         for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
             keep = min(budget, 1.0)
-            out[f"truncated_{name}"] = Variant(Router(pair.handoff("oracle", keep=keep)),
+            out[f"truncated_{name}"] = Variant(Router.of(pair, Transfer.stage(mode="oracle", keep=keep)),
                                                truncated_bound(target, keep, length))
     return out
 
@@ -153,7 +154,7 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
     store = OracleStore(params.top_k, params.horizon)
     metrics: dict = {"length": length, "prompts": len(texts), "retrieval_items": len(keys),
                      "recall_ngram": params.recall_ngram, "variants": {}}
-    oracle_router = Router(pair.handoff("oracle"))
+    oracle_router = Router.of(pair, Transfer.stage(mode="oracle"))
     oracle = evaluate(oracle_router, texts, store=store, margin=margin, timed=True, warmup=1, progress=False)
     oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
     reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None

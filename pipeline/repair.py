@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import Evaluation, evaluate
@@ -39,11 +40,11 @@ from pipeline.store.ranks import stage_ranks
 from pipeline.store.shapes import pair_configs
 
 
-def scored(pair: Pair, handoff, tasks, prompts, oracle, batch_size: int, margin: float) -> Evaluation:
+def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float) -> Evaluation:
     """One evaluated handoff: on `tasks` and on the eval prompts against the oracle's stored outputs (the confident
     figures at oracle margin >= `margin`)."""
-    return evaluate(Router(handoff, batch_size=batch_size), prompts, oracle, margin=margin, tasks=tasks,
-                    tokenizer=pair.target_tokenizer, progress=False)
+    return evaluate(router, prompts, oracle, margin=margin, tasks=tasks, tokenizer=pair.target_tokenizer,
+                    progress=False)
 
 
 def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True) -> dict:
@@ -61,8 +62,9 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
     with atomic_dir(paths.REPAIR_ROWS) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
-            handoff = pair.handoff("mapped", params.maps[name], repair=setting)
-            evaluation = scored(pair, handoff, pair.eval_tasks, prompts, oracle, params.batch_size, margin)
+            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[name], repair=setting),
+                               params.batch_size)
+            handoff, evaluation = router.handoff, scored(pair, router, pair.eval_tasks, prompts, oracle, margin)
             write_rows(staging, name, str(setting), evaluation)
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
@@ -76,8 +78,8 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
                                 "speedup": round(row["speedup"], 4)})
             metrics[f"maps/{name}/{setting}"] = figures
         for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
-            evaluation = scored(pair, pair.handoff("oracle", keep=keep), pair.eval_tasks, prompts, oracle,
-                                params.batch_size, margin)
+            truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=keep), params.batch_size)
+            evaluation = scored(pair, truncated, pair.eval_tasks, prompts, oracle, margin)
             write_rows(staging, paths.TRUNCATED_BASELINE, f"{keep:g}", evaluation)
             metrics[f"{paths.TRUNCATED_BASELINE}/{keep:g}"] = evaluation.figures()
     return metrics

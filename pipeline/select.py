@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from pipeline.kv.flops import repair_budget
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.evaluation import Evaluation, OracleStore, evaluate
 from pipeline.measure.prompt_metrics import CONFIDENT, PROMPT_METRICS
@@ -91,9 +92,9 @@ def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tup
     scores = []
     mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
     for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
-        handoff = pair.handoff("mapped", path, repair=None if setting.empty else setting)
-        mapper = handoff.mapper
-        evaluation = evaluate(Router(handoff, batch_size=params.batch_size), prompts, oracle, margin=margin)
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path, repair=setting), params.batch_size)
+        mapper = router.handoff.mapper
+        evaluation = evaluate(router, prompts, oracle, margin=margin)
         scores.append({
             **evaluation.prompts.metrics, "evaluation": evaluation, "name": path.stem, "family": mapper.family,
             "k": mapper.k, "ridge_lambda": mapper.ridge_lambda, "parameters": mapper.parameter_count(),
@@ -110,7 +111,7 @@ def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list
     several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
     oracle's evaluation and the scores, the candidates' first in their order (the others None)."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
-    reference = evaluate(Router(pair.handoff("oracle"), batch_size=params.batch_size), prompts, margin=margin,
+    reference = evaluate(Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size), prompts, margin=margin,
                          store=store, ranks=ranks)
     oracle = reference.oracle
     scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, margin,

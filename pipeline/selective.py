@@ -32,6 +32,7 @@ from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefil
 from pipeline.kv.gate import REFERENCES, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.scores.registry import FEATURES, SCORES, score_macs
 from pipeline.kv.scoring import truncate
@@ -115,11 +116,11 @@ def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
     return probes
 
 
-def task_frame(pair: Pair, handoff: Handoff, files: dict, batch_size: int) -> pd.DataFrame:
-    """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods and choices through `handoff` (one
+def task_frame(pair: Pair, router: Router, files: dict) -> pd.DataFrame:
+    """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods and choices through `router` (one
     evaluation), and `tokens`, the context its first choice was scored after, as the router truncated it."""
-    items = evaluate(Router(handoff, batch_size=batch_size), tasks=files, tokenizer=pair.target_tokenizer).item_rows
-    window = handoff.decoder.config.max_position_embeddings  # the router's window (`measure.adapter.HandoffLM`)
+    items = evaluate(router, tasks=files, tokenizer=pair.target_tokenizer).item_rows
+    window = router.handoff.decoder.config.max_position_embeddings  # the router's (`measure.adapter.HandoffLM`)
     items["tokens"] = [truncate(contexts[0], continuations[0], window)
                        for contexts, continuations in zip(items.context_ids, items.continuation_ids)]
     return items
@@ -136,26 +137,28 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
     return rows.assign(**{column(score): values.numpy() for score, values in scores.items()})
 
 
-def score_requests(pair: Pair, params: SelectiveParams, handoffs: dict, disagree) -> tuple[pd.DataFrame, ...]:
-    """Per-request rows of every map: task items of both parts, eval prompts."""
-    oracle = pair.handoff("oracle")
+def score_requests(pair: Pair, params: SelectiveParams, routers: dict[str, Router], disagree
+                   ) -> tuple[pd.DataFrame, ...]:
+    """Per-request rows of every map (`routers`: each map's handoff): task items of both parts, eval prompts."""
+    oracle = Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size)
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}
-        base = {"oracle": task_frame(pair, oracle, files, params.batch_size)}
+        base = {"oracle": task_frame(pair, oracle, files)}
         if part == "eval":
-            base["source"] = task_frame(pair, pair.handoff("source"), files, params.batch_size)
-        for name, handoff in handoffs.items():
-            frame = task_frame(pair, handoff, files, params.batch_size)
-            scores = Scorer(handoff, disagree).scores(list(frame.tokens), measured(params, disagree),
-                                                      params.batch_size)
+            base["source"] = task_frame(pair, Router.of(pair, Transfer.stage(mode="source"), params.batch_size),
+                                        files)
+        for name, router in routers.items():
+            frame = task_frame(pair, router, files)
+            scores = Scorer(router.handoff, disagree).scores(list(frame.tokens), measured(params, disagree),
+                                                             params.batch_size)
             items.append(item_rows(part, name, frame, base, scores))
     prompts, stored = read_prompts(paths.EVAL_PROMPTS), load_artifact(paths.ORACLE_OUTPUTS)[0]
     rows = []
-    for name, handoff in handoffs.items():
-        frame = evaluate(Router(handoff, batch_size=params.batch_size), prompts, stored, progress=False).prompt_rows
-        scores = Scorer(handoff, disagree).scores([context for context, _ in prompts], measured(params, disagree),
-                                                  params.batch_size)
+    for name, router in routers.items():
+        frame = evaluate(router, prompts, stored, progress=False).prompt_rows
+        contexts = [context for context, _ in prompts]
+        scores = Scorer(router.handoff, disagree).scores(contexts, measured(params, disagree), params.batch_size)
         rows.append(frame[["prompt", "first_agree", "rollout_agree", "horizon", MARGINS]].assign(
             map=name, changed=frame.first_agree == 0, **{column(s): v.numpy() for s, v in scores.items()}))
     return pd.concat(items, ignore_index=True), pd.concat(rows, ignore_index=True)
@@ -282,13 +285,16 @@ def run(params: SelectiveParams, models: ModelsParams, device: str, measure: Mea
     """Every map of `params.maps` scored, gated and timed, measured as `measure` says."""
     require_controls_passed()
     pair = Pair.load(models, device)
-    handoffs = {name: pair.handoff("mapped", file) for name, file in params.maps.items()}
+    routers = {name: Router.of(pair, Transfer.stage(mode="mapped", mapper=file), params.batch_size)
+               for name, file in params.maps.items()}
     two_maps = "disagree" in params.scores or ("probe" in params.scores and len(params.disagree) == 2)
-    disagree = tuple(pair.handoff("mapped", file) for file in params.disagree) if two_maps else None
-    items, prompts = score_requests(pair, params, handoffs, disagree)
+    # the disagree score's two maps: handoffs the scorer reads beside each map's, never a route of their own
+    disagree = tuple(Router.of(pair, Transfer.stage(mode="mapped", mapper=file)).handoff
+                     for file in params.disagree) if two_maps else None
+    items, prompts = score_requests(pair, params, routers, disagree)
     probes = add_probe(items, prompts, params, disagree) if "probe" in params.scores else {}
-    costs = {name: request_times(handoff, disagree, params, probes.get(name)) | bound_costs(params, handoff, disagree)
-             for name, handoff in handoffs.items()}
+    costs = {name: request_times(router.handoff, disagree, params, probes.get(name))
+             | bound_costs(params, router.handoff, disagree) for name, router in routers.items()}
     metrics, curves = summarize(items, prompts, params, costs, measure)
     for name, probe in probes.items():
         metrics["maps"][name]["probe_fit"] = asdict(probe)  # its features, standardisation and weights

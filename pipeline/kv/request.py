@@ -1,14 +1,16 @@
 """What a user asks of a handoff, validated before any model loads: one request object for every face.
 
-A `Transfer` is the mode, its map, its repair setting, its gate and whether a map may be used on other models. The
-faces spell its fields their own way (`Face`: kv-transfer's model args `transfer=`, `mapper=`, ...; generate's
-flags `--transfer`, `--mapper`, ...), and every refusal is one line naming the arg as the face spells it and the
+A `Transfer` is the mode, its map, its repair setting, its gate, the share of each context it reads and whether a
+map may be used on other models. The faces spell its fields their own way (`Face`: kv-transfer's model args
+`transfer=`, `mapper=`, ...; generate's flags `--transfer`, `--mapper`, ...; a stage's values, `STAGE`, already
+checked against its params schema), and every refusal is one line naming the arg as the face spells it and the
 fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped). Rules, one table for both faces
 (`USES`): an arg the mode does not read is refused (`transfer=oracle,mapper=...`), a mode that reads a source
 needs one, a repair setting larger than the pair's target (its layers, its positions, a policy reading layers past
 them: `key_norm@N`) is refused from the configs.
 
-Built by `Transfer.of(face, **args)`; `Router.of(pair, request)` (`kv.router`) turns it into handoffs.
+Built by `Transfer.of(face, **args)` (`Transfer.stage(**values)` in a stage); `Router.of(pair, request)`
+(`kv.router`) turns it into handoffs: the one way from a request to a handoff, for the faces and the stages alike.
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ class Face(NamedTuple):
         return spelt if value is None else f"{spelt}{'' if self.tool else ' '}{value}"
 
 
-FIELDS = ("mode", "mapper", "repair", "fallback", "threshold", "disagree", "shuffle_seed", "allow_other_models")
+FIELDS = ("mode", "mapper", "repair", "fallback", "threshold", "disagree", "shuffle_seed", "keep",
+          "allow_other_models")
 KV_TRANSFER = Face("kv-transfer", {**{field: field for field in FIELDS}, "mode": "transfer"})
 GENERATE = Face("", {**{field: "--" + field.replace("_", "-") for field in FIELDS}, "mode": "--transfer"})
+STAGE = Face("stage", {field: field for field in FIELDS})  # a stage's handoffs, from values its schema checked
 
 
 class Transfer(BaseModel):
@@ -65,6 +69,7 @@ class Transfer(BaseModel):
     threshold: float | None = None
     disagree: tuple[str, str] | None = None
     shuffle_seed: int | None = None
+    keep: float | None = None  # the share of each context's end the handoff reads (the truncated prompt)
     allow_other_models: bool = False
 
     @classmethod
@@ -78,6 +83,11 @@ class Transfer(BaseModel):
             if isinstance(cause, Exception):
                 raise cause from None
             raise ParamError(f"{face.tool or 'generate'}: {error.errors()[0]['msg']}") from None
+
+    @classmethod
+    def stage(cls, **values) -> "Transfer":
+        """A stage's request: `values` as its params give them (a map file's `Path`, a parsed `Repair`)."""
+        return cls.of(STAGE, **{key: str(value) if isinstance(value, Path) else value for key, value in values.items()})
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +104,8 @@ class Transfer(BaseModel):
             values["threshold"] = inputs.threshold(values["threshold"], face.name("threshold"))
         if "shuffle_seed" in values:
             values["shuffle_seed"] = inputs.at_least(values["shuffle_seed"], face.name("shuffle_seed"), 0)
+        if "keep" in values:
+            values["keep"] = inputs.share(values["keep"], face.name("keep"))
         allow = str(values.get("allow_other_models", False)).lower()
         values["allow_other_models"] = inputs.choice(allow, face.name("allow_other_models"), ("true", "false"))
         values["allow_other_models"] = values["allow_other_models"] == "true"

@@ -11,7 +11,7 @@ step the gate scored (`FirstStep.kept`): a context that keeps its map is prefill
 once, for its score and its continuations, and no more than a batch of those caches is held at once. `first_step`
 routes one context to its first step (a timed evaluation's, `measure.evaluation`).
 
-Built from a `Pair` and a validated `kv.request.Transfer` (`Router.of`), or from a handoff a stage already holds.
+Built from a `Pair` and a validated `kv.request.Transfer` (`Router.of`): the faces' and the stages' one way in.
 `record()` is what a face writes beside its results: the mode, the repair, the gate and, once counted, the routes.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Router:
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
         """The router of `request` (`kv.request.Transfer`) between `pair`'s models (weights loaded on first use)."""
         handoff = pair.handoff(request.mode, request.mapper, shuffle_seed=request.shuffle_seed or 0,
-                               repair=request.setting)
+                               repair=request.setting, keep=request.keep)
         gate = None if request.fallback is None else pair.gate(handoff, request.fallback, request.threshold,
                                                                 request.disagree)
         return cls(handoff, gate, batch_size)

@@ -45,6 +45,14 @@ def threshold(value, name: str) -> float:
     return parsed
 
 
+def share(value, name: str) -> float:
+    """A share of something, in (0, 1] (the part of each context a truncated prompt keeps)."""
+    parsed = number(value, name)
+    if not 0 < parsed <= 1:
+        raise ParamError(f"{name}: expected a share in (0, 1], got {value}")
+    return parsed
+
+
 def temperature(value, name: str) -> float:
     """A sampling temperature: finite and >= 0 (0 is greedy)."""
     parsed = number(value, name)

@@ -1,5 +1,7 @@
 """The request (`kv.request`): one set of rules for kv-transfer's model args and generate's flags, each refusal one
 line in the face's own spelling, before any model loads."""
+from pathlib import Path
+
 import pytest
 
 from pipeline.kv.modes.registry import MODES
@@ -78,3 +80,13 @@ def test_a_repair_larger_than_the_target_is_refused_from_its_config(tiny_pair):
     assert "target" not in pair.__dict__  # decided from the config: no weights loaded
     assert Transfer.of(KV_TRANSFER, mode="direct", repair="none").setting is None
     assert Transfer.of(GENERATE, mode="zero", repair=Repair.parse("sink:2")).setting == Repair.parse("sink:2")
+
+
+def test_a_stage_asks_with_its_own_values_a_map_file_as_a_path_and_a_share_of_each_context(map_file):
+    request = Transfer.stage(mode="mapped", mapper=Path(map_file), repair=Repair.parse("sink:2"), keep=0.5)
+    assert (request.mapper, str(request.setting), request.keep) == (map_file, "sink:2", 0.5)
+    for share in (0, 1.5):
+        with pytest.raises(ParamError, match=rf"^stage keep: expected a share in \(0, 1\], got {share}$"):
+            Transfer.stage(mode="oracle", keep=share)
+    with pytest.raises(ParamError, match=r"^stage mapper: no mapper file at .*missing\.safetensors; give one"):
+        Transfer.stage(mode="mapped", mapper=Path(map_file).with_name("missing.safetensors"))

@@ -3,6 +3,7 @@ prefilled and mapped once; scores equal to the handoff's own or the oracle's."""
 import pytest
 
 from pipeline.kv.pair import Pair
+from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK
 from pipeline.kv.scoring import score_continuations
@@ -61,3 +62,11 @@ def test_an_ungated_router_scores_as_the_scoring_core_does(pair, requests):
     results, routes = Router(handoff, batch_size=4).score(requests, MAX_LENGTH, progress=False)
     assert results == score_continuations(pair.handoff("direct"), requests, 4, MAX_LENGTH, progress=False)
     assert {route.way for route in routes} == {"direct", EMPTY_PREFIX}
+
+
+def test_a_stages_request_reaches_its_handoff_the_truncated_prompt_included(pair, requests):
+    truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=0.5), batch_size=4)
+    assert truncated.handoff.keep == 0.5 and truncated.record()["transfer"] == "oracle"
+    results, _ = truncated.score(requests, MAX_LENGTH, progress=False)
+    assert results == score_continuations(pair.handoff("oracle", keep=0.5), requests, 4, MAX_LENGTH, progress=False)
+    assert results != score_continuations(pair.handoff("oracle"), requests, 4, MAX_LENGTH, progress=False)

@@ -7,11 +7,12 @@ import pytest
 import yaml
 from helpers import ROOT
 
-from pipeline.evaluate import build_handoff, ordered_variants, variant_repair
+from pipeline.evaluate import ordered_variants, variant_repair, variant_request
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.modes.registry import BASELINES
 from pipeline.kv.pair import Pair
+from pipeline.kv.router import Router
 from pipeline.measure.compare import oracle_outputs, variant_rows
 from pipeline.schema.evaluate import EvaluateParams
 from pipeline.store import paths
@@ -65,7 +66,7 @@ def test_a_repaired_variant_is_the_handoff_with_its_setting_and_an_unnamed_one_s
     pair, path = mapped_pair
     params = PARAMS.model_copy(update={"mapped": {"plain": str(path), "fixed": str(path)},
                                        "repair": {"fixed": "tokens:0.5:recency"}})
-    fixed, plain = build_handoff("fixed", params, pair), build_handoff("plain", params, pair)
+    fixed, plain = (Router.of(pair, variant_request(name, params)).handoff for name in ("fixed", "plain"))
     assert str(fixed.repair) == "tokens:0.5:recency" and plain.repair.empty
     rows = evaluated(fixed)
     pd.testing.assert_frame_equal(rows, evaluated(pair.handoff("mapped", path, repair="tokens:0.5:recency")))

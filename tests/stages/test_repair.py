@@ -7,6 +7,8 @@ from helpers import hellaswag_rows, piqa_rows
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
+from pipeline.kv.request import Transfer
+from pipeline.kv.router import Router
 from pipeline.kv.scoring import score_continuations
 from pipeline.measure.compare import oracle_outputs, variant_rows
 from pipeline.repair import policy, scored
@@ -31,19 +33,21 @@ def setup(wide_pair, tmp_path_factory) -> dict:
     return {"pair": pair, "map": root / "k1.safetensors", "tasks": tasks, "prompts": prompts, "oracle": oracle}
 
 
-def _figures(setup: dict, handoff) -> tuple[dict, pd.DataFrame]:
-    evaluation = scored(setup["pair"], handoff, setup["tasks"], setup["prompts"], setup["oracle"], 2, 0.2)
+def _figures(setup: dict, **request) -> tuple[dict, pd.DataFrame]:
+    """The figures and item rows of the handoff `request` asks for, as the stage evaluates each."""
+    router = Router.of(setup["pair"], Transfer.stage(**request), batch_size=2)
+    evaluation = scored(setup["pair"], router, setup["tasks"], setup["prompts"], setup["oracle"], 0.2)
     return evaluation.figures(), evaluation.item_rows
 
 
 @pytest.mark.slow  # five lm-eval runs of 12 items on a tiny pair
 def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
-    pair, path = setup["pair"], setup["map"]
+    path = setup["map"]
     grid = {}
     for setting in ("none", "tokens:1:recency"):
-        grid[setting] = _figures(setup, pair.handoff("mapped", path, repair=setting))
-    mapped, mapped_items = _figures(setup, pair.handoff("mapped", path))
-    oracle, oracle_items = _figures(setup, pair.handoff("oracle"))
+        grid[setting] = _figures(setup, mode="mapped", mapper=path, repair=setting)
+    mapped, mapped_items = _figures(setup, mode="mapped", mapper=path)
+    oracle, oracle_items = _figures(setup, mode="oracle")
     assert grid["none"][0] == mapped
     pd.testing.assert_frame_equal(grid["none"][1], mapped_items)
     repaired_figures, repaired_items = grid["tokens:1:recency"]
