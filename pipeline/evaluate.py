@@ -100,8 +100,9 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
                 (staging / SKIPPED).write_text(reason + "\n")
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
-    router = Router.of(pair, variant_request(variant, params), params.batch_size)
-    handoff, repair = router.handoff, variant_repair(variant, params)
+    request = variant_request(variant, params)  # its repair as the params name it (select's choice read once)
+    router = Router.of(pair, request, params.batch_size)
+    handoff = router.handoff
     prompts = read_prompts(paths.EVAL_PROMPTS)
     options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}
     if variant == "oracle":  # its outputs are stored, and every other variant compared with them
@@ -123,8 +124,8 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         save_artifact(paths.ORACLE_OUTPUTS, evaluation.oracle,
                       {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     metrics = evaluation.figures()
-    if repair is not None:
-        metrics["repair"] = str(repair)
+    if request.repair is not None:
+        metrics["repair"] = str(request.repair)
     if handoff.mapper is not None:
         metrics["map"] = map_facts(handoff.mapper, params.mapped[variant])
     return metrics
