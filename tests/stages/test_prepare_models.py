@@ -34,12 +34,15 @@ def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_na
         load_model(str(tmp_path / "models" / "target"), device="cpu")
 
 
+def random_pair(root, tokenizer, monkeypatch, target: str) -> ModelsParams:
+    """The models section of a random pair (qwen3-0.6b, `target`), run from `root` with the tiny tokenizer there."""
+    monkeypatch.chdir(root)  # store.paths are relative to the repository root, where stages run
+    tokenizer.save_pretrained(root / "data" / "tokenizer")
+    return parse(ModelsParams, committed("models", kind="random", source="qwen3-0.6b", target=target), "models")
+
+
 def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # store.paths are relative to the repository root, where stages run
-    tokenizer.save_pretrained(tmp_path / "data" / "tokenizer")
-    models = parse(ModelsParams,
-                   committed("models", **{"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-1.7b"}),
-                   "models")
+    models = random_pair(tmp_path, tokenizer, monkeypatch, "qwen3-1.7b")
     prepare_models.record_random_pair(models, committed("train")["random_seed"])
     pointer = json.loads((tmp_path / "models" / "target" / "random.json").read_text())
     assert pointer == {"shape": "qwen3-1.7b", "seed": 1}
@@ -47,10 +50,6 @@ def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
 
 
 def test_unknown_shape_is_refused(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # store.paths are relative to the repository root, where stages run
-    tokenizer.save_pretrained(tmp_path / "data" / "tokenizer")
-    models = parse(ModelsParams,
-                   committed("models", **{"kind": "random", "source": "qwen3-0.6b", "target": "qwen3-17b"}),
-                   "models")
+    models = random_pair(tmp_path, tokenizer, monkeypatch, "qwen3-17b")
     with pytest.raises(ValueError, match="qwen3-17b"):
         prepare_models.record_random_pair(models, 0)
