@@ -163,6 +163,7 @@ class ShardWriter:
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # buffers of written shards, for reuse
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self._writing = threading.Lock()  # held by the writer thread while it writes a shard (`abort` waits on it)
         self._thread = threading.Thread(target=self._write_loop, daemon=True)
         self._thread.start()
 
@@ -213,13 +214,16 @@ class ShardWriter:
         return self.records
 
     def abort(self) -> None:
-        """Stop the writer thread after the shard it is writing (whose temporary `write_streamed` renames or removes),
-        skipping any queued shard, and wait for it: a stage interrupted while a shard is being written leaves no
-        temporary behind (the thread is a daemon, which an interrupted command's exit would cut off mid-write)."""
+        """Stop the writer after the shard it is writing (whose temporary `write_streamed` renames or removes),
+        skipping any queued shard: a stage interrupted while a shard is being written leaves no temporary behind
+        (the thread is a daemon, which an interrupted command's exit would cut off mid-write). It waits on the
+        writer's own lock, never on the queue: an interrupt can stop the main thread inside `Queue.put` (a wake-up
+        lost, or the queue's lock left held), and a wait on the queue then never ends. The thread, idle, is left to
+        the exit."""
         if self._error is None:
             self._error = KeyboardInterrupt("the shard writer was aborted")
-        self._queue.put(None)
-        self._thread.join()
+        with self._writing:  # the writer checks the error under it before each shard: none starts after this
+            pass
 
     def _end_split(self) -> None:
         if self._added != len(self._lengths):
@@ -265,14 +269,15 @@ class ShardWriter:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            image, prefix, record = item
-            try:
-                record["sha256"] = write_streamed(image.path, prefix, byte_chunks(image.data))
-                self._free.put(image.buffer)
-            except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
-                self._error = err
+            with self._writing:
+                if self._error is not None:  # failed or aborted: the shards after it are skipped
+                    continue
+                image, prefix, record = item
+                try:
+                    record["sha256"] = write_streamed(image.path, prefix, byte_chunks(image.data))
+                    self._free.put(image.buffer)
+                except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+                    self._error = err
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

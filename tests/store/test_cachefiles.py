@@ -101,3 +101,16 @@ def test_an_aborted_writer_waits_for_the_shard_it_is_writing_and_skips_the_queue
     writer.abort()
     assert not list((tmp_path / "caches" / "fit").glob(".*.tmp"))
     assert [path.name for path in (tmp_path / "caches" / "fit").iterdir()] == ["shard-00000.safetensors"]
+
+
+def test_an_abort_returns_though_the_interrupted_main_thread_left_the_queues_lock_held(tmp_path):
+    writer = ShardWriter(tmp_path / "caches", {"model": "m"}, 1, torch.float32)
+    writer.begin("fit", [2])
+    writer._queue.mutex.acquire()  # as a Ctrl-C inside Queue.put can leave it (bpo-29988): put and get both wait
+    try:
+        aborting = threading.Thread(target=writer.abort, daemon=True)
+        aborting.start()
+        aborting.join(5)
+        assert not aborting.is_alive(), "abort waited on the queue"
+    finally:
+        writer._queue.mutex.release()
