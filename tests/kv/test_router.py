@@ -1,6 +1,7 @@
 """The router (`kv.router`): each context's handoff and route, decided once; a gated context that keeps its map
 prefilled and mapped once; scores equal to the handoff's own or the oracle's."""
 import pytest
+from helpers.architectures import SUPPORTED, _full_forward_scores, _requests, random_of
 
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
@@ -70,3 +71,14 @@ def test_a_stages_request_reaches_its_handoff_the_truncated_prompt_included(pair
     results, _ = truncated.score(requests, MAX_LENGTH, progress=False)
     assert results == score_continuations(pair.handoff("oracle", keep=0.5), requests, 4, MAX_LENGTH, progress=False)
     assert results != score_continuations(pair.handoff("oracle"), requests, 4, MAX_LENGTH, progress=False)
+
+
+@pytest.mark.parametrize("architecture", sorted(SUPPORTED))
+def test_a_truncated_prompt_request_scores_the_kept_tail_as_a_full_forward_on_every_supported_architecture(
+        architecture):
+    model = random_of(SUPPORTED[architecture]())
+    router = Router.of(Pair.of(model), Transfer.stage(mode="oracle", keep=0.5), batch_size=4)
+    requests = _requests()
+    results, _ = router.score(requests, model.config.max_position_embeddings, progress=False)
+    tails = [(context[-max(1, round(0.5 * len(context))):], continuation) for context, continuation in requests]
+    assert [score for score, _ in results] == pytest.approx(_full_forward_scores(model, tails), abs=1e-4)
