@@ -4,7 +4,7 @@ import shutil
 import pytest
 import torch
 from helpers import ROOT, build_model, tiny_config, train_tokenizer
-from helpers.architectures import linear_copy_mapper
+from helpers.architectures import SUPPORTED, VOCAB, linear_copy_mapper, random_of
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline import controls
@@ -18,7 +18,7 @@ from pipeline.controls import (
 )
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import cache_to_layers
+from pipeline.kv.kvcache import cache_to_layers, pre_rope_keys
 from pipeline.kv.mapper import save_mapper
 from pipeline.kv.rope import RotarySpec
 from pipeline.schema.controls import Float32Tolerance, ReducedTolerance
@@ -226,3 +226,23 @@ def test_a_damaged_selected_mapper_is_named_by_its_checksum_first(tmp_path, mode
     monkeypatch.chdir(tmp_path)  # no models, caches or data here: the checksum must stop it before they are read
     with pytest.raises(ArtifactError, match=r"models/mapper\.safetensors.*(checksum|digest)"):
         controls.main([])
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off_by_one(architecture):
+    config = SUPPORTED[architecture]()
+    if architecture == "qwen2":
+        assert config.model_type == "qwen2"  # biased q/k/v: real Qwen2 keys reach the hundreds
+    large = random_of(config)
+    with torch.no_grad():
+        for layer in large.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1000.0)
+            if layer.self_attn.k_proj.bias is not None:
+                layer.self_attn.k_proj.bias.add_(1000.0)
+    spec = RotarySpec.from_model(large)
+    before, _ = pre_rope_keys(large, _prompts(VOCAB)[0])
+    assert float(before[0].abs().max()) > 100.0
+    result = rope_against_model(large, _prompts(VOCAB), spec, 1e-5)
+    assert result["passed"] and result["round_trip_relative_error"] < 1e-6
+    shifted = rope_against_model(large, _prompts(VOCAB), spec, 1e-5, position_offset=1)
+    assert not shifted["passed"] and shifted["max_relative_error"] > 0.1
