@@ -33,6 +33,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.evaluation import evaluate
+from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
@@ -73,7 +74,7 @@ def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Pa
             json.loads(paths.fit_metrics(work / "mappers").read_text()))
 
 
-def run(size: int, params: CalibrationParams, models: ModelsParams, device: str) -> dict:
+def run(size: int, params: CalibrationParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
     require_controls_passed()
     pool = pd.read_parquet(paths.CALIBRATION_POOL)
     if size > len(pool):
@@ -97,7 +98,7 @@ def run(size: int, params: CalibrationParams, models: ModelsParams, device: str)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             mapper = paths.distilled_map(name, distilled_maps) if starts[name] else paths.fitted_map(name, mappers)
             router = Router.of(pair, Transfer.stage(mode="mapped", mapper=mapper), params.batch_size)
-            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer)
+            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, task_limit=items)
             evaluation.write_rows(items=paths.candidate_items(name, staging))
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size
             if not starts[name]:  # the held-out R² is the fitted map's own
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
-        stage.write_metrics(paths.calibration_point(size), run(size, params, models, stage.device))
+        stage.write_metrics(paths.calibration_point(size), run(size, params, models, stage.device,
+                                                                 load_section(MeasureParams, "measure").study_items))
 
 
 if __name__ == "__main__":

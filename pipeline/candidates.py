@@ -33,6 +33,7 @@ from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import evaluate
 from pipeline.measure.latency import measure
+from pipeline.measure.settings import MeasureParams
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
@@ -41,7 +42,7 @@ from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
-from pipeline.store.shapes import pair_configs
+from pipeline.store.shapes import bound_configs as bound_configs_of
 
 
 def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bound_configs) -> dict:
@@ -57,13 +58,15 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
             "bound_at_pair": round(speedup_bound(*bound_configs, real_macs, params.length), 4)}
 
 
-def run(params: CandidatesParams, models: ModelsParams, device: str) -> dict:
+def run(params: CandidatesParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
+    """Every fitted and distilled map on the eval tasks (each task's first `items`: `measure.study_items`) and
+    timed."""
     require_controls_passed()
     candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
     pair = Pair.load(models, device)
-    bound_configs = pair_configs(params.bound_pair)
+    bound_configs = bound_configs_of(params.bound_pair, pair.configs)
     metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,
                                              "bound_pair": params.bound_pair}
     # each distilled map and its start also on the eval prompts, against the oracle's stored outputs (the
@@ -78,7 +81,7 @@ def run(params: CandidatesParams, models: ModelsParams, device: str) -> dict:
             router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path), params.batch_size)
             on_prompts = path.stem in paired
             evaluation = evaluate(router, prompts if on_prompts else (), oracle, tasks=pair.eval_tasks,
-                                  tokenizer=pair.target_tokenizer, progress=False)
+                                  tokenizer=pair.target_tokenizer, progress=False, task_limit=items)
             evaluation.write_rows(paths.candidate_prompts(path.stem, staging / paths.CANDIDATE_PROMPTS.name)
                                   if on_prompts else None, paths.candidate_items(path.stem, staging))
             metrics[f"maps/{path.stem}"] = {**evaluation.figures(),
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(CandidatesParams, "candidates"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
-        stage.write_metrics(paths.CANDIDATES, run(params, models, stage.device))
+        items = load_section(MeasureParams, "measure").study_items
+        stage.write_metrics(paths.CANDIDATES, run(params, models, stage.device, items))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.evaluation import OracleStore, evaluate
+from pipeline.measure.settings import MeasureParams
 from pipeline.schema.length import LengthParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, require_controls_passed
@@ -65,7 +66,7 @@ def long_sequences(params: LengthParams) -> list[list[int]]:
     return found
 
 
-def run(params: LengthParams, models: ModelsParams, device: str) -> dict:
+def run(params: LengthParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
     require_controls_passed()
     sequences = long_sequences(params)
     metrics: dict[str, float | int | str] = {"fit_tokens": params.fit_tokens, "candidate": params.candidate,
@@ -95,7 +96,7 @@ def run(params: LengthParams, models: ModelsParams, device: str) -> dict:
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
                          for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, router in routers.items():
-            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer)
+            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, task_limit=items)
             items = evaluation.item_rows
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
             items.to_parquet(paths.length_tasks(space, staging), index=False)
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(LengthParams, "length"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
-        stage.write_metrics(paths.LENGTH, run(params, models, stage.device))
+        stage.write_metrics(paths.LENGTH, run(params, models, stage.device,
+                                              load_section(MeasureParams, "measure").study_items))
 
 
 if __name__ == "__main__":

@@ -29,30 +29,33 @@ from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import Evaluation, evaluate
 from pipeline.measure.latency import measure
+from pipeline.measure.settings import MeasureParams
 from pipeline.schema.repair import RepairParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, load_artifact, require_controls_passed
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
-from pipeline.store.params import load_section, load_value
+from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
-from pipeline.store.shapes import pair_configs
+from pipeline.store.shapes import bound_configs as bound_configs_of
 
 
-def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float) -> Evaluation:
-    """One evaluated handoff: on `tasks` and on the eval prompts against the oracle's stored outputs (the confident
-    figures at oracle margin >= `margin`)."""
+def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float, items: int | None) -> Evaluation:
+    """One evaluated handoff: on each of `tasks`' first `items` and on the eval prompts against the oracle's stored
+    outputs (the confident figures at oracle margin >= `margin`)."""
     return evaluate(router, prompts, oracle, margin=margin, tasks=tasks, tokenizer=pair.target_tokenizer,
-                    progress=False)
+                    progress=False, task_limit=items)
 
 
-def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True) -> dict:
+def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True,
+        items: int | None = None) -> dict:
     """Every map at every setting of the grid, and the truncated prompt at each budget level (`margin`:
-    `measure.confident_margin`); `timed`: measure the speedup here (False in tests)."""
+    `measure.confident_margin`; `items`: `measure.study_items`); `timed`: measure the speedup here (False in
+    tests)."""
     require_controls_passed()
     pair = Pair.load(models, device)
-    bound_configs = pair_configs(params.bound_pair)
+    bound_configs = bound_configs_of(params.bound_pair, pair.configs)
     prompts = read_prompts(paths.EVAL_PROMPTS)
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0]
     settings = params.settings()
@@ -64,7 +67,7 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
             router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[name], repair=setting),
                                params.batch_size)
-            handoff, evaluation = router.handoff, scored(pair, router, pair.eval_tasks, prompts, oracle, margin)
+            handoff, evaluation = router.handoff, scored(pair, router, pair.eval_tasks, prompts, oracle, margin, items)
             write_rows(staging, name, str(setting), evaluation)
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
@@ -79,7 +82,7 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
             metrics[f"maps/{name}/{setting}"] = figures
         for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
             truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=keep), params.batch_size)
-            evaluation = scored(pair, truncated, pair.eval_tasks, prompts, oracle, margin)
+            evaluation = scored(pair, truncated, pair.eval_tasks, prompts, oracle, margin, items)
             write_rows(staging, paths.TRUNCATED_BASELINE, f"{keep:g}", evaluation)
             metrics[f"{paths.TRUNCATED_BASELINE}/{keep:g}"] = evaluation.figures()
     return metrics
@@ -102,9 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.repair", __doc__, argv)
     params, models = load_section(RepairParams, "repair"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
-    margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
+    measure = load_section(MeasureParams, "measure")
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
-        stage.write_metrics(paths.REPAIR_METRICS, run(params, models, stage.device, margin))
+        stage.write_metrics(paths.REPAIR_METRICS, run(params, models, stage.device, measure.confident_margin,
+                                                      items=measure.study_items))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import load_section
 from pipeline.store.ranks import stage_ranks
-from pipeline.store.shapes import pair_configs
+from pipeline.store.shapes import bound_configs
 from pipeline.store.splits import TASKS
 
 np = lazy("numpy")
@@ -116,14 +116,14 @@ def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
     return probes
 
 
-def task_frame(pair: Pair, router: Router, files: dict) -> pd.DataFrame:
+def task_frame(pair: Pair, router: Router, files: dict, items: int | None = None) -> pd.DataFrame:
     """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods and choices through `router` (one
     evaluation), and `tokens`, the context its first choice was scored after, as the router truncated it."""
-    items = evaluate(router, tasks=files, tokenizer=pair.target_tokenizer).item_rows
+    rows = evaluate(router, tasks=files, tokenizer=pair.target_tokenizer, task_limit=items).item_rows
     window = router.handoff.decoder.config.max_position_embeddings  # the router's (`measure.adapter.HandoffLM`)
-    items["tokens"] = [truncate(contexts[0], continuations[0], window)
-                       for contexts, continuations in zip(items.context_ids, items.continuation_ids)]
-    return items
+    rows["tokens"] = [truncate(contexts[0], continuations[0], window)
+                      for contexts, continuations in zip(rows.context_ids, rows.continuation_ids)]
+    return rows
 
 
 def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dict) -> pd.DataFrame:
@@ -137,19 +137,21 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
     return rows.assign(**{column(score): values.numpy() for score, values in scores.items()})
 
 
-def score_requests(pair: Pair, params: SelectiveParams, routers: dict[str, Router], disagree
-                   ) -> tuple[pd.DataFrame, ...]:
-    """Per-request rows of every map (`routers`: each map's handoff): task items of both parts, eval prompts."""
+def score_requests(pair: Pair, params: SelectiveParams, routers: dict[str, Router], disagree,
+                   study_items: int | None = None) -> tuple[pd.DataFrame, ...]:
+    """Per-request rows of every map (`routers`: each map's handoff): task items of both parts (each eval task's
+    first `study_items`), eval prompts."""
     oracle = Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size)
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}
-        base = {"oracle": task_frame(pair, oracle, files)}
+        limit = study_items if part == "eval" else None
+        base = {"oracle": task_frame(pair, oracle, files, limit)}
         if part == "eval":
             base["source"] = task_frame(pair, Router.of(pair, Transfer.stage(mode="source"), params.batch_size),
-                                        files)
+                                        files, limit)
         for name, router in routers.items():
-            frame = task_frame(pair, router, files)
+            frame = task_frame(pair, router, files, limit)
             scores = Scorer(router.handoff, disagree).scores(list(frame.tokens), measured(params, disagree),
                                                              params.batch_size)
             items.append(item_rows(part, name, frame, base, scores))
@@ -181,10 +183,11 @@ def request_times(handoff: Handoff, disagree, params: SelectiveParams, probe: Pr
     return times
 
 
-def bound_costs(params: SelectiveParams, handoff: Handoff, disagree) -> dict[str, float]:
+def bound_costs(params: SelectiveParams, loaded: tuple, handoff: Handoff, disagree) -> dict[str, float]:
     """Multiply-adds per request at the bound pair's shapes: target prefill, the handoff of a map of this
-    family and k, and each score's extra (`disagree`: a second map of the larger k of its two, linear)."""
-    source, target = pair_configs(params.bound_pair)
+    family and k, and each score's extra (`disagree`: a second map of the larger k of its two, linear); `loaded`:
+    the pair's own (source, target) configs."""
+    source, target = bound_configs(params.bound_pair, loaded)
     mapper = handoff.mapper
     macs = mapper_macs_per_token(source, target, mapper.k, mapper.family, mapper.width)
     second_k = max(other.mapper.k for other in disagree) if disagree else 1
@@ -291,10 +294,10 @@ def run(params: SelectiveParams, models: ModelsParams, device: str, measure: Mea
     # the disagree score's two maps: handoffs the scorer reads beside each map's, never a route of their own
     disagree = tuple(Router.of(pair, Transfer.stage(mode="mapped", mapper=file)).handoff
                      for file in params.disagree) if two_maps else None
-    items, prompts = score_requests(pair, params, routers, disagree)
+    items, prompts = score_requests(pair, params, routers, disagree, measure.study_items)
     probes = add_probe(items, prompts, params, disagree) if "probe" in params.scores else {}
     costs = {name: request_times(router.handoff, disagree, params, probes.get(name))
-             | bound_costs(params, router.handoff, disagree) for name, router in routers.items()}
+             | bound_costs(params, pair.configs, router.handoff, disagree) for name, router in routers.items()}
     metrics, curves = summarize(items, prompts, params, costs, measure)
     for name, probe in probes.items():
         metrics["maps"][name]["probe_fit"] = asdict(probe)  # its features, standardisation and weights

@@ -148,13 +148,13 @@ def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
 def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None = None, *,
              margin: float | None = None, store: OracleStore | None = None, tasks: dict[str, Path] | None = None,
              tokenizer=None, timed: bool = False, warmup: int = 0, ranks: Ranks = ONE_PROCESS,
-             raw_to: Path | None = None, progress: bool = True) -> Evaluation:
+             raw_to: Path | None = None, progress: bool = True, task_limit: int | None = None) -> Evaluation:
     """The evaluation of the handoff `router` serves: on `prompts` against the `oracle`'s stored outputs (without
     them: the router is the oracle's, its outputs computed as `store` says and returned), the confident figures at
     `margin` (None: not measured), and on `tasks` (task -> item file) tokenized by `tokenizer` (lm-eval's own
-    results and samples to `raw_to`). `router.batch_size` prompts and contexts a forward; `timed`: each prompt
-    alone, timed (`warmup` untimed runs of the first before). Under several processes (`ranks`) every rank scores
-    its share, untimed, and rank 0 gets the rows and figures."""
+    results and samples to `raw_to`; `task_limit`: each task's first n items). `router.batch_size` prompts and
+    contexts a forward; `timed`: each prompt alone, timed (`warmup` untimed runs of the first before). Under
+    several processes (`ranks`) every rank scores its share, untimed, and rank 0 gets the rows and figures."""
     prompts = list(prompts)
     if prompts and oracle is None and store is None:
         raise ValueError("evaluate: without the oracle's stored outputs, say how to store them (store=OracleStore)")
@@ -167,7 +167,7 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
     rows = None
     if prompts:
         oracle, rows = prompt_rows(router, prompts, oracle, store, timed, warmup, ranks, progress)
-    summary, items = score_tasks(router, tokenizer, tasks, raw_to, ranks) if tasks else ({}, None)
+    summary, items = score_tasks(router, tokenizer, tasks, raw_to, ranks, task_limit) if tasks else ({}, None)
     figures = None if rows is None else PromptFigures.of(rows, margin)
     return Evaluation(figures, task_figures(summary, items) if summary else {}, rows, items,
                       oracle if store is not None else None)

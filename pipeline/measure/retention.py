@@ -52,11 +52,14 @@ def paired_items(items: dict[str, pd.DataFrame], a: str, b: str, metric: str) ->
 
 def task_draws(items: dict[str, pd.DataFrame], variants: list[str], metric: str, iters: int, seed: int):
     """Per task: (task, each variant's `metric` per item, each variant's mean over `iters` resamples of the
-    task's items (iters,)), the same draw for every variant; the same seed gives the same draws in every caller."""
+    task's items (iters,)), the same draw for every variant; the same seed gives the same draws in every caller.
+    The items are those every variant scored (a study on the first `measure.study_items` of the eval part beside
+    evaluate's oracle on all of it: its first n)."""
     rng = np.random.default_rng(seed)
     for task in TASKS:
-        values = {name: items[name][items[name].task == task].sort_values("item")[metric].to_numpy()
-                  for name in variants}
+        frames = {name: items[name][items[name].task == task].set_index("item")[metric] for name in variants}
+        common = sorted(set.intersection(*(set(frame.index) for frame in frames.values())))
+        values = {name: frame.loc[common].to_numpy() for name, frame in frames.items()}
         count = len(values[variants[0]])
         picks = rng.integers(0, count, size=(iters, count))
         yield task, values, {name: v[picks].mean(1) for name, v in values.items()}

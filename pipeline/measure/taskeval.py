@@ -75,16 +75,17 @@ def without_repeated_work() -> None:
         collect_env.get_pretty_env_info = functools.cache(collect_env.get_pretty_env_info)
 
 
-def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS
-                ) -> tuple[dict | None, pd.DataFrame | None]:
+def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS,
+                limit: int | None = None) -> tuple[dict | None, pd.DataFrame | None]:
     """`evaluate_tasks` of the requests `router` (`kv.router.Router`) serves, tokenized by the target's `tokenizer`
     (`measure.adapter.HandoffLM`, `router.batch_size` contexts a forward)."""
-    return evaluate_tasks(adapter.HandoffLM(router, tokenizer, ranks=ranks), files, raw_to)
+    return evaluate_tasks(adapter.HandoffLM(router, tokenizer, ranks=ranks), files, raw_to, limit)
 
 
-def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tuple[dict | None, pd.DataFrame | None]:
-    """Score `lm` zero-shot on each task (name -> data file). Returns ({task: metrics}, per-item frame), or
-    (None, None) on a rank other than 0 of several processes.
+def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit: int | None = None
+                   ) -> tuple[dict | None, pd.DataFrame | None]:
+    """Score `lm` zero-shot on each task (name -> data file: a seeded, nested draw), on its first `limit` items
+    (None: all). Returns ({task: metrics}, per-item frame), or (None, None) on a rank other than 0.
     With `raw_to` (a folder), lm-eval's own results and samples are written there too, and the generated task
     configs live beside it while lm-eval runs (inside the caller's staging folder, so a killed run leaves
     nothing in the system's temp folder)."""
@@ -102,6 +103,7 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None) -> tu
             log_samples=True,
             cache_requests=False,
             bootstrap_iters=STDERR_BOOTSTRAP,
+            limit=limit,
         )
     if out is None:  # a rank other than 0: lm-eval gathered this rank's samples there
         return None, None

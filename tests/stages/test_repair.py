@@ -36,7 +36,7 @@ def setup(wide_pair, tmp_path_factory) -> dict:
 def _figures(setup: dict, **request) -> tuple[dict, pd.DataFrame]:
     """The figures and item rows of the handoff `request` asks for, as the stage evaluates each."""
     router = Router.of(setup["pair"], Transfer.stage(**request), batch_size=2)
-    evaluation = scored(setup["pair"], router, setup["tasks"], setup["prompts"], setup["oracle"], 0.2)
+    evaluation = scored(setup["pair"], router, setup["tasks"], setup["prompts"], setup["oracle"], 0.2, None)
     return evaluation.figures(), evaluation.item_rows
 
 
