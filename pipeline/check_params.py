@@ -13,7 +13,9 @@ trained pair without its settings, a k beyond the source's layers, a repair (rep
 evaluate.repair) recomputing more layers than the target has or a sink past its positions, a self source or a
 sibling as deep as the target, an absolute model path inside the repository, a split fit reads and extract skips.
 A hub-kind target's layers and positions are read from the config the profile names, without any weight: a local
-folder's config.json, or the converted checkpoint's stored shape (`convert.gguf.shape`) before conversion.
+folder's config.json, or a converted checkpoint's stored shape (`convert.<side>.shape`) before conversion. A pair
+is checked against its study: the data's tokenizer is the target's, a converted side is a model of the pair, and
+the tiny world's generated data goes with the tiny trained pair only.
 Writes metrics/params_check.json, the names of the sections checked: its bytes do not depend on the values,
 so `prepare_data`, which depends on it, and everything after it rerun only for the parameters they read.
 """
@@ -49,7 +51,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
 from pipeline.store.machine import MachineParams
-from pipeline.store.models import ModelsParams, load_config
+from pipeline.store.models import ModelsParams, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
 from pipeline.store.shapes import shape_config
 from pipeline.studies.settings import ReportParams
@@ -101,13 +103,17 @@ def trained_pair_is_declared(params: ParamsFile) -> None:
                          "alone when models.source is self:<n>)")
 
 
+CONVERTED_SIDES = {"target": paths.CONVERTED, "source": paths.CONVERTED_SOURCE}  # where convert_models writes a side
+
+
 def named_config(params: ParamsFile, side: str):
-    """A hub-kind side's config where the profile names one readable without weights: the converted checkpoint's
-    stored shape (`convert.gguf.shape`) until convert_models has written it, a local folder's config.json; None for
-    a hub id (known once prepare_models fetched its config) or a folder lacking one (pin_models refuses it)."""
+    """A hub-kind side's config where the profile names one readable without weights: a converted checkpoint's
+    stored shape (`convert.<side>.shape`) until convert_models has written it, a local folder's config.json; None
+    for a hub id (known once prepare_models fetched its config) or a folder lacking one (pin_models refuses it)."""
     name = getattr(params.models, side)
-    if Path(name) == paths.CONVERTED and params.convert.gguf is not None and not Path(name, "config.json").is_file():
-        return shape_config(params.convert.gguf.shape)
+    spec = next((getattr(params.convert, s) for s, path in CONVERTED_SIDES.items() if Path(name) == path), None)
+    if spec is not None and not Path(name, "config.json").is_file():
+        return shape_config(spec.shape)
     if Path(name).is_dir():
         try:
             return load_config(name)
@@ -204,6 +210,40 @@ def ks_within_the_source(params: ParamsFile) -> None:
                              f"({params.models.kind} {params.models.source}); lower it")
 
 
+def conversions_feed_the_pair(params: ParamsFile) -> None:
+    for side, folder in CONVERTED_SIDES.items():
+        if getattr(params.convert, side) is not None and Path(getattr(params.models, side)) != folder:
+            raise ParamError(f"convert.{side}: converts a checkpoint into {folder}, but models.{side} is "
+                             f"{getattr(params.models, side)}; set models.{side}: {folder}, or convert.{side}: null")
+
+
+def data_fits_the_pair(params: ParamsFile) -> None:
+    """Generated (tiny world) data has the trained pair's word-level vocabulary (random real-shape models read it as
+    ids, meaning nothing); hub data is tokenized by `data.tokenizer`, which must be the target's (folders: the same
+    vocabulary; else the same name)."""
+    if params.data.kind == "generated" and params.models.kind == "hub":
+        raise ParamError(f"data.kind: generated (the tiny world's word-level vocabulary) with models.kind hub "
+                         f"({params.models.target}): the world's data fits only its trained pair; use a profile with "
+                         f"real data (data.kind: hub), e.g. -S profile=qwen25-coder with models.source/models.target")
+    if params.data.kind != "hub" or params.models.kind != "hub":
+        return
+    tokenizer, target = params.data.tokenizer, params.models.target
+    if Path(tokenizer) == Path(target):
+        return
+    ours, theirs = (vocabulary(name) for name in (tokenizer, target))
+    if ours is None or theirs is None or ours != theirs:
+        raise ParamError(f"data.tokenizer: {tokenizer} is not the target's tokenizer ({target}"
+                         f"{'' if ours is None or theirs is None else f': vocabulary {ours} against {theirs}'}); "
+                         f"set data.tokenizer: {target}")
+
+
+def vocabulary(name: str) -> int | None:
+    """The vocabulary size of a local folder's tokenizer, None where none is readable without a download."""
+    if not Path(name, "tokenizer.json").is_file() and not Path(name, "tokenizer_config.json").is_file():
+        return None
+    return len(load_tokenizer(name))
+
+
 def fit_splits_are_extracted(params: ParamsFile) -> None:
     for split in ("fit", "select"):  # fit solves on the one and scores on the other
         if split not in params.extract.splits:
@@ -278,7 +318,8 @@ PARAMS_RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_with
          sibling_is_cut_from_a_checkpoint, self_source_within_the_target, sibling_within_the_target,
          ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
          distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
-         selected_repair_is_chosen, operating_lengths_have_data, report_variant_is_evaluated)
+         selected_repair_is_chosen, operating_lengths_have_data, report_variant_is_evaluated,
+         conversions_feed_the_pair, data_fits_the_pair)
 
 
 SECTIONS = {name: field.annotation for name, field in ParamsFile.model_fields.items() if name not in PLAIN}

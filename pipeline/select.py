@@ -43,7 +43,7 @@ from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
-from pipeline.store.shapes import pair_configs
+from pipeline.store.shapes import bound_configs
 
 pd = lazy("pandas")
 
@@ -77,10 +77,10 @@ def rank_key(rule: str):
     return lambda s: (-metric.better(s[rule]), s["perplexity"], s["parameters"], s["budget"])
 
 
-def budgets(params: SelectParams) -> dict[str, float]:
+def budgets(params: SelectParams, loaded: tuple) -> dict[str, float]:
     """Each setting of `select.repairs` (canonical form): its multiply-adds over the target's prefill at
-    `bound_pair`'s shapes for `length` tokens."""
-    target = pair_configs(params.bound_pair)[1]
+    `bound_pair`'s shapes (`loaded`: the pair's own configs) for `length` tokens."""
+    target = bound_configs(params.bound_pair, loaded)[1]
     return {str(setting): repair_budget(target, setting, params.length) for setting in params.settings()}
 
 
@@ -199,7 +199,7 @@ def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float,
     """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`) and
     promote the choice; the stage's metrics on rank 0 ({} on the others)."""
     prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params)
-    costs = budgets(params)
+    costs = budgets(params, pair.configs)
     scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks)
     return promote(scored, params, len(prompts), costs) if ranks.main else {}
 

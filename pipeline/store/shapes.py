@@ -6,7 +6,8 @@ smol profile's `sibling.shape`: not a public model, the config stage `sibling` b
 the exact architecture, parameter count, KV geometry and RoPE (scaling included) of the real model, with random
 weights: enough for anything whose outcome does not depend on the weights (timing, memory, shapes: the
 `qwen3-shapes` and `llama-shapes` smoke profiles and the latency study), meaningless for anything else. `PAIRS`
-names the (source, target) pairs a profile or the latency benchmark can ask for.
+names the (source, target) pairs a profile or the latency benchmark can ask for. Qwen2.5-Coder-0.5B and -1.5B are
+the configs their GGUF files convert to (untied LM heads: both GGUFs carry `output.weight`).
 """
 from __future__ import annotations
 
@@ -35,16 +36,20 @@ PAIRS = {
     # and with its sibling as the source (stage sibling, the smol profile's sibling.shape): 30 layers and 3 KV heads
     # of 64 as the target, a narrower MLP and fewer query heads
     "smol-sibling": ("smollm2-135m-sibling", "smollm2-135m"),
+    "qwen25-coder": ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"),
 }
 
 
+LOADED = "loaded"  # a bound pair: the loaded pair's own configs, whatever its models are
+
+
 def _known_pair(name: str) -> str:
-    if name not in PAIRS:
-        raise ValueError(f"unknown pair {name!r} (known: {', '.join(PAIRS)})")
+    if name != LOADED and name not in PAIRS:
+        raise ValueError(f"unknown pair {name!r} (known: {LOADED}, {', '.join(PAIRS)})")
     return name
 
 
-# a params key naming one of PAIRS (`<section>.bound_pair: unknown pair ...` otherwise)
+# a params key naming one of PAIRS or `loaded` (`<section>.bound_pair: unknown pair ...` otherwise)
 BoundPair = Annotated[str, AfterValidator(_known_pair)]
 POOL_SIZE = 1_000_003  # a prime
 
@@ -72,6 +77,12 @@ def pair_configs(pair: str) -> tuple[transformers.PreTrainedConfig, transformers
         raise ValueError(f"unknown model pair {pair!r} (known: {', '.join(PAIRS)})")
     source, target = PAIRS[pair]
     return shape_config(source), shape_config(target)
+
+
+def bound_configs(name: str, loaded: tuple) -> tuple:
+    """(source, target) configs the FLOP bounds are counted at: `loaded`'s own (the pair the stage runs, as
+    (source, target) configs) for `bound_pair: loaded`, else the named pair's stored shapes."""
+    return loaded if name == LOADED else pair_configs(name)
 
 
 @no_grad

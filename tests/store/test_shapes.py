@@ -3,7 +3,7 @@ models (Qwen3 and Llama with llama3 RoPE scaling) and mappers are well formed.""
 import pytest
 import torch
 from helpers import tiny_config
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.mapper import random_mapper
@@ -14,7 +14,9 @@ QWEN3 = {"vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps":
 LLAMA32 = {"vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-ARCHITECTURE_OF = {"smollm2": "llama"}  # a model family whose name is not its architecture's
+ARCHITECTURE_OF = {"smollm2": "llama", "qwen2.5": "qwen2"}  # a model family whose name is not its architecture's
+QWEN25 = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+          "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
 SMOLLM2 = {"vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
            "rope_parameters": {"rope_theta": 100000, "rope_type": "default"}}
 # name: family, (layers, kv_heads, head_dim), heads, hidden, intermediate, tied embeddings, parameters (tied once)
@@ -29,6 +31,10 @@ PUBLIC = {
     "smollm2-135m-first9": (SMOLLM2, (9, 3, 64), 9, 576, 1536, True, 134_515_008 - 21 * 3_540_096),
     # the width-pruned sibling (not public: the config stage sibling builds at the smol profile's sibling.shape)
     "smollm2-135m-sibling": (SMOLLM2, (30, 3, 64), 6, 576, 256, True, 61_524_288),
+    # the qwen25-coder profile's pair as their GGUFs convert (an output head of their own: untied); the counts are
+    # the converted checkpoints'
+    "qwen2.5-coder-0.5b": (QWEN25, (24, 2, 64), 14, 896, 4864, False, 630_167_424),
+    "qwen2.5-coder-1.5b": (QWEN25, (28, 2, 128), 12, 1536, 8960, False, 1_777_088_000),
 }
 
 
@@ -64,7 +70,8 @@ def test_shape_configs_have_the_public_geometry_and_parameter_count(name):
     assert config.tie_word_embeddings is tied
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert type(model) is (LlamaForCausalLM if config.model_type == "llama" else Qwen3ForCausalLM)
+    expected = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}[config.model_type]
+    assert type(model) is expected
     assert sum(p.numel() for p in model.parameters()) == parameters  # tied embeddings counted once
 
 
