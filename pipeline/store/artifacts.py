@@ -18,6 +18,7 @@ import math
 import os
 import secrets
 import shutil
+import signal
 import struct
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -82,6 +83,20 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(retired / final.name, final)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(retired, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dirs(finals: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """`atomic_dir` for outputs that belong together (a model pair): a staging folder beside each, and none replaces
+    its output unless the block completes; the renames run with SIGINT and SIGTERM held back, so an interrupt leaves
+    the old set or the new one, never one of each (the held signal is taken once they are done)."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(atomic_dir(final)) for final in finals]
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            stack.close()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def private_name(final: Path, suffix: str) -> Path:

@@ -241,3 +241,11 @@ def test_dvc_reads_its_yaml_files_with_ruamels_c_parser():
     # DVC loads dvc.yaml, dvc.lock and params.yaml with ruamel's safe loader around every stage; without
     # ruamel.yaml.clib (a dependency of pyproject.toml) that loader is pure Python, about a second per stage here
     assert YAML(typ="safe").Parser.__module__.startswith("ruamel.yaml.clib")
+
+
+def test_the_committed_pair_is_kept_by_dvc_while_prepare_models_makes_the_next_one():
+    # dvc deletes a stage's outputs before it runs unless they persist: an interrupted prepare_models then lost the
+    # pair git holds; the stage swaps both folders in itself once complete (store.artifacts.atomic_dirs)
+    outs = {path: options for entry in STAGES["prepare_models"]["outs"] for path, options in entry.items()}
+    assert set(outs) == {"models/source", "models/target"}
+    assert all(options.get("persist") is True and options.get("cache") is False for options in outs.values()), outs

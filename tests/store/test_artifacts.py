@@ -1,5 +1,6 @@
 """Checksummed artifacts: round trip, any flipped byte refused with the file's name, atomic writes."""
 import os
+import signal
 
 import pytest
 import torch
@@ -176,3 +177,52 @@ def test_metrics_keys_with_slashes_nest_into_groups():
 def test_a_metric_that_is_both_a_value_and_a_group_is_refused(flat):
     with pytest.raises(ValueError, match="'a'"):
         nested(flat)
+
+
+def _pair(tmp_path, content: str) -> list:
+    folders = [tmp_path / "models" / side for side in ("source", "target")]
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(content)
+    return folders
+
+
+def _contents(folders) -> list[str]:
+    return [(folder / "config.json").read_text() for folder in folders]
+
+
+def test_a_pair_of_folders_interrupted_while_staged_keeps_the_old_pair_and_no_temporary(tmp_path):
+    folders = _pair(tmp_path, "old")
+    with pytest.raises(KeyboardInterrupt):
+        with artifacts.atomic_dirs(folders) as staging:
+            (staging[0] / "config.json").write_text("new")
+            raise KeyboardInterrupt  # the target still training
+    assert _contents(folders) == ["old", "old"]
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == ["source", "target"]
+
+
+def test_a_signal_during_the_swap_of_a_pair_comes_after_both_folders_are_swapped(tmp_path, monkeypatch):
+    folders = _pair(tmp_path, "old")
+    replace, calls = os.replace, []
+
+    def replace_then_sigterm(source, target):  # SIGTERM once the first folder is swapped in, before the second
+        replace(source, target)
+        calls.append(target)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(artifacts.os, "replace", replace_then_sigterm)
+    before = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with artifacts.atomic_dirs(folders) as staging:
+                for folder in staging:
+                    (folder / "config.json").write_text("new")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert len(calls) == 4 and _contents(folders) == ["new", "new"]  # without the held signal: a new target, old source
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == ["source", "target"]
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
