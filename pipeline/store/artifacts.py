@@ -163,13 +163,13 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def require_controls_passed(path: str | os.PathLike = paths.CONTROLS) -> None:
-    """Refuse to go on unless the controls stage wrote `path` and every control in it passed."""
+def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) -> None:
+    """Refuse to go on unless the controls stage wrote its verdict `path` ({control: passed}) and every control in
+    it passed."""
     path = Path(path)
     if not path.is_file():
         raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
-    failed = [name for name, entry in json.loads(path.read_text()).items()
-              if isinstance(entry, dict) and not entry.get("passed", False)]
+    failed = [name for name, passed in json.loads(path.read_text()).items() if passed is not True]
     if failed:
         raise ControlsNotPassed(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass; "
                                 f"see {path}")

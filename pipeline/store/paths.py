@@ -69,6 +69,7 @@ DISTILL_CURVES = METRICS / "distill"  # per map, per epoch: fit losses, select K
 SELECT = METRICS / "select.json"
 CONTROLS = METRICS / "controls.json"
 CONTROLS_USAGE = METRICS / "controls_usage.json"
+CONTROLS_VERDICT = METRICS / "controls_verdict.json"  # each control's pass alone: what the evaluating stages read
 VARIANT_METRICS = METRICS / "eval"
 CANDIDATES = METRICS / "candidates.json"
 CALIBRATION = METRICS / "calibration"

@@ -249,3 +249,17 @@ def test_the_committed_pair_is_kept_by_dvc_while_prepare_models_makes_the_next_o
     outs = {path: options for entry in STAGES["prepare_models"]["outs"] for path, options in entry.items()}
     assert set(outs) == {"models/source", "models/target"}
     assert all(options.get("persist") is True and options.get("cache") is False for options in outs.values()), outs
+
+
+def test_every_stage_that_checks_the_controls_depends_on_their_verdict_and_none_on_their_figures():
+    # controls.json's figures move from run to run: a stage that depended on them was never restored from the run cache
+    assert {"metrics/controls_verdict.json": {"cache": False}} in STAGES["controls"]["metrics"]
+    checking = []
+    for name, stage in STAGES.items():
+        deps = body(stage).get("deps", [])
+        if name != "report":  # it shows the controls' figures
+            assert "metrics/controls.json" not in deps, f"stage {name} depends on the controls' figures"
+        if "require_controls_passed(" in (ROOT / (stage_module(stage).replace(".", "/") + ".py")).read_text():
+            checking.append(name)
+            assert "metrics/controls_verdict.json" in deps, f"stage {name} reads the verdict but does not depend on it"
+    assert "evaluate_mapped" in checking and len(checking) == 8
