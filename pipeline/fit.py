@@ -44,7 +44,7 @@ from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.schema.fit import FitParams
 from pipeline.store import paths
-from pipeline.store.artifacts import ArtifactError, atomic_path
+from pipeline.store.artifacts import ArtifactError, atomic_path, read_table
 from pipeline.store.cachefiles import KINDS, first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.fingerprints import pair_fingerprints
@@ -154,7 +154,7 @@ def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: 
     """What the mappers are timed on: the first select sequence's content-space cache, its token count, the
     source's prefill seconds of it and the device."""
     source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
-    token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
+    token_ids = read_table(select_data, columns=["token_ids"]).token_ids[0].tolist()
     first = first_sequence(first_shard, geo_s["layers"], geo_s["kv_heads"], geo_s["head_dim"])
     content = [tuple(t.to(device) for t in layer) for layer in first]
     return content, len(token_ids), prefill_seconds(source_model, token_ids, repeats), device

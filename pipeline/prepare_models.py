@@ -27,7 +27,7 @@ from pathlib import Path
 from pipeline.kv.pair import Pair
 from pipeline.schema.prepare_models import TrainParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dirs, write_json_atomic
+from pipeline.store.artifacts import atomic_dirs, read_table, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
@@ -38,7 +38,6 @@ from pipeline.store.splits import TASKS
 from pipeline.store.truncated import SELF_POINTER
 from pipeline.tiny.train import train_model
 
-pd = lazy("pandas")
 torch = lazy("torch")
 transformers = lazy("transformers")
 
@@ -51,8 +50,8 @@ def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> di
         raise ParamError(f"{' and '.join(f'train.{side}' for side in staging)}: required when models.kind is "
                          f"'trained'")
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
-    corpus = pd.read_parquet(paths.CORPUS)
-    dev = {task: pd.read_parquet(paths.task_items(task, "dev")) for task in TASKS}
+    corpus = read_table(paths.CORPUS)
+    dev = {task: read_table(paths.task_items(task, "dev")) for task in TASKS}
     stats = {}
     for name, folder in staging.items():
         model, stats[name] = train_model(configs[name], tokenizer, corpus, dev, threads)

@@ -1,4 +1,4 @@
-"""Checksummed safetensors artifacts and atomic writes.
+"""Checksummed safetensors artifacts, atomic writes, and the one reader of parquet tables (`read_table`).
 
 Every artifact is one safetensors file whose header metadata holds the artifact's own metadata (JSON) and a
 SHA-256 of the whole file as written with the digest field zeroed. So the checksum covers every byte:
@@ -29,6 +29,8 @@ from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 safetensors_torch = lazy("safetensors.torch")
+pd = lazy("pandas")
+pyarrow = lazy("pyarrow")
 
 # One header key only: safetensors does not keep the order of metadata keys, and the bytes must be
 # deterministic. Its value is JSON {"meta": <the artifact's metadata>, "sha256": <digest>}.
@@ -173,6 +175,22 @@ def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) ->
     if failed:
         raise ControlsNotPassed(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass; "
                                 f"see {path}")
+
+
+def read_table(path: str | os.PathLike, columns: Sequence[str] | None = None) -> "pd.DataFrame":
+    """A parquet table a stage wrote (or a user's file), `columns` of it or all: every parquet read goes through here,
+    so a missing, truncated or corrupt file is one line naming it and the stage that makes it, not pyarrow's
+    traceback."""
+    path = Path(path)
+    stage = paths.maker(path)
+    fix = f"dvc repro -f {stage}" if stage else "replace it with a whole file"
+    if not path.is_file():
+        raise ArtifactError(f"{path}: not found; make it ({fix.replace(' -f', '')})")
+    try:
+        return pd.read_parquet(path, columns=None if columns is None else list(columns))
+    except (pyarrow.ArrowException, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ArtifactError(f"{path}: not a readable parquet table ({reason}); regenerate it: {fix}") from None
 
 
 def _header(raw: bytes, path: Path) -> dict:

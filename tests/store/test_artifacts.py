@@ -1,11 +1,14 @@
 """Checksummed artifacts: round trip, any flipped byte refused with the file's name, atomic writes."""
 import os
+import shutil
 import signal
 
+import pandas as pd
 import pytest
 import torch
+from helpers import ROOT
 
-from pipeline.store import artifacts
+from pipeline.store import artifacts, paths
 from pipeline.store.artifacts import ArtifactError, load_artifact, nested, save_artifact
 from pipeline.store.cli import Refusal
 
@@ -226,3 +229,37 @@ def test_a_signal_during_the_swap_of_a_pair_comes_after_both_folders_are_swapped
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A working directory with the pipeline's dvc.yaml, where the stages run."""
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_truncated_parquet_table_is_one_line_naming_it_and_the_stage_that_makes_it(project):
+    table = project / "data" / "eval.parquet"
+    table.parent.mkdir()
+    pd.DataFrame({"prompt_ids": [[1, 2, 3]] * 8}).to_parquet(table)
+    assert artifacts.read_table("data/eval.parquet").prompt_ids.tolist()[0].tolist() == [1, 2, 3]
+    table.write_bytes(table.read_bytes()[:-40])  # a copy cut short
+    with pytest.raises(ArtifactError, match=r"^data/eval\.parquet: not a readable parquet table \([^\n]+\); "
+                                            r"regenerate it: dvc repro -f prepare_data$"):
+        artifacts.read_table("data/eval.parquet")
+    table.unlink()
+    with pytest.raises(ArtifactError, match=r"^data/eval\.parquet: not found; make it \(dvc repro prepare_data\)$"):
+        artifacts.read_table("data/eval.parquet")
+
+
+@pytest.mark.parametrize("path, stage", [
+    ("data/long/eval_64.parquet", "prepare_data"),
+    ("eval/oracle/prompts.parquet", "evaluate"),
+    ("eval/selected/items.parquet", "evaluate_mapped"),  # eval/${key}
+    ("eval/candidates/mlp_k1.parquet", "candidates"),  # its own folder, not eval/${key}'s
+    ("eval/calibration/10/items.parquet", "calibrate"),
+    ("rows.parquet", None),  # a user's file
+])
+def test_the_stage_that_makes_a_file_is_read_from_dvc_yaml(path, stage, project):
+    assert paths.maker(path) == stage
