@@ -20,6 +20,7 @@ import secrets
 import shutil
 import signal
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -90,15 +91,32 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_dirs(finals: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
     """`atomic_dir` for outputs that belong together (a model pair): a staging folder beside each, and none replaces
-    its output unless the block completes; the renames run with SIGINT and SIGTERM held back, so an interrupt leaves
-    the old set or the new one, never one of each (the held signal is taken once they are done)."""
+    its output unless the block completes; the renames run with SIGINT and SIGTERM held back (`held_signals`), so an
+    interrupt leaves the old set or the new one, never one of each."""
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(atomic_dir(final)) for final in finals]
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        with held_signals():
             stack.close()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs and sent again when it ends, to the handlers set before. A
+    Python handler runs in the main thread whichever thread the kernel gives the signal to, so holding it there (not
+    a thread's signal mask, which another thread escapes) holds it for the process. Off the main thread, as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    handlers = {signum: signal.signal(signum, lambda signum, frame: came.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 def private_name(final: Path, suffix: str) -> Path:
