@@ -7,7 +7,7 @@
     mapped = handoff(models, "mapped", "models/mapper.safetensors", repair="layers:1", fallback="entropy",
                      threshold=4.0)
     prompt = models.target_tokenizer.encode("story: ray teal toy . pat navy box .")
-    handed = handed_off(mapped, prompt)                     # prompt[:-1]'s cache as the handoff (or its gate) made it
+    handed = handed_off(mapped, prompt, max_new_tokens=8)  # prompt[:-1]'s cache as the handoff (or its gate) made it
     out = models.target.generate(torch.tensor([prompt]), cache=handed.cache, max_new_tokens=8)
 
 `pair` is a `kv.pair.Pair` (configs, tokenizers and the contract read now, each model's weights on first use, a
@@ -20,20 +20,27 @@ fresh transformers `DynamicCache` of prompt[:-1] at positions 0..n-2: `generate`
 `input_ids` reads prompt[-1] and continues from it, as the pipeline's own decoding does. A map is bound to the models
 it was fitted on (`store.fingerprints`); `allow_other_models=True` uses it anyway. Under `handoff(..., "source")` the
 decoding model is the source itself: continue with `handed.model`, which is the target in every other mode.
+
+Every argument is checked where it enters, by the rules generate's flags obey (`store.inputs`): a prompt is token ids
+(ints within the vocabulary; text or a float id is a TypeError), and the prompt with the `max_new_tokens` you will
+decode fits the models' positions; a wrong one is one line naming the argument.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from pipeline.kv.pair import Pair
+from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import Layers
+from pipeline.kv.pair import Pair, positions
 from pipeline.kv.request import FIELDS, Face, Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import Route
 from pipeline.store import inputs
 from pipeline.store.devices import DTYPES, default_device
 from pipeline.store.lazy import lazy
+from pipeline.store.params import ParamError
 
 torch = lazy("torch")
 
@@ -46,6 +53,8 @@ def pair(target: str, source: str | None = None, dtype: str = "float32", device:
     target alone, for the oracle and zero modes) in `dtype` on `device` (default: cuda where there is one, else cpu);
     `max_tokens`: the longest sequence it will see (a sliding window shorter than it is refused now)."""
     inputs.choice(dtype, "pair() dtype", DTYPES)
+    if max_tokens is not None:
+        inputs.at_least(max_tokens, "pair() max_tokens", 1)
     device = inputs.device(device, "pair() device") if device is not None else default_device()
     return Pair(str(target), None if source is None else str(source), dtype, device, max_tokens=max_tokens,
                 allow_other_models=allow_other_models)
@@ -58,6 +67,9 @@ def handoff(models: Pair, mode: str = "mapped", mapper: str | Path | None = None
     target recomputing part of the cache first (`repair`, a `kv.repair` setting: `layers:1`,
     `sink:4+tokens:0.1:attention`), gated by `fallback` (entropy, kl, disagree with its `disagree` maps
     "k1.safetensors:kmax.safetensors") above `threshold`; every argument checked before any weight loads."""
+    if not isinstance(models, Pair):
+        raise inputs.ParamTypeError(f"handoff() models: expected the pair pipeline.api.pair(target, source) makes, "
+                                    f"got {type(models).__name__} {models!r:.60}")
     request = Transfer.of(API, mode=mode, mapper=None if mapper is None else str(mapper), repair=repair,
                          fallback=fallback, threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
                          allow_other_models=models.allow_other_models)
@@ -75,24 +87,42 @@ class HandedOff:
     model: object
     route: Route
     prompt: list[int]
+    handoff: Handoff = field(repr=False)  # the handoff that built `layers`, and builds each read's own cache of them
+    layers: Layers | None = field(repr=False)
 
     def next_token_logits(self):
-        """The logits (V,) `model` gives for the token after the prompt, reading prompt[-1] after `cache` (which
-        this extends by one position: take a fresh `handed_off` for another use)."""
+        """The logits (V,) `model` gives for the token after the prompt, reading prompt[-1] after a fresh cache of
+        prompt[:-1]: a read extends its own cache, never `cache`, so every read gives the same logits and `cache`
+        still continues the whole prompt afterwards."""
         last = torch.tensor([self.prompt[-1:]], device=self.model.device)  # (1, 1)
         positions = torch.tensor([[len(self.prompt) - 1]], device=self.model.device)  # (1, 1)
+        cache = self.handoff.decoder_cache(self.layers)
         with torch.no_grad():
-            out = self.model(input_ids=last, cache=self.cache, position_ids=positions,
-                             use_cache=self.cache is not None)
+            out = self.model(input_ids=last, cache=cache, position_ids=positions, use_cache=cache is not None)
         return out.logits[0, -1]  # (V,)
 
 
-def handed_off(router: Router, prompt: Sequence[int]) -> HandedOff:
+def handed_off(router: Router, prompt: Sequence[int], max_new_tokens: int = 1) -> HandedOff:
     """`prompt`'s cache as `router`'s handoff builds it (the way its gate sends the prompt: the handoff's own cache,
-    repaired where it repairs, or the target's own prefill where it falls back), as a fresh transformers cache."""
-    prompt = [int(token) for token in prompt]
+    repaired where it repairs, or the target's own prefill where it falls back), as a fresh transformers cache.
+    `max_new_tokens`: the tokens you will decode after the prompt (1: the next token's logits); the prompt and they
+    must fit the models' positions, as generate's --max-new-tokens must."""
+    if not isinstance(router, Router):
+        raise inputs.ParamTypeError(f"handed_off() router: expected what pipeline.api.handoff(...) returns, got "
+                                    f"{type(router).__name__} {router!r:.60}")
+    room, vocabulary = limits(router)
+    prompt = inputs.token_ids(prompt, "handed_off() prompt", vocabulary)
     if not prompt:
-        raise ValueError("handed_off(): the prompt is empty; give at least one token")
+        raise ParamError("handed_off() prompt: empty; give at least one token")
+    inputs.positions(len(prompt), inputs.at_least(max_new_tokens, "handed_off() max_new_tokens", 1),
+                     "handed_off() prompt", room)
     ((chosen, route),) = router.routed([prompt])
     layers = chosen.prefix_layers(torch.tensor([prompt[:-1]], dtype=torch.long))
-    return HandedOff(chosen.decoder_cache(layers), chosen.decoder, route, prompt)
+    return HandedOff(chosen.decoder_cache(layers), chosen.decoder, route, prompt, chosen, layers)
+
+
+def limits(router: Router) -> tuple[int, int]:
+    """The positions and the vocabulary every model `router` runs on a prompt has room for: its decoding model's and
+    the source's it hands off from (a gate's fallback is the same target)."""
+    configs = [model.config for model in (router.handoff.decoder, router.handoff.source) if model is not None]
+    return positions(*configs), min(config.vocab_size for config in configs)

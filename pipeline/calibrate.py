@@ -36,7 +36,7 @@ from pipeline.measure.evaluation import evaluate
 from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, require_controls_passed
+from pipeline.store.artifacts import atomic_dir, read_table, require_controls_passed
 from pipeline.store.cli import entry, parser, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
@@ -56,7 +56,7 @@ def scratch_split(first: pd.DataFrame, folder: Path) -> None:
 
 def is_fit_split(first: pd.DataFrame) -> bool:
     """Whether a point's sequences are the fit split itself (n = data.fit_sequences, the pool unchanged)."""
-    return first.reset_index(drop=True).equals(pd.read_parquet(paths.split("fit")))
+    return first.reset_index(drop=True).equals(read_table(paths.split("fit")))
 
 
 def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Path, Path, dict]:
@@ -76,7 +76,7 @@ def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Pa
 
 def run(size: int, params: CalibrationParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
     require_controls_passed()
-    pool = pd.read_parquet(paths.CALIBRATION_POOL)
+    pool = read_table(paths.CALIBRATION_POOL)
     if size > len(pool):
         raise ParamError(f"calibration.sizes: {size} sequences, but {paths.CALIBRATION_POOL} holds {len(pool)}; raise "
                          f"data.calibration_sequences or drop the size")

@@ -22,8 +22,9 @@
    wrote in its own process fitting every candidate.
 
 metrics/controls.json holds one entry per control: `passed` and the figures it measured;
-metrics/controls_usage.json the stage's wall time and peak memory. A failed control
-fails the stage naming it, so no evaluate stage runs.
+metrics/controls_usage.json the stage's wall time and peak memory; metrics/controls_verdict.json each control's
+`passed` alone, what the evaluating stages check and depend on (no figure that varies between runs, so their run
+cache can hit). A failed control fails the stage naming it, so no evaluate stage runs.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.measure.compare import read_prompts
 from pipeline.schema.controls import ControlsParams, Float32Tolerance, ReducedTolerance, ToleranceParams
 from pipeline.store import paths
-from pipeline.store.artifacts import load_artifact, save_artifact, verify_file
+from pipeline.store.artifacts import load_artifact, save_artifact, verify_file, write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments, run_stage
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
@@ -259,6 +260,12 @@ def run(params: ControlsParams, models: ModelsParams, device: str, tolerances: T
     return results
 
 
+def verdict(results: dict) -> dict[str, bool]:
+    """Each control's pass alone: the figures beside it (noise floors, errors) may move in their last digits from
+    run to run, and a stage that depended on them would never be restored from the run cache."""
+    return {name: entry["passed"] for name, entry in results.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.controls", __doc__, argv)
     params = load_section(ControlsParams, "controls")
@@ -269,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         results = run(params, models, stage.device, tolerances)
         stage.write_metrics(paths.CONTROLS, results, usage_to=paths.CONTROLS_USAGE)
+        write_json_atomic(paths.CONTROLS_VERDICT, verdict(results))
     compatible = results["compatibility"]
     if not compatible["passed"]:  # the pair is refused from its configs: no other control ran
         raise ControlFailed(f"control compatibility failed: {compatible['modes']['mapped']}")

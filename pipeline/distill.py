@@ -47,23 +47,20 @@ from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.schema.distill import DistillParams, distilled_name
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, atomic_path
+from pipeline.store.artifacts import atomic_dir, atomic_path, read_table
 from pipeline.store.cachefiles import open_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.inputs import out_folder
-from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
-pd = lazy("pandas")
-
 
 def cache_groups(caches: Path, data_folder: Path, split: str, params: DistillParams) -> list[CacheRows]:
     """One row group per context length, cut from the split's stored source caches and its token ids."""
     geometry = read_manifest(caches)["geometry"]
-    shards, data = open_split(caches, split), pd.read_parquet(data_folder / f"{split}.parquet")
+    shards, data = open_split(caches, split), read_table(data_folder / f"{split}.parquet")
     stored = [doc for shard in shards for doc in shard.doc_ids]
     if stored != data.doc_id.tolist():
         raise ValueError(f"{caches / split} and {data_folder / split}.parquet hold different sequences: re-extract "

@@ -31,7 +31,7 @@ from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.schema.extract import ExtractParams
 from pipeline.store import paths
-from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.artifacts import read_table, write_json_atomic
 from pipeline.store.cachefiles import MANIFEST, ShardWriter
 from pipeline.store.cli import entry, parser
 from pipeline.store.devices import no_grad, parse_dtype
@@ -51,7 +51,7 @@ SIDES = ("source", "target")
 def read_sequences(path: Path) -> pd.DataFrame:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run the data stage first")
-    frame = pd.read_parquet(path, columns=["doc_id", "token_ids", "content_hash"])
+    frame = read_table(path, columns=["doc_id", "token_ids", "content_hash"])
     empty = frame.index[frame.token_ids.map(len) == 0].tolist()
     if empty:
         raise ValueError(f"{path}: sequence {frame.doc_id[empty[0]]!r} has no tokens")

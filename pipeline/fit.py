@@ -44,7 +44,7 @@ from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.schema.fit import FitParams
 from pipeline.store import paths
-from pipeline.store.artifacts import ArtifactError, atomic_path
+from pipeline.store.artifacts import ArtifactError, atomic_path, read_table
 from pipeline.store.cachefiles import KINDS, first_sequence, paired_split, read_manifest
 from pipeline.store.cli import entry, parser
 from pipeline.store.fingerprints import pair_fingerprints
@@ -87,25 +87,25 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
     closed = params.closed_form([family for family in params.families if family not in skipped])
     depth = max((c.k for c in closed), default=0)
     closed, mlp_ks = narrowed(closed, params.mlp.ks, only)
-    parts = Parts(out_dir / ".parts", fresh=ranks.main)
-    ranks.barrier()  # the parts folder exists before any rank writes into it
-    fitted = fit_layers(list(ranks.share(geo_t["layers"])), orders, (fit_pairs, select_pairs), held, closed, depth,
-                        mlp_ks, geometry, parts, params, device, ranks)
-    if not ranks.main:
-        return {}
-    table, mlp_facts = fitted
-    timing = None if only is not None else timing_input(source_model_dir, select_data, select_pairs[0][0], geo_s,
-                                                         params.timing_repeats, model_dtype, device)
-    fit_tokens = sum(s.tokens for s, _ in fit_pairs)
-    metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
-               "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
-               "probe_source_reads": round(probe_reads, 3),
-               **{f"skipped/{family}": reason for family, reason in skipped.items()}}
-    if timing is not None:
-        metrics["source_prefill_s"] = round(timing[2], 6)  # what each time_vs_source_prefill divides by
-    metrics.update(write_mappers(closed + mlp_candidates(mlp_ks), orders, parts, table.heldout, mlp_facts,
-                                 (source_manifest, target_manifest), params, fit_tokens, out_dir, timing))
-    parts.remove()
+    # the parts' folder is a temporary (`.*.tmp`: ignored by git and dvc), removed when the block ends, done or not
+    with Parts(out_dir / ".parts.tmp", fresh=ranks.main) as parts:
+        ranks.barrier()  # the parts folder exists before any rank writes into it
+        fitted = fit_layers(list(ranks.share(geo_t["layers"])), orders, (fit_pairs, select_pairs), held, closed,
+                            depth, mlp_ks, geometry, parts, params, device, ranks)
+        if not ranks.main:
+            return {}
+        table, mlp_facts = fitted
+        timing = None if only is not None else timing_input(source_model_dir, select_data, select_pairs[0][0], geo_s,
+                                                             params.timing_repeats, model_dtype, device)
+        fit_tokens = sum(s.tokens for s, _ in fit_pairs)
+        metrics = {"fit_sequences": sum(len(s.doc_ids) for s, _ in fit_pairs), "fit_tokens": fit_tokens,
+                   "select_tokens": sum(s.tokens for s, _ in select_pairs), "probe_heldout_sequences": len(held),
+                   "probe_source_reads": round(probe_reads, 3),
+                   **{f"skipped/{family}": reason for family, reason in skipped.items()}}
+        if timing is not None:
+            metrics["source_prefill_s"] = round(timing[2], 6)  # what each time_vs_source_prefill divides by
+        metrics.update(write_mappers(closed + mlp_candidates(mlp_ks), orders, parts, table.heldout, mlp_facts,
+                                     (source_manifest, target_manifest), params, fit_tokens, out_dir, timing))
     metrics.update(chosen_lambdas(table, closed, params.lambda_scale))
     write_tables(metrics_dir, table, scores, geo_s["layers"], geo_t["layers"])
     return metrics
@@ -154,7 +154,7 @@ def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: 
     """What the mappers are timed on: the first select sequence's content-space cache, its token count, the
     source's prefill seconds of it and the device."""
     source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
-    token_ids = pd.read_parquet(select_data, columns=["token_ids"]).token_ids[0].tolist()
+    token_ids = read_table(select_data, columns=["token_ids"]).token_ids[0].tolist()
     first = first_sequence(first_shard, geo_s["layers"], geo_s["kv_heads"], geo_s["head_dim"])
     content = [tuple(t.to(device) for t in layer) for layer in first]
     return content, len(token_ids), prefill_seconds(source_model, token_ids, repeats), device

@@ -33,15 +33,12 @@ from pipeline.measure.evaluation import OracleStore, evaluate
 from pipeline.measure.settings import MeasureParams
 from pipeline.schema.length import LengthParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, require_controls_passed
+from pipeline.store.artifacts import atomic_dir, read_table, require_controls_passed
 from pipeline.store.cli import entry, no_arguments, run_stage
-from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.ranks import stage_ranks
-
-pd = lazy("pandas")
 
 KEY_SPACE_FLAGS = {"stripped": [], "rotated": ["--keep-rope"]}  # the maps compared, and extract's flag for each
 CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that the context is made of
@@ -51,7 +48,7 @@ def scratch_data(fit_tokens: int, folder: Path) -> None:
     """The fit and select splits with every sequence cut to its first `fit_tokens` tokens."""
     folder.mkdir(parents=True)
     for split in ("fit", "select"):
-        frame = pd.read_parquet(paths.split(split))
+        frame = read_table(paths.split(split))
         frame["token_ids"] = [list(ids)[:fit_tokens] for ids in frame.token_ids]
         frame.to_parquet(folder / f"{split}.parquet", index=False)
 
@@ -59,7 +56,7 @@ def scratch_data(fit_tokens: int, folder: Path) -> None:
 def long_sequences(params: LengthParams) -> list[list[int]]:
     """Eval sequences long enough for the longest prompt and its continuation."""
     needed = max(params.prompt_lengths) + params.continuation
-    found = [list(ids) for ids in pd.read_parquet(paths.EVAL_PROMPTS).token_ids if len(ids) >= needed]
+    found = [list(ids) for ids in read_table(paths.EVAL_PROMPTS).token_ids if len(ids) >= needed]
     if len(found) < 2:
         raise ParamError(f"length.prompt_lengths: only {len(found)} eval sequences hold {needed} tokens (the longest "
                          f"prompt and its continuation); shorten the prompts or the continuation")
@@ -94,7 +91,7 @@ def run(params: LengthParams, models: ModelsParams, device: str, items: int | No
                 evaluation.write_rows(paths.length_rows(space, length, staging))
                 metrics[f"{space}/by_length/{length}"] = evaluation.figures(oracle=reference)
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
-                         for text in pd.read_parquet(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
+                         for text in read_table(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, router in routers.items():
             evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, task_limit=items)
             items = evaluation.item_rows

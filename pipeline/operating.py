@@ -50,7 +50,7 @@ from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, ro
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
 from pipeline.schema.operating import SELECTED, OperatingParams
 from pipeline.store import paths
-from pipeline.store.artifacts import ArtifactError, atomic_dir, require_controls_passed
+from pipeline.store.artifacts import ArtifactError, atomic_dir, read_table, require_controls_passed
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
@@ -69,7 +69,7 @@ def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
 
 def select_contexts(length: int) -> list[list[int]]:
     """The select split's contexts at `length`: each select sequence's first `length` tokens, where it holds them."""
-    contexts = [list(ids)[:length] for ids in pd.read_parquet(paths.split("select")).token_ids if len(ids) >= length]
+    contexts = [list(ids)[:length] for ids in read_table(paths.split("select")).token_ids if len(ids) >= length]
     if not contexts:
         raise ParamError(f"operating.gated: no select sequence holds {length} tokens to choose the gate's threshold "
                          f"on; raise data.sequence_length to at least the operating length")
@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     machine = load_section(MachineParams, "machine")
     margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
     require_controls_passed()
-    prompts = pd.read_parquet(paths.long_part("eval", length))
+    prompts = read_table(paths.long_part("eval", length))
     retrieval = paths.long_part("retrieval", length)
-    items = pd.read_parquet(retrieval) if retrieval.is_file() else None
+    items = read_table(retrieval) if retrieval.is_file() else None
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         pair = Pair.load(models, stage.device)
         with atomic_dir(paths.operating_rows(length)) as staging:

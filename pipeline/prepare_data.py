@@ -36,7 +36,7 @@ from pathlib import Path
 from pipeline.measure.tasks import write_task_config
 from pipeline.schema.prepare_data import DataParams, HubDataset
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, atomic_path
+from pipeline.store.artifacts import atomic_dir, atomic_path, read_table
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.haystack import retrieval_items
 from pipeline.store.lazy import lazy
@@ -98,7 +98,7 @@ def _load_rows(source: HubDataset, what: str) -> list[dict]:
         if not path.is_file():
             raise FileNotFoundError(f"data.{what}.path: {path} not found")
         if path.suffix == ".parquet":
-            rows = pd.read_parquet(path).to_dict("records")
+            rows = read_table(path).to_dict("records")
         elif path.suffix in (".jsonl", ".json"):
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         else:

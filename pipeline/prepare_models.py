@@ -27,7 +27,7 @@ from pathlib import Path
 from pipeline.kv.pair import Pair
 from pipeline.schema.prepare_models import TrainParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, write_json_atomic
+from pipeline.store.artifacts import atomic_dirs, read_table, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
@@ -38,65 +38,76 @@ from pipeline.store.splits import TASKS
 from pipeline.store.truncated import SELF_POINTER
 from pipeline.tiny.train import train_model
 
-pd = lazy("pandas")
 torch = lazy("torch")
 transformers = lazy("transformers")
 
 
-def train_pair(train: TrainParams, threads: int, sides: tuple[str, ...] = ("source", "target")) -> dict:
-    """Train each of `sides` (the target alone for a self source) and save it with the tokenizer."""
+def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> dict:
+    """Train each side of `staging` (the target alone for a self source) and save it with the tokenizer into its
+    staging folder."""
     configs = {"source": train.source, "target": train.target}
-    if any(configs[side] is None for side in sides):
-        raise ParamError(f"{' and '.join(f'train.{side}' for side in sides)}: required when models.kind is "
+    if any(configs[side] is None for side in staging):
+        raise ParamError(f"{' and '.join(f'train.{side}' for side in staging)}: required when models.kind is "
                          f"'trained'")
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
-    corpus = pd.read_parquet(paths.CORPUS)
-    dev = {task: pd.read_parquet(paths.task_items(task, "dev")) for task in TASKS}
+    corpus = read_table(paths.CORPUS)
+    dev = {task: read_table(paths.task_items(task, "dev")) for task in TASKS}
     stats = {}
-    for name, cfg in ((side, configs[side]) for side in sides):
-        model, stats[name] = train_model(cfg, tokenizer, corpus, dev, threads)
-        with atomic_dir(paths.model(name)) as staging:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            write_json_atomic(paths.train_stats(staging), stats[name])
+    for name, folder in staging.items():
+        model, stats[name] = train_model(configs[name], tokenizer, corpus, dev, threads)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        write_json_atomic(paths.train_stats(folder), stats[name])
     return stats
 
 
-def point_at_target(layers: int) -> None:
-    """models/source as the target's own first `layers` decoder layers: self.json, pointing at models/target
-    beside it (a relative path, so the folder can move with the repository); no weights, no tokenizer."""
+def point_at_target(layers: int, staging: Path) -> None:
+    """models/source (staged in `staging`) as the target's own first `layers` decoder layers: self.json, pointing at
+    models/target beside it (a relative path, so the folder can move with the repository); no weights, no
+    tokenizer."""
     target = os.path.relpath(paths.model("target"), paths.model("source"))
-    with atomic_dir(paths.model("source")) as staging:
-        write_json_atomic(staging / SELF_POINTER, {"layers": layers, "target": target})
+    write_json_atomic(staging / SELF_POINTER, {"layers": layers, "target": target})
 
 
-def point_at_pinned_pair(pins_file: Path) -> None:
+def point_at_pinned_pair(pins_file: Path, staging: dict[str, Path]) -> None:
     """Write each side's pointer from the identities pin_models pinned: hub.json (id, commit), local.json
     (folder, content hash) or, for a self source, self.json; downstream stages load through them."""
     pins = json.loads(pins_file.read_text())
     for name in ("target", "source"):
         pinned = dict(pins[name])
         if pinned["kind"] == "self":
-            point_at_target(pinned["layers"])
-            continue
-        with atomic_dir(paths.model(name)) as staging:
-            write_json_atomic(staging / f"{pinned.pop('kind')}.json", pinned)
+            point_at_target(pinned["layers"], staging[name])
+        else:
+            write_json_atomic(staging[name] / f"{pinned.pop('kind')}.json", pinned)
 
 
-def record_random_pair(models: ModelsParams, seed: int) -> None:
+def record_random_pair(models: ModelsParams, seed: int, staging: dict[str, Path]) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
     for offset, (name, shape) in enumerate((("source", models.source), ("target", models.target))):
         if name == "source" and models.self_layers:
-            continue  # pointed at the target below, once it is recorded
+            point_at_target(models.self_layers, staging[name])
+            continue
         config = shape_config(shape)  # fails here, naming the shape, if it does not exist
         if len(tokenizer) > config.vocab_size:
             raise ParamError(f"models.{name}: a tokenizer of {len(tokenizer)} tokens does not fit shape {shape!r} "
                              f"(vocab {config.vocab_size})")
-        with atomic_dir(paths.model(name)) as staging:
-            write_json_atomic(staging / "random.json", {"shape": shape, "seed": seed + offset})
-            tokenizer.save_pretrained(staging)
-    if models.self_layers:
-        point_at_target(models.self_layers)
+        write_json_atomic(staging[name] / "random.json", {"shape": shape, "seed": seed + offset})
+        tokenizer.save_pretrained(staging[name])
+
+
+def prepare(models: ModelsParams, train: TrainParams, threads: int) -> None:
+    """The pair of `models.kind`, written beside the one in models/ and swapped in only once both sides are
+    complete: an interrupted run (its outputs `persist` in dvc.yaml, so dvc leaves them) keeps the committed pair."""
+    with atomic_dirs([paths.model("source"), paths.model("target")]) as (source, target):
+        staging = {"source": source, "target": target}
+        if models.kind == "trained":
+            train_pair(train, threads, {"target": target} if models.self_layers else staging)
+            if models.self_layers:
+                point_at_target(models.self_layers, source)
+        elif models.kind == "hub":
+            point_at_pinned_pair(paths.PINS, staging)
+        else:
+            record_random_pair(models, train.random_seed, staging)
 
 
 def check_contract() -> dict:
@@ -116,14 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     train, machine = load_section(TrainParams, "train"), load_section(MachineParams, "machine")
     torch.set_num_threads(machine.threads)
     started = time.perf_counter()
-    if models.kind == "trained":
-        train_pair(train, machine.threads, ("target",) if models.self_layers else ("source", "target"))
-        if models.self_layers:
-            point_at_target(models.self_layers)
-    elif models.kind == "hub":
-        point_at_pinned_pair(paths.PINS)
-    else:
-        record_random_pair(models, train.random_seed)
+    prepare(models, train, machine.threads)
     defined = check_contract()
     print(json.dumps({"kind": models.kind, **defined, "seconds": round(time.perf_counter() - started, 1)}))
 

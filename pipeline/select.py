@@ -36,16 +36,13 @@ from pipeline.measure.evaluation import Evaluation, OracleStore, evaluate
 from pipeline.measure.prompt_metrics import CONFIDENT, PROMPT_METRICS
 from pipeline.schema.select import SelectParams
 from pipeline.store import paths
-from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, write_json_atomic
+from pipeline.store.artifacts import atomic_dir, atomic_path, load_artifact, read_table, write_json_atomic
 from pipeline.store.cli import entry, no_arguments
-from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 from pipeline.store.shapes import bound_configs
-
-pd = lazy("pandas")
 
 DIGITS = 4  # metrics/select.json's figures
 
@@ -198,7 +195,7 @@ def candidates_on_disk() -> list[Path]:
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS) -> dict:
     """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`) and
     promote the choice; the stage's metrics on rank 0 ({} on the others)."""
-    prompts = select_prompts(pd.read_parquet(paths.split("select")).token_ids, params)
+    prompts = select_prompts(read_table(paths.split("select")).token_ids, params)
     costs = budgets(params, pair.configs)
     scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks)
     return promote(scored, params, len(prompts), costs) if ranks.main else {}

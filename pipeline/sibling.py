@@ -32,7 +32,7 @@ from pipeline.kv.flops import handoff_macs, target_prefill_macs
 from pipeline.kv.geometry import kv_geometry
 from pipeline.schema.sibling import INFLUENCE, Counts, SiblingParams, names_sibling
 from pipeline.store import paths
-from pipeline.store.artifacts import write_json_atomic
+from pipeline.store.artifacts import read_table, write_json_atomic
 from pipeline.store.checkpoints import write_checkpoint, write_marker
 from pipeline.store.cli import entry, no_arguments
 from pipeline.store.lazy import lazy
@@ -40,14 +40,13 @@ from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_model, model_folder
 from pipeline.store.params import ParamError, load_section
 
-pd = lazy("pandas")
 torch = lazy("torch")
 
 SIBLING_PROVENANCE = "sibling.json"
 
 
 def sequences(path: Path) -> list[list[int]]:
-    return [list(map(int, ids)) for ids in pd.read_parquet(path, columns=["token_ids"])["token_ids"]]
+    return [list(map(int, ids)) for ids in read_table(path, columns=["token_ids"])["token_ids"]]
 
 
 def cut_of(params: SiblingParams, counts: Counts, target, rows: list[list[int]]):

@@ -103,14 +103,23 @@ class R2Table:
 
 
 class Parts:
-    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once."""
+    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once; used as a
+    `with` block, whose end removes the folder (its owner does), the stage done or interrupted: no part outlives it."""
 
     def __init__(self, folder: Path, fresh: bool = True):
-        """`fresh`: start from an empty folder (the process that owns it; the others join it as it is)."""
-        self.folder = folder
+        """`fresh`: start from an empty folder, and remove it at the end (the process that owns it; the others join
+        it as it is)."""
+        self.folder, self.fresh = folder, fresh
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
+
+    def __enter__(self) -> "Parts":
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if self.fresh:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def put(self, candidate: str, layer: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
         named = {str(i): t.to("cpu", torch.float32).contiguous() for i, t in enumerate(tensors)}
@@ -126,9 +135,6 @@ class Parts:
             out.append(tuple(named[str(i)] for i in range(len(named))))
             path.unlink()
         return out
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder)
 
 
 def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):

@@ -265,11 +265,17 @@ class HandoffLM(TargetTokensLM):
 
     def generated(self, request) -> str:
         """One generate_until request's text, greedy, after its context's handoff (left-truncated as `hf` does, to
-        the positions max_gen_toks leaves; max_gen_toks reaching them, or sampling, refused in one line)."""
+        the positions max_gen_toks leaves, with a warning, as `hf` warns; max_gen_toks reaching them, or sampling,
+        refused in one line)."""
         context, gen_kwargs = request.args
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         until, max_new = greedy_options(gen_kwargs, eos, self.max_length)
-        context_ids = self.tok_encode(context)[-(self.max_length - max_new):]
+        context_ids, room = self.tok_encode(context), self.max_length - max_new
+        if len(context_ids) > room:
+            log.warning("kv-transfer: generate_until left-truncates a prompt of %d tokens to its last %d (max_length "
+                        "%d less max_gen_toks %d): the rest of the prompt is not read; lower max_gen_toks to keep it",
+                        len(context_ids), room, self.max_length, max_new)
+            context_ids = context_ids[-room:]
 
         def should_stop(tokens: list[int]) -> bool:
             return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)

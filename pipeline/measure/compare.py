@@ -35,6 +35,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.router import Router
 from pipeline.measure.confident import MARGINS, PROBABILITIES, oracle_margin, oracle_probability
 from pipeline.measure.timing import Stopwatch
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
@@ -48,7 +49,7 @@ Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
 def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
     """The eval prompts of a sequence file (data/eval.parquet): (prompt_ids, continuation_ids) per row."""
-    frame = pd.read_parquet(path, columns=["prompt_ids", "continuation_ids"])
+    frame = read_table(path, columns=["prompt_ids", "continuation_ids"])
     return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.measure.tasks import write_task_config
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
@@ -123,7 +124,7 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit
             "acc_norm_stderr": lm_eval_metrics.mean_stderr(values["acc_norm"]),
             "n": len(samples[task]),
         }
-        items = pd.read_parquet(path)
+        items = read_table(path)
         for sample in samples[task]:
             item = items.iloc[sample["doc_id"]]
             rows.append({

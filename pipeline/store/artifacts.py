@@ -1,4 +1,4 @@
-"""Checksummed safetensors artifacts and atomic writes.
+"""Checksummed safetensors artifacts, atomic writes, and the one reader of parquet tables (`read_table`).
 
 Every artifact is one safetensors file whose header metadata holds the artifact's own metadata (JSON) and a
 SHA-256 of the whole file as written with the digest field zeroed. So the checksum covers every byte:
@@ -18,7 +18,9 @@ import math
 import os
 import secrets
 import shutil
+import signal
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -28,6 +30,8 @@ from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 safetensors_torch = lazy("safetensors.torch")
+pd = lazy("pandas")
+pyarrow = lazy("pyarrow")
 
 # One header key only: safetensors does not keep the order of metadata keys, and the bytes must be
 # deterministic. Its value is JSON {"meta": <the artifact's metadata>, "sha256": <digest>}.
@@ -82,6 +86,37 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(retired / final.name, final)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(retired, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dirs(finals: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """`atomic_dir` for outputs that belong together (a model pair): a staging folder beside each, and none replaces
+    its output unless the block completes; the renames run with SIGINT and SIGTERM held back (`held_signals`), so an
+    interrupt leaves the old set or the new one, never one of each."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(atomic_dir(final)) for final in finals]
+        with held_signals():
+            stack.close()
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs and sent again when it ends, to the handlers set before. A
+    Python handler runs in the main thread whichever thread the kernel gives the signal to, so holding it there (not
+    a thread's signal mask, which another thread escapes) holds it for the process. Off the main thread, as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    handlers = {signum: signal.signal(signum, lambda signum, frame: came.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 def private_name(final: Path, suffix: str) -> Path:
@@ -148,16 +183,32 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def require_controls_passed(path: str | os.PathLike = paths.CONTROLS) -> None:
-    """Refuse to go on unless the controls stage wrote `path` and every control in it passed."""
+def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) -> None:
+    """Refuse to go on unless the controls stage wrote its verdict `path` ({control: passed}) and every control in
+    it passed."""
     path = Path(path)
     if not path.is_file():
         raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
-    failed = [name for name, entry in json.loads(path.read_text()).items()
-              if isinstance(entry, dict) and not entry.get("passed", False)]
+    failed = [name for name, passed in json.loads(path.read_text()).items() if passed is not True]
     if failed:
         raise ControlsNotPassed(f"controls failed ({', '.join(failed)}): no variant is evaluated until they pass; "
                                 f"see {path}")
+
+
+def read_table(path: str | os.PathLike, columns: Sequence[str] | None = None) -> "pd.DataFrame":
+    """A parquet table a stage wrote (or a user's file), `columns` of it or all: every parquet read goes through here,
+    so a missing, truncated or corrupt file is one line naming it and the stage that makes it, not pyarrow's
+    traceback."""
+    path = Path(path)
+    stage = paths.maker(path)
+    fix = f"dvc repro -f {stage}" if stage else "replace it with a whole file"
+    if not path.is_file():
+        raise ArtifactError(f"{path}: not found; make it ({fix.replace(' -f', '')})")
+    try:
+        return pd.read_parquet(path, columns=None if columns is None else list(columns))
+    except (pyarrow.ArrowException, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ArtifactError(f"{path}: not a readable parquet table ({reason}); regenerate it: {fix}") from None
 
 
 def _header(raw: bytes, path: Path) -> dict:

@@ -6,11 +6,13 @@ dataset that cannot be had, an incompatible pair, a failed control) or a missing
 `error: <sentence>` on stderr with exit status 2; set KVH_TRACEBACK=1 to get the traceback instead. Any
 other exception is a bug and keeps its traceback.
 
-Ctrl-C (SIGINT) or SIGTERM ends a stage with one line, `interrupted: <stage>`, and exit status 130 (KVH_TRACEBACK=1
-keeps the traceback). Outputs are written under temporary names and renamed when complete (`store.artifacts`), so an
-interrupted stage leaves no partial output and no temporary; the first signal is the only one a stage's command
-takes, so a second (or a launcher passing the terminal's on to its processes) cannot break off the removal of its
-temporaries.
+Ctrl-C (SIGINT) or SIGTERM ends a stage with one line, `interrupted: <stage>`, and the exit status a shell reports
+for the signal: 130 (128 + SIGINT) or 143 (128 + SIGTERM); KVH_TRACEBACK=1 keeps the traceback. Outputs are written
+under temporary names and renamed when complete (`store.artifacts`), so an interrupted stage leaves no partial output
+and no temporary; the first signal is the only one a stage's command takes, so a second (or a launcher passing the
+terminal's on to its processes) cannot break off the removal of its temporaries. On Linux a stage's command asks the
+kernel for SIGTERM when the process that started it ends (`prctl(PR_SET_PDEATHSIG)`): a `dvc repro` (or a launcher)
+killed outright takes its stage with it, cleaned up, instead of leaving it running and writing.
 Of a stage's several processes only one says it: the stage's command that started the others (`store.ranks.relaunch`,
 `run_stage(..., fresh_process=True)`), or rank 0 under an outside launcher (`torchrun`, `accelerate launch`).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import ctypes
 import importlib
 import io
 import logging
@@ -39,6 +42,9 @@ torch = lazy("torch")
 
 TRACEBACK_ENV = "KVH_TRACEBACK"
 INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C, as a shell reports it (128 + SIGINT)
+TERMINATED = 143  # ... and by SIGTERM (128 + SIGTERM): a `kill`, a scheduler's stop, the death of its parent
+STOPPED_BY = {INTERRUPTED: signal.SIGINT, TERMINATED: signal.SIGTERM}  # a waited-on process's status -> its signal
+PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its parent ends (linux/prctl.h)
 PARENT_SAYS_ENV = "KVH_PARENT_SAYS_INTERRUPT"  # set for the processes a stage starts (`relaunch`, `run_stage`)
 
 
@@ -58,15 +64,16 @@ def no_arguments(module: str, doc: str, argv: list[str] | None) -> None:
 
 
 def entry(main: Callable[[list[str]], object]) -> None:
-    """Run a stage's main(argv) with the command line's arguments; a refusal exits 2 with one line, Ctrl-C 130 with
-    one line. A main run as the command itself (defined in `__main__`) that returns or is interrupted ends the
-    process without the interpreter's teardown (the module's docstring); called from another module (a test), entry
-    only returns."""
+    """Run a stage's main(argv) with the command line's arguments; a refusal exits 2 with one line, Ctrl-C 130 and
+    SIGTERM 143 with one line. A main run as the command itself (defined in `__main__`) that returns or is
+    interrupted ends the process without the interpreter's teardown (the module's docstring), and ends when its
+    parent does; called from another module (a test), entry only returns."""
     as_command = main.__module__ == "__main__"
     if as_command:
         atexit.register(_end_without_teardown)  # runs after the exit handlers registered while main runs
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)  # a `kill` or a scheduler's stop: the same cleanup as Ctrl-C
+        _end_with_parent()
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt:
@@ -91,6 +98,20 @@ def _traceback_asked() -> bool:
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
+def _end_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent ends (dvc, torchrun's agent, a stage that started
+    it): its handler then cleans up as for a `kill`. Linux only; elsewhere a stage outlives a killed parent."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def interrupted_by(signum: int) -> KeyboardInterrupt:
+    """The interrupt to raise when a process this stage waited on (its fresh process, its launcher's ranks) was
+    stopped by `signum`: the stage then ends with that signal's status, as if it had come here."""
+    _INTERRUPTED.append(signum)
+    return KeyboardInterrupt()
+
+
 def _interrupt(signum: int, frame) -> None:
     """SIGINT's handler in a stage's command: the first raises KeyboardInterrupt where the stage is; later ones are
     ignored, so the cleanup that exception runs (temporary files and folders removed) is not broken off."""
@@ -111,8 +132,9 @@ def _stage_name(main: Callable) -> str:
 
 def _stop_interrupted(stage: str, as_command: bool) -> None:
     """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that says it (not one a
-    stage started, which says it itself, nor a rank other than 0), exit status 130. With KVH_TRACEBACK=1 the
-    exception being handled goes on instead, with its traceback."""
+    stage started, which says it itself, nor a rank other than 0), exit status 128 + the signal (130 for a
+    KeyboardInterrupt no signal raised). With KVH_TRACEBACK=1 the exception being handled goes on instead, with its
+    traceback."""
     if _traceback_asked():
         raise  # noqa: PLE0704 - called from an except block: the exception it handles goes on
     if PARENT_SAYS_ENV not in os.environ and os.environ.get("RANK", "0") == "0":
@@ -120,23 +142,25 @@ def _stop_interrupted(stage: str, as_command: bool) -> None:
             _LAST_WORDS.append(f"interrupted: {stage}")
         else:
             print(f"interrupted: {stage}", file=sys.stderr)
+    status = 128 + (_INTERRUPTED[0] if _INTERRUPTED else signal.SIGINT)
     if as_command:
-        _QUICK_EXIT.append(INTERRUPTED)
-    raise SystemExit(INTERRUPTED) from None
+        _QUICK_EXIT.append(status)
+    raise SystemExit(status) from None
 
 
 def _end_without_teardown() -> None:
     """The last exit handler of a command whose main returned or was interrupted: flush what is buffered and end
-    the process with its status (0 or 130), skipping the destruction of every module's objects (after an interrupt
+    the process with its status (0, 130 or 143), skipping the destruction of every module's objects (after an interrupt
     that includes a process group some peers may have left). After a failure it returns: the interpreter ends as
     usual, with the failure's status."""
     if not _QUICK_EXIT:
         return
     logging.shutdown()
-    sys.stdout.flush()
-    for line in _LAST_WORDS:
-        print(line, file=sys.stderr)
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a reader gone with a dead parent: the status still says it
+        sys.stdout.flush()
+        for line in _LAST_WORDS:
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
     os._exit(_QUICK_EXIT[-1])
 
 
@@ -148,7 +172,8 @@ def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
     only (a fresh process costs seconds of start-up each: four per calibration point). The caller's torch thread
     count and random state are kept (every stage seeds its own generators, so its outputs are those of a fresh
     process). `fresh_process=True` starts a new interpreter instead, for a check that needs another process (the
-    determinism control); on Ctrl-C the caller waits for it to clean up and end, and says the one line itself.
+    determinism control); on Ctrl-C or SIGTERM the caller passes the signal on, waits for it to clean up and end,
+    and says the one line itself.
     Name the module as a literal (`run_stage("pipeline.fit", ...)`): tools/importgraph.py reads it from the call,
     so the caller's dvc.yaml deps list that stage's modules."""
     if fresh_process:
@@ -156,12 +181,12 @@ def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, PARENT_SAYS_ENV: "1"})
         try:
             status = child.wait()
-        except KeyboardInterrupt:  # passed on, for a SIGINT sent to this process alone (a terminal's reached both)
-            child.send_signal(signal.SIGINT)
+        except KeyboardInterrupt:  # passed on, for a signal sent to this process alone (a terminal's reached both)
+            child.send_signal(_INTERRUPTED[0] if _INTERRUPTED else signal.SIGINT)
             child.wait()
             raise
-        if status == INTERRUPTED:  # a Ctrl-C that reached it alone
-            raise KeyboardInterrupt
+        if status in STOPPED_BY:  # a signal that reached it alone
+            raise interrupted_by(STOPPED_BY[status])
         if status != 0:
             raise subprocess.CalledProcessError(status, command)
         return

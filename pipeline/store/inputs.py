@@ -9,6 +9,7 @@ A model arg comes from lm-eval as a string (`batch_size=0`), a flag already type
 from __future__ import annotations
 
 import math
+import operator
 from pathlib import Path
 from typing import Sequence
 
@@ -16,6 +17,10 @@ from pipeline.store.lazy import lazy
 from pipeline.store.params import ParamError
 
 torch = lazy("torch")
+
+
+class ParamTypeError(ParamError, TypeError):
+    """A value of the wrong kind (text where token ids go, a float id): a TypeError, refused in one line."""
 
 
 def number(value, name: str, kind: type = float):
@@ -102,6 +107,29 @@ def positions(tokens: int, new_tokens: int, name: str, allowed: int) -> None:
     if tokens + new_tokens > allowed:
         raise ParamError(f"{name}: the prompt is {tokens} tokens and {new_tokens} new ones are asked, past the models' "
                          f"{allowed} positions; give a shorter prompt or fewer new tokens")
+
+
+def token_ids(values, name: str, vocabulary: int) -> list[int]:
+    """One prompt's token ids as plain ints: a flat sequence of integers (Python's, numpy's, torch's) in
+    0..vocabulary-1. Text, a float (which int() would truncate: 2.7 read as 2) or a nested sequence is a
+    ParamTypeError, an id outside the embedding a ParamError, each naming `name`."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ParamTypeError(f"{name}: expected token ids (a list of ints), got {type(values).__name__} "
+                             f"{values!r:.40}; encode text with the target's tokenizer first")
+    ids = []
+    for position, value in enumerate(values):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            ids.append(operator.index(value))  # exact for integers of any library, refused for floats
+        except (TypeError, ValueError, RuntimeError):
+            raise ParamTypeError(f"{name}: token {position} is {type(value).__name__} {value!r:.40}, not an integer "
+                                 f"id; give ints (a float would be truncated)") from None
+    outside = [token for token in ids if not 0 <= token < vocabulary]
+    if outside:
+        raise ParamError(f"{name}: token id {outside[0]} is outside the vocabulary (ids 0..{vocabulary - 1}); give "
+                         f"ids the target's tokenizer makes")
+    return ids
 
 
 def text(value: str, name: str) -> str:

@@ -6,9 +6,12 @@ repository root, where `dvc repro` runs every stage.
 """
 from __future__ import annotations
 
+import fnmatch
+import re
 from pathlib import Path
 
 PARAMS = Path("params.yaml")
+DVC_YAML = Path("dvc.yaml")
 
 
 def shown(name: str) -> str:
@@ -22,6 +25,25 @@ def shown(name: str) -> str:
         return path.relative_to(Path.cwd().resolve()).as_posix()
     except ValueError:
         return name
+
+
+def maker(path: str | Path) -> str | None:
+    """The dvc.yaml stage whose outputs hold `path`, for a refusal to name: a `foreach` stage by its name, an output's
+    `${...}` read as any name, and of several the most literal output (eval/candidates before eval/${key}); None
+    where no stage makes it (a file of the user's, or no dvc.yaml here)."""
+    import yaml  # only on this error path: a stage's imports stay what they were
+
+    stages = yaml.safe_load(DVC_YAML.read_text())["stages"] if DVC_YAML.is_file() else {}
+    wanted = [Path(path).as_posix(), *(folder.as_posix() for folder in Path(path).parents[:-1])]
+    found = []  # (literal characters of the output, stage)
+    for name, stage in stages.items():
+        body = stage.get("do", stage)
+        for entry in (entry for section in ("outs", "metrics", "plots") for entry in body.get(section, [])):
+            out = next(iter(entry)) if isinstance(entry, dict) else entry
+            pattern = re.sub(r"\$\{[^}]*\}", "*", out)
+            if any(fnmatch.fnmatchcase(candidate, pattern) for candidate in wanted):
+                found.append((len(pattern.replace("*", "")), name))
+    return max(found)[1] if found else None
 
 
 # data/: the splits (one parquet per split) and the task items (one parquet per task and part)
@@ -71,6 +93,7 @@ DISTILL_CURVES = METRICS / "distill"  # per map, per epoch: fit losses, select K
 SELECT = METRICS / "select.json"
 CONTROLS = METRICS / "controls.json"
 CONTROLS_USAGE = METRICS / "controls_usage.json"
+CONTROLS_VERDICT = METRICS / "controls_verdict.json"  # each control's pass alone: what the evaluating stages read
 VARIANT_METRICS = METRICS / "eval"
 CANDIDATES = METRICS / "candidates.json"
 CALIBRATION = METRICS / "calibration"

@@ -14,7 +14,7 @@ rank's usage figures). One process is `Ranks` of size 1: every helper is then a 
 Running torchrun's agent in the launching process lets the launcher say an interrupt's one line (`store.cli`)
 where torchrun's command prints its own report of the signal: Ctrl-C reaches the launcher, whose agent passes it
 on to the processes (each in its own session), waits for them to remove their temporaries and end, and the stage
-ends `interrupted: <stage>` with status 130.
+ends `interrupted: <stage>` with status 130 (143 for SIGTERM).
 
 Work is split by index (`Ranks.share`: rank r takes items r, r+N, ...) and results come back to rank 0 as
 Python objects (`gather`), which puts them in a fixed order, so a stage can write exactly what one process
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from pipeline.store.artifacts import nested, write_json_atomic
-from pipeline.store.cli import INTERRUPTED, PARENT_SAYS_ENV, Refusal
+from pipeline.store.cli import PARENT_SAYS_ENV, STOPPED_BY, Refusal, interrupted_by
 from pipeline.store.devices import StageUsage, usage_of_ranks
 from pipeline.store.lazy import lazy
 
@@ -164,8 +164,9 @@ def launched() -> bool:
 def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes,
     wait for them and return True (the caller is done). A failed rank raises SystemExit(1) after torchrun's report
-    of which rank failed first; Ctrl-C (here, or a rank's own that ended it with status 130) raises
-    KeyboardInterrupt once every rank has ended. Otherwise return False: the caller does the work itself."""
+    of which rank failed first; Ctrl-C or SIGTERM (here, or a rank's own that ended it with status 130 or 143)
+    raises KeyboardInterrupt once every rank has ended, the stage then ending with that signal's status. Otherwise
+    return False: the caller does the work itself."""
     if processes == 1 or launched():
         return False
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
@@ -173,13 +174,14 @@ def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
         try:
             torchrun.run(args)
         except elastic.SignalException as stopped:  # the agent has passed the signal on and its ranks have ended
-            if stopped.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
+            if stopped.sigval in STOPPED_BY.values():
+                raise interrupted_by(stopped.sigval) from None
             print(f"error: {module} on {processes} processes stopped by {stopped.sigval.name}", file=sys.stderr)
             raise SystemExit(128 + stopped.sigval) from None
         except elastic_errors.ChildFailedError as failed:
-            if failed.get_first_failure()[1].exitcode == INTERRUPTED:
-                raise KeyboardInterrupt from None
+            status = failed.get_first_failure()[1].exitcode
+            if status in STOPPED_BY:
+                raise interrupted_by(STOPPED_BY[status]) from None
             print(failed, file=sys.stderr)
             print(f"error: {module} failed on one of its {processes} processes and torchrun ended the others; its "
                   f"report above names the rank that failed first", file=sys.stderr)

@@ -14,6 +14,7 @@ from pipeline.measure.retention import gap_closure_interval, paired_items, reten
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.store import paths
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import interval, md_table, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -44,7 +45,7 @@ def load(run: Run) -> Inputs | None:
         return Inputs(run.items, {}, {})
     if "source" not in run.items:
         return None
-    return Inputs(run.items, points, {size: {path.stem: pd.read_parquet(path)
+    return Inputs(run.items, points, {size: {path.stem: read_table(path)
                                              for path in sorted(paths.calibration_items(size).glob("*.parquet"))}
                                       for size in points})
 

@@ -16,6 +16,7 @@ from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -47,7 +48,7 @@ def load(run: Run) -> Inputs | None:
     """None when the stage did not run, or without the source's items (each candidate's gap closure needs them)."""
     if not paths.CANDIDATES.is_file() or "source" not in run.items:
         return None
-    items = {path.stem: pd.read_parquet(path) for path in sorted(paths.CANDIDATE_ITEMS.glob("*.parquet"))}
+    items = {path.stem: read_table(path) for path in sorted(paths.CANDIDATE_ITEMS.glob("*.parquet"))}
     return Inputs(run.items, items, json.loads(paths.CANDIDATES.read_text()), json.loads(paths.FIT.read_text()),
                   run.select)
 

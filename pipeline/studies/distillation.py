@@ -20,6 +20,7 @@ from pipeline.measure.retention import gap_closure_interval, paired_items, reten
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -46,10 +47,10 @@ def load(run: Run) -> Inputs | None:
     distill = json.loads(paths.DISTILL.read_text())
     names = [*distill["maps"], *(facts["start"] for facts in distill["maps"].values())]
     candidates = {name: paths.candidate_items(name) for name in names}
-    items = {**run.items, **{name: pd.read_parquet(path) for name, path in candidates.items() if path.is_file()}}
+    items = {**run.items, **{name: read_table(path) for name, path in candidates.items() if path.is_file()}}
     curves = {name: pd.read_csv(paths.distill_curve(name)) for name in distill["maps"]}
     prompt_rows = {name: paths.candidate_prompts(name) for name in names}
-    prompts = {name: pd.read_parquet(path) for name, path in prompt_rows.items() if path.is_file()}
+    prompts = {name: read_table(path) for name, path in prompt_rows.items() if path.is_file()}
     return Inputs(distill, curves, run.select, items, prompts)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap, sign_test
 from pipeline.store import paths
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import interval, md_table, pct, save_figure, subplots
 from pipeline.studies.run import Run
@@ -38,10 +39,10 @@ def load(run: Run) -> Inputs | None:
     if not paths.LENGTH.is_file():
         return None
     figures = json.loads(paths.LENGTH.read_text())
-    rows = {(space, length): pd.read_parquet(paths.length_rows(space, length, paths.LENGTH_ROWS))
+    rows = {(space, length): read_table(paths.length_rows(space, length, paths.LENGTH_ROWS))
             for space in SPACES for length in sorted(map(int, figures["oracle"]["by_length"]))}
     return Inputs(figures, rows,
-                  {space: pd.read_parquet(paths.length_tasks(space, paths.LENGTH_ROWS)) for space in SPACES})
+                  {space: read_table(paths.length_tasks(space, paths.LENGTH_ROWS)) for space in SPACES})
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:

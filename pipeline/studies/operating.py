@@ -20,6 +20,7 @@ from pipeline.measure.confident import confidence_intervals
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -40,7 +41,7 @@ def load(run: Run) -> Inputs:
     """Every operating length's figures and prompt rows (none when the profile declares no length: the study is then
     empty, and its figure says so)."""
     figures = {length: json.loads(paths.operating_metrics(length).read_text()) for length in run.operating_lengths}
-    rows = {(length, name): pd.read_parquet(paths.operating_rows(length) / name / "prompts.parquet")
+    rows = {(length, name): read_table(paths.operating_rows(length) / name / "prompts.parquet")
             for length, study in figures.items() for name in study["variants"]}
     return Inputs(figures, rows)
 

@@ -20,7 +20,7 @@ from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
-from pipeline.store.artifacts import ArtifactError
+from pipeline.store.artifacts import ArtifactError, read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -51,12 +51,12 @@ def load(run: Run) -> Inputs | None:
     if any("policy" not in figures for settings in metrics["maps"].values() for figures in settings.values()):
         raise ArtifactError(f"{paths.REPAIR_METRICS}: written before each setting recorded its policy; rerun the "
                             "repair stage (dvc repro repair)")
-    rows = {(name, setting): pd.read_parquet(paths.repair_rows("items", name, setting))
+    rows = {(name, setting): read_table(paths.repair_rows("items", name, setting))
             for name, settings in metrics["maps"].items() for setting in settings}
     truncated = paths.TRUNCATED_BASELINE
-    rows.update({(truncated, budget): pd.read_parquet(paths.repair_rows("items", truncated, budget))
+    rows.update({(truncated, budget): read_table(paths.repair_rows("items", truncated, budget))
                  for budget in metrics.get(truncated, {})})
-    curves = pd.read_parquet(paths.SELECTIVE_CURVES) if paths.SELECTIVE_METRICS.is_file() else None
+    curves = read_table(paths.SELECTIVE_CURVES) if paths.SELECTIVE_METRICS.is_file() else None
     return Inputs(run.items, metrics, rows, curves, run.metrics["source"])
 
 

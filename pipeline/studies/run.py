@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
+from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
 from pipeline.store.models import read_pointer
 from pipeline.store.truncated import self_name
@@ -52,8 +53,8 @@ class Run:
             if "skipped" in metrics[variant]:  # undefined for this pair (kv.contract): reported, not compared
                 skipped[variant] = metrics.pop(variant)["skipped"]
                 continue
-            items[variant] = pd.read_parquet(paths.variant_rows("items", paths.variant_folder(variant)))
-            prompts[variant] = pd.read_parquet(paths.variant_rows("prompts", paths.variant_folder(variant)))
+            items[variant] = read_table(paths.variant_rows("items", paths.variant_folder(variant)))
+            prompts[variant] = read_table(paths.variant_rows("prompts", paths.variant_folder(variant)))
         if "oracle" not in metrics:
             raise FileNotFoundError(f"{paths.variant_metrics('oracle')} not found: the report needs the oracle's "
                                     "evaluation")

@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline.measure.gating import effective_speedup
 from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
-from pipeline.store.artifacts import ArtifactError
+from pipeline.store.artifacts import ArtifactError, read_table
 from pipeline.store.lazy import lazy
 from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -42,7 +42,7 @@ def load(run: Run) -> Inputs | None:
     if "confident_margin" not in metrics:
         raise ArtifactError(f"{paths.SELECTIVE_METRICS} has no confident top-1 or item AUROC intervals: it was written "
                             f"before them; rerun the selective stage (dvc repro)")
-    return Inputs(metrics, pd.read_parquet(paths.SELECTIVE_CURVES))
+    return Inputs(metrics, read_table(paths.SELECTIVE_CURVES))
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:

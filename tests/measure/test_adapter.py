@@ -3,6 +3,8 @@ log-likelihood honest about the positions and about what was handed off, and eac
 in every mode, under a repair and under a gate."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers import WIKITEXT
@@ -72,6 +74,18 @@ def test_generate_until_left_truncates_a_long_prompt_to_the_positions_max_gen_to
     request = generation(prompt, max_gen_toks=16)
     ours = model(tiny_pair, identity_map, "oracle", max_length=64).generate_until([request])
     assert ours == reference_hf(tiny_pair["target"], 64).generate_until([request])
+
+
+def test_generate_until_warns_when_it_left_truncates_a_prompt_and_not_otherwise(tiny_pair, identity_map, caplog):
+    lm = model(tiny_pair, identity_map, "oracle", max_length=64)
+    tokens = len(AutoTokenizer.from_pretrained(tiny_pair["target"]).encode(PROMPT))
+    with caplog.at_level(logging.WARNING, logger="pipeline.measure.adapter"):
+        lm.generate_until([generation(max_gen_toks=64 - tokens)])  # the whole prompt fits: said nothing
+        assert caplog.messages == []
+        lm.generate_until([generation(max_gen_toks=64 - tokens + 6)])  # before: 6 tokens dropped silently
+    assert caplog.messages == [f"kv-transfer: generate_until left-truncates a prompt of {tokens} tokens to its last "
+                               f"{tokens - 6} (max_length 64 less max_gen_toks {64 - tokens + 6}): the rest of the "
+                               f"prompt is not read; lower max_gen_toks to keep it"]
 
 
 def test_generate_until_refuses_a_sampling_request_rather_than_decoding_it_greedily(tiny_pair, identity_map):

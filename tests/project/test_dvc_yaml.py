@@ -241,3 +241,25 @@ def test_dvc_reads_its_yaml_files_with_ruamels_c_parser():
     # DVC loads dvc.yaml, dvc.lock and params.yaml with ruamel's safe loader around every stage; without
     # ruamel.yaml.clib (a dependency of pyproject.toml) that loader is pure Python, about a second per stage here
     assert YAML(typ="safe").Parser.__module__.startswith("ruamel.yaml.clib")
+
+
+def test_the_committed_pair_is_kept_by_dvc_while_prepare_models_makes_the_next_one():
+    # dvc deletes a stage's outputs before it runs unless they persist: an interrupted prepare_models then lost the
+    # pair git holds; the stage swaps both folders in itself once complete (store.artifacts.atomic_dirs)
+    outs = {path: options for entry in STAGES["prepare_models"]["outs"] for path, options in entry.items()}
+    assert set(outs) == {"models/source", "models/target"}
+    assert all(options.get("persist") is True and options.get("cache") is False for options in outs.values()), outs
+
+
+def test_every_stage_that_checks_the_controls_depends_on_their_verdict_and_none_on_their_figures():
+    # controls.json's figures move from run to run: a stage that depended on them was never restored from the run cache
+    assert {"metrics/controls_verdict.json": {"cache": False}} in STAGES["controls"]["metrics"]
+    checking = []
+    for name, stage in STAGES.items():
+        deps = body(stage).get("deps", [])
+        if name != "report":  # it shows the controls' figures
+            assert "metrics/controls.json" not in deps, f"stage {name} depends on the controls' figures"
+        if "require_controls_passed(" in (ROOT / (stage_module(stage).replace(".", "/") + ".py")).read_text():
+            checking.append(name)
+            assert "metrics/controls_verdict.json" in deps, f"stage {name} reads the verdict but does not depend on it"
+    assert "evaluate_mapped" in checking and len(checking) == 8

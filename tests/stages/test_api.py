@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import ROOT, build_model, llama_config
+from helpers import ROOT, build_model, llama_config, tiny_config
 from transformers import AutoModelForCausalLM
 
 from pipeline.api import handed_off, handoff, pair
@@ -140,3 +141,77 @@ def test_the_readmes_python_block_runs_as_written(tmp_path, tiny_pair, identity_
                           timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip(), "the block prints its route and continuation"
+
+
+@pytest.fixture(scope="module")
+def short_target(tmp_path_factory, tokenizer) -> str:
+    """A tiny target with 256 positions, as the tiny profile's."""
+    folder = tmp_path_factory.mktemp("api-short") / "target"
+    build_model(tiny_config(len(tokenizer), 32, max_position_embeddings=256), seed=5).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_prompt_past_the_targets_positions_with_its_new_tokens_is_refused_as_generate_refuses_it(short_target):
+    router = handoff(pair(short_target, short_target, device="cpu"), "direct")
+    with pytest.raises(ParamError, match=r"^handed_off\(\) prompt: the prompt is 300 tokens and 1 new ones are asked, "
+                                         r"past the models' 256 positions; give a shorter prompt or fewer new tokens$"):
+        handed_off(router, [5] * 300)
+    with pytest.raises(ParamError, match=r"the prompt is 250 tokens and 8 new ones are asked, past the models' 256"):
+        handed_off(router, [5] * 250, max_new_tokens=8)
+    with pytest.raises(ParamError, match=r"^handed_off\(\) max_new_tokens: expected an integer >= 1, got 0$"):
+        handed_off(router, [5] * 4, max_new_tokens=0)
+    assert handed_off(router, [5] * 255).cache.get_seq_length() == 254  # the last prompt that leaves a new token
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    ([5, 2.7, 9], TypeError, r"^handed_off\(\) prompt: token 1 is float 2\.7, not an integer id; give ints"),
+    (torch.tensor([5.0, 6.0]), TypeError, r"^handed_off\(\) prompt: token 0 is Tensor tensor\(5\.\), not an integer"),
+    ([[5, 6]], TypeError, r"^handed_off\(\) prompt: token 0 is list \[5, 6\], not an integer id"),
+    ([5, True], TypeError, r"^handed_off\(\) prompt: token 1 is bool True, not an integer id"),
+    ("story: ray teal toy", TypeError, r"^handed_off\(\) prompt: expected token ids \(a list of ints\), got str "
+                                       r"'story: ray teal toy'; encode text with the target's tokenizer first$"),
+    (7, TypeError, r"^handed_off\(\) prompt: expected token ids \(a list of ints\), got int 7;"),
+    ([5, -1], ValueError, r"^handed_off\(\) prompt: token id -1 is outside the vocabulary \(ids 0\.\.1023\); give ids "
+                          r"the target's tokenizer makes$"),
+    ([5, 1024], ValueError, r"^handed_off\(\) prompt: token id 1024 is outside the vocabulary \(ids 0\.\.1023\)"),
+    ([], ValueError, r"^handed_off\(\) prompt: empty; give at least one token$"),
+])
+def test_a_prompt_that_is_not_token_ids_of_the_vocabulary_is_refused_in_one_line_naming_it(prompt, error, message,
+                                                                                          short_target):
+    router = handoff(pair(short_target, short_target, device="cpu"), "direct")
+    with pytest.raises(error, match=message) as refused:
+        handed_off(router, prompt)
+    assert isinstance(refused.value, ParamError)  # a refusal: one line, never a traceback from inside the models
+
+
+def test_token_ids_of_any_integer_kind_are_read_as_the_same_prompt(short_target):
+    router = handoff(pair(short_target, short_target, device="cpu"), "direct")
+    plain = handed_off(router, [5, 6, 7]).next_token_logits()
+    for prompt in (torch.tensor([5, 6, 7]), np.array([5, 6, 7]), (5, 6, 7)):
+        assert torch.equal(handed_off(router, prompt).next_token_logits(), plain)
+
+
+def test_a_path_where_a_pair_or_a_router_goes_is_refused_naming_the_argument(short_target):
+    with pytest.raises(TypeError, match=r"^handoff\(\) models: expected the pair pipeline\.api\.pair\(target, source\) "
+                                        r"makes, got str '.*target'$"):
+        handoff(short_target, "direct")
+    with pytest.raises(TypeError, match=r"^handed_off\(\) router: expected what pipeline\.api\.handoff\(\.\.\.\) "
+                                        r"returns, got Pair"):
+        handed_off(pair(short_target, device="cpu"), [5, 6])
+
+
+@pytest.mark.parametrize("max_tokens", [-1, 0])
+def test_a_pair_for_no_token_at_all_is_refused(max_tokens, short_target):
+    with pytest.raises(ParamError, match=rf"^pair\(\) max_tokens: expected an integer >= 1, got {max_tokens}$"):
+        pair(short_target, max_tokens=max_tokens)
+
+
+def test_next_token_logits_read_twice_are_the_same_and_leave_the_cache_to_continue_the_prompt(tiny_pair):
+    models = pair(tiny_pair["target"], tiny_pair["target"], device="cpu")
+    prompt = models.target_tokenizer.encode(PROMPT)
+    handed = handed_off(handoff(models, "direct"), prompt, max_new_tokens=NEW_TOKENS)
+    first, second = handed.next_token_logits(), handed.next_token_logits()
+    assert torch.equal(first, second)  # before, the second read saw prompt[-1] twice: logits 0.59 apart
+    assert handed.cache.get_seq_length() == len(prompt) - 1
+    assert plain_generate(models.target, prompt, handed.cache) == plain_generate(models.target, prompt)

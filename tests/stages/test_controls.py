@@ -228,6 +228,12 @@ def test_a_damaged_selected_mapper_is_named_by_its_checksum_first(tmp_path, mode
         controls.main([])
 
 
+def test_the_verdict_holds_each_controls_pass_and_none_of_its_figures():
+    results = {"cached_decode_float32": {"passed": True, "max_abs_delta_logprob": 7.6e-06, "noise_floor": 9.5e-06},
+               "corruption_detection": {"passed": False, "flips_accepted": 1}}
+    assert controls.verdict(results) == {"cached_decode_float32": True, "corruption_detection": False}
+
+
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
 def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off_by_one(architecture):
     config = SUPPORTED[architecture]()

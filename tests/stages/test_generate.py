@@ -2,15 +2,18 @@
 mode is one line, a gated mode goes the way its score says, a repair's recomputed tokens are printed; on tiny models
 built here."""
 import io
+import shutil
 
+import pandas as pd
 import pytest
-from helpers import build_model, tiny_config
+from helpers import ROOT, build_model, tiny_config
 
 from pipeline.generate import departure, main, run
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.routes import FELL_BACK, SENTENCES
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError
 from pipeline.store.params import ParamError
@@ -221,3 +224,17 @@ def test_a_malformed_repair_is_the_repair_parsers_one_line_refusal(capsys, monke
         run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), "--repair", setting)
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert exit_.value.code == 2 and len(errors) == 1 and errors[0].endswith(f"argument --repair: {parsed.value}")
+
+
+def test_a_truncated_eval_part_is_one_line_naming_it_and_prepare_data(tmp_path, monkeypatch, tiny_pair):
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")  # where generate runs: the repository
+    (tmp_path / "data").mkdir()
+    pd.DataFrame({"prompt_ids": [[5, 6, 7]] * 4, "continuation_ids": [[8, 9]] * 4}).to_parquet(tmp_path / "data" /
+                                                                                           "eval.parquet")
+    eval_part = tmp_path / "data" / "eval.parquet"
+    eval_part.write_bytes(eval_part.read_bytes()[:-40])  # before: pyarrow's traceback from read_prompts
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArtifactError, match=r"^data/eval\.parquet: not a readable parquet table \([^\n]+\); "
+                                            r"regenerate it: dvc repro -f prepare_data$"):
+        main(["--eval", "1", "--transfer", "oracle", "--target", str(tiny_pair["target"]), "--dtype", "float32",
+              "--device", "cpu", "--threads", "0"])

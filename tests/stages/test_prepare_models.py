@@ -8,6 +8,7 @@ import yaml
 from helpers import ROOT, committed, pin_and_prepare
 
 from pipeline import prepare_models
+from pipeline.schema.prepare_models import TrainParams
 from pipeline.store.models import ModelNotAvailableError, ModelsParams, load_config, load_model, load_tokenizer
 from pipeline.store.params import parse
 
@@ -34,6 +35,10 @@ def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_na
         load_model(str(tmp_path / "models" / "target"), device="cpu")
 
 
+def train_params() -> TrainParams:
+    return parse(TrainParams, committed("train"), "train")
+
+
 def random_pair(root, tokenizer, monkeypatch, target: str) -> ModelsParams:
     """The models section of a random pair (qwen3-0.6b, `target`), run from `root` with the tiny tokenizer there."""
     monkeypatch.chdir(root)  # store.paths are relative to the repository root, where stages run
@@ -43,7 +48,7 @@ def random_pair(root, tokenizer, monkeypatch, target: str) -> ModelsParams:
 
 def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
     models = random_pair(tmp_path, tokenizer, monkeypatch, "qwen3-1.7b")
-    prepare_models.record_random_pair(models, committed("train")["random_seed"])
+    prepare_models.prepare(models, train_params(), 1)
     pointer = json.loads((tmp_path / "models" / "target" / "random.json").read_text())
     assert pointer == {"shape": "qwen3-1.7b", "seed": 1}
     assert len(load_tokenizer(str(tmp_path / "models" / "source"))) == len(tokenizer)
@@ -52,4 +57,4 @@ def test_random_pointer_loads_the_named_shape(tmp_path, tokenizer, monkeypatch):
 def test_unknown_shape_is_refused(tmp_path, tokenizer, monkeypatch):
     models = random_pair(tmp_path, tokenizer, monkeypatch, "qwen3-17b")
     with pytest.raises(ValueError, match="qwen3-17b"):
-        prepare_models.record_random_pair(models, 0)
+        prepare_models.prepare(models, train_params(), 1)

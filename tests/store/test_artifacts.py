@@ -1,10 +1,14 @@
 """Checksummed artifacts: round trip, any flipped byte refused with the file's name, atomic writes."""
 import os
+import shutil
+import signal
 
+import pandas as pd
 import pytest
 import torch
+from helpers import ROOT
 
-from pipeline.store import artifacts
+from pipeline.store import artifacts, paths
 from pipeline.store.artifacts import ArtifactError, load_artifact, nested, save_artifact
 from pipeline.store.cli import Refusal
 
@@ -157,13 +161,13 @@ def test_the_umask_is_unchanged_by_an_atomic_write(tmp_path, umask):
 
 
 def test_failed_or_missing_controls_are_a_refusal_naming_the_control(tmp_path):
-    path = tmp_path / "controls.json"
+    path = tmp_path / "controls_verdict.json"
     with pytest.raises(Refusal, match="not found: run the controls stage"):
         artifacts.require_controls_passed(path)
-    path.write_text('{"decode": {"passed": true}, "rope": {"passed": false}, "device": "cpu"}')
+    path.write_text('{"decode": true, "rope": false}')
     with pytest.raises(Refusal, match=r"^controls failed \(rope\): no variant is evaluated"):
         artifacts.require_controls_passed(path)
-    path.write_text('{"decode": {"passed": true}}')
+    path.write_text('{"decode": true}')
     artifacts.require_controls_passed(path)
 
 
@@ -176,3 +180,86 @@ def test_metrics_keys_with_slashes_nest_into_groups():
 def test_a_metric_that_is_both_a_value_and_a_group_is_refused(flat):
     with pytest.raises(ValueError, match="'a'"):
         nested(flat)
+
+
+def _pair(tmp_path, content: str) -> list:
+    folders = [tmp_path / "models" / side for side in ("source", "target")]
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(content)
+    return folders
+
+
+def _contents(folders) -> list[str]:
+    return [(folder / "config.json").read_text() for folder in folders]
+
+
+def test_a_pair_of_folders_interrupted_while_staged_keeps_the_old_pair_and_no_temporary(tmp_path):
+    folders = _pair(tmp_path, "old")
+    with pytest.raises(KeyboardInterrupt):
+        with artifacts.atomic_dirs(folders) as staging:
+            (staging[0] / "config.json").write_text("new")
+            raise KeyboardInterrupt  # the target still training
+    assert _contents(folders) == ["old", "old"]
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == ["source", "target"]
+
+
+def test_a_signal_during_the_swap_of_a_pair_comes_after_both_folders_are_swapped(tmp_path, monkeypatch):
+    folders = _pair(tmp_path, "old")
+    replace, calls = os.replace, []
+
+    def replace_then_sigterm(source, target):  # SIGTERM once the first folder is swapped in, before the second
+        replace(source, target)
+        calls.append(target)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(artifacts.os, "replace", replace_then_sigterm)
+    before = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with artifacts.atomic_dirs(folders) as staging:
+                for folder in staging:
+                    (folder / "config.json").write_text("new")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert len(calls) == 4 and _contents(folders) == ["new", "new"]  # without the held signal: a new target, old source
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == ["source", "target"]
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A working directory with the pipeline's dvc.yaml, where the stages run."""
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_truncated_parquet_table_is_one_line_naming_it_and_the_stage_that_makes_it(project):
+    table = project / "data" / "eval.parquet"
+    table.parent.mkdir()
+    pd.DataFrame({"prompt_ids": [[1, 2, 3]] * 8}).to_parquet(table)
+    assert artifacts.read_table("data/eval.parquet").prompt_ids.tolist()[0].tolist() == [1, 2, 3]
+    table.write_bytes(table.read_bytes()[:-40])  # a copy cut short
+    with pytest.raises(ArtifactError, match=r"^data/eval\.parquet: not a readable parquet table \([^\n]+\); "
+                                            r"regenerate it: dvc repro -f prepare_data$"):
+        artifacts.read_table("data/eval.parquet")
+    table.unlink()
+    with pytest.raises(ArtifactError, match=r"^data/eval\.parquet: not found; make it \(dvc repro prepare_data\)$"):
+        artifacts.read_table("data/eval.parquet")
+
+
+@pytest.mark.parametrize("path, stage", [
+    ("data/long/eval_64.parquet", "prepare_data"),
+    ("eval/oracle/prompts.parquet", "evaluate"),
+    ("eval/selected/items.parquet", "evaluate_mapped"),  # eval/${key}
+    ("eval/candidates/mlp_k1.parquet", "candidates"),  # its own folder, not eval/${key}'s
+    ("eval/calibration/10/items.parquet", "calibrate"),
+    ("rows.parquet", None),  # a user's file
+])
+def test_the_stage_that_makes_a_file_is_read_from_dvc_yaml(path, stage, project):
+    assert paths.maker(path) == stage

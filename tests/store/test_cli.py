@@ -1,5 +1,6 @@
 """Every stage's command line: `--help` prints usage and touches nothing, unknown arguments are refused, and
 a refusal is one line on stderr (the traceback only with KVH_TRACEBACK=1)."""
+import contextlib
 import hashlib
 import importlib
 import os
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil  # accelerate's dependency: a stage's processes
 import pytest
 import torch
 import yaml
@@ -250,3 +252,80 @@ def test_an_error_after_an_interrupt_such_as_a_collective_a_peer_left_is_the_int
     with pytest.raises(SystemExit) as stop:
         cli.entry(peer_left)
     assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: test_cli\n"
+
+
+def wait_for(condition, command: subprocess.Popen, what: str, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert command.poll() is None and time.monotonic() < deadline, f"{what} never came: {command.communicate()}"
+        time.sleep(0.05)
+
+
+def writing(folder: Path) -> bool:
+    return bool(list(folder.glob(".out.txt.*.tmp")))
+
+
+@pytest.mark.parametrize("argv", [["child"], ["parent"]], ids=["a stage", "a stage waiting on its fresh process"])
+def test_sigterm_ends_a_command_with_one_line_and_status_143_after_its_cleanup(argv, tmp_path):
+    command = start_command(tmp_path, *argv)
+    try:
+        wait_for(lambda: writing(tmp_path), command, "the output's temporary")
+        command.send_signal(signal.SIGTERM)  # to the stage alone: one that waits on another passes it on
+        out, err = command.communicate(timeout=30)
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+            command.wait()
+    assert command.returncode == 143 and err.splitlines() == ["interrupted: command"]  # before, 130
+    assert out == "written, not flushed; exit handler ran\n"
+    assert [name for name in os.listdir(tmp_path) if name != "__pycache__"] == ["command.py"]
+
+
+def test_a_command_whose_parent_is_killed_outright_ends_cleaned_up(tmp_path):
+    command = start_command(tmp_path, "parent")
+    try:
+        wait_for(lambda: writing(tmp_path), command, "the fresh process's temporary")
+        (child,) = psutil.Process(command.pid).children()
+        command.kill()  # SIGKILL: nothing of the parent's runs; the kernel tells the child (PR_SET_PDEATHSIG)
+        command.wait()
+        _, alive = psutil.wait_procs([child], timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(command.pid, signal.SIGKILL)
+    assert not alive, "the stage's fresh process outlived its killed parent (before: 60 s more, writing)"
+    assert [name for name in os.listdir(tmp_path) if name != "__pycache__"] == ["command.py"]
+
+
+DVC_YAML = """stages:
+  command:
+    cmd: python command.py child
+    outs:
+      - out.txt: {cache: false, persist: true}
+"""
+
+
+@pytest.mark.parametrize("stop", ["dvc", "its process group"])
+def test_sigterm_to_dvc_repro_ends_its_stage_cleaned_up_and_a_persisted_output_kept(stop, tmp_path):
+    (tmp_path / "command.py").write_text(COMMAND)
+    (tmp_path / "dvc.yaml").write_text(DVC_YAML)
+    (tmp_path / "out.txt").write_text("committed")
+    env = {**{key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"},
+           "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "DVC_NO_ANALYTICS": "1"}
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, env=env, check=True)
+    dvc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        wait_for(lambda: writing(tmp_path), dvc, "the stage's temporary")
+        stage = [process for process in psutil.Process(dvc.pid).children(recursive=True)
+                 if "command.py" in process.cmdline()]
+        (os.kill if stop == "dvc" else os.killpg)(dvc.pid, signal.SIGTERM)
+        _, err = dvc.communicate(timeout=30)  # the stage's stderr is dvc's: its end comes when the stage ends
+        _, alive = psutil.wait_procs(stage, timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(dvc.pid, signal.SIGKILL)
+    assert len(stage) == 1 and not alive, "the stage outlived dvc"
+    assert err.splitlines()[-1] == "interrupted: command", err  # its SIGTERM handler ran: cleaned up
+    assert (tmp_path / "out.txt").read_text() == "committed"  # persist: dvc did not delete it before the run
+    assert not list(tmp_path.glob(".*.tmp"))
