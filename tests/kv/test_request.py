@@ -35,11 +35,12 @@ def test_each_arg_is_taken_by_the_modes_that_read_it_and_refused_by_the_others(m
     args = asked(field, map_file)
     if mode == "mapped" and field != "mapper":
         args["mapper"] = map_file
+    spelt = f"{mode}:0.5" if MODES[mode].parameter else mode  # a mode that takes a value is written with it
     if mode in USES[field]:
-        Transfer.of(KV_TRANSFER, mode=mode, **args)
+        Transfer.of(KV_TRANSFER, mode=spelt, **args)
         return
     with pytest.raises(ParamError, match=rf"^kv-transfer transfer={mode} does not use (\w+)=: leave it out"):
-        Transfer.of(KV_TRANSFER, mode=mode, **args)
+        Transfer.of(KV_TRANSFER, mode=spelt, **args)
 
 
 def test_the_faces_spell_one_rule_their_own_way():
