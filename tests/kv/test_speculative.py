@@ -5,11 +5,15 @@ geometry: no map, and none needed): p = 1 is the oracle exactly; at p < 1 each k
 position (a renumbered forward differs) and every read after the cache (scoring, a padded batch, decoding) is told
 the true positions; the choice is deterministic and always keeps the sinks and the last m; the FLOP model counts the
 source's prefill, its scores and the target's prefill of the kept tokens only."""
+import math
+
 import pytest
 import torch
 from helpers import committed
 from helpers.architectures import SUPPORTED, VOCAB, _requests, random_of
+from lm_eval.api.instance import Instance
 
+from pipeline import api, generate
 from pipeline.kv import flops
 from pipeline.kv.decode import greedy_generate, greedy_rollout
 from pipeline.kv.kvcache import Prefixes
@@ -17,6 +21,7 @@ from pipeline.kv.lookahead import keep_positions
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
 from pipeline.kv.speculative import SpeculativeParams
+from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
@@ -151,3 +156,20 @@ def test_the_layers_read_are_checked_against_the_source():
         parse(SpeculativeParams, committed("speculative", layers=[2]), "speculative").layer_refusal(1)
     with pytest.raises(ParamError, match=r"speculative.layers"):
         parse(SpeculativeParams, committed("speculative", layers=[]), "speculative")
+
+
+def test_every_face_reaches_it_by_its_written_value(pair, tiny_pair):
+    router = api.handoff(pair, "speculative:0.5")
+    assert router.record()["transfer"] == "speculative:0.5" and router.handoff.share == 0.5
+    prompt = _contexts()[0]
+    handed = api.handed_off(router, prompt)
+    first = router.handoff.first_step(Prefixes.of(torch.tensor([prompt])))
+    assert torch.allclose(handed.next_token_logits(), first.logits[0], atol=1e-5)
+    routers = generate.build_routers(pair, ["speculative:0.5"], {}, asked=True)
+    assert list(routers) == ["oracle", "speculative:0.5"] and routers["speculative:0.5"].handoff.share == 0.5
+    lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]),
+                                transfer="speculative:0.5", device="cpu")
+    assert lm.router.record()["transfer"] == "speculative:0.5"
+    requests = [Instance("loglikelihood", {}, ("a b c d e f g h i j k l", " m n"), 0)]
+    (score, _), = lm.loglikelihood(requests, disable_tqdm=True)
+    assert math.isfinite(score)
