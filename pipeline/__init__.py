@@ -39,7 +39,8 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               Face folder
     kv/       the method: the registries' one rule (entries by name, and each entry's maths keyed by it), a model's
               KV geometry from its config, RoPE, the query/key/value paths of each architecture's attention, cache
-              <-> tensors, the mapper families (kv/families/, one declaration module each, and their registry), the
+              <-> tensors, speculative prefill's settings and the source's look-ahead scores, the mapper families
+              (kv/families/, one declaration module each, and their registry), the
               handoff modes (kv/modes/, likewise), the architecture contract (which pairs and modes are defined), the
               repair's token selectors (kv/selectors/, likewise), the repair setting and its grammar, the repair's
               run (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
@@ -73,9 +74,10 @@ WINGS = {
     "store": ("lazy", "paths", "cli", "artifacts", "params", "inputs", "devices", "machine", "ranks", "splits",
               "haystack", "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints",
               "gguf"),
-    "kv": ("entries", "geometry", "rope", "projections", "kvcache", "families", "families.maths", "modes",
-           "modes.maths", "contract", "selectors", "repair", "selectors.maths", "recompute", "flops", "mapper",
-           "handoff", "decode", "scoring", "routes", "scores", "scores.maths", "gate", "pair", "request", "router"),
+    "kv": ("entries", "geometry", "rope", "projections", "kvcache", "speculative", "lookahead", "families",
+           "families.maths", "modes", "modes.maths", "contract", "selectors", "repair", "selectors.maths", "recompute",
+           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "scores.maths", "gate", "pair",
+           "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
     "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating",
                 "ledger", "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),

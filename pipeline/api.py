@@ -19,7 +19,10 @@ where the gate falls back, the target's own prefill, with the route that says wh
 fresh transformers `DynamicCache` of prompt[:-1] at positions 0..n-2: `generate` with the whole prompt as
 `input_ids` reads prompt[-1] and continues from it, as the pipeline's own decoding does. A map is bound to the models
 it was fitted on (`store.fingerprints`); `allow_other_models=True` uses it anyway. Under `handoff(..., "source")` the
-decoding model is the source itself: continue with `handed.model`, which is the target in every other mode.
+decoding model is the source itself: continue with `handed.model`, which is the target in every other mode. Under
+`handoff(..., "speculative:0.1")` (speculative prefill at share p = 0.1) the cache holds only the kept tokens, each at
+its own position: `next_token_logits` reads on at the true position, but transformers' `generate` numbers positions by
+the cache's length, so pass `position_ids` yourself there.
 
 Every argument is checked where it enters, by the rules generate's flags obey (`store.inputs`): a prompt is token ids
 (ints within the vocabulary; text or a float id is a TypeError), and the prompt with the `max_new_tokens` you will

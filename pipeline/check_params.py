@@ -28,6 +28,7 @@ from pydantic import model_validator
 
 from pipeline.kv.families.registry import MapName
 from pipeline.kv.repair import Repair
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.candidates import CandidatesParams
@@ -81,6 +82,7 @@ class ParamsFile(Params):
     candidates: CandidatesParams
     selective: SelectiveParams
     repair: RepairParams
+    speculative: SpeculativeParams  # read by the faces (kv.request), no stage yet
     calibration: CalibrationParams
     report: ReportParams
     length: LengthParams

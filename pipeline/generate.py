@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pipeline.kv.decode import eos_ids
-from pipeline.kv.modes.registry import MODES, SOURCE_MODES
+from pipeline.kv.modes.registry import MODES, SOURCE_MODES, split_mode
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.request import GATE_SCORES, GENERATE, USES, Transfer
@@ -77,14 +77,14 @@ GATE_FLAGS = ("fallback", "threshold", "disagree")  # the gate's part of a reque
 def mode_request(mode: str, options: dict) -> Transfer:
     """The request of `mode` from the run's `options` (the request fields its flags give): each field the mode reads;
     a mode reading a map without one is refused (FileNotFoundError, as the pipeline's missing selected map)."""
-    mapper = options.get("mapper")
-    if mode in USES["mapper"]:
+    mapper, name = options.get("mapper"), split_mode(mode)[0]
+    if name in USES["mapper"]:
         if mapper is None:  # the selected map was fitted for the pipeline's pair, not for one given by hand
             raise FileNotFoundError("no mapper given for this pair: give --mapper PATH")
         if not Path(mapper).is_file():
             raise FileNotFoundError(f"no mapper at {mapper}: run the pipeline's `select` stage, or give --mapper")
     used = {field: value for field, value in options.items()
-            if value is not None and (field not in USES or mode in USES[field])}
+            if value is not None and (field not in USES or name in USES[field])}
     return Transfer.of(GENERATE, mode=mode, **{field: str(value) if field == "mapper" else value
                                               for field, value in used.items()})
 
@@ -100,7 +100,7 @@ def build_routers(pair: Pair, modes: Sequence[str], options: dict, say: Callable
         try:
             request = mode_request(mode, options)
             request.check_geometry(pair)
-            pair.contract.require(mode)
+            pair.contract.require(request.mode)
             requests[mode] = request
         except (Refusal, FileNotFoundError) as err:
             if mode == "oracle" or asked or isinstance(err, ParamError):
@@ -199,7 +199,7 @@ def request_options(args, modes: Sequence[str]) -> dict:
                "disagree": args.disagree}
     given = {**options, "mapper": args.mapper, "shuffle_seed": args.shuffle_seed}  # as typed, no default filled in
     for field, value in given.items():
-        if value is not None and not set(modes) & set(USES[field]):
+        if value is not None and not {split_mode(mode)[0] for mode in modes} & set(USES[field]):
             raise ParamError(f"{GENERATE.given(field)}: --transfer {','.join(modes)} names no mode it applies to "
                              f"({', '.join(USES[field])}); add one or leave the flag out")
     gate = {field: options[field] for field in GATE_FLAGS if options[field] is not None}
@@ -215,7 +215,8 @@ def command_line():
     cli.add_argument("--file", help="read the prompt from this file")
     cli.add_argument("--eval", type=int, metavar="N", help="the first N prompts of data/eval.parquet")
     cli.add_argument("--transfer", default=DEFAULT_TRANSFER,
-                     help=f"comma-separated modes among {', '.join(MODES)} (default: %(default)s)")
+                     help=f"comma-separated modes among {', '.join(MODES)}, speculative with its share: "
+                     f"speculative:0.1 (default: %(default)s)")
     cli.add_argument("--mapper", type=Path, help=f"the map of mapped and shuffled (default: the selected one, "
                      f"{paths.SELECTED_MAPPER}, for the pipeline's pair; none for a --target pair)")
     cli.add_argument("--max-new-tokens", type=int, default=32, help="default: %(default)s")
@@ -258,7 +259,7 @@ def checked_modes(cli, args) -> list[str]:
     if args.source and not args.target:
         cli.error("--source needs a --target")
     modes = [mode.strip() for mode in args.transfer.split(",") if mode.strip()]
-    unknown = [mode for mode in modes if mode not in MODES]
+    unknown = [mode for mode in modes if split_mode(mode)[0] not in MODES]
     if unknown:
         cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
     if not modes:

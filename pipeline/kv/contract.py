@@ -8,6 +8,7 @@ Read from configs (and tokenizers when given) before any weight is loaded or any
                    settings may differ, the keys are re-encoded
     mapped,        both understood, same tokenizer (a shuffled cache without a mapper also needs equal geometry,
     shuffled       which the handoff checks when it knows whether a mapper is given)
+    speculative    both understood, same tokenizer, any geometry (the source only scores the prompt's tokens)
 
 A model is understood when it is a full-attention decoder of a tested family whose cache is per layer
 (batch, kv_heads, tokens, head_dim), with RoPE whose frequencies do not depend on the sequence length; a
@@ -298,7 +299,7 @@ def pair_contract(target_config, source_config=None, target_tokenizer=None, sour
                                                         target_tokenizer)
     both = target.refusal or source.refusal or token_refusal
     modes["source"] = source.refusal or token_refusal
-    modes["mapped"] = modes["shuffled"] = both
+    modes["mapped"] = modes["shuffled"] = modes["speculative"] = both
     modes["direct"] = both or (None if source.geometry == target.geometry else (
         f"direct injection needs equal KV geometry, but source {source.name!r} has {source.geometry} and target "
         f"{target.name!r} has {target.geometry}; use a fitted mapper (transfer=mapped)"))

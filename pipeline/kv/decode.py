@@ -34,11 +34,12 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
     read by the handoff's target after that row's prefix cache (B, H, P, D), right-padded to real lengths
     `prefix_lengths` (B,).
     `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it:
-    a token sees its row's real prefix and the earlier tokens of its own continuation, at position
-    prefix_lengths[b] + offset, so each continuation scores as if it were alone after the prefix."""
+    a token sees its row's real prefix (the slots that hold it: `Handoff.slots`) and the earlier tokens of its own
+    continuation, at position prefix_lengths[b] + offset, so each continuation scores as if it were alone after
+    the prefix."""
     batch, steps = tokens.shape
     width = 0 if layers is None else layers[0][0].shape[2]
-    prefix = real_slots(prefix_lengths, width)[:, None].expand(-1, steps, -1)  # (B, L, P)
+    prefix = real_slots(handoff.slots(prefix_lengths), width)[:, None].expand(-1, steps, -1)  # (B, L, P)
     allowed = torch.cat([prefix, segment_mask(segments)], dim=2)[:, None]  # (B, 1, L, P + L)
     mask = additive_mask(allowed, handoff.decoder.dtype)
     positions = prefix_lengths[:, None] + offsets  # (B, L)
@@ -75,17 +76,20 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
     """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
     different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
     prefixes = padded_prefixes(contexts)
-    lengths, padded = prefixes.lengths, prefixes.padded
-    cache = handoff.decoder_cache(handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths), len(contexts))
+    lengths = prefixes.lengths
+    told = handoff.lengths_read(lengths, prefixes.padded) is not None  # padded rows, or slots that are not positions
+    layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
+    cache = handoff.decoder_cache(layers, len(contexts))
     if cache is None:
         cache = transformers.DynamicCache(config=handoff.decoder.config)
     next_input = prefixes.last.to(handoff.device)  # (B, 1)
-    mask = prefixes.mask  # (B, P): real prefix slots
+    width = 0 if layers is None else layers[0][0].shape[2]
+    mask = real_slots(handoff.slots(lengths), width).long()  # (B, K): the slots that hold each real prefix
     handoff.check_length(int(lengths.max()) + steps)  # the prefix, the context's last token, steps - 1 fed back
     tokens = []
     for step in range(steps):
         options = {}
-        if padded:
+        if told:
             mask = torch.cat([mask, torch.ones(len(contexts), 1, dtype=torch.long)], dim=1)  # (B, P + step + 1)
             options = {"attention_mask": mask.to(handoff.device),
                        "position_ids": (lengths[:, None] + step).to(handoff.device)}  # (B, 1)
@@ -105,11 +109,12 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
     model's dtype on the CPU (what every target layer's attention block wrote, after its output projection)."""
     prefixes = padded_prefixes([context for context, _ in prompts])
     layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
+    told = handoff.lengths_read(prefixes.lengths, prefixes.padded)
     steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
     for row, (context, continuation) in enumerate(prompts):
         steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
     with attention_outputs(handoff.decoder, attention is not None) as outputs:  # only the step, not a prefill
-        logprobs = handoff.step_logprobs(layers, steps, prefixes.padded_lengths)  # (B, M, V)
+        logprobs = handoff.step_logprobs(layers, steps, told)  # (B, M, V)
     if attention is not None:
         stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
         attention.extend(stacked[row, :, : len(continuation)] for row, (_, continuation) in enumerate(prompts))
@@ -122,25 +127,33 @@ def read_after(handoff: Handoff, first: FirstStep, continuation: Sequence[int], 
     """One context's two reads from its first step (batch 1; `Handoff.first_step`), one prefix cache for both: the
     log-probabilities (m, V), float32, teacher-forced through the continuation e (the step's own for e[0], then
     e[0..m-2] fed after it), and the greedy rollout (horizon,) from the step's argmax, after the cache is cropped
-    back to the prefix and c[n-1]:
+    back to the prefix and c[n-1]; each fed token at its own position (a sparse cache has fewer slots than positions):
 
         cache  c[0..n-2] c[n-1] | e[0] ... e[m-2]        -> scores e[1] ... e[m-1]
                c[0..n-2] c[n-1] | g[0] ... g[h-2]        -> g[1] ... g[h-1]   (g[0]: the first step's argmax)
     """
-    cache, width = first.cache, first.cache.get_seq_length()  # the prefix and c[n-1]
+    cache, width = first.cache, first.cache.get_seq_length()  # the prefix's slots and c[n-1]'s
+    context = int(first.prefixes.lengths[0]) + 1  # n: the position of the first token fed after the step
     logprobs = [first.logprobs]  # (1, V): e[0]
     if len(continuation) > 1:
-        handoff.check_length(width + len(continuation) - 1)
+        handoff.check_length(context + len(continuation) - 1)
         ids = torch.tensor([list(continuation[:-1])], device=handoff.device)  # (1, m - 1)
-        logits = handoff.decoder(input_ids=ids, cache=cache, use_cache=True).logits  # (1, m - 1, V)
+        logits = handoff.decoder(input_ids=ids, cache=cache, use_cache=True,
+                                 position_ids=at(context, ids.shape[1], handoff.device)).logits  # (1, m - 1, V)
         logprobs.append(F.log_softmax(logits[0].float(), dim=-1))
         cache.crop(width - cache.get_seq_length())  # a negative count: the tokens fed after the step go
-    handoff.check_length(width + horizon - 1)
+    handoff.check_length(context + horizon - 1)
     tokens = [first.logits.argmax(-1, keepdim=True)]  # (1, 1): g[0]
-    for _ in range(horizon - 1):
-        logits = handoff.decoder(input_ids=tokens[-1], cache=cache, use_cache=True, logits_to_keep=1).logits
+    for step in range(horizon - 1):
+        logits = handoff.decoder(input_ids=tokens[-1], cache=cache, use_cache=True, logits_to_keep=1,
+                                 position_ids=at(context + step, 1, handoff.device)).logits
         tokens.append(logits[:, -1].argmax(-1, keepdim=True))  # (1, 1)
     return torch.cat(logprobs), torch.cat(tokens, dim=1)[0]
+
+
+def at(start: int, count: int, device) -> torch.Tensor:
+    """(1, count) the positions start, start + 1, ... of tokens fed to one row."""
+    return torch.arange(start, start + count, device=device)[None]
 
 
 @contextmanager
@@ -185,7 +198,8 @@ def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose
             return tokens
         handoff.check_length(len(context) + len(tokens))
         next_input = torch.tensor([[tokens[-1]]], device=handoff.device)  # (1, 1)
-        logits = handoff.decoder(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = handoff.decoder(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
+                                 position_ids=at(len(context) + len(tokens) - 1, 1, handoff.device)).logits[0, -1]
 
 
 def greedy_generate(

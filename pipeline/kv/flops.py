@@ -22,9 +22,18 @@ A repair (`kv.repair`) adds, over the prefix of P = n-1 tokens (`repair_macs`):
                       mask's dense reads: P + chosen keys, an upper bound on the causal count)
     selection         the selector's own count (`kv.selectors`: each policy's `cost`), e.g. deviation: layer 0's
                       K/V projections over P tokens (free when m >= 1); attention: one more step of one token over
-                      the prefix, and its scores (one more q.k per layer); recency: none
+                      the prefix, and its scores (one more q.k per layer); recency: none; source_attention: the
+                      source's look-ahead scores (`lookahead_macs`)
 
 Its budget is that count over the target's prefill of the same prompt (`repair_budget`): 0 is the mapped cache.
+
+Speculative prefill at share p (`speculative_macs`, `kv.speculative` for the kept count K of the prefix):
+
+    source    the source's prefill of the prefix, no logits      P tokens
+    scores    its look-ahead scores (`lookahead_macs`): per source layer read, the last m queries projected again
+              and their q.k over the keys each sees
+    target    the target's prefill of the K kept tokens, attention among them only
+    step      the target's step c[n-1] over the K kept slots     1 token + 1 logit row
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.repair import Repair
 from pipeline.kv.selectors.base import Work
+from pipeline.kv.speculative import SpeculativeParams
 
 
 def linear_macs_per_token(config) -> int:
@@ -116,8 +126,42 @@ def kv_projection_macs_per_token(config) -> int:
     return 2 * config.hidden_size * config.num_key_value_heads * kv_geometry(config)["head_dim"]
 
 
-def repair_macs(target_config, repair: Repair, length: int) -> dict[str, int]:
-    """Multiply-adds of a repair's parts for a prompt of `length` tokens (its prefix: length - 1)."""
+def lookahead_macs(source_config, settings: SpeculativeParams, length: int) -> int:
+    """Multiply-adds of the source's look-ahead scores of a `length`-token prompt's prefix (P = length - 1): in each
+    layer read, the last m queries' projection again and q.k over the keys each sees (the query at p reads p + 1)."""
+    prefix = length - 1
+    _, last = settings.spans(prefix)
+    width = source_config.num_attention_heads * kv_geometry(source_config)["head_dim"]
+    keys_read = (prefix * (prefix + 1) - (prefix - last) * (prefix - last + 1)) // 2
+    layers = len(settings.layer_indices(source_config.num_hidden_layers))
+    return layers * (last * source_config.hidden_size * width + width * keys_read)
+
+
+def speculative_macs(source_config, target_config, settings: SpeculativeParams, share: float, length: int
+                     ) -> dict[str, int]:
+    """Multiply-adds of speculative prefill's four parts at share `share` for a prompt of `length` tokens."""
+    prefix = length - 1
+    kept = settings.kept(share, prefix)
+    return {
+        "source": handoff_macs(source_config, target_config, 0, length)["source"],
+        "scores": lookahead_macs(source_config, settings, length),
+        "target": kept * linear_macs_per_token(target_config) + attention_macs(target_config, 0, kept),
+        "step": linear_macs_per_token(target_config) + attention_macs(target_config, kept, kept + 1)
+        + logits_macs(target_config),
+    }
+
+
+def speculative_bound(source_config, target_config, settings: SpeculativeParams, share: float, length: int) -> float:
+    """Target prefill over speculative prefill at share `share` (p = 1 costs the source's prefill more, not less)."""
+    if length < 2:
+        raise ValueError(f"prompt length {length}: speculative prefill needs at least 2 tokens (a prefix and the last)")
+    return target_prefill_macs(target_config, length) / sum(
+        speculative_macs(source_config, target_config, settings, share, length).values())
+
+
+def repair_macs(target_config, repair: Repair, length: int, source_scores: int | None = None) -> dict[str, int]:
+    """Multiply-adds of a repair's parts for a prompt of `length` tokens (its prefix: length - 1); `source_scores`:
+    the source's look-ahead scores (`lookahead_macs`), which a policy that reads them costs."""
     prefix, layers = length - 1, target_config.num_hidden_layers
     per_layer = linear_macs_per_token(target_config) // layers  # one layer's linear work per token
     read = 2 * target_config.num_attention_heads * kv_geometry(target_config)["head_dim"]  # q.k and values, per key
@@ -126,9 +170,13 @@ def repair_macs(target_config, repair: Repair, length: int) -> dict[str, int]:
     chosen = repair.chosen(prefix)
     selection = 0
     if repair.tokens:
+        if repair.selector.reads_source and source_scores is None:
+            raise ValueError(f"repair {repair}: its selection costs the source's look-ahead scores; give source_scores "
+                             f"(kv.flops.lookahead_macs)")
         geometry = kv_geometry(target_config)
         work = Work(prefix, layers, exact, linear_macs_per_token(target_config),
-                    kv_projection_macs_per_token(target_config), read, geometry["kv_heads"] * geometry["head_dim"])
+                    kv_projection_macs_per_token(target_config), read, geometry["kv_heads"] * geometry["head_dim"],
+                    source_scores or 0)
         selection = repair.selector.cost(work, repair.argument)
     return {
         "exact_layers": 0 if not exact else (exact - 1) * (prefix * per_layer + attention_macs(
@@ -139,19 +187,21 @@ def repair_macs(target_config, repair: Repair, length: int) -> dict[str, int]:
     }
 
 
-def repair_budget(target_config, repair: Repair, length: int) -> float:
-    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt."""
-    return sum(repair_macs(target_config, repair, length).values()) / target_prefill_macs(target_config, length)
+def repair_budget(target_config, repair: Repair, length: int, source_scores: int | None = None) -> float:
+    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt (`source_scores` as
+    `repair_macs`)."""
+    return sum(repair_macs(target_config, repair, length, source_scores).values()) / target_prefill_macs(
+        target_config, length)
 
 
 def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int,
-                  repair: Repair | None = None) -> float:
-    """Target prefill over the handoff (with `repair`'s multiply-adds when given)."""
+                  repair: Repair | None = None, source_scores: int | None = None) -> float:
+    """Target prefill over the handoff (with `repair`'s multiply-adds when given; `source_scores` as `repair_macs`)."""
     if length < 2:
         raise ValueError(f"prompt length {length}: the handoff needs at least 2 tokens (a prefix and the last)")
     handoff = sum(handoff_macs(source_config, target_config, mapper_macs_per_token, length).values())
     if repair is not None:
-        handoff += sum(repair_macs(target_config, repair, length).values())
+        handoff += sum(repair_macs(target_config, repair, length, source_scores).values())
     return target_prefill_macs(target_config, length) / handoff
 
 

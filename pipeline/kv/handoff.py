@@ -9,7 +9,10 @@ For context tokens c[0..n-1] and a continuation e (PROTOCOL.md, "Handoff"):
 Modes: `oracle` (the target's own prefill of c[0..n-2]), `direct` (the source cache unmapped; needs equal KV
 geometry), `mapped` (through a fitted mapper), and the null controls `zero` (an all-zero cache of the
 target's shape) and `shuffled` (what `mapped` would inject, or the source cache without a mapper, with its
-token order permuted by a seeded permutation in content space, before the target's RoPE).
+token order permuted by a seeded permutation in content space, before the target's RoPE); `speculative` (at a
+share p, `share`) is the target's own prefill of the positions the source's look-ahead scores keep: a sparse cache,
+whose K slots hold positions that are not 0..K-1, so every read after it is told the positions (`slots`,
+`lengths_read`).
 `source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
 (`decoder`) is the source, the same protocol as the oracle's, recorded as `source`. Each mode is an entry of
 `kv.modes.registry.MODES` (`Handoff.kind`) whose maths' hook (`Handoff.hook`) builds the prefix cache; the handoff
@@ -41,6 +44,7 @@ from pipeline.kv.kvcache import (
     layers_to_cache,
     real_slots,
 )
+from pipeline.kv.lookahead import scored_prefill
 from pipeline.kv.mapper import Mapper, map_cache
 from pipeline.kv.modes.maths.base import Built, ClockHook, tell
 from pipeline.kv.modes.maths.registry import MODE_MATHS
@@ -48,6 +52,7 @@ from pipeline.kv.modes.registry import MODES, check_mode
 from pipeline.kv.recompute import RepairCount, repair_cache
 from pipeline.kv.repair import Repair
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 from pipeline.store.models import IncompatiblePairError
@@ -85,12 +90,27 @@ def pair_window(target, source=None) -> int | None:
     return min((w for w in windows if w is not None), default=None)
 
 
-def check_options(mode: str, repair: Repair, keep: float | None) -> None:
-    """Refuse a repair of a cache that is its model's own, and a share `keep` outside (0, 1]."""
-    if not repair.empty and MODES[mode].reads.own:
-        raise ValueError(f"repair {repair}: the {mode} handoff's cache is its model's own, nothing to repair")
-    if keep is not None and not 0 < keep <= 1:
-        raise ValueError(f"keep {keep}: the share of each context a handoff reads is in (0, 1]")
+def check_options(mode: str, repair: Repair, keep: float | None, share: float | None,
+                  speculative: SpeculativeParams | None) -> None:
+    """Refuse a repair of a cache that is its model's own or sparse, a repair reading the source's scores where no
+    source cache is handed over, a share `keep` or `share` outside (0, 1], a `share` the mode does not take or lacks,
+    and the source's scores without their declared settings."""
+    kind = MODES[mode]
+    if not repair.empty and (kind.reads.own or kind.sparse):
+        raise ValueError(f"repair {repair}: the {mode} handoff's cache is the target's own prefill, nothing to repair")
+    reads_source = bool(repair.tokens) and repair.selector.reads_source
+    if reads_source and not kind.hands_over:
+        raise ValueError(f"repair {repair}: policy {repair.select_by} reads the source's scores, which the {mode} "
+                         f"handoff does not make; repair a mode that hands the source's cache over")
+    for name, value in (("keep", keep), ("share", share)):
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"{name} {value}: the share of each context a handoff reads is in (0, 1]")
+    if (share is None) != (kind.parameter is None):
+        raise ValueError(f"transfer mode {mode!r} " + ("takes no share: leave it out" if share is not None else
+                                                       f"needs its value, {kind.parameter}: {mode}:P"))
+    if (kind.sparse or reads_source) and speculative is None:
+        raise ValueError(f"transfer mode {mode!r}, repair {repair}: the source's scores need the declared "
+                         f"`speculative` settings (params.yaml)")
 
 
 @dataclass
@@ -112,7 +132,7 @@ class FirstStep:
     def layers(self) -> Layers | None:
         """The prefix cache the step read, (B, H, P, D) per layer: the cache's slots before c[n-1]'s (None for an
         empty prefix)."""
-        width = self.prefixes.ids.shape[1]
+        width = self.cache.get_seq_length() - 1  # the prefix's slots (fewer than its tokens in a sparse cache)
         if width == 0:
             return None
         return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in self.cache.layers]
@@ -133,18 +153,20 @@ class Handoff:
 
     def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
                  tokenizers: tuple | None = None, max_tokens: int | None = None, repair: Repair | None = None,
-                 keep: float | None = None):
+                 keep: float | None = None, share: float | None = None, speculative: SpeculativeParams | None = None):
         """`decoder`: the model that decodes (the target; in mode `source` the source itself); `repair`: a setting
         (`kv.repair`) the target applies to every prefix cache of a source mode or `zero` before its first step
         (refused for `oracle`, which has nothing to repair); `tokenizers`: (source, target) tokenizers, compared by
         the contract when given (otherwise only the vocabulary sizes can be); `max_tokens`: the longest sequence this
         handoff will see (a sliding window shorter than it is refused now); without it a pair with a sliding window
-        is accepted and every sequence longer than the window is refused when it comes (`check_length`)."""
+        is accepted and every sequence longer than the window is refused when it comes (`check_length`); `share`: the
+        value of a mode that takes one (`speculative`'s p); `speculative`: the declared settings of the source's
+        look-ahead scores (`kv.speculative`), which `speculative` and a `source_attention` repair read."""
         check_mode(mode, source is not None, mapper is not None)
         self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
         self.shuffle_seed = shuffle_seed
         self.kind, self.hook = MODES[mode], MODE_MATHS[mode]  # the mode's entry, and its hook: every prefix cache
-        handed = source if self.kind.hands_over else None
+        handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
         # the contract decides from the configs, before any forward; the rotary buffers are then checked
         self.contract = pair_contract(decoder.config, None if handed is None else handed.config,
@@ -154,8 +176,8 @@ class Handoff:
         self.decoder_spec = RotarySpec.from_model(decoder)
         self.decoder_geometry = kv_geometry(decoder.config)
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
-        self.repair, self.keep = repair or Repair(), keep
-        check_options(mode, self.repair, keep)
+        self.repair, self.keep, self.share, self.speculative = repair or Repair(), keep, share, speculative
+        check_options(mode, self.repair, keep, share, speculative)
         self.repaired = RepairCount()  # what the repair made the target compute (kv.recompute)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
@@ -174,6 +196,18 @@ class Handoff:
     @property
     def device(self):
         return self.decoder.device
+
+    def slots(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) the cache slots that hold each prefix of real length `lengths` (B,): all of it, or the positions a
+        sparse mode keeps."""
+        if not self.kind.sparse:
+            return lengths
+        return torch.tensor([self.speculative.kept(self.share, int(n)) for n in lengths.tolist()], dtype=lengths.dtype)
+
+    def lengths_read(self, lengths: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """The prefix lengths a read after the cache is told (`forward`'s `prefix_lengths`): where rows are padded, or
+        where the cache's slots are not its positions; None where neither (so the oracle's read is the plain one)."""
+        return lengths if padded or bool((self.slots(lengths) != lengths).any()) else None
 
     def context(self, tokens) -> list[int]:
         """The part of a context c[0..n-1] this handoff reads: all of it, or under `keep` its last round(keep x n)
@@ -215,20 +249,22 @@ class Handoff:
         built = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock, prefilled)
         source, mapped, layers = (built.source, built.mapped, built.layers) if retain else (None, None, built.layers)
         del built  # unless retained, the source's cache is freed once mapped, as a server would
-        logits, cache = self.forward(layers, prefixes.last, prefixes.padded_lengths, logits_to_keep=1,
-                                     keep_cache=True)
+        logits, cache = self.forward(layers, prefixes.last, self.lengths_read(prefixes.lengths, prefixes.padded),
+                                     logits_to_keep=1, keep_cache=True)
         logits = logits[:, -1]  # (B, V)
         logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
         tell(clock, "step")
         return FirstStep(prefixes, logits, cache, source, mapped)
 
-    def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layers:
-        """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`."""
+    def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None,
+                        source_scores: torch.Tensor | None = None) -> Layers:
+        """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`;
+        `source_scores` (B, P): the source's look-ahead scores, where the policy reads them."""
         if self.repair.empty:
             return layers
         start, before = time.perf_counter(), self.repaired.recomputed
         layers = repair_cache(self.decoder, layers, prefix_ids, lengths, self.repair, self.repaired,
-                              self.decoder_devices)
+                              self.decoder_devices, source_scores)
         self.repaired.log.append((self.repaired.recomputed - before, time.perf_counter() - start))
         return layers
 
@@ -246,6 +282,16 @@ class Handoff:
         device = self.source.device
         return cache_to_layers(self.source.model(input_ids=prefix_ids.to(device), attention_mask=_on(mask, device),
                                                  use_cache=True).cache)
+
+    @no_grad
+    def scored_source_prefill(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None,
+                              mask: torch.Tensor | None = None) -> tuple[Layers, torch.Tensor]:
+        """`source_prefill` and, from the same forward, the source's look-ahead score of every slot (B, P)
+        (`kv.lookahead`, under the declared `speculative` settings); `lengths` (B,) as `mask` (None: none padded)."""
+        self.source_prefills += prefix_ids.shape[0]
+        self.source_forwards += 1
+        lengths = torch.full((prefix_ids.shape[0],), prefix_ids.shape[1]) if lengths is None else lengths
+        return scored_prefill(self.source, prefix_ids, lengths, mask, self.speculative)
 
     @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
@@ -301,8 +347,8 @@ class Handoff:
         cache = self.decoder_cache(layers, tokens.shape[0])
         if cache is None and keep_cache:
             cache = transformers.DynamicCache(config=self.decoder.config)
-        options = {} if prefix_lengths is None or layers is None else padded_prefix(prefix_lengths, width,
-                                                                                  tokens.shape[1], self.device)
+        options = {} if prefix_lengths is None or layers is None else padded_prefix(
+            prefix_lengths, width, tokens.shape[1], self.device, self.slots(prefix_lengths))
         if logits_to_keep:
             options["logits_to_keep"] = logits_to_keep
         logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
@@ -310,11 +356,12 @@ class Handoff:
         return logits, cache
 
 
-def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device) -> dict[str, torch.Tensor]:
+def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor
+                  ) -> dict[str, torch.Tensor]:
     """The attention mask and positions of `steps` tokens read after right-padded prefixes of real lengths
-    `prefix_lengths` (B,) in a cache `width` slots wide: the padded slots masked out, row b's tokens at positions
-    prefix_lengths[b], prefix_lengths[b] + 1, ..."""
-    prefix_mask = real_slots(prefix_lengths, width)  # (B, P)
+    `prefix_lengths` (B,) held in `slots` (B,) of a cache `width` slots wide (the lengths themselves but in a sparse
+    cache): the padded slots masked out, row b's tokens at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+    prefix_mask = real_slots(slots, width)  # (B, P)
     steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
     return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
             "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)

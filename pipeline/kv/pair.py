@@ -26,8 +26,9 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
-from pipeline.kv.modes.registry import MAPPER_MODES, MODES, SOURCE_MODES, check_mode
+from pipeline.kv.modes.registry import MAPPER_MODES, MODES, check_mode
 from pipeline.kv.repair import Repair
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
 from pipeline.store.fingerprints import PairFingerprints, model_differences
@@ -165,13 +166,15 @@ class Pair:
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
-                shuffle_seed: int = 0, repair: Repair | str | None = None, keep: float | None = None) -> Handoff:
+                shuffle_seed: int = 0, repair: Repair | str | None = None, keep: float | None = None,
+                share: float | None = None, speculative: SpeculativeParams | None = None) -> Handoff:
         """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
         pair's device; ignored by the modes that read none), refused unless fitted on the pair's models. A mode the
         contract leaves undefined is refused before any weight is loaded. `source`, the source model alone, is the
         source's own prefill: its cache, its predictions. `repair`: a setting or its string form (`kv.repair`),
         applied to every prefix cache; `keep`: the share of each context's end the handoff reads (`Handoff.keep`,
-        the truncated prompt)."""
+        the truncated prompt); `share`, `speculative`: speculative prefill's p and the declared settings of the
+        source's look-ahead scores (`Handoff`)."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
         if mode in MODES and not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
             if repair is not None and not repair.empty:
@@ -188,9 +191,9 @@ class Pair:
             self.bind(mapper, label)
         else:
             self.bind(mapper, f"{mapper.family} k={mapper.k}")
-        return Handoff(self.target, self.source if mode in SOURCE_MODES else None, mode, mapper,
+        return Handoff(self.target, self.source if MODES[mode].reads.source else None, mode, mapper,
                        shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens,
-                       repair=repair, keep=keep)
+                       repair=repair, keep=keep, share=share, speculative=speculative)
 
     def gate(self, handoff: Handoff, score: str, threshold: float,
              disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:

@@ -35,10 +35,11 @@ class RepairCount:
 
 
 def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
-                 count: RepairCount, devices=None) -> Layers:
+                 count: RepairCount, devices=None, source_scores: torch.Tensor | None = None) -> Layers:
     """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`;
     `lengths` (B,) the real lengths of right-padded rows (None: every row is whole); `devices`: where each layer's
-    cache goes (`kv.kvcache.layer_devices`), None for the target's device."""
+    cache goes (`kv.kvcache.layer_devices`), None for the target's device; `source_scores` (B, P): the source's
+    look-ahead scores, which a policy that `reads_source` ranks by."""
     if setting.empty:
         return layers
     batch, width = prefix_ids.shape
@@ -74,7 +75,7 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
     if max(chosen_per_row) == 0:
         return layers
     evidence = Evidence(target, layers, mapped, None if exact is None else exact[exact_index], exact_index,
-                        prefix_ids, lengths, count, devices)
+                        prefix_ids, lengths, count, devices, source_scores)
     scores = SELECTOR_MATHS[setting.select_by].score(evidence, setting.argument)  # (B, P)
     chosen = choose(scores, lengths, sink, chosen_per_row)  # (B, M), -1 past a row's count
     return recompute(target, layers, prefix_ids, lengths, chosen, count, devices)

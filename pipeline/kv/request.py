@@ -1,9 +1,12 @@
 """What a user asks of a handoff, validated before any model loads: one request object for every face.
 
 A `Transfer` is the mode, its map, its repair setting, its gate, the share of each context it reads and whether a
-map may be used on other models. The faces spell its fields their own way (`Face`: kv-transfer's model args
-`transfer=`, `mapper=`, ...; generate's flags `--transfer`, `--mapper`, ...; a stage's values, `STAGE`, already
-checked against its params schema), and every refusal is one line naming the arg as the face spells it and the
+map may be used on other models. A mode that takes a value is written with it, as a repair writes its parts
+(`speculative:0.1`: speculative prefill at share p = 0.1), and the source's look-ahead scores it reads (and a
+`source_attention` repair) take their declared settings from params' `speculative` section, read here (a stage
+passes its own, declared in its dvc.yaml params). The faces spell its fields their own way (`Face`: kv-transfer's
+model args `transfer=`, `mapper=`, ...; generate's flags `--transfer`, `--mapper`, ...; a stage's values, `STAGE`,
+already checked against its params schema), and every refusal is one line naming the arg as the face spells it and the
 fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped). Rules, one table for both faces
 (`USES`): an arg the mode does not read is refused (`transfer=oracle,mapper=...`), a mode that reads a source
 needs one, a repair setting larger than the pair's target (its layers, its positions, a policy reading layers past
@@ -20,14 +23,16 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pipeline.kv.gate import map_pair
-from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES
+from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, split_mode
 from pipeline.kv.repair import Repair
 from pipeline.kv.scores.registry import FITTED_SCORES, SCORES
+from pipeline.kv.speculative import SECTION, SpeculativeParams
 from pipeline.store import inputs
-from pipeline.store.params import ParamError
+from pipeline.store.params import ParamError, load_section
 
 GATE_SCORES = tuple(score for score in SCORES if score not in FITTED_SCORES)  # a gate named by arguments alone
-REPAIRED_MODES = tuple(mode for mode in MODES if mode not in OWN_MODES)  # a cache the decoding model did not prefill
+# a cache the decoding model did not prefill (a sparse one it did, for the tokens it holds)
+REPAIRED_MODES = tuple(name for name, mode in MODES.items() if name not in OWN_MODES and not mode.sparse)
 # the modes that read each optional field; any other mode given it refuses it
 USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "fallback": SOURCE_MODES, "threshold": SOURCE_MODES,
         "disagree": SOURCE_MODES, "shuffle_seed": ("shuffled",)}
@@ -70,6 +75,8 @@ class Transfer(BaseModel):
     disagree: tuple[str, str] | None = None
     shuffle_seed: int | None = None
     keep: float | None = None  # the share of each context's end the handoff reads (the truncated prompt)
+    share: float | None = None  # the mode's value, written after its name (`speculative:0.1`)
+    speculative: SpeculativeParams | None = None  # the look-ahead settings, where the mode or the repair reads them
     allow_other_models: bool = False
 
     @classmethod
@@ -93,7 +100,7 @@ class Transfer(BaseModel):
     @classmethod
     def _read(cls, values: dict) -> dict:
         face, values = values["face"], {k: v for k, v in values.items() if v is not None}
-        mode = inputs.choice(values.get("mode"), face.name("mode"), MODES)
+        mode = _mode(face, values)
         for field, modes in USES.items():
             if field in values and mode not in modes:
                 raise ParamError(f"{face.tool} {face.given('mode', mode)} does not use {face.given(field)}: leave it "
@@ -112,11 +119,18 @@ class Transfer(BaseModel):
         if isinstance(values.get("disagree"), str):
             spec = values["disagree"]
             values["disagree"] = map_pair(spec) or _bad_pair(face, spec)
+        _lookahead(face, mode, values)
         return values
 
     @model_validator(mode="after")
     def _rules(self) -> "Transfer":
         face = self.face
+        setting = self.setting
+        reads_source = setting is not None and bool(setting.tokens) and setting.selector.reads_source
+        if reads_source and not MODES[self.mode].hands_over:
+            raise ParamError(f"{face.name('repair')} {setting}: policy {setting.select_by} ranks by the source's "
+                             f"scores, made where the source's cache is handed over: use it with "
+                             f"{', '.join(SOURCE_MODES)}")
         if MODES[self.mode].needs_map and self.mapper is None:
             raise ParamError(f"{face.tool} {face.given('mode', self.mode)} needs a mapper: give "
                              f"{face.given('mapper', '<mapper file>')}".strip())
@@ -160,7 +174,9 @@ class Transfer(BaseModel):
 
     def check_geometry(self, pair) -> None:
         """Refuse a repair larger than `pair`'s target (its layers, its positions, a token policy reading layers
-        past them), from the configs; a target the contract refuses is left to its refusal."""
+        past them) and look-ahead settings reading layers past its source, from the configs; a model the contract
+        refuses is left to its refusal."""
+        self.check_source_layers(pair)
         setting, geometry = self.setting, pair.contract.target.geometry
         if setting is None or geometry is None:
             return
@@ -174,6 +190,59 @@ class Transfer(BaseModel):
         problem = setting.policy_refusal(layers)
         if problem:
             raise ParamError(f"{self.face.name('repair')} {setting}: {problem}")
+
+    def check_source_layers(self, pair) -> None:
+        """Refuse look-ahead settings reading layers past `pair`'s source, from the configs."""
+        source = pair.contract.source
+        if self.speculative is None or source is None or source.geometry is None:
+            return
+        problem = self.speculative.layer_refusal(source.geometry["layers"])
+        if problem:
+            raise ParamError(f"{self.face.tool} {problem}".strip())
+
+
+def _mode(face: Face, values: dict) -> str:
+    """The mode's name, its value (`NAME:VALUE`) read into `share` where it takes one; a missing or unwanted value
+    refused naming the mode as the face spells it."""
+    if "share" in values:
+        raise ParamError(f"{face.tool} share: write it after the mode's name, {face.given('mode', 'speculative:P')}"
+                         .strip())
+    text = values.get("mode")
+    name, value = split_mode(text) if isinstance(text, str) else (text, None)
+    mode = inputs.choice(name, face.name("mode"), MODES)
+    parameter = MODES[mode].parameter
+    if parameter is not None and value is None:
+        raise ParamError(f"{face.tool} {face.given('mode', mode)} needs its value, {parameter}: give "
+                         f"{face.given('mode', mode + ':P')}".strip())
+    if parameter is None and value is not None:
+        raise ParamError(f"{face.tool} {face.given('mode', text)}: mode {mode} takes no value; give "
+                         f"{face.given('mode', mode)}".strip())
+    if value is not None:
+        values["share"] = inputs.share(value, f"{face.name('mode')} {mode}:P".strip())
+    values["mode"] = mode
+    return mode
+
+
+def _lookahead(face: Face, mode: str, values: dict) -> None:
+    """The look-ahead settings where the mode (`speculative`) or the repair's policy (`source_attention`) reads
+    them: a stage's own, else params' `speculative` section; refused where nothing reads them."""
+    repair = values.get("repair")
+    reads = MODES[mode].sparse or (repair is not None and bool(repair.tokens) and repair.selector.reads_source)
+    if not reads:
+        if "speculative" in values:
+            raise ParamError(f"{face.tool} {face.given('mode', mode)} reads no look-ahead settings: leave out "
+                             f"speculative".strip())
+        return
+    if "speculative" in values:
+        return
+    if face is STAGE:
+        raise ParamError(f"stage {mode}: pass the `{SECTION}` section of params (declared in the stage's dvc.yaml "
+                         f"params) as speculative=")
+    try:
+        values["speculative"] = load_section(SpeculativeParams, SECTION)
+    except ParamError as error:
+        raise ParamError(f"{face.tool} {face.given('mode', mode)} reads params' `{SECTION}` section: {error}"
+                         .strip()) from None
 
 
 def _bad_pair(face: Face, spec: str):

@@ -40,7 +40,8 @@ class Router:
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
         """The router of `request` (`kv.request.Transfer`) between `pair`'s models (weights loaded on first use)."""
         handoff = pair.handoff(request.mode, request.mapper, shuffle_seed=request.shuffle_seed or 0,
-                               repair=request.setting, keep=request.keep)
+                               repair=request.setting, keep=request.keep, share=request.share,
+                               speculative=request.speculative)
         gate = None if request.fallback is None else pair.gate(handoff, request.fallback, request.threshold,
                                                                 request.disagree)
         return cls(handoff, gate, batch_size)
@@ -140,4 +141,5 @@ class Router:
     def record(self) -> dict:
         """The handoff this router serves, as results record it: mode, repair setting and gate."""
         gate = None if self.gate is None else {"score": self.gate.score, "threshold": self.gate.threshold}
-        return {"transfer": self.handoff.mode, "repair": str(self.handoff.repair), "gate": gate}
+        transfer = self.handoff.mode if self.handoff.share is None else f"{self.handoff.mode}:{self.handoff.share:g}"
+        return {"transfer": transfer, "repair": str(self.handoff.repair), "gate": gate}

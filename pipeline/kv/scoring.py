@@ -132,7 +132,7 @@ def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Seque
     if prefix_ids is not None:
         logprobs = prefilled_packed_logprobs(handoff, prefix_ids, steps, segments, offsets)  # (1, L, V)
     elif (segments[:, 0] == segments.max(dim=1).values).all():  # one continuation a row: a plain step
-        logprobs = handoff.step_logprobs(layers, steps, lengths if padded else None)  # (B, L, V)
+        logprobs = handoff.step_logprobs(layers, steps, handoff.lengths_read(lengths, padded))  # (B, L, V)
     else:
         logprobs = packed_logprobs(handoff, layers, steps, lengths, segments, offsets)  # (B, L, V)
     targets = targets.to(logprobs.device)

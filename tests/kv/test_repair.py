@@ -4,12 +4,14 @@ grouped queries, llama3 RoPE), every policy of the registry."""
 import pytest
 import torch
 import yaml
-from helpers import ARCHITECTURES, ROOT, build_model
+from helpers import ARCHITECTURES, ROOT, build_model, committed
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.selectors.registry import POLICIES
+from pipeline.kv.speculative import SpeculativeParams
+from pipeline.store.params import parse
 
 VOCAB, LAYERS = 97, 3
 
@@ -31,7 +33,8 @@ def source(architecture):
 
 def _mapped(target, source, repair: str = "none") -> Handoff:
     mapper = identity_mapper("source", "target", source.config, target.config)
-    return Handoff(target, source, "mapped", mapper, repair=Repair.parse(repair))
+    lookahead = parse(SpeculativeParams, committed("speculative"), "speculative")  # what source_attention reads
+    return Handoff(target, source, "mapped", mapper, repair=Repair.parse(repair), speculative=lookahead)
 
 
 def _prefixes(batch=3, width=19, seed=0):

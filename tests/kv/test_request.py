@@ -3,12 +3,14 @@ line in the face's own spelling, before any model loads."""
 from pathlib import Path
 
 import pytest
+from helpers import committed
 
 from pipeline.kv.modes.registry import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import GENERATE, KV_TRANSFER, USES, Transfer
-from pipeline.store.params import ParamError
+from pipeline.kv.speculative import SpeculativeParams
+from pipeline.store.params import ParamError, parse
 
 VALUES = {"mapper": None, "repair": "sink:2", "fallback": "entropy", "threshold": "1", "disagree": None,
           "shuffle_seed": "3"}
@@ -35,11 +37,12 @@ def test_each_arg_is_taken_by_the_modes_that_read_it_and_refused_by_the_others(m
     args = asked(field, map_file)
     if mode == "mapped" and field != "mapper":
         args["mapper"] = map_file
+    spelt = f"{mode}:0.5" if MODES[mode].parameter else mode  # a mode that takes a value is written with it
     if mode in USES[field]:
-        Transfer.of(KV_TRANSFER, mode=mode, **args)
+        Transfer.of(KV_TRANSFER, mode=spelt, **args)
         return
     with pytest.raises(ParamError, match=rf"^kv-transfer transfer={mode} does not use (\w+)=: leave it out"):
-        Transfer.of(KV_TRANSFER, mode=mode, **args)
+        Transfer.of(KV_TRANSFER, mode=spelt, **args)
 
 
 def test_the_faces_spell_one_rule_their_own_way():
@@ -90,3 +93,53 @@ def test_a_stage_asks_with_its_own_values_a_map_file_as_a_path_and_a_share_of_ea
             Transfer.stage(mode="oracle", keep=share)
     with pytest.raises(ParamError, match=r"^stage mapper: no mapper file at .*missing\.safetensors; give one"):
         Transfer.stage(mode="mapped", mapper=Path(map_file).with_name("missing.safetensors"))
+
+
+def test_a_mode_that_takes_a_value_is_written_with_it_and_reads_its_declared_settings_from_params():
+    request = Transfer.of(KV_TRANSFER, mode="speculative:0.1")
+    assert (request.mode, request.share) == ("speculative", 0.1)
+    assert request.speculative == parse(SpeculativeParams, committed("speculative"), "speculative")
+    assert Transfer.of(GENERATE, mode="oracle").speculative is None
+
+
+@pytest.mark.parametrize("face, mode, message", [
+    (KV_TRANSFER, "speculative", r"^kv-transfer transfer=speculative needs its value, the share p .*: give "
+                                 r"transfer=speculative:P$"),
+    (GENERATE, "speculative", r"^--transfer speculative needs its value, .*: give --transfer speculative:P$"),
+    (KV_TRANSFER, "oracle:0.1", r"^kv-transfer transfer=oracle:0.1: mode oracle takes no value; give transfer=oracle$"),
+    (KV_TRANSFER, "speculative:0", r"^kv-transfer transfer speculative:P: expected a share in \(0, 1\], got 0$"),
+    (KV_TRANSFER, "speculative:1.5", r"^kv-transfer transfer speculative:P: expected a share in \(0, 1\], got 1.5$"),
+    (KV_TRANSFER, "sideways:0.1", r"^kv-transfer transfer: expected one of oracle, .*, got 'sideways'$"),
+])
+def test_a_missing_unwanted_or_bad_value_of_a_mode_is_refused_in_one_line(face, mode, message):
+    with pytest.raises(ParamError, match=message):
+        Transfer.of(face, mode=mode)
+
+
+def test_speculative_takes_no_repair_and_source_attention_needs_a_handed_over_cache(map_file):
+    with pytest.raises(ParamError, match=r"^kv-transfer transfer=speculative does not use repair=: leave it out"):
+        Transfer.of(KV_TRANSFER, mode="speculative:0.5", repair="sink:2")
+    with pytest.raises(ParamError, match=r"^kv-transfer repair tokens:0.1:source_attention: policy source_attention "
+                                         r"ranks by the source's scores"):
+        Transfer.of(KV_TRANSFER, mode="zero", repair="tokens:0.1:source_attention")
+    repaired = Transfer.of(KV_TRANSFER, mode="mapped", mapper=map_file, repair="tokens:0.1:source_attention")
+    assert repaired.speculative is not None and Transfer.of(KV_TRANSFER, mode="mapped", mapper=map_file,
+                                                            repair="tokens:0.1:attention").speculative is None
+
+
+def test_a_stage_passes_its_own_look_ahead_settings_and_is_refused_without_them():
+    settings = parse(SpeculativeParams, committed("speculative", last=2), "speculative")
+    assert Transfer.stage(mode="speculative:0.2", speculative=settings).speculative.last == 2
+    with pytest.raises(ParamError, match=r"^stage speculative: pass the `speculative` section of params"):
+        Transfer.stage(mode="speculative:0.2")
+    with pytest.raises(ParamError, match=r"^stage mode=oracle reads no look-ahead settings"):
+        Transfer.stage(mode="oracle", speculative=settings)
+
+
+def test_look_ahead_layers_past_the_source_are_refused_from_its_config(tiny_pair):
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]))
+    settings = parse(SpeculativeParams, committed("speculative", layers=[0, -2]), "speculative")
+    Transfer.stage(mode="speculative:0.5", speculative=settings).check_geometry(pair)
+    far = parse(SpeculativeParams, committed("speculative", layers=[9]), "speculative")
+    with pytest.raises(ParamError, match=r"speculative.layers: layer 9 is outside the source's 2 layers"):
+        Transfer.stage(mode="speculative:0.5", speculative=far).check_geometry(pair)

@@ -38,15 +38,19 @@ class Mode:
     row: int | None = None  # its place in the report's table: below MAPS_ROW before the maps, else after them
     rival: str | None = None  # how the report's reading names it beside a mapped transfer (None: it does not)
     reading: int | None = None  # its place among the rivals the reading compares a mapped transfer with
+    # its cache holds some of the prompt's tokens, each at its own position (`speculative`): slot i is not position i,
+    # so every read after it is told the positions, and nothing is handed over or repaired
+    sparse: bool = False
+    parameter: str | None = None  # what the value after its name means (`speculative:0.1`); None: it takes none
 
     @property
     def hands_over(self) -> bool:
         """The source's cache is handed to the target (`direct`, `mapped`, `shuffled`)."""
-        return self.reads.source and self.reads.target
+        return self.reads.source and self.reads.target and not self.sparse
 
     def refusal(self, has_source: bool, has_mapper: bool) -> str | None:
         """Why a handoff of this mode cannot be built with or without a source model and a mapper, or None."""
-        if self.hands_over and not has_source:
+        if self.reads.source and self.reads.target and not has_source:
             return f"transfer mode {self.name!r} needs a source model"
         if self.needs_map and not has_mapper:
             return f"transfer mode {self.name!r} needs a mapper"

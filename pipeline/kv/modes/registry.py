@@ -8,7 +8,7 @@ is adding its two modules, its declaration beside this one (`kv/modes/<name>.py`
 from __future__ import annotations
 
 from pipeline.kv import entries
-from pipeline.kv.modes import direct, mapped, oracle, shuffled, source, zero
+from pipeline.kv.modes import direct, mapped, oracle, shuffled, source, speculative, zero
 from pipeline.kv.modes.base import Mode
 
 
@@ -17,15 +17,22 @@ def register(*modes: Mode) -> dict[str, Mode]:
     return entries.register(Mode, "modes", modes)
 
 
-MODES = register(oracle.MODE, zero.MODE, source.MODE, direct.MODE, mapped.MODE, shuffled.MODE)
+MODES = register(oracle.MODE, zero.MODE, source.MODE, direct.MODE, mapped.MODE, shuffled.MODE, speculative.MODE)
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map
-# the modes without a map: the `evaluate` stage's baselines, in the order it runs them in one process and the report
-# lists them (the oracle first: every other variant is compared with its outputs; then by name); each writes
-# eval/<variant>/ and metrics/eval/<variant>.json
-BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map),
+# the modes without a map or a value: the `evaluate` stage's baselines, in the order it runs them in one process and
+# the report lists them (the oracle first: every other variant is compared with its outputs; then by name); each
+# writes eval/<variant>/ and metrics/eval/<variant>.json
+BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map and mode.parameter is None),
                          key=lambda mode: (mode != "oracle", mode)))
+
+
+def split_mode(text: str) -> tuple[str, str | None]:
+    """A mode as a request writes it, `NAME` or `NAME:VALUE` (`speculative:0.1`, as a repair writes `tokens:0.1`):
+    (its name, the text of its value or None)."""
+    name, colon, value = str(text).partition(":")
+    return name, value if colon else None
 
 
 def check_mode(name: str, has_source: bool, has_mapper: bool) -> None:

@@ -34,6 +34,7 @@ class Work(NamedTuple):
     kv_projection_per_token: int  # one layer's K and V projections, one token
     read_per_key: int  # one layer's q.k and weighted value for one query over one key (every query head)
     key_width: int  # kv_heads x head_dim: one layer's key of one token
+    source_scores: int  # the source's look-ahead scores of the prefix (`kv.flops.lookahead_macs`; 0: no source given)
 
 
 class Selector(ABC):
@@ -42,6 +43,7 @@ class Selector(ABC):
     name: str = ""
     needs: frozenset[str] = frozenset()  # EXACT where it reads the target's exact early-layer keys/values
     parameter: str | None = None  # what its `@VALUE` means (None: it takes none)
+    reads_source: bool = False  # it ranks by the source's look-ahead scores (`kv.lookahead`, from its prefill)
 
     def read(self, text: str) -> int | float:
         """Its parameter's value from the text after `@`; ValueError when malformed or when it takes none."""

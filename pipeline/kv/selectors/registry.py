@@ -8,7 +8,7 @@ Adding a policy is adding its two modules, its declaration beside this one (`kv/
 from __future__ import annotations
 
 from pipeline.kv import entries
-from pipeline.kv.selectors import attention, deviation, key_norm, recency
+from pipeline.kv.selectors import attention, deviation, key_norm, recency, source_attention
 from pipeline.kv.selectors.base import Selector
 
 
@@ -18,5 +18,6 @@ def register(*selectors: Selector) -> dict[str, Selector]:
     return entries.register(Selector, "policies", selectors)
 
 
-SELECTORS = register(deviation.SELECTOR, attention.SELECTOR, recency.SELECTOR, key_norm.SELECTOR)
+SELECTORS = register(deviation.SELECTOR, attention.SELECTOR, recency.SELECTOR, key_norm.SELECTOR,
+                     source_attention.SELECTOR)
 POLICIES = tuple(SELECTORS)

@@ -9,7 +9,16 @@ from pipeline.kv.modes.base import Mode, Reads
 from pipeline.kv.modes.maths import registry as maths_registry
 from pipeline.kv.modes.maths.base import Handed, ModeMaths, Own
 from pipeline.kv.modes.maths.registry import MODE_MATHS
-from pipeline.kv.modes.registry import BASELINES, MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, check_mode, register
+from pipeline.kv.modes.registry import (
+    BASELINES,
+    MAPPER_MODES,
+    MODES,
+    OWN_MODES,
+    SOURCE_MODES,
+    check_mode,
+    register,
+    split_mode,
+)
 from pipeline.studies import variants
 
 
@@ -19,11 +28,22 @@ def test_the_handoff_branches_on_no_mode_name():
 
 
 def test_every_list_of_modes_is_derived_from_the_entries():
-    assert list(MODES) == ["oracle", "zero", "source", "direct", "mapped", "shuffled"]
+    assert list(MODES) == ["oracle", "zero", "source", "direct", "mapped", "shuffled", "speculative"]
     assert OWN_MODES == ("oracle", "source") and all(isinstance(MODE_MATHS[name], Own) for name in OWN_MODES)
     assert SOURCE_MODES == ("direct", "mapped", "shuffled") and MAPPER_MODES == ("mapped", "shuffled")
-    assert all(isinstance(maths, Handed) for name, maths in MODE_MATHS.items() if name not in OWN_MODES)
+    assert all(isinstance(maths, Handed) for name, maths in MODE_MATHS.items()
+               if name not in OWN_MODES and not MODES[name].sparse)
     assert BASELINES == ("oracle", "direct", "source", "zero")
+
+
+def test_speculative_reads_the_source_hands_nothing_over_and_is_no_baseline_for_it_takes_a_value():
+    speculative = MODES["speculative"]
+    assert speculative.reads.source and speculative.reads.target and not speculative.hands_over
+    assert speculative.sparse and speculative.parameter and "speculative" not in BASELINES
+    assert split_mode("speculative:0.1") == ("speculative", "0.1") and split_mode("oracle") == ("oracle", None)
+    check_mode("speculative", True, False)
+    with pytest.raises(ValueError, match="transfer mode 'speculative' needs a source model"):
+        check_mode("speculative", False, False)
 
 
 @pytest.mark.parametrize("name,has_source,has_mapper,message", [

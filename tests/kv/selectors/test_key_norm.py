@@ -30,7 +30,7 @@ def _layers(scale: dict[tuple[int, int], float]) -> list:
 
 def _scores(layers, argument=None, length=WIDTH):
     evidence = Evidence(None, layers, layers, None, 0, torch.zeros(1, WIDTH, dtype=torch.long),
-                        torch.tensor([length]), RepairCount(), None)
+                        torch.tensor([length]), RepairCount(), None, None)
     return MATHS.score(evidence, argument)
 
 

@@ -111,7 +111,7 @@ def test_a_new_policy_with_its_maths_registered_repairs_through_its_own_entry(mo
                for a, b in zip(layer, other))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [policy for policy in POLICIES if not SELECTORS[policy].reads_source])
 def test_every_policy_counts_its_selection_as_the_flop_model_did_before_the_registry(policy):
     # the if-chain the registry replaced, kept here as the reference: budgets and artifacts must not move
     _, target = pair_configs("qwen3-v0")

@@ -1,10 +1,12 @@
 """What a handoff mode's maths is: its hook `prefix`, which builds the prefix cache for the mode declared in
 `kv/modes/<name>.py`; `kv.handoff.Handoff.built` calls it and nothing else branches on a mode's name. Two shapes
-cover the six:
+cover six of the seven:
 
     Own      the decoding model prefills the prompt itself (oracle, source): nothing handed off, nothing repaired
     Handed   a cache the decoding model did not make (zero, direct, mapped, shuffled), then the handoff's repair;
              `FromSource` is the source's own prefill brought into the target's space (`to_target`)
+
+and `speculative` fills in `prefix` itself: the target's prefill of the positions the source's scores keep.
 
 Shapes: B rows of a right-padded prefix of P slots; every cache (B, H, P, D) per layer, rotated, in the decoder's dtype.
 """
@@ -58,23 +60,29 @@ class Handed(ModeMaths):
     """A cache the decoding model did not make, handed to it and then repaired (`kv.recompute`)."""
 
     def prefix(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        source, mapped = self.handed(handoff, prefix_ids, lengths, mask, clock, prefilled)
-        layers = handoff.repaired_layers(mapped, prefix_ids, lengths)
+        source, mapped, scores = self.handed(handoff, prefix_ids, lengths, mask, clock, prefilled)
+        layers = handoff.repaired_layers(mapped, prefix_ids, lengths, scores)
         tell(clock, "map")
         return Built(source, mapped, layers)
 
     @abstractmethod
-    def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled) -> tuple[list | None, list]:
-        """(the source's own cache or None, the cache handed to the target before the repair)."""
+    def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled) -> tuple[list | None, list, object]:
+        """(the source's own cache or None, the cache handed to the target before the repair, the source's look-ahead
+        scores (B, P) where the repair reads them (`kv.lookahead`), else None)."""
 
 
 class FromSource(Handed):
-    """The source's own prefill, brought into the target's space."""
+    """The source's own prefill, brought into the target's space; where the repair's policy reads the source's
+    look-ahead scores, they come from the same forward (a cache prefilled already is then not reused)."""
 
     def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        source = prefilled if prefilled is not None else handoff.source_prefill(prefix_ids, mask)
+        scores = None
+        if handoff.repair.tokens and handoff.repair.selector.reads_source:
+            source, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask)
+        else:
+            source = prefilled if prefilled is not None else handoff.source_prefill(prefix_ids, mask)
         tell(clock, "prefill")
-        return source, handoff.to_target(source, lengths)
+        return source, handoff.to_target(source, lengths), scores
 
     @abstractmethod
     def to_target(self, handoff, source_layers: list, lengths) -> list:

@@ -10,7 +10,7 @@ from typing import Mapping
 
 from pipeline.kv import entries
 from pipeline.kv.modes.base import Mode
-from pipeline.kv.modes.maths import direct, mapped, oracle, shuffled, source, zero
+from pipeline.kv.modes.maths import direct, mapped, oracle, shuffled, source, speculative, zero
 from pipeline.kv.modes.maths.base import ModeMaths
 from pipeline.kv.modes.registry import MODES
 
@@ -21,4 +21,5 @@ def register(*maths: ModeMaths, declared: Mapping[str, Mode] = MODES) -> dict[st
     return entries.register_maths(ModeMaths, "mode maths", maths, declared)
 
 
-MODE_MATHS = register(oracle.MATHS, zero.MATHS, source.MATHS, direct.MATHS, mapped.MATHS, shuffled.MATHS)
+MODE_MATHS = register(oracle.MATHS, zero.MATHS, source.MATHS, direct.MATHS, mapped.MATHS, shuffled.MATHS,
+                      speculative.MATHS)

@@ -15,7 +15,7 @@ class ZeroMaths(Handed):
         geometry, (batch, length) = handoff.decoder_geometry, prefix_ids.shape
         shape = (batch, geometry["kv_heads"], length, geometry["head_dim"])
         zeros = torch.zeros(shape, dtype=handoff.decoder.dtype, device=handoff.device)  # (B, H, P, D)
-        return None, [(zeros, zeros) for _ in range(geometry["layers"])]
+        return None, [(zeros, zeros) for _ in range(geometry["layers"])], None
 
 
 MATHS = ZeroMaths()

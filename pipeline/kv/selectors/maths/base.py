@@ -30,6 +30,7 @@ class Evidence:
     lengths: torch.Tensor  # (B,) real lengths of right-padded rows, on the CPU
     count: object  # kv.recompute.RepairCount: a selector that runs the target adds its work
     devices: list | None  # where each cache layer goes (kv.kvcache.layer_devices), None for the target's device
+    source_scores: torch.Tensor | None  # (B, P) the source's look-ahead scores, where the policy reads them
 
 
 class SelectorMaths(Maths, ABC):

@@ -9,7 +9,7 @@ from typing import Mapping
 
 from pipeline.kv import entries
 from pipeline.kv.selectors.base import Selector
-from pipeline.kv.selectors.maths import attention, deviation, key_norm, recency
+from pipeline.kv.selectors.maths import attention, deviation, key_norm, recency, source_attention
 from pipeline.kv.selectors.maths.base import SelectorMaths
 from pipeline.kv.selectors.registry import SELECTORS
 
@@ -20,4 +20,4 @@ def register(*maths: SelectorMaths, declared: Mapping[str, Selector] = SELECTORS
     return entries.register_maths(SelectorMaths, "selector maths", maths, declared)
 
 
-SELECTOR_MATHS = register(deviation.MATHS, attention.MATHS, recency.MATHS, key_norm.MATHS)
+SELECTOR_MATHS = register(deviation.MATHS, attention.MATHS, recency.MATHS, key_norm.MATHS, source_attention.MATHS)

@@ -1,0 +1,64 @@
+"""Speculative prefill's declared settings (params' `speculative` section) and its index arithmetic; no torch.
+
+The source's attention from the prefix's last m tokens scores every earlier position (`kv.lookahead`); the mode
+`speculative:P` (SpecPrefill, arXiv 2502.02789) has the target prefill only the kept positions, at their own
+position ids, and the repair policy `source_attention` recomputes the mapped cache's tokens those scores rank first.
+A prefix c[0..P-1] keeps:
+
+    c[0 .. s-1]            the sinks (s = min(sinks, P))
+    c[s .. P-m-1]          round(p x (P - s - m)) of them, those the scores rank first
+    c[P-m .. P-1]          the last m (m = min(last, P - s)), whose attention scored the rest
+
+so p = 1 keeps every position: the oracle's prefill. The share p is the request's (`speculative:0.1`, the only
+value the mode takes); m, s, the source layers read and the pooling are declared once in params, never here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pipeline.store.params import Count, Params, Positive
+
+SECTION = "speculative"  # the params section faces read the declared settings from
+
+
+class SpeculativeParams(Params):
+    last: Positive  # m: the prefix's last tokens whose attention scores the rest, always kept
+    sinks: Count  # the prefix's first tokens, always kept by the mode (a repair has its own `sink:S`)
+    layers: Literal["all"] | Annotated[list[int], Field(min_length=1)]  # the source layers read (negative: from
+    # the end, so one list fits sources of any depth)
+    pooling: Literal["max", "mean"]  # over the layers read, the query heads and the m queries
+
+    def layer_indices(self, depth: int) -> list[int]:
+        """The source layers read, as indices 0..depth-1 in ascending order, each once."""
+        if self.layers == "all":
+            return list(range(depth))
+        problem = self.layer_refusal(depth)
+        if problem:
+            raise ValueError(problem)
+        return sorted({index % depth for index in self.layers})
+
+    def layer_refusal(self, depth: int) -> str | None:
+        """Why `layers` cannot be read from a source of `depth` decoder layers, or None."""
+        outside = [index for index in ([] if self.layers == "all" else self.layers) if not -depth <= index < depth]
+        if outside:
+            return (f"speculative.layers: layer {outside[0]} is outside the source's {depth} layers; give indices in "
+                    f"{-depth}..{depth - 1} or `all`")
+        return None
+
+    def spans(self, length: int) -> tuple[int, int]:
+        """(s, m) for a prefix of `length` tokens: the sinks, then the last tokens, each cut to what is left."""
+        sinks = min(self.sinks, length)
+        return sinks, min(self.last, length - sinks)
+
+    def kept(self, share: float, length: int) -> int:
+        """The positions kept of a prefix of `length` tokens at share p: the sinks, the last m, and the chosen."""
+        sinks, last = self.spans(length)
+        return sinks + last + chosen(share, length - sinks - last)
+
+
+def chosen(share: float, candidates: int) -> int:
+    """round(p x candidates), halves up (the repair's rounding, `kv.repair.Repair.chosen`)."""
+    return math.floor(share * candidates + 0.5)
