@@ -34,7 +34,7 @@ rank contract; the process group is joined when lm-eval builds the model (`from_
 line is done.
 
 Run lm-eval's own command line with this model registered (`--device` defaults to the pipeline's choice: cuda
-when there is one, else cpu; the README shows the hub and the local-task forms):
+when there is one, else cpu; docs/interfaces.md shows the hub and the local-task forms):
 
     python -m pipeline.lm_eval_model run --model kv-transfer \
         --model_args target=...,source=...,transfer=mapped,mapper=... --tasks hellaswag,piqa

@@ -176,7 +176,7 @@ def run_length(params: dict | None = None) -> int:
 
 
 def which_pairs_work() -> str:
-    """README's "Which pairs work" section, generated from the rules above."""
+    """The "Which pairs work" section of docs/real-weights.md, generated from the rules above."""
     lines = ["## Which pairs work", "",
              "Generated from the architecture contract (`pipeline/kv/contract.py`; `python -m pipeline.check_pair "
              "--which-pairs`). A pair is handled exactly when both models are full-attention decoders of a tested "

@@ -237,8 +237,8 @@ def test_the_fitted_map_between_unequal_geometries_reproduces_the_oracle_through
     assert [greedy for _, greedy in mapped] == [greedy for _, greedy in oracle]
 
 
-def test_readme_which_pairs_work_section_is_the_one_the_contract_generates():
-    assert which_pairs_work() in (ROOT / "README.md").read_text()
+def test_the_which_pairs_work_section_is_the_one_the_contract_generates():
+    assert which_pairs_work() in (ROOT / "docs/real-weights.md").read_text()
 
 
 # ---- every family through Pair.handoff --------------------------------------------------------------------------

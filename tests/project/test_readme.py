@@ -1,17 +1,29 @@
-"""The README's `dvc` commands work as written from a plain shell (no `.venv/bin` on PATH): its code block
-activates the environment DVC runs the stages with; and a stage started without it fails without costing
-check_params' output."""
+"""The README's commands: each runs here as written from a plain shell (no `.venv/bin` on PATH) on the tiny
+profile, or says in its comment that it is `illustrative` (and where it runs instead); the own-pair recipe's `-S`
+list passes check_params; and a stage started without the environment fails without costing check_params' output."""
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from dvc.utils.hydra import compose_and_dump
 from helpers import ROOT
 from helpers.scratch import scratch_copy
 
+from pipeline.check_params import check
+from pipeline.store.params import ParamError
+from pipeline.store.shapes import shape_config
+
 README_LINE = "dvc repro -f check_params"
+DIFF_LINE = "dvc metrics diff main my-branch --targets metrics/headline"
+RUN_HERE = {"source .venv/bin/activate", README_LINE, DIFF_LINE}  # the commands this file's tests run
+MARK = "illustrative"  # a README command that says this word in its comment is not run here
 PLAIN_PATH = os.pathsep.join(folder for folder in ("/usr/local/bin", "/usr/bin", "/bin")
                              if Path(folder).resolve() != Path(sys.executable).parent.resolve())
 CHECKED = "metrics/params_check.json"
@@ -43,7 +55,7 @@ def project(tmp_path) -> Path:
     scratch_copy(ROOT, copy)
     (copy / ".venv").symlink_to(sys.prefix, target_is_directory=True)
     identity = ["-c", "user.name=t", "-c", "user.email=t@t"]
-    for command in (["init", "-q"], ["add", "-A"], [*identity, "commit", "-qm", "scratch"]):
+    for command in (["init", "-q", "-b", "main"], ["add", "-A"], [*identity, "commit", "-qm", "scratch"]):
         subprocess.run(["git", *command], cwd=copy, check=True, capture_output=True)
     return copy
 
@@ -61,3 +73,56 @@ def test_a_stage_run_without_the_environment_fails_and_check_params_keeps_its_ou
     done = plain_shell(".venv/bin/" + README_LINE, project)
     assert done.returncode != 0 and "failed to reproduce 'check_params'" in done.stderr, done.stderr[-2000:]
     assert (project / CHECKED).read_bytes() == before
+
+
+def unmarked_commands(text: str) -> set[str]:
+    """The commands of a Markdown text's bash blocks whose comment does not start with the word `MARK`."""
+    lines = [line for block in bash_blocks(text) for line in block if line.split("#")[0].strip()]
+    return {line.split("#")[0].strip() for line in lines
+            if re.match(rf"\s*{MARK}\b", line.partition("#")[2]) is None}
+
+
+def test_every_readme_command_runs_in_a_test_here_or_says_it_is_illustrative():
+    unmarked = unmarked_commands((ROOT / "README.md").read_text())
+    assert unmarked == RUN_HERE, f"README commands neither run here nor marked {MARK!r}: {unmarked ^ RUN_HERE}"
+
+
+def test_the_command_check_sees_an_unmarked_command():
+    text = "```bash\nmake repro   # illustrative: elsewhere\ndvc gc -w   # cleans the cache, illustrative\n```\n"
+    assert unmarked_commands(text) == {"dvc gc -w"}
+
+
+def test_the_readme_metrics_diff_shows_a_change_between_two_branches(project):
+    identity = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    headline = project / "metrics/headline/selected.json"
+    figures = json.loads(headline.read_text())
+    figures["retention"] = 0.123456
+    subprocess.run(["git", "checkout", "-q", "-b", "my-branch"], cwd=project, check=True)
+    headline.write_text(json.dumps(figures, indent=2))
+    subprocess.run(["git", *identity, "commit", "-qam", "a change"], cwd=project, check=True)
+    script = "\n".join(["set -e", *lines_up_to("source .venv/bin/activate"), *lines_up_to(DIFF_LINE)[-1:]])
+    done = plain_shell(script, project)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    changed = [line for line in done.stdout.splitlines() if "selected.json" in line and "retention " in line + " "]
+    assert changed and "0.12346" in changed[0], done.stdout
+
+
+def test_the_readme_own_pair_recipe_passes_check_params(tmp_path):
+    lines = [line for block in bash_blocks((ROOT / "README.md").read_text()) for line in block]
+    line = next(line.split("#")[0] for line in lines if "convert.target=null" in line)
+    overrides = [word for word in shlex.split(line) if "=" in word and not word.startswith("-")]
+    # an own pair outside the repository: Qwen2.5-Coder's configs with the tiny tokenizer (check_params reads configs
+    # and tokenizers, never weights)
+    for name, side, shape in (("/models/big", "target", "qwen2.5-coder-1.5b"), ("/models/small", "source",
+                                                                                 "qwen2.5-coder-0.5b")):
+        shutil.copytree(ROOT / "models/target", tmp_path / side, ignore=shutil.ignore_patterns("*.safetensors"))
+        shape_config(shape).to_json_file(tmp_path / side / "config.json")
+        overrides = [word.replace(name, str(tmp_path / side)) for word in overrides]
+    out = tmp_path / "params.yaml"
+    compose_and_dump(out, str(ROOT / "conf"), None, "config", "", overrides)
+    params = yaml.safe_load(out.read_text())
+    assert params["models"]["target"] == params["data"]["tokenizer"] == str(tmp_path / "target")
+    check(params)
+    params["data"]["tokenizer"] = "models/converted"  # the profile's own: not this target's
+    with pytest.raises(ParamError, match=r"^data\.tokenizer: models/converted is not the target's tokenizer"):
+        check(params)

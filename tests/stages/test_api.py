@@ -134,9 +134,11 @@ def readme_block() -> str:
 
 
 def test_the_readmes_python_block_runs_as_written(tmp_path, tiny_pair, identity_map):
-    for side in ("source", "target"):
-        shutil.copytree(tiny_pair[side], tmp_path / "models" / side)
-    shutil.copy(identity_map, tmp_path / "models" / "mapper.safetensors")  # bound to these models' content
+    # the block names the real pair's converted folders and its committed map: the tiny pair stands in for them
+    for side, folder in (("source", "converted-source"), ("target", "converted")):
+        shutil.copytree(tiny_pair[side], tmp_path / "models" / folder)
+    (tmp_path / "report/qwen25-coder/maps").mkdir(parents=True)
+    shutil.copy(identity_map, tmp_path / "report/qwen25-coder/maps/selected.safetensors")  # bound by content
     done = subprocess.run([sys.executable, "-c", readme_block()], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -396,8 +396,8 @@ def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):
 
 
 def readme_command(marker: str) -> list[str]:
-    """The README's shell command containing `marker`, backslash continuations joined, split into words."""
-    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    """The documented shell command (docs/interfaces.md) containing `marker`, continuations joined, split into words."""
+    text = (ROOT / "docs/interfaces.md").read_text().replace("\\\n", " ")
     line = next(line for line in text.splitlines() if marker in line)
     return shlex.split(line)
 
