@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.check_pair", __doc__)
     cli.add_argument("source", nargs="?", help="source model: hub id, local folder or shape:<name>")
     cli.add_argument("target", nargs="?", help="target model: hub id, local folder or shape:<name>")
-    cli.add_argument("--which-pairs", action="store_true", help="print docs/real-weights.md's 'Which pairs work' and exit")
+    cli.add_argument("--which-pairs", action="store_true",
+                     help="print docs/real-weights.md's 'Which pairs work' and exit")
     cli.add_argument("--ks", type=int, nargs="+", help="source layers per target layer (default: fit.ks)")
     cli.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default: latency.lengths)")
     for family, spec in FAMILIES.items():
