@@ -1,7 +1,8 @@
 # Two commands a user needs: `make repro` (run the pipeline) and `make test` (run the tests).
 # Both create .venv on first use; `make setup` alone is idempotent. `make test-fast` skips the end-to-end runs;
-# `make lint` runs ruff (config in pyproject.toml); `make deps` rewrites each dvc.yaml stage's pipeline/ deps from
-# the imports of its module, last in the stage after cmd, params and outs (tools/stagedeps.py); `make gpu-check` is the prepared check for a machine with a GPU;
+# `make lint` runs ruff (config in pyproject.toml); `make deps` rewrites each dvc.yaml stage's code deps (its modules
+# as files, each wing it imports as one folder) from the imports of its module, last in the stage after cmd, params
+# and outs (tools/stagedeps.py); `make gpu-check` is the prepared check for a machine with a GPU;
 # `make bench-eval` times lm-eval's `hf` against the `kv-transfer` oracle on HellaSwag (tools/bench_eval.py);
 # `make timings` times `make repro`, `make test` and `make test-fast` in a fresh clone of HEAD, on this .venv (install
 # not counted), and writes timings.md, the README's figures (tools/timings.py; `--only`, `--out` there).

@@ -1,8 +1,11 @@
 """`make deps`: each dvc.yaml stage's `pipeline/` deps rewritten from the import closure of the module it runs
-(tools/importgraph.py: imports, `lazy(...)` references and stages run in a subprocess), so a code change reruns
-exactly the stages it can affect. Each stage reads: what runs (cmd), the params it reads, what it writes (outs,
-metrics, plots), then its deps, the data first and the code last under one comment (`CODE`). Every other line stays
-as written (the file is edited as text, stage by stage); a module's trailing comment stays with it.
+(tools/importgraph.py: imports, `lazy(...)` references and stages run in a subprocess), as a recipe lists code: the
+modules at the top of pipeline/ (the stage, the stages it runs, a shared module such as the lm-eval face) and the
+stages' params classes under pipeline/schema/ as files, every other wing it reaches as its folder (`pipeline/kv`).
+A change in a wing reruns every stage that imports anything from it: coarser than the modules, and honest. Each
+stage reads: what runs (cmd), the params it reads, what it writes (outs, metrics, plots), then its deps, the data
+first and the code last under one comment (`CODE`). Every other line stays as written (the file is edited as text,
+stage by stage); a dep's trailing comment stays with it.
 
     python tools/stagedeps.py           # rewrite dvc.yaml in place
     python tools/stagedeps.py --check   # print the diff and exit 1 when dvc.yaml is stale
@@ -25,6 +28,7 @@ COMMAND = "make deps"
 STAGE = re.compile(r"^  (?P<name>[^\s#:][^:]*):")  # a key of `stages:` (two spaces in)
 KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]+):")
 ITEM = re.compile(r"^(?P<indent> *)- (?P<value>[^\s#]+)(?P<comment> *#.*)?$")
+FILED = ("schema",)  # wings whose modules are deps one by one: each is one stage's params class
 
 
 def needed_modules(root: Path) -> dict[str, list[str]]:
@@ -35,13 +39,34 @@ def needed_modules(root: Path) -> dict[str, list[str]]:
             for name, stage in stages.items()}
 
 
+def code_dep(path: str) -> str:
+    """The dep that covers a module's file: the file for a module at the top of pipeline/ or in a FILED wing,
+    else its wing's folder (`pipeline/kv/modes/maths/oracle.py` -> `pipeline/kv`)."""
+    package, *rest = path.split("/")
+    return path if len(rest) == 1 or rest[0] in FILED else f"{package}/{rest[0]}"
+
+
+def needed_deps(root: Path) -> dict[str, list[str]]:
+    """Stage name -> its code deps: its module and its schema, the other files, then the wing folders."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    deps = {}
+    for name, paths in needed_modules(root).items():
+        own = stage_module(stages[name]).removeprefix("pipeline.")
+        found = {code_dep(path) for path in paths}
+        first = [dep for dep in (f"pipeline/{own}.py", f"pipeline/schema/{own}.py") if dep in found]
+        files = sorted(dep for dep in found - set(first) if dep.endswith(".py"))
+        deps[name] = [*first, *files, *sorted(found - set(first) - set(files))]
+    return deps
+
+
 def _indent(line: str) -> int:
     return len(line) - len(line.lstrip(" "))
 
 
 # where each key of a stage stands: what runs, what it reads of params, what it writes, then what it depends on
 ORDER = {"foreach": 0, "do": 1, "cmd": 2, "params": 4, "outs": 5, "metrics": 6, "plots": 7, "deps": 8}  # others: 3
-CODE = "# code (make deps): the pipeline/ modules the command imports"
+CODE = "# code (make deps): the modules the command runs and the wings they import"
+CODE_KEY = "# code (make deps)"  # how the comment starts, whatever its wording was when written
 
 
 def _blocks(body: list[str], indent: int) -> tuple[list[tuple[str, list[str]]], list[str]]:
@@ -69,7 +94,8 @@ def _deps(lines: list[str], needed: list[str], indent: int) -> list[str]:
     items = [(line, ITEM.match(line)) for line in lines[len(head):]]
     pad = next((m["indent"] for _, m in items if m), " " * (indent + 2))
     code = {m["value"]: m["comment"] or "" for _, m in items if m and m["value"].startswith("pipeline/")}
-    data = [line for line, m in items if line.strip() and line.strip() != CODE and not (m and m["value"] in code)]
+    data = [line for line, m in items
+            if line.strip() and not line.strip().startswith(CODE_KEY) and not (m and m["value"] in code)]
     return [*head, *data, f"{pad}{CODE}", *(f"{pad}- {path}{code.get(path, '')}" for path in needed)]
 
 
@@ -91,8 +117,8 @@ def _ordered(body: list[str], needed: list[str]) -> list[str]:
 
 
 def rewritten(text: str, needed: dict[str, list[str]]) -> str:
-    """dvc.yaml's text with each stage's keys in ORDER and its pipeline/ deps set to needed[stage], last in its deps
-    under the code comment; every other line stays as written."""
+    """dvc.yaml's text with each stage's keys in ORDER and its pipeline/ deps set to needed[stage] (needed_deps),
+    last in its deps under the code comment; every other line stays as written."""
     lines = text.split("\n")
     top = next(i for i, line in enumerate(lines) if line.startswith("stages:"))
     after = next((i for i in range(top + 1, len(lines)) if lines[i] and not lines[i].startswith((" ", "#"))),
@@ -107,7 +133,7 @@ def rewritten(text: str, needed: dict[str, list[str]]) -> str:
 def stale(root: Path) -> str:
     """The unified diff from dvc.yaml to what `make deps` writes; empty when it is current."""
     text = (root / "dvc.yaml").read_text()
-    new = rewritten(text, needed_modules(root))
+    new = rewritten(text, needed_deps(root))
     lines = difflib.unified_diff(text.splitlines(True), new.splitlines(True), "dvc.yaml", f"dvc.yaml ({COMMAND})")
     return "".join(lines)
 
@@ -121,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(diff + (f"dvc.yaml's stage deps are stale: run `{COMMAND}`" if diff else "dvc.yaml: stage deps current"))
         return 1 if diff else 0
     if diff:
-        (ROOT / "dvc.yaml").write_text(rewritten((ROOT / "dvc.yaml").read_text(), needed_modules(ROOT)))
+        (ROOT / "dvc.yaml").write_text(rewritten((ROOT / "dvc.yaml").read_text(), needed_deps(ROOT)))
     print(f"dvc.yaml: {'stage deps rewritten' if diff else 'stage deps already current'}")
     return 0
 

@@ -1,7 +1,8 @@
-"""dvc.yaml lists, for every stage, the stage's module and every pipeline module it imports (transitively,
-counting `python -m pipeline.X` subprocesses as imports), so a code change reruns exactly the stages it can
-affect; every params section a stage loads is declared in its `params:`; and the report, which only names modes,
-baselines, repair settings and scores, depends on no registry's maths (`kv/<registry>/maths/`)."""
+"""dvc.yaml lists, for every stage, the stage's module, its schema, the stages it runs and every wing it imports
+(transitively, counting `python -m pipeline.X` subprocesses as imports) as one folder, so a code change reruns every
+stage it can affect; DVC hashes those folders without the bytecode Python writes in them; every params section a
+stage loads is declared in its `params:`; and the report, which only names modes, baselines, repair settings and
+scores, imports no registry's maths (`kv/<registry>/maths/`)."""
 import ast
 import shutil
 import subprocess
@@ -14,14 +15,59 @@ import yaml
 from helpers import ROOT
 from importgraph import body, closure, edges, graph, modules, stage_module
 from ruamel.yaml import YAML
-from stagedeps import COMMAND, needed_modules, rewritten, stale
+from stagedeps import COMMAND, code_dep, needed_deps, rewritten, stale
 
 STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
-def test_every_stage_depends_on_the_modules_it_imports():
+def test_every_stage_depends_on_its_modules_and_the_wings_they_import():
     diff = stale(ROOT)
     assert not diff, f"dvc.yaml's stage deps differ from the imports; run `{COMMAND}`:\n{diff}"
+
+
+def test_a_module_is_a_dep_as_its_file_at_the_top_or_in_schema_and_else_as_its_wings_folder():
+    assert code_dep("pipeline/evaluate.py") == "pipeline/evaluate.py"
+    assert code_dep("pipeline/schema/evaluate.py") == "pipeline/schema/evaluate.py"
+    assert code_dep("pipeline/kv/rope.py") == "pipeline/kv"
+    assert code_dep("pipeline/kv/modes/maths/oracle.py") == "pipeline/kv"
+
+
+@pytest.fixture
+def real_project(tmp_path):
+    """dvc.yaml and pipeline/ copied, for a test to edit."""
+    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    return tmp_path
+
+
+def test_the_check_fails_when_a_stage_imports_a_wing_its_deps_do_not_list(real_project):
+    assert "pipeline/tiny" not in STAGES["report"]["deps"]
+    report = real_project / "pipeline" / "report.py"
+    report.write_text(report.read_text() + "from pipeline.tiny import world  # the edit\n")
+    assert stale(real_project).count("\n+      - pipeline/tiny\n") == 1
+
+
+def test_the_check_fails_when_a_wing_a_stage_imports_is_taken_out_of_its_deps(real_project):
+    text = (real_project / "dvc.yaml").read_text()
+    report = text.index("\n  report:")
+    (real_project / "dvc.yaml").write_text(text[:report] + text[report:].replace("      - pipeline/studies\n", "", 1))
+    assert stale(real_project).count("\n+      - pipeline/studies\n") == 1
+
+
+def test_an_import_inside_a_wing_the_stage_lists_leaves_its_deps_as_they_are(real_project):
+    report = real_project / "pipeline" / "report.py"
+    report.write_text(report.read_text() + "from pipeline.kv.selectors.maths import attention  # the edit\n")
+    assert stale(real_project) == ""  # coarser than the modules: the report reruns on any edit of kv already
+
+
+def test_dvc_hashes_a_wing_folder_without_the_bytecode_python_writes_in_it():
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as repo:
+        ignored = [repo.dvcignore.is_ignored(repo.fs, str(ROOT / path)) for path in
+                   ("pipeline/kv/__pycache__/rope.cpython-312.pyc", "pipeline/kv/modes/maths/oracle.pyc",
+                    "pipeline/kv/rope.py", "pipeline/store/configs/qwen3-0.6b.json")]
+    assert ignored == [True, True, False, False]
 
 
 STALE = """\
@@ -42,6 +88,9 @@ stages:
       cmd: python -m pipeline.two ${item}
       deps:
         - data/${item}.parquet
+        # code (make deps): the pipeline/ modules the command imports
+        - pipeline/two.py
+        - pipeline/wing/helper.py
       outs:
         - out/${item}
   three:
@@ -59,9 +108,11 @@ stages:
     deps:
       - data/first.parquet
       - models/${item}
-      # code (make deps): the pipeline/ modules the command imports
+      # code (make deps): the modules the command runs and the wings they import
       - pipeline/one.py  # the stage itself
-      - pipeline/wing/helper.py
+      - pipeline/schema/one.py
+      - pipeline/helper.py
+      - pipeline/wing
   two:
     foreach: [a, b]
     do:
@@ -70,13 +121,13 @@ stages:
         - out/${item}
       deps:
         - data/${item}.parquet
-        # code (make deps): the pipeline/ modules the command imports
+        # code (make deps): the modules the command runs and the wings they import
         - pipeline/two.py
-        - pipeline/wing/helper.py
+        - pipeline/wing
   three:
     cmd: python -m pipeline.helper
     deps:
-      # code (make deps): the pipeline/ modules the command imports
+      # code (make deps): the modules the command runs and the wings they import
       - pipeline/helper.py
 plots:
   - metrics/x.csv
@@ -85,8 +136,10 @@ plots:
 
 @pytest.fixture
 def stale_project(tmp_path):
-    for name, text in {"one.py": "from pipeline.wing import helper\n", "two.py": "import pipeline.wing.helper\n",
-                       "helper.py": "", "wing/helper.py": ""}.items():
+    files = {"one.py": "from pipeline.wing import helper\nfrom pipeline.schema import one\nimport pipeline.helper\n",
+             "two.py": "import pipeline.wing.helper\n", "helper.py": "", "schema/one.py": "",
+             "wing/helper.py": "from pipeline.wing.sub import deep\n", "wing/sub/deep.py": ""}
+    for name, text in files.items():
         (tmp_path / "pipeline" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "pipeline" / name).write_text(text)
     (tmp_path / "dvc.yaml").write_text(STALE)
@@ -95,21 +148,21 @@ def stale_project(tmp_path):
 
 def test_make_deps_orders_each_stage_cmd_params_outs_deps_with_the_code_last_keeping_comments_and_data(
         stale_project):
-    assert rewritten(STALE, needed_modules(stale_project)) == FRESH
+    assert rewritten(STALE, needed_deps(stale_project)) == FRESH
 
 
 def test_make_deps_is_idempotent_and_the_check_is_empty_after_it(stale_project):
     assert "-      - pipeline/gone.py" in stale(stale_project)
-    (stale_project / "dvc.yaml").write_text(rewritten(STALE, needed_modules(stale_project)))
+    (stale_project / "dvc.yaml").write_text(rewritten(STALE, needed_deps(stale_project)))
     assert stale(stale_project) == ""
-    assert rewritten(FRESH, needed_modules(stale_project)) == FRESH
+    assert rewritten(FRESH, needed_deps(stale_project)) == FRESH
 
 
 def test_the_stale_deps_check_prints_the_diff_and_names_make_deps(monkeypatch, capsys, stale_project):
     monkeypatch.setattr(stagedeps, "ROOT", stale_project)
     assert stagedeps.main(["--check"]) == 1
     out = capsys.readouterr().out
-    assert "+        - pipeline/two.py" in out and out.rstrip().endswith("run `make deps`")
+    assert "\n+        - pipeline/wing\n" in out and out.rstrip().endswith("run `make deps`")
     assert stagedeps.main([]) == 0 and (stale_project / "dvc.yaml").read_text() == FRESH
     assert stagedeps.main(["--check"]) == 0
 
@@ -168,10 +221,8 @@ def selectors_in_closure(module: str, root: Path) -> list[str]:
     return sorted(name for name in closure(module, graph(root, subprocess=True)) if name.startswith(kinds))
 
 
-def test_the_reports_deps_hold_no_selector_and_no_other_registrys_maths():
+def test_the_report_imports_no_selector_and_no_registrys_maths():
     assert maths_in_closure("pipeline.report", ROOT) == [] and selectors_in_closure("pipeline.report", ROOT) == []
-    code = [dep for dep in STAGES["report"]["deps"] if dep.startswith("pipeline/")]
-    assert not [dep for dep in code if "/maths/" in dep or "/selectors/" in dep or dep.endswith("kv/repair.py")]
 
 
 def test_the_selector_check_sees_a_study_that_parses_a_repair_setting(tmp_path):
