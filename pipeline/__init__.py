@@ -1,4 +1,5 @@
-"""kv-handoff: cross-model KV-cache handoff between Qwen3 models, as a DVC pipeline.
+"""kv-handoff: cross-model KV-cache handoff between two models of one family (any pair the contract in
+`kv.contract` accepts: Qwen2/2.5, Qwen3, Llama, Mistral, OLMo2 and their MoE siblings), as a DVC pipeline.
 
 Vocabulary: one word per meaning, for docstrings, comments and the report (PROTOCOL.md has the definitions).
     pair       the source and the target model, and nothing else (`kv.pair.Pair`; a pair may be named by its

@@ -1,7 +1,7 @@
 """What a handoff mode is: the one interface every mode module fills in, its declaration.
 
-A mode says how a handoff builds the prefix cache its decoding model reads. It is two modules, and nothing else
-branches on a mode's name:
+A mode says how a handoff builds the prefix cache its decoding model reads. It is two modules (the contract's
+`pair_contract` also names each mode once, to say which the pair's geometry allows):
 
     kv/modes/<name>.py        its declaration: its name, what it reads (`Reads`, the architecture contract's
                               declaration, `kv.contract`), whether it is refused without a fitted map, and how the
