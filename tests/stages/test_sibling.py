@@ -19,14 +19,10 @@ from transformers import LlamaForCausalLM
 
 from pipeline import sibling as stage
 from pipeline.check_params import check
-from pipeline.fitting.prune import choose_layers, sibling_config
-from pipeline.kv.contract import pair_contract
-from pipeline.kv.geometry import kv_geometry
-from pipeline.schema.sibling import Shape
+from pipeline.fitting.prune import choose_layers
 from pipeline.store import paths
 from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, parse
-from pipeline.store.shapes import PAIRS, pair_configs
 
 
 def models(source: str) -> ModelsParams:
@@ -37,22 +33,6 @@ def models(source: str) -> ModelsParams:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     return project_folder(tmp_path_factory.mktemp("sibling"))
-
-
-def smol_sibling_shape() -> str:
-    return yaml.safe_load((ROOT / "conf/profile/smol.yaml").read_text())["sibling"]["shape"]
-
-
-def test_the_smol_profiles_sibling_is_the_stored_shape_and_costs_at_most_040_of_the_targets_prefill():
-    source, target = pair_configs("smol-sibling")
-    counts = Shape.parse(smol_sibling_shape()).within(target, "smollm2-135m")
-    built = sibling_config(target, list(range(counts.layers)), counts.mlp, counts.heads)
-    fields = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps")
-    assert {name: getattr(built, name) for name in fields} == {name: getattr(source, name) for name in fields}
-    assert kv_geometry(source) == kv_geometry(target) and pair_contract(target, source).defined("direct")
-    assert 0.30 < stage.prefill_ratio(source, target, 1024) <= 0.40
-    assert PAIRS["smol-sibling"] == ("smollm2-135m-sibling", "smollm2-135m")
 
 
 @pytest.mark.parametrize("shape", ["mlp:320+heads:6", "layers:12", "layers:20+mlp:768+heads:6"])
