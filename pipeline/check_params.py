@@ -7,11 +7,11 @@ imported here), and a top-level key no stage reads is refused, so a typo anywher
 empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here, naming the key, before anything is
 computed. Then the rules between sections (`ParamsFile`'s validators),
 which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
-a calibration size beyond its pool, a sibling source cut from no checkpoint, a mapper file no stage writes, a
-repaired variant reading a choice select does not make, a report variant that is not evaluated, a
-trained pair without its settings, a k beyond the source's layers, a repair (repair.grid, select.repairs,
-evaluate.repair) recomputing more layers than the target has or a sink past its positions, a self source or a
-sibling as deep as the target, an absolute model path inside the repository, a split fit reads and extract skips.
+a calibration size beyond its pool, a mapper file no stage writes, a repaired variant reading a choice select does
+not make, a report variant that is not evaluated, a trained pair without its settings, a k beyond the source's
+layers, a repair (repair.grid, select.repairs, evaluate.repair) recomputing more layers than the target has or a
+sink past its positions, a self source as deep as the target, an absolute model path inside the repository, a split
+fit reads and extract skips.
 A hub-kind target's layers and positions are read from the config the profile names, without any weight: a local
 folder's config.json, or a converted checkpoint's stored shape (`convert.<side>.shape`) before conversion. A pair
 is checked against its study: the data's tokenizer is the target's, a converted side is a model of the pair, and
@@ -47,7 +47,6 @@ from pipeline.schema.repair import RepairParams
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.schema.select import SelectParams
 from pipeline.schema.selective import SelectiveParams
-from pipeline.schema.sibling import SiblingParams, names_sibling
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
@@ -69,7 +68,6 @@ class ParamsFile(Params):
     measure: MeasureParams
     data: DataParams
     convert: ConvertParams
-    sibling: SiblingParams
     models: ModelsParams
     train: TrainParams
     score_models: ScoreModelsParams
@@ -130,8 +128,6 @@ def depth_of(params: ParamsFile, side: str) -> int | None:
     config."""
     if side == "source" and params.models.self_layers:
         return params.models.self_layers
-    if side == "source" and names_sibling(params.models.source):
-        return params.sibling.cut.layers or depth_of(params, "target")  # no layers:<n>: the target's own
     if params.models.kind == "trained":
         return getattr(params.train, side).layers
     if params.models.kind == "random":
@@ -171,24 +167,11 @@ def repairs_within_the_target(params: ParamsFile) -> None:
             raise ParamError(f"{key}: {text}: {problem} ({target})")
 
 
-def sibling_is_cut_from_a_checkpoint(params: ParamsFile) -> None:
-    if names_sibling(params.models.source) and params.models.kind != "hub":
-        raise ParamError(f"models.source: {params.models.source} is the sibling, cut from a checkpoint target, but "
-                         f"models.kind is {params.models.kind!r}; set models.kind: hub and models.target to a "
-                         f"checkpoint")
-
-
 def self_source_within_the_target(params: ParamsFile) -> None:
     layers, depth = params.models.self_layers, depth_of(params, "target")
     if layers and depth is not None and layers >= depth:
         raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {depth} decoder layers "
                          f"({params.models.kind} {params.models.target}); use self:<n> with 1 <= n <= {depth - 1}")
-
-
-def sibling_within_the_target(params: ParamsFile) -> None:
-    config = named_config(params, "target") if params.models.kind == "hub" else None
-    if config is not None:
-        params.sibling.within(config, params.models.target)  # a count past the target's, or the whole target
 
 
 def model_paths_are_relative(params: ParamsFile) -> None:
@@ -198,7 +181,7 @@ def model_paths_are_relative(params: ParamsFile) -> None:
         if Path(name).is_absolute() and Path(name).resolve().is_relative_to(here):
             relative = Path(name).resolve().relative_to(here)
             raise ParamError(f"models.{side}: {name} is inside this repository; name it relative to its root "
-                             f"({relative}), as the stages that build a folder there (sibling, convert_models) and "
+                             f"({relative}), as the stage that builds a folder there (convert_models) and "
                              f"every clone's pins do")
 
 
@@ -317,8 +300,7 @@ def report_variant_is_evaluated(params: ParamsFile) -> None:
 
 # the rules between sections, in the order they run (each names the keys it compares)
 PARAMS_RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_within_the_target,
-         sibling_is_cut_from_a_checkpoint, self_source_within_the_target, sibling_within_the_target,
-         ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
+         self_source_within_the_target, ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
          distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
          selected_repair_is_chosen, operating_lengths_have_data, report_variant_is_evaluated,
          conversions_feed_the_pair, data_fits_the_pair)

@@ -1,10 +1,9 @@
-"""A Hugging Face checkpoint folder a stage makes (convert_models' dequantized GGUF, the sibling), or the marker a
-stage leaves in its place when it has nothing to make: one writer for both stages.
+"""The Hugging Face checkpoint folder convert_models makes of a dequantized GGUF, or the marker it leaves in its place
+when it has nothing to convert.
 
 The folder holds the config (no `_name_or_path`: a folder's config does not name where its maker read it), the
 generation config, the weights as one safetensors file (a tied LM head stored once, under the embedding's name, as
-transformers does), the tokenizer (saved from a tokenizer object, or copied byte for byte from another folder's
-files, so a pair's tokenizers stay identical) and the provenance JSON. It is written whole or not at all: into a
+transformers does), the tokenizer and the provenance JSON. It is written whole or not at all: into a
 staging folder beside it, renamed when complete (`store.artifacts.atomic_dir`), every file given the mode the
 user's umask gives a new file (safetensors writes 0600). While a folder or its scratch space is written, SIGTERM
 interrupts the stage as Ctrl-C does, so an interrupted stage removes its temporaries (`.<name>.*.tmp`, ignored by
@@ -26,8 +25,6 @@ from pipeline.store.lazy import lazy
 safetensors_torch = lazy("safetensors.torch")
 
 WEIGHTS = "model.safetensors"
-# the files of a checkpoint folder that make its tokenizer (copied from a folder, `write_checkpoint`)
-TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*")
 
 
 def _interrupt(signum: int, frame) -> None:
@@ -76,8 +73,8 @@ def write_marker(out: Path, name: str, provenance: dict) -> dict:
 
 
 def write_checkpoint(out: Path, model, tokenizer, name: str, provenance: dict) -> None:
-    """`model` (its weights as they are) and its tokenizer as the checkpoint folder `out`, with the provenance file
-    `name`. `tokenizer`: a tokenizer object, or a folder whose tokenizer files are copied."""
+    """`model` (its weights as they are) and `tokenizer` as the checkpoint folder `out`, with the provenance file
+    `name`."""
     with terminate_interrupts(), atomic_dir(out) as staging:
         config = model.config
         config._name_or_path = ""
@@ -89,10 +86,5 @@ def write_checkpoint(out: Path, model, tokenizer, name: str, provenance: dict) -
             state.pop("lm_head.weight", None)  # the embedding itself
         safetensors_torch.save_file({key: tensor.contiguous() for key, tensor in state.items()},
                                     str(staging / WEIGHTS), metadata={"format": "pt"})
-        if isinstance(tokenizer, Path):
-            for pattern in TOKENIZER_GLOBS:
-                for path in sorted(tokenizer.glob(pattern)):
-                    shutil.copyfile(path, staging / path.name)
-        else:
-            tokenizer.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
         _provenance(staging, name, provenance, 2)

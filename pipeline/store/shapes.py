@@ -1,8 +1,7 @@
 """Real model shapes without the hub: stored public configs and random models of those shapes.
 
 `configs/<name>.json` is the public config.json of a real model: Qwen3-0.6B, 1.7B, 4B and 8B, Llama-3.2-1B
-and 3B, SmolLM2-135M (and its first 9 layers, the smol profile's self:9 source, and its width-pruned sibling of the
-smol profile's `sibling.shape`: not a public model, the config stage `sibling` builds). A model built from one has
+and 3B, SmolLM2-135M (and its first 9 layers, the smol profile's self:9 source). A model built from one has
 the exact architecture, parameter count, KV geometry and RoPE (scaling included) of the real model, with random
 weights: enough for anything whose outcome does not depend on the weights (timing, memory, shapes: the
 `qwen3-shapes` and `llama-shapes` smoke profiles and the latency study), meaningless for anything else. `PAIRS`
@@ -33,9 +32,6 @@ PAIRS = {
     "llama-3.2-1b-3b": ("llama-3.2-1b", "llama-3.2-3b"),
     # the smol profile's pair: SmolLM2-135M(-Instruct) and its own first 9 of 30 layers as the source (self:9)
     "smol-self9": ("smollm2-135m-first9", "smollm2-135m"),
-    # and with its sibling as the source (stage sibling, the smol profile's sibling.shape): 30 layers and 3 KV heads
-    # of 64 as the target, a narrower MLP and fewer query heads
-    "smol-sibling": ("smollm2-135m-sibling", "smollm2-135m"),
     "qwen25-coder": ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"),
 }
 

@@ -21,9 +21,8 @@ def test_committed_params_equal_the_default_profile(tmp_path):
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == compose(tmp_path)
 
 
-def test_the_eight_profiles_exist():
-    assert PROFILES == ["llama-shapes", "qwen25-coder", "qwen3-shapes", "qwen3-v0", "scale", "smol", "smol-sibling",
-                        "tiny"]
+def test_the_seven_profiles_exist():
+    assert PROFILES == ["llama-shapes", "qwen25-coder", "qwen3-shapes", "qwen3-v0", "scale", "smol", "tiny"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -70,16 +69,6 @@ def test_the_smol_profile_reads_only_files_the_repository_ships_and_a_pinned_whe
     assert params["models"]["target"] == data["tokenizer"] == "models/converted"
     models, machine = params["models"], params["machine"]
     assert (models["kind"], models["dtype"], machine["device"], machine["threads"]) == ("hub", "bfloat16", "cpu", 2)
-
-
-def test_the_sibling_profile_is_smol_with_the_sibling_as_source_its_shapes_for_the_bounds_and_direct_beside(tmp_path):
-    smol, sibling = compose(tmp_path, "profile=smol"), compose(tmp_path, "profile=smol-sibling")
-    assert sibling["models"] == dict(smol["models"], source="models/sibling")
-    bounded = ("select", "candidates", "selective", "repair")
-    assert all(sibling[stage]["bound_pair"] == "smol-sibling" for stage in bounded)
-    assert "direct" in sibling["operating"]["baselines"] and "direct" not in smol["operating"]["baselines"]
-    differ = {section for section in smol if smol[section] != sibling[section]}
-    assert differ == {"profile", "models", "select", "candidates", "selective", "repair", "operating"}
 
 
 def test_the_real_pair_profile_converts_both_sides_from_pinned_wheels_and_bounds_at_the_loaded_pair(tmp_path):

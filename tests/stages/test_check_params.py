@@ -57,28 +57,10 @@ RULES = {
         {"fit": {"families": ["head_matched"]}, "calibration": {"candidates": ["mlp_k3"]},
          "length": {"candidate": "head_matched_k1_lam0.001"}, "distill": {"start": ["mlp_k3"]}},
         r"^evaluate\.mapped\.mapped_k1: models/best/mapped_k1\.safetensors is not written"),
-    "sibling source cut from no checkpoint": (
-        {"models": {"source": "models/sibling"}},
-        r"^models\.source: models/sibling is the sibling, cut from a checkpoint target, but models\.kind is 'trained'"),
     "the tiny world's data with real models": (
         {"models": {"kind": "hub", "source": "models/real-0.5b", "target": "models/real-1.5b"}},
         r"^data\.kind: generated \(the tiny world's word-level vocabulary\) with models\.kind hub "
         r"\(models/real-1\.5b\)"),
-    "k beyond the sibling's layers": (
-        {"models": {"kind": "hub", "source": "models/sibling", "target": "models/converted"},
-         "sibling": {"shape": "layers:2", "keep": "influence"}},
-        r"^fit\.ks: k=3 exceeds the source's 2 layers \(hub models/sibling\)"),
-    "sibling shape of an unknown part": (
-        {"sibling": {"shape": "width:256"}}, r"^sibling\.shape: 'width:256': bad part 'width:256' \(parts joined by"),
-    "sibling shape of one layer": (
-        {"sibling": {"shape": "layers:1+mlp:256"}}, r"^sibling\.shape: 'layers:1\+mlp:256': a sibling keeps at least"),
-    "sibling layers listed for a shape that keeps them all": (
-        {"sibling": {"shape": "mlp:256+heads:6", "keep": [0, 29]}},
-        r"^sibling\.keep: \[0, 29\] lists layers, but sibling\.shape 'mlp:256\+heads:6' keeps them all"),
-    "sibling layers listed that are not the shape's": (
-        {"sibling": {"shape": "layers:3", "keep": [0, 29]}},
-        r"^sibling\.keep: 2 layers listed but sibling\.shape keeps layers:3"),
-    "sibling top-k of no token": ({"sibling": {"top_k": 0}}, r"^sibling\.top_k: expected a number > 0"),
     "timed mapper no stage writes": (
         {"latency": {"mapper": "models/mapper.pt"}}, r"^latency\.mapper: models/mapper\.pt is not written"),
     "repaired variant reading a choice select does not make": (
@@ -248,12 +230,6 @@ SMOL_RULES = {
     "a repair of more layers than the converted target has": (
         {"repair": {"grid": ["none", "layers:99"]}},
         r"^repair\.grid: layers:99 recomputes 99 layers, but the target has 30 \(hub models/converted\)"),
-    "a sibling deeper than the target": (
-        {"sibling": {"shape": "layers:40"}},
-        r"^sibling\.shape: layers:40, but the target has 30 decoder layers \(models/converted\); give at most 30$"),
-    "a sibling that keeps the whole target": (
-        {"sibling": {"shape": "layers:30+heads:9"}},
-        r"^sibling\.shape: layers:30\+heads:9 keeps the whole target \(models/converted\); drop layers"),
     "a self source as deep as the target": (
         {"models": {"source": "self:30"}},
         r"^models\.source: self:30 asks for 30 of the target's 30 decoder layers \(hub models/converted\)"),
@@ -289,12 +265,12 @@ def test_each_smol_rule_reads_the_target_from_the_config_the_profile_names(rule,
 
 def test_an_absolute_model_path_inside_the_repository_is_refused_naming_it_relative(smol_params, tmp_path,
                                                                                     monkeypatch):
-    # before, models.source=$PWD/models/sibling skipped building the sibling and pin_models pinned a marker folder
+    # an absolute path would put this checkout's place into every clone's pins, and name no folder convert_models writes
     monkeypatch.chdir(tmp_path)
-    sibling = {"models": {"source": str(tmp_path / "models" / "sibling")}}
-    with pytest.raises(ParamError, match=rf"^models\.source: {re.escape(str(tmp_path))}/models/sibling is inside this "
-                                         r"repository; name it relative to its root \(models/sibling\)"):
-        check(merge(smol_params, sibling))
+    converted = {"models": {"target": str(tmp_path / "models" / "converted")}}
+    with pytest.raises(ParamError, match=rf"^models\.target: {re.escape(str(tmp_path))}/models/converted is inside "
+                                         r"this repository; name it relative to its root \(models/converted\)"):
+        check(merge(smol_params, converted))
 
 
 def test_every_section_of_params_yaml_has_a_parameter_class():

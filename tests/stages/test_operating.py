@@ -88,7 +88,7 @@ def test_retrieval_is_the_greedy_tokens_against_the_key_and_the_oracle(study):
     assert metrics["variants"]["oracle"]["retrieval"]["of_oracle"] == (1.0 if share else None)
 
 
-@pytest.mark.parametrize("pair", ["smol-sibling", "qwen3-v0"])
+@pytest.mark.parametrize("pair", ["qwen25-coder", "qwen3-v0"])
 def test_a_baselines_bound_counts_what_its_mode_reads_so_direct_pays_the_sources_prefill_and_zero_nothing(pair):
     source, target = pair_configs(pair)
     zero, direct, alone = (baseline_bound(name, source, target, 1024) for name in ("zero", "direct", "source"))

@@ -29,8 +29,6 @@ PUBLIC = {
     "llama-3.2-3b": (LLAMA32, (28, 8, 128), 24, 3072, 8192, True, 3_212_749_824),
     "smollm2-135m": (SMOLLM2, (30, 3, 64), 9, 576, 1536, True, 134_515_008),  # the converted GGUF's count too
     "smollm2-135m-first9": (SMOLLM2, (9, 3, 64), 9, 576, 1536, True, 134_515_008 - 21 * 3_540_096),
-    # the width-pruned sibling (not public: the config stage sibling builds at the smol profile's sibling.shape)
-    "smollm2-135m-sibling": (SMOLLM2, (30, 3, 64), 6, 576, 256, True, 61_524_288),
     # the qwen25-coder profile's pair as their GGUFs convert (an output head of their own: untied); the counts are
     # the converted checkpoints'
     "qwen2.5-coder-0.5b": (QWEN25, (24, 2, 64), 14, 896, 4864, False, 630_167_424),
@@ -84,7 +82,7 @@ def test_unknown_shape_is_refused_naming_the_known_ones():
 def test_every_pair_resolves_to_a_larger_target_of_the_same_family_and_vocabulary(pair):
     source, target = pair_configs(pair)
     assert (source.model_type, source.vocab_size) == (target.model_type, target.vocab_size)
-    # wider and deeper, or (a self source) as wide and shallower, or (a sibling) as deep with a narrower MLP
+    # wider and deeper, or (a self source) as wide and shallower
     sizes = ("hidden_size", "num_hidden_layers", "intermediate_size")
     assert all(getattr(source, name) <= getattr(target, name) for name in sizes)
     assert any(getattr(source, name) < getattr(target, name) for name in sizes)
