@@ -27,7 +27,6 @@ statistics of the report) and lm-eval's own results and samples (eval/<variant>/
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -36,9 +35,10 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import USES, Transfer
 from pipeline.kv.router import Router
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import OracleStore, evaluate
-from pipeline.schema.evaluate import SELECTED, EvaluateParams
+from pipeline.schema.evaluate import SELECTED, EvaluateParams, selected_repair
 from pipeline.store import paths
 from pipeline.store.artifacts import (
     ArtifactError,
@@ -71,17 +71,17 @@ def variant_request(variant: str, params: EvaluateParams) -> Transfer:
         return Transfer.stage(mode=variant)
     mode = variant_mode(variant)
     seeded = {"shuffle_seed": params.shuffle_seed} if mode in USES["shuffle_seed"] else {}
-    return Transfer.stage(mode=mode, mapper=params.mapped[variant], repair=variant_repair(variant, params), **seeded)
+    repair, lookahead = variant_repair(variant, params)
+    return Transfer.stage(mode=mode, mapper=params.mapped[variant], repair=repair, speculative=lookahead, **seeded)
 
 
-def variant_repair(variant: str, params: EvaluateParams) -> Repair | None:
-    """The repair setting `variant` applies (evaluate.repair; `selected`: select's choice), None for none."""
+def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair | None, SpeculativeParams | None]:
+    """The repair setting `variant` applies (evaluate.repair; `selected`: select's choice), None for none, and the
+    look-ahead settings select chose it under where its policy reads them (`schema.evaluate.selected_repair`)."""
     setting = params.repair.get(variant)
     if setting == SELECTED:
-        if not paths.SELECTED_REPAIR.is_file():
-            raise ArtifactError(f"evaluate.repair.{variant}: {paths.SELECTED_REPAIR} not found; run the select stage")
-        setting = json.loads(paths.SELECTED_REPAIR.read_text())["repair"]
-    return None if setting is None else Repair.parse(setting)
+        return selected_repair(f"evaluate.repair.{variant}")
+    return None if setting is None else Repair.parse(setting), None
 
 
 def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,

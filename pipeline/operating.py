@@ -14,18 +14,21 @@ cache built once for its teacher-forced continuation and its greedy rollout):
     repaired            operating.repaired: a map under a repair setting (`selected`: select's choice)
     gated               operating.gated: a map behind a gate whose threshold sends `fallback` of the select split's
                         prompts at n back to the target's prefill (chosen there, never on the eval prompts)
+    speculative_<p>     speculative prefill at share p (operating.speculative): the source's look-ahead scores choose
+                        the positions the target prefills, under params' `speculative` settings
     truncated_<name>    the truncated prompt (the target's own prefill of the prompt's last tokens) at the budget of
                         each repaired variant at n (operating.truncated)
 
 Per variant: the per-position figures against the oracle (`measure.prompt_metrics`: confident-position agreement,
 KL, perplexity ratio, ...), agreement on recall positions against the others (`measure.retrieval`), the pass-key
-exact match, the measured speedup (the oracle's mean time to first token over the variant's, on the same eval
-prompts) and the FLOP bound at n (`kv.flops`, at the pair's own configs). Writes
+exact match and, where the handoff chose the positions the target computes (speculative prefill's kept tokens, a
+repair's recomputed ones), the selection recall (the key's tokens among them), the measured speedup (the oracle's
+mean time to first token over the variant's, on the same eval prompts) and the FLOP bound at n (`kv.flops`, at the
+pair's own configs; a repair ranking by the source's scores counts them). Writes
 eval/operating/<n>/<variant>/{prompts,retrieval}.parquet and metrics/eval/operating/<n>.json.
 """
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 
@@ -35,6 +38,8 @@ from pipeline.kv.flops import (
     handoff_macs,
     repair_budget,
     source_alone_bound,
+    source_scores_macs,
+    speculative_bound,
     speedup_bound,
     target_prefill_macs,
     truncated_bound,
@@ -46,11 +51,13 @@ from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import FELL_BACK
 from pipeline.kv.scores.registry import score_macs
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
+from pipeline.schema.evaluate import selected_repair
 from pipeline.schema.operating import SELECTED, OperatingParams
 from pipeline.store import paths
-from pipeline.store.artifacts import ArtifactError, atomic_dir, read_table, require_controls_passed
+from pipeline.store.artifacts import atomic_dir, read_table, require_controls_passed
 from pipeline.store.cli import entry, parser
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
@@ -74,13 +81,6 @@ def select_contexts(length: int) -> list[list[int]]:
         raise ParamError(f"operating.gated: no select sequence holds {length} tokens to choose the gate's threshold "
                          f"on; raise data.sequence_length to at least the operating length")
     return contexts
-
-
-def selected_repair() -> Repair:
-    """The repair setting select chose beside the selected map (models/mapper_repair.json)."""
-    if not paths.SELECTED_REPAIR.is_file():
-        raise ArtifactError(f"operating.repaired: {paths.SELECTED_REPAIR} not found; run the select stage")
-    return Repair.parse(json.loads(paths.SELECTED_REPAIR.read_text())["repair"])
 
 
 @dataclass
@@ -110,32 +110,24 @@ def baseline_bound(name: str, source, target, length: int) -> float:
     return target_prefill_macs(target, length) / (parts["step"] + (parts["source"] if mode.hands_over else 0))
 
 
-def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict[str, Variant]:
+def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahead: SpeculativeParams | None
+             ) -> dict[str, Variant]:
     """Every variant but the oracle, in the report's order, between `pair`'s models at `length` (`contexts`: a
-    callable giving the select split's contexts, where a gate chooses its threshold)."""
+    callable giving the select split's contexts, where a gate chooses its threshold; `lookahead`: params'
+    `speculative` settings, which speculative prefill and a repair ranking by the source's scores read)."""
     source, target = pair.source.config, pair.target.config
-    prefill = target_prefill_macs(target, length)
     out = {}
     for name in params.baselines:
         out[name] = Variant(Router.of(pair, Transfer.stage(mode=name)), baseline_bound(name, source, target, length))
     for name, path in params.maps.items():
         router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path))
         out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length))
-    budgets = {}
-    for name, repaired in params.repaired.items():
-        setting = selected_repair() if repaired.repair == SELECTED else Repair.parse(repaired.repair)
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[repaired.map], repair=setting))
-        out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length,
-                                                  setting))
-        budgets[name] = repair_budget(target, setting, length)
-    for name, gated in params.gated.items():  # the threshold is chosen here, on the select split's scores
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[gated.map], fallback=gated.score,
-                                                threshold=float("inf")))
-        scores = router.gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
-        router.gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
-        cost = (sum(handoff_macs(source, target, router.handoff.mapper.macs_per_token(), length).values())
-                + score_macs(gated.score, source, target, 0, length))
-        out[name] = Variant(router, gated_cost=cost, prefill=prefill)
+    repaired, budgets = repaired_variants(params, pair, length, lookahead)
+    out.update(repaired)
+    out.update(gated_variants(params, pair, length, contexts))
+    for name, share in params.speculative_variants().items():
+        router = Router.of(pair, Transfer.stage(mode=f"speculative:{share:g}", speculative=lookahead))
+        out[name] = Variant(router, speculative_bound(source, target, lookahead, share, length))
     if params.truncated:
         for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
             keep = min(budget, 1.0)
@@ -144,10 +136,46 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict
     return out
 
 
+def repaired_variants(params: OperatingParams, pair: Pair, length: int, lookahead: SpeculativeParams | None
+                      ) -> tuple[dict[str, Variant], dict[str, float]]:
+    """Each repaired variant at `length`, and its budget (its multiply-adds over the target's prefill, the source's
+    look-ahead scores counted where its policy ranks by them)."""
+    source, target = pair.source.config, pair.target.config
+    out, budgets = {}, {}
+    for name, repaired in params.repaired.items():
+        if repaired.repair == SELECTED:  # with the look-ahead settings select scored it under, where it reads them
+            setting, reads = selected_repair(f"operating.repaired.{name}")
+        else:
+            setting = Repair.parse(repaired.repair)
+            reads = lookahead if setting.reads_source else None
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[repaired.map], repair=setting,
+                                                speculative=reads))
+        scores = source_scores_macs(source, setting, reads, length)
+        out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length,
+                                                  setting, scores))
+        budgets[name] = repair_budget(target, setting, length, scores)
+    return out, budgets
+
+
+def gated_variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict[str, Variant]:
+    """Each gated variant at `length`, its threshold chosen here on the select split's scores (`contexts`)."""
+    source, target = pair.source.config, pair.target.config
+    out = {}
+    for name, gated in params.gated.items():
+        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[gated.map], fallback=gated.score,
+                                                threshold=float("inf")))
+        scores = router.gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
+        router.gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
+        cost = (sum(handoff_macs(source, target, router.handoff.mapper.macs_per_token(), length).values())
+                + score_macs(gated.score, source, target, 0, length))
+        out[name] = Variant(router, gated_cost=cost, prefill=target_prefill_macs(target, length))
+    return out
+
+
 def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts: pd.DataFrame,
-        items: pd.DataFrame | None, out, contexts=lambda: []) -> dict:
+        items: pd.DataFrame | None, out, contexts=lambda: [], lookahead: SpeculativeParams | None = None) -> dict:
     """The study at `length` on its eval `prompts` and pass-key `items` (data/long/ frames): every variant's figures
-    (what metrics/eval/operating/<n>.json holds) and rows, written under `out`."""
+    (what metrics/eval/operating/<n>.json holds) and rows, written under `out` (`lookahead`: as `variants`)."""
     texts = read_prompts(prompts)
     keys = [] if items is None else read_prompts(items)
     recall = [recall_positions(p, c, params.recall_ngram) for p, c in texts]
@@ -158,7 +186,7 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
     oracle = evaluate(oracle_router, texts, store=store, margin=margin, timed=True, warmup=1, progress=False)
     oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
     reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None
-    everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, contexts)}
+    everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, contexts, lookahead)}
     for name, variant in tqdm(everything.items(), desc=f"operating n={length}", unit="variant"):
         on_texts, on_keys = oracle, oracle_keys
         if name != "oracle":
@@ -172,7 +200,7 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
                        fallback_share=float((rows.way == FELL_BACK).mean()))
         tables = {"prompts": rows}
         if keys:
-            tables["retrieval"] = retrieval_rows(items, on_keys.prompt_rows.greedy)
+            tables["retrieval"] = retrieval_rows(items, on_keys.prompt_rows.greedy, on_keys.prompt_rows.get("selected"))
             figures["retrieval"] = retrieval_summary(tables["retrieval"], reference)
         for table, frame in tables.items():
             path = out / name / f"{table}.parquet"
@@ -191,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ParamError(f"pipeline.operating: {length} is not one of operating.lengths ({params.lengths})")
     machine = load_section(MachineParams, "machine")
     margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
+    lookahead = load_section(SpeculativeParams, "speculative")
     require_controls_passed()
     prompts = read_table(paths.long_part("eval", length))
     retrieval = paths.long_part("retrieval", length)
@@ -198,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         pair = Pair.load(models, stage.device)
         with atomic_dir(paths.operating_rows(length)) as staging:
-            metrics = run(params, pair, length, margin, prompts, items, staging, lambda: select_contexts(length))
+            metrics = run(params, pair, length, margin, prompts, items, staging, lambda: select_contexts(length),
+                          lookahead)
         stage.write_metrics(paths.operating_metrics(length), metrics)
 
 

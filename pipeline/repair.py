@@ -11,21 +11,31 @@ For each map in `repair.maps` and each setting in `repair.grid` (`none` is the m
   FLOP speedup bound with the repair, both at `repair.bound_pair`'s shapes for `repair.length` tokens, and the
   measured speedup of the repaired handoff over the target's prefill here (`measure.latency`).
 
-A matched-cost baseline is run once per budget level of the grid: the truncated prompt, the target's own prefill of
-only the last round(budget x context length) tokens of each context (the oracle's handoff with `keep`, which its
-tasks and prompts both read; rows under eval/repair/truncated/). The source
-alone and the selective gate at the same cost are read by the report (eval/source, eval/selective). Writes
-metrics/repair.json.
+Two matched-cost baselines are run once per budget level of the grid: the truncated prompt, the target's own prefill
+of only the last round(budget x context length) tokens of each context (the oracle's handoff with `keep`, which its
+tasks and prompts both read; rows under eval/repair/truncated/), and speculative prefill at share p = the budget (the
+target prefills that share of the positions the source's look-ahead scores rank first, at their own positions, under
+params' `speculative` settings; its FLOP bound at `bound_pair`'s shapes; rows under eval/repair/speculative/). A
+setting whose policy ranks by the source's scores (`source_attention`) reads the same settings, and its budget counts
+the scores. The source alone and the selective gate at the same cost are read by the report (eval/source,
+eval/selective). Writes metrics/repair.json.
 """
 from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.flops import mapper_macs_per_token, repair_budget, speedup_bound
+from pipeline.kv.flops import (
+    mapper_macs_per_token,
+    repair_budget,
+    source_scores_macs,
+    speculative_bound,
+    speedup_bound,
+)
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import Evaluation, evaluate
 from pipeline.measure.latency import measure
@@ -49,43 +59,64 @@ def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float, it
 
 
 def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True,
-        items: int | None = None) -> dict:
-    """Every map at every setting of the grid, and the truncated prompt at each budget level (`margin`:
-    `measure.confident_margin`; `items`: `measure.study_items`); `timed`: measure the speedup here (False in
-    tests)."""
+        items: int | None = None, lookahead: SpeculativeParams | None = None) -> dict:
+    """Every map at every setting of the grid, and the matched-cost baselines at each budget level (`margin`:
+    `measure.confident_margin`; `items`: `measure.study_items`; `lookahead`: params' `speculative` settings);
+    `timed`: measure the speedup here (False in tests)."""
     require_controls_passed()
     pair = Pair.load(models, device)
     bound_configs = bound_configs_of(params.bound_pair, pair.configs)
     prompts = read_prompts(paths.EVAL_PROMPTS)
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0]
     settings = params.settings()
-    budgets = {str(s): repair_budget(bound_configs[1], s, params.length) for s in settings}
+    budgets = {str(s): repair_budget(bound_configs[1], s, params.length,
+                                     source_scores_macs(bound_configs[0], s, lookahead, params.length))
+               for s in settings}
     metrics: dict = {"length": params.length, "bound_pair": params.bound_pair, "grid": [str(s) for s in settings],
                      "gate_score": params.gate_score}
     with atomic_dir(paths.REPAIR_ROWS) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
-            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[name], repair=setting),
-                               params.batch_size)
+            reads = lookahead if setting.reads_source else None
+            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[name], repair=setting,
+                                                    speculative=reads), params.batch_size)
             handoff, evaluation = router.handoff, scored(pair, router, pair.eval_tasks, prompts, oracle, margin, items)
             write_rows(staging, name, str(setting), evaluation)
             mapper = handoff.mapper
             macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
             figures = evaluation.figures()
             figures.update({"policy": policy(setting), "budget": round(budgets[str(setting)], 6),
-                            "bound": round(speedup_bound(*bound_configs, macs, params.length, setting), 4),
+                            "bound": round(speedup_bound(*bound_configs, macs, params.length, setting,
+                                                         source_scores_macs(bound_configs[0], setting, reads,
+                                                                            params.length)), 4),
                             "recomputed": handoff.repaired.recomputed})
             if timed:
                 row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
                 figures.update({"target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
                                 "speedup": round(row["speedup"], 4)})
             metrics[f"maps/{name}/{setting}"] = figures
-        for keep in tqdm(sorted({round(b, 3) for b in budgets.values() if b > 0}), desc="truncated", unit="budget"):
-            truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=keep), params.batch_size)
-            evaluation = scored(pair, truncated, pair.eval_tasks, prompts, oracle, margin, items)
-            write_rows(staging, paths.TRUNCATED_BASELINE, f"{keep:g}", evaluation)
-            metrics[f"{paths.TRUNCATED_BASELINE}/{keep:g}"] = evaluation.figures()
+        levels = sorted({min(round(b, 3), 1.0) for b in budgets.values() if b > 0})
+        for name, level, evaluation, figures in matched_baselines(pair, params, levels, pair.eval_tasks, prompts,
+                                                                  oracle, margin, items, lookahead, bound_configs):
+            write_rows(staging, name, f"{level:g}", evaluation)
+            metrics[f"{name}/{level:g}"] = figures
     return metrics
+
+
+def matched_baselines(pair: Pair, params: RepairParams, levels: list[float], tasks, prompts, oracle, margin: float,
+                      items: int | None, lookahead: SpeculativeParams | None, bound_configs: tuple):
+    """At each budget level, the truncated prompt (`keep` = the level) and speculative prefill (p = the level) scored
+    on `tasks` and `prompts` as the repaired maps are: (baseline, level, evaluation, figures), speculative prefill's
+    with its FLOP bound at `bound_configs` (source, target)."""
+    for level in tqdm(levels, desc="matched-cost baselines", unit="budget"):
+        truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=level), params.batch_size)
+        evaluation = scored(pair, truncated, tasks, prompts, oracle, margin, items)
+        yield paths.TRUNCATED_BASELINE, level, evaluation, evaluation.figures()
+        speculative = Router.of(pair, Transfer.stage(mode=f"speculative:{level:g}", speculative=lookahead),
+                                params.batch_size)
+        evaluation = scored(pair, speculative, tasks, prompts, oracle, margin, items)
+        bound = speculative_bound(*bound_configs, lookahead, level, params.length)
+        yield paths.SPECULATIVE_BASELINE, level, evaluation, {**evaluation.figures(), "bound": round(bound, 4)}
 
 
 def policy(setting: Repair) -> str:
@@ -106,9 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(RepairParams, "repair"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     measure = load_section(MeasureParams, "measure")
+    lookahead = load_section(SpeculativeParams, "speculative")
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         stage.write_metrics(paths.REPAIR_METRICS, run(params, models, stage.device, measure.confident_margin,
-                                                      items=measure.study_items))
+                                                      items=measure.study_items, lookahead=lookahead))
 
 
 if __name__ == "__main__":

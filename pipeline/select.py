@@ -27,11 +27,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.flops import repair_budget
+from pipeline.kv.flops import repair_budget, source_scores_macs
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.evaluation import Evaluation, OracleStore, evaluate
 from pipeline.measure.prompt_metrics import CONFIDENT, PROMPT_METRICS
 from pipeline.schema.select import SelectParams
@@ -74,22 +75,28 @@ def rank_key(rule: str):
     return lambda s: (-metric.better(s[rule]), s["perplexity"], s["parameters"], s["budget"])
 
 
-def budgets(params: SelectParams, loaded: tuple) -> dict[str, float]:
+def budgets(params: SelectParams, loaded: tuple, lookahead: SpeculativeParams | None = None) -> dict[str, float]:
     """Each setting of `select.repairs` (canonical form): its multiply-adds over the target's prefill at
-    `bound_pair`'s shapes (`loaded`: the pair's own configs) for `length` tokens."""
-    target = bound_configs(params.bound_pair, loaded)[1]
-    return {str(setting): repair_budget(target, setting, params.length) for setting in params.settings()}
+    `bound_pair`'s shapes (`loaded`: the pair's own configs) for `length` tokens, the source's look-ahead scores
+    (params' `speculative` settings, `lookahead`) counted where its policy ranks by them."""
+    source, target = bound_configs(params.bound_pair, loaded)
+    return {str(setting): repair_budget(target, setting, params.length,
+                                        source_scores_macs(source, setting, lookahead, params.length))
+            for setting in params.settings()}
 
 
 def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tuple[Path, Repair]], costs: dict,
-               margin: float, ranks: Ranks) -> list[dict]:
+               margin: float, ranks: Ranks, lookahead: SpeculativeParams | None = None) -> list[dict]:
     """Each (map file, repair setting) of `jobs` handed off on the select prompts and compared with the oracle (the
-    confident figures at oracle margin >= `margin`): its prompt metrics by name, what it is, and its evaluation;
-    under several processes every N-th job, the scores gathered on every rank in job order."""
+    confident figures at oracle margin >= `margin`; `lookahead`: params' `speculative` settings, which a policy
+    ranking by the source's scores reads): its prompt metrics by name, what it is, and its evaluation; under several
+    processes every N-th job, the scores gathered on every rank in job order."""
     scores = []
     mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
     for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path, repair=setting), params.batch_size)
+        request = Transfer.stage(mode="mapped", mapper=path, repair=setting,
+                                 speculative=lookahead if setting.reads_source else None)
+        router = Router.of(pair, request, params.batch_size)
         mapper = router.handoff.mapper
         evaluation = evaluate(router, prompts, oracle, margin=margin)
         scores.append({
@@ -101,10 +108,12 @@ def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tup
 
 
 def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], costs: dict[str, float],
-                     margin: float, ranks: Ranks = ONE_PROCESS) -> tuple[Evaluation, list[dict]] | None:
+                     margin: float, ranks: Ranks = ONE_PROCESS, lookahead: SpeculativeParams | None = None
+                     ) -> tuple[Evaluation, list[dict]] | None:
     """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
     `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`); `margin`:
-    the oracle's top-2 margin from which a position is confident (`measure.confident_margin`). Under
+    the oracle's top-2 margin from which a position is confident (`measure.confident_margin`; `lookahead` as
+    `score_jobs`). Under
     several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
     oracle's evaluation and the scores, the candidates' first in their order (the others None)."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
@@ -118,7 +127,7 @@ def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list
     best = sorted(scores, key=rank_key(params.rule))[: params.repair_maps] if settings else []
     by_name = {path.stem: path for path in candidates}
     jobs = [(by_name[score["name"]], setting) for score in best for setting in settings]
-    scores += score_jobs(pair, prompts, params, oracle, jobs, costs, margin, ranks)
+    scores += score_jobs(pair, prompts, params, oracle, jobs, costs, margin, ranks, lookahead)
     if not ranks.main:
         return None
     for score in scores:
@@ -158,16 +167,18 @@ def copy_verified(source: Path, destination: Path) -> None:
         shutil.copyfile(source, tmp)
 
 
-def promote(scored: tuple[Evaluation, list[dict]], params: SelectParams, prompts: int, costs: dict[str, float]
-            ) -> dict:
-    """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json and
-    the best of each k to models/best/; the stage's metrics (the oracle's figures, every candidate's evaluation
-    beside them under maps/<map>/, and each repaired one's under repaired/<map>/<setting>/)."""
+def promote(scored: tuple[Evaluation, list[dict]], params: SelectParams, prompts: int, costs: dict[str, float],
+            lookahead: SpeculativeParams | None = None) -> dict:
+    """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json (with
+    the look-ahead settings `lookahead` it was scored under where its policy reads them, so the stages repairing
+    with it read them there) and the best of each k to models/best/; the stage's metrics (the oracle's figures, every
+    candidate's evaluation beside them under maps/<map>/, and each repaired one's under repaired/<map>/<setting>/)."""
     reference, scores = scored
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     copy_verified(candidate_path(chosen["name"]), paths.SELECTED_MAPPER)
+    reads = {"speculative": lookahead.model_dump()} if Repair.parse(chosen["repair"]).reads_source else {}
     write_json_atomic(paths.SELECTED_REPAIR, {"map": chosen["name"], "repair": chosen["repair"],
-                                              "budget": round(chosen["budget"], 6)})
+                                              "budget": round(chosen["budget"], 6), **reads})
     with atomic_dir(paths.BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
             copy_verified(candidate_path(score["name"]), paths.best_map(k, staging))
@@ -192,13 +203,15 @@ def candidates_on_disk() -> list[Path]:
     return candidates
 
 
-def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS) -> dict:
-    """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`) and
-    promote the choice; the stage's metrics on rank 0 ({} on the others)."""
+def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS,
+        lookahead: SpeculativeParams | None = None) -> dict:
+    """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`;
+    `lookahead`: params' `speculative` settings) and promote the choice; the stage's metrics on rank 0 ({} on the
+    others)."""
     prompts = select_prompts(read_table(paths.split("select")).token_ids, params)
-    costs = budgets(params, pair.configs)
-    scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks)
-    return promote(scored, params, len(prompts), costs) if ranks.main else {}
+    costs = budgets(params, pair.configs, lookahead)
+    scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks, lookahead)
+    return promote(scored, params, len(prompts), costs, lookahead) if ranks.main else {}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,10 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
+    lookahead = load_section(SpeculativeParams, "speculative")
     candidates = candidates_on_disk()
     with stage_ranks(machine.torch_device, params.processes, "pipeline.select", [], machine.threads) as stage:
         stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, margin,
-                                              stage.ranks))
+                                              stage.ranks, lookahead))
 
 
 if __name__ == "__main__":

@@ -137,6 +137,17 @@ def lookahead_macs(source_config, settings: SpeculativeParams, length: int) -> i
     return layers * (last * source_config.hidden_size * width + width * keys_read)
 
 
+def source_scores_macs(source_config, repair: Repair, settings: SpeculativeParams | None, length: int) -> int | None:
+    """`repair_macs`' `source_scores` for `repair`: the source's look-ahead scores (`lookahead_macs`) where its policy
+    ranks by them, else None (nothing to count)."""
+    if not repair.reads_source:
+        return None
+    if settings is None:
+        raise ValueError(f"repair {repair}: its selection reads the source's look-ahead scores; give the declared "
+                         f"`speculative` settings")
+    return lookahead_macs(source_config, settings, length)
+
+
 def speculative_macs(source_config, target_config, settings: SpeculativeParams, share: float, length: int
                      ) -> dict[str, int]:
     """Multiply-adds of speculative prefill's four parts at share `share` for a prompt of `length` tokens."""

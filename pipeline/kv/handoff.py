@@ -98,7 +98,7 @@ def check_options(mode: str, repair: Repair, keep: float | None, share: float | 
     kind = MODES[mode]
     if not repair.empty and (kind.reads.own or kind.sparse):
         raise ValueError(f"repair {repair}: the {mode} handoff's cache is the target's own prefill, nothing to repair")
-    reads_source = bool(repair.tokens) and repair.selector.reads_source
+    reads_source = repair.reads_source
     if reads_source and not kind.hands_over:
         raise ValueError(f"repair {repair}: policy {repair.select_by} reads the source's scores, which the {mode} "
                          f"handoff does not make; repair a mode that hands the source's cache over")
@@ -122,6 +122,7 @@ class FirstStep:
     cache: object  # the target's DynamicCache after the step: the prefix's P slots, then c[n-1]'s
     source: Layers | None = None  # the source's own cache of the prefixes, where retained (a gate's scores)
     mapped: Layers | None = None  # the cache handed over before the repair, where retained
+    selected: torch.Tensor | None = None  # (B, K) the positions the target computed by a choice (`Built.selected`)
 
     @property
     def logprobs(self) -> torch.Tensor:
@@ -247,14 +248,14 @@ class Handoff:
         as each part ends: `prefill`, `map` (with the repair), `step`; `prefilled`: as `built`; `retain`: keep the
         source's cache and the mapped one before the repair in the result (a gate's scores read them)."""
         built = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock, prefilled)
-        source, mapped, layers = (built.source, built.mapped, built.layers) if retain else (None, None, built.layers)
+        source, mapped, layers, selected = built if retain else (None, None, built.layers, built.selected)
         del built  # unless retained, the source's cache is freed once mapped, as a server would
         logits, cache = self.forward(layers, prefixes.last, self.lengths_read(prefixes.lengths, prefixes.padded),
                                      logits_to_keep=1, keep_cache=True)
         logits = logits[:, -1]  # (B, V)
         logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
         tell(clock, "step")
-        return FirstStep(prefixes, logits, cache, source, mapped)
+        return FirstStep(prefixes, logits, cache, source, mapped, selected)
 
     def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None,
                         source_scores: torch.Tensor | None = None) -> Layers:

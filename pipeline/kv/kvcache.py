@@ -23,6 +23,14 @@ def real_slots(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width)[None] < lengths.cpu()[:, None]
 
 
+def padded_positions(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows of positions (each (K_b,), ascending) as one (B, K) long tensor, K the longest row, -1 after each row's."""
+    out = torch.full((len(rows), max((len(row) for row in rows), default=0)), -1, dtype=torch.long)
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = row
+    return out
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive attention mask of a bool one (True: may attend), as eager attention reads it and SDPA accepts
     it (transformers takes a 4D mask as is): 0 where allowed, the dtype's most negative value elsewhere."""

@@ -12,7 +12,7 @@ Higher is more attended. Padded slots score 0 and are never kept.
 from __future__ import annotations
 
 from pipeline.kv import projections
-from pipeline.kv.kvcache import Layers, cache_to_layers, real_slots
+from pipeline.kv.kvcache import Layers, cache_to_layers, padded_positions, real_slots
 from pipeline.kv.speculative import SpeculativeParams, chosen
 from pipeline.store.lazy import lazy
 
@@ -99,7 +99,4 @@ def keep_positions(scores: torch.Tensor, lengths: torch.Tensor, settings: Specul
         order = torch.sort(-scores[row, sinks : length - last].float(), stable=True).indices
         picked = middle[order[: chosen(share, len(middle))]]
         rows.append(torch.cat([torch.arange(sinks), picked, torch.arange(length - last, length)]).sort().values)
-    kept = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.long)
-    for row, positions in enumerate(rows):
-        kept[row, : len(positions)] = positions
-    return kept
+    return padded_positions(rows)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.kv import projections
-from pipeline.kv.kvcache import Layers, additive_mask, cache_to_layers, layers_to_cache, real_slots
+from pipeline.kv.kvcache import Layers, additive_mask, cache_to_layers, layers_to_cache, padded_positions, real_slots
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.selectors.base import EXACT
 from pipeline.kv.selectors.maths.base import Evidence
@@ -32,6 +32,9 @@ class RepairCount:
     token_layers: int = 0
     recomputed: int = 0  # sink and chosen tokens, over every row
     log: list = field(default_factory=list)  # per call: (recomputed tokens, seconds), for generate's print
+    # the latest call's positions recomputed in every layer, (B, K) ascending, -1 pads (`selected_positions`); None
+    # where it recomputed none in every layer (an empty or `layers:N` setting)
+    selected: torch.Tensor | None = None
 
 
 def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
@@ -40,6 +43,7 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
     `lengths` (B,) the real lengths of right-padded rows (None: every row is whole); `devices`: where each layer's
     cache goes (`kv.kvcache.layer_devices`), None for the target's device; `source_scores` (B, P): the source's
     look-ahead scores, which a policy that `reads_source` ranks by."""
+    count.selected = None
     if setting.empty:
         return layers
     batch, width = prefix_ids.shape
@@ -69,15 +73,15 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
         for index, (keys, values) in enumerate(cache_to_layers(out)):
             layers[index][0][:, :, :sink] = keys.to(layers[index][0].device)
             layers[index][1][:, :, :sink] = values.to(layers[index][1].device)
-    if not setting.tokens:
-        return layers
-    chosen_per_row = [setting.chosen(int(n)) for n in lengths]
+    count.selected = selected_positions(lengths, sink, None) if setting.sink or setting.tokens else None
+    chosen_per_row = [setting.chosen(int(n)) for n in lengths] if setting.tokens else [0]
     if max(chosen_per_row) == 0:
         return layers
     evidence = Evidence(target, layers, mapped, None if exact is None else exact[exact_index], exact_index,
                         prefix_ids, lengths, count, devices, source_scores)
     scores = SELECTOR_MATHS[setting.select_by].score(evidence, setting.argument)  # (B, P)
     chosen = choose(scores, lengths, sink, chosen_per_row)  # (B, M), -1 past a row's count
+    count.selected = selected_positions(lengths, sink, chosen)
     return recompute(target, layers, prefix_ids, lengths, chosen, count, devices)
 
 
@@ -93,6 +97,15 @@ def choose(scores: torch.Tensor, lengths: torch.Tensor, sink: int, counts: list[
     for row, n in enumerate(counts):
         chosen[row, :n] = top[row, :n].sort().values
     return chosen
+
+
+def selected_positions(lengths: torch.Tensor, sink: int, chosen: torch.Tensor | None) -> torch.Tensor:
+    """(B, K) the positions a repair recomputed in every layer, ascending, -1 pads: each row's sink (cut to its length)
+    and its `chosen` (B, M) tokens (None: none chosen)."""
+    rows = [torch.arange(min(sink, int(length))) for length in lengths]
+    if chosen is not None:
+        rows = [torch.cat([row, picked[picked >= 0]]) for row, picked in zip(rows, chosen)]
+    return padded_positions(rows)
 
 
 def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:

@@ -114,6 +114,12 @@ class Repair:
     def empty(self) -> bool:
         return not (self.exact_layers or self.sink or self.tokens)
 
+    @property
+    def reads_source(self) -> bool:
+        """Its token policy ranks by the source's look-ahead scores (`source_attention`): the handoff must make them,
+        under params' `speculative` settings, and the FLOP model counts them (`kv.flops.lookahead_macs`)."""
+        return bool(self.tokens) and self.selector.reads_source
+
     def chosen(self, length: int) -> int:
         """Tokens the `tokens` part recomputes in a prefix of `length` (after the sink)."""
         return math.floor(self.tokens * max(length - self.sink, 0) + 0.5)

@@ -126,7 +126,7 @@ class Transfer(BaseModel):
     def _rules(self) -> "Transfer":
         face = self.face
         setting = self.setting
-        reads_source = setting is not None and bool(setting.tokens) and setting.selector.reads_source
+        reads_source = setting is not None and setting.reads_source
         if reads_source and not MODES[self.mode].hands_over:
             raise ParamError(f"{face.name('repair')} {setting}: policy {setting.select_by} ranks by the source's "
                              f"scores, made where the source's cache is handed over: use it with "
@@ -227,7 +227,7 @@ def _lookahead(face: Face, mode: str, values: dict) -> None:
     """The look-ahead settings where the mode (`speculative`) or the repair's policy (`source_attention`) reads
     them: a stage's own, else params' `speculative` section; refused where nothing reads them."""
     repair = values.get("repair")
-    reads = MODES[mode].sparse or (repair is not None and bool(repair.tokens) and repair.selector.reads_source)
+    reads = MODES[mode].sparse or (repair is not None and repair.reads_source)
     if not reads:
         if "speculative" in values:
             raise ParamError(f"{face.tool} {face.given('mode', mode)} reads no look-ahead settings: leave out "

@@ -26,7 +26,7 @@ the oracle's outputs from those same reads. The figures over the rows are `measu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
@@ -173,10 +173,20 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
 FIRST_STEP_PARTS = ("prefill", "map", "step", "gate", "fallback")  # a timed first step's parts (`Router.first_step`)
 
 
+class TimedRead(NamedTuple):
+    """One prompt's timed first step (`timed_reads`) and what was read after it."""
+
+    index: int
+    logprobs: torch.Tensor  # (m, V) over its continuation
+    rollout: torch.Tensor  # (horizon,) its greedy tokens
+    route: object  # its `kv.routes.Route`
+    times: dict  # `ttft_ms`: the first step's whole path; each part of `FIRST_STEP_PARTS` in ms
+    selected: list[int] | None  # the prefix positions the target computed by a choice (`FirstStep.selected`)
+
+
 def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
-    """Per prompt, one at a time through `router`'s first step: its index, log-probabilities (m, V), greedy rollout
-    (horizon,), route and times (`ttft_ms`: the first step's whole path; each part of `FIRST_STEP_PARTS` in ms). The
-    first prompt is run `warmup` times untimed first."""
+    """Per prompt, one at a time through `router`'s first step, its `TimedRead`. The first prompt is run `warmup`
+    times untimed first."""
     for _ in range(warmup if prompts else 0):
         router.first_step(router.handoff.context(prompts[0][0]))
     for index, (context, continuation) in enumerate(tqdm(prompts, desc=f"timed ({router.handoff.mode})",
@@ -186,7 +196,8 @@ def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int
         times = {"ttft_ms": clock.total_ms(), **dict.fromkeys((f"{part}_ms" for part in FIRST_STEP_PARTS), 0.0)}
         times.update({f"{part}_ms": ms for part, ms in clock.parts_ms().items()})
         logprobs, rollout = read_after(router.handoff_of(route), first, continuation, horizon)
-        yield index, logprobs, rollout, route, times
+        selected = None if first.selected is None else [p for p in first.selected[0].tolist() if p >= 0]
+        yield TimedRead(index, logprobs, rollout, route, times, selected)
 
 
 def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int, progress: bool = True
@@ -197,12 +208,14 @@ def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int,
     return pd.DataFrame([timed_row(read, prompts, oracle) for read in reads])
 
 
-def timed_row(read: tuple, prompts: list[Prompt], oracle: dict) -> dict:
-    """A timed read's row (`timed_reads`): `prompt_row`'s, its greedy tokens (a pass-key item is scored on them),
-    its route's way and its times."""
-    index, logprobs, rollout, route, times = read
-    return {**prompt_row(index, logprobs, prompts[index][1], rollout, oracle), "greedy": rollout.cpu().tolist(),
-            "way": route.way, **times}
+def timed_row(read: TimedRead, prompts: list[Prompt], oracle: dict) -> dict:
+    """A timed read's row: `prompt_row`'s, its greedy tokens (a pass-key item is scored on them), its route's way, its
+    times and, where the handoff chose positions to compute, `selected` (a pass-key item's selection recall)."""
+    row = {**prompt_row(read.index, read.logprobs, prompts[read.index][1], read.rollout, oracle),
+           "greedy": read.rollout.cpu().tolist(), "way": read.route.way, **read.times}
+    if read.selected is not None:
+        row["selected"] = read.selected
+    return row
 
 
 def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
@@ -218,8 +231,9 @@ def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int
               "lengths": torch.tensor([len(cont) for _, cont in prompts]),
               "greedy": torch.zeros(len(prompts), horizon, dtype=torch.int64)}
     reads = list(timed_reads(router, prompts, horizon, warmup, progress))
-    for index, logprobs, rollout, _, _ in reads:
-        values, ids = logprobs.topk(k, dim=-1)  # (m, K)
+    for read in reads:
+        values, ids = read.logprobs.topk(k, dim=-1)  # (m, K)
+        index = read.index
         stored["top_ids"][index, : len(ids)], stored["top_logprobs"][index, : len(ids)] = ids.cpu(), values.cpu()
-        stored["greedy"][index] = rollout.cpu()
+        stored["greedy"][index] = read.rollout.cpu()
     return stored, pd.DataFrame([timed_row(read, prompts, stored) for read in reads])

@@ -24,7 +24,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.flops import speedup_bound
+from pipeline.kv.flops import source_scores_macs, speedup_bound
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import FirstStep, Handoff
 from pipeline.kv.kvcache import Prefixes
@@ -157,7 +157,8 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
                     samples[name].append(value)
             bar.update()
         median = {name: _quantile(values, 0.5) for name, values in samples.items()}
-        bound = speedup_bound(source.config, target.config, mapper_macs, length, handoff.repair)
+        bound = speedup_bound(source.config, target.config, mapper_macs, length, handoff.repair,
+                              source_scores_macs(source.config, handoff.repair, handoff.speculative, length))
         speedup = median["target"] / median["handoff"]
         rows.append({
             "length": length,

@@ -4,6 +4,10 @@ Retrieval (`store.haystack` items): the variant's greedy tokens after the prompt
 key's tokens exactly (`exact_match`); reported per depth of the needle and overall, beside the oracle's own score and
 the variant's share of it (the drop where the oracle retrieves and the variant does not).
 
+Selection recall (a handoff that chooses which prompt positions the target computes itself: speculative prefill's kept
+tokens, a repair's recomputed ones): whether every token of the key is among them, per item; the share of items over
+those that chose. It says whether a retrieval failed at the choice or after it.
+
 Recall positions: continuation position j is a recall position when the n tokens ending at its token (the sequence
 prompt + continuation, n >= 2) already occur together in the prompt: the token extends an (n-1)-gram the prompt
 holds, with the same next token, what an induction head copies. Agreement there against the other positions says
@@ -54,21 +58,51 @@ def recall_agreement(agree_by_position: Sequence[Sequence[int]], recall: Sequenc
     return out
 
 
-def retrieval_rows(items: pd.DataFrame, greedy: Sequence[Sequence[int]]) -> pd.DataFrame:
-    """One row per item: its depth, the key, and whether the greedy tokens after its prompt retrieved it."""
+def key_positions(prompt: Sequence[int], key: Sequence[int]) -> list[int]:
+    """The positions of the key's tokens in the prompt, where it is stated exactly once (`store.haystack`)."""
+    prompt, key = list(prompt), list(key)
+    starts = [start for start in range(len(prompt) - len(key) + 1) if prompt[start : start + len(key)] == key]
+    if len(starts) != 1:
+        raise ValueError(f"the key {key} is stated {len(starts)} times in the prompt, not once: a pass-key item states "
+                         f"it exactly once (store.haystack)")
+    return list(range(starts[0], starts[0] + len(key)))
+
+
+def needle_selected(selected: Sequence[int], prompt: Sequence[int], key: Sequence[int]) -> bool:
+    """Every token of the key is among the `selected` positions (those the target computed itself by a choice)."""
+    return set(key_positions(prompt, key)) <= {int(position) for position in selected}
+
+
+def retrieval_rows(items: pd.DataFrame, greedy: Sequence[Sequence[int]], selected: Sequence | None = None
+                   ) -> pd.DataFrame:
+    """One row per item: its depth, the key, and whether the greedy tokens after its prompt retrieved it; with
+    `selected` (per item the positions the handoff chose to compute, None where it chose none), `needle_selected`."""
     exact = [exact_match(tokens, answer) for tokens, answer in zip(greedy, items.continuation_ids)]
-    return pd.DataFrame({"item": range(len(items)), "depth": items.depth.to_numpy(), "key": items.key.to_numpy(),
+    rows = pd.DataFrame({"item": range(len(items)), "depth": items.depth.to_numpy(), "key": items.key.to_numpy(),
                          "exact": exact})
+    if selected is not None:
+        rows["needle_selected"] = [None if not _chose(chosen) else needle_selected(chosen, prompt, key) for
+                                   chosen, prompt, key in zip(selected, items.prompt_ids, items.continuation_ids)]
+    return rows
+
+
+def _chose(selected) -> bool:
+    """A row's selection is there (a list of positions, not the None or NaN of a request that chose none)."""
+    return selected is not None and not (isinstance(selected, float) and np.isnan(selected))
 
 
 def retrieval_summary(rows: pd.DataFrame, oracle: pd.DataFrame | None = None) -> dict:
-    """Exact-match share overall and per depth, with n; beside the oracle's rows, the share of the oracle's score kept
-    (`of_oracle`, None where the oracle retrieves nothing) overall and per depth."""
+    """Exact-match share overall and per depth, with n; the selection recall over the items whose handoff chose
+    positions (`selection_recall`, `selection_n`; absent where none did); beside the oracle's rows, the share of the
+    oracle's score kept (`of_oracle`, None where the oracle retrieves nothing) overall and per depth."""
     def shares(frame: pd.DataFrame) -> dict:
         return {"exact_match": float(frame.exact.mean()), "n": int(len(frame)),
                 "by_depth": {f"{depth:g}": float(part.exact.mean()) for depth, part in frame.groupby("depth")}}
 
     out = shares(rows)
+    chose = rows.needle_selected.dropna() if "needle_selected" in rows else []
+    if len(chose):
+        out["selection_recall"], out["selection_n"] = float(chose.astype(bool).mean()), int(len(chose))
     if oracle is not None:
         reference = shares(oracle)
         out["of_oracle"] = out["exact_match"] / reference["exact_match"] if reference["exact_match"] else None

@@ -2,12 +2,16 @@
 repair setting some of them apply (`kv.repair`), and how each variant is scored against the oracle."""
 from __future__ import annotations
 
+import json
+
 from pydantic import model_validator
 
 from pipeline.kv.modes.registry import BASELINES
 from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.speculative import SpeculativeParams
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.params import ParamError, Params, Positive, Processes
-from pipeline.store.paths import SELECTED_MAPPER
+from pipeline.store.paths import SELECTED_MAPPER, SELECTED_REPAIR
 
 SELECTED = "selected"  # a repair of evaluate.repair read from select's choice (store.paths.SELECTED_REPAIR)
 
@@ -38,7 +42,22 @@ class EvaluateParams(Params):
                                  f"variant maps with {self.mapped[name]}; name a setting instead")
             if setting != SELECTED:
                 try:
-                    Repair.parse(setting)
+                    parsed = Repair.parse(setting)
                 except RepairError as error:
                     raise ParamError(f"{key}: {error} (or `selected`)") from None
+                if parsed.reads_source:
+                    raise ParamError(f"{key}: policy {parsed.select_by} reads params' `speculative` settings, which "
+                                     f"evaluate does not (its oracle would rerun with them); give it through select "
+                                     f"(select.repairs, then `selected`) or name another policy")
         return self
+
+
+def selected_repair(key: str) -> tuple[Repair, SpeculativeParams | None]:
+    """Select's choice beside the selected map (store.paths.SELECTED_REPAIR): its repair setting and, where its policy
+    ranks by the source's look-ahead scores, the `speculative` settings select scored it under (so a stage repairing
+    with it reads them from select's output, not from params); `key` names the entry that asked, in the refusal."""
+    if not SELECTED_REPAIR.is_file():
+        raise ArtifactError(f"{key}: {SELECTED_REPAIR} not found; run the select stage")
+    chosen = json.loads(SELECTED_REPAIR.read_text())
+    lookahead = chosen.get("speculative")
+    return Repair.parse(chosen["repair"]), None if lookahead is None else SpeculativeParams.model_validate(lookahead)

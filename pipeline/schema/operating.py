@@ -32,17 +32,25 @@ class OperatingParams(Params):
     repaired: dict[str, Repaired]  # variant -> a map of `maps` under a repair
     gated: dict[str, Gated]  # variant -> a map of `maps` behind a gate
     truncated: bool  # the truncated prompt (the oracle at `keep`) at each repaired variant's budget at the length
+    speculative: list[Annotated[float, Field(gt=0, le=1)]]  # speculative prefill's shares p, a variant each
     recall_ngram: Annotated[int, Field(ge=2)]  # a recall position extends an (n-1)-gram the prompt holds
     top_k: Positive
     horizon: Positive  # greedy rollout tokens after each prompt (a pass-key item reads its key's first tokens)
 
+    def speculative_variants(self) -> dict[str, float]:
+        """Each share of `speculative` by its variant's name, `speculative_<p>`."""
+        return {f"speculative_{share:g}": share for share in self.speculative}
+
     @model_validator(mode="after")
     def _variants(self) -> OperatingParams:
-        names = [*self.baselines, *self.maps, *self.repaired, *self.gated]
+        if len(set(self.speculative)) != len(self.speculative):
+            raise ParamError(f"operating.speculative: a share is listed twice in {self.speculative}; list each once")
+        names = [*self.baselines, *self.maps, *self.repaired, *self.gated, *self.speculative_variants()]
         twice = sorted({name for name in names if names.count(name) > 1} | {"oracle"} & set(names))
         if twice:
             raise ParamError(f"operating: the variant name {twice[0]!r} is used twice (or is the oracle's); give "
-                             f"each variant of baselines, maps, repaired and gated its own name")
+                             f"each variant of baselines, maps, repaired and gated its own name (speculative's are "
+                             f"speculative_<p>)")
         for name in self.baselines:
             if name not in BASELINES:
                 raise ParamError(f"operating.baselines: {name!r} is not a mode without a map ({', '.join(BASELINES)})")

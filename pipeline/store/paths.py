@@ -77,6 +77,7 @@ CANDIDATE_PROMPTS = CANDIDATE_ITEMS / "prompts"  # per eval prompt: each distill
 CALIBRATION_ITEMS = EVAL / "calibration"
 LENGTH_ROWS = EVAL / "length"
 TRUNCATED_BASELINE = "truncated"  # the truncated-prompt baseline: its name in stage repair and its folder there
+SPECULATIVE_BASELINE = "speculative"  # speculative prefill at each budget level: its name in stage repair, its folder
 REPAIR_ROWS = EVAL / "repair"  # per repaired map and setting, and per truncated-prompt budget: item and prompt rows
 SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gated map, and the curves
 SELECTIVE_CURVES = SELECTIVE / "curves.parquet"  # quality at each fallback rate, per map and score

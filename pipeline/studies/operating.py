@@ -6,7 +6,9 @@ Inputs: metrics/eval/operating/<n>.json (per variant its figures: `measure.evalu
 positions, the retrieval summary, the measured speedup and the FLOP bound at n) and eval/operating/<n>/<variant>/
 prompts.parquet (per prompt, for the bootstrap intervals), for each of operating.lengths. What metrics/report.json
 holds under `lengths.<n>.<variant>`: confident_agreement with its 95% interval (`_low`, `_high`: prompts resampled),
-kl, ppl_ratio, speedup_measured, flop_bound, retrieval (the exact-match share), n (prompts) and the rest beside them.
+kl, ppl_ratio, speedup_measured, flop_bound, retrieval (the exact-match share), selection_recall (where the handoff
+chose the positions the target computes: the share of pass-key items whose key it kept or recomputed, else None), n
+(prompts) and the rest beside them.
 A point is on a length's front (`on_front`) only by its measured figures: confident agreement against measured
 speedup, no other variant at least as good on both.
 """
@@ -63,6 +65,7 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
                 "speedup_measured": figures["speedup_measured"], "flop_bound": figures["flop_bound"],
                 "retrieval": retrieval.get("exact_match"), "retrieval_of_oracle": retrieval.get("of_oracle"),
                 "retrieval_by_depth": retrieval.get("by_depth"), "retrieval_n": retrieval.get("n", 0),
+                "selection_recall": retrieval.get("selection_recall"),
                 "n": figures["n"], "positions": figures["tokens"],
                 "confident_positions": figures.get("confident_positions"),
                 "next_token_top1": figures["next_token_top1"], "rollout_agreement": figures["rollout_agreement"],
@@ -86,6 +89,10 @@ def _recall_count(rows: pd.DataFrame) -> int:
     return int(sum(sum(flags) for flags in rows.recall_by_position))
 
 
+def _selection(value: float | None) -> str:
+    return "—" if value is None else pct(value)
+
+
 def _speed(value: float) -> str:
     return f"{value:.2f}x"
 
@@ -102,7 +109,10 @@ def lines(study: dict) -> list[str]:
            "continuation positions where the oracle's top-2 margin is at least `measure.confident_margin`, 95% "
            "interval from resampling prompts. Retrieval: a pass key stated once at a seeded depth of a real-text "
            "haystack of the same length, asked for at the end, the greedy tokens after the handoff against the key "
-           "(exact match). Recall positions: continuation tokens that extend an n-gram the prompt holds. "
+           "(exact match). Selection recall: where a variant chooses the prompt positions the target computes "
+           "itself (speculative prefill's kept tokens, a repair's recomputed ones), the share of pass-key items whose "
+           "key's tokens were all among them. Recall positions: continuation tokens that extend an n-gram the prompt "
+           "holds. "
            "Front: no other variant has both higher confident agreement and a higher measured speedup.", ""]
     for length, entries in study.items():
         oracle = entries["oracle"]
@@ -112,11 +122,12 @@ def lines(study: dict) -> list[str]:
                 f"first token {oracle['ttft_ms'] / 1000:.2f} s, its retrieval {pct(oracle['retrieval'])}.", ""]
         out += md_table(
             ["Variant", "Confident agreement [95% CI]", "KL", "PPL ratio", "Recall / other agreement",
-             "Retrieval (of oracle's)", "Measured TTFT speedup", "FLOP bound", "Front"],
+             "Retrieval (of oracle's)", "Selection recall", "Measured TTFT speedup", "FLOP bound", "Front"],
             [[name, pct_interval(e["confident_agreement"], e["confident_agreement_low"],
                                  e["confident_agreement_high"]),
               f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}", f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
-              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", _speed(e["speedup_measured"]),
+              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", _selection(e["selection_recall"]),
+              _speed(e["speedup_measured"]),
               _speed(e["flop_bound"]), "yes" if e["on_front"] else ""]
              for name, e in entries.items()])
         depths = sorted((oracle["retrieval_by_depth"] or {}), key=float)

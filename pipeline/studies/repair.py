@@ -1,7 +1,8 @@
 """The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
 
 Inputs: metrics/repair.json (per map and setting: its evaluation's nested figures, `measure.evaluation`, its budget,
-FLOP bound and measured speedup; per budget level the truncated prompt's) and eval/repair/ (their item rows), the
+FLOP bound and measured speedup; per budget level the truncated prompt's and speculative prefill's) and eval/repair/
+(their item rows), the
 oracle's and the source's items for retention and gap closure (the source alone is also a row of its own, at budget
 0, with its figures from metrics/eval/source.json), and the selective study's curves (the gate at the same mean
 cost: the retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the
@@ -30,7 +31,9 @@ np = lazy("numpy")
 pd = lazy("pandas")
 
 SOURCE = "source alone"  # the source model alone (stage evaluate's `source`): no target prefill at all, budget 0
-MATCHED_BASELINES = (paths.TRUNCATED_BASELINE, SOURCE)
+# the baselines stage repair runs at each budget level (their settings are the levels), by the report's policy names
+AT_LEVELS = {paths.TRUNCATED_BASELINE: "truncated prompt", paths.SPECULATIVE_BASELINE: "speculative prefill"}
+MATCHED_BASELINES = (*AT_LEVELS, SOURCE)
 JOINS = "candidates"  # the study whose result `join` reads (studies.run.Joining)
 
 
@@ -38,7 +41,7 @@ JOINS = "candidates"  # the study whose result `join` reads (studies.run.Joining
 class Inputs:
     items: dict[str, pd.DataFrame]  # the variants' per-item rows (the oracle's and the source's are read)
     metrics: dict
-    rows: dict[tuple[str, str], pd.DataFrame]  # (map or `truncated`, setting or budget) -> item rows
+    rows: dict[tuple[str, str], pd.DataFrame]  # (map or a baseline of AT_LEVELS, setting or budget) -> item rows
     curves: pd.DataFrame | None  # the selective stage's curves, None when it did not run
     source: dict  # the source alone's figures (metrics/eval/source.json)
 
@@ -53,9 +56,8 @@ def load(run: Run) -> Inputs | None:
                             "repair stage (dvc repro repair)")
     rows = {(name, setting): read_table(paths.repair_rows("items", name, setting))
             for name, settings in metrics["maps"].items() for setting in settings}
-    truncated = paths.TRUNCATED_BASELINE
-    rows.update({(truncated, budget): read_table(paths.repair_rows("items", truncated, budget))
-                 for budget in metrics.get(truncated, {})})
+    rows.update({(name, budget): read_table(paths.repair_rows("items", name, budget))
+                 for name in AT_LEVELS for budget in metrics.get(name, {})})
     curves = read_table(paths.SELECTIVE_CURVES) if paths.SELECTIVE_METRICS.is_file() else None
     return Inputs(run.items, metrics, rows, curves, run.metrics["source"])
 
@@ -73,8 +75,8 @@ def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budg
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per map and setting (and per truncated budget): retention and gap closure with paired 95% intervals, and
-    against the unrepaired map (`none`); the figures of the stage; the gate at the same cost."""
+    """Per map and setting (and per budget level, each baseline of AT_LEVELS): retention and gap closure with paired
+    95% intervals, and against the unrepaired map (`none`); the figures of the stage; the gate at the same cost."""
     selective = json.loads(paths.SELECTIVE_METRICS.read_text()) if inputs.curves is not None else None
     rows = []
     for (name, setting), frame in inputs.rows.items():
@@ -82,16 +84,16 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
         both = {**inputs.items, key: frame}
         retention = retention_interval(both, key, params.retention_metric, *measure.bootstrap)
         closure = gap_closure_interval(both, key, params.retention_metric, *measure.bootstrap)
-        figures = (inputs.metrics[paths.TRUNCATED_BASELINE][setting] if name == paths.TRUNCATED_BASELINE
-                   else inputs.metrics["maps"][name][setting])
-        budget = float(setting) if name == paths.TRUNCATED_BASELINE else figures["budget"]
+        level = name in AT_LEVELS
+        figures = inputs.metrics[name][setting] if level else inputs.metrics["maps"][name][setting]
+        budget = float(setting) if level else figures["budget"]
         row = {"map": name, "setting": setting, "budget": budget,
-               "policy": "truncated prompt" if name == paths.TRUNCATED_BASELINE else figures["policy"],
+               "policy": AT_LEVELS[name] if level else figures["policy"],
                "retention": retention["retention"], "retention_low": retention["low"],
                "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
                "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
                **prompt_metrics(figures), **{k: figures.get(k) for k in ("bound", "speedup")}}
-        if name != paths.TRUNCATED_BASELINE:
+        if not level:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, *measure.bootstrap)
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
@@ -174,8 +176,10 @@ def verdict(mine: float, theirs: float) -> str:
 
 def against_baselines(rows: list[dict]) -> list[str]:
     """Per budget level of the grid (the truncated prompt's), whether each map's best repair at that cost retains
-    more than the truncated prompt and than its gate at the same cost (point estimates), one line each."""
+    more than the truncated prompt, than speculative prefill at that share (where it ran) and than its gate at the
+    same cost (point estimates), one line each."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == paths.TRUNCATED_BASELINE}
+    speculative = {round(row["budget"], 3): row for row in rows if row["map"] == paths.SPECULATIVE_BASELINE}
     out = []
     for level, base in sorted(truncated.items()):
         parts = []
@@ -185,6 +189,9 @@ def against_baselines(rows: list[dict]) -> list[str]:
                 continue
             best = max(same, key=lambda row: row["retention"])
             said = [f"{verdict(best['retention'], base['retention'])} the truncated prompt"]
+            if level in speculative:
+                said.append(f"{verdict(best['retention'], speculative[level]['retention'])} speculative prefill "
+                            f"({pct(speculative[level]['retention'])})")
             if best.get("gate") is not None:
                 said.append(f"{verdict(best['retention'], best['gate'])} the gate at the same cost "
                             f"({pct(best['gate'])})")
@@ -211,7 +218,9 @@ def lines(study: dict) -> list[str]:
            f"multiply-adds over the target's prefill at `{study['bound_pair']}`'s shapes for {study['length']} "
            f"prompt tokens; bound: the handoff's FLOP speedup bound there with the repair; measured: time to first "
            f"token here. Against `none`: retention with the unrepaired map in the oracle's place. The truncated "
-           f"prompt is the target's own prefill of only the last budget share of each context; the gate column is "
+           f"prompt is the target's own prefill of only the last budget share of each context; speculative prefill "
+           f"at the budget is the target's prefill of that share of the positions the source's look-ahead attention "
+           f"ranks first (with the first and last few), at their own positions; the gate column is "
            f"the selective gate's retention by its `{study['gate_score']}` score (declared in params) at a fallback "
            f"rate equal to the budget (the score's own cost left out). The source model alone is the budget-0 "
            f"baseline: the target computes nothing. Front: a repaired point on the Pareto front of gap closure "
@@ -234,11 +243,12 @@ def lines(study: dict) -> list[str]:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: retention against budget, one line per policy; the truncated prompt and the gate as baselines."""
+    """Per map: retention against budget, one line per policy; the baselines at each level (the truncated prompt,
+    speculative prefill) and the gate."""
     table = pd.DataFrame(study["rows"])
     names = maps(study["rows"])
     fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)
-    truncated = table[table["map"] == paths.TRUNCATED_BASELINE].sort_values("budget")
+    levels = {label: table[table["map"] == name].sort_values("budget") for name, label in AT_LEVELS.items()}
     source = table[table["map"] == SOURCE].retention
     for ax, name in zip(axes[0], names):
         part = table[table["map"] == name]
@@ -246,7 +256,9 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
         for label, group in part[part.setting != "none"].groupby("policy", sort=True):
             group = pd.concat([none, group]).sort_values("budget")
             ax.plot(group.budget, group.retention, marker="o", label=label)
-        ax.plot(truncated.budget, truncated.retention, "k--", marker="x", label="truncated prompt")
+        for (label, baseline), style in zip(levels.items(), ("k--", "k-.")):
+            if len(baseline):
+                ax.plot(baseline.budget, baseline.retention, style, marker="x", label=label)
         gated = part.dropna(subset=["gate"]) if "gate" in part else part.iloc[:0]
         ax.scatter(gated.budget, gated.gate, marker="s", facecolors="none", edgecolors="grey", label="gate, same cost")
         ax.axhline(1.0, color="grey", lw=0.8)

@@ -1,9 +1,12 @@
-"""Long-context measures (`measure.retrieval`): pass-key exact match and agreement on recall positions."""
+"""Long-context measures (`measure.retrieval`): pass-key exact match, the selection recall of the key's tokens and
+agreement on recall positions."""
 import pandas as pd
 import pytest
 
 from pipeline.measure.retrieval import (
     exact_match,
+    key_positions,
+    needle_selected,
     recall_agreement,
     recall_positions,
     retrieval_rows,
@@ -47,3 +50,28 @@ def test_retrieval_is_scored_per_depth_and_against_the_oracle():
     assert summary["exact_match"] == 0.75 and summary["n"] == 4
     assert summary["by_depth"] == {"0.1": 0.5, "0.5": 1.0}
     assert summary["of_oracle"] == 1.0 and summary["of_oracle_by_depth"] == {"0.1": 0.5, "0.5": 2.0}
+
+
+def test_selection_recall_is_1_when_every_key_token_was_selected_and_0_when_one_was_not():
+    prompt, key = [9, 9, 4, 1, 2, 9, 9, 8], [1, 2]  # the key at positions 3 and 4
+    assert key_positions(prompt, key) == [3, 4]
+    assert needle_selected([0, 3, 4, 7], prompt, key)
+    assert not needle_selected([0, 3, 7], prompt, key)  # its second token was not computed
+    assert not needle_selected([], prompt, key)
+    with pytest.raises(ValueError, match="stated 0 times"):
+        key_positions(prompt, [5, 5])
+    with pytest.raises(ValueError, match="stated 2 times"):
+        key_positions([1, 2, 1, 2], key)
+
+
+def test_the_selection_recall_is_over_the_items_whose_handoff_chose_positions():
+    items = pd.DataFrame({"depth": [0.1, 0.5, 0.5], "key": ["12", "34", "56"],
+                          "continuation_ids": [[1, 2], [3, 4], [5]],
+                          "prompt_ids": [[1, 2, 0, 0], [0, 3, 4, 0], [0, 0, 5, 0]]})
+    greedy = [[1, 2], [3, 4], [5]]
+    rows = retrieval_rows(items, greedy, [[0, 1, 3], [0, 1, 3], None])
+    assert list(rows.needle_selected) == [True, False, None]
+    summary = retrieval_summary(rows)
+    assert summary["selection_recall"] == 0.5 and summary["selection_n"] == 2
+    unchosen = retrieval_rows(items, greedy)  # a handoff that chose nothing: no column, no figure
+    assert "needle_selected" not in unchosen and "selection_recall" not in retrieval_summary(unchosen)

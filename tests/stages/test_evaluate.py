@@ -84,8 +84,28 @@ def test_selected_reads_the_setting_select_chose(tmp_path, monkeypatch):
     paths.MODELS.mkdir()
     chosen = {"map": "m", "repair": "layers:1+tokens:0.09:deviation", "budget": 0.09}
     paths.SELECTED_REPAIR.write_text(json.dumps(chosen))
-    assert str(variant_repair("repaired", params)) == "layers:1+tokens:0.09:deviation"
-    assert variant_repair("selected", params) is None
+    paths.SELECTED_MAPPER.touch()  # the request checks the file is there; nothing loads it
+    setting, lookahead = variant_repair("repaired", params)
+    assert str(setting) == "layers:1+tokens:0.09:deviation" and lookahead is None
+    assert variant_repair("selected", params) == (None, None)
+
+
+def test_a_selected_repair_ranking_by_the_source_reads_the_settings_select_scored_it_under(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    selected = str(paths.SELECTED_MAPPER)
+    params = PARAMS.model_copy(update={"mapped": {"repaired": selected}, "repair": {"repaired": "selected"}})
+    paths.MODELS.mkdir()
+    settings = {"last": 3, "sinks": 1, "layers": [-1], "pooling": "mean"}
+    chosen = {"map": "m", "repair": "tokens:0.08:source_attention", "budget": 0.09, "speculative": settings}
+    paths.SELECTED_REPAIR.write_text(json.dumps(chosen))
+    paths.SELECTED_MAPPER.touch()  # the request checks the file is there; nothing loads it
+    setting, lookahead = variant_repair("repaired", params)
+    assert str(setting) == "tokens:0.08:source_attention" and lookahead.model_dump() == settings
+    request = variant_request("repaired", params)
+    assert request.speculative == lookahead and request.repair == setting
+    paths.SELECTED_REPAIR.write_text(json.dumps({**chosen, "speculative": None}))  # written without them: refused
+    with pytest.raises(ParamError, match=r"pass the `speculative` section"):
+        variant_request("repaired", params)
 
 
 @pytest.mark.parametrize("mapped, repair, message", [
@@ -96,6 +116,8 @@ def test_selected_reads_the_setting_select_chose(tmp_path, monkeypatch):
      r"^evaluate\.repair\.k1: `selected` is the setting select chose for models/mapper\.safetensors"),
     ({"k1": "models/best/mapped_k1.safetensors"}, {"k1": "tokens:0.1"},
      r"^evaluate\.repair\.k1: repair 'tokens:0\.1': bad"),
+    ({"k1": "models/best/mapped_k1.safetensors"}, {"k1": "tokens:0.1:source_attention"},
+     r"^evaluate\.repair\.k1: policy source_attention reads params' `speculative` settings, which evaluate does not"),
 ])
 def test_a_malformed_repaired_variant_is_refused_in_one_line_naming_the_key(mapped, repair, message):
     with pytest.raises(ParamError, match=message):

@@ -1,18 +1,24 @@
 """Stage `repair` on a tiny pair built here: the unrepaired setting is the mapped handoff, a full repair the oracle,
-and the truncated prompt keeps the last share of each context and scores as the oracle on it."""
+and the truncated prompt keeps the last share of each context and scores as the oracle on it; speculative prefill
+runs beside it at each budget level."""
 import pandas as pd
 import pytest
-from helpers import hellaswag_rows, piqa_rows
+from helpers import committed, hellaswag_rows, piqa_rows
 
+from pipeline.kv.flops import speculative_bound
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.scoring import score_continuations
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.compare import oracle_outputs, variant_rows
-from pipeline.repair import policy, scored
+from pipeline.repair import matched_baselines, policy, scored
+from pipeline.schema.repair import RepairParams
 from pipeline.store.fingerprints import pair_fingerprints
+from pipeline.store.params import ParamError, parse
+from pipeline.store.shapes import pair_configs
 
 ITEMS = 6  # per task
 PROMPTS = 4
@@ -86,3 +92,21 @@ def test_the_truncated_prompt_handoff_scores_tasks_and_prompts_as_the_oracle_on_
 def test_a_settings_policy_is_its_token_choice_or_its_parts_without_sizes():
     settings = ("none", "layers:1", "tokens:0.1:attention", "sink:4+tokens:0.1:deviation")
     assert [policy(Repair.parse(s)) for s in settings] == ["none", "layers", "attention", "sink+deviation"]
+
+
+def test_each_budget_level_has_the_truncated_prompt_and_speculative_prefill_at_that_share(setup):
+    params = parse(RepairParams, committed("repair", batch_size=2, length=256), "repair")
+    lookahead = parse(SpeculativeParams, committed("speculative", last=2, sinks=1), "speculative")
+    configs = pair_configs("qwen3-v0")
+    found = list(matched_baselines(setup["pair"], params, [0.5], setup["tasks"], setup["prompts"], setup["oracle"],
+                                   0.2, None, lookahead, configs))
+    assert [(name, level) for name, level, _, _ in found] == [("truncated", 0.5), ("speculative", 0.5)]
+    (_, _, truncated, truncated_figures), (_, _, speculative, figures) = found
+    assert figures["bound"] == round(speculative_bound(*configs, lookahead, 0.5, 256), 4) and \
+        "bound" not in truncated_figures
+    assert figures["tasks"]["piqa"]["n"] == ITEMS and len(speculative.prompt_rows) == PROMPTS
+    oracle, _ = _figures(setup, mode="oracle")
+    assert figures["prompts"]["next_token_top1"] <= oracle["prompts"]["next_token_top1"]
+    with pytest.raises(ParamError, match=r"pass the `speculative` section"):
+        list(matched_baselines(setup["pair"], params, [0.5], setup["tasks"], setup["prompts"], setup["oracle"], 0.2,
+                               None, None, configs))

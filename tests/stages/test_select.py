@@ -9,8 +9,11 @@ import torch
 from helpers import committed, periodic_batch
 from helpers.architectures import linear_copy_mapper
 
+from pipeline.kv.flops import lookahead_macs, repair_budget, target_prefill_macs
 from pipeline.kv.mapper import save_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.schema.select import SelectParams
 from pipeline.select import (
     budgets,
@@ -23,6 +26,7 @@ from pipeline.select import (
 )
 from pipeline.store import paths
 from pipeline.store.params import ParamError, parse
+from pipeline.store.shapes import bound_configs
 
 
 def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_model):
@@ -156,6 +160,22 @@ def test_the_best_maps_are_scored_at_each_setting_and_the_choice_reads_only_the_
     before = promoted()
     pd.DataFrame({"token_ids": [[1, 2, 3]] * 4}).to_parquet(paths.split("eval"), index=False)
     assert run(params, select_folder, candidates_on_disk(), 0.2) == first and promoted() == before
+
+
+def test_a_setting_ranking_by_the_source_is_scored_and_promoted_with_the_look_ahead_settings_it_read(select_folder):
+    lookahead = parse(SpeculativeParams, committed("speculative", last=3, sinks=1), "speculative")
+    params = parse(SelectParams, committed("select", top_k=32, horizon=4, max_recompute=1.0,
+                                           repairs=["none", "tokens:0.9:source_attention"]), "select")
+    with pytest.raises(ValueError, match=r"give the declared `speculative` settings"):
+        budgets(params, select_folder.configs)
+    source, target = bound_configs(params.bound_pair, select_folder.configs)
+    costs = budgets(params, select_folder.configs, lookahead)
+    plain = repair_budget(target, Repair.parse("tokens:0.9:source_attention"), params.length, 0)
+    assert costs["tokens:0.9:source_attention"] == pytest.approx(
+        plain + lookahead_macs(source, lookahead, params.length) / target_prefill_macs(target, params.length))
+    metrics = run(params, select_folder, [paths.fitted_map("linear_k1_noisy")], 0.2, lookahead=lookahead)
+    assert metrics["selected_repair"] == "tokens:0.9:source_attention"  # 90% recomputed beats the noisy map alone
+    assert promoted()[1]["speculative"] == lookahead.model_dump()
 
 
 def test_select_prompts_are_cut_at_each_declared_length_where_a_sequence_holds_it():

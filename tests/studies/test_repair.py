@@ -10,8 +10,11 @@ from pipeline.studies.repair import (
     Inputs,
     against_baselines,
     cheapest,
+    compute,
+    figure,
     front_sentence,
     join,
+    lines,
     source_row,
 )
 from pipeline.studies.settings import ReportParams
@@ -51,6 +54,38 @@ def test_each_budget_says_whether_each_maps_best_repair_beats_the_truncated_prom
         "- At 10.7% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:attention` (80.0%), "
         "beats the truncated prompt and does not beat the gate at the same cost (85.0%); `b`'s best, "
         "`tokens:0.1:attention` (90.0%), beats the truncated prompt and beats the gate at the same cost (50.0%)."]
+
+
+def test_speculative_prefill_at_each_level_is_a_matched_baseline_beside_the_truncated_prompt():
+    rows = [_level("a", "none", 0.0, 0.5), _level("a", "tokens:0.1:source_attention", 0.104, 0.8),
+            _level("truncated", "0.104", 0.104, 0.2), _level("speculative", "0.104", 0.104, 0.85),
+            _level(SOURCE, "—", 0.0, 0.7)]
+    assert against_baselines(rows) == [
+        "- At 10.4% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:source_attention` "
+        "(80.0%), beats the truncated prompt and does not beat speculative prefill (85.0%)."]
+    reaching = [{**row, "retention_low": 0.5, "retention_high": 1.1} for row in rows]
+    assert "speculative" not in cheapest(reaching) and "`a`" in cheapest(reaching)  # a baseline, not a map
+
+
+def test_the_study_reads_speculative_prefills_rows_at_each_level_with_its_bound_and_draws_them(tmp_path):
+    params = parse(ReportParams, committed("report"), "report")
+    items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
+    figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
+    metrics = {"length": 256, "bound_pair": "qwen3-v0", "gate_score": "entropy",
+               "maps": {"m": {"none": {**figures, "policy": "none", "budget": 0.0, "bound": 3.0},
+                              "tokens:0.1:source_attention": {**figures, "policy": "source_attention",
+                                                              "budget": 0.104, "bound": 2.5}}},
+               "truncated": {"0.104": figures}, "speculative": {"0.104": {**figures, "bound": 2.6}}}
+    rows = {("m", "none"): _items([1, 0, 1, 0, 1, 0, 1, 0]), ("m", "tokens:0.1:source_attention"): _items([1] * 8),
+            ("truncated", "0.104"): _items([0] * 8), ("speculative", "0.104"): _items([1, 1, 1, 1, 1, 1, 0, 1])}
+    study = compute(params, measure_params(bootstrap_iters=50), Inputs(items, metrics, rows, None, figures))
+    speculative = next(row for row in study["rows"] if row["map"] == "speculative")
+    assert speculative["policy"] == "speculative prefill" and speculative["budget"] == 0.104
+    assert speculative["bound"] == 2.6 and "vs_none" not in speculative
+    assert [row["map"] for row in study["rows"]][-3:] == [SOURCE, "speculative", "truncated"]  # the baselines last
+    text = "\n".join(lines(study))
+    assert "| speculative | 0.104 | 10.4% | speculative prefill |" in text and "beats speculative prefill (" in text
+    assert figure(study, tmp_path)["repair"]["map"].tolist().count("speculative") == 1
 
 
 def _items(correct: list[int]) -> pd.DataFrame:

@@ -1,7 +1,8 @@
 """`source_attention`: the repair recomputes the mapped cache's tokens the source's look-ahead attends to most, from
 the scores of the forward that prefilled the source's cache; its cost is those scores' multiply-adds. A source built
 to attend to one token (a constant query, a key read from one embedding feature that only that token carries, no
-attention output or MLP to stir the residual stream) has that token recomputed, wherever it stands."""
+attention output or MLP to stir the residual stream) has that token recomputed, wherever it stands, and speculative
+prefill keeps it; the first step names the positions it chose, which the selection recall reads."""
 import pytest
 import torch
 from helpers import committed
@@ -9,8 +10,10 @@ from helpers.architectures import SUPPORTED, random_of
 
 from pipeline.kv import flops
 from pipeline.kv.handoff import Handoff
+from pipeline.kv.kvcache import padded_prefixes
 from pipeline.kv.repair import Repair
 from pipeline.kv.speculative import SpeculativeParams
+from pipeline.measure.retrieval import needle_selected
 from pipeline.store.params import parse
 from pipeline.store.shapes import pair_configs
 
@@ -91,3 +94,22 @@ def test_its_selection_costs_the_sources_look_ahead_scores():
         target, Repair.parse("tokens:0.1:recency"), 1024)
     with pytest.raises(ValueError, match="its selection costs the source's look-ahead scores"):
         flops.repair_macs(target, setting, 1024)
+
+
+@pytest.mark.parametrize("at", [3, 8])
+def test_the_first_step_names_the_positions_it_chose_so_the_marked_token_is_selected_wherever_it_stands(models, at):
+    target, source = models
+    context = _prefix(at)[0].tolist() + [7]  # the prefix, then the last token the target steps on
+    handoffs = {"source_attention": Handoff(target, source, "direct", speculative=LOOKAHEAD,
+                                            repair=Repair.parse("tokens:0.07:source_attention")),
+                "speculative": Handoff(target, source, "speculative", share=0.1, speculative=LOOKAHEAD),
+                "recency": Handoff(target, source, "direct", repair=Repair.parse("sink:1+tokens:0.07:recency"))}
+    chosen = {name: handoff.first_step(padded_prefixes([context])).selected[0].tolist()
+              for name, handoff in handoffs.items()}
+    assert chosen == {"source_attention": [at], "speculative": [at, WIDTH - 2, WIDTH - 1],  # p: 1 of 12, the last 2
+                      "recency": [0, WIDTH - 1]}  # the sink, then the prefix's end
+    assert needle_selected(chosen["source_attention"], context, [MARKED])
+    assert needle_selected(chosen["speculative"], context, [MARKED])
+    assert not needle_selected(chosen["recency"], context, [MARKED])
+    assert Handoff(target, source, "direct").first_step(padded_prefixes([context])).selected is None  # none chosen
+    assert Handoff(target).first_step(padded_prefixes([context])).selected is None

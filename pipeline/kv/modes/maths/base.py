@@ -27,6 +27,9 @@ class Built(NamedTuple):
     source: list | None  # the source's own cache (a source mode)
     mapped: list | None  # the cache handed to the target, before the repair (a source mode, `zero`)
     layers: list | None  # the cache the decoding model reads
+    # (B, K) the positions the decoding model computed itself in every layer by a choice (-1 pads): the tokens a
+    # sparse mode kept, a repair's sink and chosen tokens; None where nothing was chosen (its own prefill, a bare map)
+    selected: object = None
 
 
 def tell(clock: ClockHook | None, part: str) -> None:
@@ -63,7 +66,7 @@ class Handed(ModeMaths):
         source, mapped, scores = self.handed(handoff, prefix_ids, lengths, mask, clock, prefilled)
         layers = handoff.repaired_layers(mapped, prefix_ids, lengths, scores)
         tell(clock, "map")
-        return Built(source, mapped, layers)
+        return Built(source, mapped, layers, None if handoff.repair.empty else handoff.repaired.selected)
 
     @abstractmethod
     def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled) -> tuple[list | None, list, object]:
@@ -77,7 +80,7 @@ class FromSource(Handed):
 
     def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
         scores = None
-        if handoff.repair.tokens and handoff.repair.selector.reads_source:
+        if handoff.repair.reads_source:
             source, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask)
         else:
             source = prefilled if prefilled is not None else handoff.source_prefill(prefix_ids, mask)
