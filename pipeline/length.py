@@ -63,7 +63,7 @@ def long_sequences(params: LengthParams) -> list[list[int]]:
     return found
 
 
-def run(params: LengthParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
+def run(params: LengthParams, models: ModelsParams, device: str, study_items: int | None = None) -> dict:
     require_controls_passed()
     sequences = long_sequences(params)
     metrics: dict[str, float | int | str] = {"fit_tokens": params.fit_tokens, "candidate": params.candidate,
@@ -93,7 +93,8 @@ def run(params: LengthParams, models: ModelsParams, device: str, items: int | No
         tokens = {task: [len(pair.target_tokenizer.encode(text, add_special_tokens=False))
                          for text in read_table(path)[CONTEXT[task]]] for task, path in pair.eval_tasks.items()}
         for space, router in routers.items():
-            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, task_limit=items)
+            evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer,
+                                  task_limit=study_items)
             items = evaluation.item_rows
             items["context_tokens"] = [tokens[task][item] for task, item in zip(items.task, items["item"])]
             items.to_parquet(paths.length_tasks(space, staging), index=False)
