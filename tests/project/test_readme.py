@@ -126,3 +126,34 @@ def test_the_readme_own_pair_recipe_passes_check_params(tmp_path):
     params["data"]["tokenizer"] = "models/converted"  # the profile's own: not this target's
     with pytest.raises(ParamError, match=r"^data\.tokenizer: models/converted is not the target's tokenizer"):
         check(params)
+
+
+def documented_sample(path: Path) -> tuple[str, list[str]]:
+    """The `$ <command>` line of a Markdown file's generate sample and the output lines shown under it."""
+    block = re.search(r"^```\n\$ (\.venv/bin/python -m pipeline\.generate[^\n]*)\n(.*?)^```", path.read_text(),
+                      flags=re.S | re.M)
+    return block.group(1), block.group(2).strip("\n").splitlines()
+
+
+def untimed(lines: list[str]) -> list[str]:
+    """Output lines with the time-to-first-token column of each table row masked."""
+    return [re.sub(r"^(\| \w+ \| )[0-9.]+( \|)", r"\1#\2", line) for line in lines]
+
+
+def test_the_documented_generate_sample_is_what_the_committed_tiny_pair_prints(project):
+    command, shown = documented_sample(project / "docs/interfaces.md")
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(project)}
+    prepared = subprocess.run([sys.executable, "-m", "pipeline.prepare_data"], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    words = shlex.split(command)
+    done = subprocess.run([sys.executable, *words[1:]], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = done.stdout.strip("\n").splitlines()
+    assert untimed(printed) == untimed(shown)
+
+
+def test_the_sample_check_masks_only_the_time_column():
+    rows = ["| oracle | 9.6 | 12 | same as oracle | oracle |", "oracle |  . Later 9.6"]
+    assert untimed(rows) == ["| oracle | # | 12 | same as oracle | oracle |", "oracle |  . Later 9.6"]
