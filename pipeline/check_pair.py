@@ -33,6 +33,7 @@ from pipeline.kv.flops import (
     mapper_parameter_count,
     matched_self_layers,
     repair_budget,
+    source_scores_macs,
     speedup_bound,
 )
 from pipeline.kv.geometry import kv_geometry
@@ -41,11 +42,12 @@ from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import check_models
 from pipeline.kv.repair import Repair
 from pipeline.kv.rope import model_name
+from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store import inputs
 from pipeline.store.cli import entry, parser
 from pipeline.store.fingerprints import PairFingerprints
 from pipeline.store.models import ModelNotAvailableError, NoTokenizerError, load_config, load_tokenizer
-from pipeline.store.params import PARAMS_FILE, ParamError, read_key
+from pipeline.store.params import PARAMS_FILE, ParamError, load_section, read_key
 from pipeline.store.shapes import shape_config
 from pipeline.store.truncated import self_layers, self_name, truncated_config
 from pipeline.studies.format import md_table
@@ -139,20 +141,26 @@ def flop_rows(source_config, target_config, lengths: list[int]) -> list:
     return rows
 
 
-def repair_rows(source_config, target_config, lengths: list[int], repairs: list[str]) -> list:
-    """Per repair setting (`kv.repair`): its budget and the linear k=1 handoff's bound with it, at each length."""
+def repair_rows(source_config, target_config, lengths: list[int], repairs: list[str],
+                lookahead: SpeculativeParams | None = None) -> list:
+    """Per repair setting (`kv.repair`): its budget and the linear k=1 handoff's bound with it, at each length (a
+    policy ranking by the source counts its look-ahead scores, `lookahead`: params' `speculative` settings)."""
     per_token = mapper_macs_per_token(source_config, target_config, 1, "linear")
     rows = []
     for text in repairs:
         repair = Repair.parse(text)
-        rows.append([str(repair), *(f"{repair_budget(target_config, repair, length):.1%} / "
-                                    f"{speedup_bound(source_config, target_config, per_token, length, repair):.2f}x"
-                                    for length in lengths)])
+        cells = []
+        for length in lengths:
+            scores = source_scores_macs(source_config, repair, lookahead, length)
+            bound = speedup_bound(source_config, target_config, per_token, length, repair, scores)
+            cells.append(f"{repair_budget(target_config, repair, length, scores):.1%} / {bound:.2f}x")
+        rows.append([str(repair), *cells])
     return rows
 
 
 def report(contract: Contract, source_config, target_config, ks: list[int], lengths: list[int],
-           widths: dict[str, list[int]], repairs: list[str] | None = None) -> str:
+           widths: dict[str, list[int]], repairs: list[str] | None = None,
+           lookahead: SpeculativeParams | None = None) -> str:
     note = f" ({contract.tokenizer_note})" if contract.tokenizer_note else ""
     lines = [f"# {contract.source.name} -> {contract.target.name}", "",
              *md_table(["", "source", "target"], model_rows(contract)), "",
@@ -179,7 +187,7 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
         if repairs:
             lines += ["", "With a repair (kv.repair): its budget (of the target's prefill) / the speedup bound:", "",
                       *md_table(["repair", *(f"{length} tokens" for length in lengths)],
-                                repair_rows(source_config, target_config, lengths, repairs))]
+                                repair_rows(source_config, target_config, lengths, repairs, lookahead))]
     return "\n".join(lines)
 
 
@@ -217,12 +225,19 @@ def default_ks(given: list[int] | None, source_layers: int, source: str) -> tupl
     return inputs.ks(within or [1], name, source_layers, source), [k for k in ks if k > source_layers]
 
 
+def declared_repairs(given: list[str] | None) -> tuple[list[str], SpeculativeParams | None]:
+    """The repair settings counted (`--repairs`, else params' repair.grid) and params' `speculative` settings, which
+    a policy ranking by the source reads (None without a params.yaml)."""
+    if not PARAMS_FILE.is_file():
+        return given or [], None
+    return given or read_key("repair.grid"), load_section(SpeculativeParams, "speculative")
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.check_pair", __doc__)
     cli.add_argument("source", nargs="?", help="source model: hub id, local folder or shape:<name>")
     cli.add_argument("target", nargs="?", help="target model: hub id, local folder or shape:<name>")
-    cli.add_argument("--which-pairs", action="store_true",
-                     help="print docs/real-weights.md's 'Which pairs work' and exit")
+    cli.add_argument("--which-pairs", action="store_true", help="print 'Which pairs work' (docs/) and exit")
     cli.add_argument("--ks", type=int, nargs="+", help="source layers per target layer (default: fit.ks)")
     cli.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default: latency.lengths)")
     for family, spec in FAMILIES.items():
@@ -270,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
-    repairs = args.repairs or (read_key("repair.grid") if PARAMS_FILE.is_file() else [])
-    print(report(contract, source_config, target_config, ks, lengths, widths, repairs))
+    repairs, lookahead = declared_repairs(args.repairs)
+    print(report(contract, source_config, target_config, ks, lengths, widths, repairs, lookahead))
     if left_out:
         print(f"\nfit.ks {left_out} left out: beyond the source's {source_config.num_hidden_layers} layers "
               f"({model_name(source_config)}); --ks chooses")

@@ -34,8 +34,9 @@ def _interrupt(signum: int, frame) -> None:
 @contextlib.contextmanager
 def terminate_interrupts() -> Iterator[None]:
     """Within the block, SIGTERM raises KeyboardInterrupt (so every `finally` on the way out runs); set back after.
-    Off the main thread (where no handler can be set) the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
+    Off the main thread (where no handler can be set), or where a handler of SIGTERM is set already (a stage's
+    command: `store.cli.entry`'s, which also ends the stage with 143), the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or callable(signal.getsignal(signal.SIGTERM)):
         yield
         return
     before = signal.signal(signal.SIGTERM, _interrupt)

@@ -93,9 +93,14 @@ def test_generate_until_refuses_a_sampling_request_rather_than_decoding_it_greed
         model(tiny_pair, identity_map, "oracle").generate_until([generation(do_sample=True, temperature=0.7)])
 
 
+def transfer(mode: str) -> str:
+    """`transfer=` for a mode: a valued one (speculative prefill) with a share."""
+    return f"{mode}:0.5" if MODES[mode].parameter is not None else mode
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_until_records_each_requests_route_in_every_mode(mode, tiny_pair, identity_map):
-    lm = model(tiny_pair, identity_map, mode)
+    lm = model(tiny_pair, identity_map, transfer(mode))
     lm.generate_until([generation(doc=0), generation("Answer:", doc=1)])
     one_token = len(lm.tok_encode("Answer:")) == 1
     assert lm.route_counts()[TASK] == {"requests": 2, mode: 2 - (one_token and mode not in OWN_MODES),
@@ -134,7 +139,7 @@ def test_rolling_loglikelihood_is_refused_in_a_handoff_mode_whose_first_window_h
                                                                                                 identity_map):
     # before, oracle, mapped and zero gave one value on every document shorter than the window, recorded as
     # `empty_prefix+mapped`, a way kv.routes does not define
-    lm = model(tiny_pair, identity_map, mode)
+    lm = model(tiny_pair, identity_map, transfer(mode))
     with pytest.raises(ParamError, match=rf"^kv-transfer transfer={mode}: loglikelihood_rolling .* scores a "
                                          rf"document's first window from a one-token context"):
         lm.loglikelihood_rolling([rolling("A man is sitting on a roof.")])

@@ -27,7 +27,7 @@ def test_prepared_pointers_to_a_local_pair_load_offline_and_a_moved_folder_is_na
         assert pointer["path"] == f"ckpt/{name}"  # inside the working directory: relative, alike in every clone
     printed = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert printed["kind"] == "hub"
-    assert printed["modes"] == ["direct", "mapped", "oracle", "shuffled", "source", "zero"]
+    assert printed["modes"] == ["direct", "mapped", "oracle", "shuffled", "source", "speculative", "zero"]
     model = load_model(str(tmp_path / "models" / "target"), device="cpu")
     assert model.config.num_hidden_layers == load_config(str(ROOT / "models" / "target")).num_hidden_layers
     (tmp_path / "ckpt").rename(tmp_path / "elsewhere")

