@@ -103,15 +103,12 @@ def trained_pair_is_declared(params: ParamsFile) -> None:
                          "alone when models.source is self:<n>)")
 
 
-CONVERTED_SIDES = {"target": paths.CONVERTED, "source": paths.CONVERTED_SOURCE}  # where convert_models writes a side
-
-
 def named_config(params: ParamsFile, side: str):
     """A hub-kind side's config where the profile names one readable without weights: a converted checkpoint's
     stored shape (`convert.<side>.shape`) until convert_models has written it, a local folder's config.json; None
     for a hub id (known once prepare_models fetched its config) or a folder lacking one (pin_models refuses it)."""
     name = getattr(params.models, side)
-    spec = next((getattr(params.convert, s) for s, path in CONVERTED_SIDES.items() if Path(name) == path), None)
+    spec = next((getattr(params.convert, s) for s, path in paths.CONVERTED_SIDES.items() if Path(name) == path), None)
     if spec is not None and not Path(name, "config.json").is_file():
         return shape_config(spec.shape)
     if Path(name).is_dir():
@@ -196,7 +193,7 @@ def ks_within_the_source(params: ParamsFile) -> None:
 
 
 def conversions_feed_the_pair(params: ParamsFile) -> None:
-    for side, folder in CONVERTED_SIDES.items():
+    for side, folder in paths.CONVERTED_SIDES.items():
         if getattr(params.convert, side) is not None and Path(getattr(params.models, side)) != folder:
             raise ParamError(f"convert.{side}: converts a checkpoint into {folder}, but models.{side} is "
                              f"{getattr(params.models, side)}; set models.{side}: {folder}, or convert.{side}: null")

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     torch.set_num_threads(load_section(MachineParams, "machine").threads)
     params = load_section(ConvertParams, "convert")
-    for side, out in (("target", paths.CONVERTED), ("source", paths.CONVERTED_SOURCE)):
+    for side, out in paths.CONVERTED_SIDES.items():
         provenance = run(getattr(params, side), out, params.fetch_timeout_s)
         print(json.dumps({"side": side, **provenance, "seconds": round(time.perf_counter() - started, 1)}))
 

@@ -10,6 +10,7 @@ figures under report/, and the tables behind them for `dvc plots` under plots/.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 from importlib.metadata import version
@@ -31,7 +32,6 @@ from pipeline.studies.settings import ReportParams
 
 plt = lazy("matplotlib.pyplot")
 pd = lazy("pandas")
-
 
 
 def load(variant_names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> tuple[Run, dict]:
@@ -73,6 +73,23 @@ def markdown(report: dict, run: Run, context: dict) -> str:
     return "\n".join(lines)
 
 
+def run_record(dtype: str, variant_names: list[str], sizes: list[int], lengths: list[int]) -> dict:
+    """report.json's `run`: the models' dtype and the run's wall time, the sum of each stage's own `wall_s` (its
+    process from start to outputs written; DVC's hashing, the conversion and the data preparation are not in it) as
+    the metrics of this run's stages record it (a stage without a model, or one that did not run, has none)."""
+    timed = [paths.MODEL_SCORES, *(paths.METRICS / f"extract_{side}.json" for side in ("source", "target")),
+             paths.FIT, paths.DISTILL, paths.SELECT, paths.CONTROLS_USAGE,
+             *(paths.variant_metrics(name) for name in variant_names), *map(paths.operating_metrics, lengths),
+             *map(paths.calibration_point, sizes), paths.CANDIDATES, paths.SELECTIVE_METRICS, paths.REPAIR_METRICS,
+             paths.LENGTH, paths.LATENCY]
+    seconds = {}
+    for path in filter(Path.is_file, timed):
+        figures = json.loads(path.read_text())
+        if isinstance(figures.get("wall_s"), (int, float)):
+            seconds[path.relative_to(paths.METRICS).as_posix()] = figures["wall_s"]
+    return {"dtype": dtype, "wall_s": round(sum(seconds.values()), 1), "stages_wall_s": seconds}
+
+
 def environment(models: ModelsParams, machine: MachineParams) -> dict:
     revisions = {name: (read_pointer(paths.model(name)) or {}).get("revision", "local")
                  for name in ("source", "target")}
@@ -109,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     data_kind = load_value(str, "data.kind")
     lengths = load_value(list, "operating.lengths")
     run, inputs = load([*BASELINES, *mapped], sizes, lengths)
-    report = compute(params, measure, run, inputs)
+    report = compute(params, measure, run, inputs) | {"run": run_record(models.dtype, [*BASELINES, *mapped], sizes,
+                                                                         lengths)}
     tables = figures(report, run, paths.FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data_kind, "source": models.source,
                "target": models.target, "dtype": models.dtype, "device": machine.device, "pair": run.pair,

@@ -34,6 +34,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Callable
 
 from pipeline.store.lazy import lazy
@@ -45,6 +47,8 @@ INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C, as a shell re
 TERMINATED = 143  # ... and by SIGTERM (128 + SIGTERM): a `kill`, a scheduler's stop, the death of its parent
 STOPPED_BY = {INTERRUPTED: signal.SIGINT, TERMINATED: signal.SIGTERM}  # a waited-on process's status -> its signal
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its parent ends (linux/prctl.h)
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "fish"})  # `$SHELL -c <cmd>` between a launcher and a stage
+LAUNCHER_POLL_S = 0.5  # how often a stage under a shell checks that the shell's launcher (dvc) still runs
 PARENT_SAYS_ENV = "KVH_PARENT_SAYS_INTERRUPT"  # set for the processes a stage starts (`relaunch`, `run_stage`)
 
 
@@ -100,9 +104,37 @@ def _traceback_asked() -> bool:
 
 def _end_with_parent() -> None:
     """Have the kernel send this process SIGTERM when its parent ends (dvc, torchrun's agent, a stage that started
-    it): its handler then cleans up as for a `kill`. Linux only; elsewhere a stage outlives a killed parent."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    it): its handler then cleans up as for a `kill`. dvc runs a stage's command through `$SHELL -c`, and a shell
+    that does not exec it (dash, the usual /bin/sh, when SHELL is unset) outlives a killed dvc: the stage then also
+    watches the shell's own parent and ends when the shell is orphaned. Linux only; elsewhere a stage outlives a
+    killed parent."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    with contextlib.suppress(OSError):
+        shell = os.getppid()
+        with open(f"/proc/{shell}/comm") as comm:
+            if comm.read().strip() in SHELLS:
+                threading.Thread(target=_end_with_launcher, args=(shell, _parent_of(shell)), daemon=True).start()
+
+
+def _parent_of(pid: int) -> int:
+    """A process's parent, from /proc/<pid>/stat (`pid (name) state ppid ...`; the name may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[1])
+
+
+def _end_with_launcher(shell: int, launcher: int) -> None:
+    """SIGTERM to this process once `shell` no longer has `launcher` for parent (the launcher ended) or is gone."""
+    while True:
+        time.sleep(LAUNCHER_POLL_S)
+        try:
+            if _parent_of(shell) == launcher:
+                continue
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
 
 
 def interrupted_by(signum: int) -> KeyboardInterrupt:

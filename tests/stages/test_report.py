@@ -1,11 +1,11 @@
-"""Stage report: a variant the contract skipped is named with its reason and not compared."""
+"""Stage report: a variant the contract skipped is named with its reason and not compared; the run record."""
 import json
 
 import numpy as np
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.report import markdown
+from pipeline.report import markdown, run_record
 from pipeline.studies import variants
 from pipeline.studies.run import Run
 
@@ -31,3 +31,17 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     text = markdown(report, run, context)
     assert f"Not run for this pair: Direct source-cache injection — {reason}." in text
     assert "| Direct source-cache injection |" not in text
+
+
+def test_the_run_record_sums_the_wall_time_of_this_runs_stages_only_and_names_its_dtype(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "metrics/eval/operating").mkdir(parents=True)
+    times = {"fit.json": 10.5, "eval/oracle.json": 20.0, "eval/operating/1024.json": 30.25, "latency.json": 4.0}
+    for name, seconds in times.items():
+        (tmp_path / "metrics" / name).write_text(json.dumps({"wall_s": seconds, "other": 1.0}))
+    (tmp_path / "metrics/eval/mapped_k3.json").write_text(json.dumps({"wall_s": 99.0}))  # a variant of another run
+    (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": "unequal geometry"}))  # no time
+    record = run_record("bfloat16", ["oracle", "direct"], [], [1024])
+    assert record == {"dtype": "bfloat16", "wall_s": 64.8, "stages_wall_s": times}
+    assert list(record["stages_wall_s"]) == ["fit.json", "eval/oracle.json", "eval/operating/1024.json",
+                                             "latency.json"]  # in the recipe's order

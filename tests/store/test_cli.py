@@ -4,6 +4,7 @@ import contextlib
 import hashlib
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,7 @@ def test_a_stage_run_in_this_process_keeps_the_callers_threads_and_random_state(
 COMMAND = '''
 import atexit
 import os
+import shutil
 import signal
 import sys
 import time
@@ -304,14 +306,15 @@ DVC_YAML = """stages:
 """
 
 
+@pytest.mark.parametrize("shell", ["dash", "bash"])  # dvc runs `$SHELL -c cmd`: dash keeps itself in between
 @pytest.mark.parametrize("stop", ["dvc", "its process group"])
-def test_sigterm_to_dvc_repro_ends_its_stage_cleaned_up_and_a_persisted_output_kept(stop, tmp_path):
+def test_sigterm_to_dvc_repro_ends_its_stage_cleaned_up_and_a_persisted_output_kept(stop, shell, tmp_path):
     (tmp_path / "command.py").write_text(COMMAND)
     (tmp_path / "dvc.yaml").write_text(DVC_YAML)
     (tmp_path / "out.txt").write_text("committed")
     env = {**{key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"},
            "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "DVC_NO_ANALYTICS": "1"}
+           "DVC_NO_ANALYTICS": "1", "SHELL": shutil.which(shell)}
     subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, env=env, check=True)
     dvc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
