@@ -225,3 +225,22 @@ def truncated_bound(target_config, keep: float, length: int) -> float:
     """Target prefill over its prefill of the prompt's last round(keep x length) tokens (at least one): the truncated
     prompt's bound (`Handoff.keep`)."""
     return target_prefill_macs(target_config, length) / target_prefill_macs(target_config, max(1, round(keep * length)))
+
+
+def first_step_macs(source_config, target_config, length: int, mapper_macs_per_token: int = 0,
+                    repair: Repair | None = None, settings: SpeculativeParams | None = None,
+                    share: float | None = None) -> dict[str, int]:
+    """Multiply-adds of a handoff's first step by the parts its clock times (`Handoff.first_step`): `prefill` (the
+    source's), `scores` (its look-ahead scores, where read), `map`, `repair` (the target's recompute and its own
+    selection), `sparse` (the target's prefill of the tokens speculative prefill keeps, at `share`), `step`."""
+    if share is not None:
+        parts = speculative_macs(source_config, target_config, settings, share, length)
+        return {"prefill": parts["source"], "scores": parts["scores"], "sparse": parts["target"],
+                "step": parts["step"]}
+    parts = handoff_macs(source_config, target_config, mapper_macs_per_token, length)
+    out = {"prefill": parts["source"], "map": parts["map"], "step": parts["step"]}
+    if repair is not None and not repair.empty:
+        scores = source_scores_macs(source_config, repair, settings, length)  # None where the policy reads none
+        total = sum(repair_macs(target_config, repair, length, scores).values())
+        out |= {"scores": scores or 0, "repair": total - (scores or 0)}  # the selection by them is the scores
+    return out

@@ -231,8 +231,8 @@ class Handoff:
         """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made: the mode's hook
         (`kv.modes`: the decoding model's own prefill, the zero cache, or the source's prefill mapped; then repaired,
         where the cache was handed over). `lengths`
-        (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as `prefill` and `map`
-        (with the repair) end; `prefilled`: the prefill's cache, made already by a handoff of the same model."""
+        (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as each part ends
+        (`first_step`); `prefilled`: the prefill's cache, made already by a handoff of the same model."""
         prefix_ids = prefix_ids.to(self.device)
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
@@ -245,8 +245,10 @@ class Handoff:
         """The handoff's first step on a batch of contexts: their prefix cache built in this handoff's mode and
         repaired (`built`), then the target's step on each context's last token c[n-1], giving the logits of the
         first token after the context and the cache to continue from (the prefix and c[n-1]). `clock(part)` is told
-        as each part ends: `prefill`, `map` (with the repair), `step`; `prefilled`: as `built`; `retain`: keep the
-        source's cache and the mapped one before the repair in the result (a gate's scores read them)."""
+        as each part ends: `prefill` (the source's, or the target's own), `scores` (the source's look-ahead scores,
+        where read), `map`, `repair` (where one is set), `sparse` (speculative prefill's kept tokens), `step`;
+        `prefilled`: as `built`; `retain`: keep the source's cache and the mapped one before the repair in the result
+        (a gate's scores read them)."""
         built = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock, prefilled)
         source, mapped, layers, selected = built if retain else (None, None, built.layers, built.selected)
         del built  # unless retained, the source's cache is freed once mapped, as a server would
@@ -286,13 +288,15 @@ class Handoff:
 
     @no_grad
     def scored_source_prefill(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None,
-                              mask: torch.Tensor | None = None) -> tuple[Layers, torch.Tensor]:
+                              mask: torch.Tensor | None = None, clock: ClockHook | None = None
+                              ) -> tuple[Layers, torch.Tensor]:
         """`source_prefill` and, from the same forward, the source's look-ahead score of every slot (B, P)
-        (`kv.lookahead`, under the declared `speculative` settings); `lengths` (B,) as `mask` (None: none padded)."""
+        (`kv.lookahead`, under the declared `speculative` settings); `lengths` (B,) as `mask` (None: none padded);
+        `clock(part)` is told `prefill` after the forward and `scores` after the scoring."""
         self.source_prefills += prefix_ids.shape[0]
         self.source_forwards += 1
         lengths = torch.full((prefix_ids.shape[0],), prefix_ids.shape[1]) if lengths is None else lengths
-        return scored_prefill(self.source, prefix_ids, lengths, mask, self.speculative)
+        return scored_prefill(self.source, prefix_ids, lengths, mask, self.speculative, clock)
 
     @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:

@@ -11,6 +11,8 @@ Higher is more attended. Padded slots score 0 and are never kept.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from pipeline.kv import projections
 from pipeline.kv.kvcache import Layers, cache_to_layers, padded_positions, real_slots
 from pipeline.kv.speculative import SpeculativeParams, chosen
@@ -20,10 +22,11 @@ torch = lazy("torch")
 
 
 def scored_prefill(model, prefix_ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
-                   settings: SpeculativeParams) -> tuple[Layers, torch.Tensor]:
+                   settings: SpeculativeParams, clock: Callable[[str], None] | None = None
+                   ) -> tuple[Layers, torch.Tensor]:
     """`model`'s own cache of prefix_ids (B, P) (its body, no logits; `mask` (B, P) marks real slots, None: all are)
     and each slot's look-ahead score (B, P), float32 on the CPU, from the same forward; `lengths` (B,) the rows'
-    real lengths."""
+    real lengths; `clock(part)` is told `prefill` after the forward, `scores` after the scoring."""
     read = settings.layer_indices(model.config.num_hidden_layers)
     captured: dict[int, tuple] = {}
 
@@ -43,8 +46,13 @@ def scored_prefill(model, prefix_ids: torch.Tensor, lengths: torch.Tensor, mask:
     finally:
         for hook in hooks:
             hook.remove()
+    if clock is not None:
+        clock("prefill")
     per_layer = [attention_weights(*captured[index], cache[index][0], lengths.cpu(), settings) for index in read]
-    return cache, pool(per_layer, settings.pooling)
+    scores = pool(per_layer, settings.pooling)
+    if clock is not None:
+        clock("scores")
+    return cache, scores
 
 
 def query_slots(lengths: torch.Tensor, settings: SpeculativeParams) -> tuple[torch.Tensor, torch.Tensor]:

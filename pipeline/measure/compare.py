@@ -170,7 +170,8 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
     return row
 
 
-FIRST_STEP_PARTS = ("prefill", "map", "step", "gate", "fallback")  # a timed first step's parts (`Router.first_step`)
+# a timed first step's parts (`Router.first_step`)
+FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step", "gate", "fallback")
 
 
 class TimedRead(NamedTuple):

@@ -24,7 +24,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.flops import source_scores_macs, speedup_bound
+from pipeline.kv.flops import first_step_macs, source_scores_macs, speedup_bound, target_prefill_macs
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import FirstStep, Handoff
 from pipeline.kv.kvcache import Prefixes
@@ -82,10 +82,32 @@ def time_target(target, ids: torch.Tensor) -> float:
 
 
 def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of path (b) and of each of its parts, from one run."""
+    """Milliseconds of path (b), `handoff`, and of each part its clock timed (`Handoff.first_step`), from one run."""
     _, clock = handoff_first_token(handoff, ids)
-    parts = clock.parts_ms()
-    return {"handoff": clock.total_ms(), "source": parts["prefill"], "map": parts["map"], "step": parts["step"]}
+    return {"handoff": clock.total_ms(), **clock.parts_ms()}
+
+
+def part_macs(handoff: Handoff, length: int) -> dict[str, int]:
+    """The multiply-adds of each part of `handoff`'s first step on a `length`-token prompt (`kv.flops`)."""
+    mapper = 0 if handoff.mapper is None else handoff.mapper.macs_per_token()
+    return first_step_macs(handoff.source.config, handoff.decoder.config, length, mapper, handoff.repair,
+                           handoff.speculative, handoff.share)
+
+
+def decomposition(samples: list[dict[str, float]], target_ms: float, macs: dict[str, int], target_macs: int) -> dict:
+    """One handoff at one length: its median time, speedup and FLOP bound, and per part its median ms, its share of
+    the target prefill's time and of its multiply-adds, and their ratio (1: the part runs at its multiply-adds'
+    cost; above: slower than they imply)."""
+    handoff_ms = _quantile([sample["handoff"] for sample in samples], 0.5)
+    parts = {}
+    for part, part_count in macs.items():
+        ms = _quantile([sample.get(part, 0.0) for sample in samples], 0.5)
+        time_share, macs_share = ms / target_ms, part_count / target_macs
+        parts[part] = {"ms": ms, "time_share": time_share, "macs_share": macs_share,
+                       "ratio": time_share / macs_share if macs_share > 0 else None}
+    bound = target_macs / sum(macs.values())
+    return {"handoff_ms": handoff_ms, "speedup": target_ms / handoff_ms, "bound": bound,
+            "fraction_of_bound": target_ms / handoff_ms / bound, "parts": parts}
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:
@@ -127,12 +149,32 @@ def _iqr(samples: list[float]) -> float:
     return _quantile(samples, 0.75) - _quantile(samples, 0.25)
 
 
+def alternated(target, handoffs: dict[str, Handoff], ids: torch.Tensor, warmup: int, repeats: int, bar
+               ) -> tuple[list[float], dict[str, list[dict[str, float]]]]:
+    """The target prefill's ms and each handoff's parts (`time_handoff`) in each timed repeat, the paths run in
+    turn within a repeat, after `warmup` untimed ones."""
+    timed: dict[str, list[dict[str, float]]] = {name: [] for name in handoffs}
+    targets: list[float] = []
+    for repeat in range(warmup + repeats):
+        target_ms = time_target(target, ids)
+        runs = {name: time_handoff(each, ids) for name, each in handoffs.items()}
+        if repeat >= warmup:
+            targets.append(target_ms)
+            for name, parts in runs.items():
+                timed[name].append(parts)
+        bar.update()
+    return targets, timed
+
+
 def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
-            progress: bool = True) -> list[dict]:
-    """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths.
+            progress: bool = True, rivals: dict[str, Handoff] | None = None) -> list[dict]:
+    """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths, and
+    under `parts` each handoff's decomposition (`decomposition`): `handoff` as `mapped`, then each of `rivals` (a
+    repaired map, speculative prefill), timed in the same repeats against the same target prefill.
 
     Memory takes one more (untimed, profiled on a CPU) run of each path per length."""
     target, source, mapper = handoff.decoder, handoff.source, handoff.mapper
+    handoffs = {"mapped": handoff, **(rivals or {})}
     mapper_macs = mapper.macs_per_token()
     geometry = kv_geometry(target.config)
     cache_bytes_per_token = 2 * geometry["layers"] * geometry["kv_heads"] * geometry["head_dim"] * target.dtype.itemsize
@@ -147,25 +189,21 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
                 file=sys.stderr,
             )
         ids = torch.randint(0, target.config.vocab_size, (1, length), generator=generator).to(handoff.device)
-        samples: dict[str, list[float]] = {"target": [], "handoff": [], "source": [], "map": [], "step": []}
+        target_macs = target_prefill_macs(target.config, length)
         bar.set_description(f"latency n={length}")
-        for repeat in range(warmup + repeats):
-            target_ms, handoff_ms = time_target(target, ids), time_handoff(handoff, ids)
-            if repeat >= warmup:
-                samples["target"].append(target_ms)
-                for name, value in handoff_ms.items():
-                    samples[name].append(value)
-            bar.update()
-        median = {name: _quantile(values, 0.5) for name, values in samples.items()}
+        targets, timed = alternated(target, handoffs, ids, warmup, repeats, bar)
+        median = {"target": _quantile(targets, 0.5)} | {
+            name: _quantile([run.get(part, 0.0) for run in timed["mapped"]], 0.5)
+            for name, part in (("handoff", "handoff"), ("source", "prefill"), ("map", "map"), ("step", "step"))}
         bound = speedup_bound(source.config, target.config, mapper_macs, length, handoff.repair,
                               source_scores_macs(source.config, handoff.repair, handoff.speculative, length))
         speedup = median["target"] / median["handoff"]
         rows.append({
             "length": length,
             "target_ms": median["target"],
-            "target_iqr_ms": _iqr(samples["target"]),
+            "target_iqr_ms": _iqr(targets),
             "handoff_ms": median["handoff"],
-            "handoff_iqr_ms": _iqr(samples["handoff"]),
+            "handoff_iqr_ms": _iqr([run["handoff"] for run in timed["mapped"]]),
             "source_ms": median["source"],
             "map_ms": median["map"],
             "step_ms": median["step"],
@@ -174,6 +212,8 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
             "bound": bound,
             "fraction_of_bound": speedup / bound,
             "cache_mib": length * cache_bytes_per_token / MIB,
+            "parts": {name: decomposition(timed[name], median["target"], part_macs(each, length), target_macs)
+                      for name, each in handoffs.items()},
         })
         if memory:
             rows[-1]["target_peak_mib"] = peak_bytes(lambda: target_first_token(target, ids), handoff.device) / MIB
@@ -217,11 +257,23 @@ def format_table(rows: list[dict], env: dict) -> str:
     ]
     for row in rows:
         lines.append(" ".join(f"{row[name]:>17}" if name == "length" else f"{row[name]:>17.3f}" for name in columns))
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *format_parts(rows)])
+
+
+def format_parts(rows: list[dict]) -> list[str]:
+    """Each handoff's parts at each length: ms, share of the target prefill's time and of its multiply-adds, ratio."""
+    lines = [f"{'length':>7} {'handoff':>36} {'part':>8} {'ms':>10} {'time share':>11} {'MAC share':>10} {'ratio':>7}"]
+    for row in rows:
+        for name, each in row["parts"].items():
+            for part, figures in each["parts"].items():
+                ratio = "-" if figures["ratio"] is None else f"{figures['ratio']:.2f}"
+                lines.append(f"{row['length']:>7} {name:>36} {part:>8} {figures['ms']:>10.2f} "
+                             f"{figures['time_share']:>11.2%} {figures['macs_share']:>10.2%} {ratio:>7}")
+    return lines
 
 
 def write_table(rows: list[dict], path: Path) -> None:
-    columns = list(rows[0])
+    columns = [name for name, value in rows[0].items() if not isinstance(value, dict)]  # the parts: in the metrics
     text = ",".join(columns) + "\n" + "".join(",".join(f"{row[c]:.6g}" for c in columns) + "\n" for row in rows)
     write_bytes_atomic(path, text.encode())
 
@@ -246,10 +298,10 @@ def write_plot(rows: list[dict], env: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int,
-        memory: bool = True) -> tuple[list[dict], dict]:
+def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
+        rivals: dict[str, Handoff] | None = None) -> tuple[list[dict], dict]:
     """Rows of `measure` and the environment they were measured in."""
-    return measure(handoff, lengths, warmup, repeats, memory), environment(handoff, repeats, warmup)
+    return measure(handoff, lengths, warmup, repeats, memory, rivals=rivals), environment(handoff, repeats, warmup)
 
 
 def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str, width: int | None = None) -> Handoff:

@@ -28,6 +28,7 @@ from pipeline.measure.settings import MeasureParams
 from pipeline.store.lazy import lazy
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import self_layers
+from pipeline.studies import latency
 from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
 from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
@@ -338,16 +339,7 @@ def appendix(run: Run) -> list[str]:
         rows.append([name.replace("_", " "), "yes" if entry["passed"] else "NO", figures_])
     out = ["## Controls", "", *md_table(["Control", "Passed", "Figure"], rows), ""]
     if run.latency is not None:
-        rows = []
-        for n, row in sorted((int(n), row) for n, row in run.latency["by_length"].items()):
-            get = {key: row.get(key, float("nan"))
-                   for key in ("target_ms", "handoff_ms", "speedup", "bound", "fraction_of_bound")}
-            rows.append([n, f"{get['target_ms']:.2f}", f"{get['handoff_ms']:.2f}", f"{get['speedup']:.2f}x",
-                         f"{get['bound']:.2f}x", pct(get["fraction_of_bound"])])
-        out += ["## Latency (time to first token)", ""]
-        out += md_table(["Prompt tokens", "Target prefill ms", "Handoff ms", "Speedup", "FLOP bound",
-                         "Fraction of bound"], rows)
-        out += ["", "![TTFT against prompt length](plots/latency.png)", ""]
+        out += latency.lines(run.latency)
     return out + ["## Figures", "", "![Retention by variant](report/retention.png)", "",
                   "![Agreement with the oracle by continuation position](report/agreement_by_position.png)", ""]
 

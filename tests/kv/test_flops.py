@@ -1,20 +1,25 @@
-"""The FLOP model against PROTOCOL.md's figures for the Qwen3-0.6B -> Qwen3-1.7B pair, and a repair's budget and
-speedup bound."""
+"""The FLOP model against PROTOCOL.md's figures for the Qwen3-0.6B -> Qwen3-1.7B pair, a repair's budget and
+speedup bound, and a first step's multiply-adds part by part."""
 import pytest
 
 from pipeline.kv.flops import (
     attention_macs,
+    first_step_macs,
     handoff_macs,
     linear_macs_per_token,
     mapper_macs_per_token,
     repair_budget,
     source_alone_bound,
+    source_scores_macs,
+    speculative_bound,
     speedup_bound,
     target_prefill_macs,
     truncated_bound,
 )
 from pipeline.kv.mapper import random_mapper
 from pipeline.kv.repair import Repair
+from pipeline.kv.speculative import SpeculativeParams
+from pipeline.store.params import parse
 from pipeline.store.shapes import pair_configs
 
 SOURCE, TARGET = pair_configs("qwen3-v0")
@@ -99,3 +104,27 @@ def test_the_speedup_bound_with_a_repair_is_lower_and_none_leaves_it_as_it_was()
     plain = speedup_bound(source, target, per_token, 1024)
     assert speedup_bound(source, target, per_token, 1024, Repair()) == plain
     assert speedup_bound(source, target, per_token, 1024, Repair(sink=4, tokens=0.1, select_by="attention")) < plain
+
+
+LOOKAHEAD = {"last": 8, "sinks": 4, "layers": "all", "pooling": "max"}
+
+
+@pytest.mark.parametrize("pair", ["qwen3-v0", "llama-3.2-1b-3b", "qwen25-coder"])
+@pytest.mark.parametrize("length", [128, 2048])
+def test_a_first_steps_parts_add_up_to_the_multiply_adds_its_bound_counts(pair, length):
+    source, target = pair_configs(pair)
+    settings = parse(SpeculativeParams, LOOKAHEAD, "speculative")
+    per_token = mapper_macs_per_token(source, target, 1, "linear")
+    prefill = target_prefill_macs(target, length)
+    plain = first_step_macs(source, target, length, per_token)
+    assert set(plain) == {"prefill", "map", "step"} and prefill / sum(plain.values()) == pytest.approx(
+        speedup_bound(source, target, per_token, length))
+    repair = Repair.parse("tokens:0.08:source_attention")
+    hybrid = first_step_macs(source, target, length, per_token, repair, settings)
+    scores = source_scores_macs(source, repair, settings, length)
+    assert hybrid["scores"] == scores > 0 and hybrid["repair"] > 0  # the selection by the scores is the scores
+    assert prefill / sum(hybrid.values()) == pytest.approx(speedup_bound(source, target, per_token, length, repair,
+                                                                         scores))
+    sparse = first_step_macs(source, target, length, settings=settings, share=0.1)
+    assert set(sparse) == {"prefill", "scores", "sparse", "step"} and sparse["prefill"] == plain["prefill"]
+    assert prefill / sum(sparse.values()) == pytest.approx(speculative_bound(source, target, settings, 0.1, length))

@@ -1,4 +1,5 @@
-"""The latency stage on tiny random models: outputs, the handoff's parts summing to its total, refusals.
+"""The latency stage on tiny random models: outputs, each handoff's parts summing to its total and counted in
+multiply-adds, refusals.
 
 No test asserts a speed: timings on a shared CPU are noise at these sizes.
 """
@@ -42,11 +43,16 @@ def stage_dir(tmp_path, monkeypatch, pair, tokenizer):
     torch.set_num_threads(threads)  # the stage sets the process's thread count
 
 
+REPAIR = "tokens:0.25:source_attention"
+LOOKAHEAD = {"last": 2, "sinks": 1, "layers": "all", "pooling": "max"}
+
+
 def _write_params(root, **section):
     settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "dtype": "float32",
-                "mapper": "models/mapper.safetensors"}
+                "mapper": "models/mapper.safetensors", "repairs": [REPAIR], "speculative": [0.5]}
     machine = {"device": "cpu", "threads": 1}
-    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}, "machine": machine}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}, "machine": machine,
+                                                      "speculative": LOOKAHEAD}))
 
 
 def test_stage_writes_every_expected_key_finite_and_positive(stage_dir):
@@ -74,6 +80,26 @@ def test_handoff_parts_sum_to_its_total(stage_dir):
         parts = sum(row[f"{part}_ms"] for part in ("source", "map", "step"))
         # with two repeats the median is the mean, and the parts of each repeat tile its total exactly
         assert parts == pytest.approx(row["handoff_ms"], rel=1e-9)
+        for name, each in row["parts"].items():
+            assert sum(part["ms"] for part in each["parts"].values()) == pytest.approx(each["handoff_ms"], rel=1e-9)
+        assert row["parts"]["mapped"]["handoff_ms"] == row["handoff_ms"]
+
+
+def test_each_handoff_is_decomposed_into_the_parts_its_kind_has_each_with_its_share_of_the_multiply_adds(stage_dir):
+    _write_params(stage_dir)
+    latency.main([])
+    for length in LENGTHS:
+        row = json.loads((stage_dir / "metrics" / "latency.json").read_text())["by_length"][str(length)]
+        kinds = {name: set(each["parts"]) for name, each in row["parts"].items()}
+        assert kinds == {"mapped": {"prefill", "map", "step"},
+                         f"mapped+{REPAIR}": {"prefill", "scores", "map", "repair", "step"},
+                         "speculative:0.5": {"prefill", "scores", "sparse", "step"}}
+        for each in row["parts"].values():
+            shares = [part["macs_share"] for part in each["parts"].values()]
+            assert all(share > 0 for share in shares)
+            assert each["bound"] == pytest.approx(1 / sum(shares), rel=1e-9)  # the parts are the whole count
+            for part in each["parts"].values():
+                assert part["ratio"] == pytest.approx(part["time_share"] / part["macs_share"], rel=1e-9)
 
 
 @pytest.mark.parametrize("lengths, message", [
@@ -84,6 +110,18 @@ def test_handoff_parts_sum_to_its_total(stage_dir):
 ])
 def test_bad_length_param_is_refused_naming_the_key(stage_dir, lengths, message):
     _write_params(stage_dir, lengths=lengths)
+    with pytest.raises(ParamError, match=message):
+        latency.main([])
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"repairs": ["none"]}, "latency.repairs: drop `none`"),
+    ({"repairs": ["tokens:2:recency"]}, "latency.repairs: "),
+    ({"speculative": [0.5, 0.5]}, "a setting is listed twice"),
+    ({"speculative": [0]}, r"latency.speculative\[0\]"),
+])
+def test_a_bad_rival_is_refused_naming_the_key(stage_dir, section, message):
+    _write_params(stage_dir, **section)
     with pytest.raises(ParamError, match=message):
         latency.main([])
 

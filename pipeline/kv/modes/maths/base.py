@@ -46,8 +46,8 @@ class ModeMaths(Maths, ABC):
     @abstractmethod
     def prefix(self, handoff, prefix_ids, lengths, mask, clock: ClockHook | None, prefilled: list | None) -> Built:
         """The prefix cache of prefix_ids (B, P) for `handoff` (a `kv.handoff.Handoff`), P > 0; `lengths` (B,) and
-        `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as `prefill` and `map` (with the
-        repair) end; `prefilled`: the prefill's cache, made already by a handoff of the same model."""
+        `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as each part ends
+        (`Handoff.first_step`); `prefilled`: the prefill's cache, made already by a handoff of the same model."""
 
 
 class Own(ModeMaths):
@@ -64,8 +64,10 @@ class Handed(ModeMaths):
 
     def prefix(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
         source, mapped, scores = self.handed(handoff, prefix_ids, lengths, mask, clock, prefilled)
-        layers = handoff.repaired_layers(mapped, prefix_ids, lengths, scores)
         tell(clock, "map")
+        layers = handoff.repaired_layers(mapped, prefix_ids, lengths, scores)
+        if not handoff.repair.empty:
+            tell(clock, "repair")
         return Built(source, mapped, layers, None if handoff.repair.empty else handoff.repaired.selected)
 
     @abstractmethod
@@ -81,10 +83,10 @@ class FromSource(Handed):
     def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
         scores = None
         if handoff.repair.reads_source:
-            source, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask)
+            source, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask, clock)
         else:
             source = prefilled if prefilled is not None else handoff.source_prefill(prefix_ids, mask)
-        tell(clock, "prefill")
+            tell(clock, "prefill")
         return source, handoff.to_target(source, lengths), scores
 
     @abstractmethod

@@ -23,14 +23,13 @@ class SpeculativeMaths(ModeMaths):
 
     def prefix(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
         lengths = torch.full((prefix_ids.shape[0],), prefix_ids.shape[1]) if lengths is None else lengths.cpu()
-        _, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask)  # (B, P); the source's cache goes
-        tell(clock, "prefill")
+        _, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask, clock)  # (B, P); the source's cache goes
         kept = keep_positions(scores, lengths, handoff.speculative, handoff.share)  # (B, K)
         if bool((handoff.slots(lengths) == lengths).all()):
             layers = handoff.own_prefill(prefix_ids, mask)
         else:
             layers = kept_prefill(handoff.decoder, prefix_ids, kept)
-        tell(clock, "map")  # the handoff's second part: here the target's prefill of the kept tokens
+        tell(clock, "sparse")  # the target's prefill of the kept tokens
         return Built(None, None, layers, kept)
 
 
