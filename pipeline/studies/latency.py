@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pipeline.studies.format import md_table, pct
 
+PARTS_SHOWN = ("prefill", "scores", "map", "repair", "sparse", "step")  # a first step's parts in the order they run
+
 
 def lines(latency: dict) -> list[str]:
     """The summary table, the figure and the parts table."""
@@ -26,7 +28,7 @@ def parts(latency: dict) -> list[str]:
     rows = []
     for n, row in sorted((int(n), row) for n, row in latency["by_length"].items()):
         for name, each in row.get("parts", {}).items():
-            for part, f in each["parts"].items():
+            for part, f in sorted(each["parts"].items(), key=lambda item: PARTS_SHOWN.index(item[0])):
                 ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}" + (" (over 1.5)" if f["ratio"] > 1.5 else "")
                 rows.append([n, name, part, f"{f['ms']:.2f}", f"{100 * f['time_share']:.2f}%",
                              f"{100 * f['macs_share']:.2f}%", ratio])
