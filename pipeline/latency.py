@@ -15,7 +15,6 @@ from pathlib import Path
 
 from pipeline.kv.families.registry import CLOSED_FORM
 from pipeline.kv.pair import Pair
-from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams
@@ -73,14 +72,7 @@ def shapes_benchmark(args: argparse.Namespace) -> dict:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     handoff = random_pair_handoff(args.config_shapes, args.dtype, args.device, args.k, args.family, args.width)
-    lookahead = load_section(SpeculativeParams, "speculative") if args.repairs or args.speculative else None
-    pair = Pair.of(handoff.decoder, handoff.source)
-    rivals = {f"mapped+{setting}": pair.handoff("mapped", handoff.mapper, repair=setting,
-                                                  speculative=lookahead if setting.reads_source else None)
-              for setting in args.repairs}
-    rivals |= {f"speculative:{share:g}": pair.handoff("speculative", share=share, speculative=lookahead)
-               for share in args.speculative}
-    rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory, rivals=rivals)
+    rows, env = run(handoff, args.lengths, args.warmup, args.repeats, memory=not args.no_memory)
     metrics = {**length_metrics(rows, env), "pair": args.config_shapes}
     print(format_table(rows, env))
     if args.out:
@@ -100,20 +92,6 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _repairs(text: str) -> list:
-    try:
-        return [Repair.parse(part) for part in text.split(",")]
-    except RepairError as err:
-        raise argparse.ArgumentTypeError(f"--repairs: {err}") from None
-
-
-def _shares(text: str) -> list[float]:
-    try:
-        return [inputs.share(part, "--speculative") for part in text.split(",")]
-    except ParamError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cli = parser("pipeline.latency", __doc__)
     bench = cli.add_argument_group("real-shape benchmark (only with --config-shapes)")
@@ -128,11 +106,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--family", choices=CLOSED_FORM, default="linear",
                        help="the random map's family (one with an inner size takes --width)")
     bench.add_argument("--width", type=int, help="the family's inner size (the low_rank family's rank)")
-    bench.add_argument("--repairs", type=_repairs, default=[],
-                       help="comma-separated repair settings: the map with each, timed beside it part by part")
-    bench.add_argument("--speculative", type=_shares, default=[],
-                       help="comma-separated shares p: speculative prefill at each, timed beside the map part by part "
-                            "(with --repairs: the look-ahead settings from params.yaml's `speculative`)")
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory runs (one more run of each path per length)")
     bench.add_argument("--out", type=Path, help="also write the flat metrics to this JSON file")

@@ -33,7 +33,7 @@ def test_each_handoff_timer_brackets_only_its_own_part(pair, monkeypatch):
     parts = measure.time_handoff(handoff, torch.arange(12)[None])
     # the clock was read once before each part and once after the last: each part ran inside its own interval
     assert calls == [("source_prefill", 1), ("to_target", 2), ("step", 3)]
-    assert parts == {"handoff": 3e-6, "source": 1e-6, "map": 1e-6, "step": 1e-6}
+    assert parts == {"handoff": 3e-6, "prefill": 1e-6, "map": 1e-6, "step": 1e-6}
 
 
 def test_handoff_path_with_the_targets_own_cache_gives_the_targets_first_logits(pair):
