@@ -17,7 +17,7 @@ from pipeline.kv.families.registry import CLOSED_FORM
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
-from pipeline.kv.speculative import SpeculativeParams
+from pipeline.kv.speculative import chosen_lookahead
 from pipeline.measure.latency import (
     check_lengths,
     format_table,
@@ -55,8 +55,8 @@ def stage(params: LatencyParams, machine: MachineParams) -> dict:
 
 def rivals(pair: Pair, params: LatencyParams) -> dict:
     """The handoffs timed beside the map, part by part: the map with each repair, speculative prefill at each share
-    (the look-ahead settings from params' `speculative` section, where they are read)."""
-    lookahead = load_section(SpeculativeParams, "speculative")
+    (the look-ahead settings select chose, models/lookahead.json, where they are read)."""
+    lookahead = chosen_lookahead(paths.LOOKAHEAD)
     out = {}
     for setting in params.settings():
         out[f"mapped+{setting}"] = Router.of(pair, Transfer.stage(

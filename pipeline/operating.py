@@ -15,7 +15,7 @@ cache built once for its teacher-forced continuation and its greedy rollout):
     gated               operating.gated: a map behind a gate whose threshold sends `fallback` of the select split's
                         prompts at n back to the target's prefill (chosen there, never on the eval prompts)
     speculative_<p>     speculative prefill at share p (operating.speculative): the source's look-ahead scores choose
-                        the positions the target prefills, under params' `speculative` settings
+                        the positions the target prefills, under the look-ahead settings select chose
     truncated_<name>    the truncated prompt (the target's own prefill of the prompt's last tokens) at the budget of
                         each repaired variant at n (operating.truncated)
 
@@ -51,7 +51,7 @@ from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import FELL_BACK
 from pipeline.kv.scores.registry import score_macs
-from pipeline.kv.speculative import SpeculativeParams
+from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
 from pipeline.schema.evaluate import selected_repair
@@ -113,8 +113,8 @@ def baseline_bound(name: str, source, target, length: int) -> float:
 def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahead: SpeculativeParams | None
              ) -> dict[str, Variant]:
     """Every variant but the oracle, in the report's order, between `pair`'s models at `length` (`contexts`: a
-    callable giving the select split's contexts, where a gate chooses its threshold; `lookahead`: params'
-    `speculative` settings, which speculative prefill and a repair ranking by the source's scores read)."""
+    callable giving the select split's contexts, where a gate chooses its threshold; `lookahead`: the
+    look-ahead settings select chose, which speculative prefill and a repair ranking by the source's scores read)."""
     source, target = pair.source.config, pair.target.config
     out = {}
     for name in params.baselines:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ParamError(f"pipeline.operating: {length} is not one of operating.lengths ({params.lengths})")
     machine = load_section(MachineParams, "machine")
     margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
-    lookahead = load_section(SpeculativeParams, "speculative")
+    lookahead = chosen_lookahead(paths.LOOKAHEAD)
     require_controls_passed()
     prompts = read_table(paths.long_part("eval", length))
     retrieval = paths.long_part("retrieval", length)

@@ -15,10 +15,10 @@ Two matched-cost baselines are run once per budget level of the grid: the trunca
 of only the last round(budget x context length) tokens of each context (the oracle's handoff with `keep`, which its
 tasks and prompts both read; rows under eval/repair/truncated/), and speculative prefill at share p = the budget (the
 target prefills that share of the positions the source's look-ahead scores rank first, at their own positions, under
-params' `speculative` settings; its FLOP bound at `bound_pair`'s shapes; rows under eval/repair/speculative/). A
-setting whose policy ranks by the source's scores (`source_attention`) reads the same settings, and its budget counts
-the scores. The source alone and the selective gate at the same cost are read by the report (eval/source,
-eval/selective). Writes metrics/repair.json.
+the look-ahead settings select chose, models/lookahead.json; its FLOP bound at `bound_pair`'s shapes; rows under
+eval/repair/speculative/). A setting whose policy ranks by the source's scores (`source_attention`) reads the same
+settings, and its budget counts the scores. The source alone and the selective gate at the same cost are read by
+the report (eval/source, eval/selective). Writes metrics/repair.json.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
-from pipeline.kv.speculative import SpeculativeParams
+from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import Evaluation, evaluate
 from pipeline.measure.latency import measure
@@ -61,7 +61,7 @@ def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float, it
 def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True,
         items: int | None = None, lookahead: SpeculativeParams | None = None) -> dict:
     """Every map at every setting of the grid, and the matched-cost baselines at each budget level (`margin`:
-    `measure.confident_margin`; `items`: `measure.study_items`; `lookahead`: params' `speculative` settings);
+    `measure.confident_margin`; `items`: `measure.study_items`; `lookahead`: the look-ahead settings select chose);
     `timed`: measure the speedup here (False in tests)."""
     require_controls_passed()
     pair = Pair.load(models, device)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(RepairParams, "repair"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     measure = load_section(MeasureParams, "measure")
-    lookahead = load_section(SpeculativeParams, "speculative")
+    lookahead = chosen_lookahead(paths.LOOKAHEAD)
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         stage.write_metrics(paths.REPAIR_METRICS, run(params, models, stage.device, measure.confident_margin,
                                                       items=measure.study_items, lookahead=lookahead))

@@ -25,7 +25,7 @@ from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, load_value
-from pipeline.studies import confident, variants
+from pipeline.studies import confident, operating, variants
 from pipeline.studies.registry import STUDIES
 from pipeline.studies.run import Joining, Run
 from pipeline.studies.settings import ReportParams
@@ -63,12 +63,13 @@ def figures(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def markdown(report: dict, run: Run, context: dict) -> str:
-    """report.md: the variants' head, each study's section, the controls and latency, the environment."""
+    """report.md: the variants' head, each study's section, the look-ahead select chose, the controls and latency, the
+    environment."""
     lines = variants.lines(report, context)
     for key, study in STUDIES.items():
         if key in report:
             lines += study.lines(report[key])
-    lines += variants.appendix(run)
+    lines += operating.lookahead_lines(run.select) + variants.appendix(run)
     lines += ["## Environment", ""] + [f"- {k}: {val}" for k, val in context["environment"].items()] + [""]
     return "\n".join(lines)
 

@@ -19,11 +19,17 @@ the rule, unrepaired, are scored again at every setting whose budget (`kv.flops.
 shapes for `length` tokens, as stage `repair` counts it) is at most `max_recompute`, and the same rule ranks every
 (map, setting) pair; ties go to lower perplexity, fewer parameters, then the smaller budget. The chosen setting is
 written beside the map (`models/mapper_repair.json`); `repairs: [none]` scores the maps alone, as before.
+
+Speculative prefill's look-ahead (which source layers its scores read, and how they are pooled) is chosen here too:
+each candidate of `select.lookahead` keeps `lookahead_share` of every select prompt, the rule ranks them, and the
+choice (`models/lookahead.json`) is what the repairs ranking by the source are scored under here and what every
+later stage reads.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm.auto import tqdm
 
@@ -46,6 +52,16 @@ from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 from pipeline.store.shapes import bound_configs
 
 DIGITS = 4  # metrics/select.json's figures
+
+
+class Scored(NamedTuple):
+    """What select scored: the oracle's evaluation, each (map, setting)'s score, each setting's budget, the look-ahead
+    settings chosen (None where none were declared) and each look-ahead candidate's score."""
+    reference: Evaluation
+    scores: list[dict]
+    costs: dict[str, float]
+    lookahead: SpeculativeParams | None
+    looked: list[dict]
 
 
 def select_prompts(token_lists, params: SelectParams) -> list[tuple[list[int], list[int]]]:
@@ -107,22 +123,44 @@ def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tup
     return sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
 
 
-def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], costs: dict[str, float],
-                     margin: float, ranks: Ranks = ONE_PROCESS, lookahead: SpeculativeParams | None = None
-                     ) -> tuple[Evaluation, list[dict]] | None:
-    """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`, then the best
-    `repair_maps` of them at every setting of `select.repairs` within `max_recompute` (`costs`: `budgets`); `margin`:
-    the oracle's top-2 margin from which a position is confident (`measure.confident_margin`; `lookahead` as
-    `score_jobs`). Under
-    several processes the oracle's prompts and then the jobs are shared out (every N-th), and rank 0 gets the
-    oracle's evaluation and the scores, the candidates' first in their order (the others None)."""
+def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared: SpeculativeParams, margin: float,
+                    ranks: Ranks) -> tuple[SpeculativeParams, list[dict]]:
+    """Speculative prefill keeping `lookahead_share` of each select prompt under each look-ahead candidate of
+    `select.lookahead` (the `declared` settings with its layers and pooling; [] : `declared` alone), compared with
+    the oracle: the best by the rule (ties: lower perplexity, then the first listed) and every candidate's score, on
+    every rank (the candidates shared out every N-th)."""
+    candidates = [declared.reading(choice) for choice in params.lookahead] or [declared]
+    mode = f"speculative:{params.lookahead_share:g}"
+    scores = []
+    for index in tqdm(ranks.share(len(candidates)), desc="score look-ahead", unit="setting", disable=not ranks.main):
+        router = Router.of(pair, Transfer.stage(mode=mode, speculative=candidates[index]), params.batch_size)
+        evaluation = evaluate(router, prompts, oracle, margin=margin)
+        scores.append({**evaluation.prompts.metrics, "evaluation": evaluation, "job": index})
+    scores = sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
+    confident_scores(scores, params.rule, margin)
+    better = PROMPT_METRICS[params.rule].better
+    best = min(scores, key=lambda score: (-better(score[params.rule]), score["perplexity"], score["job"]))
+    return candidates[best["job"]], scores
+
+
+def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], margin: float,
+                     ranks: Ranks = ONE_PROCESS, declared: SpeculativeParams | None = None) -> Scored | None:
+    """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`; with `declared`
+    (params' `speculative` settings) the look-ahead settings chosen (`score_lookahead`); then the best `repair_maps`
+    maps at every setting of `select.repairs` within `max_recompute` (`budgets`, a policy ranking by the source's
+    scores reading the chosen look-ahead); `margin`: the oracle's top-2 margin from which a position is confident
+    (`measure.confident_margin`). Under several processes the oracle's prompts and then the jobs are shared out
+    (every N-th), and rank 0 gets the scores (the others None)."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
     reference = evaluate(Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size), prompts, margin=margin,
                          store=store, ranks=ranks)
     oracle = reference.oracle
-    scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], costs, margin,
-                        ranks)
+    scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], {"none": 0.0},
+                        margin, ranks)
     confident_scores(scores, params.rule, margin)
+    lookahead, looked = (declared, []) if declared is None else score_lookahead(pair, prompts, params, oracle,
+                                                                                declared, margin, ranks)
+    costs = budgets(params, pair.configs, lookahead)
     settings = [s for s in params.settings() if not s.empty and costs[str(s)] <= params.max_recompute]
     best = sorted(scores, key=rank_key(params.rule))[: params.repair_maps] if settings else []
     by_name = {path.stem: path for path in candidates}
@@ -132,7 +170,7 @@ def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list
         return None
     for score in scores:
         score.update(score["evaluation"].prompts.ratios(reference.prompts))
-    return reference, scores
+    return Scored(reference, scores, costs, lookahead, looked)
 
 
 def confident_scores(scores: list[dict], rule: str, margin: float) -> None:
@@ -167,24 +205,30 @@ def copy_verified(source: Path, destination: Path) -> None:
         shutil.copyfile(source, tmp)
 
 
-def promote(scored: tuple[Evaluation, list[dict]], params: SelectParams, prompts: int, costs: dict[str, float],
-            lookahead: SpeculativeParams | None = None) -> dict:
+def promote(scored: Scored, params: SelectParams, prompts: int) -> dict:
     """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json (with
-    the look-ahead settings `lookahead` it was scored under where its policy reads them, so the stages repairing
-    with it read them there) and the best of each k to models/best/; the stage's metrics (the oracle's figures, every
-    candidate's evaluation beside them under maps/<map>/, and each repaired one's under repaired/<map>/<setting>/)."""
-    reference, scores = scored
+    the look-ahead settings it was scored under where its policy reads them), the chosen look-ahead settings to
+    models/lookahead.json and the best of each k to models/best/; the stage's metrics (the oracle's figures, every
+    candidate's evaluation beside them under maps/<map>/, each repaired one's under repaired/<map>/<setting>/, each
+    look-ahead candidate's under lookahead/<layers>:<pooling>/)."""
+    reference, scores, costs, lookahead = scored.reference, scored.scores, scored.costs, scored.lookahead
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     copy_verified(candidate_path(chosen["name"]), paths.SELECTED_MAPPER)
     reads = {"speculative": lookahead.model_dump()} if Repair.parse(chosen["repair"]).reads_source else {}
     write_json_atomic(paths.SELECTED_REPAIR, {"map": chosen["name"], "repair": chosen["repair"],
                                               "budget": round(chosen["budget"], 6), **reads})
+    if lookahead is not None:
+        write_json_atomic(paths.LOOKAHEAD, lookahead.model_dump())
     with atomic_dir(paths.BEST) as staging:  # replaced whole, so a k dropped from the grid leaves no stale file
         for k, score in best_per_k.items():
             copy_verified(candidate_path(score["name"]), paths.best_map(k, staging))
     metrics: dict = {"selected": chosen["name"], "rule": params.rule, "prompts": prompts,
                      "oracle": reference.figures(DIGITS), "selected_repair": chosen["repair"],
                      "selected_repair_budget": round(chosen["budget"], 6), "max_recompute": params.max_recompute}
+    if scored.looked:
+        metrics["selected_lookahead"] = lookahead.label
+        for choice, score in zip(params.lookahead or [lookahead], scored.looked):
+            metrics[f"lookahead/{choice.label}"] = score["evaluation"].figures(DIGITS, reference)
     for setting, budget in costs.items():
         metrics[f"repairs/{setting}/budget"] = round(budget, 6)
     for score in scores:
@@ -204,14 +248,13 @@ def candidates_on_disk() -> list[Path]:
 
 
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS,
-        lookahead: SpeculativeParams | None = None) -> dict:
+        declared: SpeculativeParams | None = None) -> dict:
     """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`;
-    `lookahead`: params' `speculative` settings) and promote the choice; the stage's metrics on rank 0 ({} on the
-    others)."""
+    `declared`: params' `speculative` settings, the look-ahead candidates' base) and promote the choice; the stage's
+    metrics on rank 0 ({} on the others)."""
     prompts = select_prompts(read_table(paths.split("select")).token_ids, params)
-    costs = budgets(params, pair.configs, lookahead)
-    scored = score_candidates(pair, prompts, params, candidates, costs, margin, ranks, lookahead)
-    return promote(scored, params, len(prompts), costs, lookahead) if ranks.main else {}
+    scored = score_candidates(pair, prompts, params, candidates, margin, ranks, declared)
+    return promote(scored, params, len(prompts)) if ranks.main else {}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,11 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     params, models = load_section(SelectParams, "select"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
-    lookahead = load_section(SpeculativeParams, "speculative")
+    declared = load_section(SpeculativeParams, "speculative")
     candidates = candidates_on_disk()
     with stage_ranks(machine.torch_device, params.processes, "pipeline.select", [], machine.threads) as stage:
         stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, margin,
-                                              stage.ranks, lookahead))
+                                              stage.ranks, declared))
 
 
 if __name__ == "__main__":

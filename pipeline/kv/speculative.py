@@ -14,22 +14,30 @@ value the mode takes); m, s, the source layers read and the pooling are declared
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.params import Count, Params, Positive
 
 SECTION = "speculative"  # the params section faces read the declared settings from
 
 
-class SpeculativeParams(Params):
-    last: Positive  # m: the prefix's last tokens whose attention scores the rest, always kept
-    sinks: Count  # the prefix's first tokens, always kept by the mode (a repair has its own `sink:S`)
+class Lookahead(Params):
+    """What the scores read: the source layers and the pooling (select chooses them among candidates)."""
     layers: Literal["all"] | Annotated[list[int], Field(min_length=1)]  # the source layers read (negative: from
     # the end, so one list fits sources of any depth)
     pooling: Literal["max", "mean"]  # over the layers read, the query heads and the m queries
+
+    @property
+    def label(self) -> str:
+        """`all:max`, `-1:mean`: the form metrics name a candidate by."""
+        layers = self.layers if self.layers == "all" else ",".join(map(str, self.layers))
+        return f"{layers}:{self.pooling}"
 
     def layer_indices(self, depth: int) -> list[int]:
         """The source layers read, as indices 0..depth-1 in ascending order, each once."""
@@ -48,6 +56,15 @@ class SpeculativeParams(Params):
                     f"{-depth}..{depth - 1} or `all`")
         return None
 
+
+class SpeculativeParams(Lookahead):
+    last: Positive  # m: the prefix's last tokens whose attention scores the rest, always kept
+    sinks: Count  # the prefix's first tokens, always kept by the mode (a repair has its own `sink:S`)
+
+    def reading(self, lookahead: Lookahead) -> SpeculativeParams:
+        """These settings with `lookahead`'s layers and pooling."""
+        return self.model_copy(update=lookahead.model_dump())
+
     def spans(self, length: int) -> tuple[int, int]:
         """(s, m) for a prefix of `length` tokens: the sinks, then the last tokens, each cut to what is left."""
         sinks = min(self.sinks, length)
@@ -62,3 +79,10 @@ class SpeculativeParams(Params):
 def chosen(share: float, candidates: int) -> int:
     """round(p x candidates), halves up (the repair's rounding, `kv.repair.Repair.chosen`)."""
     return math.floor(share * candidates + 0.5)
+
+
+def chosen_lookahead(path: Path) -> SpeculativeParams:
+    """The settings stage select chose on the select split (written at `path`), which the stages after it read."""
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found; run the select stage")
+    return SpeculativeParams.model_validate(json.loads(path.read_text()))

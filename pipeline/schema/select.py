@@ -1,5 +1,6 @@
 """The `select` section of params.yaml, read by stage `select`: the prompts and the rule that choose the map, and the
-repair settings (`kv.repair`) it may choose with the map under a declared budget."""
+repair settings (`kv.repair`) it may choose with the map under a declared budget, and the look-ahead settings
+(`kv.speculative`) speculative prefill and the repairs ranking by the source read."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -7,6 +8,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, parse_grid
+from pipeline.kv.speculative import Lookahead
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
 from pipeline.store.params import ParamError, Params, Positive, Processes
 from pipeline.store.shapes import BoundPair
@@ -27,6 +29,9 @@ class SelectParams(Params):
     max_recompute: Annotated[float, Field(ge=0.0, le=1.0)]  # the largest budget chosen (kv.flops.repair_budget)
     bound_pair: BoundPair  # a pair of store.shapes.PAIRS: the budgets are counted at its shapes ...
     length: Annotated[int, Field(ge=2)]  # ... for prompts of this many tokens
+    lookahead: list[Lookahead]  # the source layers and pooling speculative prefill may read, the best by the rule
+    # at `lookahead_share` kept (ties: the first listed); []: params' `speculative` section as declared
+    lookahead_share: Annotated[float, Field(gt=0, lt=1)]
 
     @model_validator(mode="after")
     def _rule(self) -> SelectParams:

@@ -65,6 +65,7 @@ MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl
 SELECTED_MAPPER = MODELS / "mapper.safetensors"
 SELECTED_REPAIR = MODELS / "mapper_repair.json"  # the repair setting select chose with it (`kv.repair` form)
+LOOKAHEAD = MODELS / "lookahead.json"  # the look-ahead settings select chose (kv.speculative): what the stages read
 BEST = MODELS / "best"  # per k of the linear family, its best ridge strength: V0's rows
 
 # caches/: each model's RoPE-stripped caches over the fit and select splits

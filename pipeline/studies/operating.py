@@ -182,3 +182,19 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     fig.tight_layout()
     save_figure(fig, folder / FIGURE)
     return {"operating": table}
+
+
+def lookahead_lines(select: dict) -> list[str]:
+    """What speculative prefill reads, as stage select chose it (metrics/select.json, its `lookahead/<label>` keys
+    nested as written): each look-ahead candidate's figures on the select split; nothing where select scored none."""
+    if "selected_lookahead" not in select:
+        return []
+    rows = [[label + (" (chosen)" if label == select["selected_lookahead"] else ""), pct(figures["agreement"]),
+             pct(figures.get("confident_agreement")), f"{figures['perplexity']:.3f}"]
+            for label, figures in ((label, value["prompts"]) for label, value in select["lookahead"].items())]
+    return ["## What speculative prefill reads", "",
+            "The source's layers its look-ahead scores read and how they are pooled (`<layers>:<pooling>`), each "
+            "candidate of `select.lookahead` keeping `select.lookahead_share` of every select prompt, ranked by "
+            f"`select.rule` ({select['rule']}) on the select split; the choice (models/lookahead.json) is what every "
+            "speculative variant and every repair ranking by the source reads.", "",
+            *md_table(["Look-ahead", "Agreement", "Confident agreement", "Perplexity"], rows), ""]

@@ -13,6 +13,7 @@ from helpers import build_model, tiny_config
 
 from pipeline import latency
 from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.store.artifacts import ArtifactError
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError
 
@@ -51,8 +52,15 @@ def _write_params(root, **section):
     settings = {"lengths": LENGTHS, "warmup": 1, "repeats": 2, "dtype": "float32",
                 "mapper": "models/mapper.safetensors", "repairs": [REPAIR], "speculative": [0.5]}
     machine = {"device": "cpu", "threads": 1}
-    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}, "machine": machine,
-                                                      "speculative": LOOKAHEAD}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"latency": {**settings, **section}, "machine": machine}))
+    (root / "models" / "lookahead.json").write_text(json.dumps(LOOKAHEAD))  # the settings select chose
+
+
+def test_the_stage_reads_the_look_ahead_settings_select_chose_and_names_select_where_they_are_missing(stage_dir):
+    _write_params(stage_dir)
+    (stage_dir / "models" / "lookahead.json").unlink()
+    with pytest.raises(ArtifactError, match=r"^models/lookahead\.json not found; run the select stage$"):
+        latency.main([])
 
 
 def test_stage_writes_every_expected_key_finite_and_positive(stage_dir):

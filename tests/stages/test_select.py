@@ -39,8 +39,7 @@ def test_select_picks_the_mapper_that_agrees_with_the_oracle(tmp_path, periodic_
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"], prompt_fraction=0.6),
                    "select")
     prompts = select_prompts(sequences, params)
-    reference, scores = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths,
-                                         budgets(params, (periodic_model.config,) * 2), 0.2)
+    reference, scores, *_ = score_candidates(Pair.of(periodic_model, periodic_model), prompts, params, paths, 0.2)
     oracle = {**reference.prompts.metrics, **reference.prompts.counts}
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     assert chosen["name"] == "linear_k1_exact" and best_per_k[1]["name"] == "linear_k1_exact"
@@ -173,23 +172,24 @@ def test_a_setting_ranking_by_the_source_is_scored_and_promoted_with_the_look_ah
     plain = repair_budget(target, Repair.parse("tokens:0.9:source_attention"), params.length, 0)
     assert costs["tokens:0.9:source_attention"] == pytest.approx(
         plain + lookahead_macs(source, lookahead, params.length) / target_prefill_macs(target, params.length))
-    metrics = run(params, select_folder, [paths.fitted_map("linear_k1_noisy")], 0.2, lookahead=lookahead)
+    params = params.model_copy(update={"lookahead": []})
+    metrics = run(params, select_folder, [paths.fitted_map("linear_k1_noisy")], 0.2, declared=lookahead)
     assert metrics["selected_repair"] == "tokens:0.9:source_attention"  # 90% recomputed beats the noisy map alone
     assert promoted()[1]["speculative"] == lookahead.model_dump()
+    assert json.loads(paths.LOOKAHEAD.read_text()) == lookahead.model_dump()  # [] : the declared settings as they are
 
 
-def test_select_prompts_are_cut_at_each_declared_length_where_a_sequence_holds_it():
-    sequences = [list(range(30)), list(range(100, 112))]
-    params = parse(SelectParams, committed("select", prompt_lengths=[8, 20], continuation=4), "select")
-    assert select_prompts(sequences, params) == [
-        (list(range(8)), list(range(8, 12))), (list(range(20)), list(range(20, 24))),
-        (list(range(100, 108)), list(range(108, 112)))]  # the short sequence holds 8 + 4 tokens, not 20 + 4
-    with pytest.raises(ParamError, match=r"select\.prompt_lengths: no select sequence is long enough"):
-        select_prompts([list(range(10))], params)
-    with pytest.raises(ParamError, match=r"select\.continuation: required with select\.prompt_lengths"):
-        parse(SelectParams, committed("select", prompt_lengths=[8]), "select")
-
-
-def test_a_rule_that_names_no_prompt_metric_is_refused_naming_the_key():
-    with pytest.raises(ParamError, match=r"^select\.rule: expected a prompt metric \(perplexity, .*\), got 'kl'"):
-        parse(SelectParams, committed("select", rule="kl"), "select")
+def test_the_look_ahead_setting_best_by_the_rule_is_chosen_written_and_read_by_a_repair_ranking_by_the_source(
+        select_folder):
+    declared = parse(SpeculativeParams, committed("speculative", last=2, sinks=1), "speculative")
+    params = parse(SelectParams, committed("select", top_k=32, horizon=4, max_recompute=1.0, lookahead_share=0.3,
+                                           repairs=["none", "tokens:0.9:source_attention"], lookahead=[
+                                               {"layers": [-1], "pooling": "max"},
+                                               {"layers": "all", "pooling": "mean"}]), "select")
+    metrics = run(params, select_folder, [paths.fitted_map("linear_k1_noisy")], 0.2, declared=declared)
+    agreement = {label: metrics[f"lookahead/{label}"]["prompts"]["agreement"] for label in ("-1:max", "all:mean")}
+    assert agreement["all:mean"] > agreement["-1:max"]  # the second listed, and the worse perplexity: the rule decides
+    chosen = SpeculativeParams.model_validate(json.loads(paths.LOOKAHEAD.read_text()))
+    assert metrics["selected_lookahead"] == chosen.label == "all:mean"
+    assert (chosen.last, chosen.sinks) == (2, 1)  # the declared spans kept
+    assert promoted()[1]["speculative"] == chosen.model_dump()  # the source-ranked repair scored under the choice

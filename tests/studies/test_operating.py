@@ -26,3 +26,12 @@ def test_without_an_operating_length_the_study_is_empty_and_its_figure_says_so(t
     result = operating.compute(params, measure_params(), operating.Inputs({}, {}))
     assert result == {} and operating.lines(result) == []
     assert operating.figure(result, tmp_path)["operating"].empty and (tmp_path / "operating.png").is_file()
+
+
+def test_the_report_states_which_look_ahead_select_chose_beside_every_candidates_select_figures():
+    figures = {"agreement": 0.5, "confident_agreement": 0.75, "perplexity": 3.0}
+    select = {"rule": "agreement", "selected_lookahead": "-1:max", "lookahead": {
+        "all:max": {"prompts": figures}, "-1:max": {"prompts": {**figures, "agreement": 0.625}}}}
+    rows = [line for line in operating.lookahead_lines(select) if line.startswith("| ") and "Look-ahead" not in line]
+    assert rows == ["| all:max | 50.0% | 75.0% | 3.000 |", "| -1:max (chosen) | 62.5% | 75.0% | 3.000 |"]
+    assert operating.lookahead_lines({"rule": "agreement", "selected": "linear_k1"}) == []  # select scored none
