@@ -29,8 +29,10 @@ from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
+np = lazy("numpy")
 
 FIGURE = "operating.png"
+SPECULATIVE = "speculative_"  # speculative prefill's variants, speculative_<p> (schema.operating)
 
 
 @dataclass
@@ -135,10 +137,35 @@ def lines(study: dict) -> list[str]:
             out += ["", "Retrieval by the needle's depth in the haystack (exact-match share):", ""]
             out += md_table(["Variant", *(f"depth {d}" for d in depths)],
                             [[name, *(pct(e["retrieval_by_depth"][d]) for d in depths)] for name, e in entries.items()])
-        out += [""]
+        out += [""] + equal_time(entries)
     out += _with_length(study)
     out += [f"![Confident agreement against measured speedup at each length](report/{FIGURE})", ""]
     return out
+
+
+def equal_time(entries: dict) -> list[str]:
+    """Each variant against speculative prefill at the same measured speedup (its shares' confident agreement
+    interpolated linearly in the measured speedup between the two nearest), or why there is no such point; nothing
+    where no speculative share ran."""
+    curve = sorted((e["speedup_measured"], e["confident_agreement"]) for name, e in entries.items()
+                   if name.startswith(SPECULATIVE) and e["confident_agreement"] is not None)
+    if not curve:
+        return []
+    low, high = curve[0][0], curve[-1][0]
+    said = []
+    for name, e in entries.items():
+        mine, speed = e["confident_agreement"], e["speedup_measured"]
+        if name == "oracle" or name.startswith(SPECULATIVE) or mine is None:
+            continue
+        if not low <= speed <= high:
+            said.append(f"{name} ({pct(mine)} at {_speed(speed)}) {'faster' if speed > high else 'slower'} than every "
+                        f"share: no point at its time")
+            continue
+        rival = float(np.interp(speed, [x for x, _ in curve], [y for _, y in curve]))
+        said.append(f"{name} {pct(mine)} against {pct(rival)} at {_speed(speed)}: "
+                    f"{'above' if mine > rival else 'not above'} it")
+    return [f"At equal measured time, against speculative prefill (its shares' confident agreement interpolated in the "
+            f"measured speedup, {_speed(low)}-{_speed(high)}): {'; '.join(said)}.", ""] if said else []
 
 
 def _with_length(study: dict) -> list[str]:

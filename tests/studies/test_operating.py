@@ -35,3 +35,18 @@ def test_the_report_states_which_look_ahead_select_chose_beside_every_candidates
     rows = [line for line in operating.lookahead_lines(select) if line.startswith("| ") and "Look-ahead" not in line]
     assert rows == ["| all:max | 50.0% | 75.0% | 3.000 |", "| -1:max (chosen) | 62.5% | 75.0% | 3.000 |"]
     assert operating.lookahead_lines({"rule": "agreement", "selected": "linear_k1"}) == []  # select scored none
+
+
+def test_each_variant_is_read_against_speculative_prefill_at_its_own_measured_speedup():
+    def entry(agreement, speedup):
+        return {"confident_agreement": agreement, "speedup_measured": speedup}
+
+    entries = {"oracle": entry(1.0, 1.0), "selected": entry(0.689, 2.79), "hybrid": entry(0.747, 2.07),
+               "slow": entry(0.6, 1.5), "speculative_0.08": entry(0.689, 2.26), "speculative_0.2": entry(0.722, 1.81)}
+    line = operating.equal_time(entries)[0]
+    # 0.722 + (2.07 - 1.81) / (2.26 - 1.81) x (0.689 - 0.722) = 0.703
+    assert "hybrid 74.7% against 70.3% at 2.07x: above it" in line
+    assert "selected (68.9% at 2.79x) faster than every share" in line and "slow (60.0% at 1.50x) slower" in line
+    entries["hybrid"] = entry(0.70, 2.07)
+    assert "hybrid 70.0% against 70.3% at 2.07x: not above it" in operating.equal_time(entries)[0]
+    assert operating.equal_time({"oracle": entry(1.0, 1.0), "selected": entry(0.7, 2.0)}) == []  # none ran
