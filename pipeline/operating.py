@@ -50,7 +50,7 @@ from pipeline.kv.repair import Repair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import FELL_BACK
-from pipeline.kv.scores.registry import score_macs
+from pipeline.kv.scores import score_macs
 from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary

@@ -34,7 +34,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
-from pipeline.kv.scores.registry import FEATURES, SCORES, score_macs
+from pipeline.kv.scores import FEATURES, SCORES, score_macs
 from pipeline.kv.scoring import truncate
 from pipeline.measure import gating
 from pipeline.measure.compare import read_prompts

@@ -36,7 +36,7 @@ def register_maths(base: type, plural: str, maths: tuple, declared: Mapping) -> 
     entry without maths, or maths whose declaration is not the declared entry of its name, is refused in one line
     naming the registry to add it to."""
     found = register(base, plural, maths)
-    package = base.__module__.removeprefix("pipeline.").removesuffix(".base")  # kv.selectors.maths
+    package = base.__module__.removeprefix("pipeline.").removesuffix(".base")  # kv.modes.maths
     for name in declared:
         if name not in found:
             raise ValueError(f"{name!r} is declared ({package.removesuffix('.maths')}.registry) but has no maths: add "

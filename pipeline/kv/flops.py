@@ -43,7 +43,7 @@ from pipeline.kv.families.base import Geometry
 from pipeline.kv.families.registry import FAMILIES
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.repair import Repair
-from pipeline.kv.selectors.base import Work
+from pipeline.kv.selectors import Work
 from pipeline.kv.speculative import SpeculativeParams
 
 

@@ -17,13 +17,12 @@ Scores, higher = less trusted:
     kl        KL(p_source || p_target(. | mapped)): the target after the handoff far from what the source predicts
     disagree  JS(p_target(. | map a), p_target(. | map b)): two maps (k=1 and k=max) disagree on the first step
     probe     a logistic regression's logit for "the map changes the decision" from the first step's features
-              (`kv.scores.registry.FEATURES`: the three scores above, the target's top-1 probability, and the
+              (`kv.scores.FEATURES`: the three scores above, the target's top-1 probability, and the
               log-ratio of the mapped cache's mean key and value norms to the source cache's), trained by the stage
               on dev items only
 
-Each score is a declaration in `kv/scores/` (what it needs, its cost in multiply-adds), listed once in
-`kv.scores.registry`, and its maths in `kv/scores/maths/` (how it scores), listed once in `kv.scores.maths.registry`;
-the scorer computes the entries its names ask for and what they read.
+Each score is one class of `kv.scores` (what it needs, its cost in multiply-adds, how it scores), listed once in
+`kv.scores.SCORES`; the scorer computes the entries its names ask for and what they read.
 
 Every score is read off one `Handoff.first_step` of the gated handoff (retained: the source's cache and the mapped
 one), whose prefix cache the router keeps for the context's scoring (`FirstStep.kept`, `kv.router`).
@@ -39,10 +38,7 @@ from typing import Mapping, Sequence
 
 from pipeline.kv.handoff import FirstStep, Handoff
 from pipeline.kv.kvcache import padded_prefixes
-from pipeline.kv.scores.base import Score
-from pipeline.kv.scores.maths.base import Evidence, ScoreMaths
-from pipeline.kv.scores.maths.registry import SCORE_MATHS
-from pipeline.kv.scores.registry import INPUTS, SCORES, refusal
+from pipeline.kv.scores import INPUTS, SCORES, Evidence, Score, refusal
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
@@ -112,20 +108,15 @@ class Scorer:
 
     `disagree`: the two mapped handoffs (k=1 and k=max) whose first steps the `disagree` score compares; they
     share `handoff`'s source prefill. `probe`: the fitted probe of the `probe` score. `scores`: the registry of
-    the scores it computes (`kv.scores.registry.SCORES`), beside the probe's other inputs; `maths`: theirs
-    (`kv.scores.maths.registry.SCORE_MATHS`). No score reads the target's prefill of the prompt (tests make it
-    fail)."""
+    the scores it computes (`kv.scores.SCORES`), beside the probe's other inputs. No score reads the target's
+    prefill of the prompt (tests make it fail)."""
 
     def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None, probe: Probe | None = None,
-                 scores: Mapping[str, Score] = SCORES, maths: Mapping[str, ScoreMaths] = SCORE_MATHS):
+                 scores: Mapping[str, Score] = SCORES):
         if handoff.source is None:
             raise ValueError(f"scores read the source's prefill; the {handoff.mode!r} handoff has no source")
-        self.handoff, self.disagree, self.probe, self.registry, self.maths = handoff, disagree, probe, scores, maths
+        self.handoff, self.disagree, self.probe, self.registry = handoff, disagree, probe, scores
         self.known = {**scores, **INPUTS}  # every score or feature it computes, by name
-        missing = [name for name in self.known if name not in maths]
-        if missing:
-            raise ValueError(f"score {missing[0]!r} has no maths: register them (kv/scores/maths/) and give the scorer "
-                             f"their registry")
         self.source_alone = Handoff(handoff.source, mode="source")  # the source's own step after its own cache
 
     def check(self, names: Sequence[str]) -> None:
@@ -157,7 +148,7 @@ class Scorer:
         the steps it shares that step's source prefill with: each entry's maths, what it reads first."""
         evidence = Evidence(first, self)
         for name in self.needed(names):
-            evidence.values[name] = self.maths[name].score(evidence).double().cpu()
+            evidence.values[name] = self.known[name].score(evidence).double().cpu()
         return {name: evidence.values[name] for name in names}
 
     def needed(self, names: Sequence[str]) -> list[str]:

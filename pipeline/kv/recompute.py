@@ -3,7 +3,7 @@
 
     exact_layers   the target's first layers over the prefix, no logits (`exact_layers`)
     sink           the target's own prefill of the first tokens
-    tokens         the selector's maths score the tokens (`kv.selectors.maths`), `choose` takes the highest after
+    tokens         the selector scores the tokens (`kv.selectors`), `choose` takes the highest after
                    the sink, `recompute` runs them through the decoder in one forward
 """
 from __future__ import annotations
@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from pipeline.kv import projections
 from pipeline.kv.kvcache import Layers, additive_mask, cache_to_layers, layers_to_cache, padded_positions, real_slots
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.selectors.base import EXACT
-from pipeline.kv.selectors.maths.base import Evidence
-from pipeline.kv.selectors.maths.registry import SELECTOR_MATHS
+from pipeline.kv.selectors import EXACT, SELECTORS, Evidence
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -79,7 +77,7 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
         return layers
     evidence = Evidence(target, layers, mapped, None if exact is None else exact[exact_index], exact_index,
                         prefix_ids, lengths, count, devices, source_scores)
-    scores = SELECTOR_MATHS[setting.select_by].score(evidence, setting.argument)  # (B, P)
+    scores = SELECTORS[setting.select_by].score(evidence, setting.argument)  # (B, P)
     chosen = choose(scores, lengths, sink, chosen_per_row)  # (B, M), -1 past a row's count
     count.selected = selected_positions(lengths, sink, chosen)
     return recompute(target, layers, prefix_ids, lengths, chosen, count, devices)

@@ -12,25 +12,22 @@ fixed order, each part over what the parts before it left:
                         one forward of the decoder body: each at its own position, seeing the cache of the tokens
                         before it (mapped, or recomputed in the same forward), a 4D mask as `decode.packed_logprobs`
 
-    chosen by     a selector (`kv/selectors/`: one declaration module each, listed in its registry, and its maths
-                  in `kv/selectors/maths/`): deviation (the mapped keys/values furthest from the target's exact ones
+    chosen by     a selector (`kv.selectors`): deviation (the mapped keys/values furthest from the target's exact ones
                   at layer n-1), attention (what the first step attends to), recency (the prompt's end), key_norm
-                  (the largest mapped keys); `POLICY@VALUE` gives a policy its own parameter where it takes one
-                  (`key_norm@2`)
+                  (the largest mapped keys), source_attention (what the source's look-ahead attends to);
+                  `POLICY@VALUE` gives a policy its own parameter where it takes one (`key_norm@2`)
 
 Known answers: exact_layers = L, sink = P and rho = 1 each give the oracle's cache within float rounding; the
 empty setting returns the cache untouched. The string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`,
 `tokens:0.1:key_norm@2`) has one parser, `Repair.parse`; its parts are joined by `+` in any order and applied in
-the order above. The grammar reads the selectors' declarations only (no torch, no selector maths): the stages and
-the report that merely name settings do not depend on how a policy scores.
+the order above.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from pipeline.kv.selectors.base import Selector
-from pipeline.kv.selectors.registry import POLICIES, SELECTORS
+from pipeline.kv.selectors import POLICIES, SELECTORS, Selector
 from pipeline.store.cli import Refusal
 from pipeline.store.params import ParamError
 

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from pipeline.kv.modes.registry import BASELINES
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.scores.registry import FITTED_SCORES, SCORES
+from pipeline.kv.scores import FITTED_SCORES, SCORES
 from pipeline.schema.evaluate import SELECTED
 from pipeline.store.params import ParamError, Params, Positive
 from pipeline.store.paths import SELECTED_MAPPER

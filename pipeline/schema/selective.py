@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipeline.kv.scores.registry import SCORES
+from pipeline.kv.scores import SCORES
 from pipeline.store.params import Count, ParamError, Params, Positive
 from pipeline.store.shapes import BoundPair
 

@@ -25,7 +25,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.kv.router import Router
 from pipeline.kv.scoring import score_continuations
-from pipeline.kv.selectors.registry import POLICIES, SELECTORS
+from pipeline.kv.selectors import POLICIES, SELECTORS
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.models import IncompatiblePairError

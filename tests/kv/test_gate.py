@@ -12,8 +12,7 @@ from pipeline.kv.gate import Gate, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper
 from pipeline.kv.router import Router
-from pipeline.kv.scores.maths.disagree import jensen_shannon
-from pipeline.kv.scores.registry import FEATURES, SCORES
+from pipeline.kv.scores import FEATURES, SCORES, jensen_shannon
 from pipeline.kv.scoring import score_continuations
 from pipeline.lm_eval_model import KVTransferLM
 

@@ -9,7 +9,7 @@ from helpers import ARCHITECTURES, ROOT, build_model, committed
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.selectors.registry import POLICIES
+from pipeline.kv.selectors import POLICIES
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store.params import parse
 

@@ -56,7 +56,7 @@ def test_the_check_fails_when_a_wing_a_stage_imports_is_taken_out_of_its_deps(re
 
 def test_an_import_inside_a_wing_the_stage_lists_leaves_its_deps_as_they_are(real_project):
     report = real_project / "pipeline" / "report.py"
-    report.write_text(report.read_text() + "from pipeline.kv.selectors.maths import attention  # the edit\n")
+    report.write_text(report.read_text() + "from pipeline.kv.selectors import SELECTORS  # the edit\n")
     assert stale(real_project) == ""  # coarser than the modules: the report reruns on any edit of kv already
 
 
@@ -229,8 +229,7 @@ def test_the_selector_check_sees_a_study_that_parses_a_repair_setting(tmp_path):
     shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     study = tmp_path / "pipeline" / "studies" / "repair.py"
     study.write_text(study.read_text() + "from pipeline.kv.repair import Repair  # the study's edit\n")
-    assert {"pipeline.kv.repair", "pipeline.kv.selectors.registry"} <= set(selectors_in_closure("pipeline.report",
-                                                                                                tmp_path))
+    assert {"pipeline.kv.repair", "pipeline.kv.selectors"} <= set(selectors_in_closure("pipeline.report", tmp_path))
 
 
 def test_importing_the_report_loads_no_maths_module():
@@ -239,12 +238,12 @@ def test_importing_the_report_loads_no_maths_module():
     assert done.stdout.strip() == "[]"
 
 
-def test_the_maths_check_sees_a_study_that_imports_a_selectors_maths(tmp_path):
+def test_the_maths_check_sees_a_study_that_imports_a_modes_maths(tmp_path):
     shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     study = tmp_path / "pipeline" / "studies" / "repair.py"
-    study.write_text(study.read_text() + "from pipeline.kv.selectors.maths import attention  # the study's edit\n")
+    study.write_text(study.read_text() + "from pipeline.kv.modes.maths import oracle  # the study's edit\n")
     found = maths_in_closure("pipeline.report", tmp_path)
-    assert {"pipeline.kv.selectors.maths.attention", "pipeline.kv.selectors.maths.base"} <= set(found)
+    assert {"pipeline.kv.modes.maths.oracle", "pipeline.kv.modes.maths.base"} <= set(found)
 
 
 def sections_read(path: Path) -> set[str]:

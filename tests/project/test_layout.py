@@ -20,7 +20,7 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     known = modules(root)
     order = [f"pipeline.{wing}.{name}" for wing, names in wings.items() for name in names]
     rank = {name: i for i, name in enumerate(order)}
-    # a sub-package named in WINGS (kv/families/, or kv/selectors/maths/ as `selectors.maths`): its modules stand at
+    # a sub-package named in WINGS (kv/families/, or kv/modes/maths/ as `modes.maths`): its modules stand at
     # its place and import each other freely (the cycle check below still holds between them)
 
     def package(module: str) -> str | None:
@@ -284,8 +284,8 @@ def test_the_lambda_check_sees_a_suppressed_e731(tmp_path):
     assert assigned_lambdas(tmp_path) == ["tests/t.py:2"]
 
 
-# one instance per module, read through its registry (kv/families, kv/modes, kv/scores, kv/selectors, their maths)
-REGISTRY_ENTRIES = {"FAMILY", "MODE", "SCORE", "SELECTOR", "MATHS"}
+# one instance per module, read through its registry (kv/families, kv/modes, their maths)
+REGISTRY_ENTRIES = {"FAMILY", "MODE", "MATHS"}
 
 
 def constants_defined_twice(root: Path) -> list[str]:

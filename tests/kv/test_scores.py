@@ -1,6 +1,6 @@
-"""The gate's scores as a registry (`kv.scores`): a score is its declaration and its maths (`kv.scores.maths`), each a
-module and a registry line, and nothing else is edited to compute it, gate on it, count its cost or read it in the
-selective stage's summary and the report; a declared score without maths is refused."""
+"""The gate's scores as a registry (`kv.scores`): a score is one class (its name, needs, cost and maths) and a
+registry line, and nothing else is edited to compute it, gate on it, count its cost or read it in the selective
+stage's summary and the report; a score without a cost or maths cannot be made."""
 import numpy as np
 import pandas as pd
 import pytest
@@ -12,11 +12,7 @@ import pipeline.selective as selective_stage
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper
-from pipeline.kv.scores.base import Score, Work
-from pipeline.kv.scores.maths import registry as maths_registry
-from pipeline.kv.scores.maths.base import Evidence, ScoreMaths
-from pipeline.kv.scores.maths.registry import SCORE_MATHS
-from pipeline.kv.scores.registry import INPUTS, SCORES, register, score_macs
+from pipeline.kv.scores import SCORES, Evidence, Score, Work, register, score_macs
 from pipeline.measure.confident import MARGINS
 from pipeline.schema.selective import SelectiveParams
 from pipeline.store.params import parse
@@ -37,13 +33,6 @@ class Length(Score):
     def cost(self, work: Work) -> int:
         return work.length - 1
 
-
-LENGTH = Length()
-
-
-class LengthMaths(ScoreMaths):
-    declaration = LENGTH
-
     def score(self, evidence: Evidence) -> torch.Tensor:
         assert "entropy" in evidence.values
         return evidence.first.prefixes.lengths.double()  # (B,)
@@ -56,10 +45,9 @@ def handoff():
 
 
 def test_a_score_registered_in_a_temporary_registry_reaches_the_gate_with_no_other_file_edited(handoff):
-    registry = register(*SCORES.values(), LENGTH)
-    maths = maths_registry.register(*SCORE_MATHS.values(), LengthMaths(), declared={**registry, **INPUTS})
+    registry = register(*SCORES.values(), Length())
     contexts = [[5, 6], [1, 2, 3, 4, 5, 6], [7], [8, 9, 10, 11]]
-    scorer = Scorer(handoff, scores=registry, maths=maths)
+    scorer = Scorer(handoff, scores=registry)
     assert scorer.scores(contexts, ["length"])["length"].tolist() == [1.0, 5.0, float("-inf"), 3.0]
     gate = Gate(scorer, "length", 2.0, Handoff(handoff.decoder))
     _, fell_back = gate.route(contexts)
@@ -82,48 +70,42 @@ def test_a_score_whose_needs_are_missing_is_refused_in_one_line(handoff):
 
 
 def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
-    with pytest.raises(TypeError, match="is not a named kv.scores.base.Score instance"):
+    with pytest.raises(TypeError, match="is not a named kv.scores.Score instance"):
         register(object())
     with pytest.raises(ValueError, match="scores named twice"):
         register(*SCORES.values(), SCORES["entropy"])
 
 
-def test_the_maths_registry_names_every_declared_score_and_input_each_with_its_own_declaration():
-    declared = {**SCORES, **INPUTS}
-    assert list(SCORE_MATHS) == list(declared)
-    assert all(SCORE_MATHS[name].declaration is declared[name] for name in declared)
+def test_a_score_without_maths_or_without_a_cost_cannot_be_made_or_registered():
+    class Scoreless(Score):
+        name = "scoreless"
 
+        def cost(self, work: Work) -> int:
+            return 0
 
-def test_a_declared_score_without_maths_is_refused_by_the_maths_registry_and_the_scorer(handoff):
-    with pytest.raises(ValueError, match=r"^'length' is declared \(kv.scores.registry\) but has no maths: add them in "
-                                         r"kv/scores/maths/ and their line in kv.scores.maths.registry$"):
-        maths_registry.register(*SCORE_MATHS.values(), declared={**SCORES, **INPUTS, "length": LENGTH})
-    with pytest.raises(ValueError, match="^the maths 'length' compute no declared entry"):
-        maths_registry.register(*SCORE_MATHS.values(), LengthMaths())
-    with pytest.raises(ValueError, match="^score 'length' has no maths"):
-        Scorer(handoff, scores=register(*SCORES.values(), LENGTH))
+    class Costless(Score):
+        name = "costless"
 
-
-def test_maths_without_a_score_cannot_be_instantiated_or_registered():
-    class Scoreless(ScoreMaths):
-        declaration = SCORES["entropy"]
+        def score(self, evidence: Evidence) -> torch.Tensor:
+            return evidence.logprobs[:, 0]
 
     with pytest.raises(TypeError, match="score"):
         Scoreless()
-    with pytest.raises(TypeError, match="is not a named kv.scores.maths.base.ScoreMaths instance"):
-        maths_registry.register(Scoreless)
+    with pytest.raises(TypeError, match="cost"):
+        Costless()
+    with pytest.raises(TypeError, match="is not a named kv.scores.Score instance"):
+        register(Scoreless)
 
 
 def test_a_score_in_a_temporary_registry_reaches_the_stages_summary_and_the_reports_lines_by_its_own_name(
         handoff, monkeypatch):
-    registry = register(*SCORES.values(), LENGTH)
-    maths = maths_registry.register(*SCORE_MATHS.values(), LengthMaths(), declared={**registry, **INPUTS})
+    registry = register(*SCORES.values(), Length())
     for module in (selective_schema, selective_stage):  # where the stage and its params read the registry
         monkeypatch.setattr(module, "SCORES", registry)
     generator = torch.Generator().manual_seed(0)
     contexts = [torch.randint(0, VOCAB, (int(n),), generator=generator).tolist()
                 for n in torch.randint(2, 30, (40,), generator=generator)]
-    values = Scorer(handoff, scores=registry, maths=maths).scores(contexts, ["length"])["length"].numpy()  # (40,)
+    values = Scorer(handoff, scores=registry).scores(contexts, ["length"])["length"].numpy()  # (40,)
     changed = values > np.median(values)  # what the map changes: the long contexts, which the score ranks first
     column = selective_stage.column("length")
     items = pd.concat([pd.DataFrame({"part": part, "map": "a", "task": np.where(np.arange(40) % 2, "piqa", "hellaswag"),
