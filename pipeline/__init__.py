@@ -40,17 +40,16 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               Face folder
     kv/       the method: the registries' one rule (entries by name, and each entry's maths keyed by it), a model's KV
               geometry from its config, RoPE, the query/key/value paths of each architecture's attention, cache <->
-              tensors, speculative prefill's settings and the source's look-ahead scores, the mapper families
-              (kv/families/, one declaration module each, and their registry), the handoff modes (kv/modes/, likewise),
-              the architecture contract (which pairs and modes are defined), the repair's token selectors (one class
-              each in kv/selectors.py), the repair setting and its grammar, the repair's run (the target recomputes part
-              of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol), decoding after it,
-              scoring continuations after it, the route words, the gate's scores (one class each in kv/scores.py), the
-              gate, the pair (its models loaded once, its handoffs), the request a face validates, the router (each
-              context's handoff and route). A selector or a score is one class (name, needs, cost and maths) and one
-              registry line; a family's or a mode's declaration (names, needs, costs) and its maths (a family's
-              projection and solve, a mode's prefix hook) are modules of its package and of its `maths/` sub-package,
-              listed in WINGS as `<registry>.maths`
+              tensors, speculative prefill's settings and the source's look-ahead scores, the mapper families (one class
+              each in kv/families.py) and the names of maps, the handoff modes (kv/modes/: one declaration module each,
+              and their registry), the architecture contract (which pairs and modes are defined), the repair's token
+              selectors (one class each in kv/selectors.py), the repair setting and its grammar, the repair's run (the
+              target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
+              decoding after it, scoring continuations after it, the route words, the gate's scores (one class each in
+              kv/scores.py), the gate, the pair (its models loaded once, its handoffs), the request a face validates,
+              the router (each context's handoff and route). A family, a selector or a score is one class (name, needs,
+              cost and maths) and one registry line; a mode's declaration (name, needs, cost) and its maths (its prefix
+              hook) are modules of kv/modes/ and of kv/modes/maths/, listed in WINGS as `modes.maths`
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings)
@@ -74,7 +73,7 @@ WINGS = {
               "haystack", "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints",
               "gguf"),
     "kv": ("entries", "geometry", "rope", "projections", "kvcache", "speculative", "lookahead", "families",
-           "families.maths", "modes", "modes.maths", "contract", "selectors", "repair", "recompute",
+           "mapnames", "modes", "modes.maths", "contract", "selectors", "repair", "recompute",
            "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair",
            "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.families.registry import MapName
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.kv.families.registry import MapName
 from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.kv.contract import Contract, ModelCard, pair_contract, run_length, which_pairs_work
-from pipeline.kv.families.registry import FAMILIES, FITTED_FAMILIES
+from pipeline.kv.families import FAMILIES, FITTED_FAMILIES
 from pipeline.kv.flops import (
     handoff_macs,
     mapper_macs_per_token,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import model_validator
 
-from pipeline.kv.families.registry import MapName
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.repair import Repair
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.settings import MeasureParams

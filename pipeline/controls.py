@@ -39,9 +39,9 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.contract import Contract
 from pipeline.kv.decode import chunked_logprobs, full_logprobs, greedy_rollout
-from pipeline.kv.families.registry import MapName
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, pre_rope_keys
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.mapper import load_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.rope import RotarySpec, Rotation

@@ -38,8 +38,8 @@ from pipeline.fitting.families import (
 from pipeline.fitting.mlpfit import MlpSettings
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
 from pipeline.kv.contract import pair_contract
-from pipeline.kv.families.base import Geometry
-from pipeline.kv.families.registry import MapName
+from pipeline.kv.families import Geometry
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.mapper import Mapper, save_mapper
 from pipeline.measure.timing import prefill_seconds, time_against_prefill
 from pipeline.schema.fit import FitParams

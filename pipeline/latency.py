@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.kv.families.registry import CLOSED_FORM
+from pipeline.kv.families import CLOSED_FORM
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router

@@ -36,7 +36,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, in_order, oracle, stored, widened
-from pipeline.kv.families.registry import TRAINABLE
+from pipeline.kv.families import TRAINABLE
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.mapper import Mapper, map_cache

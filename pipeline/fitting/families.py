@@ -4,7 +4,7 @@
   of the `max(k)` chosen source layers' inputs are accumulated on all fit sequences and, separately, on the
   select split (or, for a split with fewer rows than features, the rows themselves: `ridge.summary`); every k
   (its top-k layers), every lambda and every such family are index selections of them, each solved by its
-  family's maths (`kv.families.maths`) once per layer and scored in and out of sample with no further pass.
+  family (`kv.families`) once per layer and scored in and out of sample with no further pass.
 - MLP: rows of the k chosen layers are gathered and a one-hidden-layer map is trained (`mlpfit`),
   early-stopped on the probes' held-out fit sequences.
 
@@ -20,10 +20,8 @@ from pathlib import Path
 from pipeline.fitting import ridge
 from pipeline.fitting.mlpfit import MlpSettings, train_mlp
 from pipeline.fitting.probes import Pairs, held_rows
-from pipeline.kv.families.base import Geometry
-from pipeline.kv.families.maths.base import columns
-from pipeline.kv.families.maths.registry import FAMILY_MATHS
-from pipeline.kv.families.registry import FAMILIES, MapName
+from pipeline.kv.families import FAMILIES, Geometry, columns
+from pipeline.kv.mapnames import MapName
 from pipeline.store.artifacts import take_umask
 from pipeline.store.cachefiles import KINDS
 from pipeline.store.lazy import lazy
@@ -167,7 +165,7 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
         for candidate in candidates:
             name, spec = str(candidate), FAMILIES[candidate.family]
             blocks = [chosen_max.index(p) for p in sorted(order[:candidate.k])]
-            solved = FAMILY_MATHS[candidate.family].solve(fit_m, select_m, blocks, candidate.ridge_lambda, g,
+            solved = FAMILIES[candidate.family].solve(fit_m, select_m, blocks, candidate.ridge_lambda, g,
                                                           lambda_scale, ridge, device, candidate.width)
             if spec.scale_check:
                 inputs = columns(blocks, g, device)
@@ -206,7 +204,7 @@ def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: se
 
 def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The mlp map on rows: x (N, F) -> (N, Ht*Dt), as the mapper computes it."""
-    out = FAMILY_MATHS["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
+    out = FAMILIES["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
     return out.permute(1, 0, 2).reshape(x.shape[0], -1)
 
 

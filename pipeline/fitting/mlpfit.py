@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.kv.families.maths.mlp import hidden_layer
+from pipeline.kv.families import hidden_layer
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.kv.families.base import Family
-from pipeline.kv.families.registry import FAMILIES
+from pipeline.kv.families import FAMILIES, Family
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.modes.registry import MODES
 from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal

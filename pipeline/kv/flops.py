@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.kv.families.base import Geometry
-from pipeline.kv.families.registry import FAMILIES
+from pipeline.kv.families import FAMILIES, Geometry
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.repair import Repair
 from pipeline.kv.selectors import Work

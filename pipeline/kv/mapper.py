@@ -18,10 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from pipeline.kv.families.base import Geometry
-from pipeline.kv.families.maths.registry import FAMILY_MATHS
-from pipeline.kv.families.registry import FAMILIES
-from pipeline.kv.families.registry import family as family_spec
+from pipeline.kv.families import FAMILIES, Geometry
+from pipeline.kv.families import family as family_spec
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.rope import RotarySpec, Rotation
@@ -68,13 +66,8 @@ class Mapper:
 
     @property
     def spec(self):
-        """The family's declaration (`kv.families.base.Family`)."""
+        """The family (`kv.families.Family`): its tensors and how a layer is mapped."""
         return FAMILIES[self.family]
-
-    @property
-    def maths(self):
-        """The family's maths (`kv.families.maths.base.FamilyMaths`): how a layer is mapped."""
-        return FAMILY_MATHS[self.family]
 
     @property
     def width(self) -> int | None:
@@ -127,9 +120,9 @@ class Mapper:
         if not self.spec.tensor_names:  # identity: the source's layer as it is
             return source_layers[layer]
         chosen = self.source_layers[layer]
-        key_in = self.maths.inputs([source_layers[s][0] for s in chosen])
-        value_in = self.maths.inputs([source_layers[s][1] for s in chosen])
-        return self.maths.project(key_in, *self.keys[layer]), self.maths.project(value_in, *self.values[layer])
+        key_in = self.spec.inputs([source_layers[s][0] for s in chosen])
+        value_in = self.spec.inputs([source_layers[s][1] for s in chosen])
+        return self.spec.project(key_in, *self.keys[layer]), self.spec.project(value_in, *self.values[layer])
 
     def to(self, device=None, dtype=None) -> "Mapper":
         self.keys, self.values = ([tuple(t.to(device=device, dtype=dtype) for t in ts) for ts in layers]

@@ -7,7 +7,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.fitting.distill import DistillSettings
-from pipeline.kv.families.registry import TRAINABLE, MapName
+from pipeline.kv.families import TRAINABLE
+from pipeline.kv.mapnames import MapName
 from pipeline.store.params import ParamError, Positive, Processes
 
 

@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from pipeline.fitting.families import closed_form_candidates, mlp_candidates
-from pipeline.kv.families.registry import CLOSED_FORM, FAMILIES, MapName
+from pipeline.kv.families import CLOSED_FORM, FAMILIES
+from pipeline.kv.mapnames import MapName
 from pipeline.store.params import Params, Positive, PositiveFloat, Processes
 
 

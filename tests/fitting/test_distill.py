@@ -29,7 +29,7 @@ from pipeline.fitting.distill import (
     trainable,
 )
 from pipeline.fitting.distill_rows import Batch, Splits, StoredOracle, with_oracles
-from pipeline.kv.families.registry import TRAINABLE
+from pipeline.kv.families import TRAINABLE
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper, map_cache, random_mapper, save_mapper

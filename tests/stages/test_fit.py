@@ -18,8 +18,9 @@ from helpers.kvworld import make_world
 from pipeline import fit as fit_module
 from pipeline.extract import run as extract
 from pipeline.fit import run as fit
-from pipeline.kv.families.registry import CLOSED_FORM, FITTED_FAMILIES, MapName
+from pipeline.kv.families import CLOSED_FORM, FITTED_FAMILIES
 from pipeline.kv.flops import mapper_macs_per_token, mapper_parameter_count
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.mapper import load_mapper
 from pipeline.schema.extract import ExtractParams
 from pipeline.schema.fit import FitParams

@@ -1,36 +1,13 @@
-"""The one list of mapper families (their declarations), and the names of maps.
-
-Every other list of families in the pipeline is derived from `FAMILIES` (the contract's, the fit's, the
-trainable ones, the params' allowed values, check_pair's table, the maths' registry, which refuses a declared family
-without maths). Adding a family is adding its two modules, its declaration beside this one (`kv/families/<name>.py`)
-and its maths (`kv/families/maths/<name>.py`), and their two lines: here and in `kv/families/maths/registry.py`. A
-map's name is a `MapName`, built and read here only.
-"""
+"""The names of maps: `MapName`, built and read here only, in the fields each family declares
+(`kv.families.Family.name_fields`)."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from pipeline.kv.families import head_matched, identity, linear, low_rank, mlp
-from pipeline.kv.families.base import Family
-
-FAMILIES: dict[str, Family] = {spec.name: spec for spec in (
-    identity.FAMILY, linear.FAMILY, head_matched.FAMILY, mlp.FAMILY, low_rank.FAMILY)}
-CLOSED_FORM = tuple(name for name, spec in FAMILIES.items() if spec.fitting == "closed_form")
-TRAINED = tuple(name for name, spec in FAMILIES.items() if spec.fitting == "trained")
-FITTED_FAMILIES = CLOSED_FORM + TRAINED  # the families a fit makes maps of
-TRAINABLE = tuple(name for name, spec in FAMILIES.items() if spec.trainable)
+from pipeline.kv.families import FAMILIES, FITTED_FAMILIES, family
 
 DISTILLED_SUFFIX = "+kl"  # a distilled map's name: its start's name and this (`mlp_k3+kl`)
-
-
-def family(name: str) -> Family:
-    """The family called `name`; an unknown name is refused, naming the known ones."""
-    if name not in FAMILIES:
-        raise ValueError(f"unknown mapper family {name!r} (known: {', '.join(FAMILIES)})")
-    return FAMILIES[name]
-
-
 _FIELDS = {"k": (r"_k(?P<k>\d+)", "k{k}"), "rank": (r"_r(?P<rank>\d+)", "r{rank}"),
            "lambda": (r"_lam(?P<lam>[0-9.eE+-]+)", "lam{ridge_lambda:g}")}
 
