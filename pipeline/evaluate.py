@@ -3,7 +3,7 @@
     python -m pipeline.evaluate <variant> [<variant> ...]
 
 Several variants run one after the other in one process, sharing the pair's models (the `evaluate` stage: the
-oracle and the three baselines, `kv.modes.registry.BASELINES`; `evaluate_mapped`: one mapped variant each); the oracle
+oracle and the three baselines, `kv.modes.BASELINES`; `evaluate_mapped`: one mapped variant each); the oracle
 runs first wherever it is named. With `evaluate.processes` N > 1 it runs as N torchrun processes
 (`store.ranks`): each scores every N-th batch of prompts and, through lm-eval's rank contract, every N-th task
 document; rank 0 gathers and writes.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.kv.modes.registry import BASELINES
+from pipeline.kv.modes import BASELINES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import USES, Transfer

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pipeline.kv.decode import eos_ids
-from pipeline.kv.modes.registry import MODES, SOURCE_MODES, split_mode
+from pipeline.kv.modes import MODES, SOURCE_MODES, split_mode
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.request import GATE_SCORES, GENERATE, USES, Transfer

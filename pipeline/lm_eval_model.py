@@ -56,7 +56,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.utils import setup_logging, simple_parse_args_string
 
-from pipeline.kv.modes.registry import MODES
+from pipeline.kv.modes import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.request import KV_TRANSFER, Transfer
 from pipeline.kv.router import Router

@@ -44,7 +44,7 @@ from pipeline.kv.flops import (
     target_prefill_macs,
     truncated_bound,
 )
-from pipeline.kv.modes.registry import MODES
+from pipeline.kv.modes import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import Transfer

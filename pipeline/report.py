@@ -16,7 +16,7 @@ import platform
 from importlib.metadata import version
 from pathlib import Path
 
-from pipeline.kv.modes.registry import BASELINES
+from pipeline.kv.modes import BASELINES
 from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, write_bytes_atomic, write_json_atomic

@@ -41,7 +41,7 @@ def needed_modules(root: Path) -> dict[str, list[str]]:
 
 def code_dep(path: str) -> str:
     """The dep that covers a module's file: the file for a module at the top of pipeline/ or in a FILED wing,
-    else its wing's folder (`pipeline/kv/modes/maths/oracle.py` -> `pipeline/kv`)."""
+    else its wing's folder (`pipeline/kv/modes.py` -> `pipeline/kv`)."""
     package, *rest = path.split("/")
     return path if len(rest) == 1 or rest[0] in FILED else f"{package}/{rest[0]}"
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pipeline.kv.families import FAMILIES, Family
 from pipeline.kv.geometry import kv_geometry
-from pipeline.kv.modes.registry import MODES
+from pipeline.kv.modes import MODES
 from pipeline.kv.rope import STATIC_ROPE_TYPES, RotarySpec, model_name, rope_refusal
 from pipeline.store.cli import Refusal
 from pipeline.store.models import IncompatiblePairError, tokenizer_fingerprint

@@ -15,8 +15,7 @@ whose K slots hold positions that are not 0..K-1, so every read after it is told
 `lengths_read`).
 `source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
 (`decoder`) is the source, the same protocol as the oracle's, recorded as `source`. Each mode is an entry of
-`kv.modes.registry.MODES` (`Handoff.kind`) whose maths' hook (`Handoff.hook`) builds the prefix cache; the handoff
-has no branch on a mode.
+`kv.modes.MODES` (`Handoff.kind`) whose hook `prefix` builds the prefix cache; the handoff has no branch on a mode.
 
 A handoff's first step (`Handoff.first_step`, on a batch of contexts as `kvcache.Prefixes`) is defined once: the
 prefix cache built in the handoff's mode and repaired (`Handoff.built`), then the target's step on each context's
@@ -46,9 +45,7 @@ from pipeline.kv.kvcache import (
 )
 from pipeline.kv.lookahead import scored_prefill
 from pipeline.kv.mapper import Mapper, map_cache
-from pipeline.kv.modes.maths.base import Built, ClockHook, tell
-from pipeline.kv.modes.maths.registry import MODE_MATHS
-from pipeline.kv.modes.registry import MODES, check_mode
+from pipeline.kv.modes import MODES, Built, ClockHook, check_mode, tell
 from pipeline.kv.recompute import RepairCount, repair_cache
 from pipeline.kv.repair import Repair
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
@@ -166,7 +163,7 @@ class Handoff:
         check_mode(mode, source is not None, mapper is not None)
         self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
         self.shuffle_seed = shuffle_seed
-        self.kind, self.hook = MODES[mode], MODE_MATHS[mode]  # the mode's entry, and its hook: every prefix cache
+        self.kind = MODES[mode]  # the mode's entry: its hook `prefix` builds every prefix cache
         handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
         source_tokenizer, target_tokenizer = tokenizers or (None, None)
         # the contract decides from the configs, before any forward; the rotary buffers are then checked
@@ -237,7 +234,7 @@ class Handoff:
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
             return Built(None, None, None)
-        return self.hook.prefix(self, prefix_ids, lengths, mask, clock, prefilled)
+        return self.kind.prefix(self, prefix_ids, lengths, mask, clock, prefilled)
 
     @no_grad
     def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None, prefilled: Layers | None = None,
@@ -301,9 +298,9 @@ class Handoff:
     @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
         """Source cache -> target-space cache (rotated, target dtype), as this handoff's mode hands it over
-        (`kv.modes.maths.base.FromSource.to_target`); `lengths` (B,) are the real lengths of right-padded rows (the
+        (`kv.modes.FromSource.to_target`); `lengths` (B,) are the real lengths of right-padded rows (the
         shuffle permutes each row's real tokens only)."""
-        return self.hook.to_target(self, source_layers, lengths)
+        return self.kind.to_target(self, source_layers, lengths)
 
     def rebuilt(self, source_layers: Layers, mapper: Mapper | None = None, order: torch.Tensor | None = None
                 ) -> Layers:

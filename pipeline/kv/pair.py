@@ -26,7 +26,7 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
-from pipeline.kv.modes.registry import MAPPER_MODES, MODES, check_mode
+from pipeline.kv.modes import MAPPER_MODES, MODES, check_mode
 from pipeline.kv.repair import Repair
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store import paths

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pipeline.kv.gate import map_pair
-from pipeline.kv.modes.registry import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, split_mode
+from pipeline.kv.modes import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, split_mode
 from pipeline.kv.repair import Repair
 from pipeline.kv.scores import FITTED_SCORES, SCORES
 from pipeline.kv.speculative import SECTION, SpeculativeParams

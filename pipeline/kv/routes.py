@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipeline.kv.modes.registry import OWN_MODES
+from pipeline.kv.modes import OWN_MODES
 
 FELL_BACK, EMPTY_PREFIX, REPAIRED, CACHED = "fell_back", "empty_prefix", "repaired", "cached"
 SENTENCES = {  # the ways a reader meets in generate's table

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from pipeline.kv.decode import greedy_generate
 from pipeline.kv.gate import Gate
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.modes.registry import OWN_MODES
+from pipeline.kv.modes import OWN_MODES
 from pipeline.kv.router import Router
 from pipeline.kv.routes import CACHED, served_by
 from pipeline.measure.ledger import Ledger, RequestCache, count_lines

@@ -6,7 +6,7 @@ import json
 
 from pydantic import model_validator
 
-from pipeline.kv.modes.registry import BASELINES
+from pipeline.kv.modes import BASELINES
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store.artifacts import ArtifactError

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipeline.kv.modes.registry import BASELINES
+from pipeline.kv.modes import BASELINES
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.scores import FITTED_SCORES, SCORES
 from pipeline.schema.evaluate import SELECTED
@@ -27,7 +27,7 @@ class Gated(Params):
 
 class OperatingParams(Params):
     lengths: list[Annotated[int, Field(ge=2)]]  # one stage each, every one a key of data.long.lengths
-    baselines: list[str]  # modes without a map beside the oracle (kv.modes.registry.BASELINES)
+    baselines: list[str]  # modes without a map beside the oracle (kv.modes.BASELINES)
     maps: dict[str, str]  # variant -> mapper file (a stage's output)
     repaired: dict[str, Repaired]  # variant -> a map of `maps` under a repair
     gated: dict[str, Gated]  # variant -> a map of `maps` behind a gate

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.kv.modes.base import MAPS_ROW
-from pipeline.kv.modes.registry import MODES
+from pipeline.kv.modes import MAPS_ROW, MODES
 from pipeline.measure.prompt_metrics import FIDELITY, in_group
 from pipeline.measure.retention import (
     PROMPT_MEASURES,

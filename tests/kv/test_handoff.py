@@ -11,7 +11,7 @@ from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teac
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, layers_to_cache, padded_prefixes
 from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
-from pipeline.kv.modes.maths.shuffled import shuffle_order
+from pipeline.kv.modes import shuffle_order
 from pipeline.kv.rope import Rotation
 from pipeline.kv.scoring import score_continuations
 from pipeline.store.models import IncompatiblePairError, load_model

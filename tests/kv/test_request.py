@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from helpers import committed
 
-from pipeline.kv.modes.registry import MODES
+from pipeline.kv.modes import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.request import GENERATE, KV_TRANSFER, USES, Transfer

@@ -2,7 +2,7 @@
 does; a repaired handoff's requests are served as repaired and every way is counted."""
 import pytest
 
-from pipeline.kv.modes.registry import MODES, OWN_MODES
+from pipeline.kv.modes import MODES, OWN_MODES
 from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, hands_off, way, ways
 
 

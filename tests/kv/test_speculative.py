@@ -1,4 +1,4 @@
-"""Speculative prefill (`speculative:P`, `kv.lookahead`, `kv.modes.maths.speculative`): the source scores the
+"""Speculative prefill (`speculative:P`, `kv.lookahead`, `kv.modes.Speculative`): the source scores the
 prefix's positions by its look-ahead attention, the target prefills the kept ones at their own positions and reads
 on from that sparse cache. On every architecture the contract accepts, with a source of another depth (unequal
 geometry: no map, and none needed): p = 1 is the oracle exactly; at p < 1 each kept token sits at its original

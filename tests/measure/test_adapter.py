@@ -13,7 +13,7 @@ from lm_eval.models.huggingface import HFLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.kv.mapper import identity_mapper, save_mapper
-from pipeline.kv.modes.registry import MODES, OWN_MODES
+from pipeline.kv.modes import MODES, OWN_MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED
 from pipeline.lm_eval_model import KVTransferLM

@@ -5,8 +5,6 @@ stage loads is declared in its `params:`; and the report, which only names modes
 scores, imports no registry's maths (`kv/<registry>/maths/`)."""
 import ast
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ def test_a_module_is_a_dep_as_its_file_at_the_top_or_in_schema_and_else_as_its_w
     assert code_dep("pipeline/evaluate.py") == "pipeline/evaluate.py"
     assert code_dep("pipeline/schema/evaluate.py") == "pipeline/schema/evaluate.py"
     assert code_dep("pipeline/kv/rope.py") == "pipeline/kv"
-    assert code_dep("pipeline/kv/modes/maths/oracle.py") == "pipeline/kv"
+    assert code_dep("pipeline/studies/format.py") == "pipeline/studies"
 
 
 @pytest.fixture
@@ -65,7 +63,7 @@ def test_dvc_hashes_a_wing_folder_without_the_bytecode_python_writes_in_it():
 
     with Repo(str(ROOT)) as repo:
         ignored = [repo.dvcignore.is_ignored(repo.fs, str(ROOT / path)) for path in
-                   ("pipeline/kv/__pycache__/rope.cpython-312.pyc", "pipeline/kv/modes/maths/oracle.pyc",
+                   ("pipeline/kv/__pycache__/rope.cpython-312.pyc", "pipeline/kv/modes.pyc",
                     "pipeline/kv/rope.py", "pipeline/store/configs/qwen3-0.6b.json")]
     assert ignored == [True, True, False, False]
 
@@ -209,20 +207,14 @@ def test_a_lazy_reference_the_deps_cannot_read_is_named(tmp_path):
     assert edges(path, modules(tmp_path))["unnamed"] == [("?", 1, False), ("pipeline.nowhere", 2, False)]
 
 
-def maths_in_closure(module: str, root: Path) -> list[str]:
-    """The modules of a registry's maths sub-package (`pipeline.kv.<registry>.maths.*`: its entries' torch code) that
-    `module` imports, as the dvc.yaml deps count imports."""
-    return sorted(name for name in closure(module, graph(root, subprocess=True)) if ".maths." in name)
-
-
 def selectors_in_closure(module: str, root: Path) -> list[str]:
     """The repair's modules (its grammar, its selectors, its run) and the FLOP model that `module` imports."""
     kinds = ("pipeline.kv.selectors", "pipeline.kv.repair", "pipeline.kv.recompute", "pipeline.kv.flops")
     return sorted(name for name in closure(module, graph(root, subprocess=True)) if name.startswith(kinds))
 
 
-def test_the_report_imports_no_selector_and_no_registrys_maths():
-    assert maths_in_closure("pipeline.report", ROOT) == [] and selectors_in_closure("pipeline.report", ROOT) == []
+def test_the_report_imports_no_selector():
+    assert selectors_in_closure("pipeline.report", ROOT) == []
 
 
 def test_the_selector_check_sees_a_study_that_parses_a_repair_setting(tmp_path):
@@ -230,20 +222,6 @@ def test_the_selector_check_sees_a_study_that_parses_a_repair_setting(tmp_path):
     study = tmp_path / "pipeline" / "studies" / "repair.py"
     study.write_text(study.read_text() + "from pipeline.kv.repair import Repair  # the study's edit\n")
     assert {"pipeline.kv.repair", "pipeline.kv.selectors"} <= set(selectors_in_closure("pipeline.report", tmp_path))
-
-
-def test_importing_the_report_loads_no_maths_module():
-    script = "import sys, pipeline.report; print(sorted(m for m in sys.modules if '.maths' in m))"
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
-
-
-def test_the_maths_check_sees_a_study_that_imports_a_modes_maths(tmp_path):
-    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    study = tmp_path / "pipeline" / "studies" / "repair.py"
-    study.write_text(study.read_text() + "from pipeline.kv.modes.maths import oracle  # the study's edit\n")
-    found = maths_in_closure("pipeline.report", tmp_path)
-    assert {"pipeline.kv.modes.maths.oracle", "pipeline.kv.modes.maths.base"} <= set(found)
 
 
 def sections_read(path: Path) -> set[str]:

@@ -20,7 +20,7 @@ def violations(root: Path, stages: set[str], wings: dict[str, tuple[str, ...]]) 
     known = modules(root)
     order = [f"pipeline.{wing}.{name}" for wing, names in wings.items() for name in names]
     rank = {name: i for i, name in enumerate(order)}
-    # a sub-package named in WINGS (kv/families/, or kv/modes/maths/ as `modes.maths`): its modules stand at
+    # a sub-package named in WINGS (`package.module`): its modules stand at
     # its place and import each other freely (the cycle check below still holds between them)
 
     def package(module: str) -> str | None:
@@ -284,14 +284,10 @@ def test_the_lambda_check_sees_a_suppressed_e731(tmp_path):
     assert assigned_lambdas(tmp_path) == ["tests/t.py:2"]
 
 
-# one instance per module, read through its registry (kv/families, kv/modes, their maths)
-REGISTRY_ENTRIES = {"FAMILY", "MODE", "MATHS"}
-
-
 def constants_defined_twice(root: Path) -> list[str]:
     """Module-level UPPER_CASE names of pipeline/ assigned in more than one module, and aliases of a store.paths
-    constant (`X = paths.Y`) outside it, as `name: path, path`. A registry's entry name and a lazy module handle
-    (`F = lazy("torch.nn.functional")`) are each module's own and pass."""
+    constant (`X = paths.Y`) outside it, as `name: path, path`. A lazy module handle
+    (`F = lazy("torch.nn.functional")`) is each module's own and passes."""
     places: dict[str, list[str]] = {}
     aliases = []
     for path in sorted((root / "pipeline").rglob("*.py")):
@@ -304,7 +300,7 @@ def constants_defined_twice(root: Path) -> list[str]:
             lazy = (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
                     and node.value.func.id == "lazy")
             for name in names:
-                if name.id.lstrip("_").isupper() and name.id not in REGISTRY_ENTRIES and not lazy:
+                if name.id.lstrip("_").isupper() and not lazy:
                     places.setdefault(name.id, []).append(where)
             paired = (zip(names, node.value.elts) if isinstance(node.value, ast.Tuple) and len(names) > 1
                       else zip(names, [node.value]))  # `A, B = paths.X, paths.Y` pairs each name with its value
@@ -324,11 +320,11 @@ def test_a_module_level_constant_is_defined_in_one_place_of_pipeline():
     ('OUT, PARTS = paths.EVAL, 1\n',
      ["PARTS: pipeline/a.py, pipeline/b.py", "OUT: an alias of store.paths in pipeline/b.py"]),
     ('PAIR = (paths.EVAL, 1)\n', []),  # a tuple holding a path is not an alias of it
-    ('MODE = Zero()\nF = lazy("torch.nn.functional")\n', []),
+    ('F = lazy("torch.nn.functional")\n', []),
 ])
 def test_the_constants_check_sees_a_name_defined_twice_and_an_alias_of_a_path(tmp_path, second, found):
     (tmp_path / "pipeline" / "store").mkdir(parents=True)
-    (tmp_path / "pipeline" / "a.py").write_text('PARTS = ("b",)\nMODE = Own()\nF = lazy("torch.nn.functional")\n')
+    (tmp_path / "pipeline" / "a.py").write_text('PARTS = ("b",)\nF = lazy("torch.nn.functional")\n')
     (tmp_path / "pipeline" / "b.py").write_text(second)
     (tmp_path / "pipeline" / "store" / "paths.py").write_text('EVAL = Path("eval")\nMODELS = EVAL\n')
     assert constants_defined_twice(tmp_path) == found

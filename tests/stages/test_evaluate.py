@@ -10,7 +10,7 @@ from helpers import ROOT
 from pipeline.evaluate import ordered_variants, variant_repair, variant_request
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
-from pipeline.kv.modes.registry import BASELINES
+from pipeline.kv.modes import BASELINES
 from pipeline.kv.pair import Pair
 from pipeline.kv.router import Router
 from pipeline.measure.compare import oracle_outputs, variant_rows

@@ -1,20 +1,18 @@
-"""The handoff modes as a registry (`kv.modes`): each mode a declared entry with its own prefix hook (its maths,
-`kv.modes.maths`), the handoff calling the hook and branching on no mode's name; a declared mode without a hook is
-refused."""
+"""The handoff modes as a registry (`kv.modes`): each mode one class with its own prefix hook, the handoff calling
+the hook and branching on no mode's name; a mode without a hook cannot be made."""
 import pytest
 from helpers import ROOT
 
-from pipeline.kv.modes import zero
-from pipeline.kv.modes.base import Mode, Reads
-from pipeline.kv.modes.maths import registry as maths_registry
-from pipeline.kv.modes.maths.base import Handed, ModeMaths, Own
-from pipeline.kv.modes.maths.registry import MODE_MATHS
-from pipeline.kv.modes.registry import (
+from pipeline.kv.modes import (
     BASELINES,
     MAPPER_MODES,
     MODES,
     OWN_MODES,
     SOURCE_MODES,
+    Handed,
+    Mode,
+    Own,
+    Reads,
     check_mode,
     register,
     split_mode,
@@ -29,9 +27,9 @@ def test_the_handoff_branches_on_no_mode_name():
 
 def test_every_list_of_modes_is_derived_from_the_entries():
     assert list(MODES) == ["oracle", "zero", "source", "direct", "mapped", "shuffled", "speculative"]
-    assert OWN_MODES == ("oracle", "source") and all(isinstance(MODE_MATHS[name], Own) for name in OWN_MODES)
+    assert OWN_MODES == ("oracle", "source") and all(isinstance(MODES[name], Own) for name in OWN_MODES)
     assert SOURCE_MODES == ("direct", "mapped", "shuffled") and MAPPER_MODES == ("mapped", "shuffled")
-    assert all(isinstance(maths, Handed) for name, maths in MODE_MATHS.items()
+    assert all(isinstance(mode, Handed) for name, mode in MODES.items()
                if name not in OWN_MODES and not MODES[name].sparse)
     assert BASELINES == ("oracle", "direct", "source", "zero")
 
@@ -62,25 +60,20 @@ def test_shuffled_and_the_own_modes_need_no_mapper():
 
 
 def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
-    class Unnamed(Mode):
+    class Unnamed(Own):
         reads = Reads(target=True, source=False, map=False, own=True)
 
-    with pytest.raises(TypeError, match="is not a named kv.modes.base.Mode instance"):
+    with pytest.raises(TypeError, match="is not a named kv.modes.Mode instance"):
         register(Unnamed())
     with pytest.raises(ValueError, match="modes named twice"):
         register(*MODES.values(), MODES["oracle"])
     assert all(isinstance(mode, Mode) and mode.name == name for name, mode in MODES.items())
 
 
-def test_the_maths_registry_gives_every_declared_mode_its_hook_and_refuses_a_mode_without_one():
-    assert list(MODE_MATHS) == list(MODES)
-    assert all(MODE_MATHS[name].declaration is MODES[name] for name in MODES)
-    fake = type("Fake", (type(MODES["zero"]),), {"name": "fake"})()
-    with pytest.raises(ValueError, match=r"^'fake' is declared \(kv.modes.registry\) but has no maths"):
-        maths_registry.register(*MODE_MATHS.values(), declared=register(*MODES.values(), fake))
-
-    class Hookless(ModeMaths):
-        declaration = zero.MODE
+def test_a_mode_without_a_prefix_hook_cannot_be_made():
+    class Hookless(Mode):
+        name = "hookless"
+        reads = Reads(target=True, source=False, map=False, own=True)
 
     with pytest.raises(TypeError, match="prefix"):
         Hookless()
