@@ -10,23 +10,10 @@
     handed = handed_off(mapped, prompt, max_new_tokens=8)  # prompt[:-1]'s cache as the handoff (or its gate) made it
     out = models.target.generate(torch.tensor([prompt]), cache=handed.cache, max_new_tokens=8)
 
-`pair` is a `kv.pair.Pair` (configs, tokenizers and the contract read now, each model's weights on first use, a
-`self:<n>` source sharing the target's layers); `handoff` checks its arguments by the rules kv-transfer's model args
-and generate's flags obey (`kv.request.Transfer`: a mode's map, a repair no larger than the target, a gate's score and
-threshold, each refused in one line before any weight loads) and returns the `kv.router.Router` of that handoff and
-gate; `handed_off` gives the cache the target reads prompt[-1] after: the handoff's own (mapped, repaired, ...) or,
-where the gate falls back, the target's own prefill, with the route that says which (`kv.routes`). The cache is a
-fresh transformers `DynamicCache` of prompt[:-1] at positions 0..n-2: `generate` with the whole prompt as
-`input_ids` reads prompt[-1] and continues from it, as the pipeline's own decoding does. A map is bound to the models
-it was fitted on (`store.fingerprints`); `allow_other_models=True` uses it anyway. Under `handoff(..., "source")` the
-decoding model is the source itself: continue with `handed.model`, which is the target in every other mode. Under
-`handoff(..., "speculative:0.1")` (speculative prefill at share p = 0.1) the cache holds only the kept tokens, each at
-its own position: `next_token_logits` reads on at the true position, but transformers' `generate` numbers positions by
-the cache's length, so pass `position_ids` yourself there.
-
-Every argument is checked where it enters, by the rules generate's flags obey (`store.inputs`): a prompt is token ids
-(ints within the vocabulary; text or a float id is a TypeError), and the prompt with the `max_new_tokens` you will
-decode fits the models' positions; a wrong one is one line naming the argument.
+`handed.cache` is a fresh `DynamicCache` of prompt[:-1] at positions 0..n-2: `generate` with the whole prompt reads
+prompt[-1] and continues, as the pipeline decodes. Under `handoff(..., "source")` continue with `handed.model` (the
+source; the target in every other mode). A map is bound to the models it was fitted on (`store.fingerprints`); each
+argument is checked where it enters, by the rules generate's flags obey, and a wrong one is one line naming it.
 """
 from __future__ import annotations
 
@@ -53,8 +40,10 @@ API = Face("pipeline.api", {**{field: field for field in FIELDS}, "mode": "mode"
 def pair(target: str, source: str | None = None, dtype: str = "float32", device: str | None = None,
          allow_other_models: bool = False, max_tokens: int | None = None) -> Pair:
     """The pair of `target` and `source` (folders, hub ids or `self:<n>`, the target's first n layers; None: the
-    target alone, for the oracle and zero modes) in `dtype` on `device` (default: cuda where there is one, else cpu);
-    `max_tokens`: the longest sequence it will see (a sliding window shorter than it is refused now)."""
+    target alone, for the oracle and zero modes) in `dtype` on `device` (default: cuda where there is one, else cpu):
+    configs, tokenizers and the contract read now, each model's weights on first use. `max_tokens`: the longest
+    sequence it will see (a sliding window shorter than it is refused now); `allow_other_models`: a map fitted on
+    other models is used instead of refused."""
     inputs.choice(dtype, "pair() dtype", DTYPES)
     if max_tokens is not None:
         inputs.at_least(max_tokens, "pair() max_tokens", 1)
@@ -84,7 +73,11 @@ def handoff(models: Pair, mode: str = "mapped", mapper: str | Path | None = None
 @dataclass
 class HandedOff:
     """A prompt's handed-off cache: `cache` holds prompt[:-1] (None for a one-token prompt, which hands nothing
-    off), `model` is the model that reads prompt[-1] after it, `route` says how the cache came."""
+    off), `model` is the model that reads prompt[-1] after it, `route` says how the cache came (`kv.routes`).
+
+    Under speculative prefill (`handoff(..., "speculative:0.1")`, share p = 0.1) the cache holds only the kept
+    tokens, each at its own position: `next_token_logits` reads on at the true position, but transformers'
+    `generate` numbers positions by the cache's length, so pass `position_ids` yourself there."""
 
     cache: object  # a transformers DynamicCache, or None
     model: object
@@ -108,8 +101,9 @@ class HandedOff:
 def handed_off(router: Router, prompt: Sequence[int], max_new_tokens: int = 1) -> HandedOff:
     """`prompt`'s cache as `router`'s handoff builds it (the way its gate sends the prompt: the handoff's own cache,
     repaired where it repairs, or the target's own prefill where it falls back), as a fresh transformers cache.
-    `max_new_tokens`: the tokens you will decode after the prompt (1: the next token's logits); the prompt and they
-    must fit the models' positions, as generate's --max-new-tokens must."""
+    `prompt`: token ids (ints within the vocabulary; text or a float id is a TypeError). `max_new_tokens`: the tokens
+    you will decode after the prompt (1: the next token's logits); the prompt and they must fit the models'
+    positions, as generate's --max-new-tokens must."""
     if not isinstance(router, Router):
         raise inputs.ParamTypeError(f"handed_off() router: expected what pipeline.api.handoff(...) returns, got "
                                     f"{type(router).__name__} {router!r:.60}")

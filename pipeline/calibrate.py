@@ -2,22 +2,10 @@
 
     python -m pipeline.calibrate N
 
-How much calibration does a map need, and from how much on does a larger k pay off? V0 fitted on 50 x 256
-tokens, the closed-form study on 500 x 1024. `dvc.yaml` runs this stage once per `calibration.sizes` entry
-(`calibrate@<n>`), so adding a size runs only that size's stage (and the report).
-
-For n: the first n sequences of `data/calibration.parquet` (the fit split's own draw continued, so n =
-`data.fit_sequences` is the main fit's data) become the fit split of a scratch folder beside the select
-split; the `extract` stage's own command extracts both models' caches there (once, untimed) and the `fit`
-stage's own narrow refit fits exactly `calibration.candidates` (fit's names: e.g. linear k=1, linear k=max and
-the MLP, with fit's settings), and the `distill` stage's own narrow refit distils each `<name>+kl` candidate
-from its start on the same n sequences; then each map is evaluated on the eval tasks as `evaluate` scores a mapped
-variant (`measure.evaluation`). The point whose n sequences are the fit split itself takes the main fit's caches
-and maps instead of extracting and fitting them again: a narrow refit on the same data makes the same bytes (the
-determinism control's check), so only the time differs.
-
-Writes eval/calibration/<n>/<candidate>.parquet (per item) and metrics/calibration/<n>.json (sequences, tokens,
-each candidate's held-out R² and task accuracies); the report draws the curve.
+How much calibration does a map need, and from how much on does a larger k pay off? (V0 fitted on 50 x 256 tokens,
+the closed-form study on 500 x 1024.) The pool continues the fit split's own draw, so the point at n =
+data.fit_sequences reuses the main fit's caches and maps: a refit on the same data makes the same bytes. Each of
+`calibration.candidates` is fitted (or distilled) on the n sequences and scored on the eval tasks as `evaluate` does.
 """
 from __future__ import annotations
 
@@ -61,8 +49,7 @@ def is_fit_split(first: pd.DataFrame) -> bool:
 
 def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Path, Path, dict]:
     """The caches, data and maps folders of a point's fits, and fit's figures of them: the main fit's own when
-    `first` is the fit split, else extracted and fitted in `work` by the stages' own commands (a failure stops
-    this stage)."""
+    `first` is the fit split, else extracted and fitted in `work` (a failure stops this stage)."""
     if is_fit_split(first):
         return paths.CACHES, paths.DATA, paths.MAPPERS, json.loads(paths.FIT.read_text())
     scratch_split(first, work / "data")

@@ -1,22 +1,11 @@
-"""Stage `candidates`: every fitted mapper's task accuracy on the eval part and its time to first token.
+"""Stage `candidates`: every fitted and distilled map's task accuracy on the eval part and its time to first token.
 
     python -m pipeline.candidates
 
-`select` scores every candidate cheaply on the select split (agreement, attention-output cosine, KL); `fit`
-gives each one's held-out R². Whether any of those cheap numbers predicts the expensive one, task retention,
-can only be read off candidates whose retention was measured too, and the quality/speed frontier needs every
-candidate's speed beside its quality. So this stage runs, for each mapper in models/mappers:
-
-- lm-eval's HellaSwag and PIQA on the eval part through the router, one evaluation (`measure.evaluation`) as
-  `evaluate` scores a mapped variant (per-item outcomes to eval/candidates/<candidate>.parquet; each distilled map
-  and its start also on the eval prompts, without the confident figures, which read `measure.confident_margin`);
-- the handoff's time to first token against the target's own prefill at `candidates.length` prompt tokens
-  (`measure.latency`, medians of `repeats` after `warmup`), with the FLOP bound of that mapper on this pair
-  and of the same family and k at the shapes of `candidates.bound_pair` (`kv.flops`);
-- its parameters and file bytes.
-
-The report turns them into retention and gap closure per candidate, the proxies' rank correlations and the
-Pareto front. Writes metrics/candidates.json.
+Whether the cheap numbers (select's agreement, attention-output cosine and KL; fit's held-out R²) predict task
+retention can only be read off candidates whose retention was measured too, and the quality/speed frontier needs each
+candidate's speed beside its quality. Per map: the eval tasks, the handoff's TTFT against the target's prefill at
+`candidates.length` tokens (medians of `repeats` after `warmup`), and the FLOP bound here and at `bound_pair`'s shapes.
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """`python -m pipeline.check_pair SOURCE TARGET`: the architecture contract of a pair, before any GPU hour.
 
-SOURCE and TARGET are hub ids, local folders, or `shape:<name>` for a stored real config (pipeline/store/configs);
-SOURCE may be `self:<n>`, the target's own first n decoder layers.
-Only configs and tokenizers are read (a hub id fetches those files alone, no weights), so it answers in seconds;
-offline, a hub id that is not in the local cache is named as unreachable, and a path that is not there as no
-such folder. It prints both geometries and rotary settings, whether the tokenizers are identical (`unchecked`,
-with what the configs say, where a side has no tokenizer files), which handoff modes and mapper families are
-defined (and why not), the mapper sizes per family and k, the FLOP bound of the handoff's time to first
-token at a few prompt lengths and the `self:<n>` source of the real source's prefill cost; it exits non-zero
-when the mapped handoff is refused. The ks, the lengths and the mlp width default to params.yaml's fit.ks,
-latency.lengths and fit.mlp.hidden; the run length a sliding window is checked against (--max-tokens) to the
-longest sequence params.yaml's profile feeds the models (`kv.contract.run_length`), or the models' position
-range without a params.yaml, and never past the models' positions. Every k must be within the source's layers
-and every length at least 2 (`store.inputs`), each refusal one line; params' fit.ks beyond a shallower source (the
-`self:<n>` this tool suggests) are left out, and named, rather than refused.
-
-`--mapper FILE` checks a map against the pair as every handoff does before any forward: the fingerprints of the
-models it was fitted on against these models' (`store.fingerprints`: weights, config, generation config and
-tokenizer, each named when it differs; not for a `shape:` side, which has none) and its KV geometry against
-theirs; it prints what it checked, and a mismatch is the one-line refusal. `--allow-other-models` reports a map
-fitted on other models instead of refusing it.
+SOURCE and TARGET are hub ids, local folders or `shape:<name>` (a stored real config, pipeline/store/configs); SOURCE
+may be `self:<n>`, the target's first n decoder layers. Only configs and tokenizers are read, so it answers in seconds.
+It prints both geometries, which handoff modes and mapper families are defined (and why not), the mapper sizes and the
+FLOP bound on the handoff's TTFT speedup; it exits non-zero when the mapped handoff is refused.
 """
 from __future__ import annotations
 

@@ -2,22 +2,10 @@
 
     python -m pipeline.check_params
 
-Every section is parsed by the Params class of the stage that reads it (from `pipeline.schema`: no stage is
-imported here), and a top-level key no stage reads is refused, so a typo anywhere (`evaluate.horizn`) or an
-empty list (`fit.lambdas: []`) stops `dvc repro` and `dvc exp run` here, naming the key, before anything is
-computed. Then the rules between sections (`ParamsFile`'s validators),
-which no stage could check alone before it runs: a calibration or length candidate the fit grid does not make,
-a calibration size beyond its pool, a mapper file no stage writes, a repaired variant reading a choice select does
-not make, a report variant that is not evaluated, a trained pair without its settings, a k beyond the source's
-layers, a repair (repair.grid, select.repairs, evaluate.repair) recomputing more layers than the target has or a
-sink past its positions, a self source as deep as the target, an absolute model path inside the repository, a split
-fit reads and extract skips.
-A hub-kind target's layers and positions are read from the config the profile names, without any weight: a local
-folder's config.json, or a converted checkpoint's stored shape (`convert.<side>.shape`) before conversion. A pair
-is checked against its study: the data's tokenizer is the target's, a converted side is a model of the pair, and
-the tiny world's generated data goes with the tiny trained pair only.
-Writes metrics/params_check.json, the names of the sections checked: its bytes do not depend on the values,
-so `prepare_data`, which depends on it, and everything after it rerun only for the parameters they read.
+Each section is parsed by the Params class of the stage that reads it (`pipeline.schema`: no stage is imported), a key
+no stage reads is refused, then the rules between sections run (`PARAMS_RULES`), which no stage could check alone: a
+typo or a wrong combination stops `dvc repro` here, naming the key. Writes metrics/params_check.json, the names of the
+sections checked: its bytes do not depend on the values, so the stages after it rerun only for the params they read.
 """
 from __future__ import annotations
 

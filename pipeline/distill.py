@@ -2,32 +2,10 @@
 
     python -m pipeline.distill [--only NAME[,NAME...]] [--mappers DIR] [--caches DIR] [--data DIR] [--out DIR]
 
-For each map named in `distill.start` (fit's own names, e.g. `linear_k1_lam1e-05`, `mlp_k3`) a map of the same
-family, shapes and parameter count, initialised from the fitted one, is trained with both models frozen: the KL
-from the target's next-token distributions after its own prefill to those after the mapped cache, at the handoff
-position and the next `distill.horizon` teacher-forced positions (the last-token protocol), plus a weight x the
-normalised key/value regression. Rows are the fit split's sequences cut at each of `distill.context_lengths`; the
-source enters only as its stored caches (caches/source, no source forward), the oracle is the target's own prefill
-of each row, computed once and kept, with the row, for every epoch and map up to `distill.oracle_gib` (beyond,
-once per batch). AdamW's rate and the regression's weight are the pair of the start family's grid `distill.lrs`
-and the grid `distill.kv_weights` whose probe (`distill.probe_steps` steps from the start) scores the lowest
-select KL; early stopping on the select split's KL, `distill.seed`: bit-identical on one CPU device, so the
-determinism control can refit the selected map (`--only NAME --mappers DIR --out DIR`, as `fit --only`) and a
-calibration point can distil its own refitted maps on its own sequences (`--caches DIR --data DIR`). With
-`distill.processes` N > 1 (and as many maps) it runs as N torchrun processes (`store.ranks`), each distilling
-every N-th map with its own copy of the oracles; rank 0 gathers the maps and writes them, the same bytes as one
-process.
-
-Writes `models/distilled/<start>+kl.safetensors` (the mapper format, family unchanged; the metadata's
-`distilled` entry records the start map's digest, the loss weights, the chosen rate and weight and every probe's
-select KL, steps and the best epoch), so select, the handoff, `kv-transfer`, latency and controls read it as any
-map; `metrics/distill.json` (per map: the chosen rate and kv_weight, each probe's select KL under
-`probes/<rate>/<kv_weight>`, select KL and agreement before and after, the full run's select KL per epoch, epochs,
-steps, seconds and their split into the oracle, reading the rows, the mapped step through the target, the map
-update and the select scoring; the stage's split summed over maps and ranks) and
-`metrics/distill/<start>+kl.csv`, per epoch the fit losses and the select KL and agreement (a DVC plot: epoch vs
-select KL, one line per map). A progress bar per epoch (and per probe) shows each map's rows, its last select KL
-and the epoch's ETA.
+Each map named in `distill.start` (fit's names) starts a `<start>+kl` map of its family and size, trained on the fit
+split's sequences cut at each of `distill.context_lengths`; the source enters only as its stored caches. Bit-identical
+on one CPU device, so the determinism control can refit the selected map (`--only NAME --mappers DIR --out DIR`, as
+`fit --only`); under `distill.processes` N > 1 each rank distils every N-th map, the same bytes as one process.
 """
 from __future__ import annotations
 

@@ -2,28 +2,10 @@
 
     python -m pipeline.evaluate <variant> [<variant> ...]
 
-Several variants run one after the other in one process, sharing the pair's models (the `evaluate` stage: the
-oracle and the three baselines, `kv.modes.BASELINES`; `evaluate_mapped`: one mapped variant each); the oracle
-runs first wherever it is named. With `evaluate.processes` N > 1 it runs as N torchrun processes
-(`store.ranks`): each scores every N-th batch of prompts and, through lm-eval's rank contract, every N-th task
-document; rank 0 gathers and writes.
-
-Variants: `oracle` (the target's own cache; it also computes and stores the oracle's outputs that every
-other variant is compared with), `direct`, `source` (the source model alone), `zero`, and the mapped
-variants of `evaluate.mapped`: `mapped_k<k>` (the best ridge strength for that k), `selected` (the mapper chosen
-by `select`) and `shuffled` (the selected mapper's cache with its token order permuted). A variant named in
-`evaluate.repair` hands off its map's cache repaired by the target (`kv.repair`): by the setting given there, or
-by the one `select` chose with the selected map (`selected`, read from models/mapper_repair.json); its metrics
-name the setting (`repair`). Every variant needs the
-controls to have passed (metrics/controls.json). A variant the pair's architecture contract leaves undefined
-(`direct` between unequal KV geometries) is not run: its metrics file and eval/<variant>/SKIPPED hold the reason.
-
-Each variant is one evaluation (`measure.evaluation.evaluate`, through a router of its handoff). Writes, per variant,
-metrics/eval/<variant>.json (the evaluation's nested figures: `prompts` beside V0's top-1 the agreement where the
-oracle is sure, at the margin `measure.confident_margin`, and the oracle-weighted agreement, `measure.prompt_metrics`;
-`tasks` per task and item kind; a mapped variant's `map`; its wall time is the variant's own),
-eval/<variant>/prompts.parquet (per prompt), eval/<variant>/items.parquet (per task item, for the paired
-statistics of the report) and lm-eval's own results and samples (eval/<variant>/lm_eval/).
+A variant is a baseline (`oracle`: the target's own cache, whose stored outputs every other variant is compared with,
+so it runs first; `direct`; `source`, the source model alone; `zero`) or a key of `evaluate.mapped`, its map handed off
+(`shuffled`: with the cache's token order permuted), repaired by the target where `evaluate.repair` names it. Every
+variant needs the controls to have passed. Several variants run in one process, sharing the pair's models.
 """
 from __future__ import annotations
 
@@ -65,8 +47,8 @@ def variant_mode(variant: str) -> str:
 
 
 def variant_request(variant: str, params: EvaluateParams) -> Transfer:
-    """The handoff `variant` (a baseline or a key of evaluate.mapped: `ordered_variants` refused any other before
-    the work began) evaluates, as a request (`Router.of` builds it between the pair's models)."""
+    """The handoff `variant` (a baseline or a key of evaluate.mapped, any other refused before the work began)
+    evaluates, as a request."""
     if variant in BASELINES:
         return Transfer.stage(mode=variant)
     mode = variant_mode(variant)

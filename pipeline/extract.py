@@ -1,19 +1,11 @@
-"""Stage `extract`: one model's KV caches over the fit and select sequences, sharded on disk.
+"""Stage `extract`: one model's KV caches over the fit and select sequences, sharded on disk (`store.cachefiles`).
 
     python -m pipeline.extract source|target [--data FOLDER --out FOLDER]
 
-With `extract.processes` N > 1 it runs as N torchrun processes (`store.ranks`): rank r writes shards r, r+N, ...
-of every split under their global indices, rank 0 the manifest; the caches are the same bytes as one process's.
-
-Reads `models/<model>` and `data/<split>.parquet`; writes `caches/<model>/` (see `cachefiles`) and
-`metrics/extract_<model>.json`. With `--data` and `--out` (the calibration curve's extraction of its own fit
-split) it reads the splits from that folder and writes the caches to `--out`, its figures beside them as
-`<out>.json`, extracting once (`repeats` are for the stage's own timing). Only the decoder body runs (no
-logits), in `models.dtype` on `machine.device`. Keys are RoPE-stripped in float32 (content space), values
-kept as cached; both stored in `extract.dtype`. Shards are hashed and written on a background thread while
-the model computes the next ones, so extraction should cost little more than the slower of its two floors,
-measured in the same run: a plain forward over the same tokens, and a plain write of the same bytes to the
-same disk.
+Only the decoder body runs (no logits), in `models.dtype`; keys are RoPE-stripped in float32 (content space), values
+kept as cached, both stored in `extract.dtype`. Shards are hashed and written on a background thread while the model
+computes the next ones, so extraction should cost little more than the slower of its two floors, measured in the same
+run: a plain forward over the same tokens and a plain write of the same bytes to the same disk.
 """
 from __future__ import annotations
 

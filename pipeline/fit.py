@@ -2,20 +2,10 @@
 
     python -m pipeline.fit [--caches FOLDER] [--out FOLDER] [--only CANDIDATE[,CANDIDATE...]]
 
-With `fit.processes` N > 1 it runs as N torchrun processes (`store.ranks`): each fits every N-th target layer
-and probe group, summing exactly what one process sums, and rank 0 writes; the mappers are the same bytes.
-
-Reads `caches/source`, `caches/target` (from `extract`), `models/source` and `data/select.parquet` (only to
-time the mappers against the source's prefill), and both models' configs: a family the pair's architecture
-contract leaves undefined (head_matched between unequal KV head counts) is skipped, its reason in fit.json.
-Writes `models/mappers/<candidate>.safetensors`, `metrics/fit.json`, `metrics/fit_layers.csv` (R² per
-candidate, target layer, head and kind) and `metrics/fit_probe.csv` (the single-layer probes that chose the
-source layers).
-
-The recipe: single-layer probes rank the source layers for every target layer (`fitting.probes`); per target
-layer every ridge candidate is solved from shared moments and every MLP candidate trained (`fitting.families`;
-`fit.mlp.workers` maps at a time, in threads), spilling each layer's tensors to disk; then one candidate at a time
-is assembled, written and timed against the source's prefill (`measure.timing`).
+Single-layer probes rank the source layers for every target layer (`fitting.probes`; a map reads the k best); per
+target layer every ridge candidate is solved from shared moments and every MLP candidate trained (`fitting.families`),
+then each candidate is written and timed against the source's prefill. A family the pair's contract leaves undefined
+(head_matched between unequal KV head counts) is skipped, its reason in fit.json.
 """
 from __future__ import annotations
 

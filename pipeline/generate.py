@@ -1,47 +1,9 @@
 """`python -m pipeline.generate PROMPT`: see the handoff on a prompt of your own, each mode beside the oracle.
 
-The prompt is the positional text, a file's text (`--file PATH`) or the first N prompts of the eval part
-(`--eval N`, data/eval.parquet's prompt ids, shown decoded with the target's tokenizer). Each mode of
-`--transfer` continues it under the last-token protocol (PROTOCOL.md, "Handoff"): prompt[:-1] becomes the
-mode's cache, the decoding model reads prompt[-1] with it, then decodes token by token from the same cache
-until `--max-new-tokens` or EOS. Modes: `oracle` (the target's own prefill; always run first, it is what the
-others are compared with), `mapped` and `shuffled` (through `--mapper`, by default the selected map
-models/mapper.safetensors for the pipeline's pair), `direct`, `zero`, and `source` (the source model alone, its
-own cache and its own predictions). Tokens are greedy, or sampled at `--temperature` from a generator seeded by
-`--seed` afresh for each mode, so modes that agree draw the same tokens.
-
-Each mode's tokens are printed as they come; then a table gives per mode its time to first token (the cache
-built, prompt[-1] read and the first token picked, in ms by time.perf_counter, after one untimed token of
-each mode), its new tokens, and the first new token (counted from 0) where it departs from the oracle's.
-A mode the pair's contract refuses, or whose mapper is missing, is one line and skipped.
-
-With a gate (`--fallback entropy|kl|disagree --threshold T`, and `--disagree K1:KMAX`, the two mapper files of
-that score) each mode that hands off the source's cache (direct, mapped, shuffled) scores the prompt from its
-handoff's first step (`kv.gate`, as lm-eval's `fallback=` model args do) and, where the score exceeds T,
-continues from the target's own prefill instead: its row gives the score, the time the scoring took (its own
-source prefill, map and first step, on top of the time to first token of the way it went) and whether it went
-its own way or fell back. `--threshold=-inf` (the `=` keeps argparse from reading an option) sends every gated
-mode to the oracle, `inf` none.
-
-With `--repair SETTING` (`kv.repair`'s form, as kv-transfer's `repair=`: `sink:4+tokens:0.1:attention`, ...) the
-target recomputes that part of the cache of every mode whose cache it did not prefill itself (zero, direct, mapped,
-shuffled; a gated one when it keeps its way), the rule kv-transfer applies, before its first step; the repair's
-time is part of the time to first token. A gate scores the map's cache before the repair. A repair or gate flag
-that no mode of `--transfer` reads (`--transfer oracle --repair ...`) is refused, and so is a repair larger than
-the pair's target (more layers than it has, a sink past its positions), from the configs, before any weight loads.
-
-Each row's route says how the mode's cache came: `oracle`, `source`, the mode's own handoff (`mapped`, `direct`,
-...), `repaired <setting>: [layers 0-n exact,] N tokens recomputed in T ms` (the repair's own time, from the
-handoff's `repaired.log`), `fell back to the target's prefill: <score> S > threshold T`, or `nothing handed off`
-(a one-token prompt has no prefix). Every flag is checked before model work by `store.inputs`' rules and each
-mode's `kv.request.Transfer` (the rules kv-transfer's model args obey: a threshold never nan, a temperature >= 0,
-`--eval N` within the eval prompts, `--threads` and `--shuffle-seed` >= 0, a prompt that is not only whitespace, a
-UTF-8 `--file`, prompt and new tokens within the models' positions, a device this machine has and can run on):
-one line and exit 2 for the first bad one.
-
-The pair is the pipeline's (models/target, models/source of params.yaml's `models` section) or any other
-(`--target DIR [--source DIR]`); the dtype comes from the `models` section unless given, the device and CPU threads
-from the `machine` section.
+Each mode of `--transfer` continues the prompt under the last-token protocol (PROTOCOL.md, "Handoff"): prompt[:-1]
+becomes the mode's cache and the decoding model reads prompt[-1] with it. A table gives per mode its time to first
+token (cache built, prompt[-1] read, first token picked; in ms, after one untimed token per mode), its new tokens,
+the first new token (from 0) where it departs from the oracle's, and the route its cache came by.
 """
 from __future__ import annotations
 
@@ -123,9 +85,11 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
         temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: dict | None = None,
         asked: bool = False, repair: Repair | None = None) -> list[list[Generation]]:
     """Each prompt continued in every mode the pair allows, streamed to `out` (by default stdout), then its summary
-    table. `gate` ({fallback, threshold, disagree}) gates each mode that hands off the source's cache, `repair`
-    repairs each mode whose cache the target did not prefill (`kv.request.USES`): a gated mode goes the way its gate
-    sends it."""
+    table. `gate` ({fallback, threshold, disagree}) gates each mode that hands off the source's cache: where its score
+    exceeds the threshold the prompt continues from the target's own prefill, and the scoring's time (its own source
+    prefill, map, repair and first step) is shown beside the time to first token of the way it went. `repair`
+    repairs each mode whose cache the target did not prefill (`kv.request.USES`; a gated one where it keeps its way),
+    within its time to first token."""
     out = out or sys.stdout
 
     def say(line: str) -> None:

@@ -55,7 +55,7 @@ def stage(params: LatencyParams, machine: MachineParams) -> dict:
 
 def rivals(pair: Pair, params: LatencyParams) -> dict:
     """The handoffs timed beside the map, part by part: the map with each repair, speculative prefill at each share
-    (the look-ahead settings select chose, models/lookahead.json, where they are read)."""
+    (under the look-ahead settings select chose, models/lookahead.json, wherever a handoff reads them)."""
     lookahead = chosen_lookahead(paths.LOOKAHEAD)
     out = {}
     for setting in params.settings():

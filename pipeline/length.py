@@ -2,22 +2,10 @@
 
     python -m pipeline.length
 
-Maps are fitted at one length and used at others. Here one candidate of the fit grid (`length.candidate`) is
-refitted on the fit and select sequences cut to their first `length.fit_tokens` tokens, twice: on keys with RoPE
-stripped, as the pipeline does, and on keys as cached, rotated in and out (the ablation: `extract --keep-rope`,
-a map that reads and writes rotated keys). Both run through the extract and fit stages' own commands in a
-scratch folder. Then every eval sequence long enough is cut into a prompt of each of `length.prompt_lengths`
-tokens (1x, 2x, 4x the fit length) and the next `length.continuation` tokens, and both maps' handoffs are
-evaluated against the oracle on them (`measure.evaluation`: perplexity, next-token and all-position agreement, KL, the
-other prompt metrics but the confident ones, which read `measure.confident_margin`).
-
-Task accuracy by length: both maps are also scored on the eval task items (lm-eval, as `evaluate` scores a
-mapped variant), whose contexts are longer than the fit length; each item keeps its context's length in tokens
-(HellaSwag's `ctx`, PIQA's `goal`, target tokenizer), and the report compares the two maps item by item within
-bins of that length.
-
-Writes eval/length/<stripped|rotated>_L<n>.parquet (per prompt, for the report's paired tests),
-eval/length/<stripped|rotated>_tasks.parquet (per task item) and metrics/length.json.
+One candidate of the fit grid (`length.candidate`) is refitted on sequences cut to `length.fit_tokens`, twice: on keys
+with RoPE stripped, as the pipeline does, and on keys as cached (`extract --keep-rope`). Both maps are scored against
+the oracle on eval prompts of each of `length.prompt_lengths`, and on the task items, each with its context's length in
+target tokens (HellaSwag's `ctx`, PIQA's `goal`) so the report can compare the two maps within bins of that length.
 """
 from __future__ import annotations
 

@@ -1,43 +1,26 @@
 """The lm-eval model `kv-transfer`: tasks scored by the target after a KV-cache handoff, named by model args.
 
-Importing this module registers the model. It is `measure.adapter.HandoffLM` (lm-eval's `TemplateLM` over a
-`kv.router.Router`) built from lm-eval's model args, comma-separated `key=value`:
-
-    target=<hub id or path>  source=<hub id or path>  transfer=oracle|zero|source|direct|mapped|shuffled
-    mapper=<mapper file, for mapped and shuffled>  dtype=float32|bfloat16|float16  device=cuda|cpu
-    batch_size=<int>  target_revision=...  source_revision=...  shuffle_seed=<int, for shuffled>  max_length=<int>
-    fallback=entropy|kl|disagree  threshold=<float>  disagree=<k=1 mapper file>:<k=max mapper file>
-    repair=<kv.repair setting, e.g. sink:4+tokens:0.1:attention: the target recomputes part of the cache>
-    allow_other_models=true|false  (default false: a map fitted on other models than target/source is refused)
-
-The handoff's part of them is a `kv.request.Transfer`, checked before any model is loaded by the rules generate's
-flags obey too: an arg the transfer does not read (`transfer=oracle,mapper=...`, `source=` beside oracle or zero,
-a revision of a local folder, `repair=` on oracle or source, a gate on a mode without a source cache,
-`shuffle_seed=` beside anything but shuffled), an arg given twice in any of lm-eval's forms (comma-separated, space-
-separated, `-a`, repeated flags, JSON), a path lm-eval read as a number or a boolean (`target=2024`), a mode that
-reads a source without `source=`, a repair larger than the target, `device=meta`, a folder without complete
-weights: each one line, exit 2.
-
-With `fallback` (a `kv.gate` score) each context is scored from the handoff's first step (the map's cache, before
-any repair) and falls back to the target's own prefill where its score exceeds `threshold`. lm-eval's results
-record the route of every request in their `config` (`kv_transfer`: transfer, repair, gate, the counts per task and
-the routes per document that differ from the handoff's own way; `measure.adapter`), and `run` prints the counts
-after lm-eval's table. With `--use_cache PATH` the requests are answered from (and stored in) a cache file keyed by the
-handoff, `PATH_kv-<key>_rank<r>.db` (`cache_key`: every model arg as lm-eval built them but the batch size, each
-map file's content hash and both models' fingerprints), so a run never reads another handoff's or another model's
-answers; lm-eval's own cache, keyed by the path alone, is not used, and each request it answers is recorded as
-`cached` with the way that first served it.
-
-lm-eval's `--apply_chat_template` and `--system_instruction` work as for `hf`. Under `torchrun --nproc_per_node N`
-(or `accelerate launch`) each process scores every N-th document and rank 0 gathers the results, through lm-eval's
-rank contract; the process group is joined when lm-eval builds the model (`from_args`) and left when its command
-line is done.
-
-Run lm-eval's own command line with this model registered (`--device` defaults to the pipeline's choice: cuda
-when there is one, else cpu; docs/interfaces.md shows the hub and the local-task forms):
+Importing this module registers it; `python -m pipeline.lm_eval_model run ...` is lm-eval's own command line with it
+(docs/interfaces.md shows the hub and local-task forms; `--device` defaults to cuda where there is one, else cpu).
+Model args are checked before any model loads: one the transfer does not read, one given twice in any of lm-eval's
+forms, a path lm-eval read as a number or boolean (`target=2024`), a repair larger than the target: one line, exit 2.
 
     python -m pipeline.lm_eval_model run --model kv-transfer \
         --model_args target=...,source=...,transfer=mapped,mapper=... --tasks hellaswag,piqa
+
+    target=, source=        hub id or path; target_revision=, source_revision=: a hub commit (not for a folder)
+    transfer=               oracle (default)|zero|source|direct|mapped|shuffled|speculative:<share> (the last reads
+                            params.yaml's `speculative` look-ahead settings)
+    mapper=                 map file, for mapped and shuffled; shuffle_seed=<int> only for shuffled
+    repair=                 a kv.repair setting (sink:4+tokens:0.1:attention): the target recomputes part of the cache
+    fallback=, threshold=   entropy|kl|disagree, a kv.gate score of the handoff's first step (before any repair); where
+                            it exceeds threshold=<float> the target prefills itself; disagree=<k=1 map>:<k=max map>
+    dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>|auto  max_length=<int>
+    allow_other_models=true  accept a map fitted on other models than target/source (default: refused)
+    --use_cache PATH        answers kept per handoff, PATH_kv-<key>_rank<r>.db (`cache_key`), never lm-eval's own cache
+    --apply_chat_template   as for `hf`, and --system_instruction
+    torchrun, accelerate    each process scores every N-th document; rank 0 gathers the results
+    routes                  each request's in the results' `config` (`kv_transfer`); counts printed after the table
 """
 from __future__ import annotations
 
@@ -91,8 +74,7 @@ class KVTransferLM(HandoffLM):
                   shuffle_seed: int | str | None = None, max_length: int | str | None = None,
                   fallback: str | None = None, threshold: float | str | None = None, disagree: str | None = None,
                   repair: str | None = None, allow_other_models: bool | str = False, **unknown) -> "KVTransferLM":
-        """The model lm-eval's model args name (the module docstring lists them): every arg checked, then the pair,
-        then its router."""
+        """The model lm-eval's model args name (the module docstring lists them)."""
         if unknown:
             known = [arg for arg in inspect.signature(cls.from_args).parameters if arg != "unknown"]
             raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")
@@ -264,11 +246,8 @@ def prepare(namespace, given: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's own command line, with `kv-transfer` registered by the import above, its model args checked in
-    every form and its request cache keyed by the handoff (`prepare`); then each model's route counts. Under
-    torchrun the process group its model joined (`from_args`) is left here, when lm-eval is done with it. Run as a
-    command (`entry`), a refusal of the project's (a bad model arg, a missing or corrupt map) is one `error:` line,
-    exit 2."""
+    """lm-eval's own command line with `kv-transfer` registered, then each model's route counts. Run as a command, a
+    refusal of the project's (a bad model arg, a missing or corrupt map) is one `error:` line, exit 2."""
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one

@@ -2,30 +2,10 @@
 
     python -m pipeline.operating <n>
 
-At prompt length n (a key of data.long.lengths) two sets of prompts: the eval prompts of data/long/eval_<n>.parquet
-(real text, n tokens and a continuation) and the pass-key items of data/long/retrieval_<n>.parquet (a key stated once
-at a seeded depth, asked for at the end). Every variant is evaluated timed on both (`measure.evaluation.evaluate`,
-`timed=True`: each prompt alone at batch 1, its time to first token measured in the pass that scores it, its prefix
-cache built once for its teacher-forced continuation and its greedy rollout):
-
-    oracle              the target's own prefill: its outputs are stored first, every variant is compared with them
-    baselines           operating.baselines (`source`, the source model alone; `zero`, the null cache)
-    maps                operating.maps: each map's handoff
-    repaired            operating.repaired: a map under a repair setting (`selected`: select's choice)
-    gated               operating.gated: a map behind a gate whose threshold sends `fallback` of the select split's
-                        prompts at n back to the target's prefill (chosen there, never on the eval prompts)
-    speculative_<p>     speculative prefill at share p (operating.speculative): the source's look-ahead scores choose
-                        the positions the target prefills, under the look-ahead settings select chose
-    truncated_<name>    the truncated prompt (the target's own prefill of the prompt's last tokens) at the budget of
-                        each repaired variant at n (operating.truncated)
-
-Per variant: the per-position figures against the oracle (`measure.prompt_metrics`: confident-position agreement,
-KL, perplexity ratio, ...), agreement on recall positions against the others (`measure.retrieval`), the pass-key
-exact match and, where the handoff chose the positions the target computes (speculative prefill's kept tokens, a
-repair's recomputed ones), the selection recall (the key's tokens among them), the measured speedup (the oracle's
-mean time to first token over the variant's, on the same eval prompts) and the FLOP bound at n (`kv.flops`, at the
-pair's own configs; a repair ranking by the source's scores counts them). Writes
-eval/operating/<n>/<variant>/{prompts,retrieval}.parquet and metrics/eval/operating/<n>.json.
+At prompt length n (one of operating.lengths) the oracle and every variant of the `operating` section are evaluated on
+data/long/'s eval prompts and pass-key items, each prompt alone at batch 1, timed in the pass that scores it. Per
+variant: figures against the oracle, pass-key exact match, selection recall (the key's tokens among the positions the
+target computed), measured speedup over the oracle, the FLOP bound at n; a gate's threshold comes from the select split.
 """
 from __future__ import annotations
 

@@ -2,18 +2,10 @@
 
     python -m pipeline.pin_models
 
-DVC cannot see a checkpoint outside the repository, so this stage runs every time (`always_changed`) and
-writes models/pins.json, the identity of each side; `prepare_models` depends on that file, so it (and all
-after it) reruns exactly when an identity changes, and never otherwise:
-
-- kind `hub`, a local folder: its path (relative to the repository root when inside it, else absolute), refused
-  unless its weights are complete (`store.weights.weights_refusal`), and a sha256 over its fingerprint (weights,
-  config, generation config, tokenizer: `store.fingerprints.folder_pin`); a changed part changes the hash, a file
-  that is no part (a README, NOTES.md) does not, and a moved folder is refused by name when a later stage loads it;
-- kind `hub`, a hub id: the commit of `models.*_revision` (null: the current one), read from the local
-  Hugging Face cache when the id is there (so it works offline), else asked from the hub;
-- kinds `trained` and `random`: nothing outside the repository, the names only;
-- a self source (`models.source: self:<n>`, any kind): the target's pin plus n.
+DVC cannot see a checkpoint outside the repository, so this stage always runs and writes models/pins.json, each side's
+identity: the stages after it rerun exactly when one changes. A local folder is pinned by a sha256 of its fingerprint
+(weights, configs, tokenizer; not a README beside them), a hub id by the commit of `models.*_revision` (from the local
+Hugging Face cache when there, so offline), kinds `trained` and `random` by name, a self source as the target and n.
 """
 from __future__ import annotations
 

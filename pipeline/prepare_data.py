@@ -1,29 +1,9 @@
-"""Stage `prepare_data`: the sequence sets and task items of the study, as Parquet under data/.
+"""Stage `prepare_data`: the sequence sets and task items of the study, as Parquet under data/, with their tokenizer.
 
-Writes `fit`, `select`, `eval` (token sequences: doc_id, text, token_ids, content_hash; eval also
-prompt_ids and continuation_ids), `calibration` (the fit split's own draw continued to
-`data.calibration_sequences`: its first `fit_sequences` rows are `fit` itself; the calibration curve fits on
-its first n) and HellaSwag / PIQA items in lm-eval's own schemas, each in a `dev` and an
-`eval` part, plus the tokenizer the ids were made with (data/tokenizer). Two sources:
-
-- `generated` (tiny profile): the tiny world (`pipeline.tiny.world`), its tokenizer trained on its corpus, and
-  the training corpus (data/corpus.parquet) the tiny models learn from;
-- `hub` (V0 profile): a text corpus and the HellaSwag / PIQA validation splits from the Hugging Face hub,
-  or from local files (`path`), tokenized with the target model's tokenizer (data/corpus.parquet is
-  written empty: the models are not trained here).
-
-Subsamples are seeded and nested (the first n of a larger draw are the smaller draw) and every split is
-checked disjoint from every other by document id and content hash before anything is written. Corpus
-documents are dealt to the splits whole; a split takes one sequence per document while its documents
-suffice, then further whole windows of its long documents (`<doc_id>/w<k>`), so a corpus of a few long
-documents (WikiText-2's test file) can still feed a large fit set.
-
-With `data.long` (hub only), the eval stream's documents are dealt again, to the short eval prompts and to each
-operating length: `data/long/eval_<n>.parquet` holds windows of n + `long.continuation` tokens cut into an n-token
-prompt and its continuation, `data/long/retrieval_<n>.parquet` pass-key items of n tokens whose haystacks come from
-the same documents (`store.haystack`). Every split and length holds documents of its own (`store.splits.document`:
-a window is its document's), checked before anything is written; without `data.long` data/long/ is written empty and
-every other file is what it was.
+Splits `fit`, `select`, `eval` (prompt and continuation) and `calibration` (fit's draw continued: its first
+`fit_sequences` rows are `fit`), HellaSwag / PIQA items (`dev`, `eval`) and each `data.long` length's prompts and
+pass-key items, from the tiny world (`generated`) or a hub or local corpus (`hub`). Draws are seeded and nested (the
+first n of a larger draw are the smaller); fit aside, no two splits or lengths share a document (id or content hash).
 """
 from __future__ import annotations
 
@@ -160,8 +140,9 @@ def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:
 def pick_windows(stream: list[str], wanted: int, windows_of) -> list[tuple[str, int]]:
     """The first `wanted` (doc_id, window) pairs of a fixed order: window 0 of every document of the stream
     that has one, in stream order (one sequence per document while there are enough), then window 1 of those
-    that have it, and so on; `windows_of(doc_id)` counts a document's whole windows. Nested: a smaller draw
-    is the start of a larger one, and a split's windows come only from its own documents."""
+    that have it, and so on, so a corpus of a few long documents (WikiText-2's test file) can still feed a large
+    fit set; `windows_of(doc_id)` counts a document's whole windows. Nested: a smaller draw is the start of a larger
+    one, and a split's windows come only from its own documents."""
     chosen, counts = [], {}
     for doc_id in stream:
         if len(chosen) == wanted:

@@ -1,21 +1,9 @@
-"""Stage `prepare_models`: the source/target pair under models/.
+"""Stage `prepare_models`: the source/target pair under models/, checked against the architecture contract.
 
-- `trained` (tiny profile): trains both Qwen3-architecture models on the generated corpus with the
-  tokenizer from prepare_data, and saves them in Hugging Face format (models/source, models/target) with
-  their training statistics (train_stats.json);
-- `hub` (V0 profile, or local checkpoint folders): writes the pointers to what `pin_models` pinned
-  (models/*/hub.json: id and commit; models/*/local.json: folder and content hash); the weights stay in the
-  Hugging Face cache or the folder, and downstream stages load through the pointers;
-- `random` (real-shape smoke run): records the shape and seed (models/*/random.json); downstream stages
-  build randomly initialised models of that exact configuration;
-- a self source (`models.source: self:<n>`, any kind): models/source is a pointer to models/target
-  (models/source/self.json: n), no weights; every stage loads it as the target's first n layers
-  (`store.models.truncate`), and a trained pair trains the target alone.
-
-Every kind ends with the pair's architecture contract (kv.contract), from configs and tokenizers: a pair for
-which the mapped handoff is undefined stops here, before any later stage loads a weight. Scoring the pair is
-the next stage's work (`pipeline.score_models`), so that a change to the scoring code never retrains the
-models.
+Kind `trained` trains the models on the generated corpus; `hub` writes pointers to what `pin_models` pinned (the weights
+stay in the Hugging Face cache or the folder); `random` records each side's shape and seed; a self source (`self:<n>`)
+is a pointer to models/target, loaded as its first n layers. A pair whose mapped handoff is undefined stops here; the
+scoring is stage `score_models`, so that a change to the scoring code never retrains the models.
 """
 from __future__ import annotations
 
@@ -71,7 +59,7 @@ def point_at_target(layers: int, staging: Path) -> None:
 
 def point_at_pinned_pair(pins_file: Path, staging: dict[str, Path]) -> None:
     """Write each side's pointer from the identities pin_models pinned: hub.json (id, commit), local.json
-    (folder, content hash) or, for a self source, self.json; downstream stages load through them."""
+    (folder, content hash) or, for a self source, self.json."""
     pins = json.loads(pins_file.read_text())
     for name in ("target", "source"):
         pinned = dict(pins[name])

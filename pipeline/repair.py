@@ -2,23 +2,10 @@
 
     python -m pipeline.repair
 
-For each map in `repair.maps` and each setting in `repair.grid` (`none` is the map unrepaired):
-
-- one evaluation (`measure.evaluation`): lm-eval's tasks on the eval part through the router, as `candidates` scores
-  a map (per-item rows), and the eval prompts against the oracle's stored outputs (every prompt metric: next-token
-  top-1, rollout agreement, KL, ...), rows to eval/repair/<map>/<setting>.{items,prompts}.parquet;
-- the setting's budget (its multiply-adds over the target's prefill, `kv.flops.repair_budget`) and the handoff's
-  FLOP speedup bound with the repair, both at `repair.bound_pair`'s shapes for `repair.length` tokens, and the
-  measured speedup of the repaired handoff over the target's prefill here (`measure.latency`).
-
-Two matched-cost baselines are run once per budget level of the grid: the truncated prompt, the target's own prefill
-of only the last round(budget x context length) tokens of each context (the oracle's handoff with `keep`, which its
-tasks and prompts both read; rows under eval/repair/truncated/), and speculative prefill at share p = the budget (the
-target prefills that share of the positions the source's look-ahead scores rank first, at their own positions, under
-the look-ahead settings select chose, models/lookahead.json; its FLOP bound at `bound_pair`'s shapes; rows under
-eval/repair/speculative/). A setting whose policy ranks by the source's scores (`source_attention`) reads the same
-settings, and its budget counts the scores. The source alone and the selective gate at the same cost are read by
-the report (eval/source, eval/selective). Writes metrics/repair.json.
+Each map of `repair.maps` at each setting of `repair.grid` (`none`: unrepaired) is scored on the eval tasks and prompts,
+with its budget (multiply-adds over the target's prefill) and FLOP bound at `repair.bound_pair`'s shapes and its speedup
+measured here. At each budget level two matched-cost baselines: the truncated prompt (the target's prefill of only the
+last round(budget x its length) tokens of each context) and speculative prefill at share p = budget.
 """
 from __future__ import annotations
 

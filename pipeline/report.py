@@ -1,12 +1,9 @@
 """Stage `report`: normalized retention, gap closure, paired statistics, acceptance criteria, the V0-style report.
 
-The recipe: load every study's inputs, compute each study, write. The studies are `pipeline/studies/`, one
-module each (inputs, statistics, Markdown, figure: the protocol of `studies.run`): the V0 variants, then each in
-`studies.registry.STUDIES`, which a study joins with one line there. Writes metrics/report.json (the variants'
-`variants`, `selected`, `comparisons`, `criteria`, `retention_metric`, `skipped`, then one key per study that
-ran), metrics/headline/<variant>.json (the few figures per variant that `dvc metrics show/diff` compare), report.md
-(the V0 table, intervals, criteria, every study's section, environment, a reading generated from the numbers), PNG
-figures under report/, and the tables behind them for `dvc plots` under plots/.
+Load every study's inputs, compute each study, write: metrics/report.json (the variants' keys, then one per study that
+ran), metrics/headline/<variant>.json (the few figures `dvc metrics show/diff` compare), report.md, PNG figures under
+report/ and their tables under plots/ for `dvc plots`. A study is one module of `pipeline/studies/` (inputs, statistics,
+Markdown, figure), joining with one line in `studies.registry.STUDIES`.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Stage `score_models`: metrics/models.json, what each prepared model is and how well it does alone.
 
-Per model its parameter count, and for the trained tiny pair its training loss and time; then accuracy on
-the task items' dev part (never eval) scored through lm-eval with the `kv-transfer` model: the target in
-oracle mode, the source alone, and direct injection of the source cache (when the KV geometry allows it), one
-evaluation each (`measure.evaluation`: per task and per item kind), with paired-bootstrap intervals of the target's
-lead.
+Per model its parameter count (and, for the trained tiny pair, its training loss and time), then task accuracy on the
+dev part (never eval) through lm-eval: the target (oracle mode), the source alone and direct injection of the source
+cache where the KV geometry allows it, with paired-bootstrap intervals of the target's lead over each.
 """
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """Stage `select`: score every fitted and distilled mapper on the select split and choose one by the declared rule.
 
-Each select sequence is cut into a context (the first `prompt_fraction` of its tokens) and a continuation
-(the rest), or with `prompt_lengths` into a prompt of each of those lengths (its first n tokens) and the next
-`continuation` tokens (the operating lengths: the map and its repair chosen where they will be used); every
-candidate runs the handoff (last-token protocol) and is compared with the oracle's stored
-outputs (`pipeline.measure.compare`): agreement over all continuation positions, perplexity ratio to the oracle,
-mean KL, and per target layer the cosine between the oracle's attention output and the candidate's (a cheap
-proxy for task retention; the report correlates every proxy with retention), and beside them the agreement where
-the oracle is sure (top-2 margin >= `measure.confident_margin`: confident-prompt top-1 and confident-position
-agreement) and the oracle-weighted agreement (`measure.confident`). The rule (`select.rule`: agreement, perplexity,
-kl, attention_cosine or one of those three; ties by lower perplexity) picks `models/mapper.safetensors`;
-for each k of the linear family the best ridge strength gives `models/best/mapped_k<k>.safetensors`, the
-V0 rows k=1 and k=4 whatever the rule picks (closed-form maps only: V0's method; a distilled map, from
-models/distilled/, competes for the selected map).
-
-The map is chosen together with a repair setting (`kv.repair`) of `select.repairs`: the best `repair_maps` maps by
-the rule, unrepaired, are scored again at every setting whose budget (`kv.flops.repair_budget` at `bound_pair`'s
-shapes for `length` tokens, as stage `repair` counts it) is at most `max_recompute`, and the same rule ranks every
-(map, setting) pair; ties go to lower perplexity, fewer parameters, then the smaller budget. The chosen setting is
-written beside the map (`models/mapper_repair.json`); `repairs: [none]` scores the maps alone, as before.
-
-Speculative prefill's look-ahead (which source layers its scores read, and how they are pooled) is chosen here too:
-each candidate of `select.lookahead` keeps `lookahead_share` of every select prompt, the rule ranks them, and the
-choice (`models/lookahead.json`) is what the repairs ranking by the source are scored under here and what every
-later stage reads.
+Select prompts are cut at `prompt_fraction`, or at each of `prompt_lengths` (the operating lengths: a map and its repair
+are chosen where they will be used). `select.rule` ranks every candidate against the oracle, then the best `repair_maps`
+maps again at each setting of `select.repairs` within `max_recompute`, and speculative prefill's look-ahead candidates.
+The chosen map, its repair and the look-ahead go to models/, with the best closed-form linear map per k (V0's rows).
 """
 from __future__ import annotations
 
@@ -145,12 +125,11 @@ def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared:
 
 def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], margin: float,
                      ranks: Ranks = ONE_PROCESS, declared: SpeculativeParams | None = None) -> Scored | None:
-    """Every candidate's agreement with the oracle on the select prompts, each a handoff of `pair`; with `declared`
-    (params' `speculative` settings) the look-ahead settings chosen (`score_lookahead`); then the best `repair_maps`
-    maps at every setting of `select.repairs` within `max_recompute` (`budgets`, a policy ranking by the source's
-    scores reading the chosen look-ahead); `margin`: the oracle's top-2 margin from which a position is confident
-    (`measure.confident_margin`). Under several processes the oracle's prompts and then the jobs are shared out
-    (every N-th), and rank 0 gets the scores (the others None)."""
+    """Every candidate's agreement with the oracle on the select prompts; with `declared` (params' `speculative`
+    settings) the look-ahead chosen; then the best `repair_maps` maps at every setting of `select.repairs` within
+    `max_recompute`, a policy ranking by the source's scores reading the chosen look-ahead. `margin`: the oracle's
+    top-2 margin from which a position is confident. Under several processes the oracle's prompts and then the jobs
+    are shared out (every N-th), and rank 0 gets the scores (the others None)."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
     reference = evaluate(Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size), prompts, margin=margin,
                          store=store, ranks=ranks)

@@ -2,27 +2,10 @@
 
     python -m pipeline.selective
 
-For each map of `selective.maps` and each score of `selective.scores` (`kv.gate`: computed from the handoff's
-first step, never from the target's prefill of the prompt), every task item (its lm-eval context) of the dev
-and eval parts and every eval prompt is scored (the `probe` score: a logistic regression per map on the first
-step's features, trained on that map's dev items only, with L2 penalty `selective.probe_l2`); the map's and the
-oracle's outcomes on the same requests come from running both ungated (lm-eval's tasks; `measure.compare` against
-the stored oracle outputs). From them (`measure.gating`):
-
-- the curve of quality against the fallback rate: retention and gap closure on the eval items, next-token top-1
-  and rollout agreement on the eval prompts, and top-1 on the confident ones (the oracle's top-2 margin at the first
-  token >= `measure.confident_margin`, `measure.confident`), for each score, the oracle gate (upper bound) and a
-  random one (null);
-- each score's AUROC for "the map changes the decision" (items, with a 95% interval from resampling them within
-  each class, and prompts);
-- a threshold per (map, score) chosen on the dev items, the highest reaching `selective.target_retention`,
-  then reported once on the eval part: its fallback rates, the quality it reached (confident top-1 included) with
-  paired-bootstrap 95% intervals, and the effective speedup at `selective.length` prompt tokens, from per-request
-  times measured here (target prefill, handoff, each score's extra) and from multiply-adds at the shapes of
-  `selective.bound_pair`.
-
-Writes eval/selective/items.parquet and prompts.parquet (per request: outcomes, whether the map changed the
-decision, every score and the probe's other features), eval/selective/curves.parquet and metrics/selective.json.
+Each map of `selective.maps` runs ungated beside the oracle on every task item (dev and eval parts) and eval prompt;
+each score of `selective.scores` (`kv.gate`: from the handoff's first step, never the target's prefill; the `probe`
+learns from the map's dev items only) gets its AUROC for "the map changes the decision", its curve of quality against
+fallback rate (beside the oracle gate and a random one) and a threshold chosen on dev, reported once on eval.
 """
 from __future__ import annotations
 

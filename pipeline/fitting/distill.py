@@ -1,8 +1,5 @@
-"""A fitted map distilled through the frozen target (PROTOCOL.md, "Distilled map").
-
-The start map's tensors become trainable parameters of the same family, shapes and count (float32; float64 for
-a float64 start), trained on what the target does after the handoff rather than on how close the keys and
-values are. One batch holds rows of equal prefix length, under the last-token protocol:
+"""A fitted map distilled through the frozen target (PROTOCOL.md, "Distilled map"): trained on what the target does
+after the handoff, not on key and value closeness. A batch holds rows of one prefix length (last-token protocol):
 
     source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
         (`kv.mapper.map_cache`, the mapped handoff's own function, here with autograd on)
@@ -11,16 +8,9 @@ values are. One batch holds rows of equal prefix length, under the last-token pr
     loss = mean over positions of KL(p_oracle || p_mapped)
            + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
 
-Both models stay frozen: the source enters only as cache tensors, the target's parameters must not require grad,
-so the gradient reaches the map alone and memory holds the map, its AdamW state, the best epoch's copy of it and
-one batch's activations. The learning rate and the regression's weight are chosen on the select rows: each (rate,
-kv_weight) pair of the declared grids trains a fresh copy of the start for a short probe (the full run's first
-steps at that pair), and the pair whose probe scores the lowest select KL trains the full run. Training stops
-early on the select rows' KL; the result is a `Mapper` of the start's family, so `save_mapper` and the handoff
-need nothing new. Where the time goes (the oracle, the mapped step through the target, the map update, the select
-scoring) is added up in a `Clock`, outside the map's facts, so timings never change its bytes. Bit-identical given
-the seed and the thread count on one CPU device (seeded row order, deterministic algorithms; on CUDA these need
-CUBLAS_WORKSPACE_CONFIG set before torch starts).
+Both models stay frozen: the gradient reaches the map alone, and memory holds the map, its AdamW state, the best
+epoch's copy of it and one batch's activations. Bit-identical given the seed and the thread count on one CPU device (on
+CUDA, CUBLAS_WORKSPACE_CONFIG must be set before torch starts); the `Clock`'s timings never change the map's bytes.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map").
 
-A row is one context under the last-token protocol: the prefix c[0..n-2], the source's content-space cache of it
-and the tokens the target reads after the cache, c[n-1] e[0..h-1]. `CacheRows` cuts a split's rows of one
-context length from `extract`'s stored caches (no source forward, one batch in memory); rows of one length make
-a `Batch`. The oracle of a batch (the target after its own prefill: its log-probabilities and its content-space
-cache) does not change while a map trains, so `with_oracles` keeps it per row (`StoredOracle`) while the kept
-oracles fit a budget; `fitting.distill` trains on these rows.
+A row is one context under the last-token protocol: the prefix c[0..n-2], the source's content-space cache of it and
+the tokens the target reads after the cache, c[n-1] e[0..h-1]; rows of one length make a `Batch`. The oracle of a
+batch (the target after its own prefill: its log-probabilities and content-space cache) does not change while a map
+trains, so it is kept per row (`StoredOracle`) while the kept oracles fit a budget.
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Every candidate map for one target layer: the closed-form families from shared moments, the MLP by training.
 
-- Closed form (the families whose `fitting` is `closed_form`: linear, head_matched, low_rank, ...): the moments
-  of the `max(k)` chosen source layers' inputs are accumulated on all fit sequences and, separately, on the
-  select split (or, for a split with fewer rows than features, the rows themselves: `ridge.summary`); every k
-  (its top-k layers), every lambda and every such family are index selections of them, each solved by its
-  family (`kv.families`) once per layer and scored in and out of sample with no further pass.
-- MLP: rows of the k chosen layers are gathered and a one-hidden-layer map is trained (`mlpfit`),
-  early-stopped on the probes' held-out fit sequences.
-
-Each candidate's per-layer tensors are spilled to disk as soon as solved (`Parts`), so memory holds the
-accumulators of one layer plus one mapper; R² per candidate, layer, head and kind go to an `R2Table`.
+The closed-form families accumulate the moments of the `max(k)` chosen source layers' inputs once on the fit split
+and once on the select split: every k, lambda and family is an index selection of them, solved once per layer and
+scored in and out of sample with no further pass. The MLP trains on gathered rows, early-stopped on held-out fit
+sequences. Each candidate's per-layer tensors go to disk as solved (`Parts`): memory holds one layer's accumulators.
 """
 from __future__ import annotations
 
@@ -150,10 +144,10 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
                     device: str | torch.device, lambda_scale: str) -> None:
     """The closed-form candidates for one target layer: one accumulation over the top `depth` source layers (the
     largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
-    then each candidate's family solves its sub-blocks (its maths' `FamilyMaths.solve`), on `device` in float64,
-    with its lambda read on `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own Gram
-    diagonal). A family with `scale_check` is also solved with its lambda read the other way and scored on the
-    select split (`R2Table.scales`): what the scale changes."""
+    then each candidate's family solves its sub-blocks, on `device` in float64, with its lambda read on
+    `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own Gram diagonal). A family with
+    `scale_check` is also solved with its lambda read the other way and scored on the select split
+    (`R2Table.scales`): what the scale changes."""
     g = geometry
     chosen_max = sorted(order[:depth])
     in_width, out_width = len(chosen_max) * g.heads_s * g.dim_s, g.heads_t * g.dim_t

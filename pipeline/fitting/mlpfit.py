@@ -1,10 +1,9 @@
 """Training the `mlp` mapper family for one target layer and kind: one hidden layer, Adam, early stopping.
 
-Inputs are standardized per feature and outputs centered and scaled by one pooled standard deviation (so the
-loss is proportional to the residual sum of squares that R² pools); after training both affine maps are
-folded into the weights, so the saved mapper reads raw content-space rows. Early stopping keeps the weights
-of the epoch with the lowest loss on held-out fit sequences. Deterministic given the seed and the thread
-count: initialization and batch order come from one seeded generator.
+Inputs are standardized per feature and outputs centered and scaled by one pooled standard deviation (so the loss is
+proportional to the residual sum of squares R² pools); both affine maps are folded into the weights after training,
+so the saved mapper reads raw content-space rows. Early stopping keeps the epoch of lowest loss on held-out fit
+sequences. Deterministic given the seed and the thread count: initialization and batch order share one generator.
 """
 from __future__ import annotations
 

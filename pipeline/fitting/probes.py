@@ -1,12 +1,9 @@
-"""Single-layer ridge probes: which source layers predict each target layer's cache, scored on held-out
-whole sequences.
+"""Single-layer ridge probes: which source layers predict each target layer's cache, scored on held-out whole sequences.
 
-Some fit sequences (a seeded share) are held out; for every target layer l and source layer p a
-single-layer ridge is fitted on the rest and scored on them (R², per kind). One pass over the shards
-serves a group of target layers for all source layers, the group sized so the float64 accumulators fit a
-byte budget; each source layer's X^T X is computed in the first pass only and reused by the others. Rows
-fewer than a layer's features (either side of the split) are kept as rows instead (`ridge.summary`).
-`ranking` orders the source layers for each target layer from best to worst.
+A seeded share of the fit sequences is held out; for every target layer l and source layer p a single-layer ridge is
+fitted on the rest and scored on them (R², per kind). One pass over the shards serves a group of target layers for all
+source layers, the group sized so the float64 accumulators fit a byte budget; each source layer's X^T X is computed
+in the first pass only and reused by the others. `ranking` orders each target layer's source layers best first.
 """
 from __future__ import annotations
 

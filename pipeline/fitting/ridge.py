@@ -1,21 +1,9 @@
 """Ridge regression from streamed moments: accumulate in float64 over shards, solve once, score from moments.
 
-A regression X (N, F) -> Y (N, O) is summarized by its moments: n, sum x, sum y, X^T X, X^T Y and the sum of
-y^2 per output. Memory is independent of N, shards add up, and every sub-problem (a subset of input
-features, a subset of outputs) is an index selection of the moments, so one accumulation serves every
-k up to the largest and the head-matched family too.
-
-The bias is fitted and not penalized: solve the centered system (Cxx + lambda I) W = Cxy with
-Cxx = X^T X - n mx mx^T, Cxy = X^T Y - n mx my^T, then b = my - mx W. Lambda is on the unnormalized sum of
-squares (as scikit-learn's Ridge alpha) when `absolute`; a `relative` lambda multiplies the mean of the
-centered Gram diagonal, trace(Cxx) / F, of the sub-problem being solved (`effective_lambda`), so one value
-means the same regularization at every row count, width and activation scale. All output columns share X,
-so one solve with all columns is exactly the separate per-column (per-head) fits. Residual sums of squares of
-any (W, b) on any data follow from that data's moments, so held-out R² needs no second pass over the rows.
-
-A problem with fewer rows than input features (a small calibration set at real widths) keeps its rows instead
-(`Rows`, chosen by `summary`): the dual solve costs N x N instead of F x F and the rows take less memory
-than X^T X; the solution is the same up to float64 rounding.
+A regression X (N, F) -> Y (N, O) is summarized by n, sum x, sum y, X^T X, X^T Y and sum y^2 per output: memory is
+independent of N, shards add up, and every sub-problem (a subset of inputs or outputs) is an index selection of the
+moments, so one accumulation serves every k up to the largest and every family. Held-out R² follows from the held-out
+data's moments, with no second pass. A problem with fewer rows than input features keeps its rows (`Rows`) instead.
 """
 from __future__ import annotations
 
@@ -121,8 +109,9 @@ def gram_scale(m: Moments | Rows) -> float:
 
 
 def effective_lambda(m: Moments | Rows, ridge_lambda: float, scale: str) -> float:
-    """The lambda `solve` adds to Cxx's diagonal: `ridge_lambda` itself (`absolute`) or times `gram_scale(m)`
-    (`relative`)."""
+    """The lambda `solve` adds to Cxx's diagonal: `ridge_lambda` itself (`absolute`: on the unnormalized sum of
+    squares, as scikit-learn's Ridge alpha) or times `gram_scale(m)` of the sub-problem solved (`relative`: one value
+    means the same regularization at every row count, width and activation scale)."""
     if scale == "absolute":
         return ridge_lambda
     if scale == "relative":
@@ -131,9 +120,10 @@ def effective_lambda(m: Moments | Rows, ridge_lambda: float, scale: str) -> floa
 
 
 def solve(m: Moments | Rows, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge fit with unpenalized bias: weight (F, O), bias (O,), float64. From moments the primal system
-    (Cxx + lambda I) W = Cxy; from rows the dual W = Xc^T (Xc Xc^T + lambda I)^-1 Yc, the same W (the
-    push-through identity) at N x N cost."""
+    """Ridge fit with unpenalized bias: weight (F, O), bias (O,), float64. From moments the centered primal system
+    (Cxx + lambda I) W = Cxy, Cxx = X^T X - n mx mx^T, Cxy = X^T Y - n mx my^T, then b = my - mx W; from rows the
+    dual W = Xc^T (Xc Xc^T + lambda I)^-1 Yc, the same W (the push-through identity) at N x N cost. All output
+    columns share X, so one solve is exactly the separate per-column (per-head) fits."""
     if m.n < 2:
         raise ValueError(f"ridge fit needs at least 2 rows, got {m.n}")
     if isinstance(m, Rows):

@@ -1,25 +1,8 @@
-"""The architecture contract: for a source/target pair, which handoff modes and mapper families are defined.
-
-Read from configs (and tokenizers when given) before any weight is loaded or any forward runs:
-
-    oracle, zero   the target's cache layout is understood
-    source         the source alone (its own cache and predictions): the source is understood, same tokenizer
-    direct         both understood, same tokenizer, equal KV geometry (layers, KV heads, head_dim); rotary
-                   settings may differ, the keys are re-encoded
-    mapped,        both understood, same tokenizer (a shuffled cache without a mapper also needs equal geometry,
-    shuffled       which the handoff checks when it knows whether a mapper is given)
-    speculative    both understood, same tokenizer, any geometry (the source only scores the prompt's tokens)
-
-A model is understood when it is a full-attention decoder of a tested family whose cache is per layer
-(batch, kv_heads, tokens, head_dim), with RoPE whose frequencies do not depend on the sequence length; a
-sliding window counts only when it is shorter than the run (`run_length`, from params, for `check_pair`; at each
-stage the length it feeds; every handoff refuses a longer sequence when it comes). Every other model is refused
-with one sentence naming it and every feature that refuses it, the one a run cannot work around first.
-
-Tokenizers are compared only when both are there (a folder without tokenizer files gives none: see
-`store.models.load_tokenizer`); otherwise the verdict is `unchecked`, and what the configs say (vocabulary sizes,
-special token ids) is reported, never taken as a verdict: Qwen2.5-7B pads its embedding to 152,064 rows where
-the smaller sizes have 151,936, with one tokenizer.
+"""The architecture contract: which handoff modes and mapper families a source/target pair defines, read from configs
+(and tokenizers when given) before any weight loads. A model is understood when it is a full-attention decoder of a
+tested family with a per-layer (batch, kv_heads, tokens, head_dim) cache and RoPE whose frequencies do not depend on
+the length; a sliding window counts only when shorter than the run. Config vocabulary sizes never decide tokenizers:
+Qwen2.5-7B pads its embedding to 152,064 rows where the smaller sizes have 151,936, with one tokenizer.
 """
 from __future__ import annotations
 
@@ -137,18 +120,15 @@ def run_length(params: dict | None = None) -> int:
 
         fit / select sequence    data.sequence_length; select's rollout: its context (prompt_fraction of it)
                                  + select.horizon
-        eval prompt              data.prompt_length + the longest of its continuation and the rollouts after it
-                                 (evaluate.horizon, controls.horizon)
-        length study            the longest of length.prompt_lengths + its continuation or rollout
-        operating lengths        the longest of data.long.lengths (and select.prompt_lengths) + the longest of
-                                 data.long.continuation, select.continuation and the rollouts after them
-                                 (operating.horizon, select.horizon)
+        eval prompt              data.prompt_length + the longest of data.continuation_length, evaluate.horizon
+                                 and controls.horizon
+        length study             the longest of length.prompt_lengths + length.continuation or length.horizon
+        operating lengths        the longest of data.long.lengths and select.prompt_lengths + the longest of
+                                 data.long.continuation, select.continuation, operating.horizon, select.horizon
         latency, candidates      latency.lengths, candidates.length (prompt tokens)
 
-    A key that is null (a profile that does not use it) counts for nothing. `check_pair` reads it, to judge a
-    profile before any stage runs; the stages themselves check a window where they feed sequences (extract at its
-    sequences' length, every handoff sequence by sequence: the task items are bounded by no parameter), so no
-    stage reruns when a length it does not use changes."""
+    A null key counts for nothing. This judges a whole profile before any stage runs; the stages check a window
+    where they feed sequences instead, so no stage reruns when a length it does not use changes."""
     params = read_params() if params is None else params
 
     def values(key: str) -> list[float]:

@@ -1,15 +1,8 @@
-"""Reading the target after a handoff's cache: the loops every comparison and face decodes with.
+"""Reading the target after a handoff's cache: the decode loops that every comparison and face shares.
 
-`kv.handoff` builds the target's prefix cache in each mode; these functions batch contexts for it (right-padded,
-masked, each row at its own positions) and read the target after it: several continuations packed into one row
-(`packed_logprobs`, for `kv.scoring`; at batch 1 after the decoding model's own prefill, in the prefill's
-forward: `prefilled_packed_logprobs`), every prompt teacher-forced through its continuation (`teacher_forced`,
-with the attention outputs when asked), greedy rollouts of a batch (`greedy_rollout`), both reads of one context
-from its single first step (`read_after`: the timed evaluation's), and one context decoded token by token after its
-first step with any choice of token (`decode`, `greedy_generate`: the generator and lm-eval's `generate_until`);
-and the target alone, for the exactness control: its plain forward over a whole sequence (`full_logprobs`) and the
-same in chunks through its own cache (`chunked_logprobs`). `generate` decodes greedy or sampled tokens up to an
-end-of-sequence id (`eos_ids`) and times the first: what `pipeline.generate` shows.
+Contexts of different lengths batch together right-padded and masked, each row at its own positions (a sparse cache
+has fewer slots than positions). The target alone, read whole (`full_logprobs`) and in chunks through its own cache
+(`chunked_logprobs`), is the exactness control: the two are equal in maths, so they differ by float rounding only.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The mapper families: the forms of a map from the source's content-space cache to the target's, per target layer
-and kind (keys, values). One class holds a family's tensors and their shapes (parameter counts and multiply-adds
-are counted from them), the pair geometry it needs, how it is fitted (closed form from the fit's streamed moments,
-trained, or not at all), its map names' fields and its maths; `FAMILIES` lists them, and every other list of
-families is read from it. Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source
-layers, every source head), H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
+and kind (keys, values). One class holds a family's tensors and shapes (parameter and multiply-add counts follow from
+them), the geometry it needs, how it is fitted (closed form, trained, or not at all) and its maths; `FAMILIES` is the
+one list. Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source layers, every
+source head), H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
 """
 from __future__ import annotations
 
@@ -98,8 +97,8 @@ def per_head(weight: torch.Tensor, bias: torch.Tensor, geometry: Geometry) -> tu
 
 
 class Identity(Family):
-    """The source cache as it is, defined only when the two KV geometries are equal (what direct injection passes):
-    a map of no tensors hands the source's layers over (`kv.mapper.Mapper.apply_layer`), never projected or solved."""
+    """The source cache as it is (what direct injection passes), defined only when the two KV geometries are equal:
+    a map of no tensors, never projected or solved."""
 
     name = "identity"
     tensor_names = ()
@@ -228,7 +227,7 @@ class LowRank(Family):
     @ up[h] + bias[h]: r (F + H*D) multiply-adds per token and kind instead of F*H*D. With W the ridge weight
     (F, H*D) and C the inputs' centered Gram (F, F), the fitted values' scatter is W^T C W; V (H*D, r) its top-r
     eigenvectors; W_r = W V V^T, so down = W V and up = V^T; the bias keeps the fitted means (b_r = mean_y -
-    mean_x W_r). The rank is `fit.low_rank.ranks`; at r >= H*D it is `linear` exactly."""
+    mean_x W_r). The rank is `fit.low_rank.ranks`; at r = H*D it is `linear` exactly."""
 
     name = "low_rank"
     tensor_names = ("down", "up", "bias")

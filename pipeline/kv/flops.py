@@ -1,39 +1,21 @@
-"""Multiply-add counts of target prefill and of the handoff, and the speedup bound they imply.
+"""Multiply-add counts of target prefill and of the handoff, and the speedup bounds they imply: what a handoff could
+gain if time were proportional to work (PROTOCOL.md, "Latency study"). Counted: the linear layers (q, k, v, o, MLP;
+embeddings are lookups), attention of each position over itself and all before, the mapper's matrices, and the last
+position's logits only (the source computes none). Norms, RoPE and activations are elementwise: under 1% here.
 
-Counted per PROTOCOL.md ("Latency study"): the linear layers (q, k, v, o and the MLP; embeddings are
-lookups), attention over the prefix (q.k and the weighted sum of values, per query head, over every earlier
-position and its own), the mapper's matrices, and the logits of the last position only (the source computes
-none). Norms, RoPE and activations are elementwise and left out: under 1% at these shapes.
-
-    target prefill:  c[0] ... c[n-1]                       n tokens + 1 logit row
-    handoff:         source c[0] ... c[n-2]                n-1 tokens, no logits
-                     map                                   n-1 tokens
-                     target step c[n-1] over n-1 cached    1 token + 1 logit row
-
-The bound is the ratio of the two totals: what the handoff could gain if time were proportional to work. The other
-ways to a first token get theirs the same way: the source model alone (its own prefill and logits,
-`source_alone_bound`) and the truncated prompt (the target's prefill of the prompt's last tokens, `truncated_bound`).
-
-A repair (`kv.repair`) adds, over the prefix of P = n-1 tokens (`repair_macs`):
-
-    exact_layers m    layers 0..m-2 in full over P tokens, layer m-1's K/V projections over P tokens
-    sink s            s tokens through every layer, attention over themselves
-    tokens rho        round(rho (P - s)) tokens through every layer, each attending over the whole prefix (the 4D
-                      mask's dense reads: P + chosen keys, an upper bound on the causal count)
-    selection         the selector's own count (`kv.selectors`: each policy's `cost`), e.g. deviation: layer 0's
-                      K/V projections over P tokens (free when m >= 1); attention: one more step of one token over
-                      the prefix, and its scores (one more q.k per layer); recency: none; source_attention: the
-                      source's look-ahead scores (`lookahead_macs`)
-
-Its budget is that count over the target's prefill of the same prompt (`repair_budget`): 0 is the mapped cache.
-
-Speculative prefill at share p (`speculative_macs`, `kv.speculative` for the kept count K of the prefix):
-
-    source    the source's prefill of the prefix, no logits      P tokens
-    scores    its look-ahead scores (`lookahead_macs`): per source layer read, the last m queries projected again
-              and their q.k over the keys each sees
-    target    the target's prefill of the K kept tokens, attention among them only
-    step      the target's step c[n-1] over the K kept slots     1 token + 1 logit row
+    target prefill:  c[0] ... c[n-1]                        n tokens + 1 logit row
+    handoff:         source c[0] ... c[n-2]                 n-1 tokens, no logits
+                     map                                    n-1 tokens
+                     target step c[n-1] over n-1 cached     1 token + 1 logit row
+    repair over P = n-1:
+        exact_layers m    layers 0..m-2 in full over P tokens, layer m-1's K/V projections over P tokens
+        sink s            s tokens through every layer, attention over themselves
+        tokens rho        round(rho (P - s)) tokens through every layer, each reading P + chosen keys (the 4D
+                          mask's dense reads: an upper bound on the causal count)
+        selection         the selector's own `cost` (source_attention: the source's look-ahead scores)
+    speculative at share p, K kept of P:
+        source P tokens, no logits; its look-ahead scores; the target's prefill of the K kept among themselves;
+        the target's step c[n-1] over the K kept slots, 1 token + 1 logit row
 """
 from __future__ import annotations
 
@@ -198,8 +180,8 @@ def repair_macs(target_config, repair: Repair, length: int, source_scores: int |
 
 
 def repair_budget(target_config, repair: Repair, length: int, source_scores: int | None = None) -> float:
-    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt (`source_scores` as
-    `repair_macs`)."""
+    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt (0: the mapped cache as it
+    is; `source_scores` as `repair_macs`)."""
     return sum(repair_macs(target_config, repair, length, source_scores).values()) / target_prefill_macs(
         target_config, length)
 

@@ -1,35 +1,8 @@
-"""Selective handoff: a per-request confidence score computed without the target's prefill, and the gate that
-falls back to the target's own prefill where the mapped cache is not trusted.
-
-Every score reads the handoff's first step only (PROTOCOL.md, "Handoff"; the step the handoff runs anyway to
-give the first token), so its cost is that step's work plus at most one extra token of a model (the probe: its
-features' and one pass over both caches for their norms):
-
-    source body:  c[0] ... c[n-2]                 -> cache                (the handoff's own prefill)
-    source step:  c[n-1] after its own cache       -> p_source(. | c)      (`kl` only: one source token + logits)
-    map:          source cache -> target cache(s)                          (`disagree`: both of its maps)
-    norms:        source and mapped caches       -> mean key, value norms  (`probe` only)
-    target step:  c[n-1] after the mapped cache    -> p_target(. | mapped) (the handoff's own first step)
-
-Scores, higher = less trusted:
-
-    entropy   H(p_target(. | mapped)): the target unsure of its next token after the handoff
-    kl        KL(p_source || p_target(. | mapped)): the target after the handoff far from what the source predicts
-    disagree  JS(p_target(. | map a), p_target(. | map b)): two maps (k=1 and k=max) disagree on the first step
-    probe     a logistic regression's logit for "the map changes the decision" from the first step's features
-              (`kv.scores.FEATURES`: the three scores above, the target's top-1 probability, and the
-              log-ratio of the mapped cache's mean key and value norms to the source cache's), trained by the stage
-              on dev items only
-
-Each score is one class of `kv.scores` (what it needs, its cost in multiply-adds, how it scores), listed once in
-`kv.scores.SCORES`; the scorer computes the entries its names ask for and what they read.
-
-Every score is read off one `Handoff.first_step` of the gated handoff (retained: the source's cache and the mapped
-one), whose prefix cache the router keeps for the context's scoring (`FirstStep.kept`, `kv.router`).
-
-A context of one token has an empty prefix: nothing is handed off, the handoff is the oracle, its score -inf.
-The `Gate` falls back where score > threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere
-(one-token contexts included).
+"""Selective handoff: a per-request confidence score computed without the target's prefill, and the gate that falls
+back to the target's own prefill where the mapped cache is not trusted. Every score reads the handoff's first step
+only (PROTOCOL.md, "Handoff"), plus a source step (`kl`) or a second map and target step (`disagree`): `kv.scores`.
+A one-token context hands off nothing: the handoff is the oracle, its score -inf. The gate falls back where score >
+threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere (one-token contexts included).
 """
 from __future__ import annotations
 

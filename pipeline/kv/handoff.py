@@ -1,31 +1,13 @@
-"""The handoff under the last-token protocol, in every mode the study compares.
-
-For context tokens c[0..n-1] and a continuation e (PROTOCOL.md, "Handoff"):
+"""The handoff under the last-token protocol (PROTOCOL.md, "Handoff"), in every mode the study compares (`kv.modes`).
+For context tokens c[0..n-1] and a continuation e:
 
     source body:  c[0] ... c[n-2]                 -> cache (no logits computed)
                   strip source RoPE -> map -> [shuffle] -> apply target RoPE -> cast to target dtype
     target:       cache + c[n-1] e[0] ... e[m-2]  -> logits scoring e[0] ... e[m-1]
 
-Modes: `oracle` (the target's own prefill of c[0..n-2]), `direct` (the source cache unmapped; needs equal KV
-geometry), `mapped` (through a fitted mapper), and the null controls `zero` (an all-zero cache of the
-target's shape) and `shuffled` (what `mapped` would inject, or the source cache without a mapper, with its
-token order permuted by a seeded permutation in content space, before the target's RoPE); `speculative` (at a
-share p, `share`) is the target's own prefill of the positions the source's look-ahead scores keep: a sparse cache,
-whose K slots hold positions that are not 0..K-1, so every read after it is told the positions (`slots`,
-`lengths_read`).
-`source` is the source model alone, its own prefill and its own predictions: a Handoff whose decoding model
-(`decoder`) is the source, the same protocol as the oracle's, recorded as `source`. Each mode is an entry of
-`kv.modes.MODES` (`Handoff.kind`) whose hook `prefix` builds the prefix cache; the handoff has no branch on a mode.
-
-A handoff's first step (`Handoff.first_step`, on a batch of contexts as `kvcache.Prefixes`) is defined once: the
-prefix cache built in the handoff's mode and repaired (`Handoff.built`), then the target's step on each context's
-c[n-1]; it gives the first token's logits and the cache to continue from, and tells a clock hook as each part ends
-(`prefill`, `map`, `step`). The gate's scores, the latency study, the timed evaluation and the decoders read it.
-
-Option `keep` (a share in (0, 1]): the handoff reads only the last round(keep x n) tokens of each context (at
-least one), at positions 0, 1, ... again: the truncated-prompt baseline (the oracle at `keep`), which the scoring
-(`kv.scoring`, so lm-eval's tasks through the router) and the prompt comparison (`measure.compare`) read through
-`context`.
+A sparse cache (`speculative`) holds K slots whose positions are not 0..K-1, so every read after it is told the
+positions (`slots`, `lengths_read`). Option `keep` in (0, 1] reads only each context's last round(keep x n) tokens
+(at least one) at positions 0, 1, ... again: the truncated-prompt baseline (the oracle at `keep`).
 """
 from __future__ import annotations
 
@@ -225,11 +207,10 @@ class Handoff:
 
     def built(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | None,
               clock: ClockHook | None = None, prefilled: Layers | None = None) -> Built:
-        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made: the mode's hook
-        (`kv.modes`: the decoding model's own prefill, the zero cache, or the source's prefill mapped; then repaired,
-        where the cache was handed over). `lengths`
-        (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as each part ends
-        (`first_step`); `prefilled`: the prefill's cache, made already by a handoff of the same model."""
+        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made (the decoding
+        model's own prefill, the zero cache, or the source's prefill mapped; then repaired, where the cache was handed
+        over). `lengths` (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as each
+        part ends; `prefilled`: the prefill's cache, made already by a handoff of the same model."""
         prefix_ids = prefix_ids.to(self.device)
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
@@ -297,9 +278,8 @@ class Handoff:
 
     @no_grad
     def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
-        """Source cache -> target-space cache (rotated, target dtype), as this handoff's mode hands it over
-        (`kv.modes.FromSource.to_target`); `lengths` (B,) are the real lengths of right-padded rows (the
-        shuffle permutes each row's real tokens only)."""
+        """Source cache -> target-space cache (rotated, target dtype), as this handoff's mode hands it over;
+        `lengths` (B,) are the real lengths of right-padded rows (the shuffle permutes each row's real tokens only)."""
         return self.kind.to_target(self, source_layers, lengths)
 
     def rebuilt(self, source_layers: Layers, mapper: Mapper | None = None, order: torch.Tensor | None = None

@@ -1,16 +1,8 @@
-"""Maps from the source model's content-space KV cache to the target's, and their file format.
-
-A mapper takes the source cache with RoPE stripped (a list over source layers of (keys, values), each
-(batch, kv_heads_s, tokens, head_dim_s)) and returns the target's content-space cache (a list over target
-layers, each (batch, kv_heads_t, tokens, head_dim_t)). Its form is its family (`kv/families/`: identity,
-linear, head_matched, mlp, low_rank, ...): the family says what a layer's tensors are and how they map.
-
-File: a checksummed artifact (see `artifacts`) with tensors `{keys,values}.{layer}.{name}` (the family's
-`tensor_names`) and metadata naming the source and target, k, lambda, the chosen source layers per target layer
-and both models' rotary settings and KV geometry, both models' fingerprints (`models`: the pair it is bound
-to, `store.fingerprints.pair_fingerprints`, checked by `kv.pair.Pair.handoff`); `extra` holds the fit's facts, among
-them the two the other stages read, typed here: the key space (`key_space: rotated` for the no-strip ablation)
-and the distillation facts of a distilled map.
+"""Maps from the source model's content-space KV cache to the target's, and their file format. A mapper takes the
+source cache with RoPE stripped, (batch, kv_heads_s, tokens, head_dim_s) per source layer, and returns the target's
+content-space cache, (batch, kv_heads_t, tokens, head_dim_t) per target layer; its family (`kv.families`) says how.
+The file: a checksummed artifact of tensors `{keys,values}.{layer}.{name}`, with metadata naming the pair, k, lambda,
+the source layers per target layer, both models' rotary settings, KV geometry and fingerprints, and the fit's facts.
 """
 from __future__ import annotations
 

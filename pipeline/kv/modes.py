@@ -1,7 +1,5 @@
 """The handoff modes: how a handoff builds the prefix cache its decoding model reads. One class holds a mode's name,
-what it reads (the architecture contract's declaration, `kv.contract`), whether it needs a fitted map, how the
-report names it, and its prefix hook, which `kv.handoff.Handoff.built` calls; `MODES` lists them, and every other
-list of modes (the contract's, the baselines, the request's fields, the faces' choices) is read from it.
+what it reads, whether it needs a fitted map, how the report names it, and its prefix hook; `MODES` is the one list.
 Shapes: B rows of a right-padded prefix of P slots; every cache (B, H, P, D) per layer, rotated, in the decoder's dtype.
 """
 from __future__ import annotations
@@ -267,9 +265,8 @@ MODES = register(Oracle(), Zero(), Source(), Direct(), Mapped(), Shuffled(), Spe
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map
-# the modes without a map or a value: the `evaluate` stage's baselines, in the order it runs them in one process and
-# the report lists them (the oracle first: every other variant is compared with its outputs; then by name); each
-# writes eval/<variant>/ and metrics/eval/<variant>.json
+# the modes without a map or a value: the baselines, the oracle first (every other variant is compared with its
+# outputs), then by name
 BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map and mode.parameter is None),
                          key=lambda mode: (mode != "oracle", mode)))
 
@@ -282,8 +279,8 @@ def split_mode(text: str) -> tuple[str, str | None]:
 
 
 def check_mode(name: str, has_source: bool, has_mapper: bool) -> None:
-    """Refuse a mode that is unknown or lacks the source or mapper it reads: before any weight is loaded when
-    called on names (`kv.pair`), and again by every Handoff on the models themselves."""
+    """Refuse a mode that is unknown or lacks the source or mapper it reads (on names, before any weight is
+    loaded, and again on the models themselves)."""
     if name not in MODES:
         raise ValueError(f"unknown transfer mode {name!r} (known: {', '.join(MODES)})")
     reason = MODES[name].refusal(has_source, has_mapper)

@@ -1,21 +1,8 @@
-"""The mapped pair, one home for it: the source and target by name, their tokenizers and architecture contract,
-each model loaded once, and every handoff between them (and the gate that chooses per request between a
-handoff and the target's own prefill).
-
-A stage builds one `Pair.load(models, device)` (the pipeline's models/target and models/source) and takes its
-models and every handoff from it, the `source` mode (the source model alone) among them; the lm-eval face builds
-one from its model args; `Pair.of` wraps models already in memory (random real-shape models, a caller's own).
-Configs, tokenizers and the contract are read at once, so a refused pair or mode costs no weight loading; each
-model's weights are loaded on first use and then shared by every handoff built from the pair (a stage that scores
-many mappers loads the models once). A self source (`self:<n>` or a prepared folder pointing at the target,
-`store.models.self_source`) is the pair's own target truncated: its layers are the target's, shared, not loaded
-again.
-
-A map is bound to the pair it was fitted on: every handoff built with one compares the map's fingerprints of
-both models (`Mapper.models`) with the pair's (`store.fingerprints`: weights, config, generation config, tokenizer)
-before any forward, and refuses a mismatch in one line naming what differs (`OtherModelsError`), unless the pair
-was built with `allow_other_models`; then each mismatch is kept in `other_models` for the outputs to record.
-A pair of models in memory (`Pair.of`) has no files to fingerprint: its maps are the caller's, unchecked.
+"""The mapped pair, one home for it: the source and target by name, their tokenizers and architecture contract, each
+model loaded once, and every handoff between them. Configs, tokenizers and the contract are read at once, so a refused
+pair or mode costs no weight loading; weights load on first use and every handoff shares them (a self source,
+`self:<n>`, shares the target's first layers). A map is bound to the pair it was fitted on: its fingerprints of both
+models must match the pair's before any forward unless allowed; models in memory (`Pair.of`) leave maps unchecked.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The query, key and value paths of a decoder layer's attention, taken the way each architecture defines them, and
-RoPE as the model applies it: what the repair reads and what the RoPE control's reference keys are.
+RoPE as the model applies it, for reading a layer's attention outside its forward.
 
     layer input    the layer's input norm where it has one (pre-norm: Llama, Mistral, Qwen2/3 and their MoE
                    siblings); OLMo2's post-norm layer hands the residual stream to attention as it is

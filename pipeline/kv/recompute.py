@@ -1,10 +1,5 @@
 """The repair's run: the target recomputes part of a handed-off prefix cache, as a `kv.repair.Repair` setting says
 (its parts, their order and their known answers are described there), and counts what it computed.
-
-    exact_layers   the target's first layers over the prefix, no logits (`exact_layers`)
-    sink           the target's own prefill of the first tokens
-    tokens         the selector scores the tokens (`kv.selectors`), `choose` takes the highest after
-                   the sink, `recompute` runs them through the decoder in one forward
 """
 from __future__ import annotations
 
@@ -23,13 +18,13 @@ transformers = lazy("transformers")
 
 @dataclass
 class RepairCount:
-    """What repairs made the target compute, for tests and `generate`: forwards of the decoder (or of its first
-    layers), token-layers through a full decoder layer, and the tokens each recomputed in every layer."""
+    """What repairs made the target compute: forwards of the decoder (or of its first layers), token-layers through
+    a full decoder layer, and the tokens each recomputed in every layer."""
 
     forwards: int = 0
     token_layers: int = 0
     recomputed: int = 0  # sink and chosen tokens, over every row
-    log: list = field(default_factory=list)  # per call: (recomputed tokens, seconds), for generate's print
+    log: list = field(default_factory=list)  # per call: (recomputed tokens, seconds)
     # the latest call's positions recomputed in every layer, (B, K) ascending, -1 pads (`selected_positions`); None
     # where it recomputed none in every layer (an empty or `layers:N` setting)
     selected: torch.Tensor | None = None

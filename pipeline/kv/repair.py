@@ -1,26 +1,17 @@
-"""Repair: after the map, the target recomputes part of the prefix cache itself before its first step. This module
-is the setting and its grammar; the run that applies one is `kv.recompute`.
-
-A setting (`Repair`) is applied to a target-space cache (rotated, target dtype) of prefix tokens c[0..P-1] in a
-fixed order, each part over what the parts before it left:
+"""Repair: after the map, the target recomputes part of the prefix cache (rotated, target dtype) of c[0..P-1] itself
+before its first step, in a fixed order, each part over what the parts before it left:
 
     1. exact_layers n   the target's own keys/values of layers 0..n-1 over the whole prefix: layers 0..n-2 in
                         full, then only the input norm and K/V projections of layer n-1 (n = 1: the embedding's
                         K/V alone); no logits
     2. sink s           the target's own prefill of c[0..s-1], every layer
-    3. tokens rho       round(rho x (P - s)) of the remaining tokens c[s..P-1], chosen by `select_by`, recomputed in
-                        one forward of the decoder body: each at its own position, seeing the cache of the tokens
-                        before it (mapped, or recomputed in the same forward), a 4D mask as `decode.packed_logprobs`
+    3. tokens rho       round(rho x (P - s)) of the remaining tokens c[s..P-1], chosen by a selector
+                        (`kv.selectors`), recomputed in one forward of the decoder body: each at its own position,
+                        seeing the cache of the tokens before it (mapped, or recomputed in the same forward)
 
-    chosen by     a selector (`kv.selectors`): deviation (the mapped keys/values furthest from the target's exact ones
-                  at layer n-1), attention (what the first step attends to), recency (the prompt's end), key_norm
-                  (the largest mapped keys), source_attention (what the source's look-ahead attends to);
-                  `POLICY@VALUE` gives a policy its own parameter where it takes one (`key_norm@2`)
-
-Known answers: exact_layers = L, sink = P and rho = 1 each give the oracle's cache within float rounding; the
-empty setting returns the cache untouched. The string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`,
-`tokens:0.1:key_norm@2`) has one parser, `Repair.parse`; its parts are joined by `+` in any order and applied in
-the order above.
+Known answers: exact_layers = L, sink = P and rho = 1 each give the oracle's cache within float rounding; the empty
+setting returns the cache untouched. String form: `none`, `layers:1`, `sink:4+tokens:0.1:attention`,
+`tokens:0.1:key_norm@2`; parts joined by `+` in any order, applied in the order above.
 """
 from __future__ import annotations
 

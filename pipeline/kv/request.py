@@ -1,19 +1,8 @@
-"""What a user asks of a handoff, validated before any model loads: one request object for every face.
-
-A `Transfer` is the mode, its map, its repair setting, its gate, the share of each context it reads and whether a
-map may be used on other models. A mode that takes a value is written with it, as a repair writes its parts
-(`speculative:0.1`: speculative prefill at share p = 0.1), and the source's look-ahead scores it reads (and a
-`source_attention` repair) take their declared settings from params' `speculative` section, read here (a stage
-passes its own, declared in its dvc.yaml params). The faces spell its fields their own way (`Face`: kv-transfer's
-model args `transfer=`, `mapper=`, ...; generate's flags `--transfer`, `--mapper`, ...; a stage's values, `STAGE`,
-already checked against its params schema), and every refusal is one line naming the arg as the face spells it and the
-fix (a `store.params.ParamError` or a `kv.repair.RepairError`, raised unwrapped). Rules, one table for both faces
-(`USES`): an arg the mode does not read is refused (`transfer=oracle,mapper=...`), a mode that reads a source
-needs one, a repair setting larger than the pair's target (its layers, its positions, a policy reading layers past
-them: `key_norm@N`) is refused from the configs.
-
-Built by `Transfer.of(face, **args)` (`Transfer.stage(**values)` in a stage); `Router.of(pair, request)`
-(`kv.router`) turns it into handoffs: the one way from a request to a handoff, for the faces and the stages alike.
+"""What a user asks of a handoff, validated before any model loads: one request object (`Transfer`) for every face.
+A mode that takes a value is written with it (`speculative:0.1`: speculative prefill at share p = 0.1); the look-ahead
+settings it reads come from params' `speculative` section, or a stage passes its own (declared in its dvc.yaml). Each
+face spells the fields its own way (`Face`), and every refusal is one line naming the arg as the face spells it and
+the fix; `USES` is the one table of which modes read each optional field.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Rotary position encoding of cached keys: read the settings from a config, check them against the model,
-strip and apply.
-
-Cached keys in transformers' decoders are stored after RoPE (and, in Qwen3, after k_norm). `strip` rotates them
-back to content space (position-free); `apply` rotates content-space keys forward to given positions. The
-frequencies are computed in float32 from the config by transformers' own RoPE initialisers (so Llama-3's
-`llama3` scaling, linear scaling and static YaRN come with their `inv_freq` and attention factor), and
-`RotarySpec.from_model` checks them against the buffer the model actually rotates with: a model whose
-`inv_freq` was cast to bfloat16 by `.to(dtype)` after loading rotates with rounded frequencies, and is refused.
-The math is done in float32 and cast back, so strip-then-apply is the identity to ~1e-6 whatever the cache dtype
-(float64 keys are rotated in float64: a float64 gradient check through the rotation sees no float32 rounding).
+"""Rotary position encoding of cached keys: read the settings from a config, check them against the model, strip and
+apply. Cached keys are stored after RoPE (and, in Qwen3, after k_norm); `strip` rotates them back to content space
+(position-free), `apply` forward to given positions. Frequencies come in float32 from transformers' own initialisers
+and are checked against the model's buffer (an `inv_freq` cast to bfloat16 rotates with rounded angles: refused). The
+maths runs in float32 (float64 keys in float64), so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """The one request path: given contexts, each one's handoff and route together.
 
-A `Router` holds a handoff and, optionally, its gate (`kv.gate`): a context whose gate score exceeds the threshold
-goes to the gate's fallback (the target's own prefill), every other one to the handoff, and a one-token context
-hands nothing off (`kv.routes`). Decisions are memoised per context, so a context scored for several continuations
-(HellaSwag's four endings, lm-eval's rolling windows, a decode's every token) is gated once. `score` then scores
-(context, continuation) requests through `kv.scoring.score_continuations`, each group on its route's handoff, after
-truncating each context once to the window (`truncate`: lm-eval's left-truncation). Under a gate it does so
-`batch_size` contexts at a time, and the router keeps the prefix cache of each context from the handoff's first
-step the gate scored (`FirstStep.kept`): a context that keeps its map is prefilled by the source, mapped and repaired
-once, for its score and its continuations, and no more than a batch of those caches is held at once. `first_step`
-routes one context to its first step (a timed evaluation's, `measure.evaluation`).
-
-Built from a `Pair` and a validated `kv.request.Transfer` (`Router.of`): the faces' and the stages' one way in.
-`record()` is what a face writes beside its results: the mode, the repair, the gate and, once counted, the routes.
+Under a gate (`kv.gate`) a context whose score exceeds the threshold goes to the target's own prefill, every other one
+to the handoff. Decisions are memoised per context, so a context scored for several continuations (HellaSwag's four
+endings, lm-eval's rolling windows, a decode's every token) is gated once; a context that keeps its map reuses the
+prefix cache of the gate's first step, so it is prefilled, mapped and repaired once, with at most a batch held.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The route words: how one request was served, the one place they and their rules are written.
-
-A route's way is the handoff's own mode (`oracle`, `source`, `mapped`, `direct`, ...; REPAIRED under a repair
-setting), FELL_BACK to the target's prefill (a gate's score above its threshold) or EMPTY_PREFIX (a one-token
-context hands nothing off: the target reads it alone, as the oracle would); CACHED is a request answered from
-kv-transfer's request cache, and its route keeps the way it was first served (`first`). No way is `refused`: a
-request the handoff cannot serve (a sequence longer than a sliding window) stops the run.
+"""The route words: how one request was served, the one place they and their rules are written. A route's way is the
+handoff's own mode (`oracle`, `mapped`, ...; REPAIRED under a repair setting), FELL_BACK to the target's prefill (a
+gate's score above its threshold) or EMPTY_PREFIX (a one-token context hands nothing off: the target reads it alone,
+as the oracle would); CACHED is a request answered from kv-transfer's request cache, keeping its first way (`first`).
+No way is `refused`: a request the handoff cannot serve (a sequence longer than a sliding window) stops the run.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The gate's scores: how little a handed-off request is trusted (higher: less), read off the gated handoff's first
-step only (`kv.gate`). One class holds a score's name, needs, what it reads first, cost and maths; `SCORES` lists
-them, `INPUTS` the probe's other inputs, and every other list of scores (the params' values, the faces' choices,
-the probe's features, the FLOP model) is read from them.
+step only. One class holds a score's name, needs, what it reads first, cost and maths; `SCORES` lists them and
+`INPUTS` the probe's other inputs, and every other list of scores is read from these two.
 Shapes: B contexts; a score (B,), computed on the first step's device and kept float64 on the CPU by the scorer.
 """
 from __future__ import annotations

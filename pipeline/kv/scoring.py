@@ -1,9 +1,9 @@
 """Scoring continuations after a handoff, as lm-eval's log-likelihood requests ask: each context prefilled once
 for all its continuations, the continuations packed into step rows, contexts batched by length.
 
-For a context c[0..n-1] and its continuations e0, e1, ... the handoff builds the cache of c[0..n-2] once
-(`Handoff.prefix_layers`); one step row then reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked
-from the others and at positions n-1, n, ... again (`kv.decode.packed_logprobs`), so each scores as if alone.
+For a context c[0..n-1] and its continuations e0, e1, ... the handoff builds the cache of c[0..n-2] once; one step
+row then reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked from the others and at positions n-1,
+n, ... again, so each scores as if alone.
 """
 from __future__ import annotations
 
@@ -38,13 +38,10 @@ def score_continuations(
 ) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
 
-    Requests that share a context share one prefix cache (HellaSwag's four endings cost one prefill, not
-    four), and the contexts whose continuations together fit `batch_size` are scored in one forward (a context
-    with more gets one of its own): the contexts of a batch are prefilled together (one source forward,
-    prefixes right-padded and masked), then each context's continuations are packed one after another into
-    one step row that reads its prefix rows, each continuation masked from the others and at its own positions
-    (`kv.decode.packed_logprobs`; a context batched alone packs its continuations into rows of at most
-    `max_length` tokens, one forward each):
+    Requests that share a context share one prefix cache (HellaSwag's four endings cost one prefill, not four), and
+    the contexts whose continuations together fit `batch_size` are scored in one forward, prefixes right-padded and
+    masked (a context batched alone packs its continuations into rows of at most `max_length` tokens, one forward
+    each):
 
         prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
                   c1[0..n1-2 ...........]               c1[n1-1] e2[0] ...  c1[n1-1] e3[0] ...
@@ -52,10 +49,9 @@ def score_continuations(
 
     so no prefix is copied per continuation and a row is padded only to the longest packed row. Contexts are
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
-    `kept`: prefix -> its cache (batch 1) already built by this handoff (a gate's first step, `kv.router`), read
-    instead of building a batch's cache again where it holds every prefix of the batch. At `batch_size` 1 a mode
-    whose decoding model prefills the prompt itself (the oracle) reads the prefix and the packed row in one forward
-    (`kv.decode.prefilled_packed_logprobs`: one call, not two, and no cache to hand between them).
+    `kept`: prefix -> its cache (batch 1) already built by this handoff (a gate's first step), read instead of
+    building a batch's cache again where it holds every prefix of the batch. At `batch_size` 1 a mode whose decoding
+    model prefills the prompt itself (the oracle) reads the prefix and its one packed row in one forward.
     """
     max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)

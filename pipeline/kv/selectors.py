@@ -1,7 +1,6 @@
-"""The repair's token selectors: a selector (a *policy* in a repair setting, `tokens:RHO:POLICY`) scores every
-prefix token of every row, and the repair (`kv.recompute`) recomputes the round(RHO x (P - sink)) highest-scored
-tokens after the sink. One class holds a selector's name, needs, parameter, cost and scoring; `SELECTORS` lists
-them, and every other list of policies (the setting grammar, the FLOP model) is read from it.
+"""The repair's token selectors: a selector (a *policy* in a repair setting, `tokens:RHO:POLICY`) scores every prefix
+token of every row, and the repair recomputes the round(RHO x (P - sink)) highest-scored tokens after the sink. One
+class holds a selector's name, needs, parameter, cost and scoring; `SELECTORS` is the one list.
 Shapes: B rows of a right-padded prefix of P slots; scores (B, P), higher is recomputed first.
 """
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""Speculative prefill's declared settings (params' `speculative` section) and its index arithmetic; no torch.
-
-The source's attention from the prefix's last m tokens scores every earlier position (`kv.lookahead`); the mode
-`speculative:P` (SpecPrefill, arXiv 2502.02789) has the target prefill only the kept positions, at their own
-position ids, and the repair policy `source_attention` recomputes the mapped cache's tokens those scores rank first.
-A prefix c[0..P-1] keeps:
+"""Speculative prefill's declared settings (params' `speculative` section) and its index arithmetic; no torch. In
+mode `speculative:P` (SpecPrefill, arXiv 2502.02789) the source's attention from the prefix's last m tokens scores
+every earlier position, and the target prefills only the kept ones, at their own position ids. A prefix c[0..P-1] keeps:
 
     c[0 .. s-1]            the sinks (s = min(sinks, P))
     c[s .. P-m-1]          round(p x (P - s - m)) of them, those the scores rank first
     c[P-m .. P-1]          the last m (m = min(last, P - s)), whose attention scored the rest
 
-so p = 1 keeps every position: the oracle's prefill. The share p is the request's (`speculative:0.1`, the only
-value the mode takes); m, s, the source layers read and the pooling are declared once in params, never here.
+so p = 1 keeps every position: the oracle's prefill. The share p is the request's (`speculative:0.1`); m, s, the
+source layers read and the pooling are declared once in params, never here.
 """
 from __future__ import annotations
 
@@ -82,7 +79,7 @@ def chosen(share: float, candidates: int) -> int:
 
 
 def chosen_lookahead(path: Path) -> SpeculativeParams:
-    """The settings stage select chose on the select split (written at `path`), which the stages after it read."""
+    """The settings stage select chose on the select split (written at `path`)."""
     if not path.is_file():
         raise ArtifactError(f"{path} not found; run the select stage")
     return SpeculativeParams.model_validate(json.loads(path.read_text()))

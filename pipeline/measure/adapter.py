@@ -1,17 +1,9 @@
 """lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff.
 
-Tokenization and the context/continuation split come from lm-eval's `TemplateLM`, exactly as for its stock `hf`
-model (`TargetTokensLM`: the target's tokenizer, special tokens and chat template); the scoring hooks hand
-lm-eval's tokenized requests to the router (`Router.score`: each context truncated once, routed, scored by
-`kv.scoring`) and record each Instance's route in a `measure.ledger.Ledger`. What lm-eval records of the model
-(`get_model_info`, in its results' `config`) is the router's record (mode, repair, gate), the route counts per task
-and, per document, the routes (and gate scores) that differ from the handoff's own way, so a result says what
-served every request. Several processes follow lm-eval's rank contract (`rank`, `world_size`, `all_gather`,
-`gather_object`, `barrier`); each rank's routes reach rank 0 at lm-eval's first gather after the requests are
-served.
-
-The stages score through `measure.taskeval.score_tasks`, which builds this model; lm-eval's own command line builds
-its subclass `kv-transfer` (`pipeline.lm_eval_model`) from model args.
+Tokenization and the context/continuation split are lm-eval's `TemplateLM`, as for its stock `hf` model, so a
+handoff is scored on the tokens `hf` would score. Every Instance's route is recorded, and what lm-eval keeps of the
+model (`get_model_info`) is the router's record, the route counts and the routes that differ from the handoff's own
+way, so a result says what served every request.
 """
 from __future__ import annotations
 
@@ -205,7 +197,7 @@ class HandoffLM(TargetTokensLM):
         return {"kv_transfer": self.route_record()}
 
     def route_lines(self) -> list[str]:
-        """The counts as the `run` command prints them."""
+        """The route counts as text, under a header naming the transfer, the repair and the gate."""
         gate = "no gate" if self.gate is None else f"fell_back where {self.gate.score} > {self.gate.threshold:g}"
         return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts(),
                            self.ledger.cached())

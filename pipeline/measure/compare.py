@@ -1,27 +1,9 @@
-"""A variant against the oracle on held-out prompts: the V0 column and the metrics beside it.
+"""A variant against the oracle on held-out prompts: one row per prompt; `measure.prompt_metrics` gives the figures.
 
-For each prompt (context c, continuation e) under the last-token protocol, the oracle's outputs are computed
-once and stored compactly: per continuation position the top-K log-probabilities and their token ids
-(K >= vocabulary keeps the whole distribution), and the oracle's greedy rollout. Every variant is compared
-against that stored copy:
-
-- perplexity: exp(total NLL / total tokens) of e, pooled over prompts;
-- next_token_top1 (V0's column): share of prompts whose argmax at the first position after the prompt
-  equals the oracle's;
-- agreement: the same over all teacher-forced continuation positions;
-- mean KL(oracle || variant) per position, on the oracle's top-K tokens plus one bucket for the rest of
-  the vocabulary (exact when K covers the vocabulary, otherwise a lower bound of the full KL);
-- rollout agreement: share of greedy tokens over a fixed horizon identical to the oracle's greedy tokens;
-- per position, the oracle's top-2 margin and its probability of the variant's argmax (`measure.confident`: the
-  agreement where the oracle is sure, and weighted by it);
-- with the oracle's attention outputs stored (`oracle_outputs(..., attention=True)`, the select stage's proxy
-  for retention): per target layer, the mean cosine between the oracle's attention output and the variant's
-  at each continuation position (1 for the oracle itself).
-
-`variant_rows` batches prompts and reads each batch twice (teacher-forced, then a greedy rollout: two prefix
-caches); `timed_rows` runs each prompt alone through its router's first step, timed (`kv.router.Router.first_step`,
-`measure.timing.Stopwatch`), and reads both from that one cache (`kv.decode.read_after`), and `timed_oracle` stores
-the oracle's outputs from those same reads. The figures over the rows are `measure.prompt_metrics`'.
+The oracle's outputs are computed once and stored compactly: per continuation position its top-K log-probabilities
+and token ids (K >= vocabulary keeps the whole distribution), and its greedy rollout. Every variant is compared with
+that copy. A timed row runs its prompt alone through the router's timed first step, then reads its continuation and
+its greedy rollout from that one cache.
 """
 from __future__ import annotations
 
@@ -102,7 +84,8 @@ def _my_batches(count: int, batch_size: int, ranks: Ranks) -> list[int]:
 
 
 def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(oracle || variant) per position (m,), on the oracle's top-K tokens plus a bucket for the rest."""
+    """KL(oracle || variant) per position (m,), on the oracle's top-K tokens plus one bucket for the rest of the
+    vocabulary: exact when K covers the vocabulary, otherwise a lower bound of the full KL."""
     p = oracle_logprobs.exp()  # (m, K)
     q_logprobs = variant_logprobs.gather(-1, oracle_ids)  # (m, K)
     p_rest = (1 - p.sum(-1)).clamp_min(0.0)  # (m,)
@@ -143,7 +126,8 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
                oracle: dict, attention: torch.Tensor | None = None) -> dict:
     """Prompt `index`'s row against the stored oracle from the variant's log-probabilities (m, V) over its
     continuation, its greedy rollout (horizon,) and, where the oracle's are stored, its attention outputs (L_t, m,
-    hidden)."""
+    hidden). A position agrees where the variant's argmax is the oracle's, teacher-forced; `first_agree` is the first
+    position after the prompt (V0's column)."""
     m = len(continuation)
     logprobs = logprobs.cpu()  # (m, V)
     targets = torch.tensor(list(continuation))

@@ -1,22 +1,8 @@
 """Agreement with the oracle that does not saturate on near-ties: where the oracle is sure, and weighted by it.
 
 Top-1 agreement counts a position where the oracle's two best tokens are nearly tied as a coin flip the map must
-win; on such positions it measures the tie, not the map. Per continuation position (from the oracle's stored top-K
-log-probabilities, `measure.compare.oracle_outputs`):
-
-- margin: the oracle's top-2 margin, p1 - p2 (with K = 1 the second probability is bounded by the rest, 1 - p1);
-- oracle probability: the oracle's probability of the variant's argmax (exact when that token is among the oracle's
-  top-K, else 0: a lower bound, as the KL's bucket for the rest of the vocabulary).
-
-Summaries, at a declared threshold (`measure.confident_margin`) on the margin:
-
-- confident_top1: V0's column restricted to the confident prompts (those whose first position after the prompt,
-  V0's position, has margin >= threshold), with their count and share (the ceiling a reader needs);
-- confident_agreement: agreement over every teacher-forced position with margin >= threshold, count and share;
-- oracle_weighted_agreement: the mean over all positions of the oracle's probability of the variant's argmax (the
-  oracle itself scores its mean top probability).
-
-A share over no confident prompt or position is None (the report's "n/a"), never a division by zero.
+win; on such positions it measures the tie, not the map. The figures here read, per continuation position, the
+oracle's top-2 margin and its probability of the variant's argmax, both from its stored top-K log-probabilities.
 """
 from __future__ import annotations
 
@@ -30,7 +16,8 @@ MARGINS, PROBABILITIES = "margin_by_position", "oracle_prob_by_position"  # the 
 
 
 def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
-    """The oracle's top-2 margin p1 - p2 per position (m,) from its top-K log-probabilities (m, K)."""
+    """The oracle's top-2 margin p1 - p2 per position (m,) from its top-K log-probabilities (m, K); with K = 1 the
+    second probability is bounded by the rest, 1 - p1."""
     p = top_logprobs.exp()  # (m, K)
     second = p[:, 1] if p.shape[-1] > 1 else (1 - p[:, 0]).clamp_min(0.0)
     return p[:, 0] - second
@@ -38,7 +25,7 @@ def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
 
 def oracle_probability(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The oracle's probability of `tokens` (m,) per position (m,): exact where a token is among its top-K
-    (`top_ids`, `top_logprobs`: (m, K)), 0 where it is not."""
+    (`top_ids`, `top_logprobs`: (m, K)), 0 where it is not (a lower bound, as the KL's bucket for the rest)."""
     hit = top_ids == tokens[:, None]  # (m, K)
     return (top_logprobs.exp() * hit).sum(-1)
 
@@ -65,8 +52,15 @@ def _arrays(rows: pd.DataFrame, margin: float) -> tuple:
 
 
 def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | int | None]:
-    """The confident figures of a variant's per-prompt rows (`compare.variant_rows`) at oracle margin >= `margin`,
-    each with its count and share, and the oracle-weighted agreement."""
+    """The confident figures of a variant's per-prompt rows at oracle margin >= `margin`:
+
+    - confident_top1: V0's column restricted to the confident prompts (those whose first position after the prompt,
+      V0's position, has margin >= `margin`), with their count and share (the ceiling a reader needs);
+    - confident_agreement: agreement over every teacher-forced position with margin >= `margin`, count and share;
+    - oracle_weighted_agreement: the mean over all positions of the oracle's probability of the variant's argmax (the
+      oracle itself scores its mean top probability).
+
+    A share over no confident prompt or position is None (the report's "n/a"), never a division by zero."""
     first, first_agree, _, confident, agree, probability = _arrays(rows, margin)
     prompts, positions = int(first.sum()), int(confident.sum())
     return {

@@ -1,19 +1,9 @@
-"""One evaluation of a handoff: what every stage that scores a handoff calls, and the record it gets back.
+"""One evaluation of a handoff: what every stage that scores a handoff calls, and the typed record it gets back.
 
-`evaluate(router, prompts, oracle, ...)` scores the requests `router` (`kv.router.Router`: a handoff, maybe gated)
-serves on the eval prompts against the oracle's stored outputs (`measure.compare`: per-prompt rows, their figures
-`measure.prompt_metrics`') and on lm-eval's tasks (`measure.taskeval`: per-item rows, which keep the token ids each
-choice was scored on, and per task acc, acc_norm, their stderr, n and the accuracies per item kind). It returns an
-`Evaluation`: the figures, typed, and both tables of rows; `Evaluation.figures()` is the nested JSON a stage writes
-(`{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`), read back by the studies field by field.
-
-Untimed, prompts are batched exactly as `measure.compare.variant_rows` batches them. Timed (`timed=True`), each
-prompt runs alone through the router's first step (`kv.router.Router.first_step`: under a gate the gate's scoring
-and, where it falls back, the target's own prefill), timed part by part on a synchronized clock, and both reads of
-it come from that one prefix cache (`measure.compare.timed_rows`): each row gains `ttft_ms` and its parts, the
-figures the median and mean time to first token. Without stored outputs (`oracle=None`) the router is the oracle's
-and `store` says how to keep its outputs: they are computed first (timed: from the same single pass) and returned
-in `Evaluation.oracle`.
+A handoff is scored on the eval prompts against the oracle's stored outputs and on lm-eval's tasks. Timed, each
+prompt runs alone through the router's first step, timed part by part on a synchronized clock, and its row gains
+`ttft_ms` and the parts; prompts under a gate are evaluated timed only. `Evaluation.figures()` is the nested JSON a
+stage writes: `{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`.
 """
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """Selective handoff measured: quality against the fallback rate, AUROC, the threshold for a declared quality and
 the effective speedup.
 
-A gated system answers a request with the target's own prefill (the oracle) where it falls back and with the
-mapped handoff elsewhere, so its outcome per request is read off the two ungated runs:
-
-    task item:  gated = oracle's outcome if fallback else the map's     -> retention, gap closure per task
-    prompt:     first token agrees with the oracle if fallback else the map's first_agree; rollout likewise;
-                confident top-1 the same first token over the prompts where the oracle is sure (`confident`:
-                its top-2 margin at that token >= measure.confident_margin, `measure.confident`)
-
-"The map changes the decision": a task item whose chosen answer under the map differs from the oracle's (by the
-retention metric's rule: acc the highest log-likelihood, acc_norm the highest per character of the choice), or
-a prompt whose first greedy token differs from the oracle's. The oracle gate falls back exactly there (the upper
-bound); a random gate, in a seeded random order (the null).
-
-Effective speedup at a fallback rate f (per-request times, or multiply-adds for the bound): every request pays
-the handoff and its score, a fallback also the target's prefill: target / (handoff + score + f x target).
+A gated system answers with the target's own prefill (the oracle) where it falls back and with the mapped handoff
+elsewhere, so its outcome per request is read off the two ungated runs. Two reference gates: the oracle gate falls
+back exactly where the map changes the decision (the upper bound), a random gate in a seeded random order (the null).
 """
 from __future__ import annotations
 
@@ -75,7 +63,9 @@ def order(scores, seed: int) -> np.ndarray:
 
 
 def reference_scores(changed, seed: int) -> dict[str, np.ndarray]:
-    """The oracle gate's score (1 where the map changes the decision) and the random gate's (seeded draws)."""
+    """The oracle gate's score (1 where the map changes the decision) and the random gate's (seeded draws). The map
+    changes the decision of a task item whose chosen answer (`decisions`) differs from the oracle's, and of a prompt
+    whose first greedy token differs from the oracle's."""
     changed = np.asarray(changed, dtype=float)
     return {"oracle": changed, "random": np.random.default_rng(seed).random(len(changed))}
 
@@ -106,9 +96,9 @@ def gated_first(prompts: pd.DataFrame, fallback) -> np.ndarray:
 
 
 def prompt_quality(prompts: pd.DataFrame, fallback) -> dict[str, float]:
-    """Next-token top-1 and rollout agreement with the oracle of the gated system on the eval prompts, and where
-    `prompts` marks them (column `confident`) the top-1 over the prompts where the oracle is sure (NaN without
-    any)."""
+    """Next-token top-1 and rollout agreement with the oracle of the gated system on the eval prompts (a fallback
+    agrees everywhere), and where `prompts` marks them (column `confident`: the oracle's top-2 margin at the first
+    token >= the confident margin) the top-1 over the prompts where the oracle is sure (NaN without any)."""
     fallback = np.asarray(fallback, dtype=bool)
     first = gated_first(prompts, fallback)
     rollout = np.where(fallback, prompts.horizon.to_numpy(), prompts.rollout_agree.to_numpy())
@@ -142,5 +132,6 @@ def choose_threshold(scores, quality: Callable[[np.ndarray], float], target: flo
 
 
 def effective_speedup(target: float, handoff: float, score: float, rate: float) -> float:
-    """Target prefill against the gated system at fallback rate `rate` (times or multiply-adds per request)."""
+    """Target prefill against the gated system at fallback rate `rate` (times or multiply-adds per request): every
+    request pays the handoff and its score, a fallback also the target's prefill."""
     return target / (handoff + score + rate * target)

@@ -1,20 +1,14 @@
 """Time to first token (TTFT) of the handoff against ordinary target prefill, and the mapper's cost.
 
-For a prompt c[0..n-1] (PROTOCOL.md, "Latency study"):
+For a prompt c[0..n-1] (PROTOCOL.md, "Latency study"), with (b)'s parts named as in the rows (`source_ms`, ...):
 
     (a) target:   target(c[0..n-1]), last position's logits only                    -> first token
     (b) handoff:  source body(c[0..n-2]) | strip, map, apply RoPE, cast | target(c[n-1]) -> first token
-                  "source"                 "map" (and the handoff's repair)  "step"
+                  "source"                 "map" (a repair: its own part)    "step"
 
-Both paths run in one process on the same inputs, alternating repeat by repeat, so drift and other
-processes' load fall on both alike; each length gets warm-up runs first. Clocks are read after a CUDA
-synchronize on a GPU. Reported per length: median and interquartile range of each path, the medians of
-(b)'s parts, speedup (a)/(b) beside the FLOP-model bound (`kv.flops`) and the achieved fraction of it.
-
-Memory: the peak of torch-allocated bytes during one untimed run of each path, above what was allocated
-before it (the weights): `torch.cuda.max_memory_allocated` on a GPU; on a CPU the running sum of the CPU
-allocator's allocation and free events recorded by `torch.profiler`. Memory allocated outside torch's
-allocator (Python objects, BLAS scratch) is not counted.
+Both paths run in one process on the same inputs, alternating repeat by repeat, so drift and other processes' load
+fall on both alike. Reported per length: median and interquartile range of each path, the medians of (b)'s parts,
+and speedup (a)/(b) beside the FLOP-model bound (`kv.flops`).
 """
 from __future__ import annotations
 
@@ -70,7 +64,7 @@ def target_first_token(target, ids: torch.Tensor):
 @no_grad
 def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[FirstStep, Stopwatch]:
     """Path (b) for ids (1, n): the handoff's first step (`Handoff.first_step`) and the clock that timed its parts
-    (`prefill`, the source's; `map`, with the repair; `step`)."""
+    (`prefill`, the source's; `map`; `repair`, where the handoff repairs; `step`; ...)."""
     clock = Stopwatch(handoff.device)
     return handoff.first_step(Prefixes.of(ids), clock), clock
 
@@ -111,7 +105,10 @@ def decomposition(samples: list[dict[str, float]], target_ms: float, macs: dict[
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:
-    """Peak torch-allocated bytes above the level before `run`, while it runs and while its result lives."""
+    """Peak torch-allocated bytes above the level before `run` (the weights), while it runs and while its result
+    lives: `torch.cuda.max_memory_allocated` on a GPU; on a CPU the running sum of the CPU allocator's allocation and
+    free events recorded by `torch.profiler`. Memory allocated outside torch's allocator (Python objects, BLAS
+    scratch) is not counted."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -107,8 +107,8 @@ class RequestCache:
 
 def count_lines(setting: str, counts: dict[str, dict[str, int]], cached: dict[str, dict[str, int]] | None = None
                 ) -> list[str]:
-    """The counts as the `run` command prints them: one line for the `setting`, one per task (with the ways that
-    first served its cached requests)."""
+    """The counts as text: one line for the `setting`, one per task (with the ways that first served its cached
+    requests)."""
     lines = [f"kv-transfer routes ({setting}):"]
     for task, tally in counts.items():
         ways = ", ".join(f"{count} {way}" for way, count in tally.items() if way != "requests")

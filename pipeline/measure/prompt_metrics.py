@@ -1,15 +1,8 @@
-"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry of one table each.
+"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each.
 
-The rows are `measure.compare.variant_rows`' (per prompt: the continuation's NLL and tokens, agreement counts, the KL
-sum, rollout agreement, per position the oracle's top-2 margin and its probability of the variant's argmax, and the
-attention-output cosines where the oracle's attention outputs were stored). A metric's entry says how it is computed
-from them at the confident margin (`measure.confident_margin`, `measure.confident`), which way is better, how the
-report names it, whether it compares across texts only as a ratio to the oracle's (perplexity's `ppl_ratio`:
-perplexities of different text do not compare), its group (`fidelity`: the figures beside V0's column;
-`confident`: where the oracle is sure) and whether the candidates study correlates it with retention (`proxy`).
-
-Every reader takes the metrics from `PROMPT_METRICS`: the evaluation's figures (`measure.evaluation`), select's rule
-and ranking, the candidates study's proxies, the repair and variants studies' figures. A new metric is one entry.
+An entry says how the figure is computed from the rows (at the confident margin where it needs one), which way is
+better, how the report names it, and whether it compares across texts only as a ratio to the oracle's (perplexities
+of different texts do not compare). `next_token_top1` is V0's column. A new metric is one entry.
 """
 from __future__ import annotations
 

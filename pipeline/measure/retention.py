@@ -1,12 +1,9 @@
 """PROTOCOL's normalized retention, the gap closure, and paired comparisons of variants on the same items.
 
-Retention of a task: (acc_variant - chance) / (acc_oracle - chance). Gap closure of a task: (acc_variant -
-acc_source) / (acc_oracle - acc_source), the share of the source-to-oracle gap the handoff closes: 0 is no
-better than running the source model alone, 1 is the oracle. A variant's figure is the mean over tasks.
-Retention measures against chance and so overstates what the handoff buys when the source alone is already
-far above chance; the gap closure measures against the source. Intervals are paired bootstraps (items
-resampled per task, the same draw for every variant involved); task decisions and next-token agreement are
-compared item by item with exact McNemar tests.
+Retention of a task is (acc_variant - chance) / (acc_oracle - chance); it overstates what the handoff buys where the
+source alone is already far above chance, so the gap closure measures against the source: 0 is no better than the
+source alone, 1 is the oracle. A variant's figure is the mean over tasks. Intervals are paired bootstraps (items
+resampled per task, the same draw for every variant); outcomes are compared item by item by exact McNemar tests.
 """
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
 """Long-context measures: pass-key retrieval by greedy decoding, agreement where the continuation recalls the prompt.
 
-Retrieval (`store.haystack` items): the variant's greedy tokens after the prompt, as many as the key has, must be the
-key's tokens exactly (`exact_match`); reported per depth of the needle and overall, beside the oracle's own score and
-the variant's share of it (the drop where the oracle retrieves and the variant does not).
-
-Selection recall (a handoff that chooses which prompt positions the target computes itself: speculative prefill's kept
-tokens, a repair's recomputed ones): whether every token of the key is among them, per item; the share of items over
-those that chose. It says whether a retrieval failed at the choice or after it.
-
-Recall positions: continuation position j is a recall position when the n tokens ending at its token (the sequence
-prompt + continuation, n >= 2) already occur together in the prompt: the token extends an (n-1)-gram the prompt
-holds, with the same next token, what an induction head copies. Agreement there against the other positions says
-whether information far back in the prompt survived the handoff, which running-text agreement, dominated by local
-context, does not.
-
-    prompt:        ... a b c ... x y
-    continuation:  a b c d
-                       ^ n = 3: "a b c" occurs in the prompt -> recall; "b c d" does not -> not recall
+Retrieval scores the variant's greedy tokens after a pass-key prompt against the key, beside the oracle's own score.
+Selection recall says whether a retrieval failed at the handoff's choice of positions or after it. Agreement on recall
+positions says whether information far back in the prompt survived the handoff, which running-text agreement,
+dominated by local context, does not.
 """
 from __future__ import annotations
 
@@ -36,7 +23,14 @@ def exact_match(greedy: Sequence[int], answer: Sequence[int]) -> bool:
 
 
 def recall_positions(prompt: Sequence[int], continuation: Sequence[int], n: int) -> list[bool]:
-    """Per continuation position (m,): the n-gram of prompt + continuation ending at its token occurs in the prompt."""
+    """Per continuation position (m,): whether it is a recall position, where the n tokens of prompt + continuation
+    ending at its token already occur together in the prompt: the token extends an (n-1)-gram the prompt holds, with
+    the same next token, what an induction head copies.
+
+        prompt:        ... a b c ... x y
+        continuation:  a b c d
+                           ^ n = 3: "a b c" occurs in the prompt -> recall; "b c d" does not -> not recall
+    """
     if n < 2:
         raise ValueError(f"a recall position extends an n-gram of n >= 2 tokens, got n = {n}")
     prompt, sequence = list(prompt), list(prompt) + list(continuation)
@@ -69,7 +63,8 @@ def key_positions(prompt: Sequence[int], key: Sequence[int]) -> list[int]:
 
 
 def needle_selected(selected: Sequence[int], prompt: Sequence[int], key: Sequence[int]) -> bool:
-    """Every token of the key is among the `selected` positions (those the target computed itself by a choice)."""
+    """Every token of the key is among the `selected` positions (those the target computed itself by a choice:
+    speculative prefill's kept tokens, a repair's recomputed ones)."""
     return set(key_positions(prompt, key)) <= {int(position) for position in selected}
 
 

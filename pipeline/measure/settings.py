@@ -1,5 +1,4 @@
-"""The `measure` section of params.yaml: how every stage and study measures against the oracle and resamples, read
-by the stages that score (evaluate, select, repair, selective, length, operating, score_models) and the report."""
+"""The `measure` section of params.yaml: how every stage and study measures against the oracle and resamples."""
 from __future__ import annotations
 
 from pipeline.store.params import Params, Positive, Share

@@ -1,10 +1,9 @@
 """Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
 
-Returns lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in
-document order) and one row per item (acc, acc_norm, the choices' log-likelihoods, the item's `kind` where the data
-marks one, lm-eval's context and choice continuations, and per choice the token ids it was scored on: its context as
-lm-eval encoded it, before the router's truncation, and its continuation) for paired statistics and for the gate's
-scores of the same requests.
+Gives lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in document
+order) and one row per item for paired statistics and a gate's scores: acc, acc_norm, the choices' log-likelihoods,
+the item's `kind` where the data marks one, lm-eval's context and continuations, and per choice the token ids it was
+scored on (its context as lm-eval encoded it, before the router's truncation, and its continuation).
 """
 from __future__ import annotations
 

@@ -13,5 +13,5 @@ class CandidatesParams(Params):
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the time-to-first-token measurement
     warmup: Count  # untimed runs of both paths per candidate
     repeats: Positive  # timed runs of both paths per candidate (medians reported)
-    bound_pair: BoundPair  # each candidate's FLOP bound at this pair's shapes (store.shapes.PAIRS) beside ours
+    bound_pair: BoundPair  # store.shapes.PAIRS or `loaded`: each candidate's FLOP bound at its shapes beside ours
     batch_size: Positive  # task requests per forward

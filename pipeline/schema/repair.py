@@ -15,7 +15,7 @@ from pipeline.store.shapes import BoundPair
 class RepairParams(Params):
     maps: dict[str, str]  # name -> mapper file (a stage's output): the maps repaired
     grid: list[str]  # repair settings, kv.repair's string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`)
-    bound_pair: BoundPair  # a pair of store.shapes.PAIRS: each setting's budget and speedup bound at its shapes
+    bound_pair: BoundPair  # store.shapes.PAIRS or `loaded`: each setting's budget and speedup bound at its shapes
     gate_score: str  # the selective gate's score the matched-cost gate baseline reads (declared, not chosen)
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the budget, the bound and the measured times
     warmup: Count

@@ -27,7 +27,7 @@ class SelectParams(Params):
     repairs: list[str]  # kv.repair settings chosen with the map, `none` among them; [none]: the maps alone
     repair_maps: Positive  # the best maps by the rule unrepaired, each scored at every setting of `repairs`
     max_recompute: Annotated[float, Field(ge=0.0, le=1.0)]  # the largest budget chosen (kv.flops.repair_budget)
-    bound_pair: BoundPair  # a pair of store.shapes.PAIRS: the budgets are counted at its shapes ...
+    bound_pair: BoundPair  # store.shapes.PAIRS or `loaded`: the budgets are counted at its shapes ...
     length: Annotated[int, Field(ge=2)]  # ... for prompts of this many tokens
     lookahead: list[Lookahead]  # the source layers and pooling speculative prefill may read, the best by the rule
     # at `lookahead_share` kept (ties: the first listed); []: params' `speculative` section as declared

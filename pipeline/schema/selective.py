@@ -13,7 +13,7 @@ from pipeline.store.shapes import BoundPair
 
 class SelectiveParams(Params):
     maps: Annotated[dict[str, str], Field(min_length=1)]  # name -> mapper file (a stage's output): the maps gated
-    scores: Annotated[list[str], Field(min_length=1)]  # kv.gate.SCORES compared, each once
+    scores: Annotated[list[str], Field(min_length=1)]  # kv.scores.SCORES compared, each once
     disagree: list[str]  # the `disagree` score's two mapper files: k=1 and k=max
     target_retention: Annotated[float, Field(gt=0, le=1)]  # the quality the dev threshold is chosen for
     probe_l2: Annotated[float, Field(gt=0)]  # the `probe` score's L2 penalty on its standardised weights
@@ -22,7 +22,7 @@ class SelectiveParams(Params):
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the per-request times
     warmup: Count
     repeats: Positive
-    bound_pair: BoundPair  # a pair of store.shapes.PAIRS: the effective speedup bound at its shapes
+    bound_pair: BoundPair  # store.shapes.PAIRS or `loaded`: the effective speedup bound at its shapes
     seed: int  # the gate's own draws (reference scores, ties along the curves); bootstraps: measure.bootstrap_seed
     batch_size: Positive
 

@@ -1,13 +1,9 @@
 """Checksummed safetensors artifacts, atomic writes, and the one reader of parquet tables (`read_table`).
 
-Every artifact is one safetensors file whose header metadata holds the artifact's own metadata (JSON) and a
-SHA-256 of the whole file as written with the digest field zeroed. So the checksum covers every byte:
-tensor data, tensor names, dtypes, shapes and the metadata that gives them meaning. A flipped byte anywhere
-is refused at load with an error naming the file. Files are written under a temporary name in the same
-folder and renamed when complete, so an interrupted write never appears under the final name; the temporary
-names are private to their writer while written (0600 and 0700) and take the modes the user's umask
-gives a new file or folder before they are renamed (0644 and 0755 under umask 022, group-writable under 002): a
-staged folder with everything in it, whatever wrote its files (`take_umask`; safetensors' `save_file` writes 0600).
+An artifact's header metadata holds its own metadata (JSON) and a SHA-256 of the whole file written with the digest
+field zeroed, so a flipped byte anywhere (data, names, dtypes, shapes, metadata) is refused at load naming the file.
+A write goes to a private temporary name (0600, a folder 0700) beside its output, takes the modes the umask gives
+(`take_umask`; safetensors' `save_file` writes 0600) and is renamed when complete: an interrupted write never shows.
 """
 from __future__ import annotations
 

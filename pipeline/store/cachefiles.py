@@ -1,6 +1,4 @@
-"""Sharded on-disk KV caches: what `extract` writes and `fit` reads.
-
-Layout under a model's cache folder (e.g. `caches/source`):
+"""Sharded on-disk KV caches, one folder per model (e.g. `caches/source`):
 
     manifest.json                       model, geometry, rotary settings, storage dtype, shards per split
     <split>/shard-00000.safetensors     consecutive sequences of the split, tokens concatenated:
@@ -8,11 +6,10 @@ Layout under a model's cache folder (e.g. `caches/source`):
         values.<layer>  (tokens, kv_heads, head_dim)  as cached, storage dtype
         lengths         (sequences,) int64
 
-(tokens, kv_heads, head_dim) makes a row of `reshape(tokens, kv_heads * head_dim)` exactly one block of the
-linear mapper's input (all KV heads of a layer, head-major). Each shard is a checksummed artifact whose
-metadata names its doc_ids and content hashes, so source and target shards can be checked to hold the same
-sequences. A reader verifies a shard's whole checksum once, then reads single layers through safetensors'
-memory map, so a pass that needs two layers does not load twenty-eight.
+A row of `reshape(tokens, kv_heads * head_dim)` is one block of the linear mapper's input (a layer's KV heads,
+head-major). Each shard is a checksummed artifact naming its doc_ids and content hashes, so source and target shards
+can be checked to hold the same sequences. A reader verifies a shard's checksum once, then reads single layers
+through safetensors' memory map, so a pass that needs two layers does not load twenty-eight.
 """
 from __future__ import annotations
 

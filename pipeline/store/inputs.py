@@ -1,10 +1,8 @@
 """The numbers and inputs a user tool takes (`generate`'s and `check_pair`'s flags, `kv-transfer`'s model args, a
-stage's `--out`), checked before any model work by the rules params.yaml's values obey (`store.params`): one
-function per rule, each returning the value as the tool uses it or raising `ParamError` (a `Refusal`: one line
-naming the flag or model arg and the fix, exit 2). `name` is the flag or arg as the user spelt it (`--threshold`,
-`threshold=`), so one rule serves every face.
-
-A model arg comes from lm-eval as a string (`batch_size=0`), a flag already typed by argparse; both are read here.
+stage's `--out`), checked before any model work by the rules params.yaml's values obey: one function per rule, each
+returning the value as the tool uses it or raising `ParamError` (one line naming the flag and the fix, exit 2). `name`
+is the flag or arg as the user spelt it (`--threshold`, `threshold=`), so one rule serves every face. A model arg
+comes from lm-eval as a string (`batch_size=0`), a flag already typed by argparse; both are read here.
 """
 from __future__ import annotations
 

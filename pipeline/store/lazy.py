@@ -1,18 +1,9 @@
 """A module imported on first use: `torch = lazy("torch")` at the top of a module, then `torch.cat(...)` as usual.
 
-Starting a stage (its `--help`, a refusal of its arguments or params) should not cost the seconds torch,
-transformers, lm-eval and pandas take to import, yet the house rule puts every import at the top of a module (none
-inside a function, where a reader would not see the dependency). `lazy(name)` keeps the reference at the top and
-defers the import: the first attribute read imports the module with `importlib.import_module` and every read after
-it goes to that module. Annotations (`torch.Tensor`) are strings under `from __future__ import annotations` and load
-nothing; anything evaluated when a module is imported (a decorator, a default argument, a constant built from the
-library, a base class, a pydantic field's type) loads it at once, so a module that needs the library at import time
-is itself referenced lazily by its importers (`lazy("pipeline.lm_eval_model")`).
-
-Not importlib.util.LazyLoader: that puts a half-made module into sys.modules, and torch's import walks
-sys.modules (through `inspect`), which makes transformers' lazy module load itself inside its own load
-("module object for 'transformers' substituted in sys.modules during a lazy load"). The proxy here never enters
-sys.modules: until it is used, nothing is imported at all.
+A stage's `--help`, or a refusal of its arguments or params, should not cost the seconds torch, transformers, lm-eval
+and pandas take to import, yet every import stays at the top of its module, where a reader sees the dependency.
+Annotations load nothing (`from __future__ import annotations`); anything evaluated when a module is imported (a
+decorator, a default argument, a constant, a base class, a pydantic field's type) loads the library at once.
 """
 from __future__ import annotations
 
@@ -24,7 +15,12 @@ from typing import Any
 class LazyModule:
     """Stands for the module `name` until an attribute is read, then imports it once and reads from it; it never
     copies the module's attributes, so a module attribute replaced later (a test's monkeypatch) is seen; setting an
-    attribute sets the module's."""
+    attribute sets the module's.
+
+    Not importlib.util.LazyLoader: that puts a half-made module into sys.modules, and torch's import walks
+    sys.modules (through `inspect`), which makes transformers' lazy module load itself inside its own load
+    ("module object for 'transformers' substituted in sys.modules during a lazy load"). This proxy never enters
+    sys.modules: until it is used, nothing is imported at all."""
 
     def __init__(self, name: str):
         object.__setattr__(self, "_name", name)
@@ -50,5 +46,6 @@ class LazyModule:
 
 def lazy(name: str) -> Any:
     """A stand-in for `import name` that imports it at the first attribute read (`lazy("torch").cat`).
-    `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an import of that module."""
+    `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an import of that module. A module that
+    needs its library at import time is itself referenced lazily by its importers (`lazy("pipeline.lm_eval_model")`)."""
     return LazyModule(name)

@@ -1,16 +1,9 @@
 """Loading models and tokenizers by local path or hub id, failing fast and clearly when one is missing.
 
-A hub id is resolved from the local Hugging Face cache first; only if it is not there is the hub asked,
-after a short reachability check, so a machine without the hub gets an error naming the model at once
-instead of minutes of retries. A name that looks like a path (`looks_like_path`) is never asked of the hub.
-Every config and checkpoint is read through `model_folder`, which refuses in one sentence naming the folder a
-config.json transformers cannot build (missing, not JSON, no or an unknown model_type, remote code); a folder
-without tokenizer files has no tokenizer (transformers 5 would make up a stand-in of a few tokens).
-
-`self:<n>` names the target's own first n decoder layers as the source (`store.truncated`). A prepared source
-folder holds it as a pointer (self.json: n and the prepared target beside it), so every stage that loads
-models/source gets it with no extra weights on disk; the bare name needs its target (`load_*(..., target=...)`,
-which `kv.pair.Pair` passes).
+A hub id is read from the local Hugging Face cache first; the hub is asked only after a short reachability check, so
+a machine without it gets an error naming the model at once. A name that looks like a path is never asked of the hub.
+`self:<n>` names the target's own first n decoder layers as the source (`store.truncated`): a prepared source folder
+holds it as a pointer (self.json: n and the prepared target beside it), with no extra weights on disk.
 """
 from __future__ import annotations
 
@@ -330,8 +323,8 @@ def loaded(loading, name: str):
 
 def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None):
-    """A model's config alone (no weights): what the architecture contract reads before anything is loaded (a
-    self source's: its target's, truncated)."""
+    """A model's config alone (no weights), for the checks made before anything is loaded (a self source's: its
+    target's, truncated)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return truncated_config(load_config(cut[1], cut[2]), cut[0])

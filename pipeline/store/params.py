@@ -1,24 +1,9 @@
 """Typed, validated parameters: each stage parses the sections of params.yaml it reads into pydantic models.
 
-Values live only in params.yaml (composed from conf/): a parameter class (a `Params` subclass, in
-`pipeline.schema.<stage>` of the stage that reads it) declares types, ranges (`Field(ge=..., gt=...)`, or the shared
-annotated types below) and choices (`Literal`), never a default, so every field must be present; `null` is a value
-where the type allows it. Unknown keys, missing keys, wrong types, out-of-range values and broken rules between keys
-are errors naming the key (`fit.lambdas[2]: expected a number >= 0, got -1`).
-
-Why pydantic: it is already in the stack (via lm-eval and dvc), it validates nested models, lists, tuples and
-mappings with the exact location of each error, and its validators put the rules between keys (a section's
-`model_validator`, the whole file's in `pipeline.check_params`) beside the fields they read, so the whole-file
-check sees every rule a stage would otherwise find only when it runs. The models are strict (no "3" for 3, no
-true for 1; an integer is accepted as a float) and refuse NaN and infinities.
-
-How errors map: `parse` turns pydantic's ValidationError into one `ParamError` (a `Refusal`: one line, exit 2)
-from its first error (an unknown key first, since a misspelt key also leaves its real name missing): the
-error's `loc` becomes the dotted key with list indices (`fit.mlp.ks[0]`), its type the sentence after the
-colon (`missing` -> "missing parameter", `extra_forbidden` -> "unknown parameter (known: ...)", `int_type` ->
-"expected an integer", `greater_than_equal` -> "expected a number >= ...", `too_short` -> "expected at least
-one value", `literal_error` -> "expected one of ..."). A validator raising `ParamError` writes its own whole
-line (it names the keys it compares); a plain ValueError from a field's validator is prefixed with its key.
+Values live only in params.yaml (composed from conf/): a `Params` class (`pipeline.schema.<stage>`) declares types,
+ranges and choices, never a default. The models are strict (no "3" for 3, no true for 1; an int passes as a float) and
+refuse NaN and infinities. pydantic, already in the stack, keeps rules between keys (`model_validator`) beside the
+fields they read, so the whole-file check (`pipeline.check_params`) sees every rule a stage would find when it runs.
 """
 from __future__ import annotations
 
@@ -100,7 +85,11 @@ def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
 
 
 def parse(cls: type[T], data: Any, where: str) -> T:
-    """`data` validated as `cls`; `where` is its dotted key in params.yaml ("" for the whole file)."""
+    """`data` validated as `cls`; `where` is its dotted key in params.yaml ("" for the whole file). pydantic's first
+    error (an unknown key first: a misspelt key also leaves its real name missing) becomes one `ParamError` line: its
+    `loc` the dotted key with list indices (`fit.mlp.ks[0]`), its type the sentence after the colon (`missing` ->
+    "missing parameter", `greater_than_equal` -> "expected a number >= ..."). A validator raising `ParamError` writes
+    its own whole line (it names the keys it compares); a plain ValueError from a field's validator gets its key."""
     if not isinstance(data, Mapping):
         raise ParamError(f"{where}: expected a mapping, got {data!r}")
     try:

@@ -1,8 +1,8 @@
 """Every artifact path the stages share, named once.
 
-A stage writes a file here and another reads it: both take the name from this module, and dvc.yaml spells the
-same paths in its deps and outs (tests/test_dvc_yaml.py reads them from there). Paths are relative to the
-repository root, where `dvc repro` runs every stage.
+A stage that writes a file and one that reads it both take its name from here (tests/project/test_layout.py refuses
+such a path spelt elsewhere in pipeline/), and dvc.yaml spells the same paths in its deps and outs. Paths are
+relative to the repository root, where `dvc repro` runs every stage.
 """
 from __future__ import annotations
 

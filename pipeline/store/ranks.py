@@ -1,29 +1,8 @@
-"""Several processes for one stage, on torchrun's contract: RANK, WORLD_SIZE and LOCAL_RANK in the environment
-(as `torchrun` and `accelerate launch` set them), gloo between CPU processes, NCCL between GPUs, rank r on
-device `cuda:<LOCAL_RANK>`.
-
-A stage's whole life among its processes is `stage_ranks` (a `with` block around its work): a stage whose
-`<stage>.processes` is N > 1 and that is not yet under a launcher starts itself again as torchrun would, `torchrun
---standalone --nproc_per_node N -m <stage> ...` (`relaunch`: torchrun's own agent, run in this process), and waits,
-so `dvc.yaml` keeps one command per stage and `dvc repro` stays the only verb; `--standalone` picks a free
-rendezvous port, so concurrent experiments (DVC's queue) do not collide; the launching process then ends
-(`Relaunched`: its processes did the work). Each process then joins the process group, takes the stage's torch
-thread count, runs the stage and writes its metrics through `Stage.write_metrics` (rank 0 writes, with every
-rank's usage figures). One process is `Ranks` of size 1: every helper is then a no-op.
-
-Running torchrun's agent in the launching process lets the launcher say an interrupt's one line (`store.cli`)
-where torchrun's command prints its own report of the signal: Ctrl-C reaches the launcher, whose agent passes it
-on to the processes (each in its own session), waits for them to remove their temporaries and end, and the stage
-ends `interrupted: <stage>` with status 130 (143 for SIGTERM).
-
-Work is split by index (`Ranks.share`: rank r takes items r, r+N, ...) and results come back to rank 0 as
-Python objects (`gather`), which puts them in a fixed order, so a stage can write exactly what one process
-writes.
-
-A rank that fails ends its process at once, without the process group's orderly teardown (NCCL's waits for
-every rank); torchrun's agent then ends the other ranks (SIGTERM) and the stage exits non-zero, so a dead rank
-never leaves the others waiting in a collective. No timeout is needed for that (gloo's and NCCL's own are
-minutes long); on gloo a rank also sees a dead peer's closed connection at its next collective.
+"""Several processes for one stage, on torchrun's contract: RANK, WORLD_SIZE and LOCAL_RANK in the environment, gloo
+between CPU processes, NCCL between GPUs, rank r on `cuda:<LOCAL_RANK>`. A stage whose `<stage>.processes` is N > 1
+starts itself again under torchrun's agent (`stage_ranks`), so dvc.yaml keeps one command per stage and `dvc repro`
+stays the only verb. Work is split by index (rank r takes r, r+N, ...) and gathered on rank 0 in a fixed order, so a
+stage writes exactly what one process writes. One process is `Ranks` of size 1: every helper is then a no-op.
 """
 from __future__ import annotations
 
@@ -166,7 +145,12 @@ def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     wait for them and return True (the caller is done). A failed rank raises SystemExit(1) after torchrun's report
     of which rank failed first; Ctrl-C or SIGTERM (here, or a rank's own that ended it with status 130 or 143)
     raises KeyboardInterrupt once every rank has ended, the stage then ending with that signal's status. Otherwise
-    return False: the caller does the work itself."""
+    return False: the caller does the work itself.
+
+    torchrun's agent runs in this process, so the stage says an interrupt's one line (`store.cli`) where torchrun's
+    command would print its own report: the agent passes Ctrl-C on to the ranks (each in its own session) and waits
+    for them to remove their temporaries. `--standalone` picks a free rendezvous port, so concurrent experiments
+    (DVC's queue) do not collide."""
     if processes == 1 or launched():
         return False
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
@@ -261,6 +245,7 @@ def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv
     if threads is not None:
         torch.set_num_threads(threads)
     # a block that fails raises here and skips the orderly teardown on purpose: NCCL's waits for every rank, some
-    # of them still in a collective, while ending this process lets torchrun end them (the module's docstring)
+    # of them still in a collective, while ending this process lets torchrun's agent end them (SIGTERM) and the stage
+    # exit non-zero. No timeout is needed (gloo's and NCCL's are minutes long); gloo also sees a dead peer's socket.
     yield Stage(ranks, device)
     leave(ranks)

@@ -1,12 +1,9 @@
-"""Real model shapes without the hub: stored public configs and random models of those shapes.
+"""Real model shapes without the hub: stored public configs (`configs/<name>.json`) and random models of those shapes.
 
-`configs/<name>.json` is the public config.json of a real model: Qwen3-0.6B, 1.7B, 4B and 8B, Llama-3.2-1B
-and 3B, SmolLM2-135M (and its first 9 layers, the smol profile's self:9 source). A model built from one has
-the exact architecture, parameter count, KV geometry and RoPE (scaling included) of the real model, with random
-weights: enough for anything whose outcome does not depend on the weights (timing, memory, shapes: the
-`qwen3-shapes` and `llama-shapes` smoke profiles and the latency study), meaningless for anything else. `PAIRS`
-names the (source, target) pairs a profile or the latency benchmark can ask for. Qwen2.5-Coder-0.5B and -1.5B are
-the configs their GGUF files convert to (untied LM heads: both GGUFs carry `output.weight`).
+A model built from one has the real model's architecture, parameter count, KV geometry and RoPE (scaling included)
+with random weights: enough where the outcome does not depend on the weights (timing, memory, shapes: the
+`qwen3-shapes` and `llama-shapes` profiles, the latency study), meaningless elsewhere. `smollm2-135m-first9` is the
+smol profile's self:9 source; the Qwen2.5-Coder configs are what their GGUFs convert to (untied LM heads).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The target's own first n decoder layers as the source: `models.source: self:<n>`, no second model.
 
-A self source is the target's config with `num_hidden_layers = n` (per-layer `layer_types` trimmed), the target's
-embedding, layers 0..n-1, final norm and LM head, shared with the target and never copied (tied embeddings stay
-tied), and the target's tokenizer. Each decoder layer reads only the layers below it, so its cache at its layers is
-the target's own: the maps then predict the target's deeper layers from them, the "no second model" baseline
-(`kv.flops.matched_self_layers`: the n of the real source's prefill cost). Loading one is `store.models`'s work.
+A self source is the target's config with `num_hidden_layers = n` (`layer_types` trimmed), sharing the target's
+embedding, layers 0..n-1, final norm, LM head (never copied; tied embeddings stay tied) and tokenizer. Each decoder
+layer reads only the layers below it, so its cache is the target's own at those layers: the maps predict the target's
+deeper layers from it, the "no second model" baseline (`kv.flops.matched_self_layers`: n at the real source's cost).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The report's studies: one module each (the V0 variants, every candidate, the calibration curve, the length
-study), each owning its input files, its statistics, its Markdown and its figure; `settings` holds the
-`report` params they share, `format` the formatting they share, `run` the run they all read and the protocol a
-study keeps, `registry` the one list of them."""
+"""The report's studies: one module each, owning its input files, its statistics, its Markdown and its figure, so
+adding a study is adding its module and its line in `registry`. `settings`, `format` and `run` hold what they share:
+the `report` params, the formatting, and the run they all read with the protocol a study keeps.
+"""

@@ -1,12 +1,8 @@
 """The V0 variants where the oracle is sure: agreement that near-ties cannot decide, beside V0's top-1.
 
-Inputs: the V0 variants' per-prompt rows (eval/<variant>/prompts.parquet, stage `evaluate`), which hold per
-continuation position the oracle's top-2 margin and its probability of the variant's argmax (`measure.confident`).
-Per variant, at the declared margin `measure.confident_margin`: confident-prompt top-1 (V0's position, over the
-prompts where the oracle is sure there), confident-position agreement (every teacher-forced position where it is
-sure), the oracle-weighted agreement, each with a 95% bootstrap interval over prompts and its count; and the paired
-confident top-1 difference of the mapped variant with every other, over the confident prompts. V0's column stays
-as it is, for comparison with V0.
+Per variant, at the declared margin `measure.confident_margin`: the confident figures of `measure.confident`, each with
+a 95% bootstrap interval over prompts and its count, and the paired confident top-1 difference of the mapped variant
+with every other, over the confident prompts. V0's column stays as it is, for comparison with V0.
 """
 from __future__ import annotations
 

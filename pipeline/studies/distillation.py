@@ -1,14 +1,9 @@
 """The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
 
-Inputs: metrics/distill.json (per map the learning rate and the regression's weight chosen on the select split and
-each probe's select KL;
-the stage's time per part) and its per-epoch curves (metrics/distill/<map>.csv), metrics/select.json (both
-maps scored on the select split: next-token top-1, agreement and rollout agreement with the oracle, mean KL),
-and, when the candidates study ran, both maps' task items on the eval part (eval/candidates/): retention and gap
-closure with their intervals, and the paired difference of task accuracy (after - before) with its bootstrap
-interval and McNemar's p over the same items; and both maps' rows on the eval prompts
-(eval/candidates/prompts/): next-token top-1, rollout agreement at `evaluate.horizon` and mean KL, each
-difference with its paired bootstrap interval over prompts (McNemar's p for the 0/1 top-1).
+Both maps are compared on the select split (the stage's own scores) and, when the candidates stage scored them, on
+the eval part: retention, gap closure and the paired difference of task accuracy (after - before) over the same items,
+and the per-prompt figures on the eval prompts; each difference has its paired bootstrap interval, and the 0/1
+figures McNemar's p.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The length study: a map refitted on short prefixes of the fit sequences, with RoPE stripped (the pipeline's
-way) and with keys as cached (the ablation), used on prompts longer than the fit saw (stage `length`); per
-prompt length both maps against the oracle and against each other, and both maps' task accuracy per bin of
-context length (`report.length_bins`).
+"""The length study (stage `length`): a map refitted on short prefixes of the fit sequences, with RoPE stripped (the
+pipeline's way) and with keys as cached (the ablation), used on prompts longer than the fit saw.
 
-Inputs: metrics/length.json (per key space and prompt length an evaluation's nested figures, `measure.evaluation`),
-eval/length/<keys>_L<n>.parquet (per prompt: NLL, agreeing and scored tokens) and
-eval/length/<keys>_tasks.parquet (per task item: context tokens and accuracy).
+Per prompt length both maps are compared with the oracle and with each other, and per bin of task context length
+(`report.length_bins`) on task accuracy.
 """
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""The operating study: the handoff at the prompt lengths where prefill costs (stage `operating@<n>`), every variant's
-quality and measured time to first token from the same prompts, one table per length, the frontier by measured
-speedup, and the pass-key retrieval beside the oracle's own score.
-
-Inputs: metrics/eval/operating/<n>.json (per variant its figures: `measure.evaluation`'s, agreement on recall
-positions, the retrieval summary, the measured speedup and the FLOP bound at n) and eval/operating/<n>/<variant>/
-prompts.parquet (per prompt, for the bootstrap intervals), for each of operating.lengths. What metrics/report.json
-holds under `lengths.<n>.<variant>`: confident_agreement with its 95% interval (`_low`, `_high`: prompts resampled),
-kl, ppl_ratio, speedup_measured, flop_bound, retrieval (the exact-match share), selection_recall (where the handoff
-chose the positions the target computes: the share of pass-key items whose key it kept or recomputed, else None), n
-(prompts) and the rest beside them.
-A point is on a length's front (`on_front`) only by its measured figures: confident agreement against measured
-speedup, no other variant at least as good on both.
+"""The operating study (stage `operating@<n>`): the handoff at the prompt lengths where prefill costs. Per length,
+every variant's quality and measured time to first token from the same prompts, the frontier, and the pass-key
+retrieval beside the oracle's own score. A point is on a length's front (`on_front`) by its measured figures only:
+confident agreement against measured speedup, no other variant at least as good on both and better on one.
 """
 from __future__ import annotations
 
@@ -115,7 +106,8 @@ def lines(study: dict) -> list[str]:
            "itself (speculative prefill's kept tokens, a repair's recomputed ones), the share of pass-key items whose "
            "key's tokens were all among them. Recall positions: continuation tokens that extend an n-gram the prompt "
            "holds. "
-           "Front: no other variant has both higher confident agreement and a higher measured speedup.", ""]
+           "Front: no other variant is at least as good on both confident agreement and measured speedup and better on "
+           "one.", ""]
     for length, entries in study.items():
         oracle = entries["oracle"]
         out += [f"### {int(length):,} tokens", "",

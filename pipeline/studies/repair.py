@@ -1,14 +1,9 @@
 """The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
 
-Inputs: metrics/repair.json (per map and setting: its evaluation's nested figures, `measure.evaluation`, its budget,
-FLOP bound and measured speedup; per budget level the truncated prompt's and speculative prefill's) and eval/repair/
-(their item rows), the
-oracle's and the source's items for retention and gap closure (the source alone is also a row of its own, at budget
-0, with its figures from metrics/eval/source.json), and the selective study's curves (the gate at the same mean
-cost: the retention of `repair.gate_score`'s curve at the fallback rate equal to the budget, interpolated; the
-score's own cost is left out). Each row carries every prompt metric (`measure.prompt_metrics`). With the candidates
-study at the same pair and length, the report joins the two (`JOINS`, `join`): the frontier of gap closure against
-the FLOP bound gains the repaired points.
+Each map's settings stand beside the baselines at the same budget: the truncated prompt, speculative prefill, the
+source alone (budget 0: the target computes nothing) and the selective gate at the same mean cost (its retention at
+the fallback rate equal to the budget, interpolated; the score's own cost left out). With the candidates study at the
+same pair and length, the frontier of gap closure against the FLOP bound gains the repaired points.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """What every study reads and what every study is: the `Run` (the variants' evaluation and the files each study
-beside them starts from) and the `Study` protocol a study module fills in (`registry.STUDIES` lists them).
-
-A study is one module with four functions, called by the report in this order: `load(run)` reads its input files
-(None when its stage did not run, and the report leaves it out), `compute(params, measure, inputs)` its statistics
-(its key of metrics/report.json; `measure`: the `measure` section, how it resamples), `lines(study)` its Markdown
-section, `figure(study, folder)` its PNG figures and the tables behind them (for `dvc plots`). A study whose result
-needs another study's (the repair study's frontier runs over the candidates study's maps too) is `Joining`: `JOINS`
-names that study, and `join(study, other)` completes its own result once every study is computed.
+beside them starts from) and the `Study` protocol a study module fills in.
 """
 from __future__ import annotations
 
@@ -79,7 +72,10 @@ def pair_names(models: str = "models") -> tuple[str, str]:
 
 @runtime_checkable
 class Study(Protocol):
-    """A study module: these four functions (the module docstring says when the report calls each)."""
+    """A study module: four functions. `load(run)` reads its input files (None when its stage did not run, and the
+    report leaves it out); `compute(params, measure, inputs)` its statistics, its key of metrics/report.json
+    (`measure`: the `measure` section, how it resamples); then, from that result, `lines(study)` its Markdown section
+    and `figure(study, folder)` its PNG figures and the tables behind them (for `dvc plots`)."""
 
     def load(self, run: Run) -> Any | None: ...
 
@@ -92,8 +88,9 @@ class Study(Protocol):
 
 @runtime_checkable
 class Joining(Study, Protocol):
-    """A study whose result is completed with another study's: `JOINS` is that study's key in `STUDIES`; `join`
-    gets this study's result and the other's (None when the other did not run), after every study is computed."""
+    """A study whose result is completed with another study's (the repair study's frontier runs over the candidates
+    study's maps too): `JOINS` is that study's key in `STUDIES`; `join` gets this study's result and the other's (None
+    when the other did not run), after every study is computed."""
 
     JOINS: str
 

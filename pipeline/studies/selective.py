@@ -1,13 +1,9 @@
 """The selective-handoff study: per request, the mapped cache or the target's own prefill (stage `selective`).
 
-Inputs: metrics/selective.json (per map: the ungated quality, per score its AUROC for "the map changes the
-decision" and the dev-chosen threshold's row on the eval part, the per-request times and multiply-adds) and
-eval/selective/curves.parquet (quality at each fallback rate, per map and score, with the oracle and random
-gates). Beside them: each score's AUROC on the eval items with its 95% interval and n (the figure a gate is judged
-by, the selected map's first), and next-token top-1 over the prompts where the oracle is sure
-(`measure.confident_margin`), ungated, at each dev threshold and along the curves. The figures: retention against
-the fallback rate, and against the effective speedup bound at the bound pair's shapes, one row of panels per map;
-and next-token top-1 beside confident top-1 against the fallback rate.
+A gate is judged by each score's AUROC for "the map changes the decision" on the eval items (with its 95% interval),
+and by the quality it keeps: retention against the fallback rate and against the effective speedup bound, and
+next-token top-1 beside top-1 over the prompts where the oracle is sure, ungated, at each dev-chosen threshold and
+along the curves, beside the oracle and random gates.
 """
 from __future__ import annotations
 

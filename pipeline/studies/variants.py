@@ -2,11 +2,8 @@
 acceptance criteria, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls
 and latency summaries.
 
-Inputs: the `Run` (`studies.run`): metrics/eval/<variant>.json (an evaluation's nested figures, `measure.evaluation`,
-and a mapped variant's `map`: its family, k and role) and eval/<variant>/{items,prompts}.parquet (stage `evaluate`),
-metrics/controls.json, metrics/select.json, metrics/latency.json, and the pointers under models/ that say which
-pair ran. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another
-pair's run names its pair instead.
+V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another pair's run names its pair
+instead.
 """
 from __future__ import annotations
 

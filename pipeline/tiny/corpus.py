@@ -1,9 +1,9 @@
 """The tiny world's training corpus and sequence sets, and every frame of the world (`generate_world`).
 
-Corpus documents carry the text and the character offset where the predictable part (the loss) starts: `story`
-and `qa` documents are the rendered task forms (`tiny.items`), `bio` documents list global facts and `copy`
-documents teach the look-back (the `tiny.world` docstring). The fit, select and eval sequences are held-out story
-and qa documents.
+Corpus documents carry the text and the character offset where the predictable part (the loss) starts: `story` and
+`qa` documents are the rendered task forms (`tiny.items`), so the models train on exactly the text they are scored
+on; `bio` documents list global facts; `copy` documents (words, `then`, the same words) teach the look-back first
+(`tiny.train`). The fit, select and eval sequences are held-out story and qa documents.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """A word-level tokenizer for the tiny world, trained on its corpus, in Hugging Face format.
 
-Byte-level pre-tokenization (GPT-2's split: a word keeps its leading space, `" ann"`) with one vocabulary
-entry per whole pre-token, so the text round-trips exactly, newlines and spaces included, and encoding
-`context + " " + ending` splits at the word boundary: the tokens of the context are a prefix of the tokens
-of the whole, which is how lm-eval separates context from continuation. No special token is added on
-encoding (like Qwen3's tokenizer): the models are trained on documents that start without BOS and end
-with EOS, and lm-eval scores them the same way.
+Byte-level pre-tokenization (GPT-2's split: a word keeps its leading space, `" ann"`) with one vocabulary entry per
+whole pre-token, so text round-trips exactly and `context + " " + ending` splits at the word boundary: the context's
+tokens are a prefix of the whole's, which is how lm-eval separates context from continuation. No special token is
+added on encoding (like Qwen3's): documents are trained without BOS and end with EOS, and lm-eval scores them so.
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Training a tiny Qwen3 model on the tiny world, and scoring task items the way lm-eval does.
 
-Two phases (feasibility notes, round 2): first only `copy` documents, where the look-back (an induction
-head) appears within a few hundred steps; then the whole corpus. Mixing from the start let the models
-settle on a bag-of-words shortcut instead. The loss covers only the predictable part of each document
-(after the facts, after `then`) and its EOS: the facts themselves are random draws. One warm-up + cosine
-schedule spans both phases.
-
-Scoring follows lm-eval's `multiple_choice`: the log-likelihood of " " + choice (the target delimiter)
-summed over its tokens given the rendered context, split at the token boundary of the context; `acc` takes
-the argmax, `acc_norm` the argmax after dividing by the choice's character length.
+Two phases (feasibility notes, round 2): first only `copy` documents, where the look-back (an induction head) appears
+within a few hundred steps, then the whole corpus; mixing from the start let the models settle on a bag-of-words
+shortcut. The loss covers only each document's predictable part (after the random facts, after `then`) and its EOS.
+Scoring follows lm-eval's `multiple_choice`: acc is the argmax of summed log-likelihoods, acc_norm per character.
 """
 from __future__ import annotations
 

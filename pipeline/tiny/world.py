@@ -1,33 +1,8 @@
-"""The tiny world: a seeded generator of a small synthetic language (its words, scenes and statements), from
-which `tiny.items` cuts its HellaSwag- and PIQA-shaped task items and `tiny.corpus` its training corpus and
-sequence sets.
-
-A *scene* is a handful of facts `NAME COLOUR OBJECT .` (names and objects unique in the scene). Every scene
-has one of four topics, and the topic fixes a palette of three colours that all its facts use, so what a
-scene is about can be read from any of its facts. Later sentences refer back to the scene:
-
-    story: ann teal cup . bob sage box . ... Later bob sage box . Later ivy lime hat . Later ann cup from cairo .
-
-- a *repeat* (`Later bob sage box .`) copies a fact: predicting it needs an exact match of one or two
-  tokens (the name, then name and colour), the induction pattern tiny models learn quickly;
-- a *novel* statement (`Later ivy lime hat .`) introduces a name absent from the scene with a colour from
-  the topic's palette: predicting the colour needs the gist of the scene, not any single fact;
-- a *knowledge* statement (`Later ann cup from cairo .`) names a town given by a global table, (name,
-  object class) -> town, fixed across the whole corpus and never stated in a task item's context: the
-  answer is held in the weights, keyed by what the context says.
-
-These three give the item kinds `recall`, `gist` and `knowledge` of both task shapes. Items are cut from
-fresh scenes in the rendered form lm-eval builds (see `render_hellaswag`, `render_piqa`), and the corpus
-holds the same rendered forms (`story:` documents for HellaSwag, `Question: ...\\nAnswer: ...` documents
-for PIQA), so the models are trained on exactly the text they are scored on. Two more document kinds help
-training: `bio` documents list global facts, and `copy` documents (a random word string, `then`, the same
-string again) teach the look-back first (see the feasibility notes, round 2).
-
-All words of a class have the same length (names and objects 3 letters, colours 4, towns 5), so the
-choices of an item have equal character length and lm-eval's acc_norm ranks them exactly like acc.
-
-Every document is drawn from its own random stream, seeded by (world seed, split, index): the first n
-documents of a larger draw are the smaller draw, and the splits cannot depend on each other.
+"""The tiny world: a seeded generator of a small synthetic language of scenes and statements, from which `tiny.items`
+cuts its HellaSwag- and PIQA-shaped items and `tiny.corpus` its corpus. Three statements give the item kinds: a
+*repeat* copies a fact of the scene (`recall`: an exact look-back), a *novel* one gives a new name a colour of the
+scene's palette (`gist`: what the scene is about, not any one fact), a *knowledge* one names the town a fixed global
+table gives (`knowledge`: held in the weights). Each document has its own random stream (`stream`).
 """
 from __future__ import annotations
 
@@ -38,6 +13,8 @@ from pydantic import ConfigDict, model_validator
 
 from pipeline.store.params import Pair, Params, Positive, Share
 
+# every word of a class has one length (names and objects 3 letters, colours 4, towns 5), so an item's choices have
+# equal character length and lm-eval's acc_norm ranks them exactly like acc
 NAMES = (
     "ann", "bob", "tom", "sam", "eve", "amy", "ben", "dan", "ian", "joe",
     "kim", "leo", "max", "ned", "pam", "ray", "sue", "ted", "val", "zoe",
@@ -105,6 +82,11 @@ class Fact:
 
 @dataclass(frozen=True)
 class Scene:
+    """A handful of facts `NAME COLOUR OBJECT .` (names and objects unique in the scene) whose colours all come from
+    the palette of its topic (one of four), so what the scene is about can be read from any fact. Later sentences
+    refer back to it: `story: ann teal cup . bob sage box . ... Later bob sage box . Later ivy lime hat . Later ann cup
+    from cairo .` (a repeat, a novel statement, a knowledge statement)."""
+
     palette: tuple[str, str, str]
     facts: tuple[Fact, ...]
 
@@ -117,12 +99,16 @@ def object_class(obj: str) -> int:
 
 
 def global_towns(seed: int) -> dict[tuple[str, int], str]:
-    """The global facts: (name, object class) -> town, four distinct towns per name."""
+    """The global facts: (name, object class) -> town, four distinct towns per name, fixed across the whole corpus
+    and never stated in a task item's context: a knowledge answer is held in the weights, keyed by what the context
+    says."""
     rng = random.Random(f"{seed}/towns")
     return {(name, c): town for name in NAMES for c, town in enumerate(rng.sample(TOWNS, OBJECT_CLASSES))}
 
 
 def stream(cfg: WorldConfig, split: str, index: int) -> random.Random:
+    """A document's own random stream, seeded by (world seed, split, index): the first n documents of a larger draw
+    are the smaller draw, and the splits cannot depend on each other."""
     return random.Random(f"{cfg.seed}/{split}/{index}")
 
 
@@ -134,7 +120,9 @@ def draw_scene(rng: random.Random, cfg: WorldConfig) -> Scene:
 
 
 def draw_statements(rng: random.Random, cfg: WorldConfig, scene: Scene, n: int, used: set[str]) -> list[str]:
-    """n repeat or novel statements, lowercase; novel names are added to `used` so none is introduced twice."""
+    """n repeat or novel statements, lowercase; novel names are added to `used` so none is introduced twice. A repeat
+    needs an exact match of one or two tokens (the name, then name and colour), the induction pattern tiny models learn
+    quickly; a novel statement's colour needs the gist of the scene, its name being absent from it."""
     out = []
     for _ in range(n):
         if rng.random() < cfg.repeat_share:

@@ -260,6 +260,33 @@ def test_the_length_check_sees_a_long_function_a_long_class_and_a_long_module(tm
                                   f"pipeline/long.py:C ({MAX_CLASS_LINES + 1} lines)"]
 
 
+MAX_MODULE_DOC_PROSE = 5  # a module docstring says what the module is for and why; indented lines (a diagram) aside
+
+
+def long_module_docstrings(root: Path) -> list[str]:
+    """Every module of pipeline/ whose docstring holds more than MAX_MODULE_DOC_PROSE prose lines (non-blank lines
+    not indented by 4 spaces: a diagram where index arithmetic needs one is indented), as `path (lines)`."""
+    found = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        prose = sum(1 for line in doc.splitlines() if line.strip() and not line.startswith("    "))
+        if prose > MAX_MODULE_DOC_PROSE:
+            found.append(f"{path.relative_to(root)} ({prose} lines)")
+    return found
+
+
+def test_every_module_docstring_says_what_the_module_is_for_in_five_lines():
+    assert long_module_docstrings(ROOT) == []
+
+
+def test_the_docstring_check_sees_a_long_module_docstring_but_not_an_indented_diagram(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    diagram = "".join(f"    slot {i} -> position {2 * i}\n" for i in range(8))
+    (tmp_path / "pipeline" / "short.py").write_text(f'"""What it is for.\nWhy.\n\n{diagram}"""\nx = 1\n')
+    (tmp_path / "pipeline" / "long.py").write_text('"""' + "A line.\n" * 6 + '"""\n')
+    assert long_module_docstrings(tmp_path) == ["pipeline/long.py (6 lines)"]
+
+
 def assigned_lambdas(root: Path) -> list[str]:
     """Every lint suppression of E731 (a lambda assigned to a name, which saves the lines of a def) under
     pipeline/ and tests/, as `path:line`."""
