@@ -268,19 +268,17 @@ def pair_contract(target_config, source_config=None, target_tokenizer=None, sour
                   max_tokens: int | None = None) -> Contract:
     """The contract of a pair (or of a target alone), from configs and, when given, tokenizers."""
     target = ModelCard.read(target_config, max_tokens)
-    modes: dict[str, str | None] = {mode: "no source model given" for mode in MODES}
-    modes["oracle"] = modes["zero"] = target.refusal
     if source_config is None:
+        modes = {name: target.refusal if not mode.reads.source else "no source model given"
+                 for name, mode in MODES.items()}
         return Contract(target, None, "unchecked", "no source model given", modes,
                         {family: "no source model given" for family in FAMILIES})
     source = ModelCard.read(source_config, max_tokens)
     tokenizers, token_refusal, note = tokenizer_verdict(source_config, target_config, source_tokenizer,
                                                         target_tokenizer)
     both = target.refusal or source.refusal or token_refusal
-    modes["source"] = source.refusal or token_refusal
-    modes["mapped"] = modes["shuffled"] = modes["speculative"] = both
-    modes["direct"] = both or (None if source.geometry == target.geometry else (
-        f"direct injection needs equal KV geometry, but source {source.name!r} has {source.geometry} and target "
-        f"{target.name!r} has {target.geometry}; use a fitted mapper (transfer=mapped)"))
+    modes = {name: (target.refusal if not mode.reads.source else source.refusal or token_refusal
+                    if not mode.reads.target else both or mode.requirement(source, target))
+             for name, mode in MODES.items()}
     families = {name: both or _geometry_refusal(spec, source, target) for name, spec in FAMILIES.items()}
     return Contract(target, source, tokenizers, note, modes, families)

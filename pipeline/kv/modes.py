@@ -63,6 +63,10 @@ class Mode(ABC):
         """The source's cache is handed to the target (`direct`, `mapped`, `shuffled`)."""
         return self.reads.source and self.reads.target and not self.sparse
 
+    def requirement(self, source, target) -> str | None:
+        """Why a pair of these models (`kv.contract.ModelCard`: name, geometry) cannot use this mode, or None."""
+        return None
+
     def refusal(self, has_source: bool, has_mapper: bool) -> str | None:
         """Why a handoff of this mode cannot be built with or without a source model and a mapper, or None."""
         if self.reads.source and self.reads.target and not has_source:
@@ -170,6 +174,12 @@ class Direct(FromSource):
     row = 1  # V0's second row
     rival = "direct injection"
     reading = 3
+
+    def requirement(self, source, target) -> str | None:
+        if source.geometry == target.geometry:
+            return None
+        return (f"direct injection needs equal KV geometry, but source {source.name!r} has {source.geometry} and "
+                f"target {target.name!r} has {target.geometry}; use a fitted mapper (transfer=mapped)")
 
     def to_target(self, handoff, source_layers, lengths):
         if handoff.source_spec == handoff.decoder_spec:  # one rotation: the cache only changes device and dtype

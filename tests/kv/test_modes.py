@@ -1,8 +1,10 @@
 """The handoff modes as a registry (`kv.modes`): each mode one class with its own prefix hook, the handoff calling
 the hook and branching on no mode's name; a mode without a hook cannot be made."""
 import pytest
-from helpers import ROOT
+from helpers import ROOT, tiny_config
 
+import pipeline.kv.contract as contract_module
+from pipeline.kv.contract import pair_contract
 from pipeline.kv.modes import (
     BASELINES,
     MAPPER_MODES,
@@ -10,6 +12,7 @@ from pipeline.kv.modes import (
     OWN_MODES,
     SOURCE_MODES,
     Handed,
+    Mapped,
     Mode,
     Own,
     Reads,
@@ -91,3 +94,20 @@ def test_a_fake_mode_reaches_the_reports_table_at_its_row_by_its_label_and_the_r
     assert variants.rivals()["fake"] == "the fake null"
     monkeypatch.setattr(variants, "MODES", MODES)
     assert "fake" not in variants.order(figures)[:3] and variants.label("fake") == "fake"
+
+
+def test_the_contract_judges_each_mode_from_what_it_reads_and_its_own_requirement(monkeypatch):
+    class Narrow(Mapped):
+        name = "narrow"
+
+        def requirement(self, source, target):
+            return None if target.geometry["layers"] < 3 else "narrow needs a target of fewer than 3 layers"
+
+    monkeypatch.setattr(contract_module, "MODES", register(*MODES.values(), Narrow()))
+    source, target = tiny_config(64, 32, layers=2), tiny_config(64, 48, layers=3, num_key_value_heads=1)
+    modes = pair_contract(target, source).modes
+    assert modes["narrow"] == "narrow needs a target of fewer than 3 layers" and modes["mapped"] is None
+    assert "direct injection needs equal KV geometry" in modes["direct"]
+    assert modes["oracle"] is None and modes["source"] is None
+    alone = pair_contract(target).modes
+    assert alone["narrow"] == alone["direct"] == "no source model given" and alone["zero"] is None
