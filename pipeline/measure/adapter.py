@@ -133,8 +133,7 @@ class HandoffLM(TargetTokensLM):
         self.batch_size = router.batch_size
         self.ledger, self.cache = Ledger(), cache
         self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
-        self._served: dict = {}  # lm-eval's (context, continuation) -> its route, while `loglikelihood` runs
-        self._tokens: dict = {}  # ... and the token ids it was scored on (before the router's truncation)
+        self._served, self._tokens = {}, {}  # while `loglikelihood` runs, per request: its route, its scored ids
         self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
 
     @property
@@ -148,15 +147,13 @@ class HandoffLM(TargetTokensLM):
     def set_cache_hook(self, cache_hook) -> None:
         # lm-eval's CachingLM (simple_evaluate's use_cache) keys its file by path alone: another handoff's answers
         if getattr(cache_hook, "dbdict", None) is not None:
-            raise ParamError("kv-transfer: lm-eval's use_cache keys its file by its path alone, so it would serve "
-                             "one handoff's answers to another; give --use_cache PATH to python -m "
-                             "pipeline.lm_eval_model run (keyed by the handoff), or build the model with a "
-                             "RequestCache")
+            raise ParamError("kv-transfer: lm-eval's use_cache keys its file by its path alone, so it would serve one "
+                             "handoff's answers to another; give --use_cache PATH to python -m pipeline.lm_eval_model "
+                             "run (keyed by the handoff), or build the model with a RequestCache")
         super().set_cache_hook(cache_hook)
 
-    # lm-eval's rank contract: under several processes it gives each rank every N-th document, pads the ranks'
-    # request counts to equal (all_gather) and, once every request is served, gathers samples and metrics on rank 0
-    # (gather_object), where the routes are gathered too, before lm-eval asks for the model's info
+    # lm-eval's rank contract: each rank gets every N-th document, request counts padded to equal (all_gather); once
+    # all are served, samples and metrics gather on rank 0 (gather_object), the routes with them, before model info
     def all_gather(self, tensor):
         return self._ranks.all_gather_tensor(tensor)
 
@@ -178,14 +175,9 @@ class HandoffLM(TargetTokensLM):
         zeros included)."""
         return self.ledger.counts(self.router.ways() + ([CACHED] if self.cache is not None else []))
 
-    def gather_routes(self) -> None:
-        """Every rank's routes on rank 0 (a collective: every rank calls it once, after the requests)."""
-        self.ledger.gather(self._ranks)
-
     def route_record(self) -> dict:
-        """The route record results carry: the router's, the counts per task (and per task the ways that first
-        served its cached requests), and per document the routes (and gate scores) of its requests where any
-        differs from the handoff's own way (every document under a gate)."""
+        """The route record results carry: the router's, the counts per task (and the ways that first served its
+        cached requests), and the routes (and gate scores) of each document where any differs from the handoff's own."""
         own = served_by(self.handoff.mode, self.router.repaired)
         cached = {} if self.cache is None else {"cached": self.ledger.cached(), "cache": self.cache.path}
         return {**self.router.record(), "routes": self.route_counts(), **cached,
