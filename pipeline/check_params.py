@@ -38,6 +38,7 @@ from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
+from pipeline.store.devices import matmul_ms
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
@@ -45,6 +46,7 @@ from pipeline.store.shapes import shape_config
 from pipeline.studies.settings import ReportParams
 
 PLAIN = {"profile": str}  # top-level values that are not sections
+MODEL_DTYPES = ("models", "extract", "latency")  # the sections whose `dtype` the models run in
 
 
 class ParamsFile(Params):
@@ -327,9 +329,30 @@ def check(params: dict) -> list[str]:
     return [*PLAIN, *SECTIONS]
 
 
+def slow_bfloat16(params: dict) -> str | None:
+    """Why the models' bfloat16 would crawl on this CPU (a matmul timed in each dtype: without AMX or avx512_bf16,
+    bfloat16 runs many times slower than float32), or None where no model runs in bfloat16 on a CPU or it is the
+    faster here. Measured, so not a rule of the file: a profile is valid on every machine."""
+    keys = [f"{section}.dtype" for section in MODEL_DTYPES if params[section]["dtype"] == "bfloat16"]
+    machine = parse(MachineParams, params["machine"], "machine")
+    if not keys or machine.torch_device != "cpu":
+        return None
+    float32_ms, bfloat16_ms = matmul_ms(("float32", "bfloat16"), machine.threads)
+    if bfloat16_ms <= float32_ms:
+        return None
+    return (f"{', '.join(keys)}: bfloat16 runs a matmul in {bfloat16_ms:.1f} ms on this CPU against {float32_ms:.1f} "
+            f"ms in float32 ({bfloat16_ms / float32_ms:.0f}x slower: no AMX or avx512_bf16); run on a CPU with "
+            f"bfloat16 support, or with {' '.join(f'-S {key}=float32' for key in keys)} (its figures then differ "
+            f"from a bfloat16 run)")
+
+
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.check_params", __doc__, argv)
-    result = {"valid": True, "checked": check(read_params())}
+    params = read_params()
+    result = {"valid": True, "checked": check(params)}
+    reason = slow_bfloat16(params)
+    if reason:
+        raise ParamError(reason)
     write_json_atomic(paths.PARAMS_CHECK, result)
     print(json.dumps(result))
 

@@ -82,3 +82,21 @@ def usage_of_ranks(figures: list[dict]) -> dict:
     return {**figures[0], "wall_s": max(f["wall_s"] for f in figures),
             "peak_memory_mib": max(f["peak_memory_mib"] for f in figures),
             "peak_memory_mib_per_rank": [f["peak_memory_mib"] for f in figures], "processes": len(figures)}
+
+
+def matmul_ms(dtypes: tuple[str, ...], threads: int, size: int = 512, repeats: int = 3) -> list[float]:
+    """The median time in ms of one (size x size) @ (size x size) matmul on the CPU in each of `dtypes`, at `threads`
+    threads: whether this CPU runs bfloat16 faster than float32 (AMX, avx512_bf16) or far slower (neither)."""
+    torch.set_num_threads(threads)
+    times = []
+    for name in dtypes:
+        a, b = (torch.randn(size, size, generator=torch.Generator().manual_seed(seed)).to(parse_dtype(name))
+                for seed in (0, 1))
+        a @ b  # the first call pays for the kernel's setup
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            runs.append((time.perf_counter() - start) * 1000)
+        times.append(sorted(runs)[len(runs) // 2])
+    return times

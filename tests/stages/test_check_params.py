@@ -195,6 +195,34 @@ def test_the_stage_writes_the_sections_checked_in_bytes_free_of_their_values(tmp
     assert written[0] == written[1]
 
 
+BFLOAT16 = {"models": {"dtype": "bfloat16"}, "latency": {"dtype": "bfloat16"}, "machine": {"device": "cpu"}}
+
+
+def test_bfloat16_slower_than_float32_on_this_cpu_stops_the_stage_naming_its_keys_and_the_fix(tmp_path, monkeypatch):
+    params = merge(committed_params(), BFLOAT16)
+    monkeypatch.setattr(check_params, "matmul_ms", lambda dtypes, threads: [11.4, 1468.1])  # an AVX2-only EPYC
+    reason = check_params.slow_bfloat16(params)
+    assert re.fullmatch(r"models\.dtype, latency\.dtype: bfloat16 runs a matmul in 1468\.1 ms on this CPU against "
+                        r"11\.4 ms in float32 \(129x slower.*\); .* -S models\.dtype=float32 "
+                        r"-S latency\.dtype=float32 .*", reason)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ParamError, match=r"^models\.dtype, latency\.dtype: bfloat16 runs"):
+        check_params.main([])
+    assert not (tmp_path / "metrics").exists()
+    monkeypatch.setattr(check_params, "matmul_ms", lambda dtypes, threads: [11.4, 3.8])  # AMX: bfloat16 the faster
+    assert check_params.slow_bfloat16(params) is None
+
+
+def test_a_float32_profile_or_a_gpu_measures_nothing(monkeypatch):
+    def measured(dtypes, threads):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(check_params, "matmul_ms", measured)
+    assert check_params.slow_bfloat16(committed_params()) is None  # the tiny profile: float32 throughout
+    assert check_params.slow_bfloat16(merge(committed_params(), {**BFLOAT16, "machine": {"device": "cuda"}})) is None
+
+
 def test_the_mapper_files_are_selects_choice_the_best_per_k_and_every_fitted_candidate():
     fit = parse(FitParams, committed_params()["fit"], "fit")
     files = mapper_files(fit, parse(DistillParams, committed_params()["distill"], "distill"))

@@ -1,6 +1,7 @@
 """Devices and usage figures (`store.devices`): several ranks' usage is the slowest and the largest with each peak
-beside, and a stage's figures say when a queued experiment may have shared the machine."""
-from pipeline.store.devices import SHARED_NOTE, StageUsage, usage_of_ranks
+beside, a stage's figures say when a queued experiment may have shared the machine, and a matmul is timed in each
+dtype asked for."""
+from pipeline.store.devices import SHARED_NOTE, StageUsage, matmul_ms, usage_of_ranks
 
 
 def test_usage_of_several_ranks_is_the_slowest_and_the_largest_with_each_peak_beside():
@@ -20,3 +21,8 @@ def test_stage_figures_say_when_a_queued_experiment_may_have_shared_the_machine(
     assert "timing_note" not in StageUsage("cpu").figures()
     monkeypatch.setenv("DVC_ROOT", str(tmp_path / "elsewhere"))  # an executor's copy under .dvc/tmp/exps
     assert StageUsage("cpu").figures()["timing_note"] == SHARED_NOTE
+
+
+def test_a_matmul_is_timed_in_each_dtype_asked_for_in_milliseconds():
+    times = matmul_ms(("float32", "float32"), threads=1, size=64)
+    assert len(times) == 2 and all(0 < ms < 1000 for ms in times)
