@@ -73,7 +73,8 @@ def test_a_refusal_is_one_line_naming_the_key(typo):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: select.horizn: unknown parameter (known: prompt_fraction, prompt_lengths, continuation, top_k, "
-        "horizon, rule, batch_size, processes, repairs, repair_maps, max_recompute, bound_pair, length)"]
+        "horizon, rule, batch_size, processes, repairs, repair_maps, max_recompute, bound_pair, length, lookahead, "
+        "lookahead_share)"]
 
 
 def test_the_traceback_comes_when_asked(typo):
