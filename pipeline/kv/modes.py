@@ -1,5 +1,6 @@
 """The handoff modes: how a handoff builds the prefix cache its decoding model reads. One class holds a mode's name,
-what it reads, whether it needs a fitted map, how the report names it, and its prefix hook; `MODES` is the one list.
+what it reads, whether it needs a fitted map, and its prefix hook (the report's words for it are the report's,
+`studies.variants`); `MODES` is the one list.
 Shapes: B rows of a right-padded prefix of P slots; every cache (B, H, P, D) per layer, rotated, in the decoder's dtype.
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pipeline.store.lazy import lazy
 torch = lazy("torch")
 
 ClockHook = Callable[[str], None]  # told each part of a first step as it ends (`measure.timing.Stopwatch`)
-MAPS_ROW = 100  # the report's rows of maps (V0's best per k, the selected, the repaired) stand here
 
 
 class Reads(NamedTuple):
@@ -49,10 +49,6 @@ class Mode(ABC):
     name: str = ""
     reads: Reads
     needs_map: bool = False  # refused without a fitted map (`shuffled` reads one where given)
-    label: str = ""  # the report's row name
-    row: int | None = None  # its place in the report's table: below MAPS_ROW before the maps, else after them
-    rival: str | None = None  # how the report's reading names it beside a mapped transfer (None: it does not)
-    reading: int | None = None  # its place among the rivals the reading compares a mapped transfer with
     # its cache holds some of the prompt's tokens, each at its own position (`speculative`): slot i is not position i,
     # so every read after it is told the positions, and nothing is handed over or repaired
     sparse: bool = False
@@ -132,8 +128,6 @@ class Oracle(Own):
 
     name = "oracle"
     reads = Reads(target=True, source=False, map=False, own=True)
-    label = "Target full-prefill oracle"
-    row = 0
 
 
 class Zero(Handed):
@@ -141,10 +135,6 @@ class Zero(Handed):
 
     name = "zero"
     reads = Reads(target=True, source=False, map=False, own=False)
-    label = "Null control: zero cache"
-    row = 102
-    rival = "the zero-cache null"
-    reading = 1
 
     def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
         geometry, (batch, length) = handoff.decoder_geometry, prefix_ids.shape
@@ -159,10 +149,6 @@ class Source(Own):
 
     name = "source"
     reads = Reads(target=False, source=True, map=False, own=True)
-    label = "Source model alone"
-    row = 101
-    rival = "the source model alone"
-    reading = 0
 
 
 class Direct(FromSource):
@@ -170,10 +156,6 @@ class Direct(FromSource):
 
     name = "direct"
     reads = Reads(target=True, source=True, map=False, own=False)
-    label = "Direct source-cache injection"
-    row = 1  # V0's second row
-    rival = "direct injection"
-    reading = 3
 
     def requirement(self, source, target) -> str | None:
         if source.geometry == target.geometry:
@@ -215,10 +197,6 @@ class Shuffled(FromSource):
 
     name = "shuffled"
     reads = Reads(target=True, source=True, map=True, own=False)
-    label = "Null control: shuffled cache"
-    row = 103
-    rival = "the shuffled-cache null"
-    reading = 2
 
     def to_target(self, handoff, source_layers, lengths):
         batch, _, length, _ = source_layers[0][0].shape  # (B, H_s, P, D_s)

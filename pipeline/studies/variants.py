@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.kv.modes import MAPS_ROW, MODES
 from pipeline.measure.prompt_metrics import FIDELITY, in_group
 from pipeline.measure.retention import (
     PROMPT_MEASURES,
@@ -42,19 +41,26 @@ V0 = {
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
 SELECTED_LABELS = {"selected": "Selected mapped transfer", "selected_repaired": "Selected mapped transfer, repaired"}
+# the table's name and row of each mode's variant: below MAPS_ROW before the maps (V0's best per k, the selected, the
+# repaired), else after them; a mode not named here is a row by its own name after the others
+MAPS_ROW = 100
+MODE_ROWS = {"oracle": ("Target full-prefill oracle", 0), "direct": ("Direct source-cache injection", 1),
+             "source": ("Source model alone", 101), "zero": ("Null control: zero cache", 102),
+             "shuffled": ("Null control: shuffled cache", 103)}
+# the modes the reading compares a mapped transfer with, in its order, each by its words
+RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
+          "direct": "direct injection"}
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
 
 
 def labels() -> dict[str, str]:
-    """Each variant named by its own row name: a mode's is its entry's (`kv.modes`), then the selected map's."""
-    return {**{name: mode.label for name, mode in MODES.items() if mode.label}, **SELECTED_LABELS}
+    """Each variant named by its own row name: a mode's (`MODE_ROWS`), then the selected map's."""
+    return {**{name: words for name, (words, _) in MODE_ROWS.items()}, **SELECTED_LABELS}
 
 
 def rivals() -> dict[str, str]:
-    """The modes the reading compares a mapped transfer with, in the reading's order, each by its words (the
-    entries' `rival` and `reading`)."""
-    return {name: MODES[name].rival for _, name in sorted((mode.reading, name) for name, mode in MODES.items()
-                                                         if mode.rival)}
+    """The modes the reading compares a mapped transfer with, in the reading's order, each by its words."""
+    return dict(RIVALS)
 
 
 def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
@@ -165,10 +171,10 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    """The table's rows: the modes placed before the maps (the entries' `row`: the oracle, direct injection) and V0's
+    """The table's rows: the modes placed before the maps (`MODE_ROWS`: the oracle, direct injection) and V0's
     best map per k, then the selected map, the repaired variants and the modes placed after the maps (the other
     baselines), then any other variant (each by its figures, `variants`)."""
-    rows = sorted((mode.row, name) for name, mode in MODES.items() if mode.row is not None)
+    rows = sorted((row, name) for name, (_, row) in MODE_ROWS.items())
     first = [*(name for row, name in rows if row < MAPS_ROW), *best_of_k(variants).values()]
     rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]),
             *(name for row, name in rows if row >= MAPS_ROW)]

@@ -20,7 +20,6 @@ from pipeline.kv.modes import (
     register,
     split_mode,
 )
-from pipeline.studies import variants
 
 
 def test_the_handoff_branches_on_no_mode_name():
@@ -80,20 +79,6 @@ def test_a_mode_without_a_prefix_hook_cannot_be_made():
 
     with pytest.raises(TypeError, match="prefix"):
         Hookless()
-
-
-def test_a_fake_mode_reaches_the_reports_table_at_its_row_by_its_label_and_the_reading_by_its_words(monkeypatch):
-    fake = type("Fake", (type(MODES["zero"]),), {"name": "fake", "label": "Null control: a fake cache", "row": 2,
-                                                  "rival": "the fake null", "reading": 4})()
-    monkeypatch.setattr(variants, "MODES", register(*MODES.values(), fake))  # the report reads the entries alone
-    figures = {name: {} for name in ("zero", "source", "selected", "fake", "direct", "oracle")}
-    figures["linear_k1"] = {"map": {"best_of_k": True, "k": 1}}
-    assert variants.order(figures) == ["oracle", "direct", "fake", "linear_k1", "selected", "source", "zero"]
-    assert variants.label("fake") == "Null control: a fake cache"
-    assert list(variants.rivals()) == ["source", "zero", "shuffled", "direct", "fake"]
-    assert variants.rivals()["fake"] == "the fake null"
-    monkeypatch.setattr(variants, "MODES", MODES)
-    assert "fake" not in variants.order(figures)[:3] and variants.label("fake") == "fake"
 
 
 def test_the_contract_judges_each_mode_from_what_it_reads_and_its_own_requirement(monkeypatch):

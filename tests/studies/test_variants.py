@@ -172,3 +172,15 @@ def test_v0s_rows_and_their_comparisons_come_from_each_variants_map_not_from_its
         "Selected mapped transfer"]  # a named role keeps its name whatever its map
     assert variants.order(entries)[:4] == ["oracle", "v0_small", "v0_large", "selected"]
     assert "k=1 vs k=4: " in variants.reading(report, "selected")
+
+
+def test_a_new_modes_variant_is_a_row_by_its_name_until_the_report_gives_it_words_and_a_place(monkeypatch):
+    figures = {name: {} for name in ("zero", "source", "selected", "fake", "direct", "oracle")}
+    figures["linear_k1"] = {"map": {"best_of_k": True, "k": 1}}
+    assert variants.order(figures) == ["oracle", "direct", "linear_k1", "selected", "source", "zero", "fake"]
+    assert variants.label("fake") == "fake" and "fake" not in variants.rivals()
+    monkeypatch.setitem(variants.MODE_ROWS, "fake", ("Null control: a fake cache", 2))
+    monkeypatch.setitem(variants.RIVALS, "fake", "the fake null")
+    assert variants.order(figures) == ["oracle", "direct", "fake", "linear_k1", "selected", "source", "zero"]
+    assert variants.label("fake") == "Null control: a fake cache"
+    assert list(variants.rivals()) == ["source", "zero", "shuffled", "direct", "fake"]
