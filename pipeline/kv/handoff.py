@@ -128,7 +128,77 @@ class FirstStep:
                 for row, count in enumerate(lengths)}
 
 
-class Handoff:
+class CacheReader:
+    """The decoding model reading tokens after a prefix cache: the steps, their masks and positions over right-padded
+    or sparse prefixes, and the sliding-window check. `Handoff` builds the caches it reads; its attributes `decoder`,
+    `decoder_devices`, `window`, `kind` (the mode), `share` and `speculative` say how."""
+
+    def check_length(self, tokens: int) -> None:
+        """Refuse a sequence of `tokens` longer than a sliding window of the pair: the model masks attention past
+        the window, a cache rebuilt from another model's does not, so the result would be silently wrong."""
+        if self.window is not None and tokens > self.window:
+            raise LongerThanWindowError(
+                f"a sequence of {tokens} tokens is longer than the sliding window ({self.window} tokens) of "
+                f"{model_name(self.decoder.config)!r} or its source: shorten the profile's lengths or drop the item")
+
+    @property
+    def device(self):
+        return self.decoder.device
+
+    def slots(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) the cache slots that hold each prefix of real length `lengths` (B,): all of it, or the positions a
+        sparse mode keeps."""
+        if not self.kind.sparse:
+            return lengths
+        return torch.tensor([self.speculative.kept(self.share, int(n)) for n in lengths.tolist()], dtype=lengths.dtype)
+
+    def lengths_read(self, lengths: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """The prefix lengths a read after the cache is told (`forward`'s `prefix_lengths`): where rows are padded, or
+        where the cache's slots are not its positions; None where neither (so the oracle's read is the plain one)."""
+        return lengths if padded or bool((self.slots(lengths) != lengths).any()) else None
+
+    def decoder_cache(self, layers: Layers | None, batch: int = 1):
+        """A fresh cache of the decoding model holding `layers`; a batch-1 prefix is shared by `batch` rows."""
+        if layers is None:
+            return None
+        if layers[0][0].shape[0] != batch:
+            layers = expand_batch(layers, batch)
+        return layers_to_cache(layers, self.decoder.config, self.decoder.dtype, self.decoder_devices or self.device)
+
+    @no_grad
+    def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
+                      prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
+        With `prefix_lengths` (B,) the cache rows are right-padded prefixes: the padded slots are masked out
+        and row b's tokens sit at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+        return F.log_softmax(self.step_logits(layers, tokens, prefix_lengths).float(), dim=-1)
+
+    def step_logits(self, layers: Layers | None, tokens: torch.Tensor,
+                    prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, L, V) under `step_logprobs`, in the target's dtype, with autograd left as the caller
+        set it: a map trained through the frozen target (`fitting.distill`) backpropagates through the cache."""
+        return self.forward(layers, tokens, prefix_lengths)[0]
+
+    def forward(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
+                logits_to_keep: int = 0, keep_cache: bool = False) -> tuple[torch.Tensor, object]:
+        """The target's logits (B, L, V) over tokens (B, L) after the prefix cache `layers`, as `step_logprobs` reads
+        them (`logits_to_keep` > 0: the last ones only), and the cache it read, which now holds the tokens too
+        (`keep_cache`: a fresh one where there is no prefix, so decoding can go on; else None there)."""
+        width = 0 if layers is None else layers[0][0].shape[2]
+        self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
+        cache = self.decoder_cache(layers, tokens.shape[0])
+        if cache is None and keep_cache:
+            cache = transformers.DynamicCache(config=self.decoder.config)
+        options = {} if prefix_lengths is None or layers is None else padded_prefix(
+            prefix_lengths, width, tokens.shape[1], self.device, self.slots(prefix_lengths))
+        if logits_to_keep:
+            options["logits_to_keep"] = logits_to_keep
+        logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
+                             **options).logits
+        return logits, cache
+
+
+class Handoff(CacheReader):
     """Builds the decoding model's prefix cache in one of MODES (the mode's hook) and scores tokens after it."""
 
     def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
@@ -164,30 +234,6 @@ class Handoff:
         if self.kind.hands_over:
             self.source_spec = RotarySpec.from_model(source)
             self.source_geometry = checked_source_geometry(source, decoder, mode, mapper)
-
-    def check_length(self, tokens: int) -> None:
-        """Refuse a sequence of `tokens` longer than a sliding window of the pair: the model masks attention past
-        the window, a cache rebuilt from another model's does not, so the result would be silently wrong."""
-        if self.window is not None and tokens > self.window:
-            raise LongerThanWindowError(
-                f"a sequence of {tokens} tokens is longer than the sliding window ({self.window} tokens) of "
-                f"{model_name(self.decoder.config)!r} or its source: shorten the profile's lengths or drop the item")
-
-    @property
-    def device(self):
-        return self.decoder.device
-
-    def slots(self, lengths: torch.Tensor) -> torch.Tensor:
-        """(B,) the cache slots that hold each prefix of real length `lengths` (B,): all of it, or the positions a
-        sparse mode keeps."""
-        if not self.kind.sparse:
-            return lengths
-        return torch.tensor([self.speculative.kept(self.share, int(n)) for n in lengths.tolist()], dtype=lengths.dtype)
-
-    def lengths_read(self, lengths: torch.Tensor, padded: bool) -> torch.Tensor | None:
-        """The prefix lengths a read after the cache is told (`forward`'s `prefix_lengths`): where rows are padded, or
-        where the cache's slots are not its positions; None where neither (so the oracle's read is the plain one)."""
-        return lengths if padded or bool((self.slots(lengths) != lengths).any()) else None
 
     def context(self, tokens) -> list[int]:
         """The part of a context c[0..n-1] this handoff reads: all of it, or under `keep` its last round(keep x n)
@@ -296,46 +342,6 @@ class Handoff:
         target_rotation = Rotation(self.decoder_spec, positions.to(self.device))
         return [cache for _, cache in map_cache(mapper, content, target_rotation, self.decoder.dtype, self.device,
                                                 order)]
-
-    def decoder_cache(self, layers: Layers | None, batch: int = 1):
-        """A fresh cache of the decoding model holding `layers`; a batch-1 prefix is shared by `batch` rows."""
-        if layers is None:
-            return None
-        if layers[0][0].shape[0] != batch:
-            layers = expand_batch(layers, batch)
-        return layers_to_cache(layers, self.decoder.config, self.decoder.dtype, self.decoder_devices or self.device)
-
-    @no_grad
-    def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
-                      prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
-        With `prefix_lengths` (B,) the cache rows are right-padded prefixes: the padded slots are masked out
-        and row b's tokens sit at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
-        return F.log_softmax(self.step_logits(layers, tokens, prefix_lengths).float(), dim=-1)
-
-    def step_logits(self, layers: Layers | None, tokens: torch.Tensor,
-                    prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits (B, L, V) under `step_logprobs`, in the target's dtype, with autograd left as the caller
-        set it: a map trained through the frozen target (`fitting.distill`) backpropagates through the cache."""
-        return self.forward(layers, tokens, prefix_lengths)[0]
-
-    def forward(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
-                logits_to_keep: int = 0, keep_cache: bool = False) -> tuple[torch.Tensor, object]:
-        """The target's logits (B, L, V) over tokens (B, L) after the prefix cache `layers`, as `step_logprobs` reads
-        them (`logits_to_keep` > 0: the last ones only), and the cache it read, which now holds the tokens too
-        (`keep_cache`: a fresh one where there is no prefix, so decoding can go on; else None there)."""
-        width = 0 if layers is None else layers[0][0].shape[2]
-        self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
-        cache = self.decoder_cache(layers, tokens.shape[0])
-        if cache is None and keep_cache:
-            cache = transformers.DynamicCache(config=self.decoder.config)
-        options = {} if prefix_lengths is None or layers is None else padded_prefix(
-            prefix_lengths, width, tokens.shape[1], self.device, self.slots(prefix_lengths))
-        if logits_to_keep:
-            options["logits_to_keep"] = logits_to_keep
-        logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
-                             **options).logits
-        return logits, cache
 
 
 def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor

@@ -215,13 +215,6 @@ def test_the_path_literal_check_sees_a_literal_under_a_shared_folder(tmp_path, t
 
 
 MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_MODULE_LINES = 60, 150, 400
-# refused by the rules below on this branch, each being fixed on another branch of issue 42 (the lead removes an
-# entry once its fix is merged; an entry that no longer breaks a rule fails the tests until it is removed)
-KNOWN_LONG: set[str] = {  # a function, class or module allowed over its limit, with the reason
-    # 149 lines before it gained the one first step (`built`, `first_step`, `forward`: issue 50 item 3); its mode
-    # branches leave it for the modes' own entries (issue 50 item 2)
-    "pipeline/kv/handoff.py:Handoff",
-}
 
 
 def too_long(root: Path) -> list[str]:
@@ -242,9 +235,7 @@ def too_long(root: Path) -> list[str]:
 
 
 def test_every_function_fits_a_screen_and_every_class_and_module_holds_one_idea():
-    found = too_long(ROOT)
-    assert [f for f in found if f.split(" (")[0] not in KNOWN_LONG] == []
-    assert not KNOWN_LONG - {f.split(" (")[0] for f in found}, "fits now: remove it from KNOWN_LONG"
+    assert too_long(ROOT) == []  # no exemption: a class over the limit is split by idea
 
 
 def test_the_length_check_sees_a_long_function_a_long_class_and_a_long_module(tmp_path):
