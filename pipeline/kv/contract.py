@@ -264,21 +264,30 @@ def _geometry_refusal(spec: Family, source: ModelCard, target: ModelCard) -> str
     return reason and f"{reason} (source {source.name!r}, target {target.name!r})"
 
 
+def _mode_refusal(mode, target: ModelCard, source: ModelCard | None, token_refusal: str | None) -> str | None:
+    """Why `mode` cannot run on the target (and the source, None where none is given), from what the mode reads and
+    its own requirement, or None."""
+    if not mode.reads.source:
+        return target.refusal
+    if source is None:
+        return "no source model given"
+    if not mode.reads.target:  # the source decodes alone
+        return source.refusal or token_refusal
+    return target.refusal or source.refusal or token_refusal or mode.requirement(source, target)
+
+
 def pair_contract(target_config, source_config=None, target_tokenizer=None, source_tokenizer=None,
                   max_tokens: int | None = None) -> Contract:
     """The contract of a pair (or of a target alone), from configs and, when given, tokenizers."""
     target = ModelCard.read(target_config, max_tokens)
     if source_config is None:
-        modes = {name: target.refusal if not mode.reads.source else "no source model given"
-                 for name, mode in MODES.items()}
+        modes = {name: _mode_refusal(mode, target, None, None) for name, mode in MODES.items()}
         return Contract(target, None, "unchecked", "no source model given", modes,
                         {family: "no source model given" for family in FAMILIES})
     source = ModelCard.read(source_config, max_tokens)
     tokenizers, token_refusal, note = tokenizer_verdict(source_config, target_config, source_tokenizer,
                                                         target_tokenizer)
     both = target.refusal or source.refusal or token_refusal
-    modes = {name: (target.refusal if not mode.reads.source else source.refusal or token_refusal
-                    if not mode.reads.target else both or mode.requirement(source, target))
-             for name, mode in MODES.items()}
+    modes = {name: _mode_refusal(mode, target, source, token_refusal) for name, mode in MODES.items()}
     families = {name: both or _geometry_refusal(spec, source, target) for name, spec in FAMILIES.items()}
     return Contract(target, source, tokenizers, note, modes, families)
