@@ -28,7 +28,7 @@ from pipeline.kv.request import FIELDS, Face, Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import Route
 from pipeline.store import inputs
-from pipeline.store.devices import DTYPES, default_device
+from pipeline.store.devices import FACE_DTYPES, default_device, resolved
 from pipeline.store.lazy import lazy
 from pipeline.store.params import ParamError
 
@@ -40,15 +40,15 @@ API = Face("pipeline.api", {**{field: field for field in FIELDS}, "mode": "mode"
 def pair(target: str, source: str | None = None, dtype: str = "float32", device: str | None = None,
          allow_other_models: bool = False, max_tokens: int | None = None) -> Pair:
     """The pair of `target` and `source` (folders, hub ids or `self:<n>`, the target's first n layers; None: the
-    target alone, for the oracle and zero modes) in `dtype` on `device` (default: cuda where there is one, else cpu):
-    configs, tokenizers and the contract read now, each model's weights on first use. `max_tokens`: the longest
-    sequence it will see (a sliding window shorter than it is refused now); `allow_other_models`: a map fitted on
-    other models is used instead of refused."""
-    inputs.choice(dtype, "pair() dtype", DTYPES)
+    target alone, for the oracle and zero modes) in `dtype` (`auto`: this machine's faster) on `device` (default:
+    cuda where there is one, else cpu): configs, tokenizers and the contract read now, each model's weights on first
+    use. `max_tokens`: the longest sequence it will see (a sliding window shorter than it is refused now);
+    `allow_other_models`: a map fitted on other models is used instead of refused."""
+    inputs.choice(dtype, "pair() dtype", FACE_DTYPES)
     if max_tokens is not None:
         inputs.at_least(max_tokens, "pair() max_tokens", 1)
     device = inputs.device(device, "pair() device") if device is not None else default_device()
-    return Pair(str(target), None if source is None else str(source), dtype, device, max_tokens=max_tokens,
+    return Pair(str(target), None if source is None else str(source), resolved(dtype), device, max_tokens=max_tokens,
                 allow_other_models=allow_other_models)
 
 

@@ -4,8 +4,9 @@
 
 Each section is parsed by the Params class of the stage that reads it (`pipeline.schema`: no stage is imported), a key
 no stage reads is refused, then the rules between sections run (`PARAMS_RULES`), which no stage could check alone: a
-typo or a wrong combination stops `dvc repro` here, naming the key. Writes metrics/params_check.json, the names of the
-sections checked: its bytes do not depend on the values, so the stages after it rerun only for the params they read.
+typo or a wrong combination stops `dvc repro` here, naming the key. Writes metrics/params_check.json (the sections
+checked: its bytes do not depend on the values, so later stages rerun only for the params they read) and
+metrics/dtypes.json (the models' dtypes, a dtype `auto` resolved on this machine with the timings that chose it).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
-from pipeline.store.devices import matmul_ms
+from pipeline.store.devices import machine_dtype, matmul_ms
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
@@ -46,7 +47,8 @@ from pipeline.store.shapes import shape_config
 from pipeline.studies.settings import ReportParams
 
 PLAIN = {"profile": str}  # top-level values that are not sections
-MODEL_DTYPES = ("models", "extract", "latency")  # the sections whose `dtype` the models run in
+MODEL_DTYPES = ("models", "extract", "latency")  # the sections whose `dtype` the models run in or store
+AUTO_DTYPES = ("models", "latency")  # those that may say `auto`
 
 
 class ParamsFile(Params):
@@ -346,6 +348,16 @@ def slow_bfloat16(params: dict) -> str | None:
             f"from a bfloat16 run)")
 
 
+def dtypes(params: dict) -> dict:
+    """The dtype each model section runs in, and where one is `auto`, the figures that chose it (`machine_dtype`)."""
+    record = {f"{section}.dtype": params[section]["dtype"] for section in AUTO_DTYPES}
+    if "auto" not in record.values():
+        return record | {"auto": None}
+    choice, figures = machine_dtype()
+    return {key: choice if value == "auto" else value for key, value in record.items()} | {
+        "auto": {"choice": choice, **figures}}
+
+
 def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.check_params", __doc__, argv)
     params = read_params()
@@ -353,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     reason = slow_bfloat16(params)
     if reason:
         raise ParamError(reason)
+    write_json_atomic(paths.DTYPES, dtypes(params))
     write_json_atomic(paths.PARAMS_CHECK, result)
     print(json.dumps(result))
 

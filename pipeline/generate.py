@@ -23,7 +23,7 @@ from pipeline.measure.generation import Generation, Stream, continued, departure
 from pipeline.store import inputs, paths
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.cli import Refusal, entry, parser
-from pipeline.store.devices import DTYPES
+from pipeline.store.devices import FACE_DTYPES, resolved
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams
@@ -199,7 +199,8 @@ def command_line():
     cli.add_argument("--target", help="target model folder or hub id (default: the pipeline's models/target)")
     cli.add_argument("--source", help="source model folder or hub id (default: the pipeline's models/source "
                      "when no --target is given; none otherwise)")
-    cli.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default: models.dtype)")
+    cli.add_argument("--dtype", choices=list(FACE_DTYPES), help="model dtype (default: models.dtype; auto: this "
+                     "machine's faster)")
     cli.add_argument("--device", help="cpu, cuda, ... (default: machine.device)")
     cli.add_argument("--allow-other-models", action="store_true", help="use a map fitted on other models than "
                      "--target/--source (refused by default; the difference is printed before the prompts)")
@@ -246,7 +247,7 @@ def checked_modes(cli, args) -> list[str]:
 
 def built_pair(args, models: ModelsParams | None, machine: MachineParams | None) -> Pair:
     """The pair the flags name (`--target`/`--source`), else the pipeline's, in the flags' dtype and device."""
-    dtype = args.dtype or models.dtype
+    dtype = resolved(args.dtype) if args.dtype else models.dtype
     device = args.device or inputs.device(machine.torch_device, "machine.device (params.yaml; or give --device)")
     device_map = None if args.device or models is None else models.device_map
     if args.target:

@@ -15,7 +15,7 @@ forms, a path lm-eval read as a number or boolean (`target=2024`), a repair larg
     repair=                 a kv.repair setting (sink:4+tokens:0.1:attention): the target recomputes part of the cache
     fallback=, threshold=   entropy|kl|disagree, a kv.gate score of the handoff's first step (before any repair); where
                             it exceeds threshold=<float> the target prefills itself; disagree=<k=1 map>:<k=max map>
-    dtype=float32|bfloat16|float16  device=cuda|cpu  batch_size=<int>|auto  max_length=<int>
+    dtype=float32|bfloat16|float16|auto  device=cuda|cpu  batch_size=<int>|auto  max_length=<int>
     allow_other_models=true  accept a map fitted on other models than target/source (default: refused)
     --use_cache PATH        answers kept per handoff, PATH_kv-<key>_rank<r>.db (`cache_key`), never lm-eval's own cache
     --apply_chat_template   as for `hf`, and --system_instruction
@@ -47,7 +47,7 @@ from pipeline.measure.adapter import HandoffLM, refuse_without_chat_template
 from pipeline.measure.ledger import RequestCache
 from pipeline.store import inputs
 from pipeline.store.cli import entry
-from pipeline.store.devices import DTYPES
+from pipeline.store.devices import FACE_DTYPES, resolved
 from pipeline.store.models import default_device, load_tokenizer, looks_like_path
 from pipeline.store.params import ParamError
 from pipeline.store.ranks import join, launched_ranks, leave
@@ -85,7 +85,7 @@ class KVTransferLM(HandoffLM):
                              allow_other_models=allow_other_models)
         request.require_source(source is not None, "source=<hub id or path>")
         unused(request, {"target": (target, target_revision), "source": (source, source_revision)})
-        inputs.choice(dtype, "kv-transfer dtype", DTYPES)
+        inputs.choice(dtype, "kv-transfer dtype", FACE_DTYPES)
         if device is not None:
             inputs.device(str(device), "kv-transfer device")
         batch = AUTO_BATCH if batch_size == "auto" else inputs.batch_size(batch_size, "kv-transfer batch_size")
@@ -93,8 +93,8 @@ class KVTransferLM(HandoffLM):
         ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
         # a given max_length is the run the contract judges a sliding window against; without one, as in the
         # stages, every handoff refuses a sequence longer than the window when it comes (Handoff.check_length)
-        pair = Pair(target, source, dtype, ranks.device(device or default_device()), target_revision=target_revision,
-                    source_revision=source_revision, max_tokens=length,
+        pair = Pair(target, source, resolved(dtype), ranks.device(device or default_device()),
+                    target_revision=target_revision, source_revision=source_revision, max_tokens=length,
                     allow_other_models=request.allow_other_models)
         request.check_geometry(pair)
         if length is not None:

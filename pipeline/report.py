@@ -71,10 +71,11 @@ def markdown(report: dict, run: Run, context: dict) -> str:
     return "\n".join(lines)
 
 
-def run_record(dtype: str, variant_names: list[str], sizes: list[int], lengths: list[int]) -> dict:
-    """report.json's `run`: the models' dtype and the run's wall time, the sum of each stage's own `wall_s` (its
-    process from start to outputs written; DVC's hashing, the conversion and the data preparation are not in it) as
-    the metrics of this run's stages record it (a stage without a model, or one that did not run, has none)."""
+def run_record(dtypes: dict, variant_names: list[str], sizes: list[int], lengths: list[int]) -> dict:
+    """report.json's `run`: the models' dtype (`auto`'s figures beside it) and the run's wall time, the sum of each
+    stage's own `wall_s` (its process from start to outputs written; DVC's hashing, the conversion and the data
+    preparation are not in it) as the metrics of this run's stages record it (a stage without a model, or one that
+    did not run, has none)."""
     timed = [paths.MODEL_SCORES, *(paths.METRICS / f"extract_{side}.json" for side in ("source", "target")),
              paths.FIT, paths.DISTILL, paths.SELECT, paths.CONTROLS_USAGE,
              *(paths.variant_metrics(name) for name in variant_names), *map(paths.operating_metrics, lengths),
@@ -85,7 +86,16 @@ def run_record(dtype: str, variant_names: list[str], sizes: list[int], lengths: 
         figures = json.loads(path.read_text())
         if isinstance(figures.get("wall_s"), (int, float)):
             seconds[path.relative_to(paths.METRICS).as_posix()] = figures["wall_s"]
-    return {"dtype": dtype, "wall_s": round(sum(seconds.values()), 1), "stages_wall_s": seconds}
+    return {"dtype": dtypes["models.dtype"], "dtype_auto": dtypes["auto"], "wall_s": round(sum(seconds.values()), 1),
+            "stages_wall_s": seconds}
+
+
+def dtype_phrase(dtypes: dict) -> str:
+    auto = dtypes["auto"]
+    if not auto or auto["device"] != "cpu":
+        return dtypes["models.dtype"] + (" (`auto` on a GPU)" if auto else "")
+    return (f"{auto['choice']} (`auto`: a matmul took {auto['bfloat16_ms']:g} ms in bfloat16 against "
+            f"{auto['float32_ms']:g} ms in float32 on this CPU)")
 
 
 def environment(models: ModelsParams, machine: MachineParams) -> dict:
@@ -124,11 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     data_kind = load_value(str, "data.kind")
     lengths = load_value(list, "operating.lengths")
     run, inputs = load([*BASELINES, *mapped], sizes, lengths)
-    report = compute(params, measure, run, inputs) | {"run": run_record(models.dtype, [*BASELINES, *mapped], sizes,
-                                                                         lengths)}
+    dtypes = json.loads(paths.DTYPES.read_text())
+    report = compute(params, measure, run, inputs) | {"run": run_record(dtypes, [*BASELINES, *mapped], sizes, lengths)}
     tables = figures(report, run, paths.FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data_kind, "source": models.source,
-               "target": models.target, "dtype": models.dtype, "device": machine.device, "pair": run.pair,
+               "target": models.target, "dtype": dtype_phrase(dtypes), "device": machine.device, "pair": run.pair,
                "environment": environment(models, machine),
                "selected_name": run.select.get("selected", params.mapped_variant)}
     text = markdown(report, run, context)

@@ -8,14 +8,15 @@ from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.measure.latency import check_lengths
-from pipeline.store.params import Count, Dtype, ParamError, Params, Positive
+from pipeline.store.devices import ModelDtype
+from pipeline.store.params import Count, ParamError, Params, Positive
 
 
 class LatencyParams(Params):
     lengths: list[Annotated[int, Field(ge=2)]]  # prompt lengths n; the handoff needs n >= 2
     warmup: Count  # untimed runs of both paths per length
     repeats: Positive  # timed runs of both paths per length
-    dtype: Dtype
+    dtype: ModelDtype  # float32, bfloat16, float16 or auto (machine_dtype)
     mapper: str  # the mapper file timed: a stage's output (check_params), models/best/... or models/mapper.safetensors
     repairs: list[str]  # kv.repair settings: the mapper with each, timed beside it (the hybrid: source_attention)
     speculative: list[Annotated[float, Field(gt=0, le=1)]]  # speculative prefill at each share p, timed beside it

@@ -7,9 +7,12 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
+
+from pydantic import BeforeValidator
 
 from pipeline.store.lazy import lazy
+from pipeline.store.params import Dtype
 
 torch = lazy("torch")
 
@@ -22,6 +25,28 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})")
     return getattr(torch, name)
+
+
+@functools.cache
+def machine_dtype() -> tuple[str, dict]:
+    """What `dtype: auto` runs the models in here, and why: bfloat16 on a GPU; on a CPU, the dtype that runs a
+    matmul faster (bfloat16 with AMX or avx512_bf16, float32 without them, where bfloat16 crawls). Measured once
+    per process; the two differ by 3x or more on every CPU measured, so every stage of a run makes one choice."""
+    if torch.cuda.is_available():
+        return "bfloat16", {"device": "cuda"}
+    float32_ms, bfloat16_ms = matmul_ms(("float32", "bfloat16"), torch.get_num_threads())
+    figures = {"device": "cpu", "threads": torch.get_num_threads(), "float32_ms": round(float32_ms, 2),
+               "bfloat16_ms": round(bfloat16_ms, 2)}
+    return ("bfloat16" if bfloat16_ms < float32_ms else "float32"), figures
+
+
+def resolved(dtype: str) -> str:
+    """`dtype` as named, or for `auto` this machine's `machine_dtype()`."""
+    return machine_dtype()[0] if dtype == "auto" else dtype
+
+
+FACE_DTYPES = (*DTYPES, "auto")  # what a face (the API, kv-transfer, generate) accepts for the models' dtype
+ModelDtype = Annotated[Dtype, BeforeValidator(resolved)]  # a section's: `auto` resolved where it is parsed
 
 
 def no_grad(function: Callable) -> Callable:

@@ -22,9 +22,9 @@ from tqdm.auto import tqdm
 
 from pipeline.store.artifacts import hash_file
 from pipeline.store.cli import Refusal
-from pipeline.store.devices import default_device, parse_dtype
+from pipeline.store.devices import ModelDtype, default_device, parse_dtype
 from pipeline.store.lazy import lazy
-from pipeline.store.params import Dtype, ParamError, Params
+from pipeline.store.params import ParamError, Params
 from pipeline.store.shapes import random_model, shape_config
 from pipeline.store.truncated import SELF_POINTER, self_layers, truncate, truncated_config
 from pipeline.store.weights import weights_refusal
@@ -61,7 +61,7 @@ class ModelsParams(Params):
     target: str
     source_revision: str | None  # hub: null resolves the current revision (recorded in models/*/hub.json)
     target_revision: str | None
-    dtype: Dtype
+    dtype: ModelDtype  # float32, bfloat16, float16 or auto (machine_dtype)
     # null: each model whole on `machine.device`; auto/balanced/sequential: accelerate spreads a checkpoint too large
     # for one device over the visible GPUs (then CPU), and the handoff moves each cache layer to its layer
     device_map: Literal["auto", "balanced", "sequential"] | None

@@ -87,6 +87,7 @@ SELECTIVE_CURVES = SELECTIVE / "curves.parquet"  # quality at each fallback rate
 # metrics/: small JSON kept in git, compared by `dvc metrics diff`
 METRICS = Path("metrics")
 PARAMS_CHECK = METRICS / "params_check.json"
+DTYPES = METRICS / "dtypes.json"  # the models' dtypes, `auto` resolved with its figures (check_params)
 MODEL_SCORES = METRICS / "models.json"
 FIT = METRICS / "fit.json"  # fit_metrics()
 DISTILL = METRICS / "distill.json"

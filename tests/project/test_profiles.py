@@ -68,7 +68,7 @@ def test_the_smol_profile_reads_only_files_the_repository_ships_and_a_pinned_whe
     assert params["convert"]["source"] is None
     assert params["models"]["target"] == data["tokenizer"] == "models/converted"
     models, machine = params["models"], params["machine"]
-    assert (models["kind"], models["dtype"], machine["device"], machine["threads"]) == ("hub", "bfloat16", "cpu", 2)
+    assert (models["kind"], models["dtype"], machine["device"], machine["threads"]) == ("hub", "auto", "cpu", 2)
 
 
 def test_the_real_pair_profile_converts_both_sides_from_pinned_wheels_and_bounds_at_the_loaded_pair(tmp_path):

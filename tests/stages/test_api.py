@@ -22,6 +22,7 @@ from pipeline.kv.decode import greedy_generate
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.repair import RepairError
 from pipeline.kv.routes import FELL_BACK, REPAIRED
+from pipeline.store import devices
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError
 
@@ -217,3 +218,10 @@ def test_next_token_logits_read_twice_are_the_same_and_leave_the_cache_to_contin
     assert torch.equal(first, second)  # before, the second read saw prompt[-1] twice: logits 0.59 apart
     assert handed.cache.get_seq_length() == len(prompt) - 1
     assert plain_generate(models.target, prompt, handed.cache) == plain_generate(models.target, prompt)
+
+
+def test_dtype_auto_loads_the_pair_in_the_dtype_this_machine_runs_faster(tiny_pair, monkeypatch):
+    for choice in ("bfloat16", "float32"):
+        monkeypatch.setattr(devices, "machine_dtype", lambda choice=choice: (choice, {}))
+        models = pair(tiny_pair["target"], tiny_pair["source"], dtype="auto", device="cpu")
+        assert models.target.dtype == getattr(torch, choice)

@@ -13,7 +13,7 @@ from pipeline import check_params
 from pipeline.check_params import SECTIONS, check, mapper_files
 from pipeline.schema.distill import DistillParams
 from pipeline.schema.fit import FitParams
-from pipeline.store import paths
+from pipeline.store import devices, paths
 from pipeline.store.params import ParamError, parse
 
 # (overrides merged into the committed params.yaml, the line the check must print)
@@ -212,6 +212,22 @@ def test_bfloat16_slower_than_float32_on_this_cpu_stops_the_stage_naming_its_key
     assert not (tmp_path / "metrics").exists()
     monkeypatch.setattr(check_params, "matmul_ms", lambda dtypes, threads: [11.4, 3.8])  # AMX: bfloat16 the faster
     assert check_params.slow_bfloat16(params) is None
+
+
+def test_dtype_auto_is_resolved_once_and_written_down_with_the_timings_that_chose_it(tmp_path, monkeypatch):
+    def measured():
+        return "float32", {"device": "cpu", "float32_ms": 6.7, "bfloat16_ms": 227.5}
+
+    monkeypatch.setattr(devices, "machine_dtype", measured)  # the sections' parse
+    monkeypatch.setattr(check_params, "machine_dtype", measured)  # the record
+    monkeypatch.chdir(tmp_path)
+    for dtype, auto in (("auto", {"choice": "float32", "device": "cpu", "float32_ms": 6.7, "bfloat16_ms": 227.5}),
+                        ("float32", None)):
+        params = merge(committed_params(), {"models": {"dtype": dtype}})
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        check_params.main([])
+        assert json.loads((tmp_path / paths.DTYPES).read_text()) == {
+            "models.dtype": "float32", "latency.dtype": committed("latency")["dtype"], "auto": auto}
 
 
 def test_a_float32_profile_or_a_gpu_measures_nothing(monkeypatch):

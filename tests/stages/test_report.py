@@ -5,7 +5,7 @@ import numpy as np
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.report import markdown, run_record
+from pipeline.report import dtype_phrase, markdown, run_record
 from pipeline.studies import variants
 from pipeline.studies.run import Run
 
@@ -41,7 +41,12 @@ def test_the_run_record_sums_the_wall_time_of_this_runs_stages_only_and_names_it
         (tmp_path / "metrics" / name).write_text(json.dumps({"wall_s": seconds, "other": 1.0}))
     (tmp_path / "metrics/eval/mapped_k3.json").write_text(json.dumps({"wall_s": 99.0}))  # a variant of another run
     (tmp_path / "metrics/eval/direct.json").write_text(json.dumps({"skipped": "unequal geometry"}))  # no time
-    record = run_record("bfloat16", ["oracle", "direct"], [], [1024])
-    assert record == {"dtype": "bfloat16", "wall_s": 64.8, "stages_wall_s": times}
+    auto = {"choice": "float32", "device": "cpu", "threads": 2, "float32_ms": 6.7, "bfloat16_ms": 227.5}
+    record = run_record({"models.dtype": "float32", "latency.dtype": "float32", "auto": auto}, ["oracle", "direct"],
+                        [], [1024])
+    assert record == {"dtype": "float32", "dtype_auto": auto, "wall_s": 64.8, "stages_wall_s": times}
+    assert dtype_phrase({"models.dtype": "float32", "auto": auto}) == (
+        "float32 (`auto`: a matmul took 227.5 ms in bfloat16 against 6.7 ms in float32 on this CPU)")
+    assert dtype_phrase({"models.dtype": "bfloat16", "auto": None}) == "bfloat16"
     assert list(record["stages_wall_s"]) == ["fit.json", "eval/oracle.json", "eval/operating/1024.json",
                                              "latency.json"]  # in the recipe's order

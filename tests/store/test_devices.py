@@ -1,7 +1,11 @@
 """Devices and usage figures (`store.devices`): several ranks' usage is the slowest and the largest with each peak
 beside, a stage's figures say when a queued experiment may have shared the machine, and a matmul is timed in each
-dtype asked for."""
+dtype asked for, and `auto` is the faster dtype of this machine."""
+import pytest
+
+from pipeline.store import devices
 from pipeline.store.devices import SHARED_NOTE, StageUsage, matmul_ms, usage_of_ranks
+from pipeline.store.models import ModelsParams
 
 
 def test_usage_of_several_ranks_is_the_slowest_and_the_largest_with_each_peak_beside():
@@ -26,3 +30,20 @@ def test_stage_figures_say_when_a_queued_experiment_may_have_shared_the_machine(
 def test_a_matmul_is_timed_in_each_dtype_asked_for_in_milliseconds():
     times = matmul_ms(("float32", "float32"), threads=1, size=64)
     assert len(times) == 2 and all(0 < ms < 1000 for ms in times)
+
+
+@pytest.mark.parametrize("timings, chosen", [((6.7, 227.5), "float32"), ((11.4, 3.8), "bfloat16")],
+                         ids=["avx2 only: bfloat16 crawls", "amx: bfloat16 the faster"])
+def test_dtype_auto_becomes_the_dtype_this_cpu_runs_a_matmul_faster_in(monkeypatch, timings, chosen):
+    monkeypatch.setattr(devices, "matmul_ms", lambda dtypes, threads: list(timings))
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    devices.machine_dtype.cache_clear()
+    try:
+        section = {"kind": "random", "source": "tiny", "target": "tiny", "source_revision": None,
+                   "target_revision": None, "dtype": "auto", "device_map": None}
+        assert ModelsParams.model_validate(section).dtype == chosen
+        assert devices.machine_dtype()[1] == {"device": "cpu", "threads": devices.torch.get_num_threads(),
+                                              "float32_ms": timings[0], "bfloat16_ms": timings[1]}
+        assert ModelsParams.model_validate({**section, "dtype": "float16"}).dtype == "float16"  # named: as named
+    finally:
+        devices.machine_dtype.cache_clear()
