@@ -39,11 +39,10 @@ API = Face("pipeline.api", {**{field: field for field in FIELDS}, "mode": "mode"
 
 def pair(target: str, source: str | None = None, dtype: str = "float32", device: str | None = None,
          allow_other_models: bool = False, max_tokens: int | None = None) -> Pair:
-    """The pair of `target` and `source` (folders, hub ids or `self:<n>`, the target's first n layers; None: the
-    target alone, for the oracle and zero modes) in `dtype` (`auto`: this machine's faster) on `device` (default:
-    cuda where there is one, else cpu): configs, tokenizers and the contract read now, each model's weights on first
-    use. `max_tokens`: the longest sequence it will see (a sliding window shorter than it is refused now);
-    `allow_other_models`: a map fitted on other models is used instead of refused."""
+    """The pair of `target` and `source` (folders, hub ids or `self:<n>`, the target's first n layers; None: target
+    alone, for the oracle and zero modes) in `dtype` (`auto`: this machine's faster) on `device` (default: cuda if any,
+    else cpu). Configs, tokenizers and contract load now, weights on first use. `max_tokens`: the longest sequence it
+    will see (a shorter sliding window is refused now); `allow_other_models`: accept a map fitted on other models."""
     inputs.choice(dtype, "pair() dtype", FACE_DTYPES)
     if max_tokens is not None:
         inputs.at_least(max_tokens, "pair() max_tokens", 1)
@@ -99,11 +98,10 @@ class HandedOff:
 
 
 def handed_off(router: Router, prompt: Sequence[int], max_new_tokens: int = 1) -> HandedOff:
-    """`prompt`'s cache as `router`'s handoff builds it (the way its gate sends the prompt: the handoff's own cache,
-    repaired where it repairs, or the target's own prefill where it falls back), as a fresh transformers cache.
-    `prompt`: token ids (ints within the vocabulary; text or a float id is a TypeError). `max_new_tokens`: the tokens
-    you will decode after the prompt (1: the next token's logits); the prompt and they must fit the models'
-    positions, as generate's --max-new-tokens must."""
+    """`prompt`'s cache as `router` builds it, as its gate sends the prompt (the handoff's own cache, repaired where it
+    repairs, or the target's own prefill where it falls back), as a fresh transformers cache. `prompt`: token ids (ints
+    within the vocabulary; text or a float id is a TypeError). `max_new_tokens`: tokens you will decode after it (1: the
+    next token's logits); with the prompt they must fit the models' positions (as generate's --max-new-tokens)."""
     if not isinstance(router, Router):
         raise inputs.ParamTypeError(f"handed_off() router: expected what pipeline.api.handoff(...) returns, got "
                                     f"{type(router).__name__} {router!r:.60}")
@@ -119,7 +117,7 @@ def handed_off(router: Router, prompt: Sequence[int], max_new_tokens: int = 1) -
 
 
 def limits(router: Router) -> tuple[int, int]:
-    """The positions and the vocabulary every model `router` runs on a prompt has room for: its decoding model's and
-    the source's it hands off from (a gate's fallback is the same target)."""
+    """The positions and vocabulary every model `router` runs on a prompt has room for: its decoding model's and its
+    source's (a gate's fallback is the same target)."""
     configs = [model.config for model in (router.handoff.decoder, router.handoff.source) if model is not None]
     return positions(*configs), min(config.vocab_size for config in configs)

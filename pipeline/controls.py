@@ -78,14 +78,12 @@ def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedToleranc
                   handoff_cls=Handoff) -> dict:
     """Exactness gate on (context, continuation) prompts: the re-injected oracle path vs the full forward.
 
-    Both precisions are calibrated on the model itself: its noise floor is the largest |delta log p| between the
-    full forward and the same sequence in chunks through its own cache, in the model's dtype (two mathematically
-    equal computations; or the dtype's resolution at the largest |log p|, if larger). A deep model's rounding grows
-    with its depth (a real 30-layer model in bfloat16: a floor above 1), a wrong cache is off by much more.
-    The allowed |delta log p| is `noise_multiple` times the floor. In float32 no decision may flip and every
-    greedy rollout must match. In reduced precision a decision may flip only where rounding alone can flip it:
-    where the chunked computation flips it too, or where its top-two margin is below the floor (or the declared
-    `decision_margin`, if larger)."""
+    The noise floor is the model's own: the largest |delta log p| between the full forward and the same sequence in
+    chunks through its cache, in its dtype (or the dtype's resolution at the largest |log p|, if larger). Rounding
+    grows with depth (a real 30-layer model in bfloat16: a floor above 1); a wrong cache is off by much more. The
+    allowed |delta log p| is `noise_multiple` times the floor. In float32 no decision may flip and every greedy
+    rollout must match; in reduced precision a decision may flip only where the chunked computation flips it too or
+    its top-two margin is below max(floor, `decision_margin`)."""
     reduced = isinstance(tolerance, ReducedTolerance)
     handoff = handoff_cls(target)
     max_delta, floor, largest, greedy_same = 0.0, 0.0, 0.0, 0
@@ -154,11 +152,10 @@ def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_map
 
 def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, tolerance: float,
                        position_offset: int = 0) -> dict:
-    """Strip RoPE from the cached keys of each prompt and compare them, layer by layer, with the keys the model
-    computed before rotating them, and apply(strip(keys)) with the cached keys, each error relative to the largest
-    magnitude it compares: a float32 ulp of a real model's keys (Qwen2's biased keys reach the hundreds) is above
-    any absolute tolerance one would set for unit-scale keys. `position_offset` shifts the positions the keys are
-    stripped at (0: the positions the model used)."""
+    """Per layer, strip(cached keys) against the model's keys before rotation, and apply(strip(keys)) against the
+    cached keys, each error relative to the largest magnitude compared: a float32 ulp of a real model's keys (Qwen2's
+    biased keys reach the hundreds) is above any absolute tolerance one would set for unit-scale keys.
+    `position_offset` shifts the positions the keys are stripped at (0: those the model used)."""
     worst, round_trip, positions_checked = 0.0, 0.0, 0
     for token_ids in prompts:
         before, layers = pre_rope_keys(model, token_ids)
@@ -185,10 +182,8 @@ def refit_in_subprocess(out: Path, name: str) -> None:
 
 
 def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_subprocess) -> dict:
-    """Refit the selected candidate `name` alone (its family, k and lambda: fit's narrow refit) from the same
-    caches in a fresh process (PROTOCOL.md: fitting twice, in two separate processes): its file must come out
-    byte-identical to the one the pipeline selected, which the `fit` stage (or `distill`) wrote in another process,
-    fitting every candidate."""
+    """The selected `name` refitted alone from the same caches in a fresh process (PROTOCOL.md: fitting twice, in
+    two separate processes) must be byte-identical to the file written while fitting every candidate."""
     out = folder / "refit"
     refit(out, name)
     # fit and distill both write into `out`: a distilled map's file is named as fit's are, by its name
@@ -200,8 +195,7 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_su
 
 
 def run(params: ControlsParams, models: ModelsParams, device: str, tolerances: ToleranceParams) -> dict:
-    """Every control on the pair and the selected mapper, each with its figures and `passed`. A pair the
-    compatibility control refuses (from the configs alone: nothing is loaded) stops here, with that one entry."""
+    """Each control's figures and `passed`; a pair the compatibility control refuses stops at that one entry."""
     prompts = read_prompts(paths.EVAL_PROMPTS)[: params.prompts]
     pair = Pair.load(models, device, max_tokens=max(len(c) + len(e) for c, e in prompts) + params.horizon)
     results = {"compatibility": compatibility(pair.contract)}

@@ -30,9 +30,8 @@ SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention
 
 
 def run(spec: GgufCheckpoint | None, out: Path, timeout_s: float) -> dict:
-    """One side's converted folder at `out` (`store.checkpoints`: its marker alone without a GGUF); the GGUF is
-    assembled in a scratch folder beside it (`.<name>.scratch.*.tmp`: git-ignored, removed on an interrupt and by
-    the next run), and the converted config checked against the spec's shape before the folder is written."""
+    """Its marker alone without a GGUF. The GGUF is assembled beside `out` (`.<name>.scratch.*.tmp`: git-ignored,
+    removed on an interrupt and by the next run), and the config checked before the folder is written."""
     if spec is None:
         return write_marker(out, CONVERTED_PROVENANCE, {"gguf": None})
     return convert(spec, paths.WHEELS, out, timeout_s, check=lambda config: check_shape(config, spec.shape))

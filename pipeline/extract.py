@@ -56,13 +56,10 @@ KEY_SPACE_WORDS = {"content": "content (RoPE stripped)", "rotated": "rotated (Ro
 @no_grad
 def content_caches(model, rotation: Rotation, batch: list,
                    strip: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence of `batch` (token id lists of one length, one forward): (layers, tokens, kv_heads, head_dim)
-    keys in content space (float32; with `strip` False rotated, as cached: the length study's ablation) and
-    values (model dtype), on the CPU.
-
-    `rotation` covers at least positions 0..length-1. All layers are stripped in one call: at small shapes the
-    per-call overhead, not the arithmetic, is what extraction adds to the forward pass.
-    """
+    """Per sequence of `batch` (token id lists of one length, one forward), on the CPU: (layers, tokens, kv_heads,
+    head_dim) keys in content space, float32 (`strip` False: rotated as cached, the length study's ablation), and
+    values in the model dtype. `rotation` covers at least positions 0..length-1. All layers are stripped in one
+    call: at small shapes the per-call overhead, not the arithmetic, is what extraction adds to the forward pass."""
     ids = torch.tensor([list(token_ids) for token_ids in batch], dtype=torch.long, device=model.device)  # (B, T)
     layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)  # (B, H, T, D) each
     keys = torch.stack([k for k, _ in layers]).float()  # (layers, B, H, T, D)
@@ -113,22 +110,19 @@ def write_floor(folder: Path, sizes: list[int], rank: int = 0) -> float:
 
 
 def shard_runs(count: int, shard_sequences: int) -> list[range]:
-    """The sequences of each shard of a split of `count` sequences, in order."""
     return [range(start, min(start + shard_sequences, count)) for start in range(0, count, shard_sequences)]
 
 
 def rank_shards(count: int, shard_sequences: int, ranks: Ranks) -> list[tuple[int, range]]:
-    """This rank's shards of a split of `count` sequences (every one in one process; r, r+N, ... under N), each
-    as (its global number, its sequences)."""
+    """This rank's shards (r, r+N, ... under N processes) as (global shard number, its sequences)."""
     runs = shard_runs(count, shard_sequences)
     return [(index, runs[index]) for index in ranks.share(len(runs))]
 
 
 def extract_splits(model, rotation: Rotation, frames: dict[str, pd.DataFrame], out_dir: Path, base: dict,
                    params: ExtractParams, bar, ranks: Ranks = ONE_PROCESS) -> dict:
-    """Write this rank's shards of every split under `out_dir` (all of them in one process; shards r, r+N, ...
-    under N) and return their records per split. Batches never cross a shard, so a shard's bytes do not depend
-    on how many processes wrote the split."""
+    """This rank's shards of every split written; their records per split. Batches never cross a shard, so a
+    shard's bytes do not depend on how many processes wrote the split."""
     writer = ShardWriter(out_dir, base, params.shard_sequences, parse_dtype(params.dtype))
     try:
         for split, frame in frames.items():
@@ -159,9 +153,7 @@ def manifest_splits(frames: dict[str, pd.DataFrame], records: list[dict]) -> dic
 
 def timed_repeats(model, rotation: Rotation, frames: dict, out_dir: Path, base: dict, params: ExtractParams,
                   ranks: Ranks, name: str) -> tuple[dict[str, list[float]], dict, list[int]]:
-    """This rank's shards extracted `params.repeats` times beside both floors (the forward floor before the
-    extraction in even repeats, after it in odd ones): each kind's times, the last repeat's shard records and the
-    sizes of the bytes it wrote."""
+    """Each kind's times over `params.repeats`, the last repeat's shard records and the byte sizes it wrote."""
     mine = [frame.token_ids[i] for frame in frames.values()
             for _, members in rank_shards(len(frame), params.shard_sequences, ranks) for i in members]
     times = {"forward": [], "extract": [], "write": []}
@@ -183,14 +175,11 @@ def timed_repeats(model, rotation: Rotation, frames: dict, out_dir: Path, base: 
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
         model_dtype: str = "float32", device: str | None = None, ranks: Ranks = ONE_PROCESS,
         device_map: str | None = None, keep_rope: bool = False) -> dict:
-    """Extract, timing it beside both floors (with `keep_rope`, keys as cached, RoPE not stripped: the length
-    study's ablation); with `repeats` > 1 the three are measured in turn, repeat by repeat
-    (each extraction rewrites the same bytes; the forward floor runs before it in even repeats and after it in
-    odd ones), and the medians reported, so drift and noise hit all three alike. Under several processes each
-    rank extracts and times its own shards; rank 0 writes the manifest and reports the slowest rank's times.
-
-    The model runs in `model_dtype` (`models.dtype`, as every later stage runs it, so the map is fitted on the
-    caches it will be given); only the RoPE strip is float32 math."""
+    """Extract, timed beside both floors (`keep_rope`: keys as cached, the length study's ablation). The three are
+    measured in turn, repeat by repeat (each extraction rewrites the same bytes), and the medians reported, so drift
+    and noise hit all three alike. Each rank extracts and times its own shards; rank 0 writes the manifest and
+    reports the slowest rank's times. The model runs in `model_dtype` (`models.dtype`, as every later stage runs it,
+    so the map is fitted on the caches it will be given); only the RoPE strip is float32 math."""
     frames = {split: read_sequences(data_dir / f"{split}.parquet") for split in params.splits}
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
     # the contract, from the config: a model whose cache cannot be stripped is refused before it is loaded

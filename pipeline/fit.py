@@ -52,12 +52,11 @@ torch = lazy("torch")
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
         only: list[str] | None = None, ranks: Ranks = ONE_PROCESS) -> dict:
-    """Fit every candidate of params (or, with `only`, those so named, each byte-identical to its file from
-    the full fit on the same caches); `skipped` maps the families the pair's contract leaves undefined to why.
-    Moments, solves and the MLP run on `device` (float64 and float32), the mappers are timed there against the
-    source in `model_dtype`. Under several processes each fits every N-th target layer (and probe group), with
-    the sums of one process; rank 0 merges, writes and times the mappers and returns the metrics (the others
-    return {})."""
+    """Fit every candidate (`only`: those named, each byte-identical to its file from the full fit on the same
+    caches); `skipped` maps the families the pair's contract leaves undefined to why. Moments, solves and the MLP
+    run on `device` (float64 and float32); the mappers are timed there against the source in `model_dtype`. Each of
+    N processes fits every N-th target layer (and probe group), with the sums of one process; rank 0 merges, writes
+    and times the mappers and returns the metrics (the others {})."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = manifests(source_root, target_root, params)
@@ -104,11 +103,11 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
 def fit_layers(layers: list[int], orders: list[list[int]], splits: tuple, held: set[str], closed: list[MapName],
                depth: int, mlp_ks: list[int], geometry: Geometry, parts: Parts, params: FitParams, device: str,
                ranks: Ranks) -> tuple[R2Table, dict] | None:
-    """Every candidate's tensors for this rank's target `layers`, spilled to `parts`: the closed-form ones solved
-    in this thread while the MLP maps train in `fit.mlp.workers` worker threads (each on this process's intra-op
-    threads: the bytes of one thread); entries are recorded in one thread's order. A failure cancels the trainings
-    not started, so its error comes after the one in flight, not after every queued map. Rank 0 gets the merged
-    R² table and the MLP training facts per (k, layer); the other ranks None."""
+    """Every candidate's tensors for this rank's target `layers`, spilled to `parts`: closed-form ones solved here
+    while the MLP maps train in `fit.mlp.workers` threads (each on this process's intra-op threads: the bytes of one
+    thread), entries recorded in one thread's order. A failure cancels the trainings not started, so its error comes
+    after the one in flight, not after every queued map. Rank 0 gets the merged R² table and the MLP training facts
+    per (k, layer); the other ranks None."""
     fit_pairs, select_pairs = splits
     table, mlp_facts = R2Table(), {}
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
@@ -162,8 +161,7 @@ def write_tables(metrics_dir: Path, table: R2Table, scores: dict, source_layers:
 
 
 def manifests(source_root: Path, target_root: Path, params: FitParams) -> tuple[dict, dict]:
-    """Both caches' manifests, refused when they were extracted differently or the source has fewer layers than
-    a k of the fit params."""
+    """Both caches' manifests, refused when extracted differently or a k of the fit params exceeds the source's."""
     source_manifest, target_manifest = read_manifest(source_root), read_manifest(target_root)
     if source_manifest["keys"] != target_manifest["keys"]:
         raise ArtifactError(f"fit: {source_root} holds {source_manifest['keys']} keys, {target_root} "
@@ -176,8 +174,7 @@ def manifests(source_root: Path, target_root: Path, params: FitParams) -> tuple[
 
 
 def narrowed(closed: list[MapName], mlp_ks: list[int], only: list[str] | None) -> tuple[list[MapName], list[int]]:
-    """The closed-form candidates and MLP k's named by `fit --only` (all of them without it); a name the fit
-    params do not make is refused."""
+    """The closed-form candidates and MLP k's `--only` names (all without it); an unknown name is refused."""
     if only is None:
         return closed, mlp_ks
     known = [str(c) for c in closed + mlp_candidates(mlp_ks)]
@@ -190,9 +187,8 @@ def narrowed(closed: list[MapName], mlp_ks: list[int], only: list[str] | None) -
 def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Parts, heldout: dict, mlp_facts: dict,
                   manifests: tuple[dict, dict], params: FitParams, fit_tokens: int, out_dir: Path,
                   timing: tuple | None) -> dict:
-    """Each candidate's mapper file, from its per-layer parts, and its figures (`maps/<name>/...`); `timing`
-    (the first select sequence's content-space cache, its tokens, the source's prefill seconds, the device)
-    times each against the source's prefill, None for a narrow refit (about the file's bytes, not its speed)."""
+    """Each candidate's mapper file and figures; `timing` (`timing_input`'s) times each against the source's
+    prefill, None for a narrow refit (about the file's bytes, not its speed)."""
     source_manifest, target_manifest = manifests
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
     # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
@@ -229,10 +225,9 @@ def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Par
 
 
 def chosen_lambdas(table: R2Table, closed: list[MapName], scale: str) -> dict:
-    """Per closed-form family and k (and rank): the lambda with the best held-out R² on the select split (mean of
-    keys and values over layers), that candidate's R² per target layer and kind, and, per lambda scale, the worst
-    layer's held-out R² of the scale-checked family at its best lambda on that scale (a layer whose map collapses
-    shows here)."""
+    """Per closed-form family and k (and rank): the lambda with the best select R² (mean of keys and values over
+    layers), that candidate's R² per target layer and kind, and, per lambda scale, the worst layer's R² at its best
+    lambda on that scale (a layer whose map collapses shows here)."""
     out: dict[str, float | str] = {"lambda_scale": scale}
     heldout = table.heldout
     groups: dict[str, list[MapName]] = {}

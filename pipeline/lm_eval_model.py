@@ -198,9 +198,9 @@ def command_line() -> tuple[HarnessCLI, list[list[str]]]:
 
 
 def given_args(given: list[list[str]]) -> list[tuple[str, str]]:
-    """Every (key, value) the `--model_args` flags gave, in order, each form read as lm-eval's action reads it: a
-    JSON object (its keys, repeated ones too), or `key=value` items split on top-level commas. A JSON object with
-    more values after it, which lm-eval drops silently, is refused."""
+    """Every (key, value) the `--model_args` flags gave, in order, each form read as lm-eval's action reads it: a JSON
+    object (its keys, repeated ones too) or `key=value` items split on top-level commas. Values after a JSON object
+    (which lm-eval drops silently) are refused."""
     pairs = []
     for values in given:
         if values and isinstance(try_parse_json(values[0]), dict):
@@ -228,9 +228,9 @@ def evaluator_config(namespace) -> EvaluatorConfig | None:
 
 
 def prepare(namespace, given: list[list[str]]) -> None:
-    """A kv-transfer run, checked and keyed before lm-eval builds anything: every model arg given once in whatever
-    form, a chat template where --apply_chat_template asks for one, and `--use_cache PATH` taken over by the
-    handoff's own cache (lm-eval's would key its file by the path alone)."""
+    """A kv-transfer run checked and keyed before lm-eval builds anything: each model arg given once in any form, a chat
+    template where --apply_chat_template asks for one, and `--use_cache PATH` taken over by the handoff's own cache
+    (lm-eval's would key its file by the path alone)."""
     config = evaluator_config(namespace)
     if config is None or config.model != "kv-transfer":
         return

@@ -138,11 +138,11 @@ def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:
 
 
 def pick_windows(stream: list[str], wanted: int, windows_of) -> list[tuple[str, int]]:
-    """The first `wanted` (doc_id, window) pairs of a fixed order: window 0 of every document of the stream
-    that has one, in stream order (one sequence per document while there are enough), then window 1 of those
-    that have it, and so on, so a corpus of a few long documents (WikiText-2's test file) can still feed a large
-    fit set; `windows_of(doc_id)` counts a document's whole windows. Nested: a smaller draw is the start of a larger
-    one, and a split's windows come only from its own documents."""
+    """The first `wanted` (doc_id, window) pairs of a fixed order: window 0 of every document of the stream that has
+    one, in stream order (one sequence per document while there are enough), then window 1 of those that have it,
+    and so on, so a few long documents (WikiText-2's test file) can still feed a large fit set; `windows_of(doc_id)`
+    counts a document's whole windows. Nested: a smaller draw starts a larger one; a split's windows come only from
+    its own documents."""
     chosen, counts = [], {}
     for doc_id in stream:
         if len(chosen) == wanted:
@@ -159,9 +159,8 @@ def pick_windows(stream: list[str], wanted: int, windows_of) -> list[tuple[str, 
 
 def split_windows(stream: list[str], wanted: int, size: int, prompt_length: int | None, encode, by_id, tokenizer,
                   key: str, split: str, first: int | None = None) -> pd.DataFrame:
-    """The first `wanted` windows of `size` tokens of a split's documents (`pick_windows`), as rows; with
-    `prompt_length`, each cut into prompt and continuation; `first`: the tokens a document's first window keeps
-    (`size` when None). `key` and `split` name the params key of `wanted` and the split in a refusal."""
+    """The first `wanted` windows of `size` tokens of a split's documents, as rows, cut at `prompt_length` where
+    given; `first`: the tokens a document's first window keeps (`size` when None)."""
     chosen = pick_windows(stream, wanted, lambda doc_id: len(encode(doc_id)) // size)
     if len(chosen) < wanted:
         raise ParamError(f"data.{key}: the corpus's {split} documents hold only {len(chosen)} windows of {size} "

@@ -31,8 +31,7 @@ transformers = lazy("transformers")
 
 
 def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> dict:
-    """Train each side of `staging` (the target alone for a self source) and save it with the tokenizer into its
-    staging folder."""
+    """Each side of `staging` (the target alone for a self source) trained and saved there with the tokenizer."""
     configs = {"source": train.source, "target": train.target}
     if any(configs[side] is None for side in staging):
         raise ParamError(f"{' and '.join(f'train.{side}' for side in staging)}: required when models.kind is "
@@ -50,16 +49,14 @@ def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> di
 
 
 def point_at_target(layers: int, staging: Path) -> None:
-    """models/source (staged in `staging`) as the target's own first `layers` decoder layers: self.json, pointing at
-    models/target beside it (a relative path, so the folder can move with the repository); no weights, no
-    tokenizer."""
+    """models/source as the target's first `layers` decoder layers: self.json pointing at models/target by a relative
+    path (so the folder can move with the repository); no weights, no tokenizer."""
     target = os.path.relpath(paths.model("target"), paths.model("source"))
     write_json_atomic(staging / SELF_POINTER, {"layers": layers, "target": target})
 
 
 def point_at_pinned_pair(pins_file: Path, staging: dict[str, Path]) -> None:
-    """Write each side's pointer from the identities pin_models pinned: hub.json (id, commit), local.json
-    (folder, content hash) or, for a self source, self.json."""
+    """Each side's pointer to its pinned identity: hub.json (id, commit), local.json (folder, hash) or self.json."""
     pins = json.loads(pins_file.read_text())
     for name in ("target", "source"):
         pinned = dict(pins[name])
@@ -99,8 +96,7 @@ def prepare(models: ModelsParams, train: TrainParams, threads: int) -> None:
 
 
 def check_contract() -> dict:
-    """Refuse the prepared pair now, from its configs and tokenizers, unless the mapped handoff is defined for it;
-    returns the modes the contract defines (`direct` and `head_matched` need equal geometry, for instance). A
+    """The modes and families the contract defines, from configs and tokenizers; refused unless `mapped` is one. A
     sliding window is checked where sequences are fed (extract at its sequences' length, every handoff at each
     sequence's), so the profile's lengths are not this stage's parameters."""
     contract = Pair(str(paths.model("target")), str(paths.model("source"))).contract  # no weights loaded

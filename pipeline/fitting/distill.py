@@ -39,16 +39,14 @@ torch = lazy("torch")
 F = lazy("torch.nn.functional")
 
 class DistillSettings(Params):
-    """How a fitted map is trained: the `distill` section's training keys (`schema.distill.DistillParams` adds which
-    maps and which rows)."""
+    """The `distill` section's training keys (`schema.distill.DistillParams` adds which maps and which rows)."""
 
-    # AdamW's learning rates tried per map family (linear, head_matched, mlp, ...): each with every kv_weight for a
-    # probe of probe_steps steps, the lowest select KL trains the full run (one pair in all: taken as it is, no probe)
+    # AdamW's learning rates per map family (linear, head_matched, mlp, ...), each probed with every kv_weight
     lrs: dict[str, Annotated[list[PositiveFloat], Field(min_length=1)]]
     probe_steps: Positive  # optimizer steps of each probe, scored on the select rows
     weight_decay: Annotated[float, Field(ge=0)]  # AdamW's decoupled decay, towards zero (not towards the start map)
-    # weights of the key/value regression beside the KL (0: the KL alone), each tried with every rate of the
-    # family's grid: the (rate, weight) pair of the lowest select KL after its probe trains the full run
+    # weights of the key/value regression beside the KL (0: the KL alone); the (rate, weight) pair of the lowest
+    # select KL after its probe trains the full run (one pair in all: taken as it is, no probe)
     kv_weights: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1)]
     batch_size: Positive  # rows per optimizer step, and per forward when the select rows are scored
     epochs: Positive  # at most; fewer when the select KL stops falling
@@ -61,8 +59,7 @@ class DistillSettings(Params):
         return self.lrs[family]
 
     def pairs(self, family: str) -> list[tuple[float, float]]:
-        """The (rate, kv_weight) pairs the probes try for a `family` map, in the order a tie goes by: rate by rate
-        as declared, each rate's weights as declared."""
+        """The (rate, kv_weight) pairs the probes try, in the order a tie goes by: rates, then weights, as declared."""
         return [(lr, kv_weight) for lr in self.rates(family) for kv_weight in self.kv_weights]
 
 
@@ -71,8 +68,8 @@ TIMED_PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")
 
 
 class Clock:
-    """Seconds spent per part of the work (`TIMED_PARTS`), added up over every call timed; on CUDA each part waits for
-    the device, so the time is the part's own."""
+    """Seconds per part of the work (`TIMED_PARTS`), summed over calls; on CUDA each part waits for the device, so
+    the time is the part's own."""
 
     def __init__(self):
         self.seconds: Counter = Counter({part: 0.0 for part in TIMED_PARTS})
@@ -116,8 +113,7 @@ def map_tensors(mapper: Mapper) -> list[torch.Tensor]:
 
 def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
     """Mean over target layers and kinds of MSE(mapped, own) / variance(own), the variance centred per head and
-    dimension over rows and tokens: one minus the pooled R² of the batch, so every layer and kind weighs alike
-    whatever its scale."""
+    dimension over rows and tokens: one minus the pooled R², so each layer and kind weighs alike at any scale."""
     terms = []
     for mapped_pair, own_pair in zip(mapped, own, strict=True):
         for mapped_kind, own_kind in zip(mapped_pair, own_pair):
@@ -129,8 +125,8 @@ def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
 
 def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, reference: Oracle | None = None
            ) -> Losses:
-    """The objective at one batch; differentiable in the map's tensors, which must sit on the target's device. The
-    oracle is `reference` when given (a `StoredOracle`'s rows), else computed here."""
+    """Differentiable in the map's tensors, which must sit on the target's device. The oracle is `reference` when
+    given (a `StoredOracle`'s rows), else computed here."""
     for keys, values in batch.source:
         if keys.requires_grad or values.requires_grad:
             raise ValueError("the source cache requires grad: the source is frozen, its cache is a constant")
@@ -147,7 +143,7 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
 
 
 def reference_of(rows: Rows, chosen: list[int], handoff: Handoff, clock: Clock) -> Oracle:
-    """The oracle of these rows: the kept one, or computed now (timed as the oracle)."""
+    """The kept oracle of these rows, or computed now (timed as the oracle)."""
     kept = stored(rows, chosen)
     if kept is not None:
         return kept
@@ -173,8 +169,8 @@ def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: in
 
 
 def epoch_batches(groups: Sequence[Rows], batch: int, generator: torch.Generator) -> list[tuple[int, list[int]]]:
-    """One epoch's batches as (group, rows): each group's rows in a seeded order cut into batches, then every
-    batch in a seeded order, so lengths alternate while a batch keeps one length."""
+    """(group, rows) batches: each group's rows in a seeded order cut into batches, then every batch in a seeded
+    order, so lengths alternate while a batch keeps one length."""
     batches = []
     for group, rows in enumerate(groups):
         order = torch.randperm(len(rows), generator=generator).tolist()
@@ -193,7 +189,7 @@ def check_frozen(target) -> None:
 
 @contextmanager
 def deterministic(seed: int) -> Iterator[None]:
-    """Deterministic algorithms and a seeded global generator inside, the caller's settings restored after."""
+    """Deterministic algorithms and a seeded global generator inside; the caller's settings restored after."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     with torch.random.fork_rng(devices=[]):
@@ -217,8 +213,7 @@ def tensors_digest(mapper: Mapper) -> str:
 
 def fit_step(mapper: Mapper, optimizer, rows: Rows, chosen: list[int], handoff: Handoff, kv_weight: float,
              clock: Clock) -> Losses:
-    """One optimizer step on these rows: the oracle (kept or computed), the mapped step forward and backward
-    through the frozen target, then the map's update."""
+    """One optimizer step on these rows, backward through the frozen target."""
     reference = reference_of(rows, chosen, handoff, clock)
     with clock.timed("rows", handoff.device):
         batch = rows.take(chosen)
@@ -233,7 +228,7 @@ def fit_step(mapper: Mapper, optimizer, rows: Rows, chosen: list[int], handoff: 
 
 def fit_steps(mapper: Mapper, optimizer, groups: Sequence[Rows], order: list[tuple[int, list[int]]],
               handoff: Handoff, kv_weight: float, clock: Clock, bar) -> dict:
-    """The steps of `order` in turn; their mean fit losses. `bar` counts the rows."""
+    """The mean fit losses of the steps of `order`; `bar` counts the rows."""
     totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
     for group, rows in order:
         step = fit_step(mapper, optimizer, groups[group], rows, handoff, kv_weight, clock)
@@ -245,8 +240,8 @@ def fit_steps(mapper: Mapper, optimizer, groups: Sequence[Rows], order: list[tup
 
 
 def fresh(start: Mapper, handoff: Handoff, settings: DistillSettings, lr: float):
-    """A trainable copy of `start`, its AdamW at `lr`, and the row order's generator, on the CPU whatever the
-    device: every run from the start (a probe, the full run) sees the same rows in the same order."""
+    """A trainable copy of `start`, its AdamW, and the row order's generator, on the CPU whatever the device: every
+    run from the start (a probe, the full run) sees the same rows in the same order."""
     mapper = trainable(start, handoff.device)
     optimizer = torch.optim.AdamW(map_tensors(mapper), lr=lr, weight_decay=settings.weight_decay)
     return mapper, optimizer, torch.Generator().manual_seed(settings.seed)
@@ -254,8 +249,8 @@ def fresh(start: Mapper, handoff: Handoff, settings: DistillSettings, lr: float)
 
 def probe(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, lr: float, kv_weight: float,
           clock: Clock, label: str | None) -> float:
-    """The select KL after `settings.probe_steps` steps at `lr` and `kv_weight` from `start`: the full run's first
-    steps at that pair, epochs run together."""
+    """The select KL after `settings.probe_steps` steps from `start`: the full run's first steps at that pair, epochs
+    run together."""
     mapper, optimizer, generator = fresh(start, handoff, settings, lr)
     order = []
     while len(order) < settings.probe_steps:
@@ -275,9 +270,9 @@ def chosen_pair(probes: list[dict]) -> tuple[float, float]:
 
 
 def probe_facts(probes: list[dict], settings: DistillSettings) -> dict:
-    """The probes as a map's facts record them. With one kv_weight declared every probe used the facts' own
-    `kv_weight`, and the record is the one the stage wrote before the weight was a grid (rate and select KL per
-    probe), so those maps keep their bytes; with several, each probe names its weight and the grid is kept."""
+    """The probes as a map's facts record them. With one kv_weight declared, every probe used the facts' own
+    `kv_weight` and the record is the one written before the weight was a grid (rate and select KL per probe), so
+    those maps keep their bytes; with several, each probe names its weight and the grid is kept."""
     if len(settings.kv_weights) == 1:
         return {"probes": [{"lr": row["lr"], "select_kl": row["select_kl"]} for row in probes]}
     return {"kv_weights": list(settings.kv_weights), "probes": probes}
@@ -286,10 +281,10 @@ def probe_facts(probes: list[dict], settings: DistillSettings) -> dict:
 def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, clock: Clock | None = None,
             label: str | None = None) -> tuple[Mapper, list[dict]]:
     """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit` at the (rate,
-    kv_weight) pair of `settings.pairs(start.family)` whose probe scores the lowest select KL; keep the epoch (0: the
-    start itself) with the lowest select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold
-    the chosen pair and every probe's select KL), and per epoch its fit losses and select KL and agreement.
-    `clock` adds up the time per part; `label` names the map on the progress bars (None: no bars)."""
+    kv_weight) pair whose probe scores the lowest select KL; keep the epoch (0: the start itself) with the lowest
+    select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold the chosen pair and every
+    probe's select KL), and per epoch its fit losses, select KL and agreement. `label` names the map on the progress
+    bars (None: no bars)."""
     check_frozen(handoff.decoder)
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
@@ -331,8 +326,8 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
 
 
 def finished(start: Mapper, tensors: list[torch.Tensor], facts: dict) -> Mapper:
-    """`start` with `tensors` (in `map_tensors` order) in its place, on the CPU in its dtype, and `facts` as its
-    distillation record."""
+    """`start` with `tensors` (in `map_tensors` order), on the CPU in its dtype, and `facts` as its distillation
+    record."""
     flat = iter(t.detach().to("cpu", start.keys[0][0].dtype).contiguous() for t in tensors)
     keys, values = ([tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]
                     for layers in (start.keys, start.values))

@@ -1,9 +1,9 @@
 """The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map").
 
 A row is one context under the last-token protocol: the prefix c[0..n-2], the source's content-space cache of it and
-the tokens the target reads after the cache, c[n-1] e[0..h-1]; rows of one length make a `Batch`. The oracle of a
-batch (the target after its own prefill: its log-probabilities and content-space cache) does not change while a map
-trains, so it is kept per row (`StoredOracle`) while the kept oracles fit a budget.
+the tokens the target reads after the cache, c[n-1] e[0..h-1]; rows of one length make a `Batch`. The oracle of a batch
+(the target after its own prefill: log-probabilities and content-space cache) does not change while a map trains, so
+it is kept per row (`StoredOracle`) while the kept oracles fit a budget.
 """
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ F = lazy("torch.nn.functional")
 
 @dataclass
 class Batch:
-    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's content-space cache of them (a
-    list over source layers of (keys, values), each (B, H_s, P, D_s)) and the tokens the target reads after the
-    cache, c[n-1] e[0..h-1] (B, h + 1)."""
+    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's content-space cache of them (a list
+    over source layers of (keys, values), each (B, H_s, P, D_s)) and the steps c[n-1] e[0..h-1] (B, h + 1)."""
 
     prefix: torch.Tensor
     source: Layers
@@ -51,11 +50,10 @@ class Rows(Protocol):
 
 
 class CacheRows:
-    """The rows of one context length n cut from a split's stored sequences: for each sequence of at least
-    n + horizon tokens, the prefix c[0..n-2], the source's content cache of it and the steps c[n-1] .. c[n+h-1].
-    A causal model's cache of a prefix is the first positions of its cache of the whole sequence, so the cache is
-    sliced from `extract`'s shards (no source forward), read per batch through safetensors' memory map: memory
-    holds one batch, whatever the split's size."""
+    """The rows of context length n cut from a split's stored sequences of at least n + horizon tokens: the prefix
+    c[0..n-2], its source content cache and the steps c[n-1] .. c[n+h-1]. A causal model's cache of a prefix is the
+    first positions of its cache of the whole sequence, so the cache is sliced from `extract`'s shards (no source
+    forward), read per batch through safetensors' memory map: memory holds one batch, whatever the split's size."""
 
     def __init__(self, shards: Sequence[Shard], token_ids: Sequence[Sequence[int]], length: int, horizon: int,
                  geometry: tuple[int, int, int]):
@@ -103,16 +101,16 @@ class Oracle(NamedTuple):
 
 
 def in_order(count: int, batch: int) -> list[list[int]]:
-    """Rows 0..count-1 in order, `batch` at a time (how the select rows are scored and the oracles kept)."""
+    """Rows 0..count-1, `batch` at a time (how the select rows are scored and the oracles kept)."""
     return [list(range(first, min(first + batch, count))) for first in range(0, count, batch)]
 
 
 class StoredOracle:
-    """A group's rows read once into memory, with the oracle of each row computed once (in batches of `batch` rows,
-    in order) and kept: the target is frozen, so its own prefill of a row is the same at every epoch and for every
-    map distilled. A row's oracle does not depend on the rows batched with it (checked bit for bit on the CPU), so
-    the maps come out as from an oracle computed per batch; the rows in memory are the stored ones, so the maps come
-    out as from rows read per batch (on the tiny pair, reading them per batch took a tenth of the stage)."""
+    """A group's rows read once into memory, with each row's oracle computed once (in batches, in order) and kept:
+    the target is frozen, so its own prefill of a row is the same at every epoch and for every map. A row's oracle
+    does not depend on the rows batched with it (checked bit for bit on the CPU), and the rows in memory are the
+    stored ones, so the maps come out as from oracles and rows read per batch (which took a tenth of the stage on the
+    tiny pair)."""
 
     def __init__(self, rows: Rows, handoff: Handoff, batch: int):
         self.rows = rows.take(list(range(len(rows))))  # a Batch: (N, P) prefixes, (N, H_s, P, D_s) caches
@@ -142,9 +140,8 @@ def batch_bytes(batch: Batch) -> int:
 
 
 def with_oracles(groups: Sequence[Rows], handoff: Handoff, batch: int, budget_bytes: float) -> list[Rows]:
-    """Each group as a `StoredOracle` of the oracle `handoff` while the oracles and rows kept so far fit
-    `budget_bytes` (its size from one row's oracle and row times its rows), the others as they are: their rows are
-    read and their oracle computed each time a batch is seen."""
+    """Each group as a `StoredOracle` while the oracles and rows kept so far fit `budget_bytes` (a group's size: one
+    row's oracle and row times its rows); the others as they are, read and their oracle computed per batch seen."""
     kept, out = 0, []
     for group in groups:
         first = group.take([0]) if len(group) else None

@@ -26,8 +26,8 @@ safetensors_torch = lazy("safetensors.torch")
 
 def closed_form_candidates(families: list[str], ks: list[int], lambdas: list[float],
                            widths: dict[str, list[int]]) -> list[MapName]:
-    """The closed-form grid: per family, k and lambda (and, for a family with an inner size in its name, each
-    of its `widths`: the low-rank map's ranks), in that order."""
+    """The closed-form grid: per family, k and lambda (and, for a family with an inner size in its name, each of its
+    `widths`: the low-rank map's ranks), in that order."""
     return [MapName(family, k, lam, width) for family in families for k in ks
             for width in (widths[family] if "rank" in FAMILIES[family].name_fields else [None]) for lam in lambdas]
 
@@ -38,9 +38,8 @@ def mlp_candidates(ks: list[int]) -> list[MapName]:
 
 @dataclass
 class R2Table:
-    """R² per (candidate, layer, kind, head), in and out of sample, in the order recorded: rows for the CSV and
-    held-out R² per (candidate, kind). Tables of processes that fitted different layers merge (`merged`) into
-    the one table a single process records, since every layer's entries come from one process."""
+    """R² per (candidate, layer, kind, head), in and out of sample, in the order recorded. Tables of processes that
+    fitted different layers merge into the table a single process records: each layer's entries come from one."""
 
     # (layer, candidate, kind, r2 in sample per head, held-out per head, ratio, lambda solved with per head)
     entries: list[tuple] = field(default_factory=list)
@@ -95,12 +94,11 @@ class R2Table:
 
 
 class Parts:
-    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once; used as a
-    `with` block, whose end removes the folder (its owner does), the stage done or interrupted: no part outlives it."""
+    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once. The end of
+    its `with` block removes the folder, the stage done or interrupted, so no part outlives it."""
 
     def __init__(self, folder: Path, fresh: bool = True):
-        """`fresh`: start from an empty folder, and remove it at the end (the process that owns it; the others join
-        it as it is)."""
+        """`fresh`: this process owns the folder: start it empty and remove it at the end (others join it as it is)."""
         self.folder, self.fresh = folder, fresh
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
@@ -130,8 +128,8 @@ class Parts:
 
 
 def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):
-    """Add a split's rows to `summary` (`ridge.Moments` or `ridge.Rows`): x the chosen source layers'
-    (tokens, k * Hs*Ds), layer-major as the mapper reads them; y the target layer's (tokens, Ht*Dt)."""
+    """Add a split's rows to `summary` (`ridge.Moments` or `ridge.Rows`): x the chosen source layers' (tokens,
+    k * Hs*Ds), layer-major as the mapper reads them; y the target layer's (tokens, Ht*Dt)."""
     for source, target in pairs:
         x = torch.cat(source.read(kind, chosen), dim=1)  # (tokens, k * Hs*Ds)
         (y,) = target.read(kind, [layer])  # (tokens, Ht*Dt)
@@ -142,12 +140,11 @@ def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):
 def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs: Pairs,
                     candidates: list[MapName], depth: int, geometry: Geometry, parts: Parts, table: R2Table,
                     device: str | torch.device, lambda_scale: str) -> None:
-    """The closed-form candidates for one target layer: one accumulation over the top `depth` source layers (the
-    largest k of the whole grid, so a narrow refit of one candidate sums exactly what the full fit summed),
-    then each candidate's family solves its sub-blocks, on `device` in float64, with its lambda read on
-    `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own Gram diagonal). A family with
-    `scale_check` is also solved with its lambda read the other way and scored on the select split
-    (`R2Table.scales`): what the scale changes."""
+    """One accumulation over the top `depth` source layers (the largest k of the whole grid, so a narrow refit of one
+    candidate sums exactly what the full fit summed), then each candidate's family solves its sub-blocks, on `device`
+    in float64, with its lambda read on `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own
+    Gram diagonal). A family with `scale_check` is also solved with its lambda read the other way and scored on the
+    select split (`R2Table.scales`): what the scale changes."""
     g = geometry
     chosen_max = sorted(order[:depth])
     in_width, out_width = len(chosen_max) * g.heads_s * g.dim_s, g.heads_t * g.dim_t
@@ -204,15 +201,15 @@ def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Te
 
 def squares(x: torch.Tensor, y: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual and the total sum of squares (float64, per output column) of the map `tensors` on rows x (N, F),
-    y (N, O): what `ridge.pooled_r2` reads."""
+    y (N, O)."""
     return ((y - predict_rows(x, tensors)) ** 2).double().sum(0), ((y - y.mean(0)) ** 2).double().sum(0)
 
 
 def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pairs, select_pairs: Pairs,
                  held: set[str], settings: MlpSettings, heads_t: int, parts: Parts, device) -> tuple[dict, R2Table]:
-    """The `mlp_k<k>` candidate's map for one target layer and kind, trained with its own seed (derived from the
-    fit's `settings.seed`, the layer and the kind) and put in `parts`; returns its training facts and its own R²
-    entry. Units share only the caches they read, so several may train side by side in threads."""
+    """The `mlp_k<k>` map for one target layer and kind, trained with its own seed (from `settings.seed`, the layer
+    and the kind) and put in `parts`; returns its training facts and R² entry. Units share only the caches they read,
+    so several may train side by side in threads."""
     name = str(MapName("mlp", k))
     chosen = sorted(order[:k])
     table = R2Table()

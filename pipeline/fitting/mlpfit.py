@@ -28,9 +28,8 @@ class MlpSettings:
 
 def train_mlp(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
               heads: int, settings: MlpSettings) -> tuple[tuple[torch.Tensor, ...], dict]:
-    """Fit rows x (N, F) -> y (N, heads * head_dim), on the rows' device. Returns the mapper tensors
-    (in_weight (F, hidden), in_bias (hidden,), weight (heads, hidden, head_dim), bias (heads, head_dim)) and
-    training facts."""
+    """Fit rows x (N, F) -> y (N, heads * head_dim) on the rows' device. Returns the mapper tensors (in_weight
+    (F, hidden), in_bias (hidden,), weight (heads, hidden, head_dim), bias (heads, head_dim)) and training facts."""
     generator = torch.Generator().manual_seed(settings.seed)  # on the CPU: the same draws on every device
     device = x_train.device
     x_mean, x_std = x_train.mean(0), x_train.std(0).clamp_min(1e-6)  # (F,)

@@ -30,8 +30,8 @@ class Moments:
         return cls(0, *(torch.zeros(*shape, dtype=torch.float64, device=device) for shape in shapes))
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
-        """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass
-        whose input side (n, sum_x, X^T X) an earlier pass over the same rows accumulated (`with_inputs_of`)."""
+        """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass whose
+        input side (n, sum_x, X^T X) an earlier pass over the same rows accumulated (`with_inputs_of`)."""
         x, y = x.to(self.xtx.device, torch.float64), y.to(self.xtx.device, torch.float64)
         if inputs:
             self.n += x.shape[0]
@@ -54,9 +54,9 @@ class Moments:
 
 @dataclass
 class Rows:
-    """A regression's rows themselves (float64), for a problem with fewer rows than input features: then the
-    dual solve (an N x N system instead of F x F) and scoring from the rows are the cheaper ways, and the rows
-    take less memory than X^T X. `summary` picks between this and `Moments` by the row count alone."""
+    """A regression's rows themselves (float64), for a problem with fewer rows than input features: then the dual
+    solve (an N x N system instead of F x F) and scoring from the rows are cheaper, and the rows take less memory
+    than X^T X."""
 
     xs: list[torch.Tensor]  # (rows, F) chunks, in the order added
     ys: list[torch.Tensor]  # (rows, O) chunks
@@ -94,15 +94,15 @@ class Rows:
 
 
 def summary(rows: int, in_width: int, out_width: int, device: str | torch.device) -> Moments | Rows:
-    """What a regression of `rows` rows is accumulated into: the rows while fewer than the input features, else
-    the moments. Solutions and sums of squares agree to float64 rounding; which one a problem gets depends on
-    its row count alone, so it is the same for a narrow refit and in every pass."""
+    """What a regression of `rows` rows accumulates into: the rows while fewer than the input features, else the
+    moments. Solutions and sums of squares agree to float64 rounding; the choice depends on the row count alone, so
+    it is the same for a narrow refit and in every pass."""
     return Rows([], [], device) if rows < in_width else Moments.zeros(in_width, out_width, device)
 
 
 def gram_scale(m: Moments | Rows) -> float:
-    """Mean of the centered Gram diagonal, trace(Cxx) / F: the sum of squares of an average input feature about
-    its mean (it grows with the row count and the features' scale)."""
+    """Mean of the centered Gram diagonal, trace(Cxx) / F: the sum of squares of an average input feature about its
+    mean (it grows with the row count and the features' scale)."""
     if isinstance(m, Rows):
         return ((m.x - m.x.mean(0)) ** 2).sum(0).mean().item()
     return (m.xtx.diagonal() - m.sum_x * m.sum_x / m.n).mean().item()
@@ -165,10 +165,10 @@ def residual_ss(m: Moments | Rows, weight: torch.Tensor, bias: torch.Tensor) -> 
 
 def fitted_residual_ss(m: Moments | Rows, weight: torch.Tensor, bias: torch.Tensor,
                        ridge_lambda: float) -> torch.Tensor:
-    """`residual_ss` on the rows `solve(m, ridge_lambda)` was fitted to; from moments in O(F*O) instead of
-    O(F^2*O): the solution satisfies Cxx W = Cxy - lambda W, so diag(W^T Cxx W) = diag(W^T Cxy) - lambda
-    diag(W^T W) and the centered SSE = Syy - 2 diag(W^T Cxy) + diag(W^T Cxx W) = Syy - diag(W^T Cxy) - lambda
-    diag(W^T W) (the fitted bias makes the residual the centered one). Equal to `residual_ss` up to rounding."""
+    """`residual_ss` on the rows `solve(m, ridge_lambda)` was fitted to; from moments in O(F*O) instead of O(F^2*O):
+    the solution satisfies Cxx W = Cxy - lambda W, so diag(W^T Cxx W) = diag(W^T Cxy) - lambda diag(W^T W) and the
+    centered SSE = Syy - 2 diag(W^T Cxy) + diag(W^T Cxx W) = Syy - diag(W^T Cxy) - lambda diag(W^T W) (the fitted bias
+    makes the residual the centered one). Equal to `residual_ss` up to rounding."""
     if isinstance(m, Rows):
         return residual_ss(m, weight, bias)
     cov_xy = m.xty - torch.outer(m.sum_x, m.sum_y) / m.n  # (F, O)

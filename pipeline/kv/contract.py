@@ -42,9 +42,8 @@ def sliding_window(config) -> int | None:
 
 
 def active_window(config, max_tokens: int | None) -> int | None:
-    """The sliding window that masks attention within a run of `max_tokens`, if any. Without a run length
-    (None) no window is active here: the handoff then refuses each sequence longer than the window when it
-    comes (`Handoff.check_length`), so a run shorter than the window works and a longer one stops, naming it."""
+    """The sliding window that masks attention within a run of `max_tokens`, if any; None without a run length (the
+    handoff then refuses each sequence longer than the window as it comes, naming it)."""
     window = sliding_window(config)
     return window if window is not None and max_tokens is not None and window < max_tokens else None
 
@@ -241,10 +240,8 @@ def config_token_facts(source_config, target_config) -> str:
 
 
 def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tokenizer) -> tuple[str, str | None, str]:
-    """('identical' | 'different' | 'unchecked', the reason a pair is refused for its tokens or None, a note).
-
-    Only two tokenizers that are there decide; without both the verdict is `unchecked` and the note says which
-    is missing and what the configs say."""
+    """('identical' | 'different' | 'unchecked', the reason a pair is refused for its tokens or None, a note). Only
+    tokenizers at hand decide; without both: `unchecked`, the note naming the missing one and what the configs say."""
     names = f"source {model_name(source_config)!r} and target {model_name(target_config)!r}"
     if source_tokenizer is None or target_tokenizer is None:
         missing = " and ".join(f"{side} {model_name(config)!r}" for side, config, tokenizer in (
@@ -265,8 +262,7 @@ def _geometry_refusal(spec: Family, source: ModelCard, target: ModelCard) -> str
 
 
 def _mode_refusal(mode, target: ModelCard, source: ModelCard | None, token_refusal: str | None) -> str | None:
-    """Why `mode` cannot run on the target (and the source, None where none is given), from what the mode reads and
-    its own requirement, or None."""
+    """Why `mode` cannot run on the target and source (None: none given), from what it reads and its requirement."""
     if not mode.reads.source:
         return target.refusal
     if source is None:

@@ -23,13 +23,11 @@ transformers = lazy("transformers")
 @no_grad
 def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
                     segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L),
-    read by the handoff's target after that row's prefix cache (B, H, P, D), right-padded to real lengths
-    `prefix_lengths` (B,).
-    `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it:
-    a token sees its row's real prefix (the slots that hold it: `Handoff.slots`) and the earlier tokens of its own
-    continuation, at position prefix_lengths[b] + offset, so each continuation scores as if it were alone after
-    the prefix."""
+    """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L), read by
+    the handoff's target after that row's prefix cache (B, H, P, D), right-padded to real lengths `prefix_lengths`
+    (B,). `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it: a
+    token sees its row's real prefix (the slots that hold it: `Handoff.slots`) and the earlier tokens of its own
+    continuation, at position prefix_lengths[b] + offset, so each continuation scores as if alone after the prefix."""
     batch, steps = tokens.shape
     width = 0 if layers is None else layers[0][0].shape[2]
     prefix = real_slots(handoff.slots(prefix_lengths), width)[:, None].expand(-1, steps, -1)  # (B, L, P)
@@ -46,10 +44,10 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
 @no_grad
 def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens: torch.Tensor,
                               segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`packed_logprobs` of one context (B = 1) whose prefix the decoding model prefills itself, in the same forward
-    as its packed continuations: the row reads prefix_ids (1, P) then tokens (1, L), the prefix causal, each packed
-    token seeing the whole prefix and the earlier tokens of its own continuation at position P + offset, and only
-    the L packed positions reach the head. One call instead of the prefill's and the step's (a batch-1 oracle's)."""
+    """`packed_logprobs` of one context (B = 1) whose prefix the decoding model prefills itself in the same forward
+    (one call, not a prefill and a step: a batch-1 oracle's): the row reads prefix_ids (1, P) then tokens (1, L), the
+    prefix causal, each packed token seeing the whole prefix and the earlier tokens of its own continuation at
+    position P + offset; only the L packed positions reach the head."""
     width, steps = prefix_ids.shape[1], tokens.shape[1]
     prefix = torch.cat([torch.ones(width, width, dtype=torch.bool).tril(), torch.zeros(width, steps, dtype=torch.bool)],
                        dim=1)  # (P, P + L)
@@ -97,9 +95,9 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
 def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
                    attention: list | None = None) -> list[torch.Tensor]:
     """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
-    continuation; all prompts in one batch: one prefill, one step forward. With `attention` (a list), each
-    prompt's attention outputs of those positions are appended to it: (L_t, m, hidden) per prompt, in the
-    model's dtype on the CPU (what every target layer's attention block wrote, after its output projection)."""
+    continuation; all prompts in one batch: one prefill, one step forward. `attention` (a list) gets each prompt's
+    attention outputs at those positions, (L_t, m, hidden) in the model's dtype on the CPU (what every target
+    layer's attention block wrote, after its output projection)."""
     prefixes = padded_prefixes([context for context, _ in prompts])
     layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
     told = handoff.lengths_read(prefixes.lengths, prefixes.padded)
@@ -117,10 +115,10 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
 @no_grad
 def read_after(handoff: Handoff, first: FirstStep, continuation: Sequence[int], horizon: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One context's two reads from its first step (batch 1; `Handoff.first_step`), one prefix cache for both: the
-    log-probabilities (m, V), float32, teacher-forced through the continuation e (the step's own for e[0], then
-    e[0..m-2] fed after it), and the greedy rollout (horizon,) from the step's argmax, after the cache is cropped
-    back to the prefix and c[n-1]; each fed token at its own position (a sparse cache has fewer slots than positions):
+    """One context's two reads from its first step (batch 1), one prefix cache for both: the log-probabilities (m, V),
+    float32, teacher-forced through the continuation e (the step's own for e[0], then e[0..m-2] fed after it), and
+    the greedy rollout (horizon,) from the step's argmax, after the cache is cropped back to the prefix and c[n-1];
+    each fed token at its own position (a sparse cache has fewer slots than positions):
 
         cache  c[0..n-2] c[n-1] | e[0] ... e[m-2]        -> scores e[1] ... e[m-1]
                c[0..n-2] c[n-1] | g[0] ... g[h-2]        -> g[1] ... g[h-1]   (g[0]: the first step's argmax)
@@ -151,8 +149,8 @@ def at(start: int, count: int, device) -> torch.Tensor:
 
 @contextmanager
 def attention_outputs(model, active: bool = True):
-    """While active, every decoder layer's attention output (B, T, hidden) of each forward of `model`, moved
-    to the CPU, in layer order (the list yielded; empty when inactive)."""
+    """The list yielded gets every decoder layer's attention output (B, T, hidden) of each forward of `model`, on the
+    CPU, in layer order; it stays empty when inactive."""
     outputs: list[torch.Tensor] = []
     if not active:
         yield outputs
@@ -201,8 +199,7 @@ def greedy_generate(
     max_new_tokens: int,
     should_stop: Callable[[list[int]], bool] = lambda tokens: False,
 ) -> list[int]:
-    """Greedy tokens the target produces after the handed-off cache of context[:-1] and context[-1],
-    stopping early when should_stop(tokens so far) says so."""
+    """Greedy tokens after the handed-off cache of context[:-1] and context[-1]; should_stop(tokens so far) ends it."""
     return decode(handoff, context, max_new_tokens, argmax_token, should_stop)
 
 
@@ -214,8 +211,7 @@ def full_logprobs(target, context, continuation) -> torch.Tensor:
 
 
 def chunked_logprobs(target, context, continuation) -> torch.Tensor:
-    """The same log-probabilities as `full_logprobs`, computed in three chunks through the model's own cache:
-    a computation mathematically equal to the full forward, whose difference from it is float rounding only."""
+    """`full_logprobs` in three chunks through the model's own cache: equal in maths, so off by float rounding only."""
     ids = torch.tensor([list(context) + list(continuation)]).to(target.device)
     cut, last = max(1, (len(context) - 1) // 2), len(context) - 1
     cache = transformers.DynamicCache(config=target.config)
@@ -227,8 +223,7 @@ def chunked_logprobs(target, context, continuation) -> torch.Tensor:
 
 
 def eos_ids(model, tokenizer) -> set[int]:
-    """The ids that end a continuation: the model's generation config's EOS (an id or a list) and the
-    tokenizer's."""
+    """The ids that end a continuation: the generation config's EOS (an id or a list) and the tokenizer's."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
     return ids | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
@@ -237,10 +232,9 @@ def eos_ids(model, tokenizer) -> set[int]:
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """The tokens handoff.decoder decodes after the handoff's cache of prompt[:-1] and prompt[-1] (`decode`),
-    and the time to first token in ms. Greedy at temperature 0, else sampled from softmax(logits / temperature) by
-    a generator seeded with `seed`; each token is passed on (with those before it) as it comes; stops after a
-    token in `stop`."""
+    """(the tokens decoded after the handoff's cache of prompt[:-1] and prompt[-1], the time to first token in ms).
+    Greedy at temperature 0, else sampled from softmax(logits / temperature) with seed `seed`; `on_token` sees each
+    token (with those before it) as it comes; stops after a token in `stop`."""
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)

@@ -1,12 +1,10 @@
 """The one rule of kv's registries (mapper families, handoff modes, repair selectors, gate scores): entries by name,
-each a named instance of the registry's base class (so one that fills in its abstract cost and maths), no name
-twice."""
+each a named instance of the registry's base class (so one that fills in its abstract cost and maths), no name twice."""
 from __future__ import annotations
 
 
 def register(base: type, plural: str, entries: tuple) -> dict:
-    """`entries` by name; anything but a named `base` instance is refused, and so is a name given twice (`plural`
-    names the entries in that message)."""
+    """`entries` by name; `plural` names them in the error for a name given twice."""
     kind = f"{base.__module__.removeprefix('pipeline.')}.{base.__qualname__}"
     for entry in entries:
         if not isinstance(entry, base) or not entry.name:

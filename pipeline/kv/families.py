@@ -29,8 +29,8 @@ class Geometry(NamedTuple):
 
 
 class Solved(NamedTuple):
-    """One target layer and kind solved in closed form: the family's tensors, the residual sums of squares on
-    the fit and select rows per output column, the lambda each head was solved with, parameters per output column."""
+    """One target layer and kind solved in closed form: the family's tensors, the residual sums of squares on the fit
+    and select rows per output column, the lambda each head was solved with, parameters per output column."""
 
     tensors: tuple
     sse_fit: torch.Tensor  # (H*D,)
@@ -83,8 +83,8 @@ class Family:
 
 
 def columns(blocks: list[int], geometry: Geometry, device, head: int | None = None) -> torch.Tensor:
-    """The input columns of the chosen `blocks` (source layers) in the fit's rows, layer-major: every source
-    head's, or only source head `head`'s, (k*H_s*D_s,) or (k*D_s,)."""
+    """The input columns of the chosen `blocks` (source layers) in the fit's rows, layer-major: every source head's,
+    or only source head `head`'s, (k*H_s*D_s,) or (k*D_s,)."""
     width = geometry.heads_s * geometry.dim_s
     start, end = (0, width) if head is None else (head * geometry.dim_s, (head + 1) * geometry.dim_s)
     return torch.cat([torch.arange(b * width + start, b * width + end, device=device) for b in blocks])
@@ -115,10 +115,9 @@ class Identity(Family):
 
 
 class Linear(Family):
-    """V0's per-head linear map: each target head's content from the k chosen source layers, all source KV heads
-    concatenated, with a bias; k=1 is V0's map. weight (H, F, D), bias (H, D);
-    out[b, h, t] = inputs[b, t] @ weight[h] + bias[h]. All heads read the same inputs, so one ridge solve with every
-    head's columns is exactly the per-head fit."""
+    """Each target head from the k chosen source layers, all source KV heads concatenated, with a bias (k=1: V0's map).
+    weight (H, F, D), bias (H, D); out[b, h, t] = inputs[b, t] @ weight[h] + bias[h]. All heads read the same inputs,
+    so one ridge solve with every head's columns is exactly the per-head fit."""
 
     name = "linear"
     tensor_names = ("weight", "bias")
@@ -145,9 +144,8 @@ class Linear(Family):
 
 class HeadMatched(Family):
     """Like `linear`, but target head h reads only source head h of the k chosen layers (kv_heads_s times fewer
-    parameters); it needs equal KV head counts. weight (H, k*D_s, D), bias (H, D);
-    out[b, h, t] = inputs[b, h, t] @ weight[h] + bias[h]. One ridge solve per head (the heads read different
-    inputs)."""
+    parameters; needs equal KV head counts). weight (H, k*D_s, D), bias (H, D); one ridge solve per head (the heads
+    read different inputs): out[b, h, t] = inputs[b, h, t] @ weight[h] + bias[h]."""
 
     name = "head_matched"
     tensor_names = ("weight", "bias")
@@ -192,16 +190,15 @@ def hidden_layer(inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.T
 
 
 class Mlp(Family):
-    """Like `linear`, but through one hidden layer shared by the target heads of a layer. in_weight (F, hidden),
-    in_bias (hidden,), weight (H, hidden, D), bias (H, D); hidden = gelu(inputs @ in_weight + in_bias),
-    out[b, h, t] = hidden[b, t] @ weight[h] + bias[h]. Trained, not solved (`fitting.mlpfit`: Adam, early stopping
-    on held-out fit sequences); its width is `fit.mlp.hidden`."""
+    """Like `linear`, through one hidden layer shared by a layer's target heads; trained, not solved (Adam, early
+    stopping on held-out fit sequences). in_weight (F, hidden), in_bias (hidden,), weight (H, hidden, D), bias (H, D);
+    hidden = gelu(inputs @ in_weight + in_bias), out[b, h, t] = hidden[b, t] @ weight[h] + bias[h]."""
 
     name = "mlp"
     tensor_names = ("in_weight", "in_bias", "weight", "bias")
     name_fields = ("k",)
     width_name = "hidden"
-    width_param = "fit.mlp.hidden"  # params.yaml's key for its inner size(s)
+    width_param = "fit.mlp.hidden"
     fitting = "trained"
 
     def shapes(self, geometry: Geometry, k: int, width: int | None):
@@ -227,13 +224,13 @@ class LowRank(Family):
     @ up[h] + bias[h]: r (F + H*D) multiply-adds per token and kind instead of F*H*D. With W the ridge weight
     (F, H*D) and C the inputs' centered Gram (F, F), the fitted values' scatter is W^T C W; V (H*D, r) its top-r
     eigenvectors; W_r = W V V^T, so down = W V and up = V^T; the bias keeps the fitted means (b_r = mean_y -
-    mean_x W_r). The rank is `fit.low_rank.ranks`; at r = H*D it is `linear` exactly."""
+    mean_x W_r). At r = H*D it is `linear` exactly."""
 
     name = "low_rank"
     tensor_names = ("down", "up", "bias")
     name_fields = ("k", "rank", "lambda")
     width_name = "rank"
-    width_param = "fit.low_rank.ranks"  # params.yaml's key for its inner size(s)
+    width_param = "fit.low_rank.ranks"
     fitting = "closed_form"
 
     def shapes(self, geometry: Geometry, k: int, width: int | None):

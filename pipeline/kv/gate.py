@@ -21,8 +21,7 @@ REFERENCES = ("oracle", "random")  # the upper bound and the null: curves of the
 
 
 def map_pair(spec: str) -> tuple[str, str] | None:
-    """The `disagree` score's two mapper files from `K1:KMAX` (k=1 and k=max), or None where it names another
-    count."""
+    """The `disagree` score's two mapper files from `K1:KMAX` (k=1 and k=max), or None for another count."""
     files = tuple(spec.split(":"))
     return files if len(files) == 2 else None
 
@@ -37,7 +36,7 @@ def float64(values) -> torch.Tensor:
 @dataclass
 class Probe:
     """Logistic regression on first-step features: score = ((x - mean) / scale) . weights + bias, the logit of "the
-    map changes the decision". Fitted by `fit_probe`."""
+    map changes the decision"."""
 
     features: tuple[str, ...]
     mean: list[float]
@@ -77,12 +76,10 @@ def fit_probe(values: Mapping[str, Sequence[float]], labels: Sequence[bool], fea
 
 
 class Scorer:
-    """The scores of requests handed off through `handoff` (a source mode), from its first step only.
-
-    `disagree`: the two mapped handoffs (k=1 and k=max) whose first steps the `disagree` score compares; they
-    share `handoff`'s source prefill. `probe`: the fitted probe of the `probe` score. `scores`: the registry of
-    the scores it computes (`kv.scores.SCORES`), beside the probe's other inputs. No score reads the target's
-    prefill of the prompt (tests make it fail)."""
+    """The scores of requests handed off through `handoff` (a source mode), from its first step only; no score reads
+    the target's prefill of the prompt (tests make it fail). `disagree`: the two mapped handoffs (k=1 and k=max)
+    whose first steps the `disagree` score compares, sharing `handoff`'s source prefill; `scores`: the registry it
+    computes from, beside the probe's other inputs."""
 
     def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None, probe: Probe | None = None,
                  scores: Mapping[str, Score] = SCORES):

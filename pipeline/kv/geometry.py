@@ -1,6 +1,5 @@
-"""A model's KV geometry read off its config: its decoder layers, KV heads and head_dim, what every cache shape, map
-shape and multiply-add count of the handoff is in. Configs only: the FLOP model, the registries' costs and the
-contract read it without loading a tensor library."""
+"""A model's KV geometry read off its config (decoder layers, KV heads, head_dim): what every cache shape, map shape
+and multiply-add count of the handoff is in. Configs only, so it loads no tensor library."""
 from __future__ import annotations
 
 

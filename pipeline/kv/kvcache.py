@@ -38,9 +38,8 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def segment_mask(segments: torch.Tensor) -> torch.Tensor:
-    """(B, L, L) bool: which tokens of a packed row each token sees, given `segments` (B, L), each token's
-    continuation number (-1 on padding): the earlier tokens of its own continuation and itself (padding sees
-    padding only)."""
+    """(B, L, L) bool: which tokens of a packed row each token sees, `segments` (B, L) numbering each token's
+    continuation (-1 on padding): itself and the earlier tokens of its own continuation (padding sees padding only)."""
     steps = segments.shape[1]
     return (segments[:, :, None] == segments[:, None, :]) & torch.ones(steps, steps, dtype=torch.bool).tril()
 
@@ -71,7 +70,7 @@ class Prefixes(NamedTuple):
 
     @property
     def padded_lengths(self) -> torch.Tensor | None:
-        """The real lengths where some row is padded, else None: what the cache builders and steps take."""
+        """The real lengths where some row is padded, else None."""
         return self.lengths if self.padded else None
 
     @property

@@ -42,7 +42,6 @@ class MapName:
 
     @property
     def distilled_name(self) -> "MapName":
-        """The name of the map distilled from this one."""
         return MapName(self.family, self.k, self.ridge_lambda, self.rank, distilled=True)
 
     @property

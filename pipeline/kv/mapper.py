@@ -131,8 +131,7 @@ def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype,
     (None: each layer as it is) into the target's cache, one target layer at a time: per layer, the target-space
     content the map made (after the shuffle) and the cache the target reads, keys rotated to `rotation`'s positions
     (unless the map writes rotated keys), both on `device` in `dtype`. `order` (B, T): the shuffled null's token
-    order. The one way a cache is mapped: the handoff takes the caches under no_grad, distillation takes both
-    with autograd on, so what a map is trained on is what the handoff injects."""
+    order. The one way a cache is mapped, under no_grad or with autograd on: a map is trained on what it injects."""
     positions = torch.arange(rotation.tokens, device=content[0][0].device)  # (T,)
     rotated = mapper is not None and mapper.key_space == "rotated"
     for layer in range(mapper.target_layers(content) if mapper else len(content)):
@@ -203,11 +202,8 @@ def load_mapper(path, device="cpu") -> Mapper:
 
 def random_mapper(source_config, target_config, k: int = 1, family: str = "linear", seed: int = 0,
                   width: int | None = None) -> Mapper:
-    """A mapper of the right shape for the pair, with random weights: times like a fitted one of the same family,
-    k and `width` (the family's inner size, for the families that have one).
-
-    Target layer l reads the k source layers starting at the one of the same relative depth.
-    """
+    """A mapper of the right shape for the pair, with random weights: times like a fitted one of the same family, k
+    and `width` (the family's inner size). Target layer l reads k source layers from the one at its relative depth."""
     source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
     if not 1 <= k <= source_geometry["layers"]:
         raise ValueError(f"k={k}: expected 1 <= k <= {source_geometry['layers']} (the source's layer count)")

@@ -44,8 +44,7 @@ def served_by(mode: str, repaired: bool) -> str:
 
 
 def ways(mode: str, repaired: bool, gated: bool) -> list[str]:
-    """Every way a handoff of `mode` (under a repair, under a gate) can send a request, in the order counts list
-    them."""
+    """Every way a handoff of `mode` (under a repair, a gate) can send a request, in the order counts list them."""
     return ([served_by(mode, repaired)] + ([] if mode in OWN_MODES else [EMPTY_PREFIX])
             + ([FELL_BACK] if gated else []))
 

@@ -156,10 +156,9 @@ class Disagree(Score):
 
 
 class Probe(Score):
-    """A logistic regression's logit for "the map changes the decision" from the first step's features (the scores
-    but itself, the target's top-1 probability, the caches' norm ratios), trained by the selective stage on dev items
-    only (`kv.gate.Probe`); its features' costs, a pass over the logits (top-1), one over both caches (norms) and its
-    dot product."""
+    """A logistic regression's logit for "the map changes the decision" from the first step's features (the other
+    scores, the target's top-1 probability, the caches' norm ratios), fitted on dev items only (`kv.gate.Probe`);
+    costs its features', a pass over the logits (top-1), one over both caches (norms) and its dot product."""
 
     name = "probe"
     needs = frozenset({PROBE})
@@ -216,8 +215,6 @@ class ValueNorm(Feature):
 
 
 def register(*scores: Score) -> dict[str, Score]:
-    """The registry of `scores` by name; anything but a named `Score` instance (and so one with a cost and maths) is
-    refused, and so is a name given twice."""
     return entries.register(Score, "scores", scores)
 
 
@@ -242,9 +239,8 @@ def refusal(names: Sequence[str], scorer, scores: Mapping[str, Score]) -> str | 
 
 def score_macs(name: str, source_config, target_config, second_map_macs: int, length: int,
                features: Sequence[str] = FEATURES, scores: Mapping[str, Score] = SCORES) -> int:
-    """Multiply-adds the score `name` adds to the handoff of a prompt of `length` tokens (the handoff's own first
-    step is not counted again): its entry's `cost`; `second_map_macs`: `disagree`'s second map, per token;
-    `features`: the probe's inputs."""
+    """Multiply-adds the score `name` adds to the handoff of a prompt of `length` tokens (its own first step not
+    counted again); `second_map_macs`: `disagree`'s second map, per token; `features`: the probe's inputs."""
     if name not in scores:
         raise ValueError(f"unknown score {name!r} (known: {', '.join(scores)})")
     return scores[name].cost(Work(source_config, target_config, second_map_macs, length, tuple(features), scores))

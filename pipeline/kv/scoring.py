@@ -38,10 +38,9 @@ def score_continuations(
 ) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
 
-    Requests that share a context share one prefix cache (HellaSwag's four endings cost one prefill, not four), and
-    the contexts whose continuations together fit `batch_size` are scored in one forward, prefixes right-padded and
-    masked (a context batched alone packs its continuations into rows of at most `max_length` tokens, one forward
-    each):
+    Requests sharing a context share one prefix cache (HellaSwag's four endings cost one prefill, not four); contexts
+    whose continuations together fit `batch_size` share one forward, prefixes right-padded and masked (a context
+    batched alone packs its continuations into rows of at most `max_length` tokens, one forward each):
 
         prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
                   c1[0..n1-2 ...........]               c1[n1-1] e2[0] ...  c1[n1-1] e3[0] ...
@@ -49,10 +48,9 @@ def score_continuations(
 
     so no prefix is copied per continuation and a row is padded only to the longest packed row. Contexts are
     batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
-    `kept`: prefix -> its cache (batch 1) already built by this handoff (a gate's first step), read instead of
-    building a batch's cache again where it holds every prefix of the batch. At `batch_size` 1 a mode whose decoding
-    model prefills the prompt itself (the oracle) reads the prefix and its one packed row in one forward.
-    """
+    `kept`: prefix -> its cache (batch 1) this handoff built already (a gate's first step), read where it holds every
+    prefix of a batch. At `batch_size` 1 a mode whose decoding model prefills the prompt itself (the oracle) reads the
+    prefix and its one packed row in one forward."""
     max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -97,9 +95,9 @@ def kept_layers(kept: Mapping[tuple[int, ...], Layers], prefixes: Prefixes) -> L
 
 def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
                     reads: Callable[[Sequence[int]], list[int]] = list) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Each context (as the handoff `reads` it: `Handoff.context`) with the indices of the requests that share it,
-    the largest first (its tokens and all its continuations' together). The contexts come truncated to the window
-    (`truncate`, by the router: once); a request longer than `max_length` + 1 tokens is refused, not cut again."""
+    """Each context (as the handoff `reads` it) with the indices of the requests that share it, the largest first
+    (its tokens and all its continuations' together). Contexts come truncated to the window (`truncate`, once); a
+    request longer than `max_length` + 1 tokens is refused, not cut again."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, (context, continuation) in enumerate(requests):
         if not continuation:

@@ -221,8 +221,6 @@ class SourceAttention(Selector):
 
 
 def register(*selectors: Selector) -> dict[str, Selector]:
-    """The registry of `selectors` by name; anything but a named `Selector` instance (and so one with a cost and a
-    score) is refused, and so is a name given twice."""
     return entries.register(Selector, "policies", selectors)
 
 

@@ -1,9 +1,8 @@
 """lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff.
 
-Tokenization and the context/continuation split are lm-eval's `TemplateLM`, as for its stock `hf` model, so a
-handoff is scored on the tokens `hf` would score. Every Instance's route is recorded, and what lm-eval keeps of the
-model (`get_model_info`) is the router's record, the route counts and the routes that differ from the handoff's own
-way, so a result says what served every request.
+Tokenization and the context/continuation split are lm-eval's `TemplateLM`, as for its stock `hf` model, so a handoff
+is scored on the tokens `hf` would score. Every Instance's route is recorded; `get_model_info` keeps the router's
+record, the route counts and the routes other than the handoff's own way, so a result says what served each request.
 """
 from __future__ import annotations
 
@@ -30,15 +29,14 @@ DEFAULT_MAX_GEN_TOKS = 256
 log = logging.getLogger(__name__)
 
 def refuse_without_chat_template(tokenizer) -> None:
-    """Refuse (one line) `--apply_chat_template` with a tokenizer that has no chat template."""
     if tokenizer.chat_template is None:
         raise ParamError(f"kv-transfer: --apply_chat_template needs a chat template, and the tokenizer of "
                          f"{tokenizer.name_or_path} has none; leave the flag out or use a chat model")
 
 
 def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[str], int]:
-    """(stop sequences, max_gen_toks) of a generate_until request, refused in one line where max_gen_toks leaves no
-    position for the prompt in `max_length` (as lm-eval's `hf` refuses it) or where it asks for sampling."""
+    """(stop sequences, max_gen_toks) of a generate_until request; refused where max_gen_toks leaves the prompt no
+    position in `max_length` (as lm-eval's `hf` refuses it) or where it asks for sampling."""
     options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
     until = handle_stop_sequences(options.pop("until", None), eos=eos)
     max_new = int(options.pop("max_gen_toks"))
@@ -54,8 +52,8 @@ def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[st
 
 
 class TargetTokensLM(TemplateLM):
-    """lm-eval's model's text side, as its stock `hf` model has it: the target's tokenizer, its special tokens, its
-    chat template and the context tokens lm-eval's split gives; scoring is the subclass's."""
+    """lm-eval's model's text side, as its stock `hf` model has it (the target's tokenizer, special tokens, chat
+    template, and lm-eval's context split); scoring is the subclass's."""
 
     def __init__(self, tokenizer, max_length: int):
         super().__init__()
@@ -82,8 +80,8 @@ class TargetTokensLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """`chat_history` rendered as text by the target tokenizer's chat template, as lm-eval's `hf` renders it.
-        `chat_template(...)`, the template lm-eval records, is TemplateLM's, read from the same tokenizer."""
+        """As lm-eval's `hf` renders it. `chat_template(...)`, the template lm-eval records, is TemplateLM's, read
+        from the same tokenizer."""
         refuse_without_chat_template(self.tokenizer)
 
         def render(messages: list[dict[str, str]]) -> str:
@@ -123,9 +121,8 @@ class HandoffLM(TargetTokensLM):
 
     def __init__(self, router: Router, tokenizer, max_length: int | None = None, ranks: Ranks = ONE_PROCESS,
                  cache: RequestCache | None = None):
-        """The requests `router` serves (`router.batch_size` contexts a forward) tokenized by the target's `tokenizer`;
-        `max_length`: the window contexts are truncated to (default: the target's positions); `ranks`: this process's
-        place; `cache`: the handoff's request cache (`measure.ledger.RequestCache`), None for none."""
+        """`router` serves `router.batch_size` contexts a forward; `max_length`: the window contexts are truncated to
+        (default: the target's positions)."""
         if not isinstance(router, Router):  # a handoff alone: Router(handoff, gate, batch_size) routes it
             raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}")
         self.router = router
@@ -171,13 +168,13 @@ class HandoffLM(TargetTokensLM):
         return self.handoff.device
 
     def route_counts(self) -> dict[str, dict[str, int]]:
-        """Per task: its requests and how many went each way (every way the router has, and CACHED under a cache,
-        zeros included)."""
+        """Per task: its requests and how many went each way (every router way, and CACHED under a cache, zeros
+        included)."""
         return self.ledger.counts(self.router.ways() + ([CACHED] if self.cache is not None else []))
 
     def route_record(self) -> dict:
-        """The route record results carry: the router's, the counts per task (and the ways that first served its
-        cached requests), and the routes (and gate scores) of each document where any differs from the handoff's own."""
+        """The router's record, the counts per task (and the ways that first served cached requests), and the routes
+        (and gate scores) of each document where any differs from the handoff's own."""
         own = served_by(self.handoff.mode, self.router.repaired)
         cached = {} if self.cache is None else {"cached": self.ledger.cached(), "cache": self.cache.path}
         return {**self.router.record(), "routes": self.route_counts(), **cached,
@@ -185,7 +182,7 @@ class HandoffLM(TargetTokensLM):
                                                     or any(route.way != own for route in routes))}
 
     def get_model_info(self) -> dict:
-        """What lm-eval records in its results' `config` (on rank 0, after the evaluation): the route record."""
+        """Recorded by lm-eval in its results' `config` (on rank 0, after the evaluation)."""
         return {"kv_transfer": self.route_record()}
 
     def route_lines(self) -> list[str]:
@@ -195,7 +192,7 @@ class HandoffLM(TargetTokensLM):
                            self.ledger.cached())
 
     def served(self, kind: str, requests: list, answer) -> list:
-        """`answer(requests)`, or under a cache the cached answers and `answer` of the rest (`RequestCache.serve`)."""
+        """`answer(requests)`, or under a cache the cached answers and `answer` of the rest."""
         self._gathered = False
         return answer(requests) if self.cache is None else self.cache.serve(kind, requests, answer, self.ledger)
 
@@ -248,9 +245,8 @@ class HandoffLM(TargetTokensLM):
             self.generated(request) for request in tqdm(fresh, disable=disable_tqdm, desc="generate_until")])
 
     def generated(self, request) -> str:
-        """One generate_until request's text, greedy, after its context's handoff (left-truncated as `hf` does, to
-        the positions max_gen_toks leaves, with a warning, as `hf` warns; max_gen_toks reaching them, or sampling,
-        refused in one line)."""
+        """Greedy text after the context's handoff; the context is left-truncated, with a warning, to the positions
+        max_gen_toks leaves, as `hf` does."""
         context, gen_kwargs = request.args
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         until, max_new = greedy_options(gen_kwargs, eos, self.max_length)

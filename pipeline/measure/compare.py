@@ -1,9 +1,9 @@
 """A variant against the oracle on held-out prompts: one row per prompt; `measure.prompt_metrics` gives the figures.
 
-The oracle's outputs are computed once and stored compactly: per continuation position its top-K log-probabilities
-and token ids (K >= vocabulary keeps the whole distribution), and its greedy rollout. Every variant is compared with
+The oracle's outputs are computed once and stored compactly (per continuation position its top-K log-probabilities
+and token ids, K >= vocabulary keeping the whole distribution, and its greedy rollout); every variant is compared with
 that copy. A timed row runs its prompt alone through the router's timed first step, then reads its continuation and
-its greedy rollout from that one cache.
+greedy rollout from that one cache.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
 
 def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, batch_size: int,
                    progress: bool = True, ranks: Ranks = ONE_PROCESS, attention: bool = False) -> dict:
-    """The oracle's stored outputs: top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), and with
-    `attention` its attention outputs per prompt (a list of (L_t, m, hidden)); prompts are run `batch_size` at
-    a time (under several processes each rank runs every N-th batch, and every rank gets the whole outputs)."""
+    """top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), and with `attention` the attention outputs
+    per prompt (a list of (L_t, m, hidden)). Under several processes each rank runs every N-th batch, and every rank
+    gets the whole outputs."""
     if handoff.mode != "oracle":
         raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
@@ -77,8 +77,7 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
 
 
 def _my_batches(count: int, batch_size: int, ranks: Ranks) -> list[int]:
-    """First indices of the batches of `batch_size` prompts this rank runs (every N-th batch): a batch is the
-    same computation whichever rank runs it."""
+    """First indices of the batches this rank runs (every N-th): a batch is the same computation on any rank."""
     starts = list(range(0, count, batch_size))
     return [starts[i] for i in ranks.share(len(starts))]
 
@@ -97,9 +96,8 @@ def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_
 
 def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_size: int,
                  progress: bool = True, ranks: Ranks = ONE_PROCESS) -> pd.DataFrame | None:
-    """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle; prompts are
-    run `batch_size` at a time (under several processes every N-th batch per rank, the rows gathered on rank 0
-    in prompt order; None on the other ranks)."""
+    """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle. Under several
+    processes the rows are gathered on rank 0 in prompt order; None on the other ranks."""
     horizon = oracle["greedy"].shape[1]
     attention = "attention" in oracle
     rows = []
@@ -124,10 +122,9 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
 
 def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], rollout: torch.Tensor,
                oracle: dict, attention: torch.Tensor | None = None) -> dict:
-    """Prompt `index`'s row against the stored oracle from the variant's log-probabilities (m, V) over its
-    continuation, its greedy rollout (horizon,) and, where the oracle's are stored, its attention outputs (L_t, m,
-    hidden). A position agrees where the variant's argmax is the oracle's, teacher-forced; `first_agree` is the first
-    position after the prompt (V0's column)."""
+    """`logprobs` (m, V) over the continuation, `rollout` (horizon,), `attention` (L_t, m, hidden) where the oracle's
+    are stored. A position agrees where the variant's argmax is the oracle's, teacher-forced; `first_agree` is the
+    first position after the prompt (V0's column)."""
     m = len(continuation)
     logprobs = logprobs.cpu()  # (m, V)
     targets = torch.tensor(list(continuation))
@@ -159,7 +156,7 @@ FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step", "gat
 
 
 class TimedRead(NamedTuple):
-    """One prompt's timed first step (`timed_reads`) and what was read after it."""
+    """One prompt's timed first step and what was read after it."""
 
     index: int
     logprobs: torch.Tensor  # (m, V) over its continuation
@@ -170,8 +167,8 @@ class TimedRead(NamedTuple):
 
 
 def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
-    """Per prompt, one at a time through `router`'s first step, its `TimedRead`. The first prompt is run `warmup`
-    times untimed first."""
+    """Per prompt, run alone through `router`'s first step, its `TimedRead`; the first prompt runs `warmup` times
+    untimed first."""
     for _ in range(warmup if prompts else 0):
         router.first_step(router.handoff.context(prompts[0][0]))
     for index, (context, continuation) in enumerate(tqdm(prompts, desc=f"timed ({router.handoff.mode})",
@@ -187,15 +184,14 @@ def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int
 
 def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int, progress: bool = True
                ) -> pd.DataFrame:
-    """`variant_rows`' rows, each prompt timed alone through `router` (`timed_reads`), with its route's way and
-    times."""
+    """`variant_rows`' rows, each prompt timed alone through `router`, with its route's way and times."""
     reads = timed_reads(router, prompts, oracle["greedy"].shape[1], warmup, progress)
     return pd.DataFrame([timed_row(read, prompts, oracle) for read in reads])
 
 
 def timed_row(read: TimedRead, prompts: list[Prompt], oracle: dict) -> dict:
-    """A timed read's row: `prompt_row`'s, its greedy tokens (a pass-key item is scored on them), its route's way, its
-    times and, where the handoff chose positions to compute, `selected` (a pass-key item's selection recall)."""
+    """`prompt_row`'s row plus the greedy tokens (a pass-key item is scored on them), the route's way, the times and,
+    where the handoff chose positions to compute, `selected` (a pass-key item's selection recall)."""
     row = {**prompt_row(read.index, read.logprobs, prompts[read.index][1], read.rollout, oracle),
            "greedy": read.rollout.cpu().tolist(), "way": read.route.way, **read.times}
     if read.selected is not None:
@@ -205,8 +201,8 @@ def timed_row(read: TimedRead, prompts: list[Prompt], oracle: dict) -> dict:
 
 def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
                  progress: bool = True) -> tuple[dict, pd.DataFrame]:
-    """The oracle's stored outputs (`oracle_outputs`' form) from one timed pass of the oracle's router, and its
-    timed rows against them: each prompt's prefix prefilled once for both."""
+    """`oracle_outputs`' form from one timed pass of the oracle's router, and its timed rows against them: each
+    prompt's prefix is prefilled once for both."""
     if router.handoff.mode != "oracle" or router.gate is not None:
         raise ValueError("oracle outputs must come from the oracle handoff, ungated")
     width = max(len(cont) for _, cont in prompts)

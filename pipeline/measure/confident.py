@@ -1,8 +1,8 @@
 """Agreement with the oracle that does not saturate on near-ties: where the oracle is sure, and weighted by it.
 
-Top-1 agreement counts a position where the oracle's two best tokens are nearly tied as a coin flip the map must
-win; on such positions it measures the tie, not the map. The figures here read, per continuation position, the
-oracle's top-2 margin and its probability of the variant's argmax, both from its stored top-K log-probabilities.
+Top-1 agreement counts a position where the oracle's two best tokens nearly tie as a coin flip the map must win, so
+it measures the tie, not the map. These figures read, per continuation position, the oracle's top-2 margin and its
+probability of the variant's argmax, both from its stored top-K log-probabilities.
 """
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ MARGINS, PROBABILITIES = "margin_by_position", "oracle_prob_by_position"  # the 
 
 
 def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
-    """The oracle's top-2 margin p1 - p2 per position (m,) from its top-K log-probabilities (m, K); with K = 1 the
-    second probability is bounded by the rest, 1 - p1."""
+    """p1 - p2 per position (m,) from top-K log-probabilities (m, K); with K = 1, p2 is bounded by the rest, 1 - p1."""
     p = top_logprobs.exp()  # (m, K)
     second = p[:, 1] if p.shape[-1] > 1 else (1 - p[:, 0]).clamp_min(0.0)
     return p[:, 0] - second
 
 
 def oracle_probability(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The oracle's probability of `tokens` (m,) per position (m,): exact where a token is among its top-K
-    (`top_ids`, `top_logprobs`: (m, K)), 0 where it is not (a lower bound, as the KL's bucket for the rest)."""
+    """Per position (m,): exact where a token of `tokens` (m,) is among the top-K (`top_ids`, `top_logprobs`: (m, K)),
+    else 0 (a lower bound, as the KL's bucket for the rest)."""
     hit = top_ids == tokens[:, None]  # (m, K)
     return (top_logprobs.exp() * hit).sum(-1)
 
@@ -54,8 +53,8 @@ def _arrays(rows: pd.DataFrame, margin: float) -> tuple:
 def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | int | None]:
     """The confident figures of a variant's per-prompt rows at oracle margin >= `margin`:
 
-    - confident_top1: V0's column restricted to the confident prompts (those whose first position after the prompt,
-      V0's position, has margin >= `margin`), with their count and share (the ceiling a reader needs);
+    - confident_top1: V0's column over the confident prompts (whose first position after the prompt, V0's, has margin
+      >= `margin`), with their count and share (the ceiling a reader needs);
     - confident_agreement: agreement over every teacher-forced position with margin >= `margin`, count and share;
     - oracle_weighted_agreement: the mean over all positions of the oracle's probability of the variant's argmax (the
       oracle itself scores its mean top probability).
@@ -73,9 +72,8 @@ def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | i
 
 
 def confidence_intervals(rows: pd.DataFrame, margin: float, iters: int, seed: int) -> dict[str, float | None]:
-    """95% percentile intervals of the confident figures and the oracle-weighted agreement (`<figure>_low`,
-    `<figure>_high`) from resampling prompts (a prompt's positions stay together: they share its context); None
-    where the figure has no confident prompt or position."""
+    """95% percentile intervals (`<figure>_low`, `<figure>_high`) of the three figures from resampling prompts (a
+    prompt's positions stay together: they share its context); None where a figure has no confident prompt/position."""
     first, first_agree, owner, confident, agree, probability = _arrays(rows, margin)
     count = len(first)
     picks = np.random.default_rng(seed).integers(0, count, size=(iters, count))  # (iters, N)

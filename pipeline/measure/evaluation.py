@@ -1,9 +1,9 @@
-"""One evaluation of a handoff: what every stage that scores a handoff calls, and the typed record it gets back.
+"""One evaluation of a handoff, and its typed record.
 
-A handoff is scored on the eval prompts against the oracle's stored outputs and on lm-eval's tasks. Timed, each
-prompt runs alone through the router's first step, timed part by part on a synchronized clock, and its row gains
-`ttft_ms` and the parts; prompts under a gate are evaluated timed only. `Evaluation.figures()` is the nested JSON a
-stage writes: `{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`.
+A handoff is scored on the eval prompts against the oracle's stored outputs and on lm-eval's tasks. Timed, each prompt
+runs alone through the router's first step, timed part by part on a synchronized clock, and its row gains `ttft_ms` and
+the parts; prompts under a gate are evaluated timed only. `Evaluation.figures()` is the nested JSON a stage writes:
+`{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ COUNTS = ("confident_prompts", "confident_prompt_share", "confident_positions", 
 
 
 class OracleStore(NamedTuple):
-    """How the oracle's outputs are stored when an evaluation computes them (`measure.compare.oracle_outputs`)."""
+    """How the oracle's outputs are stored when an evaluation computes them."""
 
     top_k: int
     horizon: int
@@ -47,8 +47,7 @@ class TaskFigures:
 
 @dataclass
 class PromptFigures:
-    """The figures over the prompt rows: every measured `PROMPT_METRICS` entry, the counts beside them and, timed,
-    the time to first token."""
+    """Over the prompt rows: every measured `PROMPT_METRICS` entry, the counts beside them and, timed, the TTFT."""
 
     n: int  # prompts
     tokens: int  # scored continuation positions
@@ -59,7 +58,7 @@ class PromptFigures:
 
     @classmethod
     def of(cls, rows: pd.DataFrame, margin: float | None) -> PromptFigures:
-        """The figures of prompt rows; without a `margin`, no confident figure and no counts."""
+        """Without a `margin`, no confident figure and no counts."""
         summary = {} if margin is None else confidence_summary(rows, margin)
         timed = None
         if "ttft_ms" in rows:
@@ -123,8 +122,7 @@ def rounded(value, digits: int):
 
 
 def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
-    """Per task, lm-eval's aggregates (`measure.taskeval.evaluate_tasks`' summary) and the mean of each of
-    `TASK_METRICS` over the items of each kind the data marks."""
+    """Per task, lm-eval's aggregates (`summary`) and the mean of each `TASK_METRICS` over the items of each kind."""
     out = {}
     for task, result in summary.items():
         marked = items[items.task == task].dropna(subset=["kind"])
@@ -139,12 +137,11 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
              margin: float | None = None, store: OracleStore | None = None, tasks: dict[str, Path] | None = None,
              tokenizer=None, timed: bool = False, warmup: int = 0, ranks: Ranks = ONE_PROCESS,
              raw_to: Path | None = None, progress: bool = True, task_limit: int | None = None) -> Evaluation:
-    """The evaluation of the handoff `router` serves: on `prompts` against the `oracle`'s stored outputs (without
-    them: the router is the oracle's, its outputs computed as `store` says and returned), the confident figures at
-    `margin` (None: not measured), and on `tasks` (task -> item file) tokenized by `tokenizer` (lm-eval's own
-    results and samples to `raw_to`; `task_limit`: each task's first n items). `router.batch_size` prompts and
-    contexts a forward; `timed`: each prompt alone, timed (`warmup` untimed runs of the first before). Under
-    several processes (`ranks`) every rank scores its share, untimed, and rank 0 gets the rows and figures."""
+    """The handoff `router` serves, on `prompts` against the `oracle`'s stored outputs (without them the router is
+    the oracle's, its outputs computed as `store` says and returned), with confident figures at `margin` (None: not
+    measured), and on `tasks` (task -> item file; lm-eval's own results and samples to `raw_to`; `task_limit`: each
+    task's first n items). `router.batch_size` prompts and contexts a forward; `timed`: each prompt alone, after
+    `warmup` untimed runs of the first. Under several `ranks` each scores its share, untimed; rank 0 gets all."""
     prompts = list(prompts)
     if prompts and oracle is None and store is None:
         raise ValueError("evaluate: without the oracle's stored outputs, say how to store them (store=OracleStore)")

@@ -1,5 +1,4 @@
-"""Selective handoff measured: quality against the fallback rate, AUROC, the threshold for a declared quality and
-the effective speedup.
+"""Selective handoff measured: quality against fallback rate, AUROC, the threshold for a declared quality, speedup.
 
 A gated system answers with the target's own prefill (the oracle) where it falls back and with the mapped handoff
 elsewhere, so its outcome per request is read off the two ungated runs. Two reference gates: the oracle gate falls
@@ -71,14 +70,14 @@ def reference_scores(changed, seed: int) -> dict[str, np.ndarray]:
 
 
 def gated(items: pd.DataFrame, fallback) -> np.ndarray:
-    """The gated system's outcome per item (N,): the oracle's where it falls back, the map's elsewhere."""
+    """Outcome per item (N,): the oracle's where it falls back, the map's elsewhere."""
     return np.where(np.asarray(fallback, dtype=bool), items.oracle.to_numpy(), items["mapped"].to_numpy())
 
 
 def item_quality(items: pd.DataFrame, fallback) -> dict[str, float]:
-    """Retention and gap closure (means over tasks, in task order) of the gated system on `items` (columns task,
-    mapped, oracle and, for the gap closure, source: 0/1 outcomes) with `fallback` (N,) bool. On arrays: a
-    threshold search calls it once per distinct score."""
+    """Retention and gap closure (means over tasks) of the gated system with `fallback` (N,) bool; `items` columns
+    task, mapped, oracle and, for the gap closure, source hold 0/1 outcomes. On arrays: a threshold search calls it
+    once per distinct score."""
     outcome, tasks = gated(items, fallback), items.task.to_numpy()
     oracle, source = items.oracle.to_numpy(), items.source.to_numpy() if "source" in items else None
     kept, closed = [], []
@@ -91,14 +90,14 @@ def item_quality(items: pd.DataFrame, fallback) -> dict[str, float]:
 
 
 def gated_first(prompts: pd.DataFrame, fallback) -> np.ndarray:
-    """The gated system's first-token agreement with the oracle per prompt (N,): 1 where it falls back."""
+    """First-token agreement with the oracle per prompt (N,): 1 where it falls back."""
     return np.where(np.asarray(fallback, dtype=bool), 1, prompts.first_agree.to_numpy())
 
 
 def prompt_quality(prompts: pd.DataFrame, fallback) -> dict[str, float]:
-    """Next-token top-1 and rollout agreement with the oracle of the gated system on the eval prompts (a fallback
-    agrees everywhere), and where `prompts` marks them (column `confident`: the oracle's top-2 margin at the first
-    token >= the confident margin) the top-1 over the prompts where the oracle is sure (NaN without any)."""
+    """Next-token top-1 and rollout agreement with the oracle (a fallback agrees everywhere), and where column
+    `confident` marks prompts whose first-token oracle top-2 margin reaches the confident margin, the top-1 over them
+    (NaN without any)."""
     fallback = np.asarray(fallback, dtype=bool)
     first = gated_first(prompts, fallback)
     rollout = np.where(fallback, prompts.horizon.to_numpy(), prompts.rollout_agree.to_numpy())

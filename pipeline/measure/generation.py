@@ -1,6 +1,5 @@
-"""One mode's continuation of a prompt, as `generate` shows it: decoded through its router (the way its gate sends
-it, scored and timed), streamed as its tokens come, its route in words (`kv.routes`' ways) and where it departs from
-the oracle's continuation.
+"""One mode's continuation of a prompt, as `generate` shows it: decoded through its router (the way its gate sends it,
+scored and timed), streamed as its tokens come, its route in words and where it departs from the oracle's.
 """
 from __future__ import annotations
 
@@ -27,8 +26,8 @@ class Generation:
 
 
 def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
-    """The first new-token index where `tokens` leaves `oracle`'s (one stopping earlier departs where it
-    stops); None when they are the same."""
+    """The first new-token index where `tokens` leaves `oracle`'s (one stopping earlier departs where it stops);
+    None when they are the same."""
     for index, (token, reference) in enumerate(zip(tokens, oracle)):
         if token != reference:
             return index
@@ -37,8 +36,7 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
 
 def route_text(router: Router, prompt: Sequence[int], score: float | None, fell_back: bool,
                repaired: list[tuple[int, float]]) -> str:
-    """How a mode's cache of `prompt` came, in words (`kv.routes`' ways); `repaired`: the repair log's entries
-    (tokens, seconds) of this continuation."""
+    """How a mode's cache of `prompt` came, in words; `repaired`: this continuation's repair-log (tokens, seconds)."""
     handoff, gate = router.handoff, router.gate
     taken = way(handoff.mode, router.repaired, prompt, fell_back)
     if taken == FELL_BACK and score > gate.threshold:
@@ -57,8 +55,8 @@ def route_text(router: Router, prompt: Sequence[int], score: float | None, fell_
 
 
 def warm_up(routers: dict[str, Router], prompt: Sequence[int]) -> None:
-    """One untimed token of each mode and one scoring of each gate, so the first prompt's times do not include
-    lazy initialisation (the first cached step, the first map)."""
+    """One untimed token of each mode and one scoring of each gate, so the first prompt's times exclude lazy
+    initialisation (the first cached step, the first map)."""
     for router in routers.values():
         generate(router.handoff, prompt, 1)
         if router.gate is not None:  # the gate itself, not the router: a routed prompt's decision is memoised
@@ -66,8 +64,8 @@ def warm_up(routers: dict[str, Router], prompt: Sequence[int]) -> None:
 
 
 class Stream:
-    """Prints a mode's text as its tokens come: the decoded text grows, only its new end is written (a token
-    whose bytes are not a whole character yet waits for the next)."""
+    """Prints a mode's text as its tokens come, writing only the decoded text's new end (a token whose bytes are not
+    a whole character yet waits for the next)."""
 
     def __init__(self, tokenizer, mode: str, width: int, out):
         self.tokenizer, self.out, self.shown = tokenizer, out, ""
@@ -89,8 +87,7 @@ class Stream:
 
 def continued(router: Router, prompt: Sequence[int], max_new_tokens: int, stop, temperature: float, seed: int,
               stream: "Stream") -> Generation:
-    """One mode's continuation of `prompt`, streamed: the handoff the router sends it to (under a gate, scored and
-    the scoring timed), decoded."""
+    """Decoded, streamed, by the handoff the router sends `prompt` to (under a gate, scored and the scoring timed)."""
     handoff, start = router.handoff, time.perf_counter()
     [(serving, taken)] = router.routed([list(prompt)])
     score_ms = 1000 * (time.perf_counter() - start) if router.gate is not None else 0.0

@@ -55,7 +55,7 @@ def check_lengths(lengths: list[int], where: str) -> None:
 
 @no_grad
 def target_first_token(target, ids: torch.Tensor):
-    """Path (a): the target prefills ids (1, n); returns its output (cache and last logits)."""
+    """Path (a) for ids (1, n); returns the target's output (cache and last logits)."""
     output = target(input_ids=ids, use_cache=True, logits_to_keep=1)
     output.logits[0, -1].argmax().item()  # the first token, on the host as a server would need it
     return output
@@ -63,8 +63,8 @@ def target_first_token(target, ids: torch.Tensor):
 
 @no_grad
 def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[FirstStep, Stopwatch]:
-    """Path (b) for ids (1, n): the handoff's first step (`Handoff.first_step`) and the clock that timed its parts
-    (`prefill`, the source's; `map`; `repair`, where the handoff repairs; `step`; ...)."""
+    """Path (b) for ids (1, n), and the clock that timed its parts (`prefill`, the source's; `map`; `repair`, where
+    the handoff repairs; `step`; ...)."""
     clock = Stopwatch(handoff.device)
     return handoff.first_step(Prefixes.of(ids), clock), clock
 
@@ -76,22 +76,22 @@ def time_target(target, ids: torch.Tensor) -> float:
 
 
 def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of path (b), `handoff`, and of each part its clock timed (`Handoff.first_step`), from one run."""
+    """Milliseconds of path (b), `handoff`, and of each part its clock timed, from one run."""
     _, clock = handoff_first_token(handoff, ids)
     return {"handoff": clock.total_ms(), **clock.parts_ms()}
 
 
 def part_macs(handoff: Handoff, length: int) -> dict[str, int]:
-    """The multiply-adds of each part of `handoff`'s first step on a `length`-token prompt (`kv.flops`)."""
+    """The multiply-adds of each part of `handoff`'s first step on a `length`-token prompt."""
     mapper = 0 if handoff.mapper is None else handoff.mapper.macs_per_token()
     return first_step_macs(handoff.source.config, handoff.decoder.config, length, mapper, handoff.repair,
                            handoff.speculative, handoff.share)
 
 
 def decomposition(samples: list[dict[str, float]], target_ms: float, macs: dict[str, int], target_macs: int) -> dict:
-    """One handoff at one length: its median time, speedup and FLOP bound, and per part its median ms, its share of
-    the target prefill's time and of its multiply-adds, and their ratio (1: the part runs at its multiply-adds'
-    cost; above: slower than they imply)."""
+    """One handoff at one length: median time, speedup and FLOP bound, and per part its median ms, its shares of the
+    target prefill's time and multiply-adds, and their ratio (1: the part runs at its multiply-adds' cost; above:
+    slower than they imply)."""
     handoff_ms = _quantile([sample["handoff"] for sample in samples], 0.5)
     parts = {}
     for part, part_count in macs.items():
@@ -148,8 +148,8 @@ def _iqr(samples: list[float]) -> float:
 
 def alternated(target, handoffs: dict[str, Handoff], ids: torch.Tensor, warmup: int, repeats: int, bar
                ) -> tuple[list[float], dict[str, list[dict[str, float]]]]:
-    """The target prefill's ms and each handoff's parts (`time_handoff`) in each timed repeat, the paths run in
-    turn within a repeat, after `warmup` untimed ones."""
+    """The target prefill's ms and each handoff's parts in each timed repeat (paths run in turn within a repeat),
+    after `warmup` untimed ones."""
     timed: dict[str, list[dict[str, float]]] = {name: [] for name in handoffs}
     targets: list[float] = []
     for repeat in range(warmup + repeats):
@@ -166,10 +166,9 @@ def alternated(target, handoffs: dict[str, Handoff], ids: torch.Tensor, warmup: 
 def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
             progress: bool = True, rivals: dict[str, Handoff] | None = None) -> list[dict]:
     """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths, and
-    under `parts` each handoff's decomposition (`decomposition`): `handoff` as `mapped`, then each of `rivals` (a
-    repaired map, speculative prefill), timed in the same repeats against the same target prefill.
-
-    Memory takes one more (untimed, profiled on a CPU) run of each path per length."""
+    under `parts` each handoff's decomposition: `handoff` as `mapped`, then each of `rivals` (a repaired map,
+    speculative prefill), timed in the same repeats against the same target prefill. Memory takes one more (untimed,
+    profiled on a CPU) run of each path per length."""
     target, source, mapper = handoff.decoder, handoff.source, handoff.mapper
     handoffs = {"mapped": handoff, **(rivals or {})}
     mapper_macs = mapper.macs_per_token()
@@ -302,8 +301,8 @@ def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory:
 
 
 def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str, width: int | None = None) -> Handoff:
-    """The handoff between random models of a named pair's real shapes, through a random mapper of `family`, k
-    and `width` (the family's inner size, where it has one)."""
+    """The handoff between random models of a named pair's real shapes, through a random mapper of `family`, k and
+    `width` (the family's inner size, where it has one)."""
     source_config, target_config = pair_configs(pair)
     target = random_model(target_config, dtype, device, seed=1)
     source = random_model(source_config, dtype, device, seed=2)

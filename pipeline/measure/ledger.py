@@ -1,7 +1,6 @@
-"""The ledger: every request's route through the `kv-transfer` lm-eval model (`measure.adapter`): how each of lm-eval's
-requests was served (the words are `kv.routes`'), counted per task, listed per document and gathered over ranks; and
-the request cache of `--use_cache`, which keeps each answer with the route that first served it, so a request it
-answers later is counted as `cached` with that way.
+"""The ledger: how the `kv-transfer` lm-eval model served each request, counted per task, listed per document and
+gathered over ranks; and the request cache of `--use_cache`, which keeps each answer with the route that first served
+it, so a request it answers later is counted as `cached` with that way.
 """
 from __future__ import annotations
 
@@ -23,14 +22,12 @@ class Ledger:
         self.tokens: dict[tuple, tuple[list[int], list[int]]] = {}
 
     def record(self, request, route: Route, tokens: tuple[list[int], list[int]] | None = None) -> None:
-        """`route` as the route of lm-eval's Instance `request`, and the `tokens` it was scored on where given."""
         key = (request.task_name, request.doc_id, request.idx)
         self.entries[key] = (route, repr(request.args))
         if tokens is not None:
             self.tokens[key] = tokens
 
     def route(self, request) -> Route:
-        """The route recorded for lm-eval's Instance `request`."""
         return self.entries[(request.task_name, request.doc_id, request.idx)][0]
 
     def counts(self, ways: list[str]) -> dict[str, dict[str, int]]:
@@ -71,8 +68,8 @@ class Ledger:
         return out
 
     def gather(self, ranks) -> None:
-        """Every rank's entries merged into rank 0's (`ranks`: a `store.ranks.Ranks`; lm-eval gives each rank every
-        N-th document); in one process, nothing changes."""
+        """Every rank's entries (`ranks`: a `store.ranks.Ranks`; lm-eval gives each rank every N-th document) merged
+        into rank 0's; a no-op in one process."""
         ledgers = ranks.gather((self.entries, self.tokens))
         if ledgers is not None:
             self.entries = {key: value for entries, _ in ledgers for key, value in entries.items()}
@@ -80,17 +77,17 @@ class Ledger:
 
 
 class RequestCache:
-    """One handoff's answers on disk, `<base>_kv-<key>_rank<rank>.db` (sqlite): per request (lm-eval's hash of its
-    kind and arguments) its answer and the route that first served it. `key` names the handoff (every model arg,
-    each model's and map's content: `pipeline.lm_eval_model.cache_key`), so no other handoff ever reads it."""
+    """One handoff's answers in sqlite: per request (lm-eval's hash of its kind and arguments) its answer and the
+    route that first served it. `key` names the handoff (every model arg, each model's and map's content), so no
+    other handoff ever reads it."""
 
     def __init__(self, base: str, key: str, rank: int = 0):
         self.path = f"{base}_kv-{key}_rank{rank}.db"
         self.entries = SqliteDict(self.path, autocommit=False)
 
     def serve(self, kind: str, requests: list, answer: Callable[[list], list], ledger: Ledger) -> list:
-        """Each request's answer: from the cache where it holds one (recorded in `ledger` as CACHED, with the way
-        that first served it), else by `answer` (which records its routes in `ledger`), stored with its route."""
+        """Each request's answer: from the cache where held (recorded in `ledger` as CACHED, with the way that first
+        served it), else by `answer` (which records its routes in `ledger`), stored with its route."""
         keys = [hash_args(kind, request.args) for request in requests]
         held = [self.entries.get(key) for key in keys]
         fresh = [index for index, stored in enumerate(held) if stored is None]
@@ -107,8 +104,7 @@ class RequestCache:
 
 def count_lines(setting: str, counts: dict[str, dict[str, int]], cached: dict[str, dict[str, int]] | None = None
                 ) -> list[str]:
-    """The counts as text: one line for the `setting`, one per task (with the ways that first served its cached
-    requests)."""
+    """One line for the `setting`, one per task (with the ways that first served its cached requests)."""
     lines = [f"kv-transfer routes ({setting}):"]
     for task, tally in counts.items():
         ways = ", ".join(f"{count} {way}" for way, count in tally.items() if way != "requests")

@@ -1,8 +1,8 @@
 """The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each.
 
 An entry says how the figure is computed from the rows (at the confident margin where it needs one), which way is
-better, how the report names it, and whether it compares across texts only as a ratio to the oracle's (perplexities
-of different texts do not compare). `next_token_top1` is V0's column. A new metric is one entry.
+better, how the report names it, and whether it compares across texts only as a ratio to the oracle's (perplexities of
+different texts do not compare). `next_token_top1` is V0's column. A new metric is one entry.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def in_group(group: str) -> list[PromptMetric]:
 
 
 def prompt_figures(rows: pd.DataFrame, margin: float | None) -> dict[str, float | None]:
-    """Every metric the rows measure (`margin` None: none of the confident ones), by name (None: undefined on
-    them, e.g. no confident prompt)."""
+    """Every metric the rows measure (`margin` None: no confident one), by name (None: undefined on them, e.g. no
+    confident prompt)."""
     return {name: metric.compute(rows, margin) for name, metric in PROMPT_METRICS.items()
             if metric.measured(rows, margin)}

@@ -28,8 +28,7 @@ def mean_retention(acc: dict[str, float], oracle: dict[str, float]) -> float:
 
 
 def gap_closure(acc_variant: float, acc_source: float, acc_oracle: float) -> float:
-    """The share of the source-to-oracle gap of one task a variant closes: (variant - source) / (oracle -
-    source); NaN when the oracle does not beat the source (no gap to close)."""
+    """(variant - source) / (oracle - source) for one task; NaN when the oracle does not beat the source."""
     if acc_oracle <= acc_source:
         return float("nan")
     return (acc_variant - acc_source) / (acc_oracle - acc_source)
@@ -48,10 +47,9 @@ def paired_items(items: dict[str, pd.DataFrame], a: str, b: str, metric: str) ->
 
 
 def task_draws(items: dict[str, pd.DataFrame], variants: list[str], metric: str, iters: int, seed: int):
-    """Per task: (task, each variant's `metric` per item, each variant's mean over `iters` resamples of the
-    task's items (iters,)), the same draw for every variant; the same seed gives the same draws in every caller.
-    The items are those every variant scored (a study on the first `measure.study_items` of the eval part beside
-    evaluate's oracle on all of it: its first n)."""
+    """Per task: (task, each variant's `metric` per item, each variant's mean over `iters` resamples of the task's
+    items (iters,)), the same draw for every variant and, for a seed, in every caller. The items are those every
+    variant scored (a study scored on the first n eval items beside an oracle scored on all: those n)."""
     rng = np.random.default_rng(seed)
     for task in TASKS:
         frames = {name: items[name][items[name].task == task].set_index("item")[metric] for name in variants}
@@ -82,8 +80,8 @@ def retention_interval(items: dict[str, pd.DataFrame], variant: str, metric: str
 
 
 def gap_closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
-    """Paired bootstrap of the mean gap closure: items resampled per task, the same draw for the variant, the
-    source alone and the oracle (a draw where the oracle does not beat the source counts as undefined)."""
+    """Paired bootstrap of the mean gap closure: items resampled per task, the same draw for the variant, the source
+    alone and the oracle (a draw where the oracle does not beat the source counts as undefined)."""
     draws = np.zeros(iters)
     point = []
     for _, values, means in task_draws(items, [variant, "source", "oracle"], metric, iters, seed):
@@ -99,10 +97,10 @@ PROMPT_MEASURES = ("next_token_top1", "log_perplexity")  # per-prompt measures a
 
 
 def prompt_gap_closure(prompts: dict[str, pd.DataFrame], variant: str, measure: str, iters: int, seed: int) -> dict:
-    """Gap closure on a per-prompt measure of the eval prompts, with a paired bootstrap over prompts (the same
-    draw for the variant, the source alone and the oracle): next-token top-1 (the oracle's is 1 by definition)
-    as (v - s) / (o - s), or the continuation's log-perplexity (tokens pooled) as (s - v) / (s - o), lower
-    being better. A draw where the oracle does not beat the source counts as undefined."""
+    """Gap closure on a per-prompt measure, with a paired bootstrap over prompts (the same draw for the variant, the
+    source alone and the oracle): next-token top-1 (the oracle's is 1 by definition) as (v - s) / (o - s), or the
+    continuation's log-perplexity (tokens pooled) as (s - v) / (s - o), lower being better. A draw where the oracle
+    does not beat the source counts as undefined."""
     frames = {name: prompts[name].sort_values("prompt") for name in (variant, "source", "oracle")}
     if len({len(frame) for frame in frames.values()}) != 1:
         raise ValueError(f"{variant}, source and oracle were scored on different numbers of prompts")

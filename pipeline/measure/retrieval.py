@@ -23,9 +23,9 @@ def exact_match(greedy: Sequence[int], answer: Sequence[int]) -> bool:
 
 
 def recall_positions(prompt: Sequence[int], continuation: Sequence[int], n: int) -> list[bool]:
-    """Per continuation position (m,): whether it is a recall position, where the n tokens of prompt + continuation
-    ending at its token already occur together in the prompt: the token extends an (n-1)-gram the prompt holds, with
-    the same next token, what an induction head copies.
+    """Per continuation position (m,): whether the n tokens of prompt + continuation ending at its token already
+    occur together in the prompt: the token extends an (n-1)-gram the prompt holds, with the same next token, what an
+    induction head copies.
 
         prompt:        ... a b c ... x y
         continuation:  a b c d
@@ -40,8 +40,8 @@ def recall_positions(prompt: Sequence[int], continuation: Sequence[int], n: int)
 
 
 def recall_agreement(agree_by_position: Sequence[Sequence[int]], recall: Sequence[Sequence[bool]]) -> dict:
-    """Agreement with the oracle over the recall positions and over every other position, each with its count (None
-    where there is none)."""
+    """Agreement with the oracle over the recall positions and over the others, each with its count (None where
+    there is none)."""
     agree = np.concatenate([np.asarray(a, dtype=float) for a in agree_by_position])
     flags = np.concatenate([np.asarray(r, dtype=bool) for r in recall])
     out = {}
@@ -82,14 +82,14 @@ def retrieval_rows(items: pd.DataFrame, greedy: Sequence[Sequence[int]], selecte
 
 
 def _chose(selected) -> bool:
-    """A row's selection is there (a list of positions, not the None or NaN of a request that chose none)."""
+    """A list of positions, not the None or NaN of a request that chose none."""
     return selected is not None and not (isinstance(selected, float) and np.isnan(selected))
 
 
 def retrieval_summary(rows: pd.DataFrame, oracle: pd.DataFrame | None = None) -> dict:
-    """Exact-match share overall and per depth, with n; the selection recall over the items whose handoff chose
-    positions (`selection_recall`, `selection_n`; absent where none did); beside the oracle's rows, the share of the
-    oracle's score kept (`of_oracle`, None where the oracle retrieves nothing) overall and per depth."""
+    """Exact-match share overall and per depth, with n; the selection recall over items whose handoff chose positions
+    (`selection_recall`, `selection_n`; absent where none did); beside the oracle's rows, the share of its score kept
+    (`of_oracle`, None where the oracle retrieves nothing) overall and per depth."""
     def shares(frame: pd.DataFrame) -> dict:
         return {"exact_match": float(frame.exact.mean()), "n": int(len(frame)),
                 "by_depth": {f"{depth:g}": float(part.exact.mean()) for depth, part in frame.groupby("depth")}}

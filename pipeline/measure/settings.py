@@ -15,5 +15,5 @@ class MeasureParams(Params):
 
     @property
     def bootstrap(self) -> tuple[int, int]:
-        """(iterations, seed): the last two arguments of every interval of `measure.stats` and `measure.retention`."""
+        """(iterations, seed): the last two arguments of every bootstrap interval."""
         return self.bootstrap_iters, self.bootstrap_seed

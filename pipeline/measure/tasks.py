@@ -1,7 +1,7 @@
 """lm-eval's own HellaSwag and PIQA task definitions, pointed at local data files.
 
-Each generated task config `include`s the task's YAML shipped with lm-eval (so prompt rendering,
-preprocessing and metrics are lm-eval's) and overrides only where the documents come from.
+Each generated task config `include`s the task's YAML shipped with lm-eval (so prompt rendering, preprocessing and
+metrics are lm-eval's) and overrides only where the documents come from.
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def builtin_yaml(task: str) -> Path:
 
 
 def write_task_config(folder: str | Path, task: str, name: str, data_file: str | Path) -> Path:
-    """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file`
-    (.jsonl/.json or .parquet). Returns the YAML path; pass `folder` as TaskManager's include_path (or as
-    lm-eval's --include_path). No absolute path is written, so two clones write the same bytes: a data file under
-    the working directory is named relative to it (the config works from the repository root wherever the clone
-    is), and lm-eval's own definition relative to `folder` (lm-eval reads an include from the including file's
-    folder; with the environment inside the clone, .venv/, that path is the same in every clone)."""
+    """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file` (.jsonl/.json or
+    .parquet); pass `folder` as TaskManager's include_path (or lm-eval's --include_path). No absolute path is written,
+    so two clones write the same bytes: a data file under the working directory is named relative to it (the config
+    works from the repository root wherever the clone is), and lm-eval's own definition relative to `folder` (lm-eval
+    reads an include from the including file's folder; with the environment in the clone, .venv/, that path is the
+    same in every clone)."""
     data_file = Path(data_file).resolve()
     if not data_file.is_file():
         raise FileNotFoundError(f"task data file {data_file} not found (task {task})")

@@ -22,7 +22,7 @@ def read_clock(device: torch.device) -> int:
 
 class Stopwatch:
     """Synchronized readings of one request's parts: made at the start, called with a part's name as the part ends
-    (`kv.handoff.ClockHook`, the hook `Handoff.first_step` tells); a part told twice adds up."""
+    (a `kv.handoff.ClockHook`); a part told twice adds up."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -58,8 +58,8 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.d
 
 @no_grad
 def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
-    """Median seconds of the source's prefill over `token_ids` (batch 1, this machine): the denominator every
-    mapper of one fit is timed against, measured once so the candidates share it."""
+    """Median seconds of the source's prefill over `token_ids` (batch 1, this machine): the denominator every mapper
+    of one fit is timed against, measured once so the candidates share it."""
     device = source_model.device
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)[None]  # (1, T)
     return median_seconds(lambda: source_model.model(input_ids=ids, use_cache=True), repeats, device)
@@ -67,8 +67,7 @@ def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
 
 @no_grad
 def time_against_prefill(mapper: Mapper, content: list, tokens: int, prefill_s: float, repeats: int) -> float:
-    """Mapper time over `content` (the source's content-space cache of `tokens` tokens) / the source prefill's
-    `prefill_s` (median of repeats)."""
+    """Mapper time over `content` (the source's content-space cache of `tokens` tokens) / `prefill_s`."""
     device = content[0][0].device
     positions = torch.arange(tokens, device=device)
     return median_seconds(lambda: mapper.apply(content, positions), repeats, device) / prefill_s

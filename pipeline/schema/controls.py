@@ -1,5 +1,4 @@
-"""The `controls` and `tolerances` sections of params.yaml, read by stage `controls`: how much each control runs,
-and the declared tolerances of the exactness control per dtype."""
+"""The `controls` and `tolerances` sections: how much each control runs, and the exactness control's tolerances."""
 from __future__ import annotations
 
 from typing import Annotated

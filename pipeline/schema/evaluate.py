@@ -1,5 +1,4 @@
-"""The `evaluate` section of params.yaml, read by stage `evaluate`: the mapped variants (name -> mapper file), the
-repair setting some of them apply (`kv.repair`), and how each variant is scored against the oracle."""
+"""The `evaluate` section: mapped variants (name -> mapper file), repairs (`kv.repair`), scoring against the oracle."""
 from __future__ import annotations
 
 import json
@@ -53,9 +52,8 @@ class EvaluateParams(Params):
 
 
 def selected_repair(key: str) -> tuple[Repair, SpeculativeParams | None]:
-    """Select's choice beside the selected map (store.paths.SELECTED_REPAIR): its repair setting and, where its policy
-    ranks by the source's look-ahead scores, the `speculative` settings select scored it under (so a stage repairing
-    with it reads them from select's output, not from params); `key` names the entry that asked, in the refusal."""
+    """Select's choice (store.paths.SELECTED_REPAIR): its repair and, where its policy ranks by the source's look-ahead
+    scores, the `speculative` settings select scored it under (read from there, not params); `key`: who asked."""
     if not SELECTED_REPAIR.is_file():
         raise ArtifactError(f"{key}: {SELECTED_REPAIR} not found; run the select stage")
     chosen = json.loads(SELECTED_REPAIR.read_text())

@@ -1,6 +1,5 @@
-"""The `fit` section of params.yaml, read by stage `fit`: the candidate grid (closed-form families x ks x
-lambdas, the MLP's ks) and how it is solved; `FitParams.candidates()` names every map the grid makes, which
-check_params holds the other sections' map names against."""
+"""The `fit` section: the candidate grid (closed-form families x ks x lambdas, the MLP's ks) and how it is solved;
+`FitParams.candidates()` names every map it makes, which check_params holds other sections' map names against."""
 from __future__ import annotations
 
 from typing import Annotated, Literal

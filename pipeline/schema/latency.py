@@ -1,5 +1,5 @@
-"""The `latency` section of params.yaml, read by stage `latency`: the prompt lengths, repeats and map of the
-time-to-first-token measurement, and the repaired maps and speculative shares timed beside it, part by part."""
+"""The `latency` section: the prompt lengths, repeats and map of the time-to-first-token measurement, and the
+repaired maps and speculative shares timed beside it, part by part."""
 from __future__ import annotations
 
 from typing import Annotated

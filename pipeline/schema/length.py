@@ -1,5 +1,4 @@
-"""The `length` section of params.yaml, read by stage `length`: the fit length, the longer prompts and the map
-refitted with RoPE stripped and kept."""
+"""The `length` section: the fit length, the longer prompts and the map refitted with RoPE stripped and kept."""
 from __future__ import annotations
 
 from typing import Annotated

@@ -1,5 +1,5 @@
-"""The `operating` section of params.yaml, read by stage `operating@<n>`: the variants handed off at each operating
-length (data.long.lengths), and how each is scored against the oracle and timed on the same prompts."""
+"""The `operating` section (stage `operating@<n>`): the variants handed off at each operating length
+(data.long.lengths), and how each is scored against the oracle and timed on the same prompts."""
 from __future__ import annotations
 
 from typing import Annotated

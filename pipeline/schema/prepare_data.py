@@ -1,5 +1,4 @@
-"""The `data` section of params.yaml, read by stage `prepare_data`: the splits' sizes and lengths, and where the
-sequences and task items come from (the generated tiny world, or hub / local datasets)."""
+"""The `data` section: splits' sizes and lengths, and the sequences' and task items' source (tiny world, hub, local)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal

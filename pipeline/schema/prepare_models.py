@@ -1,5 +1,4 @@
-"""The `train` section of params.yaml, read by stage `prepare_models`: the tiny pair's training, and the seed of
-a random pair's weights."""
+"""The `train` section: the tiny pair's training, and the seed of a random pair's weights."""
 from __future__ import annotations
 
 from pipeline.store.params import Params

@@ -1,5 +1,4 @@
-"""The `repair` section of params.yaml, read by stage `repair`: the maps repaired, the grid of repair settings
-(`kv.repair`'s string form) and where their cost is bounded and timed."""
+"""The `repair` section: the maps repaired, the settings grid (`kv.repair` strings), where cost is bounded and timed."""
 from __future__ import annotations
 
 from typing import Annotated

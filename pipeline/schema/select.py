@@ -1,6 +1,5 @@
-"""The `select` section of params.yaml, read by stage `select`: the prompts and the rule that choose the map, and the
-repair settings (`kv.repair`) it may choose with the map under a declared budget, and the look-ahead settings
-(`kv.speculative`) speculative prefill and the repairs ranking by the source read."""
+"""The `select` section: the prompts and rule choosing the map, the repair settings (`kv.repair`) chosen with it under a
+declared budget, and the look-ahead (`kv.speculative`) that speculative prefill and source-ranked repairs read."""
 from __future__ import annotations
 
 from typing import Annotated

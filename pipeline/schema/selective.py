@@ -1,5 +1,4 @@
-"""The `selective` section of params.yaml, read by stage `selective`: the maps gated, the gate's scores, the
-threshold's target and the per-request timing."""
+"""The `selective` section: the maps gated, the gate's scores, the threshold's target and the per-request timing."""
 from __future__ import annotations
 
 from typing import Annotated

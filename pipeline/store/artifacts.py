@@ -86,9 +86,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_dirs(finals: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
-    """`atomic_dir` for outputs that belong together (a model pair): a staging folder beside each, and none replaces
-    its output unless the block completes; the renames run with SIGINT and SIGTERM held back (`held_signals`), so an
-    interrupt leaves the old set or the new one, never one of each."""
+    """`atomic_dir` for outputs that belong together (a model pair): none replaces its output unless the block
+    completes, and the renames run under `held_signals`, so an interrupt leaves the old set or the new, never a mix."""
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(atomic_dir(final)) for final in finals]
         with held_signals():
@@ -97,9 +96,9 @@ def atomic_dirs(finals: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
 
 @contextlib.contextmanager
 def held_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM held back while the block runs and sent again when it ends, to the handlers set before. A
-    Python handler runs in the main thread whichever thread the kernel gives the signal to, so holding it there (not
-    a thread's signal mask, which another thread escapes) holds it for the process. Off the main thread, as it is."""
+    """SIGINT and SIGTERM held back while the block runs, then sent again to the handlers set before. Python runs a
+    handler in the main thread whichever thread the kernel signals, so holding it there (not by a thread's signal
+    mask, which another thread escapes) holds it for the process. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -116,16 +115,14 @@ def held_signals() -> Iterator[None]:
 
 
 def private_name(final: Path, suffix: str) -> Path:
-    """A fresh temporary name beside `final` (`.<name>.<random>.tmp`), chosen before anything is made under it: the
-    writer holds the name from the start, so an interrupt at any point (even between creating the file and
-    learning its name, as with `tempfile.mkstemp`) leaves nothing that its `finally` does not remove."""
+    """A fresh `.<name>.<random><suffix>` beside `final`, named before anything is made under it, so an interrupt at
+    any point (even between creating a file and learning its name, as with `tempfile.mkstemp`) leaves nothing behind."""
     return final.parent / f".{final.name}.{secrets.token_hex(6)}{suffix}"
 
 
 def take_umask(root: str | os.PathLike) -> None:
-    """`root` and everything under it given the modes the umask gives a new file or folder: writers that make
-    their files private (a staging folder's 0700, safetensors' `save_file`, transformers' `save_pretrained`: 0600)
-    do not decide who may read an output."""
+    """Give `root` and all under it the umask's modes for a new file or folder: writers that make files private (a
+    staging folder's 0700, safetensors' `save_file`, `save_pretrained`: 0600) do not decide who may read an output."""
     mask, root = _umask(), Path(root)
     for path in [root, *root.rglob("*")]:
         if path.is_symlink():
@@ -159,8 +156,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 
 def nested(flat: Mapping[str, Any]) -> dict:
-    """Metrics with `group/name/key` keys as nested mappings ({"group": {"name": {"key": ...}}}): what a stage
-    writes, so a reader indexes them instead of parsing key strings (`dvc metrics show` flattens them again)."""
+    """`group/name/key` metric keys nested, so a reader indexes them (`dvc metrics show` flattens them again)."""
     out: dict = {}
     for key, value in flat.items():
         *groups, leaf = key.split("/")
@@ -180,8 +176,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) -> None:
-    """Refuse to go on unless the controls stage wrote its verdict `path` ({control: passed}) and every control in
-    it passed."""
+    """Refuse unless the controls stage wrote its verdict `path` ({control: passed}) and every control passed."""
     path = Path(path)
     if not path.is_file():
         raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
@@ -192,9 +187,8 @@ def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) ->
 
 
 def read_table(path: str | os.PathLike, columns: Sequence[str] | None = None) -> "pd.DataFrame":
-    """A parquet table a stage wrote (or a user's file), `columns` of it or all: every parquet read goes through here,
-    so a missing, truncated or corrupt file is one line naming it and the stage that makes it, not pyarrow's
-    traceback."""
+    """A parquet table (`columns` of it, or all): every parquet read goes through here, so a missing, truncated or
+    corrupt file is one line naming it and the stage that makes it, not pyarrow's traceback."""
     path = Path(path)
     stage = paths.maker(path)
     fix = f"dvc repro -f {stage}" if stage else "replace it with a whole file"
@@ -258,8 +252,8 @@ def _mismatch(path: Path, stored: str, actual: str) -> str:
 
 
 def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dict, str]:
-    """Check the digest of an artifact's raw bytes; return (metadata, digest). With `header_only`, `raw` is
-    the length prefix and header alone: only the checksum field is checked, the caller hashes the rest."""
+    """Check an artifact's digest; return (metadata, digest). With `header_only`, `raw` is the length prefix and
+    header alone: only the checksum field is checked, the caller hashes the rest."""
     metadata, digest = _stored(raw, path)
     header_end = 8 + struct.unpack("<Q", raw[:8])[0]
     if len(digest) != 64 or raw[:header_end].count(digest.encode()) != 1:
@@ -273,7 +267,7 @@ def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dic
 
 
 def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read and verify an artifact; return (tensors, metadata). Raises ArtifactError naming the file."""
+    """Read and verify an artifact; return (tensors, metadata)."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: artifact not found")
@@ -306,8 +300,8 @@ def data_layout(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
 
 
 def artifact_prefix(specs: dict[str, TensorSpec], metadata: dict[str, Any]) -> bytes:
-    """The bytes before the data of an artifact holding tensors of `specs` (dtype, shape) laid out as
-    `data_layout` says: the header's length, then the header with a zeroed digest, padded to 8 bytes."""
+    """An artifact's bytes before its data, for tensors of `specs` laid out as `data_layout` says: the header's
+    length, then the header with a zeroed digest, padded to 8 bytes."""
     offsets = {name: {"dtype": _ST_DTYPES[str(specs[name][0])], "shape": list(specs[name][1]),
                       "data_offsets": list(span)} for name, span in data_layout(specs).items()}
     header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
@@ -319,8 +313,7 @@ def artifact_prefix(specs: dict[str, TensorSpec], metadata: dict[str, Any]) -> b
 
 
 def write_streamed(path: str | os.PathLike, prefix: bytes, chunks: Iterable[memoryview]) -> str:
-    """Write an artifact from its `prefix` and its data `chunks`, hashing while writing, then write the digest
-    into its place in the header; atomic (temporary name, renamed when complete). Returns the digest."""
+    """Write `prefix` and data `chunks` atomically, hashing on the way, then the digest into its slot; return it."""
     hasher = hashlib.sha256(prefix)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as out:
@@ -344,12 +337,8 @@ def byte_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
 
 
 def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
-    """Write an artifact tensor by tensor, hashing while writing, without building the file in memory.
-
-    Same format and checksum as `save_artifact` (so `load_artifact` reads it): the header carries a zeroed
-    digest while the bytes go out and are hashed, then the digest is written into its place. Tensors are laid
-    out in sorted-name order, so the bytes are deterministic. Returns the digest.
-    """
+    """Write an artifact tensor by tensor (tensors in sorted-name order), hashing while writing, without building
+    the file in memory: the same bytes and checksum as `save_artifact`. Returns the digest."""
     prefix = artifact_prefix({name: (t.dtype, t.shape) for name, t in tensors.items()}, metadata)
     return write_streamed(path, prefix, (chunk for name in sorted(tensors) for chunk in byte_chunks(tensors[name])))
 

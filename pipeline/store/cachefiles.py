@@ -132,16 +132,13 @@ class _Image:
 
 @dataclass
 class ShardWriter:
-    """Writes each split's sequences into shards under `root/<split>/`, on one background thread.
-
-    Each split is declared with its sequences' lengths (`begin`), so a shard's file layout is known before its
-    first sequence arrives: `add` copies the sequence's keys and values straight into their place in the
-    shard's data section (one copy per kind, converting to the storage dtype), and the background thread
-    hashes and writes a full shard in one piece while the model computes the next. So the writer thread holds
-    the GIL only a few times per shard (the model thread, at small shapes, runs Python between every op), and
-    one thread serves every split, so only the very last shard is not overlapped with computing. Memory: the
-    shard being filled, at most one waiting in the queue and the one being written (their buffers are reused).
-    """
+    """Writes each split's sequences into shards under `root/<split>/`, on one background thread. `begin` declares
+    a split's sequence lengths, so a shard's layout is known before its first sequence: `add` copies keys and values
+    straight into their place in the shard's data section (one copy per kind, converting to the storage dtype), and
+    the thread hashes and writes each full shard in one piece while the model computes the next. So it holds the GIL
+    only a few times per shard (the model thread, at small shapes, runs Python between every op), and one thread
+    serves every split, so only the very last shard is not overlapped with computing. Memory: the shard being
+    filled, at most one queued and the one being written (buffers reused)."""
 
     root: Path
     metadata: dict
@@ -165,9 +162,8 @@ class ShardWriter:
         self._thread.start()
 
     def begin(self, split: str, lengths: list[int], first_shard: int = 0) -> None:
-        """Start `split`, whose sequences (added next, in order) have these token counts. With `first_shard`,
-        they are the split's sequences from shard `first_shard` on (one process of several writes the shards
-        it was given: a part of a split per `begin`, each shard under its global index)."""
+        """Start `split`, whose sequences (added next, in order) have these token counts; with `first_shard`, its
+        sequences from that shard on (one process of several writes its part of a split, shards by global index)."""
         self._end_split()
         if (split, first_shard) in self._begun:
             raise ValueError(f"split {split!r} was already written from shard {first_shard}")
@@ -202,8 +198,7 @@ class ShardWriter:
             self._flush()
 
     def close(self) -> dict[str, list[dict]]:
-        """Wait for every shard to be written; returns each split's shard records (file, sequences, tokens,
-        bytes, sha256) in order."""
+        """Wait for every shard; return each split's shard records (file, sequences, tokens, bytes, sha256)."""
         self._end_split()
         self._queue.put(None)
         self._thread.join()
@@ -211,12 +206,10 @@ class ShardWriter:
         return self.records
 
     def abort(self) -> None:
-        """Stop the writer after the shard it is writing (whose temporary `write_streamed` renames or removes),
-        skipping any queued shard: a stage interrupted while a shard is being written leaves no temporary behind
-        (the thread is a daemon, which an interrupted command's exit would cut off mid-write). It waits on the
-        writer's own lock, never on the queue: an interrupt can stop the main thread inside `Queue.put` (a wake-up
-        lost, or the queue's lock left held), and a wait on the queue then never ends. The thread, idle, is left to
-        the exit."""
+        """Stop the writer after the shard it is writing, skipping any queued, so an interrupted stage leaves no
+        temporary (the daemon thread would be cut off mid-write at exit). It waits on the writer's own lock, never on
+        the queue: an interrupt can stop the main thread inside `Queue.put` (a wake-up lost, or the queue's lock left
+        held), and a wait on the queue then never ends. The idle thread is left to the exit."""
         if self._error is None:
             self._error = KeyboardInterrupt("the shard writer was aborted")
         with self._writing:  # the writer checks the error under it before each shard: none starts after this

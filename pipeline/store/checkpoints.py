@@ -28,9 +28,8 @@ def _interrupt(signum: int, frame) -> None:
 
 @contextlib.contextmanager
 def terminate_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt (so every `finally` on the way out runs); set back after.
-    Off the main thread (where no handler can be set), or where a handler of SIGTERM is set already (a stage's
-    command: `store.cli.entry`'s, which also ends the stage with 143), the block runs as it is."""
+    """Within the block, SIGTERM raises KeyboardInterrupt (so every `finally` on the way out runs). A no-op off the
+    main thread (no handler can be set there) or where SIGTERM has a handler (`store.cli.entry`'s, exiting 143)."""
     if threading.current_thread() is not threading.main_thread() or callable(signal.getsignal(signal.SIGTERM)):
         yield
         return
@@ -69,8 +68,7 @@ def write_marker(out: Path, name: str, provenance: dict) -> dict:
 
 
 def write_checkpoint(out: Path, model, tokenizer, name: str, provenance: dict) -> None:
-    """`model` (its weights as they are) and `tokenizer` as the checkpoint folder `out`, with the provenance file
-    `name`."""
+    """`model` (weights as they are) and `tokenizer` as the checkpoint folder `out`, with the provenance file `name`."""
     with terminate_interrupts(), atomic_dir(out) as staging:
         config = model.config
         config._name_or_path = ""

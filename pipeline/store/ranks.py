@@ -109,18 +109,17 @@ class Stage:
         self.usage = StageUsage(self.device)
 
     def restart_usage(self) -> None:
-        """Start the usage figures again, for a stage that writes one metrics file per part of its work: the
-        next file's wall time (and a GPU's peak) is of what ran since (a CPU's peak stays the process's)."""
+        """Restart the usage figures, for a stage writing one metrics file per part of its work: the next file's wall
+        time (and a GPU's peak) is of what ran since (a CPU's peak stays the process's)."""
         self.usage = StageUsage(self.device)
 
     def write_metrics(self, path: str | os.PathLike, metrics: dict,
                       usage_to: str | os.PathLike | None = None) -> dict | None:
-        """The stage's metrics JSON, written by rank 0 with the usage figures of every rank (`usage_of_ranks`)
-        after `metrics`' own keys (a figure of the same name, e.g. latency's `device`, stays the stage's),
-        `group/name/key` keys nested (`artifacts.nested`), and its top-level figures printed. With `usage_to`
-        the usage figures go to that file instead, so `path` holds the stage's figures alone (controls.json,
-        which every evaluation depends on, then changes only when a control does). Every rank calls it (the
-        figures are gathered); rank 0 gets the metrics written, the others None."""
+        """Write the stage's metrics JSON on rank 0 (keys nested by `artifacts.nested`; top-level figures printed),
+        every rank's usage figures (`usage_of_ranks`) after `metrics`' own keys (a same-named figure, e.g. latency's
+        `device`, stays the stage's) or, with `usage_to`, in that file instead, so `path` changes only when the
+        stage's own figures do (controls.json, which every evaluation depends on). Every rank calls it (the figures
+        are gathered); rank 0 gets the metrics written, the others None."""
         figures = self.ranks.gather(self.usage.figures())
         if not self.ranks.main:
             return None
@@ -141,16 +140,13 @@ def launched() -> bool:
 
 
 def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
-    """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes,
-    wait for them and return True (the caller is done). A failed rank raises SystemExit(1) after torchrun's report
-    of which rank failed first; Ctrl-C or SIGTERM (here, or a rank's own that ended it with status 130 or 143)
-    raises KeyboardInterrupt once every rank has ended, the stage then ending with that signal's status. Otherwise
-    return False: the caller does the work itself.
-
-    torchrun's agent runs in this process, so the stage says an interrupt's one line (`store.cli`) where torchrun's
-    command would print its own report: the agent passes Ctrl-C on to the ranks (each in its own session) and waits
-    for them to remove their temporaries. `--standalone` picks a free rendezvous port, so concurrent experiments
-    (DVC's queue) do not collide."""
+    """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes, wait
+    and return True (the caller is done); otherwise return False. A failed rank raises SystemExit(1) after torchrun's
+    report of the first failure; Ctrl-C or SIGTERM (here, or a rank's own: status 130 or 143) raises
+    KeyboardInterrupt once every rank has ended, so the stage ends with that signal's status. The agent runs in this
+    process, so the stage says an interrupt's one line (`store.cli`) instead of torchrun's report; it passes Ctrl-C
+    on to the ranks (each in its own session) and waits for them to remove their temporaries. `--standalone` picks
+    a free rendezvous port, so concurrent experiments (DVC's queue) do not collide."""
     if processes == 1 or launched():
         return False
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
@@ -178,10 +174,10 @@ TORCHRUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT
 
 @contextmanager
 def _launching() -> Iterator[None]:
-    """What torchrun's agent changes in the process that runs it, put back afterwards (a stage can relaunch from
-    inside another's process, `store.cli.run_stage`): the environment its ranks inherit (with the flag that the
-    launcher says an interrupt's line), the signal handlers, and its warnings silenced (about shutting ranks
-    down after a signal, and the OMP_NUM_THREADS it sets; a failure is reported from its exception)."""
+    """What torchrun's agent changes in its process, put back after (a stage can relaunch inside another's process):
+    the environment its ranks inherit (with PARENT_SAYS_ENV: the launcher says an interrupt's line), the signal
+    handlers, and its warnings silenced (on shutting ranks down after a signal, on the OMP_NUM_THREADS it sets; a
+    failure is reported from its exception)."""
     environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in TORCHRUN_SIGNALS}
     silenced = logging.root.manager.disable
     os.environ[PARENT_SAYS_ENV] = "1"
@@ -204,8 +200,7 @@ def launched_ranks() -> Ranks:
 
 
 def join(device: str) -> Ranks:
-    """This process's `Ranks` (`launched_ranks`), with the process group started (NCCL for a CUDA device, else
-    gloo) under several processes."""
+    """This process's `Ranks`, the process group started under several processes (NCCL for a CUDA device, else gloo)."""
     ranks = launched_ranks()
     if ranks.size > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -228,12 +223,10 @@ def leave(ranks: Ranks) -> None:
 @contextmanager
 def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv: Sequence[str] = (),
                 threads: int | None = None) -> Iterator[Stage]:
-    """A stage's life among its processes, around its work: relaunch under torchrun when `processes` > 1 and no
-    launcher started this one (this process then ends with `Relaunched`, past the block: its processes did the
-    work), else join the process group (as `module` under any launcher), take `threads` torch CPU threads, start
-    the usage figures and give the block its `Stage`; leave the group when the block ends.
-
-    A stage without `module` always runs as one process: no relaunch and no process group, only its `Stage`."""
+    """Around a stage's work: relaunch under torchrun when `processes` > 1 and no launcher started this one (this
+    process then ends with `Relaunched`, past the block), else join the process group, take `threads` torch CPU
+    threads and give the block its `Stage` (usage figures started); leave the group when the block ends. Without
+    `module`, the stage runs as one process: no relaunch, no process group."""
     if module is None:
         if processes != 1:
             raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")

@@ -73,23 +73,19 @@ def pair_configs(pair: str) -> tuple[transformers.PreTrainedConfig, transformers
 
 
 def bound_configs(name: str, loaded: tuple) -> tuple:
-    """(source, target) configs the FLOP bounds are counted at: `loaded`'s own (the pair the stage runs, as
-    (source, target) configs) for `bound_pair: loaded`, else the named pair's stored shapes."""
+    """(source, target) configs the FLOP bounds are counted at: for `bound_pair: loaded`, `loaded` (the configs of
+    the pair the stage runs), else the named pair's stored shapes."""
     return loaded if name == LOADED else pair_configs(name)
 
 
 @no_grad
 def random_model(config: transformers.PreTrainedConfig, dtype="float32", device="cpu",
                  seed: int = 0) -> transformers.PreTrainedModel:
-    """A causal LM of `config` (any architecture transformers maps) with random weights, built directly on
-    `device` in `dtype`.
-
-    Skips transformers' per-module initialization (a random draw per weight: about a minute for the 2B
-    parameters of Qwen3-1.7B on a small CPU) and tiles every matrix with one shared pool of normal draws of
-    the model's initializer std; norm weights are ones and biases zeros. The pool's length is prime, so no
-    matrix row is an exact copy of another. The rotary buffers are computed in float32 in the modules'
-    constructors (RoPE scaling included), so they are exact whatever `dtype` is.
-    """
+    """A causal LM of `config` with random weights, built directly on `device` in `dtype`. Skips transformers'
+    per-module initialization (a draw per weight: about a minute for Qwen3-1.7B's 2B parameters on a small CPU) and
+    tiles every matrix with one shared pool of normal draws at the initializer std; norm weights are ones, biases
+    zeros. The pool's length is prime, so no matrix row copies another. Rotary buffers are computed in float32 in
+    the modules' constructors (RoPE scaling included), so they are exact whatever `dtype` is."""
     dtype = parse_dtype(dtype)
     generator = torch.Generator().manual_seed(seed)
     pool = (torch.randn(POOL_SIZE, generator=generator) * config.initializer_range).to(device, dtype)  # (P,)

@@ -53,9 +53,7 @@ def _shallow(module):
 
 
 def truncate(model, layers: int):
-    """The target `model` cut to its first `layers` decoder layers: its embedding, layers 0..n-1, final norm and
-    LM head shared with it (no weight copied; tied embeddings stay tied), its config with n layers. Its cache at
-    those layers is the target's own (each layer reads only the layers below it)."""
+    """The target `model` cut to its first `layers` decoder layers, sharing every weight (no copy; ties kept)."""
     config = truncated_config(model.config, layers)
     inner = _shallow(getattr(model, model.base_model_prefix))  # the decoder body (`model.model`)
     inner.layers = type(inner.layers)(list(inner.layers)[:layers])

@@ -22,8 +22,7 @@ SAFETENSORS_PREFIX = 8  # a safetensors file: an 8-byte little-endian header len
 
 
 def weight_files(folder: str | Path) -> list[Path]:
-    """The files transformers would load `folder`'s weights from: the first of WEIGHT_NAMES there (an index with the
-    shards its weight_map names); any other weight-like file beside them is not read, so it is no part of the model."""
+    """The first of WEIGHT_NAMES in `folder` (an index with the shards it names): what transformers would load."""
     folder = Path(folder)
     for name in WEIGHT_NAMES:
         path = folder / name
@@ -94,11 +93,10 @@ def weights_refusal(folder: str | Path) -> str | None:
 
 
 def missing_tensors(folder: str | Path, files: list[Path]) -> list[str]:
-    """The tensors the folder's architecture has (its config's model built on the meta device: no memory, no
-    weights) that no safetensors header of `files` names, a tied tensor counted present under any of its names and
-    a tensor the architecture lets a checkpoint leave out (`_keys_to_ignore_on_load_missing`, matched as
-    transformers' own load matches it) not counted; [] where a weight file is not safetensors (its names cannot be
-    read without loading it)."""
+    """Tensors of the folder's architecture (built from its config on the meta device: no memory) that no
+    safetensors header of `files` names; a tied tensor counts under any of its names, and one the architecture lets
+    a checkpoint omit (`_keys_to_ignore_on_load_missing`, matched as transformers matches it) is skipped. [] where a
+    weight file is not safetensors (its names cannot be read without loading it)."""
     if any(path.suffix != ".safetensors" for path in files if not path.name.endswith(".index.json")):
         return []
     present = {name for path in files if path.suffix == ".safetensors"

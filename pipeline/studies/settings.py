@@ -1,5 +1,5 @@
 """The `report` section of params: the acceptance criteria declared before the run, and how the studies bin (how they
-resample: the `measure` section, `measure.settings`)."""
+resample is `measure.settings`)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -20,8 +20,8 @@ class Criteria(Params):
 class ReportParams(Params):
     criteria: Criteria
     retention_metric: Literal["acc", "acc_norm"]
-    # what the gap-closure criterion reads: the tasks' accuracy, or a per-prompt measure of the eval prompts (whose
-    # intervals resolve at sizes where a 2-point task gap cannot)
+    # the gap-closure criterion's measure: task accuracy, or a per-prompt measure of the eval prompts (whose intervals
+    # resolve at sizes where a 2-point task gap cannot)
     gap_closure_metric: Literal["tasks", "next_token_top1", "log_perplexity"]
     mapped_variant: str  # one of evaluate.mapped (check_params)
     # the length study's bins of task context length, as edges in multiples of the fit length: [1, 2, 4] bins

@@ -101,9 +101,8 @@ def sequences(cfg: WorldConfig, split: str, n: int) -> pd.DataFrame:
 
 def generate_world(cfg: WorldConfig, sequences_per_split: dict[str, int],
                    items_per_part: int) -> dict[str, pd.DataFrame]:
-    """All frames of the world, keyed: corpus, fit, select, eval (as many documents as `sequences_per_split`
-    says), hellaswag_dev, hellaswag_eval, piqa_dev, piqa_eval (`items_per_part` each). Checked disjoint by
-    document id and content hash."""
+    """Frames corpus, fit, select, eval (`sequences_per_split` documents each), hellaswag_dev, hellaswag_eval,
+    piqa_dev, piqa_eval (`items_per_part` each), checked disjoint by document id and content hash."""
     world = {"corpus": corpus(cfg)}
     for split in SEQUENCE_SPLITS:
         world[split] = sequences(cfg, split, sequences_per_split[split])

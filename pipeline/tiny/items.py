@@ -1,6 +1,6 @@
-"""The tiny world's task items: HellaSwag- and PIQA-shaped items cut from fresh scenes (`tiny.world`), in
-lm-eval's schema, and their rendering as lm-eval builds the context and choices (`render_hellaswag`,
-`render_piqa`), which the corpus and the trainer share so the models are trained on the text they are scored on.
+"""The tiny world's task items: HellaSwag- and PIQA-shaped items cut from fresh scenes, in lm-eval's schema, and their
+rendering as lm-eval builds the context and choices, which the corpus and the trainer share so the models are trained
+on the text they are scored on.
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def hellaswag_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str)
 
 
 def _town_distractors(rng: random.Random, towns: dict, scene: Scene, fact: Fact, n: int) -> list[str]:
-    """Plausible wrong towns: the name's town for another object class, another scene name's town for this
-    class, then any town; so only the memorized (name, class) pair picks the right one."""
+    """Plausible wrong towns: the name's town for another object class, another scene name's town for this class,
+    then any town; so only the memorized (name, class) pair picks the right one."""
     gold = towns[fact.name, object_class(fact.obj)]
     own = [towns[fact.name, c] for c in range(OBJECT_CLASSES) if c != object_class(fact.obj)]
     theirs = [towns[f.name, object_class(fact.obj)] for f in scene.facts if f != fact]
@@ -76,8 +76,8 @@ def _town_distractors(rng: random.Random, towns: dict, scene: Scene, fact: Fact,
 
 
 def piqa_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str) -> dict:
-    """Also the generator of qa documents. A recall or gist answer restates the subject (`ann teal cup .`),
-    so the two solutions differ only in the tokens the kind is about."""
+    """Also the generator of qa documents. A recall or gist answer restates the subject (`ann teal cup .`), so the
+    two solutions differ only in the tokens the kind is about."""
     scene, used, context = _item_context(rng, cfg)
     if kind == "recall":
         fact = rng.choice(scene.facts)
@@ -103,8 +103,8 @@ def piqa_item(rng: random.Random, cfg: WorldConfig, towns: dict, kind: str) -> d
 
 
 def task_items(cfg: WorldConfig, task: str, part: str, n: int) -> pd.DataFrame:
-    """n items of one task part in lm-eval's schema, plus kind, doc_id and content_hash (of the rendered
-    context followed by the gold choice: the document the item was cut from)."""
+    """n items of one task part in lm-eval's schema, plus kind, doc_id and content_hash (of the rendered context
+    followed by the gold choice: the document the item was cut from)."""
     towns = global_towns(cfg.seed)
     rows = []
     for i in range(n):
@@ -124,8 +124,8 @@ def task_items(cfg: WorldConfig, task: str, part: str, n: int) -> pd.DataFrame:
 
 
 def render_hellaswag(item) -> tuple[str, list[str], int]:
-    """lm-eval's context, choices and gold index (it scores " " + choice after the context). Our text has
-    no brackets or double spaces, so lm-eval's preprocess only strips."""
+    """lm-eval's context, choices and gold index (it scores " " + choice after the context). Our text has no
+    brackets or double spaces, so lm-eval's preprocess only strips."""
     query = f"{item['activity_label']}: {item['ctx_a']} {item['ctx_b'].capitalize()}".strip()
     return query, [e.strip() for e in item["endings"]], int(item["label"])
 

@@ -86,8 +86,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def train_model(cfg: TrainConfig, tokenizer: transformers.PreTrainedTokenizerFast, corpus: pd.DataFrame,
                 dev_items: dict[str, pd.DataFrame], threads: int) -> tuple[transformers.Qwen3ForCausalLM, dict]:
-    """Train from scratch; dev_items maps a task name ('hellaswag', 'piqa') to its dev frame, scored every
-    eval_every steps. Deterministic given cfg and the thread count."""
+    """Train from scratch; dev_items maps a task name ('hellaswag', 'piqa') to its dev frame, scored every eval_every
+    steps. Deterministic given cfg and the thread count."""
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tokenizer)
@@ -142,9 +142,8 @@ def dev_summary(model: transformers.Qwen3ForCausalLM, tokenizer: transformers.Pr
 
 
 def encode_choices(tokenizer: transformers.PreTrainedTokenizerFast, task: str, items: pd.DataFrame) -> list[dict]:
-    """Per item: context ids, continuation ids of each choice, character length of each choice, gold
-    index; split as lm-eval does (encode context + " " + choice whole, the continuation is what follows
-    the context's own tokens)."""
+    """Per item: context ids, each choice's continuation ids and character length, gold index; split as lm-eval does
+    (encode context + " " + choice whole, the continuation is what follows the context's own tokens)."""
     out = []
     for _, item in items.iterrows():
         query, choices, gold = RENDER[task](item)

@@ -1,8 +1,7 @@
-"""The tiny world: a seeded generator of a small synthetic language of scenes and statements, from which `tiny.items`
-cuts its HellaSwag- and PIQA-shaped items and `tiny.corpus` its corpus. Three statements give the item kinds: a
-*repeat* copies a fact of the scene (`recall`: an exact look-back), a *novel* one gives a new name a colour of the
-scene's palette (`gist`: what the scene is about, not any one fact), a *knowledge* one names the town a fixed global
-table gives (`knowledge`: held in the weights). Each document has its own random stream (`stream`).
+"""The tiny world: a seeded generator of a small synthetic language of scenes and statements. Three statements give
+the item kinds: a *repeat* copies a fact of the scene (`recall`: an exact look-back), a *novel* one gives a new name a
+colour of the scene's palette (`gist`: what the scene is about, not any one fact), a *knowledge* one names the town a
+fixed global table gives (`knowledge`: held in the weights). Each document has its own random stream (`stream`).
 """
 from __future__ import annotations
 
@@ -99,9 +98,8 @@ def object_class(obj: str) -> int:
 
 
 def global_towns(seed: int) -> dict[tuple[str, int], str]:
-    """The global facts: (name, object class) -> town, four distinct towns per name, fixed across the whole corpus
-    and never stated in a task item's context: a knowledge answer is held in the weights, keyed by what the context
-    says."""
+    """(name, object class) -> town, four distinct towns per name, fixed across the corpus and never stated in a task
+    item's context: a knowledge answer is held in the weights, keyed by what the context says."""
     rng = random.Random(f"{seed}/towns")
     return {(name, c): town for name in NAMES for c, town in enumerate(rng.sample(TOWNS, OBJECT_CLASSES))}
 
