@@ -100,8 +100,8 @@ def model_rows(contract: Contract) -> list[list[object]]:
 
 def size_rows(contract: Contract, source_config, target_config, ks: list[int],
               widths: dict[str, list[int]]) -> list:
-    """Parameters and float32 size of every fitted family's map the pair defines, per k (and per inner size, for
-    a family with one: `widths`; such a family without a width given is left out)."""
+    """Parameters and float32 size of every fitted family's map the pair defines, per k (and per inner size, for a
+    family with one: `widths`; such a family without a width given is left out)."""
     rows = []
     for family in FITTED_FAMILIES:
         spec = FAMILIES[family]
@@ -127,8 +127,8 @@ def flop_rows(source_config, target_config, lengths: list[int]) -> list:
 
 def repair_rows(source_config, target_config, lengths: list[int], repairs: list[str],
                 lookahead: SpeculativeParams | None = None) -> list:
-    """Per repair setting (`kv.repair`): its budget and the linear k=1 handoff's bound with it, at each length (a
-    policy ranking by the source counts its look-ahead scores, `lookahead`: params' `speculative` settings)."""
+    """Per repair setting (`kv.repair`): its budget and the linear k=1 handoff's bound with it, at each length (a policy
+    ranking by the source counts its look-ahead scores, `lookahead`: params' `speculative` settings)."""
     per_token = mapper_macs_per_token(source_config, target_config, 1, "linear")
     rows = []
     for text in repairs:
@@ -147,14 +147,14 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
            lookahead: SpeculativeParams | None = None) -> str:
     note = f" ({contract.tokenizer_note})" if contract.tokenizer_note else ""
     lines = [f"# {contract.source.name} -> {contract.target.name}", "",
-             *md_table(["", "source", "target"], model_rows(contract)), "",
+             md_table(["", "source", "target"], model_rows(contract)), "",
              f"tokenizers: {contract.tokenizers}{note}", "",
-             *md_table(["mode", "defined"], [[mode, reason or "yes"] for mode, reason in contract.modes.items()]), "",
-             *md_table(["mapper family", "defined"],
-                       [[family, reason or "yes"] for family, reason in contract.families.items()])]
+             md_table(["mode", "defined"], [[mode, reason or "yes"] for mode, reason in contract.modes.items()]), "",
+             md_table(["mapper family", "defined"],
+                      [[family, reason or "yes"] for family, reason in contract.families.items()])]
     sizes = size_rows(contract, source_config, target_config, ks, widths)
     if sizes:
-        lines += ["", *md_table(["family", "k", "parameters", "float32 size"], sizes)]
+        lines += ["", md_table(["family", "k", "parameters", "float32 size"], sizes)]
     routed = [config for config in (source_config, target_config) if any(getattr(config, key, None)
                                                                          for key in EXPERT_KEYS)]
     if contract.defined("mapped") and routed:  # kv.flops counts one dense MLP of intermediate_size per layer
@@ -164,21 +164,20 @@ def report(contract: Contract, source_config, target_config, ks: list[int], leng
     elif contract.defined("mapped"):
         lines += ["", "Multiply-adds of the handoff (linear map, k=1) and the FLOP bound on its TTFT speedup over "
                   "the target's prefill:", "",
-                  *md_table(["prompt tokens", "source prefill", "map", "target step", "speedup bound"],
-                            flop_rows(source_config, target_config, lengths))]
+                  md_table(["prompt tokens", "source prefill", "map", "target step", "speedup bound"],
+                           flop_rows(source_config, target_config, lengths))]
         if self_layers(contract.source.name) is None:
             lines += ["", *matched_self_lines(source_config, target_config, lengths)]
         if repairs:
             lines += ["", "With a repair (kv.repair): its budget (of the target's prefill) / the speedup bound:", "",
-                      *md_table(["repair", *(f"{length} tokens" for length in lengths)],
-                                repair_rows(source_config, target_config, lengths, repairs, lookahead))]
+                      md_table(["repair", *(f"{length} tokens" for length in lengths)],
+                               repair_rows(source_config, target_config, lengths, repairs, lookahead))]
     return "\n".join(lines)
 
 
 def mapper_lines(path: Path, source: str, target: str, source_config, target_config, allow: bool) -> list[str]:
-    """Check the map at `path` against the pair (the models it was fitted on, by fingerprint, and its KV geometry)
-    as `kv.pair.Pair.handoff` does; refuse a mismatch in one line, else say what was checked (and, with `allow`,
-    how the models differ)."""
+    """The map at `path` checked as `kv.pair.Pair.handoff` does (its models' fingerprints, its KV geometry): a
+    mismatch is refused in one line; else what was checked (with `allow`, how the models differ)."""
     if any(name.startswith(SHAPE) for name in (source, target)):
         raise ParamError(f"--mapper: a {SHAPE}<name> model has no weights or tokenizer to check a map against; give "
                          f"model folders or hub ids")
@@ -265,7 +264,6 @@ def main(argv: list[str] | None = None) -> None:
     ks, left_out = default_ks(args.ks, source_config.num_hidden_layers, model_name(source_config))
     checked = (mapper_lines(args.mapper, args.source, args.target, source_config, target_config,
                             args.allow_other_models) if args.mapper else [])
-    # without a params.yaml the run is as long as the models allow
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)

@@ -2,11 +2,10 @@
 
     python -m pipeline.check_params
 
-Each section is parsed by the Params class of the stage that reads it (`pipeline.schema`: no stage is imported), a key
-no stage reads is refused, then the rules between sections run (`PARAMS_RULES`), which no stage could check alone: a
-typo or a wrong combination stops `dvc repro` here, naming the key. Writes metrics/params_check.json (the sections
-checked: its bytes do not depend on the values, so later stages rerun only for the params they read) and
-metrics/dtypes.json (the models' dtypes, a dtype `auto` resolved on this machine with the timings that chose it).
+Each section is parsed by its stage's Params class (`pipeline.schema`: no stage is imported), a key no stage reads is
+refused, then the rules between sections run (`PARAMS_RULES`): a typo or a wrong combination stops `dvc repro` here,
+naming the key. Writes metrics/params_check.json (the sections checked, bytes independent of the values, so later
+stages rerun only for the params they read) and metrics/dtypes.json (`auto` resolved here, with its timings).
 """
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ AUTO_DTYPES = ("models", "latency")  # those that may say `auto`
 
 
 class ParamsFile(Params):
-    """The whole of params.yaml: each section as the stage that reads it parses it, then the rules between
-    sections (`PARAMS_RULES`, in that order, once every section is valid; each names the keys it compares)."""
+    """The whole of params.yaml, each section parsed as the stage that reads it parses it, then `PARAMS_RULES`."""
 
     profile: str
     machine: MachineParams
@@ -96,9 +94,8 @@ def trained_pair_is_declared(params: ParamsFile) -> None:
 
 
 def named_config(params: ParamsFile, side: str):
-    """A hub-kind side's config where the profile names one readable without weights: a converted checkpoint's
-    stored shape (`convert.<side>.shape`) until convert_models has written it, a local folder's config.json; None
-    for a hub id (known once prepare_models fetched its config) or a folder lacking one (pin_models refuses it)."""
+    """A hub-kind side's config where readable without weights: `convert.<side>.shape` until convert_models wrote
+    it, a local folder's config.json; None for a hub id or a folder lacking one (pin_models refuses it)."""
     name = getattr(params.models, side)
     spec = next((getattr(params.convert, s) for s, path in paths.CONVERTED_SIDES.items() if Path(name) == path), None)
     if spec is not None and not Path(name, "config.json").is_file():
@@ -112,9 +109,7 @@ def named_config(params: ParamsFile, side: str):
 
 
 def depth_of(params: ParamsFile, side: str) -> int | None:
-    """A side's decoder layers where params alone tell it (a trained pair's settings, a stored shape, the config a
-    profile names: `named_config`; a self source's n); None for a hub model, known once prepare_models fetched its
-    config."""
+    """A side's decoder layers where params alone tell it; None for a hub model, known once its config is fetched."""
     if side == "source" and params.models.self_layers:
         return params.models.self_layers
     if params.models.kind == "trained":
@@ -192,9 +187,8 @@ def conversions_feed_the_pair(params: ParamsFile) -> None:
 
 
 def data_fits_the_pair(params: ParamsFile) -> None:
-    """Generated (tiny world) data has the trained pair's word-level vocabulary (random real-shape models read it as
-    ids, meaning nothing); hub data is tokenized by `data.tokenizer`, which must be the target's (folders: the same
-    vocabulary; else the same name)."""
+    """Generated data has the trained pair's word-level vocabulary (random real-shape models read it as meaningless
+    ids); hub data's `data.tokenizer` must be the target's (folders: the same vocabulary; else the same name)."""
     if params.data.kind == "generated" and params.models.kind == "hub":
         raise ParamError(f"data.kind: generated (the tiny world's word-level vocabulary) with models.kind hub "
                          f"({params.models.target}): the world's data fits only its trained pair; use a profile with "
@@ -287,7 +281,7 @@ def report_variant_is_evaluated(params: ParamsFile) -> None:
                          f"evaluate.mapped ({', '.join(params.evaluate.mapped)})")
 
 
-# the rules between sections, in the order they run (each names the keys it compares)
+# run in this order once every section is valid; each names the keys it compares
 PARAMS_RULES = (trained_pair_is_declared, model_paths_are_relative, repairs_within_the_target,
          self_source_within_the_target, ks_within_the_source, fit_splits_are_extracted, candidates_are_fitted,
          distilled_candidates_have_a_learning_rate, calibration_sizes_fit_the_pool, mappers_are_produced,
@@ -299,9 +293,8 @@ SECTIONS = {name: field.annotation for name, field in ParamsFile.model_fields.it
 
 
 def mapper_files(fit: FitParams, distill: DistillParams) -> list[str]:
-    """Every mapper file the fit grid and distillation leave: fit's candidates (models/mappers/), the distilled
-    maps (models/distilled/), select's choice and, per k of the linear family, its best ridge strength
-    (models/best/mapped_k<k>)."""
+    """Every mapper file fit, distill and select leave: select's choice and, per k of the linear family, its best
+    ridge strength besides the fitted and distilled maps."""
     best = [paths.best_map(k) for k in fit.ks] if "linear" in fit.families else []
     distilled = [paths.distilled_map(distilled_name(name)) for name in distill.start]
     fitted = [paths.fitted_map(name) for name in fit.candidates()]
@@ -317,7 +310,7 @@ def map_name(key: str, name: str) -> MapName:
 
 
 def check(params: dict) -> list[str]:
-    """Validate every section; returns the names checked. Raises ParamError naming the first bad key."""
+    """Returns the sections checked; raises ParamError naming the first bad key."""
     for key in params:
         if key not in SECTIONS and key not in PLAIN:
             raise ParamError(f"{key}: unknown section of {PARAMS_FILE} (known: {', '.join([*PLAIN, *SECTIONS])})")
@@ -332,9 +325,8 @@ def check(params: dict) -> list[str]:
 
 
 def slow_bfloat16(params: dict) -> str | None:
-    """Why the models' bfloat16 would crawl on this CPU (a matmul timed in each dtype: without AMX or avx512_bf16,
-    bfloat16 runs many times slower than float32), or None where no model runs in bfloat16 on a CPU or it is the
-    faster here. Measured, so not a rule of the file: a profile is valid on every machine."""
+    """Why bfloat16 would crawl on this CPU (without AMX or avx512_bf16 it runs many times slower than float32), or
+    None. Measured, so not a rule of the file: a profile is valid on every machine."""
     keys = [f"{section}.dtype" for section in MODEL_DTYPES if params[section]["dtype"] == "bfloat16"]
     machine = parse(MachineParams, params["machine"], "machine")
     if not keys or machine.torch_device != "cpu":
@@ -365,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     reason = slow_bfloat16(params)
     if reason:
         raise ParamError(reason)
-    write_json_atomic(paths.DTYPES, dtypes(params))
+    write_json_atomic(paths.DTYPE_CHOICE, dtypes(params))
     write_json_atomic(paths.PARAMS_CHECK, result)
     print(json.dumps(result))
 

@@ -37,8 +37,8 @@ GATE_FLAGS = ("fallback", "threshold", "disagree")  # the gate's part of a reque
 
 
 def mode_request(mode: str, options: dict) -> Transfer:
-    """The request of `mode` from the run's `options` (the request fields its flags give): each field the mode reads;
-    a mode reading a map without one is refused (FileNotFoundError, as the pipeline's missing selected map)."""
+    """The request of `mode` from the run's `options` (the request fields its flags give): each field the mode reads; a
+    mode reading a map without one is refused (FileNotFoundError, as for the pipeline's missing selected map)."""
     mapper, name = options.get("mapper"), split_mode(mode)[0]
     if name in USES["mapper"]:
         if mapper is None:  # the selected map was fitted for the pipeline's pair, not for one given by hand
@@ -53,10 +53,10 @@ def mode_request(mode: str, options: dict) -> Transfer:
 
 def build_routers(pair: Pair, modes: Sequence[str], options: dict, say: Callable[[str], None] = print,
                   asked: bool = False) -> dict[str, Router]:
-    """Each mode's router (its handoff and gate; weights loaded here, once per model). Every mode's request is
-    checked first, against the pair's configs, before any weight loads: a refused mode of the default list is said
-    in one line and left out, one the user `asked` for stops the run, and so does a map that cannot be used (corrupt,
-    or fitted on other models). The oracle is first, and always there: it is what the others are compared with."""
+    """Each mode's router (its handoff and gate; weights loaded here, once per model). Every request is checked against
+    the pair's configs before any weight loads: a refused mode of the default list is said in one line and left out; one
+    the user `asked` for stops the run, as does an unusable map (corrupt, or fitted on other models). The oracle is
+    always there, first: the others are compared with it."""
     requests = {}
     for mode in dict.fromkeys(["oracle", *modes]):
         try:
@@ -84,12 +84,11 @@ def build_routers(pair: Pair, modes: Sequence[str], options: dict, say: Callable
 def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path | None, max_new_tokens: int,
         temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: dict | None = None,
         asked: bool = False, repair: Repair | None = None) -> list[list[Generation]]:
-    """Each prompt continued in every mode the pair allows, streamed to `out` (by default stdout), then its summary
-    table. `gate` ({fallback, threshold, disagree}) gates each mode that hands off the source's cache: where its score
-    exceeds the threshold the prompt continues from the target's own prefill, and the scoring's time (its own source
-    prefill, map, repair and first step) is shown beside the time to first token of the way it went. `repair`
-    repairs each mode whose cache the target did not prefill (`kv.request.USES`; a gated one where it keeps its way),
-    within its time to first token."""
+    """Each prompt continued in every mode the pair allows, streamed to `out` (default stdout), then its summary table.
+    `gate` ({fallback, threshold, disagree}) gates each mode that hands off the source's cache: above the threshold the
+    prompt continues from the target's own prefill, and the scoring's time (its own source prefill, map, repair and
+    first step) is shown beside the time to first token of the way it went. `repair` repairs each mode whose cache the
+    target did not prefill (`kv.request.USES`; a gated one where it keeps its way), within its time to first token."""
     out = out or sys.stdout
 
     def say(line: str) -> None:
@@ -111,11 +110,11 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
                                                                                                   width, out))
                         for mode, router in routers.items()])
         say("")
-        say("\n".join(summary(results[-1])))
+        say(summary(results[-1]))
     return results
 
 
-def summary(generations: list[Generation]) -> list[str]:
+def summary(generations: list[Generation]) -> str:
     """The table of one prompt: per mode its time to first token, new tokens, departure from the oracle and route;
     with a gate, each gated mode's score (and the scoring's time)."""
     oracle = generations[0].tokens
@@ -156,9 +155,9 @@ def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
 
 
 def request_options(args, modes: Sequence[str]) -> dict:
-    """The request fields the repair and gate flags give, checked by the request's rules before any model work: a
-    flag no mode of --transfer reads (--mapper and --shuffle-seed too) is refused, and so is a gate missing a part
-    or given a part its score does not read (--disagree beside another score)."""
+    """The request fields the repair and gate flags give, checked by the request's rules before any model work: a flag
+    no mode of --transfer reads (--mapper and --shuffle-seed too) is refused, as is a gate missing a part or given a
+    part its score does not read (--disagree beside another score)."""
     options = {"repair": args.repair, "fallback": args.fallback, "threshold": args.threshold,
                "disagree": args.disagree}
     given = {**options, "mapper": args.mapper, "shuffle_seed": args.shuffle_seed}  # as typed, no default filled in
@@ -173,7 +172,6 @@ def request_options(args, modes: Sequence[str]) -> dict:
 
 
 def command_line():
-    """generate's command line: the prompt, the modes, decoding, the gate and the pair."""
     cli = parser("pipeline.generate", __doc__)
     cli.add_argument("prompt", nargs="?", help="the prompt text")
     cli.add_argument("--file", help="read the prompt from this file")

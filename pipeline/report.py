@@ -2,8 +2,8 @@
 
 Load every study's inputs, compute each study, write: metrics/report.json (the variants' keys, then one per study that
 ran), metrics/headline/<variant>.json (the few figures `dvc metrics show/diff` compare), report.md, PNG figures under
-report/ and their tables under plots/ for `dvc plots`. A study is one module of `pipeline/studies/` (inputs, statistics,
-Markdown, figure), joining with one line in `studies.registry.STUDIES`.
+report/ and their tables under plots/ for `dvc plots`. A study is a module of `pipeline/studies/` (inputs, statistics,
+figure) and its section's template (`studies.render`), joining with one line in `studies.registry.STUDIES`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, read_pointer
 from pipeline.store.params import load_section, load_value
-from pipeline.studies import confident, operating, variants
+from pipeline.studies import confident, render, variants
 from pipeline.studies.registry import STUDIES
 from pipeline.studies.run import Joining, Run
 from pipeline.studies.settings import ReportParams
@@ -32,8 +32,8 @@ pd = lazy("pandas")
 
 
 def load(variant_names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> tuple[Run, dict]:
-    """The variants' run and each study's inputs (a study that did not run is left out): every file the
-    report reads, read before anything is computed or written."""
+    """The variants' run and each study's inputs (a study that did not run is left out): every file the report reads,
+    read before anything is computed or written."""
     run = Run.load(variant_names, calibration_sizes, operating_lengths)
     inputs = {key: study.load(run) for key, study in STUDIES.items()}
     return run, {key: given for key, given in inputs.items() if given is not None}
@@ -59,23 +59,10 @@ def figures(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
     return tables
 
 
-def markdown(report: dict, run: Run, context: dict) -> str:
-    """report.md: the variants' head, each study's section, the look-ahead select chose, the controls and latency, the
-    environment."""
-    lines = variants.lines(report, context)
-    for key, study in STUDIES.items():
-        if key in report:
-            lines += study.lines(report[key])
-    lines += operating.lookahead_lines(run.select) + variants.appendix(run)
-    lines += ["## Environment", ""] + [f"- {k}: {val}" for k, val in context["environment"].items()] + [""]
-    return "\n".join(lines)
-
-
 def run_record(dtypes: dict, variant_names: list[str], sizes: list[int], lengths: list[int]) -> dict:
     """report.json's `run`: the models' dtype (`auto`'s figures beside it) and the run's wall time, the sum of each
-    stage's own `wall_s` (its process from start to outputs written; DVC's hashing, the conversion and the data
-    preparation are not in it) as the metrics of this run's stages record it (a stage without a model, or one that
-    did not run, has none)."""
+    stage's own `wall_s` in its metrics (its process from start to outputs written; not DVC's hashing, the conversion or
+    the data preparation; a stage without a model, or not run, has none)."""
     timed = [paths.MODEL_SCORES, *(paths.METRICS / f"extract_{side}.json" for side in ("source", "target")),
              paths.FIT, paths.DISTILL, paths.SELECT, paths.CONTROLS_USAGE,
              *(paths.variant_metrics(name) for name in variant_names), *map(paths.operating_metrics, lengths),
@@ -134,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     data_kind = load_value(str, "data.kind")
     lengths = load_value(list, "operating.lengths")
     run, inputs = load([*BASELINES, *mapped], sizes, lengths)
-    dtypes = json.loads(paths.DTYPES.read_text())
+    dtypes = json.loads(paths.DTYPE_CHOICE.read_text())
     report = compute(params, measure, run, inputs) | {"run": run_record(dtypes, [*BASELINES, *mapped], sizes, lengths)}
     tables = figures(report, run, paths.FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data_kind, "source": models.source,
                "target": models.target, "dtype": dtype_phrase(dtypes), "device": machine.device, "pair": run.pair,
                "environment": environment(models, machine),
                "selected_name": run.select.get("selected", params.mapped_variant)}
-    text = markdown(report, run, context)
+    text = render.report(report, run, context)
     write(report, tables, text)
     print(text)
 

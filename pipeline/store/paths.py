@@ -15,9 +15,8 @@ DVC_YAML = Path("dvc.yaml")
 
 
 def shown(name: str) -> str:
-    """A model's name as messages and reports show it: an absolute folder inside the working directory (the
-    repository, where every stage runs) relative to it, so a report does not carry the run's own absolute path;
-    anything else (a hub id, a folder elsewhere) as given."""
+    """A model's name as messages and reports show it: a folder inside the working directory (the repository, where
+    every stage runs) made relative, so a report does not carry the run's own absolute path."""
     path = Path(name)
     if not path.is_absolute():
         return name
@@ -87,7 +86,7 @@ SELECTIVE_CURVES = SELECTIVE / "curves.parquet"  # quality at each fallback rate
 # metrics/: small JSON kept in git, compared by `dvc metrics diff`
 METRICS = Path("metrics")
 PARAMS_CHECK = METRICS / "params_check.json"
-DTYPES = METRICS / "dtypes.json"  # the models' dtypes, `auto` resolved with its figures (check_params)
+DTYPE_CHOICE = METRICS / "dtypes.json"  # the models' dtypes, `auto` resolved with its figures (check_params)
 MODEL_SCORES = METRICS / "models.json"
 FIT = METRICS / "fit.json"  # fit_metrics()
 DISTILL = METRICS / "distill.json"

@@ -51,10 +51,9 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per size n (fit sequences) and candidate, retention and gap closure on the eval part with their
-    intervals; per size, the task-accuracy difference of the largest-k linear candidate over the smallest-k one
-    (paired bootstrap, both tasks' items), and the smallest size from which it stays above 0 at every larger
-    size (`larger_k_pays_from`; None when it never does)."""
+    """Per size n (fit sequences) and candidate: eval-part retention and gap closure with intervals. Per size: task
+    accuracy of the largest-k linear candidate minus the smallest-k one (paired bootstrap, both tasks' items), and
+    `larger_k_pays_from`, the smallest size from which its low end stays above 0 at every larger size (None: never)."""
     points, point_items, rows = inputs.points, inputs.point_items, []
     for size in sorted(points):
         for name, frame in point_items[size].items():
@@ -80,35 +79,19 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
             if larger else None, "larger_k_pays_from": min(pays) if pays else None}
 
 
-def lines(study: dict) -> list[str]:
-    """The report's section on the calibration curve (one line when the profile declares no size)."""
-    sizes = sorted({row["sequences"] for row in study["rows"]})
-    if not sizes:
-        return ["## How much calibration", "", "No calibration point in this profile (`calibration.sizes` is empty: "
-                "`dvc exp run -S 'calibration.sizes=[...]'` adds one stage per size).", ""]
-    out = ["## How much calibration", "",
-           "Candidates refitted on the first n sequences of the calibration pool (`calibrate@<n>`; its first "
-           f"sequences are the fit split), each evaluated on the eval part, at n = {', '.join(map(str, sizes))} "
-           "(`calibration.sizes`: another size is one more stage, `dvc exp run -S 'calibration.sizes=[...]'`).", ""]
-    out += md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
-                     "Gap closure [95% CI]"],
-                    [[r["sequences"], f"{r['tokens']:,}", r["candidate"], f"{r['params_per_token']:.3g}",
-                      pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
-                      pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"])]
-                     for r in study["rows"]])
+def shown(study: dict) -> dict:
+    """The sizes that ran, the curve's table and the larger k's differences by size (None without them)."""
     larger = study["larger_k"]
-    if larger:
-        out += ["", f"{larger['larger']} minus {larger['smaller']}: task accuracy (`acc`, both tasks' items), "
-                "paired bootstrap 95% interval.", ""]
-        out += md_table(["Sequences", "Δ [95% CI]", "n"],
-                        [[size, interval(c["diff"], c["low"], c["high"]), c["n"]]
-                         for size, c in larger["by_size"].items()])
-        from_size = study["larger_k_pays_from"]
-        out += ["", f"The larger k pays off (interval above 0 at this size and every larger one) from {from_size} "
-                f"sequences on." if from_size is not None else "The larger k is not shown to pay off at any size "
-                "here (no size from which every interval is above 0)."]
-    out += ["", "![Calibration curve](report/calibration.png)", ""]
-    return out
+    return {"sizes": sorted({row["sequences"] for row in study["rows"]}),
+            "table": md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
+                               "Gap closure [95% CI]"],
+                              [[r["sequences"], f"{r['tokens']:,}", r["candidate"], f"{r['params_per_token']:.3g}",
+                                pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
+                                pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"])]
+                               for r in study["rows"]]),
+            "larger": md_table(["Sequences", "Δ [95% CI]", "n"],
+                               [[size, interval(c["diff"], c["low"], c["high"]), c["n"]]
+                                for size, c in larger["by_size"].items()]) if larger else None}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:

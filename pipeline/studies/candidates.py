@@ -1,5 +1,5 @@
-"""The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each
-cheap figure ranks them the way retention does (held-out R², and each prompt metric on the select split that
+"""The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each cheap
+figure ranks them the way retention does (held-out R², and each prompt metric on the select split that
 `measure.prompt_metrics` marks a proxy), and the quality/speed frontier.
 
 Inputs: metrics/candidates.json and eval/candidates/<name>.parquet (stage `candidates`), metrics/fit.json and
@@ -18,7 +18,7 @@ from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -54,10 +54,9 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Every candidate's retention and gap closure on the eval part (intervals as for the variants), its cheap
-    figures (`proxies`), speed and size; the rank correlation of each proxy with retention across candidates;
-    and the Pareto fronts of gap closure against the measured speedup and against the FLOP bound at the real
-    pair's shapes."""
+    """Every candidate's eval-part retention and gap closure (intervals as for the variants), cheap figures (`proxies`),
+    speed and size; each proxy's rank correlation with retention across candidates; the Pareto fronts of gap closure
+    against the measured speedup and against the FLOP bound at the real pair's shapes."""
     maps, rows = inputs.figures["maps"], {}
     for name, frame in inputs.candidate_items.items():
         select, figures = inputs.select["maps"][name], maps[name]
@@ -96,57 +95,35 @@ def front(row: dict) -> str:
                     if row[key]) or "—"
 
 
-def lines(study: dict) -> list[str]:
-    """The report's section on every candidate: quality, proxies, speed, and what predicts what."""
+def shown(study: dict) -> dict:
+    """Every candidate's table, each proxy's correlation with retention, the proxy that tracks it best (`best`: None
+    when none has a correlation; `tracks`: whether the best in its direction is above 0) and each front's names."""
     rows = study["rows"]
-    out = ["## Every candidate: what predicts retention, and the quality/speed frontier", "",
-           f"Each fitted map evaluated on the eval part like a mapped variant (stage `candidates`); speedup is the "
-           f"measured time to first token of the target's own prefill over the handoff's at {study['length']} "
-           f"prompt tokens on this machine, the FLOP bound is the same family and k at `{study['bound_pair']}`'s "
-           f"shapes. Front: on the Pareto front of gap closure against the measured speedup (here) or against "
-           f"the bound (at pair).", ""]
-    out += md_table(
-        ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
-         "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front", "Confident top-1",
-         "Oracle-weighted agreement"],
-        [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
-          pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
-          "—" if r["r2_heldout"] is None else f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}",
-          pct(r["agreement"]), f"{r['mean_kl']:.3f}",
-          f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
-          front(r), pct(r["confident_top1"]), pct(r["oracle_weighted_agreement"])] for name, r in rows.items()])
-    out += ["", "Rank correlation (Spearman) of each cheap figure with eval-part retention across the candidates "
-            "above; intervals resample the candidates.", ""]
     named = [(proxies(FIDELITY)[name], c) for name, c in study["proxies"].items()] + [
         (proxies(CONFIDENT)[name], c) for name, c in study["confident_proxies"].items()]
-    out += md_table(["Proxy", "Spearman ρ [95% CI]", "p", "n"],
-                    [[name, f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}",
-                      c["n"]] for name, c in named])
-    out += ["", reading(study), "", "![Gap closure against speedup](report/frontier.png)", ""]
-    return out
-
-
-def reading(study: dict) -> str:
-    """Which proxy tracks retention best, and which candidates are on the fronts, from the numbers."""
     # in the direction each proxy should point: higher R², cosine and agreement, lower KL
     strength = {name: c["rho"] if name == R2 else PROMPT_METRICS[name].better(c["rho"])
                 for name, c in study["proxies"].items() if c["rho"] == c["rho"]}
-    parts = []
-    if strength and max(strength.values()) <= 0:
-        parts.append("No cheap figure ranks the candidates the way retention does.")
-    elif strength:
-        best = max(strength, key=strength.get)
-        c = study["proxies"][best]
-        settled = c["low"] > 0 or c["high"] < 0
-        parts.append(f"Across {c['n']} candidates the {proxies(FIDELITY)[best]} tracks retention most closely (ρ "
-                     f"{c['rho']:+.2f}, 95% interval [{c['low']:+.2f}, {c['high']:+.2f}]"
-                     f"{'' if settled else ', which includes 0'}).")
-    for key, where in (("pareto_measured", "against the measured speedup"),
-                       ("pareto_at_pair", f"against the FLOP bound at {study['bound_pair']}")):
-        names = [name for name, row in study["rows"].items() if row[key]]
-        if names:
-            parts.append(f"On the front {where}: {and_(names)}.")
-    return " ".join(parts)
+    best = max(strength, key=strength.get) if strength else None
+    return {
+        "table": md_table(
+            ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
+             "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front", "Confident top-1",
+             "Oracle-weighted agreement"],
+            [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
+              pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
+              "—" if r["r2_heldout"] is None else f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}",
+              pct(r["agreement"]), f"{r['mean_kl']:.3f}",
+              f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
+              front(r), pct(r["confident_top1"]), pct(r["oracle_weighted_agreement"])] for name, r in rows.items()]),
+        "proxies": md_table(["Proxy", "Spearman ρ [95% CI]", "p", "n"],
+                            [[name, f"{c['rho']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]", f"{c['p']:.3g}", c["n"]]
+                             for name, c in named]),
+        "best": best, "best_name": proxies(FIDELITY)[best] if best else None,
+        "tracks": best is not None and strength[best] > 0,
+        "measured": [name for name, row in rows.items() if row["pareto_measured"]],
+        "at_pair": [name for name, row in rows.items() if row["pareto_at_pair"]],
+    }
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:

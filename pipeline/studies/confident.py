@@ -1,8 +1,8 @@
 """The V0 variants where the oracle is sure: agreement that near-ties cannot decide, beside V0's top-1.
 
-Per variant, at the declared margin `measure.confident_margin`: the confident figures of `measure.confident`, each with
-a 95% bootstrap interval over prompts and its count, and the paired confident top-1 difference of the mapped variant
-with every other, over the confident prompts. V0's column stays as it is, for comparison with V0.
+Per variant, at margin `measure.confident_margin`: the confident figures of `measure.confident`, each with its count and
+95% bootstrap interval over prompts, and the mapped variant's paired confident top-1 difference with every other over
+the confident prompts. V0's column stays as it is, for comparison with V0.
 """
 from __future__ import annotations
 
@@ -34,9 +34,8 @@ def load(run: Run) -> Run:
 
 
 def comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed: int) -> dict:
-    """Confident-prompt top-1 of `a` minus `b` over the prompts where the oracle is sure at their first position
-    (the same prompts for both: one oracle), with a paired bootstrap 95% interval and McNemar's p over them;
-    None for each where there is no such prompt."""
+    """Confident-prompt top-1 of `a` minus `b` over the prompts whose first position the oracle is sure of (the same for
+    both: one oracle), with paired bootstrap 95% interval and McNemar's p; None (n 0) without such a prompt."""
     a, b = a.sort_values("prompt"), b.sort_values("prompt")
     sure = confident_prompts(a, margin)
     if not sure.any():
@@ -49,8 +48,8 @@ def comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed
 
 
 def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
-    """Per variant its confident figures with intervals and counts (and V0's top-1 beside them), the paired
-    confident top-1 differences of the mapped variant, and the shares every variant shares (one oracle)."""
+    """Per variant its confident figures with intervals and counts (and V0's top-1 beside them), the mapped variant's
+    paired confident top-1 differences, and the shares common to every variant (one oracle)."""
     margin, iters, seed = measure.confident_margin, *measure.bootstrap
     rows = {}
     for name in order(run.metrics):
@@ -78,34 +77,21 @@ def _cell(row: dict, name: str, count: int) -> str:
     return f"{pct_interval(row[name], row[f'{name}_low'], row[f'{name}_high'])} (n = {count})"
 
 
-def lines(study: dict) -> list[str]:
-    """The section: the shares where the oracle is sure (the ceiling a reader needs), the table beside V0's
-    top-1 and the paired confident top-1 differences."""
-    out = ["## Where the oracle is sure: agreement beside V0's top-1", "",
-           f"A position is confident where the oracle's two most probable next tokens differ in probability by at "
-           f"least {study['margin']} (`measure.confident_margin`); elsewhere top-1 agreement measures a near-tie, not "
-           f"the map. Confident prompts (the oracle sure at the first token after the prompt, V0's position): "
-           f"{study['confident_prompts']} of {study['prompts']} ({pct(study['confident_prompt_share'])}); confident "
-           f"positions over all teacher-forced positions: {study['confident_positions']} of {study['positions']} "
-           f"({pct(study['confident_position_share'])}). Oracle-weighted agreement: the mean over all positions of "
-           f"the oracle's probability of the variant's argmax (the oracle's own is its mean top probability). "
-           f"Intervals: 95% bootstrap over prompts.", ""]
-    v = study["variants"]
-    out += md_table(["Variant", "Next-token top-1 (V0)", "Confident-prompt top-1 [95% CI]",
-                     "Confident-position agreement [95% CI]", "Oracle-weighted agreement [95% CI]"],
-                    [[row["label"], pct(row["next_token_top1"]), _cell(row, "confident_top1", row["confident_prompts"]),
-                      _cell(row, "confident_agreement", row["confident_positions"]),
-                      pct_interval(*(row[f"oracle_weighted_agreement{end}"] for end in ("", "_low", "_high")))]
-                     for row in v.values()])
-    if study["comparisons"]:
-        out += ["", "Paired confident-prompt top-1 differences (over the confident prompts; exact McNemar p):", ""]
-        out += md_table(["Comparison", "Confident top-1 Δ [95% CI]", "McNemar p", "n"],
-                        [[name.replace("_", " "), "n/a" if c["confident_diff"] is None else
-                          f"{100 * c['confident_diff']:+.1f} [{100 * c['confident_low']:+.1f}, "
-                          f"{100 * c['confident_high']:+.1f}]",
-                          "n/a" if c["confident_mcnemar_p"] is None else f"{c['confident_mcnemar_p']:.3g}",
-                          c["confident_n"]] for name, c in study["comparisons"].items()])
-    return out + [""]
+def shown(study: dict) -> dict:
+    """The table beside V0's top-1 and the paired confident top-1 differences (None without a comparison)."""
+    return {"table": md_table(
+        ["Variant", "Next-token top-1 (V0)", "Confident-prompt top-1 [95% CI]",
+         "Confident-position agreement [95% CI]", "Oracle-weighted agreement [95% CI]"],
+        [[row["label"], pct(row["next_token_top1"]), _cell(row, "confident_top1", row["confident_prompts"]),
+          _cell(row, "confident_agreement", row["confident_positions"]),
+          pct_interval(*(row[f"oracle_weighted_agreement{end}"] for end in ("", "_low", "_high")))]
+         for row in study["variants"].values()]),
+        "comparisons": md_table(
+            ["Comparison", "Confident top-1 Δ [95% CI]", "McNemar p", "n"],
+            [[name.replace("_", " "), "n/a" if c["confident_diff"] is None else
+              f"{100 * c['confident_diff']:+.1f} [{100 * c['confident_low']:+.1f}, {100 * c['confident_high']:+.1f}]",
+              "n/a" if c["confident_mcnemar_p"] is None else f"{c['confident_mcnemar_p']:.3g}",
+              c["confident_n"]] for name, c in study["comparisons"].items()]) if study["comparisons"] else None}
 
 
 def headline(study: dict, variant: str) -> dict:

@@ -1,9 +1,8 @@
 """The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
 
-Both maps are compared on the select split (the stage's own scores) and, when the candidates stage scored them, on
-the eval part: retention, gap closure and the paired difference of task accuracy (after - before) over the same items,
-and the per-prompt figures on the eval prompts; each difference has its paired bootstrap interval, and the 0/1
-figures McNemar's p.
+Both maps on the select split (the stage's own scores) and, where the candidates stage scored them, on the eval part:
+retention, gap closure, the paired task-accuracy difference (after - before) over the same items, and the per-prompt
+figures on the eval prompts; each difference with its paired bootstrap interval, the 0/1 figures with McNemar's p.
 """
 from __future__ import annotations
 
@@ -111,57 +110,50 @@ def _arrow(row: dict, key: str, percent: bool = True) -> str:
     before, after = row.get(f"{key}_before"), row.get(f"{key}_after")
     if before is None or after is None:
         return "—"
-    shown = pct if percent else (lambda v: f"{v:.3f}")
-    return f"{shown(before)} → {shown(after)}"
+    written = pct if percent else (lambda v: f"{v:.3f}")
+    return f"{written(before)} → {written(after)}"
 
 
 def _difference(row: dict, key: str, scale: float = 100, fmt: str = "+.1f") -> str:
     return interval(row[f"{key}_diff"], row[f"{key}_low"], row[f"{key}_high"], scale=scale, fmt=fmt)
 
 
-def lines(study: dict) -> list[str]:
+def shown(study: dict) -> dict:
+    """The select split's table; the probes' (each map's rates and weights, None when no map probed) and their step
+    counts; the maps no epoch of which beat their start; the eval part's and the eval prompts' tables (None where the
+    candidates did not score both maps)."""
     rows = study["rows"]
-    out = ["## Distillation: maps trained through the frozen target", "",
-           f"Each map below started from the fitted map named beside it (same family, shapes and parameters, so "
-           f"the same handoff cost) and was trained on the KL of the target's next-token distributions after its "
-           f"own prefill and after the mapped cache ({study['rows_fit']} fit rows, early stopping on "
-           f"{study['rows_select']} select rows). Select split, before → after:", ""]
-    out += md_table(["Map", "Start", "Next-token top-1", "Agreement", "Rollout agreement", "Mean KL",
-                     "Best epoch / run", "Seconds"],
-                    [[name, r["start"], _arrow(r, "next_token_top1"), _arrow(r, "agreement"),
-                      _arrow(r, "rollout_agreement"), _arrow(r, "mean_kl", percent=False),
-                      f"{r['best_epoch']} / {r['epochs']}", f"{r['seconds']:.0f}"] for name, r in rows.items()])
-    out += probe_lines(rows)
+    probed = {name: r for name, r in rows.items() if r["probes"]}
     evaluated = {name: r for name, r in rows.items() if "tasks_diff" in r}
-    if evaluated:
-        out += ["", "On the eval part (the candidates study's items; task accuracy difference after − before over "
-                "the same items, paired bootstrap 95% interval, exact McNemar p):", ""]
-        out += md_table(
+    on_prompts = {name: r for name, r in rows.items() if "eval_prompts" in r}
+    return {
+        "select": md_table(["Map", "Start", "Next-token top-1", "Agreement", "Rollout agreement", "Mean KL",
+                            "Best epoch / run", "Seconds"],
+                           [[name, r["start"], _arrow(r, "next_token_top1"), _arrow(r, "agreement"),
+                             _arrow(r, "rollout_agreement"), _arrow(r, "mean_kl", percent=False),
+                             f"{r['best_epoch']} / {r['epochs']}", f"{r['seconds']:.0f}"] for name, r in rows.items()]),
+        "probes": md_table(["Map", "Select KL at the start", "Rate × kv_weight → select KL after the probe",
+                            "Chosen rate", "Chosen kv_weight"],
+                           [[name, _kl(r["select_kl_start"]), probe_cells(r), f"{r['lr']:g}", f"{r['kv_weight']:g}"]
+                            for name, r in probed.items()]) if probed else None,
+        "probe_steps": sorted({r["probe_steps"] for r in probed.values()}),
+        "kept": [name for name, r in rows.items() if r["best_epoch"] == 0],
+        "evaluated": md_table(
             ["Map", "Retention before", "Retention after", "Gap closure before", "Gap closure after",
              "Tasks Δ [95% CI]", "McNemar p", "n"],
             [[name, *(pct_interval(r[f"{key}_{when}"], r[f"{key}_{when}_low"], r[f"{key}_{when}_high"])
                       for key in ("retention", "gap_closure") for when in ("before", "after")),
               interval(r["tasks_diff"], r["tasks_low"], r["tasks_high"]), f"{r['tasks_mcnemar_p']:.3g}",
-              r["tasks_n"]] for name, r in evaluated.items()])
-    on_prompts = {name: r for name, r in rows.items() if "eval_prompts" in r}
-    if on_prompts:
-        out += ["", "On the eval prompts (rollouts at `evaluate.horizon`; after − before over the same prompts, paired "
-                "bootstrap 95% interval; McNemar p for next-token top-1; KL lower is better):", ""]
-        out += md_table(
+              r["tasks_n"]] for name, r in evaluated.items()]) if evaluated else None,
+        "prompts": md_table(
             ["Map", "Next-token top-1", "Δ [95% CI]", "McNemar p", "Rollout agreement", "Δ [95% CI]", "Mean KL",
              "Δ [95% CI]", "n"],
             [[name, _arrow(r, "eval_next_token_top1"), _difference(r, "eval_next_token_top1"),
               f"{r['eval_next_token_top1_mcnemar_p']:.3g}", _arrow(r, "eval_rollout_agreement"),
               _difference(r, "eval_rollout_agreement"), _arrow(r, "eval_mean_kl", percent=False),
               _difference(r, "eval_mean_kl", scale=1, fmt="+.3f"), r["eval_prompts"]]
-             for name, r in on_prompts.items()])
-    cost = study["cost_s"]
-    out += ["", f"Time, all maps and processes: the oracle {cost['oracle']:.0f} s, reading the rows "
-            f"{cost['rows']:.0f} s, the mapped step through the target (forward and backward) "
-            f"{cost['mapped_step']:.0f} s, the map's update {cost['map_update']:.0f} s, the select scoring "
-            f"{cost['select_scoring']:.0f} s."]
-    out += ["", "![select KL per epoch](report/distillation.png)", ""]
-    return out
+             for name, r in on_prompts.items()]) if on_prompts else None,
+    }
 
 
 def _kl(value: float | None) -> str:
@@ -176,28 +168,6 @@ def probe_cells(r: dict) -> str:
             cell = f"{rate} × {weight}: {_kl(kl)}"
             cells.append(f"**{cell}**" if (float(rate), float(weight)) == (r["lr"], r["kv_weight"]) else cell)
     return " · ".join(cells)
-
-
-def probe_lines(rows: dict) -> list[str]:
-    """The learning rate and regression weight each map chose on the select split ((rate, kv_weight) -> select KL
-    after its probe, the chosen pair in bold), and a sentence for each map no epoch of which beat its start."""
-    out = []
-    probed = {name: r for name, r in rows.items() if r["probes"]}
-    if probed:
-        steps = sorted({r["probe_steps"] for r in probed.values()})
-        out += ["", f"The learning rate and the weight of the key/value regression beside the KL were chosen on the "
-                f"select split: each pair of a rate of the family's grid (`distill.lrs`) and a weight "
-                f"(`distill.kv_weights`) trained the start map for {', '.join(map(str, steps))} steps, and the pair "
-                "with the lowest select KL trained the full run (select KL after each probe; the chosen pair in "
-                "bold):", ""]
-        out += md_table(["Map", "Select KL at the start", "Rate × kv_weight → select KL after the probe",
-                         "Chosen rate", "Chosen kv_weight"],
-                        [[name, _kl(r["select_kl_start"]), probe_cells(r), f"{r['lr']:g}", f"{r['kv_weight']:g}"]
-                         for name, r in probed.items()])
-    kept = [name for name, r in rows.items() if r["best_epoch"] == 0]
-    if kept:
-        out += ["", *(f"{name}: distillation did not improve on the fitted map; the start was kept." for name in kept)]
-    return out
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:

@@ -27,15 +27,14 @@ def and_(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def md_table(header: list[str], rows: list[list[object]]) -> list[str]:
-    """A Markdown table's lines: header, separator, one line per row (cells already formatted)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+def md_table(header: list[str], rows: list[list[object]]) -> str:
+    """A Markdown table: header, separator, one line per row (cells already formatted); no last newline."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)])
 
 
 def subplots(*args, **kwargs):
-    """pyplot's `subplots` on the Agg backend, chosen here rather than when this module is imported (matplotlib
-    loads at the first figure): figures go to files only, no display needed, none assumed."""
+    """pyplot's `subplots` on Agg (files only, no display), chosen here: matplotlib loads at the first figure."""
     matplotlib.use("Agg")
     return plt.subplots(*args, **kwargs)
 

@@ -1,8 +1,6 @@
 """The length study (stage `length`): a map refitted on short prefixes of the fit sequences, with RoPE stripped (the
-pipeline's way) and with keys as cached (the ablation), used on prompts longer than the fit saw.
-
-Per prompt length both maps are compared with the oracle and with each other, and per bin of task context length
-(`report.length_bins`) on task accuracy.
+pipeline's way) and with keys as cached (the ablation), used on longer prompts. Per prompt length both maps are compared
+with the oracle and each other; per bin of task context length (`report.length_bins`), on task accuracy.
 """
 from __future__ import annotations
 
@@ -43,10 +41,9 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per prompt length: both maps' perplexity ratio to the oracle and agreement, and the paired comparison of
-    the stripped map with the rotated one on the same prompts: a sign test on per-prompt NLL (stripped lower?)
-    and a paired bootstrap of per-prompt agreement. Per bin of task context length: both maps' task accuracy,
-    their paired difference and McNemar's p."""
+    """Per prompt length: both maps' perplexity ratio to the oracle and agreement, and stripped against rotated on the
+    same prompts (sign test on per-prompt NLL, stripped lower?; paired bootstrap of per-prompt agreement). Per bin of
+    task context length: both maps' task accuracy, their paired difference and McNemar's p."""
     figures, out = inputs.figures, []
     for length in sorted({length for _, length in inputs.rows}):
         stripped, rotated = (inputs.rows[(space, length)].sort_values("prompt") for space in SPACES)
@@ -78,31 +75,20 @@ def _task_bins(params: ReportParams, measure: MeasureParams, tasks: dict[str, pd
     return bins
 
 
-def lines(study: dict) -> list[str]:
-    """The report's section on length generalization and what stripping RoPE buys."""
-    out = ["## Longer prompts than the fit saw", "",
-           f"`{study['candidate']}` refitted on the first {study['fit_tokens']} tokens of each fit sequence, with "
-           f"RoPE stripped (the pipeline's map) and with keys as cached, rotated in and out (the ablation), then "
-           f"used on {study['prompts']} eval prompts of each length (stage `length`). Perplexity ratio to the "
-           f"oracle and agreement over all continuation positions; NLL sign test: prompts where the stripped map's "
-           f"NLL is lower / higher, exact two-sided p.", ""]
-    out += md_table(
+def shown(study: dict) -> dict:
+    """Per prompt length both maps against the oracle and each other; per bin of context length, on task accuracy."""
+    return {"lengths": md_table(
         ["Prompt tokens", "x fit length", "PPL ratio stripped", "PPL ratio rotated", "Agreement stripped",
          "Agreement rotated", "Agreement Δ [95% CI]", "NLL lower / higher", "Sign test p"],
         [[r["length"], f"{r['ratio_to_fit']:g}", f"{r['stripped_ppl_ratio']:.3f}", f"{r['rotated_ppl_ratio']:.3f}",
           pct(r["stripped_agreement"]), pct(r["rotated_agreement"]),
           interval(r["agreement_diff"]["diff"], r["agreement_diff"]["low"], r["agreement_diff"]["high"]),
           f"{r['nll_sign_test']['lower']} / {r['nll_sign_test']['higher']}", f"{r['nll_sign_test']['p']:.3g}"]
-         for r in study["rows"]])
-    out += ["", "Task accuracy (`acc`) of both maps on the eval task items, by the length of the item's context "
-            "in multiples of the fit length; Δ = stripped − rotated, paired bootstrap 95% interval, exact McNemar p.",
-            ""]
-    out += md_table(["Context length", "Items", "Stripped", "Rotated", "Δ [95% CI]", "McNemar p"],
-                    [[b["bin"], b["items"], pct(b["stripped_acc"]), pct(b["rotated_acc"]),
-                      interval(b["diff"]["diff"], b["diff"]["low"], b["diff"]["high"]), f"{b['mcnemar_p']:.3g}"]
-                     for b in study["task_bins"]])
-    out += ["", "![Perplexity ratio against prompt length](report/length.png)", ""]
-    return out
+         for r in study["rows"]]),
+        "bins": md_table(["Context length", "Items", "Stripped", "Rotated", "Δ [95% CI]", "McNemar p"],
+                         [[b["bin"], b["items"], pct(b["stripped_acc"]), pct(b["rotated_acc"]),
+                           interval(b["diff"]["diff"], b["diff"]["low"], b["diff"]["high"]), f"{b['mcnemar_p']:.3g}"]
+                          for b in study["task_bins"]])}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:

@@ -1,7 +1,6 @@
-"""The operating study (stage `operating@<n>`): the handoff at the prompt lengths where prefill costs. Per length,
-every variant's quality and measured time to first token from the same prompts, the frontier, and the pass-key
-retrieval beside the oracle's own score. A point is on a length's front (`on_front`) by its measured figures only:
-confident agreement against measured speedup, no other variant at least as good on both and better on one.
+"""The operating study (stage `operating@<n>`): the handoff at lengths where prefill costs. Per length, every variant's
+quality and measured time to first token from the same prompts, pass-key retrieval beside the oracle's, and the front
+(`on_front`, by measured figures only: no other variant as good on confident agreement and speedup and better on one).
 """
 from __future__ import annotations
 
@@ -90,91 +89,56 @@ def _speed(value: float) -> str:
     return f"{value:.2f}x"
 
 
-def lines(study: dict) -> list[str]:
-    """The report's section: per length the table, the retrieval by depth, and a reading of quality with length."""
-    if not study:
-        return []
-    out = ["## Where prefill costs: the operating lengths", "",
-           "Every variant handed off on the same eval prompts of real text at each operating length (stage "
-           "`operating@<n>`), each prompt alone at batch 1: its figures against the oracle and its time to first "
-           "token from the same pass (the measured speedup is the oracle's mean time over the variant's, on the same "
-           "prompts; the FLOP bound is counted at the length, a repair's budget too). Confident agreement: over the "
-           "continuation positions where the oracle's top-2 margin is at least `measure.confident_margin`, 95% "
-           "interval from resampling prompts. Retrieval: a pass key stated once at a seeded depth of a real-text "
-           "haystack of the same length, asked for at the end, the greedy tokens after the handoff against the key "
-           "(exact match). Selection recall: where a variant chooses the prompt positions the target computes "
-           "itself (speculative prefill's kept tokens, a repair's recomputed ones), the share of pass-key items whose "
-           "key's tokens were all among them. Recall positions: continuation tokens that extend an n-gram the prompt "
-           "holds. "
-           "Front: no other variant is at least as good on both confident agreement and measured speedup and better on "
-           "one.", ""]
+def shown(study: dict) -> dict:
+    """Per length (`lengths`): its table, the retrieval by depth (None where no depth ran) and `equal_time`; the
+    quality from the shortest length to the longest (`with_length`); the figure's file."""
+    lengths = {}
     for length, entries in study.items():
-        oracle = entries["oracle"]
-        out += [f"### {int(length):,} tokens", "",
-                f"{oracle['n']} prompts ({oracle['positions']} positions, {oracle['confident_positions']} confident, "
-                f"{oracle['recall_positions']} recall), {oracle['retrieval_n']} pass-key items; the oracle's time to "
-                f"first token {oracle['ttft_ms'] / 1000:.2f} s, its retrieval {pct(oracle['retrieval'])}.", ""]
-        out += md_table(
+        depths = sorted((entries["oracle"]["retrieval_by_depth"] or {}), key=float)
+        lengths[length] = {"table": md_table(
             ["Variant", "Confident agreement [95% CI]", "KL", "PPL ratio", "Recall / other agreement",
              "Retrieval (of oracle's)", "Selection recall", "Measured TTFT speedup", "FLOP bound", "Front"],
             [[name, pct_interval(e["confident_agreement"], e["confident_agreement_low"],
                                  e["confident_agreement_high"]),
               f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}", f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
               f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", _selection(e["selection_recall"]),
-              _speed(e["speedup_measured"]),
-              _speed(e["flop_bound"]), "yes" if e["on_front"] else ""]
-             for name, e in entries.items()])
-        depths = sorted((oracle["retrieval_by_depth"] or {}), key=float)
-        if depths:
-            out += ["", "Retrieval by the needle's depth in the haystack (exact-match share):", ""]
-            out += md_table(["Variant", *(f"depth {d}" for d in depths)],
-                            [[name, *(pct(e["retrieval_by_depth"][d]) for d in depths)] for name, e in entries.items()])
-        out += [""] + equal_time(entries)
-    out += _with_length(study)
-    out += [f"![Confident agreement against measured speedup at each length](report/{FIGURE})", ""]
-    return out
+              _speed(e["speedup_measured"]), _speed(e["flop_bound"]), "yes" if e["on_front"] else ""]
+             for name, e in entries.items()]),
+            "depths": md_table(["Variant", *(f"depth {d}" for d in depths)],
+                               [[name, *(pct(e["retrieval_by_depth"][d]) for d in depths)]
+                                for name, e in entries.items()]) if depths else None,
+            "equal_time": equal_time(entries)}
+    return {"lengths": lengths, "with_length": _with_length(study), "figure": FIGURE}
 
 
-def equal_time(entries: dict) -> list[str]:
-    """Each variant against speculative prefill at the same measured speedup (its shares' confident agreement
-    interpolated linearly in the measured speedup between the two nearest), or why there is no such point; nothing
-    where no speculative share ran."""
+def equal_time(entries: dict) -> dict | None:
+    """Each variant's confident agreement beside speculative prefill's at the same measured speedup (`rival`: its
+    shares' interpolated linearly in it between the two nearest; None outside their range, `low` to `high`); None
+    where no share ran."""
     curve = sorted((e["speedup_measured"], e["confident_agreement"]) for name, e in entries.items()
                    if name.startswith(SPECULATIVE) and e["confident_agreement"] is not None)
     if not curve:
-        return []
+        return None
     low, high = curve[0][0], curve[-1][0]
-    said = []
+    points = []
     for name, e in entries.items():
         mine, speed = e["confident_agreement"], e["speedup_measured"]
         if name == "oracle" or name.startswith(SPECULATIVE) or mine is None:
             continue
-        if not low <= speed <= high:
-            said.append(f"{name} ({pct(mine)} at {_speed(speed)}) {'faster' if speed > high else 'slower'} than every "
-                        f"share: no point at its time")
-            continue
-        rival = float(np.interp(speed, [x for x, _ in curve], [y for _, y in curve]))
-        said.append(f"{name} {pct(mine)} against {pct(rival)} at {_speed(speed)}: "
-                    f"{'above' if mine > rival else 'not above'} it")
-    return [f"At equal measured time, against speculative prefill (its shares' confident agreement interpolated in the "
-            f"measured speedup, {_speed(low)}-{_speed(high)}): {'; '.join(said)}.", ""] if said else []
+        rival = float(np.interp(speed, [x for x, _ in curve], [y for _, y in curve])) if low <= speed <= high else None
+        points.append({"name": name, "mine": mine, "speed": speed, "rival": rival})
+    return {"low": low, "high": high, "points": points}
 
 
-def _with_length(study: dict) -> list[str]:
-    """Whether each variant's quality holds or falls from the shortest operating length to the longest."""
+def _with_length(study: dict) -> dict | None:
+    """Each variant's confident agreement at the shortest operating length and at the longest (None under two)."""
     if len(study) < 2:
-        return []
+        return None
     short, long = study[min(study, key=int)], study[max(study, key=int)]
-    words = []
-    for name in short:
-        a, b = short[name]["confident_agreement"], long.get(name, {}).get("confident_agreement")
-        if name == "oracle" or a is None or b is None:
-            continue
-        words.append(f"{name} {pct(a)} -> {pct(b)}")
-    if not words:
-        return []
-    return [f"Confident agreement from {int(min(study, key=int)):,} to {int(max(study, key=int)):,} tokens: "
-            f"{'; '.join(words)}.", ""]
+    changes = [(name, short[name]["confident_agreement"], long.get(name, {}).get("confident_agreement"))
+               for name in short if name != "oracle"]
+    return {"short": int(min(study, key=int)), "long": int(max(study, key=int)),
+            "changes": [(name, a, b) for name, a, b in changes if a is not None and b is not None]}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
@@ -203,17 +167,13 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
     return {"operating": table}
 
 
-def lookahead_lines(select: dict) -> list[str]:
+def lookahead(select: dict) -> dict:
     """What speculative prefill reads, as stage select chose it (metrics/select.json, its `lookahead/<label>` keys
-    nested as written): each look-ahead candidate's figures on the select split; nothing where select scored none."""
+    nested as written): each look-ahead candidate's figures on the select split (`table`, None where select scored
+    none)."""
     if "selected_lookahead" not in select:
-        return []
+        return {"table": None}
     rows = [[label + (" (chosen)" if label == select["selected_lookahead"] else ""), pct(figures["agreement"]),
              pct(figures.get("confident_agreement")), f"{figures['perplexity']:.3f}"]
             for label, figures in ((label, value["prompts"]) for label, value in select["lookahead"].items())]
-    return ["## What speculative prefill reads", "",
-            "The source's layers its look-ahead scores read and how they are pooled (`<layers>:<pooling>`), each "
-            "candidate of `select.lookahead` keeping `select.lookahead_share` of every select prompt, ranked by "
-            f"`select.rule` ({select['rule']}) on the select split; the choice (models/lookahead.json) is what every "
-            "speculative variant and every repair ranking by the source reads.", "",
-            *md_table(["Look-ahead", "Agreement", "Confident agreement", "Perplexity"], rows), ""]
+    return {"table": md_table(["Look-ahead", "Agreement", "Confident agreement", "Perplexity"], rows)}

@@ -1,6 +1,7 @@
-"""The one list of the report's studies beside the V0 variants (`variants`, the report's head), in the report's
-order. Adding a study is adding its module (the `studies.run.Study` protocol) beside this one and its line here;
-a module that lacks a function of the protocol, or joins a study not listed, is refused when this module loads.
+"""The one list of the report's studies beside the V0 variants (`variants`, the report's head), in the report's order.
+Adding a study is adding its module (the `studies.run.Study` protocol), its section's template
+(`templates/<module>.md.j2`) and its line here; a module that lacks a function of the protocol, or joins a study not
+listed, is refused when this module loads.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def checked(studies: dict[str, ModuleType]) -> dict[str, Study]:
     """`studies` (key in metrics/report.json -> module) as they are, once each keeps the protocol."""
     for key, module in studies.items():
         if not isinstance(module, Study):
-            missing = [name for name in ("load", "compute", "lines", "figure") if not hasattr(module, name)]
+            missing = [name for name in ("load", "compute", "shown", "figure") if not hasattr(module, name)]
             raise TypeError(f"study {key!r} ({module.__name__}) lacks {', '.join(missing)} of the Study protocol "
                             f"(pipeline/studies/run.py): define them in the module")
         if hasattr(module, "join") != hasattr(module, "JOINS"):

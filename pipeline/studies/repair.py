@@ -1,9 +1,9 @@
 """The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
 
-Each map's settings stand beside the baselines at the same budget: the truncated prompt, speculative prefill, the
-source alone (budget 0: the target computes nothing) and the selective gate at the same mean cost (its retention at
-the fallback rate equal to the budget, interpolated; the score's own cost left out). With the candidates study at the
-same pair and length, the frontier of gap closure against the FLOP bound gains the repaired points.
+Each map's settings beside the baselines at the same budget: the truncated prompt, speculative prefill, the source alone
+(budget 0: the target computes nothing) and the selective gate at the same mean cost (its retention interpolated at
+fallback rate = budget; the score's own cost left out). With the candidates study at the same pair and length, the
+frontier of gap closure against the FLOP bound gains the repaired points.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import and_, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -59,9 +59,8 @@ def load(run: Run) -> Inputs | None:
 
 def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budget: float,
             score: str) -> float | None:
-    """The selective gate's retention (eval items) for map `name` at the fallback rate equal to `budget`, by the
-    score `repair.gate_score` declares (chosen on nothing of the eval part); None when the gate was not run for the
-    map with that score."""
+    """The selective gate's eval-item retention for map `name` at fallback rate = `budget`, by the `repair.gate_score`
+    score (chosen on nothing of the eval part); None where the gate did not run that map and score."""
     if curves is None or not selective or name not in selective.get("maps", {}):
         return None
     curve = curves[(curves["map"] == name) & (curves.score == score) & (curves.requests == "items")]
@@ -117,10 +116,9 @@ def prompt_metrics(figures: dict) -> dict:
 
 
 def join(study: dict, candidates: dict | None) -> None:
-    """The frontier with the repaired points: the Pareto front of gap closure against the FLOP bound over every
-    candidate (the candidates study's rows, unrepaired) and every repaired point (a map at a setting other than
-    `none`), set on each repaired row (`front`) and the study (`front`: the names on it, `front_gains`: the repaired
-    ones). Only where both studies count at the same pair and prompt length; otherwise left unset."""
+    """The Pareto front of gap closure against the FLOP bound over every candidate (the candidates study's unrepaired
+    rows) and repaired point (a map at a setting but `none`), set on each repaired row (`front`) and the study (`front`:
+    the names on it; `front_gains`: the repaired ones). Unset unless both count at the same pair and length."""
     if not candidates or (candidates["bound_pair"], candidates["length"]) != (study["bound_pair"], study["length"]):
         return
     repaired = [row for row in study["rows"] if row["map"] not in MATCHED_BASELINES and row["setting"] != "none"]
@@ -134,30 +132,13 @@ def join(study: dict, candidates: dict | None) -> None:
     study["front_gains"] = [name for name in names if "@" in name]
 
 
-def front_sentence(study: dict) -> str:
-    """What the frontier gains from the repaired points, from the numbers; empty when it was not computed."""
-    if "front" not in study:
-        return ""
-    said = (f"it gains {and_([f'`{name}`' for name in study['front_gains']])}" if study["front_gains"]
-            else "no repaired point is on it")
-    return (f"Over the candidates study's maps and the repaired points, the Pareto front of gap closure against the "
-            f"FLOP bound at {study['bound_pair']} is {and_([f'`{name}`' for name in study['front']])}: {said}.")
-
-
-def cheapest(rows: list[dict]) -> str:
-    """The sentence naming, per map, the cheapest setting whose retention interval reaches the oracle (upper end
-    at least 100%), or saying that none does."""
+def cheapest(rows: list[dict]) -> list[tuple[str, dict | None]]:
+    """Per map: the cheapest setting whose retention interval reaches 100% (the oracle), or None where none does."""
     out = []
     for name in maps(rows):
         reaching = [row for row in rows if row["map"] == name and row["retention_high"] >= 1.0]
-        if reaching:
-            row = min(reaching, key=lambda row: row["budget"])
-            out.append(f"For `{name}` the cheapest setting whose retention interval reaches the oracle is "
-                       f"`{row['setting']}` (budget {pct(row['budget'])} of the target's prefill, retention "
-                       f"{pct_interval(row['retention'], row['retention_low'], row['retention_high'])}).")
-        else:
-            out.append(f"For `{name}` no setting's retention interval reaches the oracle.")
-    return " ".join(out)
+        out.append((name, min(reaching, key=lambda row: row["budget"]) if reaching else None))
+    return out
 
 
 def maps(rows: list[dict]) -> list[str]:
@@ -165,34 +146,20 @@ def maps(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in MATCHED_BASELINES))
 
 
-def verdict(mine: float, theirs: float) -> str:
-    return "beats" if mine > theirs else "does not beat"
-
-
-def against_baselines(rows: list[dict]) -> list[str]:
-    """Per budget level of the grid (the truncated prompt's), whether each map's best repair at that cost retains
-    more than the truncated prompt, than speculative prefill at that share (where it ran) and than its gate at the
-    same cost (point estimates), one line each."""
+def levels(rows: list[dict]) -> list[dict]:
+    """Per budget level (the truncated prompt's grid): its `budget`, the truncated prompt's row there (`truncated`),
+    speculative prefill's (`speculative`, None where it did not run) and each map's best repair at that cost (`best`:
+    map -> its row of highest retention)."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == paths.TRUNCATED_BASELINE}
     speculative = {round(row["budget"], 3): row for row in rows if row["map"] == paths.SPECULATIVE_BASELINE}
     out = []
     for level, base in sorted(truncated.items()):
-        parts = []
+        best = {}
         for name in maps(rows):
             same = [r for r in rows if r["map"] == name and r["setting"] != "none" and round(r["budget"], 3) == level]
-            if not same:
-                continue
-            best = max(same, key=lambda row: row["retention"])
-            said = [f"{verdict(best['retention'], base['retention'])} the truncated prompt"]
-            if level in speculative:
-                said.append(f"{verdict(best['retention'], speculative[level]['retention'])} speculative prefill "
-                            f"({pct(speculative[level]['retention'])})")
-            if best.get("gate") is not None:
-                said.append(f"{verdict(best['retention'], best['gate'])} the gate at the same cost "
-                            f"({pct(best['gate'])})")
-            parts.append(f"`{name}`'s best, `{best['setting']}` ({pct(best['retention'])}), {' and '.join(said)}")
-        out.append(f"- At {pct(level)} of the target's prefill (truncated prompt {pct(base['retention'])}): "
-                   f"{'; '.join(parts)}.")
+            if same:
+                best[name] = max(same, key=lambda row: row["retention"])
+        out.append({"budget": level, "truncated": base, "speculative": speculative.get(level), "best": best})
     return out
 
 
@@ -206,21 +173,11 @@ def pm(value: float | None) -> str:
     return "—" if value is None else pct(value)
 
 
-def lines(study: dict) -> list[str]:
+def shown(study: dict) -> dict:
+    """The table, each budget level against its matched-cost baselines (`levels`) and each map's cheapest setting that
+    reaches the oracle (`cheapest`)."""
     rows = study["rows"]
-    out = ["## Repair: the target recomputes part of the mapped cache", "",
-           f"Each map at each repair setting (`kv.repair`), evaluated on the eval part. Budget: the repair's "
-           f"multiply-adds over the target's prefill at `{study['bound_pair']}`'s shapes for {study['length']} "
-           f"prompt tokens; bound: the handoff's FLOP speedup bound there with the repair; measured: time to first "
-           f"token here. Against `none`: retention with the unrepaired map in the oracle's place. The truncated "
-           f"prompt is the target's own prefill of only the last budget share of each context; speculative prefill "
-           f"at the budget is the target's prefill of that share of the positions the source's look-ahead attention "
-           f"ranks first (with the first and last few), at their own positions; the gate column is "
-           f"the selective gate's retention by its `{study['gate_score']}` score (declared in params) at a fallback "
-           f"rate equal to the budget (the score's own cost left out). The source model alone is the budget-0 "
-           f"baseline: the target computes nothing. Front: a repaired point on the Pareto front of gap closure "
-           f"against the bound, over the candidates study's maps and the repaired points.", ""]
-    out += md_table(
+    return {"table": md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
          "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front", "Confident top-1",
          "Oracle-weighted agreement"],
@@ -230,11 +187,8 @@ def lines(study: dict) -> list[str]:
           "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
           pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"]),
           {True: "at pair", False: "—", None: ""}[r.get("front")], pm(r["confident_top1"]),
-          pm(r["oracle_weighted_agreement"])] for r in rows])
-    out += ["", "Against the matched-cost baselines, by retention (point estimates):", "", *against_baselines(rows)]
-    out += ["", cheapest(rows), *(["", front_sentence(study)] if "front" in study else []), "",
-            "![retention against budget](report/repair.png)", ""]
-    return out
+          pm(r["oracle_weighted_agreement"])] for r in rows]),
+        "levels": levels(rows), "cheapest": cheapest(rows)}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:

@@ -1,5 +1,5 @@
-"""What every study reads and what every study is: the `Run` (the variants' evaluation and the files each study
-beside them starts from) and the `Study` protocol a study module fills in.
+"""What every study reads and is: the `Run` (the variants' evaluation and the files each study starts from) and the
+`Study` protocol a study module fills in.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ pd = lazy("pandas")
 
 @dataclass
 class Run:
-    """What the variants' evaluation left: per variant its metrics, per-item and per-prompt rows (those the
-    pair's contract skipped only with their reason), the controls, the selection, the latency study (None
-    when it did not run), the pair that ran (`pair_names`) and the other stages' params the studies read."""
+    """What the variants' evaluation left: per variant its metrics and per-item and per-prompt rows (a variant the
+    pair's contract skipped: only its reason), the controls, the selection, the latency study (None when it did not
+    run), the pair that ran (`pair_names`) and the other stages' params the studies read."""
     metrics: dict
     items: dict[str, pd.DataFrame]
     prompts: dict[str, pd.DataFrame]
@@ -33,13 +33,13 @@ class Run:
     select: dict
     latency: dict | None
     pair: tuple[str, str]
-    calibration_sizes: list[int]  # params calibration.sizes (report.py reads it: dvc.yaml declares it there)
+    calibration_sizes: list[int]  # params calibration.sizes (read by report.py, where dvc.yaml declares it)
     operating_lengths: list[int]  # params operating.lengths, likewise
 
     @classmethod
     def load(cls, names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> Run:
-        """The declared variants' results (not whatever else metrics/eval holds: a profile with other k candidates
-        leaves other files there) and the files every study beside them reads."""
+        """The declared variants' results (not all of metrics/eval: a profile with other k leaves other files there)
+        and the files every study reads."""
         metrics, items, prompts, skipped = {}, {}, {}, {}
         for variant in names:
             metrics[variant] = json.loads(paths.variant_metrics(variant).read_text())
@@ -58,9 +58,8 @@ class Run:
 
 
 def pair_names(models: str = "models") -> tuple[str, str]:
-    """What each side of the pair that ran is: its hub id, its local folder, `shape:<name>` for random weights
-    of a stored shape, `self:<n>` for the target's own first n layers, or the prepared folder itself (the trained
-    tiny pair), from the pointers under models/."""
+    """Each side of the pair that ran, by its pointer under models/: hub id, local folder, `shape:<name>` (random
+    weights of a stored shape), `self:<n>` (the target's first n layers), or models/<side> (the trained tiny pair)."""
     names = []
     for side in ("source", "target"):
         pointer = read_pointer(f"{models}/{side}") or {"kind": "trained"}
@@ -72,25 +71,24 @@ def pair_names(models: str = "models") -> tuple[str, str]:
 
 @runtime_checkable
 class Study(Protocol):
-    """A study module: four functions. `load(run)` reads its input files (None when its stage did not run, and the
-    report leaves it out); `compute(params, measure, inputs)` its statistics, its key of metrics/report.json
-    (`measure`: the `measure` section, how it resamples); then, from that result, `lines(study)` its Markdown section
-    and `figure(study, folder)` its PNG figures and the tables behind them (for `dvc plots`)."""
+    """A study module: `load(run)` reads its input files (None when its stage did not run: the report leaves it out);
+    `compute(params, measure, inputs)` its statistics, its key of metrics/report.json (`measure`: how it resamples);
+    from that, `shown(study)` what its section's template (`templates/<module>.md.j2`, `studies.render`) reads beside
+    the study (its tables, what its words choose between) and `figure(study, folder)` its PNGs and tables."""
 
     def load(self, run: Run) -> Any | None: ...
 
     def compute(self, params: ReportParams, measure: MeasureParams, inputs: Any) -> dict: ...
 
-    def lines(self, study: dict) -> list[str]: ...
+    def shown(self, study: dict) -> dict: ...
 
     def figure(self, study: dict, folder: Path) -> dict[str, pd.DataFrame]: ...
 
 
 @runtime_checkable
 class Joining(Study, Protocol):
-    """A study whose result is completed with another study's (the repair study's frontier runs over the candidates
-    study's maps too): `JOINS` is that study's key in `STUDIES`; `join` gets this study's result and the other's (None
-    when the other did not run), after every study is computed."""
+    """A study completed with another's result (the repair study's frontier spans the candidates study's maps too):
+    `JOINS` is the other's key in `STUDIES`; `join` gets both once all are computed (the other's None if not run)."""
 
     JOINS: str
 

@@ -1,9 +1,8 @@
 """The selective-handoff study: per request, the mapped cache or the target's own prefill (stage `selective`).
 
-A gate is judged by each score's AUROC for "the map changes the decision" on the eval items (with its 95% interval),
-and by the quality it keeps: retention against the fallback rate and against the effective speedup bound, and
-next-token top-1 beside top-1 over the prompts where the oracle is sure, ungated, at each dev-chosen threshold and
-along the curves, beside the oracle and random gates.
+A gate is judged by each score's AUROC for "the map changes the decision" on the eval items (with 95% interval) and by
+the quality it keeps: retention against fallback rate and effective speedup bound, and next-token top-1 beside top-1
+where the oracle is sure; ungated, at each dev-chosen threshold and along the curves, beside oracle and random gates.
 """
 from __future__ import annotations
 
@@ -54,21 +53,10 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
     return {**inputs.metrics, "curves": curves.to_dict(orient="list")}
 
 
-def lines(study: dict) -> list[str]:
-    out = ["## Selective handoff: fall back to the target's prefill where the map is not trusted", "",
-           f"Each request is scored from the handoff's first step (no target prefill of the prompt) and falls "
-           f"back to the target's own prefill where its score exceeds a threshold, chosen on the dev items as "
-           f"the highest reaching retention {pct(study['target_retention'])}, then applied once to the eval part. "
-           f"AUROC: for \"the map changes the decision\" (task items: the chosen answer; prompts: the first "
-           f"token). Speedups at {study['length']} prompt tokens: measured here, and bounded by multiply-adds at "
-           f"{study['bound_pair']}'s shapes; a fallback pays the handoff, its score and the target's prefill.", ""]
-    if "probe_l2" in study:
-        out += [f"The `probe` score is a logistic regression per map (L2 {study['probe_l2']:g} on standardised "
-                f"weights) on the first step's features (the other scores, the target's top-1 probability, the log "
-                f"ratio of the mapped cache's mean key and value norms to the source cache's), trained on the dev "
-                f"items only and judged on the eval part; its dev threshold is chosen on out-of-fold scores of the dev "
-                f"items ({study['probe_folds']} folds), so not on the items each probe learned.", ""]
-    rows = []
+def shown(study: dict) -> dict:
+    """Each map ungated and at each score's dev threshold: its quality and speed (`table`) and its gate judged on the
+    eval items (`judged`); the maps evaluating the selected map (`selected`)."""
+    rows, judged = [], []
     for name, facts in study["maps"].items():
         rows.append([name, "none (ungated)", "—", "—", "—", "0%", pct(facts["retention"]), pct(facts["gap_closure"]),
                      pct(facts["next_token_top1"]), f"{facts['target_ms'] / facts['handoff_ms']:.2f}x",
@@ -81,10 +69,16 @@ def lines(study: dict) -> list[str]:
                          pct_interval(row["gap_closure"], row["gap_closure_low"], row["gap_closure_high"]),
                          pct_interval(row["next_token_top1"], row["next_token_top1_low"], row["next_token_top1_high"]),
                          f"{row['speedup']:.2f}x", f"{row['speedup_bound']:.2f}x"])
-    out += md_table(["Map", "Score", "AUROC items", "AUROC prompts", "Threshold", "Fallback (eval items)",
-                     "Retention", "Gap closure", "Next-token top-1", "Speedup measured", "Speedup bound"], rows)
-    out += ["", "![quality against fallback rate and effective speedup](report/selective.png)", ""]
-    return out + judged_lines(study)
+        count, items = facts["confident_prompts"], f"{facts['items']} ({facts['changed_item_count']})"
+        judged.append([name, "none (ungated)", "—", items, pct(facts["next_token_top1"]), _confident(facts, count)])
+        judged += [[name, score, _auroc(row), items, pct(row["next_token_top1"]), _confident(row, count)]
+                   for score, row in facts["scores"].items()]
+    return {"table": md_table(["Map", "Score", "AUROC items", "AUROC prompts", "Threshold", "Fallback (eval items)",
+                               "Retention", "Gap closure", "Next-token top-1", "Speedup measured", "Speedup bound"],
+                              rows),
+            "judged": md_table(["Map", "Score (dev threshold)", "AUROC items [95% CI]", "Eval items (changed)",
+                                "Next-token top-1", "Confident top-1 [95% CI] (n prompts)"], judged),
+            "selected": [name for name, facts in study["maps"].items() if facts["file"] == str(paths.SELECTED_MAPPER)]}
 
 
 def _auroc(row: dict) -> str:
@@ -97,35 +91,9 @@ def _confident(row: dict, count: int) -> str:
     return f"{pct_interval(*(row[f'confident_top1{end}'] for end in ('', '_low', '_high')))} (n = {count})"
 
 
-def judged_lines(study: dict) -> list[str]:
-    """The gate's discrimination on the eval items with its interval and n (the selected map's in a sentence), and
-    top-1 where the oracle is sure, ungated and at each dev threshold, beside V0's top-1."""
-    out = ["### The gate judged: AUROC on the eval items, top-1 where the oracle is sure", "",
-           f"AUROC for \"the map changes the decision\" on the eval items, with a 95% interval from resampling the "
-           f"items within each class. Confident top-1: next-token top-1 over the eval prompts where the oracle's two "
-           f"most probable first tokens differ in probability by at least {study['confident_margin']} "
-           f"(`measure.confident_margin`), where a near-tie cannot decide it; a fallback there counts as agreeing.", ""]
-    for name, facts in study["maps"].items():
-        if facts["file"] == str(paths.SELECTED_MAPPER):
-            scores = ", ".join(f"{score} {_auroc(row)}" for score, row in facts["scores"].items())
-            out += [f"Selected map (`{name}`, {facts['file']}): AUROC on the eval items {scores} (n = "
-                    f"{facts['items']} items, {facts['changed_item_count']} where the map changes the decision).", ""]
-    rows = []
-    for name, facts in study["maps"].items():
-        count = facts["confident_prompts"]
-        rows.append([name, "none (ungated)", "—", f"{facts['items']} ({facts['changed_item_count']})",
-                     pct(facts["next_token_top1"]), _confident(facts, count)])
-        rows += [[name, score, _auroc(row), f"{facts['items']} ({facts['changed_item_count']})",
-                  pct(row["next_token_top1"]), _confident(row, count)] for score, row in facts["scores"].items()]
-    out += md_table(["Map", "Score (dev threshold)", "AUROC items [95% CI]", "Eval items (changed)",
-                     "Next-token top-1", "Confident top-1 [95% CI] (n prompts)"], rows)
-    out += ["", "![next-token top-1 and confident top-1 against fallback rate](report/selective_top1.png)", ""]
-    return out
-
-
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: retention of the eval items against the fallback rate and against the effective speedup bound,
-    one line per score, the oracle gate and the random one dashed."""
+    """Per map: eval-item retention against fallback rate and effective speedup bound, one line per score (the oracle
+    and random gates dashed)."""
     curves = pd.DataFrame(study["curves"])
     items = curves[curves.requests == "items"]
     maps = list(study["maps"])
@@ -147,8 +115,8 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def top1_figure(study: dict, prompts: pd.DataFrame, folder: Path) -> None:
-    """Per map: next-token top-1 of the eval prompts (solid) and top-1 over the confident ones (dotted, the same
-    colour) against the fallback rate, one colour per score, the oracle gate and the random one included."""
+    """Per map against fallback rate, one colour per score (oracle and random gates included): next-token top-1 of the
+    eval prompts (solid) and over the confident ones (dotted)."""
     maps = list(study["maps"])
     fig, axes = subplots(1, len(maps), figsize=(5 * len(maps), 3.5), squeeze=False)
     for ax, name in zip(axes[0], maps):

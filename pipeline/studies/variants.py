@@ -1,9 +1,7 @@
-"""The V0 study: every declared variant's figures beside V0's published table, the paired comparisons, the
-acceptance criteria, a reading generated from the numbers, the headline `dvc metrics` compares, and the controls
-and latency summaries.
-
-V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another pair's run names its pair
-instead.
+"""The V0 study: every declared variant's figures beside V0's published table, the paired comparisons, the acceptance
+criteria, what the reading (templates/variants.md.j2, the report's head) chooses between, the headline `dvc metrics`
+compares and the controls' table. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision):
+another pair's run names its pair instead.
 """
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ from pipeline.measure.settings import MeasureParams
 from pipeline.store.lazy import lazy
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import self_layers
-from pipeline.studies import latency
 from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
-from pipeline.studies.format import and_, interval, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure, subplots
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -41,8 +38,8 @@ V0 = {
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
 SELECTED_LABELS = {"selected": "Selected mapped transfer", "selected_repaired": "Selected mapped transfer, repaired"}
-# the table's name and row of each mode's variant: below MAPS_ROW before the maps (V0's best per k, the selected, the
-# repaired), else after them; a mode not named here is a row by its own name after the others
+# each mode's name and row in the table: below MAPS_ROW before the maps (V0's best per k, the selected, the repaired),
+# else after them; a mode not named here is a row by its own name after the others
 MAPS_ROW = 100
 MODE_ROWS = {"oracle": ("Target full-prefill oracle", 0), "direct": ("Direct source-cache injection", 1),
              "source": ("Source model alone", 101), "zero": ("Null control: zero cache", 102),
@@ -59,14 +56,12 @@ def labels() -> dict[str, str]:
 
 
 def rivals() -> dict[str, str]:
-    """The modes the reading compares a mapped transfer with, in the reading's order, each by its words."""
     return dict(RIVALS)
 
 
 def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
-    """A variant's row name, from its figures (`entry`: its metrics, or its entry of the report): a mapped variant
-    by its map (select's best closed-form map of its k, or a distilled one), a repaired one with its setting (unless
-    `setting` is False)."""
+    """A variant's row name from its figures (`entry`: its metrics or report entry): a mapped variant by its map
+    (select's best closed-form map of its k, or a distilled one), a repaired one with its setting if `setting`."""
     entry = entry or {}
     facts = entry.get("map") or {}
     name = labels().get(variant)
@@ -158,9 +153,8 @@ def _figures(params: ReportParams, measure: MeasureParams, metrics: dict, items:
 
 
 def headline(report: dict) -> dict[str, dict]:
-    """Per variant, the figures `dvc metrics show` and `dvc metrics diff` compare (one row per variant): V0's
-    columns, retention and the gap closure with their intervals, and the gap to the oracle in mean task
-    accuracy."""
+    """Per variant, the figures `dvc metrics show/diff` compare (one row each): V0's columns, retention and gap closure
+    with their intervals, and the gap to the oracle in mean task accuracy."""
     oracle = report["variants"]["oracle"]
     return {name: {"perplexity": e["perplexity"], "next_token_top1": e["next_token_top1"],
                    "hellaswag": e["hellaswag"], "piqa": e["piqa"], "retention": e["retention"],
@@ -171,9 +165,9 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    """The table's rows: the modes placed before the maps (`MODE_ROWS`: the oracle, direct injection) and V0's
-    best map per k, then the selected map, the repaired variants and the modes placed after the maps (the other
-    baselines), then any other variant (each by its figures, `variants`)."""
+    """The table's rows (`variants`: each one's figures): the modes before the maps (`MODE_ROWS`: oracle, direct
+    injection), V0's best map per k, the selected map, the repaired variants, the modes after the maps (the other
+    baselines), then any other variant."""
     rows = sorted((row, name) for name, (_, row) in MODE_ROWS.items())
     first = [*(name for row, name in rows if row < MAPS_ROW), *best_of_k(variants).values()]
     rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]),
@@ -194,156 +188,73 @@ def _v0_reference(name: str, e: dict) -> str:
             f"{100 * (e['piqa'] - ref[3]):+.1f})")
 
 
-def lines(report: dict, context: dict) -> list[str]:
-    """The report's head: the pair and settings, the V0 table (V0's published figures beside it for V0's pair
-    only), the figures beside it, the paired comparisons, the acceptance criteria and the reading. `context`:
-    profile, data_kind, source, target, dtype, device, pair (`pair_names`), selected_name."""
-    v, profile, rows = report["variants"], context["profile"], order(report["variants"])
+def shown(report: dict, context: dict) -> dict:
+    """What the report's head (`templates/variants.md.j2`) reads beside the report: the V0 table (V0's published
+    figures beside it for V0's pair only), the gap closures (none without the per-prompt measures), the columns beside
+    V0's, the paired comparisons, the criteria, and what the reading chooses between. `context`: as `render.report`."""
+    v, rows, mapped, c = report["variants"], order(report["variants"]), report["selected"], report["comparisons"]
     v0 = is_v0_pair(context["pair"])  # V0's figures compare with V0's pair only, whatever the profile is called
-    generated = context["data_kind"] == "generated"
-    hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if generated else ("HellaSwag", "PIQA")
-    out = [f"# KV handoff report — profile `{profile}`", "",
-           f"Source {model_phrase(context['source'])} → target `{context['target']}`; {context['dtype']} on "
-           f"{context['device']}. "
-           f"Task metric for retention: `{report['retention_metric']}`, zero-shot, eval part only.", ""]
-    if generated:
-        out += ["Tasks: the tiny world's HellaSwag-shaped and PIQA-shaped items (`pipeline/tiny/world.py`), scored by "
-                "lm-eval's own `hellaswag` and `piqa` definitions; they are not the real benchmarks"
-                f"{', so the V0 reference compares only as ratios' if v0 else ''}.", ""]
-    out += ["## The V0 table", ""]
-    out += md_table(
-        ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "Gap closure [95% CI]",
-         *(["V0 reference"] if v0 else [])],
-        [[label(n, v[n]), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]),
-          pct(v[n]["hellaswag"]), pct(v[n]["piqa"]),
-          pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
-          pct_interval(v[n]["gap_closure"], v[n]["gap_closure_low"], v[n]["gap_closure_high"]),
-          *([_v0_reference(n, v[n])] if v0 else [])] for n in rows])
-    o = v["oracle"]
-    if report.get("skipped"):
-        out += [""] + [f"Not run for this pair: {label(name)} — {reason}."
-                       for name, reason in report["skipped"].items()]
-    reference = ("V0 reference: perplexity / next-token top-1 / HellaSwag / PIQA as published (V0's own data; "
-                 "comparable only as ratios — deltas shown)." if v0 else
-                 f"V0's published figures are for `{V0_PAIR[0]}` → `{V0_PAIR[1]}`; this run's pair is "
-                 f"{model_phrase(context['pair'][0])} → `{context['pair'][1]}`, so they are not shown.")
-    out += ["", f"Items: {hs} {o['tasks']['hellaswag']['n']}, {pq} {o['tasks']['piqa']['n']}; eval prompts "
-            f"{o['prompts']}. {reference} "
-            f"Retention is measured from chance; the gap closure, (variant − source alone) / (oracle − source alone), "
-            f"from the source model alone: 0 means the handoff buys nothing over running the small model.", ""]
-    out += _gap_lines(report)
-    out += ["## Beside the V0 columns", ""]
-    out += md_table(
-        ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
-         f"{pq} acc"],
-        [[label(n, v[n]), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
-          pct(v[n]["rollout_agreement"]), pct(v[n]["tasks"]["hellaswag"]["acc"]), pct(v[n]["tasks"]["piqa"]["acc"])]
-         for n in rows])
+    hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if context["data_kind"] == "generated" else ("HellaSwag", "PIQA")
+    gap_rows = [n for n in rows if v[n].get("gap_closure_next_token_top1") is not None and n != "source"]
     kinds = sorted({(task, kind) for e in v.values() for task, figures in e["tasks"].items()
                     for kind in figures["kinds"]})
-    if kinds:
-        out += ["", "### By item kind (acc)", ""]
-        out += md_table(["Variant", *(f"{task} {kind}" for task, kind in kinds)],
-                        [[label(n, v[n]), *(pct(v[n]["tasks"][task]["kinds"].get(kind, {}).get("acc"))
-                                            for task, kind in kinds)] for n in rows])
-    return out + _comparison_lines(report) + ["## Reading", "", reading(report, context["selected_name"]), ""]
-
-
-def _gap_lines(report: dict) -> list[str]:
-    """The gap closure on the eval prompts' own measures beside the tasks', and a line for each variant whose
-    task interval is too wide to decide anything."""
-    v = report["variants"]
-    rows = [n for n in order(v) if v[n].get("gap_closure_next_token_top1") is not None and n != "source"]
-    if not rows:
-        return []
-    out = ["### Gap closure on the tasks and on the eval prompts", "",
-           "Per-prompt measures: next-token top-1 and the continuation's log-perplexity, paired bootstrap over the "
-           f"eval prompts. The gap-closure criterion reads `{report['gap_closure_metric']}` (declared in params).", ""]
-    out += md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
-                    [[label(n, v[n]), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
-                                                      for k in GAP_CLOSURE_KEYS.values())] for n in rows])
-    wide = [n for n in rows if v[n]["gap_closure_low"] is not None and v[n]["gap_closure_low"] < 0
-            < v[n]["gap_closure_high"] and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE]
-    if wide:
-        out += ["", f"Too wide to decide anything: the task gap closure's interval holds 0 and spans more than the "
-                f"whole gap for {', '.join(label(n, v[n], setting=False) for n in wide)} (the tasks separate the "
-                f"source and the oracle "
-                f"by too few items); read the per-prompt columns."]
-    return out + [""]
-
-
-def _comparison_lines(report: dict) -> list[str]:
-    out = ["", "## Paired comparisons", "",
-           "Differences of task accuracy (both tasks' items together, `acc`) and of next-token top-1 agreement; "
-           "paired bootstrap 95% intervals over items/prompts, exact McNemar p-values.", ""]
-    out += md_table(
-        ["Comparison", "Tasks Δ [95% CI]", "McNemar p", "n", "Next-token Δ [95% CI]", "McNemar p", "n"],
-        [[name.replace("_", " "), interval(c["tasks_diff"], c["tasks_low"], c["tasks_high"]),
-          f"{c['tasks_mcnemar_p']:.3g}", c["tasks_n"],
-          interval(c["next_token_diff"], c["next_token_low"], c["next_token_high"]),
-          f"{c['next_token_mcnemar_p']:.3g}", c["next_token_n"]] for name, c in report["comparisons"].items()])
-    out += ["", "## Acceptance criteria (declared in params before the run)", ""]
-    out += md_table(["Criterion", "Threshold", "Measured", "Verdict"],
-                    [[CRITERION_NAMES.get(name, name.replace("_", " ")), criterion["threshold"],
-                      "—" if criterion.get("measured") is None else f"{criterion['measured']:.3f}",
-                      verdict(criterion)]
-                     for name, criterion in report["criteria"].items()])
-    return out + [""]
-
-
-def reading(report: dict, selected_name: str) -> str:
-    """One paragraph generated from the numbers: what is and is not established at this sample size."""
-    v, c, crit, mapped = report["variants"], report["comparisons"], report["criteria"], report["selected"]
-    e = v[mapped]
-    width = 100 * (e["retention_high"] - e["retention_low"]) / 2
-    parts = [f"The selected map ({selected_name}) retains {pct(e['retention'])} of the oracle's above-chance task "
-             f"accuracy (95% interval ±{width:.0f} points at {e['tasks']['hellaswag']['n']} + "
-             f"{e['tasks']['piqa']['n']} items), with "
-             f"perplexity {e['ppl_ratio']:.2f}x the oracle's and next-token agreement {pct(e['next_token_top1'])}."]
-    if e["gap_closure"] is not None:
-        parts.append(f"Measured from the source model alone instead of chance, it closes {pct(e['gap_closure'])} "
-                     f"[{pct(e['gap_closure_low'])}, {pct(e['gap_closure_high'])}] of the gap between the source "
-                     f"and the oracle.")
-    established, open_ = [], []
-    for other, words in rivals().items():
-        key = f"{mapped}_minus_{other}"
-        if key in c:
-            (established if c[key]["tasks_low"] > 0 else open_).append(words)
-    if established:
-        parts.append(f"It beats {and_(established)} on task accuracy with intervals that exclude 0.")
-    if open_:
-        parts.append(f"It is not shown to beat {and_(open_)}: those intervals include 0, so at this sample size the "
-                     f"difference may be noise (or, for the source alone, the handoff adds nothing the source did "
-                     f"not read).")
-    ni = c[f"oracle_minus_{mapped}"]
-    parts.append(f"Non-inferiority to the oracle within {crit['noninferiority']['threshold']} is "
-                 f"{'established' if crit['noninferiority']['passed'] else 'not established'} "
-                 f"(upper bound of the oracle's lead {100 * ni['tasks_high']:.1f} points).")
     ks = k_comparison(v)
-    if ks is not None and ks[0] in c:
-        name, larger = ks
-        k = c[name]
-        parts.append(f"k=1 vs k={larger}: {100 * k['tasks_diff']:+.1f} points on tasks "
-                     f"[{100 * k['tasks_low']:+.1f}, {100 * k['tasks_high']:+.1f}]"
-                     f"{'' if k['tasks_low'] > 0 or k['tasks_high'] < 0 else ', not distinguishable here'}.")
-    failed = [name for name, criterion in crit.items() if not criterion["passed"] and not criterion.get("milestone")]
-    parts.append("All criteria pass." if not failed else f"Criteria not passed: {', '.join(failed)}.")
-    return " ".join(parts)
+    beaten = [(words, c[f"{mapped}_minus_{other}"]["tasks_low"] > 0) for other, words in rivals().items()
+              if f"{mapped}_minus_{other}" in c]
+    return {
+        "v0": v0, "v0_pair": V0_PAIR, "hs": hs, "pq": pq, "source": model_phrase(context["source"]),
+        "pair_source": model_phrase(context["pair"][0]),
+        "skipped": [(label(name), reason) for name, reason in report["skipped"].items()],
+        "table": md_table(
+            ["Variant", "Perplexity", "Next-token top-1", hs, pq, "Retention [95% CI]", "Gap closure [95% CI]",
+             *(["V0 reference"] if v0 else [])],
+            [[label(n, v[n]), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]),
+              pct(v[n]["hellaswag"]), pct(v[n]["piqa"]),
+              pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
+              pct_interval(v[n]["gap_closure"], v[n]["gap_closure_low"], v[n]["gap_closure_high"]),
+              *([_v0_reference(n, v[n])] if v0 else [])] for n in rows]),
+        "gap": md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
+                        [[label(n, v[n]), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
+                                            for k in GAP_CLOSURE_KEYS.values())] for n in gap_rows])
+        if gap_rows else None,
+        "wide": [label(n, v[n], setting=False) for n in gap_rows if v[n]["gap_closure_low"] is not None
+                 and v[n]["gap_closure_low"] < 0 < v[n]["gap_closure_high"]
+                 and v[n]["gap_closure_high"] - v[n]["gap_closure_low"] > WIDE],
+        "beside": md_table(
+            ["Variant", "PPL ratio", "Agreement (all positions)", "Mean KL", "Rollout agreement", f"{hs} acc",
+             f"{pq} acc"],
+            [[label(n, v[n]), f"{v[n]['ppl_ratio']:.3f}", pct(v[n]["agreement"]), f"{v[n]['mean_kl']:.4f}",
+              pct(v[n]["rollout_agreement"]), pct(v[n]["tasks"]["hellaswag"]["acc"]),
+              pct(v[n]["tasks"]["piqa"]["acc"])] for n in rows]),
+        "kinds": md_table(["Variant", *(f"{task} {kind}" for task, kind in kinds)],
+                          [[label(n, v[n]), *(pct(v[n]["tasks"][task]["kinds"].get(kind, {}).get("acc"))
+                                              for task, kind in kinds)] for n in rows]) if kinds else None,
+        "comparisons": md_table(
+            ["Comparison", "Tasks Δ [95% CI]", "McNemar p", "n", "Next-token Δ [95% CI]", "McNemar p", "n"],
+            [[name.replace("_", " "), interval(e["tasks_diff"], e["tasks_low"], e["tasks_high"]),
+              f"{e['tasks_mcnemar_p']:.3g}", e["tasks_n"],
+              interval(e["next_token_diff"], e["next_token_low"], e["next_token_high"]),
+              f"{e['next_token_mcnemar_p']:.3g}", e["next_token_n"]] for name, e in c.items()]),
+        "criteria": md_table(["Criterion", "Threshold", "Measured", "Verdict"],
+                             [[CRITERION_NAMES.get(name, name.replace("_", " ")), criterion["threshold"],
+                               "—" if criterion.get("measured") is None else f"{criterion['measured']:.3f}",
+                               verdict(criterion)] for name, criterion in report["criteria"].items()]),
+        # the rivals' words, by whether the selected map beats each with an interval that excludes 0
+        "beaten": [words for words, won in beaten if won], "open": [words for words, won in beaten if not won],
+        "k": ks if ks is not None and ks[0] in c else None,
+        "failed": [name for name, criterion in report["criteria"].items()
+                   if not criterion["passed"] and not criterion.get("milestone")],
+    }
 
 
-def appendix(run: Run) -> list[str]:
-    """The sections after every study's: the controls and latency summaries (when they ran) and this study's
-    figures."""
+def controls(results: dict) -> str:
+    """The controls' table (metrics/controls.json): each one's verdict and figures."""
     rows = []
-    for name, entry in run.controls.items():
+    for name, entry in results.items():
         figures_ = ", ".join(f"{k} {val:.3g}" if isinstance(val, float) else f"{k} {val}"
                              for k, val in entry.items() if k != "passed" and not isinstance(val, dict))
         rows.append([name.replace("_", " "), "yes" if entry["passed"] else "NO", figures_])
-    out = ["## Controls", "", *md_table(["Control", "Passed", "Figure"], rows), ""]
-    if run.latency is not None:
-        out += latency.lines(run.latency)
-    return out + ["## Figures", "", "![Retention by variant](report/retention.png)", "",
-                  "![Agreement with the oracle by continuation position](report/agreement_by_position.png)", ""]
+    return md_table(["Control", "Passed", "Figure"], rows)
 
 
 def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:

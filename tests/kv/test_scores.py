@@ -16,6 +16,7 @@ from pipeline.kv.scores import SCORES, Evidence, Score, Work, register, score_ma
 from pipeline.measure.confident import MARGINS
 from pipeline.schema.selective import SelectiveParams
 from pipeline.store.params import parse
+from pipeline.studies import render
 from pipeline.studies import selective as study
 from pipeline.studies.settings import ReportParams
 
@@ -122,5 +123,5 @@ def test_a_score_in_a_temporary_registry_reaches_the_stages_summary_and_the_repo
     metrics, curves = selective_stage.summarize(items, prompts, params, costs, measure_params(bootstrap_iters=100))
     assert metrics["maps"]["a"]["scores"]["length"]["auroc_items"] == 1.0
     report = parse(ReportParams, committed("report"), "report")
-    text = "\n".join(study.lines(study.compute(report, measure_params(), study.Inputs(metrics, curves))))
+    text = render.section("selective", study.compute(report, measure_params(), study.Inputs(metrics, curves)))
     assert "AUROC on the eval items length 1.000" in text

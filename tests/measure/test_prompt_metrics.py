@@ -15,7 +15,7 @@ from pipeline.select import candidates_on_disk, run
 from pipeline.store import paths
 from pipeline.store.artifacts import nested
 from pipeline.store.params import parse
-from pipeline.studies import candidates
+from pipeline.studies import candidates, render
 from pipeline.studies.settings import ReportParams
 
 MAPS = {"linear_k1_exact": (0.0, 0.9), "linear_k1_rough": (0.2, 0.8), "linear_k1_noisy": (0.5, 0.7)}  # noise, accuracy
@@ -75,4 +75,4 @@ def test_a_new_prompt_metric_is_one_entry_that_reaches_selects_rule_and_ranking_
                                inputs)
     assert study["rows"]["linear_k1_noisy"]["missed"] == figures["linear_k1_noisy"]
     assert study["proxies"]["missed"]["rho"] == -1.0 and study["proxies"]["missed"]["n"] == 3
-    assert "| missed positions (select) | -1.00" in "\n".join(candidates.lines(study))
+    assert "| missed positions (select) | -1.00" in render.section("candidates", study)

@@ -226,7 +226,7 @@ def test_dtype_auto_is_resolved_once_and_written_down_with_the_timings_that_chos
         params = merge(committed_params(), {"models": {"dtype": dtype}})
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         check_params.main([])
-        assert json.loads((tmp_path / paths.DTYPES).read_text()) == {
+        assert json.loads((tmp_path / paths.DTYPE_CHOICE).read_text()) == {
             "models.dtype": "float32", "latency.dtype": committed("latency")["dtype"], "auto": auto}
 
 

@@ -16,7 +16,7 @@ from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.haystack import RetrievalForm, retrieval_items
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
-from pipeline.studies import operating
+from pipeline.studies import operating, render
 from pipeline.studies.settings import ReportParams
 
 LENGTH = 48
@@ -172,7 +172,7 @@ def test_the_study_holds_each_lengths_variants_with_the_keys_the_report_promises
         assert entry["speedup_measured"] == metrics["variants"][name]["speedup_measured"]
     fastest = max(entries, key=lambda name: entries[name]["speedup_measured"])
     assert entries[fastest]["on_front"]  # nothing is faster, so nothing dominates it
-    text = "\n".join(operating.lines(result))
+    text = render.section("lengths", result)
     assert f"### {LENGTH:,} tokens" in text and "Measured TTFT speedup" in text and "depth 0.2" in text
     assert entries["speculative_1"]["selection_recall"] == 1.0 and entries["oracle"]["selection_recall"] is None
     main_table = text.split("Retrieval by the needle's depth")[0]  # the variants' table, before the depths'

@@ -5,8 +5,8 @@ import numpy as np
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.report import dtype_phrase, markdown, run_record
-from pipeline.studies import variants
+from pipeline.report import dtype_phrase, run_record
+from pipeline.studies import render, variants
 from pipeline.studies.run import Run
 
 
@@ -28,7 +28,7 @@ def test_a_variant_the_contract_skipped_is_named_with_its_reason_and_not_compare
     report = variants.compute(report_params(), measure_params(), run)
     context = {"profile": "llama-shapes", "data_kind": "generated", "source": "s", "target": "t",
                "dtype": "bfloat16", "device": "cpu", "environment": {}, "pair": run.pair, "selected_name": "selected"}
-    text = markdown(report, run, context)
+    text = render.report(report, run, context)
     assert f"Not run for this pair: Direct source-cache injection — {reason}." in text
     assert "| Direct source-cache injection |" not in text
 

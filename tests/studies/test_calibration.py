@@ -4,7 +4,7 @@ import numpy as np
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.studies import calibration
+from pipeline.studies import calibration, render
 
 
 def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off():
@@ -28,13 +28,13 @@ def test_the_calibration_curve_names_the_size_from_which_the_larger_k_pays_off()
     assert by_size[10]["high"] < 0 and by_size[100]["low"] > 0
     assert study["larger_k"]["larger"] == "linear_k3_lam0.001" and study["larger_k_pays_from"] == 50
     assert "pays off (interval above 0 at this size and every larger one) from 50 sequences on" in \
-        "\n".join(calibration.lines(study))
+        render.section("calibration", study)
 
 
 def test_without_a_calibration_size_the_section_says_so_and_the_declared_plot_files_are_written(tmp_path):
     study = calibration.compute(report_params(), measure_params(), calibration.Inputs({}, {}, {}))
     assert study["rows"] == [] and study["larger_k"] is None and study["larger_k_pays_from"] is None
-    assert "No calibration point in this profile" in "\n".join(calibration.lines(study))
+    assert "No calibration point in this profile" in render.section("calibration", study)
     tables = calibration.figure(study, tmp_path)  # dvc.yaml declares plots/calibration.csv and the figure
     assert list(tables["calibration"].columns) == calibration.COLUMNS and tables["calibration"].empty
     assert (tmp_path / "calibration.png").stat().st_size > 0

@@ -4,7 +4,7 @@ import numpy as np
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.studies import candidates
+from pipeline.studies import candidates, render
 
 
 def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_place_on_the_front():
@@ -35,7 +35,7 @@ def test_every_candidate_gets_retention_gap_closure_proxy_correlations_and_its_p
     assert confident["confident_agreement"]["n"] == 0  # no confident select position: no candidate to rank
     assert [n for n, r in rows.items() if r["pareto_measured"]] == ["c_low", "c_mid", "c_high"]
     assert not rows["c_bad"]["pareto_at_pair"]
-    text = "\n".join(candidates.lines(study))
+    text = render.section("candidates", study)
     assert "attention-output cosine (select) tracks retention most closely" in text
     assert "| confident-prompt top-1 (select) | +1.00" in text and "| 100.0% | 60.0% |" in text
     assert "On the front against the measured speedup: c_low, c_mid and c_high." in text

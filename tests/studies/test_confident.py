@@ -8,7 +8,7 @@ from helpers.confident import distributions, rows_of, swap_near_ties
 
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.params import parse
-from pipeline.studies import confident
+from pipeline.studies import confident, render
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -31,13 +31,13 @@ def test_the_study_puts_confident_agreement_beside_v0s_top1_and_writes_na_where_
     assert study["confident_prompts"] == 20 and study["positions"] == 200
     assert study["comparisons"]["selected_minus_shuffled"]["confident_low"] > 0
     assert set(study["comparisons"]) == {"selected_minus_shuffled", "oracle_minus_selected"}
-    text = "\n".join(confident.lines(study))
+    text = render.section("confident", study)
     assert "| Selected mapped transfer | 50.0% | 100.0% [100.0%, 100.0%] (n = 20) |" in text
     assert "20 of 40 (50.0%)" in text
     assert confident.headline(study, "selected")["confident_top1"] == 1.0 and confident.headline({}, "selected") == {}
     report = parse(ReportParams, committed("report"), "report")
     unsure = confident.compute(report, measure_params(confident_margin=0.95), run)
-    text = "\n".join(confident.lines(unsure))
+    text = render.section("confident", unsure)
     assert "| Selected mapped transfer | 50.0% | n/a (n = 0) | n/a (n = 0) |" in text and "0 of 40 (0.0%)" in text
 
 

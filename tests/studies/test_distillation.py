@@ -6,7 +6,7 @@ import pytest
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.studies import distillation
+from pipeline.studies import distillation, render
 
 
 def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_items(tmp_path):
@@ -44,7 +44,7 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     assert row["eval_rollout_agreement_diff"] == pytest.approx(0.25)
     assert row["eval_mean_kl_diff"] == pytest.approx(-0.375)
     assert row["eval_mean_kl_low"] <= -0.25 and row["eval_prompts"] == 4
-    text = "\n".join(distillation.lines(study))
+    text = render.section("distillation", study)
     assert "| lin+kl | lin | 50.0% → 60.0% |" in text and "McNemar" in text and "| lin+kl | 25.0% → 75.0% |" in text
     assert ("| lin+kl | 0.5000 | 0.0001 × 0.1: 0.4900 · 0.0001 × 1: 0.4800 · 0.001 × 0.1: 0.4400 · "
             "**0.001 × 1: 0.4200** · 0.01 × 0.1: 0.6000 · 0.01 × 1: diverged | 0.001 | 1 |") in text
@@ -54,7 +54,7 @@ def test_the_distillation_study_compares_each_map_with_its_start_on_the_same_ite
     del items["lin+kl"]  # the candidates study did not run: the select split's table alone
     alone = distillation.compute(report_params(), measure_params(),
                                  distillation.Inputs(inputs.distill, inputs.curves, select, items, {}))
-    assert "tasks_diff" not in alone["rows"]["lin+kl"] and "McNemar" not in "\n".join(distillation.lines(alone))
+    assert "tasks_diff" not in alone["rows"]["lin+kl"] and "McNemar" not in render.section("distillation", alone)
 
 
 def test_the_distillation_study_says_when_no_epoch_beat_the_start_and_skips_the_table_without_probes():
@@ -64,6 +64,6 @@ def test_the_distillation_study_says_when_no_epoch_beat_the_start_and_skips_the_
     cost = dict.fromkeys(["oracle", "rows", "mapped_step", "map_update", "select_scoring"], 1.0)
     inputs = distillation.Inputs({"maps": {"lin+kl": facts}, "rows_fit": 10, "rows_select": 5, "cost_s": cost},
                                  {"lin+kl": curve}, {"maps": {}}, {}, {})
-    text = "\n".join(distillation.lines(distillation.compute(report_params(), measure_params(), inputs)))
+    text = render.section("distillation", distillation.compute(report_params(), measure_params(), inputs))
     assert "lin+kl: distillation did not improve on the fitted map; the start was kept." in text
     assert "Rate × kv_weight → select KL" not in text

@@ -4,7 +4,7 @@ import pandas as pd
 from helpers import measure_params
 from helpers.report import report_params
 
-from pipeline.studies import length
+from pipeline.studies import length, render
 
 
 def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
@@ -28,4 +28,4 @@ def test_the_length_study_pairs_both_maps_prompt_by_prompt_and_item_by_item():
     assert short["nll_sign_test"]["p"] > 0.01 and long["nll_sign_test"]["lower"] == 40
     assert long["agreement_diff"]["low"] > 0
     assert [b["bin"] for b in study["task_bins"]] == ["1-2x", "2-4x"] and study["task_bins"][1]["diff"]["low"] > 0
-    assert "| 2-4x | 50 |" in "\n".join(length.lines(study))
+    assert "| 2-4x | 50 |" in render.section("length", study)

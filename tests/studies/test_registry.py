@@ -15,7 +15,7 @@ def fake_study(name: str, **extra) -> ModuleType:
     module = ModuleType(name)
     module.load = lambda run: {"name": name}
     module.compute = lambda params, measure, inputs: {"name": inputs["name"], "joined": []}
-    module.lines = lambda study: [f"## {study['name']}"]
+    module.shown = lambda study: {}
     module.figure = lambda study, folder: {}
     for key, value in extra.items():
         setattr(module, key, value)

@@ -4,20 +4,29 @@ import pandas as pd
 import pytest
 from helpers import committed, measure_params
 
+from pipeline.measure.prompt_metrics import PROMPT_METRICS
 from pipeline.store.params import parse
-from pipeline.studies.repair import (
-    SOURCE,
-    Inputs,
-    against_baselines,
-    cheapest,
-    compute,
-    figure,
-    front_sentence,
-    join,
-    lines,
-    source_row,
-)
+from pipeline.studies import render
+from pipeline.studies.repair import SOURCE, Inputs, compute, figure, join, source_row
 from pipeline.studies.settings import ReportParams
+
+
+def _study(rows: list[dict]) -> dict:
+    """A repair study of hand-made `rows`, the table's other cells filled in, at one pair and length."""
+    filled = [{"policy": "p", "budget": 0.0, "retention": 0.5, "retention_low": 0.4, "retention_high": 0.6,
+               "gap_closure": 0.0, "gap_closure_low": 0.0, "gap_closure_high": 0.0, "bound": None, "speedup": None,
+               **dict.fromkeys(PROMPT_METRICS), **row} for row in rows]
+    return {"rows": filled, "length": 256, "bound_pair": "qwen3-v0", "gate_score": "entropy"}
+
+
+def said(study: dict, start: str) -> list[str]:
+    """The lines of the repair study's section that start with `start`."""
+    return [line for line in render.section("repair", study).splitlines() if line.startswith(start)]
+
+
+def cheapest(rows: list[dict]) -> str:
+    """The section's sentence on each map's cheapest setting that reaches the oracle."""
+    return said(_study(rows), "For `")[0]
 
 
 def _row(name: str, setting: str, budget: float, high: float) -> dict:
@@ -48,7 +57,7 @@ def test_each_budget_says_whether_each_maps_best_repair_beats_the_truncated_prom
             _level("a", "tokens:0.1:recency", 0.1069, 0.6, 0.85), _level("b", "tokens:0.1:attention", 0.1071, 0.9, 0.5),
             _level("a", "layers:1", 0.003, 0.4, 0.51), _level("truncated", "0.107", 0.107, 0.2),
             _level("truncated", "0.003", 0.003, 0.45), _level(SOURCE, "—", 0.0, 0.7)]
-    assert against_baselines(rows) == [
+    assert said(_study(rows), "- At ") == [
         "- At 0.3% of the target's prefill (truncated prompt 45.0%): `a`'s best, `layers:1` (40.0%), does not beat the "
         "truncated prompt and does not beat the gate at the same cost (51.0%).",
         "- At 10.7% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:attention` (80.0%), "
@@ -60,7 +69,7 @@ def test_speculative_prefill_at_each_level_is_a_matched_baseline_beside_the_trun
     rows = [_level("a", "none", 0.0, 0.5), _level("a", "tokens:0.1:source_attention", 0.104, 0.8),
             _level("truncated", "0.104", 0.104, 0.2), _level("speculative", "0.104", 0.104, 0.85),
             _level(SOURCE, "—", 0.0, 0.7)]
-    assert against_baselines(rows) == [
+    assert said(_study(rows), "- At ") == [
         "- At 10.4% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:source_attention` "
         "(80.0%), beats the truncated prompt and does not beat speculative prefill (85.0%)."]
     reaching = [{**row, "retention_low": 0.5, "retention_high": 1.1} for row in rows]
@@ -83,7 +92,7 @@ def test_the_study_reads_speculative_prefills_rows_at_each_level_with_its_bound_
     assert speculative["policy"] == "speculative prefill" and speculative["budget"] == 0.104
     assert speculative["bound"] == 2.6 and "vs_none" not in speculative
     assert [row["map"] for row in study["rows"]][-3:] == [SOURCE, "speculative", "truncated"]  # the baselines last
-    text = "\n".join(lines(study))
+    text = render.section("repair", study)
     assert "| speculative | 0.104 | 10.4% | speculative prefill |" in text and "beats speculative prefill (" in text
     assert figure(study, tmp_path)["repair"]["map"].tolist().count("speculative") == 1
 
@@ -114,19 +123,19 @@ def test_the_frontier_gains_a_repaired_point_no_candidate_dominates_and_not_one_
     candidates = {"bound_pair": "qwen3-v0", "length": 256,
                   "rows": {"fast": {"gap_closure": 0.1, "bound_at_pair": 3.0},
                            "good": {"gap_closure": 0.9, "bound_at_pair": 2.4}}}
-    study = {"bound_pair": "qwen3-v0", "length": 256,
-             "rows": [_point("good", "none", 0.9, 2.4), _point("good", "tokens:0.1:attention", 1.0, 2.0),
-                      _point("fast", "layers:1", 0.05, 2.9), _point("truncated", "0.107", -2.0, None),
-                      _point(SOURCE, "—", 0.0, None)]}
+    study = _study([_point("good", "none", 0.9, 2.4), _point("good", "tokens:0.1:attention", 1.0, 2.0),
+                    _point("fast", "layers:1", 0.05, 2.9), _point("truncated", "0.107", -2.0, None),
+                    _point(SOURCE, "—", 0.0, None)])
     join(study, candidates)
     assert study["front"] == ["fast", "good", "good@tokens:0.1:attention"]
     assert study["front_gains"] == ["good@tokens:0.1:attention"]
     assert [row.get("front") for row in study["rows"]] == [None, True, False, None, None]
-    assert front_sentence(study).endswith("it gains `good@tokens:0.1:attention`.")
+    assert said(study, "Over the candidates study's maps")[0].endswith("it gains `good@tokens:0.1:attention`.")
 
 
 def test_no_frontier_is_joined_across_studies_counted_at_other_lengths():
     candidates = {"bound_pair": "qwen3-v0", "length": 1024, "rows": {"a": {"gap_closure": 0.1, "bound_at_pair": 3.0}}}
-    study = {"bound_pair": "qwen3-v0", "length": 256, "rows": [_point("a", "layers:1", 0.2, 2.9)]}
+    study = _study([_point("a", "layers:1", 0.2, 2.9)])
     join(study, candidates)
-    assert "front" not in study and "front" not in study["rows"][0] and front_sentence(study) == ""
+    assert "front" not in study and "front" not in study["rows"][0]
+    assert said(study, "Over the candidates study's maps") == []

@@ -7,6 +7,7 @@ from helpers.selective import _summary_inputs
 from pipeline.selective import summarize
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.params import parse
+from pipeline.studies import render
 from pipeline.studies import selective as study
 from pipeline.studies.settings import ReportParams
 
@@ -18,7 +19,7 @@ def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_an
     metrics, curves = summarize(items, prompts, params, costs, measure_params(bootstrap_iters=200))
     report = parse(ReportParams, committed("report"), "report")
     figures = study.compute(report, measure_params(), study.Inputs(metrics, curves))
-    text = "\n".join(study.lines(figures))
+    text = render.section("selective", figures)
     row = metrics["maps"]["a"]["scores"]["entropy"]
     auroc = f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
     assert (f"Selected map (`a`, models/mapper.safetensors): AUROC on the eval items entropy {auroc} (n = 40 items, "
@@ -31,8 +32,8 @@ def test_the_study_names_the_selected_maps_item_auroc_with_its_interval_and_n_an
     assert (tmp_path / "selective.png").stat().st_size > 0 and (tmp_path / "selective_top1.png").stat().st_size > 0
     params.maps = {"a": "models/best/mapped_k1.safetensors"}  # not the selected map: no such sentence
     other = summarize(items, prompts, params, costs, measure_params(bootstrap_iters=200))[0]
-    lines = study.lines(study.compute(report, measure_params(), study.Inputs(other, curves)))
-    assert "Selected map" not in "\n".join(lines)
+    text = render.section("selective", study.compute(report, measure_params(), study.Inputs(other, curves)))
+    assert "Selected map" not in text
 
 
 def test_the_study_refuses_selective_metrics_written_before_the_confident_figures(tmp_path, monkeypatch):

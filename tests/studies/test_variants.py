@@ -7,9 +7,15 @@ import pytest
 from helpers import measure_params
 from helpers.report import _fake_variant, report_params
 
-from pipeline.studies import variants
+from pipeline.studies import render, variants
 from pipeline.studies.run import Run, pair_names
 from pipeline.studies.settings import ReportParams
+
+
+def context(**changes) -> dict:
+    """The report's context of a tiny run (the head's words read it), with `changes`."""
+    return {"profile": "tiny", "data_kind": "generated", "source": "s", "target": "t", "dtype": "float32",
+            "device": "cpu", "pair": ("models/source", "models/target"), "selected_name": "selected", **changes}
 
 
 def build(params: ReportParams, metrics: dict, items: dict, prompts: dict, controls: dict) -> dict:
@@ -83,9 +89,8 @@ def _head(tmp_path, monkeypatch, pointers: dict[str, dict], profile: str = "qwen
             json.dumps({k: v for k, v in pointer.items() if k != "kind"}))
     report = build(report_params(), *_study(np.random.default_rng(7), (0.85, 0.9, 0.9)),
                    {"compatibility": {"passed": True}})
-    context = {"profile": profile, "data_kind": "hub", "source": "s", "target": "t", "dtype": "bfloat16",
-               "device": "cuda", "pair": pair_names(), "selected_name": "selected"}
-    return "\n".join(variants.lines(report, context))
+    return render.head(report, context(profile=profile, data_kind="hub", dtype="bfloat16", device="cuda",
+                                       pair=pair_names()))
 
 
 def test_the_v0_reference_column_appears_only_for_v0s_pair(tmp_path, monkeypatch):
@@ -130,9 +135,9 @@ def test_the_gap_closure_criterion_reads_the_measure_declared_in_params_and_a_wi
     assert criterion["measured"] != chosen["gap_closure"]
     report["gap_closure_metric"] = "next_token_top1"
     chosen.update(gap_closure_low=-2.5, gap_closure_high=-1.2)  # wide but decided: far below the source alone
-    assert "Too wide" not in "\n".join(variants._gap_lines(report))
+    assert "Too wide" not in render.head(report, context())
     chosen.update(gap_closure_low=-1.5, gap_closure_high=0.9)  # around 0 and wider than the whole gap
-    text = "\n".join(variants._gap_lines(report))
+    text = render.head(report, context())
     assert "reads `next_token_top1`" in text and "Too wide to decide anything" in text
 
 
@@ -144,9 +149,7 @@ def test_a_repaired_variant_is_its_own_row_after_the_selected_map_its_setting_in
         metrics[name], items[name], prompts[name] = _fake_variant(rng, *args)
     metrics["selected_repaired"]["repair"] = "layers:1+tokens:0.09:deviation"
     report = build(report_params(), metrics, items, prompts, {"compatibility": {"passed": True}})
-    context = {"profile": "tiny", "data_kind": "generated", "source": "s", "target": "t", "dtype": "float32",
-               "device": "cpu", "pair": ("models/source", "models/target"), "selected_name": "selected"}
-    table = [line for line in variants.lines(report, context) if line.startswith("| ")]
+    table = [line for line in render.head(report, context()).splitlines() if line.startswith("| ")]
     names = [line.split(" | ")[0][2:] for line in table[:5]]
     assert names[2:4] == ["Selected mapped transfer",
                           "Selected mapped transfer, repaired (`layers:1+tokens:0.09:deviation`)"]
@@ -171,7 +174,7 @@ def test_v0s_rows_and_their_comparisons_come_from_each_variants_map_not_from_its
         "Learned mapped transfer, k=1", "Learned mapped transfer, k=4", "Distilled mapped transfer, k=1",
         "Selected mapped transfer"]  # a named role keeps its name whatever its map
     assert variants.order(entries)[:4] == ["oracle", "v0_small", "v0_large", "selected"]
-    assert "k=1 vs k=4: " in variants.reading(report, "selected")
+    assert "k=1 vs k=4: " in render.head(report, context())
 
 
 def test_a_new_modes_variant_is_a_row_by_its_name_until_the_report_gives_it_words_and_a_place(monkeypatch):
