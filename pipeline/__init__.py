@@ -1,7 +1,6 @@
-"""kv-handoff: cross-model KV-cache handoff between two models of one family (any pair `kv.contract` accepts), as a
-DVC pipeline. `STAGES` lists the stage modules in the order `dvc repro` meets them (a test keeps it in step with
-dvc.yaml); `WINGS` is the one import order of the wings, which never import a stage: a module imports only modules
-before it. docs/development.md is the map of the package and its vocabulary.
+"""kv-handoff: KV-cache handoff between two models of one family (any pair `kv.contract` accepts), as a DVC pipeline.
+`STAGES`: the stage modules in `dvc repro` order (a test keeps it in step with dvc.yaml). `WINGS`: the one import order
+of the wings, which never import a stage; a module imports only earlier ones. Map and vocabulary: docs/development.md.
 """
 
 WINGS = {
@@ -10,13 +9,14 @@ WINGS = {
               "gguf"),
     "kv": ("entries", "geometry", "rope", "projections", "kvcache", "speculative", "lookahead", "families",
            "mapnames", "modes", "contract", "selectors", "repair", "recompute",
-           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "pair",
-           "request", "router"),
+           "flops", "mapper", "handoff", "decode", "scoring", "routes", "scores", "gate", "request",
+           "router", "pair"),
     "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
     "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention", "gating",
                 "ledger", "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "latency", "variants", "confident", "candidates",
-                "calibration", "length", "operating", "distillation", "selective", "repair", "registry"),
+                "calibration", "length", "operating", "distillation", "selective", "repair", "registry",
+                "render"),
     "tiny": ("tokenizer", "world", "items", "corpus", "train"),
     "schema": ("prepare_data", "convert_models", "prepare_models", "score_models", "extract", "fit",
                "distill", "select", "controls",

@@ -18,8 +18,6 @@ from tqdm.auto import tqdm
 
 from pipeline.kv.mapnames import MapName
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.measure.evaluation import evaluate
 from pipeline.measure.settings import MeasureParams
 from pipeline.schema.calibrate import CalibrationParams
@@ -36,7 +34,6 @@ pd = lazy("pandas")
 
 
 def scratch_split(first: pd.DataFrame, folder: Path) -> None:
-    """Write `first` (the point's pool sequences) as folder/fit.parquet beside a copy of the select split."""
     folder.mkdir(parents=True)
     first.to_parquet(folder / "fit.parquet", index=False)
     shutil.copyfile(paths.split("select"), folder / "select.parquet")
@@ -72,7 +69,6 @@ def run(size: int, params: CalibrationParams, models: ModelsParams, device: str,
     metrics["tokens"] = int(sum(len(ids) for ids in first.token_ids))
     with atomic_dir(paths.calibration_items(size)) as staging:
         work = staging / ".work"
-        # a distilled map's start, or None
         starts = {name: str(MapName.parse(name).start) if MapName.parse(name).distilled else None
                   for name in params.candidates}
         fits = list(dict.fromkeys(start or name for name, start in starts.items()))
@@ -84,7 +80,7 @@ def run(size: int, params: CalibrationParams, models: ModelsParams, device: str,
         pair = Pair.load(models, device)
         for name in tqdm(params.candidates, desc=f"calibration n={size}", unit="candidate"):
             mapper = paths.distilled_map(name, distilled_maps) if starts[name] else paths.fitted_map(name, mappers)
-            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=mapper), params.batch_size)
+            router = pair.router(mode="mapped", mapper=mapper, batch_size=params.batch_size)
             evaluation = evaluate(router, tasks=pair.eval_tasks, tokenizer=pair.target_tokenizer, task_limit=items)
             evaluation.write_rows(items=paths.candidate_items(name, staging))
             fit = fitted["maps"][starts[name] or name]  # a distilled map: its start's family, k and size

@@ -17,8 +17,6 @@ from pipeline.kv.flops import mapper_macs_per_token, speedup_bound
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapnames import MapName
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import evaluate
 from pipeline.measure.latency import measure
@@ -35,8 +33,7 @@ from pipeline.store.shapes import bound_configs as bound_configs_of
 
 
 def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bound_configs) -> dict:
-    """One mapper's speed and size: handoff and target TTFT (ms) at `params.length`, the measured speedup, the
-    FLOP bound here and at the bound pair's shapes, parameters and bytes."""
+    """TTFTs in ms at `params.length`; the FLOP bound both here and at the bound pair's shapes."""
     mapper = handoff.mapper
     row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
     real_macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
@@ -48,8 +45,7 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
 
 
 def run(params: CandidatesParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
-    """Every fitted and distilled map on the eval tasks (each task's first `items`: `measure.study_items`) and
-    timed."""
+    """Every fitted and distilled map on each eval task's first `items`, and timed."""
     require_controls_passed()
     candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
@@ -67,7 +63,7 @@ def run(params: CandidatesParams, models: ModelsParams, device: str, items: int 
     oracle = load_artifact(paths.ORACLE_OUTPUTS)[0] if paired else {}
     with atomic_dir(paths.CANDIDATE_ITEMS) as staging:
         for path in tqdm(candidates, desc="candidates", unit="candidate"):
-            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path), params.batch_size)
+            router = pair.router(mode="mapped", mapper=path, batch_size=params.batch_size)
             on_prompts = path.stem in paired
             evaluation = evaluate(router, prompts if on_prompts else (), oracle, tasks=pair.eval_tasks,
                                   tokenizer=pair.target_tokenizer, progress=False, task_limit=items)

@@ -21,8 +21,6 @@ from pipeline.fitting.distill import TIMED_PARTS, Clock, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.schema.distill import DistillParams, distilled_name
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, read_table
@@ -63,10 +61,9 @@ def write_curve(path: Path, history: list[dict]) -> None:
 
 def run(params: DistillParams, models: ModelsParams, device: str, names: list[str], inputs: dict[str, Path],
         ranks: Ranks = ONE_PROCESS) -> tuple[dict, dict] | None:
-    """Distil each named start map from inputs["mappers"], reading the source caches under inputs["caches"] and
-    the splits' token ids under inputs["data"]: the metrics and, per name, (distilled map, per-epoch history).
-    Under several processes each rank distils every N-th map, and rank 0 gets them all (the others None)."""
-    oracle = Router.of(Pair.load(models, ranks.device(device), source=False), Transfer.stage(mode="oracle")).handoff
+    """The metrics and, per name, (distilled map, per-epoch history). Each of N ranks distils every N-th map; rank
+    0 gets them all, the others None."""
+    oracle = Pair.load(models, ranks.device(device), source=False).router(mode="oracle").handoff
     oracle.decoder.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
               for split in ("select", "fit")}
@@ -105,9 +102,8 @@ def kl_figure(value: float) -> float | None:
 
 
 def map_figures(name: str, facts: dict, history: list[dict]) -> dict:
-    """One distilled map's untimed figures: its start, the chosen rate and kv_weight and each probe's select KL
-    (rate -> kv_weight -> KL; a probe that names no weight used the one weight declared, the facts' own), the
-    select figures before and after, the full run's select KL per epoch, epochs and steps."""
+    """One distilled map's untimed figures; `probes/<rate>/<kv_weight>` is a probe's select KL (a probe that names
+    no weight used the one weight declared, the facts' own)."""
     best = history[facts["best_epoch"]]
     return {"start": name, "lr": facts["lr"], "kv_weight": facts["kv_weight"], "probe_steps": facts["probe_steps"],
             **{f"probes/{row['lr']:g}/{row.get('kv_weight', facts['kv_weight']):g}": kl_figure(row["select_kl"])
@@ -120,8 +116,6 @@ def map_figures(name: str, facts: dict, history: list[dict]) -> dict:
 
 
 def write(distilled: dict, out: Path, curves: Path) -> None:
-    """Each distilled map (`<start>+kl.safetensors`) into `out`, its per-epoch curve (`<start>+kl.csv`) into
-    `curves`."""
     for name, (mapper, history) in distilled.items():
         save_mapper(mapper, paths.distilled_map(distilled_name(name), out))
         write_curve(paths.distill_curve(distilled_name(name), curves), history)

@@ -47,8 +47,7 @@ def variant_mode(variant: str) -> str:
 
 
 def variant_request(variant: str, params: EvaluateParams) -> Transfer:
-    """The handoff `variant` (a baseline or a key of evaluate.mapped, any other refused before the work began)
-    evaluates, as a request."""
+    """`variant`'s handoff as a request (a name neither a baseline nor in evaluate.mapped was refused earlier)."""
     if variant in BASELINES:
         return Transfer.stage(mode=variant)
     mode = variant_mode(variant)
@@ -58,8 +57,8 @@ def variant_request(variant: str, params: EvaluateParams) -> Transfer:
 
 
 def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair | None, SpeculativeParams | None]:
-    """The repair setting `variant` applies (evaluate.repair; `selected`: select's choice), None for none, and the
-    look-ahead settings select chose it under where its policy reads them (`schema.evaluate.selected_repair`)."""
+    """The repair `variant` applies (`selected`: select's choice; None for none) and, where its policy reads them,
+    the look-ahead settings select chose it under."""
     setting = params.repair.get(variant)
     if setting == SELECTED:
         return selected_repair(f"evaluate.repair.{variant}")
@@ -68,10 +67,9 @@ def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair | None,
 
 def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         ranks: Ranks = ONE_PROCESS) -> dict | None:
-    """Evaluate `variant` between `pair`'s models; under several processes every rank scores its share of the
-    prompts and task items, and rank 0 writes eval/<variant>/ and returns the metrics (the others {}); `margin`: the
-    oracle's top-2 margin from which a position is confident. None when the pair's contract leaves the variant
-    undefined: its reason is written instead, on rank 0."""
+    """Each rank scores its share of prompts and items; rank 0 writes eval/<variant>/ and returns the metrics (the
+    others {}). None where the pair's contract leaves the variant undefined: rank 0 writes its reason instead.
+    `margin`: the oracle's top-2 margin from which a position is confident."""
     require_controls_passed()
     # undefined by the pair's architecture contract (e.g. `direct` between unequal KV geometries), from the configs
     # and tokenizers alone
@@ -106,7 +104,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         save_artifact(paths.ORACLE_OUTPUTS, evaluation.oracle,
                       {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     metrics = evaluation.figures()
-    if request.repair is not None:
+    if variant in params.repair:  # its declared setting, `none` included
         metrics["repair"] = str(request.repair)
     if handoff.mapper is not None:
         metrics["map"] = map_facts(handoff.mapper, params.mapped[variant])
@@ -114,15 +112,13 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
 
 
 def map_facts(mapper, path) -> dict:
-    """What the report says of a mapped variant's map: its family and k, whether it is distilled, and whether it is
-    select's best closed-form map of its k (models/best/, V0's rows)."""
+    """`best_of_k`: the map is select's best closed-form map of its k (models/best/, V0's rows)."""
     return {"family": mapper.family, "k": mapper.k, "distilled": mapper.distilled is not None,
             "best_of_k": Path(path) == paths.best_map(mapper.k)}
 
 
 def ordered_variants(names: list[str], params: EvaluateParams) -> list[str]:
-    """The variants to run, the oracle first (the others read its outputs), each once; a name that is neither a
-    baseline nor a key of evaluate.mapped is refused before any work."""
+    """Each once, the oracle first (the others read its outputs); an unknown name is refused before any work."""
     for name in names:
         if name not in BASELINES and name not in params.mapped:
             raise ParamError(f"pipeline.evaluate: unknown variant {name!r}; name a baseline "

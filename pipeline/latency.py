@@ -15,8 +15,6 @@ from pathlib import Path
 
 from pipeline.kv.families import CLOSED_FORM
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.kv.speculative import chosen_lookahead
 from pipeline.measure.latency import (
     check_lengths,
@@ -45,7 +43,7 @@ def stage(params: LatencyParams, machine: MachineParams) -> dict:
     device = machine.torch_device
     with stage_ranks(device, threads=machine.threads) as timed:
         pair = Pair(str(paths.model("target")), str(paths.model("source")), params.dtype, device)
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.mapper))
+        router = pair.router(mode="mapped", mapper=params.mapper)
         rows, env = run(router.handoff, params.lengths, params.warmup, params.repeats, rivals=rivals(pair, params))
         write_table(rows, paths.LATENCY_TABLE)
         write_plot(rows, env, paths.LATENCY_PLOT)
@@ -59,12 +57,12 @@ def rivals(pair: Pair, params: LatencyParams) -> dict:
     lookahead = chosen_lookahead(paths.LOOKAHEAD)
     out = {}
     for setting in params.settings():
-        out[f"mapped+{setting}"] = Router.of(pair, Transfer.stage(
-            mode="mapped", mapper=params.mapper, repair=setting, speculative=lookahead if setting.reads_source else None
-        )).handoff
+        reads = lookahead if setting.reads_source else None
+        out[f"mapped+{setting}"] = pair.router(mode="mapped", mapper=params.mapper, repair=setting,
+                                               speculative=reads).handoff
     for share in params.speculative:
         mode = f"speculative:{share:g}"
-        out[mode] = Router.of(pair, Transfer.stage(mode=mode, speculative=lookahead)).handoff
+        out[mode] = pair.router(mode=mode, speculative=lookahead).handoff
     return out
 
 

@@ -15,8 +15,6 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.measure.evaluation import OracleStore, evaluate
 from pipeline.measure.settings import MeasureParams
 from pipeline.schema.length import LengthParams
@@ -33,7 +31,6 @@ CONTEXT = {"hellaswag": "ctx", "piqa": "goal"}  # the field of a task item that 
 
 
 def scratch_data(fit_tokens: int, folder: Path) -> None:
-    """The fit and select splits with every sequence cut to its first `fit_tokens` tokens."""
     folder.mkdir(parents=True)
     for split in ("fit", "select"):
         frame = read_table(paths.split(split))
@@ -42,7 +39,6 @@ def scratch_data(fit_tokens: int, folder: Path) -> None:
 
 
 def long_sequences(params: LengthParams) -> list[list[int]]:
-    """Eval sequences long enough for the longest prompt and its continuation."""
     needed = max(params.prompt_lengths) + params.continuation
     found = [list(ids) for ids in read_table(paths.EVAL_PROMPTS).token_ids if len(ids) >= needed]
     if len(found) < 2:
@@ -66,10 +62,10 @@ def run(params: LengthParams, models: ModelsParams, device: str, study_items: in
             run_stage("pipeline.fit", "--caches", str(work / space), "--out", str(work / space / "maps"), "--only",
                       params.candidate)
         pair = Pair.load(models, device)
-        routers = {space: Router.of(pair, Transfer.stage(mode="mapped", mapper=work / space / "maps" /
-                                                          f"{params.candidate}.safetensors"), params.batch_size)
+        routers = {space: pair.router(mode="mapped", mapper=work / space / "maps" / f"{params.candidate}.safetensors",
+                                      batch_size=params.batch_size)
                    for space in KEY_SPACE_FLAGS}
-        oracle = Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size)
+        oracle = pair.router(mode="oracle", batch_size=params.batch_size)
         for length in tqdm(params.prompt_lengths, desc="lengths", unit="length"):
             prompts = [(ids[:length], ids[length : length + params.continuation]) for ids in sequences]
             reference = evaluate(oracle, prompts, store=OracleStore(params.top_k, params.horizon), progress=False)

@@ -27,7 +27,6 @@ from pipeline.kv.flops import (
 from pipeline.kv.modes import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import FELL_BACK
 from pipeline.kv.scores import score_macs
@@ -50,12 +49,10 @@ pd = lazy("pandas")
 
 
 def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, continuation ids) per row of a part of data/long/."""
     return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
 def select_contexts(length: int) -> list[list[int]]:
-    """The select split's contexts at `length`: each select sequence's first `length` tokens, where it holds them."""
     contexts = [list(ids)[:length] for ids in read_table(paths.split("select")).token_ids if len(ids) >= length]
     if not contexts:
         raise ParamError(f"operating.gated: no select sequence holds {length} tokens to choose the gate's threshold "
@@ -80,9 +77,8 @@ class Variant:
 
 
 def baseline_bound(name: str, source, target, length: int) -> float:
-    """The FLOP bound of a mode without a map, by what its entry reads: the source alone against the target's
-    prefill; otherwise the target's step, after the source's prefill where the source's cache is handed over
-    (`direct`) and after nothing where it is not (`zero`)."""
+    """By what the mode's entry reads: the source alone against the target's prefill; else the target's step, after
+    the source's prefill where its cache is handed over (`direct`), after nothing where not (`zero`)."""
     mode = MODES[name]
     if not mode.reads.target:
         return source_alone_bound(source, target, length)
@@ -92,26 +88,26 @@ def baseline_bound(name: str, source, target, length: int) -> float:
 
 def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahead: SpeculativeParams | None
              ) -> dict[str, Variant]:
-    """Every variant but the oracle, in the report's order, between `pair`'s models at `length` (`contexts`: a
-    callable giving the select split's contexts, where a gate chooses its threshold; `lookahead`: the
-    look-ahead settings select chose, which speculative prefill and a repair ranking by the source's scores read)."""
+    """Every variant but the oracle, in the report's order. `contexts`: a callable giving the select split's contexts,
+    where a gate chooses its threshold; `lookahead`: select's look-ahead settings, which speculative prefill and a
+    repair ranking by the source's scores read."""
     source, target = pair.source.config, pair.target.config
     out = {}
     for name in params.baselines:
-        out[name] = Variant(Router.of(pair, Transfer.stage(mode=name)), baseline_bound(name, source, target, length))
+        out[name] = Variant(pair.router(mode=name), baseline_bound(name, source, target, length))
     for name, path in params.maps.items():
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=path))
+        router = pair.router(mode="mapped", mapper=path)
         out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length))
     repaired, budgets = repaired_variants(params, pair, length, lookahead)
     out.update(repaired)
     out.update(gated_variants(params, pair, length, contexts))
     for name, share in params.speculative_variants().items():
-        router = Router.of(pair, Transfer.stage(mode=f"speculative:{share:g}", speculative=lookahead))
+        router = pair.router(mode=f"speculative:{share:g}", speculative=lookahead)
         out[name] = Variant(router, speculative_bound(source, target, lookahead, share, length))
     if params.truncated:
         for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
             keep = min(budget, 1.0)
-            out[f"truncated_{name}"] = Variant(Router.of(pair, Transfer.stage(mode="oracle", keep=keep)),
+            out[f"truncated_{name}"] = Variant(pair.router(mode="oracle", keep=keep),
                                                truncated_bound(target, keep, length))
     return out
 
@@ -128,8 +124,7 @@ def repaired_variants(params: OperatingParams, pair: Pair, length: int, lookahea
         else:
             setting = Repair.parse(repaired.repair)
             reads = lookahead if setting.reads_source else None
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[repaired.map], repair=setting,
-                                                speculative=reads))
+        router = pair.router(mode="mapped", mapper=params.maps[repaired.map], repair=setting, speculative=reads)
         scores = source_scores_macs(source, setting, reads, length)
         out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length,
                                                   setting, scores))
@@ -142,8 +137,8 @@ def gated_variants(params: OperatingParams, pair: Pair, length: int, contexts) -
     source, target = pair.source.config, pair.target.config
     out = {}
     for name, gated in params.gated.items():
-        router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[gated.map], fallback=gated.score,
-                                                threshold=float("inf")))
+        router = pair.router(mode="mapped", mapper=params.maps[gated.map], fallback=gated.score,
+                             threshold=float("inf"))
         scores = router.gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
         router.gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
         cost = (sum(handoff_macs(source, target, router.handoff.mapper.macs_per_token(), length).values())
@@ -154,15 +149,14 @@ def gated_variants(params: OperatingParams, pair: Pair, length: int, contexts) -
 
 def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts: pd.DataFrame,
         items: pd.DataFrame | None, out, contexts=lambda: [], lookahead: SpeculativeParams | None = None) -> dict:
-    """The study at `length` on its eval `prompts` and pass-key `items` (data/long/ frames): every variant's figures
-    (what metrics/eval/operating/<n>.json holds) and rows, written under `out` (`lookahead`: as `variants`)."""
+    """Every variant's figures at `length` on the data/long/ eval `prompts` and pass-key `items`; rows under `out`."""
     texts = read_prompts(prompts)
     keys = [] if items is None else read_prompts(items)
     recall = [recall_positions(p, c, params.recall_ngram) for p, c in texts]
     store = OracleStore(params.top_k, params.horizon)
     metrics: dict = {"length": length, "prompts": len(texts), "retrieval_items": len(keys),
                      "recall_ngram": params.recall_ngram, "variants": {}}
-    oracle_router = Router.of(pair, Transfer.stage(mode="oracle"))
+    oracle_router = pair.router(mode="oracle")
     oracle = evaluate(oracle_router, texts, store=store, margin=margin, timed=True, warmup=1, progress=False)
     oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
     reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None

@@ -20,7 +20,6 @@ from pipeline.kv.flops import (
 )
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
 from pipeline.measure.compare import read_prompts
@@ -47,9 +46,8 @@ def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float, it
 
 def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True,
         items: int | None = None, lookahead: SpeculativeParams | None = None) -> dict:
-    """Every map at every setting of the grid, and the matched-cost baselines at each budget level (`margin`:
-    `measure.confident_margin`; `items`: `measure.study_items`; `lookahead`: the look-ahead settings select chose);
-    `timed`: measure the speedup here (False in tests)."""
+    """Every map at every setting of the grid, and the matched-cost baselines at each budget level (`lookahead`:
+    select's look-ahead settings); `timed`: measure the speedup here (False in tests)."""
     require_controls_passed()
     pair = Pair.load(models, device)
     bound_configs = bound_configs_of(params.bound_pair, pair.configs)
@@ -65,8 +63,8 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):
             reads = lookahead if setting.reads_source else None
-            router = Router.of(pair, Transfer.stage(mode="mapped", mapper=params.maps[name], repair=setting,
-                                                    speculative=reads), params.batch_size)
+            router = pair.router(mode="mapped", mapper=params.maps[name], repair=setting, speculative=reads,
+                                 batch_size=params.batch_size)
             handoff, evaluation = router.handoff, scored(pair, router, pair.eval_tasks, prompts, oracle, margin, items)
             write_rows(staging, name, str(setting), evaluation)
             mapper = handoff.mapper
@@ -96,11 +94,10 @@ def matched_baselines(pair: Pair, params: RepairParams, levels: list[float], tas
     on `tasks` and `prompts` as the repaired maps are: (baseline, level, evaluation, figures), speculative prefill's
     with its FLOP bound at `bound_configs` (source, target)."""
     for level in tqdm(levels, desc="matched-cost baselines", unit="budget"):
-        truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=level), params.batch_size)
+        truncated = pair.router(mode="oracle", keep=level, batch_size=params.batch_size)
         evaluation = scored(pair, truncated, tasks, prompts, oracle, margin, items)
         yield paths.TRUNCATED_BASELINE, level, evaluation, evaluation.figures()
-        speculative = Router.of(pair, Transfer.stage(mode=f"speculative:{level:g}", speculative=lookahead),
-                                params.batch_size)
+        speculative = pair.router(mode=f"speculative:{level:g}", speculative=lookahead, batch_size=params.batch_size)
         evaluation = scored(pair, speculative, tasks, prompts, oracle, margin, items)
         bound = speculative_bound(*bound_configs, lookahead, level, params.length)
         yield paths.SPECULATIVE_BASELINE, level, evaluation, {**evaluation.figures(), "bound": round(bound, 4)}

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.measure.evaluation import Evaluation, evaluate
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import paired_bootstrap
@@ -31,7 +29,7 @@ def dev_accuracy(models: ModelsParams, device: str, batch_size: int) -> dict[str
     evaluations = {}
     for variant, mode in (("target", "oracle"), ("source", "source"), ("direct", "direct")):
         try:
-            router = Router.of(pair, Transfer.stage(mode=mode), batch_size)
+            router = pair.router(mode=mode, batch_size=batch_size)
         except ValueError as err:  # direct injection undefined for this pair's KV geometry
             print(f"skipping {variant}: {err}")
             continue

@@ -16,8 +16,6 @@ from tqdm.auto import tqdm
 from pipeline.kv.flops import repair_budget, source_scores_macs
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.evaluation import Evaluation, OracleStore, evaluate
 from pipeline.measure.prompt_metrics import CONFIDENT, PROMPT_METRICS
@@ -64,17 +62,15 @@ def select_prompts(token_lists, params: SelectParams) -> list[tuple[list[int], l
 
 
 def rank_key(rule: str):
-    """Sort key: best first by the prompt metric `rule` (`measure.prompt_metrics`, its direction; `confident_scores`
-    refused a rule undefined on the select prompts). Ties always go to lower perplexity, then to fewer parameters,
-    then to the smaller repair budget."""
+    """Sort key: best first by the prompt metric `rule` in its direction (one undefined on the select prompts was
+    refused); ties go to lower perplexity, then fewer parameters, then the smaller repair budget."""
     metric = PROMPT_METRICS[rule]
     return lambda s: (-metric.better(s[rule]), s["perplexity"], s["parameters"], s["budget"])
 
 
 def budgets(params: SelectParams, loaded: tuple, lookahead: SpeculativeParams | None = None) -> dict[str, float]:
-    """Each setting of `select.repairs` (canonical form): its multiply-adds over the target's prefill at
-    `bound_pair`'s shapes (`loaded`: the pair's own configs) for `length` tokens, the source's look-ahead scores
-    (params' `speculative` settings, `lookahead`) counted where its policy ranks by them."""
+    """Per setting (canonical form), its multiply-adds over the target's prefill at `bound_pair`'s shapes for
+    `length` tokens, the source's look-ahead scores counted where its policy ranks by them."""
     source, target = bound_configs(params.bound_pair, loaded)
     return {str(setting): repair_budget(target, setting, params.length,
                                         source_scores_macs(source, setting, lookahead, params.length))
@@ -83,16 +79,14 @@ def budgets(params: SelectParams, loaded: tuple, lookahead: SpeculativeParams | 
 
 def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tuple[Path, Repair]], costs: dict,
                margin: float, ranks: Ranks, lookahead: SpeculativeParams | None = None) -> list[dict]:
-    """Each (map file, repair setting) of `jobs` handed off on the select prompts and compared with the oracle (the
-    confident figures at oracle margin >= `margin`; `lookahead`: params' `speculative` settings, which a policy
-    ranking by the source's scores reads): its prompt metrics by name, what it is, and its evaluation; under several
-    processes every N-th job, the scores gathered on every rank in job order."""
+    """Each (map file, repair setting) on the select prompts against the oracle (confident figures at oracle margin
+    >= `margin`): its prompt metrics, what it is, and its evaluation. Each of N ranks runs every N-th job; every rank
+    gets all scores in job order."""
     scores = []
     mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
     for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
-        request = Transfer.stage(mode="mapped", mapper=path, repair=setting,
-                                 speculative=lookahead if setting.reads_source else None)
-        router = Router.of(pair, request, params.batch_size)
+        router = pair.router(mode="mapped", mapper=path, repair=setting,
+                             speculative=lookahead if setting.reads_source else None, batch_size=params.batch_size)
         mapper = router.handoff.mapper
         evaluation = evaluate(router, prompts, oracle, margin=margin)
         scores.append({
@@ -105,15 +99,14 @@ def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tup
 
 def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared: SpeculativeParams, margin: float,
                     ranks: Ranks) -> tuple[SpeculativeParams, list[dict]]:
-    """Speculative prefill keeping `lookahead_share` of each select prompt under each look-ahead candidate of
-    `select.lookahead` (the `declared` settings with its layers and pooling; [] : `declared` alone), compared with
-    the oracle: the best by the rule (ties: lower perplexity, then the first listed) and every candidate's score, on
-    every rank (the candidates shared out every N-th)."""
+    """Speculative prefill keeping `lookahead_share` of each select prompt under each candidate of `select.lookahead`
+    (`declared` with its layers and pooling; []: `declared` alone): the best by the rule (ties: lower perplexity,
+    then the first listed) and every candidate's score, on every rank."""
     candidates = [declared.reading(choice) for choice in params.lookahead] or [declared]
     mode = f"speculative:{params.lookahead_share:g}"
     scores = []
     for index in tqdm(ranks.share(len(candidates)), desc="score look-ahead", unit="setting", disable=not ranks.main):
-        router = Router.of(pair, Transfer.stage(mode=mode, speculative=candidates[index]), params.batch_size)
+        router = pair.router(mode=mode, speculative=candidates[index], batch_size=params.batch_size)
         evaluation = evaluate(router, prompts, oracle, margin=margin)
         scores.append({**evaluation.prompts.metrics, "evaluation": evaluation, "job": index})
     scores = sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
@@ -125,13 +118,12 @@ def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared:
 
 def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], margin: float,
                      ranks: Ranks = ONE_PROCESS, declared: SpeculativeParams | None = None) -> Scored | None:
-    """Every candidate's agreement with the oracle on the select prompts; with `declared` (params' `speculative`
-    settings) the look-ahead chosen; then the best `repair_maps` maps at every setting of `select.repairs` within
-    `max_recompute`, a policy ranking by the source's scores reading the chosen look-ahead. `margin`: the oracle's
-    top-2 margin from which a position is confident. Under several processes the oracle's prompts and then the jobs
-    are shared out (every N-th), and rank 0 gets the scores (the others None)."""
+    """Every candidate's agreement with the oracle; with `declared` (params' `speculative`) the look-ahead chosen;
+    then the best `repair_maps` maps at every setting within `max_recompute`, a policy ranking by the source's scores
+    reading the chosen look-ahead. `margin`: the oracle's top-2 margin from which a position is confident. Rank 0
+    gets the scores, the others None."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
-    reference = evaluate(Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size), prompts, margin=margin,
+    reference = evaluate(pair.router(mode="oracle", batch_size=params.batch_size), prompts, margin=margin,
                          store=store, ranks=ranks)
     oracle = reference.oracle
     scores = score_jobs(pair, prompts, params, oracle, [(path, Repair()) for path in candidates], {"none": 0.0},
@@ -174,7 +166,6 @@ def choose(scores: list[dict], rule: str, max_recompute: float) -> tuple[dict, d
 
 
 def candidate_path(name: str) -> Path:
-    """A candidate's file: fit's (models/mappers/) or a distilled one (models/distilled/)."""
     return next(path for path in (paths.fitted_map(name), paths.distilled_map(name)) if path.is_file())
 
 
@@ -185,11 +176,8 @@ def copy_verified(source: Path, destination: Path) -> None:
 
 
 def promote(scored: Scored, params: SelectParams, prompts: int) -> dict:
-    """Copy the chosen candidate to models/mapper.safetensors, its repair setting to models/mapper_repair.json (with
-    the look-ahead settings it was scored under where its policy reads them), the chosen look-ahead settings to
-    models/lookahead.json and the best of each k to models/best/; the stage's metrics (the oracle's figures, every
-    candidate's evaluation beside them under maps/<map>/, each repaired one's under repaired/<map>/<setting>/, each
-    look-ahead candidate's under lookahead/<layers>:<pooling>/)."""
+    """The chosen map, its repair setting (with the look-ahead settings it was scored under where its policy reads
+    them), the chosen look-ahead and the best map of each k copied under models/; the stage's metrics."""
     reference, scores, costs, lookahead = scored.reference, scored.scores, scored.costs, scored.lookahead
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     copy_verified(candidate_path(chosen["name"]), paths.SELECTED_MAPPER)
@@ -219,7 +207,6 @@ def promote(scored: Scored, params: SelectParams, prompts: int) -> dict:
 
 
 def candidates_on_disk() -> list[Path]:
-    """Every map fit and distill left (models/mappers/, models/distilled/), refused when there is none."""
     candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
@@ -228,8 +215,7 @@ def candidates_on_disk() -> list[Path]:
 
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS,
         declared: SpeculativeParams | None = None) -> dict:
-    """Score `candidates` on the select split's prompts (the only data read; `margin`: `measure.confident_margin`;
-    `declared`: params' `speculative` settings, the look-ahead candidates' base) and promote the choice; the stage's
+    """Score `candidates` on the select split's prompts (the only data read) and promote the choice; the stage's
     metrics on rank 0 ({} on the others)."""
     prompts = select_prompts(read_table(paths.split("select")).token_ids, params)
     scored = score_candidates(pair, prompts, params, candidates, margin, ranks, declared)

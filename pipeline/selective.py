@@ -15,7 +15,6 @@ from pipeline.kv.flops import handoff_macs, mapper_macs_per_token, target_prefil
 from pipeline.kv.gate import REFERENCES, Probe, Scorer, fit_probe
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.scores import FEATURES, SCORES, score_macs
 from pipeline.kv.scoring import truncate
@@ -48,8 +47,7 @@ METRIC = "acc_norm"  # the retention metric the threshold is chosen for (report.
 
 
 def column(name: str) -> str:
-    """A request frame's column of a score (`score_<name>`: curves, AUROC, threshold) or of a probe's other
-    feature (`feature_<name>`)."""
+    """A request frame's column: `score_<name>` of a score (curves, AUROC, threshold), else `feature_<name>`."""
     return f"score_{name}" if name in SCORES else f"feature_{name}"
 
 
@@ -80,10 +78,9 @@ def probe_score(probe: Probe, frame: pd.DataFrame, features: tuple[str, ...]) ->
 
 
 def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, disagree) -> dict[str, Probe]:
-    """Per map, the probe trained on its dev items, and its score (`score_probe`) of every item and prompt. A dev
-    item's score is out-of-fold (`selective.probe_folds` folds, item i in fold i mod folds: the probe trained on
-    the other folds), so the threshold chosen on the dev items sees scores of items the probe did not learn, as
-    the eval part's are; the eval items and prompts get the probe trained on every dev item."""
+    """Per map, the probe trained on its dev items, and its `score_probe` of every item and prompt. A dev item's
+    score is out-of-fold (item i in fold i mod `probe_folds`, scored by the probe trained on the other folds), so the
+    threshold chosen on dev sees scores of unlearned items, as eval's are; eval gets the probe of every dev item."""
     features, probes = probe_features(disagree), {}
     for name in params.maps:
         dev = items[(items.part == "dev") & (items["map"] == name)]
@@ -110,8 +107,6 @@ def task_frame(pair: Pair, router: Router, files: dict, items: int | None = None
 
 
 def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dict) -> pd.DataFrame:
-    """One row per item of a map on a part: its, the oracle's (and the source's) outcome, whether the map
-    changed the decision, and every score."""
     rows = pd.DataFrame({"part": part, "map": name, "task": frame.task, "item": frame.item,
                          "mapped": frame[METRIC], "oracle": base["oracle"][METRIC].to_numpy(),
                          "changed": gating.decisions(frame, METRIC) != gating.decisions(base["oracle"], METRIC)})
@@ -124,14 +119,14 @@ def score_requests(pair: Pair, params: SelectiveParams, routers: dict[str, Route
                    study_items: int | None = None) -> tuple[pd.DataFrame, ...]:
     """Per-request rows of every map (`routers`: each map's handoff): task items of both parts (each eval task's
     first `study_items`), eval prompts."""
-    oracle = Router.of(pair, Transfer.stage(mode="oracle"), params.batch_size)
+    oracle = pair.router(mode="oracle", batch_size=params.batch_size)
     items = []
     for part in ("dev", "eval"):
         files = {task: paths.task_items(task, part) for task in TASKS}
         limit = study_items if part == "eval" else None
         base = {"oracle": task_frame(pair, oracle, files, limit)}
         if part == "eval":
-            base["source"] = task_frame(pair, Router.of(pair, Transfer.stage(mode="source"), params.batch_size),
+            base["source"] = task_frame(pair, pair.router(mode="source", batch_size=params.batch_size),
                                         files, limit)
         for name, router in routers.items():
             frame = task_frame(pair, router, files, limit)
@@ -223,8 +218,7 @@ def confident_row(prompts: pd.DataFrame, fallback: np.ndarray, iters: int, seed:
 
 
 def ungated(ev: pd.DataFrame, pr: pd.DataFrame, file: str, iters: int, seed: int) -> dict:
-    """A map's facts without a gate: its quality (confident top-1 with its interval), the share (and count) of
-    requests where it changes the decision, the counts of requests and of confident prompts, and its file."""
+    """A map's facts without a gate: its quality and the share of requests where it changes the decision."""
     kept = np.zeros(len(pr), bool)
     return {**gating.item_quality(ev, np.zeros(len(ev), bool)), **gating.prompt_quality(pr, kept),
             **confident_row(pr, kept, iters, seed), "changed_items": float(ev.changed.mean()),
@@ -271,11 +265,11 @@ def run(params: SelectiveParams, models: ModelsParams, device: str, measure: Mea
     """Every map of `params.maps` scored, gated and timed, measured as `measure` says."""
     require_controls_passed()
     pair = Pair.load(models, device)
-    routers = {name: Router.of(pair, Transfer.stage(mode="mapped", mapper=file), params.batch_size)
+    routers = {name: pair.router(mode="mapped", mapper=file, batch_size=params.batch_size)
                for name, file in params.maps.items()}
     two_maps = "disagree" in params.scores or ("probe" in params.scores and len(params.disagree) == 2)
     # the disagree score's two maps: handoffs the scorer reads beside each map's, never a route of their own
-    disagree = tuple(Router.of(pair, Transfer.stage(mode="mapped", mapper=file)).handoff
+    disagree = tuple(pair.router(mode="mapped", mapper=file).handoff
                      for file in params.disagree) if two_maps else None
     items, prompts = score_requests(pair, params, routers, disagree, measure.study_items)
     probes = add_probe(items, prompts, params, disagree) if "probe" in params.scores else {}

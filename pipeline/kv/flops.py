@@ -40,10 +40,8 @@ def linear_macs_per_token(config) -> int:
 
 
 def attention_macs(config, start: int, end: int) -> int:
-    """Multiply-adds of attention for the tokens at positions start..end-1, each over itself and all before.
-
-    Position p reads p + 1 keys and values: sum over p of (p + 1) = (end (end + 1) - start (start + 1)) / 2.
-    """
+    """Multiply-adds of attention for the tokens at positions start..end-1, each over itself and all before: position
+    p reads p + 1 keys and values, sum over p of (p + 1) = (end (end + 1) - start (start + 1)) / 2."""
     width = config.num_attention_heads * kv_geometry(config)["head_dim"]
     keys_read = (end * (end + 1) - start * (start + 1)) // 2
     return 2 * width * config.num_hidden_layers * keys_read  # q.k and the sum over values
@@ -62,9 +60,8 @@ def _layer_sizes(source_config, target_config, k: int, family: str, width: int |
 
 
 def mapper_macs_per_token(source_config, target_config, k: int, family: str, width: int | None = None) -> int:
-    """Multiply-adds per token of a keys+values mapper of any family: one per weight, biases are adds (as
-    `mapper.Mapper.macs_per_token` counts a fitted one; `width`: the family's inner size, e.g. the MLP's hidden
-    width or the low-rank map's rank)."""
+    """Multiply-adds per token of a keys+values mapper of any family: one per weight, biases are adds; `width`: the
+    family's inner size (the MLP's hidden width, the low-rank map's rank)."""
     weights, _ = _layer_sizes(source_config, target_config, k, family, width)
     return 2 * kv_geometry(target_config)["layers"] * weights  # keys and values
 
@@ -119,8 +116,7 @@ def lookahead_macs(source_config, settings: SpeculativeParams, length: int) -> i
 
 
 def source_scores_macs(source_config, repair: Repair, settings: SpeculativeParams | None, length: int) -> int | None:
-    """`repair_macs`' `source_scores` for `repair`: the source's look-ahead scores (`lookahead_macs`) where its policy
-    ranks by them, else None (nothing to count)."""
+    """The source's look-ahead scores (`lookahead_macs`) where `repair`'s policy ranks by them, else None."""
     if not repair.reads_source:
         return None
     if settings is None:
@@ -187,12 +183,12 @@ def repair_budget(target_config, repair: Repair, length: int, source_scores: int
 
 
 def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int,
-                  repair: Repair | None = None, source_scores: int | None = None) -> float:
+                  repair: Repair = Repair(), source_scores: int | None = None) -> float:
     """Target prefill over the handoff (with `repair`'s multiply-adds when given; `source_scores` as `repair_macs`)."""
     if length < 2:
         raise ValueError(f"prompt length {length}: the handoff needs at least 2 tokens (a prefix and the last)")
     handoff = sum(handoff_macs(source_config, target_config, mapper_macs_per_token, length).values())
-    if repair is not None:
+    if not repair.empty:
         handoff += sum(repair_macs(target_config, repair, length, source_scores).values())
     return target_prefill_macs(target_config, length) / handoff
 
@@ -203,13 +199,12 @@ def source_alone_bound(source_config, target_config, length: int) -> float:
 
 
 def truncated_bound(target_config, keep: float, length: int) -> float:
-    """Target prefill over its prefill of the prompt's last round(keep x length) tokens (at least one): the truncated
-    prompt's bound (`Handoff.keep`)."""
+    """Target prefill over its prefill of the prompt's last round(keep x length) tokens (at least one)."""
     return target_prefill_macs(target_config, length) / target_prefill_macs(target_config, max(1, round(keep * length)))
 
 
 def first_step_macs(source_config, target_config, length: int, mapper_macs_per_token: int = 0,
-                    repair: Repair | None = None, settings: SpeculativeParams | None = None,
+                    repair: Repair = Repair(), settings: SpeculativeParams | None = None,
                     share: float | None = None) -> dict[str, int]:
     """Multiply-adds of a handoff's first step by the parts its clock times (`Handoff.first_step`): `prefill` (the
     source's), `scores` (its look-ahead scores, where read), `map`, `repair` (the target's recompute and its own
@@ -220,7 +215,7 @@ def first_step_macs(source_config, target_config, length: int, mapper_macs_per_t
                 "step": parts["step"]}
     parts = handoff_macs(source_config, target_config, mapper_macs_per_token, length)
     out = {"prefill": parts["source"], "map": parts["map"], "step": parts["step"]}
-    if repair is not None and not repair.empty:
+    if not repair.empty:
         scores = source_scores_macs(source_config, repair, settings, length)  # None where the policy reads none
         total = sum(repair_macs(target_config, repair, length, scores).values())
         out |= {"scores": scores or 0, "repair": total - (scores or 0)}  # the selection by them is the scores

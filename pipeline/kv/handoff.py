@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pipeline.kv.contract import LongerThanWindowError, pair_contract, sliding_window
+from pipeline.kv.contract import LongerThanWindowError, sliding_window
 from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.kvcache import (
     Layers,
@@ -27,7 +27,7 @@ from pipeline.kv.kvcache import (
 )
 from pipeline.kv.lookahead import scored_prefill
 from pipeline.kv.mapper import Mapper, map_cache
-from pipeline.kv.modes import MODES, Built, ClockHook, check_mode, tell
+from pipeline.kv.modes import MODES, Built, ClockHook, tell
 from pipeline.kv.recompute import RepairCount, repair_cache
 from pipeline.kv.repair import Repair
 from pipeline.kv.rope import RotarySpec, Rotation, model_name
@@ -67,29 +67,6 @@ def pair_window(target, source=None) -> int | None:
     """The shorter sliding window of the models that compute a handoff (None when neither has one)."""
     windows = [sliding_window(model.config) for model in (target, source) if model is not None]
     return min((w for w in windows if w is not None), default=None)
-
-
-def check_options(mode: str, repair: Repair, keep: float | None, share: float | None,
-                  speculative: SpeculativeParams | None) -> None:
-    """Refuse a repair of a cache that is its model's own or sparse, a repair reading the source's scores where no
-    source cache is handed over, a share `keep` or `share` outside (0, 1], a `share` the mode does not take or lacks,
-    and the source's scores without their declared settings."""
-    kind = MODES[mode]
-    if not repair.empty and (kind.reads.own or kind.sparse):
-        raise ValueError(f"repair {repair}: the {mode} handoff's cache is the target's own prefill, nothing to repair")
-    reads_source = repair.reads_source
-    if reads_source and not kind.hands_over:
-        raise ValueError(f"repair {repair}: policy {repair.select_by} reads the source's scores, which the {mode} "
-                         f"handoff does not make; repair a mode that hands the source's cache over")
-    for name, value in (("keep", keep), ("share", share)):
-        if value is not None and not 0 < value <= 1:
-            raise ValueError(f"{name} {value}: the share of each context a handoff reads is in (0, 1]")
-    if (share is None) != (kind.parameter is None):
-        raise ValueError(f"transfer mode {mode!r} " + ("takes no share: leave it out" if share is not None else
-                                                       f"needs its value, {kind.parameter}: {mode}:P"))
-    if (kind.sparse or reads_source) and speculative is None:
-        raise ValueError(f"transfer mode {mode!r}, repair {repair}: the source's scores need the declared "
-                         f"`speculative` settings (params.yaml)")
 
 
 @dataclass
@@ -202,32 +179,23 @@ class Handoff(CacheReader):
     """Builds the decoding model's prefix cache in one of MODES (the mode's hook) and scores tokens after it."""
 
     def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
-                 tokenizers: tuple | None = None, max_tokens: int | None = None, repair: Repair | None = None,
-                 keep: float | None = None, share: float | None = None, speculative: SpeculativeParams | None = None):
-        """`decoder`: the model that decodes (the target; in mode `source` the source itself); `repair`: a setting
-        (`kv.repair`) the target applies to every prefix cache of a source mode or `zero` before its first step
-        (refused for `oracle`, which has nothing to repair); `tokenizers`: (source, target) tokenizers, compared by
-        the contract when given (otherwise only the vocabulary sizes can be); `max_tokens`: the longest sequence this
-        handoff will see (a sliding window shorter than it is refused now); without it a pair with a sliding window
-        is accepted and every sequence longer than the window is refused when it comes (`check_length`); `share`: the
-        value of a mode that takes one (`speculative`'s p); `speculative`: the declared settings of the source's
-        look-ahead scores (`kv.speculative`), which `speculative` and a `source_attention` repair read."""
-        check_mode(mode, source is not None, mapper is not None)
+                 repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
+                 speculative: SpeculativeParams | None = None):
+        """Takes what a request checked (`kv.request.Transfer`) and the pair's contract allowed (`Pair.handoff`).
+        `decoder`: the model that decodes (the target; in mode `source` the source itself); `repair`: a setting the
+        target applies to every prefix cache it did not prefill, before its first step; `share`: the value of a mode
+        that takes one (`speculative`'s p); `speculative`: the declared settings of the source's look-ahead scores,
+        which `speculative` and a `source_attention` repair read. A sequence longer than a sliding window is refused
+        when it comes (`check_length`)."""
         self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
         self.shuffle_seed = shuffle_seed
         self.kind = MODES[mode]  # the mode's entry: its hook `prefix` builds every prefix cache
         handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
-        source_tokenizer, target_tokenizer = tokenizers or (None, None)
-        # the contract decides from the configs, before any forward; the rotary buffers are then checked
-        self.contract = pair_contract(decoder.config, None if handed is None else handed.config,
-                                      target_tokenizer, source_tokenizer, max_tokens)
-        self.contract.require("oracle" if self.kind.reads.own else mode)  # `source`: the source model decodes alone
         self.window = pair_window(decoder, handed)  # the longest sequence it may see
         self.decoder_spec = RotarySpec.from_model(decoder)
         self.decoder_geometry = kv_geometry(decoder.config)
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
-        self.repair, self.keep, self.share, self.speculative = repair or Repair(), keep, share, speculative
-        check_options(mode, self.repair, keep, share, speculative)
+        self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
         self.repaired = RepairCount()  # what the repair made the target compute (kv.recompute)
         self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
         self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward

@@ -63,14 +63,6 @@ class Mode(ABC):
         """Why a pair of these models (`kv.contract.ModelCard`: name, geometry) cannot use this mode, or None."""
         return None
 
-    def refusal(self, has_source: bool, has_mapper: bool) -> str | None:
-        """Why a handoff of this mode cannot be built with or without a source model and a mapper, or None."""
-        if self.reads.source and self.reads.target and not has_source:
-            return f"transfer mode {self.name!r} needs a source model"
-        if self.needs_map and not has_mapper:
-            return f"transfer mode {self.name!r} needs a mapper"
-        return None
-
     @abstractmethod
     def prefix(self, handoff, prefix_ids, lengths, mask, clock: ClockHook | None, prefilled: list | None) -> Built:
         """The prefix cache of prefix_ids (B, P) for `handoff` (a `kv.handoff.Handoff`), P > 0; `lengths` (B,) and
@@ -144,8 +136,7 @@ class Zero(Handed):
 
 
 class Source(Own):
-    """The source model alone, its own prefill and its own predictions (the handoff's decoding model is the
-    source)."""
+    """The source model alone: its own prefill and predictions (the handoff's decoding model is the source)."""
 
     name = "source"
     reads = Reads(target=False, source=True, map=False, own=True)
@@ -244,8 +235,6 @@ def kept_prefill(target, prefix_ids: torch.Tensor, kept: torch.Tensor) -> list:
 
 
 def register(*modes: Mode) -> dict[str, Mode]:
-    """The registry of `modes` by name; anything but a named `Mode` instance (and so one with a prefix hook) is
-    refused, and so is a name given twice."""
     return entries.register(Mode, "modes", modes)
 
 
@@ -253,8 +242,7 @@ MODES = register(Oracle(), Zero(), Source(), Direct(), Mapped(), Shuffled(), Spe
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map
-# the modes without a map or a value: the baselines, the oracle first (every other variant is compared with its
-# outputs), then by name
+# the baselines (no map, no value): the oracle first (every other variant is compared with its outputs), then by name
 BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads.map and mode.parameter is None),
                          key=lambda mode: (mode != "oracle", mode)))
 
@@ -265,12 +253,3 @@ def split_mode(text: str) -> tuple[str, str | None]:
     name, colon, value = str(text).partition(":")
     return name, value if colon else None
 
-
-def check_mode(name: str, has_source: bool, has_mapper: bool) -> None:
-    """Refuse a mode that is unknown or lacks the source or mapper it reads (on names, before any weight is
-    loaded, and again on the models themselves)."""
-    if name not in MODES:
-        raise ValueError(f"unknown transfer mode {name!r} (known: {', '.join(MODES)})")
-    reason = MODES[name].refusal(has_source, has_mapper)
-    if reason:
-        raise ValueError(reason)

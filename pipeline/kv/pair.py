@@ -13,8 +13,10 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
-from pipeline.kv.modes import MAPPER_MODES, MODES, check_mode
+from pipeline.kv.modes import MAPPER_MODES, MODES
 from pipeline.kv.repair import Repair
+from pipeline.kv.request import Transfer
+from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store import paths
 from pipeline.store.cli import Refusal
@@ -107,11 +109,6 @@ class Pair:
         return pair
 
     @property
-    def tokenizers(self) -> tuple:
-        """(source, target), the order `Handoff` takes them in."""
-        return self.source_tokenizer, self.target_tokenizer
-
-    @property
     def eval_tasks(self) -> dict[str, Path]:
         """Each task's eval-part items, the files every stage scores a handoff of the pair on."""
         return {task: paths.task_items(task, "eval") for task in TASKS}
@@ -153,7 +150,7 @@ class Pair:
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
-                shuffle_seed: int = 0, repair: Repair | str | None = None, keep: float | None = None,
+                shuffle_seed: int = 0, repair: Repair | str = Repair(), keep: float | None = None,
                 share: float | None = None, speculative: SpeculativeParams | None = None) -> Handoff:
         """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
         pair's device; ignored by the modes that read none), refused unless fitted on the pair's models. A mode the
@@ -163,13 +160,9 @@ class Pair:
         the truncated prompt); `share`, `speculative`: speculative prefill's p and the declared settings of the
         source's look-ahead scores (`Handoff`)."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
-        if mode in MODES and not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
-            if repair is not None and not repair.empty:
-                raise ValueError(f"repair {repair}: the source alone hands no cache to the target")
-            self.contract.require(mode)
-            return Handoff(self.source, mode=mode, keep=keep)
-        check_mode(mode, self.has_source, mapper is not None)
         self.contract.require(mode)
+        if not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
+            return Handoff(self.source, mode=mode, keep=keep)
         if mode not in MAPPER_MODES:
             mapper = None
         elif isinstance(mapper, (str, Path)):
@@ -179,8 +172,12 @@ class Pair:
         else:
             self.bind(mapper, f"{mapper.family} k={mapper.k}")
         return Handoff(self.target, self.source if MODES[mode].reads.source else None, mode, mapper,
-                       shuffle_seed=shuffle_seed, tokenizers=self.tokenizers, max_tokens=self.max_tokens,
-                       repair=repair, keep=keep, share=share, speculative=speculative)
+                       shuffle_seed=shuffle_seed, repair=repair, keep=keep, share=share, speculative=speculative)
+
+    def router(self, batch_size: int = 16, **values) -> Router:
+        """A stage's handoff: `values` as its params give them (a map file's `Path`, a parsed `Repair`), checked
+        once by the request (`Transfer.stage`); `batch_size`: contexts a forward where a gate scores them."""
+        return Router.of(self, Transfer.stage(**values), batch_size)
 
     def gate(self, handoff: Handoff, score: str, threshold: float,
              disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pipeline.kv import projections
 from pipeline.kv.kvcache import Layers, additive_mask, cache_to_layers, layers_to_cache, padded_positions, real_slots
-from pipeline.kv.repair import Repair, RepairError
+from pipeline.kv.repair import Repair
 from pipeline.kv.selectors import EXACT, SELECTORS, Evidence
 from pipeline.store.lazy import lazy
 
@@ -40,13 +40,8 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
     if setting.empty:
         return layers
     batch, width = prefix_ids.shape
-    config = target.config
-    if setting.exact_layers > config.num_hidden_layers:
-        raise RepairError(f"repair {setting}: the target has only {config.num_hidden_layers} layers")
+    config = target.config  # `setting` fits it: checked where it entered (check_params, Transfer.check_geometry)
     selector = setting.selector if setting.tokens else None
-    problem = setting.policy_refusal(config.num_hidden_layers)
-    if problem:
-        raise RepairError(f"repair {setting}: {problem}")
     lengths = torch.full((batch,), width) if lengths is None else lengths.cpu()
     mapped, layers = layers, [(k.clone(), v.clone()) for k, v in layers]
     exact_index = max(setting.exact_layers - 1, 0)

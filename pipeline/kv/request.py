@@ -58,7 +58,7 @@ class Transfer(BaseModel):
     face: Face
     mode: str
     mapper: str | None = None
-    repair: Repair | None = None
+    repair: Repair = Repair()  # the empty setting: no repair (the one form of none)
     fallback: str | None = None
     threshold: float | None = None
     disagree: tuple[str, str] | None = None
@@ -113,10 +113,8 @@ class Transfer(BaseModel):
 
     @model_validator(mode="after")
     def _rules(self) -> "Transfer":
-        face = self.face
-        setting = self.setting
-        reads_source = setting is not None and setting.reads_source
-        if reads_source and not MODES[self.mode].hands_over:
+        face, setting = self.face, self.repair
+        if setting.reads_source and not MODES[self.mode].hands_over:
             raise ParamError(f"{face.name('repair')} {setting}: policy {setting.select_by} ranks by the source's "
                              f"scores, made where the source's cache is handed over: use it with "
                              f"{', '.join(SOURCE_MODES)}")
@@ -147,11 +145,6 @@ class Transfer(BaseModel):
                                      f"select wrote (under models/)")
         return self
 
-    @property
-    def setting(self) -> Repair | None:
-        """The repair setting, None for none."""
-        return None if self.repair is None or self.repair.empty else self.repair
-
     def needs_source(self) -> bool:
         return MODES[self.mode].reads.source
 
@@ -166,8 +159,8 @@ class Transfer(BaseModel):
         past them) and look-ahead settings reading layers past its source, from the configs; a model the contract
         refuses is left to its refusal."""
         self.check_source_layers(pair)
-        setting, geometry = self.setting, pair.contract.target.geometry
-        if setting is None or geometry is None:
+        setting, geometry = self.repair, pair.contract.target.geometry
+        if setting.empty or geometry is None:
             return
         layers, positions = geometry["layers"], pair.positions
         if setting.exact_layers > layers:
@@ -215,8 +208,7 @@ def _mode(face: Face, values: dict) -> str:
 def _lookahead(face: Face, mode: str, values: dict) -> None:
     """The look-ahead settings where the mode (`speculative`) or the repair's policy (`source_attention`) reads
     them: a stage's own, else params' `speculative` section; refused where nothing reads them."""
-    repair = values.get("repair")
-    reads = MODES[mode].sparse or (repair is not None and repair.reads_source)
+    reads = MODES[mode].sparse or ("repair" in values and values["repair"].reads_source)
     if not reads:
         if "speculative" in values:
             raise ParamError(f"{face.tool} {face.given('mode', mode)} reads no look-ahead settings: leave out "

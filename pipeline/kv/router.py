@@ -31,7 +31,7 @@ class Router:
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
         """The router of `request` (`kv.request.Transfer`) between `pair`'s models (weights loaded on first use)."""
         handoff = pair.handoff(request.mode, request.mapper, shuffle_seed=request.shuffle_seed or 0,
-                               repair=request.setting, keep=request.keep, share=request.share,
+                               repair=request.repair, keep=request.keep, share=request.share,
                                speculative=request.speculative)
         gate = None if request.fallback is None else pair.gate(handoff, request.fallback, request.threshold,
                                                                 request.disagree)

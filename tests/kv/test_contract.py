@@ -22,6 +22,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers
 from pipeline.kv.mapper import Mapper, identity_mapper
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.kv.router import Router
 from pipeline.kv.scoring import score_continuations
@@ -86,7 +87,7 @@ def test_refused_model_is_refused_in_one_sentence_naming_it_before_any_forward(n
     getattr(model, "model", model).forward = no_forward
     for mode in ("oracle", "mapped"):
         with pytest.raises(UnsupportedModelError) as info:
-            Handoff(model, model, mode, mapper=None if mode == "oracle" else object())
+            Pair.of(model, model).handoff(mode, None if mode == "oracle" else object())
         message = str(info.value)
         assert feature in message and f"tiny-{config.model_type}" in message and "\n" not in message
 
@@ -96,9 +97,9 @@ def test_sliding_window_shorter_than_the_run_is_refused_and_a_longer_one_is_exac
     assert not pair_contract(config, max_tokens=100).defined("oracle")
     model = random_of(config)
     with pytest.raises(UnsupportedModelError, match="sliding window of 48 tokens, active at 100"):
-        Handoff(model, max_tokens=100)
+        Pair.of(model, max_tokens=100).handoff()
     requests = _requests(n_contexts=3, endings=2, seed=3)  # at most 39 + 5 = 44 tokens: the window never masks
-    results = score_continuations(Handoff(model, max_tokens=44), requests, progress=False)
+    results = score_continuations(Pair.of(model, max_tokens=44).handoff(), requests, progress=False)
     for (score, _), reference in zip(results, _full_forward_scores(model, requests)):
         assert score == pytest.approx(reference, abs=1e-4)
 
@@ -231,7 +232,7 @@ def test_the_fitted_map_between_unequal_geometries_reproduces_the_oracle_through
     texts = [("the cat sat on the", " mat"), ("a b c d e f", " g h"), ("once upon a time there", " was a king")]
     requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(texts)]
     oracle = KVTransferLM(Router(Handoff(target)), tokenizer).loglikelihood(requests, disable_tqdm=True)
-    handoff = Handoff(target, source, "mapped", mapper, tokenizers=(tokenizer, tokenizer))
+    handoff = Handoff(target, source, "mapped", mapper)
     mapped = KVTransferLM(Router(handoff), tokenizer).loglikelihood(requests, disable_tqdm=True)
     assert [ll for ll, _ in mapped] == pytest.approx([ll for ll, _ in oracle], abs=1e-4)
     assert [greedy for _, greedy in mapped] == [greedy for _, greedy in oracle]
@@ -262,7 +263,7 @@ def pair(request):
 LOOKAHEAD = parse(SpeculativeParams, committed("speculative", last=2, sinks=1), "speculative")
 
 
-def _scores(pair, mode, mapper, repair=None):
+def _scores(pair, mode, mapper, repair=Repair()):
     share = 0.5 if MODES[mode].parameter else None  # speculative:0.5
     handoff = pair[0].handoff(mode, mapper, repair=repair, share=share, speculative=LOOKAHEAD)
     return [score for score, _ in score_continuations(handoff, _requests(n_contexts=3, endings=2), progress=False)]

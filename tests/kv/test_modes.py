@@ -16,7 +16,6 @@ from pipeline.kv.modes import (
     Mode,
     Own,
     Reads,
-    check_mode,
     register,
     split_mode,
 )
@@ -41,24 +40,10 @@ def test_speculative_reads_the_source_hands_nothing_over_and_is_no_baseline_for_
     assert speculative.reads.source and speculative.reads.target and not speculative.hands_over
     assert speculative.sparse and speculative.parameter and "speculative" not in BASELINES
     assert split_mode("speculative:0.1") == ("speculative", "0.1") and split_mode("oracle") == ("oracle", None)
-    check_mode("speculative", True, False)
-    with pytest.raises(ValueError, match="transfer mode 'speculative' needs a source model"):
-        check_mode("speculative", False, False)
-
-
-@pytest.mark.parametrize("name,has_source,has_mapper,message", [
-    ("sideways", True, True, r"unknown transfer mode 'sideways' \(known: oracle, zero, source, direct, mapped, "),
-    ("direct", False, False, "transfer mode 'direct' needs a source model"),
-    ("mapped", True, False, "transfer mode 'mapped' needs a mapper"),
-])
-def test_a_mode_lacking_what_it_reads_is_refused_in_one_line(name, has_source, has_mapper, message):
-    with pytest.raises(ValueError, match=message):
-        check_mode(name, has_source, has_mapper)
 
 
 def test_shuffled_and_the_own_modes_need_no_mapper():
-    for name in ("oracle", "zero", "source", "shuffled"):
-        check_mode(name, True, False)
+    assert [name for name in MODES if MODES[name].needs_map] == ["mapped"]
 
 
 def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():

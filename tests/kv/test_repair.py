@@ -150,11 +150,6 @@ def test_exact_layers_run_the_target_through_all_but_the_last_of_them_and_never_
     assert seen[0] == 20 * 1  # layer 0 in full; layer 1's K/V projections only
 
 
-def test_the_oracle_refuses_a_repair(target):
-    with pytest.raises(ValueError, match="nothing to repair"):
-        Handoff(target, repair=Repair(sink=2))
-
-
 def _declared_settings() -> list[str]:
     """Every repair setting conf/ declares (grids, select's candidates, evaluate's), as written."""
     found = []

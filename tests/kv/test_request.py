@@ -80,14 +80,17 @@ def test_a_repair_larger_than_the_target_is_refused_from_its_config(tiny_pair):
         Transfer.of(KV_TRANSFER, mode="direct", repair=f"layers:{layers + 1}").check_geometry(pair)
     with pytest.raises(ParamError, match=rf"sink:{pair.positions} is not below the models' {pair.positions}"):
         Transfer.of(KV_TRANSFER, mode="direct", repair=f"sink:{pair.positions}").check_geometry(pair)
+    with pytest.raises(ParamError, match=rf"policy key_norm@{layers + 1}: the target has only {layers} layers"):
+        Transfer.of(KV_TRANSFER, mode="direct", repair=f"tokens:0.5:key_norm@{layers + 1}").check_geometry(pair)
     assert "target" not in pair.__dict__  # decided from the config: no weights loaded
-    assert Transfer.of(KV_TRANSFER, mode="direct", repair="none").setting is None
-    assert Transfer.of(GENERATE, mode="zero", repair=Repair.parse("sink:2")).setting == Repair.parse("sink:2")
+    for none in ({}, {"repair": "none"}):  # left out or named: one form, the empty setting
+        assert Transfer.of(KV_TRANSFER, mode="direct", **none).repair == Repair()
+    assert Transfer.of(GENERATE, mode="zero", repair=Repair.parse("sink:2")).repair == Repair.parse("sink:2")
 
 
 def test_a_stage_asks_with_its_own_values_a_map_file_as_a_path_and_a_share_of_each_context(map_file):
     request = Transfer.stage(mode="mapped", mapper=Path(map_file), repair=Repair.parse("sink:2"), keep=0.5)
-    assert (request.mapper, str(request.setting), request.keep) == (map_file, "sink:2", 0.5)
+    assert (request.mapper, str(request.repair), request.keep) == (map_file, "sink:2", 0.5)
     for share in (0, 1.5):
         with pytest.raises(ParamError, match=rf"^stage keep: expected a share in \(0, 1\], got {share}$"):
             Transfer.stage(mode="oracle", keep=share)
@@ -110,6 +113,8 @@ def test_a_mode_that_takes_a_value_is_written_with_it_and_reads_its_declared_set
     (KV_TRANSFER, "speculative:0", r"^kv-transfer transfer speculative:P: expected a share in \(0, 1\], got 0$"),
     (KV_TRANSFER, "speculative:1.5", r"^kv-transfer transfer speculative:P: expected a share in \(0, 1\], got 1.5$"),
     (KV_TRANSFER, "sideways:0.1", r"^kv-transfer transfer: expected one of oracle, .*, got 'sideways'$"),
+    (KV_TRANSFER, "mapped", r"^kv-transfer transfer=mapped needs a mapper: give mapper=<mapper file>$"),
+    (GENERATE, "mapped", r"^--transfer mapped needs a mapper: give --mapper <mapper file>$"),
 ])
 def test_a_missing_unwanted_or_bad_value_of_a_mode_is_refused_in_one_line(face, mode, message):
     with pytest.raises(ParamError, match=message):

@@ -4,7 +4,6 @@ import pytest
 from helpers.architectures import SUPPORTED, _full_forward_scores, _requests, random_of
 
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK
 from pipeline.kv.scoring import score_continuations
@@ -66,7 +65,7 @@ def test_an_ungated_router_scores_as_the_scoring_core_does(pair, requests):
 
 
 def test_a_stages_request_reaches_its_handoff_the_truncated_prompt_included(pair, requests):
-    truncated = Router.of(pair, Transfer.stage(mode="oracle", keep=0.5), batch_size=4)
+    truncated = pair.router(mode="oracle", keep=0.5, batch_size=4)
     assert truncated.handoff.keep == 0.5 and truncated.record()["transfer"] == "oracle"
     results, _ = truncated.score(requests, MAX_LENGTH, progress=False)
     assert results == score_continuations(pair.handoff("oracle", keep=0.5), requests, 4, MAX_LENGTH, progress=False)
@@ -77,7 +76,7 @@ def test_a_stages_request_reaches_its_handoff_the_truncated_prompt_included(pair
 def test_a_truncated_prompt_request_scores_the_kept_tail_as_a_full_forward_on_every_supported_architecture(
         architecture):
     model = random_of(SUPPORTED[architecture]())
-    router = Router.of(Pair.of(model), Transfer.stage(mode="oracle", keep=0.5), batch_size=4)
+    router = Pair.of(model).router(mode="oracle", keep=0.5, batch_size=4)
     requests = _requests()
     results, _ = router.score(requests, model.config.max_position_embeddings, progress=False)
     tails = [(context[-max(1, round(0.5 * len(context))):], continuation) for context, continuation in requests]

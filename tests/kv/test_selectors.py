@@ -5,23 +5,28 @@ attends to most, from the scores of the forward that prefilled the source's cach
 token (a constant query, a key read from one embedding feature that only that token carries, no attention output or
 MLP to stir the residual stream) has that token recomputed, wherever it stands, and speculative prefill keeps it;
 the first step names the positions it chose, which the selection recall reads."""
+import pandas as pd
 import pytest
 import torch
-from helpers import build_model, committed, llama_config
+from helpers import build_model, committed, llama_config, measure_params
 from helpers.architectures import SUPPORTED, random_of
 
+import pipeline.repair as repair_stage
 from pipeline.kv import flops, selectors
 from pipeline.kv.flops import repair_budget
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import padded_prefixes
 from pipeline.kv.mapper import identity_mapper
-from pipeline.kv.recompute import RepairCount, repair_cache
+from pipeline.kv.recompute import RepairCount
 from pipeline.kv.repair import REPAIR_FORM, Repair, RepairError
 from pipeline.kv.selectors import POLICIES, SELECTORS, Evidence, Selector, register
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.retrieval import needle_selected
 from pipeline.store.params import parse
 from pipeline.store.shapes import pair_configs
+from pipeline.studies import render
+from pipeline.studies import repair as repair_study
+from pipeline.studies.settings import ReportParams
 
 LAYERS, WIDTH = 3, 12
 LOOKAHEAD = parse(SpeculativeParams, committed("speculative", last=2, sinks=0), "speculative")
@@ -95,6 +100,29 @@ def test_a_new_policy_in_the_registry_repairs_through_its_own_entry(monkeypatch)
                for a, b in zip(layer, other))
 
 
+def test_a_new_policy_reaches_the_repair_studys_table_and_figure_by_its_own_name(monkeypatch, tmp_path):
+    monkeypatch.setitem(SELECTORS, "priced", PRICED)
+    monkeypatch.setattr("pipeline.kv.repair.POLICIES", (*POLICIES, "priced"))
+    setting, (_, target) = Repair.parse("tokens:0.1:priced"), pair_configs("qwen3-v0")
+    figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
+    settings = {str(setting): {**figures, "policy": repair_stage.policy(setting), "bound": 2.5,
+                               "budget": repair_budget(target, setting, 256)},  # as stage repair writes them
+                "none": {**figures, "policy": "none", "budget": 0.0, "bound": 3.0}}
+    metrics = {"length": 256, "bound_pair": "qwen3-v0", "gate_score": "entropy", "maps": {"m": settings},
+               "truncated": {}, "speculative": {}}
+    def items(correct: list[int]) -> pd.DataFrame:
+        return pd.DataFrame([{"task": task, "item": i, "acc": c, "acc_norm": c} for task in ("hellaswag", "piqa")
+                             for i, c in enumerate(correct)])
+
+    rows = {("m", name): items([1, 1, 1, 1, 1, 1, 0, 1]) for name in settings}
+    study = repair_study.compute(parse(ReportParams, committed("report"), "report"), measure_params(bootstrap_iters=20),
+                                 repair_study.Inputs({"oracle": items([1] * 8), "source": items([1, 0] * 4)}, metrics,
+                                                     rows, None, figures))
+    budget = f"{repair_budget(target, setting, 256):.1%}"
+    assert f"| m | tokens:0.1:priced | {budget} | priced |" in render.section("repair", study)
+    assert "priced" in set(repair_study.figure(study, tmp_path)["repair"]["policy"])
+
+
 @pytest.mark.parametrize("policy", [policy for policy in POLICIES if not SELECTORS[policy].reads_source])
 def test_every_policy_counts_its_selection_as_the_flop_model_did_before_the_registry(policy):
     # the if-chain the registry replaced, kept here as the reference: budgets and artifacts must not move
@@ -152,12 +180,8 @@ def test_key_norms_parameter_prints_back_and_is_checked_against_the_target():
     assert Repair.parse("tokens:0.1:key_norm@2") == Repair(tokens=0.1, select_by="key_norm", argument=2)
     with pytest.raises(RepairError, match="count >= 1"):
         Repair.parse("tokens:0.1:key_norm@0")
-    target = build_model(llama_config(31, 32, layers=2), seed=0)
-    layers = [(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16))] * 2
-    with pytest.raises(RepairError, match="the target has only 2 layers") as error:
-        repair_cache(target, layers, torch.zeros(1, 5, dtype=torch.long), None, Repair.parse("tokens:0.5:key_norm@3"),
-                     RepairCount())
-    assert "\n" not in str(error.value)
+    assert Repair.parse("tokens:0.5:key_norm@3").policy_refusal(2) == "policy key_norm@3: the target has only 2 layers"
+    assert Repair.parse("tokens:0.5:key_norm@2").policy_refusal(2) is None
 
 
 def test_key_norm_reading_fewer_layers_costs_less_and_any_reading_costs_more_than_recency():
@@ -222,14 +246,6 @@ def test_a_source_without_the_marked_token_chooses_elsewhere(models):
     _, scores = Handoff(target, source, "direct", speculative=LOOKAHEAD).scored_source_prefill(
         torch.arange(20, 20 + MARKED_WIDTH)[None], None)
     assert float(scores.max()) < 0.5  # no one token draws the look-ahead: the selection follows the source
-
-
-def test_source_attention_is_refused_where_no_source_cache_is_handed_over_or_its_settings_are_missing(models):
-    target, source = models
-    with pytest.raises(ValueError, match="reads the source's scores, which the zero handoff does not make"):
-        Handoff(target, mode="zero", repair=Repair.parse("tokens:0.1:source_attention"), speculative=LOOKAHEAD)
-    with pytest.raises(ValueError, match="need the declared `speculative` settings"):
-        Handoff(target, source, "direct", repair=Repair.parse("tokens:0.1:source_attention"))
 
 
 def test_source_attentions_selection_costs_the_sources_look_ahead_key_norm_scores():

@@ -70,8 +70,8 @@ def test_every_top_level_module_is_a_stage_the_lm_eval_face_or_a_user_tool():
 
 def handoffs_built_by_hand(root: Path) -> list[str]:
     """Every call in a top-level module of pipeline/ (a stage, a face, a user tool) that builds a handoff, a gate or
-    a router other than through a request (`kv.request.Transfer`, then `Router.of`): `<pair>.handoff(...)`,
-    `<pair>.gate(...)`, `Handoff(...)`, `Router(...)`, as `path:line`."""
+    a router other than through a request (`<pair>.router(...)`, or a `kv.request.Transfer` then `Router.of`):
+    `<pair>.handoff(...)`, `<pair>.gate(...)`, `Handoff(...)`, `Router(...)`, as `path:line`."""
     found = []
     for path in sorted((root / "pipeline").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -92,7 +92,7 @@ def test_every_stage_and_face_asks_for_its_handoffs_through_a_request_and_a_rout
                                   'Handoff(model)'])
 def test_the_request_check_sees_a_handoff_built_by_hand(tmp_path, call):
     (tmp_path / "pipeline" / "kv").mkdir(parents=True)
-    asked = 'router = Router.of(pair, Transfer.stage(mode="oracle"))\nhandoff = router.handoff\n'
+    asked = 'router = pair.router(mode="oracle")\nhandoff = router.handoff\n'
     (tmp_path / "pipeline" / "stage.py").write_text(asked + f"x = {call}\n")
     (tmp_path / "pipeline" / "kv" / "pair.py").write_text(f"x = {call}\n")  # a wing builds handoffs freely
     assert handoffs_built_by_hand(tmp_path) == ["pipeline/stage.py:3"]

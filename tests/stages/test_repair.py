@@ -9,8 +9,6 @@ from pipeline.kv.flops import speculative_bound
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.kv.scoring import score_continuations
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.compare import oracle_outputs, variant_rows
@@ -41,7 +39,7 @@ def setup(wide_pair, tmp_path_factory) -> dict:
 
 def _figures(setup: dict, **request) -> tuple[dict, pd.DataFrame]:
     """The figures and item rows of the handoff `request` asks for, as the stage evaluates each."""
-    router = Router.of(setup["pair"], Transfer.stage(**request), batch_size=2)
+    router = setup["pair"].router(**request, batch_size=2)
     evaluation = scored(setup["pair"], router, setup["tasks"], setup["prompts"], setup["oracle"], 0.2, None)
     return evaluation.figures(), evaluation.item_rows
 

@@ -11,8 +11,6 @@ from helpers.selective import _summary_inputs
 from pipeline.kv.gate import Scorer
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.kv.request import Transfer
-from pipeline.kv.router import Router
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure import gating
 from pipeline.measure.taskeval import evaluate_tasks
@@ -52,8 +50,8 @@ def _between(scores: np.ndarray) -> float:
 def test_lm_eval_through_a_gated_kv_transfer_gives_per_item_the_stages_composition_of_mapped_and_oracle(sharp_pair):
     files = {task: sharp_pair[task] for task in ("hellaswag", "piqa")}
     pair = Pair(str(sharp_pair["target"]), str(sharp_pair["source"]), "float32", "cpu")
-    routers = {"mapped": Router.of(pair, Transfer.stage(mode="mapped", mapper=sharp_pair["mapper"]), 4),
-               "oracle": Router.of(pair, Transfer.stage(mode="oracle"), 4)}
+    routers = {"mapped": pair.router(mode="mapped", mapper=sharp_pair["mapper"], batch_size=4),
+               "oracle": pair.router(mode="oracle", batch_size=4)}
     # the stage's way (selective.score_requests): each handoff ungated through lm-eval, each item's context scored
     frames = {name: task_frame(pair, router, files) for name, router in routers.items()}
     scores = Scorer(routers["mapped"].handoff).scores(list(frames["mapped"].tokens), ["kl"], 4)
