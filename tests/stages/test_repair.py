@@ -72,8 +72,8 @@ def test_the_truncated_prompt_keeps_the_last_share_of_each_context_and_at_least_
     assert pair.handoff("oracle", keep=0.3).context(range(10)) == [7, 8, 9]
     assert pair.handoff("oracle", keep=0.01).context(range(10)) == [9]
     assert pair.handoff("oracle", keep=1.0).context(range(10)) == list(range(10))
-    with pytest.raises(ValueError, match=r"^keep 0: "):
-        pair.handoff("oracle", keep=0)
+    with pytest.raises(ParamError, match=r"^stage keep: expected a share in \(0, 1\], got 0$"):
+        pair.router(mode="oracle", keep=0)  # checked where it enters, the request
 
 
 def test_the_truncated_prompt_handoff_scores_tasks_and_prompts_as_the_oracle_on_the_trimmed_contexts(setup):
