@@ -34,6 +34,7 @@ from pipeline.measure.taskeval import score_tasks
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
+from pipeline.store import devices
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError, ModelNotAvailableError
 from pipeline.store.params import ParamError, parse
@@ -620,3 +621,10 @@ def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pai
     with pytest.raises(ParamError, match=message):
         KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer="direct",
                                device="cpu", fallback=fallback, threshold=threshold, disagree=disagree)
+
+
+def test_dtype_auto_loads_the_target_in_the_dtype_this_machine_runs_faster(tiny_pair, monkeypatch):
+    for choice in ("bfloat16", "float32"):
+        monkeypatch.setattr(devices, "machine_dtype", lambda choice=choice: (choice, {}))
+        lm = KVTransferLM.from_args(target=str(tiny_pair["target"]), dtype="auto", device="cpu")
+        assert lm.router.handoff.decoder.dtype == getattr(torch, choice)
