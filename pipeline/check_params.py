@@ -38,7 +38,7 @@ from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
-from pipeline.store.devices import machine_dtype, matmul_ms
+from pipeline.store.devices import cpu_matmul_ms, machine_dtype
 from pipeline.store.machine import MachineParams
 from pipeline.store.models import ModelsParams, load_config, load_tokenizer
 from pipeline.store.params import PARAMS_FILE, ParamError, Params, parse, read_params
@@ -331,7 +331,7 @@ def slow_bfloat16(params: dict) -> str | None:
     machine = parse(MachineParams, params["machine"], "machine")
     if not keys or machine.torch_device != "cpu":
         return None
-    float32_ms, bfloat16_ms = matmul_ms(("float32", "bfloat16"), machine.threads)
+    float32_ms, bfloat16_ms = cpu_matmul_ms()
     if bfloat16_ms <= float32_ms:
         return None
     return (f"{', '.join(keys)}: bfloat16 runs a matmul in {bfloat16_ms:.1f} ms on this CPU against {float32_ms:.1f} "

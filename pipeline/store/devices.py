@@ -28,13 +28,21 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @functools.cache
+def cpu_matmul_ms() -> tuple[float, float]:
+    """(float32 ms, bfloat16 ms) of one matmul on this CPU at torch's threads, timed once a process: what `auto`
+    chooses by and what check_params refuses a named bfloat16 by."""
+    float32_ms, bfloat16_ms = matmul_ms(("float32", "bfloat16"), torch.get_num_threads())
+    return float32_ms, bfloat16_ms
+
+
+@functools.cache
 def machine_dtype() -> tuple[str, dict]:
     """What `dtype: auto` runs the models in here, and why: bfloat16 on a GPU; on a CPU, the dtype that runs a
     matmul faster (bfloat16 with AMX or avx512_bf16, float32 without them, where bfloat16 crawls). Measured once
     per process; the two differ by 3x or more on every CPU measured, so every stage of a run makes one choice."""
     if torch.cuda.is_available():
         return "bfloat16", {"device": "cuda"}
-    float32_ms, bfloat16_ms = matmul_ms(("float32", "bfloat16"), torch.get_num_threads())
+    float32_ms, bfloat16_ms = cpu_matmul_ms()
     figures = {"device": "cpu", "threads": torch.get_num_threads(), "float32_ms": round(float32_ms, 2),
                "bfloat16_ms": round(bfloat16_ms, 2)}
     return ("bfloat16" if bfloat16_ms < float32_ms else "float32"), figures

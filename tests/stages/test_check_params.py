@@ -200,7 +200,7 @@ BFLOAT16 = {"models": {"dtype": "bfloat16"}, "latency": {"dtype": "bfloat16"}, "
 
 def test_bfloat16_slower_than_float32_on_this_cpu_stops_the_stage_naming_its_keys_and_the_fix(tmp_path, monkeypatch):
     params = merge(committed_params(), BFLOAT16)
-    monkeypatch.setattr(check_params, "matmul_ms", lambda dtypes, threads: [11.4, 1468.1])  # an AVX2-only EPYC
+    monkeypatch.setattr(check_params, "cpu_matmul_ms", lambda: (11.4, 1468.1))  # an AVX2-only EPYC
     reason = check_params.slow_bfloat16(params)
     assert re.fullmatch(r"models\.dtype, latency\.dtype: bfloat16 runs a matmul in 1468\.1 ms on this CPU against "
                         r"11\.4 ms in float32 \(129x slower.*\); .* -S models\.dtype=float32 "
@@ -210,7 +210,7 @@ def test_bfloat16_slower_than_float32_on_this_cpu_stops_the_stage_naming_its_key
     with pytest.raises(ParamError, match=r"^models\.dtype, latency\.dtype: bfloat16 runs"):
         check_params.main([])
     assert not (tmp_path / "metrics").exists()
-    monkeypatch.setattr(check_params, "matmul_ms", lambda dtypes, threads: [11.4, 3.8])  # AMX: bfloat16 the faster
+    monkeypatch.setattr(check_params, "cpu_matmul_ms", lambda: (11.4, 3.8))  # AMX: bfloat16 the faster
     assert check_params.slow_bfloat16(params) is None
 
 
@@ -231,10 +231,10 @@ def test_dtype_auto_is_resolved_once_and_written_down_with_the_timings_that_chos
 
 
 def test_a_float32_profile_or_a_gpu_measures_nothing(monkeypatch):
-    def measured(dtypes, threads):
+    def measured():
         raise AssertionError("measured")
 
-    monkeypatch.setattr(check_params, "matmul_ms", measured)
+    monkeypatch.setattr(check_params, "cpu_matmul_ms", measured)
     assert check_params.slow_bfloat16(committed_params()) is None  # the tiny profile: float32 throughout
     assert check_params.slow_bfloat16(merge(committed_params(), {**BFLOAT16, "machine": {"device": "cuda"}})) is None
 

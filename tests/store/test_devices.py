@@ -38,6 +38,7 @@ def test_dtype_auto_becomes_the_dtype_this_cpu_runs_a_matmul_faster_in(monkeypat
     monkeypatch.setattr(devices, "matmul_ms", lambda dtypes, threads: list(timings))
     monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
     devices.machine_dtype.cache_clear()
+    devices.cpu_matmul_ms.cache_clear()
     try:
         section = {"kind": "random", "source": "tiny", "target": "tiny", "source_revision": None,
                    "target_revision": None, "dtype": "auto", "device_map": None}
@@ -47,3 +48,4 @@ def test_dtype_auto_becomes_the_dtype_this_cpu_runs_a_matmul_faster_in(monkeypat
         assert ModelsParams.model_validate({**section, "dtype": "float16"}).dtype == "float16"  # named: as named
     finally:
         devices.machine_dtype.cache_clear()
+        devices.cpu_matmul_ms.cache_clear()
