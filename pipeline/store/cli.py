@@ -26,9 +26,9 @@ from pipeline.store.lazy import lazy
 torch = lazy("torch")
 
 TRACEBACK_ENV = "KVH_TRACEBACK"
-INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C, as a shell reports it (128 + SIGINT)
-TERMINATED = 143  # ... and by SIGTERM (128 + SIGTERM): a `kill`, a scheduler's stop, the death of its parent
-STOPPED_BY = {INTERRUPTED: signal.SIGINT, TERMINATED: signal.SIGTERM}  # a waited-on process's status -> its signal
+# a waited-on process's status, as a shell reports it (128 + the signal), -> its signal: 130 for Ctrl-C, 143 for
+# SIGTERM (a `kill`, a scheduler's stop, the death of its parent)
+STOPPED_BY = {128 + signum: signum for signum in (signal.SIGINT, signal.SIGTERM)}
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its parent ends (linux/prctl.h)
 SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "fish"})  # `$SHELL -c <cmd>` between a launcher and a stage
 LAUNCHER_POLL_S = 0.5  # how often a stage under a shell checks that the shell's launcher (dvc) still runs
@@ -110,11 +110,9 @@ def _end_with_launcher(shell: int, launcher: int) -> None:
     """SIGTERM to this process once `shell` no longer has `launcher` for parent (the launcher ended) or is gone."""
     while True:
         time.sleep(LAUNCHER_POLL_S)
-        try:
+        with contextlib.suppress(OSError):
             if _parent_of(shell) == launcher:
                 continue
-        except OSError:
-            pass
         os.kill(os.getpid(), signal.SIGTERM)
         return
 
@@ -178,14 +176,10 @@ def _end_without_teardown() -> None:
 
 
 def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
-    """Another stage's command as `python -m <module> args...` runs it, output silenced, so a narrow refit or scratch
-    extraction runs exactly the pipeline's code; a failure stops the caller. In this process by default (torch and
-    lm-eval are loaded already; a fresh process costs seconds of start-up, four per calibration point), keeping the
-    caller's torch thread count and random state (every stage seeds its own generators, so its outputs are a fresh
-    process's). `fresh_process=True` starts a new interpreter, for a check that needs one (the determinism
-    control); on Ctrl-C or SIGTERM the caller passes the signal on, waits for it to clean up, and says the one line.
-    Name the module as a literal (`run_stage("pipeline.fit", ...)`): tools/importgraph.py reads it from the call, so
-    the caller's dvc.yaml deps list that stage's modules."""
+    """Run another stage as `python -m <module> args...` would, output silenced; a failure stops the caller. In this
+    process by default (a fresh one costs seconds of start-up), keeping the caller's torch threads and random state;
+    `fresh_process=True` starts a new interpreter (the determinism control), passing Ctrl-C or SIGTERM on to it.
+    Name the module as a literal: tools/importgraph.py reads it from the call for the caller's dvc.yaml deps."""
     if fresh_process:
         command = [sys.executable, "-m", module, *args]
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, PARENT_SAYS_ENV: "1"})
