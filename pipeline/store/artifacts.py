@@ -1,9 +1,7 @@
-"""Checksummed safetensors artifacts, atomic writes, and the one reader of parquet tables (`read_table`).
-
-An artifact's header metadata holds its own metadata (JSON) and a SHA-256 of the whole file written with the digest
-field zeroed, so a flipped byte anywhere (data, names, dtypes, shapes, metadata) is refused at load naming the file.
-A write goes to a private temporary name (0600, a folder 0700) beside its output, takes the modes the umask gives
-(`take_umask`; safetensors' `save_file` writes 0600) and is renamed when complete: an interrupted write never shows.
+"""Checksummed safetensors artifacts, atomic writes, and the one reader of parquet tables (`read_table`). An
+artifact's header holds its metadata (JSON) and a SHA-256 of the whole file written with the digest field zeroed, so a
+flipped byte anywhere is refused at load naming the file. A write goes to a private temporary name beside its output,
+takes the umask's modes (`take_umask`) and is renamed when complete: an interrupted write never shows.
 """
 from __future__ import annotations
 
@@ -74,9 +72,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         if final.exists():
             os.mkdir(retired, 0o700)
             os.replace(final, retired / final.name)
-            os.replace(staging, final)
-        else:
-            os.replace(staging, final)
+        os.replace(staging, final)
     finally:
         if (retired / final.name).exists() and not final.exists():  # interrupted between the two renames
             os.replace(retired / final.name, final)
@@ -213,8 +209,8 @@ def _header(raw: bytes, path: Path) -> dict:
         raise ArtifactError(f"{path}: corrupted artifact header ({err})") from None
 
 
-def artifact_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> bytes:
-    """The exact bytes `save_artifact` writes (deterministic for the same tensors and metadata)."""
+def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
+    """Write tensors plus JSON-serializable metadata (the same bytes for the same ones); return the file's digest."""
     header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     unsigned = safetensors_torch.save(cpu, metadata=header_meta)
@@ -222,14 +218,8 @@ def artifact_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -
     if unsigned[:header_end].count(_ZERO_DIGEST.encode()) != 1:
         raise ValueError("artifact metadata must not contain a run of 64 zeros")
     digest = hashlib.sha256(unsigned).hexdigest()
-    return unsigned.replace(_ZERO_DIGEST.encode(), digest.encode(), 1)
-
-
-def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
-    """Write tensors plus JSON-serializable metadata; return the file's digest."""
-    data = artifact_bytes(tensors, metadata)
-    write_bytes_atomic(path, data)
-    return _stored(data, Path(path))[1]
+    write_bytes_atomic(path, unsigned.replace(_ZERO_DIGEST.encode(), digest.encode(), 1))
+    return digest
 
 
 def _stored(raw: bytes, path: Path) -> tuple[dict, str]:
@@ -350,9 +340,7 @@ def verify_file(path: str | os.PathLike) -> tuple[dict, str]:
         raise ArtifactError(f"{path}: artifact not found")
     with open(path, "rb") as f:
         start = f.read(8)
-        if len(start) < 8:
-            raise ArtifactError(f"{path}: truncated artifact ({len(start)} bytes)")
-        header = f.read(struct.unpack("<Q", start)[0])
+        header = f.read(struct.unpack("<Q", start)[0]) if len(start) == 8 else b""  # else `_header` refuses it
         metadata, digest = verify_bytes(start + header, path, header_only=True)
         hasher = hashlib.sha256(start + header.replace(digest.encode(), _ZERO_DIGEST.encode(), 1))
         while chunk := f.read(CHUNK):
