@@ -1,8 +1,7 @@
 """The numbers and inputs a user tool takes (`generate`'s and `check_pair`'s flags, `kv-transfer`'s model args, a
-stage's `--out`), checked before any model work by the rules params.yaml's values obey: one function per rule, each
-returning the value as the tool uses it or raising `ParamError` (one line naming the flag and the fix, exit 2). `name`
-is the flag or arg as the user spelt it (`--threshold`, `threshold=`), so one rule serves every face. A model arg
-comes from lm-eval as a string (`batch_size=0`), a flag already typed by argparse; both are read here.
+stage's `--out`), checked before any model work by the rules params.yaml's values obey: each function returns the value
+as the tool uses it or raises `ParamError` naming `name`, the flag or arg as the user spelt it (`--threshold`,
+`threshold=`). A model arg comes from lm-eval as a string (`batch_size=0`), a flag typed already by argparse.
 """
 from __future__ import annotations
 
@@ -23,11 +22,11 @@ class ParamTypeError(ParamError, TypeError):
 
 def number(value, name: str, kind: type = float):
     """`value` (a number or its text) as `kind`; anything else refused naming `name`."""
-    # lm-eval reads `batch_size=-1` as the float -1.0: an integral float is an integer, 2.5 is not
-    if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
-        raise ParamError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
     try:
-        return kind(value) if not isinstance(value, str) else kind(value.strip())
+        # lm-eval reads `batch_size=-1` as the float -1.0: an integral float is an integer, 2.5 is not
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return kind(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
         raise ParamError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
 
@@ -159,32 +158,24 @@ def text_file(path: str | Path, name: str) -> str:
 
 
 def out_folder(path: Path | None, name: str) -> Path | None:
-    """A folder a long run writes into: absent (it is made) or a folder; an existing file, or a path under one (no
-    folder can be made there), is refused before work."""
+    """A folder a long run writes into (made if absent), refused before work where a file is in the way."""
     if path is not None and path.exists() and not path.is_dir():
         raise ParamError(f"{name} {path}: an existing file, not a folder; give a folder (it is made if absent)")
-    blocking = file_above(path)
-    if blocking is not None:
-        raise ParamError(f"{name} {path}: {blocking} is a file, so no folder can be made under it; give a folder "
-                         f"path outside it")
-    return path
-
-
-def file_above(path: Path | None) -> Path | None:
-    """The nearest existing parent of `path` when it is a file (nothing can be made under it), else None."""
-    existing = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
-    return existing if existing is not None and not existing.is_dir() else None
+    return _nothing_above(path, name, "no folder can be made under it; give a folder path outside it")
 
 
 def out_file(path: Path | None, name: str) -> Path | None:
-    """A file a long run writes at its end: absent or a file, in a folder that is or can be made; a folder, or a
-    path under a file, is refused before the work."""
+    """A file a long run writes at its end, refused before work where a folder or a file above it is in the way."""
     if path is not None and path.is_dir():
         raise ParamError(f"{name} {path}: a folder, not a file; give a file path")
-    blocking = file_above(path)
-    if blocking is not None:
-        raise ParamError(f"{name} {path}: {blocking} is a file, so nothing can be written under it; give a path "
-                         f"outside it")
+    return _nothing_above(path, name, "nothing can be written under it; give a path outside it")
+
+
+def _nothing_above(path: Path | None, name: str, refusal: str) -> Path | None:
+    """`path`, refused (`refusal`) where its nearest existing parent is a file."""
+    existing = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ParamError(f"{name} {path}: {existing} is a file, so {refusal}")
     return path
 
 
