@@ -1,9 +1,6 @@
-"""Loading models and tokenizers by local path or hub id, failing fast and clearly when one is missing.
-
-A hub id is read from the local Hugging Face cache first; the hub is asked only after a short reachability check, so
-a machine without it gets an error naming the model at once. A name that looks like a path is never asked of the hub.
-`self:<n>` names the target's own first n decoder layers as the source (`store.truncated`): a prepared source folder
-holds it as a pointer (self.json: n and the prepared target beside it), with no extra weights on disk.
+"""Loading models and tokenizers by local path or hub id, failing fast and clearly when one is missing: a hub id is
+read from the local Hugging Face cache first, the hub asked only after a short reachability check; a name that looks
+like a path is never asked of the hub. A prepared `self:<n>` source (`store.truncated`) is a pointer, self.json.
 """
 from __future__ import annotations
 
@@ -63,14 +60,10 @@ class ModelsParams(Params):
     device_map: Literal["auto", "balanced", "sequential"] | None
 
     @model_validator(mode="after")
-    def _random_models_have_no_checkpoint(self) -> ModelsParams:
+    def _random_has_no_checkpoint_and_self_is_a_source(self) -> ModelsParams:
         if self.kind == "random" and self.device_map is not None:
             raise ParamError(f"models.device_map: {self.device_map!r} needs a checkpoint, and a random model of a "
                              f"stored shape has none; set models.device_map: null")
-        return self
-
-    @model_validator(mode="after")
-    def _self_source_is_well_formed(self) -> ModelsParams:
         self_layers(self.source)  # refuses a malformed self:<n>; n against the target's depth: check_params
         if self_layers(self.target) is not None:
             raise ParamError(f"models.target: {self.target!r}; self:<n> names a source cut from the target, so "
@@ -201,7 +194,7 @@ def read_pointer(folder: str | Path) -> dict | None:
 def follow(name_or_path: str, revision: str | None) -> tuple[str, str | None, dict | None]:
     """What to load for `name_or_path`: a prepared folder's hub or local pointer followed to (id or folder,
     revision); a random pointer returned as the third item; anything else as given."""
-    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
+    pointer = read_pointer(name_or_path)
     if pointer and pointer["kind"] == "hub":
         return pointer["id"], pointer["revision"], None
     if pointer and pointer["kind"] == "local":
@@ -219,7 +212,7 @@ def self_source(name_or_path: str, target: str | None = None,
             raise ParamError(f"models.source: {name_or_path!r} is the target's first {layers} layers, and no target "
                              f"was given; name the target too (models.target, check_pair's TARGET)")
         return layers, target, target_revision
-    pointer = read_pointer(name_or_path) if Path(name_or_path).is_dir() else None
+    pointer = read_pointer(name_or_path)
     if pointer and pointer["kind"] == "self":
         return pointer["layers"], pointer["target"], None
     return None
@@ -235,22 +228,18 @@ def load_model(name_or_path: str, revision: str | None = None, dtype="float32", 
         layers, target, target_revision = cut
         return truncate(load_model(target, target_revision, dtype, device, device_map), layers)
     name, revision, random = follow(name_or_path, revision)
-    if random and device_map:
-        raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
-                         f"model of a stored shape; set models.device_map: null")
-    if device_map:
-        return loaded(transformers.AutoModelForCausalLM.from_pretrained(
-            model_folder(name, revision), dtype=parse_dtype(dtype), device_map=device_map, output_loading_info=True),
-            name).eval()
     if random:
+        if device_map:
+            raise ParamError(f"models.device_map: {device_map!r} needs a checkpoint, and {name_or_path} is a random "
+                             f"model of a stored shape; set models.device_map: null")
         model = random_model(shape_config(random["shape"]), parse_dtype(dtype), device or default_device(),
                              random["seed"])
         model.config._name_or_path = f"random:{random['shape']}"
         return model.eval()
-    model = loaded(transformers.AutoModelForCausalLM.from_pretrained(model_folder(name, revision),
-                                                                     dtype=parse_dtype(dtype),
-                                                                     output_loading_info=True), name)
-    return model.to(device or default_device()).eval()
+    spread = {"device_map": device_map} if device_map else {}
+    model = loaded(transformers.AutoModelForCausalLM.from_pretrained(
+        model_folder(name, revision), dtype=parse_dtype(dtype), output_loading_info=True, **spread), name)
+    return (model if device_map else model.to(device or default_device())).eval()
 
 
 def config_refusal(folder: str | Path) -> str | None:
@@ -341,10 +330,6 @@ def first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
 
 
-def has_tokenizer_files(folder: str | Path) -> bool:
-    return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_MARKERS)
-
-
 def load_tokenizer(name_or_path: str, revision: str | None = None, target: str | None = None,
                    target_revision: str | None = None):
     """A model's tokenizer (a self source's: its target's); a hub id fetches its config and tokenizer files only.
@@ -354,7 +339,7 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, target: str |
         return load_tokenizer(cut[1], cut[2])
     name, revision, _ = follow(name_or_path, revision)
     folder = resolve(name, revision, config_only=True)
-    if not has_tokenizer_files(folder):
+    if not any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_MARKERS):
         raise NoTokenizerError(f"model folder {name} holds no tokenizer files (none of {', '.join(TOKENIZER_MARKERS)})")
     if not (Path(folder) / TOKENIZER_CONFIG).is_file():  # transformers would guess the class and special tokens
         raise ModelFolderError(f"model folder {name} has tokenizer files but no {TOKENIZER_CONFIG}, without which its "
