@@ -63,8 +63,7 @@ class Shard:
         with safetensors.safe_open(str(self.path), framework="pt") as f:
             blocks = [f.get_tensor(f"{kind}.{layer}") for layer in layers]  # (tokens, H, D) each
         self.bytes_read += sum(b.numel() * b.element_size() for b in blocks)
-        return [b.reshape(b.shape[0], -1) if stored else b.to(torch.float32).reshape(b.shape[0], -1)
-                for b in blocks]  # (tokens, H*D) each
+        return [(b if stored else b.to(torch.float32)).reshape(b.shape[0], -1) for b in blocks]  # (tokens, H*D) each
 
 
 def open_shard(path: Path) -> Shard:
@@ -134,10 +133,8 @@ class _Image:
 class ShardWriter:
     """Writes each split's sequences into shards under `root/<split>/`, on one background thread. `begin` declares
     a split's sequence lengths, so a shard's layout is known before its first sequence: `add` copies keys and values
-    straight into their place in the shard's data section (one copy per kind, converting to the storage dtype), and
-    the thread hashes and writes each full shard in one piece while the model computes the next. So it holds the GIL
-    only a few times per shard (the model thread, at small shapes, runs Python between every op), and one thread
-    serves every split, so only the very last shard is not overlapped with computing. Memory: the shard being
+    straight into their place in the shard's data section, and the thread hashes and writes each full shard in one
+    piece while the model computes the next (taking the GIL only a few times a shard). Memory: the shard being
     filled, at most one queued and the one being written (buffers reused)."""
 
     root: Path
@@ -228,10 +225,7 @@ class ShardWriter:
         specs["lengths"] = (torch.int64, (len(lengths),))
         ranges = data_layout(specs)
         size = max(end for _, end in ranges.values())
-        try:
-            buffer = self._free.get_nowait()
-        except queue.Empty:
-            buffer = None
+        buffer = None if self._free.empty() else self._free.get_nowait()  # only this thread takes from it
         if buffer is None or buffer.numel() < size:
             buffer = torch.empty(size, dtype=torch.uint8)
         data = buffer[:size]

@@ -7,7 +7,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated, Callable, get_args
 
 from pydantic import BeforeValidator
 
@@ -16,7 +16,7 @@ from pipeline.store.params import Dtype
 
 torch = lazy("torch")
 
-DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the dtypes params.yaml can name
+DTYPES = get_args(Dtype)  # torch's names of the dtypes params.yaml can name: float32, bfloat16, float16
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -31,8 +31,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def cpu_matmul_ms() -> tuple[float, float]:
     """(float32 ms, bfloat16 ms) of one matmul on this CPU at torch's threads, timed once a process: what `auto`
     chooses by and what check_params refuses a named bfloat16 by."""
-    float32_ms, bfloat16_ms = matmul_ms(("float32", "bfloat16"), torch.get_num_threads())
-    return float32_ms, bfloat16_ms
+    return tuple(matmul_ms(("float32", "bfloat16"), torch.get_num_threads()))
 
 
 @functools.cache

@@ -38,9 +38,6 @@ class Relaunched(SystemExit):
     """The launching process's way out of a stage its torchrun processes ran: status 0, past the rest of main()
     (a caller that runs a stage's main in its own process, `store.cli.run_stage`, takes it as success)."""
 
-    def __init__(self):
-        super().__init__(0)
-
 
 @dataclass(frozen=True)
 class Ranks:
@@ -100,8 +97,7 @@ ONE_PROCESS = Ranks(0, 1, 0)
 
 
 class Stage:
-    """One stage's run in this process: its `ranks`, the `device` this rank runs on and what it used of it
-    (`StageUsage`, started when the stage joined)."""
+    """One stage's run in this process: its `ranks`, this rank's `device` and what it used of it (`usage`)."""
 
     def __init__(self, ranks: Ranks, device: str):
         self.ranks = ranks
@@ -115,11 +111,9 @@ class Stage:
 
     def write_metrics(self, path: str | os.PathLike, metrics: dict,
                       usage_to: str | os.PathLike | None = None) -> dict | None:
-        """Write the stage's metrics JSON on rank 0 (keys nested by `artifacts.nested`; top-level figures printed),
-        every rank's usage figures (`usage_of_ranks`) after `metrics`' own keys (a same-named figure, e.g. latency's
-        `device`, stays the stage's) or, with `usage_to`, in that file instead, so `path` changes only when the
-        stage's own figures do (controls.json, which every evaluation depends on). Every rank calls it (the figures
-        are gathered); rank 0 gets the metrics written, the others None."""
+        """Every rank calls it; rank 0 writes the metrics JSON (nested, top-level figures printed) with every rank's
+        usage figures beside `metrics`' own keys (which win a clash), or in `usage_to` instead, so `path` changes only
+        with the stage's own figures (controls.json, which every evaluation depends on). Returns what rank 0 wrote."""
         figures = self.ranks.gather(self.usage.figures())
         if not self.ranks.main:
             return None
@@ -142,11 +136,9 @@ def launched() -> bool:
 def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes, wait
     and return True (the caller is done); otherwise return False. A failed rank raises SystemExit(1) after torchrun's
-    report of the first failure; Ctrl-C or SIGTERM (here, or a rank's own: status 130 or 143) raises
-    KeyboardInterrupt once every rank has ended, so the stage ends with that signal's status. The agent runs in this
-    process, so the stage says an interrupt's one line (`store.cli`) instead of torchrun's report; it passes Ctrl-C
-    on to the ranks (each in its own session) and waits for them to remove their temporaries. `--standalone` picks
-    a free rendezvous port, so concurrent experiments (DVC's queue) do not collide."""
+    report; Ctrl-C or SIGTERM (here, or a rank's own) raises KeyboardInterrupt once every rank has cleaned up, so the
+    stage ends with that signal's status and one line. `--standalone` picks a free rendezvous port, so concurrent
+    experiments (DVC's queue) do not collide."""
     if processes == 1 or launched():
         return False
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
@@ -232,7 +224,7 @@ def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv
             raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
         ranks = ONE_PROCESS
     elif relaunch(processes, module, argv):
-        raise Relaunched()
+        raise Relaunched(0)
     else:
         ranks = join(device)
     if threads is not None:
