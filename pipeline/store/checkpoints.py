@@ -42,8 +42,7 @@ def terminate_interrupts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def scratch_for(out: Path) -> Iterator[Path]:
-    """A temporary folder beside `out` for the work that makes it (removed at the end, and on SIGINT or SIGTERM);
-    ones a killed earlier run left are removed first."""
+    """A temporary folder beside `out`, removed at the end (on SIGINT or SIGTERM too) and when a killed run left it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     for leftover in out.parent.glob(f".{out.name}.scratch.*.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)

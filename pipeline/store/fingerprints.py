@@ -37,8 +37,7 @@ LEGACY_NOTE = ("; the map records one digest of a folder's every file, as maps d
 
 
 def part_files(folder: str | Path, part: str) -> list[Path]:
-    """The files of `folder` (top level) that `part` digests: the weights transformers would load, or the files
-    PART_FILES names, in name order."""
+    """The top-level files of `folder` that `part` digests: the weights transformers would load, or PART_FILES'."""
     folder = Path(folder)
     if part == "weights":
         return [path for path in weight_files(folder) if path.is_file()]

@@ -1,9 +1,6 @@
-"""A module imported on first use: `torch = lazy("torch")` at the top of a module, then `torch.cat(...)` as usual.
-
-A stage's `--help`, or a refusal of its arguments or params, should not cost the seconds torch, transformers, lm-eval
-and pandas take to import, yet every import stays at the top of its module, where a reader sees the dependency.
-Annotations load nothing (`from __future__ import annotations`); anything evaluated when a module is imported (a
-decorator, a default argument, a constant, a base class, a pydantic field's type) loads the library at once.
+"""A module imported on first use: `torch = lazy("torch")` at the top of a module, then `torch.cat(...)` as usual,
+so a stage's `--help` or refusal does not cost the seconds torch, transformers or pandas take to import. Anything
+evaluated at import (a decorator, a default argument, a base class, a pydantic field's type) loads it at once.
 """
 from __future__ import annotations
 
@@ -42,7 +39,7 @@ class LazyModule:
 
 
 def lazy(name: str) -> Any:
-    """A stand-in for `import name` that imports it at the first attribute read (`lazy("torch").cat`).
-    `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an import of that module. A module that
-    needs its library at import time is itself referenced lazily by its importers (`lazy("pipeline.lm_eval_model")`)."""
+    """A stand-in for `import name`. `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an
+    import of that module (a module that needs its library at import time is itself imported lazily by its importers,
+    `lazy("pipeline.lm_eval_model")`)."""
     return LazyModule(name)

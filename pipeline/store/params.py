@@ -1,9 +1,6 @@
-"""Typed, validated parameters: each stage parses the sections of params.yaml it reads into pydantic models.
-
-Values live only in params.yaml (composed from conf/): a `Params` class (`pipeline.schema.<stage>`) declares types,
-ranges and choices, never a default. The models are strict (no "3" for 3, no true for 1; an int passes as a float) and
-refuse NaN and infinities. pydantic, already in the stack, keeps rules between keys (`model_validator`) beside the
-fields they read, so the whole-file check (`pipeline.check_params`) sees every rule a stage would find when it runs.
+"""Typed, validated parameters: each stage parses the sections of params.yaml it reads into strict pydantic models
+(`pipeline.schema.<stage>`: types, ranges and choices, never a default; no "3" for 3, no true for 1, no NaN), with the
+rules between keys (`model_validator`) beside their fields, so `pipeline.check_params` sees every rule a stage would.
 """
 from __future__ import annotations
 

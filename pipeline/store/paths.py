@@ -1,8 +1,5 @@
-"""Every artifact path the stages share, named once.
-
-A stage that writes a file and one that reads it both take its name from here (tests/project/test_layout.py refuses
-such a path spelt elsewhere in pipeline/), and dvc.yaml spells the same paths in its deps and outs. Paths are
-relative to the repository root, where `dvc repro` runs every stage.
+"""Every artifact path the stages share, named once (tests/project/test_layout.py refuses one spelt elsewhere in
+pipeline/; dvc.yaml spells the same paths), relative to the repository root, where `dvc repro` runs every stage.
 """
 from __future__ import annotations
 

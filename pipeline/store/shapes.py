@@ -1,9 +1,7 @@
-"""Real model shapes without the hub: stored public configs (`configs/<name>.json`) and random models of those shapes.
-
-A model built from one has the real model's architecture, parameter count, KV geometry and RoPE (scaling included)
-with random weights: enough where the outcome does not depend on the weights (timing, memory, shapes: the
-`qwen3-shapes` and `llama-shapes` profiles, the latency study), meaningless elsewhere. `smollm2-135m-first9` is the
-smol profile's self:9 source; the Qwen2.5-Coder configs are what their GGUFs convert to (untied LM heads).
+"""Real model shapes without the hub: stored public configs (`configs/<name>.json`) and random models of those shapes
+(the real architecture, parameter count, KV geometry and RoPE, random weights): enough where the outcome does not
+depend on the weights (timing, memory: the `*-shapes` profiles, the latency study). The Qwen2.5-Coder configs are what
+their GGUFs convert to (untied LM heads).
 """
 from __future__ import annotations
 
@@ -73,8 +71,7 @@ def pair_configs(pair: str) -> tuple[transformers.PreTrainedConfig, transformers
 
 
 def bound_configs(name: str, loaded: tuple) -> tuple:
-    """(source, target) configs the FLOP bounds are counted at: for `bound_pair: loaded`, `loaded` (the configs of
-    the pair the stage runs), else the named pair's stored shapes."""
+    """(source, target) configs the FLOP bounds are counted at: the running pair's for `loaded`, else stored shapes."""
     return loaded if name == LOADED else pair_configs(name)
 
 

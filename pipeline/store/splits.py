@@ -1,7 +1,5 @@
-"""The study's data by name: sequence splits, task parts and tasks, and what keeps them apart.
-
-Every row of every split carries a `doc_id` and a `content_hash`; `check_disjoint` refuses two splits that
-share either, so nothing fitted or selected on is ever evaluated on.
+"""The study's data by name: sequence splits, task parts and tasks, and what keeps them apart: every row carries a
+`doc_id` and a `content_hash`, and `check_disjoint` refuses two splits that share either.
 """
 from __future__ import annotations
 

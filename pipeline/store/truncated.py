@@ -1,9 +1,6 @@
-"""The target's own first n decoder layers as the source: `models.source: self:<n>`, no second model.
-
-A self source is the target's config with `num_hidden_layers = n` (`layer_types` trimmed), sharing the target's
-embedding, layers 0..n-1, final norm, LM head (never copied; tied embeddings stay tied) and tokenizer. Each decoder
-layer reads only the layers below it, so its cache is the target's own at those layers: the maps predict the target's
-deeper layers from it, the "no second model" baseline (`kv.flops.matched_self_layers`: n at the real source's cost).
+"""The target's own first n decoder layers as the source (`models.source: self:<n>`), the "no second model" baseline:
+the target cut to n layers, sharing its weights (never copied; tied embeddings stay tied) and tokenizer. Each decoder
+layer reads only the layers below it, so its cache is the target's own there: the maps predict the deeper layers.
 """
 from __future__ import annotations
 
