@@ -86,20 +86,15 @@ class StageUsage:
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process rss"
         figures = {"wall_s": round(time.perf_counter() - self.started, 2), "peak_memory_mib": round(peak, 1),
                    "peak_memory_of": kind, "device": str(self.device)}
-        if shared_run():
+        # in a copy DVC made for an experiment (`dvc queue start -j N` runs several at once), DVC_ROOT is the repository
+        root = os.environ.get("DVC_ROOT")
+        if root and Path(root).resolve() != Path.cwd().resolve():
             figures["timing_note"] = SHARED_NOTE
         return figures
 
 
 SHARED_NOTE = ("run in a DVC experiment's own copy (dvc exp run --queue or --temp): other experiments may have "
                "shared the machine, so wall times and peaks are not comparable across runs")
-
-
-def shared_run() -> bool:
-    """Whether this stage runs in a copy DVC made for an experiment (queued or temporary; `dvc queue start -j N`
-    runs several at once), not in the repository: DVC then points DVC_ROOT at the repository."""
-    root = os.environ.get("DVC_ROOT")
-    return bool(root) and Path(root).resolve() != Path.cwd().resolve()
 
 
 def usage_of_ranks(figures: list[dict]) -> dict:
