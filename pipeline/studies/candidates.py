@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.prompt_metrics import CONFIDENT, FIDELITY, PROMPT_METRICS
-from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
-from pipeline.studies.run import Run
+from pipeline.studies.format import md_table, pct, pct_ci, save_figure, subplots
+from pipeline.studies.run import Run, quality
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
@@ -61,14 +60,9 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
     for name, frame in inputs.candidate_items.items():
         select, figures = inputs.select["maps"][name], maps[name]
         fit = inputs.fit["maps"].get(name)  # None for a distilled map: fit never saw it
-        both = {**inputs.items, name: frame}
-        retention = retention_interval(both, name, params.retention_metric, *measure.bootstrap)
-        closure = gap_closure_interval(both, name, params.retention_metric, *measure.bootstrap)
         rows[name] = {
             "family": figures["family"], "k": figures["k"],
-            "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
-            "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
-            "gap_closure_high": closure["high"],
+            **quality({**inputs.items, name: frame}, name, params, measure),
             R2: (fit["r2_keys_select"] + fit["r2_values_select"]) / 2 if fit else None,
             # None: no confident select prompt or position
             **{key: select["prompts"][key] for group in (FIDELITY, CONFIDENT) for key in proxies(group) if key != R2},
@@ -110,8 +104,7 @@ def shown(study: dict) -> dict:
             ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
              "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front", "Confident top-1",
              "Oracle-weighted agreement"],
-            [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
-              pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
+            [[name, pct_ci(r, "retention"), pct_ci(r, "gap_closure"),
               "—" if r["r2_heldout"] is None else f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}",
               pct(r["agreement"]), f"{r['mean_kl']:.3f}",
               f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",

@@ -10,14 +10,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.retention import paired_items
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure, subplots
-from pipeline.studies.run import Run
+from pipeline.studies.format import interval, md_table, pct, pct_ci, save_figure, subplots
+from pipeline.studies.run import Run, quality
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
@@ -85,15 +85,10 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
             scores = inputs.select.get("maps", {}).get(which, {}).get("prompts", {})
             row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
         if start in inputs.items and name in inputs.items and "source" in inputs.items:
-            metric, iters, seed = params.retention_metric, *measure.bootstrap
             for when, which in (("before", start), ("after", name)):
-                kept = retention_interval(inputs.items, which, metric, iters, seed)
-                closed = gap_closure_interval(inputs.items, which, metric, iters, seed)
-                row.update({f"retention_{when}": kept["retention"], f"retention_{when}_low": kept["low"],
-                            f"retention_{when}_high": kept["high"], f"gap_closure_{when}": closed["gap_closure"],
-                            f"gap_closure_{when}_low": closed["low"], f"gap_closure_{when}_high": closed["high"]})
-            after, before = paired_items(inputs.items, name, start, metric)
-            difference = paired_bootstrap(after, before, iters, seed)
+                row.update(quality(inputs.items, which, params, measure, suffix=f"_{when}"))
+            after, before = paired_items(inputs.items, name, start, params.retention_metric)
+            difference = paired_bootstrap(after, before, *measure.bootstrap)
             row.update({"tasks_diff": difference["diff"], "tasks_low": difference["low"],
                         "tasks_high": difference["high"], "tasks_n": difference["n"],
                         "tasks_mcnemar_p": mcnemar(after, before)})
@@ -141,9 +136,8 @@ def shown(study: dict) -> dict:
         "evaluated": md_table(
             ["Map", "Retention before", "Retention after", "Gap closure before", "Gap closure after",
              "Tasks Δ [95% CI]", "McNemar p", "n"],
-            [[name, *(pct_interval(r[f"{key}_{when}"], r[f"{key}_{when}_low"], r[f"{key}_{when}_high"])
-                      for key in ("retention", "gap_closure") for when in ("before", "after")),
-              interval(r["tasks_diff"], r["tasks_low"], r["tasks_high"]), f"{r['tasks_mcnemar_p']:.3g}",
+            [[name, *(pct_ci(r, f"{key}_{when}") for key in ("retention", "gap_closure")
+                      for when in ("before", "after")), _difference(r, "tasks"), f"{r['tasks_mcnemar_p']:.3g}",
               r["tasks_n"]] for name, r in evaluated.items()]) if evaluated else None,
         "prompts": md_table(
             ["Map", "Next-token top-1", "Δ [95% CI]", "McNemar p", "Rollout agreement", "Δ [95% CI]", "Mean KL",

@@ -14,7 +14,7 @@ from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import md_table, pct, pct_ci, pct_or_dash, save_figure, subplots, times
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -81,14 +81,6 @@ def _recall_count(rows: pd.DataFrame) -> int:
     return int(sum(sum(flags) for flags in rows.recall_by_position))
 
 
-def _selection(value: float | None) -> str:
-    return "—" if value is None else pct(value)
-
-
-def _speed(value: float) -> str:
-    return f"{value:.2f}x"
-
-
 def shown(study: dict) -> dict:
     """Per length (`lengths`): its table, the retrieval by depth (None where no depth ran) and `equal_time`; the
     quality from the shortest length to the longest (`with_length`); the figure's file."""
@@ -98,11 +90,10 @@ def shown(study: dict) -> dict:
         lengths[length] = {"table": md_table(
             ["Variant", "Confident agreement [95% CI]", "KL", "PPL ratio", "Recall / other agreement",
              "Retrieval (of oracle's)", "Selection recall", "Measured TTFT speedup", "FLOP bound", "Front"],
-            [[name, pct_interval(e["confident_agreement"], e["confident_agreement_low"],
-                                 e["confident_agreement_high"]),
-              f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}", f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
-              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", _selection(e["selection_recall"]),
-              _speed(e["speedup_measured"]), _speed(e["flop_bound"]), "yes" if e["on_front"] else ""]
+            [[name, pct_ci(e, "confident_agreement"), f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}",
+              f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
+              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", pct_or_dash(e["selection_recall"]),
+              times(e["speedup_measured"]), times(e["flop_bound"]), "yes" if e["on_front"] else ""]
              for name, e in entries.items()]),
             "depths": md_table(["Variant", *(f"depth {d}" for d in depths)],
                                [[name, *(pct(e["retrieval_by_depth"][d]) for d in depths)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
@@ -17,7 +18,6 @@ from pipeline.store.truncated import self_name
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
-
 
 
 @dataclass
@@ -67,6 +67,16 @@ def pair_names(models: str = "models") -> tuple[str, str]:
                  "random": f"shape:{pointer.get('shape')}", "self": self_name(pointer.get("layers", 0))}
         names.append(named.get(pointer["kind"], f"{models}/{side}"))
     return names[0], names[1]
+
+
+def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, measure: MeasureParams,
+            suffix: str = "") -> dict:
+    """`name`'s retention and gap closure over `items` (which hold the oracle's and the source's) with their 95%
+    intervals: keys `retention<suffix>`, `retention<suffix>_low`, ..., `gap_closure<suffix>_high`."""
+    figures = {"retention": retention_interval(items, name, params.retention_metric, *measure.bootstrap),
+               "gap_closure": gap_closure_interval(items, name, params.retention_metric, *measure.bootstrap)}
+    return {f"{key}{suffix}{end}": figures[key][field] for key in figures
+            for end, field in (("", key), ("_low", "low"), ("_high", "high"))}
 
 
 @runtime_checkable
