@@ -1,9 +1,5 @@
 """The calibration curve: candidates refitted on the first n sequences of the calibration pool (stage
-`calibrate@<n>`), their retention and gap closure against n, and from which n the larger k pays off.
-
-Inputs: metrics/calibration/<n>.json and eval/calibration/<n>/<name>.parquet for the sizes `calibration.sizes`
-declares (other sizes' files may be left from another profile); the oracle's and the source's items.
-"""
+`calibrate@<n>`), their retention and gap closure against n, and from which n the larger k pays off."""
 from __future__ import annotations
 
 import json
@@ -35,8 +31,8 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """No point when no declared size ran (the study is then empty, and its figure says so); None without the
-    source's items (gap closure needs them)."""
+    """The sizes `calibration.sizes` declares (another profile may leave others): none when none ran (the study is
+    then empty, and its figure says so); None without the source's items (gap closure needs them)."""
     points = {size: json.loads(path.read_text()) for size, path in paths.calibration_points().items()}
     points = {size: point for size, point in points.items() if size in run.calibration_sizes}
     if not points:

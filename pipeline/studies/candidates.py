@@ -1,10 +1,6 @@
 """The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each cheap
-figure ranks them the way retention does (held-out R², and each prompt metric on the select split that
-`measure.prompt_metrics` marks a proxy), and the quality/speed frontier.
-
-Inputs: metrics/candidates.json and eval/candidates/<name>.parquet (stage `candidates`), metrics/fit.json and
-metrics/select.json for the proxies; the oracle's and the source's items for retention and gap closure.
-"""
+figure ranks them the way retention does (held-out R², and each select-split prompt metric that
+`measure.prompt_metrics` marks a proxy), and the quality/speed frontier."""
 from __future__ import annotations
 
 import json
@@ -120,8 +116,7 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Gap closure of every candidate against the measured speedup and against the FLOP bound at the real
-    pair's shapes, fronts ringed; and the table behind it."""
+    """Gap closure against the measured speedup and the FLOP bound at the real pair, fronts ringed; its table."""
     table = pd.DataFrame([{"candidate": name, **{key: row[key] for key in (
         "family", "k", "retention", "gap_closure", "speedup", "bound_at_pair", "mapper_bytes", "pareto_measured",
         "pareto_at_pair")}} for name, row in study["rows"].items()])

@@ -1,9 +1,6 @@
-"""The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
-
-Both maps on the select split (the stage's own scores) and, where the candidates stage scored them, on the eval part:
-retention, gap closure, the paired task-accuracy difference (after - before) over the same items, and the per-prompt
-figures on the eval prompts; each difference with its paired bootstrap interval, the 0/1 figures with McNemar's p.
-"""
+"""The distillation study (stage `distill`): each distilled map beside the fitted map it started from, on the select
+split and, where the candidates stage scored both, on the eval part: retention, gap closure and the paired differences
+(after - before) with bootstrap intervals, McNemar's p for the 0/1 figures."""
 from __future__ import annotations
 
 import json
@@ -114,9 +111,8 @@ def _difference(row: dict, key: str, scale: float = 100, fmt: str = "+.1f") -> s
 
 
 def shown(study: dict) -> dict:
-    """The select split's table; the probes' (each map's rates and weights, None when no map probed) and their step
-    counts; the maps no epoch of which beat their start; the eval part's and the eval prompts' tables (None where the
-    candidates did not score both maps)."""
+    """The select split's, the probes' and the eval part's and prompts' tables (None where nothing fills them), the
+    probes' step counts, and the maps no epoch of which beat their start (`kept`)."""
     rows = study["rows"]
     probed = {name: r for name, r in rows.items() if r["probes"]}
     evaluated = {name: r for name, r in rows.items() if "tasks_diff" in r}

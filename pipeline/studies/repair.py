@@ -1,10 +1,7 @@
-"""The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
-
-Each map's settings beside the baselines at the same budget: the truncated prompt, speculative prefill, the source alone
-(budget 0: the target computes nothing) and the selective gate at the same mean cost (its retention interpolated at
-fallback rate = budget; the score's own cost left out). With the candidates study at the same pair and length, the
-frontier of gap closure against the FLOP bound gains the repaired points.
-"""
+"""The repair study (stage `repair`): mapped caches partly recomputed by the target, quality against budget, beside
+the baselines at the same budget: the truncated prompt, speculative prefill, the source alone (budget 0) and the
+selective gate at the same mean cost (the score's own cost left out). With the candidates study at the same pair and
+length, the frontier of gap closure against the FLOP bound gains the repaired points."""
 from __future__ import annotations
 
 import json
@@ -139,9 +136,8 @@ def maps(rows: list[dict]) -> list[str]:
 
 
 def levels(rows: list[dict]) -> list[dict]:
-    """Per budget level (the truncated prompt's grid): its `budget`, the truncated prompt's row there (`truncated`),
-    speculative prefill's (`speculative`, None where it did not run) and each map's best repair at that cost (`best`:
-    map -> its row of highest retention)."""
+    """Per budget level (the truncated prompt's grid): its `budget`, the `truncated` prompt's and `speculative`
+    prefill's rows there (None where it did not run) and each map's `best` repair at that cost (highest retention)."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == paths.TRUNCATED_BASELINE}
     speculative = {round(row["budget"], 3): row for row in rows if row["map"] == paths.SPECULATIVE_BASELINE}
     out = []
@@ -156,8 +152,7 @@ def levels(rows: list[dict]) -> list[dict]:
 
 
 def shown(study: dict) -> dict:
-    """The table, each budget level against its matched-cost baselines (`levels`) and each map's cheapest setting that
-    reaches the oracle (`cheapest`)."""
+    """The table, each budget level against its matched-cost baselines (`levels`) and each map's `cheapest`."""
     rows = study["rows"]
     return {"table": md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
@@ -172,8 +167,7 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: retention against budget, one line per policy; the baselines at each level (the truncated prompt,
-    speculative prefill) and the gate."""
+    """Per map: retention against budget, one line per policy, beside the baselines at each level and the gate."""
     table = pd.DataFrame(study["rows"])
     names = maps(study["rows"])
     fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)

@@ -1,6 +1,5 @@
 """What every study reads and is: the `Run` (the variants' evaluation and the files each study starts from) and the
-`Study` protocol a study module fills in.
-"""
+`Study` protocol a study module fills in."""
 from __future__ import annotations
 
 import json
@@ -71,8 +70,7 @@ def pair_names(models: str = "models") -> tuple[str, str]:
 
 def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, measure: MeasureParams,
             suffix: str = "") -> dict:
-    """`name`'s retention and gap closure over `items` (which hold the oracle's and the source's) with their 95%
-    intervals: keys `retention<suffix>`, `retention<suffix>_low`, ..., `gap_closure<suffix>_high`."""
+    """`name`'s retention and gap closure over `items` with 95% intervals, keys `retention<suffix>`, `..._low`, ...."""
     figures = {"retention": retention_interval(items, name, params.retention_metric, *measure.bootstrap),
                "gap_closure": gap_closure_interval(items, name, params.retention_metric, *measure.bootstrap)}
     return {f"{key}{suffix}{end}": figures[key][field] for key in figures

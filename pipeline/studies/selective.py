@@ -1,9 +1,6 @@
-"""The selective-handoff study: per request, the mapped cache or the target's own prefill (stage `selective`).
-
-A gate is judged by each score's AUROC for "the map changes the decision" on the eval items (with 95% interval) and by
-the quality it keeps: retention against fallback rate and effective speedup bound, and next-token top-1 beside top-1
-where the oracle is sure; ungated, at each dev-chosen threshold and along the curves, beside oracle and random gates.
-"""
+"""The selective-handoff study (stage `selective`): per request, the mapped cache or the target's own prefill. A gate
+is judged by each score's AUROC for "the map changes the decision" on the eval items and by the quality it keeps
+against fallback rate and effective speedup bound: ungated, at each dev threshold, beside oracle and random gates."""
 from __future__ import annotations
 
 import json
@@ -83,8 +80,8 @@ def _auroc(row: dict) -> str:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: eval-item retention against fallback rate and effective speedup bound, one line per score (the oracle
-    and random gates dashed)."""
+    """Per map: eval-item retention against fallback rate and speedup bound, one line per score (oracle and random
+    gates dashed)."""
     curves = pd.DataFrame(study["curves"])
     items = curves[curves.requests == "items"]
     maps = list(study["maps"])
@@ -106,8 +103,7 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def top1_figure(study: dict, prompts: pd.DataFrame, folder: Path) -> None:
-    """Per map against fallback rate, one colour per score (oracle and random gates included): next-token top-1 of the
-    eval prompts (solid) and over the confident ones (dotted)."""
+    """Per map against fallback rate, a colour per score: eval prompts' next-token top-1 (solid), confident (dotted)."""
     maps = list(study["maps"])
     fig, axes = subplots(1, len(maps), figsize=(5 * len(maps), 3.5), squeeze=False)
     for ax, name in zip(axes[0], maps):

@@ -1,8 +1,6 @@
-"""The V0 study: every declared variant's figures beside V0's published table, the paired comparisons, the acceptance
-criteria, what the reading (templates/variants.md.j2, the report's head) chooses between, the headline `dvc metrics`
-compares and the controls' table. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision):
-another pair's run names its pair instead.
-"""
+"""The V0 study (the report's head): every declared variant's figures beside V0's published table, the paired
+comparisons, the acceptance criteria, the headline `dvc metrics` compares and the controls' table. V0's reference
+column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another pair's run names its pair instead."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -161,9 +159,8 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    """The table's rows (`variants`: each one's figures): the modes before the maps (`MODE_ROWS`: oracle, direct
-    injection), V0's best map per k, the selected map, the repaired variants, the modes after the maps (the other
-    baselines), then any other variant."""
+    """The table's rows: the modes before the maps (`MODE_ROWS`), V0's best map per k, the selected map, the repaired
+    variants, the modes after the maps, then any other variant."""
     rows = sorted((row, name) for name, (_, row) in MODE_ROWS.items())
     first = [*(name for row, name in rows if row < MAPS_ROW), *best_of_k(variants).values()]
     rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]),
@@ -181,9 +178,8 @@ def _v0_reference(name: str, e: dict) -> str:
 
 
 def shown(report: dict, context: dict) -> dict:
-    """What the report's head (`templates/variants.md.j2`) reads beside the report: the V0 table (V0's published
-    figures beside it for V0's pair only), the gap closures (none without the per-prompt measures), the columns beside
-    V0's, the paired comparisons, the criteria, and what the reading chooses between. `context`: as `render.report`."""
+    """What the report's head (`templates/variants.md.j2`) reads beside the report: its tables (V0's published figures
+    for V0's pair only) and what the reading chooses between. `context`: as `render.report`."""
     v, rows, mapped, c = report["variants"], order(report["variants"]), report["selected"], report["comparisons"]
     v0 = tuple(context["pair"]) == V0_PAIR  # V0's figures compare with V0's pair only, whatever the profile is called
     hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if context["data_kind"] == "generated" else ("HellaSwag", "PIQA")
