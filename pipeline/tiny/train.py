@@ -122,9 +122,8 @@ def train_model(cfg: TrainConfig, tokenizer: transformers.PreTrainedTokenizerFas
             eval_seconds += time.perf_counter() - t0
             stats["dev"].append(record)
             bar.write(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-    stats["train_seconds"] = round(time.perf_counter() - started - eval_seconds, 1)
-    stats["dev_eval_seconds"] = round(eval_seconds, 1)
-    stats["final_loss"] = round(running, 4)
+    stats.update(train_seconds=round(time.perf_counter() - started - eval_seconds, 1),
+                 dev_eval_seconds=round(eval_seconds, 1), final_loss=round(running, 4))
     model.eval()
     return model, stats
 
