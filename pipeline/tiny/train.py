@@ -1,10 +1,8 @@
-"""Training a tiny Qwen3 model on the tiny world, and scoring task items the way lm-eval does.
-
-Two phases (feasibility notes, round 2): first only `copy` documents, where the look-back (an induction head) appears
-within a few hundred steps, then the whole corpus; mixing from the start let the models settle on a bag-of-words
-shortcut. The loss covers only each document's predictable part (after the random facts, after `then`) and its EOS.
-Scoring follows lm-eval's `multiple_choice`: acc is the argmax of summed log-likelihoods, acc_norm per character.
-"""
+"""Training a tiny Qwen3 model on the tiny world, and scoring task items the way lm-eval does. Two phases (feasibility
+notes, round 2): first only `copy` documents, where the look-back (an induction head) appears within a few hundred
+steps, then the whole corpus; mixing from the start let the models settle on a bag-of-words shortcut. The loss covers
+only each document's predictable part (after the random facts, after `then`) and its EOS. Scoring follows lm-eval's
+`multiple_choice`: acc is the argmax of summed log-likelihoods, acc_norm per character."""
 from __future__ import annotations
 
 import math
