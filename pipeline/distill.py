@@ -2,10 +2,9 @@
 
     python -m pipeline.distill [--only NAME[,NAME...]] [--mappers DIR] [--caches DIR] [--data DIR] [--out DIR]
 
-Each map named in `distill.start` (fit's names) starts a `<start>+kl` map of its family and size, trained on the fit
-split's sequences cut at each of `distill.context_lengths`; the source enters only as its stored caches. Bit-identical
-on one CPU device, so the determinism control can refit the selected map (`--only NAME --mappers DIR --out DIR`, as
-`fit --only`); under `distill.processes` N > 1 each rank distils every N-th map, the same bytes as one process.
+Each map named in `distill.start` starts a `<start>+kl` map of its family and size, trained on the fit split's
+sequences cut at each of `distill.context_lengths`; the source enters only as its stored caches. Bit-identical on one
+CPU device, whatever `distill.processes`, so the determinism control can refit the selected map (`--only NAME ...`).
 """
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def write_curve(path: Path, history: list[dict]) -> None:
 
 def run(params: DistillParams, models: ModelsParams, device: str, names: list[str], inputs: dict[str, Path],
         ranks: Ranks = ONE_PROCESS) -> tuple[dict, dict] | None:
-    """The metrics and, per name, (distilled map, per-epoch history). Each of N ranks distils every N-th map; rank
-    0 gets them all, the others None."""
+    """The metrics and, per name, (distilled map, per-epoch history) on rank 0 (the others None)."""
     oracle = Pair.load(models, ranks.device(device), source=False).router(mode="oracle").handoff
     oracle.decoder.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
     groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
@@ -89,15 +87,14 @@ def run(params: DistillParams, models: ModelsParams, device: str, names: list[st
                                             + sum(done[name][3][part] for name in names), 1) for part in TIMED_PARTS})
     for name in names:
         mapper, history, seconds, parts = done[name]
-        metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in map_figures(
-            name, mapper.distilled, history).items()})
-        metrics[f"maps/{distilled_name(name)}/seconds"] = round(seconds, 1)
-        metrics.update({f"maps/{distilled_name(name)}/cost_s/{part}": round(parts[part], 1) for part in TIMED_PARTS})
+        figures = {**map_figures(name, mapper.distilled, history), "seconds": round(seconds, 1),
+                   **{f"cost_s/{part}": round(parts[part], 1) for part in TIMED_PARTS}}
+        metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in figures.items()})
     return metrics, {name: done[name][:2] for name in names}
 
 
 def kl_figure(value: float) -> float | None:
-    """A select KL for the metrics JSON: None for a diverged (NaN or infinite) one, which JSON cannot hold."""
+    """None for a diverged (NaN or infinite) KL, which JSON cannot hold."""
     return round(value, 5) if math.isfinite(value) else None
 
 

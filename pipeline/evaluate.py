@@ -41,9 +41,7 @@ SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leave
 
 def variant_mode(variant: str) -> str:
     """The contract's mode of a variant (kv.contract.MODES)."""
-    if variant in BASELINES:
-        return variant
-    return "shuffled" if variant == "shuffled" else "mapped"
+    return variant if variant in BASELINES or variant == "shuffled" else "mapped"
 
 
 def variant_request(variant: str, params: EvaluateParams) -> Transfer:
@@ -68,11 +66,10 @@ def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair | None,
 def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         ranks: Ranks = ONE_PROCESS) -> dict | None:
     """Each rank scores its share of prompts and items; rank 0 writes eval/<variant>/ and returns the metrics (the
-    others {}). None where the pair's contract leaves the variant undefined: rank 0 writes its reason instead.
-    `margin`: the oracle's top-2 margin from which a position is confident."""
+    others {}). None where the pair's contract leaves the variant undefined (e.g. `direct` between unequal KV
+    geometries): rank 0 writes its reason instead. `margin`: the oracle's top-2 margin from which a position is
+    confident."""
     require_controls_passed()
-    # undefined by the pair's architecture contract (e.g. `direct` between unequal KV geometries), from the configs
-    # and tokenizers alone
     reason = pair.contract.reason(variant_mode(variant))
     if reason:  # recorded, and shown in the report, instead of failing the run
         if ranks.main:
@@ -82,7 +79,6 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
         return None
     request = variant_request(variant, params)  # its repair as the params name it (select's choice read once)
     router = Router.of(pair, request, params.batch_size)
-    handoff = router.handoff
     prompts = read_prompts(paths.EVAL_PROMPTS)
     options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}
     if variant == "oracle":  # its outputs are stored, and every other variant compared with them
@@ -106,15 +102,11 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
     metrics = evaluation.figures()
     if variant in params.repair:  # its declared setting, `none` included
         metrics["repair"] = str(request.repair)
-    if handoff.mapper is not None:
-        metrics["map"] = map_facts(handoff.mapper, params.mapped[variant])
+    mapper = router.handoff.mapper
+    if mapper is not None:  # best_of_k: select's best closed-form map of its k (models/best/, V0's rows)
+        metrics["map"] = {"family": mapper.family, "k": mapper.k, "distilled": mapper.distilled is not None,
+                          "best_of_k": Path(params.mapped[variant]) == paths.best_map(mapper.k)}
     return metrics
-
-
-def map_facts(mapper, path) -> dict:
-    """`best_of_k`: the map is select's best closed-form map of its k (models/best/, V0's rows)."""
-    return {"family": mapper.family, "k": mapper.k, "distilled": mapper.distilled is not None,
-            "best_of_k": Path(path) == paths.best_map(mapper.k)}
 
 
 def ordered_variants(names: list[str], params: EvaluateParams) -> list[str]:

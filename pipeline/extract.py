@@ -56,10 +56,9 @@ KEY_SPACE_WORDS = {"content": "content (RoPE stripped)", "rotated": "rotated (Ro
 @no_grad
 def content_caches(model, rotation: Rotation, batch: list,
                    strip: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence of `batch` (token id lists of one length, one forward), on the CPU: (layers, tokens, kv_heads,
-    head_dim) keys in content space, float32 (`strip` False: rotated as cached, the length study's ablation), and
-    values in the model dtype. `rotation` covers at least positions 0..length-1. All layers are stripped in one
-    call: at small shapes the per-call overhead, not the arithmetic, is what extraction adds to the forward pass."""
+    """Per sequence of `batch` (one length, one forward), on the CPU: (layers, tokens, kv_heads, head_dim) keys in
+    content space, float32 (`strip` False: rotated as cached), and values in the model dtype. All layers are stripped
+    in one call: at small shapes the per-call overhead, not the arithmetic, is what extraction adds."""
     ids = torch.tensor([list(token_ids) for token_ids in batch], dtype=torch.long, device=model.device)  # (B, T)
     layers = cache_to_layers(model.model(input_ids=ids, use_cache=True).cache)  # (B, H, T, D) each
     keys = torch.stack([k for k, _ in layers]).float()  # (layers, B, H, T, D)
@@ -109,13 +108,9 @@ def write_floor(folder: Path, sizes: list[int], rank: int = 0) -> float:
     return time.perf_counter() - start
 
 
-def shard_runs(count: int, shard_sequences: int) -> list[range]:
-    return [range(start, min(start + shard_sequences, count)) for start in range(0, count, shard_sequences)]
-
-
 def rank_shards(count: int, shard_sequences: int, ranks: Ranks) -> list[tuple[int, range]]:
     """This rank's shards (r, r+N, ... under N processes) as (global shard number, its sequences)."""
-    runs = shard_runs(count, shard_sequences)
+    runs = [range(start, min(start + shard_sequences, count)) for start in range(0, count, shard_sequences)]
     return [(index, runs[index]) for index in ranks.share(len(runs))]
 
 
@@ -175,11 +170,9 @@ def timed_repeats(model, rotation: Rotation, frames: dict, out_dir: Path, base: 
 def run(model_dir: Path, name: str, data_dir: Path, out_dir: Path, params: ExtractParams,
         model_dtype: str = "float32", device: str | None = None, ranks: Ranks = ONE_PROCESS,
         device_map: str | None = None, keep_rope: bool = False) -> dict:
-    """Extract, timed beside both floors (`keep_rope`: keys as cached, the length study's ablation). The three are
-    measured in turn, repeat by repeat (each extraction rewrites the same bytes), and the medians reported, so drift
-    and noise hit all three alike. Each rank extracts and times its own shards; rank 0 writes the manifest and
-    reports the slowest rank's times. The model runs in `model_dtype` (`models.dtype`, as every later stage runs it,
-    so the map is fitted on the caches it will be given); only the RoPE strip is float32 math."""
+    """Extract, timed beside both floors, in turn repeat by repeat so drift and noise hit all three alike (medians
+    reported). Each rank times its own shards; rank 0 writes the manifest and reports the slowest rank's times. The
+    model runs in `models.dtype`, as later stages run it, so the map is fitted on the caches it will be given."""
     frames = {split: read_sequences(data_dir / f"{split}.parquet") for split in params.splits}
     all_ids = [ids for frame in frames.values() for ids in frame.token_ids]
     # the contract, from the config: a model whose cache cannot be stripped is refused before it is loaded

@@ -2,10 +2,9 @@
 
     python -m pipeline.fit [--caches FOLDER] [--out FOLDER] [--only CANDIDATE[,CANDIDATE...]]
 
-Single-layer probes rank the source layers for every target layer (`fitting.probes`; a map reads the k best); per
-target layer every ridge candidate is solved from shared moments and every MLP candidate trained (`fitting.families`),
-then each candidate is written and timed against the source's prefill. A family the pair's contract leaves undefined
-(head_matched between unequal KV head counts) is skipped, its reason in fit.json.
+Single-layer probes rank the source layers for every target layer (a map reads the k best); per target layer every
+ridge candidate is solved from shared moments and every MLP candidate trained, then each is written and timed against
+the source's prefill. A family the pair's contract leaves undefined is skipped, its reason in fit.json.
 """
 from __future__ import annotations
 
@@ -52,11 +51,10 @@ torch = lazy("torch")
 def run(source_root: Path, target_root: Path, source_model_dir: Path, select_data: Path, out_dir: Path,
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
         only: list[str] | None = None, ranks: Ranks = ONE_PROCESS) -> dict:
-    """Fit every candidate (`only`: those named, each byte-identical to its file from the full fit on the same
-    caches); `skipped` maps the families the pair's contract leaves undefined to why. Moments, solves and the MLP
-    run on `device` (float64 and float32); the mappers are timed there against the source in `model_dtype`. Each of
-    N processes fits every N-th target layer (and probe group), with the sums of one process; rank 0 merges, writes
-    and times the mappers and returns the metrics (the others {})."""
+    """Fit every candidate (`only`: those named, each byte-identical to its file from the full fit); `skipped`: the
+    families the pair's contract leaves undefined, to why. Each of N processes fits every N-th target layer (and
+    probe group) with the sums of one process; rank 0 merges, writes and times the mappers and returns the metrics
+    (the others {})."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = manifests(source_root, target_root, params)
@@ -104,10 +102,9 @@ def fit_layers(layers: list[int], orders: list[list[int]], splits: tuple, held: 
                depth: int, mlp_ks: list[int], geometry: Geometry, parts: Parts, params: FitParams, device: str,
                ranks: Ranks) -> tuple[R2Table, dict] | None:
     """Every candidate's tensors for this rank's target `layers`, spilled to `parts`: closed-form ones solved here
-    while the MLP maps train in `fit.mlp.workers` threads (each on this process's intra-op threads: the bytes of one
-    thread), entries recorded in one thread's order. A failure cancels the trainings not started, so its error comes
-    after the one in flight, not after every queued map. Rank 0 gets the merged R² table and the MLP training facts
-    per (k, layer); the other ranks None."""
+    while the MLP maps train in `fit.mlp.workers` threads (the bytes of one thread). A failure cancels the trainings
+    not started, so its error is not queued behind every map. Rank 0 gets the merged R² table and the MLP training
+    facts per (k, layer); the other ranks None."""
     fit_pairs, select_pairs = splits
     table, mlp_facts = R2Table(), {}
     mlp = MlpSettings(params.mlp.hidden, params.mlp.lr, params.mlp.batch_rows, params.mlp.max_epochs,
@@ -140,8 +137,7 @@ def fit_layers(layers: list[int], orders: list[list[int]], splits: tuple, held: 
 
 def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: dict, repeats: int, model_dtype: str,
                  device: str) -> tuple:
-    """What the mappers are timed on: the first select sequence's content-space cache, its token count, the
-    source's prefill seconds of it and the device."""
+    """The first select sequence's content-space cache, its token count, the source's prefill seconds, the device."""
     source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
     token_ids = read_table(select_data, columns=["token_ids"]).token_ids[0].tolist()
     first = first_sequence(first_shard, geo_s["layers"], geo_s["kv_heads"], geo_s["head_dim"])
@@ -187,8 +183,7 @@ def narrowed(closed: list[MapName], mlp_ks: list[int], only: list[str] | None) -
 def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Parts, heldout: dict, mlp_facts: dict,
                   manifests: tuple[dict, dict], params: FitParams, fit_tokens: int, out_dir: Path,
                   timing: tuple | None) -> dict:
-    """Each candidate's mapper file and figures; `timing` (`timing_input`'s) times each against the source's
-    prefill, None for a narrow refit (about the file's bytes, not its speed)."""
+    """Each candidate's mapper file and figures; `timing` (`timing_input`'s), None for a narrow refit."""
     source_manifest, target_manifest = manifests
     geo_s, geo_t = source_manifest["geometry"], target_manifest["geometry"]
     # fitted on keys with RoPE kept (the length study's ablation): the handoff must not strip
@@ -225,9 +220,8 @@ def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Par
 
 
 def chosen_lambdas(table: R2Table, closed: list[MapName], scale: str) -> dict:
-    """Per closed-form family and k (and rank): the lambda with the best select R² (mean of keys and values over
-    layers), that candidate's R² per target layer and kind, and, per lambda scale, the worst layer's R² at its best
-    lambda on that scale (a layer whose map collapses shows here)."""
+    """Per lambda group: the lambda with the best mean select R², its R² per layer and kind, and per lambda scale
+    the worst layer's R² at its best lambda (a layer whose map collapses shows here)."""
     out: dict[str, float | str] = {"lambda_scale": scale}
     heldout = table.heldout
     groups: dict[str, list[MapName]] = {}

@@ -109,8 +109,7 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
         results.append([continued(router, prompt, max_new_tokens, stop, temperature, seed, Stream(tokenizer, mode,
                                                                                                   width, out))
                         for mode, router in routers.items()])
-        say("")
-        say(summary(results[-1]))
+        say("\n" + summary(results[-1]))
     return results
 
 
@@ -154,21 +153,19 @@ def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
     return prompts
 
 
-def request_options(args, modes: Sequence[str]) -> dict:
-    """The request fields the repair and gate flags give, checked by the request's rules before any model work: a flag
-    no mode of --transfer reads (--mapper and --shuffle-seed too) is refused, as is a gate missing a part or given a
+def checked_gate(args, modes: Sequence[str]) -> dict:
+    """The gate's flags that were given, checked by the request's rules before any model work: a flag no mode of
+    --transfer reads (the repair's, --mapper and --shuffle-seed too) is refused, as is a gate missing a part or given a
     part its score does not read (--disagree beside another score)."""
-    options = {"repair": args.repair, "fallback": args.fallback, "threshold": args.threshold,
-               "disagree": args.disagree}
-    given = {**options, "mapper": args.mapper, "shuffle_seed": args.shuffle_seed}  # as typed, no default filled in
+    given = {field: getattr(args, field) for field in ("repair", *GATE_FLAGS, "mapper", "shuffle_seed")}  # as typed
     for field, value in given.items():
         if value is not None and not {split_mode(mode)[0] for mode in modes} & set(USES[field]):
             raise ParamError(f"{GENERATE.given(field)}: --transfer {','.join(modes)} names no mode it applies to "
                              f"({', '.join(USES[field])}); add one or leave the flag out")
-    gate = {field: options[field] for field in GATE_FLAGS if options[field] is not None}
+    gate = {field: given[field] for field in GATE_FLAGS if given[field] is not None}
     if gate:  # the gate's rules, on a mode that reads it and nothing else
         Transfer.of(GENERATE, mode=SOURCE_MODES[0], **gate)
-    return options
+    return gate
 
 
 def command_line():
@@ -258,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     cli = command_line()
     args = cli.parse_args(argv)
     modes = checked_modes(cli, args)
-    options = request_options(args, modes)
+    gate = checked_gate(args, modes)
     models = load_section(ModelsParams, "models") if PARAMS_FILE.is_file() else None
     if models is None and not (args.target and args.dtype and args.device):
         cli.error(f"no {PARAMS_FILE} here: give --target, --dtype and --device")
@@ -271,7 +268,6 @@ def main(argv: list[str] | None = None) -> None:
     if shuffle_seed is None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
     mapper = args.mapper or (None if args.target else paths.SELECTED_MAPPER)
-    gate = {field: options[field] for field in GATE_FLAGS if options[field] is not None}
     run(pair, read_prompt_ids(args, pair.target_tokenizer, pair.positions), modes, mapper, args.max_new_tokens,
         args.temperature, args.seed, shuffle_seed, gate=gate or None, asked=args.transfer != DEFAULT_TRANSFER,
         repair=args.repair)

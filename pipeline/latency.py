@@ -52,16 +52,15 @@ def stage(params: LatencyParams, machine: MachineParams) -> dict:
 
 
 def rivals(pair: Pair, params: LatencyParams) -> dict:
-    """The handoffs timed beside the map, part by part: the map with each repair, speculative prefill at each share
-    (under the look-ahead settings select chose, models/lookahead.json, wherever a handoff reads them)."""
+    """The handoffs timed beside the map: the map with each repair, speculative prefill at each share (under the
+    look-ahead settings select chose wherever a handoff reads them)."""
     lookahead = chosen_lookahead(paths.LOOKAHEAD)
     out = {}
     for setting in params.settings():
         reads = lookahead if setting.reads_source else None
         out[f"mapped+{setting}"] = pair.router(mode="mapped", mapper=params.mapper, repair=setting,
                                                speculative=reads).handoff
-    for share in params.speculative:
-        mode = f"speculative:{share:g}"
+    for mode in (f"speculative:{share:g}" for share in params.speculative):
         out[mode] = pair.router(mode=mode, speculative=lookahead).handoff
     return out
 

@@ -55,7 +55,6 @@ from pipeline.store.truncated import self_layers
 
 AUTO_BATCH = 8  # batch_size=auto: lm-eval's search for the largest batch is not implemented; this is used instead
 UNKEYED = ("batch_size",)  # model args that change no answer, left out of the request cache's key
-TEXTS = ("target", "source", "mapper", "disagree", "target_revision", "source_revision")  # paths, ids, revisions
 
 log = logging.getLogger(__name__)
 
@@ -161,19 +160,14 @@ def once(pairs: list[tuple[str, str]]) -> None:
         seen[key] = value.strip()
 
 
-def file_hash(path: str) -> str:
-    """A map file's content hash (its path where there is no file: from_args refuses it)."""
-    file = Path(path)
-    return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else path
-
-
 def cache_key(args: dict, models: dict) -> str:
     """The handoff's key in the request cache: every model arg lm-eval built but UNKEYED, map files by their
     content, and `models`, both models' fingerprints (`store.fingerprints`: weights, config, tokenizer)."""
     keyed = {key: str(value) for key, value in args.items() if key not in UNKEYED}
     for key in ("mapper", "disagree"):
-        if key in keyed:
-            keyed[key] = ":".join(file_hash(path) for path in keyed[key].split(":"))
+        if key in keyed:  # a map file by its content hash (by its path where there is none: from_args refuses it)
+            keyed[key] = ":".join(hashlib.sha256(Path(path).read_bytes()).hexdigest() if Path(path).is_file() else path
+                                  for path in keyed[key].split(":"))
     text = json.dumps({"args": keyed, "models": models}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

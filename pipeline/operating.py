@@ -2,10 +2,9 @@
 
     python -m pipeline.operating <n>
 
-At prompt length n (one of operating.lengths) the oracle and every variant of the `operating` section are evaluated on
-data/long/'s eval prompts and pass-key items, each prompt alone at batch 1, timed in the pass that scores it. Per
-variant: figures against the oracle, pass-key exact match, selection recall (the key's tokens among the positions the
-target computed), measured speedup over the oracle, the FLOP bound at n; a gate's threshold comes from the select split.
+At prompt length n the oracle and every variant of the `operating` section are evaluated on data/long/'s eval prompts
+and pass-key items, each prompt alone at batch 1, timed in the pass that scores it. Per variant: figures against the
+oracle, pass-key match and recall, measured speedup over the oracle and the FLOP bound at n.
 """
 from __future__ import annotations
 
@@ -62,8 +61,8 @@ def select_contexts(length: int) -> list[list[int]]:
 
 @dataclass
 class Variant:
-    """A variant at one length: its router and its FLOP bound there (a gate's waits for its measured fallback
-    share: `gated_cost`, the handoff's and the score's multiply-adds, and `prefill`, what a fallback adds)."""
+    """A variant's router and FLOP bound at one length; a gate's bound waits for its measured fallback share
+    (`gated_cost`: the handoff's and the score's multiply-adds; `prefill`: what a fallback adds)."""
 
     router: Router
     bound: float | None = None
@@ -89,8 +88,7 @@ def baseline_bound(name: str, source, target, length: int) -> float:
 def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahead: SpeculativeParams | None
              ) -> dict[str, Variant]:
     """Every variant but the oracle, in the report's order. `contexts`: a callable giving the select split's contexts,
-    where a gate chooses its threshold; `lookahead`: select's look-ahead settings, which speculative prefill and a
-    repair ranking by the source's scores read."""
+    where a gate chooses its threshold; `lookahead`: select's look-ahead settings."""
     source, target = pair.source.config, pair.target.config
     out = {}
     for name in params.baselines:
@@ -114,8 +112,7 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahe
 
 def repaired_variants(params: OperatingParams, pair: Pair, length: int, lookahead: SpeculativeParams | None
                       ) -> tuple[dict[str, Variant], dict[str, float]]:
-    """Each repaired variant at `length`, and its budget (its multiply-adds over the target's prefill, the source's
-    look-ahead scores counted where its policy ranks by them)."""
+    """Each repaired variant at `length`, and its budget (its multiply-adds over the target's prefill)."""
     source, target = pair.source.config, pair.target.config
     out, budgets = {}, {}
     for name, repaired in params.repaired.items():
@@ -176,10 +173,9 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
         if keys:
             tables["retrieval"] = retrieval_rows(items, on_keys.prompt_rows.greedy, on_keys.prompt_rows.get("selected"))
             figures["retrieval"] = retrieval_summary(tables["retrieval"], reference)
+        (out / name).mkdir(parents=True, exist_ok=True)
         for table, frame in tables.items():
-            path = out / name / f"{table}.parquet"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            frame.to_parquet(path, index=False)
+            frame.to_parquet(out / name / f"{table}.parquet", index=False)
         metrics["variants"][name] = rounded(figures, 6)
     return metrics
 

@@ -1,7 +1,5 @@
 """Stage `pin_models`: what the `models` section points at, pinned, at every `dvc repro`.
 
-    python -m pipeline.pin_models
-
 DVC cannot see a checkpoint outside the repository, so this stage always runs and writes models/pins.json, each side's
 identity: the stages after it rerun exactly when one changes. A local folder is pinned by a sha256 of its fingerprint
 (weights, configs, tokenizer; not a README beside them), a hub id by the commit of `models.*_revision` (from the local
@@ -36,12 +34,10 @@ def pin(name_or_path: str, revision: str | None) -> dict:
 def pins(models: ModelsParams) -> dict:
     if models.kind != "hub":
         return {"kind": models.kind, "source": models.source, "target": models.target}
-    if models.self_layers:
-        target = pin(models.target, models.target_revision)
-        return {"kind": "hub", "source": {"kind": "self", "layers": models.self_layers, "target": target},
-                "target": target}
-    return {"kind": "hub", "source": pin(models.source, models.source_revision),
-            "target": pin(models.target, models.target_revision)}
+    source = None if models.self_layers else pin(models.source, models.source_revision)
+    target = pin(models.target, models.target_revision)
+    return {"kind": "hub", "source": source or {"kind": "self", "layers": models.self_layers, "target": target},
+            "target": target}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -83,9 +83,7 @@ def _load_rows(source: HubDataset, what: str) -> list[dict]:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         else:
             rows = [{"text": path.read_text()}]
-    else:
-        if not source.dataset:
-            raise ParamError(f"data.{what}: give a hub `dataset` or a local `path`")
+    else:  # a hub dataset: the schema refuses a source with neither
         if not hub_reachable():
             raise ModelNotAvailableError(
                 f"dataset {source.dataset!r} ({what}) cannot be fetched: the Hugging Face hub is unreachable. "
@@ -138,11 +136,10 @@ def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:
 
 
 def pick_windows(stream: list[str], wanted: int, windows_of) -> list[tuple[str, int]]:
-    """The first `wanted` (doc_id, window) pairs of a fixed order: window 0 of every document of the stream that has
-    one, in stream order (one sequence per document while there are enough), then window 1 of those that have it,
-    and so on, so a few long documents (WikiText-2's test file) can still feed a large fit set; `windows_of(doc_id)`
-    counts a document's whole windows. Nested: a smaller draw starts a larger one; a split's windows come only from
-    its own documents."""
+    """The first `wanted` (doc_id, window) pairs: window 0 of every document of the stream that has one, in stream
+    order, then window 1 of those that have it, and so on, so a few long documents (WikiText-2's test file) can still
+    feed a large fit set; `windows_of(doc_id)` counts a document's whole windows. Nested: a smaller draw starts a larger
+    one; a split's windows come only from its own documents."""
     chosen, counts = [], {}
     for doc_id in stream:
         if len(chosen) == wanted:
@@ -165,25 +162,21 @@ def split_windows(stream: list[str], wanted: int, size: int, prompt_length: int 
     if len(chosen) < wanted:
         raise ParamError(f"data.{key}: the corpus's {split} documents hold only {len(chosen)} windows of {size} "
                          f"tokens for {wanted} sequences; use a larger corpus, fewer or shorter sequences")
-    rows = [window_row(doc_id, window, encode(doc_id), by_id.at[doc_id, "content_hash"], by_id.at[doc_id, "text"],
-                       tokenizer, size, prompt_length, first or size) for doc_id, window in chosen]
+    rows = []
+    for doc_id, window in chosen:
+        ids, doc_hash = encode(doc_id), by_id.at[doc_id, "content_hash"]
+        token_ids = ids[window * size : (window + 1) * size]
+        if window == 0:  # the document itself: its id, text and hash, its first `first` tokens
+            row = dict(doc_id=doc_id, text=by_id.at[doc_id, "text"], token_ids=ids[: first or size],
+                       content_hash=doc_hash)
+        else:  # a later window: its own doc_id (`<doc_id>/w<k>`) and content hash
+            row = dict(doc_id=f"{doc_id}/w{window}", text=tokenizer.decode(token_ids), token_ids=token_ids,
+                       content_hash=content_hash(f"{doc_hash}/w{window}"))
+        if prompt_length is not None:
+            row["prompt_ids"] = token_ids[:prompt_length]
+            row["continuation_ids"] = token_ids[prompt_length:]
+        rows.append(row)
     return pd.DataFrame(rows)
-
-
-def window_row(doc_id: str, window: int, ids: list[int], doc_hash: str, text: str, tokenizer, size: int,
-               prompt_length: int | None, first: int) -> dict:
-    """A sequence row from window `window` of a document: window 0 is the document itself (its id, text and hash;
-    its first `first` tokens), a later one gets its own doc_id (`<doc_id>/w<k>`) and content hash."""
-    token_ids = ids[window * size : (window + 1) * size]
-    if window == 0:
-        row = dict(doc_id=doc_id, text=text, token_ids=ids[:first], content_hash=doc_hash)
-    else:
-        row = dict(doc_id=f"{doc_id}/w{window}", text=tokenizer.decode(token_ids), token_ids=token_ids,
-                   content_hash=content_hash(f"{doc_hash}/w{window}"))
-    if prompt_length is not None:
-        row["prompt_ids"] = token_ids[:prompt_length]
-        row["continuation_ids"] = token_ids[prompt_length:]
-    return row
 
 
 def long_parts(params: DataParams, streams: list[list[str]], encode, by_id, tokenizer) -> dict[str, pd.DataFrame]:
@@ -229,15 +222,13 @@ def hub(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     if params.long is not None:
         frames.update(long_parts(params, long_streams, encode, by_id, tokenizer))
     for task, group_of in (("hellaswag", lambda r: str(r.get("source_id") or r["ind"])), ("piqa", lambda r: r["goal"])):
-        rows = _load_rows(getattr(params, task), task)
-        for index, row in enumerate(rows):
+        groups: dict[str, list[dict]] = {}
+        for index, row in enumerate(_load_rows(getattr(params, task), task)):
             row.setdefault("ind", index)
             row["doc_id"] = f"{task}-{group_of(row)}"
-            row["content_hash"] = content_hash(json.dumps({k: row[k] for k in sorted(row) if k not in ("doc_id",)},
+            row["content_hash"] = content_hash(json.dumps({k: row[k] for k in sorted(row) if k != "doc_id"},
                                                           default=str))
             row["kind"] = None
-        groups: dict[str, list[dict]] = {}
-        for row in rows:
             groups.setdefault(row["doc_id"], []).append(row)
         streams = _interleaved(list(groups), params.seed, 2)
         if params.eval_items is None:  # the whole split but the dev part: the dev stream's unused groups join eval
@@ -255,21 +246,21 @@ def run(params: DataParams, out: Path) -> dict[str, int]:
     frames, tokenizer = generated(params) if params.kind == "generated" else hub(params)
     # the pool holds the fit split (nested draws): every other split is disjoint from it, so from fit too; the
     # sequence splits and each operating length (its prompts and pass-key items) hold documents of their own
+    long = paths.LONG.name + "/"
     checked = {name: frame for name, frame in frames.items() if name != "fit"}
     groups = {split: [split] for split in ("calibration", "select", "eval")}
     for name in checked:
-        if name.startswith(paths.LONG.name + "/"):
+        if name.startswith(long):
             groups.setdefault(name.rsplit("_", 1)[1], []).append(name)
     check_disjoint(checked, groups)
     out.mkdir(parents=True, exist_ok=True)
-    for name, frame in frames.items():
-        if not name.startswith(paths.LONG.name + "/"):
-            with atomic_path(out / f"{name}.parquet") as tmp:
-                frame.to_parquet(tmp, index=False)
     with atomic_dir(out / paths.LONG.name) as staging:  # empty without data.long
         for name, frame in frames.items():
-            if name.startswith(paths.LONG.name + "/"):
-                frame.to_parquet(staging / f"{name.split('/', 1)[1]}.parquet", index=False)
+            if name.startswith(long):
+                frame.to_parquet(staging / f"{name.removeprefix(long)}.parquet", index=False)
+            else:
+                with atomic_path(out / f"{name}.parquet") as tmp:
+                    frame.to_parquet(tmp, index=False)
     with atomic_dir(out / "tokenizer") as staging:
         tokenizer.save_pretrained(staging)
     with atomic_dir(out / "tasks") as staging:  # lm-eval task configs of the task files, for --include_path

@@ -30,7 +30,7 @@ torch = lazy("torch")
 transformers = lazy("transformers")
 
 
-def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> dict:
+def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> None:
     """Each side of `staging` (the target alone for a self source) trained and saved there with the tokenizer."""
     configs = {"source": train.source, "target": train.target}
     if any(configs[side] is None for side in staging):
@@ -39,13 +39,11 @@ def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> di
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
     corpus = read_table(paths.CORPUS)
     dev = {task: read_table(paths.task_items(task, "dev")) for task in TASKS}
-    stats = {}
     for name, folder in staging.items():
-        model, stats[name] = train_model(configs[name], tokenizer, corpus, dev, threads)
+        model, stats = train_model(configs[name], tokenizer, corpus, dev, threads)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        write_json_atomic(paths.train_stats(folder), stats[name])
-    return stats
+        write_json_atomic(paths.train_stats(folder), stats)
 
 
 def point_at_target(layers: int, staging: Path) -> None:

@@ -38,8 +38,7 @@ from pipeline.store.shapes import bound_configs as bound_configs_of
 
 
 def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float, items: int | None) -> Evaluation:
-    """One evaluated handoff: on each of `tasks`' first `items` and on the eval prompts against the oracle's stored
-    outputs (the confident figures at oracle margin >= `margin`)."""
+    """One handoff on each of `tasks`' first `items` and on the eval prompts against the oracle's stored outputs."""
     return evaluate(router, prompts, oracle, margin=margin, tasks=tasks, tokenizer=pair.target_tokenizer,
                     progress=False, task_limit=items)
 
@@ -90,9 +89,8 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
 
 def matched_baselines(pair: Pair, params: RepairParams, levels: list[float], tasks, prompts, oracle, margin: float,
                       items: int | None, lookahead: SpeculativeParams | None, bound_configs: tuple):
-    """At each budget level, the truncated prompt (`keep` = the level) and speculative prefill (p = the level) scored
-    on `tasks` and `prompts` as the repaired maps are: (baseline, level, evaluation, figures), speculative prefill's
-    with its FLOP bound at `bound_configs` (source, target)."""
+    """(baseline, level, evaluation, figures) of the truncated prompt (`keep` = the level) and speculative prefill
+    (p = the level, with its FLOP bound at `bound_configs`) at each budget level, scored as the repaired maps are."""
     for level in tqdm(levels, desc="matched-cost baselines", unit="budget"):
         truncated = pair.router(mode="oracle", keep=level, batch_size=params.batch_size)
         evaluation = scored(pair, truncated, tasks, prompts, oracle, margin, items)
@@ -104,8 +102,7 @@ def matched_baselines(pair: Pair, params: RepairParams, levels: list[float], tas
 
 
 def policy(setting: Repair) -> str:
-    """A setting's policy, as the report's figure draws a line per policy: its parts without their sizes, in the
-    applied order (the token choice with its own parameter, `key_norm@2`); `none` for the empty setting."""
+    """A setting's parts without their sizes, in the applied order (the report draws a line per policy)."""
     parts = (["layers"] if setting.exact_layers else []) + (["sink"] if setting.sink else []) + (
         [setting.policy] if setting.tokens else [])
     return "+".join(parts) or "none"

@@ -32,8 +32,8 @@ pd = lazy("pandas")
 
 
 def load(variant_names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> tuple[Run, dict]:
-    """The variants' run and each study's inputs (a study that did not run is left out): every file the report reads,
-    read before anything is computed or written."""
+    """The variants' run and each study's inputs (a study that did not run is left out), all read before anything
+    is computed or written."""
     run = Run.load(variant_names, calibration_sizes, operating_lengths)
     inputs = {key: study.load(run) for key, study in STUDIES.items()}
     return run, {key: given for key, given in inputs.items() if given is not None}
@@ -61,8 +61,8 @@ def figures(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
 
 def run_record(dtypes: dict, variant_names: list[str], sizes: list[int], lengths: list[int]) -> dict:
     """report.json's `run`: the models' dtype (`auto`'s figures beside it) and the run's wall time, the sum of each
-    stage's own `wall_s` in its metrics (its process from start to outputs written; not DVC's hashing, the conversion or
-    the data preparation; a stage without a model, or not run, has none)."""
+    stage's own `wall_s` (its process from start to outputs written; not DVC's hashing, the conversion or the data
+    preparation; a stage without a model, or not run, has none)."""
     timed = [paths.MODEL_SCORES, *(paths.METRICS / f"extract_{side}.json" for side in ("source", "target")),
              paths.FIT, paths.DISTILL, paths.SELECT, paths.CONTROLS_USAGE,
              *(paths.variant_metrics(name) for name in variant_names), *map(paths.operating_metrics, lengths),
@@ -88,12 +88,10 @@ def dtype_phrase(dtypes: dict) -> str:
 def environment(models: ModelsParams, machine: MachineParams) -> dict:
     revisions = {name: (read_pointer(paths.model(name)) or {}).get("revision", "local")
                  for name in ("source", "target")}
-    return {
-        "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
-        "lm-eval": version("lm_eval"), "platform": platform.platform(), "device": machine.device, "dtype": models.dtype,
-        "cpus": os.cpu_count(), "source revision": revisions["source"],
-        "target revision": revisions["target"],
-    }
+    return {"python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
+            "lm-eval": version("lm_eval"), "platform": platform.platform(), "device": machine.device,
+            "dtype": models.dtype, "cpus": os.cpu_count(), "source revision": revisions["source"],
+            "target revision": revisions["target"]}
 
 
 def write(report: dict, tables: dict[str, pd.DataFrame], text: str) -> None:
@@ -116,13 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     measure = load_section(MeasureParams, "measure")
     # a key or two of other stages' sections, as values (dvc.yaml declares only those keys; check_params validated
     # them through their classes, whose rules, the repair grammar among them, the report does not depend on)
-    mapped = load_value(dict, "evaluate.mapped")
-    sizes = load_value(list, "calibration.sizes")
-    data_kind = load_value(str, "data.kind")
+    names = [*BASELINES, *load_value(dict, "evaluate.mapped")]
+    sizes, data_kind = load_value(list, "calibration.sizes"), load_value(str, "data.kind")
     lengths = load_value(list, "operating.lengths")
-    run, inputs = load([*BASELINES, *mapped], sizes, lengths)
+    run, inputs = load(names, sizes, lengths)
     dtypes = json.loads(paths.DTYPE_CHOICE.read_text())
-    report = compute(params, measure, run, inputs) | {"run": run_record(dtypes, [*BASELINES, *mapped], sizes, lengths)}
+    report = compute(params, measure, run, inputs) | {"run": run_record(dtypes, names, sizes, lengths)}
     tables = figures(report, run, paths.FIGURES)
     context = {"profile": load_value(str, "profile"), "data_kind": data_kind, "source": models.source,
                "target": models.target, "dtype": dtype_phrase(dtypes), "device": machine.device, "pair": run.pair,

@@ -45,8 +45,7 @@ def models_metrics(models: ModelsParams, params: ScoreModelsParams, measure: Mea
         stats_file = paths.train_stats(paths.model(name))
         if stats_file.is_file():  # the trained tiny pair; hub and random models were not trained here
             stats = json.loads(stats_file.read_text())
-            metrics[f"{name}_final_loss"] = stats["final_loss"]
-            metrics[f"{name}_train_seconds"] = stats["train_seconds"]
+            metrics |= {f"{name}_{key}": stats[key] for key in ("final_loss", "train_seconds")}
     evaluations = dev_accuracy(models, device, params.batch_size)
     for variant, evaluation in evaluations.items():
         metrics[variant] = evaluation.figures(digits=4)  # its tasks, per item kind too
@@ -58,9 +57,8 @@ def models_metrics(models: ModelsParams, params: ScoreModelsParams, measure: Mea
             a, b = (items[variant][items[variant].task == task].sort_values("item").acc.to_numpy()
                     for variant in ("target", other))
             interval = paired_bootstrap(a, b, *measure.bootstrap)
-            metrics[f"target_minus_{other}_{task}_acc"] = round(interval["diff"], 4)
-            metrics[f"target_minus_{other}_{task}_low"] = round(interval["low"], 4)
-            metrics[f"target_minus_{other}_{task}_high"] = round(interval["high"], 4)
+            for suffix, key in (("acc", "diff"), ("low", "low"), ("high", "high")):
+                metrics[f"target_minus_{other}_{task}_{suffix}"] = round(interval[key], 4)
     return metrics
 
 

@@ -33,8 +33,7 @@ DIGITS = 4  # metrics/select.json's figures
 
 
 class Scored(NamedTuple):
-    """What select scored: the oracle's evaluation, each (map, setting)'s score, each setting's budget, the look-ahead
-    settings chosen (None where none were declared) and each look-ahead candidate's score."""
+    """`lookahead`: the look-ahead settings chosen (None where none were declared)."""
     reference: Evaluation
     scores: list[dict]
     costs: dict[str, float]
@@ -43,8 +42,7 @@ class Scored(NamedTuple):
 
 
 def select_prompts(token_lists, params: SelectParams) -> list[tuple[list[int], list[int]]]:
-    """The select split's prompts: each sequence cut at `prompt_fraction` of its tokens (context, the rest), or with
-    `prompt_lengths` its first n tokens and the next `continuation`, for each n it holds."""
+    """(context, continuation) per sequence cut at `prompt_fraction`, or per n of `prompt_lengths` it holds."""
     prompts = []
     for ids in map(list, token_lists):
         if params.prompt_lengths:
@@ -69,8 +67,7 @@ def rank_key(rule: str):
 
 
 def budgets(params: SelectParams, loaded: tuple, lookahead: SpeculativeParams | None = None) -> dict[str, float]:
-    """Per setting (canonical form), its multiply-adds over the target's prefill at `bound_pair`'s shapes for
-    `length` tokens, the source's look-ahead scores counted where its policy ranks by them."""
+    """Per setting, its multiply-adds over the target's prefill at `bound_pair`'s shapes for `length` tokens."""
     source, target = bound_configs(params.bound_pair, loaded)
     return {str(setting): repair_budget(target, setting, params.length,
                                         source_scores_macs(source, setting, lookahead, params.length))
@@ -79,21 +76,27 @@ def budgets(params: SelectParams, loaded: tuple, lookahead: SpeculativeParams | 
 
 def score_jobs(pair: Pair, prompts, params: SelectParams, oracle, jobs: list[tuple[Path, Repair]], costs: dict,
                margin: float, ranks: Ranks, lookahead: SpeculativeParams | None = None) -> list[dict]:
-    """Each (map file, repair setting) on the select prompts against the oracle (confident figures at oracle margin
-    >= `margin`): its prompt metrics, what it is, and its evaluation. Each of N ranks runs every N-th job; every rank
-    gets all scores in job order."""
-    scores = []
-    mine = [(index, *jobs[index]) for index in ranks.share(len(jobs))]
-    for index, path, setting in tqdm(mine, desc="score candidates", unit="candidate", disable=not ranks.main):
+    """Each (map file, repair setting)'s prompt metrics against the oracle, what it is, and its evaluation, on every
+    rank in job order."""
+    def score(path: Path, setting: Repair) -> dict:
         router = pair.router(mode="mapped", mapper=path, repair=setting,
                              speculative=lookahead if setting.reads_source else None, batch_size=params.batch_size)
         mapper = router.handoff.mapper
-        evaluation = evaluate(router, prompts, oracle, margin=margin)
-        scores.append({
-            **evaluation.prompts.metrics, "evaluation": evaluation, "name": path.stem, "family": mapper.family,
-            "k": mapper.k, "ridge_lambda": mapper.ridge_lambda, "parameters": mapper.parameter_count(),
-            "distilled": mapper.distilled is not None, "repair": str(setting), "budget": costs[str(setting)],
-            "job": index})
+        return {"evaluation": evaluate(router, prompts, oracle, margin=margin), "name": path.stem,
+                "family": mapper.family, "k": mapper.k, "ridge_lambda": mapper.ridge_lambda,
+                "parameters": mapper.parameter_count(), "distilled": mapper.distilled is not None,
+                "repair": str(setting), "budget": costs[str(setting)]}
+
+    return shared_out(jobs, score, ranks, "score candidates", "candidate")
+
+
+def shared_out(jobs: list, score, ranks: Ranks, desc: str, unit: str) -> list[dict]:
+    """`score(*job)` with its evaluation's prompt metrics, each of N ranks running every N-th job; every rank gets
+    all scores in job order."""
+    scores = []
+    for index in tqdm(ranks.share(len(jobs)), desc=desc, unit=unit, disable=not ranks.main):
+        scored = score(*jobs[index])
+        scores.append({**scored["evaluation"].prompts.metrics, **scored, "job": index})
     return sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
 
 
@@ -104,12 +107,9 @@ def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared:
     then the first listed) and every candidate's score, on every rank."""
     candidates = [declared.reading(choice) for choice in params.lookahead] or [declared]
     mode = f"speculative:{params.lookahead_share:g}"
-    scores = []
-    for index in tqdm(ranks.share(len(candidates)), desc="score look-ahead", unit="setting", disable=not ranks.main):
-        router = pair.router(mode=mode, speculative=candidates[index], batch_size=params.batch_size)
-        evaluation = evaluate(router, prompts, oracle, margin=margin)
-        scores.append({**evaluation.prompts.metrics, "evaluation": evaluation, "job": index})
-    scores = sorted((score for part in ranks.all_gather(scores) for score in part), key=lambda score: score["job"])
+    scores = shared_out([(c,) for c in candidates], lambda c: {"evaluation": evaluate(
+        pair.router(mode=mode, speculative=c, batch_size=params.batch_size), prompts, oracle, margin=margin)},
+        ranks, "score look-ahead", "setting")
     confident_scores(scores, params.rule, margin)
     better = PROMPT_METRICS[params.rule].better
     best = min(scores, key=lambda score: (-better(score[params.rule]), score["perplexity"], score["job"]))
@@ -118,10 +118,9 @@ def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared:
 
 def score_candidates(pair: Pair, prompts, params: SelectParams, candidates: list[Path], margin: float,
                      ranks: Ranks = ONE_PROCESS, declared: SpeculativeParams | None = None) -> Scored | None:
-    """Every candidate's agreement with the oracle; with `declared` (params' `speculative`) the look-ahead chosen;
-    then the best `repair_maps` maps at every setting within `max_recompute`, a policy ranking by the source's scores
-    reading the chosen look-ahead. `margin`: the oracle's top-2 margin from which a position is confident. Rank 0
-    gets the scores, the others None."""
+    """Every candidate against the oracle; with `declared` (params' `speculative`) the look-ahead chosen; then the
+    best `repair_maps` maps at every setting within `max_recompute`. `margin`: the oracle's top-2 margin from which a
+    position is confident. Rank 0 gets the scores, the others None."""
     store = OracleStore(params.top_k, params.horizon, attention=True)
     reference = evaluate(pair.router(mode="oracle", batch_size=params.batch_size), prompts, margin=margin,
                          store=store, ranks=ranks)
@@ -155,8 +154,8 @@ def confident_scores(scores: list[dict], rule: str, margin: float) -> None:
 
 
 def choose(scores: list[dict], rule: str, max_recompute: float) -> tuple[dict, dict[int, dict]]:
-    """The best (map, repair setting) by `rule` among those whose budget is at most `max_recompute`, and per k of the
-    linear family its best closed-form map unrepaired (V0's rows)."""
+    """The best (map, setting) by `rule` within `max_recompute`, and per k the best closed-form linear map
+    unrepaired (V0's rows)."""
     ranked = sorted((score for score in scores if score["budget"] <= max_recompute), key=rank_key(rule))
     best_per_k: dict[int, dict] = {}
     for score in ranked:
@@ -176,8 +175,7 @@ def copy_verified(source: Path, destination: Path) -> None:
 
 
 def promote(scored: Scored, params: SelectParams, prompts: int) -> dict:
-    """The chosen map, its repair setting (with the look-ahead settings it was scored under where its policy reads
-    them), the chosen look-ahead and the best map of each k copied under models/; the stage's metrics."""
+    """The chosen map, its repair setting, the look-ahead and the best map of each k under models/; the metrics."""
     reference, scores, costs, lookahead = scored.reference, scored.scores, scored.costs, scored.lookahead
     chosen, best_per_k = choose(scores, params.rule, params.max_recompute)
     copy_verified(candidate_path(chosen["name"]), paths.SELECTED_MAPPER)
@@ -215,8 +213,7 @@ def candidates_on_disk() -> list[Path]:
 
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS,
         declared: SpeculativeParams | None = None) -> dict:
-    """Score `candidates` on the select split's prompts (the only data read) and promote the choice; the stage's
-    metrics on rank 0 ({} on the others)."""
+    """Score `candidates` on the select split's prompts and promote the choice; the metrics on rank 0 ({} else)."""
     prompts = select_prompts(read_table(paths.split("select")).token_ids, params)
     scored = score_candidates(pair, prompts, params, candidates, margin, ranks, declared)
     return promote(scored, params, len(prompts)) if ranks.main else {}

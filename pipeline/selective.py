@@ -3,9 +3,8 @@
     python -m pipeline.selective
 
 Each map of `selective.maps` runs ungated beside the oracle on every task item (dev and eval parts) and eval prompt;
-each score of `selective.scores` (`kv.gate`: from the handoff's first step, never the target's prefill; the `probe`
-learns from the map's dev items only) gets its AUROC for "the map changes the decision", its curve of quality against
-fallback rate (beside the oracle gate and a random one) and a threshold chosen on dev, reported once on eval.
+each score of `selective.scores` (`kv.gate`; the `probe` learns from dev items only) gets its AUROC for "the map
+changes the decision", its curve of quality against fallback rate and a threshold chosen on dev, reported on eval.
 """
 from __future__ import annotations
 
@@ -63,8 +62,8 @@ def measured(params: SelectiveParams, disagree) -> list[str]:
 
 
 def train_probe(rows: pd.DataFrame, features: tuple[str, ...], l2: float) -> Probe:
-    """The probe of "the map changes the decision" trained on `rows`, which must all be dev items: the eval part is
-    what it is judged on, so a row of any other part is refused."""
+    """The probe of "the map changes the decision" trained on `rows`, all dev items: the eval part is what it is
+    judged on."""
     others = sorted(set(rows.part) - {"dev"})
     if others or rows.empty:
         raise ValueError(f"the probe trains on dev items only; given rows of {others or 'no part'}: pass "
@@ -97,8 +96,8 @@ def add_probe(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParam
 
 
 def task_frame(pair: Pair, router: Router, files: dict, items: int | None = None) -> pd.DataFrame:
-    """Per task item: lm-eval's outcome (acc, acc_norm), log-likelihoods and choices through `router` (one
-    evaluation), and `tokens`, the context its first choice was scored after, as the router truncated it."""
+    """Per task item: lm-eval's outcome, log-likelihoods and choices through `router`, and `tokens`, the context its
+    first choice was scored after, as the router truncated it."""
     rows = evaluate(router, tasks=files, tokenizer=pair.target_tokenizer, task_limit=items).item_rows
     window = router.handoff.decoder.config.max_position_embeddings  # the router's (`measure.adapter.HandoffLM`)
     rows["tokens"] = [truncate(contexts[0], continuations[0], window)
@@ -117,8 +116,8 @@ def item_rows(part: str, name: str, frame: pd.DataFrame, base: dict, scores: dic
 
 def score_requests(pair: Pair, params: SelectiveParams, routers: dict[str, Router], disagree,
                    study_items: int | None = None) -> tuple[pd.DataFrame, ...]:
-    """Per-request rows of every map (`routers`: each map's handoff): task items of both parts (each eval task's
-    first `study_items`), eval prompts."""
+    """Per-request rows of every map: task items of both parts (each eval task's first `study_items`), eval
+    prompts."""
     oracle = pair.router(mode="oracle", batch_size=params.batch_size)
     items = []
     for part in ("dev", "eval"):
@@ -162,9 +161,8 @@ def request_times(handoff: Handoff, disagree, params: SelectiveParams, probe: Pr
 
 
 def bound_costs(params: SelectiveParams, loaded: tuple, handoff: Handoff, disagree) -> dict[str, float]:
-    """Multiply-adds per request at the bound pair's shapes: target prefill, the handoff of a map of this
-    family and k, and each score's extra (`disagree`: a second map of the larger k of its two, linear); `loaded`:
-    the pair's own (source, target) configs."""
+    """Multiply-adds per request at the bound pair's shapes: target prefill, the handoff, and each score's extra
+    (`disagree`: a second linear map of the larger k of its two); `loaded`: the pair's own (source, target) configs."""
     source, target = bound_configs(params.bound_pair, loaded)
     mapper = handoff.mapper
     macs = mapper_macs_per_token(source, target, mapper.k, mapper.family, mapper.width)
@@ -178,9 +176,8 @@ def bound_costs(params: SelectiveParams, loaded: tuple, handoff: Handoff, disagr
 
 def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, score: str,
                params: SelectiveParams, measure: MeasureParams, costs: dict) -> dict:
-    """The threshold chosen on the dev items for `params.target_retention`, and what it gave on the eval part:
-    fallback rates, retention and gap closure (paired bootstrap 95% intervals), next-token top-1 and rollout
-    agreement, the effective speedup measured and bounded."""
+    """The threshold chosen on the dev items for `params.target_retention`, and what it gave on the eval part
+    (paired bootstrap 95% intervals), the effective speedup measured and bounded."""
     column = f"score_{score}"
     threshold = gating.choose_threshold(dev[column], lambda fallback: gating.item_quality(dev, fallback)["retention"],
                                         params.target_retention)
@@ -209,10 +206,10 @@ def chosen_row(dev: pd.DataFrame, items: pd.DataFrame, prompts: pd.DataFrame, sc
 
 def confident_row(prompts: pd.DataFrame, fallback: np.ndarray, iters: int, seed: int) -> dict:
     """The gated system's top-1 over the prompts where the oracle is sure (column `confident`), with a bootstrap 95%
-    interval over them; None for each where there is none."""
+    interval; None for each where there is none."""
     sure = prompts.confident.to_numpy(bool)
     if not sure.any():
-        return {"confident_top1": None, "confident_top1_low": None, "confident_top1_high": None}
+        return dict.fromkeys(["confident_top1", "confident_top1_low", "confident_top1_high"])
     top1 = paired_bootstrap(gating.gated_first(prompts, fallback)[sure], np.zeros(int(sure.sum())), iters, seed)
     return {"confident_top1": top1["diff"], "confident_top1_low": top1["low"], "confident_top1_high": top1["high"]}
 
@@ -229,8 +226,7 @@ def ungated(ev: pd.DataFrame, pr: pd.DataFrame, file: str, iters: int, seed: int
 def summarize(items: pd.DataFrame, prompts: pd.DataFrame, params: SelectiveParams, costs: dict,
               measure: MeasureParams) -> tuple[dict, pd.DataFrame]:
     """metrics/selective.json (per map: ungated quality, per score AUROC and the chosen threshold's row) and the
-    curves (map, score, requests: items or prompts, fallback_rate, quality); a prompt is confident where the
-    oracle's top-2 margin at its first token is at least `measure.confident_margin`; intervals: its bootstrap."""
+    curves (map, score, requests: items or prompts, fallback_rate, quality)."""
     margin = measure.confident_margin
     rates = np.linspace(0, 1, params.rates + 1)
     metrics: dict = {"target_retention": params.target_retention, "confident_margin": margin, "length": params.length,

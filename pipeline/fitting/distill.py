@@ -25,7 +25,7 @@ from typing import Annotated, Iterator, NamedTuple, Sequence
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, in_order, oracle, stored, widened
+from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, StoredOracle, in_order, oracle, widened
 from pipeline.kv.families import TRAINABLE
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
@@ -144,9 +144,8 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
 
 def reference_of(rows: Rows, chosen: list[int], handoff: Handoff, clock: Clock) -> Oracle:
     """The kept oracle of these rows, or computed now (timed as the oracle)."""
-    kept = stored(rows, chosen)
-    if kept is not None:
-        return kept
+    if isinstance(rows, StoredOracle):
+        return rows.oracle(chosen)
     with clock.timed("oracle", handoff.device):
         return oracle(handoff, rows.take(chosen))
 
@@ -211,30 +210,24 @@ def tensors_digest(mapper: Mapper) -> str:
     return hasher.hexdigest()
 
 
-def fit_step(mapper: Mapper, optimizer, rows: Rows, chosen: list[int], handoff: Handoff, kv_weight: float,
-             clock: Clock) -> Losses:
-    """One optimizer step on these rows, backward through the frozen target."""
-    reference = reference_of(rows, chosen, handoff, clock)
-    with clock.timed("rows", handoff.device):
-        batch = rows.take(chosen)
-    with clock.timed("mapped_step", handoff.device):
-        step = losses(mapper, batch, handoff, kv_weight, reference)
-        step.total.backward()
-    with clock.timed("map_update", handoff.device):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
 def fit_steps(mapper: Mapper, optimizer, groups: Sequence[Rows], order: list[tuple[int, list[int]]],
               handoff: Handoff, kv_weight: float, clock: Clock, bar) -> dict:
-    """The mean fit losses of the steps of `order`; `bar` counts the rows."""
+    """One optimizer step, backward through the frozen target, per batch of `order`; the mean fit losses. `bar`
+    counts the rows."""
     totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
-    for group, rows in order:
-        step = fit_step(mapper, optimizer, groups[group], rows, handoff, kv_weight, clock)
+    for group, chosen in order:
+        reference = reference_of(groups[group], chosen, handoff, clock)
+        with clock.timed("rows", handoff.device):
+            batch = groups[group].take(chosen)
+        with clock.timed("mapped_step", handoff.device):
+            step = losses(mapper, batch, handoff, kv_weight, reference)
+            step.total.backward()
+        with clock.timed("map_update", handoff.device):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         for name, value in (("fit_loss", step.total), ("fit_kl", step.kl.mean()), ("fit_kv", step.kv)):
             totals[name] += float(value.detach())
-        bar.update(len(rows))
+        bar.update(len(chosen))
     bar.close()
     return {name: value / len(order) for name, value in totals.items()}
 

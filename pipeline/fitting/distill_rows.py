@@ -153,11 +153,6 @@ def with_oracles(groups: Sequence[Rows], handoff: Handoff, batch: int, budget_by
     return out
 
 
-def stored(group: Rows, rows: list[int]) -> Oracle | None:
-    """The kept oracle of these rows, or None where the group keeps none."""
-    return group.oracle(rows) if isinstance(group, StoredOracle) else None
-
-
 def widened(tensor: torch.Tensor) -> torch.Tensor:
     """float32, or float64 for float64: log-softmax and the regression are not done in bfloat16."""
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))

@@ -52,9 +52,6 @@ class R2Table:
         self.entries.append((layer, name, kind, r2_fit.tolist(), r2_sel.tolist(), ratio,
                              lambdas or [float("nan")] * len(r2_sel)))
 
-    def record_scale(self, name: str, layer: int, kind: str, scale: str, ridge_lambda: float, r2_sel: float) -> None:
-        self.scales.append((layer, name, kind, scale, ridge_lambda, r2_sel))
-
     def extend(self, other: "R2Table") -> None:
         """Append `other`'s entries after this table's own (a unit fitted apart, recorded in its place)."""
         self.entries.extend(other.entries)
@@ -156,8 +153,8 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
         for candidate in candidates:
             name, spec = str(candidate), FAMILIES[candidate.family]
             blocks = [chosen_max.index(p) for p in sorted(order[:candidate.k])]
-            solved = FAMILIES[candidate.family].solve(fit_m, select_m, blocks, candidate.ridge_lambda, g,
-                                                          lambda_scale, ridge, device, candidate.width)
+            solved = spec.solve(fit_m, select_m, blocks, candidate.ridge_lambda, g, lambda_scale, ridge, device,
+                                candidate.width)
             if spec.scale_check:
                 inputs = columns(blocks, g, device)
                 _compare_scales(table, name, layer, kind, fit_m.select(inputs), select_m.select(inputs),
@@ -173,14 +170,14 @@ def _compare_scales(table: R2Table, name: str, layer: int, kind: str, own, own_s
                     solved: float, sse_sel: torch.Tensor, sst_sel: torch.Tensor) -> None:
     """Record a linear candidate's held-out R² with its lambda on `scale` (as fitted) and read the other way."""
     other = "absolute" if scale == "relative" else "relative"
-    table.record_scale(name, layer, kind, scale, solved, ridge.pooled_r2(sse_sel, sst_sel).item())
+    table.scales.append((layer, name, kind, scale, solved, ridge.pooled_r2(sse_sel, sst_sel).item()))
     other_lambda = ridge.effective_lambda(own, lam, other)
     try:
         weight, bias = ridge.solve(own, other_lambda)
         r2 = ridge.pooled_r2(ridge.residual_ss(own_select, weight, bias), sst_sel).item()
     except ValueError:  # the other reading leaves the system singular (e.g. lambda 0): no map to score
         r2 = float("nan")
-    table.record_scale(name, layer, kind, other, other_lambda, r2)
+    table.scales.append((layer, name, kind, other, other_lambda, r2))
 
 
 def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: set[str]):
@@ -193,16 +190,12 @@ def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: se
     return torch.cat(xs), torch.cat(ys), torch.cat(masks)
 
 
-def predict_rows(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The mlp map on rows: x (N, F) -> (N, Ht*Dt), as the mapper computes it."""
-    out = FAMILIES["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
-    return out.permute(1, 0, 2).reshape(x.shape[0], -1)
-
-
 def squares(x: torch.Tensor, y: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual and the total sum of squares (float64, per output column) of the map `tensors` on rows x (N, F),
-    y (N, O)."""
-    return ((y - predict_rows(x, tensors)) ** 2).double().sum(0), ((y - y.mean(0)) ** 2).double().sum(0)
+    """The residual and the total sum of squares (float64, per output column) of the mlp map `tensors` on rows
+    x (N, F), y (N, O), as the mapper computes it."""
+    out = FAMILIES["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
+    predicted = out.permute(1, 0, 2).reshape(x.shape[0], -1)  # (N, Ht*Dt)
+    return ((y - predicted) ** 2).double().sum(0), ((y - y.mean(0)) ** 2).double().sum(0)
 
 
 def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pairs, select_pairs: Pairs,

@@ -35,10 +35,6 @@ def held_rows(shard: Shard, held: set[str]) -> torch.Tensor:
     return flags.repeat_interleave(torch.tensor(shard.lengths))
 
 
-def _groups(items: list[int], size: int) -> list[list[int]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
 def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
              ridge_lambda: float, budget_bytes: float, device: str | torch.device,
              ranks: Ranks = ONE_PROCESS, rows_budget_bytes: float = 0) -> dict[str, torch.Tensor]:
@@ -54,7 +50,7 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     train_count = sum(source.tokens for source, _ in pairs) - held_count
     inputs: dict[tuple, ridge.Moments] = {}  # per (kind, source layer): n, sum_x and X^T X, from the first pass
     held_inputs: dict[tuple, ridge.Moments] = {}  # the same for the held-out rows
-    groups = _groups(list(range(target_layers)), group)
+    groups = [list(range(target_layers))[i : i + group] for i in range(0, target_layers, group)]
     mine = [groups[i] for i in ranks.share(len(groups))]
     kept = {}  # (shard index, kind) -> the source's stored rows of every layer, when they fit the budget
     if len(mine) > 1 and stored_bytes(pairs, source_layers, width_s) <= rows_budget_bytes:
@@ -63,10 +59,8 @@ def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: in
     for targets in tqdm(mine, desc="probe passes", unit="pass", disable=not ranks.main):
         out_width = len(targets) * width_t
         first = not inputs
-        train = {(kind, p): ridge.summary(train_count, width_s, out_width, device)
-                 for kind in KINDS for p in range(source_layers)}
-        held_out = {(kind, p): ridge.summary(held_count, width_s, out_width, device)
-                   for kind in KINDS for p in range(source_layers)}
+        train, held_out = ({(kind, p): ridge.summary(count, width_s, out_width, device)
+                            for kind in KINDS for p in range(source_layers)} for count in (train_count, held_count))
         for index, (source, target) in enumerate(pairs):
             mask = held_rows(source, held)
             for kind in KINDS:

@@ -8,7 +8,7 @@ greedy rollout from that one cache.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
@@ -42,11 +42,7 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
     gets the whole outputs."""
     if handoff.mode != "oracle":
         raise ValueError("oracle outputs must come from the oracle handoff")
-    width = max(len(cont) for _, cont in prompts)
-    k = min(top_k, handoff.decoder.config.vocab_size)
-    top_ids = torch.zeros(len(prompts), width, k, dtype=torch.int64)
-    top_logprobs = torch.full((len(prompts), width, k), float("-inf"))
-    greedy = torch.zeros(len(prompts), horizon, dtype=torch.int64)
+    stored, k = empty_oracle(handoff, prompts, top_k, horizon)
     outputs: list = [None] * len(prompts)
     starts = _my_batches(len(prompts), batch_size, ranks)
     bar = tqdm(total=len(prompts), desc="oracle", unit="prompt", disable=not progress or not ranks.main)
@@ -57,23 +53,32 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
             if attention:
                 outputs[i] = captured[i - start]  # (L_t, m, hidden)
             values, ids = logprobs.topk(k, dim=-1)  # (m, K)
-            top_ids[i, : len(ids)], top_logprobs[i, : len(ids)] = ids.cpu(), values.cpu()
-        greedy[start : start + len(batch)] = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()
+            stored["top_ids"][i, : len(ids)], stored["top_logprobs"][i, : len(ids)] = ids.cpu(), values.cpu()
+        stored["greedy"][start : start + len(batch)] = greedy_rollout(handoff, [c for c, _ in batch], horizon).cpu()
         bar.update(len(batch))
     bar.close()
-    lengths = torch.tensor([len(cont) for _, cont in prompts])
     if ranks.size > 1:  # each batch's rows from the rank that ran it
-        per_rank = ranks.all_gather((starts, top_ids, top_logprobs, greedy, outputs))
+        whole = [stored[name] for name in ("top_ids", "top_logprobs", "greedy")]
+        per_rank = ranks.all_gather((starts, *whole, outputs))
         for rank_starts, *tensors, rank_outputs in per_rank:
             for start in rank_starts:
                 rows = slice(start, start + batch_size)
-                for whole, part in zip((top_ids, top_logprobs, greedy), tensors):
-                    whole[rows] = part[rows]
+                for mine, part in zip(whole, tensors):
+                    mine[rows] = part[rows]
                 outputs[rows] = rank_outputs[rows]
-    stored = {"top_ids": top_ids, "top_logprobs": top_logprobs, "lengths": lengths, "greedy": greedy}
     if attention:
         stored["attention"] = outputs
     return stored
+
+
+def empty_oracle(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int) -> tuple[dict, int]:
+    """`oracle_outputs`' tensors before any prompt is read, and K (top_k, at most the vocabulary)."""
+    width = max(len(cont) for _, cont in prompts)
+    k = min(top_k, handoff.decoder.config.vocab_size)
+    return {"top_ids": torch.zeros(len(prompts), width, k, dtype=torch.int64),
+            "top_logprobs": torch.full((len(prompts), width, k), float("-inf")),
+            "lengths": torch.tensor([len(cont) for _, cont in prompts]),
+            "greedy": torch.zeros(len(prompts), horizon, dtype=torch.int64)}, k
 
 
 def _my_batches(count: int, batch_size: int, ranks: Ranks) -> list[int]:
@@ -155,48 +160,33 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
 FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step", "gate", "fallback")
 
 
-class TimedRead(NamedTuple):
-    """One prompt's timed first step and what was read after it."""
-
-    index: int
-    logprobs: torch.Tensor  # (m, V) over its continuation
-    rollout: torch.Tensor  # (horizon,) its greedy tokens
-    route: object  # its `kv.routes.Route`
-    times: dict  # `ttft_ms`: the first step's whole path; each part of `FIRST_STEP_PARTS` in ms
-    selected: list[int] | None  # the prefix positions the target computed by a choice (`FirstStep.selected`)
-
-
 def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
-    """Per prompt, run alone through `router`'s first step, its `TimedRead`; the first prompt runs `warmup` times
+    """Per prompt, run alone through `router`'s first step: its logprobs (m, V) over its continuation, its greedy
+    rollout (horizon,) and its row's timed columns: the greedy tokens (a pass-key item is scored on them), the route's
+    way, `ttft_ms` (the first step's whole path) and each part of `FIRST_STEP_PARTS` in ms and, where the handoff
+    chose positions to compute, `selected` (a pass-key item's selection recall). The first prompt runs `warmup` times
     untimed first."""
     for _ in range(warmup if prompts else 0):
         router.first_step(router.handoff.context(prompts[0][0]))
-    for index, (context, continuation) in enumerate(tqdm(prompts, desc=f"timed ({router.handoff.mode})",
-                                                         unit="prompt", disable=not progress)):
+    for context, continuation in tqdm(prompts, desc=f"timed ({router.handoff.mode})", unit="prompt",
+                                      disable=not progress):
         clock = Stopwatch(router.handoff.device)
         first, route = router.first_step(router.handoff.context(context), clock)
         times = {"ttft_ms": clock.total_ms(), **dict.fromkeys((f"{part}_ms" for part in FIRST_STEP_PARTS), 0.0)}
         times.update({f"{part}_ms": ms for part, ms in clock.parts_ms().items()})
         logprobs, rollout = read_after(router.handoff_of(route), first, continuation, horizon)
-        selected = None if first.selected is None else [p for p in first.selected[0].tolist() if p >= 0]
-        yield TimedRead(index, logprobs, rollout, route, times, selected)
+        columns = {"greedy": rollout.cpu().tolist(), "way": route.way, **times}
+        if first.selected is not None:  # the prefix positions the target computed by a choice
+            columns["selected"] = [p for p in first.selected[0].tolist() if p >= 0]
+        yield logprobs, rollout, columns
 
 
 def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int, progress: bool = True
                ) -> pd.DataFrame:
     """`variant_rows`' rows, each prompt timed alone through `router`, with its route's way and times."""
     reads = timed_reads(router, prompts, oracle["greedy"].shape[1], warmup, progress)
-    return pd.DataFrame([timed_row(read, prompts, oracle) for read in reads])
-
-
-def timed_row(read: TimedRead, prompts: list[Prompt], oracle: dict) -> dict:
-    """`prompt_row`'s row plus the greedy tokens (a pass-key item is scored on them), the route's way, the times and,
-    where the handoff chose positions to compute, `selected` (a pass-key item's selection recall)."""
-    row = {**prompt_row(read.index, read.logprobs, prompts[read.index][1], read.rollout, oracle),
-           "greedy": read.rollout.cpu().tolist(), "way": read.route.way, **read.times}
-    if read.selected is not None:
-        row["selected"] = read.selected
-    return row
+    return pd.DataFrame([{**prompt_row(i, logprobs, prompts[i][1], rollout, oracle), **columns}
+                         for i, (logprobs, rollout, columns) in enumerate(reads)])
 
 
 def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
@@ -205,16 +195,11 @@ def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int
     prompt's prefix is prefilled once for both."""
     if router.handoff.mode != "oracle" or router.gate is not None:
         raise ValueError("oracle outputs must come from the oracle handoff, ungated")
-    width = max(len(cont) for _, cont in prompts)
-    k = min(top_k, router.handoff.decoder.config.vocab_size)
-    stored = {"top_ids": torch.zeros(len(prompts), width, k, dtype=torch.int64),
-              "top_logprobs": torch.full((len(prompts), width, k), float("-inf")),
-              "lengths": torch.tensor([len(cont) for _, cont in prompts]),
-              "greedy": torch.zeros(len(prompts), horizon, dtype=torch.int64)}
+    stored, k = empty_oracle(router.handoff, prompts, top_k, horizon)
     reads = list(timed_reads(router, prompts, horizon, warmup, progress))
-    for read in reads:
-        values, ids = read.logprobs.topk(k, dim=-1)  # (m, K)
-        index = read.index
-        stored["top_ids"][index, : len(ids)], stored["top_logprobs"][index, : len(ids)] = ids.cpu(), values.cpu()
-        stored["greedy"][index] = read.rollout.cpu()
-    return stored, pd.DataFrame([timed_row(read, prompts, stored) for read in reads])
+    for i, (logprobs, rollout, _) in enumerate(reads):
+        values, ids = logprobs.topk(k, dim=-1)  # (m, K)
+        stored["top_ids"][i, : len(ids)], stored["top_logprobs"][i, : len(ids)] = ids.cpu(), values.cpu()
+        stored["greedy"][i] = rollout.cpu()
+    return stored, pd.DataFrame([{**prompt_row(i, logprobs, prompts[i][1], rollout, stored), **columns}
+                                 for i, (logprobs, rollout, columns) in enumerate(reads)])

@@ -91,11 +91,8 @@ def confidence_intervals(rows: pd.DataFrame, margin: float, iters: int, seed: in
     def per_prompt(values) -> np.ndarray:
         return np.bincount(owner, weights=values, minlength=count)  # (N,)
 
-    out = {}
     bounds = {"confident_top1": ratio(first_agree * first, first.astype(float)),
               "confident_agreement": ratio(per_prompt(agree * confident), per_prompt(confident.astype(float))),
               "oracle_weighted_agreement": ratio(per_prompt(probability), per_prompt(np.ones_like(probability)))}
-    for name, (low, high) in bounds.items():
-        out.update({f"{name}_low": low, f"{name}_high": high})
-    return out
+    return {f"{name}_{end}": value for name, pair in bounds.items() for end, value in zip(("low", "high"), pair)}
 

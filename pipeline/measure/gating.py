@@ -54,13 +54,6 @@ def decisions(frame: pd.DataFrame, metric: str) -> np.ndarray:
                      for lls, choices in zip(frame.loglikelihoods, frame.choices)])
 
 
-def order(scores, seed: int) -> np.ndarray:
-    """Requests from least to most trusted (highest score first), ties in a seeded random order."""
-    scores = np.asarray(scores, dtype=float)
-    shuffle = np.random.default_rng(seed).permutation(len(scores))
-    return shuffle[np.argsort(-scores[shuffle], kind="stable")]
-
-
 def reference_scores(changed, seed: int) -> dict[str, np.ndarray]:
     """The oracle gate's score (1 where the map changes the decision) and the random gate's (seeded draws). The map
     changes the decision of a task item whose chosen answer (`decisions`) differs from the oracle's, and of a prompt
@@ -111,7 +104,9 @@ def prompt_quality(prompts: pd.DataFrame, fallback) -> dict[str, float]:
 
 def curve(frame: pd.DataFrame, scores, quality: Callable, rates, seed: int) -> list[dict]:
     """Quality at each fallback rate of `rates`, falling back on the round(rate x N) least trusted requests."""
-    ranked = order(scores, seed)
+    scores = np.asarray(scores, dtype=float)
+    shuffle = np.random.default_rng(seed).permutation(len(scores))
+    ranked = shuffle[np.argsort(-scores[shuffle], kind="stable")]  # least to most trusted, ties in a seeded order
     rows = []
     for rate in rates:
         fallback = np.zeros(len(frame), dtype=bool)

@@ -69,12 +69,6 @@ def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[FirstStep,
     return handoff.first_step(Prefixes.of(ids), clock), clock
 
 
-def time_target(target, ids: torch.Tensor) -> float:
-    start = read_clock(target.device)
-    target_first_token(target, ids)
-    return (read_clock(target.device) - start) / 1e6
-
-
 def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
     """Milliseconds of path (b), `handoff`, and of each part its clock timed, from one run."""
     _, clock = handoff_first_token(handoff, ids)
@@ -153,7 +147,9 @@ def alternated(target, handoffs: dict[str, Handoff], ids: torch.Tensor, warmup: 
     timed: dict[str, list[dict[str, float]]] = {name: [] for name in handoffs}
     targets: list[float] = []
     for repeat in range(warmup + repeats):
-        target_ms = time_target(target, ids)
+        start = read_clock(target.device)
+        target_first_token(target, ids)
+        target_ms = (read_clock(target.device) - start) / 1e6
         runs = {name: time_handoff(each, ids) for name, each in handoffs.items()}
         if repeat >= warmup:
             targets.append(target_ms)
@@ -218,24 +214,6 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
     return rows
 
 
-def environment(handoff: Handoff, repeats: int, warmup: int) -> dict:
-    device = handoff.device
-    mapper = handoff.mapper
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(handoff.decoder.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "repeats": repeats,
-        "warmup": warmup,
-        "mapper_family": mapper.family,
-        "mapper_k": mapper.k,
-        "memory_method": (
-            "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
-        ),
-    }
-
-
 def length_metrics(rows: list[dict], env: dict) -> dict:
     """The environment's figures, then each prompt length's row under `by_length/<tokens>/`."""
     return {**env, "by_length": {str(row["length"]): {key: value for key, value in row.items() if key != "length"}
@@ -253,19 +231,16 @@ def format_table(rows: list[dict], env: dict) -> str:
     ]
     for row in rows:
         lines.append(" ".join(f"{row[name]:>17}" if name == "length" else f"{row[name]:>17.3f}" for name in columns))
-    return "\n".join(lines + ["", *format_parts(rows)])
-
-
-def format_parts(rows: list[dict]) -> list[str]:
-    """Each handoff's parts at each length: ms, share of the target prefill's time and of its multiply-adds, ratio."""
-    lines = [f"{'length':>7} {'handoff':>36} {'part':>8} {'ms':>10} {'time share':>11} {'MAC share':>10} {'ratio':>7}"]
+    # each handoff's parts at each length: ms, share of the target prefill's time and of its multiply-adds, ratio
+    lines += ["", f"{'length':>7} {'handoff':>36} {'part':>8} {'ms':>10} {'time share':>11} {'MAC share':>10} "
+                  f"{'ratio':>7}"]
     for row in rows:
         for name, each in row["parts"].items():
             for part, figures in each["parts"].items():
                 ratio = "-" if figures["ratio"] is None else f"{figures['ratio']:.2f}"
                 lines.append(f"{row['length']:>7} {name:>36} {part:>8} {figures['ms']:>10.2f} "
                              f"{figures['time_share']:>11.2%} {figures['macs_share']:>10.2%} {ratio:>7}")
-    return lines
+    return "\n".join(lines)
 
 
 def write_table(rows: list[dict], path: Path) -> None:
@@ -297,7 +272,19 @@ def write_plot(rows: list[dict], env: dict, path: Path) -> None:
 def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
         rivals: dict[str, Handoff] | None = None) -> tuple[list[dict], dict]:
     """Rows of `measure` and the environment they were measured in."""
-    return measure(handoff, lengths, warmup, repeats, memory, rivals=rivals), environment(handoff, repeats, warmup)
+    device, mapper = handoff.device, handoff.mapper
+    return measure(handoff, lengths, warmup, repeats, memory, rivals=rivals), {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(handoff.decoder.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "repeats": repeats,
+        "warmup": warmup,
+        "mapper_family": mapper.family,
+        "mapper_k": mapper.k,
+        "memory_method": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                          else "torch.profiler CPU allocator events"),
+    }
 
 
 def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str, width: int | None = None) -> Handoff:

@@ -113,17 +113,16 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit
     for task, path in files.items():
         # lm-eval's own aggregation (mean and its closed-form stderr), on the items in document order: the
         # same figures whichever process scored which item
-        values = {metric: [float(sample[metric]) for sample in samples[task]] for metric in ("acc", "acc_norm")}
-        summary[task] = {
-            "acc": lm_eval_metrics.mean(values["acc"]),
-            "acc_stderr": lm_eval_metrics.mean_stderr(values["acc"]),
-            "acc_norm": lm_eval_metrics.mean(values["acc_norm"]),
-            "acc_norm_stderr": lm_eval_metrics.mean_stderr(values["acc_norm"]),
-            "n": len(samples[task]),
-        }
+        summary[task] = {}
+        for metric in ("acc", "acc_norm"):
+            values = [float(sample[metric]) for sample in samples[task]]
+            summary[task][metric] = lm_eval_metrics.mean(values)
+            summary[task][f"{metric}_stderr"] = lm_eval_metrics.mean_stderr(values)
+        summary[task]["n"] = len(samples[task])
         items = read_table(path)
         for sample in samples[task]:
             item = items.iloc[sample["doc_id"]]
+            scored = [tokens[PREFIX + task, sample["doc_id"], choice] for choice in range(len(sample["arguments"]))]
             rows.append({
                 "task": task,
                 "item": int(sample["doc_id"]),
@@ -134,10 +133,8 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit
                 "loglikelihoods": [float(r[0][0]) for r in sample["resps"]],
                 "context": str(sample["arguments"][0][0]),
                 "choices": [str(argument[1]) for argument in sample["arguments"]],
-                "context_ids": [tokens[PREFIX + task, sample["doc_id"], choice][0]
-                                for choice in range(len(sample["arguments"]))],
-                "continuation_ids": [tokens[PREFIX + task, sample["doc_id"], choice][1]
-                                     for choice in range(len(sample["arguments"]))],
+                "context_ids": [context for context, _ in scored],
+                "continuation_ids": [continuation for _, continuation in scored],
             })
     return summary, pd.DataFrame(rows)
 

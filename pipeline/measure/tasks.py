@@ -18,12 +18,6 @@ BUILTIN = {"hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml"}  #
 CHANCE = {"hellaswag": 0.25, "piqa": 0.5}  # accuracy of a uniform guess: 4 and 2 choices
 
 
-def builtin_yaml(task: str) -> Path:
-    if task not in BUILTIN:
-        raise ValueError(f"unknown task {task!r} (known: {', '.join(BUILTIN)})")
-    return Path(lm_eval.__file__).parent / "tasks" / BUILTIN[task]
-
-
 def write_task_config(folder: str | Path, task: str, name: str, data_file: str | Path) -> Path:
     """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file` (.jsonl/.json or
     .parquet); pass `folder` as TaskManager's include_path (or lm-eval's --include_path). No absolute path is written,
@@ -34,12 +28,14 @@ def write_task_config(folder: str | Path, task: str, name: str, data_file: str |
     data_file = Path(data_file).resolve()
     if not data_file.is_file():
         raise FileNotFoundError(f"task data file {data_file} not found (task {task})")
+    if task not in BUILTIN:
+        raise ValueError(f"unknown task {task!r} (known: {', '.join(BUILTIN)})")
     if data_file.is_relative_to(Path.cwd()):
         data_file = data_file.relative_to(Path.cwd())
     kind = "parquet" if data_file.suffix == ".parquet" else "json"
     config = {
         "task": name,
-        "include": os.path.relpath(builtin_yaml(task), Path(folder).absolute()),
+        "include": os.path.relpath(Path(lm_eval.__file__).parent / "tasks" / BUILTIN[task], Path(folder).absolute()),
         "tag": [],
         "dataset_path": kind,
         "dataset_name": None,
@@ -48,8 +44,7 @@ def write_task_config(folder: str | Path, task: str, name: str, data_file: str |
         "validation_split": "validation",
         "test_split": None,
     }
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.yaml"
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

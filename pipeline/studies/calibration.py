@@ -1,29 +1,23 @@
 """The calibration curve: candidates refitted on the first n sequences of the calibration pool (stage
-`calibrate@<n>`), their retention and gap closure against n, and from which n the larger k pays off.
-
-Inputs: metrics/calibration/<n>.json and eval/calibration/<n>/<name>.parquet for the sizes `calibration.sizes`
-declares (other sizes' files may be left from another profile); the oracle's and the source's items.
-"""
+`calibrate@<n>`), their retention and gap closure against n, and from which n the larger k pays off."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.retention import paired_items
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import interval, md_table, pct_interval, save_figure, subplots
-from pipeline.studies.run import Run
+from pipeline.studies.format import interval, md_table, pct_ci, save_figure, subplots
+from pipeline.studies.run import Run, quality
 from pipeline.studies.settings import ReportParams
 
 np = lazy("numpy")
 pd = lazy("pandas")
-
-
 
 COLUMNS = ["sequences", "tokens", "candidate", "retention", "retention_low", "retention_high", "gap_closure",
            "gap_closure_low", "gap_closure_high", "params_per_token"]  # a row of the curve (plots/calibration.csv)
@@ -37,8 +31,8 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """No point when no declared size ran (the study is then empty, and its figure says so); None without the
-    source's items (gap closure needs them)."""
+    """The sizes `calibration.sizes` declares (another profile may leave others): none when none ran (the study is
+    then empty, and its figure says so); None without the source's items (gap closure needs them)."""
     points = {size: json.loads(path.read_text()) for size, path in paths.calibration_points().items()}
     points = {size: point for size, point in points.items() if size in run.calibration_sizes}
     if not points:
@@ -57,13 +51,8 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
     points, point_items, rows = inputs.points, inputs.point_items, []
     for size in sorted(points):
         for name, frame in point_items[size].items():
-            both = {**inputs.items, name: frame}
-            retention = retention_interval(both, name, params.retention_metric, *measure.bootstrap)
-            closure = gap_closure_interval(both, name, params.retention_metric, *measure.bootstrap)
             rows.append({"sequences": size, "tokens": points[size]["tokens"], "candidate": name,
-                         "retention": retention["retention"], "retention_low": retention["low"],
-                         "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
-                         "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
+                         **quality({**inputs.items, name: frame}, name, params, measure),
                          "params_per_token": points[size]["maps"][name]["params_per_token"]})
     maps = {name: fit for size in sorted(points) for name, fit in points[size]["maps"].items()}
     linear = sorted((name for name in maps if maps[name]["family"] == "linear" and not maps[name].get("distilled")),
@@ -86,8 +75,7 @@ def shown(study: dict) -> dict:
             "table": md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
                                "Gap closure [95% CI]"],
                               [[r["sequences"], f"{r['tokens']:,}", r["candidate"], f"{r['params_per_token']:.3g}",
-                                pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
-                                pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"])]
+                                pct_ci(r, "retention"), pct_ci(r, "gap_closure")]
                                for r in study["rows"]]),
             "larger": md_table(["Sequences", "Δ [95% CI]", "n"],
                                [[size, interval(c["diff"], c["low"], c["high"]), c["n"]]

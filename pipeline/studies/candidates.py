@@ -1,10 +1,6 @@
 """The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each cheap
-figure ranks them the way retention does (held-out R², and each prompt metric on the select split that
-`measure.prompt_metrics` marks a proxy), and the quality/speed frontier.
-
-Inputs: metrics/candidates.json and eval/candidates/<name>.parquet (stage `candidates`), metrics/fit.json and
-metrics/select.json for the proxies; the oracle's and the source's items for retention and gap closure.
-"""
+figure ranks them the way retention does (held-out R², and each select-split prompt metric that
+`measure.prompt_metrics` marks a proxy), and the quality/speed frontier."""
 from __future__ import annotations
 
 import json
@@ -12,14 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.prompt_metrics import CONFIDENT, FIDELITY, PROMPT_METRICS
-from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front, rank_correlation
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
-from pipeline.studies.run import Run
+from pipeline.studies.format import md_table, pct, pct_ci, save_figure, subplots
+from pipeline.studies.run import Run, quality
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
@@ -61,14 +56,9 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
     for name, frame in inputs.candidate_items.items():
         select, figures = inputs.select["maps"][name], maps[name]
         fit = inputs.fit["maps"].get(name)  # None for a distilled map: fit never saw it
-        both = {**inputs.items, name: frame}
-        retention = retention_interval(both, name, params.retention_metric, *measure.bootstrap)
-        closure = gap_closure_interval(both, name, params.retention_metric, *measure.bootstrap)
         rows[name] = {
             "family": figures["family"], "k": figures["k"],
-            "retention": retention["retention"], "retention_low": retention["low"], "retention_high": retention["high"],
-            "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
-            "gap_closure_high": closure["high"],
+            **quality({**inputs.items, name: frame}, name, params, measure),
             R2: (fit["r2_keys_select"] + fit["r2_values_select"]) / 2 if fit else None,
             # None: no confident select prompt or position
             **{key: select["prompts"][key] for group in (FIDELITY, CONFIDENT) for key in proxies(group) if key != R2},
@@ -110,8 +100,7 @@ def shown(study: dict) -> dict:
             ["Candidate", "Retention [95% CI]", "Gap closure [95% CI]", "Held-out R²", "Attention cos", "Agreement",
              "Mean KL", "Speedup here", "FLOP bound", "Parameters", "Bytes", "Front", "Confident top-1",
              "Oracle-weighted agreement"],
-            [[name, pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
-              pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
+            [[name, pct_ci(r, "retention"), pct_ci(r, "gap_closure"),
               "—" if r["r2_heldout"] is None else f"{r['r2_heldout']:.3f}", f"{r['attention_cosine']:.3f}",
               pct(r["agreement"]), f"{r['mean_kl']:.3f}",
               f"{r['speedup']:.2f}x", f"{r['bound_at_pair']:.2f}x", f"{r['parameters']:,}", f"{r['mapper_bytes']:,}",
@@ -127,8 +116,7 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Gap closure of every candidate against the measured speedup and against the FLOP bound at the real
-    pair's shapes, fronts ringed; and the table behind it."""
+    """Gap closure against the measured speedup and the FLOP bound at the real pair, fronts ringed; its table."""
     table = pd.DataFrame([{"candidate": name, **{key: row[key] for key in (
         "family", "k", "retention", "gap_closure", "speedup", "bound_at_pair", "mapper_bytes", "pareto_measured",
         "pareto_at_pair")}} for name, row in study["rows"].items()])

@@ -1,9 +1,6 @@
-"""The V0 variants where the oracle is sure: agreement that near-ties cannot decide, beside V0's top-1.
-
-Per variant, at margin `measure.confident_margin`: the confident figures of `measure.confident`, each with its count and
-95% bootstrap interval over prompts, and the mapped variant's paired confident top-1 difference with every other over
-the confident prompts. V0's column stays as it is, for comparison with V0.
-"""
+"""The V0 variants where the oracle is sure (margin `measure.confident_margin`): the confident figures of
+`measure.confident`, each with its count and 95% bootstrap interval over prompts, beside V0's top-1 (kept as it is, for
+comparison with V0), and the mapped variant's paired confident top-1 difference with every other."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +12,7 @@ from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval
+from pipeline.studies.format import interval, md_table, pct, pct_ci, pct_ci_n
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 from pipeline.studies.variants import label, order
@@ -71,25 +68,18 @@ def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
             "comparisons": comparisons}
 
 
-def _cell(row: dict, name: str, count: int) -> str:
-    if row[name] is None:
-        return f"n/a (n = {count})"
-    return f"{pct_interval(row[name], row[f'{name}_low'], row[f'{name}_high'])} (n = {count})"
-
-
 def shown(study: dict) -> dict:
     """The table beside V0's top-1 and the paired confident top-1 differences (None without a comparison)."""
     return {"table": md_table(
         ["Variant", "Next-token top-1 (V0)", "Confident-prompt top-1 [95% CI]",
          "Confident-position agreement [95% CI]", "Oracle-weighted agreement [95% CI]"],
-        [[row["label"], pct(row["next_token_top1"]), _cell(row, "confident_top1", row["confident_prompts"]),
-          _cell(row, "confident_agreement", row["confident_positions"]),
-          pct_interval(*(row[f"oracle_weighted_agreement{end}"] for end in ("", "_low", "_high")))]
+        [[row["label"], pct(row["next_token_top1"]), pct_ci_n(row, "confident_top1", row["confident_prompts"]),
+          pct_ci_n(row, "confident_agreement", row["confident_positions"]), pct_ci(row, "oracle_weighted_agreement")]
          for row in study["variants"].values()]),
         "comparisons": md_table(
             ["Comparison", "Confident top-1 Δ [95% CI]", "McNemar p", "n"],
             [[name.replace("_", " "), "n/a" if c["confident_diff"] is None else
-              f"{100 * c['confident_diff']:+.1f} [{100 * c['confident_low']:+.1f}, {100 * c['confident_high']:+.1f}]",
+              interval(c["confident_diff"], c["confident_low"], c["confident_high"]),
               "n/a" if c["confident_mcnemar_p"] is None else f"{c['confident_mcnemar_p']:.3g}",
               c["confident_n"]] for name, c in study["comparisons"].items()]) if study["comparisons"] else None}
 

@@ -1,23 +1,20 @@
-"""The distillation study: each distilled map beside the fitted map it started from (stage `distill`).
-
-Both maps on the select split (the stage's own scores) and, where the candidates stage scored them, on the eval part:
-retention, gap closure, the paired task-accuracy difference (after - before) over the same items, and the per-prompt
-figures on the eval prompts; each difference with its paired bootstrap interval, the 0/1 figures with McNemar's p.
-"""
+"""The distillation study (stage `distill`): each distilled map beside the fitted map it started from, on the select
+split and, where the candidates stage scored both, on the eval part: retention, gap closure and the paired differences
+(after - before) with bootstrap intervals, McNemar's p for the 0/1 figures."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.measure.retention import gap_closure_interval, paired_items, retention_interval
+from pipeline.measure.retention import paired_items
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import mcnemar, paired_bootstrap
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure, subplots
-from pipeline.studies.run import Run
+from pipeline.studies.format import interval, md_table, pct, pct_ci, save_figure, subplots
+from pipeline.studies.run import Run, quality
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
@@ -85,15 +82,10 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
             scores = inputs.select.get("maps", {}).get(which, {}).get("prompts", {})
             row.update({f"{key}_{when}": scores.get(key) for key in SELECT_FIGURES})
         if start in inputs.items and name in inputs.items and "source" in inputs.items:
-            metric, iters, seed = params.retention_metric, *measure.bootstrap
             for when, which in (("before", start), ("after", name)):
-                kept = retention_interval(inputs.items, which, metric, iters, seed)
-                closed = gap_closure_interval(inputs.items, which, metric, iters, seed)
-                row.update({f"retention_{when}": kept["retention"], f"retention_{when}_low": kept["low"],
-                            f"retention_{when}_high": kept["high"], f"gap_closure_{when}": closed["gap_closure"],
-                            f"gap_closure_{when}_low": closed["low"], f"gap_closure_{when}_high": closed["high"]})
-            after, before = paired_items(inputs.items, name, start, metric)
-            difference = paired_bootstrap(after, before, iters, seed)
+                row.update(quality(inputs.items, which, params, measure, suffix=f"_{when}"))
+            after, before = paired_items(inputs.items, name, start, params.retention_metric)
+            difference = paired_bootstrap(after, before, *measure.bootstrap)
             row.update({"tasks_diff": difference["diff"], "tasks_low": difference["low"],
                         "tasks_high": difference["high"], "tasks_n": difference["n"],
                         "tasks_mcnemar_p": mcnemar(after, before)})
@@ -119,9 +111,8 @@ def _difference(row: dict, key: str, scale: float = 100, fmt: str = "+.1f") -> s
 
 
 def shown(study: dict) -> dict:
-    """The select split's table; the probes' (each map's rates and weights, None when no map probed) and their step
-    counts; the maps no epoch of which beat their start; the eval part's and the eval prompts' tables (None where the
-    candidates did not score both maps)."""
+    """The select split's, the probes' and the eval part's and prompts' tables (None where nothing fills them), the
+    probes' step counts, and the maps no epoch of which beat their start (`kept`)."""
     rows = study["rows"]
     probed = {name: r for name, r in rows.items() if r["probes"]}
     evaluated = {name: r for name, r in rows.items() if "tasks_diff" in r}
@@ -141,9 +132,8 @@ def shown(study: dict) -> dict:
         "evaluated": md_table(
             ["Map", "Retention before", "Retention after", "Gap closure before", "Gap closure after",
              "Tasks Δ [95% CI]", "McNemar p", "n"],
-            [[name, *(pct_interval(r[f"{key}_{when}"], r[f"{key}_{when}_low"], r[f"{key}_{when}_high"])
-                      for key in ("retention", "gap_closure") for when in ("before", "after")),
-              interval(r["tasks_diff"], r["tasks_low"], r["tasks_high"]), f"{r['tasks_mcnemar_p']:.3g}",
+            [[name, *(pct_ci(r, f"{key}_{when}") for key in ("retention", "gap_closure")
+                      for when in ("before", "after")), _difference(r, "tasks"), f"{r['tasks_mcnemar_p']:.3g}",
               r["tasks_n"]] for name, r in evaluated.items()]) if evaluated else None,
         "prompts": md_table(
             ["Map", "Next-token top-1", "Δ [95% CI]", "McNemar p", "Rollout agreement", "Δ [95% CI]", "Mean KL",

@@ -22,6 +22,25 @@ def pct_interval(value: float | None, low: float | None, high: float | None) -> 
     return f"{pct(value)} [{pct(low)}, {pct(high)}]"
 
 
+def pct_ci(row: dict, key: str) -> str:
+    """`row[key]` with its interval `row[key_low]`, `row[key_high]`, as `pct_interval`."""
+    return pct_interval(row[key], row[f"{key}_low"], row[f"{key}_high"])
+
+
+def pct_ci_n(row: dict, key: str, count: int) -> str:
+    """`pct_ci` with the count it is over, `n/a` where `row[key]` is None (no such prompt)."""
+    return f"{'n/a' if row[key] is None else pct_ci(row, key)} (n = {count})"
+
+
+def pct_or_dash(x: float | None) -> str:
+    return "—" if x is None else pct(x)
+
+
+def times(x: float | None) -> str:
+    """A speedup cell: `2.50x`, or a dash where there is none."""
+    return "—" if x is None else f"{x:.2f}x"
+
+
 def and_(names: list[str]) -> str:
     """`a`, `a and b`, `a, b and c`."""
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]

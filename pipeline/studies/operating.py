@@ -14,7 +14,7 @@ from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import md_table, pct, pct_ci, pct_or_dash, save_figure, subplots, times
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -32,8 +32,7 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs:
-    """Every operating length's figures and prompt rows (none when the profile declares no length: the study is then
-    empty, and its figure says so)."""
+    """Every operating length's figures and prompt rows (none without a declared length: its figure says so)."""
     figures = {length: json.loads(paths.operating_metrics(length).read_text()) for length in run.operating_lengths}
     rows = {(length, name): read_table(paths.operating_rows(length) / name / "prompts.parquet")
             for length, study in figures.items() for name in study["variants"]}
@@ -41,13 +40,13 @@ def load(run: Run) -> Inputs:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per length, per variant: its figures with the confident-position agreement's interval and its place on the
-    front (what metrics/report.json holds under `lengths`)."""
+    """Per length, per variant: its figures, the confident-position agreement's interval and its place on the front."""
     out = {}
     for length, study in sorted(inputs.figures.items()):
         entries = {}
         for name, figures in study["variants"].items():
-            bounds = confidence_intervals(inputs.rows[(length, name)], measure.confident_margin, *measure.bootstrap)
+            rows = inputs.rows[(length, name)]
+            bounds = confidence_intervals(rows, measure.confident_margin, *measure.bootstrap)
             retrieval = figures.get("retrieval") or {}
             entries[name] = {
                 "confident_agreement": figures.get("confident_agreement"),
@@ -61,32 +60,18 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
                 "n": figures["n"], "positions": figures["tokens"],
                 "confident_positions": figures.get("confident_positions"),
                 "next_token_top1": figures["next_token_top1"], "rollout_agreement": figures["rollout_agreement"],
-                "recall_agreement": figures.get("recall_agreement"), "recall_positions": _recall_count(
-                    inputs.rows[(length, name)]), "other_agreement": figures.get("other_agreement"),
+                "recall_agreement": figures.get("recall_agreement"),
+                "recall_positions": int(sum(sum(flags) for flags in rows.recall_by_position)),
+                "other_agreement": figures.get("other_agreement"),
                 "ttft_ms": figures["ttft"]["mean_ms"], "fallback_share": figures.get("fallback_share", 0.0),
             }
-        front = pareto_front([_nan(e["confident_agreement"]) for e in entries.values()],
+        front = pareto_front([float("nan") if e["confident_agreement"] is None else e["confident_agreement"]
+                              for e in entries.values()],
                              [e["speedup_measured"] for e in entries.values()])
         for entry, on in zip(entries.values(), front):
             entry["on_front"] = bool(on)
         out[str(length)] = entries
     return out
-
-
-def _nan(value: float | None) -> float:
-    return float("nan") if value is None else value
-
-
-def _recall_count(rows: pd.DataFrame) -> int:
-    return int(sum(sum(flags) for flags in rows.recall_by_position))
-
-
-def _selection(value: float | None) -> str:
-    return "—" if value is None else pct(value)
-
-
-def _speed(value: float) -> str:
-    return f"{value:.2f}x"
 
 
 def shown(study: dict) -> dict:
@@ -98,11 +83,10 @@ def shown(study: dict) -> dict:
         lengths[length] = {"table": md_table(
             ["Variant", "Confident agreement [95% CI]", "KL", "PPL ratio", "Recall / other agreement",
              "Retrieval (of oracle's)", "Selection recall", "Measured TTFT speedup", "FLOP bound", "Front"],
-            [[name, pct_interval(e["confident_agreement"], e["confident_agreement_low"],
-                                 e["confident_agreement_high"]),
-              f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}", f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
-              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", _selection(e["selection_recall"]),
-              _speed(e["speedup_measured"]), _speed(e["flop_bound"]), "yes" if e["on_front"] else ""]
+            [[name, pct_ci(e, "confident_agreement"), f"{e['kl']:.3f}", f"{e['ppl_ratio']:.3f}",
+              f"{pct(e['recall_agreement'])} / {pct(e['other_agreement'])}",
+              f"{pct(e['retrieval'])} ({pct(e['retrieval_of_oracle'])})", pct_or_dash(e["selection_recall"]),
+              times(e["speedup_measured"]), times(e["flop_bound"]), "yes" if e["on_front"] else ""]
              for name, e in entries.items()]),
             "depths": md_table(["Variant", *(f"depth {d}" for d in depths)],
                                [[name, *(pct(e["retrieval_by_depth"][d]) for d in depths)]
@@ -112,9 +96,8 @@ def shown(study: dict) -> dict:
 
 
 def equal_time(entries: dict) -> dict | None:
-    """Each variant's confident agreement beside speculative prefill's at the same measured speedup (`rival`: its
-    shares' interpolated linearly in it between the two nearest; None outside their range, `low` to `high`); None
-    where no share ran."""
+    """Each variant's confident agreement beside speculative prefill's at the same measured speedup (`rival`, linear in
+    it between its two nearest shares; None outside `low` to `high`); None where no share ran."""
     curve = sorted((e["speedup_measured"], e["confident_agreement"]) for name, e in entries.items()
                    if name.startswith(SPECULATIVE) and e["confident_agreement"] is not None)
     if not curve:
@@ -168,9 +151,8 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def lookahead(select: dict) -> dict:
-    """What speculative prefill reads, as stage select chose it (metrics/select.json, its `lookahead/<label>` keys
-    nested as written): each look-ahead candidate's figures on the select split (`table`, None where select scored
-    none)."""
+    """Each look-ahead candidate's figures on the select split, as stage select chose speculative prefill's
+    (metrics/select.json, `lookahead/<label>` nested as written); `table` None where select scored none."""
     if "selected_lookahead" not in select:
         return {"table": None}
     rows = [[label + (" (chosen)" if label == select["selected_lookahead"] else ""), pct(figures["agreement"]),

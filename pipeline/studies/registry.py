@@ -1,8 +1,6 @@
-"""The one list of the report's studies beside the V0 variants (`variants`, the report's head), in the report's order.
-Adding a study is adding its module (the `studies.run.Study` protocol), its section's template
-(`templates/<module>.md.j2`) and its line here; a module that lacks a function of the protocol, or joins a study not
-listed, is refused when this module loads.
-"""
+"""The report's studies beside the V0 variants (`variants`, the report's head), in the report's order. Adding a study
+is adding its module (the `studies.run.Study` protocol), its template (`templates/<module>.md.j2`) and its line here;
+a module that breaks the protocol, or joins a study not listed, is refused when this module loads."""
 from __future__ import annotations
 
 from types import ModuleType

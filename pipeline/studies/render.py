@@ -1,8 +1,6 @@
-"""report.md from templates: the words live in `templates/` (`report.md.j2`: the head, each study's section in
-`STUDIES` order, the tail; `<module>.md.j2`: one study's section), the numbers in metrics/report.json. A section reads
-`study` (its key of report.json) and `shown` (its module's `shown(study)`: tables by `format.md_table`, what the words
-choose between); the number formatters of `studies.format` are filters.
-"""
+"""report.md from templates: the words live in `templates/` (`report.md.j2`, and `<module>.md.j2` per study), the
+numbers in metrics/report.json. A section reads `study` (its key of report.json) and `shown` (its module's
+`shown(study)`: tables, what the words choose between); the number formatters of `studies.format` are filters."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +8,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from pipeline.studies import latency, operating, variants
-from pipeline.studies.format import and_, interval, md_table, pct, pct_interval
+from pipeline.studies.format import and_, interval, pct, pct_interval
 from pipeline.studies.registry import STUDIES
 from pipeline.studies.run import Run
 
@@ -29,7 +27,6 @@ ENV = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), 
 # `fmt`: Python's format spec (`x|fmt("+.2f")`, `n|fmt(",")`), as the f-strings the report was written with
 ENV.filters.update(pct=pct, interval=interval, pct_interval=pct_interval, and_=and_, fmt=format, paragraph=paragraph,
                    code=code)
-ENV.globals.update(md_table=md_table)
 
 
 def template(key: str) -> str:

@@ -1,10 +1,7 @@
-"""The repair study: mapped caches partly recomputed by the target (stage `repair`), quality against budget.
-
-Each map's settings beside the baselines at the same budget: the truncated prompt, speculative prefill, the source alone
-(budget 0: the target computes nothing) and the selective gate at the same mean cost (its retention interpolated at
-fallback rate = budget; the score's own cost left out). With the candidates study at the same pair and length, the
-frontier of gap closure against the FLOP bound gains the repaired points.
-"""
+"""The repair study (stage `repair`): mapped caches partly recomputed by the target, quality against budget, beside
+the baselines at the same budget: the truncated prompt, speculative prefill, the source alone (budget 0) and the
+selective gate at the same mean cost (the score's own cost left out). With the candidates study at the same pair and
+length, the frontier of gap closure against the FLOP bound gains the repaired points."""
 from __future__ import annotations
 
 import json
@@ -12,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
-from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.retention import retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
-from pipeline.studies.run import Run
+from pipeline.studies.format import md_table, pct, pct_ci, pct_or_dash, save_figure, subplots, times
+from pipeline.studies.run import Run, quality
 from pipeline.studies.settings import ReportParams
 
 np = lazy("numpy")
@@ -75,17 +72,12 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
     rows = []
     for (name, setting), frame in inputs.rows.items():
         key = f"{name}@{setting}"
-        both = {**inputs.items, key: frame}
-        retention = retention_interval(both, key, params.retention_metric, *measure.bootstrap)
-        closure = gap_closure_interval(both, key, params.retention_metric, *measure.bootstrap)
         level = name in AT_LEVELS
         figures = inputs.metrics[name][setting] if level else inputs.metrics["maps"][name][setting]
         budget = float(setting) if level else figures["budget"]
         row = {"map": name, "setting": setting, "budget": budget,
                "policy": AT_LEVELS[name] if level else figures["policy"],
-               "retention": retention["retention"], "retention_low": retention["low"],
-               "retention_high": retention["high"], "gap_closure": closure["gap_closure"],
-               "gap_closure_low": closure["low"], "gap_closure_high": closure["high"],
+               **quality({**inputs.items, key: frame}, key, params, measure),
                **prompt_metrics(figures), **{k: figures.get(k) for k in ("bound", "speedup")}}
         if not level:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
@@ -102,12 +94,9 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
 
 def source_row(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """The source model alone as a row of the table: budget 0 (the target computes nothing), its gap closure 0."""
-    retention = retention_interval(inputs.items, "source", params.retention_metric, *measure.bootstrap)
-    closure = gap_closure_interval(inputs.items, "source", params.retention_metric, *measure.bootstrap)
-    return {"map": SOURCE, "setting": "—", "budget": 0.0, "policy": SOURCE, "retention": retention["retention"],
-            "retention_low": retention["low"], "retention_high": retention["high"],
-            "gap_closure": closure["gap_closure"], "gap_closure_low": closure["low"],
-            "gap_closure_high": closure["high"], "bound": None, "speedup": None, **prompt_metrics(inputs.source)}
+    return {"map": SOURCE, "setting": "—", "budget": 0.0, "policy": SOURCE,
+            **quality(inputs.items, "source", params, measure), "bound": None, "speedup": None,
+            **prompt_metrics(inputs.source)}
 
 
 def prompt_metrics(figures: dict) -> dict:
@@ -147,9 +136,8 @@ def maps(rows: list[dict]) -> list[str]:
 
 
 def levels(rows: list[dict]) -> list[dict]:
-    """Per budget level (the truncated prompt's grid): its `budget`, the truncated prompt's row there (`truncated`),
-    speculative prefill's (`speculative`, None where it did not run) and each map's best repair at that cost (`best`:
-    map -> its row of highest retention)."""
+    """Per budget level (the truncated prompt's grid): its `budget`, the `truncated` prompt's and `speculative`
+    prefill's rows there (None where it did not run) and each map's `best` repair at that cost (highest retention)."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == paths.TRUNCATED_BASELINE}
     speculative = {round(row["budget"], 3): row for row in rows if row["map"] == paths.SPECULATIVE_BASELINE}
     out = []
@@ -163,37 +151,23 @@ def levels(rows: list[dict]) -> list[dict]:
     return out
 
 
-def speed(value: float | None) -> str:
-    """A speedup cell: `2.50x`, or a dash where there is none (the baselines')."""
-    return "—" if value is None else f"{value:.2f}x"
-
-
-def pm(value: float | None) -> str:
-    """A percentage cell, or a dash where there is none (the source alone's unmeasured figures)."""
-    return "—" if value is None else pct(value)
-
-
 def shown(study: dict) -> dict:
-    """The table, each budget level against its matched-cost baselines (`levels`) and each map's cheapest setting that
-    reaches the oracle (`cheapest`)."""
+    """The table, each budget level against its matched-cost baselines (`levels`) and each map's `cheapest`."""
     rows = study["rows"]
     return {"table": md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
          "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front", "Confident top-1",
          "Oracle-weighted agreement"],
-        [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pm(r["next_token_top1"]), pm(r["rollout_agreement"]),
-          pct_interval(r["retention"], r["retention_low"], r["retention_high"]),
-          pct_interval(r["gap_closure"], r["gap_closure_low"], r["gap_closure_high"]),
-          "—" if "vs_none" not in r else pct_interval(r["vs_none"], r["vs_none_low"], r["vs_none_high"]),
-          pm(r.get("gate")), speed(r["bound"]), speed(r["speedup"]),
-          {True: "at pair", False: "—", None: ""}[r.get("front")], pm(r["confident_top1"]),
-          pm(r["oracle_weighted_agreement"])] for r in rows]),
+        [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pct_or_dash(r["next_token_top1"]),
+          pct_or_dash(r["rollout_agreement"]), pct_ci(r, "retention"), pct_ci(r, "gap_closure"),
+          pct_ci(r, "vs_none") if "vs_none" in r else "—", pct_or_dash(r.get("gate")), times(r["bound"]),
+          times(r["speedup"]), {True: "at pair", False: "—", None: ""}[r.get("front")],
+          pct_or_dash(r["confident_top1"]), pct_or_dash(r["oracle_weighted_agreement"])] for r in rows]),
         "levels": levels(rows), "cheapest": cheapest(rows)}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: retention against budget, one line per policy; the baselines at each level (the truncated prompt,
-    speculative prefill) and the gate."""
+    """Per map: retention against budget, one line per policy, beside the baselines at each level and the gate."""
     table = pd.DataFrame(study["rows"])
     names = maps(study["rows"])
     fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)

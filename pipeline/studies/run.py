@@ -1,6 +1,5 @@
 """What every study reads and is: the `Run` (the variants' evaluation and the files each study starts from) and the
-`Study` protocol a study module fills in.
-"""
+`Study` protocol a study module fills in."""
 from __future__ import annotations
 
 import json
@@ -8,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline.measure.retention import gap_closure_interval, retention_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
@@ -17,7 +17,6 @@ from pipeline.store.truncated import self_name
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
-
 
 
 @dataclass
@@ -67,6 +66,15 @@ def pair_names(models: str = "models") -> tuple[str, str]:
                  "random": f"shape:{pointer.get('shape')}", "self": self_name(pointer.get("layers", 0))}
         names.append(named.get(pointer["kind"], f"{models}/{side}"))
     return names[0], names[1]
+
+
+def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, measure: MeasureParams,
+            suffix: str = "") -> dict:
+    """`name`'s retention and gap closure over `items` with 95% intervals, keys `retention<suffix>`, `..._low`, ...."""
+    figures = {"retention": retention_interval(items, name, params.retention_metric, *measure.bootstrap),
+               "gap_closure": gap_closure_interval(items, name, params.retention_metric, *measure.bootstrap)}
+    return {f"{key}{suffix}{end}": figures[key][field] for key in figures
+            for end, field in (("", key), ("_low", "low"), ("_high", "high"))}
 
 
 @runtime_checkable

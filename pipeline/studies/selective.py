@@ -1,9 +1,6 @@
-"""The selective-handoff study: per request, the mapped cache or the target's own prefill (stage `selective`).
-
-A gate is judged by each score's AUROC for "the map changes the decision" on the eval items (with 95% interval) and by
-the quality it keeps: retention against fallback rate and effective speedup bound, and next-token top-1 beside top-1
-where the oracle is sure; ungated, at each dev-chosen threshold and along the curves, beside oracle and random gates.
-"""
+"""The selective-handoff study (stage `selective`): per request, the mapped cache or the target's own prefill. A gate
+is judged by each score's AUROC for "the map changes the decision" on the eval items and by the quality it keeps
+against fallback rate and effective speedup bound: ungated, at each dev threshold, beside oracle and random gates."""
 from __future__ import annotations
 
 import json
@@ -15,12 +12,11 @@ from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.artifacts import ArtifactError, read_table
 from pipeline.store.lazy import lazy
-from pipeline.studies.format import md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import md_table, pct, pct_ci, pct_ci_n, save_figure, subplots
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
 pd = lazy("pandas")
-
 
 
 @dataclass
@@ -63,16 +59,14 @@ def shown(study: dict) -> dict:
                      f"{facts['target'] / facts['handoff']:.2f}x"])
         for score, row in facts["scores"].items():
             rows.append([name, score + (" (best)" if score == facts["best"] else ""), f"{row['auroc_items']:.3f}",
-                         f"{row['auroc_prompts']:.3f}", f"{row['threshold']:.4g}",
-                         pct_interval(row["fallback_rate"], row["fallback_rate_low"], row["fallback_rate_high"]),
-                         pct_interval(row["retention"], row["retention_low"], row["retention_high"]),
-                         pct_interval(row["gap_closure"], row["gap_closure_low"], row["gap_closure_high"]),
-                         pct_interval(row["next_token_top1"], row["next_token_top1_low"], row["next_token_top1_high"]),
+                         f"{row['auroc_prompts']:.3f}", f"{row['threshold']:.4g}", *(pct_ci(row, key) for key in (
+                             "fallback_rate", "retention", "gap_closure", "next_token_top1")),
                          f"{row['speedup']:.2f}x", f"{row['speedup_bound']:.2f}x"])
         count, items = facts["confident_prompts"], f"{facts['items']} ({facts['changed_item_count']})"
-        judged.append([name, "none (ungated)", "—", items, pct(facts["next_token_top1"]), _confident(facts, count)])
-        judged += [[name, score, _auroc(row), items, pct(row["next_token_top1"]), _confident(row, count)]
-                   for score, row in facts["scores"].items()]
+        judged.append([name, "none (ungated)", "—", items, pct(facts["next_token_top1"]),
+                       pct_ci_n(facts, "confident_top1", count)])
+        judged += [[name, score, _auroc(row), items, pct(row["next_token_top1"]),
+                    pct_ci_n(row, "confident_top1", count)] for score, row in facts["scores"].items()]
     return {"table": md_table(["Map", "Score", "AUROC items", "AUROC prompts", "Threshold", "Fallback (eval items)",
                                "Retention", "Gap closure", "Next-token top-1", "Speedup measured", "Speedup bound"],
                               rows),
@@ -85,15 +79,9 @@ def _auroc(row: dict) -> str:
     return f"{row['auroc_items']:.3f} [{row['auroc_items_low']:.3f}, {row['auroc_items_high']:.3f}]"
 
 
-def _confident(row: dict, count: int) -> str:
-    if row["confident_top1"] is None:
-        return f"n/a (n = {count})"
-    return f"{pct_interval(*(row[f'confident_top1{end}'] for end in ('', '_low', '_high')))} (n = {count})"
-
-
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: eval-item retention against fallback rate and effective speedup bound, one line per score (the oracle
-    and random gates dashed)."""
+    """Per map: eval-item retention against fallback rate and speedup bound, one line per score (oracle and random
+    gates dashed)."""
     curves = pd.DataFrame(study["curves"])
     items = curves[curves.requests == "items"]
     maps = list(study["maps"])
@@ -115,8 +103,7 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def top1_figure(study: dict, prompts: pd.DataFrame, folder: Path) -> None:
-    """Per map against fallback rate, one colour per score (oracle and random gates included): next-token top-1 of the
-    eval prompts (solid) and over the confident ones (dotted)."""
+    """Per map against fallback rate, a colour per score: eval prompts' next-token top-1 (solid), confident (dotted)."""
     maps = list(study["maps"])
     fig, axes = subplots(1, len(maps), figsize=(5 * len(maps), 3.5), squeeze=False)
     for ax, name in zip(axes[0], maps):

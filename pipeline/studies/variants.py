@@ -1,8 +1,6 @@
-"""The V0 study: every declared variant's figures beside V0's published table, the paired comparisons, the acceptance
-criteria, what the reading (templates/variants.md.j2, the report's head) chooses between, the headline `dvc metrics`
-compares and the controls' table. V0's reference column belongs to V0's pair only (`V0_PAIR`, whatever the revision):
-another pair's run names its pair instead.
-"""
+"""The V0 study (the report's head): every declared variant's figures beside V0's published table, the paired
+comparisons, the acceptance criteria, the headline `dvc metrics` compares and the controls' table. V0's reference
+column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another pair's run names its pair instead."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +20,7 @@ from pipeline.store.lazy import lazy
 from pipeline.store.splits import TASKS
 from pipeline.store.truncated import self_layers
 from pipeline.studies.criteria import CRITERION_NAMES, GAP_CLOSURE_KEYS, criteria, verdict
-from pipeline.studies.format import interval, md_table, pct, pct_interval, save_figure, subplots
+from pipeline.studies.format import interval, md_table, pct, pct_ci, save_figure, subplots
 from pipeline.studies.run import Run
 from pipeline.studies.settings import ReportParams
 
@@ -53,10 +51,6 @@ WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decid
 def labels() -> dict[str, str]:
     """Each variant named by its own row name: a mode's (`MODE_ROWS`), then the selected map's."""
     return {**{name: words for name, (words, _) in MODE_ROWS.items()}, **SELECTED_LABELS}
-
-
-def rivals() -> dict[str, str]:
-    return dict(RIVALS)
 
 
 def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
@@ -108,7 +102,7 @@ def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
     mapped = params.mapped_variant
     if mapped not in metrics:
         raise FileNotFoundError(f"report.mapped_variant {mapped!r} has no evaluation (metrics/eval/{mapped}.json)")
-    compared = {f"{mapped}_minus_{other}": (mapped, other) for other in rivals() if other in metrics}
+    compared = {f"{mapped}_minus_{other}": (mapped, other) for other in RIVALS if other in metrics}
     best, ks = best_of_k(metrics), k_comparison(metrics)
     if ks is not None:
         compared[ks[0]] = (best[1], best[ks[1]])
@@ -165,18 +159,13 @@ def headline(report: dict) -> dict[str, dict]:
 
 
 def order(variants: dict) -> list[str]:
-    """The table's rows (`variants`: each one's figures): the modes before the maps (`MODE_ROWS`: oracle, direct
-    injection), V0's best map per k, the selected map, the repaired variants, the modes after the maps (the other
-    baselines), then any other variant."""
+    """The table's rows: the modes before the maps (`MODE_ROWS`), V0's best map per k, the selected map, the repaired
+    variants, the modes after the maps, then any other variant."""
     rows = sorted((row, name) for name, (_, row) in MODE_ROWS.items())
     first = [*(name for row, name in rows if row < MAPS_ROW), *best_of_k(variants).values()]
     rest = ["selected", *sorted(v for v in variants if "repair" in variants[v]),
             *(name for row, name in rows if row >= MAPS_ROW)]
     return [v for v in first + rest if v in variants] + sorted(set(variants) - set(first) - set(rest))
-
-
-def is_v0_pair(pair: tuple[str, str]) -> bool:
-    return tuple(pair) == V0_PAIR
 
 
 def _v0_reference(name: str, e: dict) -> str:
@@ -189,17 +178,16 @@ def _v0_reference(name: str, e: dict) -> str:
 
 
 def shown(report: dict, context: dict) -> dict:
-    """What the report's head (`templates/variants.md.j2`) reads beside the report: the V0 table (V0's published
-    figures beside it for V0's pair only), the gap closures (none without the per-prompt measures), the columns beside
-    V0's, the paired comparisons, the criteria, and what the reading chooses between. `context`: as `render.report`."""
+    """What the report's head (`templates/variants.md.j2`) reads beside the report: its tables (V0's published figures
+    for V0's pair only) and what the reading chooses between. `context`: as `render.report`."""
     v, rows, mapped, c = report["variants"], order(report["variants"]), report["selected"], report["comparisons"]
-    v0 = is_v0_pair(context["pair"])  # V0's figures compare with V0's pair only, whatever the profile is called
+    v0 = tuple(context["pair"]) == V0_PAIR  # V0's figures compare with V0's pair only, whatever the profile is called
     hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if context["data_kind"] == "generated" else ("HellaSwag", "PIQA")
     gap_rows = [n for n in rows if v[n].get("gap_closure_next_token_top1") is not None and n != "source"]
     kinds = sorted({(task, kind) for e in v.values() for task, figures in e["tasks"].items()
                     for kind in figures["kinds"]})
     ks = k_comparison(v)
-    beaten = [(words, c[f"{mapped}_minus_{other}"]["tasks_low"] > 0) for other, words in rivals().items()
+    beaten = [(words, c[f"{mapped}_minus_{other}"]["tasks_low"] > 0) for other, words in RIVALS.items()
               if f"{mapped}_minus_{other}" in c]
     return {
         "v0": v0, "v0_pair": V0_PAIR, "hs": hs, "pq": pq, "source": model_phrase(context["source"]),
@@ -210,12 +198,10 @@ def shown(report: dict, context: dict) -> dict:
              *(["V0 reference"] if v0 else [])],
             [[label(n, v[n]), f"{v[n]['perplexity']:.4f}", pct(v[n]["next_token_top1"]),
               pct(v[n]["hellaswag"]), pct(v[n]["piqa"]),
-              pct_interval(v[n]["retention"], v[n]["retention_low"], v[n]["retention_high"]),
-              pct_interval(v[n]["gap_closure"], v[n]["gap_closure_low"], v[n]["gap_closure_high"]),
+              pct_ci(v[n], "retention"), pct_ci(v[n], "gap_closure"),
               *([_v0_reference(n, v[n])] if v0 else [])] for n in rows]),
         "gap": md_table(["Variant", "Tasks [95% CI]", "Next-token top-1 [95% CI]", "Log-perplexity [95% CI]"],
-                        [[label(n, v[n]), *(pct_interval(v[n][k], v[n][f"{k}_low"], v[n][f"{k}_high"])
-                                            for k in GAP_CLOSURE_KEYS.values())] for n in gap_rows])
+                        [[label(n, v[n]), *(pct_ci(v[n], k) for k in GAP_CLOSURE_KEYS.values())] for n in gap_rows])
         if gap_rows else None,
         "wide": [label(n, v[n], setting=False) for n in gap_rows if v[n]["gap_closure_low"] is not None
                  and v[n]["gap_closure_low"] < 0 < v[n]["gap_closure_high"]

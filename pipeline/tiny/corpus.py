@@ -1,10 +1,7 @@
-"""The tiny world's training corpus and sequence sets, and every frame of the world (`generate_world`).
-
-Corpus documents carry the text and the character offset where the predictable part (the loss) starts: `story` and
-`qa` documents are the rendered task forms (`tiny.items`), so the models train on exactly the text they are scored
-on; `bio` documents list global facts; `copy` documents (words, `then`, the same words) teach the look-back first
-(`tiny.train`). The fit, select and eval sequences are held-out story and qa documents.
-"""
+"""The tiny world's training corpus and sequence sets, and every frame of the world (`generate_world`). A corpus
+document carries its text and the character offset where its predictable part (the loss) starts: `story` and `qa`
+documents are the rendered task forms, so the models train on exactly the text they are scored on; `bio` ones list
+global facts; `copy` ones (words, `then`, the same words) teach the look-back first (`tiny.train`)."""
 from __future__ import annotations
 
 import random
@@ -103,11 +100,8 @@ def generate_world(cfg: WorldConfig, sequences_per_split: dict[str, int],
                    items_per_part: int) -> dict[str, pd.DataFrame]:
     """Frames corpus, fit, select, eval (`sequences_per_split` documents each), hellaswag_dev, hellaswag_eval,
     piqa_dev, piqa_eval (`items_per_part` each), checked disjoint by document id and content hash."""
-    world = {"corpus": corpus(cfg)}
-    for split in SEQUENCE_SPLITS:
-        world[split] = sequences(cfg, split, sequences_per_split[split])
-    for task in TASKS:
-        for part in TASK_PARTS:
-            world[f"{task}_{part}"] = task_items(cfg, task, part, items_per_part)
+    world = {"corpus": corpus(cfg), **{split: sequences(cfg, split, sequences_per_split[split])
+                                       for split in SEQUENCE_SPLITS},
+             **{f"{task}_{part}": task_items(cfg, task, part, items_per_part) for task in TASKS for part in TASK_PARTS}}
     check_disjoint(world)
     return world

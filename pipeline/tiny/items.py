@@ -1,7 +1,5 @@
 """The tiny world's task items: HellaSwag- and PIQA-shaped items cut from fresh scenes, in lm-eval's schema, and their
-rendering as lm-eval builds the context and choices, which the corpus and the trainer share so the models are trained
-on the text they are scored on.
-"""
+rendering as lm-eval builds context and choices, shared by corpus and trainer: the models train on what is scored."""
 from __future__ import annotations
 
 import random

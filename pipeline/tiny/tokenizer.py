@@ -1,10 +1,8 @@
-"""A word-level tokenizer for the tiny world, trained on its corpus, in Hugging Face format.
-
-Byte-level pre-tokenization (GPT-2's split: a word keeps its leading space, `" ann"`) with one vocabulary entry per
-whole pre-token, so text round-trips exactly and `context + " " + ending` splits at the word boundary: the context's
-tokens are a prefix of the whole's, which is how lm-eval separates context from continuation. No special token is
-added on encoding (like Qwen3's): documents are trained without BOS and end with EOS, and lm-eval scores them so.
-"""
+"""A word-level tokenizer for the tiny world, in Hugging Face format. Byte-level pre-tokenization (GPT-2's split: a
+word keeps its leading space, `" ann"`) with one vocabulary entry per whole pre-token, so text round-trips exactly and
+`context + " " + ending` splits at the word boundary: the context's tokens are a prefix of the whole's, which is how
+lm-eval separates context from continuation. No special token is added on encoding (like Qwen3's): documents are
+trained without BOS and end with EOS, and lm-eval scores them so."""
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -1,10 +1,8 @@
-"""Training a tiny Qwen3 model on the tiny world, and scoring task items the way lm-eval does.
-
-Two phases (feasibility notes, round 2): first only `copy` documents, where the look-back (an induction head) appears
-within a few hundred steps, then the whole corpus; mixing from the start let the models settle on a bag-of-words
-shortcut. The loss covers only each document's predictable part (after the random facts, after `then`) and its EOS.
-Scoring follows lm-eval's `multiple_choice`: acc is the argmax of summed log-likelihoods, acc_norm per character.
-"""
+"""Training a tiny Qwen3 model on the tiny world, and scoring task items the way lm-eval does. Two phases (feasibility
+notes, round 2): first only `copy` documents, where the look-back (an induction head) appears within a few hundred
+steps, then the whole corpus; mixing from the start let the models settle on a bag-of-words shortcut. The loss covers
+only each document's predictable part (after the random facts, after `then`) and its EOS. Scoring follows lm-eval's
+`multiple_choice`: acc is the argmax of summed log-likelihoods, acc_norm per character."""
 from __future__ import annotations
 
 import math
@@ -122,9 +120,8 @@ def train_model(cfg: TrainConfig, tokenizer: transformers.PreTrainedTokenizerFas
             eval_seconds += time.perf_counter() - t0
             stats["dev"].append(record)
             bar.write(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-    stats["train_seconds"] = round(time.perf_counter() - started - eval_seconds, 1)
-    stats["dev_eval_seconds"] = round(eval_seconds, 1)
-    stats["final_loss"] = round(running, 4)
+    stats.update(train_seconds=round(time.perf_counter() - started - eval_seconds, 1),
+                 dev_eval_seconds=round(eval_seconds, 1), final_loss=round(running, 4))
     model.eval()
     return model, stats
 

@@ -1,8 +1,7 @@
 """The tiny world: a seeded generator of a small synthetic language of scenes and statements. Three statements give
 the item kinds: a *repeat* copies a fact of the scene (`recall`: an exact look-back), a *novel* one gives a new name a
 colour of the scene's palette (`gist`: what the scene is about, not any one fact), a *knowledge* one names the town a
-fixed global table gives (`knowledge`: held in the weights). Each document has its own random stream (`stream`).
-"""
+fixed global table gives (`knowledge`: held in the weights). Each document has its own random stream (`stream`)."""
 from __future__ import annotations
 
 import random

@@ -116,7 +116,7 @@ def test_a_qwen3_v0_profile_on_other_checkpoints_names_its_pair_and_leaves_the_v
 def test_the_tiny_pair_and_random_shapes_are_not_v0s_pair_either(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert pair_names() == ("models/source", "models/target")  # nothing prepared: the trained tiny pair
-    assert not variants.is_v0_pair(pair_names())
+    assert pair_names() != variants.V0_PAIR
     text = _head(tmp_path, monkeypatch, {"source": {"kind": "random", "shape": "qwen3-0.6b", "seed": 0},
                                          "target": {"kind": "random", "shape": "qwen3-1.7b", "seed": 1}})
     assert "V0 reference" not in text
@@ -181,9 +181,9 @@ def test_a_new_modes_variant_is_a_row_by_its_name_until_the_report_gives_it_word
     figures = {name: {} for name in ("zero", "source", "selected", "fake", "direct", "oracle")}
     figures["linear_k1"] = {"map": {"best_of_k": True, "k": 1}}
     assert variants.order(figures) == ["oracle", "direct", "linear_k1", "selected", "source", "zero", "fake"]
-    assert variants.label("fake") == "fake" and "fake" not in variants.rivals()
+    assert variants.label("fake") == "fake" and "fake" not in variants.RIVALS
     monkeypatch.setitem(variants.MODE_ROWS, "fake", ("Null control: a fake cache", 2))
     monkeypatch.setitem(variants.RIVALS, "fake", "the fake null")
     assert variants.order(figures) == ["oracle", "direct", "fake", "linear_k1", "selected", "source", "zero"]
     assert variants.label("fake") == "Null control: a fake cache"
-    assert list(variants.rivals()) == ["source", "zero", "shuffled", "direct", "fake"]
+    assert list(variants.RIVALS) == ["source", "zero", "shuffled", "direct", "fake"]
