@@ -4,7 +4,8 @@
 
 At prompt length n the oracle and every variant of the `operating` section are evaluated on data/long/'s eval prompts
 and pass-key items, each prompt alone at batch 1, timed in the pass that scores it. Per variant: figures against the
-oracle, pass-key match and recall, measured speedup over the oracle and the FLOP bound at n.
+oracle, pass-key match and recall, measured speedup over the oracle and the FLOP bound at n. One request under two
+names (the `selected` repair where select chose a listed setting, and their truncated prompts) is evaluated once.
 """
 from __future__ import annotations
 
@@ -103,10 +104,11 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahe
         router = pair.router(mode=f"speculative:{share:g}", speculative=lookahead)
         out[name] = Variant(router, speculative_bound(source, target, lookahead, share, length))
     if params.truncated:
+        routers = {}  # keep -> its router: two repairs of one budget truncate alike, and are evaluated once
         for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
             keep = min(budget, 1.0)
-            out[f"truncated_{name}"] = Variant(pair.router(mode="oracle", keep=keep),
-                                               truncated_bound(target, keep, length))
+            routers.setdefault(keep, pair.router(mode="oracle", keep=keep))
+            out[f"truncated_{name}"] = Variant(routers[keep], truncated_bound(target, keep, length))
     return out
 
 
@@ -114,14 +116,17 @@ def repaired_variants(params: OperatingParams, pair: Pair, length: int, lookahea
                       ) -> tuple[dict[str, Variant], dict[str, float]]:
     """Each repaired variant at `length`, and its budget (its multiply-adds over the target's prefill)."""
     source, target = pair.source.config, pair.target.config
-    out, budgets = {}, {}
+    out, budgets, routers = {}, {}, {}
     for name, repaired in params.repaired.items():
         if repaired.repair == SELECTED:  # with the look-ahead settings select scored it under, where it reads them
             setting, reads = selected_repair(f"operating.repaired.{name}")
         else:
             setting = Repair.parse(repaired.repair)
             reads = lookahead if setting.reads_source else None
-        router = pair.router(mode="mapped", mapper=params.maps[repaired.map], repair=setting, speculative=reads)
+        # one request under two names (`selected` where select chose a listed setting) shares one router
+        request = (params.maps[repaired.map], str(setting), None if reads is None else reads.model_dump_json())
+        router = routers.setdefault(request, pair.router(mode="mapped", mapper=params.maps[repaired.map],
+                                                         repair=setting, speculative=reads))
         scores = source_scores_macs(source, setting, reads, length)
         out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length,
                                                   setting, scores))
@@ -158,12 +163,13 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
     oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
     reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None
     everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, contexts, lookahead)}
+    evaluated = {id(oracle_router): (oracle, oracle_keys)}  # a router's evaluations: variants sharing it, once
     for name, variant in tqdm(everything.items(), desc=f"operating n={length}", unit="variant"):
-        on_texts, on_keys = oracle, oracle_keys
-        if name != "oracle":
-            on_texts = evaluate(variant.router, texts, oracle.oracle, margin=margin, timed=True, warmup=1,
-                                progress=False)
-            on_keys = evaluate(variant.router, keys, oracle_keys.oracle, timed=True, progress=False) if keys else None
+        if id(variant.router) not in evaluated:
+            evaluated[id(variant.router)] = (
+                evaluate(variant.router, texts, oracle.oracle, margin=margin, timed=True, warmup=1, progress=False),
+                evaluate(variant.router, keys, oracle_keys.oracle, timed=True, progress=False) if keys else None)
+        on_texts, on_keys = evaluated[id(variant.router)]
         rows = on_texts.prompt_rows.assign(**{RECALL: recall})
         figures = PromptFigures.of(rows, margin).as_json(oracle.prompts)
         figures.update(speedup_measured=float(oracle.prompt_rows.ttft_ms.mean() / rows.ttft_ms.mean()),

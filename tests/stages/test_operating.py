@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 from helpers import WIKITEXT, committed, measure_params
 
+import pipeline.operating as operating_stage
 from pipeline.kv.flops import speculative_bound
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.pair import Pair
@@ -34,6 +35,16 @@ def operating_params(path, **overrides) -> OperatingParams:
     return parse(OperatingParams, {**section, **overrides}, "operating")
 
 
+def wikitext_documents(tokenizer) -> list[tuple[str, list[int]]]:
+    return [(f"doc-{i}", tokenizer.encode(text)) for i, text in
+            enumerate(corpus_documents([{"text": WIKITEXT.read_text()}])) if len(tokenizer.encode(text)) > 80]
+
+
+def prompt_rows(documents) -> pd.DataFrame:
+    return pd.DataFrame([{"prompt_ids": ids[:LENGTH], "continuation_ids": ids[LENGTH : LENGTH + 6]}
+                         for _, ids in documents[:3]])
+
+
 @pytest.fixture(scope="module")
 def study(wide_pair, tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("operating")
@@ -41,10 +52,8 @@ def study(wide_pair, tokenizer, tmp_path_factory):
     mapper = random_mapper(pair.source.config, pair.target.config, k=1, seed=0)
     mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
     save_mapper(mapper, root / "k1.safetensors")
-    documents = [(f"doc-{i}", tokenizer.encode(text)) for i, text in
-                 enumerate(corpus_documents([{"text": WIKITEXT.read_text()}])) if len(tokenizer.encode(text)) > 80]
-    prompts = pd.DataFrame([{"prompt_ids": ids[:LENGTH], "continuation_ids": ids[LENGTH : LENGTH + 6]}
-                            for _, ids in documents[:3]])
+    documents = wikitext_documents(tokenizer)
+    prompts = prompt_rows(documents)
     items = retrieval_items(documents[3:], LENGTH, 4, FORM, tokenizer, seed=0)
     contexts = [ids[:LENGTH] for _, ids in documents[:3]]  # the gate sends back the 40% that score highest: 1 of 3
     metrics = run(operating_params(root / "k1.safetensors"), pair, LENGTH, 0.2, prompts, items, root / "rows",
@@ -181,3 +190,22 @@ def test_the_study_holds_each_lengths_variants_with_the_keys_the_report_promises
     assert "| 100.0% |" in table["speculative_1"] and "| 0.0% |" in table["k1_end"] and "| — |" in table["oracle"]
     tables = operating.figure(result, tmp_path)
     assert (tmp_path / "operating.png").is_file() and len(tables["operating"]) == len(entries)
+
+
+
+def test_one_request_under_two_names_is_evaluated_once_and_both_names_get_its_figures(study, tokenizer, monkeypatch,
+                                                                                      tmp_path):
+    _, rows, pair = study
+    evaluated, evaluate = [], operating_stage.evaluate
+    monkeypatch.setattr(operating_stage, "evaluate",
+                        lambda router, *args, **kwargs: evaluated.append(router) or evaluate(router, *args, **kwargs))
+    twice = {"k1_end": {"map": "k1", "repair": "tokens:0.1:recency"},
+             "k1_again": {"map": "k1", "repair": "tokens:0.1:recency"}}  # as `selected` where select chose it
+    params = operating_params(rows.parent / "k1.safetensors", baselines=[], repaired=twice, gated={}, speculative=[])
+    metrics = run(params, pair, LENGTH, 0.2, prompt_rows(wikitext_documents(tokenizer)), None, tmp_path, lambda: [],
+                  LOOKAHEAD)
+    figures = metrics["variants"]
+    assert list(figures) == ["oracle", "k1", "k1_end", "k1_again", "truncated_k1_end", "truncated_k1_again"]
+    assert figures["k1_again"] == figures["k1_end"] and figures["truncated_k1_again"] == figures["truncated_k1_end"]
+    assert len(evaluated) == len({id(router) for router in evaluated}) == 4  # the oracle, the map, the repair, the
+    # truncated prompt at its budget: each once
