@@ -1,6 +1,11 @@
 """The handoff modes as a registry (`kv.modes`): each mode one entry with its own `build`, a function of the
 handoff's inputs (never of the handoff), the handoff calling it and branching on no mode's name."""
 import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from helpers import ROOT, tiny_config
@@ -76,3 +81,71 @@ def test_the_contract_judges_each_mode_from_what_it_reads_and_its_own_requiremen
     assert modes["oracle"] is None and modes["source"] is None
     alone = pair_contract(target).modes
     assert alone["narrow"] == alone["direct"] == "no source model given" and alone["zero"] is None
+
+
+HALVED = '''
+
+def halved(inputs: Inputs, prompt: Prompt) -> Built:
+    """A scratch mode: the mapped cache with its values halved."""
+    built = mapped(inputs, prompt)
+    return built._replace(layers=[(keys, values / 2) for keys, values in built.layers])
+'''
+ENTRY = '    Mode("halved", Reads(target=True, source=True, map=True, own=False), halved, needs_map=True),\n'
+EVALUATE = '''
+import json
+import torch
+from helpers import build_model, measure_params, tiny_config
+from helpers.report import _fake_variant, report_params
+from pathlib import Path
+from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.pair import Pair
+from pipeline.measure.evaluation import OracleStore, evaluate
+from pipeline.studies import render, variants
+from pipeline.studies.run import Run
+import numpy as np
+
+target, source = build_model(tiny_config(97, 64), seed=1), build_model(tiny_config(97, 32), seed=2)
+pair, mapper = Pair.of(target, source), Path("map.safetensors")
+save_mapper(random_mapper(source.config, target.config), mapper)
+generator = torch.Generator().manual_seed(0)
+prompts = [(torch.randint(0, 97, (12,), generator=generator).tolist(),
+            torch.randint(0, 97, (4,), generator=generator).tolist()) for _ in range(6)]
+oracle = evaluate(pair.router(mode="oracle"), prompts, store=OracleStore(top_k=5, horizon=2), progress=False)
+metrics, items, rows = {}, {}, {}
+rng = np.random.default_rng(0)
+for name in ("oracle", "source", "selected", "halved"):
+    mode = {"selected": "mapped"}.get(name, name)
+    request = {"mode": mode, "mapper": mapper} if mode in ("mapped", "halved") else {"mode": mode}
+    evaluation = oracle if name == "oracle" else evaluate(pair.router(**request), prompts, oracle.oracle,
+                                                         progress=False)
+    tasks, items[name], _ = _fake_variant(rng, 0.8, 0.8, 0.8)  # the tasks are not what this shows
+    metrics[name] = {**evaluation.figures(), "tasks": tasks["tasks"]}
+    rows[name] = evaluation.prompt_rows
+run = Run(metrics, items, rows, skipped={}, controls={}, select={}, latency=None, pair=("s", "t"),
+          calibration_sizes=[], operating_lengths=[])
+context = {"profile": "tiny", "data_kind": "generated", "source": "s", "target": "t", "dtype": "float32",
+           "device": "cpu", "pair": ("s", "t"), "selected_name": "selected"}
+head = render.head(variants.compute(report_params(), measure_params(), run), context)
+print(json.dumps({"row": [line for line in head.splitlines() if line.startswith("| halved |")],
+                  "perplexity": {name: metrics[name]["prompts"]["perplexity"] for name in metrics}}))
+'''
+
+
+def test_a_mode_added_to_the_registry_alone_is_evaluated_and_reaches_the_reports_table_by_its_own_name(tmp_path):
+    """In a scratch copy, one function and one registry line in kv/modes.py, no other file: a pair serves the new
+    mode, an evaluation scores it against the oracle, and the report's table has its row."""
+    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "tests" / "helpers", tmp_path / "tests" / "helpers",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", tmp_path)  # what the helpers' report params read
+    modes = tmp_path / "pipeline" / "kv" / "modes.py"
+    text = modes.read_text().replace("\n\ndef register(", HALVED + "\n\ndef register(", 1)
+    modes.write_text(text.replace("\n)\nSOURCE_MODES", "\n" + ENTRY + ")\nSOURCE_MODES", 1))
+    run = subprocess.run([sys.executable, "-c", EVALUATE], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{tmp_path / 'tests'}"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    shown = json.loads(run.stdout.splitlines()[-1])
+    assert shown["row"]  # | halved | perplexity | top-1 | ... in the report's tables
+    perplexity = shown["perplexity"]
+    assert f"| halved | {perplexity['halved']:.4f} |" in shown["row"][0]
+    assert perplexity["halved"] != perplexity["selected"]  # its own cache, not the mapped one
