@@ -2,13 +2,10 @@
 handoff's inputs (never of the handoff), the handoff calling it and branching on no mode's name."""
 import ast
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 from helpers import ROOT, tiny_config
+from helpers.scratch import run_edited
 
 import pipeline.kv.contract as contract_module
 from pipeline.kv.contract import pair_contract
@@ -134,17 +131,9 @@ print(json.dumps({"row": [line for line in head.splitlines() if line.startswith(
 def test_a_mode_added_to_the_registry_alone_is_evaluated_and_reaches_the_reports_table_by_its_own_name(tmp_path):
     """In a scratch copy, one function and one registry line in kv/modes.py, no other file: a pair serves the new
     mode, an evaluation scores it against the oracle, and the report's table has its row."""
-    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "tests" / "helpers", tmp_path / "tests" / "helpers",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "params.yaml", tmp_path)  # what the helpers' report params read
-    modes = tmp_path / "pipeline" / "kv" / "modes.py"
-    text = modes.read_text().replace("\n\ndef register(", HALVED + "\n\ndef register(", 1)
-    modes.write_text(text.replace("\n)\nSOURCE_MODES", "\n" + ENTRY + ")\nSOURCE_MODES", 1))
-    run = subprocess.run([sys.executable, "-c", EVALUATE], cwd=tmp_path, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{tmp_path / 'tests'}"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    shown = json.loads(run.stdout.splitlines()[-1])
+    edits = {"pipeline/kv/modes.py": [("\n\ndef register(", HALVED + "\n\ndef register("),
+                                      ("\n)\nSOURCE_MODES", "\n" + ENTRY + ")\nSOURCE_MODES")]}
+    shown = json.loads(run_edited(ROOT, tmp_path, edits, EVALUATE).splitlines()[-1])
     assert shown["row"]  # | halved | perplexity | top-1 | ... in the report's tables
     perplexity = shown["perplexity"]
     assert f"| halved | {perplexity['halved']:.4f} |" in shown["row"][0]
