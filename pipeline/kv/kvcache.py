@@ -126,20 +126,7 @@ def expand_batch(layers: Layers, batch: int) -> Layers:
 def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
     """Run `model` on token_ids; per layer, the keys (1, kv_heads, T, head_dim) its attention computed just before
     the rotary embedding (`kv.projections.keys` of the states the attention read), and its cache."""
-    captured: dict[int, torch.Tensor] = {}
-
-    def keep(index):
-        def hook(module, args, kwargs, output):
-            captured[index] = projections.keys(module, kwargs["hidden_states"] if "hidden_states" in kwargs
-                                               else args[0])  # (B, H, T, D)
-        return hook
-
-    hooks = [layer.self_attn.register_forward_hook(keep(index), with_kwargs=True)
-             for index, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [captured[index] for index in range(len(hooks))], cache_to_layers(cache)
+    with torch.no_grad(), projections.attention_inputs(model) as captured:
+        cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
+        keys = [projections.keys(module, hidden) for module, hidden, _ in captured.values()]  # (B, H, T, D) each
+    return keys, cache_to_layers(cache)

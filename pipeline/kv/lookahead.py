@@ -28,24 +28,11 @@ def scored_prefill(model, prefix_ids: torch.Tensor, lengths: torch.Tensor, mask:
     and each slot's look-ahead score (B, P), float32 on the CPU, from the same forward; `lengths` (B,) the rows'
     real lengths; `clock(part)` is told `prefill` after the forward, `scores` after the scoring."""
     read = settings.layer_indices(model.config.num_hidden_layers)
-    captured: dict[int, tuple] = {}
-
-    def keep(index):
-        def hook(module, args, kwargs, output):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            captured[index] = (module, hidden, kwargs["position_embeddings"])
-        return hook
-
-    layers = model.model.layers
-    hooks = [layers[index].self_attn.register_forward_hook(keep(index), with_kwargs=True) for index in read]
     device = model.device
-    try:
+    with projections.attention_inputs(model, read) as captured:
         cache = cache_to_layers(model.model(input_ids=prefix_ids.to(device),
                                             attention_mask=None if mask is None else mask.to(device),
                                             use_cache=True).cache)
-    finally:
-        for hook in hooks:
-            hook.remove()
     if clock is not None:
         clock("prefill")
     per_layer = [attention_weights(*captured[index], cache[index][0], lengths.cpu(), settings) for index in read]

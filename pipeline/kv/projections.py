@@ -12,6 +12,8 @@ Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -56,3 +58,25 @@ def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = states.shape[-1] // 2
     rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
     return states * cos[:, None] + rotated * sin[:, None]
+
+
+@contextmanager
+def attention_inputs(model, indices=None):
+    """Yields a dict that each forward inside the block fills, per decoder layer of `indices` (None: every layer),
+    with (its attention module, the states (B, T, hidden) the module read, its (cos, sin))."""
+    layers = model.model.layers
+    captured: dict[int, tuple] = {}
+
+    def keep(index):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured[index] = (module, hidden, kwargs.get("position_embeddings"))
+        return hook
+
+    hooks = [layers[index].self_attn.register_forward_hook(keep(index), with_kwargs=True)
+             for index in (range(len(layers)) if indices is None else indices)]
+    try:
+        yield captured
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -194,23 +194,14 @@ class Top1(Feature):
         return evidence.logprobs.max(-1).values.exp()
 
 
-class KeyNorm(Feature):
-    """The log-ratio of the mapped cache's mean key norm to the source cache's."""
+class NormRatio(Feature):
+    """The log-ratio of the mapped cache's mean key (side 0) or value (side 1) norm to the source cache's."""
 
-    name = "key_norm"
-
-    def score(self, evidence: Evidence) -> torch.Tensor:
-        (mapped, _), (source, _) = evidence.norms
-        return (mapped / source).log()
-
-
-class ValueNorm(Feature):
-    """The log-ratio of the mapped cache's mean value norm to the source cache's."""
-
-    name = "value_norm"
+    def __init__(self, name: str, side: int):
+        self.name, self.side = name, side
 
     def score(self, evidence: Evidence) -> torch.Tensor:
-        (_, mapped), (_, source) = evidence.norms
+        mapped, source = (norms[self.side] for norms in evidence.norms)
         return (mapped / source).log()
 
 
@@ -219,7 +210,7 @@ def register(*scores: Score) -> dict[str, Score]:
 
 
 SCORES = register(Entropy(), KL(), Disagree(), Probe())
-INPUTS = register(Top1(), KeyNorm(), ValueNorm())  # the probe's inputs that are no score
+INPUTS = register(Top1(), NormRatio("key_norm", 0), NormRatio("value_norm", 1))  # the probe's inputs that are no score
 FITTED_SCORES = tuple(name for name, score in SCORES.items() if score.fitted)  # not for a gate named by arguments alone
 FEATURES = (*(name for name in SCORES if name not in FITTED_SCORES), *INPUTS)  # a probe's inputs (first step only)
 

@@ -124,25 +124,14 @@ def attention_scores(target, layers: list, prefix_ids: torch.Tensor, lengths: to
     allowed = torch.cat([real_slots(last, width), torch.ones(batch, 1, dtype=torch.bool)], dim=1)  # (B, P + 1)
     dtype = target.dtype
     mask = additive_mask(allowed[:, None, None], dtype)  # (B, 1, 1, P + 1)
-    captured: list = []
-
-    def keep(module, args, kwargs, output):
-        captured.append((module, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
-                         kwargs["position_embeddings"]))
-
-    decoder = target.model
-    hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in decoder.layers]
     cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
-    try:
-        decoder(input_ids=tokens.to(target.device), cache=cache, use_cache=True, attention_mask=mask.to(target.device),
-                position_ids=last[:, None].to(target.device))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with projections.attention_inputs(target) as captured:
+        target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
+                     attention_mask=mask.to(target.device), position_ids=last[:, None].to(target.device))
     count.forwards += 1
     count.token_layers += batch * target.config.num_hidden_layers
     scores = torch.zeros(batch, width + 1)
-    for index, (module, hidden, (cos, sin)) in enumerate(captured):
+    for index, (module, hidden, (cos, sin)) in captured.items():
         query = projections.rotate(projections.queries(module, hidden), cos, sin)  # (B, Hq, 1, D)
         keys = cache.layers[index].keys  # (B, H, P + 1, D)
         keys = keys.repeat_interleave(module.num_key_value_groups, dim=1).to(query.device)  # (B, Hq, P + 1, D)
