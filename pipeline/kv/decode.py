@@ -167,11 +167,6 @@ def attention_outputs(model, active: bool = True):
             hook.remove()
 
 
-def argmax_token(logits: torch.Tensor) -> int:
-    """The greedy choice from one position's logits (V,)."""
-    return int(logits.argmax())
-
-
 @no_grad
 def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
            on_token: Callable[[list[int]], bool]) -> list[int]:
@@ -200,7 +195,7 @@ def greedy_generate(
     should_stop: Callable[[list[int]], bool] = lambda tokens: False,
 ) -> list[int]:
     """Greedy tokens after the handed-off cache of context[:-1] and context[-1]; should_stop(tokens so far) ends it."""
-    return decode(handoff, context, max_new_tokens, argmax_token, should_stop)
+    return decode(handoff, context, max_new_tokens, lambda logits: int(logits.argmax()), should_stop)
 
 
 def full_logprobs(target, context, continuation) -> torch.Tensor:

@@ -60,8 +60,8 @@ class Family:
         raise NotImplementedError
 
     def width(self, tensors: tuple) -> int | None:
-        """The inner size read off one layer's tensors (None for a family without one)."""
-        return None
+        """The inner size read off one layer's tensors (the first tensor's columns), None for a family without one."""
+        return tensors[0].shape[1] if self.width_name else None
 
     def inputs(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The k chosen source layers' (B, H_s, T, D_s) content -> this family's input rows, (B, T, k*H_s*D_s):
@@ -90,18 +90,11 @@ def columns(blocks: list[int], geometry: Geometry, device, head: int | None = No
     return torch.cat([torch.arange(b * width + start, b * width + end, device=device) for b in blocks])
 
 
-def per_head(weight: torch.Tensor, bias: torch.Tensor, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """A solve's weight (F, H*D) and bias (H*D,) as the file holds them: (H, F, D) and (H, D)."""
-    return weight.reshape(-1, geometry.heads_t, geometry.dim_t).permute(1, 0, 2), bias.reshape(geometry.heads_t,
-                                                                                            geometry.dim_t)
-
-
 class Identity(Family):
     """The source cache as it is (what direct injection passes), defined only when the two KV geometries are equal:
     a map of no tensors, never projected or solved."""
 
     name = "identity"
-    tensor_names = ()
     name_fields = ()
     trainable = False
 
@@ -138,7 +131,9 @@ class Linear(Family):
         own, own_select = fit.select(inputs), select.select(inputs)
         solved = ridge.effective_lambda(own, ridge_lambda, scale)
         weight, bias = ridge.solve(own, solved)  # (F, H*D), (H*D,): all heads, one solve
-        return Solved(per_head(weight, bias, geometry), ridge.fitted_residual_ss(own, weight, bias, solved),
+        per_head = (weight.reshape(-1, geometry.heads_t, geometry.dim_t).permute(1, 0, 2),  # (H, F, D)
+                    bias.reshape(geometry.heads_t, geometry.dim_t))  # (H, D)
+        return Solved(per_head, ridge.fitted_residual_ss(own, weight, bias, solved),
                       ridge.residual_ss(own_select, weight, bias), [solved] * geometry.heads_t, inputs.numel() + 1)
 
 
@@ -196,7 +191,6 @@ class Mlp(Family):
 
     name = "mlp"
     tensor_names = ("in_weight", "in_bias", "weight", "bias")
-    name_fields = ("k",)
     width_name = "hidden"
     width_param = "fit.mlp.hidden"
     fitting = "trained"
@@ -207,9 +201,6 @@ class Mlp(Family):
         inputs = k * geometry.heads_s * geometry.dim_s
         return (inputs, width), (width,), (geometry.heads_t, width, geometry.dim_t), (geometry.heads_t,
                                                                                     geometry.dim_t)
-
-    def width(self, tensors: tuple) -> int | None:
-        return tensors[0].shape[1]
 
     def project(self, inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor) -> torch.Tensor:
@@ -238,9 +229,6 @@ class LowRank(Family):
             raise ValueError("the low_rank family's size needs its rank")
         return ((k * geometry.heads_s * geometry.dim_s, width), (geometry.heads_t, width, geometry.dim_t),
                 (geometry.heads_t, geometry.dim_t))
-
-    def width(self, tensors: tuple) -> int | None:
-        return tensors[0].shape[1]
 
     def project(self, inputs: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         reduced = inputs.to(down.dtype) @ down  # (B, T, r)

@@ -7,7 +7,7 @@ n, ... again, so each scores as if alone.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -55,11 +55,11 @@ def score_continuations(
     ordered = shared_contexts(requests, max_length, handoff.context)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
-    for chunk in context_batches(ordered, batch_size):
+    for chunk in fill(ordered, lambda group: len(group[1]), batch_size):
         contexts = [context for context, _ in chunk]
         prefixes = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
         if len(chunk) == 1:  # one context, however many continuations: as few rows as its window allows
-            forwards = [[part] for part in window_parts(chunk[0][1], requests, max_length)]
+            forwards = [[part] for part in fill(chunk[0][1], lambda index: len(requests[index][1]), max_length)]
         else:
             forwards = [[indices for _, indices in chunk]]
         layers, prefix_ids = None, None
@@ -161,31 +161,16 @@ def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Se
     return tuple(torch.tensor(column, dtype=torch.long) for column in columns)
 
 
-def context_batches(groups: list[tuple[tuple[int, ...], list[int]]], batch_size: int) -> list[list]:
-    """Consecutive contexts whose continuations together fit `batch_size` (a context with more continuations
-    than that gets a batch of its own)."""
-    batches, current, rows = [], [], 0
-    for context, members in groups:
-        if current and rows + len(members) > batch_size:
-            batches.append(current)
-            current, rows = [], 0
-        current.append((context, members))
-        rows += len(members)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def window_parts(members: list[int], requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int
-                 ) -> list[list[int]]:
-    """One context's continuations (request indices) in consecutive parts of at most `max_length` packed
-    tokens, the model's window: a row no longer than one that `hf` would run for a single request."""
-    parts, used = [[]], 0
-    for index in members:
-        size = len(requests[index][1])
-        if parts[-1] and used + size > max_length:
+def fill(items: Sequence, size: Callable[[Any], int], budget: int) -> list[list]:
+    """`items` in consecutive parts whose sizes sum to at most `budget`; an item larger than that gets a part alone.
+    Contexts by their continuations into batches of `batch_size` rows; one context's continuations by their tokens
+    into rows of at most `max_length` packed tokens, the model's window (no longer than `hf` runs for one request)."""
+    parts: list[list] = []
+    used = 0
+    for item in items:
+        if not parts or used + size(item) > budget:
             parts.append([])
             used = 0
-        parts[-1].append(index)
-        used += size
+        parts[-1].append(item)
+        used += size(item)
     return parts
