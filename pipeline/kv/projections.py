@@ -1,14 +1,8 @@
-"""The query, key and value paths of a decoder layer's attention, taken the way each architecture defines them, and
-RoPE as the model applies it, for reading a layer's attention outside its forward.
-
-    layer input    the layer's input norm where it has one (pre-norm: Llama, Mistral, Qwen2/3 and their MoE
-                   siblings); OLMo2's post-norm layer hands the residual stream to attention as it is
-    queries, keys  the projection, then q_norm / k_norm where the module has them: per head (Qwen3, a norm of
-                   head_dim) or over every head at once (OLMo2, a norm of heads x head_dim); Llama, Mistral and
-                   Qwen2 have none. Before RoPE, as the model rotates them
-    values         the projection alone
-
-Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
+"""The query, key and value paths of a decoder layer's attention as each architecture defines them, and RoPE as the
+model applies it, for reading a layer's attention outside its forward. Attention reads the layer's input norm
+(pre-norm: Llama, Mistral, Qwen2/3 and their MoE siblings) or the residual stream itself (OLMo2's post-norm); queries
+and keys take q_norm / k_norm where the module has them, per head (Qwen3) or over every head at once (OLMo2), before
+RoPE. Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
 """
 from __future__ import annotations
 
