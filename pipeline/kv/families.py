@@ -1,8 +1,7 @@
 """The mapper families: the forms of a map from the source's content-space cache to the target's, per target layer
-and kind (keys, values). One class holds a family's tensors and shapes (parameter and multiply-add counts follow from
-them), the geometry it needs, how it is fitted (closed form, trained, or not at all) and its maths; `FAMILIES` is the
-one list. Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source layers, every
-source head), H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
+and kind (keys, values), each with its tensors, shapes, geometry needs, fitting and maths; `FAMILIES` is the one list.
+Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source layers, every source head),
+H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
 """
 from __future__ import annotations
 
@@ -76,9 +75,8 @@ class Family:
 
     def solve(self, fit, select, blocks: list[int], ridge_lambda: float, geometry: Geometry, scale: str,
               ridge, device, width: int | None) -> Solved:
-        """The closed-form fit of one layer and kind from the `fit` and `select` summaries (`fitting.ridge`'s
-        `Moments` or `Rows`); `blocks` are the positions, among the accumulated source layers, of the k this map
-        reads; `ridge` is the fitting wing's solver module, handed in (the kv wing comes before it)."""
+        """The closed-form fit of one layer and kind from the `fit` and `select` summaries; `blocks`: the positions of
+        the k source layers read among those accumulated; `ridge`: the fitting wing's solver (kv comes before it)."""
         raise NotImplementedError(f"the {self.name} family is not fitted in closed form")
 
 

@@ -118,11 +118,10 @@ LayerPair = tuple["torch.Tensor", "torch.Tensor"]  # one layer's (keys, values),
 
 def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype, device,
               order: torch.Tensor | None = None) -> Iterator[tuple[LayerPair, LayerPair]]:
-    """The source's content cache (float32, RoPE stripped; as cached for a map of rotated keys) through `mapper`
-    (None: each layer as it is) into the target's cache, one target layer at a time: per layer, the target-space
-    content the map made (after the shuffle) and the cache the target reads, keys rotated to `rotation`'s positions
-    (unless the map writes rotated keys), both on `device` in `dtype`. `order` (B, T): the shuffled null's token
-    order. The one way a cache is mapped, under no_grad or with autograd on: a map is trained on what it injects."""
+    """The source's content cache (float32, RoPE stripped) through `mapper` (None: as it is) into the target's, one
+    layer at a time: the content the map made (after the shuffle) and the cache the target reads, keys rotated to
+    `rotation`'s positions unless the map writes rotated keys, on `device` in `dtype`. `order` (B, T): the shuffled
+    null's token order. The one way a cache is mapped, with autograd on or off: a map is trained on what it injects."""
     positions = torch.arange(rotation.tokens, device=content[0][0].device)  # (T,)
     rotated = mapper is not None and mapper.key_space == "rotated"
     for layer in range(mapper.target_layers(content) if mapper else len(content)):

@@ -1,8 +1,6 @@
-"""The mapped pair, one home for it: the source and target by name, their tokenizers and architecture contract, each
-model loaded once, and every handoff between them. Configs, tokenizers and the contract are read at once, so a refused
-pair or mode costs no weight loading; weights load on first use and every handoff shares them (a self source,
-`self:<n>`, shares the target's first layers). A map is bound to the pair it was fitted on: its fingerprints of both
-models must match the pair's before any forward unless allowed; models in memory (`Pair.of`) leave maps unchecked.
+"""The mapped pair: source and target, their tokenizers and contract read at once (a refused pair or mode costs no
+weight loading), each model loaded once on first use, and every handoff between them. A map is bound to the pair it
+was fitted on: its fingerprints of both models must match unless allowed (models in memory leave maps unchecked).
 """
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ class OtherModelsError(Refusal, ValueError):
 
 
 def check_models(label: str, fitted: dict | None, loaded: PairFingerprints, allow: bool) -> str | None:
-    """Refuse (`OtherModelsError`, one line with the fix) a map whose models differ from the loaded ones; with
-    `allow`, return the difference for the outputs to record instead (None when there is none)."""
+    """Refuse a map whose models differ from the loaded ones; with `allow`, return the difference (or None)."""
     difference = model_differences(fitted, loaded)
     if difference is None or allow:
         return difference and f"{label} {difference}"
