@@ -94,12 +94,6 @@ def selected_positions(lengths: torch.Tensor, sink: int, chosen: torch.Tensor | 
     return padded_positions(rows)
 
 
-def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:
-    """(B, 1, P, P) additive causal mask: right padding never reaches a real token."""
-    mask = additive_mask(torch.ones(width, width, dtype=torch.bool).tril(), dtype)
-    return mask[None, None].expand(batch, 1, -1, -1)
-
-
 def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -> Layers:
     """The target's own keys/values (B, H, P, D), rotated, of its first n layers over prefix_ids (B, P): layers
     0..n-2 in full, layer n-1's input norm and K/V projections only; no logits."""
@@ -109,7 +103,8 @@ def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -
     positions = torch.arange(width, device=target.device)[None].expand(batch, -1)  # (B, P)
     cos, sin = decoder.rotary_emb(hidden, positions)  # (B, P, D) each
     cache = transformers.DynamicCache(config=target.config)
-    mask = _causal_mask(batch, width, hidden.dtype).to(target.device)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # right padding never reaches a real token
+    mask = additive_mask(causal, hidden.dtype)[None, None].expand(batch, 1, -1, -1).to(target.device)  # (B, 1, P, P)
     for layer in decoder.layers[: n - 1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                        position_embeddings=(cos, sin))
