@@ -41,19 +41,6 @@ def sliding_window(config) -> int | None:
     return int(window) if int(window) < config.max_position_embeddings else None
 
 
-def active_window(config, max_tokens: int | None) -> int | None:
-    """The sliding window that masks attention within a run of `max_tokens`, if any; None without a run length (the
-    handoff then refuses each sequence longer than the window as it comes, naming it)."""
-    window = sliding_window(config)
-    return window if window is not None and max_tokens is not None and window < max_tokens else None
-
-
-def _no_kv_heads(config, max_tokens):
-    if getattr(config, "num_key_value_heads", None) is None:
-        return "has no num_key_value_heads"
-    return None
-
-
 def _latent_attention(config, max_tokens):
     mla = [key for key in MLA_KEYS if getattr(config, key, None)]
     return f"uses multi-head latent attention ({mla[0]}={getattr(config, mla[0])})" if mla else None
@@ -67,15 +54,12 @@ def _mixed_layers(config, max_tokens):
 
 
 def _active_window(config, max_tokens):
-    window = active_window(config, max_tokens)
-    if window is None:
+    # no run length: the handoff refuses each sequence longer than the window as it comes, naming it
+    window = sliding_window(config)
+    if window is None or max_tokens is None or window >= max_tokens:
         return None
     return (f"has a sliding window of {window} tokens, active at {max_tokens} tokens; run at most {window} tokens "
             f"(the profile's lengths, kv.contract.run_length; check_pair --max-tokens) or use a full-attention model")
-
-
-def _rope(config, max_tokens):
-    return rope_refusal(config)
 
 
 def _untested_family(config, max_tokens):
@@ -89,14 +73,17 @@ def _untested_family(config, max_tokens):
 # the one a run can work around (by running shorter), comes last
 CONTRACT_RULES = (
     ("no `num_key_value_heads` (GPT-NeoX, GPT-2)",
-     "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads", _no_kv_heads),
+     "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads",
+     lambda config, _: None if getattr(config, "num_key_value_heads", None) is not None
+     else "has no num_key_value_heads"),
     ("multi-head latent attention (DeepSeek-V2/V3)",
      "the cache holds a compressed latent, not per-head keys and values", _latent_attention),
     ("per-layer attention types (Gemma 2/3, Qwen3 with `use_sliding_window`)",
      "the handoff needs one full-attention layout for every layer", _mixed_layers),
     ("RoPE it cannot strip exactly: partial rotary (Phi, StableLM, GPT-NeoX), length-dependent scaling (dynamic "
      "NTK, LongRoPE), per-layer-type RoPE, unknown types",
-     "stripping and re-applying such a rotation would silently corrupt the cache", _rope),
+     "stripping and re-applying such a rotation would silently corrupt the cache",
+     lambda config, _: rope_refusal(config)),
     ("a family not in the tested list", "its cache layout and rotary embedding are unverified", _untested_family),
     ("a sliding window shorter than the run (Mistral v0.1 past 4096 tokens)",
      "positions past the window are masked by the model but not by a rebuilt cache", _active_window),
@@ -223,14 +210,12 @@ class Contract:
         return self.families.get(family, f"unknown family {family!r}") is None
 
 
-SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
 def config_token_facts(source_config, target_config) -> str:
     """What the two configs say about their tokens, as a clause: which of vocabulary size and special token ids
     differ. Only a hint: neither proves two tokenizers the same or different (an embedding may be padded past
     the vocabulary; base and instruct models of one tokenizer name different end-of-sequence ids)."""
-    differ = [f"{key.removesuffix('_id').replace('_', ' ')} ids {left} vs {right}" for key in SPECIAL_TOKEN_IDS
+    differ = [f"{key.removesuffix('_id').replace('_', ' ')} ids {left} vs {right}"
+              for key in ("bos_token_id", "eos_token_id", "pad_token_id")
               if (left := getattr(source_config, key, None)) != (right := getattr(target_config, key, None))]
     if source_config.vocab_size != target_config.vocab_size:
         differ.insert(0, f"vocabulary sizes {source_config.vocab_size} vs {target_config.vocab_size}")

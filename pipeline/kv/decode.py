@@ -1,8 +1,6 @@
-"""Reading the target after a handoff's cache: the decode loops that every comparison and face shares.
-
-Contexts of different lengths batch together right-padded and masked, each row at its own positions (a sparse cache
-has fewer slots than positions). The target alone, read whole (`full_logprobs`) and in chunks through its own cache
-(`chunked_logprobs`), is the exactness control: the two are equal in maths, so they differ by float rounding only.
+"""The decode loops every comparison and face reads the target with after a handoff's cache. Contexts of different
+lengths batch together right-padded and masked, each row at its own positions (a sparse cache has fewer slots than
+positions). `full_logprobs` against `chunked_logprobs` is the exactness control: equal in maths, off by rounding only.
 """
 from __future__ import annotations
 
@@ -23,11 +21,10 @@ transformers = lazy("transformers")
 @no_grad
 def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
                     segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities (B, L, V), float32, of several continuations packed into each row of tokens (B, L), read by
-    the handoff's target after that row's prefix cache (B, H, P, D), right-padded to real lengths `prefix_lengths`
-    (B,). `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it: a
-    token sees its row's real prefix (the slots that hold it: `Handoff.slots`) and the earlier tokens of its own
-    continuation, at position prefix_lengths[b] + offset, so each continuation scores as if alone after the prefix."""
+    """Log-probabilities (B, L, V), float32, of continuations packed into rows of tokens (B, L) after each row's prefix
+    cache (B, H, P, D) of real lengths `prefix_lengths` (B,). `segments` (B, L) numbers each token's continuation (-1
+    on padding), `offsets` (B, L) its place in it: a token sees its row's real prefix and the earlier tokens of its
+    own continuation, at position prefix_lengths[b] + offset, so each continuation scores as if alone."""
     batch, steps = tokens.shape
     width = 0 if layers is None else layers[0][0].shape[2]
     prefix = real_slots(handoff.slots(prefix_lengths), width)[:, None].expand(-1, steps, -1)  # (B, L, P)
@@ -44,10 +41,8 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
 @no_grad
 def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens: torch.Tensor,
                               segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`packed_logprobs` of one context (B = 1) whose prefix the decoding model prefills itself in the same forward
-    (one call, not a prefill and a step: a batch-1 oracle's): the row reads prefix_ids (1, P) then tokens (1, L), the
-    prefix causal, each packed token seeing the whole prefix and the earlier tokens of its own continuation at
-    position P + offset; only the L packed positions reach the head."""
+    """`packed_logprobs` of one context (B = 1) whose prefix the decoding model prefills in the same forward: the row
+    reads prefix_ids (1, P), causal, then tokens (1, L) at positions P + offset; only those L reach the head."""
     width, steps = prefix_ids.shape[1], tokens.shape[1]
     prefix = torch.cat([torch.ones(width, width, dtype=torch.bool).tril(), torch.zeros(width, steps, dtype=torch.bool)],
                        dim=1)  # (P, P + L)
@@ -95,9 +90,8 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
 def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
                    attention: list | None = None) -> list[torch.Tensor]:
     """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
-    continuation; all prompts in one batch: one prefill, one step forward. `attention` (a list) gets each prompt's
-    attention outputs at those positions, (L_t, m, hidden) in the model's dtype on the CPU (what every target
-    layer's attention block wrote, after its output projection)."""
+    continuation, all in one batch. `attention` (a list) gets each prompt's attention outputs (after the output
+    projection) at those positions, (L_t, m, hidden) in the model's dtype on the CPU."""
     prefixes = padded_prefixes([context for context, _ in prompts])
     layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
     told = handoff.lengths_read(prefixes.lengths, prefixes.padded)
@@ -149,8 +143,8 @@ def at(start: int, count: int, device) -> torch.Tensor:
 
 @contextmanager
 def attention_outputs(model, active: bool = True):
-    """The list yielded gets every decoder layer's attention output (B, T, hidden) of each forward of `model`, on the
-    CPU, in layer order; it stays empty when inactive."""
+    """Yields a list of every decoder layer's attention output (B, T, hidden) per forward, on the CPU; empty when
+    inactive."""
     outputs: list[torch.Tensor] = []
     if not active:
         yield outputs
@@ -167,17 +161,11 @@ def attention_outputs(model, active: bool = True):
             hook.remove()
 
 
-def argmax_token(logits: torch.Tensor) -> int:
-    """The greedy choice from one position's logits (V,)."""
-    return int(logits.argmax())
-
-
 @no_grad
 def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
            on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens the target decodes after the handoff's first step on `context` (`Handoff.first_step`): `choose`
-    picks each from its position's logits (V,) (an int: the device has finished the step), `on_token(tokens so far)`
-    sees each as it comes and returns True to stop there."""
+    """The tokens decoded after the handoff's first step on `context`: `choose` picks each from its logits (V,),
+    `on_token(tokens so far)` sees each as it comes and returns True to stop there."""
     tokens: list[int] = []
     if max_new_tokens <= 0:
         return tokens
@@ -200,7 +188,7 @@ def greedy_generate(
     should_stop: Callable[[list[int]], bool] = lambda tokens: False,
 ) -> list[int]:
     """Greedy tokens after the handed-off cache of context[:-1] and context[-1]; should_stop(tokens so far) ends it."""
-    return decode(handoff, context, max_new_tokens, argmax_token, should_stop)
+    return decode(handoff, context, max_new_tokens, lambda logits: int(logits.argmax()), should_stop)
 
 
 def full_logprobs(target, context, continuation) -> torch.Tensor:
@@ -232,9 +220,8 @@ def eos_ids(model, tokenizer) -> set[int]:
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """(the tokens decoded after the handoff's cache of prompt[:-1] and prompt[-1], the time to first token in ms).
-    Greedy at temperature 0, else sampled from softmax(logits / temperature) with seed `seed`; `on_token` sees each
-    token (with those before it) as it comes; stops after a token in `stop`."""
+    """(the tokens decoded after the handoff of `prompt`, the time to first token in ms): greedy at temperature 0,
+    else sampled from softmax(logits / temperature) with `seed`; stops after a token in `stop`."""
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)

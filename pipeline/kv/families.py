@@ -1,8 +1,7 @@
 """The mapper families: the forms of a map from the source's content-space cache to the target's, per target layer
-and kind (keys, values). One class holds a family's tensors and shapes (parameter and multiply-add counts follow from
-them), the geometry it needs, how it is fitted (closed form, trained, or not at all) and its maths; `FAMILIES` is the
-one list. Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source layers, every
-source head), H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
+and kind (keys, values), each with its tensors, shapes, geometry needs, fitting and maths; `FAMILIES` is the one list.
+Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source layers, every source head),
+H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
 """
 from __future__ import annotations
 
@@ -60,8 +59,8 @@ class Family:
         raise NotImplementedError
 
     def width(self, tensors: tuple) -> int | None:
-        """The inner size read off one layer's tensors (None for a family without one)."""
-        return None
+        """The inner size read off one layer's tensors (the first tensor's columns), None for a family without one."""
+        return tensors[0].shape[1] if self.width_name else None
 
     def inputs(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The k chosen source layers' (B, H_s, T, D_s) content -> this family's input rows, (B, T, k*H_s*D_s):
@@ -76,9 +75,8 @@ class Family:
 
     def solve(self, fit, select, blocks: list[int], ridge_lambda: float, geometry: Geometry, scale: str,
               ridge, device, width: int | None) -> Solved:
-        """The closed-form fit of one layer and kind from the `fit` and `select` summaries (`fitting.ridge`'s
-        `Moments` or `Rows`); `blocks` are the positions, among the accumulated source layers, of the k this map
-        reads; `ridge` is the fitting wing's solver module, handed in (the kv wing comes before it)."""
+        """The closed-form fit of one layer and kind from the `fit` and `select` summaries; `blocks`: the positions of
+        the k source layers read among those accumulated; `ridge`: the fitting wing's solver (kv comes before it)."""
         raise NotImplementedError(f"the {self.name} family is not fitted in closed form")
 
 
@@ -90,18 +88,11 @@ def columns(blocks: list[int], geometry: Geometry, device, head: int | None = No
     return torch.cat([torch.arange(b * width + start, b * width + end, device=device) for b in blocks])
 
 
-def per_head(weight: torch.Tensor, bias: torch.Tensor, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """A solve's weight (F, H*D) and bias (H*D,) as the file holds them: (H, F, D) and (H, D)."""
-    return weight.reshape(-1, geometry.heads_t, geometry.dim_t).permute(1, 0, 2), bias.reshape(geometry.heads_t,
-                                                                                            geometry.dim_t)
-
-
 class Identity(Family):
     """The source cache as it is (what direct injection passes), defined only when the two KV geometries are equal:
     a map of no tensors, never projected or solved."""
 
     name = "identity"
-    tensor_names = ()
     name_fields = ()
     trainable = False
 
@@ -138,7 +129,9 @@ class Linear(Family):
         own, own_select = fit.select(inputs), select.select(inputs)
         solved = ridge.effective_lambda(own, ridge_lambda, scale)
         weight, bias = ridge.solve(own, solved)  # (F, H*D), (H*D,): all heads, one solve
-        return Solved(per_head(weight, bias, geometry), ridge.fitted_residual_ss(own, weight, bias, solved),
+        per_head = (weight.reshape(-1, geometry.heads_t, geometry.dim_t).permute(1, 0, 2),  # (H, F, D)
+                    bias.reshape(geometry.heads_t, geometry.dim_t))  # (H, D)
+        return Solved(per_head, ridge.fitted_residual_ss(own, weight, bias, solved),
                       ridge.residual_ss(own_select, weight, bias), [solved] * geometry.heads_t, inputs.numel() + 1)
 
 
@@ -196,7 +189,6 @@ class Mlp(Family):
 
     name = "mlp"
     tensor_names = ("in_weight", "in_bias", "weight", "bias")
-    name_fields = ("k",)
     width_name = "hidden"
     width_param = "fit.mlp.hidden"
     fitting = "trained"
@@ -207,9 +199,6 @@ class Mlp(Family):
         inputs = k * geometry.heads_s * geometry.dim_s
         return (inputs, width), (width,), (geometry.heads_t, width, geometry.dim_t), (geometry.heads_t,
                                                                                     geometry.dim_t)
-
-    def width(self, tensors: tuple) -> int | None:
-        return tensors[0].shape[1]
 
     def project(self, inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor) -> torch.Tensor:
@@ -238,9 +227,6 @@ class LowRank(Family):
             raise ValueError("the low_rank family's size needs its rank")
         return ((k * geometry.heads_s * geometry.dim_s, width), (geometry.heads_t, width, geometry.dim_t),
                 (geometry.heads_t, geometry.dim_t))
-
-    def width(self, tensors: tuple) -> int | None:
-        return tensors[0].shape[1]
 
     def project(self, inputs: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         reduced = inputs.to(down.dtype) @ down  # (B, T, r)

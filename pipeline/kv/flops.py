@@ -176,8 +176,7 @@ def repair_macs(target_config, repair: Repair, length: int, source_scores: int |
 
 
 def repair_budget(target_config, repair: Repair, length: int, source_scores: int | None = None) -> float:
-    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt (0: the mapped cache as it
-    is; `source_scores` as `repair_macs`)."""
+    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt (`repair_macs`' arguments)."""
     return sum(repair_macs(target_config, repair, length, source_scores).values()) / target_prefill_macs(
         target_config, length)
 

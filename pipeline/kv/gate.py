@@ -1,8 +1,6 @@
-"""Selective handoff: a per-request confidence score computed without the target's prefill, and the gate that falls
-back to the target's own prefill where the mapped cache is not trusted. Every score reads the handoff's first step
-only (PROTOCOL.md, "Handoff"), plus a source step (`kl`) or a second map and target step (`disagree`): `kv.scores`.
-A one-token context hands off nothing: the handoff is the oracle, its score -inf. The gate falls back where score >
-threshold: threshold +inf is the ungated handoff, -inf the oracle everywhere (one-token contexts included).
+"""Selective handoff: a per-request score computed from the handoff's first step only (`kv.scores`), never the
+target's prefill, and the gate that falls back to the target's own prefill where score > threshold: +inf is the
+ungated handoff, -inf the oracle everywhere. A one-token context hands off nothing: its score is -inf.
 """
 from __future__ import annotations
 
@@ -76,10 +74,8 @@ def fit_probe(values: Mapping[str, Sequence[float]], labels: Sequence[bool], fea
 
 
 class Scorer:
-    """The scores of requests handed off through `handoff` (a source mode), from its first step only; no score reads
-    the target's prefill of the prompt (tests make it fail). `disagree`: the two mapped handoffs (k=1 and k=max)
-    whose first steps the `disagree` score compares, sharing `handoff`'s source prefill; `scores`: the registry it
-    computes from, beside the probe's other inputs."""
+    """The scores of requests handed off through `handoff` (a source mode), from its first step only. `disagree`:
+    the two mapped handoffs (k=1 and k=max) the `disagree` score compares; `scores`: the registry it reads."""
 
     def __init__(self, handoff: Handoff, disagree: tuple[Handoff, Handoff] | None = None, probe: Probe | None = None,
                  scores: Mapping[str, Score] = SCORES):
@@ -98,9 +94,8 @@ class Scorer:
     @no_grad
     def scores(self, contexts: Sequence[Sequence[int]], names: Sequence[str], batch_size: int = 16,
                keep: dict | None = None) -> dict[str, torch.Tensor]:
-        """Each named score or feature (N,), float64 on the CPU, of contexts c[0..n-1], `batch_size` contexts a
-        forward (`probe`: its features first, then the probe); `keep`: filled with each prefix's cache from the
-        handoff's first step (`FirstStep.kept`), for the router to score its continuations on."""
+        """Each named score or feature (N,), float64 on the CPU, of contexts c[0..n-1]; `keep`: filled with each
+        prefix's cache from the handoff's first step, for the router to score its continuations on."""
         self.check(names)
         out = {name: torch.full((len(contexts),), float("-inf"), dtype=torch.float64) for name in names}
         rows = [row for row, context in enumerate(contexts) if len(context) >= 2]  # the others hand off nothing
@@ -114,16 +109,14 @@ class Scorer:
         return out
 
     def step_scores(self, first: FirstStep, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Each named score or feature (B,), float64 on the CPU, of a first step of the handoff (`retain`ed), and of
-        the steps it shares that step's source prefill with: each entry's maths, what it reads first."""
+        """Each named score or feature (B,), float64 on the CPU, of a `retain`ed first step of the handoff."""
         evidence = Evidence(first, self)
         for name in self.needed(names):
             evidence.values[name] = self.known[name].score(evidence).double().cpu()
         return {name: evidence.values[name] for name in names}
 
     def needed(self, names: Sequence[str]) -> list[str]:
-        """What is computed from a first step for `names`, each once, what an entry reads before it (the probe: its
-        features)."""
+        """What is computed for `names`, each once, what an entry reads (the probe: its features) before it."""
         order: dict[str, None] = {}
         for name in names:
             order.update(dict.fromkeys(self.needed(self.known[name].reads(self))))
@@ -142,11 +135,11 @@ class Gate:
 
     def route(self, contexts: Sequence[Sequence[int]], batch_size: int = 16, keep: dict | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (N,) and whether each request falls back (N,) bool: every one at threshold -inf, a one-token
-        context too (its score is -inf, and -inf > -inf is false); `keep`: as `Scorer.scores`."""
+        """Scores (N,) and whether each request falls back (N,) bool; `keep`: as `Scorer.scores`."""
         scores = self.scorer.scores(contexts, [self.score], batch_size, keep)[self.score]
         return scores, self.falls_back(scores)
 
     def falls_back(self, scores: torch.Tensor) -> torch.Tensor:
-        """Whether each request of `scores` (N,) falls back: score > threshold, or every one at threshold -inf."""
+        """Whether each request of `scores` (N,) falls back: score > threshold, or every one at threshold -inf (a
+        one-token context's score is -inf, and -inf > -inf is false)."""
         return (scores > self.threshold) | (self.threshold == float("-inf"))

@@ -11,7 +11,6 @@ positions (`slots`, `lengths_read`). Option `keep` in (0, 1] reads only each con
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, sliding_window
@@ -19,18 +18,15 @@ from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.kvcache import (
     Layers,
     Prefixes,
-    cache_to_layers,
     expand_batch,
     layer_devices,
     layers_to_cache,
     real_slots,
 )
-from pipeline.kv.lookahead import scored_prefill
-from pipeline.kv.mapper import Mapper, map_cache
-from pipeline.kv.modes import MODES, Built, ClockHook, tell
-from pipeline.kv.recompute import RepairCount, repair_cache
+from pipeline.kv.mapper import Mapper
+from pipeline.kv.modes import MODES, Built, ClockHook, Inputs, Prompt, tell
 from pipeline.kv.repair import Repair
-from pipeline.kv.rope import RotarySpec, Rotation, model_name
+from pipeline.kv.rope import RotarySpec, model_name
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
@@ -48,8 +44,8 @@ def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: d
                                     f"{target_geometry}")
 
 
-def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) -> dict:
-    """The source's KV geometry, refused unless `mapper` was fitted for the pair's geometries or, without a
+def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) -> None:
+    """Refuse the pair unless `mapper` was fitted for the pair's geometries or, without a
     mapper, it equals the target's."""
     source_geometry, target_geometry = kv_geometry(source.config), kv_geometry(target.config)
     names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
@@ -60,7 +56,6 @@ def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) ->
             f"transfer mode {mode!r} without a mapper needs equal KV geometry, but {names} have "
             f"{source_geometry} vs {target_geometry}; use transfer=mapped with a fitted mapper"
         )
-    return source_geometry
 
 
 def pair_window(target, source=None) -> int | None:
@@ -176,32 +171,28 @@ class CacheReader:
 
 
 class Handoff(CacheReader):
-    """Builds the decoding model's prefix cache in one of MODES (the mode's hook) and scores tokens after it."""
+    """Builds the decoding model's prefix cache in one of MODES (the mode's `build`) and scores tokens after it."""
 
     def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
                  repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
                  speculative: SpeculativeParams | None = None):
-        """Takes what a request checked (`kv.request.Transfer`) and the pair's contract allowed (`Pair.handoff`).
-        `decoder`: the model that decodes (the target; in mode `source` the source itself); `repair`: a setting the
-        target applies to every prefix cache it did not prefill, before its first step; `share`: the value of a mode
-        that takes one (`speculative`'s p); `speculative`: the declared settings of the source's look-ahead scores,
-        which `speculative` and a `source_attention` repair read. A sequence longer than a sliding window is refused
-        when it comes (`check_length`)."""
+        """Takes what a request checked (`kv.request.Transfer`) and the pair's contract allowed (`Pair.handoff`);
+        `modes.Inputs` says what each means. `keep`: the truncated prompt's share (module docstring). A sequence
+        longer than a sliding window is refused when it comes (`check_length`)."""
         self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
-        self.shuffle_seed = shuffle_seed
-        self.kind = MODES[mode]  # the mode's entry: its hook `prefix` builds every prefix cache
+        self.kind = MODES[mode]
         handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
         self.window = pair_window(decoder, handed)  # the longest sequence it may see
         self.decoder_spec = RotarySpec.from_model(decoder)
-        self.decoder_geometry = kv_geometry(decoder.config)
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
         self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
-        self.repaired = RepairCount()  # what the repair made the target compute (kv.recompute)
-        self.source_prefills = 0  # contexts prefilled by the source, and forwards that did it: counted so tests
-        self.source_forwards = 0  # can check that shared contexts share a prefill and a batch shares a forward
+        source_spec = None
         if self.kind.hands_over:
-            self.source_spec = RotarySpec.from_model(source)
-            self.source_geometry = checked_source_geometry(source, decoder, mode, mapper)
+            checked_source_geometry(source, decoder, mode, mapper)
+            source_spec = RotarySpec.from_model(source)
+        self.inputs = Inputs(decoder, source, mapper, repair, speculative, share, shuffle_seed, self.decoder_devices,
+                             self.decoder_spec, source_spec)
+        self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)
 
     def context(self, tokens) -> list[int]:
         """The part of a context c[0..n-1] this handoff reads: all of it, or under `keep` its last round(keep x n)
@@ -221,15 +212,13 @@ class Handoff(CacheReader):
 
     def built(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | None,
               clock: ClockHook | None = None, prefilled: Layers | None = None) -> Built:
-        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made (the decoding
-        model's own prefill, the zero cache, or the source's prefill mapped; then repaired, where the cache was handed
-        over). `lengths` (B,) and `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as each
-        part ends; `prefilled`: the prefill's cache, made already by a handoff of the same model."""
+        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made; `lengths`, `mask`,
+        `clock` and `prefilled` as `modes.Prompt` says."""
         prefix_ids = prefix_ids.to(self.device)
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
             return Built(None, None, None)
-        return self.kind.prefix(self, prefix_ids, lengths, mask, clock, prefilled)
+        return self.kind.build(self.inputs, Prompt(prefix_ids, lengths, mask, clock, prefilled))
 
     @no_grad
     def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None, prefilled: Layers | None = None,
@@ -251,66 +240,6 @@ class Handoff(CacheReader):
         tell(clock, "step")
         return FirstStep(prefixes, logits, cache, source, mapped, selected)
 
-    def repaired_layers(self, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None,
-                        source_scores: torch.Tensor | None = None) -> Layers:
-        """`layers` after this handoff's repair (untouched when it is empty), timed into `repaired.log`;
-        `source_scores` (B, P): the source's look-ahead scores, where the policy reads them."""
-        if self.repair.empty:
-            return layers
-        start, before = time.perf_counter(), self.repaired.recomputed
-        layers = repair_cache(self.decoder, layers, prefix_ids, lengths, self.repair, self.repaired,
-                              self.decoder_devices, source_scores)
-        self.repaired.log.append((self.repaired.recomputed - before, time.perf_counter() - start))
-        return layers
-
-    def own_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:
-        """The decoding model's own cache for prefix_ids (B, P) on its device, `mask` (B, P) marking real tokens."""
-        return cache_to_layers(self.decoder.model(input_ids=prefix_ids, attention_mask=_on(mask, self.device),
-                                                  use_cache=True).cache)
-
-    @no_grad
-    def source_prefill(self, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> Layers:
-        """The source's own cache for prefix_ids (B, P), `mask` (B, P) marking real tokens: its decoder body
-        only, no logits, one forward for the batch."""
-        self.source_prefills += prefix_ids.shape[0]
-        self.source_forwards += 1
-        device = self.source.device
-        return cache_to_layers(self.source.model(input_ids=prefix_ids.to(device), attention_mask=_on(mask, device),
-                                                 use_cache=True).cache)
-
-    @no_grad
-    def scored_source_prefill(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None,
-                              mask: torch.Tensor | None = None, clock: ClockHook | None = None
-                              ) -> tuple[Layers, torch.Tensor]:
-        """`source_prefill` and, from the same forward, the source's look-ahead score of every slot (B, P)
-        (`kv.lookahead`, under the declared `speculative` settings); `lengths` (B,) as `mask` (None: none padded);
-        `clock(part)` is told `prefill` after the forward and `scores` after the scoring."""
-        self.source_prefills += prefix_ids.shape[0]
-        self.source_forwards += 1
-        lengths = torch.full((prefix_ids.shape[0],), prefix_ids.shape[1]) if lengths is None else lengths
-        return scored_prefill(self.source, prefix_ids, lengths, mask, self.speculative, clock)
-
-    @no_grad
-    def to_target(self, source_layers: Layers, lengths: torch.Tensor | None = None) -> Layers:
-        """Source cache -> target-space cache (rotated, target dtype), as this handoff's mode hands it over;
-        `lengths` (B,) are the real lengths of right-padded rows (the shuffle permutes each row's real tokens only)."""
-        return self.kind.to_target(self, source_layers, lengths)
-
-    def rebuilt(self, source_layers: Layers, mapper: Mapper | None = None, order: torch.Tensor | None = None
-                ) -> Layers:
-        """The source's cache re-encoded for the target: its RoPE stripped, through `mapper` (None: unmapped), its
-        tokens in `order` (B, P) (None: as they are), the target's RoPE applied, cast to the target's dtype."""
-        length = source_layers[0][0].shape[2]
-        positions = torch.arange(length, device=self.source.device)
-        source_rotation = Rotation(self.source_spec, positions)
-        # a map fitted on rotated keys (the length study's no-strip ablation) reads and writes them as cached
-        rotated = mapper is not None and mapper.key_space == "rotated"
-        content = [(k.float() if rotated else source_rotation.strip(k.float()), v.float())
-                   for k, v in source_layers]  # float32, content space (or rotated, for the ablation)
-        target_rotation = Rotation(self.decoder_spec, positions.to(self.device))
-        return [cache for _, cache in map_cache(mapper, content, target_rotation, self.decoder.dtype, self.device,
-                                                order)]
-
 
 def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor
                   ) -> dict[str, torch.Tensor]:
@@ -322,6 +251,3 @@ def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, 
     return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
             "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
 
-
-def _on(mask: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if mask is None else mask.to(device)

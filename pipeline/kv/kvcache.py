@@ -1,14 +1,13 @@
-"""Per-layer keys/values out of a transformers cache, a transformers cache built from tensors, the keys a model
-computes before its rotary embedding (what a stripped cache must equal: the RoPE control's reference), and a batch
-of contexts' prefixes, right-padded (`Prefixes`) with the one mask of their real slots (`real_slots`).
-
-Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, tokens, head_dim).
+"""Caches as tensors and back, the keys a model computes before RoPE (the RoPE control's reference), and a batch of
+contexts' prefixes, right-padded, with the one mask of their real slots. Layout everywhere: a list over layers of
+(keys, values), each (batch, kv_heads, tokens, head_dim).
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
 from pipeline.kv import projections
+from pipeline.kv.geometry import kv_geometry
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -18,8 +17,7 @@ Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def real_slots(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, width) bool: the real slots of right-padded rows of real lengths `lengths` (B,), slot j < lengths[b]; the
-    one place a padded batch's mask is made."""
+    """(B, width) bool: slot j < lengths[b], the real slots of right-padded rows of real lengths `lengths` (B,)."""
     return torch.arange(width)[None] < lengths.cpu()[:, None]
 
 
@@ -32,8 +30,7 @@ def padded_positions(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive attention mask of a bool one (True: may attend), as eager attention reads it and SDPA accepts
-    it (transformers takes a 4D mask as is): 0 where allowed, the dtype's most negative value elsewhere."""
+    """A bool mask (True: may attend) as the additive 4D mask transformers takes as is: 0 or the dtype's minimum."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
@@ -101,12 +98,10 @@ def layer_devices(model) -> list[torch.device] | None:
 
 
 def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> transformers.DynamicCache:
-    """A fresh DynamicCache for the model of `config`, holding `layers` cast to its dtype and on `device`, or
-    with a list of devices (`layer_devices`) each layer on its own: the cache moves, the model stays."""
+    """A DynamicCache of `layers` cast to `dtype`, on `device` or, given a list (`layer_devices`), each on its own."""
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{len(layers)} cache layers for a model of {config.num_hidden_layers} layers")
-    expected = (config.num_key_value_heads,
-                getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    expected = (config.num_key_value_heads, kv_geometry(config)["head_dim"])
     for index, (keys, values) in enumerate(layers):
         if (keys.shape[1], keys.shape[3]) != expected or keys.shape != values.shape:
             raise ValueError(
@@ -124,22 +119,9 @@ def expand_batch(layers: Layers, batch: int) -> Layers:
 
 
 def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
-    """Run `model` on token_ids; per layer, the keys (1, kv_heads, T, head_dim) its attention computed just before
-    the rotary embedding (`kv.projections.keys` of the states the attention read), and its cache."""
-    captured: dict[int, torch.Tensor] = {}
-
-    def keep(index):
-        def hook(module, args, kwargs, output):
-            captured[index] = projections.keys(module, kwargs["hidden_states"] if "hidden_states" in kwargs
-                                               else args[0])  # (B, H, T, D)
-        return hook
-
-    hooks = [layer.self_attn.register_forward_hook(keep(index), with_kwargs=True)
-             for index, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [captured[index] for index in range(len(hooks))], cache_to_layers(cache)
+    """Per layer, the keys (1, kv_heads, T, head_dim) `model`'s attention computes on token_ids before RoPE, and
+    its cache."""
+    with torch.no_grad(), projections.attention_inputs(model) as captured:
+        cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
+        keys = [projections.keys(module, hidden) for module, hidden, _ in captured.values()]  # (B, H, T, D) each
+    return keys, cache_to_layers(cache)

@@ -1,6 +1,5 @@
-"""The source's look-ahead scores: its attention from a prefix's last m tokens over every earlier position, read
-in the forward that prefills the source's cache (SpecPrefill's token importance, arXiv 2502.02789), and the
-positions speculative prefill keeps by them (`kv.speculative` has the settings and the counts).
+"""The source's look-ahead scores (SpecPrefill's token importance, arXiv 2502.02789), read in the forward that
+prefills its cache, and the positions speculative prefill keeps by them.
 
     prefix    c[0] ... c[P-m-1] | c[P-m] ... c[P-1]        one row, right-padded to the batch's width
     queries                       the last m, rotated as the layer rotates them
@@ -24,28 +23,14 @@ torch = lazy("torch")
 def scored_prefill(model, prefix_ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
                    settings: SpeculativeParams, clock: Callable[[str], None] | None = None
                    ) -> tuple[Layers, torch.Tensor]:
-    """`model`'s own cache of prefix_ids (B, P) (its body, no logits; `mask` (B, P) marks real slots, None: all are)
-    and each slot's look-ahead score (B, P), float32 on the CPU, from the same forward; `lengths` (B,) the rows'
-    real lengths; `clock(part)` is told `prefill` after the forward, `scores` after the scoring."""
+    """`model`'s cache of prefix_ids (B, P) (no logits; `mask` (B, P): real slots, None: all) and each slot's
+    look-ahead score (B, P), float32 on the CPU, from one forward; `clock` is told `prefill`, then `scores`."""
     read = settings.layer_indices(model.config.num_hidden_layers)
-    captured: dict[int, tuple] = {}
-
-    def keep(index):
-        def hook(module, args, kwargs, output):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            captured[index] = (module, hidden, kwargs["position_embeddings"])
-        return hook
-
-    layers = model.model.layers
-    hooks = [layers[index].self_attn.register_forward_hook(keep(index), with_kwargs=True) for index in read]
     device = model.device
-    try:
+    with projections.attention_inputs(model, read) as captured:
         cache = cache_to_layers(model.model(input_ids=prefix_ids.to(device),
                                             attention_mask=None if mask is None else mask.to(device),
                                             use_cache=True).cache)
-    finally:
-        for hook in hooks:
-            hook.remove()
     if clock is not None:
         clock("prefill")
     per_layer = [attention_weights(*captured[index], cache[index][0], lengths.cpu(), settings) for index in read]

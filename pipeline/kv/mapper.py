@@ -22,6 +22,10 @@ torch = lazy("torch")
 
 FORMAT = "kv-handoff/mapper/v1"
 TYPED_EXTRA = ("key_space", "distilled")  # the extra entries other stages read, typed fields of `Mapper`
+# metadata key -> Mapper field, in the file's order
+META_FIELDS = {**{name: name for name in ("family", "source", "target", "source_geometry", "target_geometry",
+                                         "rotary_source", "rotary_target", "k")},
+               "lambda": "ridge_lambda", "source_layers": "source_layers"}
 
 
 @dataclass
@@ -71,21 +75,8 @@ class Mapper:
         if self.distilled is not None:
             typed["distilled"] = self.distilled
         bound = {"models": self.models} if self.models is not None else {}
-        return {
-            "format": FORMAT,
-            "family": self.family,
-            "source": self.source,
-            "target": self.target,
-            "source_geometry": self.source_geometry,
-            "target_geometry": self.target_geometry,
-            "rotary_source": self.rotary_source,
-            "rotary_target": self.rotary_target,
-            "k": self.k,
-            "lambda": self.ridge_lambda,
-            "source_layers": self.source_layers,
-            "extra": {**self.extra, **typed},
-            **bound,
-        }
+        return {"format": FORMAT, **{key: getattr(self, field) for key, field in META_FIELDS.items()},
+                "extra": {**self.extra, **typed}, **bound}
 
     def parameter_count(self) -> int:
         return sum(t.numel() for tensors in self.keys + self.values for t in tensors)
@@ -127,11 +118,10 @@ LayerPair = tuple["torch.Tensor", "torch.Tensor"]  # one layer's (keys, values),
 
 def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype, device,
               order: torch.Tensor | None = None) -> Iterator[tuple[LayerPair, LayerPair]]:
-    """The source's content cache (float32, RoPE stripped; as cached for a map of rotated keys) through `mapper`
-    (None: each layer as it is) into the target's cache, one target layer at a time: per layer, the target-space
-    content the map made (after the shuffle) and the cache the target reads, keys rotated to `rotation`'s positions
-    (unless the map writes rotated keys), both on `device` in `dtype`. `order` (B, T): the shuffled null's token
-    order. The one way a cache is mapped, under no_grad or with autograd on: a map is trained on what it injects."""
+    """The source's content cache (float32, RoPE stripped) through `mapper` (None: as it is) into the target's, one
+    layer at a time: the content the map made (after the shuffle) and the cache the target reads, keys rotated to
+    `rotation`'s positions unless the map writes rotated keys, on `device` in `dtype`. `order` (B, T): the shuffled
+    null's token order. The one way a cache is mapped, with autograd on or off: a map is trained on what it injects."""
     positions = torch.arange(rotation.tokens, device=content[0][0].device)  # (T,)
     rotated = mapper is not None and mapper.key_space == "rotated"
     for layer in range(mapper.target_layers(content) if mapper else len(content)):
@@ -146,16 +136,15 @@ def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype,
         yield (keys, values), ((keys if rotated else rotation.apply(keys)).to(dtype), cached_values)
 
 
+def pair_fields(source_config, target_config) -> dict:
+    """A mapper's fields read off the pair's configs: both KV geometries and rotary settings."""
+    return {"source_geometry": kv_geometry(source_config), "target_geometry": kv_geometry(target_config),
+            "rotary_source": RotarySpec.from_config(source_config).to_dict(),
+            "rotary_target": RotarySpec.from_config(target_config).to_dict()}
+
+
 def identity_mapper(source: str, target: str, source_config, target_config) -> Mapper:
-    return Mapper(
-        family="identity",
-        source=source,
-        target=target,
-        source_geometry=kv_geometry(source_config),
-        target_geometry=kv_geometry(target_config),
-        rotary_source=RotarySpec.from_config(source_config).to_dict(),
-        rotary_target=RotarySpec.from_config(target_config).to_dict(),
-    )
+    return Mapper("identity", source, target, **pair_fields(source_config, target_config))
 
 
 def save_mapper(mapper: Mapper, path) -> str:
@@ -180,24 +169,10 @@ def load_mapper(path, device="cpu") -> Mapper:
     except KeyError as err:
         raise ArtifactError(f"{path}: mapper is missing tensor {err}") from None
     extra = meta.get("extra", {})
-    return Mapper(
-        family=meta["family"],
-        source=meta["source"],
-        target=meta["target"],
-        source_geometry=meta["source_geometry"],
-        target_geometry=meta["target_geometry"],
-        rotary_source=meta["rotary_source"],
-        rotary_target=meta["rotary_target"],
-        k=meta["k"],
-        ridge_lambda=meta["lambda"],
-        source_layers=meta["source_layers"],
-        keys=keys,
-        values=values,
-        extra={key: value for key, value in extra.items() if key not in TYPED_EXTRA},
-        key_space=extra.get("key_space", "content"),
-        distilled=extra.get("distilled"),
-        models=meta.get("models"),
-    )
+    return Mapper(**{field: meta[key] for key, field in META_FIELDS.items()}, keys=keys, values=values,
+                  extra={key: value for key, value in extra.items() if key not in TYPED_EXTRA},
+                  key_space=extra.get("key_space", "content"), distilled=extra.get("distilled"),
+                  models=meta.get("models"))
 
 
 def random_mapper(source_config, target_config, k: int = 1, family: str = "linear", seed: int = 0,
@@ -222,17 +197,7 @@ def random_mapper(source_config, target_config, k: int = 1, family: str = "linea
     for layer in range(target_geometry["layers"]):
         first = min(layer * source_geometry["layers"] // target_geometry["layers"], source_geometry["layers"] - k)
         source_layers.append(list(range(first, first + k)))
-    return Mapper(
-        family=family,
-        source=source_config._name_or_path,
-        target=target_config._name_or_path,
-        source_geometry=source_geometry,
-        target_geometry=target_geometry,
-        rotary_source=RotarySpec.from_config(source_config).to_dict(),
-        rotary_target=RotarySpec.from_config(target_config).to_dict(),
-        k=k,
-        source_layers=source_layers,
-        keys=[draw() for _ in source_layers],
-        values=[draw() for _ in source_layers],
-        extra={"random": True, "seed": seed},
-    )
+    return Mapper(family, source_config._name_or_path, target_config._name_or_path,
+                  **pair_fields(source_config, target_config), k=k,
+                  source_layers=source_layers, keys=[draw() for _ in source_layers],
+                  values=[draw() for _ in source_layers], extra={"random": True, "seed": seed})

@@ -1,16 +1,24 @@
-"""The handoff modes: how a handoff builds the prefix cache its decoding model reads. One class holds a mode's name,
-what it reads, whether it needs a fitted map, and its prefix hook (the report's words for it are the report's,
-`studies.variants`); `MODES` is the one list.
+"""The handoff modes: how a handoff builds the prefix cache its decoding model reads. A mode is one entry, its name,
+what it reads and its `build`, a function of the handoff's `Inputs` (the decoding model, the source, the map, the
+repair) and a `Prompt`; `MODES` is the registry. The report's words for a mode are the report's (`studies.variants`).
 Shapes: B rows of a right-padded prefix of P slots; every cache (B, H, P, D) per layer, rotated, in the decoder's dtype.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import time
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from pipeline.kv import entries
+from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.kvcache import cache_to_layers
-from pipeline.kv.lookahead import keep_positions
+from pipeline.kv.lookahead import keep_positions, scored_prefill
+from pipeline.kv.mapper import Mapper, map_cache
+from pipeline.kv.recompute import RepairCount, repair_cache
+from pipeline.kv.repair import Repair
+from pipeline.kv.rope import RotarySpec, Rotation
+from pipeline.kv.speculative import SpeculativeParams
+from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
@@ -28,7 +36,7 @@ class Reads(NamedTuple):
 
 
 class Built(NamedTuple):
-    """A prefix cache as a mode's `prefix` made it; each part None where the mode has none (an empty prefix: all)."""
+    """A prefix cache as a mode built it; each part None where the mode has none (an empty prefix: all)."""
 
     source: list | None  # the source's own cache (a source mode)
     mapped: list | None  # the cache handed to the target, before the repair (a source mode, `zero`)
@@ -38,138 +46,157 @@ class Built(NamedTuple):
     selected: object = None
 
 
-def tell(clock: ClockHook | None, part: str) -> None:
-    if clock is not None:
-        clock(part)
+@dataclass
+class Inputs:
+    """What a handoff's mode builds every prefix cache from, as the request and the pair's contract allowed them."""
+
+    decoder: object  # the model that decodes: the target, or the source itself in mode `source`
+    source: object | None  # the source, where the mode reads it
+    mapper: Mapper | None
+    repair: Repair  # applied to every cache the decoder did not prefill, before its first step
+    speculative: SpeculativeParams | None  # the look-ahead settings of `speculative` and a `source_attention` repair
+    share: float | None  # the value of a mode that takes one (`speculative`'s p)
+    shuffle_seed: int
+    decoder_devices: list | None  # a decoder spread over devices: each layer's cache goes there
+    decoder_spec: RotarySpec
+    source_spec: RotarySpec | None  # where the source's cache is handed over
+    repaired: RepairCount = field(default_factory=RepairCount)  # what the repair made the decoder compute
+    source_prefills: int = 0  # contexts the source prefilled, and the forwards that did it: counted so tests can
+    source_forwards: int = 0  # check that shared contexts share a prefill and a batch shares a forward
 
 
-class Mode(ABC):
-    """A mode: a subclass names it, says what it reads and builds the prefix cache (`prefix`, abstract)."""
+class Prompt(NamedTuple):
+    """The prefixes a mode builds a cache of."""
 
-    name: str = ""
+    ids: torch.Tensor  # (B, P), P > 0, on the decoder's device
+    lengths: torch.Tensor | None = None  # (B,) real lengths of right-padded rows (None: none is padded)
+    mask: torch.Tensor | None = None  # (B, P) the real slots (None: all are)
+    clock: ClockHook | None = None  # told each part as it ends (`Handoff.first_step`)
+    prefilled: list | None = None  # the prefill's cache, made already by a handoff of the same model
+
+    def real_lengths(self) -> torch.Tensor:
+        """(B,) each row's real length, on the CPU."""
+        batch, length = self.ids.shape
+        return torch.full((batch,), length) if self.lengths is None else self.lengths.cpu()
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A registry entry: its name, what it reads and `build(inputs, prompt) -> Built`."""
+
+    name: str
     reads: Reads
+    build: Callable[[Inputs, Prompt], Built]
     needs_map: bool = False  # refused without a fitted map (`shuffled` reads one where given)
     # its cache holds some of the prompt's tokens, each at its own position (`speculative`): slot i is not position i,
     # so every read after it is told the positions, and nothing is handed over or repaired
     sparse: bool = False
     parameter: str | None = None  # what the value after its name means (`speculative:0.1`); None: it takes none
+    # why a pair of these models (`kv.contract.ModelCard`: name, geometry) cannot use this mode, or None
+    requirement: Callable[[object, object], str | None] = lambda source, target: None
 
     @property
     def hands_over(self) -> bool:
         """The source's cache is handed to the target (`direct`, `mapped`, `shuffled`)."""
         return self.reads.source and self.reads.target and not self.sparse
 
-    def requirement(self, source, target) -> str | None:
-        """Why a pair of these models (`kv.contract.ModelCard`: name, geometry) cannot use this mode, or None."""
-        return None
 
-    @abstractmethod
-    def prefix(self, handoff, prefix_ids, lengths, mask, clock: ClockHook | None, prefilled: list | None) -> Built:
-        """The prefix cache of prefix_ids (B, P) for `handoff` (a `kv.handoff.Handoff`), P > 0; `lengths` (B,) and
-        `mask` (B, P) mark right-padded rows (None: none is); `clock(part)` is told as each part ends
-        (`Handoff.first_step`); `prefilled`: the prefill's cache, made already by a handoff of the same model."""
+def tell(clock: ClockHook | None, part: str) -> None:
+    if clock is not None:
+        clock(part)
 
 
-class Own(Mode):
+def own_prefill(model, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> list:
+    """`model`'s own cache of prefix_ids (B, P): its decoder body only, no logits, one forward for the batch."""
+    device = model.device
+    return cache_to_layers(model.model(input_ids=prefix_ids.to(device),
+                                       attention_mask=None if mask is None else mask.to(device), use_cache=True).cache)
+
+
+@no_grad
+def source_prefill(inputs: Inputs, prompt: Prompt, scored: bool) -> tuple[list, torch.Tensor | None]:
+    """The source's cache of the prompt and, where `scored`, each slot's look-ahead score (B, P), float32 on the CPU,
+    from the same forward, under the declared `speculative` settings (`kv.lookahead`); the clock is told `prefill`
+    after the forward (and `scores` after the scoring). A cache prefilled already is reused where nothing is scored."""
+    if not scored and prompt.prefilled is not None:
+        tell(prompt.clock, "prefill")
+        return prompt.prefilled, None
+    inputs.source_prefills += prompt.ids.shape[0]
+    inputs.source_forwards += 1
+    if scored:
+        return scored_prefill(inputs.source, prompt.ids, prompt.real_lengths(), prompt.mask, inputs.speculative,
+                              prompt.clock)
+    layers = own_prefill(inputs.source, prompt.ids, prompt.mask)
+    tell(prompt.clock, "prefill")
+    return layers, None
+
+
+@no_grad
+def rebuilt(inputs: Inputs, source_layers: list, mapper: Mapper | None = None, order: torch.Tensor | None = None
+            ) -> list:
+    """The source's cache re-encoded for the decoder: its RoPE stripped, through `mapper` (None: unmapped), its tokens
+    in `order` (B, P) (None: as they are), the decoder's RoPE applied, cast to the decoder's dtype."""
+    length, device = source_layers[0][0].shape[2], inputs.decoder.device
+    positions = torch.arange(length, device=inputs.source.device)
+    source_rotation = Rotation(inputs.source_spec, positions)
+    # a map fitted on rotated keys (the length study's no-strip ablation) reads and writes them as cached
+    rotated = mapper is not None and mapper.key_space == "rotated"
+    content = [(k.float() if rotated else source_rotation.strip(k.float()), v.float())
+               for k, v in source_layers]  # float32, content space (or rotated, for the ablation)
+    target_rotation = Rotation(inputs.decoder_spec, positions.to(device))
+    return [cache for _, cache in map_cache(mapper, content, target_rotation, inputs.decoder.dtype, device, order)]
+
+
+def handed(inputs: Inputs, prompt: Prompt, source: list | None, mapped: list, scores: torch.Tensor | None) -> Built:
+    """A cache the decoder did not make, `mapped`, repaired (`kv.recompute`; timed into `repaired.log`) from the
+    source's look-ahead `scores` (B, P) where its policy reads them."""
+    tell(prompt.clock, "map")
+    repair, count = inputs.repair, inputs.repaired
+    if repair.empty:
+        return Built(source, mapped, mapped)
+    start, before = time.perf_counter(), count.recomputed
+    layers = repair_cache(inputs.decoder, mapped, prompt.ids, prompt.lengths, repair, count,
+                          inputs.decoder_devices, scores)
+    count.log.append((count.recomputed - before, time.perf_counter() - start))
+    tell(prompt.clock, "repair")
+    return Built(source, mapped, layers, count.selected)
+
+
+def own(inputs: Inputs, prompt: Prompt) -> Built:
     """The decoding model's own prefill of the prompt: nothing handed off, nothing repaired."""
-
-    def prefix(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        own = prefilled if prefilled is not None else handoff.own_prefill(prefix_ids, mask)
-        tell(clock, "prefill")
-        return Built(None, None, own)
+    layers = prompt.prefilled if prompt.prefilled is not None else own_prefill(inputs.decoder, prompt.ids, prompt.mask)
+    tell(prompt.clock, "prefill")
+    return Built(None, None, layers)
 
 
-class Handed(Mode):
-    """A cache the decoding model did not make, handed to it and then repaired (`kv.recompute`)."""
-
-    def prefix(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        source, mapped, scores = self.handed(handoff, prefix_ids, lengths, mask, clock, prefilled)
-        tell(clock, "map")
-        layers = handoff.repaired_layers(mapped, prefix_ids, lengths, scores)
-        if not handoff.repair.empty:
-            tell(clock, "repair")
-        return Built(source, mapped, layers, None if handoff.repair.empty else handoff.repaired.selected)
-
-    @abstractmethod
-    def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled) -> tuple[list | None, list, object]:
-        """(the source's own cache or None, the cache handed to the target before the repair, the source's look-ahead
-        scores (B, P) where the repair reads them (`kv.lookahead`), else None)."""
-
-
-class FromSource(Handed):
-    """The source's own prefill, brought into the target's space; where the repair's policy reads the source's
-    look-ahead scores, they come from the same forward (a cache prefilled already is then not reused)."""
-
-    def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        scores = None
-        if handoff.repair.reads_source:
-            source, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask, clock)
-        else:
-            source = prefilled if prefilled is not None else handoff.source_prefill(prefix_ids, mask)
-            tell(clock, "prefill")
-        return source, handoff.to_target(source, lengths), scores
-
-    @abstractmethod
-    def to_target(self, handoff, source_layers: list, lengths) -> list:
-        """The source's cache (B, H_s, P, D_s) per layer -> the target's (rotated, target dtype); `lengths` (B,)
-        the real lengths of right-padded rows (None: none is padded)."""
-
-
-class Oracle(Own):
-    """The target's own prefill of the prompt, the upper bound every other mode is compared with."""
-
-    name = "oracle"
-    reads = Reads(target=True, source=False, map=False, own=True)
-
-
-class Zero(Handed):
+def zero(inputs: Inputs, prompt: Prompt) -> Built:
     """The null control of an all-zero cache of the target's shape."""
-
-    name = "zero"
-    reads = Reads(target=True, source=False, map=False, own=False)
-
-    def handed(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        geometry, (batch, length) = handoff.decoder_geometry, prefix_ids.shape
-        shape = (batch, geometry["kv_heads"], length, geometry["head_dim"])
-        zeros = torch.zeros(shape, dtype=handoff.decoder.dtype, device=handoff.device)  # (B, H, P, D)
-        return None, [(zeros, zeros) for _ in range(geometry["layers"])], None
+    geometry, (batch, length) = kv_geometry(inputs.decoder.config), prompt.ids.shape
+    zeros = torch.zeros((batch, geometry["kv_heads"], length, geometry["head_dim"]), dtype=inputs.decoder.dtype,
+                        device=inputs.decoder.device)  # (B, H, P, D)
+    return handed(inputs, prompt, None, [(zeros, zeros) for _ in range(geometry["layers"])], None)
 
 
-class Source(Own):
-    """The source model alone: its own prefill and predictions (the handoff's decoding model is the source)."""
-
-    name = "source"
-    reads = Reads(target=False, source=True, map=False, own=True)
-
-
-class Direct(FromSource):
+def direct(inputs: Inputs, prompt: Prompt) -> Built:
     """The source's cache unmapped, re-encoded for the target's RoPE (needs equal KV geometry)."""
-
-    name = "direct"
-    reads = Reads(target=True, source=True, map=False, own=False)
-
-    def requirement(self, source, target) -> str | None:
-        if source.geometry == target.geometry:
-            return None
-        return (f"direct injection needs equal KV geometry, but source {source.name!r} has {source.geometry} and "
-                f"target {target.name!r} has {target.geometry}; use a fitted mapper (transfer=mapped)")
-
-    def to_target(self, handoff, source_layers, lengths):
-        if handoff.source_spec == handoff.decoder_spec:  # one rotation: the cache only changes device and dtype
-            dtype = handoff.decoder.dtype
-            return [(k.to(handoff.device, dtype), v.to(handoff.device, dtype)) for k, v in source_layers]
-        return handoff.rebuilt(source_layers)
+    source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
+    if inputs.source_spec == inputs.decoder_spec:  # one rotation: the cache only changes device and dtype
+        device, dtype = inputs.decoder.device, inputs.decoder.dtype
+        return handed(inputs, prompt, source, [(k.to(device, dtype), v.to(device, dtype)) for k, v in source], scores)
+    return handed(inputs, prompt, source, rebuilt(inputs, source), scores)
 
 
-class Mapped(FromSource):
+def equal_geometry(source, target) -> str | None:
+    if source.geometry == target.geometry:
+        return None
+    return (f"direct injection needs equal KV geometry, but source {source.name!r} has {source.geometry} and "
+            f"target {target.name!r} has {target.geometry}; use a fitted mapper (transfer=mapped)")
+
+
+def mapped(inputs: Inputs, prompt: Prompt) -> Built:
     """The source's cache through a fitted map (`kv.mapper`)."""
-
-    name = "mapped"
-    reads = Reads(target=True, source=True, map=True, own=False)
-    needs_map = True
-
-    def to_target(self, handoff, source_layers, lengths):
-        return handoff.rebuilt(source_layers, handoff.mapper)
+    source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
+    return handed(inputs, prompt, source, rebuilt(inputs, source, inputs.mapper), scores)
 
 
 def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
@@ -182,20 +209,16 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
     return order
 
 
-class Shuffled(FromSource):
+def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
     """The null control: what `mapped` would inject (or, without a map, the source's cache itself) with each row's
     token order permuted by a seeded permutation in content space, before the target's RoPE."""
-
-    name = "shuffled"
-    reads = Reads(target=True, source=True, map=True, own=False)
-
-    def to_target(self, handoff, source_layers, lengths):
-        batch, _, length, _ = source_layers[0][0].shape  # (B, H_s, P, D_s)
-        order = shuffle_order(handoff.shuffle_seed, length, lengths, batch).to(handoff.device)
-        return handoff.rebuilt(source_layers, handoff.mapper, order)
+    source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
+    batch, _, length, _ = source[0][0].shape  # (B, H_s, P, D_s)
+    order = shuffle_order(inputs.shuffle_seed, length, prompt.lengths, batch).to(inputs.decoder.device)
+    return handed(inputs, prompt, source, rebuilt(inputs, source, inputs.mapper, order), scores)
 
 
-class Speculative(Mode):
+def speculative(inputs: Inputs, prompt: Prompt) -> Built:
     """Speculative prefill (SpecPrefill, arXiv 2502.02789), a token-skipping rival at the handoff's cost: the source
     prefills the prompt and its look-ahead attention scores every position (`kv.lookahead`); the target prefills only
     the top share p of them, the sinks and the last m, at their own positions, and decodes from that sparse cache.
@@ -205,22 +228,15 @@ class Speculative(Mode):
         kept       c[0]      c[2]      c[4] c[5] c[6]         K = 5 slots, positions 0 2 4 5 6
         step       c[7] at position 7 over the 5 slots
     """
-
-    name = "speculative"
-    reads = Reads(target=True, source=True, map=False, own=False)
-    sparse = True
-    parameter = "the share p in (0, 1] of the prompt's other positions the target prefills"
-
-    def prefix(self, handoff, prefix_ids, lengths, mask, clock, prefilled):
-        lengths = torch.full((prefix_ids.shape[0],), prefix_ids.shape[1]) if lengths is None else lengths.cpu()
-        _, scores = handoff.scored_source_prefill(prefix_ids, lengths, mask, clock)  # (B, P); the source's cache goes
-        kept = keep_positions(scores, lengths, handoff.speculative, handoff.share)  # (B, K)
-        if bool((handoff.slots(lengths) == lengths).all()):
-            layers = handoff.own_prefill(prefix_ids, mask)
-        else:
-            layers = kept_prefill(handoff.decoder, prefix_ids, kept)
-        tell(clock, "sparse")  # the target's prefill of the kept tokens
-        return Built(None, None, layers, kept)
+    _, scores = source_prefill(inputs, prompt, scored=True)  # (B, P); the source's cache goes
+    lengths = prompt.real_lengths()
+    kept = keep_positions(scores, lengths, inputs.speculative, inputs.share)  # (B, K)
+    if all(inputs.speculative.kept(inputs.share, n) == n for n in lengths.tolist()):  # p = 1: every token kept
+        layers = own_prefill(inputs.decoder, prompt.ids, prompt.mask)
+    else:
+        layers = kept_prefill(inputs.decoder, prompt.ids, kept)
+    tell(prompt.clock, "sparse")  # the target's prefill of the kept tokens
+    return Built(None, None, layers, kept)
 
 
 def kept_prefill(target, prefix_ids: torch.Tensor, kept: torch.Tensor) -> list:
@@ -238,7 +254,16 @@ def register(*modes: Mode) -> dict[str, Mode]:
     return entries.register(Mode, "modes", modes)
 
 
-MODES = register(Oracle(), Zero(), Source(), Direct(), Mapped(), Shuffled(), Speculative())  # the contract's order
+MODES = register(  # the contract's order
+    Mode("oracle", Reads(target=True, source=False, map=False, own=True), own),
+    Mode("zero", Reads(target=True, source=False, map=False, own=False), zero),
+    Mode("source", Reads(target=False, source=True, map=False, own=True), own),
+    Mode("direct", Reads(target=True, source=True, map=False, own=False), direct, requirement=equal_geometry),
+    Mode("mapped", Reads(target=True, source=True, map=True, own=False), mapped, needs_map=True),
+    Mode("shuffled", Reads(target=True, source=True, map=True, own=False), shuffled),
+    Mode("speculative", Reads(target=True, source=True, map=False, own=False), speculative, sparse=True,
+         parameter="the share p in (0, 1] of the prompt's other positions the target prefills"),
+)
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map
@@ -252,4 +277,3 @@ def split_mode(text: str) -> tuple[str, str | None]:
     (its name, the text of its value or None)."""
     name, colon, value = str(text).partition(":")
     return name, value if colon else None
-

@@ -1,8 +1,6 @@
-"""The mapped pair, one home for it: the source and target by name, their tokenizers and architecture contract, each
-model loaded once, and every handoff between them. Configs, tokenizers and the contract are read at once, so a refused
-pair or mode costs no weight loading; weights load on first use and every handoff shares them (a self source,
-`self:<n>`, shares the target's first layers). A map is bound to the pair it was fitted on: its fingerprints of both
-models must match the pair's before any forward unless allowed; models in memory (`Pair.of`) leave maps unchecked.
+"""The mapped pair: source and target, their tokenizers and contract read at once (a refused pair or mode costs no
+weight loading), each model loaded once on first use, and every handoff between them. A map is bound to the pair it
+was fitted on: its fingerprints of both models must match unless allowed (models in memory leave maps unchecked).
 """
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ class OtherModelsError(Refusal, ValueError):
 
 
 def check_models(label: str, fitted: dict | None, loaded: PairFingerprints, allow: bool) -> str | None:
-    """Refuse (`OtherModelsError`, one line with the fix) a map whose models differ from the loaded ones; with
-    `allow`, return the difference for the outputs to record instead (None when there is none)."""
+    """Refuse a map whose models differ from the loaded ones; with `allow`, return the difference (or None)."""
     difference = model_differences(fitted, loaded)
     if difference is None or allow:
         return difference and f"{label} {difference}"
@@ -54,11 +51,9 @@ class Pair:
                  device_map: str | None = None, target_revision: str | None = None,
                  source_revision: str | None = None, max_tokens: int | None = None,
                  allow_other_models: bool = False):
-        """`source` None: a target alone (the oracle and zero modes); `device_map`: accelerate spreads each model
-        over the devices (`store.models.load_model`); `max_tokens`: the longest sequence a handoff will see (a
-        sliding window shorter than it is refused now); without it every handoff refuses a sequence longer than
-        a sliding window when it comes (`Handoff.check_length`); `allow_other_models`: a map fitted on other models
-        is used (and its difference kept in `other_models`) instead of refused."""
+        """`source` None: a target alone; `device_map`: accelerate spreads each model over the devices; `max_tokens`:
+        the longest sequence a handoff will see (a sliding window shorter than it is refused now, not per sequence);
+        `allow_other_models`: a map fitted on other models is used (its difference kept in `other_models`)."""
         self.allow_other_models, self.other_models = allow_other_models, []
         self.sides = {"target": (target, target_revision), "source": (source, source_revision)}  # name, revision
         self.dtype, self.device, self.device_map = dtype, device, device_map
@@ -81,8 +76,8 @@ class Pair:
     @classmethod
     def load(cls, models: ModelsParams, device: str, dtype: str | None = None, max_tokens: int | None = None,
              source: bool = True, allow_other_models: bool = False) -> "Pair":
-        """The pipeline's pair (models/target, models/source, as prepare_models left them) in `models.dtype` (or
-        `dtype`), on `device` or spread by `models.device_map`; `source` False: the target alone."""
+        """The pipeline's pair (models/target, models/source) in `models.dtype` or `dtype`; `source` False: the
+        target alone."""
         return cls(str(paths.model("target")), str(paths.model("source")) if source else None,
                    dtype or models.dtype, device, models.device_map, max_tokens=max_tokens,
                    allow_other_models=allow_other_models)
@@ -119,14 +114,12 @@ class Pair:
 
     @cached_property
     def fingerprints(self) -> PairFingerprints | None:
-        """Both models' fingerprints (`store.fingerprints`, hashed once, when the first map is bound); None in
-        `Pair.of`."""
+        """Both models' fingerprints, hashed when the first map is bound; None in `Pair.of`."""
         (source, source_revision), (target, target_revision) = self.sides["source"], self.sides["target"]
         return PairFingerprints(source, target, source_revision, target_revision)
 
     def bind(self, mapper: Mapper, label: str) -> None:
-        """Refuse `mapper` (called `label` in the message) unless it was fitted on this pair's models, or the pair
-        allows other models; then the difference is kept in `other_models`."""
+        """Refuse `mapper` (`label` in the message) unless fitted on this pair's models or the pair allows others."""
         if self.fingerprints is None:
             return
         difference = check_models(label, mapper.models, self.fingerprints, self.allow_other_models)
@@ -152,13 +145,9 @@ class Pair:
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
                 shuffle_seed: int = 0, repair: Repair | str = Repair(), keep: float | None = None,
                 share: float | None = None, speculative: SpeculativeParams | None = None) -> Handoff:
-        """The handoff of `mode` between the pair's models; `mapper` a fitted map or its file (loaded on the
-        pair's device; ignored by the modes that read none), refused unless fitted on the pair's models. A mode the
-        contract leaves undefined is refused before any weight is loaded. `source`, the source model alone, is the
-        source's own prefill: its cache, its predictions. `repair`: a setting or its string form (`kv.repair`),
-        applied to every prefix cache; `keep`: the share of each context's end the handoff reads (`Handoff.keep`,
-        the truncated prompt); `share`, `speculative`: speculative prefill's p and the declared settings of the
-        source's look-ahead scores (`Handoff`)."""
+        """The handoff of `mode` between the pair's models, a mode the contract leaves undefined refused before any
+        weight loads; `mapper` a fitted map or its file (ignored by modes that read none), refused unless fitted on
+        the pair's models; `repair` a setting or its string form; `keep`, `share`, `speculative` as `Handoff`'s."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
         self.contract.require(mode)
         if not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
@@ -175,13 +164,12 @@ class Pair:
                        shuffle_seed=shuffle_seed, repair=repair, keep=keep, share=share, speculative=speculative)
 
     def router(self, batch_size: int = 16, **values) -> Router:
-        """A stage's handoff: `values` as its params give them (a map file's `Path`, a parsed `Repair`), checked
-        once by the request (`Transfer.stage`); `batch_size`: contexts a forward where a gate scores them."""
+        """A stage's handoff: `values` as its params give them, checked by `Transfer.stage`."""
         return Router.of(self, Transfer.stage(**values), batch_size)
 
     def gate(self, handoff: Handoff, score: str, threshold: float,
              disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:
-        """The gate of `handoff` (a source mode of this pair): per request, fall back to the pair's oracle where
-        `score` (a `kv.gate` score) exceeds `threshold`; `disagree`: that score's two maps (k=1 and k=max)."""
+        """The gate of `handoff`: fall back to the pair's oracle where `score` exceeds `threshold`; `disagree`: that
+        score's two maps (k=1 and k=max)."""
         maps = None if disagree is None else tuple(self.handoff("mapped", mapper) for mapper in disagree)
         return Gate(Scorer(handoff, maps), score, threshold, self.handoff("oracle"))

@@ -1,16 +1,12 @@
-"""The query, key and value paths of a decoder layer's attention, taken the way each architecture defines them, and
-RoPE as the model applies it, for reading a layer's attention outside its forward.
-
-    layer input    the layer's input norm where it has one (pre-norm: Llama, Mistral, Qwen2/3 and their MoE
-                   siblings); OLMo2's post-norm layer hands the residual stream to attention as it is
-    queries, keys  the projection, then q_norm / k_norm where the module has them: per head (Qwen3, a norm of
-                   head_dim) or over every head at once (OLMo2, a norm of heads x head_dim); Llama, Mistral and
-                   Qwen2 have none. Before RoPE, as the model rotates them
-    values         the projection alone
-
-Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
+"""The query, key and value paths of a decoder layer's attention as each architecture defines them, and RoPE as the
+model applies it, for reading a layer's attention outside its forward. Attention reads the layer's input norm
+(pre-norm: Llama, Mistral, Qwen2/3 and their MoE siblings) or the residual stream itself (OLMo2's post-norm); queries
+and keys take q_norm / k_norm where the module has them, per head (Qwen3) or over every head at once (OLMo2), before
+RoPE. Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from pipeline.store.lazy import lazy
 
@@ -56,3 +52,25 @@ def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = states.shape[-1] // 2
     rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
     return states * cos[:, None] + rotated * sin[:, None]
+
+
+@contextmanager
+def attention_inputs(model, indices=None):
+    """Yields a dict that each forward inside the block fills, per decoder layer of `indices` (None: every layer),
+    with (its attention module, the states (B, T, hidden) the module read, its (cos, sin))."""
+    layers = model.model.layers
+    captured: dict[int, tuple] = {}
+
+    def keep(index):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured[index] = (module, hidden, kwargs.get("position_embeddings"))
+        return hook
+
+    hooks = [layers[index].self_attn.register_forward_hook(keep(index), with_kwargs=True)
+             for index in (range(len(layers)) if indices is None else indices)]
+    try:
+        yield captured
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -1,5 +1,5 @@
-"""The repair's run: the target recomputes part of a handed-off prefix cache, as a `kv.repair.Repair` setting says
-(its parts, their order and their known answers are described there), and counts what it computed.
+"""The repair's run: the target recomputes part of a handed-off prefix cache as a `kv.repair.Repair` setting says,
+and counts what it computed.
 """
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ class RepairCount:
 def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
                  count: RepairCount, devices=None, source_scores: torch.Tensor | None = None) -> Layers:
     """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`;
-    `lengths` (B,) the real lengths of right-padded rows (None: every row is whole); `devices`: where each layer's
-    cache goes (`kv.kvcache.layer_devices`), None for the target's device; `source_scores` (B, P): the source's
-    look-ahead scores, which a policy that `reads_source` ranks by."""
+    `lengths` (B,) real lengths (None: no row padded); `devices`: each layer's device (None: the target's);
+    `source_scores` (B, P): the source's look-ahead scores, for a policy that `reads_source`."""
     count.selected = None
     if setting.empty:
         return layers
@@ -88,18 +87,11 @@ def choose(scores: torch.Tensor, lengths: torch.Tensor, sink: int, counts: list[
 
 
 def selected_positions(lengths: torch.Tensor, sink: int, chosen: torch.Tensor | None) -> torch.Tensor:
-    """(B, K) the positions a repair recomputed in every layer, ascending, -1 pads: each row's sink (cut to its length)
-    and its `chosen` (B, M) tokens (None: none chosen)."""
+    """(B, K) the positions recomputed in every layer, ascending, -1 pads: each row's sink and `chosen` (B, M)."""
     rows = [torch.arange(min(sink, int(length))) for length in lengths]
     if chosen is not None:
         rows = [torch.cat([row, picked[picked >= 0]]) for row, picked in zip(rows, chosen)]
     return padded_positions(rows)
-
-
-def _causal_mask(batch: int, width: int, dtype) -> torch.Tensor:
-    """(B, 1, P, P) additive causal mask: right padding never reaches a real token."""
-    mask = additive_mask(torch.ones(width, width, dtype=torch.bool).tril(), dtype)
-    return mask[None, None].expand(batch, 1, -1, -1)
 
 
 def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -> Layers:
@@ -111,7 +103,8 @@ def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -
     positions = torch.arange(width, device=target.device)[None].expand(batch, -1)  # (B, P)
     cos, sin = decoder.rotary_emb(hidden, positions)  # (B, P, D) each
     cache = transformers.DynamicCache(config=target.config)
-    mask = _causal_mask(batch, width, hidden.dtype).to(target.device)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # right padding never reaches a real token
+    mask = additive_mask(causal, hidden.dtype)[None, None].expand(batch, 1, -1, -1).to(target.device)  # (B, 1, P, P)
     for layer in decoder.layers[: n - 1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                        position_embeddings=(cos, sin))

@@ -94,8 +94,7 @@ class Repair:
         return SELECTORS[self.select_by]
 
     def policy_refusal(self, layers: int) -> str | None:
-        """Why the token policy cannot read a target of `layers` decoder layers (`key_norm@N` past them); None when
-        it can, or when no tokens are recomputed (then no policy runs)."""
+        """Why the token policy cannot read a target of `layers` decoder layers (`key_norm@N` past them), or None."""
         return self.selector.refusal(self.argument, layers) if self.tokens else None
 
     @property
@@ -104,8 +103,8 @@ class Repair:
 
     @property
     def reads_source(self) -> bool:
-        """Its token policy ranks by the source's look-ahead scores (`source_attention`): the handoff must make them,
-        under params' `speculative` settings, and the FLOP model counts them (`kv.flops.lookahead_macs`)."""
+        """Its token policy ranks by the source's look-ahead scores: the handoff must make them and the FLOP model
+        counts them."""
         return bool(self.tokens) and self.selector.reads_source
 
     def chosen(self, length: int) -> int:

@@ -1,8 +1,6 @@
-"""What a user asks of a handoff, validated before any model loads: one request object (`Transfer`) for every face.
-A mode that takes a value is written with it (`speculative:0.1`: speculative prefill at share p = 0.1); the look-ahead
-settings it reads come from params' `speculative` section, or a stage passes its own (declared in its dvc.yaml). Each
-face spells the fields its own way (`Face`), and every refusal is one line naming the arg as the face spells it and
-the fix; `USES` is the one table of which modes read each optional field.
+"""What a user asks of a handoff, validated before any model loads: one request (`Transfer`) for every face. A mode
+that takes a value is written with it (`speculative:0.1`); its look-ahead settings come from params' `speculative`
+section or a stage's own. Every refusal is one line naming the arg as the face spells it (`Face`) and the fix.
 """
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ class Transfer(BaseModel):
 
     @classmethod
     def of(cls, face: Face, **args) -> "Transfer":
-        """The request `args` (a face's values, strings as lm-eval passes them or typed by argparse) name; the
-        first bad one refused in one line."""
+        """The request of a face's `args` (strings from lm-eval or typed by argparse); the first bad one refused."""
         try:
             return cls.model_validate({"face": face, **args})
         except ValidationError as error:
@@ -82,7 +79,7 @@ class Transfer(BaseModel):
 
     @classmethod
     def stage(cls, **values) -> "Transfer":
-        """A stage's request: `values` as its params give them (a map file's `Path`, a parsed `Repair`)."""
+        """A stage's request: `values` as its params give them (a `Path`, a parsed `Repair`)."""
         return cls.of(STAGE, **{key: str(value) if isinstance(value, Path) else value for key, value in values.items()})
 
     @model_validator(mode="before")
@@ -155,10 +152,13 @@ class Transfer(BaseModel):
                              f"{how}".strip())
 
     def check_geometry(self, pair) -> None:
-        """Refuse a repair larger than `pair`'s target (its layers, its positions, a token policy reading layers
-        past them) and look-ahead settings reading layers past its source, from the configs; a model the contract
-        refuses is left to its refusal."""
-        self.check_source_layers(pair)
+        """Refuse a repair larger than `pair`'s target and look-ahead settings reading layers past its source, from
+        the configs; a model the contract refuses is left to its refusal."""
+        source = pair.contract.source
+        if self.speculative is not None and source is not None and source.geometry is not None:
+            problem = self.speculative.layer_refusal(source.geometry["layers"])
+            if problem:
+                raise ParamError(f"{self.face.tool} {problem}".strip())
         setting, geometry = self.repair, pair.contract.target.geometry
         if setting.empty or geometry is None:
             return
@@ -173,19 +173,9 @@ class Transfer(BaseModel):
         if problem:
             raise ParamError(f"{self.face.name('repair')} {setting}: {problem}")
 
-    def check_source_layers(self, pair) -> None:
-        """Refuse look-ahead settings reading layers past `pair`'s source, from the configs."""
-        source = pair.contract.source
-        if self.speculative is None or source is None or source.geometry is None:
-            return
-        problem = self.speculative.layer_refusal(source.geometry["layers"])
-        if problem:
-            raise ParamError(f"{self.face.tool} {problem}".strip())
-
 
 def _mode(face: Face, values: dict) -> str:
-    """The mode's name, its value (`NAME:VALUE`) read into `share` where it takes one; a missing or unwanted value
-    refused naming the mode as the face spells it."""
+    """The mode's name, its value (`NAME:VALUE`) read into `share` where it takes one, else refused."""
     if "share" in values:
         raise ParamError(f"{face.tool} share: write it after the mode's name, {face.given('mode', 'speculative:P')}"
                          .strip())
@@ -206,8 +196,8 @@ def _mode(face: Face, values: dict) -> str:
 
 
 def _lookahead(face: Face, mode: str, values: dict) -> None:
-    """The look-ahead settings where the mode (`speculative`) or the repair's policy (`source_attention`) reads
-    them: a stage's own, else params' `speculative` section; refused where nothing reads them."""
+    """The look-ahead settings where the mode or the repair's policy reads them (a stage's own, else params'),
+    refused where nothing reads them."""
     reads = MODES[mode].sparse or ("repair" in values and values["repair"].reads_source)
     if not reads:
         if "speculative" in values:

@@ -178,8 +178,3 @@ class Rotation:
 def apply_rope(keys_content: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
     """Rotate content-space keys (..., T, head_dim) forward to `positions` (T,)."""
     return Rotation(spec, positions).apply(keys_content)
-
-
-def strip_rope(keys_rotated: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
-    """Rotate cached keys (..., T, head_dim) back by their `positions` (T,): the inverse rotation."""
-    return Rotation(spec, positions).strip(keys_rotated)

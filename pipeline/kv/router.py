@@ -1,8 +1,6 @@
-"""The one request path: given contexts, each one's handoff and route together.
-
-Under a gate (`kv.gate`) a context whose score exceeds the threshold goes to the target's own prefill, every other one
-to the handoff. Decisions are memoised per context, so a context scored for several continuations (HellaSwag's four
-endings, lm-eval's rolling windows, a decode's every token) is gated once; a context that keeps its map reuses the
+"""The one request path: each context's handoff and route. Under a gate (`kv.gate`) a context scored above the
+threshold goes to the target's own prefill. Decisions are memoised per context, so a context scored for several
+continuations (HellaSwag's four endings, lm-eval's rolling windows) is gated once; one that keeps its map reuses the
 prefix cache of the gate's first step, so it is prefilled, mapped and repaired once, with at most a batch held.
 """
 from __future__ import annotations
@@ -22,8 +20,7 @@ class Router:
     """Each context's handoff and route, memoised; scoring on the routes."""
 
     def __init__(self, handoff: Handoff, gate: Gate | None = None, batch_size: int = 16):
-        """`gate`: per context, the handoff or `gate.fallback` (the target's own prefill); `batch_size`: contexts a
-        forward when the gate scores them."""
+        """`batch_size`: contexts a forward when the gate scores them."""
         self.handoff, self.gate, self.batch_size = handoff, gate, batch_size
         self.decisions: dict[tuple[int, ...], tuple[float, bool]] = {}  # gated context -> (score, fell back)
 
@@ -65,10 +62,9 @@ class Router:
         return Route(way(self.handoff.mode, self.repaired, context, fell_back), score)
 
     def first_step(self, context: Sequence[int], clock: ClockHook | None = None) -> tuple[FirstStep, Route]:
-        """One context's first step on its route, batch 1 (a timed evaluation's), and the route: under a gate the
-        handoff's first step, the gate's score of it and, where it falls back, the fallback's own first step.
-        `clock` is told each part: the handoff's (`Handoff.first_step`), `gate` after the score, `fallback` after
-        each part of the fallback's."""
+        """One context's first step on its route, batch 1, and the route: under a gate the handoff's first step, its
+        score and, where it falls back, the fallback's. `clock` is told the handoff's parts, `gate` after the score,
+        `fallback` after each part of the fallback's."""
         prefixes = padded_prefixes([context])
         if self.gate is None or not hands_off(self.handoff.mode, context):
             route = self.routes([context])[0]
@@ -93,8 +89,7 @@ class Router:
 
     def score(self, requests: Sequence[TokenPair], max_length: int, progress: bool = True
               ) -> tuple[list[tuple[float, bool]], list[Route]]:
-        """Each request's (sum of log-probabilities, greedy) and route: contexts truncated once to `max_length`,
-        routed, and each route's requests scored on its handoff."""
+        """Each request's (sum of log-probabilities, greedy) and route; contexts truncated once to `max_length`."""
         trimmed = [(truncate(context, continuation, max_length), continuation) for context, continuation in requests]
         if self.gate is None:
             return self.scored(trimmed, self.routes([context for context, _ in trimmed]), max_length, progress)

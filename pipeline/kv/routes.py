@@ -1,8 +1,7 @@
-"""The route words: how one request was served, the one place they and their rules are written. A route's way is the
-handoff's own mode (`oracle`, `mapped`, ...; REPAIRED under a repair setting), FELL_BACK to the target's prefill (a
-gate's score above its threshold) or EMPTY_PREFIX (a one-token context hands nothing off: the target reads it alone,
-as the oracle would); CACHED is a request answered from kv-transfer's request cache, keeping its first way (`first`).
-No way is `refused`: a request the handoff cannot serve (a sequence longer than a sliding window) stops the run.
+"""The route words: how one request was served, and their rules. A way is the handoff's own mode (REPAIRED under a
+repair setting), FELL_BACK to the target's prefill (a gate's score above its threshold), EMPTY_PREFIX (a one-token
+context hands nothing off) or CACHED (answered from kv-transfer's request cache, keeping its `first` way). No way is
+`refused`: a request the handoff cannot serve (a sequence longer than a sliding window) stops the run.
 """
 from __future__ import annotations
 
@@ -44,14 +43,13 @@ def served_by(mode: str, repaired: bool) -> str:
 
 
 def ways(mode: str, repaired: bool, gated: bool) -> list[str]:
-    """Every way a handoff of `mode` (under a repair, a gate) can send a request, in the order counts list them."""
+    """Every way a handoff of `mode` can send a request, in the order counts list them."""
     return ([served_by(mode, repaired)] + ([] if mode in OWN_MODES else [EMPTY_PREFIX])
             + ([FELL_BACK] if gated else []))
 
 
 def way(mode: str, repaired: bool, context: Sequence[int], fell_back: bool) -> str:
-    """The way of one context: FELL_BACK where its gate sent it to the target's prefill, EMPTY_PREFIX where nothing
-    is handed off, else the handoff's own."""
+    """The way of one context: FELL_BACK, else EMPTY_PREFIX where nothing is handed off, else the handoff's own."""
     if fell_back:
         return FELL_BACK
     if mode not in OWN_MODES and not hands_off(mode, context):

@@ -1,7 +1,5 @@
 """The gate's scores: how little a handed-off request is trusted (higher: less), read off the gated handoff's first
-step only. One class holds a score's name, needs, what it reads first, cost and maths; `SCORES` lists them and
-`INPUTS` the probe's other inputs, and every other list of scores is read from these two.
-Shapes: B contexts; a score (B,), computed on the first step's device and kept float64 on the CPU by the scorer.
+step only; `SCORES` lists them and `INPUTS` the probe's other inputs. Shapes: B contexts; a score (B,).
 """
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ class Evidence:
 
 
 class Score(ABC):
-    """A score: a subclass names it and gives its cost and its maths (both abstract, so none is silently free)."""
+    """A score: a subclass names it and gives its cost and maths (abstract, so none is silently free)."""
 
     name: str = ""
     needs: frozenset[str] = frozenset()  # MAPS, PROBE
@@ -194,23 +192,14 @@ class Top1(Feature):
         return evidence.logprobs.max(-1).values.exp()
 
 
-class KeyNorm(Feature):
-    """The log-ratio of the mapped cache's mean key norm to the source cache's."""
+class NormRatio(Feature):
+    """The log-ratio of the mapped cache's mean key (side 0) or value (side 1) norm to the source cache's."""
 
-    name = "key_norm"
-
-    def score(self, evidence: Evidence) -> torch.Tensor:
-        (mapped, _), (source, _) = evidence.norms
-        return (mapped / source).log()
-
-
-class ValueNorm(Feature):
-    """The log-ratio of the mapped cache's mean value norm to the source cache's."""
-
-    name = "value_norm"
+    def __init__(self, name: str, side: int):
+        self.name, self.side = name, side
 
     def score(self, evidence: Evidence) -> torch.Tensor:
-        (_, mapped), (_, source) = evidence.norms
+        mapped, source = (norms[self.side] for norms in evidence.norms)
         return (mapped / source).log()
 
 
@@ -219,14 +208,13 @@ def register(*scores: Score) -> dict[str, Score]:
 
 
 SCORES = register(Entropy(), KL(), Disagree(), Probe())
-INPUTS = register(Top1(), KeyNorm(), ValueNorm())  # the probe's inputs that are no score
+INPUTS = register(Top1(), NormRatio("key_norm", 0), NormRatio("value_norm", 1))  # the probe's inputs that are no score
 FITTED_SCORES = tuple(name for name, score in SCORES.items() if score.fitted)  # not for a gate named by arguments alone
 FEATURES = (*(name for name in SCORES if name not in FITTED_SCORES), *INPUTS)  # a probe's inputs (first step only)
 
 
 def refusal(names: Sequence[str], scorer, scores: Mapping[str, Score]) -> str | None:
-    """Why `scorer` cannot compute `names` from `scores` (and the probe's inputs): one unknown, or one whose needs
-    are missing (and so for what it reads), or None."""
+    """Why `scorer` cannot compute `names` from `scores` and the probe's inputs (one unknown, or needs missing)."""
     known = {**scores, **INPUTS}
     for name in names:
         if name not in known:
@@ -239,8 +227,7 @@ def refusal(names: Sequence[str], scorer, scores: Mapping[str, Score]) -> str | 
 
 def score_macs(name: str, source_config, target_config, second_map_macs: int, length: int,
                features: Sequence[str] = FEATURES, scores: Mapping[str, Score] = SCORES) -> int:
-    """Multiply-adds the score `name` adds to the handoff of a prompt of `length` tokens (its own first step not
-    counted again); `second_map_macs`: `disagree`'s second map, per token; `features`: the probe's inputs."""
+    """Multiply-adds the score `name` adds to the handoff of a prompt of `length` tokens (`Work`'s fields)."""
     if name not in scores:
         raise ValueError(f"unknown score {name!r} (known: {', '.join(scores)})")
     return scores[name].cost(Work(source_config, target_config, second_map_macs, length, tuple(features), scores))

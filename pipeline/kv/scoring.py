@@ -1,13 +1,10 @@
-"""Scoring continuations after a handoff, as lm-eval's log-likelihood requests ask: each context prefilled once
-for all its continuations, the continuations packed into step rows, contexts batched by length.
-
-For a context c[0..n-1] and its continuations e0, e1, ... the handoff builds the cache of c[0..n-2] once; one step
-row then reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked from the others and at positions n-1,
-n, ... again, so each scores as if alone.
+"""Scoring continuations after a handoff, as lm-eval's log-likelihood requests ask: the cache of c[0..n-2] built once
+per context; one step row reads c[n-1] e0[0..] c[n-1] e1[0..] ..., each continuation masked from the others and at
+positions n-1, n, ... again, so each scores as if alone.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -36,30 +33,26 @@ def score_continuations(
     progress: bool = True,
     kept: Mapping[tuple[int, ...], Layers] | None = None,
 ) -> list[tuple[float, bool]]:
-    """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one.
-
-    Requests sharing a context share one prefix cache (HellaSwag's four endings cost one prefill, not four); contexts
-    whose continuations together fit `batch_size` share one forward, prefixes right-padded and masked (a context
-    batched alone packs its continuations into rows of at most `max_length` tokens, one forward each):
+    """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one. Requests
+    sharing a context share one prefix cache; contexts whose continuations together fit `batch_size` share one
+    forward (a context batched alone packs its continuations into rows of at most `max_length` tokens):
 
         prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
                   c1[0..n1-2 ...........]               c1[n1-1] e2[0] ...  c1[n1-1] e3[0] ...
                                                         positions n-1, n, ... again for every continuation
 
-    so no prefix is copied per continuation and a row is padded only to the longest packed row. Contexts are
-    batched longest first, as lm-eval batches its requests, so a batch's prefixes and rows are of similar size.
-    `kept`: prefix -> its cache (batch 1) this handoff built already (a gate's first step), read where it holds every
-    prefix of a batch. At `batch_size` 1 a mode whose decoding model prefills the prompt itself (the oracle) reads the
-    prefix and its one packed row in one forward."""
+    Contexts are batched longest first, as lm-eval does. `kept`: prefix -> its cache (batch 1) this handoff built
+    already, read where it holds every prefix of a batch. At `batch_size` 1 a mode whose decoding model prefills the
+    prompt itself reads the prefix and its one packed row in one forward."""
     max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"scoring ({handoff.mode})", unit="req", disable=not progress)
-    for chunk in context_batches(ordered, batch_size):
+    for chunk in fill(ordered, lambda group: len(group[1]), batch_size):
         contexts = [context for context, _ in chunk]
         prefixes = padded_prefixes(contexts)  # (B, P) right-padded, (B,) prefix lengths
         if len(chunk) == 1:  # one context, however many continuations: as few rows as its window allows
-            forwards = [[part] for part in window_parts(chunk[0][1], requests, max_length)]
+            forwards = [[part] for part in fill(chunk[0][1], lambda index: len(requests[index][1]), max_length)]
         else:
             forwards = [[indices for _, indices in chunk]]
         layers, prefix_ids = None, None
@@ -80,8 +73,7 @@ def score_continuations(
 
 
 def kept_layers(kept: Mapping[tuple[int, ...], Layers], prefixes: Prefixes) -> Layers | None:
-    """The cache of a batch of prefixes put together from `kept` (prefix -> its cache, batch 1), each row
-    right-padded with zeros (slots the step's mask hides); None unless every row's prefix is kept there."""
+    """The batch's cache from `kept`, each row right-padded with zeros; None unless every row's prefix is kept."""
     if not kept:
         return None
     rows = [tuple(prefixes.ids[row, :count].tolist()) for row, count in enumerate(prefixes.lengths.tolist())]
@@ -95,9 +87,8 @@ def kept_layers(kept: Mapping[tuple[int, ...], Layers], prefixes: Prefixes) -> L
 
 def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
                     reads: Callable[[Sequence[int]], list[int]] = list) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Each context (as the handoff `reads` it) with the indices of the requests that share it, the largest first
-    (its tokens and all its continuations' together). Contexts come truncated to the window (`truncate`, once); a
-    request longer than `max_length` + 1 tokens is refused, not cut again."""
+    """Each context (as the handoff `reads` it) with the indices of the requests sharing it, the largest (tokens and
+    continuations together) first; a request longer than `max_length` + 1 tokens is refused, not cut again."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, (context, continuation) in enumerate(requests):
         if not continuation:
@@ -109,19 +100,16 @@ def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max
     if any(not context for context in groups):
         raise ValueError("a request has an empty context; lm-eval prepends the prefix token to avoid this")
 
-    def size(group: tuple[tuple[int, ...], list[int]]) -> int:  # the context's tokens and its continuations'
-        return len(group[0]) + sum(len(requests[index][1]) for index in group[1])
-
-    return sorted(groups.items(), key=size, reverse=True)
+    return sorted(groups.items(), key=lambda group: len(group[0]) + sum(len(requests[i][1]) for i in group[1]),
+                  reverse=True)
 
 
 def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Sequence[int]],
                rows: list[list[tuple[int, Sequence[int]]]], lengths: torch.Tensor, padded: bool,
                prefix_ids: torch.Tensor | None = None) -> dict[int, tuple[float, bool]]:
-    """One forward: each context's (index, continuation) members packed into its step row after the contexts'
-    prefix cache `layers` (real prefix lengths `lengths`, right-padded when `padded`), or, with `prefix_ids`
-    (1, P), after the decoding model's own prefill of them in the same forward; per request index, the sum of its
-    continuation's log-probabilities and whether it is the greedy one."""
+    """One forward of each context's (index, continuation) members packed into its step row, after the prefix cache
+    `layers` (real lengths `lengths`) or the decoding model's own prefill of `prefix_ids` (1, P); per request index,
+    (sum of log-probabilities, whether greedy)."""
     steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
     if prefix_ids is not None:
         logprobs = prefilled_packed_logprobs(handoff, prefix_ids, steps, segments, offsets)  # (1, L, V)
@@ -145,9 +133,9 @@ def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Seque
 
 def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Sequence[int]]]]
                 ) -> tuple[torch.Tensor, ...]:
-    """Per context, its (index, continuation) members packed into one right-padded step row: tokens
-    c[n-1] e[0] ... e[m-2] per member, the tokens e[0] ... e[m-1] they score, the member's segment number
-    (-1 on padding) and each token's offset in its member, all (B, L)."""
+    """Per context, its (index, continuation) members packed into one right-padded row, all (B, L): the tokens
+    c[n-1] e[0] ... e[m-2] per member, the tokens e[0] ... e[m-1] they score, the member's segment number (-1 on
+    padding) and each token's offset in its member."""
     width = max(sum(len(continuation) for _, continuation in members) for members in rows)
     columns: tuple[list, ...] = ([], [], [], [])  # steps, targets, segments, offsets: a padded list per row
     for row, members in enumerate(rows):
@@ -161,31 +149,16 @@ def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Se
     return tuple(torch.tensor(column, dtype=torch.long) for column in columns)
 
 
-def context_batches(groups: list[tuple[tuple[int, ...], list[int]]], batch_size: int) -> list[list]:
-    """Consecutive contexts whose continuations together fit `batch_size` (a context with more continuations
-    than that gets a batch of its own)."""
-    batches, current, rows = [], [], 0
-    for context, members in groups:
-        if current and rows + len(members) > batch_size:
-            batches.append(current)
-            current, rows = [], 0
-        current.append((context, members))
-        rows += len(members)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def window_parts(members: list[int], requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int
-                 ) -> list[list[int]]:
-    """One context's continuations (request indices) in consecutive parts of at most `max_length` packed
-    tokens, the model's window: a row no longer than one that `hf` would run for a single request."""
-    parts, used = [[]], 0
-    for index in members:
-        size = len(requests[index][1])
-        if parts[-1] and used + size > max_length:
+def fill(items: Sequence, size: Callable[[Any], int], budget: int) -> list[list]:
+    """`items` in consecutive parts whose sizes sum to at most `budget`; an item larger than that gets a part alone.
+    Contexts by their continuations into batches of `batch_size` rows; one context's continuations by their tokens
+    into rows of at most `max_length` packed tokens, the model's window (no longer than `hf` runs for one request)."""
+    parts: list[list] = []
+    used = 0
+    for item in items:
+        if not parts or used + size(item) > budget:
             parts.append([])
             used = 0
-        parts[-1].append(index)
-        used += size
+        parts[-1].append(item)
+        used += size(item)
     return parts

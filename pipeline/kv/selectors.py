@@ -1,6 +1,5 @@
-"""The repair's token selectors: a selector (a *policy* in a repair setting, `tokens:RHO:POLICY`) scores every prefix
-token of every row, and the repair recomputes the round(RHO x (P - sink)) highest-scored tokens after the sink. One
-class holds a selector's name, needs, parameter, cost and scoring; `SELECTORS` is the one list.
+"""The repair's token selectors (a *policy* in `tokens:RHO:POLICY`): each scores every prefix token, and the repair
+recomputes the round(RHO x (P - sink)) highest-scored after the sink; `SELECTORS` is the one list.
 Shapes: B rows of a right-padded prefix of P slots; scores (B, P), higher is recomputed first.
 """
 from __future__ import annotations
@@ -19,7 +18,7 @@ EXACT = "exact"  # a need: the target's exact keys/values of layer max(exact_lay
 
 
 class Work(NamedTuple):
-    """What a selection's multiply-adds are counted from, for a target and a prefix (`kv.flops` fills it in)."""
+    """What a selection's multiply-adds are counted from, for a target and a prefix."""
 
     prefix: int  # P, the prefix tokens
     layers: int  # the target's decoder layers
@@ -48,9 +47,8 @@ class Evidence:
 
 
 class Selector(ABC):
-    """A selector: a subclass names it and gives its cost and its scores (both abstract, so none is silently free in
-    the budget); its parameter, if it takes one, comes after `@` (`tokens:RHO:POLICY@VALUE`: lm-eval splits its model
-    args at `,` and `=`)."""
+    """A selector: a subclass names it and gives its cost and scores (abstract: none is silently free in the budget);
+    its parameter comes after `@` (`tokens:RHO:POLICY@VALUE`: lm-eval splits its model args at `,` and `=`)."""
 
     name: str = ""
     needs: frozenset[str] = frozenset()  # EXACT where it reads the target's exact early-layer keys/values
@@ -116,33 +114,21 @@ class Attention(Selector):
 
 def attention_scores(target, layers: list, prefix_ids: torch.Tensor, lengths: torch.Tensor, count,
                      devices) -> torch.Tensor:
-    """(B, P): the attention of each row's last prefix token c[len-1], read once more at its position over the
-    cache, summed over layers and heads; slot len-1 scores the weight on its fresh key (one extra step)."""
+    """(B, P): `Attention`'s scores, from one extra step of each row's last prefix token c[len-1] at its position."""
     batch, width = prefix_ids.shape
     last = (lengths - 1).clamp(min=0)  # (B,)
     tokens = prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
     allowed = torch.cat([real_slots(last, width), torch.ones(batch, 1, dtype=torch.bool)], dim=1)  # (B, P + 1)
     dtype = target.dtype
     mask = additive_mask(allowed[:, None, None], dtype)  # (B, 1, 1, P + 1)
-    captured: list = []
-
-    def keep(module, args, kwargs, output):
-        captured.append((module, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
-                         kwargs["position_embeddings"]))
-
-    decoder = target.model
-    hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in decoder.layers]
     cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
-    try:
-        decoder(input_ids=tokens.to(target.device), cache=cache, use_cache=True, attention_mask=mask.to(target.device),
-                position_ids=last[:, None].to(target.device))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with projections.attention_inputs(target) as captured:
+        target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
+                     attention_mask=mask.to(target.device), position_ids=last[:, None].to(target.device))
     count.forwards += 1
     count.token_layers += batch * target.config.num_hidden_layers
     scores = torch.zeros(batch, width + 1)
-    for index, (module, hidden, (cos, sin)) in enumerate(captured):
+    for index, (module, hidden, (cos, sin)) in captured.items():
         query = projections.rotate(projections.queries(module, hidden), cos, sin)  # (B, Hq, 1, D)
         keys = cache.layers[index].keys  # (B, H, P + 1, D)
         keys = keys.repeat_interleave(module.num_key_value_groups, dim=1).to(query.device)  # (B, Hq, P + 1, D)
@@ -202,10 +188,8 @@ class KeyNorm(Selector):
 
 
 class SourceAttention(Selector):
-    """The tokens the source's look-ahead attends to most (`kv.lookahead`: its attention from the prefix's last m
-    tokens, as chosen on the select split), so speculative prefill's query-aware choice picks which tokens of the
-    mapped cache the target recomputes. The scores come from the forward that prefills the source's cache; they
-    cost the last m queries' q.k over the prefix in each source layer read."""
+    """The tokens the source's look-ahead attends to most (`kv.lookahead`): speculative prefill's query-aware choice
+    picks the tokens the target recomputes. Costs the last m queries' q.k over the prefix in each source layer read."""
 
     name = "source_attention"
     reads_source = True

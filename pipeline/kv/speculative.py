@@ -59,7 +59,6 @@ class SpeculativeParams(Lookahead):
     sinks: Count  # the prefix's first tokens, always kept by the mode (a repair has its own `sink:S`)
 
     def reading(self, lookahead: Lookahead) -> SpeculativeParams:
-        """These settings with `lookahead`'s layers and pooling."""
         return self.model_copy(update=lookahead.model_dump())
 
     def spans(self, length: int) -> tuple[int, int]:
@@ -79,7 +78,7 @@ def chosen(share: float, candidates: int) -> int:
 
 
 def chosen_lookahead(path: Path) -> SpeculativeParams:
-    """The settings stage select chose on the select split (written at `path`)."""
+    """The settings stage select chose, written at `path`."""
     if not path.is_file():
         raise ArtifactError(f"{path} not found; run the select stage")
     return SpeculativeParams.model_validate(json.loads(path.read_text()))

@@ -9,8 +9,10 @@ code and configuration under test).
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -50,3 +52,22 @@ def scratch_copy(root: Path, into: Path) -> list[str]:
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(into, filter="data")
     return from_head
+
+
+def run_edited(root: Path, into: Path, edits: dict[str, list[tuple[str, str]]], script: str) -> str:
+    """`script` run by Python in a copy of `root`'s pipeline/ and tests/helpers/ (and params.yaml) under `into`, with
+    `edits` (file -> (old, new) replacements, each old text found once) applied first: what adding a registry entry
+    in one file does, shown without touching the workspace. Returns its stdout; a failure fails with its stderr."""
+    for folder in ("pipeline", "tests/helpers"):
+        shutil.copytree(root / folder, into / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "params.yaml", into)
+    for name, replacements in edits.items():
+        text = (into / name).read_text()
+        for old, new in replacements:
+            assert text.count(old) == 1, f"{name}: {old!r} found {text.count(old)} times"
+            text = text.replace(old, new)
+        (into / name).write_text(text)
+    env = {**os.environ, "PYTHONPATH": f"{into}{os.pathsep}{into / 'tests'}"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=into, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

@@ -4,9 +4,12 @@ linear map, and a reduced-rank map is the ridge map projected on the top princip
 values."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import ROOT, tiny_config
+from helpers.scratch import run_edited
 
 from pipeline.fitting import ridge
 from pipeline.kv.contract import pair_contract
@@ -90,3 +93,65 @@ def test_the_low_rank_map_keeps_the_top_principal_directions_of_the_fitted_value
     assert solved.tensors[0].shape == (6, rank) and solved.tensors[1].shape == (2, rank, 4)
     sse = ((y - expected) ** 2).sum(0)  # the residuals the solve reports, from moments alone
     assert torch.allclose(solved.sse_fit, sse, rtol=1e-6)
+
+
+HALVED = '''
+
+class Halved(Linear):
+    """A scratch family: the linear map's output halved."""
+
+    name = "halved"
+
+    def project(self, inputs, weight, bias):
+        return super().project(inputs, weight, bias) / 2
+'''
+CANDIDATES = '''
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from helpers import build_model, measure_params, tiny_config
+from helpers.report import _fake_variant, report_params
+from pipeline.kv.mapnames import MapName
+from pipeline.kv.mapper import random_mapper, save_mapper
+from pipeline.kv.pair import Pair
+from pipeline.measure.evaluation import OracleStore, evaluate
+from pipeline.studies import candidates, render
+
+target, source = build_model(tiny_config(97, 64), seed=1), build_model(tiny_config(97, 32), seed=2)
+pair, generator, rng = Pair.of(target, source), torch.Generator().manual_seed(0), np.random.default_rng(0)
+prompts = [(torch.randint(0, 97, (12,), generator=generator).tolist(),
+            torch.randint(0, 97, (4,), generator=generator).tolist()) for _ in range(6)]
+oracle = evaluate(pair.router(mode="oracle"), prompts, store=OracleStore(top_k=5, horizon=2), progress=False)
+items = {name: _fake_variant(rng, 0.9 - 0.2 * (name == "source"), 0.9, 1.0)[1] for name in ("oracle", "source")}
+candidate_items, maps, fit, select, perplexity = {}, {}, {"maps": {}}, {"maps": {}}, {}
+for family in ("linear", "halved"):
+    name = str(MapName.parse(str(MapName(family, 1, 0.001))))  # built and read back by the family's own fields
+    save_mapper(random_mapper(source.config, target.config, family=family), Path(f"{name}.safetensors"))
+    figures = evaluate(pair.router(mode="mapped", mapper=Path(f"{name}.safetensors")), prompts, oracle.oracle,
+                       progress=False).figures()["prompts"]
+    perplexity[name] = figures["perplexity"]
+    candidate_items[name] = _fake_variant(rng, 0.8, 0.85, 1.0)[1]  # the tasks are not what this shows
+    maps[name] = {"family": family, "k": 1, "speedup": 2.0, "bound_at_pair": 3.0, "parameters": 10,
+                  "mapper_bytes": 100}
+    fit["maps"][name] = {"r2_keys_select": 0.5, "r2_values_select": 0.5}
+    select["maps"][name] = {"prompts": {"attention_cosine": 0.5, "agreement": figures["agreement"], "mean_kl":
+                                        figures["mean_kl"], "confident_top1": None, "confident_agreement": None,
+                                        "oracle_weighted_agreement": None}}
+study = candidates.compute(report_params(), measure_params(bootstrap_iters=20), candidates.Inputs(
+    items, candidate_items, {"length": 16, "bound_pair": "qwen3-v0", "maps": maps}, fit, select))
+print(json.dumps({"rows": list(study["rows"]), "perplexity": perplexity,
+                  "section": render.section("candidates", study)}))
+'''
+
+
+def test_a_family_added_to_the_registry_alone_is_named_projected_and_reaches_the_candidates_table(tmp_path):
+    """In a scratch copy, one class and one registry entry in kv/families.py, no other file: its maps are named and
+    read back, built, saved, loaded and projected by a pair's handoff, and the candidates study has their row."""
+    edits = {"pipeline/kv/families.py": [("\n\nclass HeadMatched(Family):", HALVED + "\n\nclass HeadMatched(Family):"),
+                                         ("(Identity(), Linear(),", "(Identity(), Linear(), Halved(),")]}
+    shown = json.loads(run_edited(ROOT, tmp_path, edits, CANDIDATES).splitlines()[-1])
+    assert shown["rows"] == ["linear_k1_lam0.001", "halved_k1_lam0.001"]
+    assert "\n| halved_k1_lam0.001 | " in shown["section"]  # its row in the table
+    assert shown["perplexity"]["halved_k1_lam0.001"] != shown["perplexity"]["linear_k1_lam0.001"]

@@ -12,7 +12,7 @@ from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teac
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, layers_to_cache, padded_prefixes
 from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
-from pipeline.kv.modes import shuffle_order
+from pipeline.kv.modes import own_prefill, rebuilt, shuffle_order
 from pipeline.kv.rope import Rotation
 from pipeline.kv.scoring import score_continuations
 from pipeline.store.models import IncompatiblePairError, load_model
@@ -81,9 +81,9 @@ def test_a_map_fitted_on_rotated_keys_reads_and_writes_them_as_cached(source):
     stripped = identity_mapper("source", "target", source.config, other_rope.config)
     rotated = replace(stripped, key_space="rotated")
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    cached = Handoff(other_rope, source, "mapped", stripped).source_prefill(ids)
-    as_cached = Handoff(other_rope, source, "mapped", rotated).to_target(cached)
-    re_rotated = Handoff(other_rope, source, "mapped", stripped).to_target(cached)
+    cached = own_prefill(source, ids)
+    as_cached = rebuilt(Handoff(other_rope, source, "mapped", rotated).inputs, cached, rotated)
+    re_rotated = rebuilt(Handoff(other_rope, source, "mapped", stripped).inputs, cached, stripped)
     assert all(torch.equal(out, keys) for (out, _), (keys, _) in zip(as_cached, cached))
     # the pipeline's map strips the source's RoPE and applies the target's, here another theta
     assert not any(torch.allclose(out, keys, atol=1e-3) for (out, _), (keys, _) in zip(re_rotated, cached))
@@ -93,7 +93,7 @@ def test_shared_context_costs_one_source_prefill(target, source):
     handoff = Handoff(target, source, "direct")
     requests = _requests(n_contexts=5, endings=4, seed=3)
     score_continuations(handoff, requests, batch_size=3, progress=False)
-    assert handoff.source_prefills == 5 and handoff.source_forwards == 5  # batch 3 < 4 endings: one each
+    assert handoff.inputs.source_prefills == 5 and handoff.inputs.source_forwards == 5  # batch 3 < 4 endings: one each
 
 
 def test_null_controls_really_replace_the_cache(periodic_model):
@@ -161,7 +161,8 @@ def test_batched_contexts_of_different_lengths_score_as_one_at_a_time(target, mo
     assert [s for s, _ in batched] == pytest.approx([s for s, _ in one], abs=1e-4)
     assert [g for _, g in batched] == [g for _, g in one]
     if mode not in ("oracle", "zero"):
-        assert batched_handoff.source_prefills == 6 and batched_handoff.source_forwards == 2  # 3 contexts a forward
+        counted = batched_handoff.inputs
+        assert counted.source_prefills == 6 and counted.source_forwards == 2  # 3 contexts a forward
 
 
 def test_a_cache_built_for_a_model_spread_over_devices_puts_each_layer_on_its_own(target):
@@ -188,7 +189,8 @@ def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carri
     handed = handoff.prefix_layers(ids)  # under no_grad
     with torch.no_grad():
         cached = cache_to_layers(source.model(input_ids=ids, use_cache=True).cache)
-    content = [(Rotation(handoff.source_spec, torch.arange(prefix)).strip(k.float()), v.float()) for k, v in cached]
+    rotation = Rotation(handoff.inputs.source_spec, torch.arange(prefix))
+    content = [(rotation.strip(k.float()), v.float()) for k, v in cached]
     trained = replace(mapper, keys=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.keys],
                       values=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.values])
     order = shuffle_order(3, prefix, None, 2) if mode == "shuffled" else None
@@ -231,8 +233,8 @@ def test_a_first_step_retains_the_source_and_mapped_caches_for_a_gate_and_reuses
     prefixes = padded_prefixes([list(range(3, 12)), list(range(4, 8))])
     first = handoff.first_step(prefixes, retain=True)
     assert first.source[0][0].shape[:3] == (2, source.config.num_key_value_heads, 8) and first.mapped is not None
-    forwards = handoff.source_forwards
+    forwards = handoff.inputs.source_forwards
     again = handoff.first_step(prefixes, prefilled=first.source)
-    assert handoff.source_forwards == forwards and torch.equal(again.logits, first.logits)
+    assert handoff.inputs.source_forwards == forwards and torch.equal(again.logits, first.logits)
     kept = first.kept()
     assert sorted(map(len, kept)) == [3, 8] and kept[tuple(range(4, 7))][0][0].shape[2] == 3

@@ -134,7 +134,7 @@ def test_a_repair_runs_the_target_over_only_the_tokens_it_was_asked_to_recompute
             hook.remove()
     assert seen[0] == per_layer * LAYERS
     assert handoff.repaired.token_layers == seen[0]
-    assert handoff.source_forwards == 1
+    assert handoff.inputs.source_forwards == 1
 
 
 def test_exact_layers_run_the_target_through_all_but_the_last_of_them_and_never_to_logits(target, source):

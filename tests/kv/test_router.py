@@ -38,7 +38,7 @@ def test_a_gated_context_is_prefilled_and_mapped_once_for_its_score_and_its_cont
     results, routes = router.score(requests, MAX_LENGTH, progress=False)
     # once by the gate's scorer; a context that keeps its map is scored on that cache, one that falls back by the
     # oracle (before the kept maps, twice: the scorer's prefill and map, then the handoff's again)
-    assert handoff.source_prefills == distinct_handed_off(requests)
+    assert handoff.inputs.source_prefills == distinct_handed_off(requests)
     alone = Router(pair.handoff("direct" if threshold > 0 else "oracle"), batch_size=4)
     expected, _ = alone.score(requests, MAX_LENGTH, progress=False)
     assert [ll for ll, _ in results] == pytest.approx([ll for ll, _ in expected], abs=1e-4)
@@ -53,8 +53,8 @@ def test_the_gates_decisions_are_memoised_per_context(pair, requests):
     router = Router(handoff, pair.gate(handoff, "entropy", 0.0), batch_size=4)
     contexts = [context for context, _ in requests]
     first = router.routes(contexts)
-    prefilled = handoff.source_prefills
-    assert router.routes(contexts) == first and handoff.source_prefills == prefilled
+    prefilled = handoff.inputs.source_prefills
+    assert router.routes(contexts) == first and handoff.inputs.source_prefills == prefilled
 
 
 def test_an_ungated_router_scores_as_the_scoring_core_does(pair, requests):

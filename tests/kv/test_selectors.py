@@ -17,6 +17,7 @@ from pipeline.kv.flops import repair_budget
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import padded_prefixes
 from pipeline.kv.mapper import identity_mapper
+from pipeline.kv.modes import Prompt, source_prefill
 from pipeline.kv.recompute import RepairCount
 from pipeline.kv.repair import REPAIR_FORM, Repair, RepairError
 from pipeline.kv.selectors import POLICIES, SELECTORS, Evidence, Selector, register
@@ -230,7 +231,7 @@ def test_the_token_the_source_attends_to_scores_highest_and_is_the_one_recompute
     prefix = _prefix(at)
     handoff = Handoff(target, source, "direct", repair=Repair.parse("tokens:0.07:source_attention"),
                       speculative=LOOKAHEAD)
-    _, scores = handoff.scored_source_prefill(prefix, None)  # (1, P)
+    _, scores = source_prefill(handoff.inputs, Prompt(prefix), scored=True)  # (1, P)
     assert int(scores[0, : MARKED_WIDTH - LOOKAHEAD.last].argmax()) == at
     unrepaired = Handoff(target, source, "direct").prefix_layers(prefix)
     repaired = handoff.prefix_layers(prefix)
@@ -243,8 +244,8 @@ def test_the_token_the_source_attends_to_scores_highest_and_is_the_one_recompute
 
 def test_a_source_without_the_marked_token_chooses_elsewhere(models):
     target, source = models
-    _, scores = Handoff(target, source, "direct", speculative=LOOKAHEAD).scored_source_prefill(
-        torch.arange(20, 20 + MARKED_WIDTH)[None], None)
+    handoff = Handoff(target, source, "direct", speculative=LOOKAHEAD)
+    _, scores = source_prefill(handoff.inputs, Prompt(torch.arange(20, 20 + MARKED_WIDTH)[None]), scored=True)
     assert float(scores.max()) < 0.5  # no one token draws the look-ahead: the selection follows the source
 
 

@@ -18,6 +18,7 @@ from pipeline.kv import flops
 from pipeline.kv.decode import greedy_generate, greedy_rollout
 from pipeline.kv.kvcache import Prefixes
 from pipeline.kv.lookahead import keep_positions
+from pipeline.kv.modes import Prompt, source_prefill
 from pipeline.kv.pair import Pair
 from pipeline.kv.scoring import score_continuations
 from pipeline.kv.speculative import SpeculativeParams
@@ -65,7 +66,7 @@ def test_at_share_1_speculative_prefill_is_the_oracle_exactly(pair):
 def _kept(handoff, context: list[int]) -> torch.Tensor:
     """(K,) the positions the handoff keeps of `context`'s prefix, from its own scores."""
     prefix = torch.tensor([context[:-1]])  # (1, P)
-    _, scores = handoff.scored_source_prefill(prefix, None)
+    _, scores = source_prefill(handoff.inputs, Prompt(prefix), scored=True)
     return keep_positions(scores, torch.tensor([prefix.shape[1]]), LOOKAHEAD, handoff.share)[0]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import build_model, tiny_config
 
+from pipeline.kv import modes
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import identity_mapper, random_mapper
 from pipeline.measure import latency as measure
@@ -25,14 +26,14 @@ def test_each_handoff_timer_brackets_only_its_own_part(pair, monkeypatch):
     handoff = Handoff(target, source, "mapped", random_mapper(source.config, target.config, k=1))
     ticks, calls = [], []
     monkeypatch.setattr(timing, "read_clock", lambda device: ticks.append(len(ticks)) or len(ticks) - 1)
-    for name in ("source_prefill", "to_target"):
-        method = getattr(handoff, name)
-        monkeypatch.setattr(handoff, name, lambda *a, _m=method, _n=name: calls.append((_n, len(ticks))) or _m(*a))
+    for name in ("source_prefill", "rebuilt"):
+        function = getattr(modes, name)
+        monkeypatch.setattr(modes, name, lambda *a, _f=function, _n=name: calls.append((_n, len(ticks))) or _f(*a))
     forward = target.forward
     monkeypatch.setattr(target, "forward", lambda *a, **kw: calls.append(("step", len(ticks))) or forward(*a, **kw))
     parts = measure.time_handoff(handoff, torch.arange(12)[None])
     # the clock was read once before each part and once after the last: each part ran inside its own interval
-    assert calls == [("source_prefill", 1), ("to_target", 2), ("step", 3)]
+    assert calls == [("source_prefill", 1), ("rebuilt", 2), ("step", 3)]
     assert parts == {"handoff": 3e-6, "prefill": 1e-6, "map": 1e-6, "step": 1e-6}
 
 

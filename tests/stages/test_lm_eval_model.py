@@ -116,7 +116,7 @@ def test_exactness_gate_float32(tiny_pair, task_dir, reference_float32, transfer
         assert ours[task]["acc"] == reference_float32[task]["acc"]
         assert ours[task]["acc_norm"] == reference_float32[task]["acc_norm"]
     if transfer == "direct":  # HellaSwag's four endings and PIQA's two share one source prefill
-        assert lm.handoff.source_prefills == 2 * N_ITEMS
+        assert lm.handoff.inputs.source_prefills == 2 * N_ITEMS
 
 
 def test_exactness_gate_bfloat16(tiny_pair, task_dir):
@@ -379,7 +379,7 @@ def test_a_repair_setting_routes_every_request_as_repaired(wide_pair, wide_map, 
                                                                 EMPTY_PREFIX: 0}
     assert out["config"]["kv_transfer"]["requests"] == {}  # no request went another way than the handoff's own
     # and it was repaired: the sink of every prefix the source handed off (each longer than the sink)
-    assert lm.handoff.repaired.recomputed == setting.sink * lm.handoff.source_prefills > 0
+    assert lm.handoff.repaired.recomputed == setting.sink * lm.handoff.inputs.source_prefills > 0
 
 
 def test_loglikelihood_rolling_matches_stock_hf(tiny_pair):
