@@ -207,23 +207,6 @@ def test_a_lazy_reference_the_deps_cannot_read_is_named(tmp_path):
     assert edges(path, modules(tmp_path))["unnamed"] == [("?", 1, False), ("pipeline.nowhere", 2, False)]
 
 
-def selectors_in_closure(module: str, root: Path) -> list[str]:
-    """The repair's modules (its grammar, its selectors, its run) and the FLOP model that `module` imports."""
-    kinds = ("pipeline.kv.selectors", "pipeline.kv.repair", "pipeline.kv.recompute", "pipeline.kv.flops")
-    return sorted(name for name in closure(module, graph(root, subprocess=True)) if name.startswith(kinds))
-
-
-def test_the_report_imports_no_selector():
-    assert selectors_in_closure("pipeline.report", ROOT) == []
-
-
-def test_the_selector_check_sees_a_study_that_parses_a_repair_setting(tmp_path):
-    shutil.copytree(ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    study = tmp_path / "pipeline" / "studies" / "repair.py"
-    study.write_text(study.read_text() + "from pipeline.kv.repair import Repair  # the study's edit\n")
-    assert {"pipeline.kv.repair", "pipeline.kv.selectors"} <= set(selectors_in_closure("pipeline.report", tmp_path))
-
-
 def sections_read(path: Path) -> set[str]:
     """Params keys a module reads: the string argument of load_section(..., "x"), load_value(..., "x") and
     read_key("x")."""
