@@ -51,25 +51,13 @@ def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[st
     return until, max_new
 
 
-class HandoffLM(TemplateLM):
-    """lm-eval's model whose every request goes through `router` (answered from `cache` where it holds the answer).
-    Its text side is lm-eval's stock `hf` model's (the target's tokenizer, special tokens, chat template, and
-    lm-eval's context split)."""
+class TargetTokensLM(TemplateLM):
+    """lm-eval's model's text side, as its stock `hf` model has it (the target's tokenizer, special tokens, chat
+    template, and lm-eval's context split); scoring is the subclass's."""
 
-    def __init__(self, router: Router, tokenizer, max_length: int | None = None, ranks: Ranks = ONE_PROCESS,
-                 cache: RequestCache | None = None):
-        """`router` serves `router.batch_size` contexts a forward; `max_length`: the window contexts are truncated to
-        (default: the target's positions)."""
-        if not isinstance(router, Router):  # a handoff alone: Router(handoff, gate, batch_size) routes it
-            raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}")
+    def __init__(self, tokenizer, max_length: int):
         super().__init__()
-        self.router, self.tokenizer = router, tokenizer
-        self._max_length = max_length or self.handoff.decoder.config.max_position_embeddings
-        self.batch_size = router.batch_size
-        self.ledger, self.cache = Ledger(), cache
-        self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
-        self._served, self._tokens = {}, {}  # while `loglikelihood` runs, per request: its route, its scored ids
-        self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
+        self.tokenizer, self._max_length = tokenizer, max_length
 
     @property
     def eot_token_id(self) -> int:
@@ -126,6 +114,24 @@ class HandoffLM(TemplateLM):
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+
+class HandoffLM(TargetTokensLM):
+    """lm-eval's model whose every request goes through `router` (answered from `cache` where it holds the answer)."""
+
+    def __init__(self, router: Router, tokenizer, max_length: int | None = None, ranks: Ranks = ONE_PROCESS,
+                 cache: RequestCache | None = None):
+        """`router` serves `router.batch_size` contexts a forward; `max_length`: the window contexts are truncated to
+        (default: the target's positions)."""
+        if not isinstance(router, Router):  # a handoff alone: Router(handoff, gate, batch_size) routes it
+            raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}")
+        self.router = router
+        super().__init__(tokenizer, max_length or self.handoff.decoder.config.max_position_embeddings)
+        self.batch_size = router.batch_size
+        self.ledger, self.cache = Ledger(), cache
+        self._ranks, self._rank, self._world_size = ranks, ranks.rank, ranks.size
+        self._served, self._tokens = {}, {}  # while `loglikelihood` runs, per request: its route, its scored ids
+        self._gathered = False  # the routes gathered since the last requests (by the first `gather_object`)
 
     @property
     def handoff(self) -> Handoff:
