@@ -56,6 +56,14 @@ def read(name: str):
         return config, None
 
 
+def read_source(name: str, target: tuple):
+    """(config, tokenizer or None) of SOURCE: `self:<n>` is the target's (config, tokenizer) cut to n layers."""
+    layers = self_layers(name)
+    if layers is None:
+        return read(name)
+    return truncated_config(target[0], layers), target[1]
+
+
 def matched_self_lines(source_config, target_config, lengths: list[int]) -> list[str]:
     """The `self:<n>` source whose prefill costs what the real source's does, per prompt length (kv.flops)."""
     by_layers: dict[int, list[int]] = {}
@@ -200,6 +208,14 @@ def default_ks(given: list[int] | None, source_layers: int, source: str) -> tupl
     return inputs.ks(within or [1], name, source_layers, source), [k for k in ks if k > source_layers]
 
 
+def declared_repairs(given: list[str] | None) -> tuple[list[str], SpeculativeParams | None]:
+    """The repair settings counted (`--repairs`, else params' repair.grid) and params' `speculative` settings, which
+    a policy ranking by the source reads (None without a params.yaml)."""
+    if not PARAMS_FILE.is_file():
+        return given or [], None
+    return given or read_key("repair.grid"), load_section(SpeculativeParams, "speculative")
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.check_pair", __doc__)
     cli.add_argument("source", nargs="?", help="source model: hub id, local folder or shape:<name>")
@@ -241,10 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                                             or (read_key(spec.width_param) if PARAMS_FILE.is_file() else None))]
               for family, spec in FAMILIES.items() if spec.width_name}
     target_config, target_tokenizer = read(args.target)
-    if self_layers(args.source) is None:
-        source_config, source_tokenizer = read(args.source)
-    else:  # the target's config and tokenizer, cut to n layers
-        source_config, source_tokenizer = truncated_config(target_config, self_layers(args.source)), target_tokenizer
+    source_config, source_tokenizer = read_source(args.source, (target_config, target_tokenizer))
     if args.max_tokens is not None:
         inputs.within(args.max_tokens, "--max-tokens", min(config.max_position_embeddings for config in
                                                             (source_config, target_config)), "positions in the models")
@@ -254,9 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = args.max_tokens or (run_length() if PARAMS_FILE.is_file() else max(
         config.max_position_embeddings for config in (source_config, target_config)))
     contract = pair_contract(target_config, source_config, target_tokenizer, source_tokenizer, max_tokens)
-    repairs, lookahead = args.repairs or [], None
-    if PARAMS_FILE.is_file():  # repair.grid, and the `speculative` settings a policy ranking by the source reads
-        repairs, lookahead = args.repairs or read_key("repair.grid"), load_section(SpeculativeParams, "speculative")
+    repairs, lookahead = declared_repairs(args.repairs)
     print(report(contract, source_config, target_config, ks, lengths, widths, repairs, lookahead))
     if left_out:
         print(f"\nfit.ks {left_out} left out: beyond the source's {source_config.num_hidden_layers} layers "
