@@ -15,8 +15,6 @@ from pathlib import Path
 from pipeline.kv.modes import BASELINES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import USES, Transfer
-from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import OracleStore, evaluate
@@ -44,23 +42,23 @@ def variant_mode(variant: str) -> str:
     return variant if variant in BASELINES or variant == "shuffled" else "mapped"
 
 
-def variant_request(variant: str, params: EvaluateParams) -> Transfer:
-    """`variant`'s handoff as a request (a name neither a baseline nor in evaluate.mapped was refused earlier)."""
+def variant_request(variant: str, params: EvaluateParams) -> dict:
+    """`variant`'s handoff as `Pair.router` takes it (a name neither a baseline nor in evaluate.mapped was refused
+    earlier)."""
     if variant in BASELINES:
-        return Transfer.stage(mode=variant)
-    mode = variant_mode(variant)
-    seeded = {"shuffle_seed": params.shuffle_seed} if mode in USES["shuffle_seed"] else {}
+        return {"mode": variant}
     repair, lookahead = variant_repair(variant, params)
-    return Transfer.stage(mode=mode, mapper=params.mapped[variant], repair=repair, speculative=lookahead, **seeded)
+    return {"mode": variant_mode(variant), "mapper": params.mapped[variant], "repair": repair,
+            "speculative": lookahead, "shuffle_seed": params.shuffle_seed}
 
 
-def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair | None, SpeculativeParams | None]:
-    """The repair `variant` applies (`selected`: select's choice; None for none) and, where its policy reads them,
-    the look-ahead settings select chose it under."""
+def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair, SpeculativeParams | None]:
+    """The repair `variant` applies (`selected`: select's choice; the empty setting for none) and, where its policy
+    reads them, the look-ahead settings select chose it under."""
     setting = params.repair.get(variant)
     if setting == SELECTED:
         return selected_repair(f"evaluate.repair.{variant}")
-    return None if setting is None else Repair.parse(setting), None
+    return Repair() if setting is None else Repair.parse(setting), None
 
 
 def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
@@ -77,8 +75,8 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
                 (staging / SKIPPED).write_text(reason + "\n")
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
-    request = variant_request(variant, params)  # its repair as the params name it (select's choice read once)
-    router = Router.of(pair, request, params.batch_size)
+    # its repair as the params name it (select's choice read once)
+    router = pair.router(**variant_request(variant, params), batch_size=params.batch_size)
     prompts = read_prompts(paths.EVAL_PROMPTS)
     options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}
     if variant == "oracle":  # its outputs are stored, and every other variant compared with them
@@ -101,7 +99,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
                       {"prompts": len(prompts), "top_k": params.top_k, "horizon": params.horizon})
     metrics = evaluation.figures()
     if variant in params.repair:  # its declared setting, `none` included
-        metrics["repair"] = str(request.repair)
+        metrics["repair"] = str(router.handoff.repair)
     mapper = router.handoff.mapper
     if mapper is not None:  # best_of_k: select's best closed-form map of its k (models/best/, V0's rows)
         metrics["map"] = {"family": mapper.family, "k": mapper.k, "distilled": mapper.distilled is not None,

@@ -60,8 +60,8 @@ def rivals(pair: Pair, params: LatencyParams) -> dict:
         reads = lookahead if setting.reads_source else None
         out[f"mapped+{setting}"] = pair.router(mode="mapped", mapper=params.mapper, repair=setting,
                                                speculative=reads).handoff
-    for mode in (f"speculative:{share:g}" for share in params.speculative):
-        out[mode] = pair.router(mode=mode, speculative=lookahead).handoff
+    for share in params.speculative:
+        out[f"speculative:{share:g}"] = pair.router(mode="speculative", share=share, speculative=lookahead).handoff
     return out
 
 

@@ -101,7 +101,7 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahe
     out.update(repaired)
     out.update(gated_variants(params, pair, length, contexts))
     for name, share in params.speculative_variants().items():
-        router = pair.router(mode=f"speculative:{share:g}", speculative=lookahead)
+        router = pair.router(mode="speculative", share=share, speculative=lookahead)
         out[name] = Variant(router, speculative_bound(source, target, lookahead, share, length))
     if params.truncated:
         routers = {}  # keep -> its router: two repairs of one budget truncate alike, and are evaluated once

@@ -79,7 +79,7 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
                 figures.update({"target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
                                 "speedup": round(row["speedup"], 4)})
             metrics[f"maps/{name}/{setting}"] = figures
-        levels = sorted({min(round(b, 3), 1.0) for b in budgets.values() if b > 0})
+        levels = sorted({min(round(b, 3), 1.0) for b in budgets.values() if round(b, 3) > 0})
         for name, level, evaluation, figures in matched_baselines(pair, params, levels, pair.eval_tasks, prompts,
                                                                   oracle, margin, items, lookahead, bound_configs):
             write_rows(staging, name, f"{level:g}", evaluation)
@@ -95,7 +95,8 @@ def matched_baselines(pair: Pair, params: RepairParams, levels: list[float], tas
         truncated = pair.router(mode="oracle", keep=level, batch_size=params.batch_size)
         evaluation = scored(pair, truncated, tasks, prompts, oracle, margin, items)
         yield paths.TRUNCATED_BASELINE, level, evaluation, evaluation.figures()
-        speculative = pair.router(mode=f"speculative:{level:g}", speculative=lookahead, batch_size=params.batch_size)
+        speculative = pair.router(mode="speculative", share=level, speculative=lookahead,
+                                  batch_size=params.batch_size)
         evaluation = scored(pair, speculative, tasks, prompts, oracle, margin, items)
         bound = speculative_bound(*bound_configs, lookahead, level, params.length)
         yield paths.SPECULATIVE_BASELINE, level, evaluation, {**evaluation.figures(), "bound": round(bound, 4)}

@@ -106,9 +106,9 @@ def score_lookahead(pair: Pair, prompts, params: SelectParams, oracle, declared:
     (`declared` with its layers and pooling; []: `declared` alone): the best by the rule (ties: lower perplexity,
     then the first listed) and every candidate's score, on every rank."""
     candidates = [declared.reading(choice) for choice in params.lookahead] or [declared]
-    mode = f"speculative:{params.lookahead_share:g}"
     scores = shared_out([(c,) for c in candidates], lambda c: {"evaluation": evaluate(
-        pair.router(mode=mode, speculative=c, batch_size=params.batch_size), prompts, oracle, margin=margin)},
+        pair.router(mode="speculative", share=params.lookahead_share, speculative=c,
+                    batch_size=params.batch_size), prompts, oracle, margin=margin)},
         ranks, "score look-ahead", "setting")
     confident_scores(scores, params.rule, margin)
     better = PROMPT_METRICS[params.rule].better

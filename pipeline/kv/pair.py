@@ -13,7 +13,6 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.kv.modes import MAPPER_MODES, MODES
 from pipeline.kv.repair import Repair
-from pipeline.kv.request import Transfer
 from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store import paths
@@ -163,9 +162,16 @@ class Pair:
         return Handoff(self.target, self.source if MODES[mode].reads.source else None, mode, mapper,
                        shuffle_seed=shuffle_seed, repair=repair, keep=keep, share=share, speculative=speculative)
 
-    def router(self, batch_size: int = 16, **values) -> Router:
-        """A stage's handoff: `values` as its params give them, checked by `Transfer.stage`."""
-        return Router.of(self, Transfer.stage(**values), batch_size)
+    def router(self, mode: str, mapper: Mapper | str | Path | None = None, repair: Repair = Repair(),
+               keep: float | None = None, share: float | None = None, speculative: SpeculativeParams | None = None,
+               fallback: str | None = None, threshold: float | None = None,
+               disagree: tuple[str, str] | None = None, shuffle_seed: int = 0, batch_size: int = 16) -> Router:
+        """The router of a handoff from values checked where they entered (a stage's params by `check_params`, a
+        face's by `kv.request.Transfer`, through `Router.of`), trusted here: the handoff as `handoff` takes them,
+        gated where `fallback` names a score (above `threshold`; `disagree`: that score's two maps)."""
+        handoff = self.handoff(mode, mapper, shuffle_seed, repair, keep, share, speculative)
+        gate = None if fallback is None else self.gate(handoff, fallback, threshold, disagree)
+        return Router(handoff, gate, batch_size)
 
     def gate(self, handoff: Handoff, score: str, threshold: float,
              disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:

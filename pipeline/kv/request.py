@@ -1,6 +1,7 @@
-"""What a user asks of a handoff, validated before any model loads: one request (`Transfer`) for every face. A mode
-that takes a value is written with it (`speculative:0.1`); its look-ahead settings come from params' `speculative`
-section or a stage's own. Every refusal is one line naming the arg as the face spells it (`Face`) and the fix.
+"""What a user asks of a handoff, validated before any model loads: one request (`Transfer`) for every face (the
+stages' values are checked by their params schema instead). A mode that takes a value is written with it
+(`speculative:0.1`); its look-ahead settings come from params' `speculative` section. Every refusal is one line
+naming the arg as the face spells it (`Face`) and the fix.
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ FIELDS = ("mode", "mapper", "repair", "fallback", "threshold", "disagree", "shuf
           "allow_other_models")
 KV_TRANSFER = Face("kv-transfer", {**{field: field for field in FIELDS}, "mode": "transfer"})
 GENERATE = Face("", {**{field: "--" + field.replace("_", "-") for field in FIELDS}, "mode": "--transfer"})
-STAGE = Face("stage", {field: field for field in FIELDS})  # a stage's handoffs, from values its schema checked
 
 
 class Transfer(BaseModel):
@@ -76,11 +76,6 @@ class Transfer(BaseModel):
             if isinstance(cause, Exception):
                 raise cause from None
             raise ParamError(f"{face.tool or 'generate'}: {error.errors()[0]['msg']}") from None
-
-    @classmethod
-    def stage(cls, **values) -> "Transfer":
-        """A stage's request: `values` as its params give them (a `Path`, a parsed `Repair`)."""
-        return cls.of(STAGE, **{key: str(value) if isinstance(value, Path) else value for key, value in values.items()})
 
     @model_validator(mode="before")
     @classmethod
@@ -196,7 +191,7 @@ def _mode(face: Face, values: dict) -> str:
 
 
 def _lookahead(face: Face, mode: str, values: dict) -> None:
-    """The look-ahead settings where the mode or the repair's policy reads them (a stage's own, else params'),
+    """The look-ahead settings where the mode or the repair's policy reads them (as given, else params'),
     refused where nothing reads them."""
     reads = MODES[mode].sparse or ("repair" in values and values["repair"].reads_source)
     if not reads:
@@ -206,9 +201,6 @@ def _lookahead(face: Face, mode: str, values: dict) -> None:
         return
     if "speculative" in values:
         return
-    if face is STAGE:
-        raise ParamError(f"stage {mode}: pass the `{SECTION}` section of params (declared in the stage's dvc.yaml "
-                         f"params) as speculative=")
     try:
         values["speculative"] = load_section(SpeculativeParams, SECTION)
     except ParamError as error:

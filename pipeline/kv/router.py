@@ -26,13 +26,10 @@ class Router:
 
     @classmethod
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
-        """The router of `request` (`kv.request.Transfer`) between `pair`'s models (weights loaded on first use)."""
-        handoff = pair.handoff(request.mode, request.mapper, shuffle_seed=request.shuffle_seed or 0,
-                               repair=request.repair, keep=request.keep, share=request.share,
-                               speculative=request.speculative)
-        gate = None if request.fallback is None else pair.gate(handoff, request.fallback, request.threshold,
-                                                                request.disagree)
-        return cls(handoff, gate, batch_size)
+        """The router of a face's `request` (`kv.request.Transfer`) between `pair`'s models (`Pair.router`)."""
+        return pair.router(request.mode, request.mapper, request.repair, request.keep, request.share,
+                           request.speculative, request.fallback, request.threshold, request.disagree,
+                           request.shuffle_seed or 0, batch_size)
 
     @property
     def repaired(self) -> bool:

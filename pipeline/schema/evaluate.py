@@ -57,5 +57,8 @@ def selected_repair(key: str) -> tuple[Repair, SpeculativeParams | None]:
     if not SELECTED_REPAIR.is_file():
         raise ArtifactError(f"{key}: {SELECTED_REPAIR} not found; run the select stage")
     chosen = json.loads(SELECTED_REPAIR.read_text())
-    lookahead = chosen.get("speculative")
-    return Repair.parse(chosen["repair"]), None if lookahead is None else SpeculativeParams.model_validate(lookahead)
+    setting, lookahead = Repair.parse(chosen["repair"]), chosen.get("speculative")
+    if setting.reads_source and lookahead is None:
+        raise ArtifactError(f"{key}: {SELECTED_REPAIR} chose {setting}, which ranks by the source's look-ahead "
+                            f"scores, but holds no `speculative` settings; rerun the select stage")
+    return setting, None if lookahead is None else SpeculativeParams.model_validate(lookahead)

@@ -88,14 +88,14 @@ def test_a_repair_larger_than_the_target_is_refused_from_its_config(tiny_pair):
     assert Transfer.of(GENERATE, mode="zero", repair=Repair.parse("sink:2")).repair == Repair.parse("sink:2")
 
 
-def test_a_stage_asks_with_its_own_values_a_map_file_as_a_path_and_a_share_of_each_context(map_file):
-    request = Transfer.stage(mode="mapped", mapper=Path(map_file), repair=Repair.parse("sink:2"), keep=0.5)
+def test_a_face_asks_for_a_map_file_and_a_share_of_each_context_each_checked(map_file):
+    request = Transfer.of(KV_TRANSFER, mode="mapped", mapper=map_file, repair="sink:2", keep="0.5")
     assert (request.mapper, str(request.repair), request.keep) == (map_file, "sink:2", 0.5)
     for share in (0, 1.5):
-        with pytest.raises(ParamError, match=rf"^stage keep: expected a share in \(0, 1\], got {share}$"):
-            Transfer.stage(mode="oracle", keep=share)
-    with pytest.raises(ParamError, match=r"^stage mapper: no mapper file at .*missing\.safetensors; give one"):
-        Transfer.stage(mode="mapped", mapper=Path(map_file).with_name("missing.safetensors"))
+        with pytest.raises(ParamError, match=rf"^kv-transfer keep: expected a share in \(0, 1\], got {share}$"):
+            Transfer.of(KV_TRANSFER, mode="oracle", keep=share)
+    with pytest.raises(ParamError, match=r"^kv-transfer mapper: no mapper file at .*missing\.safetensors; give one"):
+        Transfer.of(KV_TRANSFER, mode="mapped", mapper=str(Path(map_file).with_name("missing.safetensors")))
 
 
 def test_a_mode_that_takes_a_value_is_written_with_it_and_reads_its_declared_settings_from_params():
@@ -132,19 +132,17 @@ def test_speculative_takes_no_repair_and_source_attention_needs_a_handed_over_ca
                                                             repair="tokens:0.1:attention").speculative is None
 
 
-def test_a_stage_passes_its_own_look_ahead_settings_and_is_refused_without_them():
+def test_look_ahead_settings_given_are_read_and_refused_where_nothing_reads_them():
     settings = parse(SpeculativeParams, committed("speculative", last=2), "speculative")
-    assert Transfer.stage(mode="speculative:0.2", speculative=settings).speculative.last == 2
-    with pytest.raises(ParamError, match=r"^stage speculative: pass the `speculative` section of params"):
-        Transfer.stage(mode="speculative:0.2")
-    with pytest.raises(ParamError, match=r"^stage mode=oracle reads no look-ahead settings"):
-        Transfer.stage(mode="oracle", speculative=settings)
+    assert Transfer.of(KV_TRANSFER, mode="speculative:0.2", speculative=settings).speculative.last == 2
+    with pytest.raises(ParamError, match=r"^kv-transfer transfer=oracle reads no look-ahead settings"):
+        Transfer.of(KV_TRANSFER, mode="oracle", speculative=settings)
 
 
 def test_look_ahead_layers_past_the_source_are_refused_from_its_config(tiny_pair):
     pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]))
     settings = parse(SpeculativeParams, committed("speculative", layers=[0, -2]), "speculative")
-    Transfer.stage(mode="speculative:0.5", speculative=settings).check_geometry(pair)
+    Transfer.of(KV_TRANSFER, mode="speculative:0.5", speculative=settings).check_geometry(pair)
     far = parse(SpeculativeParams, committed("speculative", layers=[9]), "speculative")
     with pytest.raises(ParamError, match=r"speculative.layers: layer 9 is outside the source's 2 layers"):
-        Transfer.stage(mode="speculative:0.5", speculative=far).check_geometry(pair)
+        Transfer.of(KV_TRANSFER, mode="speculative:0.5", speculative=far).check_geometry(pair)

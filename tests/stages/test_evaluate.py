@@ -12,7 +12,7 @@ from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.modes import BASELINES
 from pipeline.kv.pair import Pair
-from pipeline.kv.router import Router
+from pipeline.kv.repair import Repair
 from pipeline.measure.compare import oracle_outputs, variant_rows
 from pipeline.schema.evaluate import EvaluateParams
 from pipeline.store import paths
@@ -66,7 +66,7 @@ def test_a_repaired_variant_is_the_handoff_with_its_setting_and_an_unnamed_one_s
     pair, path = mapped_pair
     params = PARAMS.model_copy(update={"mapped": {"plain": str(path), "fixed": str(path)},
                                        "repair": {"fixed": "tokens:0.5:recency"}})
-    fixed, plain = (Router.of(pair, variant_request(name, params)).handoff for name in ("fixed", "plain"))
+    fixed, plain = (pair.router(**variant_request(name, params)).handoff for name in ("fixed", "plain"))
     assert str(fixed.repair) == "tokens:0.5:recency" and plain.repair.empty
     rows = evaluated(fixed)
     pd.testing.assert_frame_equal(rows, evaluated(pair.handoff("mapped", path, repair="tokens:0.5:recency")))
@@ -87,7 +87,7 @@ def test_selected_reads_the_setting_select_chose(tmp_path, monkeypatch):
     paths.SELECTED_MAPPER.touch()  # the request checks the file is there; nothing loads it
     setting, lookahead = variant_repair("repaired", params)
     assert str(setting) == "layers:1+tokens:0.09:deviation" and lookahead is None
-    assert variant_repair("selected", params) == (None, None)
+    assert variant_repair("selected", params) == (Repair(), None)
 
 
 def test_a_selected_repair_ranking_by_the_source_reads_the_settings_select_scored_it_under(tmp_path, monkeypatch):
@@ -102,9 +102,10 @@ def test_a_selected_repair_ranking_by_the_source_reads_the_settings_select_score
     setting, lookahead = variant_repair("repaired", params)
     assert str(setting) == "tokens:0.08:source_attention" and lookahead.model_dump() == settings
     request = variant_request("repaired", params)
-    assert request.speculative == lookahead and request.repair == setting
+    assert request["speculative"] == lookahead and request["repair"] == setting
     paths.SELECTED_REPAIR.write_text(json.dumps({**chosen, "speculative": None}))  # written without them: refused
-    with pytest.raises(ParamError, match=r"pass the `speculative` section"):
+    with pytest.raises(ArtifactError, match=r"^evaluate\.repair\.repaired: models/mapper_repair\.json chose "
+                                            r"tokens:0\.08:source_attention, .* holds no `speculative` settings"):
         variant_request("repaired", params)
 
 
