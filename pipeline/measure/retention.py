@@ -65,32 +65,32 @@ def _interval(draws: np.ndarray) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _closure_interval(items: dict[str, pd.DataFrame], variants: list[str], metric: str, iters: int, seed: int
-                      ) -> tuple[float, float, float]:
-    """Mean over tasks of (variant - base) / (oracle - base), base the task's chance (`variants` [variant, oracle]:
-    retention) or the source alone ([variant, source, oracle]: gap closure), and its paired bootstrap interval (a draw
-    where the oracle does not beat the base counts as undefined)."""
-    draws, point, variant = np.zeros(iters), [], variants[0]
-    for task, values, means in task_draws(items, variants, metric, iters, seed):
-        base, base_point = (means["source"], values["source"].mean()) if "source" in variants else (CHANCE[task],) * 2
-        with np.errstate(divide="ignore", invalid="ignore"):
-            closure = np.where(means["oracle"] > base, (means[variant] - base) / (means["oracle"] - base), np.nan)
-        draws += closure / len(TASKS)
-        point.append(gap_closure(values[variant].mean(), base_point, values["oracle"].mean()))
-    return float(np.mean(point)), *_interval(draws)
-
-
 def retention_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
     """Paired bootstrap of mean retention: items resampled per task, the same draw for variant and oracle."""
-    point, low, high = _closure_interval(items, [variant, "oracle"], metric, iters, seed)
-    return {"retention": point, "low": low, "high": high}
+    draws = np.zeros(iters)
+    point = []
+    for task, values, means in task_draws(items, [variant, "oracle"], metric, iters, seed):
+        acc_v, acc_o = means[variant], means["oracle"]
+        chance = CHANCE[task]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws += np.where(acc_o > chance, (acc_v - chance) / (acc_o - chance), np.nan) / len(TASKS)
+        point.append(retention(values[variant].mean(), values["oracle"].mean(), chance))
+    low, high = _interval(draws)
+    return {"retention": float(np.mean(point)), "low": low, "high": high}
 
 
 def gap_closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
     """Paired bootstrap of the mean gap closure: items resampled per task, the same draw for the variant, the source
-    alone and the oracle."""
-    point, low, high = _closure_interval(items, [variant, "source", "oracle"], metric, iters, seed)
-    return {"gap_closure": point, "low": low, "high": high}
+    alone and the oracle (a draw where the oracle does not beat the source counts as undefined)."""
+    draws = np.zeros(iters)
+    point = []
+    for _, values, means in task_draws(items, [variant, "source", "oracle"], metric, iters, seed):
+        acc_v, acc_s, acc_o = means[variant], means["source"], means["oracle"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws += np.where(acc_o > acc_s, (acc_v - acc_s) / (acc_o - acc_s), np.nan) / len(TASKS)
+        point.append(gap_closure(*(values[name].mean() for name in (variant, "source", "oracle"))))
+    low, high = _interval(draws)
+    return {"gap_closure": float(np.mean(point)), "low": low, "high": high}
 
 
 PROMPT_MEASURES = ("next_token_top1", "log_perplexity")  # per-prompt measures a gap closure can be read on
@@ -125,10 +125,11 @@ def prompt_gap_closure(prompts: dict[str, pd.DataFrame], variant: str, measure: 
 
 
 def comparison(items, prompts, a: str, b: str, metric: str, iters: int, seed: int) -> dict:
+    x, y = paired_items(items, a, b, metric)
+    tasks = paired_bootstrap(x, y, iters, seed)
     pa, pb = prompts[a].sort_values("prompt"), prompts[b].sort_values("prompt")
-    out = {}
-    for name, (x, y) in (("tasks", paired_items(items, a, b, metric)),
-                         ("next_token", (pa.first_agree.to_numpy(), pb.first_agree.to_numpy()))):
-        out.update({f"{name}_{key}": value for key, value in paired_bootstrap(x, y, iters, seed).items()})
-        out[f"{name}_mcnemar_p"] = mcnemar(x, y)
-    return out
+    agreement = paired_bootstrap(pa.first_agree.to_numpy(), pb.first_agree.to_numpy(), iters, seed)
+    return {"tasks_diff": tasks["diff"], "tasks_low": tasks["low"], "tasks_high": tasks["high"], "tasks_n": tasks["n"],
+            "tasks_mcnemar_p": mcnemar(x, y), "next_token_diff": agreement["diff"], "next_token_low": agreement["low"],
+            "next_token_high": agreement["high"], "next_token_n": agreement["n"],
+            "next_token_mcnemar_p": mcnemar(pa.first_agree.to_numpy(), pb.first_agree.to_numpy())}
