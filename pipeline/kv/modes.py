@@ -231,7 +231,7 @@ def speculative(inputs: Inputs, prompt: Prompt) -> Built:
     _, scores = source_prefill(inputs, prompt, scored=True)  # (B, P); the source's cache goes
     lengths = prompt.real_lengths()
     kept = keep_positions(scores, lengths, inputs.speculative, inputs.share)  # (B, K)
-    if all(inputs.speculative.kept(inputs.share, n) == n for n in lengths.tolist()):  # p = 1: every token kept
+    if bool(((kept >= 0).sum(1) == lengths).all()):  # p = 1: every token kept
         layers = own_prefill(inputs.decoder, prompt.ids, prompt.mask)
     else:
         layers = kept_prefill(inputs.decoder, prompt.ids, kept)

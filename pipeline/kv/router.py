@@ -27,9 +27,10 @@ class Router:
     @classmethod
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
         """The router of a face's `request` (`kv.request.Transfer`) between `pair`'s models (`Pair.router`)."""
-        return pair.router(request.mode, request.mapper, request.repair, request.keep, request.share,
-                           request.speculative, request.fallback, request.threshold, request.disagree,
-                           request.shuffle_seed or 0, batch_size)
+        return pair.router(request.mode, request.mapper, repair=request.repair, keep=request.keep,
+                           share=request.share, speculative=request.speculative, fallback=request.fallback,
+                           threshold=request.threshold, disagree=request.disagree,
+                           shuffle_seed=request.shuffle_seed or 0, batch_size=batch_size)
 
     @property
     def repaired(self) -> bool:
