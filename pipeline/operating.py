@@ -107,7 +107,8 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahe
         routers = {}  # keep -> its router: two repairs of one budget truncate alike, and are evaluated once
         for name, budget in budgets.items():  # a repair dearer than the target's prefill: the whole prompt kept
             keep = min(budget, 1.0)
-            routers.setdefault(keep, pair.router(mode="oracle", keep=keep))
+            if keep not in routers:
+                routers[keep] = pair.router(mode="oracle", keep=keep)
             out[f"truncated_{name}"] = Variant(routers[keep], truncated_bound(target, keep, length))
     return out
 
@@ -125,8 +126,10 @@ def repaired_variants(params: OperatingParams, pair: Pair, length: int, lookahea
             reads = lookahead if setting.reads_source else None
         # one request under two names (`selected` where select chose a listed setting) shares one router
         request = (params.maps[repaired.map], str(setting), None if reads is None else reads.model_dump_json())
-        router = routers.setdefault(request, pair.router(mode="mapped", mapper=params.maps[repaired.map],
-                                                         repair=setting, speculative=reads))
+        if request not in routers:  # built only once: a handoff with a map file loads and binds the map
+            routers[request] = pair.router(mode="mapped", mapper=params.maps[repaired.map], repair=setting,
+                                           speculative=reads)
+        router = routers[request]
         scores = source_scores_macs(source, setting, reads, length)
         out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length,
                                                   setting, scores))

@@ -199,6 +199,8 @@ def test_one_request_under_two_names_is_evaluated_once_and_both_names_get_its_fi
     evaluated, evaluate = [], operating_stage.evaluate
     monkeypatch.setattr(operating_stage, "evaluate",
                         lambda router, *args, **kwargs: evaluated.append(router) or evaluate(router, *args, **kwargs))
+    built, router = [], pair.router
+    monkeypatch.setattr(pair, "router", lambda *args, **kwargs: built.append(kwargs) or router(*args, **kwargs))
     twice = {"k1_end": {"map": "k1", "repair": "tokens:0.1:recency"},
              "k1_again": {"map": "k1", "repair": "tokens:0.1:recency"}}  # as `selected` where select chose it
     params = operating_params(rows.parent / "k1.safetensors", baselines=[], repaired=twice, gated={}, speculative=[])
@@ -209,3 +211,4 @@ def test_one_request_under_two_names_is_evaluated_once_and_both_names_get_its_fi
     assert figures["k1_again"] == figures["k1_end"] and figures["truncated_k1_again"] == figures["truncated_k1_end"]
     assert len(evaluated) == len({id(router) for router in evaluated}) == 4  # the oracle, the map, the repair, the
     # truncated prompt at its budget: each once
+    assert len(built) == 4  # and each built once: the repair's map file is loaded and bound once
