@@ -4,10 +4,9 @@
     from pipeline.api import handed_off, handoff, pair
 
     models = pair("models/target", "models/source")  # two folders or hub ids; or pair("models/target", "self:2")
-    mapped = handoff(models, "mapped", "models/mapper.safetensors", repair="layers:1", fallback="entropy",
-                     threshold=4.0)
+    mapped = handoff(models, "mapped", "models/mapper.safetensors", repair="layers:1")
     prompt = models.target_tokenizer.encode("story: ray teal toy . pat navy box .")
-    handed = handed_off(mapped, prompt, max_new_tokens=8)  # prompt[:-1]'s cache as the handoff (or its gate) made it
+    handed = handed_off(mapped, prompt, max_new_tokens=8)  # prompt[:-1]'s cache as the handoff made it
     out = models.target.generate(torch.tensor([prompt]), cache=handed.cache, max_new_tokens=8)
 
 `handed.cache` is a fresh `DynamicCache` of prompt[:-1] at positions 0..n-2: `generate` with the whole prompt reads
@@ -52,18 +51,15 @@ def pair(target: str, source: str | None = None, dtype: str = "float32", device:
 
 
 def handoff(models: Pair, mode: str = "mapped", mapper: str | Path | None = None, repair: str | None = None,
-            fallback: str | None = None, threshold: float | None = None, disagree: str | None = None,
             shuffle_seed: int | None = None, batch_size: int = 16) -> Router:
     """The handoff of `mode` between `models` (a `pair`) through the map file `mapper` (mapped, shuffled), the
     target recomputing part of the cache first (`repair`, a `kv.repair` setting: `layers:1`,
-    `sink:4+tokens:0.1:attention`), gated by `fallback` (entropy, kl, disagree with its `disagree` maps
-    "k1.safetensors:kmax.safetensors") above `threshold`; every argument checked before any weight loads."""
+    `sink:4+tokens:0.1:attention`); every argument checked before any weight loads."""
     if not isinstance(models, Pair):
         raise inputs.ParamTypeError(f"handoff() models: expected the pair pipeline.api.pair(target, source) makes, "
                                     f"got {type(models).__name__} {models!r:.60}")
     request = Transfer.of(API, mode=mode, mapper=None if mapper is None else str(mapper), repair=repair,
-                         fallback=fallback, threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
-                         allow_other_models=models.allow_other_models)
+                         shuffle_seed=shuffle_seed, allow_other_models=models.allow_other_models)
     request.require_source(models.has_source, "one: pair(target, source)")
     request.check_geometry(models)
     return Router.of(models, request, inputs.batch_size(batch_size, "handoff() batch_size"))
@@ -98,20 +94,20 @@ class HandedOff:
 
 
 def handed_off(router: Router, prompt: Sequence[int], max_new_tokens: int = 1) -> HandedOff:
-    """`prompt`'s cache as `router` builds it, as its gate sends the prompt (the handoff's own cache, repaired where it
-    repairs, or the target's own prefill where it falls back), as a fresh transformers cache. `prompt`: token ids (ints
-    within the vocabulary; text or a float id is a TypeError). `max_new_tokens`: tokens you will decode after it (1: the
-    next token's logits); with the prompt they must fit the models' positions (as generate's --max-new-tokens)."""
+    """`prompt`'s cache as `router`'s handoff builds it (repaired where it repairs), as a fresh transformers cache.
+    `prompt`: token ids (ints within the vocabulary; text or a float id is a TypeError). `max_new_tokens`: tokens you
+    will decode after it (1: the next token's logits); with the prompt they must fit the models' positions (as
+    generate's --max-new-tokens)."""
     if not isinstance(router, Router):
         raise inputs.ParamTypeError(f"handed_off() router: expected what pipeline.api.handoff(...) returns, got "
                                     f"{type(router).__name__} {router!r:.60}")
-    # every model the router runs on a prompt: its decoding model and its source (a gate's fallback is the same target)
+    # every model the router runs on a prompt: its decoding model and its source
     configs = [model.config for model in (router.handoff.decoder, router.handoff.source) if model is not None]
     prompt = inputs.token_ids(prompt, "handed_off() prompt", min(config.vocab_size for config in configs))
     if not prompt:
         raise ParamError("handed_off() prompt: empty; give at least one token")
     inputs.positions(len(prompt), inputs.at_least(max_new_tokens, "handed_off() max_new_tokens", 1),
                      "handed_off() prompt", positions(*configs))
-    ((chosen, route),) = router.routed([prompt])
+    chosen = router.handoff
     layers = chosen.prefix_layers(torch.tensor([prompt[:-1]], dtype=torch.long))
-    return HandedOff(chosen.decoder_cache(layers), chosen.decoder, route, prompt, chosen, layers)
+    return HandedOff(chosen.decoder_cache(layers), chosen.decoder, router.route(prompt), prompt, chosen, layers)

@@ -31,7 +31,6 @@ from pipeline.schema.prepare_models import TrainParams
 from pipeline.schema.repair import RepairParams
 from pipeline.schema.score_models import ScoreModelsParams
 from pipeline.schema.select import SelectParams
-from pipeline.schema.selective import SelectiveParams
 from pipeline.store import paths
 from pipeline.store.artifacts import write_json_atomic
 from pipeline.store.cli import Refusal, entry, no_arguments
@@ -65,7 +64,6 @@ class ParamsFile(Params):
     controls: ControlsParams
     evaluate: EvaluateParams
     candidates: CandidatesParams
-    selective: SelectiveParams
     repair: RepairParams
     speculative: SpeculativeParams  # read by the faces (kv.request), no stage yet
     calibration: CalibrationParams
@@ -233,8 +231,6 @@ def calibration_sizes_fit_the_pool(params: ParamsFile) -> None:
 def mappers_are_produced(params: ParamsFile) -> None:
     produced = mapper_files(params.fit, params.distill)
     named = [(f"evaluate.mapped.{variant}", path) for variant, path in params.evaluate.mapped.items()]
-    named += [(f"selective.maps.{name}", path) for name, path in params.selective.maps.items()]
-    named += [("selective.disagree", path) for path in params.selective.disagree]
     named += [(f"repair.maps.{name}", path) for name, path in params.repair.maps.items()]
     named += [(f"operating.maps.{name}", path) for name, path in params.operating.maps.items()]
     for key, path in [*named, ("latency.mapper", params.latency.mapper)]:

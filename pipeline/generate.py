@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pipeline.kv.decode import eos_ids
-from pipeline.kv.modes import MODES, SOURCE_MODES, split_mode
+from pipeline.kv.modes import MODES, split_mode
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.request import GATE_SCORES, GENERATE, USES, Transfer
+from pipeline.kv.request import GENERATE, USES, Transfer
 from pipeline.kv.router import Router
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.generation import Generation, Stream, continued, departure, warm_up
@@ -33,7 +33,6 @@ from pipeline.studies.format import md_table
 torch = lazy("torch")
 
 DEFAULT_TRANSFER = "oracle,mapped,source,direct"  # a mode of these the pair does not allow is skipped, not refused
-GATE_FLAGS = ("fallback", "threshold", "disagree")  # the gate's part of a request
 
 
 def mode_request(mode: str, options: dict) -> Transfer:
@@ -53,7 +52,7 @@ def mode_request(mode: str, options: dict) -> Transfer:
 
 def build_routers(pair: Pair, modes: Sequence[str], options: dict, say: Callable[[str], None] = print,
                   asked: bool = False) -> dict[str, Router]:
-    """Each mode's router (its handoff and gate; weights loaded here, once per model). Every request is checked against
+    """Each mode's router (its handoff; weights loaded here, once per model). Every request is checked against
     the pair's configs before any weight loads: a refused mode of the default list is said in one line and left out; one
     the user `asked` for stops the run, as does an unusable map (corrupt, or fitted on other models). The oracle is
     always there, first: the others are compared with it."""
@@ -82,19 +81,17 @@ def build_routers(pair: Pair, modes: Sequence[str], options: dict, say: Callable
 
 
 def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path | None, max_new_tokens: int,
-        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, gate: dict | None = None,
-        asked: bool = False, repair: Repair | None = None) -> list[list[Generation]]:
+        temperature: float = 0.0, seed: int = 0, shuffle_seed: int = 0, out=None, asked: bool = False,
+        repair: Repair | None = None) -> list[list[Generation]]:
     """Each prompt continued in every mode the pair allows, streamed to `out` (default stdout), then its summary table.
-    `gate` ({fallback, threshold, disagree}) gates each mode that hands off the source's cache: above the threshold the
-    prompt continues from the target's own prefill, and the scoring's time (its own source prefill, map, repair and
-    first step) is shown beside the time to first token of the way it went. `repair` repairs each mode whose cache the
-    target did not prefill (`kv.request.USES`; a gated one where it keeps its way), within its time to first token."""
+    `repair` repairs each mode whose cache the target did not prefill (`kv.request.USES`), within its time to first
+    token."""
     out = out or sys.stdout
 
     def say(line: str) -> None:
         print(line, file=out, flush=True)
 
-    options = {"mapper": mapper, "shuffle_seed": shuffle_seed, "repair": repair, **(gate or {}),
+    options = {"mapper": mapper, "shuffle_seed": shuffle_seed, "repair": repair,
                "allow_other_models": pair.allow_other_models}
     routers = build_routers(pair, modes, options, say, asked)
     for difference in pair.other_models:
@@ -114,21 +111,14 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
 
 
 def summary(generations: list[Generation]) -> str:
-    """The table of one prompt: per mode its time to first token, new tokens, departure from the oracle and route;
-    with a gate, each gated mode's score (and the scoring's time)."""
+    """The table of one prompt: per mode its time to first token, new tokens, departure from the oracle and route."""
     oracle = generations[0].tokens
-    gated = any(generation.score is not None for generation in generations)
     rows = []
     for generation in generations:
         index = departure(generation.tokens, oracle)
         rows.append([generation.mode, f"{generation.ttft_ms:.1f}", len(generation.tokens),
-                     "same as oracle" if index is None else f"token {index}"])
-        if gated:
-            rows[-1].append("—" if generation.score is None
-                            else f"{generation.score:.4g} ({generation.score_ms:.1f} ms)")
-        rows[-1].append(generation.route)
-    header = ["mode", "time to first token (ms)", "new tokens", "departs from the oracle at"]
-    return md_table(header + (["score (scoring time)"] if gated else []) + ["route"], rows)
+                     "same as oracle" if index is None else f"token {index}", generation.route])
+    return md_table(["mode", "time to first token (ms)", "new tokens", "departs from the oracle at", "route"], rows)
 
 
 def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
@@ -153,19 +143,12 @@ def read_prompt_ids(args, tokenizer, positions: int) -> list[list[int]]:
     return prompts
 
 
-def checked_gate(args, modes: Sequence[str]) -> dict:
-    """The gate's flags that were given, checked by the request's rules before any model work: a flag no mode of
-    --transfer reads (the repair's, --mapper and --shuffle-seed too) is refused, as is a gate missing a part or given a
-    part its score does not read (--disagree beside another score)."""
-    given = {field: getattr(args, field) for field in ("repair", *GATE_FLAGS, "mapper", "shuffle_seed")}  # as typed
-    for field, value in given.items():
-        if value is not None and not {split_mode(mode)[0] for mode in modes} & set(USES[field]):
+def checked_flags(args, modes: Sequence[str]) -> None:
+    """Refuse, before any model work, a flag no mode of --transfer reads (--repair, --mapper, --shuffle-seed)."""
+    for field in ("repair", "mapper", "shuffle_seed"):
+        if getattr(args, field) is not None and not {split_mode(mode)[0] for mode in modes} & set(USES[field]):
             raise ParamError(f"{GENERATE.given(field)}: --transfer {','.join(modes)} names no mode it applies to "
                              f"({', '.join(USES[field])}); add one or leave the flag out")
-    gate = {field: given[field] for field in GATE_FLAGS if given[field] is not None}
-    if gate:  # the gate's rules, on a mode that reads it and nothing else
-        Transfer.of(GENERATE, mode=SOURCE_MODES[0], **gate)
-    return gate
 
 
 def command_line():
@@ -182,12 +165,6 @@ def command_line():
     cli.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above, sampled")
     cli.add_argument("--seed", type=int, default=0, help="the sampling seed, the same for each mode")
     cli.add_argument("--shuffle-seed", type=int, help="the shuffled mode's seed (default: evaluate.shuffle_seed)")
-    cli.add_argument("--fallback", choices=GATE_SCORES,
-                     help="gate each mode that hands off the source's cache by this kv.gate score: above "
-                     "--threshold the prompt continues from the target's own prefill")
-    cli.add_argument("--threshold", type=float, help="the gate's threshold (-inf: every gated mode falls back, "
-                     "inf: none; a value starting with '-' as --threshold=-inf)")
-    cli.add_argument("--disagree", metavar="K1:KMAX", help="the disagree score's two mapper files (k=1 and k=max)")
     cli.add_argument("--repair", type=repair_setting, metavar="SETTING", help="the target recomputes this part of "
                      "the cache of each mode whose cache it did not prefill (zero, direct, mapped, shuffled; as "
                      "kv-transfer's repair=; kv.repair: e.g. layers:1, sink:4+tokens:0.1:attention)")
@@ -224,8 +201,6 @@ def checked_modes(cli, args) -> list[str]:
         cli.error(f"--transfer: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
     if not modes:
         raise ParamError(f"--transfer {args.transfer!r} names no mode (known: {', '.join(MODES)})")
-    if args.threshold is not None:
-        inputs.threshold(args.threshold, "--threshold")
     inputs.temperature(args.temperature, "--temperature")
     inputs.at_least(args.max_new_tokens, "--max-new-tokens", 1)
     for value, name in ((args.eval, "--eval"), (args.threads, "--threads"), (args.shuffle_seed, "--shuffle-seed")):
@@ -255,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     cli = command_line()
     args = cli.parse_args(argv)
     modes = checked_modes(cli, args)
-    gate = checked_gate(args, modes)
+    checked_flags(args, modes)
     models = load_section(ModelsParams, "models") if PARAMS_FILE.is_file() else None
     if models is None and not (args.target and args.dtype and args.device):
         cli.error(f"no {PARAMS_FILE} here: give --target, --dtype and --device")
@@ -269,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         shuffle_seed = read_key("evaluate.shuffle_seed") if "shuffled" in modes else 0
     mapper = args.mapper or (None if args.target else paths.SELECTED_MAPPER)
     run(pair, read_prompt_ids(args, pair.target_tokenizer, pair.positions), modes, mapper, args.max_new_tokens,
-        args.temperature, args.seed, shuffle_seed, gate=gate or None, asked=args.transfer != DEFAULT_TRANSFER,
+        args.temperature, args.seed, shuffle_seed, asked=args.transfer != DEFAULT_TRANSFER,
         repair=args.repair)
 
 

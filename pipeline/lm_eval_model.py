@@ -13,8 +13,6 @@ forms, a path lm-eval read as a number or boolean (`target=2024`), a repair larg
                             params.yaml's `speculative` look-ahead settings)
     mapper=                 map file, for mapped and shuffled; shuffle_seed=<int> only for shuffled
     repair=                 a kv.repair setting (sink:4+tokens:0.1:attention): the target recomputes part of the cache
-    fallback=, threshold=   entropy|kl|disagree, a kv.gate score of the handoff's first step (before any repair); where
-                            it exceeds threshold=<float> the target prefills itself; disagree=<k=1 map>:<k=max map>
     dtype=float32|bfloat16|float16|auto  device=cuda|cpu  batch_size=<int>|auto  max_length=<int>
     allow_other_models=true  accept a map fitted on other models than target/source (default: refused)
     --use_cache PATH        answers kept per handoff, PATH_kv-<key>_rank<r>.db (`cache_key`), never lm-eval's own cache
@@ -71,16 +69,14 @@ class KVTransferLM(HandoffLM):
                   dtype: str = "float32", device: str | None = None, batch_size: int | str = 8,
                   target_revision: str | None = None, source_revision: str | None = None,
                   shuffle_seed: int | str | None = None, max_length: int | str | None = None,
-                  fallback: str | None = None, threshold: float | str | None = None, disagree: str | None = None,
                   repair: str | None = None, allow_other_models: bool | str = False, **unknown) -> "KVTransferLM":
         """The model lm-eval's model args name (the module docstring lists them)."""
         if unknown:
             known = [arg for arg in inspect.signature(cls.from_args).parameters if arg != "unknown"]
             raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")
-        texts(target=target, source=source, mapper=mapper, disagree=disagree, target_revision=target_revision,
+        texts(target=target, source=source, mapper=mapper, target_revision=target_revision,
               source_revision=source_revision)
-        request = Transfer.of(KV_TRANSFER, mode=transfer, mapper=mapper, repair=repair, fallback=fallback,
-                             threshold=threshold, disagree=disagree, shuffle_seed=shuffle_seed,
+        request = Transfer.of(KV_TRANSFER, mode=transfer, mapper=mapper, repair=repair, shuffle_seed=shuffle_seed,
                              allow_other_models=allow_other_models)
         request.require_source(source is not None, "source=<hub id or path>")
         unused(request, {"target": (target, target_revision), "source": (source, source_revision)})
@@ -164,10 +160,9 @@ def cache_key(args: dict, models: dict) -> str:
     """The handoff's key in the request cache: every model arg lm-eval built but UNKEYED, map files by their
     content, and `models`, both models' fingerprints (`store.fingerprints`: weights, config, tokenizer)."""
     keyed = {key: str(value) for key, value in args.items() if key not in UNKEYED}
-    for key in ("mapper", "disagree"):
-        if key in keyed:  # a map file by its content hash (by its path where there is none: from_args refuses it)
-            keyed[key] = ":".join(hashlib.sha256(Path(path).read_bytes()).hexdigest() if Path(path).is_file() else path
-                                  for path in keyed[key].split(":"))
+    if "mapper" in keyed:  # a map file by its content hash (by its path where there is none: from_args refuses it)
+        path = Path(keyed["mapper"])
+        keyed["mapper"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else keyed["mapper"]
     text = json.dumps({"args": keyed, "models": models}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

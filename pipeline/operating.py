@@ -28,8 +28,6 @@ from pipeline.kv.modes import MODES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
-from pipeline.kv.routes import FELL_BACK
-from pipeline.kv.scores import score_macs
 from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
@@ -44,7 +42,6 @@ from pipeline.store.models import ModelsParams
 from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import stage_ranks
 
-np = lazy("numpy")
 pd = lazy("pandas")
 
 
@@ -52,28 +49,12 @@ def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
     return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
-def select_contexts(length: int) -> list[list[int]]:
-    contexts = [list(ids)[:length] for ids in read_table(paths.split("select")).token_ids if len(ids) >= length]
-    if not contexts:
-        raise ParamError(f"operating.gated: no select sequence holds {length} tokens to choose the gate's threshold "
-                         f"on; raise data.sequence_length to at least the operating length")
-    return contexts
-
-
 @dataclass
 class Variant:
-    """A variant's router and FLOP bound at one length; a gate's bound waits for its measured fallback share
-    (`gated_cost`: the handoff's and the score's multiply-adds; `prefill`: what a fallback adds)."""
+    """A variant's router and FLOP bound at one length."""
 
     router: Router
-    bound: float | None = None
-    gated_cost: float | None = None
-    prefill: float | None = None
-
-    def flop_bound(self, rows: pd.DataFrame) -> float:
-        if self.gated_cost is None:
-            return self.bound
-        return self.prefill / (self.gated_cost + float((rows.way == FELL_BACK).mean()) * self.prefill)
+    bound: float
 
 
 def baseline_bound(name: str, source, target, length: int) -> float:
@@ -86,10 +67,9 @@ def baseline_bound(name: str, source, target, length: int) -> float:
     return target_prefill_macs(target, length) / (parts["step"] + (parts["source"] if mode.hands_over else 0))
 
 
-def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahead: SpeculativeParams | None
+def variants(params: OperatingParams, pair: Pair, length: int, lookahead: SpeculativeParams | None
              ) -> dict[str, Variant]:
-    """Every variant but the oracle, in the report's order. `contexts`: a callable giving the select split's contexts,
-    where a gate chooses its threshold; `lookahead`: select's look-ahead settings."""
+    """Every variant but the oracle, in the report's order; `lookahead`: select's look-ahead settings."""
     source, target = pair.source.config, pair.target.config
     out = {}
     for name in params.baselines:
@@ -99,7 +79,6 @@ def variants(params: OperatingParams, pair: Pair, length: int, contexts, lookahe
         out[name] = Variant(router, speedup_bound(source, target, router.handoff.mapper.macs_per_token(), length))
     repaired, budgets = repaired_variants(params, pair, length, lookahead)
     out.update(repaired)
-    out.update(gated_variants(params, pair, length, contexts))
     for name, share in params.speculative_variants().items():
         router = pair.router(mode="speculative", share=share, speculative=lookahead)
         out[name] = Variant(router, speculative_bound(source, target, lookahead, share, length))
@@ -137,23 +116,8 @@ def repaired_variants(params: OperatingParams, pair: Pair, length: int, lookahea
     return out, budgets
 
 
-def gated_variants(params: OperatingParams, pair: Pair, length: int, contexts) -> dict[str, Variant]:
-    """Each gated variant at `length`, its threshold chosen here on the select split's scores (`contexts`)."""
-    source, target = pair.source.config, pair.target.config
-    out = {}
-    for name, gated in params.gated.items():
-        router = pair.router(mode="mapped", mapper=params.maps[gated.map], fallback=gated.score,
-                             threshold=float("inf"))
-        scores = router.gate.scorer.scores(contexts(), [gated.score])[gated.score]  # (N,) on the select split
-        router.gate.threshold = float(np.quantile(scores.numpy(), 1 - gated.fallback))
-        cost = (sum(handoff_macs(source, target, router.handoff.mapper.macs_per_token(), length).values())
-                + score_macs(gated.score, source, target, 0, length))
-        out[name] = Variant(router, gated_cost=cost, prefill=target_prefill_macs(target, length))
-    return out
-
-
 def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts: pd.DataFrame,
-        items: pd.DataFrame | None, out, contexts=lambda: [], lookahead: SpeculativeParams | None = None) -> dict:
+        items: pd.DataFrame | None, out, lookahead: SpeculativeParams | None = None) -> dict:
     """Every variant's figures at `length` on the data/long/ eval `prompts` and pass-key `items`; rows under `out`."""
     texts = read_prompts(prompts)
     keys = [] if items is None else read_prompts(items)
@@ -165,7 +129,7 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
     oracle = evaluate(oracle_router, texts, store=store, margin=margin, timed=True, warmup=1, progress=False)
     oracle_keys = evaluate(oracle_router, keys, store=store, timed=True, progress=False) if keys else None
     reference = retrieval_rows(items, oracle_keys.prompt_rows.greedy) if keys else None
-    everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, contexts, lookahead)}
+    everything = {"oracle": Variant(oracle_router, 1.0), **variants(params, pair, length, lookahead)}
     evaluated = {id(oracle_router): (oracle, oracle_keys)}  # a router's evaluations: variants sharing it, once
     for name, variant in tqdm(everything.items(), desc=f"operating n={length}", unit="variant"):
         if id(variant.router) not in evaluated:
@@ -176,8 +140,7 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
         rows = on_texts.prompt_rows.assign(**{RECALL: recall})
         figures = PromptFigures.of(rows, margin).as_json(oracle.prompts)
         figures.update(speedup_measured=float(oracle.prompt_rows.ttft_ms.mean() / rows.ttft_ms.mean()),
-                       flop_bound=float(variant.flop_bound(rows)),
-                       fallback_share=float((rows.way == FELL_BACK).mean()))
+                       flop_bound=float(variant.bound))
         tables = {"prompts": rows}
         if keys:
             tables["retrieval"] = retrieval_rows(items, on_keys.prompt_rows.greedy, on_keys.prompt_rows.get("selected"))
@@ -206,8 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         pair = Pair.load(models, stage.device)
         with atomic_dir(paths.operating_rows(length)) as staging:
-            metrics = run(params, pair, length, margin, prompts, items, staging, lambda: select_contexts(length),
-                          lookahead)
+            metrics = run(params, pair, length, margin, prompts, items, staging, lookahead)
         stage.write_metrics(paths.operating_metrics(length), metrics)
 
 

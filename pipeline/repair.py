@@ -56,8 +56,7 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
     budgets = {str(s): repair_budget(bound_configs[1], s, params.length,
                                      source_scores_macs(bound_configs[0], s, lookahead, params.length))
                for s in settings}
-    metrics: dict = {"length": params.length, "bound_pair": params.bound_pair, "grid": [str(s) for s in settings],
-                     "gate_score": params.gate_score}
+    metrics: dict = {"length": params.length, "bound_pair": params.bound_pair, "grid": [str(s) for s in settings]}
     with atomic_dir(paths.REPAIR_ROWS) as staging:
         jobs = [(name, setting) for name in params.maps for setting in settings]
         for name, setting in tqdm(jobs, desc="repair", unit="setting"):

@@ -66,7 +66,7 @@ def run_record(dtypes: dict, variant_names: list[str], sizes: list[int], lengths
     timed = [paths.MODEL_SCORES, *(paths.METRICS / f"extract_{side}.json" for side in ("source", "target")),
              paths.FIT, paths.DISTILL, paths.SELECT, paths.CONTROLS_USAGE,
              *(paths.variant_metrics(name) for name in variant_names), *map(paths.operating_metrics, lengths),
-             *map(paths.calibration_point, sizes), paths.CANDIDATES, paths.SELECTIVE_METRICS, paths.REPAIR_METRICS,
+             *map(paths.calibration_point, sizes), paths.CANDIDATES, paths.REPAIR_METRICS,
              paths.LENGTH, paths.LATENCY]
     seconds = {}
     for path in filter(Path.is_file, timed):

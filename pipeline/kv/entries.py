@@ -1,4 +1,4 @@
-"""The one rule of kv's registries (mapper families, handoff modes, repair selectors, gate scores): entries by name,
+"""The one rule of kv's registries (mapper families, handoff modes, repair selectors): entries by name,
 each a named instance of the registry's base class (so one that fills in its abstract cost and maths), no name twice."""
 from __future__ import annotations
 

@@ -71,8 +71,6 @@ class FirstStep:
     prefixes: Prefixes
     logits: torch.Tensor  # (B, V) the target's, in its dtype, at each context's last token c[n-1]
     cache: object  # the target's DynamicCache after the step: the prefix's P slots, then c[n-1]'s
-    source: Layers | None = None  # the source's own cache of the prefixes, where retained (a gate's scores)
-    mapped: Layers | None = None  # the cache handed over before the repair, where retained
     selected: torch.Tensor | None = None  # (B, K) the positions the target computed by a choice (`Built.selected`)
 
     @property
@@ -88,16 +86,6 @@ class FirstStep:
         if width == 0:
             return None
         return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in self.cache.layers]
-
-    def kept(self) -> dict[tuple[int, ...], Layers]:
-        """Each context's prefix -> its own prefix cache, (1, H, n - 1, D) per layer: what a router keeps of a
-        gate's first step, so the context's continuations are scored without building it again (`kv.router`)."""
-        layers, lengths = self.layers, self.prefixes.lengths.tolist()
-        if layers is None:
-            return {}
-        return {tuple(self.prefixes.ids[row, :count].tolist()):
-                [(k[row : row + 1, :, :count], v[row : row + 1, :, :count]) for k, v in layers]
-                for row, count in enumerate(lengths)}
 
 
 class CacheReader:
@@ -211,34 +199,29 @@ class Handoff(CacheReader):
         return self.built(prefix_ids, lengths, mask).layers
 
     def built(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | None,
-              clock: ClockHook | None = None, prefilled: Layers | None = None) -> Built:
-        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made; `lengths`, `mask`,
-        `clock` and `prefilled` as `modes.Prompt` says."""
+              clock: ClockHook | None = None) -> Built:
+        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made; `lengths`, `mask`
+        and `clock` as `modes.Prompt` says."""
         prefix_ids = prefix_ids.to(self.device)
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
-            return Built(None, None, None)
-        return self.kind.build(self.inputs, Prompt(prefix_ids, lengths, mask, clock, prefilled))
+            return Built(None)
+        return self.kind.build(self.inputs, Prompt(prefix_ids, lengths, mask, clock))
 
     @no_grad
-    def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None, prefilled: Layers | None = None,
-                   retain: bool = False) -> FirstStep:
+    def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None) -> FirstStep:
         """The handoff's first step on a batch of contexts: their prefix cache built in this handoff's mode and
         repaired (`built`), then the target's step on each context's last token c[n-1], giving the logits of the
         first token after the context and the cache to continue from (the prefix and c[n-1]). `clock(part)` is told
         as each part ends: `prefill` (the source's, or the target's own), `scores` (the source's look-ahead scores,
-        where read), `map`, `repair` (where one is set), `sparse` (speculative prefill's kept tokens), `step`;
-        `prefilled`: as `built`; `retain`: keep the source's cache and the mapped one before the repair in the result
-        (a gate's scores read them)."""
-        built = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock, prefilled)
-        source, mapped, layers, selected = built if retain else (None, None, built.layers, built.selected)
-        del built  # unless retained, the source's cache is freed once mapped, as a server would
+        where read), `map`, `repair` (where one is set), `sparse` (speculative prefill's kept tokens), `step`."""
+        layers, selected = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock)
         logits, cache = self.forward(layers, prefixes.last, self.lengths_read(prefixes.lengths, prefixes.padded),
                                      logits_to_keep=1, keep_cache=True)
         logits = logits[:, -1]  # (B, V)
         logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
         tell(clock, "step")
-        return FirstStep(prefixes, logits, cache, source, mapped, selected)
+        return FirstStep(prefixes, logits, cache, selected)
 
 
 def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor

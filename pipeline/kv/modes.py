@@ -32,14 +32,12 @@ class Reads(NamedTuple):
     target: bool  # the target decodes (False: the source alone, its own cache and its own predictions)
     source: bool  # the source model: its cache handed to the target, or the source alone
     map: bool  # a fitted map (`shuffled` also runs without one: the source's cache itself, permuted)
-    own: bool  # the decoding model prefills the prompt itself: nothing is handed off, nothing to repair or gate
+    own: bool  # the decoding model prefills the prompt itself: nothing is handed off, nothing to repair
 
 
 class Built(NamedTuple):
-    """A prefix cache as a mode built it; each part None where the mode has none (an empty prefix: all)."""
+    """A prefix cache as a mode built it (None for an empty prefix)."""
 
-    source: list | None  # the source's own cache (a source mode)
-    mapped: list | None  # the cache handed to the target, before the repair (a source mode, `zero`)
     layers: list | None  # the cache the decoding model reads
     # (B, K) the positions the decoding model computed itself in every layer by a choice (-1 pads): the tokens a
     # sparse mode kept, a repair's sink and chosen tokens; None where nothing was chosen (its own prefill, a bare map)
@@ -72,7 +70,6 @@ class Prompt(NamedTuple):
     lengths: torch.Tensor | None = None  # (B,) real lengths of right-padded rows (None: none is padded)
     mask: torch.Tensor | None = None  # (B, P) the real slots (None: all are)
     clock: ClockHook | None = None  # told each part as it ends (`Handoff.first_step`)
-    prefilled: list | None = None  # the prefill's cache, made already by a handoff of the same model
 
     def real_lengths(self) -> torch.Tensor:
         """(B,) each row's real length, on the CPU."""
@@ -117,10 +114,7 @@ def own_prefill(model, prefix_ids: torch.Tensor, mask: torch.Tensor | None = Non
 def source_prefill(inputs: Inputs, prompt: Prompt, scored: bool) -> tuple[list, torch.Tensor | None]:
     """The source's cache of the prompt and, where `scored`, each slot's look-ahead score (B, P), float32 on the CPU,
     from the same forward, under the declared `speculative` settings (`kv.lookahead`); the clock is told `prefill`
-    after the forward (and `scores` after the scoring). A cache prefilled already is reused where nothing is scored."""
-    if not scored and prompt.prefilled is not None:
-        tell(prompt.clock, "prefill")
-        return prompt.prefilled, None
+    after the forward (and `scores` after the scoring)."""
     inputs.source_prefills += prompt.ids.shape[0]
     inputs.source_forwards += 1
     if scored:
@@ -147,26 +141,26 @@ def rebuilt(inputs: Inputs, source_layers: list, mapper: Mapper | None = None, o
     return [cache for _, cache in map_cache(mapper, content, target_rotation, inputs.decoder.dtype, device, order)]
 
 
-def handed(inputs: Inputs, prompt: Prompt, source: list | None, mapped: list, scores: torch.Tensor | None) -> Built:
+def handed(inputs: Inputs, prompt: Prompt, mapped: list, scores: torch.Tensor | None) -> Built:
     """A cache the decoder did not make, `mapped`, repaired (`kv.recompute`; timed into `repaired.log`) from the
     source's look-ahead `scores` (B, P) where its policy reads them."""
     tell(prompt.clock, "map")
     repair, count = inputs.repair, inputs.repaired
     if repair.empty:
-        return Built(source, mapped, mapped)
+        return Built(mapped)
     start, before = time.perf_counter(), count.recomputed
     layers = repair_cache(inputs.decoder, mapped, prompt.ids, prompt.lengths, repair, count,
                           inputs.decoder_devices, scores)
     count.log.append((count.recomputed - before, time.perf_counter() - start))
     tell(prompt.clock, "repair")
-    return Built(source, mapped, layers, count.selected)
+    return Built(layers, count.selected)
 
 
 def own(inputs: Inputs, prompt: Prompt) -> Built:
     """The decoding model's own prefill of the prompt: nothing handed off, nothing repaired."""
-    layers = prompt.prefilled if prompt.prefilled is not None else own_prefill(inputs.decoder, prompt.ids, prompt.mask)
+    layers = own_prefill(inputs.decoder, prompt.ids, prompt.mask)
     tell(prompt.clock, "prefill")
-    return Built(None, None, layers)
+    return Built(layers)
 
 
 def zero(inputs: Inputs, prompt: Prompt) -> Built:
@@ -174,7 +168,7 @@ def zero(inputs: Inputs, prompt: Prompt) -> Built:
     geometry, (batch, length) = kv_geometry(inputs.decoder.config), prompt.ids.shape
     zeros = torch.zeros((batch, geometry["kv_heads"], length, geometry["head_dim"]), dtype=inputs.decoder.dtype,
                         device=inputs.decoder.device)  # (B, H, P, D)
-    return handed(inputs, prompt, None, [(zeros, zeros) for _ in range(geometry["layers"])], None)
+    return handed(inputs, prompt, [(zeros, zeros) for _ in range(geometry["layers"])], None)
 
 
 def direct(inputs: Inputs, prompt: Prompt) -> Built:
@@ -182,8 +176,8 @@ def direct(inputs: Inputs, prompt: Prompt) -> Built:
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
     if inputs.source_spec == inputs.decoder_spec:  # one rotation: the cache only changes device and dtype
         device, dtype = inputs.decoder.device, inputs.decoder.dtype
-        return handed(inputs, prompt, source, [(k.to(device, dtype), v.to(device, dtype)) for k, v in source], scores)
-    return handed(inputs, prompt, source, rebuilt(inputs, source), scores)
+        return handed(inputs, prompt, [(k.to(device, dtype), v.to(device, dtype)) for k, v in source], scores)
+    return handed(inputs, prompt, rebuilt(inputs, source), scores)
 
 
 def equal_geometry(source, target) -> str | None:
@@ -196,7 +190,7 @@ def equal_geometry(source, target) -> str | None:
 def mapped(inputs: Inputs, prompt: Prompt) -> Built:
     """The source's cache through a fitted map (`kv.mapper`)."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
-    return handed(inputs, prompt, source, rebuilt(inputs, source, inputs.mapper), scores)
+    return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper), scores)
 
 
 def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
@@ -215,7 +209,7 @@ def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
     batch, _, length, _ = source[0][0].shape  # (B, H_s, P, D_s)
     order = shuffle_order(inputs.shuffle_seed, length, prompt.lengths, batch).to(inputs.decoder.device)
-    return handed(inputs, prompt, source, rebuilt(inputs, source, inputs.mapper, order), scores)
+    return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper, order), scores)
 
 
 def speculative(inputs: Inputs, prompt: Prompt) -> Built:
@@ -236,7 +230,7 @@ def speculative(inputs: Inputs, prompt: Prompt) -> Built:
     else:
         layers = kept_prefill(inputs.decoder, prompt.ids, kept)
     tell(prompt.clock, "sparse")  # the target's prefill of the kept tokens
-    return Built(None, None, layers, kept)
+    return Built(layers, kept)
 
 
 def kept_prefill(target, prefix_ids: torch.Tensor, kept: torch.Tensor) -> list:

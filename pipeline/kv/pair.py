@@ -8,7 +8,6 @@ from functools import cached_property
 from pathlib import Path
 
 from pipeline.kv.contract import pair_contract
-from pipeline.kv.gate import Gate, Scorer
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import Mapper, load_mapper
 from pipeline.kv.modes import MAPPER_MODES, MODES
@@ -164,18 +163,7 @@ class Pair:
 
     def router(self, mode: str, mapper: Mapper | str | Path | None = None, repair: Repair = Repair(),
                keep: float | None = None, share: float | None = None, speculative: SpeculativeParams | None = None,
-               fallback: str | None = None, threshold: float | None = None,
-               disagree: tuple[str, str] | None = None, shuffle_seed: int = 0, batch_size: int = 16) -> Router:
+               shuffle_seed: int = 0, batch_size: int = 16) -> Router:
         """The router of a handoff from values checked where they entered (a stage's params by `check_params`, a
-        face's by `kv.request.Transfer`, through `Router.of`), trusted here: the handoff as `handoff` takes them,
-        gated where `fallback` names a score (above `threshold`; `disagree`: that score's two maps)."""
-        handoff = self.handoff(mode, mapper, shuffle_seed, repair, keep, share, speculative)
-        gate = None if fallback is None else self.gate(handoff, fallback, threshold, disagree)
-        return Router(handoff, gate, batch_size)
-
-    def gate(self, handoff: Handoff, score: str, threshold: float,
-             disagree: tuple[Mapper | str | Path, Mapper | str | Path] | None = None) -> Gate:
-        """The gate of `handoff`: fall back to the pair's oracle where `score` exceeds `threshold`; `disagree`: that
-        score's two maps (k=1 and k=max)."""
-        maps = None if disagree is None else tuple(self.handoff("mapped", mapper) for mapper in disagree)
-        return Gate(Scorer(handoff, maps), score, threshold, self.handoff("oracle"))
+        face's by `kv.request.Transfer`, through `Router.of`), trusted here: the handoff as `handoff` takes them."""
+        return Router(self.handoff(mode, mapper, shuffle_seed, repair, keep, share, speculative), batch_size)

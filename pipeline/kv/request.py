@@ -10,20 +10,16 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from pipeline.kv.gate import map_pair
 from pipeline.kv.modes import MAPPER_MODES, MODES, OWN_MODES, SOURCE_MODES, split_mode
 from pipeline.kv.repair import Repair
-from pipeline.kv.scores import FITTED_SCORES, SCORES
 from pipeline.kv.speculative import SECTION, SpeculativeParams
 from pipeline.store import inputs
 from pipeline.store.params import ParamError, load_section
 
-GATE_SCORES = tuple(score for score in SCORES if score not in FITTED_SCORES)  # a gate named by arguments alone
 # a cache the decoding model did not prefill (a sparse one it did, for the tokens it holds)
 REPAIRED_MODES = tuple(name for name, mode in MODES.items() if name not in OWN_MODES and not mode.sparse)
 # the modes that read each optional field; any other mode given it refuses it
-USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "fallback": SOURCE_MODES, "threshold": SOURCE_MODES,
-        "disagree": SOURCE_MODES, "shuffle_seed": ("shuffled",)}
+USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "shuffle_seed": ("shuffled",)}
 
 
 class Face(NamedTuple):
@@ -33,17 +29,16 @@ class Face(NamedTuple):
     args: dict[str, str]
 
     def name(self, field: str) -> str:
-        """The field as a value's name in a refusal: `kv-transfer threshold`, `--threshold`."""
+        """The field as a value's name in a refusal: `kv-transfer keep`, `--keep`."""
         return f"{self.tool} {self.args[field]}".strip()
 
     def given(self, field: str, value=None) -> str:
-        """The field as the user wrote it: `threshold=` / `transfer=oracle`, `--threshold` / `--transfer oracle`."""
+        """The field as the user wrote it: `keep=` / `transfer=oracle`, `--keep` / `--transfer oracle`."""
         spelt = self.args[field] + ("=" if self.tool else "")
         return spelt if value is None else f"{spelt}{'' if self.tool else ' '}{value}"
 
 
-FIELDS = ("mode", "mapper", "repair", "fallback", "threshold", "disagree", "shuffle_seed", "keep",
-          "allow_other_models")
+FIELDS = ("mode", "mapper", "repair", "shuffle_seed", "keep", "allow_other_models")
 KV_TRANSFER = Face("kv-transfer", {**{field: field for field in FIELDS}, "mode": "transfer"})
 GENERATE = Face("", {**{field: "--" + field.replace("_", "-") for field in FIELDS}, "mode": "--transfer"})
 
@@ -57,9 +52,6 @@ class Transfer(BaseModel):
     mode: str
     mapper: str | None = None
     repair: Repair = Repair()  # the empty setting: no repair (the one form of none)
-    fallback: str | None = None
-    threshold: float | None = None
-    disagree: tuple[str, str] | None = None
     shuffle_seed: int | None = None
     keep: float | None = None  # the share of each context's end the handoff reads (the truncated prompt)
     share: float | None = None  # the mode's value, written after its name (`speculative:0.1`)
@@ -88,8 +80,6 @@ class Transfer(BaseModel):
                                  f"out ({face.given(field)} is read by {', '.join(modes)})".strip())
         if "repair" in values and not isinstance(values["repair"], Repair):
             values["repair"] = Repair.parse(values["repair"])
-        if "threshold" in values:
-            values["threshold"] = inputs.threshold(values["threshold"], face.name("threshold"))
         if "shuffle_seed" in values:
             values["shuffle_seed"] = inputs.at_least(values["shuffle_seed"], face.name("shuffle_seed"), 0)
         if "keep" in values:
@@ -97,9 +87,6 @@ class Transfer(BaseModel):
         allow = str(values.get("allow_other_models", False)).lower()
         values["allow_other_models"] = inputs.choice(allow, face.name("allow_other_models"), ("true", "false"))
         values["allow_other_models"] = values["allow_other_models"] == "true"
-        if isinstance(values.get("disagree"), str):
-            spec = values["disagree"]
-            values["disagree"] = map_pair(spec) or _bad_pair(face, spec)
         _lookahead(face, mode, values)
         return values
 
@@ -113,28 +100,9 @@ class Transfer(BaseModel):
         if MODES[self.mode].needs_map and self.mapper is None:
             raise ParamError(f"{face.tool} {face.given('mode', self.mode)} needs a mapper: give "
                              f"{face.given('mapper', '<mapper file>')}".strip())
-        if self.fallback is None and (self.threshold is not None or self.disagree is not None):
-            raise ParamError(f"{face.tool} {face.given('threshold')} and {face.given('disagree')} gate a handoff: give "
-                             f"{face.given('fallback', '<score>')} too".strip())
-        if self.fallback is not None:
-            inputs.choice(self.fallback, face.name("fallback"), GATE_SCORES)
-            if self.threshold is None:
-                raise ParamError(f"{face.tool} {face.given('fallback', self.fallback)} needs "
-                                 f"{face.given('threshold', '<number>')} (falls back above it; -inf always, inf "
-                                 f"never)".strip())
-            if self.fallback == "disagree" and self.disagree is None:
-                raise ParamError(f"{face.tool} {face.given('fallback', 'disagree')} needs "
-                                 f"{face.given('disagree', '<k=1 file>:<k=max file>')}".strip())
-            if self.fallback != "disagree" and self.disagree is not None:
-                raise ParamError(f"{face.tool} {face.given('fallback', self.fallback)} does not use "
-                                 f"{face.given('disagree')}: leave it out (it names the maps of "
-                                 f"{face.given('fallback', 'disagree')})".strip())
-        files = {"mapper": [self.mapper] if self.mapper else [], "disagree": list(self.disagree or [])}
-        for field, names in files.items():
-            for file in names:
-                if not Path(file).is_file():
-                    raise ParamError(f"{face.name(field)}: no mapper file at {file}; give one that fit, distill or "
-                                     f"select wrote (under models/)")
+        if self.mapper is not None and not Path(self.mapper).is_file():
+            raise ParamError(f"{face.name('mapper')}: no mapper file at {self.mapper}; give one that fit, distill or "
+                             f"select wrote (under models/)")
         return self
 
     def needs_source(self) -> bool:
@@ -207,7 +175,3 @@ def _lookahead(face: Face, mode: str, values: dict) -> None:
         raise ParamError(f"{face.tool} {face.given('mode', mode)} reads params' `{SECTION}` section: {error}"
                          .strip()) from None
 
-
-def _bad_pair(face: Face, spec: str):
-    raise ParamError(f"{face.name('disagree')}={spec!r}: name two mapper files as <k=1 file>:<k=max file>"
-                     if face.tool else f"--disagree {spec}: name two mapper files as K1:KMAX (k=1 and k=max)")

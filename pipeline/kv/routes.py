@@ -1,7 +1,7 @@
 """The route words: how one request was served, and their rules. A way is the handoff's own mode (REPAIRED under a
-repair setting), FELL_BACK to the target's prefill (a gate's score above its threshold), EMPTY_PREFIX (a one-token
-context hands nothing off) or CACHED (answered from kv-transfer's request cache, keeping its `first` way). No way is
-`refused`: a request the handoff cannot serve (a sequence longer than a sliding window) stops the run.
+repair setting), EMPTY_PREFIX (a one-token context hands nothing off) or CACHED (answered from kv-transfer's request
+cache, keeping its `first` way). No way is `refused`: a request the handoff cannot serve (a sequence longer than a
+sliding window) stops the run.
 """
 from __future__ import annotations
 
@@ -10,25 +10,20 @@ from typing import Sequence
 
 from pipeline.kv.modes import OWN_MODES
 
-FELL_BACK, EMPTY_PREFIX, REPAIRED, CACHED = "fell_back", "empty_prefix", "repaired", "cached"
-SENTENCES = {  # the ways a reader meets in generate's table
-    FELL_BACK: "fell back to the target's prefill",
-    EMPTY_PREFIX: "nothing handed off (a one-token prompt)",
-}
+EMPTY_PREFIX, REPAIRED, CACHED = "empty_prefix", "repaired", "cached"
+SENTENCES = {EMPTY_PREFIX: "nothing handed off (a one-token prompt)"}  # the ways a reader meets in generate's table
 
 
 @dataclass(frozen=True)
 class Route:
-    """How one request was served: its `way`, under a gate its context's score, and for a CACHED request the way
-    that first served it (`first`, whose score `score` is)."""
+    """How one request was served: its `way`, and for a CACHED request the way that first served it (`first`)."""
 
     way: str
-    score: float | None = None
     first: str | None = None
 
     def from_cache(self) -> "Route":
         """This route as the route of a request answered later from the cache that stored it."""
-        return Route(CACHED, self.score, self.first or self.way)
+        return Route(CACHED, self.first or self.way)
 
 
 def hands_off(mode: str, context: Sequence[int]) -> bool:
@@ -42,16 +37,13 @@ def served_by(mode: str, repaired: bool) -> str:
     return REPAIRED if repaired else mode
 
 
-def ways(mode: str, repaired: bool, gated: bool) -> list[str]:
+def ways(mode: str, repaired: bool) -> list[str]:
     """Every way a handoff of `mode` can send a request, in the order counts list them."""
-    return ([served_by(mode, repaired)] + ([] if mode in OWN_MODES else [EMPTY_PREFIX])
-            + ([FELL_BACK] if gated else []))
+    return [served_by(mode, repaired)] + ([] if mode in OWN_MODES else [EMPTY_PREFIX])
 
 
-def way(mode: str, repaired: bool, context: Sequence[int], fell_back: bool) -> str:
-    """The way of one context: FELL_BACK, else EMPTY_PREFIX where nothing is handed off, else the handoff's own."""
-    if fell_back:
-        return FELL_BACK
+def way(mode: str, repaired: bool, context: Sequence[int]) -> str:
+    """The way of one context: EMPTY_PREFIX where nothing is handed off, else the handoff's own."""
     if mode not in OWN_MODES and not hands_off(mode, context):
         return EMPTY_PREFIX
     return served_by(mode, repaired)

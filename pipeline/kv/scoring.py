@@ -4,17 +4,16 @@ positions n-1, n, ... again, so each scores as if alone.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
 from pipeline.kv.decode import packed_logprobs, prefilled_packed_logprobs
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.kvcache import Layers, Prefixes, padded_prefixes
+from pipeline.kv.kvcache import Layers, padded_prefixes
 from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
-F = lazy("torch.nn.functional")
 
 
 def truncate(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
@@ -31,7 +30,6 @@ def score_continuations(
     batch_size: int = 8,
     max_length: int | None = None,
     progress: bool = True,
-    kept: Mapping[tuple[int, ...], Layers] | None = None,
 ) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one. Requests
     sharing a context share one prefix cache; contexts whose continuations together fit `batch_size` share one
@@ -41,8 +39,7 @@ def score_continuations(
                   c1[0..n1-2 ...........]               c1[n1-1] e2[0] ...  c1[n1-1] e3[0] ...
                                                         positions n-1, n, ... again for every continuation
 
-    Contexts are batched longest first, as lm-eval does. `kept`: prefix -> its cache (batch 1) this handoff built
-    already, read where it holds every prefix of a batch. At `batch_size` 1 a mode whose decoding model prefills the
+    Contexts are batched longest first, as lm-eval does. At `batch_size` 1 a mode whose decoding model prefills the
     prompt itself reads the prefix and its one packed row in one forward."""
     max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
@@ -59,9 +56,7 @@ def score_continuations(
         if batch_size == 1 and len(forwards) == 1 and handoff.kind.reads.own and prefixes.ids.shape[1]:
             prefix_ids = prefixes.ids  # (1, P): prefilled in the step's own forward
         else:
-            layers = kept_layers(kept or {}, prefixes)
-            if layers is None:
-                layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
+            layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
         for forward in forwards:
             rows = [[(index, requests[index][1]) for index in indices] for indices in forward]
             for index, result in score_rows(handoff, layers, contexts, rows, prefixes.lengths, prefixes.padded,
@@ -70,19 +65,6 @@ def score_continuations(
             bar.update(sum(len(members) for members in rows))
     bar.close()
     return results  # type: ignore[return-value]
-
-
-def kept_layers(kept: Mapping[tuple[int, ...], Layers], prefixes: Prefixes) -> Layers | None:
-    """The batch's cache from `kept`, each row right-padded with zeros; None unless every row's prefix is kept."""
-    if not kept:
-        return None
-    rows = [tuple(prefixes.ids[row, :count].tolist()) for row, count in enumerate(prefixes.lengths.tolist())]
-    if not all(row in kept for row in rows):
-        return None
-    width = prefixes.ids.shape[1]
-    return [tuple(torch.cat([F.pad(kept[row][layer][side], (0, 0, 0, width - len(row)))  # (1, H, P, D)
-                             for row in rows]) for side in (0, 1))
-            for layer in range(len(kept[rows[0]]))]
 
 
 def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,

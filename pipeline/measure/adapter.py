@@ -15,7 +15,6 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 from pipeline.kv.decode import greedy_generate
-from pipeline.kv.gate import Gate
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.modes import OWN_MODES
 from pipeline.kv.router import Router
@@ -123,7 +122,7 @@ class HandoffLM(TargetTokensLM):
                  cache: RequestCache | None = None):
         """`router` serves `router.batch_size` contexts a forward; `max_length`: the window contexts are truncated to
         (default: the target's positions)."""
-        if not isinstance(router, Router):  # a handoff alone: Router(handoff, gate, batch_size) routes it
+        if not isinstance(router, Router):  # a handoff alone: Router(handoff, batch_size) routes it
             raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}")
         self.router = router
         super().__init__(tokenizer, max_length or self.handoff.decoder.config.max_position_embeddings)
@@ -136,10 +135,6 @@ class HandoffLM(TargetTokensLM):
     @property
     def handoff(self) -> Handoff:
         return self.router.handoff
-
-    @property
-    def gate(self) -> Gate | None:
-        return self.router.gate
 
     def set_cache_hook(self, cache_hook) -> None:
         # lm-eval's CachingLM (simple_evaluate's use_cache) keys its file by path alone: another handoff's answers
@@ -174,21 +169,19 @@ class HandoffLM(TargetTokensLM):
 
     def route_record(self) -> dict:
         """The router's record, the counts per task (and the ways that first served cached requests), and the routes
-        (and gate scores) of each document where any differs from the handoff's own."""
+        of each document where any differs from the handoff's own."""
         own = served_by(self.handoff.mode, self.router.repaired)
         cached = {} if self.cache is None else {"cached": self.ledger.cached(), "cache": self.cache.path}
         return {**self.router.record(), "routes": self.route_counts(), **cached,
-                "requests": self.ledger.by_document(keep=lambda routes: self.gate is not None
-                                                    or any(route.way != own for route in routes))}
+                "requests": self.ledger.by_document(keep=lambda routes: any(route.way != own for route in routes))}
 
     def get_model_info(self) -> dict:
         """Recorded by lm-eval in its results' `config` (on rank 0, after the evaluation)."""
         return {"kv_transfer": self.route_record()}
 
     def route_lines(self) -> list[str]:
-        """The route counts as text, under a header naming the transfer, the repair and the gate."""
-        gate = "no gate" if self.gate is None else f"fell_back where {self.gate.score} > {self.gate.threshold:g}"
-        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}, {gate}", self.route_counts(),
+        """The route counts as text, under a header naming the transfer and the repair."""
+        return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}", self.route_counts(),
                            self.ledger.cached())
 
     def served(self, kind: str, requests: list, answer) -> list:
@@ -260,7 +253,6 @@ class HandoffLM(TargetTokensLM):
         def should_stop(tokens: list[int]) -> bool:
             return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
-        ((handoff, route),) = self.router.routed([context_ids])
-        self.ledger.record(request, route)
-        tokens = greedy_generate(handoff, context_ids, max_new, should_stop)
+        self.ledger.record(request, self.router.route(context_ids))
+        tokens = greedy_generate(self.handoff, context_ids, max_new, should_stop)
         return postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)

@@ -157,7 +157,7 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
 
 
 # a timed first step's parts (`Router.first_step`)
-FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step", "gate", "fallback")
+FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step")
 
 
 def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
@@ -174,7 +174,7 @@ def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int
         first, route = router.first_step(router.handoff.context(context), clock)
         times = {"ttft_ms": clock.total_ms(), **dict.fromkeys((f"{part}_ms" for part in FIRST_STEP_PARTS), 0.0)}
         times.update({f"{part}_ms": ms for part, ms in clock.parts_ms().items()})
-        logprobs, rollout = read_after(router.handoff_of(route), first, continuation, horizon)
+        logprobs, rollout = read_after(router.handoff, first, continuation, horizon)
         columns = {"greedy": rollout.cpu().tolist(), "way": route.way, **times}
         if first.selected is not None:  # the prefix positions the target computed by a choice
             columns["selected"] = [p for p in first.selected[0].tolist() if p >= 0]
@@ -193,8 +193,8 @@ def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int
                  progress: bool = True) -> tuple[dict, pd.DataFrame]:
     """`oracle_outputs`' form from one timed pass of the oracle's router, and its timed rows against them: each
     prompt's prefix is prefilled once for both."""
-    if router.handoff.mode != "oracle" or router.gate is not None:
-        raise ValueError("oracle outputs must come from the oracle handoff, ungated")
+    if router.handoff.mode != "oracle":
+        raise ValueError("oracle outputs must come from the oracle handoff")
     stored, k = empty_oracle(router.handoff, prompts, top_k, horizon)
     reads = list(timed_reads(router, prompts, horizon, warmup, progress))
     for i, (logprobs, rollout, _) in enumerate(reads):

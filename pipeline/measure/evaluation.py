@@ -2,7 +2,7 @@
 
 A handoff is scored on the eval prompts against the oracle's stored outputs and on lm-eval's tasks. Timed, each prompt
 runs alone through the router's first step, timed part by part on a synchronized clock, and its row gains `ttft_ms` and
-the parts; prompts under a gate are evaluated timed only. `Evaluation.figures()` is the nested JSON a stage writes:
+the parts. `Evaluation.figures()` is the nested JSON a stage writes:
 `{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`.
 """
 from __future__ import annotations
@@ -149,8 +149,6 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
         raise ValueError("evaluate: a timed evaluation runs in one process (several would share the machine's time)")
     if timed and ((store is not None and store.attention) or (oracle is not None and "attention" in oracle)):
         raise ValueError("evaluate: a timed evaluation reads no attention outputs; compare them untimed")
-    if prompts and router.gate is not None and not timed:
-        raise ValueError("evaluate: prompts under a gate are evaluated timed, one at a time (timed=True)")
     rows = None
     if prompts:
         oracle, rows = prompt_rows(router, prompts, oracle, store, timed, warmup, ranks, progress)

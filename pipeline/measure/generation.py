@@ -1,15 +1,14 @@
-"""One mode's continuation of a prompt, as `generate` shows it: decoded through its router (the way its gate sends it,
-scored and timed), streamed as its tokens come, its route in words and where it departs from the oracle's.
+"""One mode's continuation of a prompt, as `generate` shows it: decoded through its router, streamed as its tokens
+come, its route in words and where it departs from the oracle's.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from pipeline.kv.decode import generate
 from pipeline.kv.router import Router
-from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED, SENTENCES, way
+from pipeline.kv.routes import EMPTY_PREFIX, REPAIRED, SENTENCES, way
 
 
 @dataclass
@@ -19,9 +18,6 @@ class Generation:
     mode: str
     tokens: list[int]
     ttft_ms: float  # cache built, prompt[-1] read, first token picked
-    score: float | None = None  # a gated mode's score of the prompt
-    fell_back: bool = False  # a gated mode continued from the target's own prefill
-    score_ms: float = 0.0  # a gated mode's scoring (its own source prefill, map and first step)
     route: str = ""  # how its cache came (`route_text`)
 
 
@@ -34,16 +30,10 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
     return None if len(tokens) == len(oracle) else min(len(tokens), len(oracle))
 
 
-def route_text(router: Router, prompt: Sequence[int], score: float | None, fell_back: bool,
-               repaired: list[tuple[int, float]]) -> str:
+def route_text(router: Router, prompt: Sequence[int], repaired: list[tuple[int, float]]) -> str:
     """How a mode's cache of `prompt` came, in words; `repaired`: this continuation's repair-log (tokens, seconds)."""
-    handoff, gate = router.handoff, router.gate
-    taken = way(handoff.mode, router.repaired, prompt, fell_back)
-    if taken == FELL_BACK and score > gate.threshold:
-        return f"{SENTENCES[FELL_BACK]}: {gate.score} {score:.4g} > threshold {gate.threshold:g}"
-    if taken == FELL_BACK:  # at threshold -inf every prompt falls back, whatever its score (-inf at one token)
-        alone = " (a one-token prompt: no handoff to score)" if len(prompt) < 2 else ""
-        return f"{SENTENCES[FELL_BACK]}: threshold -inf sends every prompt there{alone}"
+    handoff = router.handoff
+    taken = way(handoff.mode, router.repaired, prompt)
     if taken == EMPTY_PREFIX:
         return SENTENCES[EMPTY_PREFIX]
     if taken == REPAIRED and repaired:
@@ -55,12 +45,10 @@ def route_text(router: Router, prompt: Sequence[int], score: float | None, fell_
 
 
 def warm_up(routers: dict[str, Router], prompt: Sequence[int]) -> None:
-    """One untimed token of each mode and one scoring of each gate, so the first prompt's times exclude lazy
-    initialisation (the first cached step, the first map)."""
+    """One untimed token of each mode, so the first prompt's times exclude lazy initialisation (the first cached
+    step, the first map)."""
     for router in routers.values():
         generate(router.handoff, prompt, 1)
-        if router.gate is not None:  # the gate itself, not the router: a routed prompt's decision is memoised
-            router.gate.route([list(prompt)], batch_size=1)
 
 
 class Stream:
@@ -87,13 +75,9 @@ class Stream:
 
 def continued(router: Router, prompt: Sequence[int], max_new_tokens: int, stop, temperature: float, seed: int,
               stream: "Stream") -> Generation:
-    """Decoded, streamed, by the handoff the router sends `prompt` to (under a gate, scored and the scoring timed)."""
-    handoff, start = router.handoff, time.perf_counter()
-    [(serving, taken)] = router.routed([list(prompt)])
-    score_ms = 1000 * (time.perf_counter() - start) if router.gate is not None else 0.0
-    score, fell_back = taken.score, taken.way == FELL_BACK
+    """Decoded by the router's handoff, streamed."""
+    handoff = router.handoff
     logged = len(handoff.repaired.log)
-    tokens, ttft_ms = generate(serving, prompt, max_new_tokens, stop, temperature, seed, stream)
+    tokens, ttft_ms = generate(handoff, prompt, max_new_tokens, stop, temperature, seed, stream)
     stream.close()
-    text = route_text(router, prompt, score, fell_back, handoff.repaired.log[logged:])
-    return Generation(handoff.mode, tokens, ttft_ms, score, fell_back, score_ms, text)
+    return Generation(handoff.mode, tokens, ttft_ms, route_text(router, prompt, handoff.repaired.log[logged:]))

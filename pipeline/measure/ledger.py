@@ -31,8 +31,7 @@ class Ledger:
         return self.entries[(request.task_name, request.doc_id, request.idx)][0]
 
     def counts(self, ways: list[str]) -> dict[str, dict[str, int]]:
-        """Per task: its requests and how many went each way (every one of `ways`, zeros included: a gate that never
-        fires shows `fell_back: 0`)."""
+        """Per task: its requests and how many went each way (every one of `ways`, zeros included)."""
         counts: dict[str, dict[str, int]] = {}
         for (task, _, _), (route, _) in self.entries.items():
             tally = counts.setdefault(str(task), dict.fromkeys(["requests", *ways], 0))
@@ -50,8 +49,8 @@ class Ledger:
         return dict(sorted(counts.items()))
 
     def by_document(self, keep: Callable[[list[Route]], bool]) -> dict[str, dict[str, dict[str, list]]]:
-        """Per task and document (its id as text), its requests' ways (and gate scores, where gated; the ways that
-        first served cached ones) in request order, for the documents whose routes `keep` accepts."""
+        """Per task and document (its id as text), its requests' ways (and the ways that first served cached ones) in
+        request order, for the documents whose routes `keep` accepts."""
         documents: dict[tuple[str, int], dict[int, Route]] = {}
         for (task, doc_id, index), (route, _) in self.entries.items():
             documents.setdefault((str(task), doc_id), {})[index] = route
@@ -60,8 +59,6 @@ class Ledger:
             routes = [requests[index] for index in sorted(requests)]
             if keep(routes):
                 entry = {"route": [route.way for route in routes]}
-                if any(route.score is not None for route in routes):  # a gated request's score
-                    entry["gate_score"] = [route.score for route in routes]
                 if any(route.first is not None for route in routes):  # a cached request's first way
                     entry["first_served"] = [route.first for route in routes]
                 out.setdefault(task, {})[str(doc_id)] = entry

@@ -9,7 +9,7 @@ class MeasureParams(Params):
     confident_margin: Share
     bootstrap_iters: Positive  # every bootstrap interval, paired or per item
     bootstrap_seed: int
-    # the studies beyond V0's table (candidates, selective, repair, length, calibrate) score each task's first n
+    # the studies beyond V0's table (candidates, repair, length, calibrate) score each task's first n
     # eval items (None: all); evaluate's variants always score every eval item
     study_items: Positive | None
 

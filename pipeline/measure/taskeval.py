@@ -1,7 +1,7 @@
 """Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
 
 Gives lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in document
-order) and one row per item for paired statistics and a gate's scores: acc, acc_norm, the choices' log-likelihoods, the
+order) and one row per item for paired statistics: acc, acc_norm, the choices' log-likelihoods, the
 item's `kind` where marked, lm-eval's context and continuations, and per choice the token ids it was scored on (the
 context as lm-eval encoded it, before the router's truncation, and the continuation).
 """

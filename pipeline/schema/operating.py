@@ -8,7 +8,6 @@ from pydantic import Field, model_validator
 
 from pipeline.kv.modes import BASELINES
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.scores import FITTED_SCORES, SCORES
 from pipeline.schema.evaluate import SELECTED
 from pipeline.store.params import ParamError, Params, Positive
 from pipeline.store.paths import SELECTED_MAPPER
@@ -19,18 +18,11 @@ class Repaired(Params):
     repair: str  # kv.repair's string form, or `selected`
 
 
-class Gated(Params):
-    map: str  # a variant of operating.maps
-    score: str  # a kv.gate score that needs no fitted probe
-    fallback: Annotated[float, Field(gt=0, lt=1)]  # the share of the select split's prompts the threshold sends back
-
-
 class OperatingParams(Params):
     lengths: list[Annotated[int, Field(ge=2)]]  # one stage each, every one a key of data.long.lengths
     baselines: list[str]  # modes without a map beside the oracle (kv.modes.BASELINES)
     maps: dict[str, str]  # variant -> mapper file (a stage's output)
     repaired: dict[str, Repaired]  # variant -> a map of `maps` under a repair
-    gated: dict[str, Gated]  # variant -> a map of `maps` behind a gate
     truncated: bool  # the truncated prompt (the oracle at `keep`) at each repaired variant's budget at the length
     speculative: list[Annotated[float, Field(gt=0, le=1)]]  # speculative prefill's shares p, a variant each
     recall_ngram: Annotated[int, Field(ge=2)]  # a recall position extends an (n-1)-gram the prompt holds
@@ -45,21 +37,19 @@ class OperatingParams(Params):
     def _variants(self) -> OperatingParams:
         if len(set(self.speculative)) != len(self.speculative):
             raise ParamError(f"operating.speculative: a share is listed twice in {self.speculative}; list each once")
-        names = [*self.baselines, *self.maps, *self.repaired, *self.gated, *self.speculative_variants()]
+        names = [*self.baselines, *self.maps, *self.repaired, *self.speculative_variants()]
         twice = sorted({name for name in names if names.count(name) > 1} | {"oracle"} & set(names))
         if twice:
             raise ParamError(f"operating: the variant name {twice[0]!r} is used twice (or is the oracle's); give "
-                             f"each variant of baselines, maps, repaired and gated its own name (speculative's are "
+                             f"each variant of baselines, maps and repaired its own name (speculative's are "
                              f"speculative_<p>)")
         for name in self.baselines:
             if name not in BASELINES:
                 raise ParamError(f"operating.baselines: {name!r} is not a mode without a map ({', '.join(BASELINES)})")
-        for section, entries in (("repaired", self.repaired), ("gated", self.gated)):
-            for name, entry in entries.items():
-                if entry.map not in self.maps:
-                    raise ParamError(f"operating.{section}.{name}.map: {entry.map!r} is not a variant of "
-                                     f"operating.maps ({', '.join(self.maps) or 'none'})")
         for name, entry in self.repaired.items():
+            if entry.map not in self.maps:
+                raise ParamError(f"operating.repaired.{name}.map: {entry.map!r} is not a variant of operating.maps "
+                                 f"({', '.join(self.maps) or 'none'})")
             key = f"operating.repaired.{name}.repair"
             if entry.repair == SELECTED:
                 if self.maps[entry.map] != str(SELECTED_MAPPER):
@@ -70,11 +60,6 @@ class OperatingParams(Params):
                 Repair.parse(entry.repair)
             except RepairError as error:
                 raise ParamError(f"{key}: {error} (or `selected`)") from None
-        for name, entry in self.gated.items():
-            if entry.score not in SCORES or entry.score in FITTED_SCORES or entry.score == "disagree":
-                usable = [score for score in SCORES if score not in FITTED_SCORES and score != "disagree"]
-                raise ParamError(f"operating.gated.{name}.score: {entry.score!r}; a gate at the operating lengths "
-                                 f"reads one map and no fitted probe: {', '.join(usable)}")
         if len(set(self.lengths)) != len(self.lengths):
             raise ParamError(f"operating.lengths: a length is listed twice in {self.lengths}; list each once")
         return self

@@ -6,8 +6,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.kv.repair import Repair, parse_grid
-from pipeline.kv.scores import SCORES
-from pipeline.store.params import Count, ParamError, Params, Positive
+from pipeline.store.params import Count, Params, Positive
 from pipeline.store.shapes import BoundPair
 
 
@@ -15,7 +14,6 @@ class RepairParams(Params):
     maps: dict[str, str]  # name -> mapper file (a stage's output): the maps repaired
     grid: list[str]  # repair settings, kv.repair's string form (`none`, `layers:1`, `sink:4+tokens:0.1:attention`)
     bound_pair: BoundPair  # store.shapes.PAIRS or `loaded`: each setting's budget and speedup bound at its shapes
-    gate_score: str  # the selective gate's score the matched-cost gate baseline reads (declared, not chosen)
     length: Annotated[int, Field(ge=2)]  # prompt tokens of the budget, the bound and the measured times
     warmup: Count
     repeats: Positive
@@ -24,8 +22,6 @@ class RepairParams(Params):
     @model_validator(mode="after")
     def _known(self) -> RepairParams:
         parse_grid(self.grid, "repair.grid", "the unrepaired map every setting is compared with")
-        if self.gate_score not in SCORES:
-            raise ParamError(f"repair.gate_score: unknown score {self.gate_score!r} (known: {', '.join(SCORES)})")
         return self
 
     def settings(self) -> list[Repair]:

@@ -1,7 +1,7 @@
 """The numbers and inputs a user tool takes (`generate`'s and `check_pair`'s flags, `kv-transfer`'s model args, a
 stage's `--out`), checked before any model work by the rules params.yaml's values obey: each function returns the value
-as the tool uses it or raises `ParamError` naming `name`, the flag or arg as the user spelt it (`--threshold`,
-`threshold=`). A model arg comes from lm-eval as a string (`batch_size=0`), a flag typed already by argparse.
+as the tool uses it or raises `ParamError` naming `name`, the flag or arg as the user spelt it (`--keep`,
+`keep=`). A model arg comes from lm-eval as a string (`batch_size=0`), a flag typed already by argparse.
 """
 from __future__ import annotations
 
@@ -36,15 +36,6 @@ def choice(value, name: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ParamError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
     return value
-
-
-def threshold(value, name: str) -> float:
-    """A gate's threshold: a finite number, -inf (every gated request falls back) or inf (none does); nan, which
-    compares false with every score and so turns the gate off, is refused."""
-    parsed = number(value, name)
-    if math.isnan(parsed):
-        raise ParamError(f"{name}: nan would never fall back; give a number, or -inf (always) / inf (never)")
-    return parsed
 
 
 def share(value, name: str) -> float:

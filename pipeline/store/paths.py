@@ -77,8 +77,6 @@ LENGTH_ROWS = EVAL / "length"
 TRUNCATED_BASELINE = "truncated"  # the truncated-prompt baseline: its name in stage repair and its folder there
 SPECULATIVE_BASELINE = "speculative"  # speculative prefill at each budget level: its name in stage repair, its folder
 REPAIR_ROWS = EVAL / "repair"  # per repaired map and setting, and per truncated-prompt budget: item and prompt rows
-SELECTIVE = EVAL / "selective"  # per request: outcomes and scores of every gated map, and the curves
-SELECTIVE_CURVES = SELECTIVE / "curves.parquet"  # quality at each fallback rate, per map and score
 
 # metrics/: small JSON kept in git, compared by `dvc metrics diff`
 METRICS = Path("metrics")
@@ -97,7 +95,6 @@ CANDIDATES = METRICS / "candidates.json"
 CALIBRATION = METRICS / "calibration"
 LENGTH = METRICS / "length.json"
 LATENCY = METRICS / "latency.json"
-SELECTIVE_METRICS = METRICS / "selective.json"
 REPAIR_METRICS = METRICS / "repair.json"
 REPORT = METRICS / "report.json"
 HEADLINE = METRICS / "headline"

@@ -63,7 +63,7 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
                 "recall_agreement": figures.get("recall_agreement"),
                 "recall_positions": int(sum(sum(flags) for flags in rows.recall_by_position)),
                 "other_agreement": figures.get("other_agreement"),
-                "ttft_ms": figures["ttft"]["mean_ms"], "fallback_share": figures.get("fallback_share", 0.0),
+                "ttft_ms": figures["ttft"]["mean_ms"],
             }
         front = pareto_front([float("nan") if e["confident_agreement"] is None else e["confident_agreement"]
                               for e in entries.values()],

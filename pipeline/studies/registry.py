@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from pipeline.studies import calibration, candidates, confident, distillation, length, operating, repair, selective
+from pipeline.studies import calibration, candidates, confident, distillation, length, operating, repair
 from pipeline.studies.run import Joining, Study
 
 
@@ -26,5 +26,5 @@ def checked(studies: dict[str, ModuleType]) -> dict[str, Study]:
 
 
 STUDIES = checked({"confident": confident, "distillation": distillation, "candidates": candidates,
-                   "selective": selective, "repair": repair, "calibration": calibration, "length": length,
+                   "repair": repair, "calibration": calibration, "length": length,
                    "lengths": operating})

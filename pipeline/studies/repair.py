@@ -1,7 +1,7 @@
 """The repair study (stage `repair`): mapped caches partly recomputed by the target, quality against budget, beside
-the baselines at the same budget: the truncated prompt, speculative prefill, the source alone (budget 0) and the
-selective gate at the same mean cost (the score's own cost left out). With the candidates study at the same pair and
-length, the frontier of gap closure against the FLOP bound gains the repaired points."""
+the baselines at the same budget: the truncated prompt, speculative prefill and the source alone (budget 0). With the
+candidates study at the same pair and length, the frontier of gap closure against the FLOP bound gains the repaired
+points."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,6 @@ class Inputs:
     items: dict[str, pd.DataFrame]  # the variants' per-item rows (the oracle's and the source's are read)
     metrics: dict
     rows: dict[tuple[str, str], pd.DataFrame]  # (map or a baseline of AT_LEVELS, setting or budget) -> item rows
-    curves: pd.DataFrame | None  # the selective stage's curves, None when it did not run
     source: dict  # the source alone's figures (metrics/eval/source.json)
 
 
@@ -50,25 +49,12 @@ def load(run: Run) -> Inputs | None:
             for name, settings in metrics["maps"].items() for setting in settings}
     rows.update({(name, budget): read_table(paths.repair_rows("items", name, budget))
                  for name in AT_LEVELS for budget in metrics.get(name, {})})
-    curves = read_table(paths.SELECTIVE_CURVES) if paths.SELECTIVE_METRICS.is_file() else None
-    return Inputs(run.items, metrics, rows, curves, run.metrics["source"])
-
-
-def gate_at(curves: pd.DataFrame | None, selective: dict | None, name: str, budget: float,
-            score: str) -> float | None:
-    """The selective gate's eval-item retention for map `name` at fallback rate = `budget`, by the `repair.gate_score`
-    score (chosen on nothing of the eval part); None where the gate did not run that map and score."""
-    if curves is None or not selective or name not in selective.get("maps", {}):
-        return None
-    curve = curves[(curves["map"] == name) & (curves.score == score) & (curves.requests == "items")]
-    curve = curve.sort_values("fallback_rate")
-    return float(np.interp(min(budget, 1.0), curve.fallback_rate, curve.retention)) if len(curve) else None
+    return Inputs(run.items, metrics, rows, run.metrics["source"])
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
     """Per map and setting (and per budget level, each baseline of AT_LEVELS): retention and gap closure with paired
-    95% intervals, and against the unrepaired map (`none`); the figures of the stage; the gate at the same cost."""
-    selective = json.loads(paths.SELECTIVE_METRICS.read_text()) if inputs.curves is not None else None
+    95% intervals, and against the unrepaired map (`none`); the figures of the stage."""
     rows = []
     for (name, setting), frame in inputs.rows.items():
         key = f"{name}@{setting}"
@@ -83,13 +69,11 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
             against = retention_interval(unrepaired, key, params.retention_metric, *measure.bootstrap)
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
-                        "vs_none_high": against["high"],
-                        "gate": gate_at(inputs.curves, selective, name, budget, inputs.metrics["gate_score"])})
+                        "vs_none_high": against["high"]})
         rows.append(row)
     rows.append(source_row(params, measure, inputs))
     rows.sort(key=lambda row: (row["map"] in MATCHED_BASELINES, row["map"], row["budget"]))
-    return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"],
-            "gate_score": inputs.metrics["gate_score"]}
+    return {"rows": rows, "length": inputs.metrics["length"], "bound_pair": inputs.metrics["bound_pair"]}
 
 
 def source_row(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
@@ -156,18 +140,18 @@ def shown(study: dict) -> dict:
     rows = study["rows"]
     return {"table": md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
-         "vs none [95% CI]", "Gate, same cost", "Bound", "Measured", "Front", "Confident top-1",
+         "vs none [95% CI]", "Bound", "Measured", "Front", "Confident top-1",
          "Oracle-weighted agreement"],
         [[r["map"], r["setting"], pct(r["budget"]), r["policy"], pct_or_dash(r["next_token_top1"]),
           pct_or_dash(r["rollout_agreement"]), pct_ci(r, "retention"), pct_ci(r, "gap_closure"),
-          pct_ci(r, "vs_none") if "vs_none" in r else "—", pct_or_dash(r.get("gate")), times(r["bound"]),
+          pct_ci(r, "vs_none") if "vs_none" in r else "—", times(r["bound"]),
           times(r["speedup"]), {True: "at pair", False: "—", None: ""}[r.get("front")],
           pct_or_dash(r["confident_top1"]), pct_or_dash(r["oracle_weighted_agreement"])] for r in rows]),
         "levels": levels(rows), "cheapest": cheapest(rows)}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: retention against budget, one line per policy, beside the baselines at each level and the gate."""
+    """Per map: retention against budget, one line per policy, beside the baselines at each level."""
     table = pd.DataFrame(study["rows"])
     names = maps(study["rows"])
     fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)
@@ -182,8 +166,6 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
         for (label, baseline), style in zip(levels.items(), ("k--", "k-.")):
             if len(baseline):
                 ax.plot(baseline.budget, baseline.retention, style, marker="x", label=label)
-        gated = part.dropna(subset=["gate"]) if "gate" in part else part.iloc[:0]
-        ax.scatter(gated.budget, gated.gate, marker="s", facecolors="none", edgecolors="grey", label="gate, same cost")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(float(source.iloc[0]), color="black", ls=":", lw=0.8, label="source alone")
         ax.set_xlabel(f"budget (share of target prefill, {study['bound_pair']})")

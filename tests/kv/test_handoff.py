@@ -1,5 +1,5 @@
 """The handoff's modes under the last-token protocol: exactness, identity path, nulls, batching, refusals, a
-device map, and the first step a gate reads."""
+device map, and the first step."""
 from dataclasses import replace
 
 import pytest
@@ -216,7 +216,7 @@ def test_the_first_step_is_the_prefix_cache_then_the_step_on_the_last_token_and_
     stepped = handoff.step_logprobs(layers, prefixes.last, prefixes.padded_lengths)[:, -1]  # (B, V)
     assert torch.allclose(first.logprobs, stepped, atol=1e-5)
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first.layers, layers))
-    assert first.source is None and first.mapped is None  # kept only when retained (a gate's scores)
+    assert first.selected is None  # nothing computed by a choice: its own prefill, a bare cache
     if mode != "zero":  # the target's own next-token distribution after the whole context
         with torch.no_grad():
             plain = [torch.log_softmax(target(torch.tensor([c])).logits[0, -1].float(), -1) for c in contexts]
@@ -225,16 +225,3 @@ def test_the_first_step_is_the_prefix_cache_then_the_step_on_the_last_token_and_
     logprobs, rollout = read_after(handoff, alone, [50, 51, 52], 4)  # teacher-forced, then cropped back: greedy
     assert torch.allclose(logprobs, teacher_forced(handoff, [(contexts[0], [50, 51, 52])])[0], atol=1e-4)
     assert rollout.tolist() == greedy_rollout(handoff, contexts[:1], 4)[0].tolist()
-
-
-def test_a_first_step_retains_the_source_and_mapped_caches_for_a_gate_and_reuses_a_prefill_it_is_given(
-        target, source):
-    handoff = Handoff(target, source, "mapped", random_mapper(source.config, target.config, k=1))
-    prefixes = padded_prefixes([list(range(3, 12)), list(range(4, 8))])
-    first = handoff.first_step(prefixes, retain=True)
-    assert first.source[0][0].shape[:3] == (2, source.config.num_key_value_heads, 8) and first.mapped is not None
-    forwards = handoff.inputs.source_forwards
-    again = handoff.first_step(prefixes, prefilled=first.source)
-    assert handoff.inputs.source_forwards == forwards and torch.equal(again.logits, first.logits)
-    kept = first.kept()
-    assert sorted(map(len, kept)) == [3, 8] and kept[tuple(range(4, 7))][0][0].shape[2] == 3

@@ -12,8 +12,7 @@ from pipeline.kv.request import GENERATE, KV_TRANSFER, USES, Transfer
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store.params import ParamError, parse
 
-VALUES = {"mapper": None, "repair": "sink:2", "fallback": "entropy", "threshold": "1", "disagree": None,
-          "shuffle_seed": "3"}
+VALUES = {"mapper": None, "repair": "sink:2", "shuffle_seed": "3"}
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +23,8 @@ def map_file(tmp_path_factory):
 
 
 def asked(field: str, map_file: str) -> dict:
-    """`field` given (and what it needs beside it to be complete)."""
-    value = {"mapper": map_file, "disagree": f"{map_file}:{map_file}"}.get(field, VALUES[field])
-    gate = {"fallback": "entropy", "threshold": "1"} if field in ("threshold", "fallback") else {}
-    gate = {"fallback": "disagree", "threshold": "1"} if field == "disagree" else gate
-    return {**gate, field: value}
+    """`field` given, with a value that is accepted where the mode reads it."""
+    return {field: map_file if field == "mapper" else VALUES[field]}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -46,12 +42,16 @@ def test_each_arg_is_taken_by_the_modes_that_read_it_and_refused_by_the_others(m
 
 
 def test_the_faces_spell_one_rule_their_own_way():
-    with pytest.raises(ParamError, match=r"^kv-transfer threshold= and disagree= gate a handoff: give fallback="):
-        Transfer.of(KV_TRANSFER, mode="direct", threshold="1")
-    with pytest.raises(ParamError, match=r"^--threshold and --disagree gate a handoff: give --fallback <score> too$"):
-        Transfer.of(GENERATE, mode="direct", threshold=1.0)
-    with pytest.raises(ParamError, match=r"^kv-transfer threshold: nan would never fall back"):
-        Transfer.of(KV_TRANSFER, mode="direct", fallback="kl", threshold="nan")
+    with pytest.raises(ParamError, match=r"^kv-transfer transfer=oracle does not use repair=: leave it out \(repair= "
+                                         r"is read by zero, direct, mapped, shuffled\)$"):
+        Transfer.of(KV_TRANSFER, mode="oracle", repair="sink:2")
+    with pytest.raises(ParamError, match=r"^--transfer oracle does not use --repair: leave it out \(--repair is read "
+                                         r"by zero, direct, mapped, shuffled\)$"):
+        Transfer.of(GENERATE, mode="oracle", repair=Repair.parse("sink:2"))
+    with pytest.raises(ParamError, match=r"^kv-transfer shuffle_seed: expected an integer >= 0, got -1$"):
+        Transfer.of(KV_TRANSFER, mode="shuffled", shuffle_seed="-1")
+    with pytest.raises(ParamError, match=r"^--shuffle-seed: expected an integer >= 0, got -1$"):
+        Transfer.of(GENERATE, mode="shuffled", shuffle_seed=-1)
 
 
 def test_a_malformed_repair_is_the_repair_parsers_refusal_unwrapped():

@@ -1,11 +1,14 @@
-"""The router (`kv.router`): each context's handoff and route, decided once; a gated context that keeps its map
-prefilled and mapped once; scores equal to the handoff's own or the oracle's."""
+"""The router (`kv.router`): each request's route; each context prefilled and mapped once for its continuations;
+scores and first steps equal to the handoff's own; the record of the handoff it serves."""
 import pytest
+import torch
 from helpers.architectures import SUPPORTED, _full_forward_scores, _requests, random_of
 
+from pipeline.kv.kvcache import padded_prefixes
 from pipeline.kv.pair import Pair
+from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
-from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK
+from pipeline.kv.routes import EMPTY_PREFIX, REPAIRED, Route
 from pipeline.kv.scoring import score_continuations
 
 MAX_LENGTH = 512
@@ -30,38 +33,30 @@ def distinct_handed_off(requests) -> int:
     return len({tuple(context) for context, _ in requests if len(context) >= 2})
 
 
-@pytest.mark.parametrize("threshold", [float("inf"), float("-inf")])
-def test_a_gated_context_is_prefilled_and_mapped_once_for_its_score_and_its_continuations(pair, requests,
-                                                                                          threshold):
-    handoff = pair.handoff("direct")
-    router = Router(handoff, pair.gate(handoff, "entropy", threshold), batch_size=4)
-    results, routes = router.score(requests, MAX_LENGTH, progress=False)
-    # once by the gate's scorer; a context that keeps its map is scored on that cache, one that falls back by the
-    # oracle (before the kept maps, twice: the scorer's prefill and map, then the handoff's again)
-    assert handoff.inputs.source_prefills == distinct_handed_off(requests)
-    alone = Router(pair.handoff("direct" if threshold > 0 else "oracle"), batch_size=4)
-    expected, _ = alone.score(requests, MAX_LENGTH, progress=False)
-    assert [ll for ll, _ in results] == pytest.approx([ll for ll, _ in expected], abs=1e-4)
-    kept = "direct" if threshold > 0 else FELL_BACK
-    assert [route.way for route in routes] == [kept if len(context) >= 2 else EMPTY_PREFIX if threshold > 0
-                                               else FELL_BACK for context, _ in requests]
-    assert not hasattr(handoff, "kept_maps")  # the router holds the gate's caches, a batch at a time
-
-
-def test_the_gates_decisions_are_memoised_per_context(pair, requests):
-    handoff = pair.handoff("direct")
-    router = Router(handoff, pair.gate(handoff, "entropy", 0.0), batch_size=4)
-    contexts = [context for context, _ in requests]
-    first = router.routes(contexts)
-    prefilled = handoff.inputs.source_prefills
-    assert router.routes(contexts) == first and handoff.inputs.source_prefills == prefilled
-
-
-def test_an_ungated_router_scores_as_the_scoring_core_does(pair, requests):
+def test_a_router_scores_as_the_scoring_core_does_prefilling_and_mapping_each_context_once(pair, requests):
     handoff = pair.handoff("direct")
     results, routes = Router(handoff, batch_size=4).score(requests, MAX_LENGTH, progress=False)
+    assert handoff.inputs.source_prefills == distinct_handed_off(requests)  # once for both its continuations
     assert results == score_continuations(pair.handoff("direct"), requests, 4, MAX_LENGTH, progress=False)
-    assert {route.way for route in routes} == {"direct", EMPTY_PREFIX}
+    assert [route.way for route in routes] == ["direct" if len(context) >= 2 else EMPTY_PREFIX
+                                               for context, _ in requests]
+
+
+def test_a_routers_first_step_is_its_handoffs_on_the_context_and_its_route(pair, requests):
+    router = Router(pair.handoff("direct"), batch_size=4)
+    for context in (requests[0][0], requests[-1][0]):  # handed off, and a one-token context
+        first, route = router.first_step(context)
+        alone = pair.handoff("direct").first_step(padded_prefixes([context]))
+        assert torch.allclose(first.logits, alone.logits, atol=1e-6)
+        assert route == Route("direct" if len(context) >= 2 else EMPTY_PREFIX) == router.route(context)
+
+
+def test_a_routers_record_names_its_transfer_and_repair_and_a_repaired_router_sends_requests_as_repaired(pair):
+    plain = pair.router(mode="direct")
+    assert plain.record() == {"transfer": "direct", "repair": "none"} and plain.ways() == ["direct", EMPTY_PREFIX]
+    repaired = pair.router(mode="direct", repair=Repair.parse("sink:2"))
+    assert repaired.record() == {"transfer": "direct", "repair": "sink:2"}
+    assert repaired.ways() == [REPAIRED, EMPTY_PREFIX] and repaired.route([5, 6]) == Route(REPAIRED)
 
 
 def test_a_stages_request_reaches_its_handoff_the_truncated_prompt_included(pair, requests):

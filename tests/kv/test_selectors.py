@@ -109,8 +109,7 @@ def test_a_new_policy_reaches_the_repair_studys_table_and_figure_by_its_own_name
     settings = {str(setting): {**figures, "policy": repair_stage.policy(setting), "bound": 2.5,
                                "budget": repair_budget(target, setting, 256)},  # as stage repair writes them
                 "none": {**figures, "policy": "none", "budget": 0.0, "bound": 3.0}}
-    metrics = {"length": 256, "bound_pair": "qwen3-v0", "gate_score": "entropy", "maps": {"m": settings},
-               "truncated": {}, "speculative": {}}
+    metrics = {"length": 256, "bound_pair": "qwen3-v0", "maps": {"m": settings}, "truncated": {}, "speculative": {}}
     def items(correct: list[int]) -> pd.DataFrame:
         return pd.DataFrame([{"task": task, "item": i, "acc": c, "acc_norm": c} for task in ("hellaswag", "piqa")
                              for i, c in enumerate(correct)])
@@ -118,7 +117,7 @@ def test_a_new_policy_reaches_the_repair_studys_table_and_figure_by_its_own_name
     rows = {("m", name): items([1, 1, 1, 1, 1, 1, 0, 1]) for name in settings}
     study = repair_study.compute(parse(ReportParams, committed("report"), "report"), measure_params(bootstrap_iters=20),
                                  repair_study.Inputs({"oracle": items([1] * 8), "source": items([1, 0] * 4)}, metrics,
-                                                     rows, None, figures))
+                                                     rows, figures))
     budget = f"{repair_budget(target, setting, 256):.1%}"
     assert f"| m | tokens:0.1:priced | {budget} | priced |" in render.section("repair", study)
     assert "priced" in set(repair_study.figure(study, tmp_path)["repair"]["policy"])

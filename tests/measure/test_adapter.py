@@ -1,6 +1,6 @@
 """lm-eval's request types through the `kv-transfer` model (`measure.adapter`): generate_until and rolling
 log-likelihood honest about the positions and about what was handed off, and each request type's route recorded
-in every mode, under a repair and under a gate."""
+in every mode and under a repair."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.modes import MODES, OWN_MODES
 from pipeline.kv.pair import Pair
-from pipeline.kv.routes import EMPTY_PREFIX, FELL_BACK, REPAIRED
+from pipeline.kv.routes import EMPTY_PREFIX, REPAIRED
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError
@@ -107,18 +107,15 @@ def test_generate_until_records_each_requests_route_in_every_mode(mode, tiny_pai
                                        **({} if mode in OWN_MODES else {EMPTY_PREFIX: int(one_token)})}
 
 
-def test_generate_until_under_a_repair_is_repaired_and_under_a_gate_goes_the_way_its_score_says(tiny_pair,
-                                                                                               identity_map):
+def test_generate_until_under_a_repair_is_repaired_and_records_only_the_documents_that_went_another_way(
+        tiny_pair, identity_map):
     lm = model(tiny_pair, identity_map, "mapped", repair="sink:2")
-    lm.generate_until([generation()])
-    assert lm.route_counts()[TASK] == {"requests": 1, REPAIRED: 1, EMPTY_PREFIX: 0}
+    assert len(lm.tok_encode("Answer")) == 1  # a one-token prompt: nothing handed off, nothing repaired
+    lm.generate_until([generation(doc=0), generation("Answer", doc=1)])
+    assert lm.route_counts()[TASK] == {"requests": 2, REPAIRED: 1, EMPTY_PREFIX: 1}
     assert lm.handoff.repaired.recomputed == 2
-    for threshold, way in (("-inf", FELL_BACK), ("inf", "direct")):
-        lm = model(tiny_pair, identity_map, "direct", fallback="entropy", threshold=threshold)
-        lm.generate_until([generation()])
-        record = lm.route_record()
-        assert record["routes"][TASK][way] == 1 and record["requests"][TASK]["0"]["route"] == [way]
-        assert record["requests"][TASK]["0"]["gate_score"][0] > 0
+    record = lm.route_record()
+    assert record["routes"][TASK][REPAIRED] == 1 and record["requests"] == {TASK: {"1": {"route": [EMPTY_PREFIX]}}}
 
 
 @pytest.mark.parametrize("mode", OWN_MODES)

@@ -56,6 +56,7 @@ def test_a_timed_evaluation_gives_the_untimed_figures_within_float_tolerance(pai
         assert timed.prompt_rows[column].tolist() == untimed.prompt_rows[column].tolist(), column
     assert timed.prompt_rows.nll.tolist() == pytest.approx(untimed.prompt_rows.nll.tolist(), abs=1e-4)
     assert untimed.prompts.ttft is None and "ttft_ms" not in untimed.prompt_rows
+    assert set(timed.prompt_rows.way) == {mode}  # every context hands off: each prompt's route is the mode's own
 
 
 def test_the_timed_oracle_stores_from_one_pass_what_the_batched_oracle_stores(pair, prompts, stored):
@@ -73,7 +74,7 @@ def test_ttft_is_positive_its_parts_tile_it_and_the_oracles_is_a_prefills_order_
                       warmup=1, progress=False)
     rows = oracle.prompt_rows
     assert (rows.ttft_ms > 0).all() and (rows.prefill_ms > 0).all() and (rows.step_ms > 0).all()
-    assert (rows.map_ms == 0).all() and (rows.gate_ms == 0).all()  # the oracle maps nothing and is not gated
+    assert (rows.map_ms == 0).all()  # the oracle maps nothing
     parts = rows[[f"{part}_ms" for part in FIRST_STEP_PARTS]].sum(axis=1)
     assert parts.tolist() == pytest.approx(rows.ttft_ms.tolist(), rel=1e-9)
     # the oracle's first step is its own prefill and one step: between a tenth of the fastest of five timed prefills
@@ -90,20 +91,6 @@ def test_ttft_is_positive_its_parts_tile_it_and_the_oracles_is_a_prefills_order_
     assert 0.1 * min(runs) < float(rows.ttft_ms.iloc[-1]) < 10 * max(runs) + 50
     figures = oracle.prompts.ttft
     assert figures["median_ms"] > 0 and set(figures["parts_ms"]) == set(FIRST_STEP_PARTS)
-
-
-@pytest.mark.parametrize("threshold, way", [(float("inf"), "direct"), (float("-inf"), "fell_back")])
-def test_under_a_gate_a_timed_prompt_pays_the_score_and_where_it_falls_back_the_targets_own_prefill(
-        pair, prompts, stored, threshold, way):
-    handoff = pair.handoff("direct")
-    gated = evaluate(Router(handoff, pair.gate(handoff, "entropy", threshold), batch_size=4), prompts, stored,
-                     margin=MARGIN, timed=True, progress=False)
-    rows = gated.prompt_rows
-    assert set(rows.way) == {way} and (rows.gate_ms > 0).all()
-    assert ((rows.fallback_ms > 0) == (way == "fell_back")).all()
-    alone = evaluate(Router(pair.handoff("direct" if way == "direct" else "oracle"), batch_size=4), prompts, stored,
-                     margin=MARGIN, progress=False)
-    same_figures(gated.prompts, alone.prompts)  # the gate's figures are its route's
 
 
 def test_the_figures_nest_prompts_and_tasks_and_round_every_float():
@@ -127,9 +114,6 @@ def test_what_an_evaluation_cannot_do_is_refused_naming_the_fix(pair, prompts, s
         evaluate(router, prompts, margin=MARGIN)
     with pytest.raises(ValueError, match="a timed evaluation runs in one process"):
         evaluate(router, prompts, stored, margin=MARGIN, timed=True, ranks=Ranks(0, 2, 0))
-    handoff = pair.handoff("direct")
-    with pytest.raises(ValueError, match="prompts under a gate are evaluated timed"):
-        evaluate(Router(handoff, pair.gate(handoff, "entropy", 0.0)), prompts, stored, margin=MARGIN)
     with pytest.raises(ValueError, match="oracle outputs must come from the oracle handoff"):
         evaluate(router, prompts, margin=MARGIN, store=STORE, timed=True)
     with pytest.raises(ValueError, match="a timed evaluation reads no attention outputs"):

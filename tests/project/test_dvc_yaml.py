@@ -273,4 +273,4 @@ def test_every_stage_that_checks_the_controls_depends_on_their_verdict_and_none_
         if "require_controls_passed(" in (ROOT / (stage_module(stage).replace(".", "/") + ".py")).read_text():
             checking.append(name)
             assert "metrics/controls_verdict.json" in deps, f"stage {name} reads the verdict but does not depend on it"
-    assert "evaluate_mapped" in checking and len(checking) == 8
+    assert "evaluate_mapped" in checking and len(checking) == 7

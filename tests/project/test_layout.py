@@ -69,16 +69,16 @@ def test_every_top_level_module_is_a_stage_the_lm_eval_face_or_a_user_tool():
 
 
 def handoffs_built_by_hand(root: Path) -> list[str]:
-    """Every call in a top-level module of pipeline/ (a stage, a face, a user tool) that builds a handoff, a gate or
-    a router other than through a request (`<pair>.router(...)`, or a `kv.request.Transfer` then `Router.of`):
-    `<pair>.handoff(...)`, `<pair>.gate(...)`, `Handoff(...)`, `Router(...)`, as `path:line`."""
+    """Every call in a top-level module of pipeline/ (a stage, a face, a user tool) that builds a handoff or a router
+    other than through a request (`<pair>.router(...)`, or a `kv.request.Transfer` then `Router.of`):
+    `<pair>.handoff(...)`, `Handoff(...)`, `Router(...)`, as `path:line`."""
     found = []
     for path in sorted((root / "pipeline").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
-            if (isinstance(func, ast.Attribute) and func.attr in ("handoff", "gate")) or \
+            if (isinstance(func, ast.Attribute) and func.attr == "handoff") or \
                     (isinstance(func, ast.Name) and func.id in ("Handoff", "Router")):
                 found.append(f"{path.relative_to(root)}:{node.lineno}")
     return found
@@ -88,8 +88,7 @@ def test_every_stage_and_face_asks_for_its_handoffs_through_a_request_and_a_rout
     assert handoffs_built_by_hand(ROOT) == []
 
 
-@pytest.mark.parametrize("call", ['pair.handoff("oracle")', 'Router(handoff)', 'pair.gate(handoff, "kl", 1.0)',
-                                  'Handoff(model)'])
+@pytest.mark.parametrize("call", ['pair.handoff("oracle")', 'Router(handoff)', 'Handoff(model)'])
 def test_the_request_check_sees_a_handoff_built_by_hand(tmp_path, call):
     (tmp_path / "pipeline" / "kv").mkdir(parents=True)
     asked = 'router = pair.router(mode="oracle")\nhandoff = router.handoff\n'

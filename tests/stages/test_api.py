@@ -1,5 +1,5 @@
-"""The Python API (`pipeline.api`): a pair from two folders or `self:<n>`, a handoff in any mode with a map, a repair
-and a gate, and the handed-off cache as a transformers `Cache` that `target.generate(...)` continues. On the tiny
+"""The Python API (`pipeline.api`): a pair from two folders or `self:<n>`, a handoff in any mode with a map and a
+repair, and the handed-off cache as a transformers `Cache` that `target.generate(...)` continues. On the tiny
 pair and a random tiny Llama: the target's own cache injected directly continues token for token as
 `target.generate` does alone and reproduces its native next-token logits; and the README's block runs as written."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pipeline.api import handed_off, handoff, pair
 from pipeline.kv.decode import greedy_generate
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.repair import RepairError
-from pipeline.kv.routes import FELL_BACK, REPAIRED
+from pipeline.kv.routes import REPAIRED
 from pipeline.store import devices
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.params import ParamError
@@ -81,18 +81,14 @@ def test_the_injected_own_cache_reproduces_the_targets_native_next_token_logits(
     assert (broken - native).abs().max().item() > LOGITS_ABS
 
 
-def test_a_mapped_repaired_and_gated_handoff_hands_over_the_cache_the_pipelines_decoding_reads(tiny_pair,
-                                                                                              identity_map):
+def test_a_mapped_repaired_handoff_hands_over_the_cache_the_pipelines_decoding_reads(tiny_pair, identity_map):
     models = pair(tiny_pair["target"], tiny_pair["source"], device="cpu")
     prompt = models.target_tokenizer.encode(PROMPT)
-    kept = handoff(models, "mapped", identity_map, repair="layers:1", fallback="entropy", threshold=float("inf"))
-    handed = handed_off(kept, prompt)
-    assert handed.route.way == REPAIRED and handed.route.score > 0
-    assert plain_generate(models.target, prompt, handed.cache) == greedy_generate(kept.handoff, prompt, NEW_TOKENS)
-    fell_back = handed_off(handoff(models, "mapped", identity_map, repair="layers:1", fallback="entropy",
-                                   threshold=float("-inf")), prompt)
-    assert fell_back.route.way == FELL_BACK  # the gate sent it to the target's own prefill: the oracle's tokens
-    assert plain_generate(models.target, prompt, fell_back.cache) == plain_generate(models.target, prompt)
+    repaired = handoff(models, "mapped", identity_map, repair="layers:1")
+    handed = handed_off(repaired, prompt)
+    assert handed.route.way == REPAIRED and handed.cache.get_seq_length() == len(prompt) - 1
+    assert plain_generate(models.target, prompt, handed.cache) == greedy_generate(repaired.handoff, prompt,
+                                                                                  NEW_TOKENS)
 
 
 def test_a_self_source_is_the_targets_first_layers_and_the_source_mode_decodes_with_it(tiny_pair):
@@ -116,7 +112,6 @@ def test_a_one_token_prompt_hands_nothing_off(tiny_pair):
     ({"mode": "oracle", "repair": "sink:2"}, ParamError, r"^pipeline\.api mode=oracle does not use repair=: leave "),
     ({"mode": "direct", "repair": "layers:99"}, ParamError, r"^pipeline\.api repair layers:99: layers:99 exceeds the "
                                                             r"target's 2 layers; give at most layers:2$"),
-    ({"mode": "direct", "fallback": "entropy"}, ParamError, r"^pipeline\.api fallback=entropy needs threshold="),
     ({"mode": "direct", "repair": "layers:x"}, RepairError, r"layers:x"),
 ])
 def test_a_bad_handoff_is_refused_in_one_line_before_any_weight_loads(args, error, message, tiny_pair,

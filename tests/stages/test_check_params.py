@@ -112,9 +112,6 @@ RULES = {
         r"^evaluate\.mapped\.zero: a mapped variant cannot take a baseline's name"),
     "unknown bound pair": ({"candidates": {"bound_pair": "qwen3-99b"}}, r"^candidates\.bound_pair: unknown pair"),
     "repeated latency length": ({"latency": {"lengths": [128, 128]}}, r"^latency\.lengths: repeated prompt length"),
-    "no selective score": ({"selective": {"scores": []}}, r"^selective\.scores: expected at least one value"),
-    "a selective score listed twice": ({"selective": {"scores": ["kl", "entropy", "kl"]}},
-                                       r"^selective\.scores: 'kl' is listed twice"),
     "operating length without an eval part": (
         {"operating": {"lengths": [1024]}},
         r"^operating\.lengths: 1024 has no eval part \(data\.long\.lengths: none\)"),
@@ -130,9 +127,6 @@ RULES = {
         {"operating": {"maps": {"selected": "models/mapper.safetensors"},
                        "repaired": {"fixed": {"map": "selected", "repair": "layers:9"}}}},
         r"^operating\.repaired\.fixed\.repair: layers:9 recomputes 9 layers, but the target has 3"),
-    "the same disagree file twice": (
-        {"selective": {"disagree": ["models/best/mapped_k1.safetensors"] * 2}},
-        r"^selective\.disagree: the same file twice"),
 }
 
 
@@ -151,13 +145,6 @@ def test_a_bad_value_in_any_section_of_the_file_is_refused_naming_its_key(sectio
     else:
         key, params[section] = section, bad
     with pytest.raises(ParamError, match=rf"^{re.escape(key)}[.:]"):
-        check(params)
-
-
-def test_no_selective_map_is_refused_naming_the_key():
-    params = committed_params()
-    params["selective"]["maps"] = {}  # `merge` keeps the committed maps under an empty mapping
-    with pytest.raises(ParamError, match=r"^selective\.maps: expected at least one value"):
         check(params)
 
 

@@ -1,6 +1,5 @@
 """`python -m pipeline.generate`: each mode's departure from the oracle is where the tokens first differ, a refused
-mode is one line, a gated mode goes the way its score says, a repair's recomputed tokens are printed; on tiny models
-built here."""
+mode or flag is one line, a repair's recomputed tokens are printed; on tiny models built here."""
 import io
 import shutil
 
@@ -9,10 +8,9 @@ import pytest
 from helpers import ROOT, build_model, tiny_config
 
 from pipeline.generate import departure, main, run
-from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
+from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.repair import Repair, RepairError
-from pipeline.kv.routes import FELL_BACK, SENTENCES
 from pipeline.store.artifacts import ArtifactError
 from pipeline.store.fingerprints import pair_fingerprints
 from pipeline.store.models import IncompatiblePairError
@@ -100,68 +98,16 @@ def test_the_cli_prints_each_modes_stream_and_row_for_any_pair(capsys, monkeypat
     assert _row(out, "mapped")[3] == _row(out, "direct")[3]
 
 
-@pytest.fixture(scope="module")
-def random_maps(tmp_path_factory, wide_pair):
-    """Two random maps (k=1, k=2) of conftest's wide pair, where the mapped handoff departs from the oracle."""
-    source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
-    folder = tmp_path_factory.mktemp("maps")
-    for k in (1, 2):
-        mapper = random_mapper(source.config, target.config, k=k, seed=k)
-        mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
-        save_mapper(mapper, folder / f"k{k}.safetensors")
-    return folder / "k1.safetensors", folder / "k2.safetensors"
-
-
-def test_a_gate_at_minus_infinity_sends_every_gated_mode_to_the_oracle_and_at_plus_infinity_to_its_own_way(
-        wide_pair, tokenizer, random_maps):
-    pair = Pair(str(wide_pair["target"]), str(wide_pair["source"]), "float32", "cpu")
-    prompts = [tokenizer.encode("Question: How do I open a jar?\nAnswer:"), tokenizer.encode("A man is sitting")]
-    modes = ["mapped", "direct", "source"]
-    ungated = run(pair, prompts, modes, random_maps[0], 8, out=io.StringIO())
-    assert any(mapped.tokens != oracle.tokens for oracle, mapped, *_ in ungated)  # the case can tell the ways apart
-    for threshold in (float("-inf"), float("inf")):
-        out = io.StringIO()
-        gated = run(pair, prompts, modes, random_maps[0], 8, out=out,
-                    gate={"fallback": "entropy", "threshold": threshold})
-        for plain, routed in zip(ungated, gated):
-            oracle = plain[0].tokens
-            for before, after in zip(plain, routed):
-                if after.mode in ("oracle", "source"):
-                    assert after.score is None and after.tokens == before.tokens
-                    continue
-                assert after.fell_back == (threshold < 0) and after.score == pytest.approx(after.score)  # finite
-                assert after.tokens == (oracle if threshold < 0 else before.tokens), after.mode
-                assert after.route == (f"{SENTENCES[FELL_BACK]}: entropy {after.score:.4g} > threshold -inf"
-                                       if threshold < 0
-                                       else after.mode)
-        for generation in gated[0]:  # the first prompt's table
-            assert _row(out.getvalue(), generation.mode)[-1] == generation.route
-        assert _row(out.getvalue(), "source")[4:] == ["—", "source"]
-
-
-def test_the_cli_gates_by_the_score_it_is_given_and_says_which_way_each_mode_went(capsys, monkeypatch, tmp_path,
-                                                                                 wide_pair, random_maps):
-    out = run_main(capsys, monkeypatch, tmp_path, "--target", str(wide_pair["target"]), "--source",
-                   str(wide_pair["source"]), "--mapper", str(random_maps[0]), "--transfer", "oracle,mapped,shuffled",
-                   "--fallback", "disagree", "--disagree", f"{random_maps[0]}:{random_maps[1]}", "--threshold=-inf")
-    for mode in ("mapped", "shuffled"):
-        cells = _row(out, mode)
-        score = float(cells[4].split(" (")[0])  # the two maps' Jensen-Shannon divergence on the first step
-        assert cells[3] == "same as oracle"
-        assert cells[5] == f"{SENTENCES[FELL_BACK]}: disagree {score:.4g} > threshold -inf"
-        assert score >= 0
-    assert _row(out, "oracle")[4:] == ["—", "oracle"]
-
-
 @pytest.mark.parametrize("argv, message", [
-    (["--threshold", "1"], "give --fallback <score> too"),
-    (["--fallback", "kl"], "needs --threshold <number>"),
-    (["--fallback", "disagree", "--threshold", "1"], "needs --disagree <k=1 file>:<k=max file>"),
-    (["--fallback", "kl", "--threshold", "1", "--transfer", "oracle,source"],
-     "--fallback: --transfer oracle,source names no mode it applies to (direct, mapped, shuffled)"),
+    (["--repair", "sink:2", "--transfer", "oracle,source"],
+     "--repair: --transfer oracle,source names no mode it applies to (zero, direct, mapped, shuffled)"),
+    (["--mapper", "map.safetensors", "--transfer", "oracle,direct"],
+     "--mapper: --transfer oracle,direct names no mode it applies to (mapped, shuffled)"),
+    (["--shuffle-seed", "3", "--transfer", "oracle,mapped"],
+     "--shuffle-seed: --transfer oracle,mapped names no mode it applies to (shuffled)"),
 ])
-def test_a_gate_missing_a_part_is_refused_in_one_line_naming_it(capsys, monkeypatch, tmp_path, tiny_pair, argv,
-                                                                 message):
+def test_a_flag_no_asked_mode_reads_is_refused_in_one_line_naming_it(capsys, monkeypatch, tmp_path, tiny_pair, argv,
+                                                                      message):
     with pytest.raises(ParamError) as refused:
         run_main(capsys, monkeypatch, tmp_path, "--target", str(tiny_pair["target"]), *argv)
     assert message in str(refused.value) and "\n" not in str(refused.value)
@@ -182,8 +128,8 @@ def test_generate_refuses_a_map_fitted_on_other_models_and_runs_and_says_so_when
     assert "other models allowed (--allow-other-models): " in out and _row(out, "mapped")
 
 
-def test_generate_prints_each_modes_route_and_a_repairs_recomputed_tokens_gated_or_not(capsys, monkeypatch, tmp_path,
-                                                                                     tiny_pair, tokenizer):
+def test_generate_prints_each_modes_route_and_a_repairs_recomputed_tokens(capsys, monkeypatch, tmp_path, tiny_pair,
+                                                                          tokenizer):
     source, target = (Pair(str(tiny_pair[side])).target for side in ("source", "target"))
     mapper = tmp_path / "identity.safetensors"
     identity = identity_mapper(str(tiny_pair["source"]), str(tiny_pair["target"]), source.config, target.config)
@@ -194,14 +140,13 @@ def test_generate_prints_each_modes_route_and_a_repairs_recomputed_tokens_gated_
     recomputed = setting.sink + setting.chosen(prefix)
     modes = ("--target", str(tiny_pair["target"]), "--source", str(tiny_pair["source"]), "--mapper", str(mapper),
              "--transfer", "oracle,mapped,direct,shuffled,zero,source", "--repair", str(setting))
-    for gate in ([], ["--fallback", "entropy", "--threshold=inf"]):  # a gated mode that keeps its way is repaired
-        out = run_main(capsys, monkeypatch, tmp_path, *modes, *gate)
-        for mode in ("mapped", "direct", "shuffled", "zero"):  # as kv-transfer: every cache the target did not make
-            route = _row(out, mode)[-1]
-            assert route.startswith(f"repaired {setting}: layer 0 exact, {recomputed} tokens recomputed in "), route
-            assert float(route.split(" in ")[1].removesuffix(" ms")) > 0
-        for mode in ("oracle", "source"):  # their model's own prefill: nothing to repair
-            assert _row(out, mode)[-1] == mode
+    out = run_main(capsys, monkeypatch, tmp_path, *modes)
+    for mode in ("mapped", "direct", "shuffled", "zero"):  # as kv-transfer: every cache the target did not make
+        route = _row(out, mode)[-1]
+        assert route.startswith(f"repaired {setting}: layer 0 exact, {recomputed} tokens recomputed in "), route
+        assert float(route.split(" in ")[1].removesuffix(" ms")) > 0
+    for mode in ("oracle", "source"):  # their model's own prefill: nothing to repair
+        assert _row(out, mode)[-1] == mode
     # the identity map repaired by the target itself is still the oracle's cache, token for token
     assert _row(out, "mapped")[3] == "same as oracle"
 

@@ -1,6 +1,6 @@
 """The `kv-transfer` lm-eval model: the exactness gate against lm-eval's stock `hf` model on real
-HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files; its model args (a repair,
-a gate) refused in one line before any model loads."""
+HellaSwag and PIQA rows, through lm-eval's own task definitions pointed at local files; its model args (a repair)
+refused in one line before any model loads."""
 import json
 import os
 import re
@@ -22,12 +22,11 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MistralConfig
 
 from pipeline.kv.contract import UnsupportedModelError
-from pipeline.kv.gate import Scorer
 from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair, RepairError
 from pipeline.kv.router import Router
-from pipeline.kv.routes import CACHED, EMPTY_PREFIX, FELL_BACK, REPAIRED, Route
+from pipeline.kv.routes import CACHED, EMPTY_PREFIX, REPAIRED, Route
 from pipeline.kv.scoring import truncate
 from pipeline.lm_eval_model import KVTransferLM, cache_key, main
 from pipeline.measure.taskeval import score_tasks
@@ -254,30 +253,27 @@ def test_generate_until_stops_and_matches_stock_hf(tiny_pair):
 def test_command_line_runs_lm_eval_with_kv_transfer_and_reports_every_requests_route(tiny_pair, task_dir, tmp_path):
     limit, choices = 4, 2  # PIQA: two solutions per item, one request each
     args = ["--model", "kv-transfer", "--model_args", f"target={tiny_pair['target']},source={tiny_pair['source']},"
-            "transfer=direct,device=cpu,fallback=entropy,threshold=inf", "--tasks", "piqa_local", "--include_path",
+            "transfer=direct,device=cpu", "--tasks", "piqa_local", "--include_path",
             str(task_dir), "--limit", str(limit), "--log_samples", "--output_path", str(tmp_path)]
     run = subprocess.run([sys.executable, "-m", "pipeline.lm_eval_model", *args], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "piqa_local" in run.stdout and "acc" in run.stdout
-    # a gate that never fires says so, in what the command prints and in the results it writes
+    # the counts, in what the command prints and in the results it writes
     requests = limit * choices
-    assert "kv-transfer routes (transfer=direct, repair=none, fell_back where entropy > inf):" in run.stdout
-    assert f"  piqa_local: {requests} requests: {requests} direct, 0 {EMPTY_PREFIX}, 0 {FELL_BACK}" in run.stdout
+    lines = run.stdout.splitlines()
+    assert "kv-transfer routes (transfer=direct, repair=none):" in lines
+    assert f"  piqa_local: {requests} requests: {requests} direct, 0 {EMPTY_PREFIX}" in lines
     (results,) = tmp_path.rglob("results_*.json")
     recorded = json.loads(results.read_text())["config"]["kv_transfer"]
-    assert recorded["gate"] == {"score": "entropy", "threshold": float("inf")} and recorded["repair"] == "none"
-    assert recorded["routes"] == {"piqa_local": {"requests": requests, "direct": requests, EMPTY_PREFIX: 0,
-                                                 FELL_BACK: 0}}
-    documents = recorded["requests"]["piqa_local"]  # under a gate, every document's routes and scores
-    assert len(documents) == limit
-    for document in documents.values():
-        assert document["route"] == ["direct"] * choices and all(score > 0 for score in document["gate_score"])
+    assert recorded == {"transfer": "direct", "repair": "none",
+                        "routes": {"piqa_local": {"requests": requests, "direct": requests, EMPTY_PREFIX: 0}},
+                        "requests": {}}  # no document went another way than the handoff's own
 
 
 @pytest.fixture(scope="module")
 def wide_map(wide_pair, tmp_path_factory) -> Path:
-    """A random k=1 map of conftest's wide pair (where the gate's scores spread), bound to the pair."""
+    """A random k=1 map of conftest's wide pair, bound to the pair."""
     source, target = (Pair(str(wide_pair[side])).target for side in ("source", "target"))
     mapper = random_mapper(source.config, target.config, k=1, seed=0)
     mapper.models = pair_fingerprints(str(wide_pair["source"]), str(wide_pair["target"]))
@@ -303,40 +299,6 @@ def request_contexts(lm: KVTransferLM, samples: list[dict]) -> list[list[int]]:
     """Every request's context tokens, as the handoff sees them, in the samples' order."""
     return [truncate(lm.context_tokens(context, continuation), lm.tok_encode(continuation), lm.max_length)
             for sample in samples for context, continuation in sample["arguments"]]
-
-
-def test_route_counts_add_up_per_task_and_follow_the_gate_at_minus_inf_plus_inf_and_a_middle_threshold(
-        wide_pair, wide_map, task_dir):
-    pair = dict(target=str(wide_pair["target"]), source=str(wide_pair["source"]), transfer="mapped",
-                mapper=str(wide_map), fallback="entropy")
-    lm, out = routed_run(task_dir, **pair, threshold="inf")
-    contexts = {task: request_contexts(lm, out["samples"][task]) for task in TASKS}
-    distinct = list(dict.fromkeys(tuple(context) for task in TASKS for context in contexts[task]))
-    scored = dict(zip(distinct, Scorer(lm.handoff).scores(distinct, ["entropy"], 4)["entropy"].tolist()))
-    scores = {task: torch.tensor([scored[tuple(context)] for context in contexts[task]]) for task in TASKS}
-    # in the widest gap between the middle half of the contexts' scores: no score within float noise of it
-    ranked = np.sort(list(scored.values()))[len(scored) // 4 : len(scored) - len(scored) // 4]
-    gap = int(np.argmax(np.diff(ranked)))
-    middle = float(ranked[gap] + ranked[gap + 1]) / 2
-    fell_back_somewhere = set()
-    for threshold in (float("inf"), float("-inf"), middle):
-        if threshold != float("inf"):  # inf: the run above
-            lm, out = routed_run(task_dir, **pair, threshold=repr(threshold))
-        counts = out["config"]["kv_transfer"]["routes"]
-        assert out["config"]["kv_transfer"]["gate"] == {"score": "entropy", "threshold": threshold}
-        for task in TASKS:
-            expected = (scores[task] > threshold).tolist()  # the gate's routing, request by request
-            assert counts[task] == {"requests": len(expected), "mapped": expected.count(False), EMPTY_PREFIX: 0,
-                                    FELL_BACK: expected.count(True)}
-            assert sum(count for way, count in counts[task].items() if way != "requests") == len(contexts[task])
-            documents = [out["config"]["kv_transfer"]["requests"][task][str(sample["doc_id"])]
-                         for sample in out["samples"][task]]
-            routes = [way for document in documents for way in document["route"]]
-            assert routes == [FELL_BACK if fell else "mapped" for fell in expected]
-            logged = [score for document in documents for score in document["gate_score"]]
-            assert logged == pytest.approx(scores[task].tolist(), rel=1e-4)
-            fell_back_somewhere |= {threshold} if 0 < sum(expected) < len(expected) else set()
-    assert middle in fell_back_somewhere  # the middle threshold sends some requests each way: the case can fail
 
 
 def test_rank_zero_counts_every_ranks_requests_once_after_gathering_the_routes(tiny_pair):
@@ -372,7 +334,7 @@ def test_a_repair_setting_routes_every_request_as_repaired(wide_pair, wide_map, 
     setting = Repair.parse("sink:2")
     lm, out = routed_run(task_dir, target=str(wide_pair["target"]), source=str(wide_pair["source"]),
                          transfer="mapped", mapper=str(wide_map), repair=str(setting))
-    assert out["config"]["kv_transfer"]["repair"] == str(setting) and out["config"]["kv_transfer"]["gate"] is None
+    assert out["config"]["kv_transfer"]["repair"] == str(setting)
     for task in TASKS:
         requests = len(request_contexts(lm, out["samples"][task]))
         assert out["config"]["kv_transfer"]["routes"][task] == {"requests": requests, REPAIRED: requests,
@@ -448,7 +410,7 @@ def test_every_mode_through_kv_transfer_records_itself_as_what_served_its_reques
                                                                          include_defaults=False),
                           num_fewshot=0, log_samples=True, bootstrap_iters=0, limit=3)
     record = out["config"]["kv_transfer"]
-    assert record["transfer"] == mode and record["repair"] == "none" and record["gate"] is None
+    assert record["transfer"] == mode and record["repair"] == "none"
     for task in TASKS:
         requests = sum(len(sample["arguments"]) for sample in out["samples"][task])
         assert record["routes"][task]["requests"] == record["routes"][task][mode] == requests
@@ -498,7 +460,7 @@ def test_a_stages_lm_eval_results_carry_the_route_record_the_run_command_writes(
     tasks, items = score_tasks(Router(pair.handoff("source"), batch_size=4), pair.target_tokenizer, files,
                                raw_to=tmp_path / "lm_eval")
     record = json.loads((tmp_path / "lm_eval" / "lm_eval_results.json").read_text())["config"]["kv_transfer"]
-    assert record["transfer"] == "source" and record["gate"] is None
+    assert record["transfer"] == "source" and record["repair"] == "none"
     assert {task: counts["source"] for task, counts in record["routes"].items()} == {
         f"kvh_{task}": int(sum(len(choices) for choices in items[items.task == task].choices)) for task in files}
 
@@ -608,19 +570,6 @@ def test_the_lm_eval_face_takes_a_repair_and_refuses_a_malformed_one_before_load
     lm = KVTransferLM.from_args(str(tiny_pair["target"]), str(tiny_pair["source"]), "direct", repair="sink:2",
                                 device="cpu")
     assert lm.handoff.repair == Repair(sink=2)
-
-
-@pytest.mark.parametrize("fallback, threshold, disagree, message", [
-    (None, "0.5", None, "give fallback=<score> too"),
-    ("kl", None, None, "needs threshold=<number>"),
-    ("disagree", "0.5", "only_one.safetensors", "name two mapper files"),
-    ("disagree", "0.5", None, "needs disagree="),
-])
-def test_kv_transfer_refuses_a_gate_missing_a_part_naming_the_model_arg(tiny_pair, fallback, threshold, disagree,
-                                                                       message):
-    with pytest.raises(ParamError, match=message):
-        KVTransferLM.from_args(target=str(tiny_pair["target"]), source=str(tiny_pair["source"]), transfer="direct",
-                               device="cpu", fallback=fallback, threshold=threshold, disagree=disagree)
 
 
 def test_dtype_auto_loads_the_target_in_the_dtype_this_machine_runs_faster(tiny_pair, monkeypatch):

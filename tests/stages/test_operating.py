@@ -30,7 +30,6 @@ def operating_params(path, **overrides) -> OperatingParams:
                         repaired={"k1_full": {"map": "k1", "repair": "tokens:1:recency"},
                                   "k1_source": {"map": "k1", "repair": "tokens:0.3:source_attention"},
                                   "k1_end": {"map": "k1", "repair": "tokens:0.1:recency"}},
-                        gated={"k1_gated": {"map": "k1", "score": "entropy", "fallback": 0.4}},
                         truncated=True, speculative=[0.3, 1.0], top_k=16, horizon=4)
     return parse(OperatingParams, {**section, **overrides}, "operating")
 
@@ -55,16 +54,15 @@ def study(wide_pair, tokenizer, tmp_path_factory):
     documents = wikitext_documents(tokenizer)
     prompts = prompt_rows(documents)
     items = retrieval_items(documents[3:], LENGTH, 4, FORM, tokenizer, seed=0)
-    contexts = [ids[:LENGTH] for _, ids in documents[:3]]  # the gate sends back the 40% that score highest: 1 of 3
     metrics = run(operating_params(root / "k1.safetensors"), pair, LENGTH, 0.2, prompts, items, root / "rows",
-                  lambda: contexts, LOOKAHEAD)
+                  LOOKAHEAD)
     return metrics, root / "rows", pair
 
 
 def test_every_variant_is_evaluated_in_order_with_its_time_and_bound(study):
     metrics, _, _ = study
     assert list(metrics["variants"]) == ["oracle", "source", "zero", "k1", "k1_full", "k1_source", "k1_end",
-                                         "k1_gated", "speculative_0.3", "speculative_1", "truncated_k1_full",
+                                         "speculative_0.3", "speculative_1", "truncated_k1_full",
                                          "truncated_k1_source", "truncated_k1_end"]
     for name, figures in metrics["variants"].items():
         assert figures["n"] == 3 and figures["tokens"] == 18, name
@@ -85,14 +83,6 @@ def test_a_full_repair_is_the_oracle_and_costs_more_than_the_target_prefill(stud
     assert full["flop_bound"] < 1  # every token recomputed, on top of the source's prefill and the map
     assert truncated["flop_bound"] == pytest.approx(1.0)  # its budget is above 1: the whole prompt kept
     assert truncated["agreement"] == 1.0
-
-
-def test_the_gate_sends_back_part_of_the_prompts_at_the_threshold_the_select_split_gave(study):
-    metrics, folder, _ = study
-    gated = metrics["variants"]["k1_gated"]
-    rows = pd.read_parquet(folder / "k1_gated" / "prompts.parquet")
-    assert gated["fallback_share"] == pytest.approx((rows.way == "fell_back").mean()) == pytest.approx(1 / 3)
-    assert metrics["variants"]["k1"]["fallback_share"] == 0.0
 
 
 def test_retrieval_is_the_greedy_tokens_against_the_key_and_the_oracle(study):
@@ -159,11 +149,9 @@ def test_operating_params_refuse_a_share_listed_twice_or_named_as_another_varian
         "speculative_0.08": 0.08, "speculative_1": 1.0}
 
 
-def test_operating_params_refuse_unknown_maps_and_scores(tmp_path):
+def test_operating_params_refuse_an_unknown_map_and_a_variant_name_used_twice(tmp_path):
     with pytest.raises(ParamError, match=r"operating\.repaired\.x\.map: 'nope' is not a variant of operating\.maps"):
         operating_params(tmp_path / "k1.safetensors", repaired={"x": {"map": "nope", "repair": "layers:1"}})
-    with pytest.raises(ParamError, match=r"operating\.gated\.g\.score: 'probe'"):
-        operating_params(tmp_path / "k1.safetensors", gated={"g": {"map": "k1", "score": "probe", "fallback": 0.2}})
     with pytest.raises(ParamError, match=r"the variant name 'k1' is used twice"):
         operating_params(tmp_path / "k1.safetensors", repaired={"k1": {"map": "k1", "repair": "layers:1"}})
 
@@ -203,9 +191,8 @@ def test_one_request_under_two_names_is_evaluated_once_and_both_names_get_its_fi
     monkeypatch.setattr(pair, "router", lambda *args, **kwargs: built.append(kwargs) or router(*args, **kwargs))
     twice = {"k1_end": {"map": "k1", "repair": "tokens:0.1:recency"},
              "k1_again": {"map": "k1", "repair": "tokens:0.1:recency"}}  # as `selected` where select chose it
-    params = operating_params(rows.parent / "k1.safetensors", baselines=[], repaired=twice, gated={}, speculative=[])
-    metrics = run(params, pair, LENGTH, 0.2, prompt_rows(wikitext_documents(tokenizer)), None, tmp_path, lambda: [],
-                  LOOKAHEAD)
+    params = operating_params(rows.parent / "k1.safetensors", baselines=[], repaired=twice, speculative=[])
+    metrics = run(params, pair, LENGTH, 0.2, prompt_rows(wikitext_documents(tokenizer)), None, tmp_path, LOOKAHEAD)
     figures = metrics["variants"]
     assert list(figures) == ["oracle", "k1", "k1_end", "k1_again", "truncated_k1_end", "truncated_k1_again"]
     assert figures["k1_again"] == figures["k1_end"] and figures["truncated_k1_again"] == figures["truncated_k1_end"]

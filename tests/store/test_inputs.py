@@ -5,7 +5,6 @@ the flag, model arg, file or model and the fix."""
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import re
 import shutil
@@ -26,10 +25,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pipeline import check_pair, check_params, convert_models, distill, extract, fit, generate, latency, lm_eval_model
-from pipeline.generate import run
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.kv.routes import FELL_BACK, SENTENCES
 from pipeline.lm_eval_model import KVTransferLM
 from pipeline.measure.tasks import write_task_config
 from pipeline.store import inputs
@@ -70,9 +67,6 @@ RULES = {
         "kv-transfer", "target={target_tokenizer},source={source},transfer=mapped,mapper={map}",
         r"^error: map .*map\.safetensors was fitted on other models: the target's tokenizer differs \(fitted on "
         r"sha256:[^;]*\); refit it on these models .*allow_other_models=true"),
-    "generate: a gate's threshold nan": (
-        "generate", [PROMPT, "--fallback", "entropy", "--threshold", "nan"],
-        r"^error: --threshold: nan would never fall back; give a number, or -inf \(always\) / inf \(never\)$"),
     "generate: a --file prompt longer than the models' positions": (
         "generate", ["--file", "{long}"], r"^error: --file: the prompt is \d+ tokens and 4 new ones are asked, past "
         r"the models' 512 positions; give a shorter prompt or fewer new tokens$"),
@@ -91,9 +85,6 @@ RULES = {
         r"^error: kv-transfer max_length: 100000 asked, but there are 512 positions in the models; give at most 512$"),
     "generate: --transfer naming no mode": (
         "generate", [PROMPT, "--transfer", ""], r"^error: --transfer '' names no mode \(known: oracle, "),
-    "kv-transfer: a gate's threshold nan": (
-        "kv-transfer", f"{KV},transfer=direct,fallback=entropy,threshold=nan",
-        r"^error: kv-transfer threshold: nan would never fall back; give a number, or -inf"),
     "kv-transfer: batch_size=-1": (
         "kv-transfer", f"{KV_ALONE},batch_size=-1",
         r"^error: kv-transfer batch_size: expected an integer >= 1, got -1"),
@@ -125,29 +116,14 @@ RULES = {
         r"^error: .*corrupt\.safetensors: "),
     "kv-transfer: batch_size=0": (
         "kv-transfer", f"{KV_ALONE},batch_size=0", r"^error: kv-transfer batch_size: expected an integer >= 1, got 0$"),
-    "kv-transfer: fallback without threshold": (
-        "kv-transfer", f"{KV},transfer=direct,fallback=kl", r"^error: kv-transfer fallback=kl needs threshold="),
-    "kv-transfer: threshold without fallback": (
-        "kv-transfer", f"{KV},transfer=direct,threshold=1", r"^error: kv-transfer threshold= and disagree= gate a "
-        r"handoff: give fallback=<score> too$"),
     "kv-transfer: an unknown model arg": (
         "kv-transfer", f"{KV},tranfser=direct", r"^error: kv-transfer: unknown model arg tranfser= \(known: target, "),
-    "kv-transfer: an unknown fallback score, the accepted ones listed": (
-        "kv-transfer", f"{KV},transfer=direct,fallback=bogus,threshold=1",
-        r"^error: kv-transfer fallback: expected one of entropy, kl, disagree, got 'bogus'$"),
-    "kv-transfer: the probe score, which needs the selective stage's probe": (
-        "kv-transfer", f"{KV},transfer=direct,fallback=probe,threshold=1",
-        r"^error: kv-transfer fallback: expected one of entropy, kl, disagree, got 'probe'$"),
     "kv-transfer: an unknown transfer mode": (
         "kv-transfer", f"{KV},transfer=bogus", r"^error: kv-transfer transfer: expected one of oracle, zero, source, "
         r"direct, mapped, shuffled, speculative, got 'bogus'$"),
     "kv-transfer: a missing mapper": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{folder}}/none.safetensors",
         r"^error: kv-transfer mapper: no mapper file at .*none\.safetensors; give one that fit, distill or select"),
-    "kv-transfer: a missing map of the disagree score": (
-        "kv-transfer", f"{KV},transfer=direct,fallback=disagree,threshold=1,disagree={{map}}:{{folder}}/none"
-        ".safetensors",
-        r"^error: kv-transfer disagree: no mapper file at .*none\.safetensors; give one"),
     "kv-transfer: a corrupt mapper": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{corrupt}}", r"^error: .*corrupt\.safetensors: "),
     "kv-transfer: a map fitted on other models": (
@@ -184,9 +160,6 @@ RULES = {
         "kv-transfer", f"{KV},transfer=oracle,repair=sink:2",
         r"^error: kv-transfer transfer=oracle does not use repair=: leave it out \(repair= is read by zero, direct, "
         r"mapped, shuffled\)$"),
-    "kv-transfer: a gate of the oracle": (
-        "kv-transfer", f"{KV},transfer=oracle,fallback=entropy,threshold=1",
-        r"^error: kv-transfer transfer=oracle does not use fallback=: leave it out"),
     "kv-transfer: a shuffle seed beside mapped": (
         "kv-transfer", f"{KV},transfer=mapped,mapper={{map}},shuffle_seed=3",
         r"^error: kv-transfer transfer=mapped does not use shuffle_seed=: leave it out \(shuffle_seed= is read by "
@@ -310,11 +283,6 @@ RULES = {
     "generate: --shuffle-seed beside no shuffled mode": (
         "generate", [PROMPT, "--transfer", "oracle,direct", "--shuffle-seed", "3"],
         r"^error: --shuffle-seed: --transfer oracle,direct names no mode it applies to \(shuffled\)"),
-    "generate: --disagree beside another gate score": (
-        "generate", [PROMPT, "--transfer", "oracle,direct", "--fallback", "entropy", "--threshold", "1",
-                     "--disagree", "{map}:{map}"],
-        r"^error: --fallback entropy does not use --disagree: leave it out \(it names the maps of --fallback "
-        r"disagree\)$"),
     "kv-transfer: key_norm@N past the target's layers, before the weights load": (
         "kv-transfer", f"{KV},transfer=direct,repair=tokens:0.1:key_norm@9",
         r"^error: kv-transfer repair tokens:0\.1:key_norm@9: policy key_norm@9: the target has only 2 layers"),
@@ -496,22 +464,6 @@ def test_the_lm_eval_command_line_prints_a_refusal_as_one_line_and_exits_2(model
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 9])
-def test_a_gate_at_minus_infinity_falls_back_on_every_prompt_length_and_at_infinity_never(tokens, tiny_pair,
-                                                                                          tokenizer):
-    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
-    prompt = tokenizer.encode("A man is sitting on a roof. He starts pulling up roofing.")[:tokens]
-    assert len(prompt) == tokens
-    for threshold, fell_back in ((float("-inf"), True), (float("inf"), False)):
-        out = io.StringIO()
-        generations = run(pair, [prompt], ["direct"], None, 2, out=out,
-                          gate={"fallback": "entropy", "threshold": threshold})[0]
-        assert [g.fell_back for g in generations if g.mode == "direct"] == [fell_back]
-        row = next(line for line in out.getvalue().splitlines() if line.startswith("| direct"))
-        assert (SENTENCES[FELL_BACK] in row) == fell_back, row
-        assert " -inf > threshold" not in row, row  # before, a one-token prompt said "entropy -inf > threshold -inf"
-
-
 def test_check_pair_says_what_it_checked_of_a_map_and_prints_the_override(files, monkeypatch, capsys):
     monkeypatch.chdir(files["folder"])
     check_pair.main([files["source"], files["target"], "--ks", "1", "--lengths", "8", "--mapper", files["map"]])
@@ -542,11 +494,6 @@ def test_check_pair_leaves_out_the_params_ks_a_self_source_is_too_shallow_for(mo
     assert f"fit.ks {beyond} left out: beyond the source's 1 layers (self:1); --ks chooses" in capsys.readouterr().out
     with pytest.raises(ParamError, match=rf"^--ks: k={beyond[0]} exceeds the source's 1 layers \(self:1\)"):
         check_pair.main(["self:1", "models/target", "--lengths", "8", "--ks", "1", str(beyond[0])])
-
-
-@pytest.mark.parametrize("value, expected", [("-inf", float("-inf")), ("inf", float("inf")), (0.5, 0.5), (-2, -2.0)])
-def test_a_threshold_may_be_any_number_or_an_infinity(value, expected):
-    assert inputs.threshold(value, "threshold") == expected
 
 
 @pytest.mark.parametrize("value", [2.5, True, "eight"])

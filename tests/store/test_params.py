@@ -12,7 +12,7 @@ from pipeline.check_params import SECTIONS
 from pipeline.store.params import Pair, ParamError, Params, Positive, Threads, load_value, parse
 
 # mappings (variant -> file, family -> rate, map -> file), not sets of parameters
-MAPPINGS = {"evaluate.mapped", "evaluate.repair", "distill.lrs", "selective.maps", "repair.maps"}
+MAPPINGS = {"evaluate.mapped", "evaluate.repair", "distill.lrs", "repair.maps"}
 
 
 class Inner(Params):

@@ -1,5 +1,6 @@
 """The repair study (`studies.repair`) on hand-made rows: its sentence names the cheapest setting that reaches the
-oracle, each budget against the truncated prompt and the gate, the source alone at budget zero, and the frontier."""
+oracle, each budget against the truncated prompt and speculative prefill, the source alone at budget zero, and the
+frontier."""
 import pandas as pd
 import pytest
 from helpers import committed, measure_params
@@ -16,7 +17,7 @@ def _study(rows: list[dict]) -> dict:
     filled = [{"policy": "p", "budget": 0.0, "retention": 0.5, "retention_low": 0.4, "retention_high": 0.6,
                "gap_closure": 0.0, "gap_closure_low": 0.0, "gap_closure_high": 0.0, "bound": None, "speedup": None,
                **dict.fromkeys(PROMPT_METRICS), **row} for row in rows]
-    return {"rows": filled, "length": 256, "bound_pair": "qwen3-v0", "gate_score": "entropy"}
+    return {"rows": filled, "length": 256, "bound_pair": "qwen3-v0"}
 
 
 def said(study: dict, start: str) -> list[str]:
@@ -48,21 +49,20 @@ def test_the_sentence_says_none_reaches_when_no_interval_reaches_the_oracle():
     assert sentence == "For `m` no setting's retention interval reaches the oracle."
 
 
-def _level(name: str, setting: str, budget: float, retention: float, gate: float | None = None) -> dict:
-    return {"map": name, "setting": setting, "budget": budget, "retention": retention, "gate": gate}
+def _level(name: str, setting: str, budget: float, retention: float) -> dict:
+    return {"map": name, "setting": setting, "budget": budget, "retention": retention}
 
 
-def test_each_budget_says_whether_each_maps_best_repair_beats_the_truncated_prompt_and_the_gate():
-    rows = [_level("a", "none", 0.0, 0.5, 0.5), _level("a", "tokens:0.1:attention", 0.1071, 0.8, 0.85),
-            _level("a", "tokens:0.1:recency", 0.1069, 0.6, 0.85), _level("b", "tokens:0.1:attention", 0.1071, 0.9, 0.5),
-            _level("a", "layers:1", 0.003, 0.4, 0.51), _level("truncated", "0.107", 0.107, 0.2),
+def test_each_budget_says_whether_each_maps_best_repair_beats_the_truncated_prompt():
+    rows = [_level("a", "none", 0.0, 0.5), _level("a", "tokens:0.1:attention", 0.1071, 0.8),
+            _level("a", "tokens:0.1:recency", 0.1069, 0.6), _level("b", "tokens:0.1:attention", 0.1071, 0.1),
+            _level("a", "layers:1", 0.003, 0.4), _level("truncated", "0.107", 0.107, 0.2),
             _level("truncated", "0.003", 0.003, 0.45), _level(SOURCE, "—", 0.0, 0.7)]
     assert said(_study(rows), "- At ") == [
         "- At 0.3% of the target's prefill (truncated prompt 45.0%): `a`'s best, `layers:1` (40.0%), does not beat the "
-        "truncated prompt and does not beat the gate at the same cost (51.0%).",
+        "truncated prompt.",
         "- At 10.7% of the target's prefill (truncated prompt 20.0%): `a`'s best, `tokens:0.1:attention` (80.0%), "
-        "beats the truncated prompt and does not beat the gate at the same cost (85.0%); `b`'s best, "
-        "`tokens:0.1:attention` (90.0%), beats the truncated prompt and beats the gate at the same cost (50.0%)."]
+        "beats the truncated prompt; `b`'s best, `tokens:0.1:attention` (10.0%), does not beat the truncated prompt."]
 
 
 def test_speculative_prefill_at_each_level_is_a_matched_baseline_beside_the_truncated_prompt():
@@ -80,14 +80,14 @@ def test_the_study_reads_speculative_prefills_rows_at_each_level_with_its_bound_
     params = parse(ReportParams, committed("report"), "report")
     items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
     figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
-    metrics = {"length": 256, "bound_pair": "qwen3-v0", "gate_score": "entropy",
+    metrics = {"length": 256, "bound_pair": "qwen3-v0",
                "maps": {"m": {"none": {**figures, "policy": "none", "budget": 0.0, "bound": 3.0},
                               "tokens:0.1:source_attention": {**figures, "policy": "source_attention",
                                                               "budget": 0.104, "bound": 2.5}}},
                "truncated": {"0.104": figures}, "speculative": {"0.104": {**figures, "bound": 2.6}}}
     rows = {("m", "none"): _items([1, 0, 1, 0, 1, 0, 1, 0]), ("m", "tokens:0.1:source_attention"): _items([1] * 8),
             ("truncated", "0.104"): _items([0] * 8), ("speculative", "0.104"): _items([1, 1, 1, 1, 1, 1, 0, 1])}
-    study = compute(params, measure_params(bootstrap_iters=50), Inputs(items, metrics, rows, None, figures))
+    study = compute(params, measure_params(bootstrap_iters=50), Inputs(items, metrics, rows, figures))
     speculative = next(row for row in study["rows"] if row["map"] == "speculative")
     assert speculative["policy"] == "speculative prefill" and speculative["budget"] == 0.104
     assert speculative["bound"] == 2.6 and "vs_none" not in speculative
@@ -107,12 +107,12 @@ def test_the_source_alone_is_a_row_at_budget_zero_with_its_own_figures_and_no_ga
     params = parse(ReportParams, committed("report"), "report")
     items = {"oracle": _items([1] * 8), "source": _items([1, 1, 1, 1, 1, 0, 0, 1])}
     figures = {"prompts": {"next_token_top1": 0.5, "rollout_agreement": 0.4, "mean_kl": 0.3}}
-    row = source_row(params, measure_params(bootstrap_iters=50), Inputs(items, {}, {}, None, figures))
+    row = source_row(params, measure_params(bootstrap_iters=50), Inputs(items, {}, {}, figures))
     assert row["map"] == SOURCE and row["budget"] == 0.0 and row["gap_closure"] == 0.0
     assert row["next_token_top1"] == 0.5 and row["retention"] == pytest.approx((0.75 - 0.25) / 0.75 / 2 + 0.5 / 2)
     assert row["confident_top1"] is None  # a source evaluated before the confident figures: shown as "—"
     figures["prompts"]["confident_top1"] = 0.75
-    assert source_row(params, measure_params(), Inputs(items, {}, {}, None, figures))["confident_top1"] == 0.75
+    assert source_row(params, measure_params(), Inputs(items, {}, {}, figures))["confident_top1"] == 0.75
 
 
 def _point(name: str, setting: str, closure: float, bound: float | None) -> dict:
