@@ -3,8 +3,9 @@
     python -m pipeline.distill [--only NAME[,NAME...]] [--mappers DIR] [--caches DIR] [--data DIR] [--out DIR]
 
 Each map named in `distill.start` starts a `<start>+kl` map of its family and size, trained on the fit split's
-sequences cut at each of `distill.context_lengths`; the source enters only as its stored caches. Bit-identical on one
-CPU device, whatever `distill.processes`, so the determinism control can refit the selected map (`--only NAME ...`).
+sequences cut at each of `distill.context_lengths`; both models enter as their stored caches (the target's oracle
+prefills no prefix again), the target also through its steps. Bit-identical on one CPU device, whatever
+`distill.processes`, so the determinism control can refit the selected map (`--only NAME ...`).
 """
 from __future__ import annotations
 
@@ -33,15 +34,17 @@ from pipeline.store.ranks import ONE_PROCESS, Ranks, stage_ranks
 
 
 def cache_groups(caches: Path, data_folder: Path, split: str, params: DistillParams) -> list[CacheRows]:
-    """One row group per context length, cut from the split's stored source caches and its token ids."""
-    geometry = read_manifest(caches)["geometry"]
-    shards, data = open_split(caches, split), read_table(data_folder / f"{split}.parquet")
-    stored = [doc for shard in shards for doc in shard.doc_ids]
-    if stored != data.doc_id.tolist():
-        raise ValueError(f"{caches / split} and {data_folder / split}.parquet hold different sequences: re-extract "
-                         "the caches (dvc repro extract)")
-    groups = [CacheRows(shards, data.token_ids.tolist(), n, params.horizon,
-                        (geometry["layers"], geometry["kv_heads"], geometry["head_dim"]))
+    """One row group per context length, cut from the split's stored caches (source and target) and its token ids."""
+    data = read_table(data_folder / f"{split}.parquet")
+    shards, geometries = {}, {}
+    for side in ("source", "target"):
+        geometry = read_manifest(caches / side)["geometry"]
+        shards[side] = open_split(caches / side, split)
+        geometries[side] = (geometry["layers"], geometry["kv_heads"], geometry["head_dim"])
+        if [doc for shard in shards[side] for doc in shard.doc_ids] != data.doc_id.tolist():
+            raise ValueError(f"{caches / side / split} and {data_folder / split}.parquet hold different sequences: "
+                             "re-extract the caches (dvc repro extract)")
+    groups = [CacheRows(shards, data.token_ids.tolist(), n, params.horizon, geometries)
               for n in params.context_lengths]
     if not any(len(group) for group in groups):
         raise ParamError(f"distill.context_lengths: no {split} sequence has {min(params.context_lengths)} + "
@@ -63,7 +66,7 @@ def run(params: DistillParams, models: ModelsParams, device: str, names: list[st
     """The metrics and, per name, (distilled map, per-epoch history) on rank 0 (the others None)."""
     oracle = Pair.load(models, ranks.device(device), source=False).router(mode="oracle").handoff
     oracle.decoder.requires_grad_(False).eval()  # frozen: the gradient reaches the map alone
-    groups = {split: cache_groups(inputs["caches"] / "source", inputs["data"], split, params)
+    groups = {split: cache_groups(inputs["caches"], inputs["data"], split, params)
               for split in ("select", "fit")}
     # the oracles kept up to distill.oracle_gib, the select rows' first (they are scored after every epoch)
     kept_clock = Clock()
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--only", metavar="NAME[,NAME...]", type=lambda text: text.split(","),
                      help="distil only these start maps (the determinism control's refit)")
     cli.add_argument("--mappers", type=Path, help="read the start maps from this folder (default models/mappers)")
-    cli.add_argument("--caches", type=Path, help="read caches/source's layout from this folder (default caches)")
+    cli.add_argument("--caches", type=Path, help="read both models' caches from this folder (default caches)")
     cli.add_argument("--data", type=Path, help="read <split>.parquet from this folder (default data)")
     cli.add_argument("--out", type=Path, help="write maps, curves and metrics here instead")
     argv = sys.argv[1:] if argv is None else argv

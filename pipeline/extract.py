@@ -5,7 +5,7 @@
 Only the decoder body runs (no logits), in `models.dtype`; keys are RoPE-stripped in float32 (content space), values
 kept as cached, both stored in `extract.dtype`. Shards are hashed and written on a background thread while the model
 computes the next ones, so extraction should cost little more than the slower of its two floors, measured in the same
-run: a plain forward over the same tokens and a plain write of the same bytes to the same disk.
+run: a plain forward (timed on one batch, scaled to every token) and a plain write of the same bytes to the same disk.
 """
 from __future__ import annotations
 
@@ -148,19 +148,23 @@ def manifest_splits(frames: dict[str, pd.DataFrame], records: list[dict]) -> dic
 
 def timed_repeats(model, rotation: Rotation, frames: dict, out_dir: Path, base: dict, params: ExtractParams,
                   ranks: Ranks, name: str) -> tuple[dict[str, list[float]], dict, list[int]]:
-    """Each kind's times over `params.repeats`, the last repeat's shard records and the byte sizes it wrote."""
+    """Each kind's times over `params.repeats`, the last repeat's shard records and the byte sizes it wrote. The
+    forward floor is timed on one extraction batch and scaled to every token (a real model's floor over all of them
+    cost as much as the extraction)."""
     mine = [frame.token_ids[i] for frame in frames.values()
             for _, members in rank_shards(len(frame), params.shard_sequences, ranks) for i in members]
+    sample = mine[: params.batch_sequences]
+    scale = sum(map(len, mine)) / sum(map(len, sample))
     times = {"forward": [], "extract": [], "write": []}
     bar = tqdm(total=len(mine) * params.repeats, desc=f"extract {name}", unit="seq", disable=not ranks.main)
     for repeat in range(params.repeats):
         if repeat % 2 == 0:  # alternate which of the two runs first, so neither always follows the other
-            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
+            times["forward"].append(forward_floor(model, sample, params.batch_sequences) * scale)
         start = time.perf_counter()
         records = extract_splits(model, rotation, frames, out_dir, base, params, bar, ranks)
         times["extract"].append(time.perf_counter() - start)
         if repeat % 2 == 1:
-            times["forward"].append(forward_floor(model, mine, params.batch_sequences))
+            times["forward"].append(forward_floor(model, sample, params.batch_sequences) * scale)
         sizes = [r["bytes"] for split in records.values() for r in split]
         times["write"].append(write_floor(out_dir, sizes, ranks.rank))
     bar.close()

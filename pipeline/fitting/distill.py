@@ -4,7 +4,8 @@ after the handoff, not on key and value closeness. A batch holds rows of one pre
     source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
         (`kv.mapper.map_cache`, the mapped handoff's own function, here with autograd on)
     target: mapped cache + c[n-1] e[0..h-1]     -> log p_mapped  at the h + 1 positions it reads
-    target: own prefill of c[0..n-2] + the same -> log p_oracle  (no grad; once per row while they fit a budget)
+    target: own cache of c[0..n-2] + the same   -> log p_oracle  (`extract`'s stored cache; no grad; kept per row
+                                                   while they fit a budget)
     loss = mean over positions of KL(p_oracle || p_mapped)
            + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
 

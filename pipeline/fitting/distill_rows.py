@@ -1,9 +1,10 @@
 """The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map").
 
-A row is one context under the last-token protocol: the prefix c[0..n-2], the source's content-space cache of it and
-the tokens the target reads after the cache, c[n-1] e[0..h-1]; rows of one length make a `Batch`. The oracle of a batch
-(the target after its own prefill: log-probabilities and content-space cache) does not change while a map trains, so
-it is kept per row (`StoredOracle`) while the kept oracles fit a budget.
+A row is one context under the last-token protocol: the prefix c[0..n-2], both models' content-space caches of it (as
+`extract` stored them) and the tokens the target reads after the cache, c[n-1] e[0..h-1]; rows of one length make a
+`Batch`. The oracle of a batch (the target after its own prefill: log-probabilities and content-space cache) reads the
+target's stored cache, so no prefix is prefilled again; it does not change while a map trains, so it is kept per row
+(`StoredOracle`) while the kept oracles fit a budget.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import safetensors
 
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
+from pipeline.kv.mapper import map_cache
 from pipeline.kv.rope import Rotation
 from pipeline.store.cachefiles import KINDS, Shard
 from pipeline.store.devices import no_grad
@@ -26,19 +28,21 @@ F = lazy("torch.nn.functional")
 
 @dataclass
 class Batch:
-    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's content-space cache of them (a list
-    over source layers of (keys, values), each (B, H_s, P, D_s)) and the steps c[n-1] e[0..h-1] (B, h + 1)."""
+    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's and the target's content-space caches
+    of them (lists over layers of (keys, values), each (B, H, P, D)) and the steps c[n-1] e[0..h-1] (B, h + 1)."""
 
     prefix: torch.Tensor
     source: Layers
     steps: torch.Tensor
+    target: Layers
 
     def __len__(self) -> int:
         return self.prefix.shape[0]
 
     def take(self, rows: list[int]) -> "Batch":
         index = torch.tensor(rows, dtype=torch.long)
-        return Batch(self.prefix[index], [(k[index], v[index]) for k, v in self.source], self.steps[index])
+        return Batch(self.prefix[index], [(k[index], v[index]) for k, v in self.source], self.steps[index],
+                     [(k[index], v[index]) for k, v in self.target])
 
 
 class Rows(Protocol):
@@ -51,41 +55,52 @@ class Rows(Protocol):
 
 class CacheRows:
     """The rows of context length n cut from a split's stored sequences of at least n + horizon tokens: the prefix
-    c[0..n-2], its source content cache and the steps c[n-1] .. c[n+h-1]. A causal model's cache of a prefix is the
-    first positions of its cache of the whole sequence, so the cache is sliced from `extract`'s shards (no source
-    forward), read per batch through safetensors' memory map: memory holds one batch, whatever the split's size."""
+    c[0..n-2], each model's content cache of it and the steps c[n-1] .. c[n+h-1]. A causal model's cache of a prefix
+    is the first positions of its cache of the whole sequence, so the caches are sliced from `extract`'s shards (no
+    forward), read per batch through safetensors' memory map: memory holds one batch, whatever the split's size.
+    `shards` and `geometries`: per side (source, target), its shards and (layers, kv heads, head dim)."""
 
-    def __init__(self, shards: Sequence[Shard], token_ids: Sequence[Sequence[int]], length: int, horizon: int,
-                 geometry: tuple[int, int, int]):
-        self.layers, self.heads, self.head_dim = geometry
-        self.length, self.horizon = length, horizon
-        places = [(shard.path, start, stored) for shard in shards
-                  for start, stored in zip(itertools.accumulate([0, *shard.lengths[:-1]]), shard.lengths)]
-        if [stored for _, _, stored in places] != [len(ids) for ids in token_ids]:
+    def __init__(self, shards: dict[str, Sequence[Shard]], token_ids: Sequence[Sequence[int]], length: int,
+                 horizon: int, geometries: dict[str, tuple[int, int, int]]):
+        self.geometries, self.length, self.horizon = geometries, length, horizon
+        places = {side: [(shard.path, start, stored) for shard in side_shards
+                         for start, stored in zip(itertools.accumulate([0, *shard.lengths[:-1]]), shard.lengths)]
+                  for side, side_shards in shards.items()}
+        if any([stored for _, _, stored in side] != [len(ids) for ids in token_ids] for side in places.values()):
             raise ValueError("the stored caches and the token ids hold different sequences: re-extract the caches "
                              "from the same data (dvc repro extract)")
-        self.rows = [(path, start, list(ids[: length + horizon])) for (path, start, _), ids in zip(places, token_ids)
-                     if len(ids) >= length + horizon]
+        long_enough = [len(ids) >= length + horizon for ids in token_ids]
+        self.tokens = [list(ids[: length + horizon]) for ids, kept in zip(token_ids, long_enough) if kept]
+        self.places = {side: [(path, start) for (path, start, _), kept in zip(found, long_enough) if kept]
+                       for side, found in places.items()}
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.tokens)
+
+    def cache(self, side: str, rows: list[int]) -> Layers:
+        """One side's content cache of these rows' prefixes, float32, (B, H, P, D) per layer."""
+        layers, heads, head_dim = self.geometries[side]
+        prefix_length = self.length - 1
+        per_kind = {kind: [[] for _ in range(layers)] for kind in KINDS}
+        for row in rows:
+            path, start = self.places[side][row]
+            with safetensors.safe_open(str(path), framework="pt") as stored:
+                for kind, blocks_of in per_kind.items():
+                    for layer, blocks in enumerate(blocks_of):
+                        blocks.append(stored.get_slice(f"{kind}.{layer}")[start : start + prefix_length])  # (P, H, D)
+        cache = [tuple(torch.stack(blocks).to(torch.float32).transpose(1, 2) for blocks in pair)  # (B, H, P, D)
+                 for pair in zip(per_kind["keys"], per_kind["values"])]
+        shape = (len(rows), heads, prefix_length, head_dim)
+        if cache and tuple(cache[0][0].shape) != shape:
+            raise ValueError(f"{side} cache rows of shape {tuple(cache[0][0].shape)}, expected {shape} from the "
+                             "manifest")
+        return cache
 
     def take(self, rows: list[int]) -> Batch:
+        tokens = torch.tensor([self.tokens[row] for row in rows], dtype=torch.long).reshape(len(rows), -1)  # (B, n+h)
         prefix_length = self.length - 1
-        chosen = [self.rows[row] for row in rows]
-        tokens = torch.tensor([ids for _, _, ids in chosen], dtype=torch.long).reshape(len(chosen), -1)  # (B, n + h)
-        per_kind = {kind: [[] for _ in range(self.layers)] for kind in KINDS}
-        for path, start, _ in chosen:
-            with safetensors.safe_open(str(path), framework="pt") as stored:
-                for kind, layers in per_kind.items():
-                    for layer, blocks in enumerate(layers):
-                        blocks.append(stored.get_slice(f"{kind}.{layer}")[start : start + prefix_length])  # (P, H, D)
-        source = [tuple(torch.stack(blocks).to(torch.float32).transpose(1, 2) for blocks in pair)  # (B, H, P, D)
-                  for pair in zip(per_kind["keys"], per_kind["values"])]
-        shape = (len(chosen), self.heads, prefix_length, self.head_dim)
-        if source and tuple(source[0][0].shape) != shape:
-            raise ValueError(f"cache rows of shape {tuple(source[0][0].shape)}, expected {shape} from the manifest")
-        return Batch(tokens[:, :prefix_length], source, tokens[:, prefix_length:])
+        return Batch(tokens[:, :prefix_length], self.cache("source", rows), tokens[:, prefix_length:],
+                     self.cache("target", rows))
 
 
 class Splits(NamedTuple):
@@ -136,7 +151,8 @@ def oracle_bytes(reference: Oracle) -> int:
 
 
 def batch_bytes(batch: Batch) -> int:
-    return sum(t.numel() * t.element_size() for t in [batch.prefix, batch.steps, *itertools.chain(*batch.source)])
+    return sum(t.numel() * t.element_size()
+               for t in [batch.prefix, batch.steps, *itertools.chain(*batch.source, *batch.target)])
 
 
 def with_oracles(groups: Sequence[Rows], handoff: Handoff, batch: int, budget_bytes: float) -> list[Rows]:
@@ -160,7 +176,10 @@ def widened(tensor: torch.Tensor) -> torch.Tensor:
 
 @no_grad
 def oracle(handoff: Handoff, batch: Batch) -> Oracle:
-    layers = handoff.prefix_layers(batch.prefix)
-    logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
+    """The target after its own prefill, read from its stored content cache: rotated back to the prefix's positions
+    (as `direct` injects a cache), then the steps; the content cache is the stored one."""
     rotation = Rotation(handoff.decoder_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
-    return Oracle(logprobs, [(rotation.strip(keys), values) for keys, values in layers])
+    content = [(keys.to(handoff.device), values.to(handoff.device)) for keys, values in batch.target]
+    layers = [cached for _, cached in map_cache(None, content, rotation, handoff.decoder.dtype, handoff.device)]
+    logprobs = F.log_softmax(widened(handoff.step_logits(layers, batch.steps)), dim=-1)  # (B, h + 1, V)
+    return Oracle(logprobs, content)

@@ -47,7 +47,7 @@ def settings(lrs=(1e-2,), kv_weights=(1.0,), batch=16, **overrides) -> DistillSe
 
 
 def periodic_rows(model, seed: int, rows: int) -> Batch:
-    return rows_of(model, periodic_batch(torch.Generator().manual_seed(seed), rows, PREFIX + 1 + HORIZON,
+    return rows_of(model, model, periodic_batch(torch.Generator().manual_seed(seed), rows, PREFIX + 1 + HORIZON,
                                          PERIODIC_VOCAB))
 
 
@@ -125,7 +125,7 @@ def float64_model(hidden: int, seed: int):
 def test_the_loss_gradient_matches_finite_differences_in_float64():
     target, source = float64_model(32, 1), float64_model(16, 2)
     start = random_mapper(source.config, target.config, k=1).to(dtype=torch.float64)
-    mapper, handoff, batch = trainable(start, "cpu"), Handoff(target), random_rows(source, 4, 2)
+    mapper, handoff, batch = trainable(start, "cpu"), Handoff(target), random_rows(source, target, 4, 2)
 
     def loss(key_weight, key_bias, value_bias):
         keys = [(key_weight, mapper.keys[0][1]), (mapper.keys[1][0], key_bias)]
@@ -140,7 +140,7 @@ def test_the_loss_gradient_matches_finite_differences_in_float64():
 def test_only_the_maps_parameters_receive_gradients(random_pair):
     target, source = random_pair
     mapper = trainable(random_mapper(source.config, target.config, k=1), "cpu")
-    losses(mapper, random_rows(source, 5, 4), Handoff(target), kv_weight=1.0).total.backward()
+    losses(mapper, random_rows(source, target, 5, 4), Handoff(target), kv_weight=1.0).total.backward()
     assert all(p.grad is None for model in (target, source) for p in model.parameters())
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in map_tensors(mapper))
 
@@ -148,7 +148,7 @@ def test_only_the_maps_parameters_receive_gradients(random_pair):
 def test_an_unfrozen_target_an_untrainable_map_and_no_work_to_do_are_refused(random_pair):
     target, source = random_pair
     start = random_mapper(source.config, target.config, k=1)
-    splits = Splits([random_rows(source, 6, 2)], [random_rows(source, 7, 2)])
+    splits = Splits([random_rows(source, target, 6, 2)], [random_rows(source, target, 7, 2)])
     with pytest.raises(ValueError, match="must be frozen.*requires_grad_\\(False\\)"):
         distill(start, splits, oracle_of(copy.deepcopy(target).requires_grad_(True)), settings(epochs=1))
     with pytest.raises(ValueError, match="epochs"):
@@ -242,7 +242,7 @@ def random_runs(random_pair):
     target, source = random_pair
     before = [{name: t.clone() for name, t in model.state_dict().items()} for model in random_pair]
     start = random_mapper(source.config, target.config, k=1)
-    splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
+    splits = Splits([random_rows(source, target, 8, 16)], [random_rows(source, target, 9, 8)])
     runs = [distill(start, splits, oracle_of(target), settings(epochs=3, batch=8, lrs=(3e-3,), kv_weights=(0.0,)))
             for _ in range(2)]
     return dict(runs=runs, weights_before=before)
@@ -267,7 +267,8 @@ def test_distillation_leaves_the_target_and_source_weights_bit_identical(random_
 
 def test_distilling_with_the_oracle_kept_gives_the_maps_of_an_oracle_computed_per_batch(random_pair, random_runs):
     target, source = random_pair
-    groups = with_oracles([random_rows(source, 8, 16), random_rows(source, 9, 8)], oracle_of(target), 8, 2**30)
+    rows = [random_rows(source, target, 8, 16), random_rows(source, target, 9, 8)]
+    groups = with_oracles(rows, oracle_of(target), 8, 2**30)
     assert all(isinstance(group, StoredOracle) for group in groups)
     start = random_mapper(source.config, target.config, k=1)
     kept, history = distill(start, Splits([groups[0]], [groups[1]]), oracle_of(target),
@@ -295,7 +296,7 @@ def probed(random_pair):
     rows, 8 a step), a clock, each pair's own one-epoch run, and the same three rates at the second weight alone."""
     target, source = random_pair
     start = random_mapper(source.config, target.config, k=1)
-    splits = Splits([random_rows(source, 8, 16)], [random_rows(source, 9, 8)])
+    splits = Splits([random_rows(source, target, 8, 16)], [random_rows(source, target, 9, 8)])
     clock = Clock()
     run = distill(start, splits, oracle_of(target),
                   settings(lrs=RATES, kv_weights=WEIGHTS, probe_steps=2, epochs=3, batch=8), clock)
@@ -377,7 +378,7 @@ def test_at_llama_shapes_the_rate_and_weight_chosen_on_select_recover_most_of_a_
     config = shape_config("llama-3.2-3b")
     config.num_hidden_layers, config.vocab_size = 2, 8192  # the map's shapes and the attention's stay Llama-3B's
     model = frozen(random_model(config, "float32", "cpu", seed=0))
-    fit, select = (rows_of(model, torch.randint(0, WORLD_TOKENS, (rows, PREFIX + 1 + HORIZON),
+    fit, select = (rows_of(model, model, torch.randint(0, WORLD_TOKENS, (rows, PREFIX + 1 + HORIZON),
                                                 generator=torch.Generator().manual_seed(seed)))
                    for seed, rows in ((1, 32), (2, 16)))
     exact = exact_map(model)

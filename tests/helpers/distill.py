@@ -31,12 +31,12 @@ def content_cache(model, ids: torch.Tensor) -> Layers:
     return [(rotation.strip(keys), values) for keys, values in layers]  # (B, H, P, D) each
 
 
-def rows_of(source, ids: torch.Tensor) -> Batch:
-    """Sequences (B, PREFIX + 1 + HORIZON) as a batch: prefix, its source cache, and c[n-1] e[0..h-1]."""
+def rows_of(source, target, ids: torch.Tensor) -> Batch:
+    """Sequences (B, PREFIX + 1 + HORIZON) as a batch: prefix, both models' caches of it, and c[n-1] e[0..h-1]."""
     prefix = ids[:, :PREFIX]
-    return Batch(prefix, content_cache(source, prefix), ids[:, PREFIX:])
+    return Batch(prefix, content_cache(source, prefix), ids[:, PREFIX:], content_cache(target, prefix))
 
 
-def random_rows(source, seed: int, rows: int) -> Batch:
+def random_rows(source, target, seed: int, rows: int) -> Batch:
     generator = torch.Generator().manual_seed(seed)
-    return rows_of(source, torch.randint(0, VOCAB, (rows, PREFIX + 1 + HORIZON), generator=generator))
+    return rows_of(source, target, torch.randint(0, VOCAB, (rows, PREFIX + 1 + HORIZON), generator=generator))
