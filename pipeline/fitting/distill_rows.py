@@ -1,10 +1,8 @@
 """The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map").
 
-A row is one context under the last-token protocol: the prefix c[0..n-2], both models' content-space caches of it (as
-`extract` stored them) and the tokens the target reads after the cache, c[n-1] e[0..h-1]; rows of one length make a
-`Batch`. The oracle of a batch (the target after its own prefill: log-probabilities and content-space cache) reads the
-target's stored cache, so no prefix is prefilled again; it does not change while a map trains, so it is kept per row
-(`StoredOracle`) while the kept oracles fit a budget.
+A row is one context under the last-token protocol: the prefix c[0..n-2], both models' caches of it as `extract` stored
+them, and the tokens c[n-1] e[0..h-1]; rows of one length make a `Batch`. A batch's oracle (the target after its own
+prefill) reads the stored target cache, prefilling nothing, and is kept per row (`StoredOracle`) within a budget.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from pipeline.kv.decode import generate
 from pipeline.kv.router import Router
-from pipeline.kv.routes import EMPTY_PREFIX, REPAIRED, SENTENCES, way
+from pipeline.kv.routes import EMPTY_PREFIX, REPAIRED, SENTENCES
 
 
 @dataclass
@@ -33,7 +33,7 @@ def departure(tokens: Sequence[int], oracle: Sequence[int]) -> int | None:
 def route_text(router: Router, prompt: Sequence[int], repaired: list[tuple[int, float]]) -> str:
     """How a mode's cache of `prompt` came, in words; `repaired`: this continuation's repair-log (tokens, seconds)."""
     handoff = router.handoff
-    taken = way(handoff.mode, router.repaired, prompt)
+    taken = router.route(prompt).way
     if taken == EMPTY_PREFIX:
         return SENTENCES[EMPTY_PREFIX]
     if taken == REPAIRED and repaired:
