@@ -126,12 +126,13 @@ class StoredOracle:
     tiny pair)."""
 
     def __init__(self, rows: Rows, handoff: Handoff, batch: int):
-        self.rows = rows.take(list(range(len(rows))))  # a Batch: (N, P) prefixes, (N, H_s, P, D_s) caches
-        parts = [oracle(handoff, self.rows.take(chosen)) for chosen in in_order(len(rows), batch)]
-        self.logprobs = torch.cat([part.logprobs for part in parts])  # (N, h + 1, V)
-        layers = range(len(parts[0].content))
-        self.content = [tuple(torch.cat([part.content[layer][kind] for part in parts]) for kind in (0, 1))
-                        for layer in layers]  # per target layer (keys, values), each (N, H_t, P, D_t)
+        self.rows = rows.take(list(range(len(rows))))  # a Batch: (N, P) prefixes, (N, H, P, D) caches
+        # the oracle's content cache is the rows' target cache: moved to the target's device once, held once, laid out
+        # contiguously as the batches' oracles concatenated were (the regression's sums follow the layout)
+        self.rows.target = [tuple(t.to(handoff.device).contiguous() for t in pair) for pair in self.rows.target]
+        self.content = self.rows.target  # per target layer (keys, values), each (N, H_t, P, D_t)
+        self.logprobs = torch.cat([oracle(handoff, self.rows.take(chosen)).logprobs
+                                   for chosen in in_order(len(rows), batch)])  # (N, h + 1, V)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -145,6 +146,9 @@ class StoredOracle:
 
 
 def oracle_bytes(reference: Oracle) -> int:
+    """An oracle's log-probabilities and content cache. A kept group's content is its rows' target cache, held once, so
+    a group's size (this and its rows') counts that cache twice: a conservative size, the one groups had before the
+    oracle read stored caches, so the same groups are kept."""
     return sum(t.numel() * t.element_size() for t in [reference.logprobs, *itertools.chain(*reference.content)])
 
 
