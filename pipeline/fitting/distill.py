@@ -1,17 +1,14 @@
 """A fitted map distilled through the frozen target (PROTOCOL.md, "Distilled map"): trained on what the target does
 after the handoff, not on key and value closeness. A batch holds rows of one prefix length (last-token protocol):
 
-    source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype
-        (`kv.mapper.map_cache`, the mapped handoff's own function, here with autograd on)
-    target: mapped cache + c[n-1] e[0..h-1]     -> log p_mapped  at the h + 1 positions it reads
-    target: own cache of c[0..n-2] + the same   -> log p_oracle  (`extract`'s stored cache; no grad; kept per row
-                                                   while they fit a budget)
+    source's content cache of c[0..n-2] -> map per target layer -> target RoPE at 0..P-1 -> target dtype (`map_cache`)
+    target: mapped cache + c[n-1] e[0..h-1]   -> log p_mapped at the h + 1 positions it reads
+    target: own cache of c[0..n-2] + the same -> log p_oracle (`extract`'s stored cache; no grad)
     loss = mean over positions of KL(p_oracle || p_mapped)
            + kv_weight * mean over target layers and kinds of MSE(mapped, own content) / variance(own content)
 
-Both models stay frozen: the gradient reaches the map alone, and memory holds the map, its AdamW state, the best
-epoch's copy of it and one batch's activations. Bit-identical given the seed and the thread count on one CPU device (on
-CUDA, CUBLAS_WORKSPACE_CONFIG must be set before torch starts); the `Clock`'s timings never change the map's bytes.
+Both models stay frozen. Bit-identical given the seed and the thread count on one CPU device (on CUDA,
+CUBLAS_WORKSPACE_CONFIG must be set before torch starts); the `Clock`'s timings never change the map's bytes.
 """
 from __future__ import annotations
 
@@ -69,8 +66,7 @@ TIMED_PARTS = ("oracle", "rows", "mapped_step", "map_update", "select_scoring")
 
 
 class Clock:
-    """Seconds per part of the work (`TIMED_PARTS`), summed over calls; on CUDA each part waits for the device, so
-    the time is the part's own."""
+    """Seconds per part of the work, summed over calls; on CUDA each part waits for the device."""
 
     def __init__(self):
         self.seconds: Counter = Counter({part: 0.0 for part in TIMED_PARTS})
@@ -126,8 +122,8 @@ def kv_regression(mapped: Layers, own: Layers) -> torch.Tensor:
 
 def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, reference: Oracle | None = None
            ) -> Losses:
-    """Differentiable in the map's tensors, which must sit on the target's device. The oracle is `reference` when
-    given (a `StoredOracle`'s rows), else computed here."""
+    """Differentiable in the map's tensors, which must sit on the target's device. `reference` None: the oracle is
+    computed here."""
     for keys, values in batch.source:
         if keys.requires_grad or values.requires_grad:
             raise ValueError("the source cache requires grad: the source is frozen, its cache is a constant")
@@ -144,7 +140,6 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
 
 
 def reference_of(rows: Rows, chosen: list[int], handoff: Handoff, clock: Clock) -> Oracle:
-    """The kept oracle of these rows, or computed now (timed as the oracle)."""
     if isinstance(rows, StoredOracle):
         return rows.oracle(chosen)
     with clock.timed("oracle", handoff.device):
@@ -169,8 +164,7 @@ def evaluate(mapper: Mapper, groups: Sequence[Rows], handoff: Handoff, batch: in
 
 
 def epoch_batches(groups: Sequence[Rows], batch: int, generator: torch.Generator) -> list[tuple[int, list[int]]]:
-    """(group, rows) batches: each group's rows in a seeded order cut into batches, then every batch in a seeded
-    order, so lengths alternate while a batch keeps one length."""
+    """(group, rows) batches: each group's rows shuffled and cut, then all batches shuffled (one length a batch)."""
     batches = []
     for group, rows in enumerate(groups):
         order = torch.randperm(len(rows), generator=generator).tolist()
@@ -213,8 +207,7 @@ def tensors_digest(mapper: Mapper) -> str:
 
 def fit_steps(mapper: Mapper, optimizer, groups: Sequence[Rows], order: list[tuple[int, list[int]]],
               handoff: Handoff, kv_weight: float, clock: Clock, bar) -> dict:
-    """One optimizer step, backward through the frozen target, per batch of `order`; the mean fit losses. `bar`
-    counts the rows."""
+    """One optimizer step per batch of `order`; the mean fit losses."""
     totals = {"fit_loss": 0.0, "fit_kl": 0.0, "fit_kv": 0.0}
     for group, chosen in order:
         reference = reference_of(groups[group], chosen, handoff, clock)
@@ -234,8 +227,8 @@ def fit_steps(mapper: Mapper, optimizer, groups: Sequence[Rows], order: list[tup
 
 
 def fresh(start: Mapper, handoff: Handoff, settings: DistillSettings, lr: float):
-    """A trainable copy of `start`, its AdamW, and the row order's generator, on the CPU whatever the device: every
-    run from the start (a probe, the full run) sees the same rows in the same order."""
+    """A trainable copy of `start`, its AdamW, and the row order's generator (on the CPU whatever the device): every
+    run from the start sees the same rows in the same order."""
     mapper = trainable(start, handoff.device)
     optimizer = torch.optim.AdamW(map_tensors(mapper), lr=lr, weight_decay=settings.weight_decay)
     return mapper, optimizer, torch.Generator().manual_seed(settings.seed)
@@ -243,8 +236,7 @@ def fresh(start: Mapper, handoff: Handoff, settings: DistillSettings, lr: float)
 
 def probe(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, lr: float, kv_weight: float,
           clock: Clock, label: str | None) -> float:
-    """The select KL after `settings.probe_steps` steps from `start`: the full run's first steps at that pair, epochs
-    run together."""
+    """The select KL after `settings.probe_steps` steps from `start`: the full run's first steps at that pair."""
     mapper, optimizer, generator = fresh(start, handoff, settings, lr)
     order = []
     while len(order) < settings.probe_steps:
@@ -274,11 +266,9 @@ def probe_facts(probes: list[dict], settings: DistillSettings) -> dict:
 
 def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillSettings, clock: Clock | None = None,
             label: str | None = None) -> tuple[Mapper, list[dict]]:
-    """Train a copy of `start` through the frozen target of the oracle `handoff` on `batches.fit` at the (rate,
-    kv_weight) pair whose probe scores the lowest select KL; keep the epoch (0: the start itself) with the lowest
-    select KL. Returns the distilled map, on the CPU in the start's dtype (its facts hold the chosen pair and every
-    probe's select KL), and per epoch its fit losses, select KL and agreement. `label` names the map on the progress
-    bars (None: no bars)."""
+    """Train a copy of `start` at the (rate, kv_weight) pair whose probe scores the lowest select KL; keep the epoch
+    (0: the start itself) of the lowest select KL. Returns the map, on the CPU in the start's dtype, and per epoch its
+    fit losses, select KL and agreement. `label` names the map on the progress bars (None: no bars)."""
     check_frozen(handoff.decoder)
     counts = [sum(len(rows) for rows in groups) for groups in batches]
     if not all(counts):
@@ -320,8 +310,7 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
 
 
 def finished(start: Mapper, tensors: list[torch.Tensor], facts: dict) -> Mapper:
-    """`start` with `tensors` (in `map_tensors` order), on the CPU in its dtype, and `facts` as its distillation
-    record."""
+    """`start` with `tensors` (in `map_tensors` order), on the CPU in its dtype, and `facts` as its record."""
     flat = iter(t.detach().to("cpu", start.keys[0][0].dtype).contiguous() for t in tensors)
     keys, values = ([tuple(next(flat) for _ in layer_tensors) for layer_tensors in layers]
                     for layers in (start.keys, start.values))

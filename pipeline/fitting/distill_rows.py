@@ -26,12 +26,11 @@ F = lazy("torch.nn.functional")
 
 @dataclass
 class Batch:
-    """Rows of equal prefix length: the prefixes c[0..n-2] (B, P), the source's and the target's content-space caches
-    of them (lists over layers of (keys, values), each (B, H, P, D)) and the steps c[n-1] e[0..h-1] (B, h + 1)."""
+    """Rows of equal prefix length; the caches are content-space, per layer (keys, values), each (B, H, P, D)."""
 
-    prefix: torch.Tensor
+    prefix: torch.Tensor  # (B, P): c[0..n-2]
     source: Layers
-    steps: torch.Tensor
+    steps: torch.Tensor  # (B, h + 1): c[n-1] e[0..h-1]
     target: Layers
 
     def __len__(self) -> int:
@@ -44,7 +43,6 @@ class Batch:
 
 
 class Rows(Protocol):
-    """Where the trainer reads rows: a `Batch` in memory, or anything that loads the rows it is asked for."""
 
     def __len__(self) -> int: ...
 
@@ -52,11 +50,10 @@ class Rows(Protocol):
 
 
 class CacheRows:
-    """The rows of context length n cut from a split's stored sequences of at least n + horizon tokens: the prefix
-    c[0..n-2], each model's content cache of it and the steps c[n-1] .. c[n+h-1]. A causal model's cache of a prefix
-    is the first positions of its cache of the whole sequence, so the caches are sliced from `extract`'s shards (no
-    forward), read per batch through safetensors' memory map: memory holds one batch, whatever the split's size.
-    `shards` and `geometries`: per side (source, target), its shards and (layers, kv heads, head dim)."""
+    """The rows of context length n cut from a split's stored sequences of at least n + horizon tokens. A causal
+    model's cache of a prefix is the first positions of its cache of the whole sequence, so the caches are sliced from
+    `extract`'s shards, read per batch through safetensors' memory map. `shards` and `geometries`: per side (source,
+    target), its shards and (layers, kv heads, head dim)."""
 
     def __init__(self, shards: dict[str, Sequence[Shard]], token_ids: Sequence[Sequence[int]], length: int,
                  horizon: int, geometries: dict[str, tuple[int, int, int]]):
@@ -119,11 +116,9 @@ def in_order(count: int, batch: int) -> list[list[int]]:
 
 
 class StoredOracle:
-    """A group's rows read once into memory, with each row's oracle computed once (in batches, in order) and kept:
-    the target is frozen, so its own prefill of a row is the same at every epoch and for every map. A row's oracle
-    does not depend on the rows batched with it (checked bit for bit on the CPU), and the rows in memory are the
-    stored ones, so the maps come out as from oracles and rows read per batch (which took a tenth of the stage on the
-    tiny pair)."""
+    """A group's rows read once into memory, with each row's oracle computed once (in batches, in order) and kept. A
+    row's oracle does not depend on the rows batched with it (checked bit for bit on the CPU), so the maps come out as
+    from oracles and rows read per batch."""
 
     def __init__(self, rows: Rows, handoff: Handoff, batch: int):
         self.rows = rows.take(list(range(len(rows))))  # a Batch: (N, P) prefixes, (N, H, P, D) caches
@@ -146,9 +141,8 @@ class StoredOracle:
 
 
 def oracle_bytes(reference: Oracle) -> int:
-    """An oracle's log-probabilities and content cache. A kept group's content is its rows' target cache, held once, so
-    a group's size (this and its rows') counts that cache twice: a conservative size, the one groups had before the
-    oracle read stored caches, so the same groups are kept."""
+    """An oracle's log-probabilities and content cache. A group's size (this and its rows') counts the target cache
+    twice, though a kept group holds it once: the size groups had before, so the same groups are kept."""
     return sum(t.numel() * t.element_size() for t in [reference.logprobs, *itertools.chain(*reference.content)])
 
 
@@ -159,7 +153,7 @@ def batch_bytes(batch: Batch) -> int:
 
 def with_oracles(groups: Sequence[Rows], handoff: Handoff, batch: int, budget_bytes: float) -> list[Rows]:
     """Each group as a `StoredOracle` while the oracles and rows kept so far fit `budget_bytes` (a group's size: one
-    row's oracle and row times its rows); the others as they are, read and their oracle computed per batch seen."""
+    row's oracle and row times its rows); the others as they are."""
     kept, out = 0, []
     for group in groups:
         first = group.take([0]) if len(group) else None
@@ -178,8 +172,7 @@ def widened(tensor: torch.Tensor) -> torch.Tensor:
 
 @no_grad
 def oracle(handoff: Handoff, batch: Batch) -> Oracle:
-    """The target after its own prefill, read from its stored content cache: rotated back to the prefix's positions
-    (as `direct` injects a cache), then the steps; the content cache is the stored one."""
+    """The target after its own prefill, read from its stored content cache rotated to the prefix's positions."""
     rotation = Rotation(handoff.decoder_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     content = [(keys.to(handoff.device), values.to(handoff.device)) for keys, values in batch.target]
     layers = [cached for _, cached in map_cache(None, content, rotation, handoff.decoder.dtype, handoff.device)]

@@ -26,8 +26,7 @@ safetensors_torch = lazy("safetensors.torch")
 
 def closed_form_candidates(families: list[str], ks: list[int], lambdas: list[float],
                            widths: dict[str, list[int]]) -> list[MapName]:
-    """The closed-form grid: per family, k and lambda (and, for a family with an inner size in its name, each of its
-    `widths`: the low-rank map's ranks), in that order."""
+    """The closed-form grid: per family, k, width (a family with a rank in its name: each of its `widths`), lambda."""
     return [MapName(family, k, lam, width) for family in families for k in ks
             for width in (widths[family] if "rank" in FAMILIES[family].name_fields else [None]) for lam in lambdas]
 
@@ -38,8 +37,7 @@ def mlp_candidates(ks: list[int]) -> list[MapName]:
 
 @dataclass
 class R2Table:
-    """R² per (candidate, layer, kind, head), in and out of sample, in the order recorded. Tables of processes that
-    fitted different layers merge into the table a single process records: each layer's entries come from one."""
+    """R² per (candidate, layer, kind, head), in and out of sample, in the order recorded."""
 
     # (layer, candidate, kind, r2 in sample per head, held-out per head, ratio, lambda solved with per head)
     entries: list[tuple] = field(default_factory=list)
@@ -53,7 +51,6 @@ class R2Table:
                              lambdas or [float("nan")] * len(r2_sel)))
 
     def extend(self, other: "R2Table") -> None:
-        """Append `other`'s entries after this table's own (a unit fitted apart, recorded in its place)."""
         self.entries.extend(other.entries)
         self.scales.extend(other.scales)
 
@@ -91,11 +88,10 @@ class R2Table:
 
 
 class Parts:
-    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once. The end of
-    its `with` block removes the folder, the stage done or interrupted, so no part outlives it."""
+    """Per-candidate, per-layer tensors spilled to disk, so memory never holds every candidate at once. `fresh`: this
+    process owns the folder: starts it empty and removes it at the end of the `with` block, done or interrupted."""
 
     def __init__(self, folder: Path, fresh: bool = True):
-        """`fresh`: this process owns the folder: start it empty and remove it at the end (others join it as it is)."""
         self.folder, self.fresh = folder, fresh
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
@@ -125,10 +121,9 @@ class Parts:
 
 
 def accumulate(summary, pairs: Pairs, layer: int, chosen: list[int], kind: str):
-    """Add a split's rows to `summary` (`ridge.Moments` or `ridge.Rows`): x the chosen source layers' (tokens,
-    k * Hs*Ds), layer-major as the mapper reads them; y the target layer's (tokens, Ht*Dt)."""
+    """Add a split's rows to `summary` (`ridge.Moments` or `ridge.Rows`)."""
     for source, target in pairs:
-        x = torch.cat(source.read(kind, chosen), dim=1)  # (tokens, k * Hs*Ds)
+        x = torch.cat(source.read(kind, chosen), dim=1)  # (tokens, k * Hs*Ds), layer-major as the mapper reads them
         (y,) = target.read(kind, [layer])  # (tokens, Ht*Dt)
         summary.update(x, y)
     return summary
@@ -138,10 +133,8 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
                     candidates: list[MapName], depth: int, geometry: Geometry, parts: Parts, table: R2Table,
                     device: str | torch.device, lambda_scale: str) -> None:
     """One accumulation over the top `depth` source layers (the largest k of the whole grid, so a narrow refit of one
-    candidate sums exactly what the full fit summed), then each candidate's family solves its sub-blocks, on `device`
-    in float64, with its lambda read on `lambda_scale` (`ridge.effective_lambda`: relative to each sub-problem's own
-    Gram diagonal). A family with `scale_check` is also solved with its lambda read the other way and scored on the
-    select split (`R2Table.scales`): what the scale changes."""
+    candidate sums exactly what the full fit summed), then each candidate's family solves its sub-blocks in float64,
+    its lambda read on `lambda_scale`."""
     g = geometry
     chosen_max = sorted(order[:depth])
     in_width, out_width = len(chosen_max) * g.heads_s * g.dim_s, g.heads_t * g.dim_t
@@ -155,29 +148,23 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
             blocks = [chosen_max.index(p) for p in sorted(order[:candidate.k])]
             solved = spec.solve(fit_m, select_m, blocks, candidate.ridge_lambda, g, lambda_scale, ridge, device,
                                 candidate.width)
-            if spec.scale_check:
-                inputs = columns(blocks, g, device)
-                _compare_scales(table, name, layer, kind, fit_m.select(inputs), select_m.select(inputs),
-                                candidate.ridge_lambda, lambda_scale, solved.lambdas[0], solved.sse_select,
-                                ridge.total_ss(select_m))
+            if spec.scale_check:  # held-out R² with the lambda as fitted and read the other way: what the scale changes
+                inputs, sst_sel = columns(blocks, g, device), ridge.total_ss(select_m)
+                own, own_select = fit_m.select(inputs), select_m.select(inputs)
+                table.scales.append((layer, name, kind, lambda_scale, solved.lambdas[0],
+                                     ridge.pooled_r2(solved.sse_select, sst_sel).item()))
+                other = "absolute" if lambda_scale == "relative" else "relative"
+                other_lambda = ridge.effective_lambda(own, candidate.ridge_lambda, other)
+                try:
+                    weight, bias = ridge.solve(own, other_lambda)
+                    r2 = ridge.pooled_r2(ridge.residual_ss(own_select, weight, bias), sst_sel).item()
+                except ValueError:  # the other reading leaves the system singular (e.g. lambda 0): no map to score
+                    r2 = float("nan")
+                table.scales.append((layer, name, kind, other, other_lambda, r2))
             parts.put(name, layer, kind, solved.tensors)
             r2_fit = ridge.pooled_r2(solved.sse_fit, ridge.total_ss(fit_m), g.heads_t)
             r2_sel = ridge.pooled_r2(solved.sse_select, ridge.total_ss(select_m), g.heads_t)
             table.record(name, layer, kind, r2_fit, r2_sel, solved.parameters_per_output / fit_m.n, solved.lambdas)
-
-
-def _compare_scales(table: R2Table, name: str, layer: int, kind: str, own, own_select, lam: float, scale: str,
-                    solved: float, sse_sel: torch.Tensor, sst_sel: torch.Tensor) -> None:
-    """Record a linear candidate's held-out R² with its lambda on `scale` (as fitted) and read the other way."""
-    other = "absolute" if scale == "relative" else "relative"
-    table.scales.append((layer, name, kind, scale, solved, ridge.pooled_r2(sse_sel, sst_sel).item()))
-    other_lambda = ridge.effective_lambda(own, lam, other)
-    try:
-        weight, bias = ridge.solve(own, other_lambda)
-        r2 = ridge.pooled_r2(ridge.residual_ss(own_select, weight, bias), sst_sel).item()
-    except ValueError:  # the other reading leaves the system singular (e.g. lambda 0): no map to score
-        r2 = float("nan")
-    table.scales.append((layer, name, kind, other, other_lambda, r2))
 
 
 def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: set[str]):
@@ -191,8 +178,7 @@ def gather_rows(pairs: Pairs, layer: int, chosen: list[int], kind: str, held: se
 
 
 def squares(x: torch.Tensor, y: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual and the total sum of squares (float64, per output column) of the mlp map `tensors` on rows
-    x (N, F), y (N, O), as the mapper computes it."""
+    """The residual and the total sum of squares (float64, per output column) of the mlp map `tensors` on x, y."""
     out = FAMILIES["mlp"].project(x[None], *tensors)[0]  # (Ht, N, Dt)
     predicted = out.permute(1, 0, 2).reshape(x.shape[0], -1)  # (N, Ht*Dt)
     return ((y - predicted) ** 2).double().sum(0), ((y - y.mean(0)) ** 2).double().sum(0)
@@ -200,9 +186,8 @@ def squares(x: torch.Tensor, y: torch.Tensor, tensors: tuple[torch.Tensor, ...])
 
 def fit_mlp_unit(layer: int, order: list[int], k: int, kind: str, fit_pairs: Pairs, select_pairs: Pairs,
                  held: set[str], settings: MlpSettings, heads_t: int, parts: Parts, device) -> tuple[dict, R2Table]:
-    """The `mlp_k<k>` map for one target layer and kind, trained with its own seed (from `settings.seed`, the layer
-    and the kind) and put in `parts`; returns its training facts and R² entry. Units share only the caches they read,
-    so several may train side by side in threads."""
+    """The `mlp_k<k>` map for one target layer and kind, trained with its own seed, put in `parts`; its training facts
+    and R² entry. Units share only the caches they read, so several may train side by side in threads."""
     name = str(MapName("mlp", k))
     chosen = sorted(order[:k])
     table = R2Table()

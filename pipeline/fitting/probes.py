@@ -38,10 +38,9 @@ def held_rows(shard: Shard, held: set[str]) -> torch.Tensor:
 def probe_r2(pairs: Pairs, held: set[str], source_layers: int, target_layers: int, width_s: int, width_t: int,
              ridge_lambda: float, budget_bytes: float, device: str | torch.device,
              ranks: Ranks = ONE_PROCESS, rows_budget_bytes: float = 0) -> dict[str, torch.Tensor]:
-    """Held-out R² per kind (target_layers, source_layers), on the CPU; moments and solves run on `device`. When the
-    source's rows of the split fit `rows_budget_bytes` (in their storage dtype) they are read once and kept for every
-    pass; otherwise every pass reads them again. Under several processes each takes every N-th group of target layers
-    (the groups one process would make) and every process gets the whole table."""
+    """Held-out R² per kind (target_layers, source_layers), on the CPU. When the source's rows of the split fit
+    `rows_budget_bytes` (in their storage dtype) they are read once for every pass. Under several processes each takes
+    every N-th group of target layers and every process gets the whole table."""
     # per pass: 2 kinds x (train, held) x source_layers x (X^T X + X^T Y over the group's target columns)
     fixed, per_target = 8 * 4 * source_layers * width_s * width_s, 8 * 4 * source_layers * width_s * width_t
     group = max(1, min(target_layers, int((budget_bytes - fixed) // per_target)))

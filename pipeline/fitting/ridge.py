@@ -30,8 +30,8 @@ class Moments:
         return cls(0, *(torch.zeros(*shape, dtype=torch.float64, device=device) for shape in shapes))
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
-        """Add rows x (N, F), y (N, O). With `inputs` False only the sums that involve y are added: for a pass whose
-        input side (n, sum_x, X^T X) an earlier pass over the same rows accumulated (`with_inputs_of`)."""
+        """Add rows x (N, F), y (N, O); `inputs` False: only the sums that involve y (the input side comes from an
+        earlier pass over the same rows, `with_inputs_of`)."""
         x, y = x.to(self.xtx.device, torch.float64), y.to(self.xtx.device, torch.float64)
         if inputs:
             self.n += x.shape[0]
@@ -54,16 +54,14 @@ class Moments:
 
 @dataclass
 class Rows:
-    """A regression's rows themselves (float64), for a problem with fewer rows than input features: then the dual
-    solve (an N x N system instead of F x F) and scoring from the rows are cheaper, and the rows take less memory
-    than X^T X."""
+    """A regression's rows themselves (float64), for a problem with fewer rows than input features: the dual solve
+    (N x N instead of F x F) and scoring from the rows are cheaper, and the rows take less memory than X^T X."""
 
     xs: list[torch.Tensor]  # (rows, F) chunks, in the order added
     ys: list[torch.Tensor]  # (rows, O) chunks
     device: str | torch.device
 
     def update(self, x: torch.Tensor, y: torch.Tensor, inputs: bool = True) -> None:
-        """Add rows x (N, F), y (N, O); `inputs` as `Moments.update` (rows are always kept whole)."""
         self.xs.append(x.to(self.device, torch.float64))
         self.ys.append(y.to(self.device, torch.float64))
 
@@ -95,14 +93,12 @@ class Rows:
 
 def summary(rows: int, in_width: int, out_width: int, device: str | torch.device) -> Moments | Rows:
     """What a regression of `rows` rows accumulates into: the rows while fewer than the input features, else the
-    moments. Solutions and sums of squares agree to float64 rounding; the choice depends on the row count alone, so
-    it is the same for a narrow refit and in every pass."""
+    moments (they agree to float64 rounding; the choice depends on the row count alone, the same in every pass)."""
     return Rows([], [], device) if rows < in_width else Moments.zeros(in_width, out_width, device)
 
 
 def gram_scale(m: Moments | Rows) -> float:
-    """Mean of the centered Gram diagonal, trace(Cxx) / F: the sum of squares of an average input feature about its
-    mean (it grows with the row count and the features' scale)."""
+    """Mean of the centered Gram diagonal, trace(Cxx) / F: an average input feature's sum of squares about its mean."""
     if isinstance(m, Rows):
         return ((m.x - m.x.mean(0)) ** 2).sum(0).mean().item()
     return (m.xtx.diagonal() - m.sum_x * m.sum_x / m.n).mean().item()

@@ -117,9 +117,8 @@ def draw_scene(rng: random.Random, cfg: WorldConfig) -> Scene:
 
 
 def draw_statements(rng: random.Random, cfg: WorldConfig, scene: Scene, n: int, used: set[str]) -> list[str]:
-    """n repeat or novel statements, lowercase; novel names are added to `used` so none is introduced twice. A repeat
-    needs an exact match of one or two tokens (the name, then name and colour), the induction pattern tiny models learn
-    quickly; a novel statement's colour needs the gist of the scene, its name being absent from it."""
+    """n repeat or novel statements, lowercase; novel names are added to `used`. A repeat needs an exact look-back
+    (the induction pattern tiny models learn quickly); a novel statement's colour needs the gist of the scene."""
     out = []
     for _ in range(n):
         if rng.random() < cfg.repeat_share:
