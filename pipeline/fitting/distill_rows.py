@@ -1,9 +1,6 @@
-"""The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map").
-
-A row is one context under the last-token protocol: the prefix c[0..n-2], both models' caches of it as `extract` stored
-them, and the tokens c[n-1] e[0..h-1]; rows of one length make a `Batch`. A batch's oracle (the target after its own
-prefill) reads the stored target cache, prefilling nothing, and is kept per row (`StoredOracle`) within a budget.
-"""
+"""The rows a map is distilled on, and the target's oracle of them kept once (PROTOCOL.md, "Distilled map"). A row is
+one context under the last-token protocol: the prefix c[0..n-2], both models' caches of it as `extract` stored them,
+and the tokens c[n-1] e[0..h-1]. A batch's oracle reads the stored target cache, prefilling nothing."""
 from __future__ import annotations
 
 import itertools
@@ -122,8 +119,7 @@ class StoredOracle:
 
     def __init__(self, rows: Rows, handoff: Handoff, batch: int):
         self.rows = rows.take(list(range(len(rows))))  # a Batch: (N, P) prefixes, (N, H, P, D) caches
-        # the oracle's content cache is the rows' target cache: moved to the target's device once, held once, laid out
-        # contiguously as the batches' oracles concatenated were (the regression's sums follow the layout)
+        # the oracle's content is the rows' target cache, held once, laid out as the batches' oracles were concatenated
         self.rows.target = [tuple(t.to(handoff.device).contiguous() for t in pair) for pair in self.rows.target]
         self.content = self.rows.target  # per target layer (keys, values), each (N, H_t, P, D_t)
         self.logprobs = torch.cat([oracle(handoff, self.rows.take(chosen)).logprobs

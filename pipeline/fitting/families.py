@@ -1,10 +1,6 @@
-"""Every candidate map for one target layer: the closed-form families from shared moments, the MLP by training.
-
-The closed-form families accumulate the moments of the `max(k)` chosen source layers' inputs once on the fit split
-and once on the select split: every k, lambda and family is an index selection of them, solved once per layer and
-scored in and out of sample with no further pass. The MLP trains on gathered rows, early-stopped on held-out fit
-sequences. Each candidate's per-layer tensors go to disk as solved (`Parts`): memory holds one layer's accumulators.
-"""
+"""Every candidate map for one target layer: the closed-form families from shared moments, the MLP by training. The
+moments of the `max(k)` chosen source layers' inputs are accumulated once per split: every k, lambda and family is an
+index selection of them. Each candidate's per-layer tensors go to disk as solved (`Parts`)."""
 from __future__ import annotations
 
 import shutil

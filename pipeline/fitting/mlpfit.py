@@ -1,10 +1,7 @@
-"""Training the `mlp` mapper family for one target layer and kind: one hidden layer, Adam, early stopping.
-
-Inputs are standardized per feature and outputs centered and scaled by one pooled standard deviation (so the loss is
-proportional to the residual sum of squares R² pools); both affine maps are folded into the weights after training,
-so the saved mapper reads raw content-space rows. Early stopping keeps the epoch of lowest loss on held-out fit
-sequences. Deterministic given the seed and the thread count: initialization and batch order share one generator.
-"""
+"""Training the `mlp` mapper family for one target layer and kind: one hidden layer, Adam, early stopping on held-out
+fit sequences. Inputs are standardized per feature and outputs scaled by one pooled standard deviation (so the loss is
+proportional to the residual sum of squares R² pools), both folded into the weights after training. Deterministic
+given the seed and the thread count."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,10 +1,6 @@
-"""Single-layer ridge probes: which source layers predict each target layer's cache, scored on held-out whole sequences.
-
-A seeded share of the fit sequences is held out; for every target layer l and source layer p a single-layer ridge is
-fitted on the rest and scored on them (R², per kind). One pass over the shards serves a group of target layers for all
-source layers, the group sized so the float64 accumulators fit a byte budget; each source layer's X^T X is computed
-in the first pass only and reused by the others. `ranking` orders each target layer's source layers best first.
-"""
+"""Single-layer ridge probes: which source layers predict each target layer's cache, scored (R², per kind) on a
+seeded share of the fit sequences held out. One pass over the shards serves a group of target layers for all source
+layers, the group sized so the float64 accumulators fit a byte budget; X^T X is computed in the first pass only."""
 from __future__ import annotations
 
 from tqdm.auto import tqdm

@@ -1,10 +1,7 @@
-"""Ridge regression from streamed moments: accumulate in float64 over shards, solve once, score from moments.
-
-A regression X (N, F) -> Y (N, O) is summarized by n, sum x, sum y, X^T X, X^T Y and sum y^2 per output: memory is
-independent of N, shards add up, and every sub-problem (a subset of inputs or outputs) is an index selection of the
-moments, so one accumulation serves every k up to the largest and every family. Held-out R² follows from the held-out
-data's moments, with no second pass. A problem with fewer rows than input features keeps its rows (`Rows`) instead.
-"""
+"""Ridge regression from streamed moments: accumulate in float64 over shards, solve once, score from moments. A
+regression X (N, F) -> Y (N, O) is summarized by n, sum x, sum y, X^T X, X^T Y and sum y^2 per output: memory is
+independent of N, and every sub-problem (a subset of inputs or outputs) is an index selection of the moments. A
+problem with fewer rows than input features keeps its rows (`Rows`) instead."""
 from __future__ import annotations
 
 from dataclasses import dataclass
