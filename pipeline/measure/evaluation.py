@@ -26,8 +26,6 @@ COUNTS = ("confident_prompts", "confident_prompt_share", "confident_positions", 
 
 
 class OracleStore(NamedTuple):
-    """How the oracle's outputs are stored when an evaluation computes them."""
-
     top_k: int
     horizon: int
     attention: bool = False  # its attention outputs too (the select stage's cosine)
@@ -35,8 +33,6 @@ class OracleStore(NamedTuple):
 
 @dataclass
 class TaskFigures:
-    """One task's figures: lm-eval's aggregates over its items, and the accuracies per item kind."""
-
     acc: float
     acc_norm: float
     acc_stderr: float
@@ -58,7 +54,6 @@ class PromptFigures:
 
     @classmethod
     def of(cls, rows: pd.DataFrame, margin: float | None) -> PromptFigures:
-        """Without a `margin`, no confident figure and no counts."""
         summary = {} if margin is None else confidence_summary(rows, margin)
         timed = None
         if "ttft_ms" in rows:
@@ -69,7 +64,6 @@ class PromptFigures:
                    attention_layers(rows) if "attention_cosine" in rows else None, timed)
 
     def ratios(self, oracle: PromptFigures) -> dict[str, float]:
-        """Each metric compared across texts as a ratio (perplexity's `ppl_ratio`): figure / the oracle's."""
         return {metric.ratio: self.metrics[name] / oracle.metrics[name] for name, metric in PROMPT_METRICS.items()
                 if metric.ratio and name in self.metrics}
 
@@ -86,7 +80,7 @@ class PromptFigures:
 
 @dataclass
 class Evaluation:
-    """One evaluated handoff: its figures and its rows (None, {}: what was not asked, or another rank's share)."""
+    """None, {}: what was not asked, or another rank's share."""
 
     prompts: PromptFigures | None
     tasks: dict[str, TaskFigures]
@@ -95,8 +89,7 @@ class Evaluation:
     oracle: dict | None = None  # the oracle's stored outputs, where this evaluation computed them
 
     def figures(self, digits: int = 6, oracle: Evaluation | None = None) -> dict:
-        """The nested JSON of the figures, floats rounded to `digits`; with the `oracle`'s evaluation, the prompt
-        figures compared as ratios too."""
+        """With the `oracle`'s evaluation, the prompt figures compared as ratios too."""
         out: dict = {}
         if self.prompts is not None:
             out["prompts"] = self.prompts.as_json(None if oracle is None else oracle.prompts)
@@ -105,7 +98,6 @@ class Evaluation:
         return rounded(out, digits)
 
     def write_rows(self, prompts: Path | None = None, items: Path | None = None) -> None:
-        """The prompt and item rows as parquet files, where given a path and held."""
         for path, rows in ((prompts, self.prompt_rows), (items, self.item_rows)):
             if path is not None and rows is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +105,6 @@ class Evaluation:
 
 
 def rounded(value, digits: int):
-    """`value` with every float in it rounded to `digits` (None, ints and strings as they are)."""
     if isinstance(value, dict):
         return {key: rounded(item, digits) for key, item in value.items()}
     if isinstance(value, list):
@@ -122,7 +113,6 @@ def rounded(value, digits: int):
 
 
 def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
-    """Per task, lm-eval's aggregates (`summary`) and the mean of each `TASK_METRICS` over the items of each kind."""
     out = {}
     for task, result in summary.items():
         marked = items[items.task == task].dropna(subset=["kind"])
@@ -137,11 +127,9 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
              margin: float | None = None, store: OracleStore | None = None, tasks: dict[str, Path] | None = None,
              tokenizer=None, timed: bool = False, warmup: int = 0, ranks: Ranks = ONE_PROCESS,
              raw_to: Path | None = None, progress: bool = True, task_limit: int | None = None) -> Evaluation:
-    """The handoff `router` serves, on `prompts` against the `oracle`'s stored outputs (without them the router is
-    the oracle's, its outputs computed as `store` says and returned), with confident figures at `margin` (None: not
-    measured), and on `tasks` (task -> item file; lm-eval's own results and samples to `raw_to`; `task_limit`: each
-    task's first n items). `router.batch_size` prompts and contexts a forward; `timed`: each prompt alone, after
-    `warmup` untimed runs of the first. Under several `ranks` each scores its share, untimed; rank 0 gets all."""
+    """`router`'s handoff on `prompts` against the `oracle`'s stored outputs (None: the router is the oracle's, its
+    outputs computed as `store` says and returned) and on `tasks` (lm-eval's raw output to `raw_to`); `timed`: each
+    prompt alone, after `warmup` untimed runs of the first. Under several `ranks`, rank 0 gets all."""
     prompts = list(prompts)
     if prompts and oracle is None and store is None:
         raise ValueError("evaluate: without the oracle's stored outputs, say how to store them (store=OracleStore)")
@@ -160,7 +148,6 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
 
 def prompt_rows(router: Router, prompts: list[Prompt], oracle: dict | None, store: OracleStore | None, timed: bool,
                 warmup: int, ranks: Ranks, progress: bool) -> tuple[dict, pd.DataFrame | None]:
-    """The oracle's stored outputs (computed first where not given) and the router's prompt rows against them."""
     handoff, batch = router.handoff, router.batch_size
     if timed:
         if oracle is None:

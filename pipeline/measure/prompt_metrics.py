@@ -21,8 +21,6 @@ FIDELITY, CONFIDENT = "fidelity", "confident"  # the groups
 
 @dataclass(frozen=True)
 class PromptMetric:
-    """One figure of a variant's prompt rows."""
-
     name: str
     label: str  # how the report names it (a proxy's row: `<label> (select)`)
     higher: bool  # higher is better
@@ -33,16 +31,13 @@ class PromptMetric:
     needs: str | None = None  # a column the rows hold only sometimes: without it the metric is not measured
 
     def measured(self, rows: pd.DataFrame, margin: float | None) -> bool:
-        """Whether the rows measure it: they hold the column it needs, and a confident figure has its margin."""
         return (self.needs is None or self.needs in rows) and (margin is not None or self.group != CONFIDENT)
 
     def better(self, value: float) -> float:
-        """`value` turned so that larger is better (a sort key, a correlation's sign)."""
         return value if self.higher else -value
 
 
 def attention_layers(rows: pd.DataFrame) -> list[float]:
-    """Per target layer, the mean attention-output cosine with the oracle over all continuation positions."""
     return (np.array(rows.attention_cosine.tolist()).sum(0) / rows.tokens.sum()).tolist()  # (L_t,)
 
 
@@ -83,12 +78,10 @@ PROMPT_METRICS: dict[str, PromptMetric] = {metric.name: metric for metric in ENT
 
 
 def in_group(group: str) -> list[PromptMetric]:
-    """The metrics of `group`, in the table's order."""
     return [metric for metric in PROMPT_METRICS.values() if metric.group == group]
 
 
 def prompt_figures(rows: pd.DataFrame, margin: float | None) -> dict[str, float | None]:
-    """Every metric the rows measure (`margin` None: no confident one), by name (None: undefined on them, e.g. no
-    confident prompt)."""
+    """Every metric the rows measure, by name (None: undefined on them, e.g. no confident prompt)."""
     return {name: metric.compute(rows, margin) for name, metric in PROMPT_METRICS.items()
             if metric.measured(rows, margin)}
