@@ -12,7 +12,6 @@ CRITERION_NAMES = {"agreement_milestone": "agreement milestone (next-token top-1
 
 
 def criteria(params: ReportParams, chosen: dict, comparisons: dict, controls: dict, present: list[str]) -> dict:
-    """Each criterion's verdict, threshold and measured value for the selected variant's figures (`chosen`)."""
     c, mapped = params.criteria, params.mapped_variant
     closure = chosen.get(GAP_CLOSURE_KEYS[params.gap_closure_metric])
     beats = {other: comparisons[f"{mapped}_minus_{other}"]["tasks_low"] > 0

@@ -8,9 +8,7 @@ PARTS_SHOWN = ("prefill", "scores", "map", "repair", "sparse", "step")  # a firs
 
 
 def shown(latency: dict) -> dict:
-    """Per length the target's prefill, the handoff and its bound (`table`); per length and handoff, each part of its
-    first step: time and multiply-adds as shares of the target's prefill, and their ratio (within 1.5x: the part runs
-    at about its multiply-adds' cost; `parts`, None where none was timed)."""
+    """A part's ratio of time to multiply-adds share within 1.5 runs at about its multiply-adds' cost."""
     rows, parts = [], []
     for n, row in sorted((int(n), row) for n, row in latency["by_length"].items()):
         get = {key: row.get(key, float("nan"))
