@@ -1,9 +1,6 @@
-"""lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff.
-
-Tokenization and the context/continuation split are lm-eval's `TemplateLM`, as for its stock `hf` model, so a handoff
-is scored on the tokens `hf` would score. Every Instance's route is recorded; `get_model_info` keeps the router's
-record, the route counts and the routes other than the handoff's own way, so a result says what served each request.
-"""
+"""lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff, on the tokens
+lm-eval's stock `hf` would score (its `TemplateLM` split). Every request's route is recorded, so a result says what
+served each."""
 from __future__ import annotations
 
 import logging

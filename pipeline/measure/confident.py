@@ -1,8 +1,5 @@
-"""Agreement with the oracle that does not saturate on near-ties: where the oracle is sure, and weighted by it.
-
-Top-1 agreement counts a position where the oracle's two best tokens nearly tie as a coin flip the map must win, so
-it measures the tie, not the map. These figures read, per continuation position, the oracle's top-2 margin and its
-probability of the variant's argmax, both from its stored top-K log-probabilities.
+"""Agreement with the oracle where it is sure, and weighted by it: top-1 agreement counts a near-tie of the oracle's
+two best tokens as a coin flip the map must win, so it measures the tie, not the map.
 """
 from __future__ import annotations
 

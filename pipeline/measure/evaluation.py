@@ -1,9 +1,5 @@
-"""One evaluation of a handoff, and its typed record.
-
-A handoff is scored on the eval prompts against the oracle's stored outputs and on lm-eval's tasks. Timed, each prompt
-runs alone through the router's first step, timed part by part on a synchronized clock, and its row gains `ttft_ms` and
-the parts. `Evaluation.figures()` is the nested JSON a stage writes:
-`{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`.
+"""One evaluation of a handoff (the eval prompts against the oracle's stored outputs, and lm-eval's tasks) and its
+typed record. `Evaluation.figures()` is the JSON a stage writes: `{"prompts": {...}, "tasks": {"<task>": {...}}}`.
 """
 from __future__ import annotations
 

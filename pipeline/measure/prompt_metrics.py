@@ -1,8 +1,6 @@
-"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each.
-
-An entry says how the figure is computed from the rows (at the confident margin where it needs one), which way is
-better, how the report names it, and whether it compares across texts only as a ratio to the oracle's (perplexities of
-different texts do not compare). `next_token_top1` is V0's column. A new metric is one entry.
+"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each (a new metric is
+one entry). A `ratio` figure compares across texts only as a ratio to the oracle's (perplexities of different texts
+do not compare).
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""PROTOCOL's normalized retention, the gap closure, and paired comparisons of variants on the same items.
-
-Retention of a task is (acc_variant - chance) / (acc_oracle - chance); it overstates what the handoff buys where the
-source alone is already far above chance, so the gap closure measures against the source: 0 is no better than the
-source alone, 1 is the oracle. A variant's figure is the mean over tasks. Intervals are paired bootstraps (items
-resampled per task, the same draw for every variant); outcomes are compared item by item by exact McNemar tests.
+"""PROTOCOL's retention, (acc_variant - chance) / (acc_oracle - chance), which overstates what the handoff buys where
+the source alone is far above chance; so the gap closure measures from the source (0: the source alone, 1: the oracle).
+A variant's figure is the mean over tasks; intervals are paired bootstraps (items resampled per task, one draw).
 """
 from __future__ import annotations
 

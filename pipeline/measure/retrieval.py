@@ -1,9 +1,6 @@
-"""Long-context measures: pass-key retrieval by greedy decoding, agreement where the continuation recalls the prompt.
-
-Retrieval scores the variant's greedy tokens after a pass-key prompt against the key, beside the oracle's own score.
-Selection recall says whether a retrieval failed at the handoff's choice of positions or after it. Agreement on recall
-positions says whether information far back in the prompt survived the handoff, which running-text agreement,
-dominated by local context, does not.
+"""Long-context measures: pass-key retrieval by greedy decoding (selection recall: did it fail at the handoff's choice
+of positions or after?), and agreement where the continuation recalls the prompt, which running-text agreement,
+dominated by local context, does not isolate.
 """
 from __future__ import annotations
 

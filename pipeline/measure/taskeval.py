@@ -1,9 +1,5 @@
-"""Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
-
-Gives lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in document
-order) and one row per item for paired statistics: acc, acc_norm, the choices' log-likelihoods, the
-item's `kind` where marked, lm-eval's context and continuations, and per choice the token ids it was scored on (the
-context as lm-eval encoded it, before the router's truncation, and the continuation).
+"""Task accuracy through lm-eval's own HellaSwag / PIQA definitions on the pipeline's data files: lm-eval's aggregates,
+and one row per item for paired statistics (with per choice the token ids lm-eval encoded, before any truncation).
 """
 from __future__ import annotations
 

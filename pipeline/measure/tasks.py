@@ -1,8 +1,4 @@
-"""lm-eval's own HellaSwag and PIQA task definitions, pointed at local data files.
-
-Each generated task config `include`s the task's YAML shipped with lm-eval (so prompt rendering, preprocessing and
-metrics are lm-eval's) and overrides only where the documents come from.
-"""
+"""lm-eval's own HellaSwag and PIQA task definitions (`include`d), overriding only where the documents come from."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,5 @@
-"""The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each cheap
-figure ranks them the way retention does (held-out R², and each select-split prompt metric that
-`measure.prompt_metrics` marks a proxy), and the quality/speed frontier."""
+"""The candidates study (stage `candidates`): every fitted map evaluated like a mapped variant, how well each cheap
+figure (`proxies`) ranks them the way retention does, and the quality/speed frontier."""
 from __future__ import annotations
 
 import json

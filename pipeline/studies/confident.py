@@ -1,6 +1,5 @@
-"""The V0 variants where the oracle is sure (margin `measure.confident_margin`): the confident figures of
-`measure.confident`, each with its count and 95% bootstrap interval over prompts, beside V0's top-1 (kept as it is, for
-comparison with V0), and the mapped variant's paired confident top-1 difference with every other."""
+"""The V0 variants where the oracle is sure: `measure.confident`'s figures with counts and intervals beside V0's top-1,
+and the mapped variant's paired confident top-1 difference with every other."""
 from __future__ import annotations
 
 from pathlib import Path

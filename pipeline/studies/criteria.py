@@ -1,6 +1,5 @@
 """The acceptance criteria, declared in params before the run (`report.criteria`), each measured on the selected
-variant: the controls, retention and gap-closure floors (gap closure on `report.gap_closure_metric`), the perplexity
-ratio, beating the source alone and the nulls, non-inferiority to the oracle, and V0's agreement milestone."""
+variant."""
 from __future__ import annotations
 
 from pipeline.measure.retention import PROMPT_MEASURES

@@ -1,6 +1,5 @@
 """The distillation study (stage `distill`): each distilled map beside the fitted map it started from, on the select
-split and, where the candidates stage scored both, on the eval part: retention, gap closure and the paired differences
-(after - before) with bootstrap intervals, McNemar's p for the 0/1 figures."""
+split and, where the candidates stage scored both, on the eval part."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
-"""The length study (stage `length`): a map refitted on short prefixes of the fit sequences, with RoPE stripped (the
-pipeline's way) and with keys as cached (the ablation), used on longer prompts. Per prompt length both maps are compared
-with the oracle and each other; per bin of task context length (`report.length_bins`), on task accuracy.
+"""The length study (stage `length`): a map refitted on short prefixes, with RoPE stripped (the pipeline's way) and
+with keys as cached (the ablation), used on longer prompts.
 """
 from __future__ import annotations
 

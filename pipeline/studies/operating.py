@@ -1,6 +1,5 @@
-"""The operating study (stage `operating@<n>`): the handoff at lengths where prefill costs. Per length, every variant's
-quality and measured time to first token from the same prompts, pass-key retrieval beside the oracle's, and the front
-(`on_front`, by measured figures only: no other variant as good on confident agreement and speedup and better on one).
+"""The operating study (stage `operating@<n>`): the handoff at lengths where prefill costs, every variant's quality and
+measured TTFT on the same prompts, and the front of confident agreement against measured speedup.
 """
 from __future__ import annotations
 

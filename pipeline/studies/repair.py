@@ -1,7 +1,5 @@
 """The repair study (stage `repair`): mapped caches partly recomputed by the target, quality against budget, beside
-the baselines at the same budget: the truncated prompt, speculative prefill and the source alone (budget 0). With the
-candidates study at the same pair and length, the frontier of gap closure against the FLOP bound gains the repaired
-points."""
+the baselines at the same budget: the truncated prompt, speculative prefill and the source alone (budget 0)."""
 from __future__ import annotations
 
 import json

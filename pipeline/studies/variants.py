@@ -1,6 +1,5 @@
-"""The V0 study (the report's head): every declared variant's figures beside V0's published table, the paired
-comparisons, the acceptance criteria, the headline `dvc metrics` compares and the controls' table. V0's reference
-column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another pair's run names its pair instead."""
+"""The V0 study (the report's head): every declared variant's figures, the paired comparisons, the criteria and the
+headline. V0's reference column belongs to V0's pair only (`V0_PAIR`), whatever the profile is called."""
 from __future__ import annotations
 
 from pathlib import Path
