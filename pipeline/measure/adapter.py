@@ -174,7 +174,6 @@ class HandoffLM(TargetTokensLM):
                            self.ledger.cached())
 
     def served(self, kind: str, requests: list, answer) -> list:
-        """`answer(requests)`, or under a cache the cached answers and `answer` of the rest."""
         self._gathered = False
         return answer(requests) if self.cache is None else self.cache.serve(kind, requests, answer, self.ledger)
 

@@ -36,8 +36,6 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
                    progress: bool = True, ranks: Ranks = ONE_PROCESS, attention: bool = False) -> dict:
     """top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), with `attention` a list of (L_t, m, hidden);
     each rank runs every N-th batch, and every rank gets the whole outputs."""
-    if handoff.mode != "oracle":
-        raise ValueError("oracle outputs must come from the oracle handoff")
     stored, k = empty_oracle(handoff, prompts, top_k, horizon)
     outputs: list = [None] * len(prompts)
     starts = _my_batches(len(prompts), batch_size, ranks)
@@ -69,6 +67,8 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
 
 def empty_oracle(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int) -> tuple[dict, int]:
     """`oracle_outputs`' tensors before any prompt is read, and K (top_k, at most the vocabulary)."""
+    if handoff.mode != "oracle":
+        raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
     k = min(top_k, handoff.decoder.config.vocab_size)
     return {"top_ids": torch.zeros(len(prompts), width, k, dtype=torch.int64),
@@ -78,7 +78,6 @@ def empty_oracle(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: i
 
 
 def _my_batches(count: int, batch_size: int, ranks: Ranks) -> list[int]:
-    """First indices of the batches this rank runs (every N-th)."""
     starts = list(range(0, count, batch_size))
     return [starts[i] for i in ranks.share(len(starts))]
 
@@ -174,7 +173,6 @@ def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int
 
 def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int, progress: bool = True
                ) -> pd.DataFrame:
-    """`variant_rows`' rows, each prompt timed alone through `router`."""
     reads = timed_reads(router, prompts, oracle["greedy"].shape[1], warmup, progress)
     return pd.DataFrame([{**prompt_row(i, logprobs, prompts[i][1], rollout, oracle), **columns}
                          for i, (logprobs, rollout, columns) in enumerate(reads)])
@@ -183,8 +181,6 @@ def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int,
 def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
                  progress: bool = True) -> tuple[dict, pd.DataFrame]:
     """`oracle_outputs`' form and its timed rows against them from one timed pass: each prefix prefilled once."""
-    if router.handoff.mode != "oracle":
-        raise ValueError("oracle outputs must come from the oracle handoff")
     stored, k = empty_oracle(router.handoff, prompts, top_k, horizon)
     reads = list(timed_reads(router, prompts, horizon, warmup, progress))
     for i, (logprobs, rollout, _) in enumerate(reads):

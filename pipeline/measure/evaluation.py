@@ -134,21 +134,17 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
     if timed and ((store is not None and store.attention) or (oracle is not None and "attention" in oracle)):
         raise ValueError("evaluate: a timed evaluation reads no attention outputs; compare them untimed")
     rows = None
-    if prompts:
-        oracle, rows = prompt_rows(router, prompts, oracle, store, timed, warmup, ranks, progress)
+    if prompts and timed:
+        if oracle is None:
+            oracle, rows = timed_oracle(router, prompts, store.top_k, store.horizon, warmup, progress)
+        else:
+            rows = timed_rows(router, prompts, oracle, warmup, progress)
+    elif prompts:
+        if oracle is None:
+            oracle = oracle_outputs(router.handoff, prompts, store.top_k, store.horizon, router.batch_size, progress,
+                                    ranks, store.attention)
+        rows = variant_rows(router.handoff, prompts, oracle, router.batch_size, progress, ranks)
     summary, items = score_tasks(router, tokenizer, tasks, raw_to, ranks, task_limit) if tasks else ({}, None)
     figures = None if rows is None else PromptFigures.of(rows, margin)
     return Evaluation(figures, task_figures(summary, items) if summary else {}, rows, items,
                       oracle if store is not None else None)
-
-
-def prompt_rows(router: Router, prompts: list[Prompt], oracle: dict | None, store: OracleStore | None, timed: bool,
-                warmup: int, ranks: Ranks, progress: bool) -> tuple[dict, pd.DataFrame | None]:
-    handoff, batch = router.handoff, router.batch_size
-    if timed:
-        if oracle is None:
-            return timed_oracle(router, prompts, store.top_k, store.horizon, warmup, progress)
-        return oracle, timed_rows(router, prompts, oracle, warmup, progress)
-    if oracle is None:
-        oracle = oracle_outputs(handoff, prompts, store.top_k, store.horizon, batch, progress, ranks, store.attention)
-    return oracle, variant_rows(handoff, prompts, oracle, batch, progress, ranks)

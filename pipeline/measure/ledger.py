@@ -60,7 +60,6 @@ class Ledger:
         return out
 
     def gather(self, ranks) -> None:
-        """Every rank's entries merged into rank 0's."""
         ledgers = ranks.gather((self.entries, self.tokens))
         if ledgers is not None:
             self.entries = {key: value for entries, _ in ledgers for key, value in entries.items()}

@@ -13,20 +13,18 @@ np = lazy("numpy")
 pd = lazy("pandas")
 
 
-def retention(acc_variant: float, acc_oracle: float, chance: float) -> float:
-    if acc_oracle <= chance:
-        return float("nan")  # the oracle itself is at chance: nothing to retain
-    return (acc_variant - chance) / (acc_oracle - chance)
-
-
-def mean_retention(acc: dict[str, float], oracle: dict[str, float]) -> float:
-    return float(np.mean([retention(acc[t], oracle[t], CHANCE[t]) for t in TASKS]))
-
-
 def gap_closure(acc_variant: float, acc_source: float, acc_oracle: float) -> float:
     if acc_oracle <= acc_source:
         return float("nan")
     return (acc_variant - acc_source) / (acc_oracle - acc_source)
+
+
+def retention(acc_variant: float, acc_oracle: float, chance: float) -> float:
+    return gap_closure(acc_variant, chance, acc_oracle)  # the gap from chance; NaN where the oracle is at chance
+
+
+def mean_retention(acc: dict[str, float], oracle: dict[str, float]) -> float:
+    return float(np.mean([retention(acc[t], oracle[t], CHANCE[t]) for t in TASKS]))
 
 
 def mean_gap_closure(acc: dict[str, float], source: dict[str, float], oracle: dict[str, float]) -> float:

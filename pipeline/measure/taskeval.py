@@ -67,7 +67,7 @@ def without_repeated_work() -> None:
 
 def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS,
                 limit: int | None = None) -> tuple[dict | None, pd.DataFrame | None]:
-    """`evaluate_tasks` of the handoff `router` serves; `tokenizer`: the target's."""
+    """`tokenizer`: the target's."""
     return evaluate_tasks(adapter.HandoffLM(router, tokenizer, ranks=ranks), files, raw_to, limit)
 
 

@@ -144,7 +144,6 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def lookahead(select: dict) -> dict:
-    """Each look-ahead candidate's figures on the select split (metrics/select.json)."""
     if "selected_lookahead" not in select:
         return {"table": None}
     rows = [[label + (" (chosen)" if label == select["selected_lookahead"] else ""), pct(figures["agreement"]),
