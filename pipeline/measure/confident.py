@@ -20,8 +20,7 @@ def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def oracle_probability(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Per position (m,): exact where a token of `tokens` (m,) is among the top-K (`top_ids`, `top_logprobs`: (m, K)),
-    else 0 (a lower bound, as the KL's bucket for the rest)."""
+    """Per position (m,): the oracle's probability of `tokens` (m,) where among its top-K, else 0 (a lower bound)."""
     hit = top_ids == tokens[:, None]  # (m, K)
     return (top_logprobs.exp() * hit).sum(-1)
 

@@ -1,5 +1,4 @@
-"""One mode's continuation of a prompt as `generate` shows it: streamed, its route in words, where it leaves the
-oracle's."""
+"""One mode's continuation of a prompt as `generate` shows it: streamed, its route, where it leaves the oracle's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ def route_text(router: Router, prompt: Sequence[int], repaired: list[tuple[int, 
 
 
 def warm_up(routers: dict[str, Router], prompt: Sequence[int]) -> None:
-    """One untimed token of each mode, so the first prompt's times exclude lazy initialisation (the first cached
-    step, the first map)."""
+    """One untimed token of each mode, so the first prompt's times exclude lazy initialisation."""
     for router in routers.values():
         generate(router.handoff, prompt, 1)
 

@@ -1,5 +1,4 @@
-"""Paired statistics: bootstrap intervals of differences and McNemar's exact test over items; rank correlations and
-the Pareto front over candidates."""
+"""Paired statistics over items (bootstrap, McNemar, sign test) and over candidates (rank correlation, Pareto front)."""
 from __future__ import annotations
 
 from pipeline.store.lazy import lazy

@@ -1,5 +1,4 @@
-"""The latency study's section of the report: time to first token of the handoff against the target's prefill at
-each length (`metrics/latency.json`, stage latency), and each handoff's first step part by part."""
+"""The latency study's section (stage latency): TTFT of the handoff against the target's prefill, part by part."""
 from __future__ import annotations
 
 from pipeline.studies.format import md_table, pct

@@ -1,5 +1,4 @@
-"""What every study reads and is: the `Run` (the variants' evaluation and the files each study starts from) and the
-`Study` protocol a study module fills in."""
+"""What every study reads, the `Run` (the variants' evaluation and other files), and the `Study` it fills in."""
 from __future__ import annotations
 
 import json
