@@ -34,6 +34,7 @@ V0 = {
     "mapped_k4": (17.0744, 0.62, 0.512, 0.684),
 }
 V0_PAIR = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
+SELECTED_LABELS = {"selected": "Selected mapped transfer", "selected_repaired": "Selected mapped transfer, repaired"}
 # each mode's name and row in the table: below MAPS_ROW before the maps (V0's best per k, the selected, the repaired),
 # else after them; a mode not named here is a row by its own name after the others
 MAPS_ROW = 100
@@ -44,16 +45,18 @@ MODE_ROWS = {"oracle": ("Target full-prefill oracle", 0), "direct": ("Direct sou
 RIVALS = {"source": "the source model alone", "zero": "the zero-cache null", "shuffled": "the shuffled-cache null",
           "direct": "direct injection"}
 WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decides nothing
-# each variant named by its own row name: a mode's, then the selected map's
-LABELS = {**{name: words for name, (words, _) in MODE_ROWS.items()}, "selected": "Selected mapped transfer",
-          "selected_repaired": "Selected mapped transfer, repaired"}
+
+
+def labels() -> dict[str, str]:
+    """Read at each call, so a mode added to `MODE_ROWS` is named."""
+    return {**{name: words for name, (words, _) in MODE_ROWS.items()}, **SELECTED_LABELS}
 
 
 def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
     """A variant's row name from its metrics or report entry; a repaired one with its setting if `setting`."""
     entry = entry or {}
     facts = entry.get("map") or {}
-    name = LABELS.get(variant)
+    name = labels().get(variant)
     if name is None and facts.get("distilled"):
         name = f"Distilled mapped transfer, k={facts['k']}"
     if name is None and facts.get("best_of_k"):
@@ -65,9 +68,10 @@ def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
 def best_of_k(variants: dict) -> dict[int, str]:
     """Per k, the variant evaluating select's best closed-form map of that k (V0's rows), by its figures' `map`."""
     best: dict[int, str] = {}
+    named = labels()
     for name in sorted(variants):
         facts = variants[name].get("map") or {}
-        if facts.get("best_of_k") and name not in LABELS:
+        if facts.get("best_of_k") and name not in named:
             best.setdefault(facts["k"], name)
     return dict(sorted(best.items()))
 
@@ -97,9 +101,10 @@ def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
     best, ks = best_of_k(metrics), k_comparison(metrics)
     if ks is not None:
         compared[ks[0]] = (best[1], best[ks[1]])
+    named = labels()
     for variant in sorted(metrics):  # a distilled map against the best closed-form map of its start's k
         facts = metrics[variant].get("map") or {}
-        if variant not in LABELS and facts.get("distilled") and facts["k"] in best:
+        if variant not in named and facts.get("distilled") and facts["k"] in best:
             compared[f"{variant}_minus_{best[facts['k']]}"] = (variant, best[facts["k"]])
     compared[f"oracle_minus_{mapped}"] = ("oracle", mapped)
     comparisons = {name: comparison(items, run.prompts, a, b, "acc", *measure.bootstrap)
