@@ -1,7 +1,6 @@
 """A variant against the oracle on held-out prompts: one row per prompt; `measure.prompt_metrics` gives the figures.
 The oracle's outputs are stored once, compactly (per continuation position its top-K log-probabilities and ids, K >=
-vocabulary keeping the whole distribution, and its greedy rollout), and every variant is compared with that copy.
-"""
+vocabulary keeping the whole distribution, and its greedy rollout), and every variant is compared with that copy."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,5 @@
 """Agreement with the oracle where it is sure, and weighted by it: top-1 agreement counts a near-tie of the oracle's
-two best tokens as a coin flip the map must win, so it measures the tie, not the map.
-"""
+two best tokens as a coin flip the map must win, so it measures the tie, not the map."""
 from __future__ import annotations
 
 from pipeline.store.lazy import lazy

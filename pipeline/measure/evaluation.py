@@ -1,6 +1,5 @@
 """One evaluation of a handoff (the eval prompts against the oracle's stored outputs, and lm-eval's tasks) and its
-typed record. `Evaluation.figures()` is the JSON a stage writes: `{"prompts": {...}, "tasks": {"<task>": {...}}}`.
-"""
+typed record. `Evaluation.figures()` is the JSON a stage writes: `{"prompts": {...}, "tasks": {"<task>": {...}}}`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,7 +1,6 @@
 """The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each (a new metric is
 one entry). A `ratio` figure compares across texts only as a ratio to the oracle's (perplexities of different texts
-do not compare).
-"""
+do not compare)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

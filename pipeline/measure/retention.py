@@ -1,7 +1,6 @@
 """PROTOCOL's retention, (acc_variant - chance) / (acc_oracle - chance), which overstates what the handoff buys where
 the source alone is far above chance; so the gap closure measures from the source (0: the source alone, 1: the oracle).
-A variant's figure is the mean over tasks; intervals are paired bootstraps (items resampled per task, one draw).
-"""
+A variant's figure is the mean over tasks; intervals are paired bootstraps (items resampled per task, one draw)."""
 from __future__ import annotations
 
 from pipeline.measure.stats import mcnemar, paired_bootstrap

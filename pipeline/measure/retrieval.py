@@ -1,7 +1,6 @@
 """Long-context measures: pass-key retrieval by greedy decoding (selection recall: did it fail at the handoff's choice
 of positions or after?), and agreement where the continuation recalls the prompt, which running-text agreement,
-dominated by local context, does not isolate.
-"""
+dominated by local context, does not isolate."""
 from __future__ import annotations
 
 from typing import Sequence

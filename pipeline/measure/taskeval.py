@@ -1,6 +1,5 @@
 """Task accuracy through lm-eval's own HellaSwag / PIQA definitions on the pipeline's data files: lm-eval's aggregates,
-and one row per item for paired statistics (with per choice the token ids lm-eval encoded, before any truncation).
-"""
+and one row per item for paired statistics (with per choice the token ids lm-eval encoded, before any truncation)."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,5 @@
 """The length study (stage `length`): a map refitted on short prefixes, with RoPE stripped (the pipeline's way) and
-with keys as cached (the ablation), used on longer prompts.
-"""
+with keys as cached (the ablation), used on longer prompts."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
 """The operating study (stage `operating@<n>`): the handoff at lengths where prefill costs, every variant's quality and
-measured TTFT on the same prompts, and the front of confident agreement against measured speedup.
-"""
+measured TTFT on the same prompts, and the front of confident agreement against measured speedup."""
 from __future__ import annotations
 
 import json
