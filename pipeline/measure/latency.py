@@ -7,9 +7,7 @@ For a prompt c[0..n-1] (PROTOCOL.md, "Latency study"), with (b)'s parts named as
                   "source"                 "map" (a repair: its own part)    "step"
 
 Both paths run in one process on the same inputs, alternating repeat by repeat, so drift and other processes' load
-fall on both alike. Reported per length: median and interquartile range of each path, the medians of (b)'s parts,
-and speedup (a)/(b) beside the FLOP-model bound (`kv.flops`).
-"""
+fall on both alike; speedup (a)/(b) is reported beside the FLOP-model bound (`kv.flops`)."""
 from __future__ import annotations
 
 import sys

@@ -74,10 +74,9 @@ def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, mea
 
 @runtime_checkable
 class Study(Protocol):
-    """A study module: `load(run)` reads its input files (None when its stage did not run: the report leaves it out);
-    `compute(params, measure, inputs)` its statistics, its key of metrics/report.json (`measure`: how it resamples);
-    from that, `shown(study)` what its section's template (`templates/<module>.md.j2`, `studies.render`) reads beside
-    the study (its tables, what its words choose between) and `figure(study, folder)` its PNGs and tables."""
+    """A study module: `load(run)` its inputs (None when its stage did not run: left out), `compute` its key of
+    metrics/report.json, `shown(study)` what its template (`templates/<module>.md.j2`) reads beside the study (tables,
+    what its words choose between), `figure(study, folder)` its PNGs and their tables."""
 
     def load(self, run: Run) -> Any | None: ...
 
