@@ -1,9 +1,6 @@
-"""lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff.
-
-Tokenization and the context/continuation split are lm-eval's `TemplateLM`, as for its stock `hf` model, so a handoff
-is scored on the tokens `hf` would score. Every Instance's route is recorded; `get_model_info` keeps the router's
-record, the route counts and the routes other than the handoff's own way, so a result says what served each request.
-"""
+"""lm-eval's model over a `kv.router.Router`: tasks scored by the target after a KV-cache handoff, on the tokens
+lm-eval's stock `hf` would score (its `TemplateLM` split). Every request's route is recorded, so a result says what
+served each."""
 from __future__ import annotations
 
 import logging
@@ -34,8 +31,7 @@ def refuse_without_chat_template(tokenizer) -> None:
 
 
 def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[str], int]:
-    """(stop sequences, max_gen_toks) of a generate_until request; refused where max_gen_toks leaves the prompt no
-    position in `max_length` (as lm-eval's `hf` refuses it) or where it asks for sampling."""
+    """(stop sequences, max_gen_toks) of a generate_until request, refused where `hf` refuses it or it samples."""
     options = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
     until = handle_stop_sequences(options.pop("until", None), eos=eos)
     max_new = int(options.pop("max_gen_toks"))
@@ -51,8 +47,7 @@ def greedy_options(gen_kwargs: dict, eos: str, max_length: int) -> tuple[list[st
 
 
 class TargetTokensLM(TemplateLM):
-    """lm-eval's model's text side, as its stock `hf` model has it (the target's tokenizer, special tokens, chat
-    template, and lm-eval's context split); scoring is the subclass's."""
+    """lm-eval's model's text side as its stock `hf` has it (tokenizer, special tokens, chat template, split)."""
 
     def __init__(self, tokenizer, max_length: int):
         super().__init__()
@@ -79,8 +74,7 @@ class TargetTokensLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """As lm-eval's `hf` renders it. `chat_template(...)`, the template lm-eval records, is TemplateLM's, read
-        from the same tokenizer."""
+        """As lm-eval's `hf` renders it (`chat_template(...)`, which lm-eval records, is TemplateLM's)."""
         refuse_without_chat_template(self.tokenizer)
 
         def render(messages: list[dict[str, str]]) -> str:
@@ -120,8 +114,7 @@ class HandoffLM(TargetTokensLM):
 
     def __init__(self, router: Router, tokenizer, max_length: int | None = None, ranks: Ranks = ONE_PROCESS,
                  cache: RequestCache | None = None):
-        """`router` serves `router.batch_size` contexts a forward; `max_length`: the window contexts are truncated to
-        (default: the target's positions)."""
+        """`max_length`: the window contexts are truncated to (default: the target's positions)."""
         if not isinstance(router, Router):  # a handoff alone: Router(handoff, batch_size) routes it
             raise TypeError(f"HandoffLM reads a kv.router.Router, not {type(router).__name__}")
         self.router = router
@@ -163,29 +156,24 @@ class HandoffLM(TargetTokensLM):
         return self.handoff.device
 
     def route_counts(self) -> dict[str, dict[str, int]]:
-        """Per task: its requests and how many went each way (every router way, and CACHED under a cache, zeros
-        included)."""
+        """Per task: its requests and how many went each way (CACHED too under a cache; zeros included)."""
         return self.ledger.counts(self.router.ways() + ([CACHED] if self.cache is not None else []))
 
     def route_record(self) -> dict:
-        """The router's record, the counts per task (and the ways that first served cached requests), and the routes
-        of each document where any differs from the handoff's own."""
+        """The router's record, the counts per task, and each document's routes where any is not the handoff's own."""
         own = served_by(self.handoff.mode, self.router.repaired)
         cached = {} if self.cache is None else {"cached": self.ledger.cached(), "cache": self.cache.path}
         return {**self.router.record(), "routes": self.route_counts(), **cached,
                 "requests": self.ledger.by_document(keep=lambda routes: any(route.way != own for route in routes))}
 
     def get_model_info(self) -> dict:
-        """Recorded by lm-eval in its results' `config` (on rank 0, after the evaluation)."""
         return {"kv_transfer": self.route_record()}
 
     def route_lines(self) -> list[str]:
-        """The route counts as text, under a header naming the transfer and the repair."""
         return count_lines(f"transfer={self.handoff.mode}, repair={self.handoff.repair}", self.route_counts(),
                            self.ledger.cached())
 
     def served(self, kind: str, requests: list, answer) -> list:
-        """`answer(requests)`, or under a cache the cached answers and `answer` of the rest."""
         self._gathered = False
         return answer(requests) if self.cache is None else self.cache.serve(kind, requests, answer, self.ledger)
 
@@ -223,8 +211,7 @@ class HandoffLM(TargetTokensLM):
                                                                           desc="rolling loglikelihood")])
 
     def rolling_total(self, request, disable_tqdm: bool) -> float:
-        """One document's log-likelihood, summed over lm-eval's rolling windows (the first reads a one-token
-        context, each later one the tokens before it), served by the model's own prefill (OWN_MODES only)."""
+        """One document's log-likelihood summed over lm-eval's rolling windows, served by the model's own prefill."""
         (string,) = request.args
         windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
             token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
@@ -238,8 +225,7 @@ class HandoffLM(TargetTokensLM):
             self.generated(request) for request in tqdm(fresh, disable=disable_tqdm, desc="generate_until")])
 
     def generated(self, request) -> str:
-        """Greedy text after the context's handoff; the context is left-truncated, with a warning, to the positions
-        max_gen_toks leaves, as `hf` does."""
+        """Greedy text after the context's handoff; the context left-truncated to what max_gen_toks leaves, as `hf`."""
         context, gen_kwargs = request.args
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         until, max_new = greedy_options(gen_kwargs, eos, self.max_length)

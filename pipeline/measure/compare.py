@@ -1,10 +1,6 @@
 """A variant against the oracle on held-out prompts: one row per prompt; `measure.prompt_metrics` gives the figures.
-
-The oracle's outputs are computed once and stored compactly (per continuation position its top-K log-probabilities
-and token ids, K >= vocabulary keeping the whole distribution, and its greedy rollout); every variant is compared with
-that copy. A timed row runs its prompt alone through the router's timed first step, then reads its continuation and
-greedy rollout from that one cache.
-"""
+The oracle's outputs are stored once, compactly (per continuation position its top-K log-probabilities and ids, K >=
+vocabulary keeping the whole distribution, and its greedy rollout), and every variant is compared with that copy."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,11 +33,8 @@ def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
 
 def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int, batch_size: int,
                    progress: bool = True, ranks: Ranks = ONE_PROCESS, attention: bool = False) -> dict:
-    """top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), and with `attention` the attention outputs
-    per prompt (a list of (L_t, m, hidden)). Under several processes each rank runs every N-th batch, and every rank
-    gets the whole outputs."""
-    if handoff.mode != "oracle":
-        raise ValueError("oracle outputs must come from the oracle handoff")
+    """top_ids/top_logprobs (N, M, K), lengths (N,), greedy (N, horizon), with `attention` a list of (L_t, m, hidden);
+    each rank runs every N-th batch, and every rank gets the whole outputs."""
     stored, k = empty_oracle(handoff, prompts, top_k, horizon)
     outputs: list = [None] * len(prompts)
     starts = _my_batches(len(prompts), batch_size, ranks)
@@ -73,6 +66,8 @@ def oracle_outputs(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon:
 
 def empty_oracle(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: int) -> tuple[dict, int]:
     """`oracle_outputs`' tensors before any prompt is read, and K (top_k, at most the vocabulary)."""
+    if handoff.mode != "oracle":
+        raise ValueError("oracle outputs must come from the oracle handoff")
     width = max(len(cont) for _, cont in prompts)
     k = min(top_k, handoff.decoder.config.vocab_size)
     return {"top_ids": torch.zeros(len(prompts), width, k, dtype=torch.int64),
@@ -82,7 +77,6 @@ def empty_oracle(handoff: Handoff, prompts: list[Prompt], top_k: int, horizon: i
 
 
 def _my_batches(count: int, batch_size: int, ranks: Ranks) -> list[int]:
-    """First indices of the batches this rank runs (every N-th): a batch is the same computation on any rank."""
     starts = list(range(0, count, batch_size))
     return [starts[i] for i in ranks.share(len(starts))]
 
@@ -101,8 +95,7 @@ def _kl_on_top(oracle_logprobs: torch.Tensor, oracle_ids: torch.Tensor, variant_
 
 def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_size: int,
                  progress: bool = True, ranks: Ranks = ONE_PROCESS) -> pd.DataFrame | None:
-    """One row per prompt: NLL, agreement counts, KL sum and rollout agreement against the oracle. Under several
-    processes the rows are gathered on rank 0 in prompt order; None on the other ranks."""
+    """One row per prompt against the oracle, gathered on rank 0 in prompt order; None on the other ranks."""
     horizon = oracle["greedy"].shape[1]
     attention = "attention" in oracle
     rows = []
@@ -127,9 +120,8 @@ def variant_rows(handoff: Handoff, prompts: list[Prompt], oracle: dict, batch_si
 
 def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], rollout: torch.Tensor,
                oracle: dict, attention: torch.Tensor | None = None) -> dict:
-    """`logprobs` (m, V) over the continuation, `rollout` (horizon,), `attention` (L_t, m, hidden) where the oracle's
-    are stored. A position agrees where the variant's argmax is the oracle's, teacher-forced; `first_agree` is the
-    first position after the prompt (V0's column)."""
+    """`logprobs` (m, V), `rollout` (horizon,), `attention` (L_t, m, hidden). A position agrees where the teacher-forced
+    argmax is the oracle's; `first_agree` is V0's column, the first position after the prompt."""
     m = len(continuation)
     logprobs = logprobs.cpu()  # (m, V)
     targets = torch.tensor(list(continuation))
@@ -161,11 +153,8 @@ FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step")
 
 
 def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int, progress: bool = True):
-    """Per prompt, run alone through `router`'s first step: its logprobs (m, V) over its continuation, its greedy
-    rollout (horizon,) and its row's timed columns: the greedy tokens (a pass-key item is scored on them), the route's
-    way, `ttft_ms` (the first step's whole path) and each part of `FIRST_STEP_PARTS` in ms and, where the handoff
-    chose positions to compute, `selected` (a pass-key item's selection recall). The first prompt runs `warmup` times
-    untimed first."""
+    """Per prompt, run alone through `router`'s first step: its logprobs (m, V), greedy rollout (horizon,) and timed
+    columns (greedy tokens, way, `ttft_ms`, each part's ms, `selected`); the first prompt runs `warmup` times first."""
     for _ in range(warmup if prompts else 0):
         router.first_step(router.handoff.context(prompts[0][0]))
     for context, continuation in tqdm(prompts, desc=f"timed ({router.handoff.mode})", unit="prompt",
@@ -183,7 +172,6 @@ def timed_reads(router: Router, prompts: list[Prompt], horizon: int, warmup: int
 
 def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int, progress: bool = True
                ) -> pd.DataFrame:
-    """`variant_rows`' rows, each prompt timed alone through `router`, with its route's way and times."""
     reads = timed_reads(router, prompts, oracle["greedy"].shape[1], warmup, progress)
     return pd.DataFrame([{**prompt_row(i, logprobs, prompts[i][1], rollout, oracle), **columns}
                          for i, (logprobs, rollout, columns) in enumerate(reads)])
@@ -191,10 +179,7 @@ def timed_rows(router: Router, prompts: list[Prompt], oracle: dict, warmup: int,
 
 def timed_oracle(router: Router, prompts: list[Prompt], top_k: int, horizon: int, warmup: int,
                  progress: bool = True) -> tuple[dict, pd.DataFrame]:
-    """`oracle_outputs`' form from one timed pass of the oracle's router, and its timed rows against them: each
-    prompt's prefix is prefilled once for both."""
-    if router.handoff.mode != "oracle":
-        raise ValueError("oracle outputs must come from the oracle handoff")
+    """`oracle_outputs`' form and its timed rows against them from one timed pass: each prefix prefilled once."""
     stored, k = empty_oracle(router.handoff, prompts, top_k, horizon)
     reads = list(timed_reads(router, prompts, horizon, warmup, progress))
     for i, (logprobs, rollout, _) in enumerate(reads):

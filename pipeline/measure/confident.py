@@ -1,9 +1,5 @@
-"""Agreement with the oracle that does not saturate on near-ties: where the oracle is sure, and weighted by it.
-
-Top-1 agreement counts a position where the oracle's two best tokens nearly tie as a coin flip the map must win, so
-it measures the tie, not the map. These figures read, per continuation position, the oracle's top-2 margin and its
-probability of the variant's argmax, both from its stored top-K log-probabilities.
-"""
+"""Agreement with the oracle where it is sure, and weighted by it: top-1 agreement counts a near-tie of the oracle's
+two best tokens as a coin flip the map must win, so it measures the tie, not the map."""
 from __future__ import annotations
 
 from pipeline.store.lazy import lazy
@@ -23,8 +19,7 @@ def oracle_margin(top_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def oracle_probability(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Per position (m,): exact where a token of `tokens` (m,) is among the top-K (`top_ids`, `top_logprobs`: (m, K)),
-    else 0 (a lower bound, as the KL's bucket for the rest)."""
+    """Per position (m,): the oracle's probability of `tokens` (m,) where among its top-K, else 0 (a lower bound)."""
     hit = top_ids == tokens[:, None]  # (m, K)
     return (top_logprobs.exp() * hit).sum(-1)
 
@@ -39,8 +34,8 @@ def confident_prompts(rows: pd.DataFrame, margin: float) -> np.ndarray:
 
 
 def _arrays(rows: pd.DataFrame, margin: float) -> tuple:
-    """Per prompt: first position confident (N,) and first agreement (N,); per position of all prompts (P,): the
-    prompt it belongs to, confident, agreeing and the oracle's probability of the variant's argmax."""
+    """Per prompt (N,): first position confident, first agreement; per position (P,): its prompt, confident, agreeing
+    and the oracle's probability of the variant's argmax."""
     margins = [np.asarray(m, dtype=float) for m in rows[MARGINS]]
     first = confident_prompts(rows, margin)  # (N,)
     owner = np.concatenate([np.full(len(m), i) for i, m in enumerate(margins)])  # (P,)
@@ -51,15 +46,9 @@ def _arrays(rows: pd.DataFrame, margin: float) -> tuple:
 
 
 def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | int | None]:
-    """The confident figures of a variant's per-prompt rows at oracle margin >= `margin`:
-
-    - confident_top1: V0's column over the confident prompts (whose first position after the prompt, V0's, has margin
-      >= `margin`), with their count and share (the ceiling a reader needs);
-    - confident_agreement: agreement over every teacher-forced position with margin >= `margin`, count and share;
-    - oracle_weighted_agreement: the mean over all positions of the oracle's probability of the variant's argmax (the
-      oracle itself scores its mean top probability).
-
-    A share over no confident prompt or position is None (the report's "n/a"), never a division by zero."""
+    """confident_top1: V0's column over the prompts whose first position has margin >= `margin`; confident_agreement:
+    over every such position; oracle_weighted_agreement: the mean oracle probability of the variant's argmax. A share
+    over none is None (the report's "n/a")."""
     first, first_agree, _, confident, agree, probability = _arrays(rows, margin)
     prompts, positions = int(first.sum()), int(confident.sum())
     return {
@@ -72,15 +61,13 @@ def confidence_summary(rows: pd.DataFrame, margin: float) -> dict[str, float | i
 
 
 def confidence_intervals(rows: pd.DataFrame, margin: float, iters: int, seed: int) -> dict[str, float | None]:
-    """95% percentile intervals (`<figure>_low`, `<figure>_high`) of the three figures from resampling prompts (a
-    prompt's positions stay together: they share its context); None where a figure has no confident prompt/position."""
+    """95% percentile intervals (`<figure>_low`, `_high`) from resampling prompts (a prompt's positions together)."""
     first, first_agree, owner, confident, agree, probability = _arrays(rows, margin)
     count = len(first)
     picks = np.random.default_rng(seed).integers(0, count, size=(iters, count))  # (iters, N)
     weights = np.stack([np.bincount(p, minlength=count) for p in picks])  # (iters, N): times each prompt is drawn
 
     def ratio(numerator, denominator) -> tuple[float | None, float | None]:
-        """The interval of sum(numerator) / sum(denominator) over drawn prompts (per prompt sums (N,))."""
         if not denominator.sum():
             return None, None
         with np.errstate(divide="ignore", invalid="ignore"):

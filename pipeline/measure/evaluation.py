@@ -1,10 +1,5 @@
-"""One evaluation of a handoff, and its typed record.
-
-A handoff is scored on the eval prompts against the oracle's stored outputs and on lm-eval's tasks. Timed, each prompt
-runs alone through the router's first step, timed part by part on a synchronized clock, and its row gains `ttft_ms` and
-the parts. `Evaluation.figures()` is the nested JSON a stage writes:
-`{"prompts": {...}, "tasks": {"<task>": {..., "kinds": {...}}}}`.
-"""
+"""One evaluation of a handoff (the eval prompts against the oracle's stored outputs, and lm-eval's tasks) and its
+typed record. `Evaluation.figures()` is the JSON a stage writes: `{"prompts": {...}, "tasks": {"<task>": {...}}}`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,8 +21,6 @@ COUNTS = ("confident_prompts", "confident_prompt_share", "confident_positions", 
 
 
 class OracleStore(NamedTuple):
-    """How the oracle's outputs are stored when an evaluation computes them."""
-
     top_k: int
     horizon: int
     attention: bool = False  # its attention outputs too (the select stage's cosine)
@@ -35,8 +28,6 @@ class OracleStore(NamedTuple):
 
 @dataclass
 class TaskFigures:
-    """One task's figures: lm-eval's aggregates over its items, and the accuracies per item kind."""
-
     acc: float
     acc_norm: float
     acc_stderr: float
@@ -58,7 +49,6 @@ class PromptFigures:
 
     @classmethod
     def of(cls, rows: pd.DataFrame, margin: float | None) -> PromptFigures:
-        """Without a `margin`, no confident figure and no counts."""
         summary = {} if margin is None else confidence_summary(rows, margin)
         timed = None
         if "ttft_ms" in rows:
@@ -69,7 +59,6 @@ class PromptFigures:
                    attention_layers(rows) if "attention_cosine" in rows else None, timed)
 
     def ratios(self, oracle: PromptFigures) -> dict[str, float]:
-        """Each metric compared across texts as a ratio (perplexity's `ppl_ratio`): figure / the oracle's."""
         return {metric.ratio: self.metrics[name] / oracle.metrics[name] for name, metric in PROMPT_METRICS.items()
                 if metric.ratio and name in self.metrics}
 
@@ -86,7 +75,7 @@ class PromptFigures:
 
 @dataclass
 class Evaluation:
-    """One evaluated handoff: its figures and its rows (None, {}: what was not asked, or another rank's share)."""
+    """None, {}: what was not asked, or another rank's share."""
 
     prompts: PromptFigures | None
     tasks: dict[str, TaskFigures]
@@ -95,8 +84,7 @@ class Evaluation:
     oracle: dict | None = None  # the oracle's stored outputs, where this evaluation computed them
 
     def figures(self, digits: int = 6, oracle: Evaluation | None = None) -> dict:
-        """The nested JSON of the figures, floats rounded to `digits`; with the `oracle`'s evaluation, the prompt
-        figures compared as ratios too."""
+        """With the `oracle`'s evaluation, the prompt figures compared as ratios too."""
         out: dict = {}
         if self.prompts is not None:
             out["prompts"] = self.prompts.as_json(None if oracle is None else oracle.prompts)
@@ -105,7 +93,6 @@ class Evaluation:
         return rounded(out, digits)
 
     def write_rows(self, prompts: Path | None = None, items: Path | None = None) -> None:
-        """The prompt and item rows as parquet files, where given a path and held."""
         for path, rows in ((prompts, self.prompt_rows), (items, self.item_rows)):
             if path is not None and rows is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +100,6 @@ class Evaluation:
 
 
 def rounded(value, digits: int):
-    """`value` with every float in it rounded to `digits` (None, ints and strings as they are)."""
     if isinstance(value, dict):
         return {key: rounded(item, digits) for key, item in value.items()}
     if isinstance(value, list):
@@ -122,7 +108,6 @@ def rounded(value, digits: int):
 
 
 def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
-    """Per task, lm-eval's aggregates (`summary`) and the mean of each `TASK_METRICS` over the items of each kind."""
     out = {}
     for task, result in summary.items():
         marked = items[items.task == task].dropna(subset=["kind"])
@@ -137,11 +122,9 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
              margin: float | None = None, store: OracleStore | None = None, tasks: dict[str, Path] | None = None,
              tokenizer=None, timed: bool = False, warmup: int = 0, ranks: Ranks = ONE_PROCESS,
              raw_to: Path | None = None, progress: bool = True, task_limit: int | None = None) -> Evaluation:
-    """The handoff `router` serves, on `prompts` against the `oracle`'s stored outputs (without them the router is
-    the oracle's, its outputs computed as `store` says and returned), with confident figures at `margin` (None: not
-    measured), and on `tasks` (task -> item file; lm-eval's own results and samples to `raw_to`; `task_limit`: each
-    task's first n items). `router.batch_size` prompts and contexts a forward; `timed`: each prompt alone, after
-    `warmup` untimed runs of the first. Under several `ranks` each scores its share, untimed; rank 0 gets all."""
+    """`router`'s handoff on `prompts` against the `oracle`'s stored outputs (None: the router is the oracle's, its
+    outputs computed as `store` says and returned) and on `tasks` (lm-eval's raw output to `raw_to`); `timed`: each
+    prompt alone, after `warmup` untimed runs of the first. Under several `ranks`, rank 0 gets all."""
     prompts = list(prompts)
     if prompts and oracle is None and store is None:
         raise ValueError("evaluate: without the oracle's stored outputs, say how to store them (store=OracleStore)")
@@ -150,22 +133,17 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
     if timed and ((store is not None and store.attention) or (oracle is not None and "attention" in oracle)):
         raise ValueError("evaluate: a timed evaluation reads no attention outputs; compare them untimed")
     rows = None
-    if prompts:
-        oracle, rows = prompt_rows(router, prompts, oracle, store, timed, warmup, ranks, progress)
+    if prompts and timed:
+        if oracle is None:
+            oracle, rows = timed_oracle(router, prompts, store.top_k, store.horizon, warmup, progress)
+        else:
+            rows = timed_rows(router, prompts, oracle, warmup, progress)
+    elif prompts:
+        if oracle is None:
+            oracle = oracle_outputs(router.handoff, prompts, store.top_k, store.horizon, router.batch_size, progress,
+                                    ranks, store.attention)
+        rows = variant_rows(router.handoff, prompts, oracle, router.batch_size, progress, ranks)
     summary, items = score_tasks(router, tokenizer, tasks, raw_to, ranks, task_limit) if tasks else ({}, None)
     figures = None if rows is None else PromptFigures.of(rows, margin)
     return Evaluation(figures, task_figures(summary, items) if summary else {}, rows, items,
                       oracle if store is not None else None)
-
-
-def prompt_rows(router: Router, prompts: list[Prompt], oracle: dict | None, store: OracleStore | None, timed: bool,
-                warmup: int, ranks: Ranks, progress: bool) -> tuple[dict, pd.DataFrame | None]:
-    """The oracle's stored outputs (computed first where not given) and the router's prompt rows against them."""
-    handoff, batch = router.handoff, router.batch_size
-    if timed:
-        if oracle is None:
-            return timed_oracle(router, prompts, store.top_k, store.horizon, warmup, progress)
-        return oracle, timed_rows(router, prompts, oracle, warmup, progress)
-    if oracle is None:
-        oracle = oracle_outputs(handoff, prompts, store.top_k, store.horizon, batch, progress, ranks, store.attention)
-    return oracle, variant_rows(handoff, prompts, oracle, batch, progress, ranks)

@@ -1,6 +1,4 @@
-"""One mode's continuation of a prompt, as `generate` shows it: decoded through its router, streamed as its tokens
-come, its route in words and where it departs from the oracle's.
-"""
+"""One mode's continuation of a prompt as `generate` shows it: streamed, its route, where it leaves the oracle's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +11,6 @@ from pipeline.kv.routes import EMPTY_PREFIX, REPAIRED, SENTENCES
 
 @dataclass
 class Generation:
-    """One mode's continuation of one prompt."""
-
     mode: str
     tokens: list[int]
     ttft_ms: float  # cache built, prompt[-1] read, first token picked
@@ -45,15 +41,13 @@ def route_text(router: Router, prompt: Sequence[int], repaired: list[tuple[int, 
 
 
 def warm_up(routers: dict[str, Router], prompt: Sequence[int]) -> None:
-    """One untimed token of each mode, so the first prompt's times exclude lazy initialisation (the first cached
-    step, the first map)."""
+    """One untimed token of each mode, so the first prompt's times exclude lazy initialisation."""
     for router in routers.values():
         generate(router.handoff, prompt, 1)
 
 
 class Stream:
-    """Prints a mode's text as its tokens come, writing only the decoded text's new end (a token whose bytes are not
-    a whole character yet waits for the next)."""
+    """Prints a mode's text as its tokens come (a token not yet a whole character waits for the next)."""
 
     def __init__(self, tokenizer, mode: str, width: int, out):
         self.tokenizer, self.out, self.shown = tokenizer, out, ""
@@ -75,7 +69,6 @@ class Stream:
 
 def continued(router: Router, prompt: Sequence[int], max_new_tokens: int, stop, temperature: float, seed: int,
               stream: "Stream") -> Generation:
-    """Decoded by the router's handoff, streamed."""
     handoff = router.handoff
     logged = len(handoff.repaired.log)
     tokens, ttft_ms = generate(handoff, prompt, max_new_tokens, stop, temperature, seed, stream)

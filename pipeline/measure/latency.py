@@ -7,9 +7,7 @@ For a prompt c[0..n-1] (PROTOCOL.md, "Latency study"), with (b)'s parts named as
                   "source"                 "map" (a repair: its own part)    "step"
 
 Both paths run in one process on the same inputs, alternating repeat by repeat, so drift and other processes' load
-fall on both alike. Reported per length: median and interquartile range of each path, the medians of (b)'s parts,
-and speedup (a)/(b) beside the FLOP-model bound (`kv.flops`).
-"""
+fall on both alike; speedup (a)/(b) is reported beside the FLOP-model bound (`kv.flops`)."""
 from __future__ import annotations
 
 import sys
@@ -55,7 +53,7 @@ def check_lengths(lengths: list[int], where: str) -> None:
 
 @no_grad
 def target_first_token(target, ids: torch.Tensor):
-    """Path (a) for ids (1, n); returns the target's output (cache and last logits)."""
+    """Path (a) for ids (1, n)."""
     output = target(input_ids=ids, use_cache=True, logits_to_keep=1)
     output.logits[0, -1].argmax().item()  # the first token, on the host as a server would need it
     return output
@@ -63,29 +61,26 @@ def target_first_token(target, ids: torch.Tensor):
 
 @no_grad
 def handoff_first_token(handoff: Handoff, ids: torch.Tensor) -> tuple[FirstStep, Stopwatch]:
-    """Path (b) for ids (1, n), and the clock that timed its parts (`prefill`, the source's; `map`; `repair`, where
-    the handoff repairs; `step`; ...)."""
+    """Path (b) for ids (1, n), and the clock that timed its parts."""
     clock = Stopwatch(handoff.device)
     return handoff.first_step(Prefixes.of(ids), clock), clock
 
 
 def time_handoff(handoff: Handoff, ids: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of path (b), `handoff`, and of each part its clock timed, from one run."""
+    """Milliseconds of path (b), `handoff`, and of each part, from one run."""
     _, clock = handoff_first_token(handoff, ids)
     return {"handoff": clock.total_ms(), **clock.parts_ms()}
 
 
 def part_macs(handoff: Handoff, length: int) -> dict[str, int]:
-    """The multiply-adds of each part of `handoff`'s first step on a `length`-token prompt."""
     mapper = 0 if handoff.mapper is None else handoff.mapper.macs_per_token()
     return first_step_macs(handoff.source.config, handoff.decoder.config, length, mapper, handoff.repair,
                            handoff.speculative, handoff.share)
 
 
 def decomposition(samples: list[dict[str, float]], target_ms: float, macs: dict[str, int], target_macs: int) -> dict:
-    """One handoff at one length: median time, speedup and FLOP bound, and per part its median ms, its shares of the
-    target prefill's time and multiply-adds, and their ratio (1: the part runs at its multiply-adds' cost; above:
-    slower than they imply)."""
+    """Median time, speedup and FLOP bound, and per part its median ms, its shares of the target prefill's time and
+    multiply-adds, and their ratio (1: the part runs at its multiply-adds' cost; above: slower)."""
     handoff_ms = _quantile([sample["handoff"] for sample in samples], 0.5)
     parts = {}
     for part, part_count in macs.items():
@@ -99,10 +94,8 @@ def decomposition(samples: list[dict[str, float]], target_ms: float, macs: dict[
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:
-    """Peak torch-allocated bytes above the level before `run` (the weights), while it runs and while its result
-    lives: `torch.cuda.max_memory_allocated` on a GPU; on a CPU the running sum of the CPU allocator's allocation and
-    free events recorded by `torch.profiler`. Memory allocated outside torch's allocator (Python objects, BLAS
-    scratch) is not counted."""
+    """Peak torch-allocated bytes above the level before `run` while it and its result live: on a CPU the running sum
+    of the allocator's events `torch.profiler` records. Memory outside torch's allocator is not counted."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -142,8 +135,7 @@ def _iqr(samples: list[float]) -> float:
 
 def alternated(target, handoffs: dict[str, Handoff], ids: torch.Tensor, warmup: int, repeats: int, bar
                ) -> tuple[list[float], dict[str, list[dict[str, float]]]]:
-    """The target prefill's ms and each handoff's parts in each timed repeat (paths run in turn within a repeat),
-    after `warmup` untimed ones."""
+    """The target prefill's ms and each handoff's parts per timed repeat (paths in turn within a repeat)."""
     timed: dict[str, list[dict[str, float]]] = {name: [] for name in handoffs}
     targets: list[float] = []
     for repeat in range(warmup + repeats):
@@ -161,10 +153,8 @@ def alternated(target, handoffs: dict[str, Handoff], ids: torch.Tensor, warmup: 
 
 def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
             progress: bool = True, rivals: dict[str, Handoff] | None = None) -> list[dict]:
-    """One row per length: timings (ms), the FLOP bound and, with `memory`, peak memory (MiB) of both paths, and
-    under `parts` each handoff's decomposition: `handoff` as `mapped`, then each of `rivals` (a repaired map,
-    speculative prefill), timed in the same repeats against the same target prefill. Memory takes one more (untimed,
-    profiled on a CPU) run of each path per length."""
+    """One row per length: timings (ms), the FLOP bound, with `memory` peak MiB of both paths (one more untimed run
+    each), and under `parts` the decomposition of `handoff` (as `mapped`) and `rivals`, timed in the same repeats."""
     target, source, mapper = handoff.decoder, handoff.source, handoff.mapper
     handoffs = {"mapped": handoff, **(rivals or {})}
     mapper_macs = mapper.macs_per_token()
@@ -215,7 +205,6 @@ def measure(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, mem
 
 
 def length_metrics(rows: list[dict], env: dict) -> dict:
-    """The environment's figures, then each prompt length's row under `by_length/<tokens>/`."""
     return {**env, "by_length": {str(row["length"]): {key: value for key, value in row.items() if key != "length"}
                                  for row in rows}}
 
@@ -271,7 +260,6 @@ def write_plot(rows: list[dict], env: dict, path: Path) -> None:
 
 def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory: bool = True,
         rivals: dict[str, Handoff] | None = None) -> tuple[list[dict], dict]:
-    """Rows of `measure` and the environment they were measured in."""
     device, mapper = handoff.device, handoff.mapper
     return measure(handoff, lengths, warmup, repeats, memory, rivals=rivals), {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -288,8 +276,7 @@ def run(handoff: Handoff, lengths: list[int], warmup: int, repeats: int, memory:
 
 
 def random_pair_handoff(pair: str, dtype: str, device: str, k: int, family: str, width: int | None = None) -> Handoff:
-    """The handoff between random models of a named pair's real shapes, through a random mapper of `family`, k and
-    `width` (the family's inner size, where it has one)."""
+    """The handoff between random models of a named pair's shapes through a random mapper."""
     source_config, target_config = pair_configs(pair)
     target = random_model(target_config, dtype, device, seed=1)
     source = random_model(source_config, dtype, device, seed=2)

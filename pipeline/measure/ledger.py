@@ -1,7 +1,5 @@
-"""The ledger: how the `kv-transfer` lm-eval model served each request, counted per task, listed per document and
-gathered over ranks; and the request cache of `--use_cache`, which keeps each answer with the route that first served
-it, so a request it answers later is counted as `cached` with that way.
-"""
+"""How the `kv-transfer` lm-eval model served each request, and the `--use_cache` request cache, which keeps each
+answer with the route that first served it (a later hit counts as `cached` with that way)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -13,9 +11,8 @@ from pipeline.kv.routes import CACHED, Route
 
 
 class Ledger:
-    """The route of every lm-eval Instance a model served: (task, doc id, request index) -> (route, repr of its
-    args), and of each log-likelihood request the token ids it was scored on: (context, continuation). A request
-    seen twice (lm-eval pads a rank's requests with copies of its last one) is one entry."""
+    """(task, doc id, request index) -> (route, repr of its args), and (context, continuation) ids of each
+    log-likelihood request. A request seen twice (lm-eval's padding of a rank's requests) is one entry."""
 
     def __init__(self):
         self.entries: dict[tuple, tuple[Route, str]] = {}
@@ -31,7 +28,6 @@ class Ledger:
         return self.entries[(request.task_name, request.doc_id, request.idx)][0]
 
     def counts(self, ways: list[str]) -> dict[str, dict[str, int]]:
-        """Per task: its requests and how many went each way (every one of `ways`, zeros included)."""
         counts: dict[str, dict[str, int]] = {}
         for (task, _, _), (route, _) in self.entries.items():
             tally = counts.setdefault(str(task), dict.fromkeys(["requests", *ways], 0))
@@ -49,8 +45,7 @@ class Ledger:
         return dict(sorted(counts.items()))
 
     def by_document(self, keep: Callable[[list[Route]], bool]) -> dict[str, dict[str, dict[str, list]]]:
-        """Per task and document (its id as text), its requests' ways (and the ways that first served cached ones) in
-        request order, for the documents whose routes `keep` accepts."""
+        """Per task and document, its requests' ways (and first ways of cached ones), where `keep` accepts them."""
         documents: dict[tuple[str, int], dict[int, Route]] = {}
         for (task, doc_id, index), (route, _) in self.entries.items():
             documents.setdefault((str(task), doc_id), {})[index] = route
@@ -65,8 +60,6 @@ class Ledger:
         return out
 
     def gather(self, ranks) -> None:
-        """Every rank's entries (`ranks`: a `store.ranks.Ranks`; lm-eval gives each rank every N-th document) merged
-        into rank 0's; a no-op in one process."""
         ledgers = ranks.gather((self.entries, self.tokens))
         if ledgers is not None:
             self.entries = {key: value for entries, _ in ledgers for key, value in entries.items()}
@@ -74,17 +67,15 @@ class Ledger:
 
 
 class RequestCache:
-    """One handoff's answers in sqlite: per request (lm-eval's hash of its kind and arguments) its answer and the
-    route that first served it. `key` names the handoff (every model arg, each model's and map's content), so no
-    other handoff ever reads it."""
+    """One handoff's answers in sqlite, by lm-eval's request hash, with the route that first served each. `key` names
+    the handoff (every model arg and content), so no other handoff reads it."""
 
     def __init__(self, base: str, key: str, rank: int = 0):
         self.path = f"{base}_kv-{key}_rank{rank}.db"
         self.entries = SqliteDict(self.path, autocommit=False)
 
     def serve(self, kind: str, requests: list, answer: Callable[[list], list], ledger: Ledger) -> list:
-        """Each request's answer: from the cache where held (recorded in `ledger` as CACHED, with the way that first
-        served it), else by `answer` (which records its routes in `ledger`), stored with its route."""
+        """Each request's answer: from the cache where held (recorded as CACHED), else by `answer`, then stored."""
         keys = [hash_args(kind, request.args) for request in requests]
         held = [self.entries.get(key) for key in keys]
         fresh = [index for index, stored in enumerate(held) if stored is None]
@@ -101,7 +92,6 @@ class RequestCache:
 
 def count_lines(setting: str, counts: dict[str, dict[str, int]], cached: dict[str, dict[str, int]] | None = None
                 ) -> list[str]:
-    """One line for the `setting`, one per task (with the ways that first served its cached requests)."""
     lines = [f"kv-transfer routes ({setting}):"]
     for task, tally in counts.items():
         ways = ", ".join(f"{count} {way}" for way, count in tally.items() if way != "requests")

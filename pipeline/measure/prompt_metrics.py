@@ -1,9 +1,6 @@
-"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each.
-
-An entry says how the figure is computed from the rows (at the confident margin where it needs one), which way is
-better, how the report names it, and whether it compares across texts only as a ratio to the oracle's (perplexities of
-different texts do not compare). `next_token_top1` is V0's column. A new metric is one entry.
-"""
+"""The prompt metrics: every figure of a variant's per-prompt rows against the oracle, one entry each (a new metric is
+one entry). A `ratio` figure compares across texts only as a ratio to the oracle's (perplexities of different texts
+do not compare)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +18,6 @@ FIDELITY, CONFIDENT = "fidelity", "confident"  # the groups
 
 @dataclass(frozen=True)
 class PromptMetric:
-    """One figure of a variant's prompt rows."""
-
     name: str
     label: str  # how the report names it (a proxy's row: `<label> (select)`)
     higher: bool  # higher is better
@@ -33,16 +28,13 @@ class PromptMetric:
     needs: str | None = None  # a column the rows hold only sometimes: without it the metric is not measured
 
     def measured(self, rows: pd.DataFrame, margin: float | None) -> bool:
-        """Whether the rows measure it: they hold the column it needs, and a confident figure has its margin."""
         return (self.needs is None or self.needs in rows) and (margin is not None or self.group != CONFIDENT)
 
     def better(self, value: float) -> float:
-        """`value` turned so that larger is better (a sort key, a correlation's sign)."""
         return value if self.higher else -value
 
 
 def attention_layers(rows: pd.DataFrame) -> list[float]:
-    """Per target layer, the mean attention-output cosine with the oracle over all continuation positions."""
     return (np.array(rows.attention_cosine.tolist()).sum(0) / rows.tokens.sum()).tolist()  # (L_t,)
 
 
@@ -83,12 +75,10 @@ PROMPT_METRICS: dict[str, PromptMetric] = {metric.name: metric for metric in ENT
 
 
 def in_group(group: str) -> list[PromptMetric]:
-    """The metrics of `group`, in the table's order."""
     return [metric for metric in PROMPT_METRICS.values() if metric.group == group]
 
 
 def prompt_figures(rows: pd.DataFrame, margin: float | None) -> dict[str, float | None]:
-    """Every metric the rows measure (`margin` None: no confident one), by name (None: undefined on them, e.g. no
-    confident prompt)."""
+    """Every metric the rows measure, by name (None: undefined on them, e.g. no confident prompt)."""
     return {name: metric.compute(rows, margin) for name, metric in PROMPT_METRICS.items()
             if metric.measured(rows, margin)}

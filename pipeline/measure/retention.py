@@ -1,10 +1,6 @@
-"""PROTOCOL's normalized retention, the gap closure, and paired comparisons of variants on the same items.
-
-Retention of a task is (acc_variant - chance) / (acc_oracle - chance); it overstates what the handoff buys where the
-source alone is already far above chance, so the gap closure measures against the source: 0 is no better than the
-source alone, 1 is the oracle. A variant's figure is the mean over tasks. Intervals are paired bootstraps (items
-resampled per task, the same draw for every variant); outcomes are compared item by item by exact McNemar tests.
-"""
+"""PROTOCOL's retention, (acc_variant - chance) / (acc_oracle - chance), which overstates what the handoff buys where
+the source alone is far above chance; so the gap closure measures from the source (0: the source alone, 1: the oracle).
+A variant's figure is the mean over tasks; intervals are paired bootstraps (items resampled per task, one draw)."""
 from __future__ import annotations
 
 from pipeline.measure.stats import mcnemar, paired_bootstrap
@@ -16,22 +12,18 @@ np = lazy("numpy")
 pd = lazy("pandas")
 
 
+def gap_closure(acc_variant: float, acc_source: float, acc_oracle: float) -> float:
+    if acc_oracle <= acc_source:
+        return float("nan")
+    return (acc_variant - acc_source) / (acc_oracle - acc_source)
+
+
 def retention(acc_variant: float, acc_oracle: float, chance: float) -> float:
-    """PROTOCOL's normalized retention for one task: (acc_variant - chance) / (acc_oracle - chance)."""
-    if acc_oracle <= chance:
-        return float("nan")  # the oracle itself is at chance: nothing to retain
-    return (acc_variant - chance) / (acc_oracle - chance)
+    return gap_closure(acc_variant, chance, acc_oracle)  # the gap from chance; NaN where the oracle is at chance
 
 
 def mean_retention(acc: dict[str, float], oracle: dict[str, float]) -> float:
     return float(np.mean([retention(acc[t], oracle[t], CHANCE[t]) for t in TASKS]))
-
-
-def gap_closure(acc_variant: float, acc_source: float, acc_oracle: float) -> float:
-    """(variant - source) / (oracle - source) for one task; NaN when the oracle does not beat the source."""
-    if acc_oracle <= acc_source:
-        return float("nan")
-    return (acc_variant - acc_source) / (acc_oracle - acc_source)
 
 
 def mean_gap_closure(acc: dict[str, float], source: dict[str, float], oracle: dict[str, float]) -> float:
@@ -39,7 +31,6 @@ def mean_gap_closure(acc: dict[str, float], source: dict[str, float], oracle: di
 
 
 def paired_items(items: dict[str, pd.DataFrame], a: str, b: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """0/1 outcomes of variants a and b on the same items, both tasks concatenated."""
     left = items[a].set_index(["task", "item"])[metric]
     right = items[b].set_index(["task", "item"])[metric]
     joined = pd.concat([left.rename("a"), right.rename("b")], axis=1, join="inner")
@@ -47,9 +38,8 @@ def paired_items(items: dict[str, pd.DataFrame], a: str, b: str, metric: str) ->
 
 
 def task_draws(items: dict[str, pd.DataFrame], variants: list[str], metric: str, iters: int, seed: int):
-    """Per task: (task, each variant's `metric` per item, each variant's mean over `iters` resamples of the task's
-    items (iters,)), the same draw for every variant and, for a seed, in every caller. The items are those every
-    variant scored (a study scored on the first n eval items beside an oracle scored on all: those n)."""
+    """Per task: (task, each variant's `metric` per item, its means over `iters` resamples (iters,)), the same draw
+    for every variant, on the items every variant scored (a study's first n beside an oracle's all: those n)."""
     rng = np.random.default_rng(seed)
     for task in TASKS:
         frames = {name: items[name][items[name].task == task].set_index("item")[metric] for name in variants}
@@ -66,7 +56,6 @@ def _interval(draws: np.ndarray) -> tuple[float, float]:
 
 
 def retention_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
-    """Paired bootstrap of mean retention: items resampled per task, the same draw for variant and oracle."""
     draws = np.zeros(iters)
     point = []
     for task, values, means in task_draws(items, [variant, "oracle"], metric, iters, seed):
@@ -80,8 +69,7 @@ def retention_interval(items: dict[str, pd.DataFrame], variant: str, metric: str
 
 
 def gap_closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
-    """Paired bootstrap of the mean gap closure: items resampled per task, the same draw for the variant, the source
-    alone and the oracle (a draw where the oracle does not beat the source counts as undefined)."""
+    """A draw where the oracle does not beat the source counts as undefined."""
     draws = np.zeros(iters)
     point = []
     for _, values, means in task_draws(items, [variant, "source", "oracle"], metric, iters, seed):
@@ -97,10 +85,8 @@ PROMPT_MEASURES = ("next_token_top1", "log_perplexity")  # per-prompt measures a
 
 
 def prompt_gap_closure(prompts: dict[str, pd.DataFrame], variant: str, measure: str, iters: int, seed: int) -> dict:
-    """Gap closure on a per-prompt measure, with a paired bootstrap over prompts (the same draw for the variant, the
-    source alone and the oracle): next-token top-1 (the oracle's is 1 by definition) as (v - s) / (o - s), or the
-    continuation's log-perplexity (tokens pooled) as (s - v) / (s - o), lower being better. A draw where the oracle
-    does not beat the source counts as undefined."""
+    """Gap closure on next-token top-1 or the log-perplexity (tokens pooled, lower better), paired bootstrap over
+    prompts; a draw where the oracle does not beat the source counts as undefined."""
     frames = {name: prompts[name].sort_values("prompt") for name in (variant, "source", "oracle")}
     if len({len(frame) for frame in frames.values()}) != 1:
         raise ValueError(f"{variant}, source and oracle were scored on different numbers of prompts")

@@ -1,10 +1,6 @@
-"""Long-context measures: pass-key retrieval by greedy decoding, agreement where the continuation recalls the prompt.
-
-Retrieval scores the variant's greedy tokens after a pass-key prompt against the key, beside the oracle's own score.
-Selection recall says whether a retrieval failed at the handoff's choice of positions or after it. Agreement on recall
-positions says whether information far back in the prompt survived the handoff, which running-text agreement,
-dominated by local context, does not.
-"""
+"""Long-context measures: pass-key retrieval by greedy decoding (selection recall: did it fail at the handoff's choice
+of positions or after?), and agreement where the continuation recalls the prompt, which running-text agreement,
+dominated by local context, does not isolate."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -18,14 +14,12 @@ RECALL = "recall_by_position"  # a prompt row's list column: per continuation po
 
 
 def exact_match(greedy: Sequence[int], answer: Sequence[int]) -> bool:
-    """Whether the first len(answer) greedy tokens are the answer's tokens."""
     return list(greedy[: len(answer)]) == list(answer)
 
 
 def recall_positions(prompt: Sequence[int], continuation: Sequence[int], n: int) -> list[bool]:
-    """Per continuation position (m,): whether the n tokens of prompt + continuation ending at its token already
-    occur together in the prompt: the token extends an (n-1)-gram the prompt holds, with the same next token, what an
-    induction head copies.
+    """Per continuation position (m,): whether the n tokens ending at its token occur together in the prompt (what an
+    induction head copies).
 
         prompt:        ... a b c ... x y
         continuation:  a b c d
@@ -40,8 +34,6 @@ def recall_positions(prompt: Sequence[int], continuation: Sequence[int], n: int)
 
 
 def recall_agreement(agree_by_position: Sequence[Sequence[int]], recall: Sequence[Sequence[bool]]) -> dict:
-    """Agreement with the oracle over the recall positions and over the others, each with its count (None where
-    there is none)."""
     agree = np.concatenate([np.asarray(a, dtype=float) for a in agree_by_position])
     flags = np.concatenate([np.asarray(r, dtype=bool) for r in recall])
     out = {}
@@ -53,7 +45,6 @@ def recall_agreement(agree_by_position: Sequence[Sequence[int]], recall: Sequenc
 
 
 def key_positions(prompt: Sequence[int], key: Sequence[int]) -> list[int]:
-    """The positions of the key's tokens in the prompt, where it is stated exactly once (`store.haystack`)."""
     prompt, key = list(prompt), list(key)
     starts = [start for start in range(len(prompt) - len(key) + 1) if prompt[start : start + len(key)] == key]
     if len(starts) != 1:
@@ -63,15 +54,13 @@ def key_positions(prompt: Sequence[int], key: Sequence[int]) -> list[int]:
 
 
 def needle_selected(selected: Sequence[int], prompt: Sequence[int], key: Sequence[int]) -> bool:
-    """Every token of the key is among the `selected` positions (those the target computed itself by a choice:
-    speculative prefill's kept tokens, a repair's recomputed ones)."""
+    """Every token of the key is among the positions the target computed by a choice."""
     return set(key_positions(prompt, key)) <= {int(position) for position in selected}
 
 
 def retrieval_rows(items: pd.DataFrame, greedy: Sequence[Sequence[int]], selected: Sequence | None = None
                    ) -> pd.DataFrame:
-    """One row per item: its depth, the key, and whether the greedy tokens after its prompt retrieved it; with
-    `selected` (per item the positions the handoff chose to compute, None where it chose none), `needle_selected`."""
+    """One row per item: depth, key, whether the greedy tokens retrieved it and, with `selected`, `needle_selected`."""
     exact = [exact_match(tokens, answer) for tokens, answer in zip(greedy, items.continuation_ids)]
     rows = pd.DataFrame({"item": range(len(items)), "depth": items.depth.to_numpy(), "key": items.key.to_numpy(),
                          "exact": exact})
@@ -87,9 +76,8 @@ def _chose(selected) -> bool:
 
 
 def retrieval_summary(rows: pd.DataFrame, oracle: pd.DataFrame | None = None) -> dict:
-    """Exact-match share overall and per depth, with n; the selection recall over items whose handoff chose positions
-    (`selection_recall`, `selection_n`; absent where none did); beside the oracle's rows, the share of its score kept
-    (`of_oracle`, None where the oracle retrieves nothing) overall and per depth."""
+    """Exact-match share overall and per depth; the selection recall over items that chose positions; beside the
+    oracle's rows, the share of its score kept (None where it retrieves nothing)."""
     def shares(frame: pd.DataFrame) -> dict:
         return {"exact_match": float(frame.exact.mean()), "n": int(len(frame)),
                 "by_depth": {f"{depth:g}": float(part.exact.mean()) for depth, part in frame.groupby("depth")}}

@@ -1,5 +1,4 @@
-"""Paired statistics: bootstrap intervals of differences and McNemar's exact test over items; rank correlations and
-the Pareto front over candidates."""
+"""Paired statistics over items (bootstrap, McNemar, sign test) and over candidates (rank correlation, Pareto front)."""
 from __future__ import annotations
 
 from pipeline.store.lazy import lazy
@@ -30,8 +29,7 @@ def mcnemar(a, b) -> float:
 
 
 def rank_correlation(x, y, iters: int = 2000, seed: int = 0) -> dict:
-    """Spearman's rho of paired values (e.g. a proxy and retention across candidates), its two-sided p-value and a
-    95% percentile interval from resampling the pairs; NaN where undefined (fewer than 3 pairs, or a constant side)."""
+    """Spearman's rho, its p-value and a 95% interval from resampling the pairs; NaN under 3 pairs or one constant."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if x.shape != y.shape or x.ndim != 1:
         raise ValueError(f"paired values must be equal-length vectors, got {x.shape} and {y.shape}")
@@ -52,16 +50,14 @@ def rank_correlation(x, y, iters: int = 2000, seed: int = 0) -> dict:
 
 
 def pareto_front(quality, speed) -> list[bool]:
-    """Which points no other dominates (at least as good on both, better on one), higher being better for both; a
-    point with a NaN figure is not on it."""
+    """Which points no other dominates (higher better on both); a point with a NaN is not on it."""
     q, s = np.asarray(quality, dtype=float), np.asarray(speed, dtype=float)
     dominated = [bool(np.any((q >= q[i]) & (s >= s[i]) & ((q > q[i]) | (s > s[i])))) for i in range(len(q))]
     return [not (np.isnan(q[i]) or np.isnan(s[i]) or dominated[i]) for i in range(len(q))]
 
 
 def sign_test(a, b) -> dict:
-    """Exact two-sided sign test of paired values: how often a < b among the pairs that differ, and the binomial
-    p-value of that count against 1/2."""
+    """Exact two-sided sign test: how often a < b and a > b, and the binomial p-value against 1/2."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape or a.ndim != 1:
         raise ValueError(f"paired values must be equal-length vectors, got {a.shape} and {b.shape}")

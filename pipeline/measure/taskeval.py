@@ -1,10 +1,5 @@
-"""Task accuracy through lm-eval: its own HellaSwag / PIQA definitions on the pipeline's data files.
-
-Gives lm-eval's aggregate metrics (acc, acc_norm and their stderr, by lm-eval's functions on the items in document
-order) and one row per item for paired statistics: acc, acc_norm, the choices' log-likelihoods, the
-item's `kind` where marked, lm-eval's context and continuations, and per choice the token ids it was scored on (the
-context as lm-eval encoded it, before the router's truncation, and the continuation).
-"""
+"""Task accuracy through lm-eval's own HellaSwag / PIQA definitions on the pipeline's data files: lm-eval's aggregates,
+and one row per item for paired statistics (with per choice the token ids lm-eval encoded, before any truncation)."""
 from __future__ import annotations
 
 import functools
@@ -36,8 +31,7 @@ ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
 
 
 def portable(value, folders: dict[str, str] | None = None):
-    """lm-eval's stored results without what differs between runs and machines: paths under the working directory
-    made relative, the temporary folders in `folders` (path -> stable name) renamed, reprs' memory addresses cut."""
+    """`value` without what differs between machines: the working directory, `folders` renamed, memory addresses."""
     if isinstance(value, dict):
         return {k: portable(v, folders) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -54,21 +48,17 @@ def portable(value, folders: dict[str, str] | None = None):
 
 @functools.cache
 def compiled_template(template: str):
-    """lm-eval's Jinja environment's template for `template`, compiled once per process."""
     return lm_eval_utils.env.from_string(template)
 
 
 def render_template(template: str, doc: dict) -> str:
-    """`lm_eval.utils.apply_template` with the compiled template kept: the same environment, the same render."""
+    """`lm_eval.utils.apply_template` with the compiled template kept."""
     return compiled_template(template).render(**doc)
 
 
 def without_repeated_work() -> None:
-    """Two costs lm-eval 0.4.13 pays at every evaluation, paid once per process: it compiles a task's Jinja template
-    for every document it renders (`utils.apply_template`, lm-evaluation-harness issue #1286: 1,600 compilations,
-    about 0.6 s, in each tiny evaluation), and `simple_evaluate` gathers torch's environment report
-    (`collect_env.get_pretty_env_info`, 0.25 s of subprocesses) into results nothing here stores. Both replacements
-    return what the originals return; calling this again changes nothing."""
+    """Two costs lm-eval 0.4.13 pays every evaluation, paid once per process, same results: a Jinja compilation per
+    document (lm-evaluation-harness issue #1286: 0.6 s per tiny evaluation) and torch's environment report (0.25 s)."""
     lm_eval_utils.apply_template = render_template
     if not hasattr(collect_env.get_pretty_env_info, "cache_info"):  # the machine does not change in one process
         collect_env.get_pretty_env_info = functools.cache(collect_env.get_pretty_env_info)
@@ -76,17 +66,14 @@ def without_repeated_work() -> None:
 
 def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS,
                 limit: int | None = None) -> tuple[dict | None, pd.DataFrame | None]:
-    """`evaluate_tasks` of the handoff a `kv.router.Router` serves (`router.batch_size` contexts a forward);
-    `tokenizer`: the target's."""
+    """`tokenizer`: the target's."""
     return evaluate_tasks(adapter.HandoffLM(router, tokenizer, ranks=ranks), files, raw_to, limit)
 
 
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit: int | None = None
                    ) -> tuple[dict | None, pd.DataFrame | None]:
-    """Score `lm` zero-shot on each task (name -> data file: a seeded, nested draw), on its first `limit` items (None:
-    all). Returns ({task: metrics}, per-item frame), or (None, None) on a rank other than 0. With `raw_to` (a folder),
-    lm-eval's own results and samples are written there too, and the generated task configs live beside it while
-    lm-eval runs (inside the caller's staging folder, so a killed run leaves nothing in the system's temp folder)."""
+    """({task: metrics}, per-item frame) of `lm` zero-shot on each task's first `limit` items; (None, None) on a rank
+    other than 0. The task configs live beside `raw_to` (lm-eval's raw output) so a killed run leaves no temp files."""
     scratch = None if raw_to is None else raw_to.parent
     without_repeated_work()
     with tempfile.TemporaryDirectory(prefix=".tasks-", dir=scratch) as folder:
@@ -140,8 +127,6 @@ def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit
 
 
 def write_raw(out: dict, samples: dict[str, list[dict]], raw_to: Path, folders: dict[str, str]) -> None:
-    """lm-eval's own results (with the route record kv-transfer's `run` writes too) and each task's samples, in
-    `raw_to`, made `portable`."""
     raw_to.mkdir(parents=True, exist_ok=True)
     stored = {key: out[key] for key in ("results", "configs", "versions", "n-shot", "n-samples") if key in out}
     if "kv_transfer" in out.get("config", {}):

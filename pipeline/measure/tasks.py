@@ -1,8 +1,4 @@
-"""lm-eval's own HellaSwag and PIQA task definitions, pointed at local data files.
-
-Each generated task config `include`s the task's YAML shipped with lm-eval (so prompt rendering, preprocessing and
-metrics are lm-eval's) and overrides only where the documents come from.
-"""
+"""lm-eval's own HellaSwag and PIQA task definitions (`include`d), overriding only where the documents come from."""
 from __future__ import annotations
 
 import os
@@ -19,12 +15,9 @@ CHANCE = {"hellaswag": 0.25, "piqa": 0.5}  # accuracy of a uniform guess: 4 and 
 
 
 def write_task_config(folder: str | Path, task: str, name: str, data_file: str | Path) -> Path:
-    """Write `<folder>/<name>.yaml`: lm-eval's `task` reading its validation split from `data_file` (.jsonl/.json or
-    .parquet); pass `folder` as TaskManager's include_path (or lm-eval's --include_path). No absolute path is written,
-    so two clones write the same bytes: a data file under the working directory is named relative to it (the config
-    works from the repository root wherever the clone is), and lm-eval's own definition relative to `folder` (lm-eval
-    reads an include from the including file's folder; with the environment in the clone, .venv/, that path is the
-    same in every clone)."""
+    """`<folder>/<name>.yaml`: lm-eval's `task` reading `data_file` (.jsonl/.json/.parquet), for TaskManager's
+    include_path. No absolute path is written, so two clones write the same bytes: the data file relative to the
+    working directory, lm-eval's definition relative to `folder` (the .venv is in the clone)."""
     data_file = Path(data_file).resolve()
     if not data_file.is_file():
         raise FileNotFoundError(f"task data file {data_file} not found (task {task})")

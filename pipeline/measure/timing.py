@@ -1,5 +1,4 @@
-"""Timing helpers shared by the stages: medians of repeated runs, a mapper's cost against the source's prefill, and
-the clock a handoff's first step is timed by, part by part (`Stopwatch`)."""
+"""Timing: medians of repeated runs, a mapper's cost against the source's prefill, and a first step's `Stopwatch`."""
 from __future__ import annotations
 
 import statistics
@@ -32,19 +31,17 @@ class Stopwatch:
         self.marks.append((part, read_clock(self.device)))
 
     def parts_ms(self) -> dict[str, float]:
-        """Each part's milliseconds, in the order first told."""
         parts: dict[str, float] = {}
         for (_, before), (part, after) in zip(self.marks, self.marks[1:]):
             parts[part] = parts.get(part, 0.0) + (after - before) / 1e6
         return parts
 
     def total_ms(self) -> float:
-        """Milliseconds from the start to the last part's end."""
         return (self.marks[-1][1] - self.marks[0][1]) / 1e6
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.device) -> float:
-    """Median wall time of fn(); on a GPU the queued kernels are waited for before the clock is read."""
+    """Median seconds of fn(), waiting for queued GPU kernels."""
     synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
     for _ in range(repeats):
@@ -58,8 +55,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: str | torch.d
 
 @no_grad
 def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
-    """Median seconds of the source's prefill over `token_ids` (batch 1, this machine): the denominator every mapper
-    of one fit is timed against, measured once so the candidates share it."""
+    """Median seconds of the source's prefill over `token_ids` (batch 1): every mapper of a fit is timed against it."""
     device = source_model.device
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)[None]  # (1, T)
     return median_seconds(lambda: source_model.model(input_ids=ids, use_cache=True), repeats, device)

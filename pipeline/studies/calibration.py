@@ -31,8 +31,7 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """The sizes `calibration.sizes` declares (another profile may leave others): none when none ran (the study is
-    then empty, and its figure says so); None without the source's items (gap closure needs them)."""
+    """The sizes `calibration.sizes` declares (none ran: an empty study); None without the source's items."""
     points = {size: json.loads(path.read_text()) for size, path in paths.calibration_points().items()}
     points = {size: point for size, point in points.items() if size in run.calibration_sizes}
     if not points:
@@ -45,9 +44,8 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per size n (fit sequences) and candidate: eval-part retention and gap closure with intervals. Per size: task
-    accuracy of the largest-k linear candidate minus the smallest-k one (paired bootstrap, both tasks' items), and
-    `larger_k_pays_from`, the smallest size from which its low end stays above 0 at every larger size (None: never)."""
+    """Per size and candidate: retention and gap closure. Per size: task accuracy of the largest-k linear candidate
+    minus the smallest-k one, and `larger_k_pays_from`, the smallest size from which its low end stays above 0."""
     points, point_items, rows = inputs.points, inputs.point_items, []
     for size in sorted(points):
         for name, frame in point_items[size].items():
@@ -69,7 +67,6 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
 
 
 def shown(study: dict) -> dict:
-    """The sizes that ran, the curve's table and the larger k's differences by size (None without them)."""
     larger = study["larger_k"]
     return {"sizes": sorted({row["sequences"] for row in study["rows"]}),
             "table": md_table(["Sequences", "Tokens", "Candidate", "Parameters per token", "Retention [95% CI]",
@@ -83,7 +80,6 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Retention and gap closure of each candidate against calibration tokens, with intervals."""
     table = pd.DataFrame(study["rows"], columns=COLUMNS)
     fig, axes = subplots(1, 2, figsize=(10, 4), sharex=True)
     for ax, column in ((axes[0], "retention"), (axes[1], "gap_closure")):

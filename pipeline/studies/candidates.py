@@ -1,6 +1,5 @@
-"""The candidates study: every fitted map evaluated like a mapped variant (stage `candidates`), how well each cheap
-figure ranks them the way retention does (held-out R², and each select-split prompt metric that
-`measure.prompt_metrics` marks a proxy), and the quality/speed frontier."""
+"""The candidates study (stage `candidates`): every fitted map evaluated like a mapped variant, how well each cheap
+figure (`proxies`) ranks them the way retention does, and the quality/speed frontier."""
 from __future__ import annotations
 
 import json
@@ -23,8 +22,7 @@ R2 = "r2_heldout"  # fit's held-out R² (keys and values averaged), the one prox
 
 
 def proxies(group: str) -> dict[str, str]:
-    """The proxies of a group of prompt metrics (`fidelity`, with R² first; `confident`, correlated beside them: the
-    reading names the best of the first), each with its name in the table."""
+    """A group's proxies (`fidelity` with R² first), each with its name in the table."""
     named = {R2: "held-out R² (fit, select split)"} if group == FIDELITY else {}
     return named | {metric.name: f"{metric.label} (select{'' if metric.higher else '; lower is better'})"
                     for metric in PROMPT_METRICS.values() if metric.proxy and metric.group == group}
@@ -40,7 +38,7 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """None when the stage did not run, or without the source's items (each candidate's gap closure needs them)."""
+    """None when the stage did not run, or without the source's items."""
     if not paths.CANDIDATES.is_file() or "source" not in run.items:
         return None
     items = {path.stem: read_table(path) for path in sorted(paths.CANDIDATE_ITEMS.glob("*.parquet"))}
@@ -49,9 +47,8 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Every candidate's eval-part retention and gap closure (intervals as for the variants), cheap figures (`proxies`),
-    speed and size; each proxy's rank correlation with retention across candidates; the Pareto fronts of gap closure
-    against the measured speedup and against the FLOP bound at the real pair's shapes."""
+    """Every candidate's quality, proxies, speed and size; each proxy's rank correlation with retention; the Pareto
+    fronts of gap closure against the measured speedup and against the FLOP bound at the real pair's shapes."""
     maps, rows = inputs.figures["maps"], {}
     for name, frame in inputs.candidate_items.items():
         select, figures = inputs.select["maps"][name], maps[name]
@@ -80,14 +77,12 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
 
 
 def front(row: dict) -> str:
-    """Which Pareto fronts a candidate is on: `here` (the measured speedup), `at pair` (the FLOP bound), or a dash."""
     return " ".join(mark for key, mark in (("pareto_measured", "here"), ("pareto_at_pair", "at pair"))
                     if row[key]) or "—"
 
 
 def shown(study: dict) -> dict:
-    """Every candidate's table, each proxy's correlation with retention, the proxy that tracks it best (`best`: None
-    when none has a correlation; `tracks`: whether the best in its direction is above 0) and each front's names."""
+    """`best`: the proxy that tracks retention best (None: none correlates); `tracks`: its rho, turned, is above 0."""
     rows = study["rows"]
     named = [(proxies(FIDELITY)[name], c) for name, c in study["proxies"].items()] + [
         (proxies(CONFIDENT)[name], c) for name, c in study["confident_proxies"].items()]
@@ -116,7 +111,6 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Gap closure against the measured speedup and the FLOP bound at the real pair, fronts ringed; its table."""
     table = pd.DataFrame([{"candidate": name, **{key: row[key] for key in (
         "family", "k", "retention", "gap_closure", "speedup", "bound_at_pair", "mapper_bytes", "pareto_measured",
         "pareto_at_pair")}} for name, row in study["rows"].items()])

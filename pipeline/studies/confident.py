@@ -1,6 +1,5 @@
-"""The V0 variants where the oracle is sure (margin `measure.confident_margin`): the confident figures of
-`measure.confident`, each with its count and 95% bootstrap interval over prompts, beside V0's top-1 (kept as it is, for
-comparison with V0), and the mapped variant's paired confident top-1 difference with every other."""
+"""The V0 variants where the oracle is sure: `measure.confident`'s figures with counts and intervals beside V0's top-1,
+and the mapped variant's paired confident top-1 difference with every other."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +20,7 @@ pd = lazy("pandas")
 
 
 def load(run: Run) -> Run:
-    """The V0 variants' run, refused when a variant's rows predate the per-position margins."""
+    """Refused when a variant's rows predate the per-position margins."""
     for variant, rows in run.prompts.items():
         if MARGINS not in rows:
             raise ArtifactError(f"{paths.variant_rows('prompts', paths.variant_folder(variant))} has no "
@@ -31,8 +30,7 @@ def load(run: Run) -> Run:
 
 
 def comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed: int) -> dict:
-    """Confident-prompt top-1 of `a` minus `b` over the prompts whose first position the oracle is sure of (the same for
-    both: one oracle), with paired bootstrap 95% interval and McNemar's p; None (n 0) without such a prompt."""
+    """Confident-prompt top-1 of `a` minus `b` over the prompts the oracle is sure of; None (n 0) without one."""
     a, b = a.sort_values("prompt"), b.sort_values("prompt")
     sure = confident_prompts(a, margin)
     if not sure.any():
@@ -45,8 +43,6 @@ def comparison(a: pd.DataFrame, b: pd.DataFrame, margin: float, iters: int, seed
 
 
 def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
-    """Per variant its confident figures with intervals and counts (and V0's top-1 beside them), the mapped variant's
-    paired confident top-1 differences, and the shares common to every variant (one oracle)."""
     margin, iters, seed = measure.confident_margin, *measure.bootstrap
     rows = {}
     for name in order(run.metrics):
@@ -69,7 +65,6 @@ def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
 
 
 def shown(study: dict) -> dict:
-    """The table beside V0's top-1 and the paired confident top-1 differences (None without a comparison)."""
     return {"table": md_table(
         ["Variant", "Next-token top-1 (V0)", "Confident-prompt top-1 [95% CI]",
          "Confident-position agreement [95% CI]", "Oracle-weighted agreement [95% CI]"],
@@ -85,11 +80,11 @@ def shown(study: dict) -> dict:
 
 
 def headline(study: dict, variant: str) -> dict:
-    """The figures of `variant` that `dvc metrics diff` compares beside V0's columns ({} without the study)."""
+    """The figures of `variant` that `dvc metrics diff` compares beside V0's columns."""
     row = study.get("variants", {}).get(variant)
     return {} if row is None else {metric.name: row[metric.name] for metric in in_group(CONFIDENT)}
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """No figure: the section's table says it all."""
+    """No figure: the table says it all."""
     return {}

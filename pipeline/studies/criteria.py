@@ -1,6 +1,5 @@
 """The acceptance criteria, declared in params before the run (`report.criteria`), each measured on the selected
-variant: the controls, retention and gap-closure floors (gap closure on `report.gap_closure_metric`), the perplexity
-ratio, beating the source alone and the nulls, non-inferiority to the oracle, and V0's agreement milestone."""
+variant."""
 from __future__ import annotations
 
 from pipeline.measure.retention import PROMPT_MEASURES
@@ -12,7 +11,6 @@ CRITERION_NAMES = {"agreement_milestone": "agreement milestone (next-token top-1
 
 
 def criteria(params: ReportParams, chosen: dict, comparisons: dict, controls: dict, present: list[str]) -> dict:
-    """Each criterion's verdict, threshold and measured value for the selected variant's figures (`chosen`)."""
     c, mapped = params.criteria, params.mapped_variant
     closure = chosen.get(GAP_CLOSURE_KEYS[params.gap_closure_metric])
     beats = {other: comparisons[f"{mapped}_minus_{other}"]["tasks_low"] > 0

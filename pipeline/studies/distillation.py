@@ -1,6 +1,5 @@
 """The distillation study (stage `distill`): each distilled map beside the fitted map it started from, on the select
-split and, where the candidates stage scored both, on the eval part: retention, gap closure and the paired differences
-(after - before) with bootstrap intervals, McNemar's p for the 0/1 figures."""
+split and, where the candidates stage scored both, on the eval part."""
 from __future__ import annotations
 
 import json
@@ -32,7 +31,6 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """None when the stage did not run."""
     if not paths.DISTILL.is_file():
         return None
     distill = json.loads(paths.DISTILL.read_text())
@@ -52,8 +50,7 @@ PER_PROMPT = {"next_token_top1": lambda rows: rows.first_agree.to_numpy(float),
 
 
 def prompt_differences(before: pd.DataFrame, after: pd.DataFrame, iters: int, seed: int) -> dict:
-    """Each per-prompt figure before and after on the same eval prompts, the difference after - before with its
-    paired bootstrap interval, and McNemar's p for the one 0/1 figure (next-token top-1)."""
+    """Each per-prompt figure before and after, after - before with its interval, McNemar's p for the 0/1 one."""
     before, after = before.sort_values("prompt"), after.sort_values("prompt")
     out = {}
     for key, values in PER_PROMPT.items():
@@ -69,8 +66,6 @@ def prompt_differences(before: pd.DataFrame, after: pd.DataFrame, iters: int, se
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per distilled map: its start, training facts, both maps' select-split figures, and on the eval part (when
-    both maps' items exist) both retentions and gap closures and the paired difference of task accuracy."""
     rows = {}
     for name, facts in inputs.distill["maps"].items():
         start = facts["start"]
@@ -111,8 +106,7 @@ def _difference(row: dict, key: str, scale: float = 100, fmt: str = "+.1f") -> s
 
 
 def shown(study: dict) -> dict:
-    """The select split's, the probes' and the eval part's and prompts' tables (None where nothing fills them), the
-    probes' step counts, and the maps no epoch of which beat their start (`kept`)."""
+    """`kept`: the maps no epoch of which beat their start."""
     rows = study["rows"]
     probed = {name: r for name, r in rows.items() if r["probes"]}
     evaluated = {name: r for name, r in rows.items() if "tasks_diff" in r}
@@ -151,7 +145,6 @@ def _kl(value: float | None) -> str:
 
 
 def probe_cells(r: dict) -> str:
-    """A map's probes as `rate × kv_weight: select KL`, by rate then weight, the chosen pair in bold."""
     cells = []
     for rate, weights in sorted(r["probes"].items(), key=lambda item: float(item[0])):
         for weight, kl in sorted(weights.items(), key=lambda item: float(item[0])):
@@ -161,7 +154,6 @@ def probe_cells(r: dict) -> str:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """The training curves: select KL per epoch, one line per map (epoch 0 is the start map)."""
     fig, ax = subplots(figsize=(6, 4))
     for name, curve in study["curves"].items():
         ax.plot(curve["epoch"], curve["select_kl"], marker="o", markersize=3, label=name)

@@ -23,12 +23,10 @@ def pct_interval(value: float | None, low: float | None, high: float | None) -> 
 
 
 def pct_ci(row: dict, key: str) -> str:
-    """`row[key]` with its interval `row[key_low]`, `row[key_high]`, as `pct_interval`."""
     return pct_interval(row[key], row[f"{key}_low"], row[f"{key}_high"])
 
 
 def pct_ci_n(row: dict, key: str, count: int) -> str:
-    """`pct_ci` with the count it is over, `n/a` where `row[key]` is None (no such prompt)."""
     return f"{'n/a' if row[key] is None else pct_ci(row, key)} (n = {count})"
 
 
@@ -37,23 +35,20 @@ def pct_or_dash(x: float | None) -> str:
 
 
 def times(x: float | None) -> str:
-    """A speedup cell: `2.50x`, or a dash where there is none."""
     return "—" if x is None else f"{x:.2f}x"
 
 
 def and_(names: list[str]) -> str:
-    """`a`, `a and b`, `a, b and c`."""
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def md_table(header: list[str], rows: list[list[object]]) -> str:
-    """A Markdown table: header, separator, one line per row (cells already formatted); no last newline."""
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
                       *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)])
 
 
 def subplots(*args, **kwargs):
-    """pyplot's `subplots` on Agg (files only, no display), chosen here: matplotlib loads at the first figure."""
+    """On Agg, chosen here: matplotlib loads at the first figure."""
     matplotlib.use("Agg")
     return plt.subplots(*args, **kwargs)
 

@@ -1,5 +1,4 @@
-"""The latency study's section of the report: time to first token of the handoff against the target's prefill at
-each length (`metrics/latency.json`, stage latency), and each handoff's first step part by part."""
+"""The latency study's section (stage latency): TTFT of the handoff against the target's prefill, part by part."""
 from __future__ import annotations
 
 from pipeline.studies.format import md_table, pct
@@ -8,9 +7,7 @@ PARTS_SHOWN = ("prefill", "scores", "map", "repair", "sparse", "step")  # a firs
 
 
 def shown(latency: dict) -> dict:
-    """Per length the target's prefill, the handoff and its bound (`table`); per length and handoff, each part of its
-    first step: time and multiply-adds as shares of the target's prefill, and their ratio (within 1.5x: the part runs
-    at about its multiply-adds' cost; `parts`, None where none was timed)."""
+    """A part's ratio of time to multiply-adds share within 1.5 runs at about its multiply-adds' cost."""
     rows, parts = [], []
     for n, row in sorted((int(n), row) for n, row in latency["by_length"].items()):
         get = {key: row.get(key, float("nan"))

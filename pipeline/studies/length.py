@@ -1,7 +1,5 @@
-"""The length study (stage `length`): a map refitted on short prefixes of the fit sequences, with RoPE stripped (the
-pipeline's way) and with keys as cached (the ablation), used on longer prompts. Per prompt length both maps are compared
-with the oracle and each other; per bin of task context length (`report.length_bins`), on task accuracy.
-"""
+"""The length study (stage `length`): a map refitted on short prefixes, with RoPE stripped (the pipeline's way) and
+with keys as cached (the ablation), used on longer prompts."""
 from __future__ import annotations
 
 import json
@@ -30,7 +28,6 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """None when the stage did not run."""
     if not paths.LENGTH.is_file():
         return None
     figures = json.loads(paths.LENGTH.read_text())
@@ -41,9 +38,8 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per prompt length: both maps' perplexity ratio to the oracle and agreement, and stripped against rotated on the
-    same prompts (sign test on per-prompt NLL, stripped lower?; paired bootstrap of per-prompt agreement). Per bin of
-    task context length: both maps' task accuracy, their paired difference and McNemar's p."""
+    """Stripped against rotated per prompt length (sign test on per-prompt NLL, bootstrap of agreement) and per bin
+    of task context length (paired difference of accuracy, McNemar's p)."""
     figures, out = inputs.figures, []
     for length in sorted({length for _, length in inputs.rows}):
         stripped, rotated = (inputs.rows[(space, length)].sort_values("prompt") for space in SPACES)
@@ -76,7 +72,6 @@ def _task_bins(params: ReportParams, measure: MeasureParams, tasks: dict[str, pd
 
 
 def shown(study: dict) -> dict:
-    """Per prompt length both maps against the oracle and each other; per bin of context length, on task accuracy."""
     return {"lengths": md_table(
         ["Prompt tokens", "x fit length", "PPL ratio stripped", "PPL ratio rotated", "Agreement stripped",
          "Agreement rotated", "Agreement Δ [95% CI]", "NLL lower / higher", "Sign test p"],
@@ -92,7 +87,6 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Perplexity ratio to the oracle and agreement of both maps against prompt length."""
     table = pd.DataFrame([{"length": r["length"], "keys": space, "ppl_ratio": r[f"{space}_ppl_ratio"],
                            "agreement": r[f"{space}_agreement"]} for r in study["rows"] for space in SPACES])
     fig, axes = subplots(1, 2, figsize=(9, 3.5))

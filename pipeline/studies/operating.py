@@ -1,7 +1,5 @@
-"""The operating study (stage `operating@<n>`): the handoff at lengths where prefill costs. Per length, every variant's
-quality and measured time to first token from the same prompts, pass-key retrieval beside the oracle's, and the front
-(`on_front`, by measured figures only: no other variant as good on confident agreement and speedup and better on one).
-"""
+"""The operating study (stage `operating@<n>`): the handoff at lengths where prefill costs, every variant's quality and
+measured TTFT on the same prompts, and the front of confident agreement against measured speedup."""
 from __future__ import annotations
 
 import json
@@ -32,7 +30,6 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs:
-    """Every operating length's figures and prompt rows (none without a declared length: its figure says so)."""
     figures = {length: json.loads(paths.operating_metrics(length).read_text()) for length in run.operating_lengths}
     rows = {(length, name): read_table(paths.operating_rows(length) / name / "prompts.parquet")
             for length, study in figures.items() for name in study["variants"]}
@@ -40,7 +37,6 @@ def load(run: Run) -> Inputs:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per length, per variant: its figures, the confident-position agreement's interval and its place on the front."""
     out = {}
     for length, study in sorted(inputs.figures.items()):
         entries = {}
@@ -75,8 +71,6 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
 
 
 def shown(study: dict) -> dict:
-    """Per length (`lengths`): its table, the retrieval by depth (None where no depth ran) and `equal_time`; the
-    quality from the shortest length to the longest (`with_length`); the figure's file."""
     lengths = {}
     for length, entries in study.items():
         depths = sorted((entries["oracle"]["retrieval_by_depth"] or {}), key=float)
@@ -96,8 +90,8 @@ def shown(study: dict) -> dict:
 
 
 def equal_time(entries: dict) -> dict | None:
-    """Each variant's confident agreement beside speculative prefill's at the same measured speedup (`rival`, linear in
-    it between its two nearest shares; None outside `low` to `high`); None where no share ran."""
+    """Each variant's confident agreement beside speculative prefill's at the same measured speedup (`rival`,
+    interpolated; None outside `low` to `high`); None where no share ran."""
     curve = sorted((e["speedup_measured"], e["confident_agreement"]) for name, e in entries.items()
                    if name.startswith(SPECULATIVE) and e["confident_agreement"] is not None)
     if not curve:
@@ -114,7 +108,6 @@ def equal_time(entries: dict) -> dict | None:
 
 
 def _with_length(study: dict) -> dict | None:
-    """Each variant's confident agreement at the shortest operating length and at the longest (None under two)."""
     if len(study) < 2:
         return None
     short, long = study[min(study, key=int)], study[max(study, key=int)]
@@ -125,7 +118,6 @@ def _with_length(study: dict) -> dict | None:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per length, confident agreement against the measured speedup, the front joined; a note when no length ran."""
     table = pd.DataFrame([{"length": int(length), "variant": name, "speedup": e["speedup_measured"],
                            "confident_agreement": e["confident_agreement"], "on_front": e["on_front"]}
                           for length, entries in study.items() for name, e in entries.items()],
@@ -151,8 +143,6 @@ def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
 
 
 def lookahead(select: dict) -> dict:
-    """Each look-ahead candidate's figures on the select split, as stage select chose speculative prefill's
-    (metrics/select.json, `lookahead/<label>` nested as written); `table` None where select scored none."""
     if "selected_lookahead" not in select:
         return {"table": None}
     rows = [[label + (" (chosen)" if label == select["selected_lookahead"] else ""), pct(figures["agreement"]),

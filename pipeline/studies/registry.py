@@ -10,7 +10,6 @@ from pipeline.studies.run import Joining, Study
 
 
 def checked(studies: dict[str, ModuleType]) -> dict[str, Study]:
-    """`studies` (key in metrics/report.json -> module) as they are, once each keeps the protocol."""
     for key, module in studies.items():
         if not isinstance(module, Study):
             missing = [name for name in ("load", "compute", "shown", "figure") if not hasattr(module, name)]

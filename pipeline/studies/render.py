@@ -14,7 +14,7 @@ from pipeline.studies.run import Run
 
 
 def paragraph(text: str) -> str:
-    """A block's lines joined by single spaces, then a newline: one Markdown paragraph however the template wraps it."""
+    """One Markdown paragraph however the template wraps it."""
     return " ".join(line.strip() for line in text.splitlines() if line.strip()) + "\n"
 
 
@@ -34,18 +34,15 @@ def template(key: str) -> str:
 
 
 def section(key: str, study: dict) -> str:
-    """The section of study `key` (of `STUDIES`), alone."""
     return ENV.get_template(template(key)).render(study=study, shown=STUDIES[key].shown(study))
 
 
 def head(report: dict, context: dict) -> str:
-    """The report's head (the variants' study), alone; `context` as for `report`."""
     return ENV.get_template("variants.md.j2").render(report=report, context=context,
                                                      shown=variants.shown(report, context))
 
 
 def lookahead(select: dict) -> str:
-    """What speculative prefill reads (stage select's choice, metrics/select.json), alone."""
     return ENV.get_template("lookahead.md.j2").render(select=select, shown=operating.lookahead(select))
 
 

@@ -1,7 +1,5 @@
 """The repair study (stage `repair`): mapped caches partly recomputed by the target, quality against budget, beside
-the baselines at the same budget: the truncated prompt, speculative prefill and the source alone (budget 0). With the
-candidates study at the same pair and length, the frontier of gap closure against the FLOP bound gains the repaired
-points."""
+the baselines at the same budget: the truncated prompt, speculative prefill and the source alone (budget 0)."""
 from __future__ import annotations
 
 import json
@@ -38,7 +36,6 @@ class Inputs:
 
 
 def load(run: Run) -> Inputs | None:
-    """None when the stage did not run, or without the oracle's and the source's items."""
     if not paths.REPAIR_METRICS.is_file() or not {"oracle", "source"} <= set(run.items):
         return None
     metrics = json.loads(paths.REPAIR_METRICS.read_text())
@@ -53,8 +50,7 @@ def load(run: Run) -> Inputs | None:
 
 
 def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """Per map and setting (and per budget level, each baseline of AT_LEVELS): retention and gap closure with paired
-    95% intervals, and against the unrepaired map (`none`); the figures of the stage."""
+    """Per map and setting (each baseline of AT_LEVELS: per budget level) its quality, and against the map's `none`."""
     rows = []
     for (name, setting), frame in inputs.rows.items():
         key = f"{name}@{setting}"
@@ -77,21 +73,19 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
 
 
 def source_row(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dict:
-    """The source model alone as a row of the table: budget 0 (the target computes nothing), its gap closure 0."""
+    """The source model alone: budget 0 (the target computes nothing)."""
     return {"map": SOURCE, "setting": "—", "budget": 0.0, "policy": SOURCE,
             **quality(inputs.items, "source", params, measure), "bound": None, "speedup": None,
             **prompt_metrics(inputs.source)}
 
 
 def prompt_metrics(figures: dict) -> dict:
-    """Every prompt metric (`measure.prompt_metrics`) of an evaluation's figures: None where it was not measured."""
     return {name: figures["prompts"].get(name) for name in PROMPT_METRICS}
 
 
 def join(study: dict, candidates: dict | None) -> None:
-    """The Pareto front of gap closure against the FLOP bound over every candidate (the candidates study's unrepaired
-    rows) and repaired point (a map at a setting but `none`), set on each repaired row (`front`) and the study (`front`:
-    the names on it; `front_gains`: the repaired ones). Unset unless both count at the same pair and length."""
+    """The Pareto front of gap closure against the FLOP bound over the candidates and the repaired points; unset
+    unless both count at the same pair and length."""
     if not candidates or (candidates["bound_pair"], candidates["length"]) != (study["bound_pair"], study["length"]):
         return
     repaired = [row for row in study["rows"] if row["map"] not in MATCHED_BASELINES and row["setting"] != "none"]
@@ -115,13 +109,11 @@ def cheapest(rows: list[dict]) -> list[tuple[str, dict | None]]:
 
 
 def maps(rows: list[dict]) -> list[str]:
-    """The repaired maps of the rows, in their order (the baselines left out)."""
     return list(dict.fromkeys(row["map"] for row in rows if row["map"] not in MATCHED_BASELINES))
 
 
 def levels(rows: list[dict]) -> list[dict]:
-    """Per budget level (the truncated prompt's grid): its `budget`, the `truncated` prompt's and `speculative`
-    prefill's rows there (None where it did not run) and each map's `best` repair at that cost (highest retention)."""
+    """Per budget level (the truncated prompt's grid): both baselines' rows there and each map's `best` repair."""
     truncated = {round(row["budget"], 3): row for row in rows if row["map"] == paths.TRUNCATED_BASELINE}
     speculative = {round(row["budget"], 3): row for row in rows if row["map"] == paths.SPECULATIVE_BASELINE}
     out = []
@@ -136,7 +128,6 @@ def levels(rows: list[dict]) -> list[dict]:
 
 
 def shown(study: dict) -> dict:
-    """The table, each budget level against its matched-cost baselines (`levels`) and each map's `cheapest`."""
     rows = study["rows"]
     return {"table": md_table(
         ["Map", "Setting", "Budget", "Policy", "Top-1", "Rollout", "Retention [95% CI]", "Gap closure [95% CI]",
@@ -151,7 +142,6 @@ def shown(study: dict) -> dict:
 
 
 def figure(study: dict, folder: Path) -> dict[str, pd.DataFrame]:
-    """Per map: retention against budget, one line per policy, beside the baselines at each level."""
     table = pd.DataFrame(study["rows"])
     names = maps(study["rows"])
     fig, axes = subplots(1, max(len(names), 1), figsize=(5 * max(len(names), 1), 3.8), squeeze=False, sharey=True)

@@ -1,5 +1,4 @@
-"""What every study reads and is: the `Run` (the variants' evaluation and the files each study starts from) and the
-`Study` protocol a study module fills in."""
+"""What every study reads, the `Run` (the variants' evaluation and other files), and the `Study` it fills in."""
 from __future__ import annotations
 
 import json
@@ -21,9 +20,8 @@ pd = lazy("pandas")
 
 @dataclass
 class Run:
-    """What the variants' evaluation left: per variant its metrics and per-item and per-prompt rows (a variant the
-    pair's contract skipped: only its reason), the controls, the selection, the latency study (None when it did not
-    run), the pair that ran (`pair_names`) and the other stages' params the studies read."""
+    """What the variants' evaluation left (a variant the pair's contract skipped: only its reason), and the files and
+    params the studies read."""
     metrics: dict
     items: dict[str, pd.DataFrame]
     prompts: dict[str, pd.DataFrame]
@@ -37,8 +35,7 @@ class Run:
 
     @classmethod
     def load(cls, names: list[str], calibration_sizes: list[int], operating_lengths: list[int]) -> Run:
-        """The declared variants' results (not all of metrics/eval: a profile with other k leaves other files there)
-        and the files every study reads."""
+        """The declared variants' results (another profile may leave other files in metrics/eval)."""
         metrics, items, prompts, skipped = {}, {}, {}, {}
         for variant in names:
             metrics[variant] = json.loads(paths.variant_metrics(variant).read_text())
@@ -57,8 +54,7 @@ class Run:
 
 
 def pair_names(models: str = "models") -> tuple[str, str]:
-    """Each side of the pair that ran, by its pointer under models/: hub id, local folder, `shape:<name>` (random
-    weights of a stored shape), `self:<n>` (the target's first n layers), or models/<side> (the trained tiny pair)."""
+    """Each side of the pair that ran, by its pointer under models/ (models/<side>: the trained tiny pair)."""
     names = []
     for side in ("source", "target"):
         pointer = read_pointer(f"{models}/{side}") or {"kind": "trained"}
@@ -70,7 +66,6 @@ def pair_names(models: str = "models") -> tuple[str, str]:
 
 def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, measure: MeasureParams,
             suffix: str = "") -> dict:
-    """`name`'s retention and gap closure over `items` with 95% intervals, keys `retention<suffix>`, `..._low`, ...."""
     figures = {"retention": retention_interval(items, name, params.retention_metric, *measure.bootstrap),
                "gap_closure": gap_closure_interval(items, name, params.retention_metric, *measure.bootstrap)}
     return {f"{key}{suffix}{end}": figures[key][field] for key in figures
@@ -79,10 +74,9 @@ def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, mea
 
 @runtime_checkable
 class Study(Protocol):
-    """A study module: `load(run)` reads its input files (None when its stage did not run: the report leaves it out);
-    `compute(params, measure, inputs)` its statistics, its key of metrics/report.json (`measure`: how it resamples);
-    from that, `shown(study)` what its section's template (`templates/<module>.md.j2`, `studies.render`) reads beside
-    the study (its tables, what its words choose between) and `figure(study, folder)` its PNGs and tables."""
+    """A study module: `load(run)` its inputs (None when its stage did not run: left out), `compute` its key of
+    metrics/report.json, `shown(study)` what its template (`templates/<module>.md.j2`) reads beside the study (tables,
+    what its words choose between), `figure(study, folder)` its PNGs and their tables."""
 
     def load(self, run: Run) -> Any | None: ...
 

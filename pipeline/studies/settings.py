@@ -1,5 +1,4 @@
-"""The `report` section of params: the acceptance criteria declared before the run, and how the studies bin (how they
-resample is `measure.settings`)."""
+"""The `report` section of params: the acceptance criteria declared before the run, and how the studies bin."""
 from __future__ import annotations
 
 from typing import Annotated, Literal

@@ -1,6 +1,5 @@
-"""The V0 study (the report's head): every declared variant's figures beside V0's published table, the paired
-comparisons, the acceptance criteria, the headline `dvc metrics` compares and the controls' table. V0's reference
-column belongs to V0's pair only (`V0_PAIR`, whatever the revision): another pair's run names its pair instead."""
+"""The V0 study (the report's head): every declared variant's figures, the paired comparisons, the criteria and the
+headline. V0's reference column belongs to V0's pair only (`V0_PAIR`), whatever the profile is called."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,13 +48,12 @@ WIDE = 1.0  # a gap-closure interval around 0 and wider than the whole gap decid
 
 
 def labels() -> dict[str, str]:
-    """Each variant named by its own row name: a mode's (`MODE_ROWS`), then the selected map's."""
+    """Read at each call, so a mode added to `MODE_ROWS` is named."""
     return {**{name: words for name, (words, _) in MODE_ROWS.items()}, **SELECTED_LABELS}
 
 
 def label(variant: str, entry: dict | None = None, setting: bool = True) -> str:
-    """A variant's row name from its figures (`entry`: its metrics or report entry): a mapped variant by its map
-    (select's best closed-form map of its k, or a distilled one), a repaired one with its setting if `setting`."""
+    """A variant's row name from its metrics or report entry; a repaired one with its setting if `setting`."""
     entry = entry or {}
     facts = entry.get("map") or {}
     name = labels().get(variant)
@@ -79,15 +77,13 @@ def best_of_k(variants: dict) -> dict[int, str]:
 
 
 def k_comparison(variants: dict) -> tuple[str, int] | None:
-    """V0's k=1 against the largest other k (the tiny pair's largest k is its layers): the comparison's name and
-    that k, or None without both."""
+    """V0's k=1 against the largest other k: the comparison's name and that k, or None without both."""
     best = best_of_k(variants)
     larger = [k for k in best if k != 1]
     return (f"k1_minus_k{larger[-1]}", larger[-1]) if 1 in best and larger else None
 
 
 def model_phrase(name: str) -> str:
-    """How the report names a model: in backticks, or a self source as the target's first n layers."""
     layers = self_layers(name)
     if layers is None:
         return f"`{name}`"
@@ -95,8 +91,7 @@ def model_phrase(name: str) -> str:
 
 
 def compute(params: ReportParams, measure: MeasureParams, run: Run) -> dict:
-    """Per variant its figures and intervals, the paired comparisons of the selected map with its rivals and
-    the oracle, and the acceptance criteria: what metrics/report.json holds before the other studies' keys."""
+    """What metrics/report.json holds before the other studies' keys."""
     metrics, items = run.metrics, run.items
     variants = {variant: _figures(params, measure, metrics, items, variant, run.prompts) for variant in metrics}
     mapped = params.mapped_variant
@@ -147,8 +142,7 @@ def _figures(params: ReportParams, measure: MeasureParams, metrics: dict, items:
 
 
 def headline(report: dict) -> dict[str, dict]:
-    """Per variant, the figures `dvc metrics show/diff` compare (one row each): V0's columns, retention and gap closure
-    with their intervals, and the gap to the oracle in mean task accuracy."""
+    """Per variant, the figures `dvc metrics show/diff` compare (`gap`: to the oracle in mean task accuracy)."""
     oracle = report["variants"]["oracle"]
     return {name: {"perplexity": e["perplexity"], "next_token_top1": e["next_token_top1"],
                    "hellaswag": e["hellaswag"], "piqa": e["piqa"], "retention": e["retention"],
@@ -178,8 +172,7 @@ def _v0_reference(name: str, e: dict) -> str:
 
 
 def shown(report: dict, context: dict) -> dict:
-    """What the report's head (`templates/variants.md.j2`) reads beside the report: its tables (V0's published figures
-    for V0's pair only) and what the reading chooses between. `context`: as `render.report`."""
+    """What `templates/variants.md.j2` reads beside the report. `context`: as `render.report`."""
     v, rows, mapped, c = report["variants"], order(report["variants"]), report["selected"], report["comparisons"]
     v0 = tuple(context["pair"]) == V0_PAIR  # V0's figures compare with V0's pair only, whatever the profile is called
     hs, pq = ("HellaSwag-shaped", "PIQA-shaped") if context["data_kind"] == "generated" else ("HellaSwag", "PIQA")
@@ -234,7 +227,6 @@ def shown(report: dict, context: dict) -> dict:
 
 
 def controls(results: dict) -> str:
-    """The controls' table (metrics/controls.json): each one's verdict and figures."""
     rows = []
     for name, entry in results.items():
         figures_ = ", ".join(f"{k} {val:.3g}" if isinstance(val, float) else f"{k} {val}"
@@ -244,7 +236,6 @@ def controls(results: dict) -> str:
 
 
 def figure(report: dict, run: Run, folder: Path) -> dict[str, pd.DataFrame]:
-    """Retention by variant and agreement by continuation position, as PNGs and the tables behind them."""
     names = order(report["variants"])
     retention_table = pd.DataFrame([{"variant": n, "retention": report["variants"][n]["retention"],
                                      "low": report["variants"][n]["retention_low"],
