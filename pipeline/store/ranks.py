@@ -119,15 +119,11 @@ class Stage:
         return metrics
 
 
-def launched() -> bool:
-    return LAUNCHED in os.environ
-
-
 def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
     """With `processes` > 1 and no launcher yet: run `python -m module argv` as torchrun processes, wait and return
     True; otherwise False. A failed rank raises SystemExit(1); Ctrl-C or SIGTERM, KeyboardInterrupt once every rank
     has cleaned up. `--standalone` picks a free rendezvous port, so concurrent experiments do not collide."""
-    if processes == 1 or launched():
+    if processes == 1 or LAUNCHED in os.environ:
         return False
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
     with _launching():
@@ -171,7 +167,7 @@ def _launching() -> Iterator[None]:
 
 
 def launched_ranks() -> Ranks:
-    if not launched():
+    if LAUNCHED not in os.environ:
         return ONE_PROCESS
     return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
