@@ -109,8 +109,7 @@ def _end_with_launcher(shell: int, launcher: int) -> None:
 
 
 def interrupted_by(signum: int) -> KeyboardInterrupt:
-    """The interrupt to raise when a process this stage waited on was stopped by `signum`: the stage then ends with
-    that signal's status."""
+    """The interrupt to raise when a process this stage waited on was stopped by `signum` (its status the stage's)."""
     _INTERRUPTED.append(signum)
     return KeyboardInterrupt()
 

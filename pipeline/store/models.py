@@ -168,8 +168,7 @@ def folder_digest(folder: str | Path) -> str:
 
 
 def read_pointer(folder: str | Path) -> dict | None:
-    """The pointer a prepared model folder holds instead of weights, if any; a local one's folder must still be there,
-    a self source's `target` is made a path."""
+    """The pointer a prepared model folder holds instead of weights, if any (a self source's `target` made a path)."""
     for name in ("hub.json", "local.json", "random.json", SELF_POINTER):
         path = Path(folder) / name
         if path.is_file():
@@ -283,8 +282,7 @@ def require_weights(name_or_path: str, revision: str | None = None, target: str 
 
 
 def loaded(loading, name: str):
-    """The model of `from_pretrained(..., output_loading_info=True)`, refused where the checkpoint lacks a tensor
-    (transformers would leave it at its random initialisation)."""
+    """`from_pretrained(..., output_loading_info=True)`'s model, refused where the checkpoint lacks a tensor."""
     model, info = loading
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
@@ -297,7 +295,6 @@ def loaded(loading, name: str):
 
 def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None):
-    """A model's config alone, no weights (a self source's: its target's, truncated)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return truncated_config(load_config(cut[1], cut[2]), cut[0])

@@ -89,8 +89,6 @@ ONE_PROCESS = Ranks(0, 1, 0)
 
 
 class Stage:
-    """One stage's run in this process: its `ranks`, this rank's `device` and what it used of it (`usage`)."""
-
     def __init__(self, ranks: Ranks, device: str):
         self.ranks = ranks
         self.device = ranks.device(device)
@@ -150,8 +148,7 @@ TORCHRUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT
 
 @contextmanager
 def _launching() -> Iterator[None]:
-    """What torchrun's agent changes in its process (the environment, signal handlers) put back after, its warnings
-    silenced (a failure is reported from its exception)."""
+    """What torchrun's agent changes in its process (environment, signal handlers) put back after; its warnings off."""
     environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in TORCHRUN_SIGNALS}
     silenced = logging.root.manager.disable
     os.environ[PARENT_SAYS_ENV] = "1"

@@ -28,8 +28,7 @@ def self_name(layers: int) -> str:
 
 
 def truncated_config(config, layers: int):
-    """`config` cut to its first `layers` decoder layers; n >= the target's is refused (the whole target is the
-    oracle, not a source)."""
+    """`config` cut to its first `layers` decoder layers, fewer than the target's (the whole target is the oracle)."""
     total = config.num_hidden_layers
     if not 1 <= layers < total:
         raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {total} decoder layers; "
