@@ -58,8 +58,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty staging folder beside `path`; it replaces `path` only if the block completes.
-    Staging folders that a killed earlier run left beside `path` are removed first."""
+    """An empty staging folder beside `path` that replaces it only if the block completes (a killed run's go first)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     for leftover in [*final.parent.glob(f".{final.name}.*.tmp"), *final.parent.glob(f".{final.name}.*.old")]:
@@ -92,9 +91,8 @@ def atomic_dirs(finals: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
 
 @contextlib.contextmanager
 def held_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM held back while the block runs, then sent again to the handlers set before. Python runs a
-    handler in the main thread whichever thread the kernel signals, so holding it there (not by a thread's signal
-    mask, which another thread escapes) holds it for the process. A no-op off the main thread."""
+    """SIGINT and SIGTERM held back while the block runs, then re-raised. Python runs handlers in the main thread
+    whichever thread the kernel signals, so holding them there holds them for the process; off it, a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -111,8 +109,7 @@ def held_signals() -> Iterator[None]:
 
 
 def private_name(final: Path, suffix: str) -> Path:
-    """A fresh `.<name>.<random><suffix>` beside `final`, named before anything is made under it, so an interrupt at
-    any point (even between creating a file and learning its name, as with `tempfile.mkstemp`) leaves nothing behind."""
+    """`.<name>.<random><suffix>` beside `final`, named before it is made (unlike mkstemp): an interrupt leaves none."""
     return final.parent / f".{final.name}.{secrets.token_hex(6)}{suffix}"
 
 
@@ -135,7 +132,6 @@ def _umask() -> int:
 
 
 def hash_file(digest, path: str | os.PathLike, bar=None) -> None:
-    """Feed a file's bytes to `digest` (a hashlib object) in `CHUNK`s, advancing a tqdm `bar` where given."""
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK):
             digest.update(chunk)
@@ -172,7 +168,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) -> None:
-    """Refuse unless the controls stage wrote its verdict `path` ({control: passed}) and every control passed."""
+    """Refuse unless every control in the controls stage's verdict `path` ({control: passed}) passed."""
     path = Path(path)
     if not path.is_file():
         raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
@@ -222,7 +218,9 @@ def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], met
     return digest
 
 
-def _stored(raw: bytes, path: Path) -> tuple[dict, str]:
+def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dict, str]:
+    """Check an artifact's digest; return (metadata, digest). With `header_only`, `raw` is the length prefix and
+    header alone: only the checksum field is checked, the caller hashes the rest."""
     header = _header(raw, path)
     stored = header.get("__metadata__", {}).get(HEADER_KEY) if isinstance(header, dict) else None
     try:
@@ -231,20 +229,7 @@ def _stored(raw: bytes, path: Path) -> tuple[dict, str]:
         raise ArtifactError(f"{path}: corrupted artifact metadata ({err})") from None
     if not isinstance(content, dict) or not isinstance(content.get("sha256"), str) or "meta" not in content:
         raise ArtifactError(f"{path}: not a checksummed artifact (no {HEADER_KEY!r} entry in its header)")
-    return content["meta"], content["sha256"]
-
-
-def _mismatch(path: Path, stored: str, actual: str) -> str:
-    return (
-        f"{path}: checksum mismatch (stored {stored[:12]}..., content {actual[:12]}...): the file is corrupted "
-        f"or was modified after writing; regenerate it (dvc repro -f the stage that writes it)"
-    )
-
-
-def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dict, str]:
-    """Check an artifact's digest; return (metadata, digest). With `header_only`, `raw` is the length prefix and
-    header alone: only the checksum field is checked, the caller hashes the rest."""
-    metadata, digest = _stored(raw, path)
+    metadata, digest = content["meta"], content["sha256"]
     header_end = 8 + struct.unpack("<Q", raw[:8])[0]
     if len(digest) != 64 or raw[:header_end].count(digest.encode()) != 1:
         raise ArtifactError(f"{path}: corrupted artifact (malformed checksum field)")
@@ -256,8 +241,12 @@ def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dic
     return metadata, digest
 
 
+def _mismatch(path: Path, stored: str, actual: str) -> str:
+    return (f"{path}: checksum mismatch (stored {stored[:12]}..., content {actual[:12]}...): the file is corrupted "
+            f"or was modified after writing; regenerate it (dvc repro -f the stage that writes it)")
+
+
 def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read and verify an artifact; return (tensors, metadata)."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: artifact not found")
@@ -290,8 +279,7 @@ def data_layout(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
 
 
 def artifact_prefix(specs: dict[str, TensorSpec], metadata: dict[str, Any]) -> bytes:
-    """An artifact's bytes before its data, for tensors of `specs` laid out as `data_layout` says: the header's
-    length, then the header with a zeroed digest, padded to 8 bytes."""
+    """An artifact's bytes before its data (`data_layout`): the header's length, the header (digest zeroed) padded."""
     offsets = {name: {"dtype": _ST_DTYPES[str(specs[name][0])], "shape": list(specs[name][1]),
                       "data_offsets": list(span)} for name, span in data_layout(specs).items()}
     header_meta = {HEADER_KEY: json.dumps({"meta": metadata, "sha256": _ZERO_DIGEST}, sort_keys=True)}
@@ -327,14 +315,13 @@ def byte_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
 
 
 def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> str:
-    """Write an artifact tensor by tensor (tensors in sorted-name order), hashing while writing, without building
-    the file in memory: the same bytes and checksum as `save_artifact`. Returns the digest."""
+    """`save_artifact`'s bytes and digest, written and hashed tensor by tensor, never the whole file in memory."""
     prefix = artifact_prefix({name: (t.dtype, t.shape) for name, t in tensors.items()}, metadata)
     return write_streamed(path, prefix, (chunk for name in sorted(tensors) for chunk in byte_chunks(tensors[name])))
 
 
 def verify_file(path: str | os.PathLike) -> tuple[dict, str]:
-    """Check an artifact's digest reading it in chunks (memory independent of its size); return (metadata, digest)."""
+    """`verify_bytes` reading the file in chunks (memory independent of its size)."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: artifact not found")

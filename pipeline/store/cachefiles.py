@@ -53,13 +53,12 @@ class Shard:
 
     @property
     def stored_itemsize(self) -> int:
-        """Bytes per element as the file stores its tensors, from the header alone (no tensor is read)."""
+        """Bytes per element as the file stores its tensors, from the header alone."""
         with safetensors.safe_open(str(self.path), framework="pt") as f:
             return STORED_ITEMSIZE[f.get_slice(f"{KINDS[0]}.0").get_dtype()]
 
     def read(self, kind: str, layers: list[int], stored: bool = False) -> list[torch.Tensor]:
-        """float32 (tokens, kv_heads * head_dim) rows of `kind` for each of `layers`, in that order (`stored`: in
-        the storage dtype, unconverted)."""
+        """float32 (or `stored`: the file's dtype) (tokens, kv_heads * head_dim) rows of `kind` for each of `layers`."""
         with safetensors.safe_open(str(self.path), framework="pt") as f:
             blocks = [f.get_tensor(f"{kind}.{layer}") for layer in layers]  # (tokens, H, D) each
         self.bytes_read += sum(b.numel() * b.element_size() for b in blocks)
@@ -67,7 +66,6 @@ class Shard:
 
 
 def open_shard(path: Path) -> Shard:
-    """Verify a shard's checksum (refusing a flipped byte anywhere) and read its metadata."""
     meta, _ = verify_file(path)
     if meta.get("format") != SHARD_FORMAT:
         raise ArtifactError(f"{path}: not a cache shard (format {meta.get('format')!r}, expected {SHARD_FORMAT!r})")
@@ -131,11 +129,9 @@ class _Image:
 
 @dataclass
 class ShardWriter:
-    """Writes each split's sequences into shards under `root/<split>/`, on one background thread. `begin` declares
-    a split's sequence lengths, so a shard's layout is known before its first sequence: `add` copies keys and values
-    straight into their place in the shard's data section, and the thread hashes and writes each full shard in one
-    piece while the model computes the next (taking the GIL only a few times a shard). Memory: the shard being
-    filled, at most one queued and the one being written (buffers reused)."""
+    """Writes each split's sequences into shards under `root/<split>/`. `begin` declares a split's lengths, so `add`
+    copies keys and values straight into their place in the shard's data section, and a background thread hashes
+    and writes each full shard while the model computes the next. Memory: the shard filled, one queued, one written."""
 
     root: Path
     metadata: dict
@@ -204,9 +200,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Stop the writer after the shard it is writing, skipping any queued, so an interrupted stage leaves no
-        temporary (the daemon thread would be cut off mid-write at exit). It waits on the writer's own lock, never on
-        the queue: an interrupt can stop the main thread inside `Queue.put` (a wake-up lost, or the queue's lock left
-        held), and a wait on the queue then never ends. The idle thread is left to the exit."""
+        temporary. It waits on the writer's own lock, never on the queue: an interrupt can stop the main thread inside
+        `Queue.put` (a wake-up lost, or the queue's lock left held), and a wait on the queue then never ends."""
         if self._error is None:
             self._error = KeyboardInterrupt("the shard writer was aborted")
         with self._writing:  # the writer checks the error under it before each shard: none starts after this

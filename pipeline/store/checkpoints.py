@@ -1,8 +1,6 @@
 """The Hugging Face checkpoint folder convert_models makes of a dequantized GGUF, or the marker it leaves in its place
-when it has nothing to convert. The folder holds the config (no `_name_or_path`: it would name where its maker read
-it), the generation config, the weights as one safetensors file (a tied LM head stored once, under the embedding's
-name), the tokenizer and the provenance JSON. It is written whole or not at all (`atomic_dir`), and SIGTERM interrupts
-the writing as Ctrl-C does, so the stage removes its temporaries (`.<name>.*.tmp`; the next write removes leftovers).
+when it has nothing to convert. It is written whole or not at all (`atomic_dir`), and SIGTERM interrupts the writing
+as Ctrl-C does, so the stage removes its temporaries.
 """
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ def _interrupt(signum: int, frame) -> None:
 
 @contextlib.contextmanager
 def terminate_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt (so every `finally` on the way out runs). A no-op off the
-    main thread (no handler can be set there) or where SIGTERM has a handler (`store.cli.entry`'s, exiting 143)."""
+    """Within the block, SIGTERM raises KeyboardInterrupt (every `finally` runs); a no-op off the main thread or
+    where SIGTERM has a handler already (`store.cli.entry`'s)."""
     if threading.current_thread() is not threading.main_thread() or callable(signal.getsignal(signal.SIGTERM)):
         yield
         return
@@ -42,7 +40,7 @@ def terminate_interrupts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def scratch_for(out: Path) -> Iterator[Path]:
-    """A temporary folder beside `out`, removed at the end (on SIGINT or SIGTERM too) and when a killed run left it."""
+    """A temporary folder beside `out`, removed at the end (SIGTERM too) or by the next run after a kill."""
     out.parent.mkdir(parents=True, exist_ok=True)
     for leftover in out.parent.glob(f".{out.name}.scratch.*.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -60,7 +58,7 @@ def _provenance(folder: Path, name: str, provenance: dict, indent: int | None) -
 
 
 def write_marker(out: Path, name: str, provenance: dict) -> dict:
-    """`out` holding the provenance file `name` alone (one line): the stage had nothing to make."""
+    """`out` holding the provenance file `name` alone: the stage had nothing to make."""
     with terminate_interrupts(), atomic_dir(out) as staging:
         _provenance(staging, name, provenance, None)
     return provenance

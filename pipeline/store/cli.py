@@ -1,8 +1,6 @@
-"""The command line every stage shares: `--help` that touches nothing, unknown arguments refused, and the project's
-refusals (a `Refusal` or a missing file) printed as one line, `error: <sentence>`, on stderr with exit status 2;
-KVH_TRACEBACK=1 gives the traceback instead. Any other exception is a bug and keeps its traceback. Ctrl-C or SIGTERM
-ends a stage with one line, `interrupted: <stage>`, from one of its processes, and status 130 or 143; only the first
-signal is taken, so a second cannot break off the removal of temporaries (outputs are renamed only when complete).
+"""The command line every stage shares: `--help` that touches nothing, unknown arguments refused, a `Refusal` or a
+missing file as one line `error: <sentence>` and status 2 (KVH_TRACEBACK=1: the traceback; any other exception is a
+bug and keeps it), Ctrl-C or SIGTERM as `interrupted: <stage>` and status 130 or 143, only the first signal taken.
 """
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ from pipeline.store.lazy import lazy
 torch = lazy("torch")
 
 TRACEBACK_ENV = "KVH_TRACEBACK"
-# a waited-on process's status, as a shell reports it (128 + the signal), -> its signal: 130 for Ctrl-C, 143 for
-# SIGTERM (a `kill`, a scheduler's stop, the death of its parent)
+# a waited-on process's status, as a shell reports it (128 + the signal: 130 for Ctrl-C, 143 for SIGTERM) -> signal
 STOPPED_BY = {128 + signum: signum for signum in (signal.SIGINT, signal.SIGTERM)}
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its parent ends (linux/prctl.h)
 SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "fish"})  # `$SHELL -c <cmd>` between a launcher and a stage
@@ -36,12 +33,10 @@ PARENT_SAYS_ENV = "KVH_PARENT_SAYS_INTERRUPT"  # set for the processes a stage s
 
 
 class Refusal(Exception):
-    """Base of the errors that are the user's to fix (their message says how), not the code's: bad params, a corrupted
-    artifact, a model or dataset that cannot be had, an incompatible pair, a failed control."""
+    """An error that is the user's to fix (its message says how), not the code's."""
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """An argument parser for `python -m <module>` whose help is the module's docstring."""
     return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -52,9 +47,8 @@ def no_arguments(module: str, doc: str, argv: list[str] | None) -> None:
 
 
 def entry(main: Callable[[list[str]], object]) -> None:
-    """Run a stage's main(sys.argv[1:]): a refusal exits 2, Ctrl-C 130 and SIGTERM 143, each with one line. Run as the
-    command itself (main in `__main__`), the process skips the interpreter's teardown once main returns or is
-    interrupted (`_end_without_teardown`), and ends when its parent does; called from a test, entry only returns."""
+    """Run a stage's main(sys.argv[1:]): a refusal exits 2, Ctrl-C 130 and SIGTERM 143, each with one line. As the
+    command itself (main in `__main__`) it skips the interpreter's teardown and ends when its parent does."""
     as_command = main.__module__ == "__main__"
     if as_command:
         atexit.register(_end_without_teardown)  # runs after the exit handlers registered while main runs
@@ -86,10 +80,8 @@ def _traceback_asked() -> bool:
 
 
 def _end_with_parent() -> None:
-    """Have the kernel send this process SIGTERM (cleanup as for a `kill`) when its parent ends (dvc, torchrun's
-    agent, a stage that started it). dvc runs a command through `$SHELL -c`, and a shell that does not exec it (dash,
-    the usual /bin/sh, when SHELL is unset) outlives a killed dvc, so the stage also ends when the shell is
-    orphaned. Linux only; elsewhere a stage outlives a killed parent."""
+    """SIGTERM to this process when its parent ends, or when the `$SHELL -c` dvc runs it through is orphaned (a shell
+    that does not exec it, as dash, outlives a killed dvc). Linux only."""
     if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -107,7 +99,6 @@ def _parent_of(pid: int) -> int:
 
 
 def _end_with_launcher(shell: int, launcher: int) -> None:
-    """SIGTERM to this process once `shell` no longer has `launcher` for parent (the launcher ended) or is gone."""
     while True:
         time.sleep(LAUNCHER_POLL_S)
         with contextlib.suppress(OSError):
@@ -118,15 +109,13 @@ def _end_with_launcher(shell: int, launcher: int) -> None:
 
 
 def interrupted_by(signum: int) -> KeyboardInterrupt:
-    """The interrupt to raise when a process this stage waited on (its fresh process, its launcher's ranks) was
-    stopped by `signum`: the stage then ends with that signal's status, as if it had come here."""
+    """The interrupt to raise when a process this stage waited on was stopped by `signum` (its status the stage's)."""
     _INTERRUPTED.append(signum)
     return KeyboardInterrupt()
 
 
 def _interrupt(signum: int, frame) -> None:
-    """SIGINT's handler in a stage's command: the first raises KeyboardInterrupt where the stage is; later ones are
-    ignored, so the cleanup that exception runs (temporary files and folders removed) is not broken off."""
+    """The first signal raises KeyboardInterrupt; later ones are ignored, so they cannot break off its cleanup."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _INTERRUPTED.append(signum)
@@ -134,7 +123,6 @@ def _interrupt(signum: int, frame) -> None:
 
 
 def _stage_name(main: Callable) -> str:
-    """The stage a main belongs to, as its module's last name (`distill` for `python -m pipeline.distill`)."""
     module = main.__module__
     if module == "__main__":
         spec = getattr(sys.modules["__main__"], "__spec__", None)  # None for a script run by its path
@@ -143,9 +131,8 @@ def _stage_name(main: Callable) -> str:
 
 
 def _stop_interrupted(stage: str, as_command: bool) -> None:
-    """End an interrupted stage: `interrupted: <stage>` on stderr from the one process that says it (not one a stage
-    started, which says it itself, nor a rank other than 0), exit status 128 + the signal (130 for a
-    KeyboardInterrupt no signal raised). KVH_TRACEBACK=1 re-raises the handled exception instead."""
+    """`interrupted: <stage>` from the one process that says it (neither a started process nor a rank but 0), then
+    exit 128 + the signal (SIGINT where none came). KVH_TRACEBACK=1 re-raises instead."""
     if _traceback_asked():
         raise  # noqa: PLE0704 - called from an except block: the exception it handles goes on
     if PARENT_SAYS_ENV not in os.environ and os.environ.get("RANK", "0") == "0":
@@ -160,10 +147,9 @@ def _stop_interrupted(stage: str, as_command: bool) -> None:
 
 
 def _end_without_teardown() -> None:
-    """The last exit handler of a command whose main returned or was interrupted: flush, then end with its status
-    (0, 130 or 143) skipping the teardown of every module's objects (outputs are renamed by then): destroying the
-    hundreds of thousands torch, transformers and lm-eval leave costs about a second per process, and after an
-    interrupt includes a process group peers may have left. After a failure it returns: the usual exit follows."""
+    """Flush and end a command whose main returned or was interrupted without the teardown of every module's objects:
+    destroying torch's, transformers' and lm-eval's costs about a second per process, and after an interrupt includes
+    a process group peers may have left. After a failure it returns: the usual exit follows."""
     if not _QUICK_EXIT:
         return
     logging.shutdown()
@@ -176,10 +162,9 @@ def _end_without_teardown() -> None:
 
 
 def run_stage(module: str, *args: str, fresh_process: bool = False) -> None:
-    """Run another stage as `python -m <module> args...` would, output silenced; a failure stops the caller. In this
-    process by default (a fresh one costs seconds of start-up), keeping the caller's torch threads and random state;
-    `fresh_process=True` starts a new interpreter (the determinism control), passing Ctrl-C or SIGTERM on to it.
-    Name the module as a literal: tools/importgraph.py reads it from the call for the caller's dvc.yaml deps."""
+    """Run another stage as `python -m <module> args...`, output silenced, in this process (keeping the caller's torch
+    threads and random state) or with `fresh_process` a new interpreter. Name the module as a literal:
+    tools/importgraph.py reads it for the caller's dvc.yaml deps."""
     if fresh_process:
         command = [sys.executable, "-m", module, *args]
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, PARENT_SAYS_ENV: "1"})

@@ -29,16 +29,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @functools.cache
 def cpu_matmul_ms() -> tuple[float, float]:
-    """(float32 ms, bfloat16 ms) of one matmul on this CPU at torch's threads, timed once a process: what `auto`
-    chooses by and what check_params refuses a named bfloat16 by."""
+    """(float32 ms, bfloat16 ms) of one matmul on this CPU at torch's threads, timed once a process."""
     return tuple(matmul_ms(("float32", "bfloat16"), torch.get_num_threads()))
 
 
 @functools.cache
 def machine_dtype() -> tuple[str, dict]:
-    """What `dtype: auto` runs the models in here, and why: bfloat16 on a GPU; on a CPU, the dtype that runs a
-    matmul faster (bfloat16 with AMX or avx512_bf16, float32 without them, where bfloat16 crawls). Measured once
-    per process; the two differ by 3x or more on every CPU measured, so every stage of a run makes one choice."""
+    """What `dtype: auto` runs the models in here, and why: bfloat16 on a GPU; on a CPU, the faster at a matmul (the
+    two differ by 3x or more on every CPU measured, so every stage of a run makes one choice)."""
     if torch.cuda.is_available():
         return "bfloat16", {"device": "cuda"}
     float32_ms, bfloat16_ms = cpu_matmul_ms()
@@ -48,7 +46,6 @@ def machine_dtype() -> tuple[str, dict]:
 
 
 def resolved(dtype: str) -> str:
-    """`dtype` as named, or for `auto` this machine's `machine_dtype()`."""
     return machine_dtype()[0] if dtype == "auto" else dtype
 
 
@@ -57,7 +54,7 @@ ModelDtype = Annotated[Dtype, BeforeValidator(resolved)]  # a section's: `auto` 
 
 
 def no_grad(function: Callable) -> Callable:
-    """`@torch.no_grad()` for a module that must not import torch on import: torch.no_grad() made at each call."""
+    """`@torch.no_grad()` for a module that must not import torch on import."""
     @functools.wraps(function)
     def call(*args, **kwargs):
         with torch.no_grad():
@@ -98,8 +95,7 @@ SHARED_NOTE = ("run in a DVC experiment's own copy (dvc exp run --queue or --tem
 
 
 def usage_of_ranks(figures: list[dict]) -> dict:
-    """One stage's figures from its processes' `StageUsage.figures` (rank order): one process's as they are;
-    several: the slowest wall time, the largest peak and each rank's peak beside it."""
+    """One stage's figures from its processes' (rank order): the slowest wall time, the largest peak and each's."""
     if len(figures) == 1:
         return figures[0]
     return {**figures[0], "wall_s": max(f["wall_s"] for f in figures),
@@ -108,8 +104,7 @@ def usage_of_ranks(figures: list[dict]) -> dict:
 
 
 def matmul_ms(dtypes: tuple[str, ...], threads: int, size: int = 512, repeats: int = 3) -> list[float]:
-    """The median time in ms of one (size x size) @ (size x size) matmul on the CPU in each of `dtypes`, at `threads`
-    threads: whether this CPU runs bfloat16 faster than float32 (AMX, avx512_bf16) or far slower (neither)."""
+    """The median ms of one (size x size) @ (size x size) CPU matmul in each of `dtypes` at `threads` threads."""
     torch.set_num_threads(threads)
     times = []
     for name in dtypes:

@@ -1,8 +1,6 @@
-"""What a map is bound to: a fingerprint of each model of its pair made of named parts (`FINGERPRINT_PARTS`: weights,
-config, generation config, tokenizer), content only, so a map's bytes depend on its models alone and a copied folder
-still matches; other files of a checkpoint folder (README.md, a training log, a provenance record) are no part of it.
-A map written before fingerprints had parts records per model one `pin` digest and a `tokenizer` digest: it is
-compared in that form (`legacy_fingerprint`), so it still loads, but its one digest cannot say which part differs.
+"""What a map is bound to: a fingerprint of each model of its pair made of named parts (`FINGERPRINT_PARTS`), content
+only, so a copied folder still matches and a README.md beside the weights is no part of it. A map written before
+fingerprints had parts is compared in its form (`legacy_fingerprint`), which cannot say which part differs.
 """
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from pipeline.store.models import TOKENIZER_MARKERS, folder_digest, follow, pin_
 from pipeline.store.weights import weight_files
 
 TOKENIZER_DESCRIPTION = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
-# the chat template in a file of its own (transformers 5 writes chat_template.jinja; earlier versions kept it inside
-# tokenizer_config.json): part of the tokenizer, though maps written before it was recorded their digest without it
+# transformers 5's chat template file: part of the tokenizer, though legacy maps recorded their digest without it
 CHAT_TEMPLATES = ("chat_template.jinja", "chat_template.json")
 # the top-level files of a checkpoint folder each part digests; the weights: `store.weights.weight_files`
 PART_FILES = {
@@ -37,7 +34,6 @@ LEGACY_NOTE = ("; the map records one digest of a folder's every file, as maps d
 
 
 def part_files(folder: str | Path, part: str) -> list[Path]:
-    """The top-level files of `folder` that `part` digests: the weights transformers would load, or PART_FILES'."""
     folder = Path(folder)
     if part == "weights":
         return [path for path in weight_files(folder) if path.is_file()]
@@ -45,7 +41,7 @@ def part_files(folder: str | Path, part: str) -> list[Path]:
 
 
 def parsed_json(path: Path) -> bytes | None:
-    """A JSON file's content in one canonical form (keys sorted, no whitespace); None when it is not JSON."""
+    """A JSON file's content, keys sorted and no whitespace; None when it is not JSON."""
     try:
         return json.dumps(json.loads(path.read_text()), sort_keys=True, separators=(",", ":")).encode()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -53,8 +49,7 @@ def parsed_json(path: Path) -> bytes | None:
 
 
 def files_digest(files: list[Path], bar: tqdm | None = None, parsed: bool = False) -> str | None:
-    """sha256 over `files` (each name, NUL, contents, NUL; with `parsed`, a JSON file's canonical content); None
-    where there are none."""
+    """sha256 over `files` (each name, NUL, contents or with `parsed` `parsed_json`, NUL); None for no files."""
     if not files:
         return None
     digest = hashlib.sha256()
@@ -72,13 +67,11 @@ def files_digest(files: list[Path], bar: tqdm | None = None, parsed: bool = Fals
 
 
 def tokenizer_digest(folder: str | Path) -> str | None:
-    """sha256 over a model folder's tokenizer files as maps recorded them before fingerprints had parts (names and
-    contents, the chat template files aside); None where it holds none."""
+    """The tokenizer's digest as maps recorded it before fingerprints had parts (the chat template files aside)."""
     return files_digest([path for path in part_files(folder, "tokenizer") if path.name not in CHAT_TEMPLATES])
 
 
 def folder_parts(folder: str | Path, parts=tuple(FINGERPRINT_PARTS)) -> dict[str, str | None]:
-    """`parts` of a checkpoint folder's fingerprint: each a sha256 over its files, None where the folder has none."""
     files = {part: part_files(folder, part) for part in parts}
     size = sum(path.stat().st_size for paths in files.values() for path in paths)
     with tqdm(total=size, unit="B", unit_scale=True, desc=f"hashing {Path(folder).name}") as bar:
@@ -87,16 +80,14 @@ def folder_parts(folder: str | Path, parts=tuple(FINGERPRINT_PARTS)) -> dict[str
 
 
 def folder_pin(folder: str | Path) -> str:
-    """One sha256 over a local checkpoint folder's fingerprint, what `pin_models` records: a changed part reruns
-    the pipeline, a NOTES.md written beside the weights does not."""
+    """One sha256 over a local checkpoint folder's fingerprint: a NOTES.md written beside the weights reruns nothing."""
     return hashlib.sha256(json.dumps(folder_parts(folder), sort_keys=True).encode()).hexdigest()
 
 
 def fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None) -> dict[str, str | None]:
-    """One model's `FINGERPRINT_PARTS`: a local folder's `folder_parts`; a hub id's config, generation config and
-    tokenizer files by content, its weights by the commit its revision resolves to; a random model's shape and seed;
-    a self source's (`self_source`; the bare name with its `target`) its target's, weights and config cut at n."""
+    """One model's `FINGERPRINT_PARTS`: a hub id's weights by the commit its revision resolves to, a random model's
+    by shape and seed, a self source's its target's cut at n; everything else by content."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         layers, target, target_revision = cut
@@ -114,9 +105,8 @@ def fingerprint(name_or_path: str, revision: str | None = None, target: str | No
 
 def legacy_fingerprint(name_or_path: str, revision: str | None = None, target: str | None = None,
                        target_revision: str | None = None) -> dict[str, str | None]:
-    """A model's fingerprint in the form maps recorded before it had parts: `pin` (a local folder's
-    `store.models.folder_digest` over every file, a hub id's commit, a random shape and seed, a self source's n and
-    its target's pin) and `tokenizer` (`tokenizer_digest`)."""
+    """A model's fingerprint as maps recorded it before it had parts: `pin` (a local folder's `folder_digest`, as
+    `fingerprint` otherwise) and `tokenizer` (`tokenizer_digest`)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         layers, target, target_revision = cut
@@ -155,7 +145,6 @@ class PairFingerprints:
 
 def pair_fingerprints(source: str, target: str, source_revision: str | None = None,
                       target_revision: str | None = None) -> dict:
-    """Both models' `fingerprint`s, as a map's metadata records them (`Mapper.models`)."""
     return PairFingerprints(source, target, source_revision, target_revision).parts
 
 

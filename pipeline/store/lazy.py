@@ -39,7 +39,6 @@ class LazyModule:
 
 
 def lazy(name: str) -> Any:
-    """A stand-in for `import name`. `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an
-    import of that module (a module that needs its library at import time is itself imported lazily by its importers,
-    `lazy("pipeline.lm_eval_model")`)."""
+    """A stand-in for `import name`; `name` is a literal: tools/importgraph.py reads `lazy("pipeline.x.y")` as an
+    import of that module."""
     return LazyModule(name)

@@ -43,11 +43,9 @@ class NoTokenizerError(ModelFolderError):
 
 
 class ModelsParams(Params):
-    """The `models` section. kind `trained`: the tiny pair prepare_models trains (source/target are unused names);
-    `hub`: hub ids (revisions pinned by pin_models, offline when in the local cache) or local checkpoint folders
-    (pinned by path and content hash); `random`: shape names in pipeline/store/configs. With any kind, `source:
-    self:<n>` is the target's own first n layers. Stages load `models/source` and `models/target`, which for `hub`
-    and `random` hold a pointer file (hub.json / local.json / random.json; a self source: self.json), not weights."""
+    """kind `trained`: the tiny pair prepare_models trains (names unused); `hub`: hub ids or local checkpoint
+    folders; `random`: shape names in pipeline/store/configs. With any kind, `source: self:<n>` is the target's first
+    n layers. For `hub` and `random`, `models/source` and `models/target` hold a pointer file, not weights."""
 
     kind: Literal["trained", "hub", "random"]
     source: str
@@ -72,7 +70,6 @@ class ModelsParams(Params):
 
     @property
     def self_layers(self) -> int | None:
-        """n when the source is `self:<n>`, else None."""
         return self_layers(self.source)
 
 
@@ -103,9 +100,8 @@ def hub_offline() -> bool:
 
 
 def looks_like_path(name: str) -> bool:
-    """Whether `name` was meant as a local folder rather than a hub id. A hub id is `name` or `owner/name`:
-    one slash at most, no leading `.`, `/` or `~`, no backslash, no trailing slash; and `models/target` is a
-    path when `models` is a local folder (a stage's prepared model), not the hub owner `models`."""
+    """Whether `name` is meant as a local folder: not a hub id `name` or `owner/name` (no leading `.`, `/` or `~`,
+    no backslash or trailing slash), or `models/target` where `models` is a local folder, not a hub owner."""
     if name.startswith((".", "/", "~")) or "\\" in name or name.endswith("/") or name.count("/") > 1:
         return True
     return "/" in name and Path(name.split("/")[0]).is_dir()
@@ -126,8 +122,7 @@ def unavailable(name_or_path: str, revision: str | None) -> ModelNotAvailableErr
 
 
 def resolve(name_or_path: str, revision: str | None = None, config_only: bool = False) -> str:
-    """A local folder holding the model files: the path itself, or the hub snapshot for an id (with
-    `config_only`, a snapshot of the config and tokenizer files alone: no weights are fetched)."""
+    """A local folder holding the model files: the path itself, or an id's hub snapshot (`config_only`: no weights)."""
     if Path(name_or_path).is_dir():
         return str(name_or_path)
     if looks_like_path(name_or_path) or Path(name_or_path).exists():
@@ -147,8 +142,7 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
 
 
 def pin_hub_id(model_id: str, revision: str | None) -> str:
-    """The commit a hub id's revision (None: the default branch) resolves to: from the local Hugging Face cache
-    when the id is there, so it works offline, else from the hub."""
+    """The commit a hub id's revision (None: the default branch) resolves to, from the local cache when there."""
     try:
         return Path(huggingface_hub.snapshot_download(model_id, revision=revision, local_files_only=True,
                                                       allow_patterns=CONFIG_FILES)).name  # .../snapshots/<commit>
@@ -174,9 +168,7 @@ def folder_digest(folder: str | Path) -> str:
 
 
 def read_pointer(folder: str | Path) -> dict | None:
-    """The pointer a prepared model folder holds instead of weights (hub.json, local.json, random.json or
-    self.json), if any; a local checkpoint's pointer is followed to its folder, which must still be there, and a
-    self source's to the prepared target beside it (its `target`, made a path)."""
+    """The pointer a prepared model folder holds instead of weights, if any (a self source's `target` made a path)."""
     for name in ("hub.json", "local.json", "random.json", SELF_POINTER):
         path = Path(folder) / name
         if path.is_file():
@@ -192,8 +184,7 @@ def read_pointer(folder: str | Path) -> dict | None:
 
 
 def follow(name_or_path: str, revision: str | None) -> tuple[str, str | None, dict | None]:
-    """What to load for `name_or_path`: a prepared folder's hub or local pointer followed to (id or folder,
-    revision); a random pointer returned as the third item; anything else as given."""
+    """(id or folder, revision, random pointer or None) to load for `name_or_path`, a hub or local pointer followed."""
     pointer = read_pointer(name_or_path)
     if pointer and pointer["kind"] == "hub":
         return pointer["id"], pointer["revision"], None
@@ -220,9 +211,8 @@ def self_source(name_or_path: str, target: str | None = None,
 
 def load_model(name_or_path: str, revision: str | None = None, dtype="float32", device=None, device_map=None,
                target: str | None = None, target_revision: str | None = None):
-    """A causal LM in eval mode: on `device`, or with `device_map` spread by accelerate over the devices. A self
-    source (`self_source`; the bare name with its `target`) is its target loaded and truncated: the deeper
-    layers are freed with the target object."""
+    """A causal LM in eval mode: on `device`, or with `device_map` spread by accelerate. A self source is its target
+    loaded and truncated (the deeper layers freed with the target object)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         layers, target, target_revision = cut
@@ -280,8 +270,8 @@ def model_folder(name: str, revision: str | None = None, config_only: bool = Fal
 
 def require_weights(name_or_path: str, revision: str | None = None, target: str | None = None,
                     target_revision: str | None = None) -> None:
-    """Refuse (ModelFolderError, one line) a local checkpoint whose weights would not load whole, from its files
-    alone, before anything is loaded (a self source: its target's; a hub id or a random shape has no folder yet)."""
+    """Refuse a local checkpoint whose weights would not load whole, from its files alone (a self source: its
+    target's; a hub id or a random shape has no folder yet)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return require_weights(cut[1], cut[2])
@@ -289,12 +279,10 @@ def require_weights(name_or_path: str, revision: str | None = None, target: str 
     refusal = None if random or not Path(name).is_dir() else weights_refusal(name)
     if refusal:
         raise ModelFolderError(f"model folder {name} {refusal}")
-    return None
 
 
 def loaded(loading, name: str):
-    """The model of `from_pretrained(..., output_loading_info=True)`, refused (one line) where the checkpoint lacks
-    a tensor the architecture has: transformers would leave it at its random initialisation."""
+    """`from_pretrained(..., output_loading_info=True)`'s model, refused where the checkpoint lacks a tensor."""
     model, info = loading
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
@@ -307,7 +295,6 @@ def loaded(loading, name: str):
 
 def load_config(name_or_path: str, revision: str | None = None, target: str | None = None,
                 target_revision: str | None = None):
-    """A model's config alone, no weights (a self source's: its target's, truncated)."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return truncated_config(load_config(cut[1], cut[2]), cut[0])
@@ -332,8 +319,8 @@ def first_line(err: Exception) -> str:
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, target: str | None = None,
                    target_revision: str | None = None):
-    """A model's tokenizer (a self source's: its target's); a hub id fetches its config and tokenizer files only.
-    A folder without tokenizer files (NoTokenizerError: never a stand-in) or tokenizer_config.json is refused."""
+    """A model's tokenizer (a self source's: its target's); a folder without tokenizer files (NoTokenizerError:
+    never a stand-in) or tokenizer_config.json is refused."""
     cut = self_source(name_or_path, target, target_revision)
     if cut:
         return load_tokenizer(cut[1], cut[2])

@@ -25,7 +25,6 @@ class ParamError(Refusal, ValueError):
 
 
 class Params(BaseModel):
-    """A section of params.yaml (or a part of one): every key declared, required and checked."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -58,7 +57,6 @@ def read_params(path: str | Path = PARAMS_FILE) -> dict:
 
 
 def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
-    """The raw value at `name` (dots for nesting) of params.yaml."""
     data: Any = read_params(path)
     for part in name.split("."):
         if not isinstance(data, dict) or part not in data:
@@ -68,7 +66,7 @@ def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
 
 
 def load_value(kind: type[V], name: str, path: str | Path = PARAMS_FILE) -> V:
-    """The value at `name` that no section class holds (the top-level `profile`), refused unless it is a `kind`."""
+    """A value no section class holds (the top-level `profile`), refused unless it is a `kind`."""
     value = read_key(name, path)
     if not isinstance(value, kind):
         raise ParamError(f"{name}: expected a {kind.__name__}, got {value!r}")
@@ -76,15 +74,12 @@ def load_value(kind: type[V], name: str, path: str | Path = PARAMS_FILE) -> V:
 
 
 def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
-    """Parse section `name` (dots for nesting) of params.yaml into `cls`."""
     return parse(cls, read_key(name, path), name)
 
 
 def parse(cls: type[T], data: Any, where: str) -> T:
-    """`data` validated as `cls` (`where`: its dotted key, "" for the whole file). pydantic's first error (an unknown
-    key first: a misspelt key also leaves its real name missing) becomes one `ParamError` line: the dotted key with
-    list indices (`fit.mlp.ks[0]`), then a sentence for its type (`missing` -> "missing parameter"). A validator's
-    `ParamError` is the whole line (it names the keys it compares); a field validator's ValueError gets its key."""
+    """`data` validated as `cls` (`where`: its dotted key). pydantic's first error (an unknown key first: a misspelt
+    key also leaves its real name missing) becomes one `ParamError` line naming the key (`fit.mlp.ks[0]`)."""
     if not isinstance(data, Mapping):
         raise ParamError(f"{where}: expected a mapping, got {data!r}")
     try:
@@ -123,7 +118,6 @@ def _line(cls: type[BaseModel], error: Mapping, where: str) -> str:
 
 
 def _fields_at(cls: type[BaseModel], loc: tuple) -> list[str]:
-    """The declared keys of the model at `loc` under `cls`."""
     hint: Any = cls
     for part in loc:
         hint = _unwrap(hint)

