@@ -41,8 +41,6 @@ SIDES = ("source", "target")
 
 
 def read_sequences(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the data stage first")
     frame = read_table(path, columns=["doc_id", "token_ids", "content_hash"])
     empty = frame.index[frame.token_ids.map(len) == 0].tolist()
     if empty:

@@ -146,7 +146,6 @@ def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: 
 
 
 def write_tables(metrics_dir: Path, table: R2Table, scores: dict, source_layers: int, target_layers: int) -> None:
-    """fit_layers.csv (R² per candidate, layer, head, kind), fit_lambda_scale.csv and fit_probe.csv."""
     _write_csv(metrics_dir / "fit_layers.csv", table.rows)
     # the header alone when no linear candidate is fitted, so the declared output always exists
     _write_csv(metrics_dir / "fit_lambda_scale.csv", table.scale_rows, R2Table.SCALE_FIELDS)
@@ -246,11 +245,10 @@ def chosen_lambdas(table: R2Table, closed: list[MapName], scale: str) -> dict:
 
 
 def _write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else fields)
-            writer.writeheader()
-            writer.writerows(rows)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else fields)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> None:

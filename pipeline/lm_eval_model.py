@@ -70,7 +70,6 @@ class KVTransferLM(HandoffLM):
                   target_revision: str | None = None, source_revision: str | None = None,
                   shuffle_seed: int | str | None = None, max_length: int | str | None = None,
                   repair: str | None = None, allow_other_models: bool | str = False, **unknown) -> "KVTransferLM":
-        """The model lm-eval's model args name (the module docstring lists them)."""
         if unknown:
             known = [arg for arg in inspect.signature(cls.from_args).parameters if arg != "unknown"]
             raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")

@@ -51,8 +51,6 @@ def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
 
 @dataclass
 class Variant:
-    """A variant's router and FLOP bound at one length."""
-
     router: Router
     bound: float
 

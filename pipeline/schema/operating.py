@@ -30,7 +30,6 @@ class OperatingParams(Params):
     horizon: Positive  # greedy rollout tokens after each prompt (a pass-key item reads its key's first tokens)
 
     def speculative_variants(self) -> dict[str, float]:
-        """Each share of `speculative` by its variant's name, `speculative_<p>`."""
         return {f"speculative_{share:g}": share for share in self.speculative}
 
     @model_validator(mode="after")
