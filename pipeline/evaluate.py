@@ -42,8 +42,7 @@ def variant_mode(variant: str) -> str:
 
 
 def variant_request(variant: str, params: EvaluateParams) -> dict:
-    """`variant`'s handoff as `Pair.router` takes it (a name neither a baseline nor in evaluate.mapped was refused
-    earlier)."""
+    """`variant`'s handoff as `Pair.router` takes it (an unknown name was refused earlier)."""
     if variant in BASELINES:
         return {"mode": variant}
     repair, lookahead = variant_repair(variant, params)

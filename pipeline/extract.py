@@ -52,8 +52,7 @@ KEY_SPACE_WORDS = {"content": "content (RoPE stripped)", "rotated": "rotated (Ro
 
 
 @no_grad
-def content_caches(model, rotation: Rotation, batch: list,
-                   strip: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def content_caches(model, rotation: Rotation, batch: list, strip: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence of `batch` (one length, one forward), on the CPU: (layers, tokens, kv_heads, head_dim) keys in
     content space, float32 (`strip` False: rotated as cached), and values in the model dtype. All layers are stripped
     in one call: at small shapes the per-call overhead, not the arithmetic, is what extraction adds."""

@@ -52,9 +52,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
         only: list[str] | None = None, ranks: Ranks = ONE_PROCESS) -> dict:
     """Fit every candidate (`only`: those named, each byte-identical to its file from the full fit); `skipped`: the
-    families the pair's contract leaves undefined, to why. Each of N processes fits every N-th target layer (and
-    probe group) with the sums of one process; rank 0 merges, writes and times the mappers and returns the metrics
-    (the others {})."""
+    families the contract leaves undefined, to why. Rank r of N fits every N-th target layer (and probe group) with
+    one process's sums; rank 0 writes and times the mappers and returns the metrics (the others {})."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = manifests(source_root, target_root, params)

@@ -234,8 +234,7 @@ def prepare(namespace, given: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's own command line with `kv-transfer` registered, then each model's route counts. Run as a command, a
-    refusal of the project's (a bad model arg, a missing or corrupt map) is one `error:` line, exit 2."""
+    """lm-eval's own command line with `kv-transfer` registered, then each model's route counts."""
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one
