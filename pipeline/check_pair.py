@@ -84,7 +84,6 @@ def rotary_cell(card: ModelCard) -> str:
 
 
 def geometry_cell(card) -> str:
-    """A model's `layers / KV heads / head_dim`, or a dash when its configuration gives none."""
     if card.geometry is None:
         return "—"
     return f"{card.geometry['layers']} / {card.geometry['kv_heads']} / {card.geometry['head_dim']}"
@@ -126,7 +125,7 @@ def flop_rows(source_config, target_config, lengths: list[int]) -> list:
 
 
 def repair_rows(source_config, target_config, lengths: list[int], repairs: list[str],
-                lookahead: SpeculativeParams | None = None) -> list:
+                lookahead: SpeculativeParams | None) -> list:
     """Per repair setting (`kv.repair`): its budget and the linear k=1 handoff's bound with it, at each length (a policy
     ranking by the source counts its look-ahead scores, `lookahead`: params' `speculative` settings)."""
     per_token = mapper_macs_per_token(source_config, target_config, 1, "linear")
@@ -143,8 +142,7 @@ def repair_rows(source_config, target_config, lengths: list[int], repairs: list[
 
 
 def report(contract: Contract, source_config, target_config, ks: list[int], lengths: list[int],
-           widths: dict[str, list[int]], repairs: list[str] | None = None,
-           lookahead: SpeculativeParams | None = None) -> str:
+           widths: dict[str, list[int]], repairs: list[str], lookahead: SpeculativeParams | None) -> str:
     note = f" ({contract.tokenizer_note})" if contract.tokenizer_note else ""
     lines = [f"# {contract.source.name} -> {contract.target.name}", "",
              md_table(["", "source", "target"], model_rows(contract)), "",
@@ -193,7 +191,6 @@ def mapper_lines(path: Path, source: str, target: str, source_config, target_con
 
 
 def as_list(value) -> list:
-    """A params value that is one size or a list of them, as a list (None: none)."""
     return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 

@@ -47,8 +47,6 @@ AUTO_DTYPES = ("models", "latency")  # those that may say `auto`
 
 
 class ParamsFile(Params):
-    """The whole of params.yaml, each section parsed as the stage that reads it parses it, then `PARAMS_RULES`."""
-
     profile: str
     machine: MachineParams
     measure: MeasureParams
@@ -283,7 +281,6 @@ def mapper_files(fit: FitParams, distill: DistillParams) -> list[str]:
 
 
 def map_name(key: str, name: str) -> MapName:
-    """`name` read as a map's name, or a refusal naming `key`."""
     try:
         return MapName.parse(name)
     except ValueError as err:

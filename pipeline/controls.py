@@ -51,12 +51,12 @@ def compatibility(contract: Contract) -> dict:
             "families": {family: reason or "defined" for family, reason in contract.families.items()}}
 
 
-def serialization(layers, folder: Path, write=save_artifact, read=load_artifact) -> dict:
+def serialization(layers, folder: Path, write=save_artifact) -> dict:
     """A target cache written as an artifact and read back: passes when every tensor is bit-identical, dtype too."""
     tensors = {f"{kind}.{i}": t for i, (k, v) in enumerate(layers) for kind, t in (("keys", k), ("values", v))}
     path = folder / "cache.safetensors"
     write(path, tensors, {"layers": len(layers)})
-    loaded, _ = read(path)
+    loaded, _ = load_artifact(path)
     identical = all(torch.equal(tensors[name].cpu(), loaded[name].cpu()) and tensors[name].dtype == loaded[name].dtype
                     for name in tensors)
     return {"passed": bool(identical and set(loaded) == set(tensors)), "tensors": len(tensors),
@@ -190,7 +190,6 @@ def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_su
 
 
 def run(params: ControlsParams, models: ModelsParams, device: str, tolerances: ToleranceParams) -> dict:
-    """Each control's figures and `passed`; a pair the compatibility control refuses stops at that one entry."""
     prompts = read_prompts(paths.EVAL_PROMPTS)[: params.prompts]
     pair = Pair.load(models, device, max_tokens=max(len(c) + len(e) for c, e in prompts) + params.horizon)
     results = {"compatibility": compatibility(pair.contract)}

@@ -30,8 +30,7 @@ SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention
 
 
 def run(spec: GgufCheckpoint | None, out: Path, timeout_s: float) -> dict:
-    """Its marker alone without a GGUF. The GGUF is assembled beside `out` (`.<name>.scratch.*.tmp`: git-ignored,
-    removed on an interrupt and by the next run), and the config checked before the folder is written."""
+    """Its marker alone without a GGUF; else the GGUF converted into `out`, its config checked first."""
     if spec is None:
         return write_marker(out, CONVERTED_PROVENANCE, {"gguf": None})
     return convert(spec, paths.WHEELS, out, timeout_s, check=lambda config: check_shape(config, spec.shape))

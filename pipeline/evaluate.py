@@ -38,13 +38,11 @@ SKIPPED = "SKIPPED"  # in eval/<variant>/ of a variant the pair's contract leave
 
 
 def variant_mode(variant: str) -> str:
-    """The contract's mode of a variant (kv.contract.MODES)."""
     return variant if variant in BASELINES or variant == "shuffled" else "mapped"
 
 
 def variant_request(variant: str, params: EvaluateParams) -> dict:
-    """`variant`'s handoff as `Pair.router` takes it (a name neither a baseline nor in evaluate.mapped was refused
-    earlier)."""
+    """`variant`'s handoff as `Pair.router` takes it (an unknown name was refused earlier)."""
     if variant in BASELINES:
         return {"mode": variant}
     repair, lookahead = variant_repair(variant, params)
@@ -75,7 +73,6 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
                 (staging / SKIPPED).write_text(reason + "\n")
             write_json_atomic(paths.variant_metrics(variant), {"skipped": reason})
         return None
-    # its repair as the params name it (select's choice read once)
     router = pair.router(**variant_request(variant, params), batch_size=params.batch_size)
     prompts = read_prompts(paths.EVAL_PROMPTS)
     options = {"margin": margin, "tasks": pair.eval_tasks, "tokenizer": pair.target_tokenizer, "ranks": ranks}

@@ -41,8 +41,6 @@ SIDES = ("source", "target")
 
 
 def read_sequences(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the data stage first")
     frame = read_table(path, columns=["doc_id", "token_ids", "content_hash"])
     empty = frame.index[frame.token_ids.map(len) == 0].tolist()
     if empty:
@@ -54,8 +52,7 @@ KEY_SPACE_WORDS = {"content": "content (RoPE stripped)", "rotated": "rotated (Ro
 
 
 @no_grad
-def content_caches(model, rotation: Rotation, batch: list,
-                   strip: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def content_caches(model, rotation: Rotation, batch: list, strip: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence of `batch` (one length, one forward), on the CPU: (layers, tokens, kv_heads, head_dim) keys in
     content space, float32 (`strip` False: rotated as cached), and values in the model dtype. All layers are stripped
     in one call: at small shapes the per-call overhead, not the arithmetic, is what extraction adds."""

@@ -52,9 +52,8 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
         metrics_dir: Path, params: FitParams, skipped: dict[str, str], device: str, model_dtype: str,
         only: list[str] | None = None, ranks: Ranks = ONE_PROCESS) -> dict:
     """Fit every candidate (`only`: those named, each byte-identical to its file from the full fit); `skipped`: the
-    families the pair's contract leaves undefined, to why. Each of N processes fits every N-th target layer (and
-    probe group) with the sums of one process; rank 0 merges, writes and times the mappers and returns the metrics
-    (the others {})."""
+    families the contract leaves undefined, to why. Rank r of N fits every N-th target layer (and probe group) with
+    one process's sums; rank 0 writes and times the mappers and returns the metrics (the others {})."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     torch.use_deterministic_algorithms(True)
     source_manifest, target_manifest = manifests(source_root, target_root, params)
@@ -146,7 +145,6 @@ def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: 
 
 
 def write_tables(metrics_dir: Path, table: R2Table, scores: dict, source_layers: int, target_layers: int) -> None:
-    """fit_layers.csv (R² per candidate, layer, head, kind), fit_lambda_scale.csv and fit_probe.csv."""
     _write_csv(metrics_dir / "fit_layers.csv", table.rows)
     # the header alone when no linear candidate is fitted, so the declared output always exists
     _write_csv(metrics_dir / "fit_lambda_scale.csv", table.scale_rows, R2Table.SCALE_FIELDS)
@@ -246,11 +244,10 @@ def chosen_lambdas(table: R2Table, closed: list[MapName], scale: str) -> dict:
 
 
 def _write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else fields)
-            writer.writeheader()
-            writer.writerows(rows)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else fields)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> None:

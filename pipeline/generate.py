@@ -111,7 +111,6 @@ def run(pair: Pair, prompts: list[list[int]], modes: Sequence[str], mapper: Path
 
 
 def summary(generations: list[Generation]) -> str:
-    """The table of one prompt: per mode its time to first token, new tokens, departure from the oracle and route."""
     oracle = generations[0].tokens
     rows = []
     for generation in generations:

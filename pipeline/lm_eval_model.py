@@ -70,7 +70,6 @@ class KVTransferLM(HandoffLM):
                   target_revision: str | None = None, source_revision: str | None = None,
                   shuffle_seed: int | str | None = None, max_length: int | str | None = None,
                   repair: str | None = None, allow_other_models: bool | str = False, **unknown) -> "KVTransferLM":
-        """The model lm-eval's model args name (the module docstring lists them)."""
         if unknown:
             known = [arg for arg in inspect.signature(cls.from_args).parameters if arg != "unknown"]
             raise ParamError(f"kv-transfer: unknown model arg {sorted(unknown)[0]}= (known: {', '.join(known)})")
@@ -235,8 +234,7 @@ def prepare(namespace, given: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's own command line with `kv-transfer` registered, then each model's route counts. Run as a command, a
-    refusal of the project's (a bad model arg, a missing or corrupt map) is one `error:` line, exit 2."""
+    """lm-eval's own command line with `kv-transfer` registered, then each model's route counts."""
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["run"] and not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", default_device()]  # lm-eval's own default is cuda:0, even on a machine without one

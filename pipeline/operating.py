@@ -31,8 +31,8 @@ from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
-from pipeline.schema.evaluate import selected_repair
-from pipeline.schema.operating import SELECTED, OperatingParams
+from pipeline.schema.evaluate import SELECTED, selected_repair
+from pipeline.schema.operating import OperatingParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, read_table, require_controls_passed
 from pipeline.store.cli import entry, parser
@@ -51,8 +51,6 @@ def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
 
 @dataclass
 class Variant:
-    """A variant's router and FLOP bound at one length."""
-
     router: Router
     bound: float
 

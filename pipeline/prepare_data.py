@@ -27,11 +27,8 @@ from pipeline.tiny.corpus import generate_world
 from pipeline.tiny.tokenizer import train_tokenizer
 
 datasets = lazy("datasets")
-
 pd = lazy("pandas")
 
-
-# ---- generated (tiny world) ----
 
 def generated(params: DataParams) -> tuple[dict[str, pd.DataFrame], object]:
     # eval documents shorter than prompt + continuation are skipped: draw spares, keep the first n
@@ -68,8 +65,6 @@ def tokenize_sequences(docs: pd.DataFrame, tokenizer, params: DataParams, split:
         rows.append(row)
     return pd.DataFrame(rows)
 
-
-# ---- hub (V0) ----
 
 def _load_rows(source: HubDataset, what: str) -> list[dict]:
     """Rows of a dataset from a local file or the hub; a clear error naming it when neither is available."""

@@ -23,7 +23,6 @@ from pipeline.store.splits import TASKS
 
 
 def dev_accuracy(models: ModelsParams, device: str, batch_size: int) -> dict[str, Evaluation]:
-    """Dev-part evaluations of the target (oracle), the source alone and direct injection."""
     files = {task: paths.task_items(task, "dev") for task in TASKS}
     pair = Pair.load(models, device)
     evaluations = {}

@@ -12,7 +12,6 @@ from pipeline.store.shapes import shape_names
 
 
 def _matching(pattern, problem: str) -> AfterValidator:
-    """A text refused with `problem` unless `pattern` matches it."""
     def check(value: str) -> str:
         if not pattern.match(value):
             raise ValueError(f"{value!r} {problem}")

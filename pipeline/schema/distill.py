@@ -12,8 +12,6 @@ from pipeline.store.params import ParamError, Positive, Processes
 
 
 class DistillParams(DistillSettings):
-    """The training keys (`fitting.distill.DistillSettings`), and which maps are trained on which rows."""
-
     start: Annotated[list[str], Field(min_length=1)]  # fit's map names (the candidates fit writes)
     context_lengths: Annotated[list[Positive], Field(min_length=1)]  # n: the rows' prefixes are n - 1 tokens
     horizon: Annotated[int, Field(ge=0)]  # teacher-forced positions after the handoff position

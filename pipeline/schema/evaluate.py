@@ -36,19 +36,25 @@ class EvaluateParams(Params):
                                  f"with its mapper file")
             if name == "shuffled":
                 raise ParamError(f"{key}: the shuffled-cache null control takes no repair; repair another variant")
-            if setting == SELECTED and self.mapped[name] != str(SELECTED_MAPPER):
-                raise ParamError(f"{key}: `selected` is the setting select chose for {SELECTED_MAPPER}, but the "
-                                 f"variant maps with {self.mapped[name]}; name a setting instead")
-            if setting != SELECTED:
-                try:
-                    parsed = Repair.parse(setting)
-                except RepairError as error:
-                    raise ParamError(f"{key}: {error} (or `selected`)") from None
-                if parsed.reads_source:
-                    raise ParamError(f"{key}: policy {parsed.select_by} reads params' `speculative` settings, which "
-                                     f"evaluate does not (its oracle would rerun with them); give it through select "
-                                     f"(select.repairs, then `selected`) or name another policy")
+            parsed = declared_repair(key, setting, self.mapped[name], "the variant")
+            if parsed is not None and parsed.reads_source:
+                raise ParamError(f"{key}: policy {parsed.select_by} reads params' `speculative` settings, which "
+                                 f"evaluate does not (its oracle would rerun with them); give it through select "
+                                 f"(select.repairs, then `selected`) or name another policy")
         return self
+
+
+def declared_repair(key: str, setting: str, mapper: str, variant: str) -> Repair | None:
+    """A variant's repair as params declare it; None for `selected`, which only the selected map may take."""
+    if setting == SELECTED:
+        if mapper != str(SELECTED_MAPPER):
+            raise ParamError(f"{key}: `selected` is the setting select chose for {SELECTED_MAPPER}, but {variant} "
+                             f"maps with {mapper}; name a setting instead")
+        return None
+    try:
+        return Repair.parse(setting)
+    except RepairError as error:
+        raise ParamError(f"{key}: {error} (or `selected`)") from None
 
 
 def selected_repair(key: str) -> tuple[Repair, SpeculativeParams | None]:

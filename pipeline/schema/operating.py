@@ -7,10 +7,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipeline.kv.modes import BASELINES
-from pipeline.kv.repair import Repair, RepairError
-from pipeline.schema.evaluate import SELECTED
+from pipeline.schema.evaluate import declared_repair
 from pipeline.store.params import ParamError, Params, Positive
-from pipeline.store.paths import SELECTED_MAPPER
 
 
 class Repaired(Params):
@@ -30,7 +28,6 @@ class OperatingParams(Params):
     horizon: Positive  # greedy rollout tokens after each prompt (a pass-key item reads its key's first tokens)
 
     def speculative_variants(self) -> dict[str, float]:
-        """Each share of `speculative` by its variant's name, `speculative_<p>`."""
         return {f"speculative_{share:g}": share for share in self.speculative}
 
     @model_validator(mode="after")
@@ -50,16 +47,7 @@ class OperatingParams(Params):
             if entry.map not in self.maps:
                 raise ParamError(f"operating.repaired.{name}.map: {entry.map!r} is not a variant of operating.maps "
                                  f"({', '.join(self.maps) or 'none'})")
-            key = f"operating.repaired.{name}.repair"
-            if entry.repair == SELECTED:
-                if self.maps[entry.map] != str(SELECTED_MAPPER):
-                    raise ParamError(f"{key}: `selected` is the setting select chose for {SELECTED_MAPPER}, but "
-                                     f"{entry.map!r} maps with {self.maps[entry.map]}; name a setting instead")
-                continue
-            try:
-                Repair.parse(entry.repair)
-            except RepairError as error:
-                raise ParamError(f"{key}: {error} (or `selected`)") from None
+            declared_repair(f"operating.repaired.{name}.repair", entry.repair, self.maps[entry.map], repr(entry.map))
         if len(set(self.lengths)) != len(self.lengths):
             raise ParamError(f"operating.lengths: a length is listed twice in {self.lengths}; list each once")
         return self

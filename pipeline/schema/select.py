@@ -19,8 +19,7 @@ class SelectParams(Params):
     continuation: Positive | None  # ... and the next `continuation` tokens
     top_k: Positive
     horizon: Positive
-    rule: str  # a prompt metric (measure.prompt_metrics): the map best by it; the confident ones at
-    # measure.confident_margin
+    rule: str  # a prompt metric (measure.prompt_metrics), the map best by it (confident: measure.confident_margin)
     batch_size: Positive  # select prompts per forward
     processes: Processes  # sharing out the oracle's prompts, then the candidates
     repairs: list[str]  # kv.repair settings chosen with the map, `none` among them; [none]: the maps alone
