@@ -185,7 +185,7 @@ def read_table(path: str | os.PathLike, columns: Sequence[str] | None = None) ->
     stage = paths.maker(path)
     fix = f"dvc repro -f {stage}" if stage else "replace it with a whole file"
     if not path.is_file():
-        raise ArtifactError(f"{path}: not found; make it ({fix.replace(' -f', '')})")
+        raise ArtifactError(f"{path}: not found" + (f"; make it (dvc repro {stage})" if stage else ""))
     try:
         return pd.read_parquet(path, columns=None if columns is None else list(columns))
     except (pyarrow.ArrowException, OSError) as err:

@@ -251,6 +251,8 @@ def test_a_truncated_parquet_table_is_one_line_naming_it_and_the_stage_that_make
     table.unlink()
     with pytest.raises(ArtifactError, match=r"^data/eval\.parquet: not found; make it \(dvc repro prepare_data\)$"):
         artifacts.read_table("data/eval.parquet")
+    with pytest.raises(ArtifactError, match=r"^rows\.parquet: not found$"):  # a user's file: no stage makes it
+        artifacts.read_table("rows.parquet")
 
 
 @pytest.mark.parametrize("path, stage", [
