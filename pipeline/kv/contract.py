@@ -67,8 +67,7 @@ def _untested_family(config, max_tokens):
     return None
 
 
-# (feature, why it is refused, check): every rule that applies is named, in this order; the sliding window,
-# the one a run can work around (by running shorter), comes last
+# (feature, why it is refused, check), in this order; the sliding window, which a shorter run avoids, comes last
 CONTRACT_RULES = (
     ("no `num_key_value_heads` (GPT-NeoX, GPT-2)",
      "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads",
@@ -184,7 +183,6 @@ class Contract:
         return self.modes[mode]
 
     def require(self, mode: str) -> None:
-        """Refuse `mode` up front, in one sentence, unless the contract defines it."""
         reason = self.reason(mode)
         if reason is None:
             return

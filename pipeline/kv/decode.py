@@ -214,11 +214,17 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
     """(the tokens decoded after the handoff of `prompt`, the time to first token in ms); stops after a token in
-    `stop`."""
+    `stop`. A token is the argmax at temperature 0, else a draw on the CPU (so a seed draws alike on any device)."""
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)
     start, first_ms = time.perf_counter(), []
+
+    def pick(logits: torch.Tensor) -> int:
+        if temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
+        return int(torch.multinomial(probs, 1, generator=generator))
 
     def seen(tokens: list[int]) -> bool:
         if len(tokens) == 1:
@@ -226,14 +232,5 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
         on_token(tokens)
         return tokens[-1] in stop
 
-    tokens = decode(handoff, prompt, max_new_tokens, lambda logits: pick(logits, temperature, generator), seen)
+    tokens = decode(handoff, prompt, max_new_tokens, pick, seen)
     return tokens, (first_ms[0] if first_ms else 0.0)
-
-
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """The next token from logits (V,): the argmax at temperature 0, else a draw on the CPU (so a seed draws the same
-    tokens on any device)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -255,7 +255,6 @@ TRAINABLE = tuple(name for name, spec in FAMILIES.items() if spec.trainable)
 
 
 def family(name: str) -> Family:
-    """The family called `name`; an unknown name is refused, naming the known ones."""
     if name not in FAMILIES:
         raise ValueError(f"unknown mapper family {name!r} (known: {', '.join(FAMILIES)})")
     return FAMILIES[name]

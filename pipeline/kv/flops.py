@@ -99,7 +99,6 @@ def handoff_macs(source_config, target_config, mapper_macs_per_token: int, lengt
 
 
 def kv_projection_macs_per_token(config) -> int:
-    """Multiply-adds per token of one layer's K and V projections."""
     return 2 * config.hidden_size * config.num_key_value_heads * kv_geometry(config)["head_dim"]
 
 
@@ -126,7 +125,6 @@ def source_scores_macs(source_config, repair: Repair, settings: SpeculativeParam
 
 def speculative_macs(source_config, target_config, settings: SpeculativeParams, share: float, length: int
                      ) -> dict[str, int]:
-    """Multiply-adds of speculative prefill's four parts for a prompt of `length` tokens."""
     prefix = length - 1
     kept = settings.kept(share, prefix)
     return {

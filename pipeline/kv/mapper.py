@@ -118,8 +118,7 @@ def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype,
         if order is not None:  # permute each row's tokens, (B, H, T, D)
             index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
             keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
-        # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this layer is
-        # live, not all at once when the cache is built
+        # the linear map leaves values in (B, T, H, D) memory order: lay them out while only this layer is live
         cached_values = values.to(device, dtype, memory_format=torch.contiguous_format)
         keys = keys.to(device)
         yield (keys, values), ((keys if rotated else rotation.apply(keys)).to(dtype), cached_values)

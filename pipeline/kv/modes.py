@@ -25,8 +25,6 @@ ClockHook = Callable[[str], None]  # told each part of a first step as it ends
 
 
 class Reads(NamedTuple):
-    """What a handoff mode reads."""
-
     target: bool  # the target decodes (False: the source alone, its own cache and its own predictions)
     source: bool  # the source model: its cache handed to the target, or the source alone
     map: bool  # a fitted map (`shuffled` also runs without one: the source's cache itself, permuted)
@@ -37,15 +35,12 @@ class Built(NamedTuple):
     """A prefix cache as a mode built it (None for an empty prefix)."""
 
     layers: list | None  # the cache the decoding model reads
-    # (B, K) the positions the decoding model computed itself in every layer by a choice (-1 pads): the tokens a
-    # sparse mode kept, a repair's sink and chosen tokens; None where nothing was chosen (its own prefill, a bare map)
+    # (B, K) the positions the decoding model computed itself in every layer by a choice (-1 pads), else None
     selected: object = None
 
 
 @dataclass
 class Inputs:
-    """What a handoff's mode builds every prefix cache from."""
-
     decoder: object  # the model that decodes: the target, or the source itself in mode `source`
     source: object | None  # the source, where the mode reads it
     mapper: Mapper | None
@@ -62,8 +57,6 @@ class Inputs:
 
 
 class Prompt(NamedTuple):
-    """The prefixes a mode builds a cache of."""
-
     ids: torch.Tensor  # (B, P), P > 0, on the decoder's device
     lengths: torch.Tensor | None = None  # (B,) real lengths of right-padded rows (None: none is padded)
     mask: torch.Tensor | None = None  # (B, P) the real slots (None: all are)
@@ -77,14 +70,11 @@ class Prompt(NamedTuple):
 
 @dataclass(frozen=True)
 class Mode:
-    """A registry entry: its name, what it reads and how it builds the cache."""
-
     name: str
     reads: Reads
     build: Callable[[Inputs, Prompt], Built]
     needs_map: bool = False  # refused without a fitted map (`shuffled` reads one where given)
-    # its cache holds some of the prompt's tokens, each at its own position (`speculative`): slot i is not position i,
-    # so every read after it is told the positions, and nothing is handed over or repaired
+    # its cache holds some of the prompt's tokens at their own positions: slot i is not position i, nothing is repaired
     sparse: bool = False
     parameter: str | None = None  # what the value after its name means (`speculative:0.1`); None: it takes none
     # why a pair of these models (`kv.contract.ModelCard`s) cannot use this mode, or None
@@ -153,7 +143,6 @@ def handed(inputs: Inputs, prompt: Prompt, mapped: list, scores: torch.Tensor | 
 
 
 def own(inputs: Inputs, prompt: Prompt) -> Built:
-    """The decoding model's own prefill of the prompt: nothing handed off, nothing repaired."""
     layers = own_prefill(inputs.decoder, prompt.ids, prompt.mask)
     tell(prompt.clock, "prefill")
     return Built(layers)

@@ -100,7 +100,6 @@ class Pair:
 
     @property
     def eval_tasks(self) -> dict[str, Path]:
-        """Each task's eval-part items."""
         return {task: paths.task_items(task, "eval") for task in TASKS}
 
     @property

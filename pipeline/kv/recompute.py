@@ -18,8 +18,6 @@ transformers = lazy("transformers")
 
 @dataclass
 class RepairCount:
-    """What repairs made the target compute."""
-
     forwards: int = 0
     token_layers: int = 0  # tokens through a full decoder layer
     recomputed: int = 0  # sink and chosen tokens, over every row

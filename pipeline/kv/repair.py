@@ -53,7 +53,6 @@ class Repair:
 
     @classmethod
     def parse(cls, text: str) -> Repair:
-        """The setting of its string form (REPAIR_FORM)."""
         text = str(text).strip()
         if text in ("", "none"):
             return cls()

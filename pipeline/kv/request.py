@@ -22,8 +22,6 @@ USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "shuffle_seed": ("shuf
 
 
 class Face(NamedTuple):
-    """How a face names the request's fields."""
-
     tool: str  # "kv-transfer" or "" (generate's flags name themselves)
     args: dict[str, str]
 

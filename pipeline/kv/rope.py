@@ -55,8 +55,6 @@ def rope_refusal(config) -> str | None:
 
 @dataclass(frozen=True)
 class RotarySpec:
-    """What a model's rotary embedding does."""
-
     rope_type: str
     theta: float
     head_dim: int
@@ -142,7 +140,6 @@ class Rotation:
         self.cos, self.sin = angles.cos(), angles.sin()
 
     def first(self, tokens: int) -> "Rotation":
-        """The rotation of the first `tokens` positions."""
         if tokens > self.tokens:
             raise ValueError(f"{tokens} tokens but this rotation covers {self.tokens} positions")
         prefix = object.__new__(Rotation)
