@@ -73,9 +73,8 @@ def mapper_parameter_count(source_config, target_config, k: int, family: str, wi
 
 
 def target_prefill_macs(target_config, length: int) -> int:
-    return length * linear_macs_per_token(target_config) + attention_macs(target_config, 0, length) + logits_macs(
-        target_config
-    )
+    return (length * linear_macs_per_token(target_config) + attention_macs(target_config, 0, length)
+            + logits_macs(target_config))
 
 
 def matched_self_layers(source_config, target_config, length: int) -> int:

@@ -14,14 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, sliding_window
 from pipeline.kv.geometry import kv_geometry
-from pipeline.kv.kvcache import (
-    Layers,
-    Prefixes,
-    expand_batch,
-    layer_devices,
-    layers_to_cache,
-    real_slots,
-)
+from pipeline.kv.kvcache import Layers, Prefixes, expand_batch, layer_devices, layers_to_cache, real_slots
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.modes import MODES, Built, ClockHook, Inputs, Prompt, tell
 from pipeline.kv.repair import Repair
@@ -34,6 +27,7 @@ from pipeline.store.models import IncompatiblePairError
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 transformers = lazy("transformers")
+
 
 def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: dict, names: str) -> None:
     """Refuse a map fitted for other KV geometries than the pair's (`names` names its models)."""
