@@ -208,8 +208,7 @@ def config_token_facts(source_config, target_config) -> str:
 
 
 def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tokenizer) -> tuple[str, str | None, str]:
-    """('identical' | 'different' | 'unchecked', the reason a pair is refused for its tokens or None, a note). Only
-    tokenizers at hand decide; without both: `unchecked`, the note naming the missing one."""
+    """('identical' | 'different' | 'unchecked', the reason a pair is refused or None, a note): tokenizers decide."""
     names = f"source {model_name(source_config)!r} and target {model_name(target_config)!r}"
     if source_tokenizer is None or target_tokenizer is None:
         missing = " and ".join(f"{side} {model_name(config)!r}" for side, config, tokenizer in (

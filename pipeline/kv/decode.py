@@ -39,8 +39,7 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
 @no_grad
 def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens: torch.Tensor,
                               segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`packed_logprobs` of one context (B = 1) whose prefix (1, P) the decoding model prefills in the same forward;
-    only the L tokens reach the head."""
+    """`packed_logprobs` of one context (B = 1) whose prefix (1, P) the decoding model prefills in the same forward."""
     width, steps = prefix_ids.shape[1], tokens.shape[1]
     prefix = torch.cat([torch.ones(width, width, dtype=torch.bool).tril(), torch.zeros(width, steps, dtype=torch.bool)],
                        dim=1)  # (P, P + L)
@@ -157,8 +156,7 @@ def attention_outputs(model, active: bool = True):
 @no_grad
 def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
            on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens decoded after the handoff's first step on `context`: `choose` picks each from its logits (V,),
-    `on_token(tokens so far)` returns True to stop there."""
+    """The tokens decoded after the handoff's first step on `context`; `on_token(tokens so far)` True stops there."""
     tokens: list[int] = []
     if max_new_tokens <= 0:
         return tokens

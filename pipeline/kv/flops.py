@@ -60,8 +60,7 @@ def _layer_sizes(source_config, target_config, k: int, family: str, width: int |
 
 
 def mapper_macs_per_token(source_config, target_config, k: int, family: str, width: int | None = None) -> int:
-    """Multiply-adds per token of a keys+values mapper: one per weight, biases are adds; `width`: the family's inner
-    size (the MLP's hidden width, the low-rank map's rank)."""
+    """Multiply-adds per token of a keys+values mapper: one per weight, biases are adds."""
     weights, _ = _layer_sizes(source_config, target_config, k, family, width)
     return 2 * kv_geometry(target_config)["layers"] * weights  # keys and values
 
@@ -144,8 +143,7 @@ def speculative_bound(source_config, target_config, settings: SpeculativeParams,
 
 
 def repair_macs(target_config, repair: Repair, length: int, source_scores: int | None = None) -> dict[str, int]:
-    """Multiply-adds of a repair's parts for a prompt of `length` tokens; `source_scores`: `lookahead_macs`, which a
-    policy that reads them costs."""
+    """Multiply-adds of a repair's parts for a prompt of `length` tokens; `source_scores`: `lookahead_macs`."""
     prefix, layers = length - 1, target_config.num_hidden_layers
     per_layer = linear_macs_per_token(target_config) // layers  # one layer's linear work per token
     read = 2 * target_config.num_attention_heads * kv_geometry(target_config)["head_dim"]  # q.k and values, per key
@@ -201,8 +199,7 @@ def truncated_bound(target_config, keep: float, length: int) -> float:
 def first_step_macs(source_config, target_config, length: int, mapper_macs_per_token: int = 0,
                     repair: Repair = Repair(), settings: SpeculativeParams | None = None,
                     share: float | None = None) -> dict[str, int]:
-    """Multiply-adds of a handoff's first step by the parts its clock times (`Handoff.first_step`); `share` given:
-    speculative prefill's."""
+    """Multiply-adds of a handoff's first step by the parts its clock times; `share` given: speculative prefill's."""
     if share is not None:
         parts = speculative_macs(source_config, target_config, settings, share, length)
         return {"prefill": parts["source"], "scores": parts["scores"], "sparse": parts["target"],

@@ -122,8 +122,7 @@ class CacheReader:
 
     def forward(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
                 logits_to_keep: int = 0, keep_cache: bool = False) -> tuple[torch.Tensor, object]:
-        """The logits (B, L, V) over tokens (B, L) after `layers`, and the cache, now holding the tokens too
-        (`keep_cache`: a fresh one where there is no prefix, so decoding can go on)."""
+        """The logits (B, L, V) and the cache, now holding the tokens too (`keep_cache`: a fresh one for no prefix)."""
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.decoder_cache(layers, tokens.shape[0])
@@ -197,8 +196,7 @@ class Handoff(CacheReader):
 
 def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor
                   ) -> dict[str, torch.Tensor]:
-    """The attention mask and positions of `steps` tokens after right-padded prefixes of real lengths
-    `prefix_lengths` (B,) held in `slots` (B,) of a cache `width` slots wide."""
+    """The attention mask and positions of `steps` tokens after right-padded prefixes held in `slots` (B,)."""
     prefix_mask = real_slots(slots, width)  # (B, P)
     steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
     return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)

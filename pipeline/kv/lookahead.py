@@ -21,8 +21,7 @@ torch = lazy("torch")
 def scored_prefill(model, prefix_ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
                    settings: SpeculativeParams, clock: Callable[[str], None] | None = None
                    ) -> tuple[Layers, torch.Tensor]:
-    """`model`'s cache of prefix_ids (B, P) and each slot's look-ahead score (B, P), float32 on the CPU, from one
-    forward."""
+    """`model`'s cache of prefix_ids (B, P) and each slot's look-ahead score (B, P), float32 on the CPU."""
     read = settings.layer_indices(model.config.num_hidden_layers)
     device = model.device
     with projections.attention_inputs(model, read) as captured:

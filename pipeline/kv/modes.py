@@ -100,8 +100,7 @@ def own_prefill(model, prefix_ids: torch.Tensor, mask: torch.Tensor | None = Non
 
 @no_grad
 def source_prefill(inputs: Inputs, prompt: Prompt, scored: bool) -> tuple[list, torch.Tensor | None]:
-    """The source's cache of the prompt and, where `scored`, each slot's look-ahead score (B, P) from the same
-    forward (`kv.lookahead`)."""
+    """The source's cache of the prompt and, where `scored`, each slot's look-ahead score (B, P) from that forward."""
     inputs.source_prefills += prompt.ids.shape[0]
     inputs.source_forwards += 1
     if scored:
@@ -185,8 +184,7 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
 
 
 def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
-    """What `mapped` would inject (without a map: the source's cache) with each row's tokens permuted in content
-    space, before the target's RoPE."""
+    """What `mapped` would inject (without a map: the source's cache), each row's tokens permuted in content space."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
     batch, _, length, _ = source[0][0].shape  # (B, H_s, P, D_s)
     order = shuffle_order(inputs.shuffle_seed, length, prompt.lengths, batch).to(inputs.decoder.device)

@@ -28,8 +28,7 @@ class RepairCount:
 
 def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
                  count: RepairCount, devices=None, source_scores: torch.Tensor | None = None) -> Layers:
-    """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`;
-    `lengths` (B,) real lengths (None: no row padded); `source_scores` (B, P) for a policy that `reads_source`."""
+    """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`."""
     count.selected = None
     if setting.empty:
         return layers
