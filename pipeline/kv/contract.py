@@ -1,8 +1,6 @@
 """The architecture contract: which handoff modes and mapper families a source/target pair defines, read from configs
-(and tokenizers when given) before any weight loads. A model is understood when it is a full-attention decoder of a
-tested family with a per-layer (batch, kv_heads, tokens, head_dim) cache and RoPE whose frequencies do not depend on
-the length; a sliding window counts only when shorter than the run. Config vocabulary sizes never decide tokenizers:
-Qwen2.5-7B pads its embedding to 152,064 rows where the smaller sizes have 151,936, with one tokenizer.
+(and tokenizers when given) before any weight loads. Config vocabulary sizes never decide tokenizers: Qwen2.5-7B pads
+its embedding to 152,064 rows where the smaller sizes have 151,936, with one tokenizer.
 """
 from __future__ import annotations
 
@@ -16,8 +14,8 @@ from pipeline.store.cli import Refusal
 from pipeline.store.models import IncompatiblePairError, tokenizer_fingerprint
 from pipeline.store.params import read_params
 
-# families whose cache layout and rotary embedding the tests check end to end (tests/test_contract.py); the
-# mixture-of-experts ones route the MLP per token and keep their dense siblings' attention and cache
+# families whose cache layout and rotary embedding the tests check end to end; the mixture-of-experts ones keep
+# their dense siblings' attention and cache
 TESTED_FAMILIES = ("llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 
@@ -69,8 +67,7 @@ def _untested_family(config, max_tokens):
     return None
 
 
-# (feature, why it is refused, check): every rule that applies is named, in this order; the sliding window,
-# the one a run can work around (by running shorter), comes last
+# (feature, why it is refused, check), in this order; the sliding window, which a shorter run avoids, comes last
 CONTRACT_RULES = (
     ("no `num_key_value_heads` (GPT-NeoX, GPT-2)",
      "the cache is not the per-layer (batch, kv_heads, tokens, head_dim) layout the handoff reads",
@@ -91,8 +88,8 @@ CONTRACT_RULES = (
 
 
 def model_refusal(config, max_tokens: int | None = None) -> str | None:
-    """Why this model's cache cannot be handed off (one sentence, naming the model and every rule that refuses
-    it, so the advice of one is never given alone where another refuses too); None when it can."""
+    """Why this model's cache cannot be handed off, naming every rule that refuses it (so the advice of one is never
+    given alone where another refuses too); None when it can."""
     details = [detail + ("" if "; " in detail else f": {why}")
                for _, why, check in CONTRACT_RULES if (detail := check(config, max_tokens))]
     if not details:
@@ -102,19 +99,9 @@ def model_refusal(config, max_tokens: int | None = None) -> str | None:
 
 
 def run_length(params: dict | None = None) -> int:
-    """The longest sequence any stage of this profile feeds the models, from params (default: params.yaml):
-
-        fit / select sequence    data.sequence_length; select's rollout: its context (prompt_fraction of it)
-                                 + select.horizon
-        eval prompt              data.prompt_length + the longest of data.continuation_length, evaluate.horizon
-                                 and controls.horizon
-        length study             the longest of length.prompt_lengths + length.continuation or length.horizon
-        operating lengths        the longest of data.long.lengths and select.prompt_lengths + the longest of
-                                 data.long.continuation, select.continuation, operating.horizon, select.horizon
-        latency, candidates      latency.lengths, candidates.length (prompt tokens)
-
-    A null key counts for nothing. This judges a whole profile before any stage runs; the stages check a window
-    where they feed sequences instead, so no stage reruns when a length it does not use changes."""
+    """The longest sequence any stage of this profile feeds the models, from params (default: params.yaml); a null
+    key counts for nothing. It judges a whole profile before any stage runs; the stages check a window where they
+    feed sequences instead, so no stage reruns when a length it does not use changes."""
     params = read_params() if params is None else params
 
     def values(key: str) -> list[float]:
@@ -162,8 +149,6 @@ def which_pairs_work() -> str:
 
 @dataclass(frozen=True)
 class ModelCard:
-    """One side of a pair as the contract reads it from the config."""
-
     name: str
     model_type: str
     refusal: str | None
@@ -180,7 +165,7 @@ class ModelCard:
 
 @dataclass(frozen=True)
 class Contract:
-    """What is defined for a pair: each mode and mapper family maps to None (defined) or the reason it is not."""
+    """Each mode and mapper family of a pair -> None (defined) or the reason it is not."""
 
     target: ModelCard
     source: ModelCard | None
@@ -198,7 +183,6 @@ class Contract:
         return self.modes[mode]
 
     def require(self, mode: str) -> None:
-        """Refuse `mode` up front, in one sentence, unless the contract defines it."""
         reason = self.reason(mode)
         if reason is None:
             return
@@ -211,9 +195,8 @@ class Contract:
 
 
 def config_token_facts(source_config, target_config) -> str:
-    """What the two configs say about their tokens, as a clause: which of vocabulary size and special token ids
-    differ. Only a hint: neither proves two tokenizers the same or different (an embedding may be padded past
-    the vocabulary; base and instruct models of one tokenizer name different end-of-sequence ids)."""
+    """Which of vocabulary size and special token ids the configs differ in, as a clause. Only a hint: an embedding
+    may be padded past the vocabulary; base and instruct models of one tokenizer name different EOS ids."""
     differ = [f"{key.removesuffix('_id').replace('_', ' ')} ids {left} vs {right}"
               for key in ("bos_token_id", "eos_token_id", "pad_token_id")
               if (left := getattr(source_config, key, None)) != (right := getattr(target_config, key, None))]
@@ -225,8 +208,7 @@ def config_token_facts(source_config, target_config) -> str:
 
 
 def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tokenizer) -> tuple[str, str | None, str]:
-    """('identical' | 'different' | 'unchecked', the reason a pair is refused for its tokens or None, a note). Only
-    tokenizers at hand decide; without both: `unchecked`, the note naming the missing one and what the configs say."""
+    """('identical' | 'different' | 'unchecked', the reason a pair is refused or None, a note): tokenizers decide."""
     names = f"source {model_name(source_config)!r} and target {model_name(target_config)!r}"
     if source_tokenizer is None or target_tokenizer is None:
         missing = " and ".join(f"{side} {model_name(config)!r}" for side, config, tokenizer in (
@@ -241,13 +223,12 @@ def tokenizer_verdict(source_config, target_config, source_tokenizer, target_tok
 
 
 def _geometry_refusal(spec: Family, source: ModelCard, target: ModelCard) -> str | None:
-    """Why the pair's KV geometries cannot have a map of the family `spec`, naming both models, or None."""
     reason = spec.requirement(source.geometry, target.geometry)
     return reason and f"{reason} (source {source.name!r}, target {target.name!r})"
 
 
 def _mode_refusal(mode, target: ModelCard, source: ModelCard | None, token_refusal: str | None) -> str | None:
-    """Why `mode` cannot run on the target and source (None: none given), from what it reads and its requirement."""
+    """Why `mode` cannot run on the target and source (None: none given)."""
     if not mode.reads.source:
         return target.refusal
     if source is None:
@@ -259,7 +240,6 @@ def _mode_refusal(mode, target: ModelCard, source: ModelCard | None, token_refus
 
 def pair_contract(target_config, source_config=None, target_tokenizer=None, source_tokenizer=None,
                   max_tokens: int | None = None) -> Contract:
-    """The contract of a pair (or of a target alone), from configs and, when given, tokenizers."""
     target = ModelCard.read(target_config, max_tokens)
     if source_config is None:
         modes = {name: _mode_refusal(mode, target, None, None) for name, mode in MODES.items()}

@@ -1,6 +1,5 @@
-"""The decode loops every comparison and face reads the target with after a handoff's cache. Contexts of different
-lengths batch together right-padded and masked, each row at its own positions (a sparse cache has fewer slots than
-positions). `full_logprobs` against `chunked_logprobs` is the exactness control: equal in maths, off by rounding only.
+"""The decode loops that read the target after a handoff's cache. Contexts of different lengths batch together
+right-padded and masked, each row at its own positions (a sparse cache has fewer slots than positions).
 """
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ transformers = lazy("transformers")
 @no_grad
 def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor,
                     segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities (B, L, V), float32, of continuations packed into rows of tokens (B, L) after each row's prefix
-    cache (B, H, P, D) of real lengths `prefix_lengths` (B,). `segments` (B, L) numbers each token's continuation (-1
-    on padding), `offsets` (B, L) its place in it: a token sees its row's real prefix and the earlier tokens of its
-    own continuation, at position prefix_lengths[b] + offset, so each continuation scores as if alone."""
+    """Log-probabilities (B, L, V), float32, of continuations packed into rows (B, L) after each row's prefix cache.
+    `segments` (B, L) numbers each token's continuation (-1 on padding), `offsets` (B, L) its place in it: a token
+    sees its row's prefix and its own continuation's earlier tokens, at position prefix_lengths[b] + offset."""
     batch, steps = tokens.shape
     width = 0 if layers is None else layers[0][0].shape[2]
     prefix = real_slots(handoff.slots(prefix_lengths), width)[:, None].expand(-1, steps, -1)  # (B, L, P)
@@ -41,8 +39,7 @@ def packed_logprobs(handoff: Handoff, layers: Layers | None, tokens: torch.Tenso
 @no_grad
 def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens: torch.Tensor,
                               segments: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`packed_logprobs` of one context (B = 1) whose prefix the decoding model prefills in the same forward: the row
-    reads prefix_ids (1, P), causal, then tokens (1, L) at positions P + offset; only those L reach the head."""
+    """`packed_logprobs` of one context (B = 1) whose prefix (1, P) the decoding model prefills in the same forward."""
     width, steps = prefix_ids.shape[1], tokens.shape[1]
     prefix = torch.cat([torch.ones(width, width, dtype=torch.bool).tril(), torch.zeros(width, steps, dtype=torch.bool)],
                        dim=1)  # (P, P + L)
@@ -59,8 +56,7 @@ def prefilled_packed_logprobs(handoff: Handoff, prefix_ids: torch.Tensor, tokens
 
 @no_grad
 def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: int) -> torch.Tensor:
-    """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]; contexts of
-    different lengths decode together, their prefixes right-padded and masked, each at its own positions."""
+    """Greedy tokens (B, steps) after the handed-off cache of each context[:-1] and its context[-1]."""
     prefixes = padded_prefixes(contexts)
     lengths = prefixes.lengths
     told = handoff.lengths_read(lengths, prefixes.padded) is not None  # padded rows, or slots that are not positions
@@ -89,9 +85,8 @@ def greedy_rollout(handoff: Handoff, contexts: Sequence[Sequence[int]], steps: i
 @no_grad
 def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
                    attention: list | None = None) -> list[torch.Tensor]:
-    """Per (context, continuation) prompt, the log-probabilities (m, V) at the m positions that score its
-    continuation, all in one batch. `attention` (a list) gets each prompt's attention outputs (after the output
-    projection) at those positions, (L_t, m, hidden) in the model's dtype on the CPU."""
+    """Per (context, continuation) prompt, the log-probabilities (m, V) scoring its continuation, in one batch.
+    `attention` (a list) gets each prompt's attention outputs at those positions, (L_t, m, hidden) on the CPU."""
     prefixes = padded_prefixes([context for context, _ in prompts])
     layers = handoff.prefix_layers(prefixes.ids, prefixes.padded_lengths)
     told = handoff.lengths_read(prefixes.lengths, prefixes.padded)
@@ -109,10 +104,8 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
 @no_grad
 def read_after(handoff: Handoff, first: FirstStep, continuation: Sequence[int], horizon: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One context's two reads from its first step (batch 1), one prefix cache for both: the log-probabilities (m, V),
-    float32, teacher-forced through the continuation e (the step's own for e[0], then e[0..m-2] fed after it), and
-    the greedy rollout (horizon,) from the step's argmax, after the cache is cropped back to the prefix and c[n-1];
-    each fed token at its own position (a sparse cache has fewer slots than positions):
+    """One context's two reads from its first step (batch 1): the log-probabilities (m, V), float32, teacher-forced
+    through the continuation e, and the greedy rollout (horizon,) after the cache is cropped back:
 
         cache  c[0..n-2] c[n-1] | e[0] ... e[m-2]        -> scores e[1] ... e[m-1]
                c[0..n-2] c[n-1] | g[0] ... g[h-2]        -> g[1] ... g[h-1]   (g[0]: the first step's argmax)
@@ -143,8 +136,7 @@ def at(start: int, count: int, device) -> torch.Tensor:
 
 @contextmanager
 def attention_outputs(model, active: bool = True):
-    """Yields a list of every decoder layer's attention output (B, T, hidden) per forward, on the CPU; empty when
-    inactive."""
+    """Yields a list of every decoder layer's attention output (B, T, hidden) per forward, on the CPU."""
     outputs: list[torch.Tensor] = []
     if not active:
         yield outputs
@@ -164,8 +156,7 @@ def attention_outputs(model, active: bool = True):
 @no_grad
 def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
            on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens decoded after the handoff's first step on `context`: `choose` picks each from its logits (V,),
-    `on_token(tokens so far)` sees each as it comes and returns True to stop there."""
+    """The tokens decoded after the handoff's first step on `context`; `on_token(tokens so far)` True stops there."""
     tokens: list[int] = []
     if max_new_tokens <= 0:
         return tokens
@@ -220,12 +211,18 @@ def eos_ids(model, tokenizer) -> set[int]:
 def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop: set[int] = frozenset(),
              temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
-    """(the tokens decoded after the handoff of `prompt`, the time to first token in ms): greedy at temperature 0,
-    else sampled from softmax(logits / temperature) with `seed`; stops after a token in `stop`."""
+    """(the tokens decoded after the handoff of `prompt`, the time to first token in ms); stops after a token in
+    `stop`. A token is the argmax at temperature 0, else a draw on the CPU (so a seed draws alike on any device)."""
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)
     start, first_ms = time.perf_counter(), []
+
+    def pick(logits: torch.Tensor) -> int:
+        if temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
+        return int(torch.multinomial(probs, 1, generator=generator))
 
     def seen(tokens: list[int]) -> bool:
         if len(tokens) == 1:
@@ -233,14 +230,5 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
         on_token(tokens)
         return tokens[-1] in stop
 
-    tokens = decode(handoff, prompt, max_new_tokens, lambda logits: pick(logits, temperature, generator), seen)
+    tokens = decode(handoff, prompt, max_new_tokens, pick, seen)
     return tokens, (first_ms[0] if first_ms else 0.0)
-
-
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """The next token from logits (V,): the argmax at temperature 0, else a draw (on the CPU, so a seed
-    draws the same tokens on any device)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,7 +1,6 @@
 """The mapper families: the forms of a map from the source's content-space cache to the target's, per target layer
-and kind (keys, values), each with its tensors, shapes, geometry needs, fitting and maths; `FAMILIES` is the one list.
-Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source layers, every source head),
-H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
+and kind (keys, values). Shapes of one layer and kind: F = k x kv_heads_s x head_dim_s inputs (the k chosen source
+layers, every source head), H = kv_heads_t target heads of D = head_dim_t; `width` is a family's inner size.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ torch = lazy("torch")
 
 
 class Geometry(NamedTuple):
-    """KV heads and head_dim of source (s) and target (t): what a layer's shapes depend on."""
+    """KV heads and head_dim of source (s) and target (t)."""
 
     heads_s: int
     dim_s: int
@@ -23,23 +22,21 @@ class Geometry(NamedTuple):
 
     @classmethod
     def of(cls, source: dict, target: dict) -> "Geometry":
-        """From two `kv.geometry.kv_geometry` dicts."""
         return cls(source["kv_heads"], source["head_dim"], target["kv_heads"], target["head_dim"])
 
 
 class Solved(NamedTuple):
-    """One target layer and kind solved in closed form: the family's tensors, the residual sums of squares on the fit
-    and select rows per output column, the lambda each head was solved with, parameters per output column."""
+    """One target layer and kind solved in closed form."""
 
     tensors: tuple
     sse_fit: torch.Tensor  # (H*D,)
     sse_select: torch.Tensor  # (H*D,)
-    lambdas: list[float]
+    lambdas: list[float]  # per head
     parameters_per_output: float  # the parameter-to-sample ratio's numerator
 
 
 class Family:
-    """A mapper family; a subclass names it, declares its tensors and shapes, and maps a layer (`project`)."""
+    """A mapper family; a subclass names it, declares its tensors and shapes, and maps a layer."""
 
     name: str = ""
     tensor_names: tuple[str, ...] = ()  # one layer and kind's tensors, in file and `project` order
@@ -51,7 +48,7 @@ class Family:
     scale_check: bool = False  # fit also scores it with its lambda read on the other scale (fit_lambda_scale.csv)
 
     def requirement(self, source: dict, target: dict) -> str | None:
-        """Why a pair of these KV geometries (`kv_geometry` dicts) cannot have a map of this family, or None."""
+        """Why a pair of these KV geometries cannot have a map of this family, or None."""
         return None
 
     def shapes(self, geometry: Geometry, k: int, width: int | None) -> tuple[tuple[int, ...], ...]:
@@ -59,12 +56,10 @@ class Family:
         raise NotImplementedError
 
     def width(self, tensors: tuple) -> int | None:
-        """The inner size read off one layer's tensors (the first tensor's columns), None for a family without one."""
         return tensors[0].shape[1] if self.width_name else None
 
     def inputs(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The k chosen source layers' (B, H_s, T, D_s) content -> this family's input rows, (B, T, k*H_s*D_s):
-        every source head, layer-major as the fit reads them."""
+        """The k chosen source layers' (B, H_s, T, D_s) content -> input rows (B, T, k*H_s*D_s), layer-major."""
         batch, heads, tokens, dim = tensors[0].shape
         flat = [t.transpose(1, 2).reshape(batch, tokens, heads * dim) for t in tensors]  # (B, T, H_s*D_s) each
         return flat[0] if len(flat) == 1 else torch.cat(flat, dim=-1)  # (B, T, k*H_s*D_s); k=1 skips a copy
@@ -75,22 +70,21 @@ class Family:
 
     def solve(self, fit, select, blocks: list[int], ridge_lambda: float, geometry: Geometry, scale: str,
               ridge, device, width: int | None) -> Solved:
-        """The closed-form fit of one layer and kind from the `fit` and `select` summaries; `blocks`: the positions of
-        the k source layers read among those accumulated; `ridge`: the fitting wing's solver (kv comes before it)."""
+        """The closed-form fit of one layer and kind; `blocks`: the positions of the k source layers read among those
+        accumulated; `ridge`: the fitting wing's solver (kv comes before it)."""
         raise NotImplementedError(f"the {self.name} family is not fitted in closed form")
 
 
 def columns(blocks: list[int], geometry: Geometry, device, head: int | None = None) -> torch.Tensor:
-    """The input columns of the chosen `blocks` (source layers) in the fit's rows, layer-major: every source head's,
-    or only source head `head`'s, (k*H_s*D_s,) or (k*D_s,)."""
+    """The input columns of the chosen `blocks` in the fit's rows, layer-major: every source head's (k*H_s*D_s,), or
+    only source head `head`'s (k*D_s,)."""
     width = geometry.heads_s * geometry.dim_s
     start, end = (0, width) if head is None else (head * geometry.dim_s, (head + 1) * geometry.dim_s)
     return torch.cat([torch.arange(b * width + start, b * width + end, device=device) for b in blocks])
 
 
 class Identity(Family):
-    """The source cache as it is (what direct injection passes), defined only when the two KV geometries are equal:
-    a map of no tensors, never projected or solved."""
+    """The source cache as it is (what direct injection passes): a map of no tensors."""
 
     name = "identity"
     name_fields = ()
@@ -178,7 +172,7 @@ class HeadMatched(Family):
 
 
 def hidden_layer(inputs: torch.Tensor, in_weight: torch.Tensor, in_bias: torch.Tensor) -> torch.Tensor:
-    """The `mlp` family's hidden layer, (..., F) -> (..., hidden): the same op when training and when mapping."""
+    """(..., F) -> (..., hidden): the same op when training and when mapping."""
     return torch.nn.functional.gelu(inputs @ in_weight + in_bias)
 
 
@@ -261,7 +255,6 @@ TRAINABLE = tuple(name for name, spec in FAMILIES.items() if spec.trainable)
 
 
 def family(name: str) -> Family:
-    """The family called `name`; an unknown name is refused, naming the known ones."""
     if name not in FAMILIES:
         raise ValueError(f"unknown mapper family {name!r} (known: {', '.join(FAMILIES)})")
     return FAMILIES[name]

@@ -40,8 +40,8 @@ def linear_macs_per_token(config) -> int:
 
 
 def attention_macs(config, start: int, end: int) -> int:
-    """Multiply-adds of attention for the tokens at positions start..end-1, each over itself and all before: position
-    p reads p + 1 keys and values, sum over p of (p + 1) = (end (end + 1) - start (start + 1)) / 2."""
+    """Multiply-adds of attention for positions start..end-1, each over itself and all before: position p reads
+    p + 1 keys and values, sum over p of (p + 1) = (end (end + 1) - start (start + 1)) / 2."""
     width = config.num_attention_heads * kv_geometry(config)["head_dim"]
     keys_read = (end * (end + 1) - start * (start + 1)) // 2
     return 2 * width * config.num_hidden_layers * keys_read  # q.k and the sum over values
@@ -52,7 +52,7 @@ def logits_macs(config) -> int:
 
 
 def _layer_sizes(source_config, target_config, k: int, family: str, width: int | None) -> tuple[int, int]:
-    """(weights, biases) of one target layer and kind of a `family` map, from the family's tensor shapes."""
+    """(weights, biases) of one target layer and kind of a `family` map."""
     spec = FAMILIES[family]
     shapes = spec.shapes(Geometry.of(kv_geometry(source_config), kv_geometry(target_config)), k, width)
     sizes = [(name.endswith("bias"), math.prod(shape)) for name, shape in zip(spec.tensor_names, shapes)]
@@ -60,28 +60,25 @@ def _layer_sizes(source_config, target_config, k: int, family: str, width: int |
 
 
 def mapper_macs_per_token(source_config, target_config, k: int, family: str, width: int | None = None) -> int:
-    """Multiply-adds per token of a keys+values mapper of any family: one per weight, biases are adds; `width`: the
-    family's inner size (the MLP's hidden width, the low-rank map's rank)."""
+    """Multiply-adds per token of a keys+values mapper: one per weight, biases are adds."""
     weights, _ = _layer_sizes(source_config, target_config, k, family, width)
     return 2 * kv_geometry(target_config)["layers"] * weights  # keys and values
 
 
 def mapper_parameter_count(source_config, target_config, k: int, family: str, width: int | None = None) -> int:
-    """Parameters of a keys+values mapper of `family` (weights and biases; `width` as for the multiply-adds)."""
+    """Parameters (weights and biases) of a keys+values mapper of `family`."""
     weights, biases = _layer_sizes(source_config, target_config, k, family, width)
     return 2 * kv_geometry(target_config)["layers"] * (weights + biases)
 
 
 def target_prefill_macs(target_config, length: int) -> int:
-    return length * linear_macs_per_token(target_config) + attention_macs(target_config, 0, length) + logits_macs(
-        target_config
-    )
+    return (length * linear_macs_per_token(target_config) + attention_macs(target_config, 0, length)
+            + logits_macs(target_config))
 
 
 def matched_self_layers(source_config, target_config, length: int) -> int:
-    """The n of the `self:<n>` source (the target's first n decoder layers) whose prefill of a `length`-token
-    prompt costs the real source's multiply-adds, the nearest in 1..L-1: the target's linear layers and its
-    attention are both per layer, so its first n layers cost n/L of its body."""
+    """The n in 1..L-1 of the `self:<n>` source whose prefill costs nearest the real source's: the target's first n
+    layers cost n/L of its body."""
     source = handoff_macs(source_config, target_config, 0, length)["source"]
     per_layer = handoff_macs(target_config, target_config, 0, length)["source"] / target_config.num_hidden_layers
     return min(max(round(source / per_layer), 1), target_config.num_hidden_layers - 1)
@@ -100,13 +97,12 @@ def handoff_macs(source_config, target_config, mapper_macs_per_token: int, lengt
 
 
 def kv_projection_macs_per_token(config) -> int:
-    """Multiply-adds per token of one layer's K and V projections."""
     return 2 * config.hidden_size * config.num_key_value_heads * kv_geometry(config)["head_dim"]
 
 
 def lookahead_macs(source_config, settings: SpeculativeParams, length: int) -> int:
-    """Multiply-adds of the source's look-ahead scores of a `length`-token prompt's prefix (P = length - 1): in each
-    layer read, the last m queries' projection again and q.k over the keys each sees (the query at p reads p + 1)."""
+    """Multiply-adds of the source's look-ahead scores of a prompt's prefix (P = length - 1): in each layer read, the
+    last m queries' projection again and q.k over the keys each sees (the query at p reads p + 1)."""
     prefix = length - 1
     _, last = settings.spans(prefix)
     width = source_config.num_attention_heads * kv_geometry(source_config)["head_dim"]
@@ -116,7 +112,7 @@ def lookahead_macs(source_config, settings: SpeculativeParams, length: int) -> i
 
 
 def source_scores_macs(source_config, repair: Repair, settings: SpeculativeParams | None, length: int) -> int | None:
-    """The source's look-ahead scores (`lookahead_macs`) where `repair`'s policy ranks by them, else None."""
+    """`lookahead_macs` where `repair`'s policy ranks by the source's scores, else None."""
     if not repair.reads_source:
         return None
     if settings is None:
@@ -127,7 +123,6 @@ def source_scores_macs(source_config, repair: Repair, settings: SpeculativeParam
 
 def speculative_macs(source_config, target_config, settings: SpeculativeParams, share: float, length: int
                      ) -> dict[str, int]:
-    """Multiply-adds of speculative prefill's four parts at share `share` for a prompt of `length` tokens."""
     prefix = length - 1
     kept = settings.kept(share, prefix)
     return {
@@ -140,7 +135,7 @@ def speculative_macs(source_config, target_config, settings: SpeculativeParams, 
 
 
 def speculative_bound(source_config, target_config, settings: SpeculativeParams, share: float, length: int) -> float:
-    """Target prefill over speculative prefill at share `share` (p = 1 costs the source's prefill more, not less)."""
+    """Target prefill over speculative prefill (p = 1 costs the source's prefill more, not less)."""
     if length < 2:
         raise ValueError(f"prompt length {length}: speculative prefill needs at least 2 tokens (a prefix and the last)")
     return target_prefill_macs(target_config, length) / sum(
@@ -148,8 +143,7 @@ def speculative_bound(source_config, target_config, settings: SpeculativeParams,
 
 
 def repair_macs(target_config, repair: Repair, length: int, source_scores: int | None = None) -> dict[str, int]:
-    """Multiply-adds of a repair's parts for a prompt of `length` tokens (its prefix: length - 1); `source_scores`:
-    the source's look-ahead scores (`lookahead_macs`), which a policy that reads them costs."""
+    """Multiply-adds of a repair's parts for a prompt of `length` tokens; `source_scores`: `lookahead_macs`."""
     prefix, layers = length - 1, target_config.num_hidden_layers
     per_layer = linear_macs_per_token(target_config) // layers  # one layer's linear work per token
     read = 2 * target_config.num_attention_heads * kv_geometry(target_config)["head_dim"]  # q.k and values, per key
@@ -176,14 +170,14 @@ def repair_macs(target_config, repair: Repair, length: int, source_scores: int |
 
 
 def repair_budget(target_config, repair: Repair, length: int, source_scores: int | None = None) -> float:
-    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt (`repair_macs`' arguments)."""
+    """A repair's multiply-adds as a fraction of the target's prefill of the same prompt."""
     return sum(repair_macs(target_config, repair, length, source_scores).values()) / target_prefill_macs(
         target_config, length)
 
 
 def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int,
                   repair: Repair = Repair(), source_scores: int | None = None) -> float:
-    """Target prefill over the handoff (with `repair`'s multiply-adds when given; `source_scores` as `repair_macs`)."""
+    """Target prefill over the handoff (with `repair`'s multiply-adds)."""
     if length < 2:
         raise ValueError(f"prompt length {length}: the handoff needs at least 2 tokens (a prefix and the last)")
     handoff = sum(handoff_macs(source_config, target_config, mapper_macs_per_token, length).values())
@@ -205,9 +199,7 @@ def truncated_bound(target_config, keep: float, length: int) -> float:
 def first_step_macs(source_config, target_config, length: int, mapper_macs_per_token: int = 0,
                     repair: Repair = Repair(), settings: SpeculativeParams | None = None,
                     share: float | None = None) -> dict[str, int]:
-    """Multiply-adds of a handoff's first step by the parts its clock times (`Handoff.first_step`): `prefill` (the
-    source's), `scores` (its look-ahead scores, where read), `map`, `repair` (the target's recompute and its own
-    selection), `sparse` (the target's prefill of the tokens speculative prefill keeps, at `share`), `step`."""
+    """Multiply-adds of a handoff's first step by the parts its clock times; `share` given: speculative prefill's."""
     if share is not None:
         parts = speculative_macs(source_config, target_config, settings, share, length)
         return {"prefill": parts["source"], "scores": parts["scores"], "sparse": parts["target"],

@@ -6,8 +6,7 @@ For context tokens c[0..n-1] and a continuation e:
     target:       cache + c[n-1] e[0] ... e[m-2]  -> logits scoring e[0] ... e[m-1]
 
 A sparse cache (`speculative`) holds K slots whose positions are not 0..K-1, so every read after it is told the
-positions (`slots`, `lengths_read`). Option `keep` in (0, 1] reads only each context's last round(keep x n) tokens
-(at least one) at positions 0, 1, ... again: the truncated-prompt baseline (the oracle at `keep`).
+positions. `keep` in (0, 1] reads only each context's last round(keep x n) tokens: the truncated-prompt baseline.
 """
 from __future__ import annotations
 
@@ -15,14 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, sliding_window
 from pipeline.kv.geometry import kv_geometry
-from pipeline.kv.kvcache import (
-    Layers,
-    Prefixes,
-    expand_batch,
-    layer_devices,
-    layers_to_cache,
-    real_slots,
-)
+from pipeline.kv.kvcache import Layers, Prefixes, expand_batch, layer_devices, layers_to_cache, real_slots
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.modes import MODES, Built, ClockHook, Inputs, Prompt, tell
 from pipeline.kv.repair import Repair
@@ -36,6 +28,7 @@ torch = lazy("torch")
 F = lazy("torch.nn.functional")
 transformers = lazy("transformers")
 
+
 def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: dict, names: str) -> None:
     """Refuse a map fitted for other KV geometries than the pair's (`names` names its models)."""
     if (mapper.source_geometry, mapper.target_geometry) != (source_geometry, target_geometry):
@@ -45,8 +38,7 @@ def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: d
 
 
 def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) -> None:
-    """Refuse the pair unless `mapper` was fitted for the pair's geometries or, without a
-    mapper, it equals the target's."""
+    """Refuse the pair unless `mapper` was fitted for its geometries or, without one, the geometries are equal."""
     source_geometry, target_geometry = kv_geometry(source.config), kv_geometry(target.config)
     names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
     if mapper is not None:
@@ -58,15 +50,9 @@ def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) ->
         )
 
 
-def pair_window(target, source=None) -> int | None:
-    """The shorter sliding window of the models that compute a handoff (None when neither has one)."""
-    windows = [sliding_window(model.config) for model in (target, source) if model is not None]
-    return min((w for w in windows if w is not None), default=None)
-
-
 @dataclass
 class FirstStep:
-    """A handoff's first step on a batch of contexts (`Handoff.first_step`): what every later read continues from."""
+    """A handoff's first step on a batch of contexts: what every later read continues from."""
 
     prefixes: Prefixes
     logits: torch.Tensor  # (B, V) the target's, in its dtype, at each context's last token c[n-1]
@@ -80,8 +66,7 @@ class FirstStep:
 
     @property
     def layers(self) -> Layers | None:
-        """The prefix cache the step read, (B, H, P, D) per layer: the cache's slots before c[n-1]'s (None for an
-        empty prefix)."""
+        """The prefix cache the step read, (B, H, P, D) per layer (None for an empty prefix)."""
         width = self.cache.get_seq_length() - 1  # the prefix's slots (fewer than its tokens in a sparse cache)
         if width == 0:
             return None
@@ -89,13 +74,12 @@ class FirstStep:
 
 
 class CacheReader:
-    """The decoding model reading tokens after a prefix cache: the steps, their masks and positions over right-padded
-    or sparse prefixes, and the sliding-window check. `Handoff` builds the caches it reads; its attributes `decoder`,
-    `decoder_devices`, `window`, `kind` (the mode), `share` and `speculative` say how."""
+    """The decoding model reading tokens after a prefix cache, right-padded or sparse. `Handoff` sets `decoder`,
+    `decoder_devices`, `window`, `kind` (the mode), `share` and `speculative`."""
 
     def check_length(self, tokens: int) -> None:
-        """Refuse a sequence of `tokens` longer than a sliding window of the pair: the model masks attention past
-        the window, a cache rebuilt from another model's does not, so the result would be silently wrong."""
+        """Refuse a sequence longer than a sliding window of the pair: the model masks attention past the window, a
+        cache rebuilt from another model's does not."""
         if self.window is not None and tokens > self.window:
             raise LongerThanWindowError(
                 f"a sequence of {tokens} tokens is longer than the sliding window ({self.window} tokens) of "
@@ -106,15 +90,14 @@ class CacheReader:
         return self.decoder.device
 
     def slots(self, lengths: torch.Tensor) -> torch.Tensor:
-        """(B,) the cache slots that hold each prefix of real length `lengths` (B,): all of it, or the positions a
-        sparse mode keeps."""
+        """(B,) the cache slots that hold each prefix of real length `lengths` (B,)."""
         if not self.kind.sparse:
             return lengths
         return torch.tensor([self.speculative.kept(self.share, int(n)) for n in lengths.tolist()], dtype=lengths.dtype)
 
     def lengths_read(self, lengths: torch.Tensor, padded: bool) -> torch.Tensor | None:
-        """The prefix lengths a read after the cache is told (`forward`'s `prefix_lengths`): where rows are padded, or
-        where the cache's slots are not its positions; None where neither (so the oracle's read is the plain one)."""
+        """The prefix lengths a read after the cache is told: where rows are padded or slots are not positions; None
+        where neither (so the oracle's read is the plain one)."""
         return lengths if padded or bool((self.slots(lengths) != lengths).any()) else None
 
     def decoder_cache(self, layers: Layers | None, batch: int = 1):
@@ -128,22 +111,18 @@ class CacheReader:
     @no_grad
     def step_logprobs(self, layers: Layers | None, tokens: torch.Tensor,
                       prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Log-probabilities (B, L, V), float32, of the target reading tokens (B, L) after the prefix cache.
-        With `prefix_lengths` (B,) the cache rows are right-padded prefixes: the padded slots are masked out
-        and row b's tokens sit at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+        """Log-probabilities (B, L, V), float32, of tokens (B, L) read after the prefix cache; with `prefix_lengths`
+        (B,) its rows are right-padded and row b's tokens sit at positions prefix_lengths[b], ..."""
         return F.log_softmax(self.step_logits(layers, tokens, prefix_lengths).float(), dim=-1)
 
     def step_logits(self, layers: Layers | None, tokens: torch.Tensor,
                     prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits (B, L, V) under `step_logprobs`, in the target's dtype, with autograd left as the caller
-        set it: a map trained through the frozen target (`fitting.distill`) backpropagates through the cache."""
+        """`step_logprobs`' logits in the target's dtype, autograd as the caller set it (distillation)."""
         return self.forward(layers, tokens, prefix_lengths)[0]
 
     def forward(self, layers: Layers | None, tokens: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
                 logits_to_keep: int = 0, keep_cache: bool = False) -> tuple[torch.Tensor, object]:
-        """The target's logits (B, L, V) over tokens (B, L) after the prefix cache `layers`, as `step_logprobs` reads
-        them (`logits_to_keep` > 0: the last ones only), and the cache it read, which now holds the tokens too
-        (`keep_cache`: a fresh one where there is no prefix, so decoding can go on; else None there)."""
+        """The logits (B, L, V) and the cache, now holding the tokens too (`keep_cache`: a fresh one for no prefix)."""
         width = 0 if layers is None else layers[0][0].shape[2]
         self.check_length((width if prefix_lengths is None else int(prefix_lengths.max())) + tokens.shape[1])
         cache = self.decoder_cache(layers, tokens.shape[0])
@@ -159,18 +138,17 @@ class CacheReader:
 
 
 class Handoff(CacheReader):
-    """Builds the decoding model's prefix cache in one of MODES (the mode's `build`) and scores tokens after it."""
+    """Builds the decoding model's prefix cache in one of MODES and scores tokens after it."""
 
     def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
                  repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
                  speculative: SpeculativeParams | None = None):
-        """Takes what a request checked (`kv.request.Transfer`) and the pair's contract allowed (`Pair.handoff`);
-        `modes.Inputs` says what each means. `keep`: the truncated prompt's share (module docstring). A sequence
-        longer than a sliding window is refused when it comes (`check_length`)."""
+        """Trusts what a request checked and the pair's contract allowed; `modes.Inputs` says what each means."""
         self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
         self.kind = MODES[mode]
         handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
-        self.window = pair_window(decoder, handed)  # the longest sequence it may see
+        windows = [sliding_window(model.config) for model in (decoder, handed) if model is not None]
+        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
         self.decoder_spec = RotarySpec.from_model(decoder)
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
         self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
@@ -183,25 +161,20 @@ class Handoff(CacheReader):
         self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)
 
     def context(self, tokens) -> list[int]:
-        """The part of a context c[0..n-1] this handoff reads: all of it, or under `keep` its last round(keep x n)
-        tokens (at least one)."""
+        """The part of a context c[0..n-1] this handoff reads: all of it, or its last round(keep x n) tokens (>= 1)."""
         tokens = list(tokens)
         return tokens if self.keep is None else tokens[-max(1, round(self.keep * len(tokens))):]
 
     @no_grad
     def prefix_layers(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> Layers | None:
-        """Target-space cache (rotated, target dtype) for prefix_ids (B, P); None for an empty prefix.
-
-        Prefixes of different lengths come right-padded, `lengths` (B,) their real lengths: causal attention
-        never lets a real token see the padding after it, so every real slot is what batch 1 computes; the
-        padded slots hold junk that `step_logprobs` masks out."""
+        """Target-space cache for prefix_ids (B, P), right-padded to real `lengths` (B,); None for an empty prefix.
+        Causal attention never lets a real token see the padding after it; the padded slots are masked by reads."""
         mask = None if lengths is None else real_slots(lengths, prefix_ids.shape[1]).long()  # (B, P)
         return self.built(prefix_ids, lengths, mask).layers
 
     def built(self, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | None,
               clock: ClockHook | None = None) -> Built:
-        """The prefix cache of prefix_ids (B, P) in this handoff's mode, the one place it is made; `lengths`, `mask`
-        and `clock` as `modes.Prompt` says."""
+        """The prefix cache of prefix_ids (B, P) in this handoff's mode; the rest as `modes.Prompt` says."""
         prefix_ids = prefix_ids.to(self.device)
         self.check_length(prefix_ids.shape[1])
         if prefix_ids.shape[1] == 0:
@@ -210,11 +183,8 @@ class Handoff(CacheReader):
 
     @no_grad
     def first_step(self, prefixes: Prefixes, clock: ClockHook | None = None) -> FirstStep:
-        """The handoff's first step on a batch of contexts: their prefix cache built in this handoff's mode and
-        repaired (`built`), then the target's step on each context's last token c[n-1], giving the logits of the
-        first token after the context and the cache to continue from (the prefix and c[n-1]). `clock(part)` is told
-        as each part ends: `prefill` (the source's, or the target's own), `scores` (the source's look-ahead scores,
-        where read), `map`, `repair` (where one is set), `sparse` (speculative prefill's kept tokens), `step`."""
+        """The prefix cache built and repaired, then the step on each context's last token c[n-1]. `clock(part)` is
+        told as each part ends: `prefill`, `scores` (where read), `map`, `repair`, `sparse`, `step`."""
         layers, selected = self.built(prefixes.ids, prefixes.padded_lengths, prefixes.attention_mask, clock)
         logits, cache = self.forward(layers, prefixes.last, self.lengths_read(prefixes.lengths, prefixes.padded),
                                      logits_to_keep=1, keep_cache=True)
@@ -226,9 +196,7 @@ class Handoff(CacheReader):
 
 def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor
                   ) -> dict[str, torch.Tensor]:
-    """The attention mask and positions of `steps` tokens read after right-padded prefixes of real lengths
-    `prefix_lengths` (B,) held in `slots` (B,) of a cache `width` slots wide (the lengths themselves but in a sparse
-    cache): the padded slots masked out, row b's tokens at positions prefix_lengths[b], prefix_lengths[b] + 1, ..."""
+    """The attention mask and positions of `steps` tokens after right-padded prefixes held in `slots` (B,)."""
     prefix_mask = real_slots(slots, width)  # (B, P)
     steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
     return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)

@@ -1,6 +1,5 @@
-"""Caches as tensors and back, the keys a model computes before RoPE (the RoPE control's reference), and a batch of
-contexts' prefixes, right-padded, with the one mask of their real slots. Layout everywhere: a list over layers of
-(keys, values), each (batch, kv_heads, tokens, head_dim).
+"""Caches as tensors and back, the keys a model computes before RoPE, and a batch of contexts' prefixes, right-padded.
+Layout everywhere: a list over layers of (keys, values), each (batch, kv_heads, tokens, head_dim).
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def real_slots(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, width) bool: slot j < lengths[b], the real slots of right-padded rows of real lengths `lengths` (B,)."""
+    """(B, width) bool: slot j < lengths[b], the real slots of right-padded rows."""
     return torch.arange(width)[None] < lengths.cpu()[:, None]
 
 
@@ -30,19 +29,19 @@ def padded_positions(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: may attend) as the additive 4D mask transformers takes as is: 0 or the dtype's minimum."""
+    """A bool mask (True: may attend) as an additive mask: 0 or the dtype's minimum."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def segment_mask(segments: torch.Tensor) -> torch.Tensor:
-    """(B, L, L) bool: which tokens of a packed row each token sees, `segments` (B, L) numbering each token's
-    continuation (-1 on padding): itself and the earlier tokens of its own continuation (padding sees padding only)."""
+    """(B, L, L) bool: each token of a packed row sees itself and the earlier tokens of its own segment (`segments`
+    (B, L), -1 on padding: padding sees padding only)."""
     steps = segments.shape[1]
     return (segments[:, :, None] == segments[:, None, :]) & torch.ones(steps, steps, dtype=torch.bool).tril()
 
 
 class Prefixes(NamedTuple):
-    """A batch of contexts c[0..n-1] as the handoff reads them: each prefix c[0..n-2] right-padded, and c[n-1].
+    """A batch of contexts c[0..n-1]: each prefix c[0..n-2] right-padded, and c[n-1].
 
         ids     c0[0] ... c0[n0-2] pad pad      (B, P)       last  c0[n0-1]   (B, 1)
                 c1[0] ... ......... c1[n1-2]                        c1[n1-1]
@@ -50,12 +49,12 @@ class Prefixes(NamedTuple):
 
     ids: torch.Tensor  # (B, P) long
     lengths: torch.Tensor  # (B,) each prefix's real length n - 1
-    mask: torch.Tensor  # (B, P) long: 1 at the real slots (`real_slots`)
+    mask: torch.Tensor  # (B, P) long: 1 at the real slots
     last: torch.Tensor  # (B, 1) long: each context's last token c[n-1]
 
     @classmethod
     def of(cls, contexts: torch.Tensor) -> Prefixes:
-        """The prefixes of contexts (B, n) of one length: none padded."""
+        """The prefixes of contexts (B, n) of one length."""
         ids = contexts[:, :-1]
         lengths = torch.full((len(contexts),), ids.shape[1])
         return cls(ids, lengths, real_slots(lengths, ids.shape[1]).long(), contexts[:, -1:])
@@ -67,17 +66,14 @@ class Prefixes(NamedTuple):
 
     @property
     def padded_lengths(self) -> torch.Tensor | None:
-        """The real lengths where some row is padded, else None."""
         return self.lengths if self.padded else None
 
     @property
     def attention_mask(self) -> torch.Tensor | None:
-        """The mask (B, P) a prefill reads where some row is padded, else None (a full batch needs none)."""
         return self.mask if self.padded else None
 
 
 def padded_prefixes(contexts: Sequence[Sequence[int]]) -> Prefixes:
-    """Each context[:-1] right-padded, with its real length, the batch's mask and each context's last token."""
     lengths = torch.tensor([len(context) - 1 for context in contexts])
     ids = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
     for row, context in enumerate(contexts):
@@ -91,14 +87,13 @@ def cache_to_layers(cache) -> Layers:
 
 
 def layer_devices(model) -> list[torch.device] | None:
-    """Where each decoder layer of `model` lives, for a model that accelerate spread over several devices
-    (`from_pretrained(device_map=...)`); None for a model on one device."""
+    """Where each decoder layer of `model` lives, for a model spread over several devices; None for one device."""
     devices = [next(layer.parameters()).device for layer in model.model.layers]
     return devices if len(set(devices)) > 1 else None
 
 
 def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> transformers.DynamicCache:
-    """A DynamicCache of `layers` cast to `dtype`, on `device` or, given a list (`layer_devices`), each on its own."""
+    """A DynamicCache of `layers` cast to `dtype`, on `device` or, given a list, each layer on its own."""
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{len(layers)} cache layers for a model of {config.num_hidden_layers} layers")
     expected = (config.num_key_value_heads, kv_geometry(config)["head_dim"])
@@ -119,8 +114,7 @@ def expand_batch(layers: Layers, batch: int) -> Layers:
 
 
 def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
-    """Per layer, the keys (1, kv_heads, T, head_dim) `model`'s attention computes on token_ids before RoPE, and
-    its cache."""
+    """Per layer, the keys (1, kv_heads, T, head_dim) `model` computes on token_ids before RoPE, and its cache."""
     with torch.no_grad(), projections.attention_inputs(model) as captured:
         cache = model.model(input_ids=torch.tensor([list(token_ids)]).to(model.device), use_cache=True).cache
         keys = [projections.keys(module, hidden) for module, hidden, _ in captured.values()]  # (B, H, T, D) each

@@ -1,12 +1,10 @@
 """The source's look-ahead scores (SpecPrefill's token importance, arXiv 2502.02789), read in the forward that
-prefills its cache, and the positions speculative prefill keeps by them.
+prefills its cache, and the positions speculative prefill keeps by them. Padded slots score 0 and are never kept.
 
     prefix    c[0] ... c[P-m-1] | c[P-m] ... c[P-1]        one row, right-padded to the batch's width
     queries                       the last m, rotated as the layer rotates them
     keys      every slot, causal: query c[q] reads c[0..q]
     score     softmax per query, pooled (max or mean) over the layers read, the query heads and the m queries
-
-Higher is more attended. Padded slots score 0 and are never kept.
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ torch = lazy("torch")
 def scored_prefill(model, prefix_ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
                    settings: SpeculativeParams, clock: Callable[[str], None] | None = None
                    ) -> tuple[Layers, torch.Tensor]:
-    """`model`'s cache of prefix_ids (B, P) (no logits; `mask` (B, P): real slots, None: all) and each slot's
-    look-ahead score (B, P), float32 on the CPU, from one forward; `clock` is told `prefill`, then `scores`."""
+    """`model`'s cache of prefix_ids (B, P) and each slot's look-ahead score (B, P), float32 on the CPU."""
     read = settings.layer_indices(model.config.num_hidden_layers)
     device = model.device
     with projections.attention_inputs(model, read) as captured:
@@ -53,7 +50,7 @@ def query_slots(lengths: torch.Tensor, settings: SpeculativeParams) -> tuple[tor
 def attention_weights(module, hidden: torch.Tensor, rotary: tuple, keys_rotated: torch.Tensor, lengths: torch.Tensor,
                       settings: SpeculativeParams) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's softmax weights (B, Hq, M, P), float32 on the CPU, of its last-m queries over the cache's keys,
-    causal and blind to padding, and which queries are real (B, M)."""
+    and which queries are real (B, M)."""
     slots, valid = query_slots(lengths, settings)  # (B, M)
     width = hidden.shape[1]
 
@@ -71,7 +68,7 @@ def attention_weights(module, hidden: torch.Tensor, rotary: tuple, keys_rotated:
 
 
 def pool(per_layer: list[tuple[torch.Tensor, torch.Tensor]], pooling: str) -> torch.Tensor:
-    """(B, P): the weights (B, Hq, M, P) of every layer read pooled over layers, heads and the real queries."""
+    """(B, P): every layer's weights (B, Hq, M, P) pooled over layers, heads and the real queries."""
     weights = torch.stack([w for w, _ in per_layer], dim=1)  # (B, L, Hq, M, P)
     valid = per_layer[0][1][:, None, None, :, None]  # (B, 1, 1, M, 1)
     weights = weights.masked_fill(~valid, 0.0)
@@ -83,8 +80,8 @@ def pool(per_layer: list[tuple[torch.Tensor, torch.Tensor]], pooling: str) -> to
 
 def keep_positions(scores: torch.Tensor, lengths: torch.Tensor, settings: SpeculativeParams, share: float
                    ) -> torch.Tensor:
-    """(B, K) the positions each row keeps, ascending, padded with -1: its sinks, its last m and round(p x rest) of
-    the others, those scored highest first (ties: the earlier position, so the choice is deterministic)."""
+    """(B, K) the positions each row keeps, ascending, -1 pads: its sinks, its last m and the best-scored round(p x
+    rest) of the others (ties: the earlier position)."""
     rows = []
     for row, length in enumerate(lengths.tolist()):
         sinks, last = settings.spans(length)

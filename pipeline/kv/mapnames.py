@@ -1,5 +1,4 @@
-"""The names of maps: `MapName`, built and read here only, in the fields each family declares
-(`kv.families.Family.name_fields`)."""
+"""The names of maps, in the fields each family declares (`kv.families.Family.name_fields`)."""
 from __future__ import annotations
 
 import re
@@ -14,8 +13,7 @@ _FIELDS = {"k": (r"_k(?P<k>\d+)", "k{k}"), "rank": (r"_r(?P<rank>\d+)", "r{rank}
 
 @dataclass(frozen=True)
 class MapName:
-    """The name of a map: `<family>_k<k>[_r<rank>][_lam<lambda>][+kl]`, the fields its family's `name_fields`
-    declare, in that order; `+kl` for a map distilled from the map the rest of the name names (its start)."""
+    """`<family>_k<k>[_r<rank>][_lam<lambda>][+kl]`; `+kl` for a map distilled from the map the rest names."""
 
     family: str
     k: int
@@ -28,7 +26,7 @@ class MapName:
 
     @property
     def lambda_group(self) -> str:
-        """The name without its lambda (`linear_k1`, `low_rank_k1_r16`): the candidates a lambda is chosen among."""
+        """The name without its lambda: the candidates a lambda is chosen among."""
         return self._joined(tuple(f for f in family(self.family).name_fields if f != "lambda"))
 
     def _joined(self, fields: tuple[str, ...]) -> str:
@@ -37,7 +35,7 @@ class MapName:
 
     @property
     def start(self) -> "MapName":
-        """The fitted map a distilled map starts from (a fitted map's own name)."""
+        """The fitted map a distilled map starts from."""
         return MapName(self.family, self.k, self.ridge_lambda, self.rank)
 
     @property
@@ -46,12 +44,11 @@ class MapName:
 
     @property
     def width(self) -> int | None:
-        """The inner size the name fixes (the low-rank map's rank), None where the name does not carry it."""
+        """The inner size the name fixes (the low-rank map's rank)."""
         return self.rank
 
     @classmethod
     def parse(cls, text: str) -> "MapName":
-        """A map's name read back; a name no family makes is refused in one line naming the forms known."""
         distilled = text.endswith(DISTILLED_SUFFIX)
         stem = text.removesuffix(DISTILLED_SUFFIX)
         for name in sorted(FITTED_FAMILIES, key=len, reverse=True):  # `low_rank_...` is not read as a family `low`

@@ -1,8 +1,6 @@
-"""Maps from the source model's content-space KV cache to the target's, and their file format. A mapper takes the
-source cache with RoPE stripped, (batch, kv_heads_s, tokens, head_dim_s) per source layer, and returns the target's
-content-space cache, (batch, kv_heads_t, tokens, head_dim_t) per target layer; its family (`kv.families`) says how.
-The file: a checksummed artifact of tensors `{keys,values}.{layer}.{name}`, with metadata naming the pair, k, lambda,
-the source layers per target layer, both models' rotary settings, KV geometry and fingerprints, and the fit's facts.
+"""Maps from the source model's content-space KV cache, (batch, kv_heads_s, tokens, head_dim_s) per source layer, to
+the target's, (batch, kv_heads_t, tokens, head_dim_t) per target layer, and their file: a checksummed artifact of
+tensors `{keys,values}.{layer}.{name}` with metadata naming the pair, its geometry, rotary settings and fingerprints.
 """
 from __future__ import annotations
 
@@ -40,16 +38,13 @@ class Mapper:
     k: int = 0
     ridge_lambda: float = 0.0
     source_layers: list[list[int]] = field(default_factory=list)  # per target layer: the k source layers
-    # per target layer: the family's tensors in its `tensor_names` order; for linear and head_matched
-    # (weight (kv_heads_t, in_width, head_dim_t), bias (kv_heads_t, head_dim_t))
+    # per target layer: the family's tensors in its `tensor_names` order
     keys: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     values: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # the fit's facts, for the record
     key_space: str = "content"  # rotated: fitted on keys with RoPE kept (the length study's ablation)
     distilled: dict | None = None  # a distilled map's facts (start digest, loss weights, best epoch, ...)
-    # the pair it was fitted on: {"source"|"target": {"weights", "config", "generation_config", "tokenizer"}}
-    # (store.fingerprints.pair_fingerprints; {"pin", "tokenizer"} in a map written before fingerprints had parts);
-    # None: a map written before maps were bound to their pair, or one made in memory
+    # the pair's fingerprints (store.fingerprints.pair_fingerprints); None: an old map's or one made in memory
     models: dict | None = None
 
     def __post_init__(self) -> None:
@@ -62,12 +57,11 @@ class Mapper:
 
     @property
     def spec(self):
-        """The family (`kv.families.Family`): its tensors and how a layer is mapped."""
         return FAMILIES[self.family]
 
     @property
     def width(self) -> int | None:
-        """The family's inner size read off the tensors (the MLP's hidden width, the low-rank map's rank)."""
+        """The family's inner size (the MLP's hidden width, the low-rank map's rank)."""
         return self.spec.width(self.keys[0]) if self.keys else None
 
     def metadata(self) -> dict:
@@ -88,8 +82,7 @@ class Mapper:
                    for name, t in zip(names, tensors) if not name.endswith("bias"))
 
     def apply(self, source_layers: Layers, positions: torch.Tensor) -> Layers:
-        """Content-space source cache -> content-space target cache. `positions` (T,) are the tokens'
-        positions; the maps here are position-free, richer families may use them."""
+        """Content-space source cache -> content-space target cache; `positions` (T,), unread by the maps here."""
         layers = range(self.target_layers(source_layers))
         return [self.apply_layer(source_layers, layer, positions) for layer in layers]
 
@@ -98,7 +91,7 @@ class Mapper:
 
     def apply_layer(self, source_layers: Layers, layer: int,
                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target layer `layer` of `apply`: one at a time, so a caller can finish each layer before the next."""
+        """Target layer `layer` of `apply`, so a caller can finish each layer before the next."""
         del positions
         if not self.spec.tensor_names:  # identity: the source's layer as it is
             return source_layers[layer]
@@ -113,15 +106,11 @@ class Mapper:
         return self
 
 
-LayerPair = tuple["torch.Tensor", "torch.Tensor"]  # one layer's (keys, values), each (B, H, T, D)
-
-
 def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype, device,
-              order: torch.Tensor | None = None) -> Iterator[tuple[LayerPair, LayerPair]]:
-    """The source's content cache (float32, RoPE stripped) through `mapper` (None: as it is) into the target's, one
-    layer at a time: the content the map made (after the shuffle) and the cache the target reads, keys rotated to
-    `rotation`'s positions unless the map writes rotated keys, on `device` in `dtype`. `order` (B, T): the shuffled
-    null's token order. The one way a cache is mapped, with autograd on or off: a map is trained on what it injects."""
+              order: torch.Tensor | None = None) -> Iterator[tuple[tuple, tuple]]:
+    """The source's content cache (float32) through `mapper` (None: as it is), one layer at a time: (the content the
+    map made, after the shuffle `order` (B, T); the cache the target reads, rotated, on `device` in `dtype`). The one
+    way a cache is mapped, with autograd on or off: a map is trained on what it injects."""
     positions = torch.arange(rotation.tokens, device=content[0][0].device)  # (T,)
     rotated = mapper is not None and mapper.key_space == "rotated"
     for layer in range(mapper.target_layers(content) if mapper else len(content)):
@@ -129,15 +118,13 @@ def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype,
         if order is not None:  # permute each row's tokens, (B, H, T, D)
             index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
             keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
-        # the linear map leaves values in (B, T, H, D) memory order; lay them out now, while only this layer is
-        # live, not all at once when the cache is built
+        # the linear map leaves values in (B, T, H, D) memory order: lay them out while only this layer is live
         cached_values = values.to(device, dtype, memory_format=torch.contiguous_format)
         keys = keys.to(device)
         yield (keys, values), ((keys if rotated else rotation.apply(keys)).to(dtype), cached_values)
 
 
 def pair_fields(source_config, target_config) -> dict:
-    """A mapper's fields read off the pair's configs: both KV geometries and rotary settings."""
     return {"source_geometry": kv_geometry(source_config), "target_geometry": kv_geometry(target_config),
             "rotary_source": RotarySpec.from_config(source_config).to_dict(),
             "rotary_target": RotarySpec.from_config(target_config).to_dict()}
@@ -177,8 +164,8 @@ def load_mapper(path, device="cpu") -> Mapper:
 
 def random_mapper(source_config, target_config, k: int = 1, family: str = "linear", seed: int = 0,
                   width: int | None = None) -> Mapper:
-    """A mapper of the right shape for the pair, with random weights: times like a fitted one of the same family, k
-    and `width` (the family's inner size). Target layer l reads k source layers from the one at its relative depth."""
+    """A mapper of the right shape for the pair with random weights: times like a fitted one. Target layer l reads k
+    source layers from the one at its relative depth."""
     source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
     if not 1 <= k <= source_geometry["layers"]:
         raise ValueError(f"k={k}: expected 1 <= k <= {source_geometry['layers']} (the source's layer count)")

@@ -1,6 +1,4 @@
-"""The handoff modes: how a handoff builds the prefix cache its decoding model reads. A mode is one entry, its name,
-what it reads and its `build`, a function of the handoff's `Inputs` (the decoding model, the source, the map, the
-repair) and a `Prompt`; `MODES` is the registry. The report's words for a mode are the report's (`studies.variants`).
+"""The handoff modes: how a handoff builds the prefix cache its decoding model reads; `MODES` is the registry.
 Shapes: B rows of a right-padded prefix of P slots; every cache (B, H, P, D) per layer, rotated, in the decoder's dtype.
 """
 from __future__ import annotations
@@ -23,12 +21,10 @@ from pipeline.store.lazy import lazy
 
 torch = lazy("torch")
 
-ClockHook = Callable[[str], None]  # told each part of a first step as it ends (`measure.timing.Stopwatch`)
+ClockHook = Callable[[str], None]  # told each part of a first step as it ends
 
 
 class Reads(NamedTuple):
-    """What a handoff mode reads."""
-
     target: bool  # the target decodes (False: the source alone, its own cache and its own predictions)
     source: bool  # the source model: its cache handed to the target, or the source alone
     map: bool  # a fitted map (`shuffled` also runs without one: the source's cache itself, permuted)
@@ -39,15 +35,12 @@ class Built(NamedTuple):
     """A prefix cache as a mode built it (None for an empty prefix)."""
 
     layers: list | None  # the cache the decoding model reads
-    # (B, K) the positions the decoding model computed itself in every layer by a choice (-1 pads): the tokens a
-    # sparse mode kept, a repair's sink and chosen tokens; None where nothing was chosen (its own prefill, a bare map)
+    # (B, K) the positions the decoding model computed itself in every layer by a choice (-1 pads), else None
     selected: object = None
 
 
 @dataclass
 class Inputs:
-    """What a handoff's mode builds every prefix cache from, as the request and the pair's contract allowed them."""
-
     decoder: object  # the model that decodes: the target, or the source itself in mode `source`
     source: object | None  # the source, where the mode reads it
     mapper: Mapper | None
@@ -58,18 +51,16 @@ class Inputs:
     decoder_devices: list | None  # a decoder spread over devices: each layer's cache goes there
     decoder_spec: RotarySpec
     source_spec: RotarySpec | None  # where the source's cache is handed over
-    repaired: RepairCount = field(default_factory=RepairCount)  # what the repair made the decoder compute
+    repaired: RepairCount = field(default_factory=RepairCount)
     source_prefills: int = 0  # contexts the source prefilled, and the forwards that did it: counted so tests can
     source_forwards: int = 0  # check that shared contexts share a prefill and a batch shares a forward
 
 
 class Prompt(NamedTuple):
-    """The prefixes a mode builds a cache of."""
-
     ids: torch.Tensor  # (B, P), P > 0, on the decoder's device
     lengths: torch.Tensor | None = None  # (B,) real lengths of right-padded rows (None: none is padded)
     mask: torch.Tensor | None = None  # (B, P) the real slots (None: all are)
-    clock: ClockHook | None = None  # told each part as it ends (`Handoff.first_step`)
+    clock: ClockHook | None = None
 
     def real_lengths(self) -> torch.Tensor:
         """(B,) each row's real length, on the CPU."""
@@ -79,17 +70,14 @@ class Prompt(NamedTuple):
 
 @dataclass(frozen=True)
 class Mode:
-    """A registry entry: its name, what it reads and `build(inputs, prompt) -> Built`."""
-
     name: str
     reads: Reads
     build: Callable[[Inputs, Prompt], Built]
     needs_map: bool = False  # refused without a fitted map (`shuffled` reads one where given)
-    # its cache holds some of the prompt's tokens, each at its own position (`speculative`): slot i is not position i,
-    # so every read after it is told the positions, and nothing is handed over or repaired
+    # its cache holds some of the prompt's tokens at their own positions: slot i is not position i, nothing is repaired
     sparse: bool = False
     parameter: str | None = None  # what the value after its name means (`speculative:0.1`); None: it takes none
-    # why a pair of these models (`kv.contract.ModelCard`: name, geometry) cannot use this mode, or None
+    # why a pair of these models (`kv.contract.ModelCard`s) cannot use this mode, or None
     requirement: Callable[[object, object], str | None] = lambda source, target: None
 
     @property
@@ -104,7 +92,7 @@ def tell(clock: ClockHook | None, part: str) -> None:
 
 
 def own_prefill(model, prefix_ids: torch.Tensor, mask: torch.Tensor | None = None) -> list:
-    """`model`'s own cache of prefix_ids (B, P): its decoder body only, no logits, one forward for the batch."""
+    """`model`'s own cache of prefix_ids (B, P): its decoder body only, no logits."""
     device = model.device
     return cache_to_layers(model.model(input_ids=prefix_ids.to(device),
                                        attention_mask=None if mask is None else mask.to(device), use_cache=True).cache)
@@ -112,9 +100,7 @@ def own_prefill(model, prefix_ids: torch.Tensor, mask: torch.Tensor | None = Non
 
 @no_grad
 def source_prefill(inputs: Inputs, prompt: Prompt, scored: bool) -> tuple[list, torch.Tensor | None]:
-    """The source's cache of the prompt and, where `scored`, each slot's look-ahead score (B, P), float32 on the CPU,
-    from the same forward, under the declared `speculative` settings (`kv.lookahead`); the clock is told `prefill`
-    after the forward (and `scores` after the scoring)."""
+    """The source's cache of the prompt and, where `scored`, each slot's look-ahead score (B, P) from that forward."""
     inputs.source_prefills += prompt.ids.shape[0]
     inputs.source_forwards += 1
     if scored:
@@ -128,8 +114,8 @@ def source_prefill(inputs: Inputs, prompt: Prompt, scored: bool) -> tuple[list, 
 @no_grad
 def rebuilt(inputs: Inputs, source_layers: list, mapper: Mapper | None = None, order: torch.Tensor | None = None
             ) -> list:
-    """The source's cache re-encoded for the decoder: its RoPE stripped, through `mapper` (None: unmapped), its tokens
-    in `order` (B, P) (None: as they are), the decoder's RoPE applied, cast to the decoder's dtype."""
+    """The source's cache re-encoded for the decoder: RoPE stripped, through `mapper` (None: unmapped), tokens in
+    `order` (B, P) (None: as they are), the decoder's RoPE applied, in the decoder's dtype."""
     length, device = source_layers[0][0].shape[2], inputs.decoder.device
     positions = torch.arange(length, device=inputs.source.device)
     source_rotation = Rotation(inputs.source_spec, positions)
@@ -142,8 +128,7 @@ def rebuilt(inputs: Inputs, source_layers: list, mapper: Mapper | None = None, o
 
 
 def handed(inputs: Inputs, prompt: Prompt, mapped: list, scores: torch.Tensor | None) -> Built:
-    """A cache the decoder did not make, `mapped`, repaired (`kv.recompute`; timed into `repaired.log`) from the
-    source's look-ahead `scores` (B, P) where its policy reads them."""
+    """A cache the decoder did not make, repaired (timed into `repaired.log`); `scores` (B, P): the source's."""
     tell(prompt.clock, "map")
     repair, count = inputs.repair, inputs.repaired
     if repair.empty:
@@ -157,14 +142,12 @@ def handed(inputs: Inputs, prompt: Prompt, mapped: list, scores: torch.Tensor | 
 
 
 def own(inputs: Inputs, prompt: Prompt) -> Built:
-    """The decoding model's own prefill of the prompt: nothing handed off, nothing repaired."""
     layers = own_prefill(inputs.decoder, prompt.ids, prompt.mask)
     tell(prompt.clock, "prefill")
     return Built(layers)
 
 
 def zero(inputs: Inputs, prompt: Prompt) -> Built:
-    """The null control of an all-zero cache of the target's shape."""
     geometry, (batch, length) = kv_geometry(inputs.decoder.config), prompt.ids.shape
     zeros = torch.zeros((batch, geometry["kv_heads"], length, geometry["head_dim"]), dtype=inputs.decoder.dtype,
                         device=inputs.decoder.device)  # (B, H, P, D)
@@ -172,7 +155,6 @@ def zero(inputs: Inputs, prompt: Prompt) -> Built:
 
 
 def direct(inputs: Inputs, prompt: Prompt) -> Built:
-    """The source's cache unmapped, re-encoded for the target's RoPE (needs equal KV geometry)."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
     if inputs.source_spec == inputs.decoder_spec:  # one rotation: the cache only changes device and dtype
         device, dtype = inputs.decoder.device, inputs.decoder.dtype
@@ -188,14 +170,12 @@ def equal_geometry(source, target) -> str | None:
 
 
 def mapped(inputs: Inputs, prompt: Prompt) -> Built:
-    """The source's cache through a fitted map (`kv.mapper`)."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
     return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper), scores)
 
 
 def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """(B, T) token order of the shuffled null: each row's real tokens permuted by the same seeded permutation
-    batch 1 would draw for its length; padding stays in place."""
+    """(B, T) token order of the shuffled null: each row's real tokens permuted as batch 1 would; padding stays."""
     real = lengths.tolist() if lengths is not None else [length] * batch
     order = torch.arange(length).repeat(batch, 1)  # (B, T)
     for row, count in enumerate(real):
@@ -204,8 +184,7 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
 
 
 def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
-    """The null control: what `mapped` would inject (or, without a map, the source's cache itself) with each row's
-    token order permuted by a seeded permutation in content space, before the target's RoPE."""
+    """What `mapped` would inject (without a map: the source's cache), each row's tokens permuted in content space."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
     batch, _, length, _ = source[0][0].shape  # (B, H_s, P, D_s)
     order = shuffle_order(inputs.shuffle_seed, length, prompt.lengths, batch).to(inputs.decoder.device)
@@ -213,10 +192,8 @@ def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
 
 
 def speculative(inputs: Inputs, prompt: Prompt) -> Built:
-    """Speculative prefill (SpecPrefill, arXiv 2502.02789), a token-skipping rival at the handoff's cost: the source
-    prefills the prompt and its look-ahead attention scores every position (`kv.lookahead`); the target prefills only
-    the top share p of them, the sinks and the last m, at their own positions, and decodes from that sparse cache.
-    Written `speculative:P`; p = 1 is the oracle (the oracle's own call). Needs no map: defined at unequal geometry.
+    """Speculative prefill (SpecPrefill, arXiv 2502.02789): the target prefills only the top share p of the source's
+    look-ahead scores, the sinks and the last m, at their own positions; p = 1 is the oracle's own call.
 
         prefix     c[0] c[1] c[2] c[3] c[4] c[5] c[6]         P = 7, sinks 1, last 2, p = 0.5
         kept       c[0]      c[2]      c[4] c[5] c[6]         K = 5 slots, positions 0 2 4 5 6
@@ -234,8 +211,8 @@ def speculative(inputs: Inputs, prompt: Prompt) -> Built:
 
 
 def kept_prefill(target, prefix_ids: torch.Tensor, kept: torch.Tensor) -> list:
-    """The target's cache (B, H, K, D) per layer of the tokens at positions `kept` (B, K) (ascending, -1 pads the
-    rows' ends), each at its own position id, each seeing the kept tokens before it."""
+    """The target's cache (B, H, K, D) per layer of the tokens at positions `kept` (B, K) (ascending, -1 pads),
+    each at its own position id, seeing the kept tokens before it."""
     real = kept >= 0  # (B, K)
     positions = kept.clamp(min=0)  # (B, K)
     tokens = prefix_ids.cpu().gather(1, positions)  # (B, K)
@@ -267,7 +244,6 @@ BASELINES = tuple(sorted((name for name, mode in MODES.items() if not mode.reads
 
 
 def split_mode(text: str) -> tuple[str, str | None]:
-    """A mode as a request writes it, `NAME` or `NAME:VALUE` (`speculative:0.1`, as a repair writes `tokens:0.1`):
-    (its name, the text of its value or None)."""
+    """`NAME` or `NAME:VALUE` (`speculative:0.1`) -> (its name, the text of its value or None)."""
     name, colon, value = str(text).partition(":")
     return name, value if colon else None

@@ -1,6 +1,6 @@
 """The mapped pair: source and target, their tokenizers and contract read at once (a refused pair or mode costs no
 weight loading), each model loaded once on first use, and every handoff between them. A map is bound to the pair it
-was fitted on: its fingerprints of both models must match unless allowed (models in memory leave maps unchecked).
+was fitted on unless allowed (models in memory leave maps unchecked).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def check_models(label: str, fitted: dict | None, loaded: PairFingerprints, allo
 
 
 def positions(*configs) -> int:
-    """The longest sequence (prompt and decoded tokens) every model of the pair has positions for."""
+    """The longest sequence every model of the pair has positions for."""
     return min(config.max_position_embeddings for config in configs if config is not None)
 
 
@@ -49,8 +49,7 @@ class Pair:
                  device_map: str | None = None, target_revision: str | None = None,
                  source_revision: str | None = None, max_tokens: int | None = None,
                  allow_other_models: bool = False):
-        """`source` None: a target alone; `device_map`: accelerate spreads each model over the devices; `max_tokens`:
-        the longest sequence a handoff will see (a sliding window shorter than it is refused now, not per sequence);
+        """`max_tokens`: the longest sequence a handoff will see (a shorter sliding window is refused now);
         `allow_other_models`: a map fitted on other models is used (its difference kept in `other_models`)."""
         self.allow_other_models, self.other_models = allow_other_models, []
         self.sides = {"target": (target, target_revision), "source": (source, source_revision)}  # name, revision
@@ -64,7 +63,6 @@ class Pair:
         require_weights(target, target_revision)  # a folder without complete weights: one line now, not at load
         if source:
             require_weights(source, source_revision, **beside)
-        # the contract, from configs and tokenizers: a refused pair costs no weight loading
         configs = (load_config(target, target_revision),
                    load_config(source, source_revision, **beside) if source else None)
         self.contract = pair_contract(*configs, self.target_tokenizer, self.source_tokenizer, max_tokens)
@@ -74,8 +72,7 @@ class Pair:
     @classmethod
     def load(cls, models: ModelsParams, device: str, dtype: str | None = None, max_tokens: int | None = None,
              source: bool = True, allow_other_models: bool = False) -> "Pair":
-        """The pipeline's pair (models/target, models/source) in `models.dtype` or `dtype`; `source` False: the
-        target alone."""
+        """The pipeline's pair (models/target, models/source); `source` False: the target alone."""
         return cls(str(paths.model("target")), str(paths.model("source")) if source else None,
                    dtype or models.dtype, device, models.device_map, max_tokens=max_tokens,
                    allow_other_models=allow_other_models)
@@ -103,7 +100,6 @@ class Pair:
 
     @property
     def eval_tasks(self) -> dict[str, Path]:
-        """Each task's eval-part items, the files every stage scores a handoff of the pair on."""
         return {task: paths.task_items(task, "eval") for task in TASKS}
 
     @property
@@ -112,12 +108,12 @@ class Pair:
 
     @cached_property
     def fingerprints(self) -> PairFingerprints | None:
-        """Both models' fingerprints, hashed when the first map is bound; None in `Pair.of`."""
+        """Both models' fingerprints, hashed when the first map is bound."""
         (source, source_revision), (target, target_revision) = self.sides["source"], self.sides["target"]
         return PairFingerprints(source, target, source_revision, target_revision)
 
     def bind(self, mapper: Mapper, label: str) -> None:
-        """Refuse `mapper` (`label` in the message) unless fitted on this pair's models or the pair allows others."""
+        """Refuse `mapper` unless fitted on this pair's models or the pair allows others."""
         if self.fingerprints is None:
             return
         difference = check_models(label, mapper.models, self.fingerprints, self.allow_other_models)
@@ -143,9 +139,8 @@ class Pair:
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
                 shuffle_seed: int = 0, repair: Repair | str = Repair(), keep: float | None = None,
                 share: float | None = None, speculative: SpeculativeParams | None = None) -> Handoff:
-        """The handoff of `mode` between the pair's models, a mode the contract leaves undefined refused before any
-        weight loads; `mapper` a fitted map or its file (ignored by modes that read none), refused unless fitted on
-        the pair's models; `repair` a setting or its string form; `keep`, `share`, `speculative` as `Handoff`'s."""
+        """The handoff of `mode`, refused before any weight loads where the contract leaves it undefined; `mapper` a
+        fitted map or its file (ignored by modes that read none)."""
         repair = Repair.parse(repair) if isinstance(repair, str) else repair
         self.contract.require(mode)
         if not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
@@ -164,6 +159,5 @@ class Pair:
     def router(self, mode: str, mapper: Mapper | str | Path | None = None, repair: Repair = Repair(),
                keep: float | None = None, share: float | None = None, speculative: SpeculativeParams | None = None,
                shuffle_seed: int = 0, batch_size: int = 16) -> Router:
-        """The router of a handoff from values checked where they entered (a stage's params by `check_params`, a
-        face's by `kv.request.Transfer`, through `Router.of`), trusted here: the handoff as `handoff` takes them."""
+        """The router of a handoff from values checked where they entered."""
         return Router(self.handoff(mode, mapper, shuffle_seed, repair, keep, share, speculative), batch_size)

@@ -1,8 +1,7 @@
 """The query, key and value paths of a decoder layer's attention as each architecture defines them, and RoPE as the
-model applies it, for reading a layer's attention outside its forward. Attention reads the layer's input norm
-(pre-norm: Llama, Mistral, Qwen2/3 and their MoE siblings) or the residual stream itself (OLMo2's post-norm); queries
-and keys take q_norm / k_norm where the module has them, per head (Qwen3) or over every head at once (OLMo2), before
-RoPE. Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
+model applies it, for reading a layer's attention outside its forward. Queries and keys take q_norm / k_norm where the
+module has them, per head (Qwen3) or over every head at once (OLMo2), before RoPE.
+Shapes: hidden states (B, T, hidden) in, per-head states (B, H, T, D) out.
 """
 from __future__ import annotations
 
@@ -14,13 +13,12 @@ torch = lazy("torch")
 
 
 def layer_input(layer, hidden: torch.Tensor) -> torch.Tensor:
-    """What `layer`'s attention reads of the residual stream `hidden` (B, T, hidden)."""
+    """What `layer`'s attention reads: its input norm (pre-norm) or the residual stream itself (OLMo2's post-norm)."""
     norm = getattr(layer, "input_layernorm", None)
     return hidden if norm is None else norm(hidden)
 
 
 def _heads(attention, hidden: torch.Tensor, kind: str) -> torch.Tensor:
-    """(B, H, T, D): `kind` ("q" or "k") projected from `hidden` (B, T, hidden), normed as the module norms it."""
     batch, tokens = hidden.shape[:2]
     states = getattr(attention, f"{kind}_proj")(hidden)  # (B, T, H*D)
     norm = getattr(attention, f"{kind}_norm", None)
@@ -32,23 +30,23 @@ def _heads(attention, hidden: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def queries(attention, hidden: torch.Tensor) -> torch.Tensor:
-    """The attention module's queries (B, Hq, T, D) for the states it reads, before RoPE."""
+    """(B, Hq, T, D) before RoPE."""
     return _heads(attention, hidden, "q")
 
 
 def keys(attention, hidden: torch.Tensor) -> torch.Tensor:
-    """The attention module's keys (B, H, T, D) for the states it reads, before RoPE."""
+    """(B, H, T, D) before RoPE."""
     return _heads(attention, hidden, "k")
 
 
 def values(attention, hidden: torch.Tensor) -> torch.Tensor:
-    """The attention module's values (B, H, T, D) for the states it reads."""
+    """(B, H, T, D)."""
     batch, tokens = hidden.shape[:2]
     return attention.v_proj(hidden).view(batch, tokens, -1, attention.head_dim).transpose(1, 2)
 
 
 def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the model applies it: states (B, H, T, D), cos/sin (B, T, D) from the model's rotary embedding."""
+    """RoPE as the model applies it: states (B, H, T, D), cos/sin (B, T, D)."""
     half = states.shape[-1] // 2
     rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
     return states * cos[:, None] + rotated * sin[:, None]
@@ -56,8 +54,8 @@ def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 @contextmanager
 def attention_inputs(model, indices=None):
-    """Yields a dict that each forward inside the block fills, per decoder layer of `indices` (None: every layer),
-    with (its attention module, the states (B, T, hidden) the module read, its (cos, sin))."""
+    """Yields a dict each forward inside the block fills, per decoder layer of `indices` (None: every layer), with
+    (its attention module, the states (B, T, hidden) it read, its (cos, sin))."""
     layers = model.model.layers
     captured: dict[int, tuple] = {}
 

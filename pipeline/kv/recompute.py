@@ -18,23 +18,17 @@ transformers = lazy("transformers")
 
 @dataclass
 class RepairCount:
-    """What repairs made the target compute: forwards of the decoder (or of its first layers), token-layers through
-    a full decoder layer, and the tokens each recomputed in every layer."""
-
     forwards: int = 0
-    token_layers: int = 0
+    token_layers: int = 0  # tokens through a full decoder layer
     recomputed: int = 0  # sink and chosen tokens, over every row
     log: list = field(default_factory=list)  # per call: (recomputed tokens, seconds)
-    # the latest call's positions recomputed in every layer, (B, K) ascending, -1 pads (`selected_positions`); None
-    # where it recomputed none in every layer (an empty or `layers:N` setting)
+    # the latest call's positions recomputed in every layer, (B, K) ascending, -1 pads; None where none were
     selected: torch.Tensor | None = None
 
 
 def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
                  count: RepairCount, devices=None, source_scores: torch.Tensor | None = None) -> Layers:
-    """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`;
-    `lengths` (B,) real lengths (None: no row padded); `devices`: each layer's device (None: the target's);
-    `source_scores` (B, P): the source's look-ahead scores, for a policy that `reads_source`."""
+    """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`."""
     count.selected = None
     if setting.empty:
         return layers
@@ -73,8 +67,7 @@ def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torc
 
 
 def choose(scores: torch.Tensor, lengths: torch.Tensor, sink: int, counts: list[int]) -> torch.Tensor:
-    """Per row, the positions (ascending) of its `counts[b]` highest scores among slots sink..lengths[b]-1;
-    (B, M) padded with -1."""
+    """(B, M) per row, the positions (ascending, -1 pads) of its `counts[b]` highest scores among sink..lengths[b]-1."""
     batch, width = scores.shape
     slots = torch.arange(width)[None]  # (1, P)
     eligible = (slots >= sink) & (slots < lengths[:, None])  # (B, P)
@@ -95,8 +88,8 @@ def selected_positions(lengths: torch.Tensor, sink: int, chosen: torch.Tensor | 
 
 
 def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -> Layers:
-    """The target's own keys/values (B, H, P, D), rotated, of its first n layers over prefix_ids (B, P): layers
-    0..n-2 in full, layer n-1's input norm and K/V projections only; no logits."""
+    """The target's own keys/values (B, H, P, D), rotated, of its first n layers: 0..n-2 in full, layer n-1's input
+    norm and K/V projections only."""
     decoder = target.model
     batch, width = prefix_ids.shape
     hidden = decoder.embed_tokens(prefix_ids.to(target.device))  # (B, P, hidden)

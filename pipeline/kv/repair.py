@@ -1,5 +1,4 @@
-"""Repair: after the map, the target recomputes part of the prefix cache (rotated, target dtype) of c[0..P-1] itself
-before its first step, in a fixed order, each part over what the parts before it left:
+"""Repair: after the map, the target recomputes part of the prefix cache of c[0..P-1] before its first step, in order:
 
     1. exact_layers n   the target's own keys/values of layers 0..n-1 over the whole prefix: layers 0..n-2 in
                         full, then only the input norm and K/V projections of layer n-1 (n = 1: the embedding's
@@ -28,12 +27,12 @@ REPAIR_FORM = "none, or parts joined by '+': layers:N, sink:S, tokens:RHO:POLICY
 
 
 class RepairError(Refusal, ValueError):
-    """A malformed repair setting: one line naming the bad part (a command prints it as `error: ...`, exit 2)."""
+    """A malformed repair setting: one line naming the bad part."""
 
 
 @dataclass(frozen=True)
 class Repair:
-    """One repair setting; the empty one (`Repair()`, `none`) is the mapped cache as it is."""
+    """One repair setting; the empty one (`Repair()`, `none`) leaves the cache as it is."""
 
     exact_layers: int = 0
     sink: int = 0
@@ -54,7 +53,6 @@ class Repair:
 
     @classmethod
     def parse(cls, text: str) -> Repair:
-        """The setting of its string form (REPAIR_FORM); a bad part raises one line naming it."""
         text = str(text).strip()
         if text in ("", "none"):
             return cls()
@@ -86,7 +84,7 @@ class Repair:
 
     @property
     def policy(self) -> str:
-        """The token choice as the string form writes it: the policy, and `@VALUE` where it has a parameter."""
+        """The token choice as the string form writes it: `POLICY[@VALUE]`."""
         return self.select_by + ("" if self.argument is None else f"@{self.argument:g}")
 
     @property
@@ -103,8 +101,7 @@ class Repair:
 
     @property
     def reads_source(self) -> bool:
-        """Its token policy ranks by the source's look-ahead scores: the handoff must make them and the FLOP model
-        counts them."""
+        """Its token policy ranks by the source's look-ahead scores."""
         return bool(self.tokens) and self.selector.reads_source
 
     def chosen(self, length: int) -> int:
@@ -113,8 +110,8 @@ class Repair:
 
 
 def parse_grid(texts: list[str], key: str, why_none: str) -> list[Repair]:
-    """A declared list of settings (params' `key`): each parsed, none named twice (by canonical form), `none` among
-    them (`why_none` says what it is there for); a failure is one line naming the key."""
+    """A declared list of settings (params' `key`): each parsed, none named twice, `none` among them (`why_none` says
+    what it is there for)."""
     settings = []
     for text in texts:
         try:

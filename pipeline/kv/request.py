@@ -1,7 +1,6 @@
 """What a user asks of a handoff, validated before any model loads: one request (`Transfer`) for every face (the
-stages' values are checked by their params schema instead). A mode that takes a value is written with it
-(`speculative:0.1`); its look-ahead settings come from params' `speculative` section. Every refusal is one line
-naming the arg as the face spells it (`Face`) and the fix.
+stages' values are checked by their params schema instead). Every refusal is one line naming the arg as the face
+spells it (`Face`) and the fix.
 """
 from __future__ import annotations
 
@@ -23,8 +22,6 @@ USES = {"mapper": MAPPER_MODES, "repair": REPAIRED_MODES, "shuffle_seed": ("shuf
 
 
 class Face(NamedTuple):
-    """How a face names the request's fields: `tool` before a value's name, `args` each field's spelling."""
-
     tool: str  # "kv-transfer" or "" (generate's flags name themselves)
     args: dict[str, str]
 
@@ -44,14 +41,14 @@ GENERATE = Face("", {**{field: "--" + field.replace("_", "-") for field in FIELD
 
 
 class Transfer(BaseModel):
-    """One handoff asked for: checked on construction (`Transfer.of`), values as the handoff takes them."""
+    """One handoff asked for, checked on construction."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     face: Face
     mode: str
     mapper: str | None = None
-    repair: Repair = Repair()  # the empty setting: no repair (the one form of none)
+    repair: Repair = Repair()
     shuffle_seed: int | None = None
     keep: float | None = None  # the share of each context's end the handoff reads (the truncated prompt)
     share: float | None = None  # the mode's value, written after its name (`speculative:0.1`)
@@ -115,8 +112,8 @@ class Transfer(BaseModel):
                              f"{how}".strip())
 
     def check_geometry(self, pair) -> None:
-        """Refuse a repair larger than `pair`'s target and look-ahead settings reading layers past its source, from
-        the configs; a model the contract refuses is left to its refusal."""
+        """Refuse a repair larger than `pair`'s target and look-ahead settings reading layers past its source; a model
+        the contract refuses is left to its refusal."""
         source = pair.contract.source
         if self.speculative is not None and source is not None and source.geometry is not None:
             problem = self.speculative.layer_refusal(source.geometry["layers"])
@@ -159,8 +156,7 @@ def _mode(face: Face, values: dict) -> str:
 
 
 def _lookahead(face: Face, mode: str, values: dict) -> None:
-    """The look-ahead settings where the mode or the repair's policy reads them (as given, else params'),
-    refused where nothing reads them."""
+    """The look-ahead settings where the mode or the repair's policy reads them (as given, else params')."""
     reads = MODES[mode].sparse or ("repair" in values and values["repair"].reads_source)
     if not reads:
         if "speculative" in values:

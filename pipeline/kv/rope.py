@@ -1,8 +1,7 @@
-"""Rotary position encoding of cached keys: read the settings from a config, check them against the model, strip and
-apply. Cached keys are stored after RoPE (and, in Qwen3, after k_norm); `strip` rotates them back to content space
-(position-free), `apply` forward to given positions. Frequencies come in float32 from transformers' own initialisers
-and are checked against the model's buffer (an `inv_freq` cast to bfloat16 rotates with rounded angles: refused). The
-maths runs in float32 (float64 keys in float64), so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
+"""Rotary position encoding of cached keys: read the settings from a config, check them against the model, strip to
+content space (position-free) and apply. Frequencies come in float32 from transformers' own initialisers and are checked
+against the model's buffer (an `inv_freq` cast to bfloat16 rotates with rounded angles: refused). The maths runs in
+float32 (float64 keys in float64), so strip-then-apply is the identity to ~1e-6 whatever the cache dtype.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ class UnsupportedRopeError(Refusal, ValueError):
 
 
 def model_name(config) -> str:
-    """The config's model as messages name it: its hub id or folder (`paths.shown`), else its model type."""
+    """The config's model as messages name it: its hub id or folder, else its model type."""
     return paths.shown(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?"))
 
 
@@ -56,9 +55,6 @@ def rope_refusal(config) -> str | None:
 
 @dataclass(frozen=True)
 class RotarySpec:
-    """What a model's rotary embedding does: its type, base, rotated width, position range, the scaling
-    parameters of a scaled type, and the resulting float32 inverse frequencies and attention factor."""
-
     rope_type: str
     theta: float
     head_dim: int
@@ -118,7 +114,7 @@ class RotarySpec:
         return spec
 
     def to_dict(self) -> dict:
-        """The settings recorded in mapper and cache metadata (plain RoPE keeps V0's four keys)."""
+        """The settings recorded in metadata (plain RoPE keeps V0's four keys)."""
         recorded = {"rope_type": self.rope_type, "theta": self.theta, "head_dim": self.head_dim,
                     "max_positions": self.max_positions}
         if self.rope_type != "default":
@@ -130,16 +126,12 @@ class RotarySpec:
 
 
 class Rotation:
-    """The rotation of one set of positions (T,) under one spec: angles computed once, used for every layer.
-
-    Same values as transformers' default rotary embedding, which duplicates the angles over both halves of
-    the head dim and rotates with rotate_half; written on the halves, so no full-width copies:
+    """The rotation of positions (T,) under one spec, angles computed once. transformers' rotate_half on the halves:
 
         first, second = keys[..., :D/2], keys[..., D/2:]
         rotated = [first * cos - second * sin,  second * cos + first * sin]
 
-    A scaled type's attention factor multiplies cos and sin in the model, so `apply` scales by it and `strip`
-    divides it out.
+    A scaled type's attention factor multiplies cos and sin: `apply` scales by it, `strip` divides it out.
     """
 
     def __init__(self, spec: RotarySpec, positions: torch.Tensor):
@@ -148,7 +140,6 @@ class Rotation:
         self.cos, self.sin = angles.cos(), angles.sin()
 
     def first(self, tokens: int) -> "Rotation":
-        """The rotation of the first `tokens` positions: one rotation built for the longest sequence serves all."""
         if tokens > self.tokens:
             raise ValueError(f"{tokens} tokens but this rotation covers {self.tokens} positions")
         prefix = object.__new__(Rotation)

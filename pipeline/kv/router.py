@@ -1,5 +1,4 @@
-"""The one request path: a handoff and the route each request takes through it (`kv.routes`), the words results
-and lm-eval's route counts record.
+"""The one request path: a handoff and the route each request takes through it (`kv.routes`).
 """
 from __future__ import annotations
 
@@ -14,15 +13,12 @@ TokenPair = tuple[Sequence[int], Sequence[int]]  # (context, continuation) token
 
 
 class Router:
-    """A handoff and each request's route; scoring on it."""
-
     def __init__(self, handoff: Handoff, batch_size: int = 16):
-        """`batch_size`: contexts a forward when scoring."""
         self.handoff, self.batch_size = handoff, batch_size
 
     @classmethod
     def of(cls, pair, request, batch_size: int = 16) -> "Router":
-        """The router of a face's `request` (`kv.request.Transfer`) between `pair`'s models (`Pair.router`)."""
+        """The router of a face's `request` (`kv.request.Transfer`) between `pair`'s models."""
         return pair.router(request.mode, request.mapper, repair=request.repair, keep=request.keep,
                            share=request.share, speculative=request.speculative,
                            shuffle_seed=request.shuffle_seed or 0, batch_size=batch_size)
@@ -32,18 +28,13 @@ class Router:
         return not self.handoff.repair.empty
 
     def ways(self) -> list[str]:
-        """Every way this router can send a request, in the order counts list them."""
         return ways(self.handoff.mode, self.repaired)
-
-    def routes(self, contexts: Sequence[Sequence[int]]) -> list[Route]:
-        """Each context's route."""
-        return [self.route(context) for context in contexts]
 
     def route(self, context: Sequence[int]) -> Route:
         return Route(way(self.handoff.mode, self.repaired, context))
 
     def first_step(self, context: Sequence[int], clock: ClockHook | None = None) -> tuple[FirstStep, Route]:
-        """One context's first step, batch 1, and its route; `clock` is told the handoff's parts."""
+        """One context's first step, batch 1, and its route."""
         return self.handoff.first_step(padded_prefixes([context]), clock), self.route(context)
 
     def score(self, requests: Sequence[TokenPair], max_length: int, progress: bool = True
@@ -52,9 +43,9 @@ class Router:
         trimmed = [(truncate(context, continuation, max_length), continuation) for context, continuation in requests]
         results = score_continuations(self.handoff, trimmed, self.batch_size, max_length=max_length,
                                       progress=progress)
-        return results, self.routes([context for context, _ in trimmed])
+        return results, [self.route(context) for context, _ in trimmed]
 
     def record(self) -> dict:
-        """The handoff this router serves, as results record it: mode and repair setting."""
+        """The handoff as results record it."""
         transfer = self.handoff.mode if self.handoff.share is None else f"{self.handoff.mode}:{self.handoff.share:g}"
         return {"transfer": transfer, "repair": str(self.handoff.repair)}

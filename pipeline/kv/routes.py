@@ -1,7 +1,6 @@
-"""The route words: how one request was served, and their rules. A way is the handoff's own mode (REPAIRED under a
-repair setting), EMPTY_PREFIX (a one-token context hands nothing off) or CACHED (answered from kv-transfer's request
-cache, keeping its `first` way). No way is `refused`: a request the handoff cannot serve (a sequence longer than a
-sliding window) stops the run.
+"""The route words: how one request was served. A way is the handoff's own mode (REPAIRED under a repair setting),
+EMPTY_PREFIX (a one-token context hands nothing off) or CACHED (answered from kv-transfer's request cache, keeping its
+`first` way). No way is `refused`: a request the handoff cannot serve stops the run.
 """
 from __future__ import annotations
 
@@ -16,13 +15,13 @@ SENTENCES = {EMPTY_PREFIX: "nothing handed off (a one-token prompt)"}  # the way
 
 @dataclass(frozen=True)
 class Route:
-    """How one request was served: its `way`, and for a CACHED request the way that first served it (`first`)."""
+    """How one request was served; `first`: for a CACHED request, the way that first served it."""
 
     way: str
     first: str | None = None
 
     def from_cache(self) -> "Route":
-        """This route as the route of a request answered later from the cache that stored it."""
+        """This route for a request answered later from the cache that stored it."""
         return Route(CACHED, self.first or self.way)
 
 

@@ -32,15 +32,14 @@ def score_continuations(
     progress: bool = True,
 ) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy one. Requests
-    sharing a context share one prefix cache; contexts whose continuations together fit `batch_size` share one
-    forward (a context batched alone packs its continuations into rows of at most `max_length` tokens):
+    sharing a context share one prefix cache; contexts whose continuations together fit `batch_size` share a forward:
 
         prefixes  c0[0..n0-2] pad pad        step rows  c0[n0-1] e0[0] ...  c0[n0-1] e1[0] ...  pad
                   c1[0..n1-2 ...........]               c1[n1-1] e2[0] ...  c1[n1-1] e3[0] ...
                                                         positions n-1, n, ... again for every continuation
 
-    Contexts are batched longest first, as lm-eval does. At `batch_size` 1 a mode whose decoding model prefills the
-    prompt itself reads the prefix and its one packed row in one forward."""
+    At `batch_size` 1 a mode whose decoding model prefills the prompt itself reads the prefix and its one packed
+    row in one forward."""
     max_length = max_length or handoff.decoder.config.max_position_embeddings
     ordered = shared_contexts(requests, max_length, handoff.context)
     results: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -69,8 +68,8 @@ def score_continuations(
 
 def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
                     reads: Callable[[Sequence[int]], list[int]] = list) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Each context (as the handoff `reads` it) with the indices of the requests sharing it, the largest (tokens and
-    continuations together) first; a request longer than `max_length` + 1 tokens is refused, not cut again."""
+    """Each context (as the handoff `reads` it) with the indices of the requests sharing it, the largest first (as
+    lm-eval does); a request longer than `max_length` + 1 tokens is refused, not cut again."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, (context, continuation) in enumerate(requests):
         if not continuation:
@@ -89,9 +88,8 @@ def shared_contexts(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max
 def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Sequence[int]],
                rows: list[list[tuple[int, Sequence[int]]]], lengths: torch.Tensor, padded: bool,
                prefix_ids: torch.Tensor | None = None) -> dict[int, tuple[float, bool]]:
-    """One forward of each context's (index, continuation) members packed into its step row, after the prefix cache
-    `layers` (real lengths `lengths`) or the decoding model's own prefill of `prefix_ids` (1, P); per request index,
-    (sum of log-probabilities, whether greedy)."""
+    """One forward of each context's (index, continuation) members packed into its step row, after `layers` or the
+    decoding model's own prefill of `prefix_ids` (1, P): per request index, (sum of log-probabilities, greedy)."""
     steps, targets, segments, offsets = packed_rows(contexts, rows)  # each (B, L)
     if prefix_ids is not None:
         logprobs = prefilled_packed_logprobs(handoff, prefix_ids, steps, segments, offsets)  # (1, L, V)
@@ -115,9 +113,8 @@ def score_rows(handoff: Handoff, layers: Layers | None, contexts: Sequence[Seque
 
 def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Sequence[int]]]]
                 ) -> tuple[torch.Tensor, ...]:
-    """Per context, its (index, continuation) members packed into one right-padded row, all (B, L): the tokens
-    c[n-1] e[0] ... e[m-2] per member, the tokens e[0] ... e[m-1] they score, the member's segment number (-1 on
-    padding) and each token's offset in its member."""
+    """Per context, its members packed into one right-padded row, all (B, L): the tokens c[n-1] e[0] ... e[m-2] per
+    member, the tokens e[0] ... e[m-1] they score, the member's segment (-1 on padding), each token's offset in it."""
     width = max(sum(len(continuation) for _, continuation in members) for members in rows)
     columns: tuple[list, ...] = ([], [], [], [])  # steps, targets, segments, offsets: a padded list per row
     for row, members in enumerate(rows):
@@ -132,9 +129,7 @@ def packed_rows(contexts: Sequence[Sequence[int]], rows: list[list[tuple[int, Se
 
 
 def fill(items: Sequence, size: Callable[[Any], int], budget: int) -> list[list]:
-    """`items` in consecutive parts whose sizes sum to at most `budget`; an item larger than that gets a part alone.
-    Contexts by their continuations into batches of `batch_size` rows; one context's continuations by their tokens
-    into rows of at most `max_length` packed tokens, the model's window (no longer than `hf` runs for one request)."""
+    """`items` in consecutive parts whose sizes sum to at most `budget`; an item larger than that gets a part alone."""
     parts: list[list] = []
     used = 0
     for item in items:

@@ -1,6 +1,5 @@
 """The repair's token selectors (a *policy* in `tokens:RHO:POLICY`): each scores every prefix token, and the repair
-recomputes the round(RHO x (P - sink)) highest-scored after the sink; `SELECTORS` is the one list.
-Shapes: B rows of a right-padded prefix of P slots; scores (B, P), higher is recomputed first.
+recomputes the round(RHO x (P - sink)) highest-scored after the sink. Scores (B, P), higher is recomputed first.
 """
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ EXACT = "exact"  # a need: the target's exact keys/values of layer max(exact_lay
 
 
 class Work(NamedTuple):
-    """What a selection's multiply-adds are counted from, for a target and a prefix."""
-
     prefix: int  # P, the prefix tokens
     layers: int  # the target's decoder layers
     exact_layers: int  # layers the setting recomputes exactly (their keys and values are then already there)
@@ -32,12 +29,10 @@ class Work(NamedTuple):
 
 @dataclass
 class Evidence:
-    """What a selector may read when it scores a prefix."""
-
     target: object  # the target model
     layers: list  # the cache as repaired so far (exact layers, sink), per layer (B, H, P, D), rotated, target dtype
     mapped: list  # the cache as it was handed to the repair
-    exact: tuple | None  # (keys, values) (B, H, P, D) of the target's layer `exact_index`, when the selector needs it
+    exact: tuple | None  # (keys, values) (B, H, P, D) of the target's layer `exact_index`, where needed
     exact_index: int
     prefix_ids: torch.Tensor  # (B, P)
     lengths: torch.Tensor  # (B,) real lengths of right-padded rows, on the CPU
@@ -47,16 +42,16 @@ class Evidence:
 
 
 class Selector(ABC):
-    """A selector: a subclass names it and gives its cost and scores (abstract: none is silently free in the budget);
-    its parameter comes after `@` (`tokens:RHO:POLICY@VALUE`: lm-eval splits its model args at `,` and `=`)."""
+    """A subclass names it and gives its cost and scores (abstract: none is silently free in the budget); its
+    parameter comes after `@` (`tokens:RHO:POLICY@VALUE`: lm-eval splits its model args at `,` and `=`)."""
 
     name: str = ""
     needs: frozenset[str] = frozenset()  # EXACT where it reads the target's exact early-layer keys/values
     parameter: str | None = None  # what its `@VALUE` means (None: it takes none)
-    reads_source: bool = False  # it ranks by the source's look-ahead scores (`kv.lookahead`, from its prefill)
+    reads_source: bool = False  # it ranks by the source's look-ahead scores
 
     def read(self, text: str) -> int | float:
-        """Its parameter's value from the text after `@`; ValueError when malformed or when it takes none."""
+        """Its parameter's value from the text after `@`; ValueError when malformed or it takes none."""
         raise ValueError(f"policy {self.name} takes no parameter")
 
     def refusal(self, argument, layers: int | None) -> str | None:
@@ -65,7 +60,7 @@ class Selector(ABC):
 
     @abstractmethod
     def cost(self, work: Work, argument) -> int:
-        """The multiply-adds of scoring one prefix, as `kv.flops` counts the rest of the repair."""
+        """The multiply-adds of scoring one prefix."""
 
     @abstractmethod
     def score(self, evidence: Evidence, argument) -> torch.Tensor:
@@ -74,7 +69,7 @@ class Selector(ABC):
 
 class Deviation(Selector):
     """The tokens whose mapped keys/values differ most from the target's exact ones at layer n-1 (layer 0 when the
-    setting recomputes no layer: the embedding's K/V projections of every token, the selection's cost)."""
+    setting recomputes no layer: the selection's cost)."""
 
     name = "deviation"
     needs = frozenset({EXACT})
@@ -98,9 +93,8 @@ def relative_deviation(exact: tuple, mapped: tuple) -> torch.Tensor:
 
 
 class Attention(Selector):
-    """What the prefix's last token c[P-1], read once more over the cache, attends to (summed over layers and heads;
-    c[P-1] scores its weight on its own key). The handoff knows the prefix only, so c[P-1] stands for the first
-    step's query c[P]. Costs one more step of one token over the prefix, and its scores."""
+    """What the prefix's last token c[P-1], read once more over the cache, attends to (summed over layers and heads):
+    the handoff knows the prefix only, so c[P-1] stands for the first step's query c[P]."""
 
     name = "attention"
 
@@ -114,7 +108,6 @@ class Attention(Selector):
 
 def attention_scores(target, layers: list, prefix_ids: torch.Tensor, lengths: torch.Tensor, count,
                      devices) -> torch.Tensor:
-    """(B, P): `Attention`'s scores, from one extra step of each row's last prefix token c[len-1] at its position."""
     batch, width = prefix_ids.shape
     last = (lengths - 1).clamp(min=0)  # (B,)
     tokens = prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
@@ -142,7 +135,7 @@ def attention_scores(target, layers: list, prefix_ids: torch.Tensor, lengths: to
 
 
 class Recency(Selector):
-    """The prompt's last tokens: a chunked prefill of its end over the mapped rest; free to choose."""
+    """The prompt's last tokens: a chunked prefill of its end over the mapped rest."""
 
     name = "recency"
 
@@ -155,10 +148,9 @@ class Recency(Selector):
 
 
 class KeyNorm(Selector):
-    """The tokens whose mapped keys are largest: a key's norm scales every logit on it, so where the map errs, an
-    outsized mapped key pulls the target's attention the most. Per token, the sum over layers of |key|^2 over heads
-    and dims, each relative to the row's mean in that layer (so layers weigh alike); no target forward.
-    `key_norm@N` reads the first N layers only (the cheaper read; the early layers are the ones a map fits worst)."""
+    """The tokens whose mapped keys are largest: where the map errs, an outsized key pulls attention the most. Per
+    token, the sum over layers of |key|^2, each relative to the row's mean in that layer (so layers weigh alike).
+    `key_norm@N` reads the first N layers only (the early layers are the ones a map fits worst)."""
 
     name = "key_norm"
     parameter = "the first N layers only"
@@ -188,8 +180,7 @@ class KeyNorm(Selector):
 
 
 class SourceAttention(Selector):
-    """The tokens the source's look-ahead attends to most (`kv.lookahead`): speculative prefill's query-aware choice
-    picks the tokens the target recomputes. Costs the last m queries' q.k over the prefix in each source layer read."""
+    """The tokens the source's look-ahead attends to most (`kv.lookahead`): speculative prefill's choice."""
 
     name = "source_attention"
     reads_source = True

@@ -1,13 +1,10 @@
-"""Speculative prefill's declared settings (params' `speculative` section) and its index arithmetic; no torch. In
-mode `speculative:P` (SpecPrefill, arXiv 2502.02789) the source's attention from the prefix's last m tokens scores
-every earlier position, and the target prefills only the kept ones, at their own position ids. A prefix c[0..P-1] keeps:
+"""Speculative prefill's declared settings (params' `speculative` section) and its index arithmetic; no torch.
+The share p is the request's (`speculative:0.1`); m, s, the layers read and the pooling are declared in params.
+A prefix c[0..P-1] keeps:
 
     c[0 .. s-1]            the sinks (s = min(sinks, P))
     c[s .. P-m-1]          round(p x (P - s - m)) of them, those the scores rank first
     c[P-m .. P-1]          the last m (m = min(last, P - s)), whose attention scored the rest
-
-so p = 1 keeps every position: the oracle's prefill. The share p is the request's (`speculative:0.1`); m, s, the
-source layers read and the pooling are declared once in params, never here.
 """
 from __future__ import annotations
 
@@ -25,14 +22,14 @@ SECTION = "speculative"  # the params section faces read the declared settings f
 
 
 class Lookahead(Params):
-    """What the scores read: the source layers and the pooling (select chooses them among candidates)."""
+    """What the scores read: the source layers and the pooling."""
     layers: Literal["all"] | Annotated[list[int], Field(min_length=1)]  # the source layers read (negative: from
     # the end, so one list fits sources of any depth)
     pooling: Literal["max", "mean"]  # over the layers read, the query heads and the m queries
 
     @property
     def label(self) -> str:
-        """`all:max`, `-1:mean`: the form metrics name a candidate by."""
+        """`all:max`, `-1:mean`."""
         layers = self.layers if self.layers == "all" else ",".join(map(str, self.layers))
         return f"{layers}:{self.pooling}"
 
@@ -62,18 +59,17 @@ class SpeculativeParams(Lookahead):
         return self.model_copy(update=lookahead.model_dump())
 
     def spans(self, length: int) -> tuple[int, int]:
-        """(s, m) for a prefix of `length` tokens: the sinks, then the last tokens, each cut to what is left."""
+        """(s, m) for a prefix of `length` tokens, each cut to what is left."""
         sinks = min(self.sinks, length)
         return sinks, min(self.last, length - sinks)
 
     def kept(self, share: float, length: int) -> int:
-        """The positions kept of a prefix of `length` tokens at share p: the sinks, the last m, and the chosen."""
         sinks, last = self.spans(length)
         return sinks + last + chosen(share, length - sinks - last)
 
 
 def chosen(share: float, candidates: int) -> int:
-    """round(p x candidates), halves up (the repair's rounding, `kv.repair.Repair.chosen`)."""
+    """round(p x candidates), halves up (the repair's rounding)."""
     return math.floor(share * candidates + 0.5)
 
 
