@@ -20,9 +20,7 @@ from pipeline.kv.flops import (
     source_scores_macs,
     speedup_bound,
 )
-from pipeline.kv.geometry import kv_geometry
-from pipeline.kv.handoff import check_map_geometry
-from pipeline.kv.mapper import load_mapper
+from pipeline.kv.mapper import check_map_geometry, load_mapper
 from pipeline.kv.pair import check_models
 from pipeline.kv.repair import Repair
 from pipeline.kv.rope import model_name
@@ -180,8 +178,7 @@ def mapper_lines(path: Path, source: str, target: str, source_config, target_con
         raise ParamError(f"--mapper: a {SHAPE}<name> model has no weights or tokenizer to check a map against; give "
                          f"model folders or hub ids")
     mapper = load_mapper(path)
-    source_geometry, target_geometry = kv_geometry(source_config), kv_geometry(target_config)
-    check_map_geometry(mapper, source_geometry, target_geometry, f"source {source!r} and target {target!r}")
+    check_map_geometry(mapper, source_config, target_config, f"source {source!r} and target {target!r}")
     difference = check_models(str(path), mapper.models, PairFingerprints(source, target), allow)
     lines = [f"map {path}: {mapper.family} k={mapper.k}, KV geometry {mapper.source_geometry} -> "
              f"{mapper.target_geometry}: the pair's"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, sliding_window
-from pipeline.kv.geometry import kv_geometry
 from pipeline.kv.kvcache import Layers, Prefixes, expand_batch, layer_devices, layers_to_cache, real_slots
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.modes import MODES, Built, ClockHook, Inputs, Prompt, tell
@@ -22,32 +21,10 @@ from pipeline.kv.rope import RotarySpec, model_name
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.store.devices import no_grad
 from pipeline.store.lazy import lazy
-from pipeline.store.models import IncompatiblePairError
 
 torch = lazy("torch")
 F = lazy("torch.nn.functional")
 transformers = lazy("transformers")
-
-
-def check_map_geometry(mapper: Mapper, source_geometry: dict, target_geometry: dict, names: str) -> None:
-    """Refuse a map fitted for other KV geometries than the pair's (`names` names its models)."""
-    if (mapper.source_geometry, mapper.target_geometry) != (source_geometry, target_geometry):
-        raise IncompatiblePairError(f"mapper was fitted for KV geometry {mapper.source_geometry} -> "
-                                    f"{mapper.target_geometry}, but {names} have {source_geometry} -> "
-                                    f"{target_geometry}")
-
-
-def checked_source_geometry(source, target, mode: str, mapper: Mapper | None) -> None:
-    """Refuse the pair unless `mapper` was fitted for its geometries or, without one, the geometries are equal."""
-    source_geometry, target_geometry = kv_geometry(source.config), kv_geometry(target.config)
-    names = f"source {source.config._name_or_path!r} and target {target.config._name_or_path!r}"
-    if mapper is not None:
-        check_map_geometry(mapper, source_geometry, target_geometry, names)
-    elif source_geometry != target_geometry:
-        raise IncompatiblePairError(
-            f"transfer mode {mode!r} without a mapper needs equal KV geometry, but {names} have "
-            f"{source_geometry} vs {target_geometry}; use transfer=mapped with a fitted mapper"
-        )
 
 
 @dataclass
@@ -152,10 +129,7 @@ class Handoff(CacheReader):
         self.decoder_spec = RotarySpec.from_model(decoder)
         self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
         self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
-        source_spec = None
-        if self.kind.hands_over:
-            checked_source_geometry(source, decoder, mode, mapper)
-            source_spec = RotarySpec.from_model(source)
+        source_spec = RotarySpec.from_model(source) if self.kind.hands_over else None
         self.inputs = Inputs(decoder, source, mapper, repair, speculative, share, shuffle_seed, self.decoder_devices,
                              self.decoder_spec, source_spec)
         self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)

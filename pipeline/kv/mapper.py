@@ -15,6 +15,7 @@ from pipeline.kv.kvcache import Layers
 from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.store.artifacts import ArtifactError, load_artifact, stream_artifact
 from pipeline.store.lazy import lazy
+from pipeline.store.models import IncompatiblePairError
 
 torch = lazy("torch")
 
@@ -128,6 +129,14 @@ def pair_fields(source_config, target_config) -> dict:
     return {"source_geometry": kv_geometry(source_config), "target_geometry": kv_geometry(target_config),
             "rotary_source": RotarySpec.from_config(source_config).to_dict(),
             "rotary_target": RotarySpec.from_config(target_config).to_dict()}
+
+
+def check_map_geometry(mapper: Mapper, source_config, target_config, names: str) -> None:
+    """Refuse a map fitted for other KV geometries than the pair's (`names` names its models)."""
+    geometries = kv_geometry(source_config), kv_geometry(target_config)
+    if (mapper.source_geometry, mapper.target_geometry) != geometries:
+        raise IncompatiblePairError(f"mapper was fitted for KV geometry {mapper.source_geometry} -> "
+                                    f"{mapper.target_geometry}, but {names} have {geometries[0]} -> {geometries[1]}")
 
 
 def identity_mapper(source: str, target: str, source_config, target_config) -> Mapper:

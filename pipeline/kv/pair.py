@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import Handoff
-from pipeline.kv.mapper import Mapper, load_mapper
+from pipeline.kv.mapper import Mapper, check_map_geometry, load_mapper
 from pipeline.kv.modes import MAPPER_MODES, MODES
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
@@ -153,6 +153,9 @@ class Pair:
             self.bind(mapper, label)
         else:
             self.bind(mapper, f"{mapper.family} k={mapper.k}")
+        if mapper is not None:
+            (source, _), (target, _) = self.sides["source"], self.sides["target"]
+            check_map_geometry(mapper, *self.configs, f"source {source!r} and target {target!r}")
         return Handoff(self.target, self.source if MODES[mode].reads.source else None, mode, mapper,
                        shuffle_seed=shuffle_seed, repair=repair, keep=keep, share=share, speculative=speculative)
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig
 
 import pipeline.kv.pair as pair_module
-from pipeline.kv.mapper import identity_mapper, save_mapper
+from pipeline.kv.mapper import identity_mapper, random_mapper, save_mapper
 from pipeline.kv.pair import OtherModelsError, Pair
 from pipeline.kv.scoring import score_continuations
 from pipeline.store.fingerprints import pair_fingerprints
@@ -153,6 +153,26 @@ def test_a_pair_its_contract_refuses_loads_no_weights(tiny_pair, tmp_path, loads
     with pytest.raises(IncompatiblePairError, match="equal KV geometry"):
         pair.handoff("direct")
     assert loads == []
+
+
+@pytest.mark.parametrize("as_file", [True, False])
+def test_a_map_fitted_for_another_kv_geometry_is_refused_by_the_pair_before_any_weight_loads(tiny_pair, tmp_path,
+                                                                                             loads, as_file):
+    configs = {name: AutoConfig.from_pretrained(tiny_pair[name]) for name in ("source", "target")}
+    other = AutoConfig.from_pretrained(tiny_pair["source"])
+    other.head_dim *= 2  # a map of another source's geometry
+    mapper = random_mapper(other, configs["target"])
+    mapper.models = pair_fingerprints(str(tiny_pair["source"]), str(tiny_pair["target"]))  # its models: these
+    path = tmp_path / "other.safetensors"
+    save_mapper(mapper, path)
+    pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), device="cpu")
+    with pytest.raises(IncompatiblePairError, match=r"^mapper was fitted for KV geometry .* but source '.*' and "
+                                                    r"target '.*' have "):
+        pair.handoff("mapped", path if as_file else mapper)
+    assert loads == []
+    right = random_mapper(configs["source"], configs["target"])  # the pair's geometry: the same check lets it by
+    right.models = mapper.models
+    assert pair.handoff("mapped", right).mapper is right
 
 
 def test_the_pipelines_pair_is_models_target_and_source_with_its_settings(tiny_pair, tmp_path, monkeypatch):
