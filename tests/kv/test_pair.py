@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.architectures import SUPPORTED, random_of
 from transformers import AutoConfig
 
 import pipeline.kv.pair as pair_module
@@ -172,6 +173,18 @@ def test_a_map_fitted_for_another_kv_geometry_is_refused_by_the_pair_before_any_
     assert loads == []
     right = random_mapper(configs["source"], configs["target"])  # the pair's geometry: the same check lets it by
     right.models = mapper.models
+    assert pair.handoff("mapped", right).mapper is right
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_every_accepted_architecture_has_its_map_geometry_checked_by_the_pair(name):
+    model = random_of(SUPPORTED[name]())
+    deeper = SUPPORTED[name]()
+    deeper.num_hidden_layers += 1  # another source geometry
+    pair = Pair.of(model, model)
+    with pytest.raises(IncompatiblePairError, match=r"^mapper was fitted for KV geometry "):
+        pair.handoff("mapped", random_mapper(deeper, model.config))
+    right = random_mapper(model.config, model.config)
     assert pair.handoff("mapped", right).mapper is right
 
 
