@@ -1,6 +1,7 @@
 """The README's commands: each runs here as written from a plain shell (no `.venv/bin` on PATH) on the tiny
 profile, or says in its comment that it is `illustrative` (and where it runs instead); the own-pair recipe's `-S`
-list passes check_params; and a stage started without the environment fails without costing check_params' output."""
+list passes check_params; a stage started without the environment fails without costing check_params' output; and
+every committed file the README and docs/ name is in the repository (a clone has no `../shared`)."""
 import json
 import os
 import re
@@ -90,6 +91,27 @@ def test_every_readme_command_runs_in_a_test_here_or_says_it_is_illustrative():
 def test_the_command_check_sees_an_unmarked_command():
     text = "```bash\nmake repro   # illustrative: elsewhere\ndvc gc -w   # cleans the cache, illustrative\n```\n"
     assert unmarked_commands(text) == {"dvc gc -w"}
+
+
+COMMITTED = ("docs/", "report/", "pipeline/", "conf/", "tests/", "tools/", "metrics/", "plots/")  # git holds these
+
+
+def missing_paths(text: str, root: Path) -> list[str]:
+    """The paths a Markdown text names in backticks that leave the repository or name a committed file it lacks
+    (a template such as `report/<profile>/` is not a path)."""
+    named = (token.split("#")[0] for token in re.findall(r"`([^`\s<>*{}]+)`", text))
+    return [path for path in named if path.startswith("../")
+            or ((path.startswith(COMMITTED) or path.endswith(".md")) and not (root / path).exists())]
+
+
+def test_every_file_the_readme_and_docs_name_is_in_the_repository():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert missing_paths(doc.read_text(), ROOT) == [], f"{doc.relative_to(ROOT)} names files a clone lacks"
+
+
+def test_the_path_check_sees_a_path_outside_the_repository_and_a_missing_file():
+    text = "See `../shared/PROTOCOL.md`, `docs/nowhere.md`, `report/<profile>/`, `docs/protocol.md` and `dvc repro`."
+    assert missing_paths(text, ROOT) == ["../shared/PROTOCOL.md", "docs/nowhere.md"]
 
 
 def test_the_readme_metrics_diff_shows_a_change_between_two_branches(project):
