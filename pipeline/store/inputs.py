@@ -56,10 +56,6 @@ def at_least(value, name: str, low: int, why: str = "") -> int:
     return parsed
 
 
-def batch_size(value, name: str) -> int:
-    return at_least(value, name, 1)
-
-
 def lengths(values: Sequence, name: str) -> list[int]:
     return [at_least(value, name, 2, "a prefix for the source and a last token for the target") for value in values]
 
