@@ -195,8 +195,6 @@ def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv
     """Around a stage's work: relaunch under torchrun (this process then ends with `Relaunched`), else join the
     process group, take `threads` torch CPU threads, and give the block its `Stage`. Without `module`: one process."""
     if module is None:
-        if processes != 1:
-            raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
         ranks = ONE_PROCESS
     elif relaunch(processes, module, argv):
         raise Relaunched(0)
