@@ -145,7 +145,6 @@ class ShardWriter:
         self._lengths: list[int] = []
         self._added = 0
         self._next_shard = 0
-        self._begun: set[tuple[str, int]] = set()
         self._image: _Image | None = None
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # buffers of written shards, for reuse
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -158,11 +157,8 @@ class ShardWriter:
         """Start `split`, whose sequences (added next, in order) have these token counts; with `first_shard`, its
         sequences from that shard on (one process of several writes its part of a split, shards by global index)."""
         self._end_split()
-        if (split, first_shard) in self._begun:
-            raise ValueError(f"split {split!r} was already written from shard {first_shard}")
         if any(length < 1 for length in lengths):
             raise ValueError(f"split {split!r}: every sequence needs at least one token")
-        self._begun.add((split, first_shard))
         self._split, self._lengths, self._added, self._next_shard = split, list(lengths), 0, first_shard
         self.records.setdefault(split, [])
 
