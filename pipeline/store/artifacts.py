@@ -167,9 +167,9 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) -> None:
-    """Refuse unless every control in the controls stage's verdict `path` ({control: passed}) passed."""
-    path = Path(path)
+def require_controls_passed() -> None:
+    """Refuse unless every control in the controls stage's verdict ({control: passed}) passed."""
+    path = paths.CONTROLS_VERDICT
     if not path.is_file():
         raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
     failed = [name for name, passed in json.loads(path.read_text()).items() if passed is not True]
