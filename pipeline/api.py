@@ -62,7 +62,7 @@ def handoff(models: Pair, mode: str = "mapped", mapper: str | Path | None = None
                          shuffle_seed=shuffle_seed, allow_other_models=models.allow_other_models)
     request.require_source(models.has_source, "one: pair(target, source)")
     request.check_geometry(models)
-    return Router.of(models, request, inputs.batch_size(batch_size, "handoff() batch_size"))
+    return Router.of(models, request, inputs.at_least(batch_size, "handoff() batch_size", 1))
 
 
 @dataclass

@@ -82,7 +82,7 @@ class KVTransferLM(HandoffLM):
         inputs.choice(dtype, "kv-transfer dtype", FACE_DTYPES)
         if device is not None:
             inputs.device(str(device), "kv-transfer device")
-        batch = AUTO_BATCH if batch_size == "auto" else inputs.batch_size(batch_size, "kv-transfer batch_size")
+        batch = AUTO_BATCH if batch_size == "auto" else inputs.at_least(batch_size, "kv-transfer batch_size", 1)
         length = None if max_length is None else inputs.lengths([max_length], "kv-transfer max_length")[0]
         ranks = join(device or default_device())  # under torchrun / accelerate launch: this rank's place
         # a given max_length is the run the contract judges a sliding window against; without one, as in the

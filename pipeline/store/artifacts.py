@@ -167,9 +167,9 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def require_controls_passed(path: str | os.PathLike = paths.CONTROLS_VERDICT) -> None:
-    """Refuse unless every control in the controls stage's verdict `path` ({control: passed}) passed."""
-    path = Path(path)
+def require_controls_passed() -> None:
+    """Refuse unless every control in the controls stage's verdict ({control: passed}) passed."""
+    path = paths.CONTROLS_VERDICT
     if not path.is_file():
         raise ControlsNotPassed(f"{path} not found: run the controls stage before evaluating")
     failed = [name for name, passed in json.loads(path.read_text()).items() if passed is not True]
@@ -218,9 +218,8 @@ def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], met
     return digest
 
 
-def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dict, str]:
-    """Check an artifact's digest; return (metadata, digest). With `header_only`, `raw` is the length prefix and
-    header alone: only the checksum field is checked, the caller hashes the rest."""
+def verify_header(raw: bytes, path: Path) -> tuple[dict, str]:
+    """(metadata, digest) of an artifact's length prefix and header `raw`, its checksum field checked."""
     header = _header(raw, path)
     stored = header.get("__metadata__", {}).get(HEADER_KEY) if isinstance(header, dict) else None
     try:
@@ -233,27 +232,14 @@ def verify_bytes(raw: bytes, path: Path, header_only: bool = False) -> tuple[dic
     header_end = 8 + struct.unpack("<Q", raw[:8])[0]
     if len(digest) != 64 or raw[:header_end].count(digest.encode()) != 1:
         raise ArtifactError(f"{path}: corrupted artifact (malformed checksum field)")
-    if header_only:
-        return metadata, digest
-    actual = hashlib.sha256(raw.replace(digest.encode(), _ZERO_DIGEST.encode(), 1)).hexdigest()
-    if actual != digest:
-        raise ArtifactError(_mismatch(path, digest, actual))
     return metadata, digest
-
-
-def _mismatch(path: Path, stored: str, actual: str) -> str:
-    return (f"{path}: checksum mismatch (stored {stored[:12]}..., content {actual[:12]}...): the file is corrupted "
-            f"or was modified after writing; regenerate it (dvc repro -f the stage that writes it)")
 
 
 def load_artifact(path: str | os.PathLike, device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     path = Path(path)
-    if not path.is_file():
-        raise ArtifactError(f"{path}: artifact not found")
-    raw = path.read_bytes()
-    metadata, _ = verify_bytes(raw, path)
+    metadata, _ = verify_file(path)
     try:
-        tensors = safetensors_torch.load(raw)
+        tensors = safetensors_torch.load(path.read_bytes())
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         raise ArtifactError(f"{path}: unreadable tensors ({err})") from None
     return {name: t.to(device) for name, t in tensors.items()}, metadata
@@ -321,18 +307,21 @@ def stream_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], m
 
 
 def verify_file(path: str | os.PathLike) -> tuple[dict, str]:
-    """`verify_bytes` reading the file in chunks (memory independent of its size)."""
+    """An artifact's (metadata, digest), its whole file hashed in chunks (memory independent of its size)."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: artifact not found")
     with open(path, "rb") as f:
         start = f.read(8)
-        header = f.read(struct.unpack("<Q", start)[0]) if len(start) == 8 else b""  # else `_header` refuses it
-        metadata, digest = verify_bytes(start + header, path, header_only=True)
+        length = struct.unpack("<Q", start)[0] if len(start) == 8 else 0  # else `_header` refuses it
+        header = f.read(min(length, path.stat().st_size))  # a length past the file: `_header` refuses it
+        metadata, digest = verify_header(start + header, path)
         hasher = hashlib.sha256(start + header.replace(digest.encode(), _ZERO_DIGEST.encode(), 1))
         while chunk := f.read(CHUNK):
             hasher.update(chunk)
     actual = hasher.hexdigest()
     if actual != digest:
-        raise ArtifactError(_mismatch(path, digest, actual))
+        raise ArtifactError(f"{path}: checksum mismatch (stored {digest[:12]}..., content {actual[:12]}...): the file "
+                            f"is corrupted or was modified after writing; regenerate it (dvc repro -f the stage that "
+                            f"writes it)")
     return metadata, digest

@@ -121,7 +121,7 @@ class _Image:
     buffer: torch.Tensor  # uint8; reused from shard to shard
     data: torch.Tensor  # uint8, the first bytes of buffer: the file's data section
     regions: dict[str, torch.Tensor]
-    positions: torch.Tensor | None  # position of each layer's block within its region; None: layer order
+    positions: torch.Tensor  # position of each layer's block within its region
     doc_ids: list[str] = field(default_factory=list)
     content_hashes: list[str] = field(default_factory=list)
     filled: int = 0  # tokens placed so far
@@ -145,7 +145,6 @@ class ShardWriter:
         self._lengths: list[int] = []
         self._added = 0
         self._next_shard = 0
-        self._begun: set[tuple[str, int]] = set()
         self._image: _Image | None = None
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # buffers of written shards, for reuse
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -158,11 +157,8 @@ class ShardWriter:
         """Start `split`, whose sequences (added next, in order) have these token counts; with `first_shard`, its
         sequences from that shard on (one process of several writes its part of a split, shards by global index)."""
         self._end_split()
-        if (split, first_shard) in self._begun:
-            raise ValueError(f"split {split!r} was already written from shard {first_shard}")
         if any(length < 1 for length in lengths):
             raise ValueError(f"split {split!r}: every sequence needs at least one token")
-        self._begun.add((split, first_shard))
         self._split, self._lengths, self._added, self._next_shard = split, list(lengths), 0, first_shard
         self.records.setdefault(split, [])
 
@@ -179,10 +175,7 @@ class ShardWriter:
         image = self._image
         span = slice(image.filled, image.filled + expected)
         for kind, rows in (("keys", keys_content), ("values", values)):
-            if image.positions is None:  # layers lie in file order (fewer than 11 layers): a plain copy
-                image.regions[kind][:, span].copy_(rows)
-            else:
-                image.regions[kind][:, span].index_copy_(0, image.positions, rows.to(self.dtype))
+            image.regions[kind][:, span].index_copy_(0, image.positions, rows.to(self.dtype))
         image.doc_ids.append(doc_id)
         image.content_hashes.append(content_hash)
         image.filled += expected
@@ -227,8 +220,7 @@ class ShardWriter:
         in_file = sorted(range(layers), key=str)  # files order tensors by name: keys.10 comes before keys.2
         regions = {kind: data[ranges[f"{kind}.{in_file[0]}"][0] : ranges[f"{kind}.{in_file[-1]}"][1]]
                    .view(self.dtype).view(layers, tokens, heads, dim) for kind in KINDS}
-        positions = (None if in_file == list(range(layers))
-                     else torch.tensor([in_file.index(layer) for layer in range(layers)]))
+        positions = torch.tensor([in_file.index(layer) for layer in range(layers)])
         start, end = ranges["lengths"]
         data[start:end].copy_(torch.tensor(lengths, dtype=torch.int64).view(torch.uint8))
         return _Image(self.root / self._split / f"shard-{index:05d}.safetensors", lengths, specs, buffer, data, regions,

@@ -143,9 +143,8 @@ class PairFingerprints:
         return self._each(legacy_fingerprint)
 
 
-def pair_fingerprints(source: str, target: str, source_revision: str | None = None,
-                      target_revision: str | None = None) -> dict:
-    return PairFingerprints(source, target, source_revision, target_revision).parts
+def pair_fingerprints(source: str, target: str) -> dict:
+    return PairFingerprints(source, target).parts
 
 
 def short(value: str | None) -> str:

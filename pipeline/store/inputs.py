@@ -56,10 +56,6 @@ def at_least(value, name: str, low: int, why: str = "") -> int:
     return parsed
 
 
-def batch_size(value, name: str) -> int:
-    return at_least(value, name, 1)
-
-
 def lengths(values: Sequence, name: str) -> list[int]:
     return [at_least(value, name, 2, "a prefix for the source and a last token for the target") for value in values]
 
@@ -134,25 +130,24 @@ def text_file(path: str | Path, name: str) -> str:
                          f"convert it, e.g. iconv -f latin1 -t utf-8") from None
 
 
-def out_folder(path: Path | None, name: str) -> Path | None:
+def out_folder(path: Path | None, name: str) -> None:
     """A folder a long run writes into (made if absent), refused before work where a file is in the way."""
     if path is not None and path.exists() and not path.is_dir():
         raise ParamError(f"{name} {path}: an existing file, not a folder; give a folder (it is made if absent)")
-    return _nothing_above(path, name, "no folder can be made under it; give a folder path outside it")
+    _nothing_above(path, name, "no folder can be made under it; give a folder path outside it")
 
 
-def out_file(path: Path | None, name: str) -> Path | None:
+def out_file(path: Path | None, name: str) -> None:
     """A file a long run writes at its end, refused before work where a folder or a file above it is in the way."""
     if path is not None and path.is_dir():
         raise ParamError(f"{name} {path}: a folder, not a file; give a file path")
-    return _nothing_above(path, name, "nothing can be written under it; give a path outside it")
+    _nothing_above(path, name, "nothing can be written under it; give a path outside it")
 
 
-def _nothing_above(path: Path | None, name: str, refusal: str) -> Path | None:
+def _nothing_above(path: Path | None, name: str, refusal: str) -> None:
     existing = next((parent for parent in (path.parents if path is not None else ()) if parent.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ParamError(f"{name} {path}: {existing} is a file, so {refusal}")
-    return path
 
 
 def device(value: str, name: str) -> str:

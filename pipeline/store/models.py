@@ -4,6 +4,7 @@ like a path is never asked of the hub. A prepared `self:<n>` source (`store.trun
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,11 +129,9 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
     if looks_like_path(name_or_path) or Path(name_or_path).exists():
         raise unavailable(name_or_path, revision)
     patterns = CONFIG_FILES if config_only else None
-    try:
+    with contextlib.suppress(Exception):  # not in the local cache: go on to the hub
         return huggingface_hub.snapshot_download(name_or_path, revision=revision, local_files_only=True,
                                                  allow_patterns=patterns)
-    except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
-        pass
     if hub_offline() or not hub_reachable():
         raise unavailable(name_or_path, revision)
     try:
@@ -143,11 +142,9 @@ def resolve(name_or_path: str, revision: str | None = None, config_only: bool = 
 
 def pin_hub_id(model_id: str, revision: str | None) -> str:
     """The commit a hub id's revision (None: the default branch) resolves to, from the local cache when there."""
-    try:
+    with contextlib.suppress(Exception):  # not in the local cache: go on to the hub
         return Path(huggingface_hub.snapshot_download(model_id, revision=revision, local_files_only=True,
                                                       allow_patterns=CONFIG_FILES)).name  # .../snapshots/<commit>
-    except Exception:  # noqa: BLE001 - not in the local cache, go on to the hub
-        pass
     if hub_offline() or not hub_reachable():
         raise unavailable(model_id, revision)
     return huggingface_hub.HfApi().model_info(model_id, revision=revision).sha

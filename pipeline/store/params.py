@@ -46,35 +46,34 @@ Pair = Annotated[tuple[int, int], BeforeValidator(_pair)]  # an inclusive range 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
-def read_params(path: str | Path = PARAMS_FILE) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ParamError(f"{path} not found: run from the repository root")
-    data = yaml.safe_load(path.read_text()) or {}
+def read_params() -> dict:
+    if not PARAMS_FILE.is_file():
+        raise ParamError(f"{PARAMS_FILE} not found: run from the repository root")
+    data = yaml.safe_load(PARAMS_FILE.read_text()) or {}
     if not isinstance(data, dict):
-        raise ParamError(f"{path}: expected a mapping at the top level")
+        raise ParamError(f"{PARAMS_FILE}: expected a mapping at the top level")
     return data
 
 
-def read_key(name: str, path: str | Path = PARAMS_FILE) -> Any:
-    data: Any = read_params(path)
+def read_key(name: str) -> Any:
+    data: Any = read_params()
     for part in name.split("."):
         if not isinstance(data, dict) or part not in data:
-            raise ParamError(f"{path}: missing {name!r}")
+            raise ParamError(f"{PARAMS_FILE}: missing {name!r}")
         data = data[part]
     return data
 
 
-def load_value(kind: type[V], name: str, path: str | Path = PARAMS_FILE) -> V:
+def load_value(kind: type[V], name: str) -> V:
     """A value no section class holds (the top-level `profile`), refused unless it is a `kind`."""
-    value = read_key(name, path)
+    value = read_key(name)
     if not isinstance(value, kind):
         raise ParamError(f"{name}: expected a {kind.__name__}, got {value!r}")
     return value
 
 
-def load_section(cls: type[T], name: str, path: str | Path = PARAMS_FILE) -> T:
-    return parse(cls, read_key(name, path), name)
+def load_section(cls: type[T], name: str) -> T:
+    return parse(cls, read_key(name), name)
 
 
 def parse(cls: type[T], data: Any, where: str) -> T:

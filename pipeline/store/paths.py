@@ -7,7 +7,6 @@ import fnmatch
 import re
 from pathlib import Path
 
-PARAMS = Path("params.yaml")
 DVC_YAML = Path("dvc.yaml")
 
 

@@ -28,10 +28,6 @@ elastic_errors = lazy("torch.distributed.elastic.multiprocessing.errors")
 LAUNCHED = "WORLD_SIZE"  # set by torchrun / accelerate launch in every process they start
 
 
-class TooManyProcessesError(Refusal, RuntimeError):
-    pass
-
-
 class Relaunched(SystemExit):
     """The launching process's way out of a stage its torchrun processes ran: status 0, past the rest of main()."""
 
@@ -176,9 +172,9 @@ def join(device: str) -> Ranks:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             if ranks.local_rank >= torch.cuda.device_count():
-                raise TooManyProcessesError(
-                    f"process {ranks.local_rank} of this machine has no GPU of its own ({torch.cuda.device_count()} "
-                    f"visible); lower <stage>.processes to at most the number of GPUs")
+                raise Refusal(f"process {ranks.local_rank} of this machine has no GPU of its own "
+                              f"({torch.cuda.device_count()} visible); lower <stage>.processes to at most the number "
+                              f"of GPUs")
             torch.cuda.set_device(ranks.local_rank)
         dist.init_process_group(backend)
     return ranks
@@ -195,8 +191,6 @@ def stage_ranks(device: str, processes: int = 1, module: str | None = None, argv
     """Around a stage's work: relaunch under torchrun (this process then ends with `Relaunched`), else join the
     process group, take `threads` torch CPU threads, and give the block its `Stage`. Without `module`: one process."""
     if module is None:
-        if processes != 1:
-            raise ValueError(f"stage_ranks: {processes} processes asked of a stage that runs as one (no module)")
         ranks = ONE_PROCESS
     elif relaunch(processes, module, argv):
         raise Relaunched(0)

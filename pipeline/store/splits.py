@@ -36,10 +36,6 @@ def content_hash(text: str) -> str:
 def check_disjoint(frames: dict[str, pd.DataFrame], documents: dict[str, list[str]] | None = None) -> None:
     """Refuse a doc_id or content hash in two frames, or a document in two groups of `documents` (group -> names of
     frames whose windows may share documents)."""
-    for group, names in (documents or {}).items():
-        for name in names:
-            if name not in frames:
-                raise ValueError(f"frame {name!r} of document group {group!r} is not among the frames")
     if documents:
         _disjoint({group: pd.concat([frames[name][["doc_id"]] for name in names]).assign(
             document=lambda frame: frame.doc_id.map(document)) for group, names in documents.items()}, ("document",))
@@ -50,8 +46,6 @@ def _disjoint(frames: dict[str, pd.DataFrame], columns: tuple[str, ...]) -> None
     for column in columns:
         seen: dict[str, str] = {}
         for name, frame in frames.items():
-            if column not in frame:
-                raise ValueError(f"frame {name!r} has no {column!r} column; cannot check disjointness")
             for value in frame[column].unique():
                 if value in seen:
                     raise OverlapError(f"{column} {value!r} is in both {seen[value]!r} and {name!r}: "

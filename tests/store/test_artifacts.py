@@ -160,15 +160,17 @@ def test_the_umask_is_unchanged_by_an_atomic_write(tmp_path, umask):
     assert os.umask(0o027) == 0o027
 
 
-def test_failed_or_missing_controls_are_a_refusal_naming_the_control(tmp_path):
-    path = tmp_path / "controls_verdict.json"
+def test_failed_or_missing_controls_are_a_refusal_naming_the_control(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = paths.CONTROLS_VERDICT
     with pytest.raises(Refusal, match="not found: run the controls stage"):
-        artifacts.require_controls_passed(path)
+        artifacts.require_controls_passed()
+    path.parent.mkdir()
     path.write_text('{"decode": true, "rope": false}')
     with pytest.raises(Refusal, match=r"^controls failed \(rope\): no variant is evaluated"):
-        artifacts.require_controls_passed(path)
+        artifacts.require_controls_passed()
     path.write_text('{"decode": true}')
-    artifacts.require_controls_passed(path)
+    artifacts.require_controls_passed()
 
 
 def test_metrics_keys_with_slashes_nest_into_groups():

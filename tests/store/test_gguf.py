@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from pipeline.store.gguf import GgufWheels, WheelError, WheelPart, assemble, fetch_wheel, sha256_file
+from pipeline.store.gguf import GgufWheels, WheelError, WheelPart, assemble, fetch_wheel
 
 CHUNKS = [b"GGUF" + bytes(range(60)), bytes(range(200, 256)) * 3, b"tail-of-the-file"]
 
@@ -31,7 +31,8 @@ def split_model(folder, chunks=CHUNKS, version="0.2.0") -> GgufWheels:
     for i, chunk in enumerate(chunks, 1):
         member = f"fake_part{i}/data/part{i:02d}.bin"
         wheel = make_wheel(folder, f"fake_part{i}", version, member, chunk)
-        parts.append(WheelPart(requirement=f"fake-part{i}=={version}", sha256=sha256_file(wheel), member=member))
+        pinned = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        parts.append(WheelPart(requirement=f"fake-part{i}=={version}", sha256=pinned, member=member))
     whole = b"".join(chunks)
     return GgufWheels(parts=parts, sha256=hashlib.sha256(whole).hexdigest(), size=len(whole))
 

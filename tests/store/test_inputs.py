@@ -499,4 +499,4 @@ def test_check_pair_leaves_out_the_params_ks_a_self_source_is_too_shallow_for(mo
 @pytest.mark.parametrize("value", [2.5, True, "eight"])
 def test_a_batch_size_is_a_whole_number(value):
     with pytest.raises(ParamError, match=r"^kv-transfer batch_size: expected an integer, got "):
-        inputs.batch_size(value, "kv-transfer batch_size")
+        inputs.at_least(value, "kv-transfer batch_size", 1)

@@ -135,10 +135,11 @@ def test_every_committed_key_is_required(section):
             parse(SECTIONS[section], drop(data, key.split(".", 1)[1]), section)
 
 
-def test_a_value_no_section_class_holds_is_read_typed_and_refused_when_of_another_type(tmp_path):
+def test_a_value_no_section_class_holds_is_read_typed_and_refused_when_of_another_type(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump({"profile": "tiny"}))
-    assert load_value(str, "profile", path) == "tiny"
+    assert load_value(str, "profile") == "tiny"
     path.write_text(yaml.safe_dump({"profile": 3}))
     with pytest.raises(ParamError, match=r"^profile: expected a str, got 3$"):
-        load_value(str, "profile", path)
+        load_value(str, "profile")

@@ -42,12 +42,6 @@ def test_a_one_process_stage_writes_its_metrics_nested_with_its_usage_figures_be
     assert "per" not in json.loads(capsys.readouterr().out)  # only the top-level figures are shown
 
 
-def test_a_stage_that_runs_as_one_process_refuses_several():
-    with pytest.raises(ValueError, match="2 processes asked of a stage that runs as one"):
-        with stage_ranks("cpu", processes=2):
-            pass
-
-
 def _stage(root: Path, *args: str) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", *args], cwd=root, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
