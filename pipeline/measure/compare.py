@@ -148,7 +148,7 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
     return row
 
 
-# a timed first step's parts (`Router.first_step`)
+# a timed first step's parts (`Router.first_step`), in the order they run
 FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step")
 
 
