@@ -114,8 +114,7 @@ def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
         marked = items[items.task == task].dropna(subset=["kind"])
         kinds = {kind: {metric: float(part[metric].mean()) for metric in TASK_METRICS}
                  for kind, part in marked.groupby("kind", sort=True)}
-        out[task] = TaskFigures(result["acc"], result["acc_norm"], result["acc_stderr"], result["acc_norm_stderr"],
-                                result["n"], kinds)
+        out[task] = TaskFigures(**result, kinds=kinds)  # acc, acc_norm, their stderr and n (`evaluate_tasks`)
     return out
 
 
