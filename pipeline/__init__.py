@@ -10,7 +10,7 @@ WINGS = {
     "kv": ("entries", "geometry", "rope", "projections", "kvcache", "speculative", "lookahead", "families",
            "mapnames", "selectors", "repair", "recompute", "flops", "mapper", "modes", "contract", "handoff", "decode",
            "scoring", "routes", "request", "router", "pair"),
-    "fitting": ("ridge", "mlpfit", "probes", "families", "distill_rows", "distill"),
+    "fitting": ("ridge", "probes", "families", "distill_rows", "distill"),
     "measure": ("settings", "stats", "confident", "retrieval", "prompt_metrics", "tasks", "retention",
                 "ledger", "timing", "adapter", "taskeval", "compare", "generation", "latency", "evaluation"),
     "studies": ("format", "settings", "criteria", "run", "latency", "variants", "confident", "candidates",

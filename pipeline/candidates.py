@@ -39,8 +39,7 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
     real_macs = mapper_macs_per_token(*bound_configs, mapper.k, mapper.family, mapper.width)
     return {"family": mapper.family, "k": mapper.k, "ridge_lambda": mapper.ridge_lambda,
             "parameters": mapper.parameter_count(), "mapper_bytes": path.stat().st_size,
-            "target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
-            "speedup": round(row["speedup"], 4), "bound": round(row["bound"], 4),
+            **{key: round(row[key], 4) for key in ("target_ms", "handoff_ms", "speedup", "bound")},
             "bound_at_pair": round(speedup_bound(*bound_configs, real_macs, params.length), 4)}
 
 

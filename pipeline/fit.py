@@ -17,14 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.fitting.families import (
-    Parts,
-    R2Table,
-    fit_mlp_unit,
-    fit_ridge_layer,
-    mlp_candidates,
-)
-from pipeline.fitting.mlpfit import MlpSettings
+from pipeline.fitting.families import MlpSettings, Parts, R2Table, fit_mlp_unit, fit_ridge_layer, mlp_candidates
 from pipeline.fitting.probes import holdout_sequences, probe_r2, ranking, stored_bytes
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.families import Geometry

@@ -29,6 +29,7 @@ from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
 from pipeline.kv.router import Router
 from pipeline.kv.speculative import SpeculativeParams, chosen_lookahead
+from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import OracleStore, PromptFigures, evaluate, rounded
 from pipeline.measure.retrieval import RECALL, recall_positions, retrieval_rows, retrieval_summary
 from pipeline.schema.evaluate import SELECTED, selected_repair
@@ -43,10 +44,6 @@ from pipeline.store.params import ParamError, load_section, load_value
 from pipeline.store.ranks import stage_ranks
 
 pd = lazy("pandas")
-
-
-def read_prompts(frame) -> list[tuple[list[int], list[int]]]:
-    return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
 @dataclass

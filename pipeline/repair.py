@@ -75,8 +75,7 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
                             "recomputed": handoff.repaired.recomputed})
             if timed:
                 row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
-                figures.update({"target_ms": round(row["target_ms"], 4), "handoff_ms": round(row["handoff_ms"], 4),
-                                "speedup": round(row["speedup"], 4)})
+                figures.update({key: round(row[key], 4) for key in ("target_ms", "handoff_ms", "speedup")})
             metrics[f"maps/{name}/{setting}"] = figures
         levels = sorted({min(round(b, 3), 1.0) for b in budgets.values() if round(b, 3) > 0})
         for name, level, evaluation, figures in matched_baselines(pair, params, levels, pair.eval_tasks, prompts,

@@ -24,7 +24,6 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.fitting.distill_rows import Batch, Oracle, Rows, Splits, StoredOracle, in_order, oracle, widened
-from pipeline.kv.families import TRAINABLE
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import Layers
 from pipeline.kv.mapper import Mapper, map_cache
@@ -51,14 +50,9 @@ class DistillSettings(Params):
     patience: Positive  # epochs without a new lowest select KL before training stops
     seed: int
 
-    def rates(self, family: str) -> list[float]:
-        if family not in self.lrs:
-            raise ValueError(f"no learning rate for a {family!r} map (distill.lrs has {', '.join(self.lrs)})")
-        return self.lrs[family]
-
     def pairs(self, family: str) -> list[tuple[float, float]]:
         """The (rate, kv_weight) pairs the probes try, in the order a tie goes by: rates, then weights, as declared."""
-        return [(lr, kv_weight) for lr in self.rates(family) for kv_weight in self.kv_weights]
+        return [(lr, kv_weight) for lr in self.lrs[family] for kv_weight in self.kv_weights]
 
 
 # the parts of the work timed; rows: reading the stored source caches
@@ -92,8 +86,6 @@ class Losses(NamedTuple):
 
 def trainable(start: Mapper, device) -> Mapper:
     """A copy of `start` whose tensors are leaf parameters on `device`, float32 (float64 for a float64 start)."""
-    if start.family not in TRAINABLE:
-        raise ValueError(f"a {start.family!r} map has nothing to distil (trainable families: {', '.join(TRAINABLE)})")
     if start.key_space == "rotated":
         raise ValueError("the start map reads and writes rotated keys (the no-strip ablation); distillation starts "
                          "from a content-space map")
@@ -124,9 +116,6 @@ def losses(mapper: Mapper, batch: Batch, handoff: Handoff, kv_weight: float, ref
            ) -> Losses:
     """Differentiable in the map's tensors, which must sit on the target's device. `reference` None: the oracle is
     computed here."""
-    for keys, values in batch.source:
-        if keys.requires_grad or values.requires_grad:
-            raise ValueError("the source cache requires grad: the source is frozen, its cache is a constant")
     reference = oracle(handoff, batch) if reference is None else reference
     rotation = Rotation(handoff.decoder_spec, torch.arange(batch.prefix.shape[1], device=handoff.device))
     source = [(k.to(handoff.device), v.to(handoff.device)) for k, v in batch.source]
@@ -301,7 +290,7 @@ def distill(start: Mapper, batches: Splits, handoff: Handoff, settings: DistillS
                 break
     facts = {"start": {"family": start.family, "k": start.k, "lambda": start.ridge_lambda,
                        "tensors_sha256": tensors_digest(start)},
-             "kl_weight": 1.0, "kv_weight": kv_weight, "lr": lr, "lrs": list(settings.rates(start.family)),
+             "kl_weight": 1.0, "kv_weight": kv_weight, "lr": lr, "lrs": list(settings.lrs[start.family]),
              "probe_steps": settings.probe_steps if probes else 0, **probe_facts(probes, settings),
              "weight_decay": settings.weight_decay, "batch": settings.batch_size, "seed": settings.seed, "steps": steps,
              "epochs": history[-1]["epoch"], "best_epoch": best_epoch, "select_kl_start": history[0]["select_kl"],

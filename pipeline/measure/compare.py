@@ -25,9 +25,9 @@ F = lazy("torch.nn.functional")
 Prompt = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
 
-def read_prompts(path: str | Path) -> list[tuple[list[int], list[int]]]:
-    """The eval prompts of a sequence file (data/eval.parquet): (prompt_ids, continuation_ids) per row."""
-    frame = read_table(path, columns=["prompt_ids", "continuation_ids"])
+def read_prompts(table: str | Path | pd.DataFrame) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, continuation_ids) per row of a sequence table: a frame, or a file read (data/eval.parquet)."""
+    frame = read_table(table, columns=["prompt_ids", "continuation_ids"]) if isinstance(table, (str, Path)) else table
     return [(list(p), list(c)) for p, c in zip(frame.prompt_ids, frame.continuation_ids)]
 
 
@@ -148,7 +148,7 @@ def prompt_row(index: int, logprobs: torch.Tensor, continuation: Sequence[int], 
     return row
 
 
-# a timed first step's parts (`Router.first_step`)
+# a timed first step's parts (`Router.first_step`), in the order they run
 FIRST_STEP_PARTS = ("prefill", "scores", "map", "repair", "sparse", "step")
 
 

@@ -10,11 +10,12 @@ from pipeline.kv.router import Router
 from pipeline.measure.compare import FIRST_STEP_PARTS, Prompt, oracle_outputs, timed_oracle, timed_rows, variant_rows
 from pipeline.measure.confident import confidence_summary
 from pipeline.measure.prompt_metrics import PROMPT_METRICS, attention_layers, prompt_figures
-from pipeline.measure.taskeval import score_tasks
+from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.store.lazy import lazy
 from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 pd = lazy("pandas")
+adapter = lazy("pipeline.measure.adapter")  # lm-eval's model over a router: it imports lm-eval itself
 
 TASK_METRICS = ("acc", "acc_norm")  # the task metrics per item kind
 COUNTS = ("confident_prompts", "confident_prompt_share", "confident_positions", "confident_position_share")
@@ -113,8 +114,7 @@ def task_figures(summary: dict, items: pd.DataFrame) -> dict[str, TaskFigures]:
         marked = items[items.task == task].dropna(subset=["kind"])
         kinds = {kind: {metric: float(part[metric].mean()) for metric in TASK_METRICS}
                  for kind, part in marked.groupby("kind", sort=True)}
-        out[task] = TaskFigures(result["acc"], result["acc_norm"], result["acc_stderr"], result["acc_norm_stderr"],
-                                result["n"], kinds)
+        out[task] = TaskFigures(**result, kinds=kinds)  # acc, acc_norm, their stderr and n (`evaluate_tasks`)
     return out
 
 
@@ -143,7 +143,8 @@ def evaluate(router: Router, prompts: Sequence[Prompt] = (), oracle: dict | None
             oracle = oracle_outputs(router.handoff, prompts, store.top_k, store.horizon, router.batch_size, progress,
                                     ranks, store.attention)
         rows = variant_rows(router.handoff, prompts, oracle, router.batch_size, progress, ranks)
-    summary, items = score_tasks(router, tokenizer, tasks, raw_to, ranks, task_limit) if tasks else ({}, None)
+    lm = adapter.HandoffLM(router, tokenizer, ranks=ranks) if tasks else None  # `tokenizer`: the target's
+    summary, items = evaluate_tasks(lm, tasks, raw_to, task_limit) if tasks else ({}, None)
     figures = None if rows is None else PromptFigures.of(rows, margin)
     return Evaluation(figures, task_figures(summary, items) if summary else {}, rows, items,
                       oracle if store is not None else None)

@@ -55,30 +55,21 @@ def _interval(draws: np.ndarray) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def retention_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
+def closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int,
+                     from_source: bool = False) -> dict:
+    """Retention (the gap closed from chance) or, `from_source`, the gap closure (from the source alone), with its
+    interval; a draw where the oracle does not beat the baseline counts as undefined."""
     draws = np.zeros(iters)
     point = []
-    for task, values, means in task_draws(items, [variant, "oracle"], metric, iters, seed):
+    names = [variant, "source", "oracle"] if from_source else [variant, "oracle"]
+    for task, values, means in task_draws(items, names, metric, iters, seed):
         acc_v, acc_o = means[variant], means["oracle"]
-        chance = CHANCE[task]
+        base, base_point = (means["source"], values["source"].mean()) if from_source else (CHANCE[task],) * 2
         with np.errstate(divide="ignore", invalid="ignore"):
-            draws += np.where(acc_o > chance, (acc_v - chance) / (acc_o - chance), np.nan) / len(TASKS)
-        point.append(retention(values[variant].mean(), values["oracle"].mean(), chance))
+            draws += np.where(acc_o > base, (acc_v - base) / (acc_o - base), np.nan) / len(TASKS)
+        point.append(gap_closure(values[variant].mean(), base_point, values["oracle"].mean()))
     low, high = _interval(draws)
-    return {"retention": float(np.mean(point)), "low": low, "high": high}
-
-
-def gap_closure_interval(items: dict[str, pd.DataFrame], variant: str, metric: str, iters: int, seed: int) -> dict:
-    """A draw where the oracle does not beat the source counts as undefined."""
-    draws = np.zeros(iters)
-    point = []
-    for _, values, means in task_draws(items, [variant, "source", "oracle"], metric, iters, seed):
-        acc_v, acc_s, acc_o = means[variant], means["source"], means["oracle"]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            draws += np.where(acc_o > acc_s, (acc_v - acc_s) / (acc_o - acc_s), np.nan) / len(TASKS)
-        point.append(gap_closure(*(values[name].mean() for name in (variant, "source", "oracle"))))
-    low, high = _interval(draws)
-    return {"gap_closure": float(np.mean(point)), "low": low, "high": high}
+    return {"gap_closure" if from_source else "retention": float(np.mean(point)), "low": low, "high": high}
 
 
 PROMPT_MEASURES = ("next_token_top1", "log_perplexity")  # per-prompt measures a gap closure can be read on

@@ -25,8 +25,6 @@ def recall_positions(prompt: Sequence[int], continuation: Sequence[int], n: int)
         continuation:  a b c d
                            ^ n = 3: "a b c" occurs in the prompt -> recall; "b c d" does not -> not recall
     """
-    if n < 2:
-        raise ValueError(f"a recall position extends an n-gram of n >= 2 tokens, got n = {n}")
     prompt, sequence = list(prompt), list(prompt) + list(continuation)
     seen = {tuple(prompt[start : start + n]) for start in range(len(prompt) - n + 1)}
     return [end >= n and tuple(sequence[end - n : end]) in seen

@@ -12,7 +12,6 @@ from pathlib import Path
 from pipeline.measure.tasks import write_task_config
 from pipeline.store.artifacts import read_table
 from pipeline.store.lazy import lazy
-from pipeline.store.ranks import ONE_PROCESS, Ranks
 
 pd = lazy("pandas")
 lm_eval = lazy("lm_eval")
@@ -20,7 +19,6 @@ lm_eval_metrics = lazy("lm_eval.api.metrics")
 lm_eval_tasks = lazy("lm_eval.tasks")
 lm_eval_utils = lazy("lm_eval.utils")
 collect_env = lazy("torch.utils.collect_env")
-adapter = lazy("pipeline.measure.adapter")  # lm-eval's model over a router: it imports lm-eval itself
 
 PREFIX = "kvh_"
 NUM_FEWSHOT = 0  # the protocol scores the tasks zero-shot (the study protocol's "Tasks"), as V0 did
@@ -62,12 +60,6 @@ def without_repeated_work() -> None:
     lm_eval_utils.apply_template = render_template
     if not hasattr(collect_env.get_pretty_env_info, "cache_info"):  # the machine does not change in one process
         collect_env.get_pretty_env_info = functools.cache(collect_env.get_pretty_env_info)
-
-
-def score_tasks(router, tokenizer, files: dict[str, Path], raw_to: Path | None = None, ranks: Ranks = ONE_PROCESS,
-                limit: int | None = None) -> tuple[dict | None, pd.DataFrame | None]:
-    """`tokenizer`: the target's."""
-    return evaluate_tasks(adapter.HandoffLM(router, tokenizer, ranks=ranks), files, raw_to, limit)
 
 
 def evaluate_tasks(lm, files: dict[str, Path], raw_to: Path | None = None, limit: int | None = None

@@ -1,9 +1,8 @@
 """The latency study's section (stage latency): TTFT of the handoff against the target's prefill, part by part."""
 from __future__ import annotations
 
+from pipeline.measure.compare import FIRST_STEP_PARTS
 from pipeline.studies.format import md_table, pct
-
-PARTS_SHOWN = ("prefill", "scores", "map", "repair", "sparse", "step")  # a first step's parts in the order they run
 
 
 def shown(latency: dict) -> dict:
@@ -15,7 +14,7 @@ def shown(latency: dict) -> dict:
         rows.append([n, f"{get['target_ms']:.2f}", f"{get['handoff_ms']:.2f}", f"{get['speedup']:.2f}x",
                      f"{get['bound']:.2f}x", pct(get["fraction_of_bound"])])
         for name, each in row.get("parts", {}).items():
-            for part, f in sorted(each["parts"].items(), key=lambda item: PARTS_SHOWN.index(item[0])):
+            for part, f in sorted(each["parts"].items(), key=lambda item: FIRST_STEP_PARTS.index(item[0])):
                 ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}" + (" (over 1.5)" if f["ratio"] > 1.5 else "")
                 parts.append([n, name, part, f"{f['ms']:.2f}", f"{100 * f['time_share']:.2f}%",
                               f"{100 * f['macs_share']:.2f}%", ratio])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.measure.prompt_metrics import PROMPT_METRICS
-from pipeline.measure.retention import retention_interval
+from pipeline.measure.retention import closure_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.measure.stats import pareto_front
 from pipeline.store import paths
@@ -63,7 +63,7 @@ def compute(params: ReportParams, measure: MeasureParams, inputs: Inputs) -> dic
                **prompt_metrics(figures), **{k: figures.get(k) for k in ("bound", "speedup")}}
         if not level:
             unrepaired = {**inputs.items, key: frame, "oracle": inputs.rows[(name, "none")]}
-            against = retention_interval(unrepaired, key, params.retention_metric, *measure.bootstrap)
+            against = closure_interval(unrepaired, key, params.retention_metric, *measure.bootstrap)
             row.update({"vs_none": against["retention"], "vs_none_low": against["low"],
                         "vs_none_high": against["high"]})
         rows.append(row)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline.measure.retention import gap_closure_interval, retention_interval
+from pipeline.measure.retention import closure_interval
 from pipeline.measure.settings import MeasureParams
 from pipeline.store import paths
 from pipeline.store.artifacts import read_table
@@ -66,8 +66,8 @@ def pair_names(models: str = "models") -> tuple[str, str]:
 
 def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, measure: MeasureParams,
             suffix: str = "") -> dict:
-    figures = {"retention": retention_interval(items, name, params.retention_metric, *measure.bootstrap),
-               "gap_closure": gap_closure_interval(items, name, params.retention_metric, *measure.bootstrap)}
+    figures = {"retention": closure_interval(items, name, params.retention_metric, *measure.bootstrap),
+               "gap_closure": closure_interval(items, name, params.retention_metric, *measure.bootstrap, True)}
     return {f"{key}{suffix}{end}": figures[key][field] for key in figures
             for end, field in (("", key), ("_low", "low"), ("_high", "high"))}
 

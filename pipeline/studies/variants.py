@@ -7,12 +7,11 @@ from pathlib import Path
 from pipeline.measure.prompt_metrics import FIDELITY, in_group
 from pipeline.measure.retention import (
     PROMPT_MEASURES,
+    closure_interval,
     comparison,
-    gap_closure_interval,
     mean_gap_closure,
     mean_retention,
     prompt_gap_closure,
-    retention_interval,
 )
 from pipeline.measure.settings import MeasureParams
 from pipeline.store.lazy import lazy
@@ -119,10 +118,10 @@ def _figures(params: ReportParams, measure: MeasureParams, metrics: dict, items:
              prompts: dict) -> dict:
     accuracy = {name: {t: m["tasks"][t][params.retention_metric] for t in TASKS} for name, m in metrics.items()}
     m, acc, oracle_acc = metrics[variant], accuracy[variant], accuracy["oracle"]
-    bounds = retention_interval(items, variant, params.retention_metric, *measure.bootstrap)
+    bounds = closure_interval(items, variant, params.retention_metric, *measure.bootstrap)
     closure = {"gap_closure": None, "gap_closure_low": None, "gap_closure_high": None}
     if "source" in items:  # the gap is the source model's own: without its evaluation there is none
-        gap = gap_closure_interval(items, variant, params.retention_metric, *measure.bootstrap)
+        gap = closure_interval(items, variant, params.retention_metric, *measure.bootstrap, from_source=True)
         closure = {"gap_closure": mean_gap_closure(acc, accuracy["source"], oracle_acc),
                    "gap_closure_low": gap["low"], "gap_closure_high": gap["high"]}
     if "source" in prompts and variant in prompts:  # the same gap on the eval prompts' own measures

@@ -94,11 +94,9 @@ def task_items(cfg: WorldConfig, task: str, part: str, n: int) -> pd.DataFrame:
         if task == "hellaswag":
             item = hellaswag_item(rng, cfg, towns, world.draw_kind(rng, cfg))
             item.update(ind=i, split=part, split_type="indomain", source_id=f"tinyworld~{doc_id}")
-        elif task == "piqa":
+        else:  # piqa: the tasks are store.splits.TASKS
             item = piqa_item(rng, cfg, towns, world.draw_kind(rng, cfg))
             del item["facts"], item["answer"]
-        else:
-            raise ValueError(f"unknown task {task!r}: the tiny world has 'hellaswag' and 'piqa' items")
         query, choices, gold = (render_hellaswag if task == "hellaswag" else render_piqa)(item)
         rows.append(dict(item, doc_id=doc_id, content_hash=content_hash(f"{query} {choices[gold]}")))
     return pd.DataFrame(rows)

@@ -29,7 +29,8 @@ from pipeline.kv.router import Router
 from pipeline.kv.routes import CACHED, EMPTY_PREFIX, REPAIRED, Route
 from pipeline.kv.scoring import truncate
 from pipeline.lm_eval_model import KVTransferLM, cache_key, main
-from pipeline.measure.taskeval import score_tasks
+from pipeline.measure.adapter import HandoffLM
+from pipeline.measure.taskeval import evaluate_tasks
 from pipeline.measure.tasks import write_task_config
 from pipeline.prepare_data import run as prepare_data_run
 from pipeline.schema.prepare_data import DataParams
@@ -457,8 +458,8 @@ def test_a_stages_lm_eval_results_carry_the_route_record_the_run_command_writes(
     pd.DataFrame(hellaswag_rows(3)).to_parquet(files["hellaswag"], index=False)
     pd.DataFrame(piqa_rows(3)).to_parquet(files["piqa"], index=False)
     pair = Pair(str(tiny_pair["target"]), str(tiny_pair["source"]), "float32", "cpu")
-    tasks, items = score_tasks(Router(pair.handoff("source"), batch_size=4), pair.target_tokenizer, files,
-                               raw_to=tmp_path / "lm_eval")
+    lm = HandoffLM(Router(pair.handoff("source"), batch_size=4), pair.target_tokenizer)
+    tasks, items = evaluate_tasks(lm, files, raw_to=tmp_path / "lm_eval")
     record = json.loads((tmp_path / "lm_eval" / "lm_eval_results.json").read_text())["config"]["kv_transfer"]
     assert record["transfer"] == "source" and record["repair"] == "none"
     assert {task: counts["source"] for task, counts in record["routes"].items()} == {

@@ -1,17 +1,15 @@
 """The tiny world's task items (`tiny.items`): HellaSwag and PIQA items render as lm-eval renders them, their
-choices are distinct and of equal length, a context never states a town, and an unknown task is refused."""
+choices are distinct and of equal length, and a context never states a town."""
 import ast
 from pathlib import Path
 
 import datasets
 import lm_eval.tasks
-import pytest
 import yaml
-from helpers.tiny import SMALL
 from lm_eval.tasks.hellaswag.utils import process_docs
 from lm_eval.utils import apply_template
 
-from pipeline.tiny.items import render_hellaswag, render_piqa, task_items
+from pipeline.tiny.items import render_hellaswag, render_piqa
 from pipeline.tiny.world import TOWNS
 
 HELLASWAG_COLUMNS = ["ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "label", "split", "split_type",
@@ -56,8 +54,3 @@ def test_item_contexts_never_state_a_town(world):
         for _, item in world[f"{task}_eval"].iterrows():
             words = set(render(item)[0].split())
             assert not words & set(TOWNS)
-
-
-def test_unknown_task_is_refused():
-    with pytest.raises(ValueError, match="unknown task 'arc'"):
-        task_items(SMALL, "arc", "dev", 1)
