@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, sliding_window
-from pipeline.kv.kvcache import Layers, Prefixes, expand_batch, layer_devices, layers_to_cache, real_slots
+from pipeline.kv.kvcache import Layers, Prefixes, layer_devices, layers_to_cache, real_slots
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.modes import MODES, Built, ClockHook, Inputs, Prompt, tell
 from pipeline.kv.repair import Repair
@@ -50,9 +50,25 @@ class FirstStep:
         return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in self.cache.layers]
 
 
-class CacheReader:
-    """The decoding model reading tokens after a prefix cache, right-padded or sparse. `Handoff` sets `decoder`,
-    `decoder_devices`, `window`, `kind` (the mode), `share` and `speculative`."""
+class Handoff:
+    """Builds the decoding model's prefix cache in one of MODES and reads tokens after it, right-padded or sparse."""
+
+    def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
+                 repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
+                 speculative: SpeculativeParams | None = None):
+        """Trusts what a request checked and the pair's contract allowed; `modes.Inputs` says what each means."""
+        self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
+        self.kind = MODES[mode]
+        handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
+        windows = [sliding_window(model.config) for model in (decoder, handed) if model is not None]
+        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
+        self.decoder_spec = RotarySpec.from_model(decoder)
+        self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
+        self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
+        source_spec = RotarySpec.from_model(source) if self.kind.hands_over else None
+        self.inputs = Inputs(decoder, source, mapper, repair, speculative, share, shuffle_seed, self.decoder_devices,
+                             self.decoder_spec, source_spec)
+        self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)
 
     def check_length(self, tokens: int) -> None:
         """Refuse a sequence longer than a sliding window of the pair: the model masks attention past the window, a
@@ -82,7 +98,8 @@ class CacheReader:
         if layers is None:
             return None
         if layers[0][0].shape[0] != batch:
-            layers = expand_batch(layers, batch)
+            layers = [(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous())
+                      for k, v in layers]
         return layers_to_cache(layers, self.decoder.config, self.decoder.dtype, self.decoder_devices or self.device)
 
     @no_grad
@@ -112,27 +129,6 @@ class CacheReader:
         logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                              **options).logits
         return logits, cache
-
-
-class Handoff(CacheReader):
-    """Builds the decoding model's prefix cache in one of MODES and scores tokens after it."""
-
-    def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
-                 repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
-                 speculative: SpeculativeParams | None = None):
-        """Trusts what a request checked and the pair's contract allowed; `modes.Inputs` says what each means."""
-        self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
-        self.kind = MODES[mode]
-        handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
-        windows = [sliding_window(model.config) for model in (decoder, handed) if model is not None]
-        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
-        self.decoder_spec = RotarySpec.from_model(decoder)
-        self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
-        self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
-        source_spec = RotarySpec.from_model(source) if self.kind.hands_over else None
-        self.inputs = Inputs(decoder, source, mapper, repair, speculative, share, shuffle_seed, self.decoder_devices,
-                             self.decoder_spec, source_spec)
-        self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)
 
     def context(self, tokens) -> list[int]:
         """The part of a context c[0..n-1] this handoff reads: all of it, or its last round(keep x n) tokens (>= 1)."""
