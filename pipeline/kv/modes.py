@@ -221,11 +221,7 @@ def kept_prefill(target, prefix_ids: torch.Tensor, kept: torch.Tensor) -> list:
                                         attention_mask=real.long().to(device), use_cache=True).cache)
 
 
-def register(*modes: Mode) -> dict[str, Mode]:
-    return entries.register(Mode, "modes", modes)
-
-
-MODES = register(  # the contract's order
+MODES = entries.register(Mode, "modes", (  # the contract's order
     Mode("oracle", Reads(target=True, source=False, map=False, own=True), own),
     Mode("zero", Reads(target=True, source=False, map=False, own=False), zero),
     Mode("source", Reads(target=False, source=True, map=False, own=True), own),
@@ -234,7 +230,7 @@ MODES = register(  # the contract's order
     Mode("shuffled", Reads(target=True, source=True, map=True, own=False), shuffled),
     Mode("speculative", Reads(target=True, source=True, map=False, own=False), speculative, sparse=True,
          parameter="the share p in (0, 1] of the prompt's other positions the target prefills"),
-)
+))
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map

@@ -195,9 +195,5 @@ class SourceAttention(Selector):
         return evidence.source_scores.float().cpu()  # (B, P)
 
 
-def register(*selectors: Selector) -> dict[str, Selector]:
-    return entries.register(Selector, "policies", selectors)
-
-
-SELECTORS = register(Deviation(), Attention(), Recency(), KeyNorm(), SourceAttention())
+SELECTORS = entries.register(Selector, "policies", (Deviation(), Attention(), Recency(), KeyNorm(), SourceAttention()))
 POLICIES = tuple(SELECTORS)
