@@ -154,9 +154,11 @@ def attention_outputs(model, active: bool = True):
 
 
 @no_grad
-def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
-           on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens decoded after the handoff's first step on `context`; `on_token(tokens so far)` True stops there."""
+def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int,
+           choose: Callable[[torch.Tensor], int] = lambda logits: int(logits.argmax()),
+           on_token: Callable[[list[int]], bool] = lambda tokens: False) -> list[int]:
+    """The tokens decoded after the handoff's first step on `context`, each `choose(logits)` (default: the greedy
+    one); `on_token(tokens so far)` True stops there."""
     tokens: list[int] = []
     if max_new_tokens <= 0:
         return tokens
@@ -170,16 +172,6 @@ def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose
         next_input = torch.tensor([[tokens[-1]]], device=handoff.device)  # (1, 1)
         logits = handoff.decoder(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
                                  position_ids=at(len(context) + len(tokens) - 1, 1, handoff.device)).logits[0, -1]
-
-
-def greedy_generate(
-    handoff: Handoff,
-    context: Sequence[int],
-    max_new_tokens: int,
-    should_stop: Callable[[list[int]], bool] = lambda tokens: False,
-) -> list[int]:
-    """Greedy tokens after the handed-off cache of context[:-1] and context[-1]; should_stop(tokens so far) ends it."""
-    return decode(handoff, context, max_new_tokens, lambda logits: int(logits.argmax()), should_stop)
 
 
 def full_logprobs(target, context, continuation) -> torch.Tensor:

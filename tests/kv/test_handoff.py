@@ -8,7 +8,7 @@ from helpers import ARCHITECTURES, build_model, periodic_batch, tiny_config
 from helpers.architectures import _full_forward_scores, _requests
 
 from pipeline.kv.contract import pair_contract
-from pipeline.kv.decode import greedy_generate, greedy_rollout, read_after, teacher_forced
+from pipeline.kv.decode import decode, greedy_rollout, read_after, teacher_forced
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, layers_to_cache, padded_prefixes
 from pipeline.kv.mapper import identity_mapper, map_cache, random_mapper
@@ -123,7 +123,7 @@ def test_shuffled_is_seeded(periodic_model):
 
 def test_greedy_generation_from_oracle_cache_matches_plain_greedy(target):
     context = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
-    tokens = greedy_generate(Handoff(target), context, max_new_tokens=8)
+    tokens = decode(Handoff(target), context, max_new_tokens=8)
     expected, sequence = [], list(context)
     for _ in range(8):
         with torch.no_grad():
