@@ -175,15 +175,10 @@ class Contract:
     families: dict[str, str | None] = field(default_factory=dict)
 
     def defined(self, mode: str) -> bool:
-        return self.modes.get(mode, f"unknown mode {mode!r}") is None
-
-    def reason(self, mode: str) -> str | None:
-        if mode not in self.modes:
-            return f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})"
-        return self.modes[mode]
+        return self.modes[mode] is None
 
     def require(self, mode: str) -> None:
-        reason = self.reason(mode)
+        reason = self.modes[mode]
         if reason is None:
             return
         model_refused = any(card is not None and card.refusal for card in (self.target, self.source))
@@ -191,7 +186,7 @@ class Contract:
             f"transfer mode {mode!r} is not defined: {reason}")
 
     def family_defined(self, family: str) -> bool:
-        return self.families.get(family, f"unknown family {family!r}") is None
+        return self.families[family] is None
 
 
 def config_token_facts(source_config, target_config) -> str:
