@@ -41,14 +41,6 @@ class FirstStep:
         """(B, V) float32 log-probabilities of the first token after each context."""
         return F.log_softmax(self.logits.float(), dim=-1)
 
-    @property
-    def layers(self) -> Layers | None:
-        """The prefix cache the step read, (B, H, P, D) per layer (None for an empty prefix)."""
-        width = self.cache.get_seq_length() - 1  # the prefix's slots (fewer than its tokens in a sparse cache)
-        if width == 0:
-            return None
-        return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in self.cache.layers]
-
 
 class Handoff:
     """Builds the decoding model's prefix cache in one of MODES and reads tokens after it, right-padded or sparse."""

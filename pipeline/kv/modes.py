@@ -134,7 +134,7 @@ def handed(inputs: Inputs, prompt: Prompt, mapped: list, scores: torch.Tensor | 
     if repair.empty:
         return Built(mapped)
     start, before = time.perf_counter(), count.recomputed
-    layers = repair_cache(inputs.decoder, mapped, prompt.ids, prompt.lengths, repair, count,
+    layers = repair_cache(inputs.decoder, mapped, prompt.ids, prompt.real_lengths(), repair, count,
                           inputs.decoder_devices, scores)
     count.log.append((count.recomputed - before, time.perf_counter() - start))
     tell(prompt.clock, "repair")
