@@ -189,9 +189,6 @@ class SourceAttention(Selector):
         return work.source_scores
 
     def score(self, evidence: Evidence, argument) -> torch.Tensor:
-        if evidence.source_scores is None:
-            raise ValueError("policy source_attention ranks by the source's look-ahead scores, but the handoff made "
-                             "none: repair a mode that hands the source's cache over")
         return evidence.source_scores.float().cpu()  # (B, P)
 
 
