@@ -4,7 +4,7 @@ right-padded and masked, each row at its own positions (a sparse cache has fewer
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Sequence
 
 from pipeline.kv.handoff import FirstStep, Handoff
@@ -93,7 +93,7 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
     steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
     for row, (context, continuation) in enumerate(prompts):
         steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
-    with attention_outputs(handoff.decoder, attention is not None) as outputs:  # only the step, not a prefill
+    with attention_outputs(handoff.decoder) if attention is not None else nullcontext() as outputs:  # the step only
         logprobs = handoff.step_logprobs(layers, steps, told)  # (B, M, V)
     if attention is not None:
         stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
@@ -135,12 +135,9 @@ def at(start: int, count: int, device) -> torch.Tensor:
 
 
 @contextmanager
-def attention_outputs(model, active: bool = True):
+def attention_outputs(model):
     """Yields a list of every decoder layer's attention output (B, T, hidden) per forward, on the CPU."""
     outputs: list[torch.Tensor] = []
-    if not active:
-        yield outputs
-        return
 
     def record(module, inputs, output) -> None:
         outputs.append(output[0].detach().cpu())
