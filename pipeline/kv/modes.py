@@ -174,11 +174,10 @@ def mapped(inputs: Inputs, prompt: Prompt) -> Built:
     return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper), scores)
 
 
-def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """(B, T) token order of the shuffled null: each row's real tokens permuted as batch 1 would; padding stays."""
-    real = lengths.tolist() if lengths is not None else [length] * batch
-    order = torch.arange(length).repeat(batch, 1)  # (B, T)
-    for row, count in enumerate(real):
+def shuffle_order(seed: int, length: int, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, T) token order of the shuffled null: row b's `lengths[b]` real tokens permuted as batch 1 would."""
+    order = torch.arange(length).repeat(len(lengths), 1)  # (B, T): padding stays where it is
+    for row, count in enumerate(lengths.tolist()):
         order[row, :count] = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     return order
 
@@ -186,8 +185,7 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
 def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
     """What `mapped` would inject (without a map: the source's cache), each row's tokens permuted in content space."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
-    batch, _, length, _ = source[0][0].shape  # (B, H_s, P, D_s)
-    order = shuffle_order(inputs.shuffle_seed, length, prompt.lengths, batch).to(inputs.decoder.device)
+    order = shuffle_order(inputs.shuffle_seed, prompt.ids.shape[1], prompt.real_lengths()).to(inputs.decoder.device)
     return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper, order), scores)
 
 

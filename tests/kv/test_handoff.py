@@ -187,7 +187,7 @@ def test_map_cache_with_autograd_builds_the_handoffs_cache_bit_for_bit_and_carri
     content = [(rotation.strip(k.float()), v.float()) for k, v in cached]
     trained = replace(mapper, keys=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.keys],
                       values=[tuple(torch.nn.Parameter(t.clone()) for t in ts) for ts in mapper.values])
-    order = shuffle_order(3, prefix, None, 2) if mode == "shuffled" else None
+    order = shuffle_order(3, prefix, torch.full((2,), prefix)) if mode == "shuffled" else None
     layers = list(map_cache(trained, content, Rotation(handoff.decoder_spec, torch.arange(prefix)), target.dtype,
                             "cpu", order))
     for (keys, values), (_, (keys_built, values_built)) in zip(handed, layers, strict=True):
