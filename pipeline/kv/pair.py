@@ -59,7 +59,6 @@ class Pair:
         self.source_tokenizer = load_tokenizer(source, source_revision, **beside) if source else None
         cut = self_source(source, **beside) if source else None
         self.self_layers = cut[0] if cut else None  # n of a self source, else None
-        self.max_tokens = max_tokens
         require_weights(target, target_revision)  # a folder without complete weights: one line now, not at load
         if source:
             require_weights(source, source_revision, **beside)
@@ -88,7 +87,6 @@ class Pair:
         pair.__dict__["fingerprints"] = None  # models in memory: no files to fingerprint
         pair.target_tokenizer = pair.source_tokenizer = None
         pair.self_layers = None
-        pair.max_tokens = max_tokens
         configs = (target.config, None if source is None else source.config)
         pair.contract = pair_contract(*configs, max_tokens=max_tokens)
         pair.positions = positions(*configs)
