@@ -52,9 +52,6 @@ class Mapper:
         reason = family_spec(self.family).requirement(self.source_geometry, self.target_geometry)
         if reason:
             raise ValueError(f"{self.source} -> {self.target}: {reason}")
-        clash = sorted(set(TYPED_EXTRA) & set(self.extra))
-        if clash:
-            raise ValueError(f"mapper extra {clash[0]!r} is a typed field of Mapper; pass it as one")
 
     @property
     def spec(self):
