@@ -202,8 +202,6 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
     """(the tokens decoded after the handoff of `prompt`, the time to first token in ms); stops after a token in
     `stop`. A token is the argmax at temperature 0, else a draw on the CPU (so a seed draws alike on any device)."""
-    if len(prompt) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)
     start, first_ms = time.perf_counter(), []
 
