@@ -135,11 +135,10 @@ class Pair:
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
-                shuffle_seed: int = 0, repair: Repair | str = Repair(), keep: float | None = None,
+                shuffle_seed: int = 0, repair: Repair = Repair(), keep: float | None = None,
                 share: float | None = None, speculative: SpeculativeParams | None = None) -> Handoff:
         """The handoff of `mode`, refused before any weight loads where the contract leaves it undefined; `mapper` a
         fitted map or its file (ignored by modes that read none)."""
-        repair = Repair.parse(repair) if isinstance(repair, str) else repair
         self.contract.require(mode)
         if not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
             return Handoff(self.source, mode=mode, keep=keep)

@@ -263,9 +263,9 @@ def pair(request):
 LOOKAHEAD = parse(SpeculativeParams, committed("speculative", last=2, sinks=1), "speculative")
 
 
-def _scores(pair, mode, mapper, repair=Repair()):
+def _scores(pair, mode, mapper, repair="none"):
     share = 0.5 if MODES[mode].parameter else None  # speculative:0.5
-    handoff = pair[0].handoff(mode, mapper, repair=repair, share=share, speculative=LOOKAHEAD)
+    handoff = pair[0].handoff(mode, mapper, repair=Repair.parse(repair), share=share, speculative=LOOKAHEAD)
     return [score for score, _ in score_continuations(handoff, _requests(n_contexts=3, endings=2), progress=False)]
 
 
@@ -309,7 +309,8 @@ def test_decoding_after_the_oracle_handoff_is_the_models_own_greedy_continuation
     contexts = [list(range(3, 20)), list(range(40, 49))]
     rolled = greedy_rollout(pair[0].handoff("oracle"), contexts, steps=6)
     assert rolled.tolist() == [_plain_greedy(pair[0].target, context, 6) for context in contexts]
-    repaired = greedy_rollout(pair[0].handoff("mapped", pair[1], repair="tokens:1:attention"), contexts, steps=6)
+    repaired = greedy_rollout(pair[0].handoff("mapped", pair[1], repair=Repair.parse("tokens:1:attention")), contexts,
+                              steps=6)
     assert torch.equal(repaired, rolled)
 
 
