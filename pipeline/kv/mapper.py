@@ -172,8 +172,6 @@ def random_mapper(source_config, target_config, k: int = 1, family: str = "linea
     if not 1 <= k <= source_geometry["layers"]:
         raise ValueError(f"k={k}: expected 1 <= k <= {source_geometry['layers']} (the source's layer count)")
     spec = family_spec(family)
-    if not spec.tensor_names:
-        raise ValueError(f"random mapper family {family!r}: it has no tensors to draw")
     shapes = spec.shapes(Geometry.of(source_geometry, target_geometry), k, width)
     generator = torch.Generator().manual_seed(seed)
 
