@@ -114,8 +114,12 @@ class Handoff:
         cache = self.decoder_cache(layers, tokens.shape[0])
         if cache is None and keep_cache:
             cache = transformers.DynamicCache(config=self.decoder.config)
-        options = {} if prefix_lengths is None or layers is None else padded_prefix(
-            prefix_lengths, width, tokens.shape[1], self.device, self.slots(prefix_lengths))
+        options = {}
+        if prefix_lengths is not None and layers is not None:  # right-padded prefixes, each held in its slots
+            steps = torch.ones(len(prefix_lengths), tokens.shape[1], dtype=torch.bool)  # (B, L)
+            mask = torch.cat([real_slots(self.slots(prefix_lengths), width), steps], dim=1)  # (B, P + L)
+            options = {"attention_mask": mask.long().to(self.device),
+                       "position_ids": (prefix_lengths[:, None] + torch.arange(tokens.shape[1])[None]).to(self.device)}
         if logits_to_keep:
             options["logits_to_keep"] = logits_to_keep
         logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
@@ -154,13 +158,3 @@ class Handoff:
         logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
         tell(clock, "step")
         return FirstStep(prefixes, logits, cache, selected)
-
-
-def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor
-                  ) -> dict[str, torch.Tensor]:
-    """The attention mask and positions of `steps` tokens after right-padded prefixes held in `slots` (B,)."""
-    prefix_mask = real_slots(slots, width)  # (B, P)
-    steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
-    return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
-            "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
-
