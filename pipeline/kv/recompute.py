@@ -97,7 +97,6 @@ def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -
     for layer in decoder.layers[: n - 1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                        position_embeddings=(cos, sin))
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
     count.forwards += 1
     count.token_layers += batch * width * (n - 1)
     attention = decoder.layers[n - 1].self_attn
