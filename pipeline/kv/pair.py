@@ -128,8 +128,6 @@ class Pair:
 
     @cached_property
     def source(self):
-        if not self.has_source:
-            raise ValueError(f"the pair of target {self.sides['target'][0]!r} has no source model")
         if self.self_layers is not None:  # the target's own first layers, sharing its weights
             return truncate(self.target, self.self_layers)
         return self._load("source")
