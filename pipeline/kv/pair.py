@@ -86,7 +86,6 @@ class Pair:
         pair.allow_other_models, pair.other_models = False, []
         pair.__dict__["fingerprints"] = None  # models in memory: no files to fingerprint
         pair.target_tokenizer = pair.source_tokenizer = None
-        pair.self_layers = None
         configs = (target.config, None if source is None else source.config)
         pair.contract = pair_contract(*configs, max_tokens=max_tokens)
         pair.positions = positions(*configs)
