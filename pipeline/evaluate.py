@@ -66,7 +66,7 @@ def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,
     geometries): rank 0 writes its reason instead. `margin`: the oracle's top-2 margin from which a position is
     confident."""
     require_controls_passed()
-    reason = pair.contract.reason(variant_mode(variant))
+    reason = pair.contract.modes[variant_mode(variant)]
     if reason:  # recorded, and shown in the report, instead of failing the run
         if ranks.main:
             with atomic_dir(paths.variant_folder(variant)) as staging:

@@ -82,7 +82,7 @@ def run(source_root: Path, target_root: Path, source_model_dir: Path, select_dat
                    "probe_source_reads": round(probe_reads, 3),
                    **{f"skipped/{family}": reason for family, reason in skipped.items()}}
         if timing is not None:
-            metrics["source_prefill_s"] = round(timing[2], 6)  # what each time_vs_source_prefill divides by
+            metrics["source_prefill_s"] = round(timing[1], 6)  # what each time_vs_source_prefill divides by
         metrics.update(write_mappers(closed + mlp_candidates(mlp_ks), orders, parts, table.heldout, mlp_facts,
                                      (source_manifest, target_manifest), params, fit_tokens, out_dir, timing))
     metrics.update(chosen_lambdas(table, closed, params.lambda_scale))
@@ -129,12 +129,12 @@ def fit_layers(layers: list[int], orders: list[list[int]], splits: tuple, held: 
 
 def timing_input(source_model_dir: Path, select_data: Path, first_shard, geo_s: dict, repeats: int, model_dtype: str,
                  device: str) -> tuple:
-    """The first select sequence's content-space cache, its token count, the source's prefill seconds, the device."""
+    """The first select sequence's content-space cache, the source's prefill seconds over it, the device."""
     source_model = load_model(str(source_model_dir), dtype=model_dtype, device=device)
     token_ids = read_table(select_data, columns=["token_ids"]).token_ids[0].tolist()
     first = first_sequence(first_shard, geo_s["layers"], geo_s["kv_heads"], geo_s["head_dim"])
     content = [tuple(t.to(device) for t in layer) for layer in first]
-    return content, len(token_ids), prefill_seconds(source_model, token_ids, repeats), device
+    return content, prefill_seconds(source_model, token_ids, repeats), device
 
 
 def write_tables(metrics_dir: Path, table: R2Table, scores: dict, source_layers: int, target_layers: int) -> None:
@@ -203,9 +203,9 @@ def write_mappers(candidates: list[MapName], orders: list[list[int]], parts: Par
         metrics[f"maps/{name}/params"] = mapper.parameter_count()
         metrics[f"maps/{name}/macs_per_token"] = mapper.macs_per_token()
         if timing is not None:
-            content, tokens, prefill_s, device = timing
+            content, prefill_s, device = timing
             metrics[f"maps/{name}/time_vs_source_prefill"] = round(
-                time_against_prefill(mapper.to(device), content, tokens, prefill_s, params.timing_repeats), 4)
+                time_against_prefill(mapper.to(device), content, prefill_s, params.timing_repeats), 4)
         del mapper
     return metrics
 

@@ -143,7 +143,7 @@ def fit_ridge_layer(layer: int, order: list[int], fit_pairs: Pairs, select_pairs
             name, spec = str(candidate), FAMILIES[candidate.family]
             blocks = [chosen_max.index(p) for p in sorted(order[:candidate.k])]
             solved = spec.solve(fit_m, select_m, blocks, candidate.ridge_lambda, g, lambda_scale, ridge, device,
-                                candidate.width)
+                                candidate.rank)
             if spec.scale_check:  # held-out R² with the lambda as fitted and read the other way: what the scale changes
                 inputs, sst_sel = columns(blocks, g, device), ridge.total_ss(select_m)
                 own, own_select = fit_m.select(inputs), select_m.select(inputs)

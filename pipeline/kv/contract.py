@@ -87,17 +87,6 @@ CONTRACT_RULES = (
 )
 
 
-def model_refusal(config, max_tokens: int | None = None) -> str | None:
-    """Why this model's cache cannot be handed off, naming every rule that refuses it (so the advice of one is never
-    given alone where another refuses too); None when it can."""
-    details = [detail + ("" if "; " in detail else f": {why}")
-               for _, why, check in CONTRACT_RULES if (detail := check(config, max_tokens))]
-    if not details:
-        return None
-    prefix = f"model {model_name(config)!r} ({getattr(config, 'model_type', '?')})"
-    return f"{prefix} {details[0]}" + "".join(f"; it also {detail}" for detail in details[1:])
-
-
 def run_length(params: dict | None = None) -> int:
     """The longest sequence any stage of this profile feeds the models, from params (default: params.yaml); a null
     key counts for nothing. It judges a whole profile before any stage runs; the stages check a window where they
@@ -157,10 +146,15 @@ class ModelCard:
 
     @classmethod
     def read(cls, config, max_tokens: int | None = None) -> "ModelCard":
-        refusal = model_refusal(config, max_tokens)
-        if refusal:
-            return cls(model_name(config), getattr(config, "model_type", "?"), refusal)
-        return cls(model_name(config), config.model_type, None, kv_geometry(config), RotarySpec.from_config(config))
+        """The refusal names every rule that refuses the model (so the advice of one is never given alone where
+        another refuses too)."""
+        details = [detail + ("" if "; " in detail else f": {why}")
+                   for _, why, check in CONTRACT_RULES if (detail := check(config, max_tokens))]
+        name, model_type = model_name(config), getattr(config, "model_type", "?")
+        if details:
+            return cls(name, model_type, f"model {name!r} ({model_type}) {details[0]}"
+                       + "".join(f"; it also {detail}" for detail in details[1:]))
+        return cls(name, model_type, None, kv_geometry(config), RotarySpec.from_config(config))
 
 
 @dataclass(frozen=True)
@@ -175,15 +169,10 @@ class Contract:
     families: dict[str, str | None] = field(default_factory=dict)
 
     def defined(self, mode: str) -> bool:
-        return self.modes.get(mode, f"unknown mode {mode!r}") is None
-
-    def reason(self, mode: str) -> str | None:
-        if mode not in self.modes:
-            return f"unknown transfer mode {mode!r} (known: {', '.join(MODES)})"
-        return self.modes[mode]
+        return self.modes[mode] is None
 
     def require(self, mode: str) -> None:
-        reason = self.reason(mode)
+        reason = self.modes[mode]
         if reason is None:
             return
         model_refused = any(card is not None and card.refusal for card in (self.target, self.source))
@@ -191,7 +180,7 @@ class Contract:
             f"transfer mode {mode!r} is not defined: {reason}")
 
     def family_defined(self, family: str) -> bool:
-        return self.families.get(family, f"unknown family {family!r}") is None
+        return self.families[family] is None
 
 
 def config_token_facts(source_config, target_config) -> str:

@@ -4,7 +4,7 @@ right-padded and masked, each row at its own positions (a sparse cache has fewer
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Sequence
 
 from pipeline.kv.handoff import FirstStep, Handoff
@@ -93,7 +93,7 @@ def teacher_forced(handoff: Handoff, prompts: Sequence[tuple[Sequence[int], Sequ
     steps = torch.zeros(len(prompts), max(len(cont) for _, cont in prompts), dtype=torch.long)
     for row, (context, continuation) in enumerate(prompts):
         steps[row, : len(continuation)] = torch.tensor([context[-1], *continuation[:-1]])  # c[n-1] e[0] ... e[m-2]
-    with attention_outputs(handoff.decoder, attention is not None) as outputs:  # only the step, not a prefill
+    with attention_outputs(handoff.decoder) if attention is not None else nullcontext() as outputs:  # the step only
         logprobs = handoff.step_logprobs(layers, steps, told)  # (B, M, V)
     if attention is not None:
         stacked = torch.stack(outputs, dim=1)  # (B, L_t, M, hidden)
@@ -135,12 +135,9 @@ def at(start: int, count: int, device) -> torch.Tensor:
 
 
 @contextmanager
-def attention_outputs(model, active: bool = True):
+def attention_outputs(model):
     """Yields a list of every decoder layer's attention output (B, T, hidden) per forward, on the CPU."""
     outputs: list[torch.Tensor] = []
-    if not active:
-        yield outputs
-        return
 
     def record(module, inputs, output) -> None:
         outputs.append(output[0].detach().cpu())
@@ -154,9 +151,11 @@ def attention_outputs(model, active: bool = True):
 
 
 @no_grad
-def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose: Callable[[torch.Tensor], int],
-           on_token: Callable[[list[int]], bool]) -> list[int]:
-    """The tokens decoded after the handoff's first step on `context`; `on_token(tokens so far)` True stops there."""
+def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int,
+           choose: Callable[[torch.Tensor], int] = lambda logits: int(logits.argmax()),
+           on_token: Callable[[list[int]], bool] = lambda tokens: False) -> list[int]:
+    """The tokens decoded after the handoff's first step on `context`, each `choose(logits)` (default: the greedy
+    one); `on_token(tokens so far)` True stops there."""
     tokens: list[int] = []
     if max_new_tokens <= 0:
         return tokens
@@ -170,16 +169,6 @@ def decode(handoff: Handoff, context: Sequence[int], max_new_tokens: int, choose
         next_input = torch.tensor([[tokens[-1]]], device=handoff.device)  # (1, 1)
         logits = handoff.decoder(input_ids=next_input, cache=cache, use_cache=True, logits_to_keep=1,
                                  position_ids=at(len(context) + len(tokens) - 1, 1, handoff.device)).logits[0, -1]
-
-
-def greedy_generate(
-    handoff: Handoff,
-    context: Sequence[int],
-    max_new_tokens: int,
-    should_stop: Callable[[list[int]], bool] = lambda tokens: False,
-) -> list[int]:
-    """Greedy tokens after the handed-off cache of context[:-1] and context[-1]; should_stop(tokens so far) ends it."""
-    return decode(handoff, context, max_new_tokens, lambda logits: int(logits.argmax()), should_stop)
 
 
 def full_logprobs(target, context, continuation) -> torch.Tensor:
@@ -213,8 +202,6 @@ def generate(handoff: Handoff, prompt: Sequence[int], max_new_tokens: int, stop:
              on_token: Callable[[list[int]], None] = lambda tokens: None) -> tuple[list[int], float]:
     """(the tokens decoded after the handoff of `prompt`, the time to first token in ms); stops after a token in
     `stop`. A token is the argmax at temperature 0, else a draw on the CPU (so a seed draws alike on any device)."""
-    if len(prompt) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(seed)
     start, first_ms = time.perf_counter(), []
 

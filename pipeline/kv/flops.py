@@ -136,8 +136,6 @@ def speculative_macs(source_config, target_config, settings: SpeculativeParams, 
 
 def speculative_bound(source_config, target_config, settings: SpeculativeParams, share: float, length: int) -> float:
     """Target prefill over speculative prefill (p = 1 costs the source's prefill more, not less)."""
-    if length < 2:
-        raise ValueError(f"prompt length {length}: speculative prefill needs at least 2 tokens (a prefix and the last)")
     return target_prefill_macs(target_config, length) / sum(
         speculative_macs(source_config, target_config, settings, share, length).values())
 
@@ -178,8 +176,6 @@ def repair_budget(target_config, repair: Repair, length: int, source_scores: int
 def speedup_bound(source_config, target_config, mapper_macs_per_token: int, length: int,
                   repair: Repair = Repair(), source_scores: int | None = None) -> float:
     """Target prefill over the handoff (with `repair`'s multiply-adds)."""
-    if length < 2:
-        raise ValueError(f"prompt length {length}: the handoff needs at least 2 tokens (a prefix and the last)")
     handoff = sum(handoff_macs(source_config, target_config, mapper_macs_per_token, length).values())
     if not repair.empty:
         handoff += sum(repair_macs(target_config, repair, length, source_scores).values())

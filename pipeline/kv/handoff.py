@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.kv.contract import LongerThanWindowError, sliding_window
-from pipeline.kv.kvcache import Layers, Prefixes, expand_batch, layer_devices, layers_to_cache, real_slots
+from pipeline.kv.kvcache import Layers, Prefixes, layer_devices, layers_to_cache, real_slots
 from pipeline.kv.mapper import Mapper
 from pipeline.kv.modes import MODES, Built, ClockHook, Inputs, Prompt, tell
 from pipeline.kv.repair import Repair
@@ -41,18 +41,26 @@ class FirstStep:
         """(B, V) float32 log-probabilities of the first token after each context."""
         return F.log_softmax(self.logits.float(), dim=-1)
 
-    @property
-    def layers(self) -> Layers | None:
-        """The prefix cache the step read, (B, H, P, D) per layer (None for an empty prefix)."""
-        width = self.cache.get_seq_length() - 1  # the prefix's slots (fewer than its tokens in a sparse cache)
-        if width == 0:
-            return None
-        return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in self.cache.layers]
 
+class Handoff:
+    """Builds the decoding model's prefix cache in one of MODES and reads tokens after it, right-padded or sparse."""
 
-class CacheReader:
-    """The decoding model reading tokens after a prefix cache, right-padded or sparse. `Handoff` sets `decoder`,
-    `decoder_devices`, `window`, `kind` (the mode), `share` and `speculative`."""
+    def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
+                 repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
+                 speculative: SpeculativeParams | None = None):
+        """Trusts what a request checked and the pair's contract allowed; `modes.Inputs` says what each means."""
+        self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
+        self.kind = MODES[mode]
+        handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
+        windows = [sliding_window(model.config) for model in (decoder, handed) if model is not None]
+        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
+        self.decoder_spec = RotarySpec.from_model(decoder)
+        self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
+        self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
+        source_spec = RotarySpec.from_model(source) if self.kind.hands_over else None
+        self.inputs = Inputs(decoder, source, mapper, repair, speculative, share, shuffle_seed, self.decoder_devices,
+                             self.decoder_spec, source_spec)
+        self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)
 
     def check_length(self, tokens: int) -> None:
         """Refuse a sequence longer than a sliding window of the pair: the model masks attention past the window, a
@@ -82,7 +90,8 @@ class CacheReader:
         if layers is None:
             return None
         if layers[0][0].shape[0] != batch:
-            layers = expand_batch(layers, batch)
+            layers = [(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous())
+                      for k, v in layers]
         return layers_to_cache(layers, self.decoder.config, self.decoder.dtype, self.decoder_devices or self.device)
 
     @no_grad
@@ -105,34 +114,17 @@ class CacheReader:
         cache = self.decoder_cache(layers, tokens.shape[0])
         if cache is None and keep_cache:
             cache = transformers.DynamicCache(config=self.decoder.config)
-        options = {} if prefix_lengths is None or layers is None else padded_prefix(
-            prefix_lengths, width, tokens.shape[1], self.device, self.slots(prefix_lengths))
+        options = {}
+        if prefix_lengths is not None and layers is not None:  # right-padded prefixes, each held in its slots
+            steps = torch.ones(len(prefix_lengths), tokens.shape[1], dtype=torch.bool)  # (B, L)
+            mask = torch.cat([real_slots(self.slots(prefix_lengths), width), steps], dim=1)  # (B, P + L)
+            options = {"attention_mask": mask.long().to(self.device),
+                       "position_ids": (prefix_lengths[:, None] + torch.arange(tokens.shape[1])[None]).to(self.device)}
         if logits_to_keep:
             options["logits_to_keep"] = logits_to_keep
         logits = self.decoder(input_ids=tokens.to(self.device), cache=cache, use_cache=cache is not None,
                              **options).logits
         return logits, cache
-
-
-class Handoff(CacheReader):
-    """Builds the decoding model's prefix cache in one of MODES and scores tokens after it."""
-
-    def __init__(self, decoder, source=None, mode: str = "oracle", mapper: Mapper | None = None, shuffle_seed: int = 0,
-                 repair: Repair = Repair(), keep: float | None = None, share: float | None = None,
-                 speculative: SpeculativeParams | None = None):
-        """Trusts what a request checked and the pair's contract allowed; `modes.Inputs` says what each means."""
-        self.decoder, self.source, self.mode, self.mapper = decoder, source, mode, mapper
-        self.kind = MODES[mode]
-        handed = source if self.kind.reads.source and self.kind.reads.target else None  # the source works too
-        windows = [sliding_window(model.config) for model in (decoder, handed) if model is not None]
-        self.window = min((w for w in windows if w is not None), default=None)  # the longest sequence it may see
-        self.decoder_spec = RotarySpec.from_model(decoder)
-        self.decoder_devices = layer_devices(decoder)  # a decoder spread over devices: each layer's cache goes there
-        self.repair, self.keep, self.share, self.speculative = repair, keep, share, speculative
-        source_spec = RotarySpec.from_model(source) if self.kind.hands_over else None
-        self.inputs = Inputs(decoder, source, mapper, repair, speculative, share, shuffle_seed, self.decoder_devices,
-                             self.decoder_spec, source_spec)
-        self.repaired = self.inputs.repaired  # what the repair made the target compute (kv.recompute)
 
     def context(self, tokens) -> list[int]:
         """The part of a context c[0..n-1] this handoff reads: all of it, or its last round(keep x n) tokens (>= 1)."""
@@ -166,13 +158,3 @@ class Handoff(CacheReader):
         logits.argmax(-1).tolist()  # the first tokens, on the host as a server would need them
         tell(clock, "step")
         return FirstStep(prefixes, logits, cache, selected)
-
-
-def padded_prefix(prefix_lengths: torch.Tensor, width: int, steps: int, device, slots: torch.Tensor
-                  ) -> dict[str, torch.Tensor]:
-    """The attention mask and positions of `steps` tokens after right-padded prefixes held in `slots` (B,)."""
-    prefix_mask = real_slots(slots, width)  # (B, P)
-    steps_mask = torch.ones(len(prefix_lengths), steps, dtype=torch.bool)  # (B, L)
-    return {"attention_mask": torch.cat([prefix_mask, steps_mask], dim=1).long().to(device),  # (B, P + L)
-            "position_ids": (prefix_lengths[:, None] + torch.arange(steps)[None]).to(device)}  # (B, L)
-

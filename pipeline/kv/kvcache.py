@@ -108,11 +108,6 @@ def layers_to_cache(layers: Layers, config, dtype: torch.dtype, device) -> trans
     return transformers.DynamicCache(cast, config=config)
 
 
-def expand_batch(layers: Layers, batch: int) -> Layers:
-    """Repeat a batch-1 cache `batch` times (requests sharing one context share one prefill)."""
-    return [(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()) for k, v in layers]
-
-
 def pre_rope_keys(model, token_ids: list[int]) -> tuple[list[torch.Tensor], Layers]:
     """Per layer, the keys (1, kv_heads, T, head_dim) `model` computes on token_ids before RoPE, and its cache."""
     with torch.no_grad(), projections.attention_inputs(model) as captured:

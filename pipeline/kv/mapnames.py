@@ -42,11 +42,6 @@ class MapName:
     def distilled_name(self) -> "MapName":
         return MapName(self.family, self.k, self.ridge_lambda, self.rank, distilled=True)
 
-    @property
-    def width(self) -> int | None:
-        """The inner size the name fixes (the low-rank map's rank)."""
-        return self.rank
-
     @classmethod
     def parse(cls, text: str) -> "MapName":
         distilled = text.endswith(DISTILLED_SUFFIX)

@@ -52,9 +52,6 @@ class Mapper:
         reason = family_spec(self.family).requirement(self.source_geometry, self.target_geometry)
         if reason:
             raise ValueError(f"{self.source} -> {self.target}: {reason}")
-        clash = sorted(set(TYPED_EXTRA) & set(self.extra))
-        if clash:
-            raise ValueError(f"mapper extra {clash[0]!r} is a typed field of Mapper; pass it as one")
 
     @property
     def spec(self):
@@ -82,18 +79,15 @@ class Mapper:
         return sum(t.numel() for tensors in self.keys + self.values
                    for name, t in zip(names, tensors) if not name.endswith("bias"))
 
-    def apply(self, source_layers: Layers, positions: torch.Tensor) -> Layers:
-        """Content-space source cache -> content-space target cache; `positions` (T,), unread by the maps here."""
-        layers = range(self.target_layers(source_layers))
-        return [self.apply_layer(source_layers, layer, positions) for layer in layers]
+    def apply(self, source_layers: Layers) -> Layers:
+        """Content-space source cache -> content-space target cache."""
+        return [self.apply_layer(source_layers, layer) for layer in range(self.target_layers(source_layers))]
 
     def target_layers(self, source_layers: Layers) -> int:
         return len(source_layers) if not self.spec.tensor_names else len(self.source_layers)
 
-    def apply_layer(self, source_layers: Layers, layer: int,
-                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply_layer(self, source_layers: Layers, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Target layer `layer` of `apply`, so a caller can finish each layer before the next."""
-        del positions
         if not self.spec.tensor_names:  # identity: the source's layer as it is
             return source_layers[layer]
         chosen = self.source_layers[layer]
@@ -112,10 +106,9 @@ def map_cache(mapper: Mapper | None, content: Layers, rotation: Rotation, dtype,
     """The source's content cache (float32) through `mapper` (None: as it is), one layer at a time: (the content the
     map made, after the shuffle `order` (B, T); the cache the target reads, rotated, on `device` in `dtype`). The one
     way a cache is mapped, with autograd on or off: a map is trained on what it injects."""
-    positions = torch.arange(rotation.tokens, device=content[0][0].device)  # (T,)
     rotated = mapper is not None and mapper.key_space == "rotated"
     for layer in range(mapper.target_layers(content) if mapper else len(content)):
-        keys, values = mapper.apply_layer(content, layer, positions) if mapper else content[layer]
+        keys, values = mapper.apply_layer(content, layer) if mapper else content[layer]
         if order is not None:  # permute each row's tokens, (B, H, T, D)
             index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3]).to(keys.device)
             keys, values = keys.gather(2, index), values.gather(2, index.to(values.device))
@@ -179,8 +172,6 @@ def random_mapper(source_config, target_config, k: int = 1, family: str = "linea
     if not 1 <= k <= source_geometry["layers"]:
         raise ValueError(f"k={k}: expected 1 <= k <= {source_geometry['layers']} (the source's layer count)")
     spec = family_spec(family)
-    if not spec.tensor_names:
-        raise ValueError(f"random mapper family {family!r}: it has no tensors to draw")
     shapes = spec.shapes(Geometry.of(source_geometry, target_geometry), k, width)
     generator = torch.Generator().manual_seed(seed)
 

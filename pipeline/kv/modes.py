@@ -134,7 +134,7 @@ def handed(inputs: Inputs, prompt: Prompt, mapped: list, scores: torch.Tensor | 
     if repair.empty:
         return Built(mapped)
     start, before = time.perf_counter(), count.recomputed
-    layers = repair_cache(inputs.decoder, mapped, prompt.ids, prompt.lengths, repair, count,
+    layers = repair_cache(inputs.decoder, mapped, prompt.ids, prompt.real_lengths(), repair, count,
                           inputs.decoder_devices, scores)
     count.log.append((count.recomputed - before, time.perf_counter() - start))
     tell(prompt.clock, "repair")
@@ -174,11 +174,10 @@ def mapped(inputs: Inputs, prompt: Prompt) -> Built:
     return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper), scores)
 
 
-def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """(B, T) token order of the shuffled null: each row's real tokens permuted as batch 1 would; padding stays."""
-    real = lengths.tolist() if lengths is not None else [length] * batch
-    order = torch.arange(length).repeat(batch, 1)  # (B, T)
-    for row, count in enumerate(real):
+def shuffle_order(seed: int, length: int, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, T) token order of the shuffled null: row b's `lengths[b]` real tokens permuted as batch 1 would."""
+    order = torch.arange(length).repeat(len(lengths), 1)  # (B, T): padding stays where it is
+    for row, count in enumerate(lengths.tolist()):
         order[row, :count] = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     return order
 
@@ -186,8 +185,7 @@ def shuffle_order(seed: int, length: int, lengths: torch.Tensor | None, batch: i
 def shuffled(inputs: Inputs, prompt: Prompt) -> Built:
     """What `mapped` would inject (without a map: the source's cache), each row's tokens permuted in content space."""
     source, scores = source_prefill(inputs, prompt, inputs.repair.reads_source)
-    batch, _, length, _ = source[0][0].shape  # (B, H_s, P, D_s)
-    order = shuffle_order(inputs.shuffle_seed, length, prompt.lengths, batch).to(inputs.decoder.device)
+    order = shuffle_order(inputs.shuffle_seed, prompt.ids.shape[1], prompt.real_lengths()).to(inputs.decoder.device)
     return handed(inputs, prompt, rebuilt(inputs, source, inputs.mapper, order), scores)
 
 
@@ -221,11 +219,7 @@ def kept_prefill(target, prefix_ids: torch.Tensor, kept: torch.Tensor) -> list:
                                         attention_mask=real.long().to(device), use_cache=True).cache)
 
 
-def register(*modes: Mode) -> dict[str, Mode]:
-    return entries.register(Mode, "modes", modes)
-
-
-MODES = register(  # the contract's order
+MODES = entries.register(Mode, "modes", (  # the contract's order
     Mode("oracle", Reads(target=True, source=False, map=False, own=True), own),
     Mode("zero", Reads(target=True, source=False, map=False, own=False), zero),
     Mode("source", Reads(target=False, source=True, map=False, own=True), own),
@@ -234,7 +228,7 @@ MODES = register(  # the contract's order
     Mode("shuffled", Reads(target=True, source=True, map=True, own=False), shuffled),
     Mode("speculative", Reads(target=True, source=True, map=False, own=False), speculative, sparse=True,
          parameter="the share p in (0, 1] of the prompt's other positions the target prefills"),
-)
+))
 SOURCE_MODES = tuple(name for name, mode in MODES.items() if mode.hands_over)  # the source's cache handed over
 OWN_MODES = tuple(name for name, mode in MODES.items() if mode.reads.own)  # the decoding model's own prefill
 MAPPER_MODES = tuple(name for name, mode in MODES.items() if mode.reads.map)  # `shuffled` also runs without a map

@@ -59,7 +59,6 @@ class Pair:
         self.source_tokenizer = load_tokenizer(source, source_revision, **beside) if source else None
         cut = self_source(source, **beside) if source else None
         self.self_layers = cut[0] if cut else None  # n of a self source, else None
-        self.max_tokens = max_tokens
         require_weights(target, target_revision)  # a folder without complete weights: one line now, not at load
         if source:
             require_weights(source, source_revision, **beside)
@@ -87,8 +86,6 @@ class Pair:
         pair.allow_other_models, pair.other_models = False, []
         pair.__dict__["fingerprints"] = None  # models in memory: no files to fingerprint
         pair.target_tokenizer = pair.source_tokenizer = None
-        pair.self_layers = None
-        pair.max_tokens = max_tokens
         configs = (target.config, None if source is None else source.config)
         pair.contract = pair_contract(*configs, max_tokens=max_tokens)
         pair.positions = positions(*configs)
@@ -130,18 +127,15 @@ class Pair:
 
     @cached_property
     def source(self):
-        if not self.has_source:
-            raise ValueError(f"the pair of target {self.sides['target'][0]!r} has no source model")
         if self.self_layers is not None:  # the target's own first layers, sharing its weights
             return truncate(self.target, self.self_layers)
         return self._load("source")
 
     def handoff(self, mode: str = "oracle", mapper: Mapper | str | Path | None = None,
-                shuffle_seed: int = 0, repair: Repair | str = Repair(), keep: float | None = None,
+                shuffle_seed: int = 0, repair: Repair = Repair(), keep: float | None = None,
                 share: float | None = None, speculative: SpeculativeParams | None = None) -> Handoff:
         """The handoff of `mode`, refused before any weight loads where the contract leaves it undefined; `mapper` a
         fitted map or its file (ignored by modes that read none)."""
-        repair = Repair.parse(repair) if isinstance(repair, str) else repair
         self.contract.require(mode)
         if not MODES[mode].reads.target:  # the source decodes alone: the handoff's decoder
             return Handoff(self.source, mode=mode, keep=keep)

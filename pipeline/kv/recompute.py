@@ -26,16 +26,12 @@ class RepairCount:
     selected: torch.Tensor | None = None
 
 
-def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor | None, setting: Repair,
-                 count: RepairCount, devices=None, source_scores: torch.Tensor | None = None) -> Layers:
+def repair_cache(target, layers: Layers, prefix_ids: torch.Tensor, lengths: torch.Tensor, setting: Repair,
+                 count: RepairCount, devices, source_scores: torch.Tensor | None) -> Layers:
     """`layers` (per layer (B, H, P, D), rotated, target dtype) of prefix_ids (B, P) repaired by `setting`."""
-    count.selected = None
-    if setting.empty:
-        return layers
     batch, width = prefix_ids.shape
     config = target.config  # `setting` fits it: checked where it entered (check_params, Transfer.check_geometry)
     selector = setting.selector if setting.tokens else None
-    lengths = torch.full((batch,), width) if lengths is None else lengths.cpu()
     mapped, layers = layers, [(k.clone(), v.clone()) for k, v in layers]
     exact_index = max(setting.exact_layers - 1, 0)
     exact = None
@@ -101,7 +97,6 @@ def exact_layers(target, prefix_ids: torch.Tensor, n: int, count: RepairCount) -
     for layer in decoder.layers[: n - 1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                        position_embeddings=(cos, sin))
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
     count.forwards += 1
     count.token_layers += batch * width * (n - 1)
     attention = decoder.layers[n - 1].self_attn

@@ -45,8 +45,6 @@ class Repair:
             raise RepairError(f"repair {self}: exact layers and sink are counts >= 0")
         if not 0.0 <= self.tokens <= 1.0:
             raise RepairError(f"repair tokens:{self.tokens:g}: the fraction must be in [0, 1]")
-        if self.select_by not in POLICIES:
-            raise RepairError(f"repair select_by {self.select_by!r}: known {', '.join(POLICIES)}")
         problem = self.selector.refusal(self.argument, None)
         if problem:
             raise RepairError(f"repair {self}: {problem}")

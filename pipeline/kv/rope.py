@@ -164,8 +164,3 @@ class Rotation:
         first, second = keys.to(work).chunk(2, dim=-1)  # (..., T, head_dim/2) each
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return (rotated if scale == 1.0 else rotated * scale).to(keys.dtype)
-
-
-def apply_rope(keys_content: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
-    """Rotate content-space keys (..., T, head_dim) forward to `positions` (T,)."""
-    return Rotation(spec, positions).apply(keys_content)

@@ -25,12 +25,6 @@ class Route:
         return Route(CACHED, self.first or self.way)
 
 
-def hands_off(mode: str, context: Sequence[int]) -> bool:
-    """Whether `mode` hands a cache to the decoding model for `context` c[0..n-1]: not for a mode whose model
-    prefills itself, and not for a one-token context (its prefix c[0..n-2] is empty)."""
-    return mode not in OWN_MODES and len(context) >= 2
-
-
 def served_by(mode: str, repaired: bool) -> str:
     """The way of a request the handoff serves itself: its mode, or REPAIRED under a repair setting."""
     return REPAIRED if repaired else mode
@@ -42,7 +36,8 @@ def ways(mode: str, repaired: bool) -> list[str]:
 
 
 def way(mode: str, repaired: bool, context: Sequence[int]) -> str:
-    """The way of one context: EMPTY_PREFIX where nothing is handed off, else the handoff's own."""
-    if mode not in OWN_MODES and not hands_off(mode, context):
+    """The way of one context c[0..n-1]: EMPTY_PREFIX where a mode that hands a cache off has nothing to hand (a
+    one-token context: its prefix c[0..n-2] is empty), else the handoff's own."""
+    if mode not in OWN_MODES and len(context) < 2:
         return EMPTY_PREFIX
     return served_by(mode, repaired)

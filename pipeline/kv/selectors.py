@@ -78,18 +78,14 @@ class Deviation(Selector):
         return 0 if work.exact_layers else work.prefix * work.kv_projection_per_token
 
     def score(self, evidence: Evidence, argument) -> torch.Tensor:
-        return relative_deviation(evidence.exact, evidence.mapped[evidence.exact_index])
-
-
-def relative_deviation(exact: tuple, mapped: tuple) -> torch.Tensor:
-    """(B, P): per token, sum over keys and values of |exact - mapped|^2 over heads and dims, each relative to
-    the mean |exact|^2 of its kind (so keys and values weigh alike)."""
-    total = 0
-    for reference, other in zip(exact, mapped):
-        reference = reference.float().cpu()
-        error = (reference - other.float().cpu()).pow(2).sum(dim=(1, 3))  # (B, P)
-        total = total + error / reference.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
-    return total
+        """Per token, sum over keys and values of |exact - mapped|^2 over heads and dims, each relative to the mean
+        |exact|^2 of its kind (so keys and values weigh alike)."""
+        total = 0
+        for reference, other in zip(evidence.exact, evidence.mapped[evidence.exact_index]):
+            reference = reference.float().cpu()
+            error = (reference - other.float().cpu()).pow(2).sum(dim=(1, 3))  # (B, P)
+            total = total + error / reference.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
+        return total
 
 
 class Attention(Selector):
@@ -102,36 +98,30 @@ class Attention(Selector):
         return work.linear_per_token + work.read_per_key * work.layers * (work.prefix + 1) * 3 // 2
 
     def score(self, evidence: Evidence, argument) -> torch.Tensor:
-        return attention_scores(evidence.target, evidence.layers, evidence.prefix_ids, evidence.lengths,
-                                evidence.count, evidence.devices)
-
-
-def attention_scores(target, layers: list, prefix_ids: torch.Tensor, lengths: torch.Tensor, count,
-                     devices) -> torch.Tensor:
-    batch, width = prefix_ids.shape
-    last = (lengths - 1).clamp(min=0)  # (B,)
-    tokens = prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
-    allowed = torch.cat([real_slots(last, width), torch.ones(batch, 1, dtype=torch.bool)], dim=1)  # (B, P + 1)
-    dtype = target.dtype
-    mask = additive_mask(allowed[:, None, None], dtype)  # (B, 1, 1, P + 1)
-    cache = layers_to_cache(layers, target.config, dtype, devices or target.device)
-    with projections.attention_inputs(target) as captured:
-        target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
-                     attention_mask=mask.to(target.device), position_ids=last[:, None].to(target.device))
-    count.forwards += 1
-    count.token_layers += batch * target.config.num_hidden_layers
-    scores = torch.zeros(batch, width + 1)
-    for index, (module, hidden, (cos, sin)) in captured.items():
-        query = projections.rotate(projections.queries(module, hidden), cos, sin)  # (B, Hq, 1, D)
-        keys = cache.layers[index].keys  # (B, H, P + 1, D)
-        keys = keys.repeat_interleave(module.num_key_value_groups, dim=1).to(query.device)  # (B, Hq, P + 1, D)
-        logits = (query.float() @ keys.float().transpose(2, 3)) * module.scaling  # (B, Hq, 1, P + 1)
-        logits = logits + mask.float().to(logits.device)
-        scores += logits.softmax(dim=-1).sum(dim=(1, 2)).cpu()  # (B, P + 1)
-    own = scores[:, width]  # the last token's weight on its fresh key
-    scores = scores[:, :width].clone()
-    scores[torch.arange(batch), last] = own
-    return scores
+        target, (batch, width) = evidence.target, evidence.prefix_ids.shape
+        last = (evidence.lengths - 1).clamp(min=0)  # (B,)
+        tokens = evidence.prefix_ids.cpu().gather(1, last[:, None])  # (B, 1)
+        allowed = torch.cat([real_slots(last, width), torch.ones(batch, 1, dtype=torch.bool)], dim=1)  # (B, P + 1)
+        dtype = target.dtype
+        mask = additive_mask(allowed[:, None, None], dtype)  # (B, 1, 1, P + 1)
+        cache = layers_to_cache(evidence.layers, target.config, dtype, evidence.devices or target.device)
+        with projections.attention_inputs(target) as captured:
+            target.model(input_ids=tokens.to(target.device), cache=cache, use_cache=True,
+                         attention_mask=mask.to(target.device), position_ids=last[:, None].to(target.device))
+        evidence.count.forwards += 1
+        evidence.count.token_layers += batch * target.config.num_hidden_layers
+        scores = torch.zeros(batch, width + 1)
+        for index, (module, hidden, (cos, sin)) in captured.items():
+            query = projections.rotate(projections.queries(module, hidden), cos, sin)  # (B, Hq, 1, D)
+            keys = cache.layers[index].keys  # (B, H, P + 1, D)
+            keys = keys.repeat_interleave(module.num_key_value_groups, dim=1).to(query.device)  # (B, Hq, P + 1, D)
+            logits = (query.float() @ keys.float().transpose(2, 3)) * module.scaling  # (B, Hq, 1, P + 1)
+            logits = logits + mask.float().to(logits.device)
+            scores += logits.softmax(dim=-1).sum(dim=(1, 2)).cpu()  # (B, P + 1)
+        own = scores[:, width]  # the last token's weight on its fresh key
+        scores = scores[:, :width].clone()
+        scores[torch.arange(batch), last] = own
+        return scores
 
 
 class Recency(Selector):
@@ -189,15 +179,8 @@ class SourceAttention(Selector):
         return work.source_scores
 
     def score(self, evidence: Evidence, argument) -> torch.Tensor:
-        if evidence.source_scores is None:
-            raise ValueError("policy source_attention ranks by the source's look-ahead scores, but the handoff made "
-                             "none: repair a mode that hands the source's cache over")
         return evidence.source_scores.float().cpu()  # (B, P)
 
 
-def register(*selectors: Selector) -> dict[str, Selector]:
-    return entries.register(Selector, "policies", selectors)
-
-
-SELECTORS = register(Deviation(), Attention(), Recency(), KeyNorm(), SourceAttention())
+SELECTORS = entries.register(Selector, "policies", (Deviation(), Attention(), Recency(), KeyNorm(), SourceAttention()))
 POLICIES = tuple(SELECTORS)

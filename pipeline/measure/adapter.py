@@ -11,7 +11,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from pipeline.kv.decode import greedy_generate
+from pipeline.kv.decode import decode
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.modes import OWN_MODES
 from pipeline.kv.router import Router
@@ -240,5 +240,5 @@ class HandoffLM(TargetTokensLM):
             return tokens[-1] == self.eot_token_id or any(s in self.tok_decode(tokens) for s in until)
 
         self.ledger.record(request, self.router.route(context_ids))
-        tokens = greedy_generate(self.handoff, context_ids, max_new, should_stop)
+        tokens = decode(self.handoff, context_ids, max_new, on_token=should_stop)
         return postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)

@@ -62,8 +62,7 @@ def prefill_seconds(source_model, token_ids: list[int], repeats: int) -> float:
 
 
 @no_grad
-def time_against_prefill(mapper: Mapper, content: list, tokens: int, prefill_s: float, repeats: int) -> float:
-    """Mapper time over `content` (the source's content-space cache of `tokens` tokens) / `prefill_s`."""
+def time_against_prefill(mapper: Mapper, content: list, prefill_s: float, repeats: int) -> float:
+    """Mapper time over `content` (the source's content-space cache) / `prefill_s`."""
     device = content[0][0].device
-    positions = torch.arange(tokens, device=device)
-    return median_seconds(lambda: mapper.apply(content, positions), repeats, device) / prefill_s
+    return median_seconds(lambda: mapper.apply(content), repeats, device) / prefill_s

@@ -122,7 +122,7 @@ def test_pair_verdicts_name_what_differs():
     source, target = config_of("qwen3", head_dim=16), config_of("qwen3", head_dim=32, num_key_value_heads=4)
     contract = pair_contract(target, source)
     assert contract.defined("mapped") and contract.family_defined("linear") and contract.family_defined("mlp")
-    assert "equal KV geometry" in contract.reason("direct")
+    assert "equal KV geometry" in contract.modes["direct"]
     assert "equal KV head counts" in contract.families["head_matched"]
     assert contract.tokenizers == "unchecked"
     with pytest.raises(IncompatiblePairError, match="equal KV geometry"):
@@ -133,7 +133,7 @@ def test_a_folder_inside_the_repository_is_named_relative_to_it_and_one_elsewher
     source, target = config_of("qwen3", head_dim=16), config_of("qwen3", head_dim=32)
     source._name_or_path = str(ROOT.resolve() / "models" / "converted")
     target._name_or_path = str(tmp_path / "elsewhere")
-    reason = pair_contract(target, source).reason("direct")
+    reason = pair_contract(target, source).modes["direct"]
     assert "source 'models/converted'" in reason and f"target '{tmp_path / 'elsewhere'}'" in reason
 
 
@@ -148,9 +148,9 @@ def test_configs_without_tokenizers_leave_the_tokenizers_unchecked_and_say_what_
 
 def test_a_model_refused_by_several_rules_is_told_all_of_them_the_sliding_window_last():
     config = config_of("gemma", head_dim=16, sliding_window=32)  # an untested family with an active window
-    message = pair_contract(config, max_tokens=100).reason("oracle")
+    message = pair_contract(config, max_tokens=100).modes["oracle"]
     assert message.index("not a family") < message.index("it also has a sliding window of 32 tokens")
-    assert "sliding window" not in pair_contract(config, max_tokens=32).reason("oracle")
+    assert "sliding window" not in pair_contract(config, max_tokens=32).modes["oracle"]
 
 
 # ---- unequal geometry, mapped exactly ------------------------------------------------------------------------
@@ -263,9 +263,9 @@ def pair(request):
 LOOKAHEAD = parse(SpeculativeParams, committed("speculative", last=2, sinks=1), "speculative")
 
 
-def _scores(pair, mode, mapper, repair=Repair()):
+def _scores(pair, mode, mapper, repair="none"):
     share = 0.5 if MODES[mode].parameter else None  # speculative:0.5
-    handoff = pair[0].handoff(mode, mapper, repair=repair, share=share, speculative=LOOKAHEAD)
+    handoff = pair[0].handoff(mode, mapper, repair=Repair.parse(repair), share=share, speculative=LOOKAHEAD)
     return [score for score, _ in score_continuations(handoff, _requests(n_contexts=3, endings=2), progress=False)]
 
 
@@ -309,7 +309,8 @@ def test_decoding_after_the_oracle_handoff_is_the_models_own_greedy_continuation
     contexts = [list(range(3, 20)), list(range(40, 49))]
     rolled = greedy_rollout(pair[0].handoff("oracle"), contexts, steps=6)
     assert rolled.tolist() == [_plain_greedy(pair[0].target, context, 6) for context in contexts]
-    repaired = greedy_rollout(pair[0].handoff("mapped", pair[1], repair="tokens:1:attention"), contexts, steps=6)
+    repaired = greedy_rollout(pair[0].handoff("mapped", pair[1], repair=Repair.parse("tokens:1:attention")), contexts,
+                              steps=6)
     assert torch.equal(repaired, rolled)
 
 

@@ -61,11 +61,6 @@ def test_handoff_step_reads_the_whole_prefix_once_and_source_computes_no_logits(
         TARGET, 0, 99) + parts["step"]
 
 
-def test_bound_refuses_a_prompt_without_a_prefix():
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        speedup_bound(SOURCE, TARGET, 0, 1)
-
-
 def test_the_source_alone_costs_its_own_prefill_and_the_truncated_prompt_its_kept_tokens():
     # the source's prefill at the V0 pair's shapes: about 440M / 1410M of the target's linear work per token, plus
     # attention (equal per token) and logits (the source has its own)

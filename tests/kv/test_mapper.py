@@ -39,7 +39,7 @@ def _source_cache(tokens=5):
 
 def test_linear_map_equals_per_head_definition():
     mapper, cache = _mapper("linear"), _source_cache()
-    mapped = mapper.apply(cache, torch.arange(5))
+    mapped = mapper.apply(cache)
     for layer, chosen in enumerate(mapper.source_layers):
         # input row per token: all source heads of each chosen layer, concatenated in layer order
         x = torch.cat([cache[s][0][0].transpose(0, 1).reshape(5, -1) for s in chosen], dim=-1)  # (T, k*H*D)
@@ -50,7 +50,7 @@ def test_linear_map_equals_per_head_definition():
 
 def test_head_matched_map_reads_only_its_own_source_head():
     mapper, cache = _mapper("head_matched"), _source_cache()
-    mapped = mapper.apply(cache, torch.arange(5))
+    mapped = mapper.apply(cache)
     for layer, chosen in enumerate(mapper.source_layers):
         for head in range(TARGET["kv_heads"]):
             x = torch.cat([cache[s][1][0, head] for s in chosen], dim=-1)  # (T, k*D)
@@ -65,7 +65,7 @@ def test_mapper_file_round_trip(tmp_path, family):
     loaded = load_mapper(tmp_path / "m.safetensors")
     assert loaded.metadata() == mapper.metadata()
     cache = _source_cache()
-    for (k1, v1), (k2, v2) in zip(mapper.apply(cache, torch.arange(5)), loaded.apply(cache, torch.arange(5))):
+    for (k1, v1), (k2, v2) in zip(mapper.apply(cache), loaded.apply(cache)):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
@@ -87,7 +87,7 @@ def test_mlp_map_round_trips_and_applies_one_hidden_layer(tmp_path):
     save_mapper(mapper, tmp_path / "m.safetensors")
     loaded = load_mapper(tmp_path / "m.safetensors")
     cache = _source_cache()
-    mapped = loaded.apply(cache, torch.arange(5))
+    mapped = loaded.apply(cache)
     for index, chosen in enumerate(mapper.source_layers):
         x = torch.cat([cache[s][0][0].transpose(0, 1).reshape(5, -1) for s in chosen], dim=-1)  # (T, k*H*D)
         in_weight, in_bias, weight, bias = mapper.keys[index]
@@ -109,7 +109,7 @@ def test_the_reported_multiply_adds_are_those_mapping_one_token_performs(family)
     # counted, not derived: the matmuls torch runs to map one token (2 flops per multiply-add; bias adds,
     # gelu and concatenation are not multiply-adds and the counter leaves them out)
     with FlopCounterMode(display=False) as counter:
-        mapper.apply(_source_cache(tokens=1), torch.arange(1))
+        mapper.apply(_source_cache(tokens=1))
     performed = counter.get_total_flops() // 2
     assert performed > 0
     assert mapper.macs_per_token() == performed

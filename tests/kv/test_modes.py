@@ -8,6 +8,7 @@ from helpers import ROOT, tiny_config
 from helpers.scratch import run_edited
 
 import pipeline.kv.contract as contract_module
+from pipeline.kv import entries
 from pipeline.kv.contract import pair_contract
 from pipeline.kv.modes import (
     BASELINES,
@@ -19,7 +20,6 @@ from pipeline.kv.modes import (
     Reads,
     mapped,
     own,
-    register,
     split_mode,
 )
 
@@ -54,9 +54,9 @@ def test_shuffled_and_the_own_modes_need_no_mapper():
 
 def test_the_registry_refuses_an_unnamed_entry_or_a_name_twice():
     with pytest.raises(TypeError, match="is not a named kv.modes.Mode instance"):
-        register(Mode("", Reads(target=True, source=False, map=False, own=True), own))
+        entries.register(Mode, "modes", (Mode("", Reads(target=True, source=False, map=False, own=True), own),))
     with pytest.raises(ValueError, match="modes named twice"):
-        register(*MODES.values(), MODES["oracle"])
+        entries.register(Mode, "modes", (*MODES.values(), MODES["oracle"]))
     assert all(isinstance(mode, Mode) and mode.name == name for name, mode in MODES.items())
 
 
@@ -70,7 +70,7 @@ def test_the_contract_judges_each_mode_from_what_it_reads_and_its_own_requiremen
         return None if target.geometry["layers"] < 3 else "narrow needs a target of fewer than 3 layers"
 
     narrow = Mode("narrow", MODES["mapped"].reads, mapped, needs_map=True, requirement=fewer_than_3_layers)
-    monkeypatch.setattr(contract_module, "MODES", register(*MODES.values(), narrow))
+    monkeypatch.setattr(contract_module, "MODES", entries.register(Mode, "modes", (*MODES.values(), narrow)))
     source, target = tiny_config(64, 32, layers=2), tiny_config(64, 48, layers=3, num_key_value_heads=1)
     modes = pair_contract(target, source).modes
     assert modes["narrow"] == "narrow needs a target of fewer than 3 layers" and modes["mapped"] is None
@@ -131,8 +131,8 @@ print(json.dumps({"row": [line for line in head.splitlines() if line.startswith(
 def test_a_mode_added_to_the_registry_alone_is_evaluated_and_reaches_the_reports_table_by_its_own_name(tmp_path):
     """In a scratch copy, one function and one registry line in kv/modes.py, no other file: a pair serves the new
     mode, an evaluation scores it against the oracle, and the report's table has its row."""
-    edits = {"pipeline/kv/modes.py": [("\n\ndef register(", HALVED + "\n\ndef register("),
-                                      ("\n)\nSOURCE_MODES", "\n" + ENTRY + ")\nSOURCE_MODES")]}
+    edits = {"pipeline/kv/modes.py": [("\n\nMODES = ", HALVED + "\n\nMODES = "),
+                                      ("\n))\nSOURCE_MODES", "\n" + ENTRY + "))\nSOURCE_MODES")]}
     shown = json.loads(run_edited(ROOT, tmp_path, edits, EVALUATE).splitlines()[-1])
     assert shown["row"]  # | halved | perplexity | top-1 | ... in the report's tables
     perplexity = shown["perplexity"]

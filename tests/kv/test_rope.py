@@ -8,7 +8,7 @@ from transformers import Qwen3Config
 from pipeline.controls import rope_against_model
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers
-from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError, apply_rope
+from pipeline.kv.rope import RotarySpec, Rotation, UnsupportedRopeError
 
 QWEN3_ROPE = RotarySpec.default(theta=1_000_000.0, head_dim=128, max_positions=40960)
 
@@ -18,16 +18,16 @@ def test_strip_then_apply_is_identity_up_to_max_positions(spec):
     torch.manual_seed(0)
     positions = torch.arange(spec.max_positions)
     keys = torch.randn(1, 2, spec.max_positions, spec.head_dim)
-    round_trip = apply_rope(Rotation(spec, positions).strip(keys), positions, spec)
+    round_trip = Rotation(spec, positions).apply(Rotation(spec, positions).strip(keys))
     assert (round_trip - keys).abs().max().item() < 1e-5
-    assert (Rotation(spec, positions).strip(apply_rope(keys, positions, spec)) - keys).abs().max().item() < 1e-5
+    assert (Rotation(spec, positions).strip(Rotation(spec, positions).apply(keys)) - keys).abs().max().item() < 1e-5
 
 
 def test_prefix_of_a_long_rotation_is_the_short_rotation():
     keys = torch.randn(3, 2, 40, QWEN3_ROPE.head_dim)
     long = Rotation(QWEN3_ROPE, torch.arange(100))
     assert torch.equal(long.first(40).strip(keys), Rotation(QWEN3_ROPE, torch.arange(40)).strip(keys))
-    assert torch.equal(long.first(40).apply(keys), apply_rope(keys, torch.arange(40), QWEN3_ROPE))
+    assert torch.equal(long.first(40).apply(keys), Rotation(QWEN3_ROPE, torch.arange(40)).apply(keys))
     with pytest.raises(ValueError, match="101 tokens but this rotation covers 100"):
         long.first(101)
 
@@ -37,7 +37,7 @@ def test_bfloat16_round_trip_compared_in_float32_after_the_cast():
     positions = torch.arange(2048)
     keys = torch.randn(1, 8, 2048, 128).to(torch.bfloat16)
     content = Rotation(QWEN3_ROPE, positions).strip(keys.float())
-    back = apply_rope(content, positions, QWEN3_ROPE).to(torch.bfloat16)
+    back = Rotation(QWEN3_ROPE, positions).apply(content).to(torch.bfloat16)
     # one bfloat16 rounding of the result, nothing more
     assert ((back.float() - keys.float()).abs() <= keys.float().abs() * 2**-8 + 1e-6).all()
 

@@ -4,13 +4,11 @@ that first served it."""
 import pytest
 
 from pipeline.kv.modes import MODES, OWN_MODES
-from pipeline.kv.routes import CACHED, EMPTY_PREFIX, REPAIRED, Route, hands_off, way, ways
+from pipeline.kv.routes import CACHED, EMPTY_PREFIX, REPAIRED, Route, way, ways
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_one_token_context_hands_nothing_off_and_a_mode_that_prefills_itself_never_does(mode):
-    assert not hands_off(mode, [5])
-    assert hands_off(mode, [5, 6]) == (mode not in OWN_MODES)
     assert way(mode, False, [5]) == (mode if mode in OWN_MODES else EMPTY_PREFIX)
     assert way(mode, False, [5, 6]) == mode
     assert (EMPTY_PREFIX in ways(mode, False)) == (mode not in OWN_MODES)

@@ -12,7 +12,7 @@ from helpers import build_model, committed, llama_config, measure_params
 from helpers.architectures import SUPPORTED, random_of
 
 import pipeline.repair as repair_stage
-from pipeline.kv import flops, selectors
+from pipeline.kv import entries, flops, selectors
 from pipeline.kv.flops import repair_budget
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import padded_prefixes
@@ -20,7 +20,7 @@ from pipeline.kv.mapper import identity_mapper
 from pipeline.kv.modes import Prompt, source_prefill
 from pipeline.kv.recompute import RepairCount
 from pipeline.kv.repair import REPAIR_FORM, Repair, RepairError
-from pipeline.kv.selectors import POLICIES, SELECTORS, Evidence, Selector, register
+from pipeline.kv.selectors import POLICIES, SELECTORS, Evidence, Selector
 from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.retrieval import needle_selected
 from pipeline.store.params import parse
@@ -66,13 +66,13 @@ def test_a_selector_without_a_cost_or_a_score_cannot_be_instantiated_or_register
     with pytest.raises(TypeError, match="score"):
         Scoreless()
     with pytest.raises(TypeError, match="is not a named kv.selectors.Selector instance"):
-        register(Costless)
-    assert register(Priced())["priced"].cost(None, None) == 12345
+        entries.register(Selector, "policies", (Costless,))
+    assert entries.register(Selector, "policies", (Priced(),))["priced"].cost(None, None) == 12345
 
 
 def test_the_registry_refuses_a_name_twice():
     with pytest.raises(ValueError, match="named twice"):
-        register(Priced(), Priced())
+        entries.register(Selector, "policies", (Priced(), Priced()))
 
 
 def test_policies_and_the_settings_form_come_from_the_registry():

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance
 
 from pipeline import api, generate
 from pipeline.kv import flops
-from pipeline.kv.decode import greedy_generate, greedy_rollout
+from pipeline.kv.decode import decode, greedy_rollout
 from pipeline.kv.kvcache import Prefixes
 from pipeline.kv.lookahead import keep_positions
 from pipeline.kv.modes import Prompt, source_prefill
@@ -99,7 +99,7 @@ def test_decoding_after_the_sparse_cache_goes_on_at_the_true_positions(pair):
             logits = pair.target(input_ids=torch.tensor([tokens]), position_ids=torch.tensor([positions])).logits
             expected.append(int(logits[0, -1].argmax()))
             tokens, positions = tokens + expected[-1:], positions + [positions[-1] + 1]
-    assert greedy_generate(handoff, context, 4) == expected
+    assert decode(handoff, context, 4) == expected
     assert greedy_rollout(handoff, [context], 4)[0].tolist() == expected
 
 

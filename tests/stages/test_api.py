@@ -18,7 +18,7 @@ from helpers import ROOT, build_model, llama_config, tiny_config
 from transformers import AutoModelForCausalLM
 
 from pipeline.api import handed_off, handoff, pair
-from pipeline.kv.decode import greedy_generate
+from pipeline.kv.decode import decode
 from pipeline.kv.mapper import identity_mapper, save_mapper
 from pipeline.kv.repair import RepairError
 from pipeline.kv.routes import REPAIRED
@@ -87,8 +87,7 @@ def test_a_mapped_repaired_handoff_hands_over_the_cache_the_pipelines_decoding_r
     repaired = handoff(models, "mapped", identity_map, repair="layers:1")
     handed = handed_off(repaired, prompt)
     assert handed.route.way == REPAIRED and handed.cache.get_seq_length() == len(prompt) - 1
-    assert plain_generate(models.target, prompt, handed.cache) == greedy_generate(repaired.handoff, prompt,
-                                                                                  NEW_TOKENS)
+    assert plain_generate(models.target, prompt, handed.cache) == decode(repaired.handoff, prompt, NEW_TOKENS)
 
 
 def test_a_self_source_is_the_targets_first_layers_and_the_source_mode_decodes_with_it(tiny_pair):

@@ -69,7 +69,7 @@ def test_a_repaired_variant_is_the_handoff_with_its_setting_and_an_unnamed_one_s
     fixed, plain = (pair.router(**variant_request(name, params)).handoff for name in ("fixed", "plain"))
     assert str(fixed.repair) == "tokens:0.5:recency" and plain.repair.empty
     rows = evaluated(fixed)
-    pd.testing.assert_frame_equal(rows, evaluated(pair.handoff("mapped", path, repair="tokens:0.5:recency")))
+    pd.testing.assert_frame_equal(rows, evaluated(pair.handoff("mapped", path, repair=fixed.repair)))
     assert not rows.equals(evaluated(plain))
     pd.testing.assert_frame_equal(evaluated(plain), evaluated(pair.handoff("mapped", path)))
 

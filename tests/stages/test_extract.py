@@ -12,7 +12,7 @@ from pipeline import extract as extract_module
 from pipeline.extract import batches, run
 from pipeline.kv.contract import UnsupportedModelError
 from pipeline.kv.kvcache import cache_to_layers
-from pipeline.kv.rope import RotarySpec, apply_rope
+from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.schema.extract import ExtractParams
 from pipeline.store.cachefiles import open_split
 from pipeline.store.models import load_model
@@ -43,7 +43,7 @@ def test_stored_keys_rerotated_equal_the_models_cache(world):
     assert shard.lengths[0] == length
     for layer, (keys, values) in enumerate(cached):
         keys_content = shard.read("keys", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)  # (H, T, D)
-        keys_rotated = apply_rope(keys_content, torch.arange(length), spec)
+        keys_rotated = Rotation(spec, torch.arange(length)).apply(keys_content)
         assert torch.allclose(keys_rotated, keys[0], atol=1e-5)
         assert not torch.allclose(keys_content, keys[0], atol=1e-3)  # really stripped, not stored rotated
         stored_values = shard.read("values", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)
@@ -110,7 +110,7 @@ def test_model_runs_in_the_declared_dtype_and_only_the_strip_is_float32(world, t
         stored_values = shard.read("values", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)
         assert torch.equal(stored_values, values[0].float())
         keys_content = shard.read("keys", [layer])[0][:length].reshape(length, heads, dim).transpose(0, 1)
-        assert torch.allclose(apply_rope(keys_content, torch.arange(length), spec), keys[0].float(), atol=1e-5)
+        assert torch.allclose(Rotation(spec, torch.arange(length)).apply(keys_content), keys[0].float(), atol=1e-5)
 
 
 def test_a_model_with_an_active_sliding_window_is_refused_before_it_is_loaded(tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def test_the_contract_defines_the_mapped_handoff_with_one_tokenizer_and_refuses_
     contract = Pair(str(world / "models" / "target"), str(world / "models" / "source")).contract
     assert contract.tokenizers == "identical" and contract.defined("mapped") and contract.defined("source")
     assert contract.family_defined("linear") and contract.family_defined("head_matched")
-    assert "equal KV geometry" in contract.reason("direct") and "'layers': 2" in contract.reason("direct")
+    assert "equal KV geometry" in contract.modes["direct"] and "'layers': 2" in contract.modes["direct"]
 
 
 def test_the_pair_cuts_its_source_from_its_own_target_loading_the_weights_once(world, monkeypatch):
