@@ -145,17 +145,14 @@ def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_map
             "file": str(path)}
 
 
-def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, tolerance: float,
-                       position_offset: int = 0) -> dict:
+def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, tolerance: float) -> dict:
     """Per layer, strip(cached keys) against the model's keys before rotation, and apply(strip(keys)) against the
     cached keys, each error relative to the largest magnitude compared: a float32 ulp of a real model's keys (Qwen2's
-    biased keys reach the hundreds) is above any absolute tolerance for unit-scale keys. `position_offset` shifts
-    the positions the keys are stripped at (0: those the model used)."""
+    biased keys reach the hundreds) is above any absolute tolerance for unit-scale keys."""
     worst, round_trip, positions_checked = 0.0, 0.0, 0
     for token_ids in prompts:
         before, layers = pre_rope_keys(model, token_ids)
-        positions = torch.arange(len(token_ids), device=model.device) + position_offset
-        rotation = Rotation(spec_, positions)
+        rotation = Rotation(spec_, torch.arange(len(token_ids), device=model.device))
         for keys_before, (keys_rotated, _) in zip(before, layers):
             keys_content = rotation.strip(keys_rotated.float())  # (1, H, T, D) float32
             scale = float(keys_before.float().abs().max())

@@ -20,7 +20,7 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, pre_rope_keys
 from pipeline.kv.mapper import save_mapper
-from pipeline.kv.rope import RotarySpec
+from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.schema.controls import Float32Tolerance, ReducedTolerance
 from pipeline.store.artifacts import ArtifactError, save_artifact
 
@@ -165,8 +165,14 @@ def test_rope_control_passes_when_stripped_keys_equal_the_models_keys_before_rop
     assert result["passed"] and result["max_relative_error"] < 1e-6 and result["positions_checked"] == 40
 
 
-def test_rope_control_fails_on_an_off_by_one_position(model):
-    result = rope_against_model(model, _prompts(97), RotarySpec.from_model(model), 1e-5, position_offset=1)
+def off_by_one(monkeypatch):
+    """The control strips the keys one position past the one the model rotated them at."""
+    monkeypatch.setattr(controls, "Rotation", lambda spec, positions: Rotation(spec, positions + 1))
+
+
+def test_rope_control_fails_on_an_off_by_one_position(model, monkeypatch):
+    off_by_one(monkeypatch)
+    result = rope_against_model(model, _prompts(97), RotarySpec.from_model(model), 1e-5)
     assert not result["passed"] and result["max_relative_error"] > 0.1
 
 
@@ -235,7 +241,7 @@ def test_the_verdict_holds_each_controls_pass_and_none_of_its_figures():
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
-def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off_by_one(architecture):
+def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off_by_one(architecture, monkeypatch):
     config = SUPPORTED[architecture]()
     if architecture == "qwen2":
         assert config.model_type == "qwen2"  # biased q/k/v: real Qwen2 keys reach the hundreds
@@ -250,5 +256,6 @@ def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off
     assert float(before[0].abs().max()) > 100.0
     result = rope_against_model(large, _prompts(VOCAB), spec, 1e-5)
     assert result["passed"] and result["round_trip_relative_error"] < 1e-6
-    shifted = rope_against_model(large, _prompts(VOCAB), spec, 1e-5, position_offset=1)
+    off_by_one(monkeypatch)
+    shifted = rope_against_model(large, _prompts(VOCAB), spec, 1e-5)
     assert not shifted["passed"] and shifted["max_relative_error"] > 0.1
