@@ -44,13 +44,14 @@ def test_compatibility_passes_on_one_tokenizer_and_fails_on_two(tokenizer, model
     assert "different tokenizers" in result["modes"]["mapped"]
 
 
-def test_cache_serialization(tmp_path, layers):
+def test_cache_serialization(tmp_path, layers, monkeypatch):
     assert serialization(layers, tmp_path)["passed"]
 
     def lossy_write(path, tensors, metadata):
         save_artifact(path, {k: t.to(torch.bfloat16).to(t.dtype) for k, t in tensors.items()}, metadata)
 
-    assert not serialization(layers, tmp_path, write=lossy_write)["passed"]
+    monkeypatch.setattr(controls, "save_artifact", lossy_write)
+    assert not serialization(layers, tmp_path)["passed"]
 
 
 class NoisyHandoff(Handoff):
@@ -144,14 +145,15 @@ def test_bfloat16_cached_decode_is_calibrated_on_a_deep_models_own_rounding_and_
     assert not bad["passed"] and bad["max_abs_delta_logprob"] > bad["allowed_abs_delta"], bad
 
 
-def test_corruption_detection(tmp_path, model):
+def test_corruption_detection(tmp_path, model, monkeypatch):
     path = tmp_path / "mapper.safetensors"
     save_mapper(linear_copy_mapper(model, 0.0, 1.0), path)
     (tmp_path / "scratch").mkdir()
     assert corruption(path, 32, tmp_path / "scratch")["passed"]
     from safetensors.torch import load_file  # reads tensors without checking any checksum
 
-    result = corruption(path, 32, tmp_path / "scratch", loader=load_file)
+    monkeypatch.setattr(controls, "load_mapper", load_file)
+    result = corruption(path, 32, tmp_path / "scratch")
     assert not result["passed"] and result["flips_accepted"] > 0
 
 
@@ -205,7 +207,7 @@ def test_rope_control_fails_on_a_bfloat16_inv_freq(model):
     assert not result["passed"] and result["max_relative_error"] > 1e-3
 
 
-def test_deterministic_mapper(tmp_path, model):
+def test_deterministic_mapper(tmp_path, model, monkeypatch):
     mapper = tmp_path / "mapper.safetensors"
     save_mapper(linear_copy_mapper(model, 0.0, 1.0), mapper)
 
@@ -217,8 +219,10 @@ def test_deterministic_mapper(tmp_path, model):
         out.mkdir(parents=True)
         save_mapper(linear_copy_mapper(model, 1e-6, 1.0, seed=1), out / f"{name}.safetensors")
 
-    assert deterministic_refit(mapper, "cand", tmp_path / "a", refit=faithful)["passed"]
-    result = deterministic_refit(mapper, "cand", tmp_path / "b", refit=drifting)
+    monkeypatch.setattr(controls, "refit_in_subprocess", faithful)
+    assert deterministic_refit(mapper, "cand", tmp_path / "a")["passed"]
+    monkeypatch.setattr(controls, "refit_in_subprocess", drifting)
+    result = deterministic_refit(mapper, "cand", tmp_path / "b")
     assert not result["passed"] and not result["matches_selected_file"]
 
 
