@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -94,7 +93,7 @@ def run(size: int, params: CalibrationParams, models: ModelsParams, device: str,
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.calibrate", __doc__)
     cli.add_argument("size", type=int, help="fit sequences of this point (an entry of calibration.sizes)")
-    size = cli.parse_args(sys.argv[1:] if argv is None else argv).size
+    size = cli.parse_args(argv).size
     params, models = load_section(CalibrationParams, "calibration"), load_section(ModelsParams, "models")
     machine = load_section(MachineParams, "machine")
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:

@@ -100,10 +100,8 @@ def size_rows(contract: Contract, source_config, target_config, ks: list[int],
     """Parameters and float32 size of every fitted family's map the pair defines, per k (and per inner size, for a
     family with one: `widths`; such a family without a width given is left out)."""
     rows = []
-    for family in FITTED_FAMILIES:
+    for family in filter(contract.family_defined, FITTED_FAMILIES):
         spec = FAMILIES[family]
-        if not contract.family_defined(family):
-            continue
         for width in (widths.get(family, []) if spec.width_name else [None]):
             label = family if width is None else f"{family} ({spec.width_name} {width})"
             for k in ks:

@@ -19,7 +19,7 @@ from pipeline.schema.calibrate import CalibrationParams
 from pipeline.schema.candidates import CandidatesParams
 from pipeline.schema.controls import ControlsParams, ToleranceParams
 from pipeline.schema.convert_models import ConvertParams
-from pipeline.schema.distill import DistillParams, distilled_name
+from pipeline.schema.distill import DistillParams
 from pipeline.schema.evaluate import SELECTED, EvaluateParams
 from pipeline.schema.extract import ExtractParams
 from pipeline.schema.fit import FitParams
@@ -275,7 +275,7 @@ def mapper_files(fit: FitParams, distill: DistillParams) -> list[str]:
     """Every mapper file fit, distill and select leave: select's choice and, per k of the linear family, its best
     ridge strength besides the fitted and distilled maps."""
     best = [paths.best_map(k) for k in fit.ks] if "linear" in fit.families else []
-    distilled = [paths.distilled_map(distilled_name(name)) for name in distill.start]
+    distilled = [paths.distilled_map(str(MapName.parse(name).distilled_name)) for name in distill.start]
     fitted = [paths.fitted_map(name) for name in fit.candidates()]
     return [str(path) for path in (paths.SELECTED_MAPPER, *best, *fitted, *distilled)]
 

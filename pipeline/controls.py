@@ -12,7 +12,6 @@ import hashlib
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -51,11 +50,11 @@ def compatibility(contract: Contract) -> dict:
             "families": {family: reason or "defined" for family, reason in contract.families.items()}}
 
 
-def serialization(layers, folder: Path, write=save_artifact) -> dict:
+def serialization(layers, folder: Path) -> dict:
     """A target cache written as an artifact and read back: passes when every tensor is bit-identical, dtype too."""
     tensors = {f"{kind}.{i}": t for i, (k, v) in enumerate(layers) for kind, t in (("keys", k), ("values", v))}
     path = folder / "cache.safetensors"
-    write(path, tensors, {"layers": len(layers)})
+    save_artifact(path, tensors, {"layers": len(layers)})
     loaded, _ = load_artifact(path)
     identical = all(torch.equal(tensors[name].cpu(), loaded[name].cpu()) and tensors[name].dtype == loaded[name].dtype
                     for name in tensors)
@@ -123,7 +122,7 @@ def cached_decode(target, prompts, tolerance: Float32Tolerance | ReducedToleranc
             "decisions_flipped": len(flipped), "greedy_rollouts_identical": greedy_same}
 
 
-def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_mapper) -> dict:
+def corruption(path: Path, flips: int, folder: Path) -> dict:
     """The map at `path` with one bit flipped, at each of its first 64 bytes (the header's length and metadata),
     near the header's end and at `flips` places spread over the whole file: passes when every copy is refused."""
     raw = path.read_bytes()
@@ -137,7 +136,7 @@ def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_map
         copy = folder / path.name
         copy.write_bytes(broken)
         try:
-            loader(copy)
+            load_mapper(copy)
             accepted.append(position)
         except Exception:  # noqa: BLE001 - any refusal counts; only a silent load is a failure
             pass
@@ -145,17 +144,14 @@ def corruption(path: Path, flips: int, folder: Path, loader: Callable = load_map
             "file": str(path)}
 
 
-def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, tolerance: float,
-                       position_offset: int = 0) -> dict:
+def rope_against_model(model, prompts: list[list[int]], spec_: RotarySpec, tolerance: float) -> dict:
     """Per layer, strip(cached keys) against the model's keys before rotation, and apply(strip(keys)) against the
     cached keys, each error relative to the largest magnitude compared: a float32 ulp of a real model's keys (Qwen2's
-    biased keys reach the hundreds) is above any absolute tolerance for unit-scale keys. `position_offset` shifts
-    the positions the keys are stripped at (0: those the model used)."""
+    biased keys reach the hundreds) is above any absolute tolerance for unit-scale keys."""
     worst, round_trip, positions_checked = 0.0, 0.0, 0
     for token_ids in prompts:
         before, layers = pre_rope_keys(model, token_ids)
-        positions = torch.arange(len(token_ids), device=model.device) + position_offset
-        rotation = Rotation(spec_, positions)
+        rotation = Rotation(spec_, torch.arange(len(token_ids), device=model.device))
         for keys_before, (keys_rotated, _) in zip(before, layers):
             keys_content = rotation.strip(keys_rotated.float())  # (1, H, T, D) float32
             scale = float(keys_before.float().abs().max())
@@ -176,11 +172,11 @@ def refit_in_subprocess(out: Path, name: str) -> None:
         run_stage("pipeline.distill", "--only", start, "--mappers", str(out), "--out", str(out), fresh_process=True)
 
 
-def deterministic_refit(mapper: Path, name: str, folder: Path, refit=refit_in_subprocess) -> dict:
+def deterministic_refit(mapper: Path, name: str, folder: Path) -> dict:
     """The selected `name` refitted alone from the same caches in a fresh process (PROTOCOL.md: fitting twice, in
     two separate processes) must be byte-identical to the file written while fitting every candidate."""
     out = folder / "refit"
-    refit(out, name)
+    refit_in_subprocess(out, name)
     # fit and distill both write into `out`: a distilled map's file is named as fit's are, by its name
     refit_digest = hashlib.sha256(paths.fitted_map(name, out).read_bytes()).hexdigest()
     selected = hashlib.sha256(mapper.read_bytes()).hexdigest()

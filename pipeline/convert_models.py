@@ -18,7 +18,6 @@ from pipeline.store.cli import entry, no_arguments
 from pipeline.store.gguf import CONVERTED_PROVENANCE, convert
 from pipeline.store.lazy import lazy
 from pipeline.store.machine import MachineParams
-from pipeline.store.models import load_config
 from pipeline.store.params import ParamError, load_section
 from pipeline.store.shapes import shape_config
 
@@ -37,9 +36,8 @@ def run(spec: GgufCheckpoint | None, out: Path, timeout_s: float) -> dict:
 
 
 def check_shape(converted, shape: str) -> None:
-    """Refuse a converted config (or a folder's) whose architecture is not the stored shape the profile names
-    (check_params read the target's layers and positions from it)."""
-    converted = load_config(str(converted)) if isinstance(converted, (str, Path)) else converted
+    """Refuse a converted config whose architecture is not the stored shape the profile names (check_params read the
+    target's layers and positions from it)."""
     stored = shape_config(shape)
     for field in SHAPE_FIELDS:
         ours, theirs = getattr(converted, field, None), getattr(stored, field, None)

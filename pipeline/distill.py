@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 
 from pipeline.fitting.distill import TIMED_PARTS, Clock, distill
 from pipeline.fitting.distill_rows import CacheRows, Splits, with_oracles
+from pipeline.kv.mapnames import MapName
 from pipeline.kv.mapper import load_mapper, save_mapper
 from pipeline.kv.pair import Pair
-from pipeline.schema.distill import DistillParams, distilled_name
+from pipeline.schema.distill import DistillParams
 from pipeline.store import paths
 from pipeline.store.artifacts import atomic_dir, atomic_path, read_table
 from pipeline.store.cachefiles import open_split, read_manifest
@@ -92,7 +93,7 @@ def run(params: DistillParams, models: ModelsParams, device: str, names: list[st
         mapper, history, seconds, parts = done[name]
         figures = {**map_figures(name, mapper.distilled, history), "seconds": round(seconds, 1),
                    **{f"cost_s/{part}": round(parts[part], 1) for part in TIMED_PARTS}}
-        metrics.update({f"maps/{distilled_name(name)}/{key}": value for key, value in figures.items()})
+        metrics.update({f"maps/{MapName.parse(name).distilled_name}/{key}": value for key, value in figures.items()})
     return metrics, {name: done[name][:2] for name in names}
 
 
@@ -117,8 +118,9 @@ def map_figures(name: str, facts: dict, history: list[dict]) -> dict:
 
 def write(distilled: dict, out: Path, curves: Path) -> None:
     for name, (mapper, history) in distilled.items():
-        save_mapper(mapper, paths.distilled_map(distilled_name(name), out))
-        write_curve(paths.distill_curve(distilled_name(name), curves), history)
+        stem = str(MapName.parse(name).distilled_name)
+        save_mapper(mapper, paths.distilled_map(stem, out))
+        write_curve(paths.distill_curve(stem, curves), history)
 
 
 def main(argv: list[str] | None = None) -> None:

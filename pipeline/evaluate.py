@@ -15,7 +15,6 @@ from pathlib import Path
 from pipeline.kv.modes import BASELINES
 from pipeline.kv.pair import Pair
 from pipeline.kv.repair import Repair
-from pipeline.kv.speculative import SpeculativeParams
 from pipeline.measure.compare import read_prompts
 from pipeline.measure.evaluation import OracleStore, evaluate
 from pipeline.schema.evaluate import SELECTED, EvaluateParams, selected_repair
@@ -42,21 +41,16 @@ def variant_mode(variant: str) -> str:
 
 
 def variant_request(variant: str, params: EvaluateParams) -> dict:
-    """`variant`'s handoff as `Pair.router` takes it (an unknown name was refused earlier)."""
+    """`variant`'s handoff as `Pair.router` takes it (an unknown name was refused earlier): a mapped variant with its
+    repair (`selected`: select's choice, and the look-ahead settings select chose it under where its policy reads
+    them; the empty setting for none)."""
     if variant in BASELINES:
         return {"mode": variant}
-    repair, lookahead = variant_repair(variant, params)
+    setting = params.repair.get(variant)
+    repair, lookahead = (selected_repair(f"evaluate.repair.{variant}") if setting == SELECTED
+                         else (Repair() if setting is None else Repair.parse(setting), None))
     return {"mode": variant_mode(variant), "mapper": params.mapped[variant], "repair": repair,
             "speculative": lookahead, "shuffle_seed": params.shuffle_seed}
-
-
-def variant_repair(variant: str, params: EvaluateParams) -> tuple[Repair, SpeculativeParams | None]:
-    """The repair `variant` applies (`selected`: select's choice; the empty setting for none) and, where its policy
-    reads them, the look-ahead settings select chose it under."""
-    setting = params.repair.get(variant)
-    if setting == SELECTED:
-        return selected_repair(f"evaluate.repair.{variant}")
-    return Repair() if setting is None else Repair.parse(setting), None
 
 
 def run(variant: str, params: EvaluateParams, pair: Pair, margin: float,

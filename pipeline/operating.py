@@ -9,7 +9,6 @@ names (the `selected` repair where select chose a listed setting, and their trun
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -150,7 +149,7 @@ def run(params: OperatingParams, pair: Pair, length: int, margin: float, prompts
 def main(argv: list[str] | None = None) -> None:
     cli = parser("pipeline.operating", __doc__)
     cli.add_argument("length", type=int, help="the operating length: one of operating.lengths")
-    length = cli.parse_args(sys.argv[1:] if argv is None else argv).length
+    length = cli.parse_args(argv).length
     params, models = load_section(OperatingParams, "operating"), load_section(ModelsParams, "models")
     if length not in params.lengths:
         raise ParamError(f"pipeline.operating: {length} is not one of operating.lengths ({params.lengths})")

@@ -8,6 +8,7 @@ first n of a larger draw are the smaller); fit aside, no two splits or lengths s
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import random
 import re
@@ -114,13 +115,8 @@ def corpus_documents(rows: list[dict]) -> list[str]:
 
 def _first_groups(stream: list[str], groups: dict[str, list[dict]], wanted: int) -> set[str]:
     """The groups whose items the first `wanted` items of `stream` come from."""
-    used, count = set(), 0
-    for key in stream:
-        if count >= wanted:
-            break
-        used.add(key)
-        count += len(groups[key])
-    return used
+    before = itertools.accumulate((len(groups[key]) for key in stream), initial=0)  # items ahead of each group
+    return {key for key, count in zip(stream, before) if count < wanted}
 
 
 def _interleaved(keys: list[str], seed: int, parts: int) -> list[list[str]]:

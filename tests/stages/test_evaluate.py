@@ -7,7 +7,7 @@ import pytest
 import yaml
 from helpers import ROOT
 
-from pipeline.evaluate import ordered_variants, variant_repair, variant_request
+from pipeline.evaluate import ordered_variants, variant_request
 from pipeline.kv.handoff import Handoff
 from pipeline.kv.mapper import random_mapper, save_mapper
 from pipeline.kv.modes import BASELINES
@@ -80,14 +80,15 @@ def test_selected_reads_the_setting_select_chose(tmp_path, monkeypatch):
     params = PARAMS.model_copy(update={"mapped": {"selected": selected, "repaired": selected},
                                        "repair": {"repaired": "selected"}})
     with pytest.raises(ArtifactError, match=r"^evaluate\.repair\.repaired: models/mapper_repair\.json not found; run"):
-        variant_repair("repaired", params)
+        variant_request("repaired", params)
     paths.MODELS.mkdir()
     chosen = {"map": "m", "repair": "layers:1+tokens:0.09:deviation", "budget": 0.09}
     paths.SELECTED_REPAIR.write_text(json.dumps(chosen))
     paths.SELECTED_MAPPER.touch()  # the request checks the file is there; nothing loads it
-    setting, lookahead = variant_repair("repaired", params)
-    assert str(setting) == "layers:1+tokens:0.09:deviation" and lookahead is None
-    assert variant_repair("selected", params) == (Repair(), None)
+    request = variant_request("repaired", params)
+    assert str(request["repair"]) == "layers:1+tokens:0.09:deviation" and request["speculative"] is None
+    unrepaired = variant_request("selected", params)
+    assert (unrepaired["repair"], unrepaired["speculative"]) == (Repair(), None)
 
 
 def test_a_selected_repair_ranking_by_the_source_reads_the_settings_select_scored_it_under(tmp_path, monkeypatch):
@@ -99,10 +100,8 @@ def test_a_selected_repair_ranking_by_the_source_reads_the_settings_select_score
     chosen = {"map": "m", "repair": "tokens:0.08:source_attention", "budget": 0.09, "speculative": settings}
     paths.SELECTED_REPAIR.write_text(json.dumps(chosen))
     paths.SELECTED_MAPPER.touch()  # the request checks the file is there; nothing loads it
-    setting, lookahead = variant_repair("repaired", params)
-    assert str(setting) == "tokens:0.08:source_attention" and lookahead.model_dump() == settings
     request = variant_request("repaired", params)
-    assert request["speculative"] == lookahead and request["repair"] == setting
+    assert str(request["repair"]) == "tokens:0.08:source_attention" and request["speculative"].model_dump() == settings
     paths.SELECTED_REPAIR.write_text(json.dumps({**chosen, "speculative": None}))  # written without them: refused
     with pytest.raises(ArtifactError, match=r"^evaluate\.repair\.repaired: models/mapper_repair\.json chose "
                                             r"tokens:0\.08:source_attention, .* holds no `speculative` settings"):
