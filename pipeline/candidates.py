@@ -46,9 +46,7 @@ def candidate_figures(handoff: Handoff, path: Path, params: CandidatesParams, bo
 def run(params: CandidatesParams, models: ModelsParams, device: str, items: int | None = None) -> dict:
     """Every fitted and distilled map on each eval task's first `items`, and timed."""
     require_controls_passed()
-    candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
-    if not candidates:
-        raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
+    candidates = paths.map_candidates()
     pair = Pair.load(models, device)
     bound_configs = bound_configs_of(params.bound_pair, pair.configs)
     metrics: dict[str, float | int | str] = {"candidates": len(candidates), "length": params.length,

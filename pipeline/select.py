@@ -204,13 +204,6 @@ def promote(scored: Scored, params: SelectParams, prompts: int) -> dict:
     return metrics
 
 
-def candidates_on_disk() -> list[Path]:
-    candidates = sorted(paths.MAPPERS.glob("*.safetensors")) + sorted(paths.DISTILLED.glob("*.safetensors"))
-    if not candidates:
-        raise FileNotFoundError(f"no mapper candidates in {paths.MAPPERS}: run the fit stage first")
-    return candidates
-
-
 def run(params: SelectParams, pair: Pair, candidates: list[Path], margin: float, ranks: Ranks = ONE_PROCESS,
         declared: SpeculativeParams | None = None) -> dict:
     """Score `candidates` on the select split's prompts and promote the choice; the metrics on rank 0 ({} else)."""
@@ -225,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = load_section(MachineParams, "machine")
     margin = load_value(float, "measure.confident_margin")  # check_params holds it within [0, 1]
     declared = load_section(SpeculativeParams, "speculative")
-    candidates = candidates_on_disk()
+    candidates = paths.map_candidates()
     with stage_ranks(machine.torch_device, params.processes, "pipeline.select", [], machine.threads) as stage:
         stage.write_metrics(paths.SELECT, run(params, Pair.load(models, stage.device), candidates, margin,
                                               stage.ranks, declared))

@@ -177,6 +177,14 @@ def best_map(k: int, folder: Path = BEST) -> Path:
     return folder / f"mapped_k{k}.safetensors"
 
 
+def map_candidates() -> list[Path]:
+    """Every fitted and then every distilled map on disk, the candidates select and candidates score."""
+    candidates = sorted(MAPPERS.glob("*.safetensors")) + sorted(DISTILLED.glob("*.safetensors"))
+    if not candidates:
+        raise FileNotFoundError(f"no mapper candidates in {MAPPERS}: run the fit stage first")
+    return candidates
+
+
 def calibration_point(size: int) -> Path:
     return CALIBRATION / f"{size}.json"
 

@@ -11,7 +11,7 @@ from pipeline.kv.mapper import save_mapper
 from pipeline.kv.pair import Pair
 from pipeline.measure.prompt_metrics import PROMPT_METRICS, PromptMetric, prompt_figures
 from pipeline.schema.select import SelectParams
-from pipeline.select import candidates_on_disk, run
+from pipeline.select import run
 from pipeline.store import paths
 from pipeline.store.artifacts import nested
 from pipeline.store.params import parse
@@ -53,7 +53,7 @@ def test_a_new_prompt_metric_is_one_entry_that_reaches_selects_rule_and_ranking_
     sequences = periodic_batch(torch.Generator().manual_seed(3), 6, 24, 32).tolist()
     pd.DataFrame({"token_ids": sequences}).to_parquet(paths.split("select"), index=False)
     params = parse(SelectParams, committed("select", rule="missed", top_k=32, horizon=4, repairs=["none"]), "select")
-    metrics = nested(run(params, Pair.of(periodic_model, periodic_model), candidates_on_disk(), 0.2))
+    metrics = nested(run(params, Pair.of(periodic_model, periodic_model), paths.map_candidates(), 0.2))
     figures = {name: metrics["maps"][name]["prompts"]["missed"] for name in MAPS}
     assert figures["linear_k1_exact"] < 0.01 < figures["linear_k1_rough"] < figures["linear_k1_noisy"]
     assert metrics["selected"] == "linear_k1_noisy"  # ranked by the new entry, in its direction

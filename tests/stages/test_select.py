@@ -17,7 +17,6 @@ from pipeline.kv.speculative import SpeculativeParams
 from pipeline.schema.select import SelectParams
 from pipeline.select import (
     budgets,
-    candidates_on_disk,
     choose,
     confident_scores,
     run,
@@ -132,7 +131,7 @@ def promoted() -> tuple[bytes, dict]:
 
 def test_with_repairs_none_select_scores_the_maps_alone_and_promotes_the_best_maps_own_bytes(select_folder):
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none"]), "select")
-    metrics = run(params, select_folder, candidates_on_disk(), 0.2)
+    metrics = run(params, select_folder, paths.map_candidates(), 0.2)
     assert metrics["selected"] == "linear_k1_exact" and "repaired/" not in "".join(metrics)
     oracle = metrics["oracle"]["prompts"]
     assert metrics["maps/linear_k1_exact"]["prompts"]["confident_top1"] == 1.0 and oracle["confident_prompts"] > 0
@@ -143,14 +142,14 @@ def test_with_repairs_none_select_scores_the_maps_alone_and_promotes_the_best_ma
                           {"map": "linear_k1_exact", "repair": "none", "budget": 0.0})
     over = parse(SelectParams, committed("select", top_k=32, horizon=4, repairs=["none", "tokens:1:recency"],
                                          max_recompute=0.5), "select")
-    assert run(over, select_folder, candidates_on_disk(), 0.2)["selected_repair"] == "none"  # 1.0 > 0.5: not scored
+    assert run(over, select_folder, paths.map_candidates(), 0.2)["selected_repair"] == "none"  # 1.0 > 0.5: not scored
     assert promoted()[0] == paths.fitted_map("linear_k1_exact").read_bytes()
 
 
 def test_the_best_maps_are_scored_at_each_setting_and_the_choice_reads_only_the_select_split(select_folder):
     params = parse(SelectParams, committed("select", top_k=32, horizon=4, repair_maps=2, max_recompute=1.0,
                                            repairs=["none", "sink:255", "layers:1"]), "select")
-    first = run(params, select_folder, candidates_on_disk(), 0.2)
+    first = run(params, select_folder, paths.map_candidates(), 0.2)
     repaired = {"/".join(key.split("/")[1:3]) for key in first if key.startswith("repaired/")}
     assert repaired == {f"{name}/{setting}" for name in ("linear_k1_exact", "linear_k1_rough")
                         for setting in ("sink:255", "layers:1")}
@@ -158,7 +157,7 @@ def test_the_best_maps_are_scored_at_each_setting_and_the_choice_reads_only_the_
     assert first["repaired/linear_k1_rough/sink:255"]["prompts"]["agreement"] == pytest.approx(1.0)
     before = promoted()
     pd.DataFrame({"token_ids": [[1, 2, 3]] * 4}).to_parquet(paths.split("eval"), index=False)
-    assert run(params, select_folder, candidates_on_disk(), 0.2) == first and promoted() == before
+    assert run(params, select_folder, paths.map_candidates(), 0.2) == first and promoted() == before
 
 
 def test_a_setting_ranking_by_the_source_is_scored_and_promoted_with_the_look_ahead_settings_it_read(select_folder):
