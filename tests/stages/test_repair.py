@@ -49,7 +49,7 @@ def test_none_is_the_unrepaired_map_and_a_full_repair_is_the_oracle(setup):
     path = setup["map"]
     grid = {}
     for setting in ("none", "tokens:1:recency"):
-        grid[setting] = _figures(setup, mode="mapped", mapper=path, repair=setting)
+        grid[setting] = _figures(setup, mode="mapped", mapper=path, repair=Repair.parse(setting))
     mapped, mapped_items = _figures(setup, mode="mapped", mapper=path)
     oracle, oracle_items = _figures(setup, mode="oracle")
     assert grid["none"][0] == mapped
