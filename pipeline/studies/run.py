@@ -67,7 +67,8 @@ def pair_names(models: str = "models") -> tuple[str, str]:
 def quality(items: dict[str, pd.DataFrame], name: str, params: ReportParams, measure: MeasureParams,
             suffix: str = "") -> dict:
     figures = {"retention": closure_interval(items, name, params.retention_metric, *measure.bootstrap),
-               "gap_closure": closure_interval(items, name, params.retention_metric, *measure.bootstrap, True)}
+               "gap_closure": closure_interval(items, name, params.retention_metric, *measure.bootstrap,
+                                             from_source=True)}
     return {f"{key}{suffix}{end}": figures[key][field] for key in figures
             for end, field in (("", key), ("_low", "low"), ("_high", "high"))}
 
