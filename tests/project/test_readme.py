@@ -1,7 +1,7 @@
 """The README's commands: each runs here as written from a plain shell (no `.venv/bin` on PATH) on the tiny
 profile, or says in its comment that it is `illustrative` (and where it runs instead); the own-pair recipe's `-S`
 list passes check_params; a stage started without the environment fails without costing check_params' output; and
-every committed file the README and docs/ name is in the repository (a clone has no `../shared`)."""
+every committed file the README and docs/ name is in the repository (a clone has nothing beside it)."""
 import json
 import os
 import re
@@ -110,8 +110,8 @@ def test_every_file_the_readme_and_docs_name_is_in_the_repository():
 
 
 def test_the_path_check_sees_a_path_outside_the_repository_and_a_missing_file():
-    text = "See `../shared/PROTOCOL.md`, `docs/nowhere.md`, `report/<profile>/`, `docs/protocol.md` and `dvc repro`."
-    assert missing_paths(text, ROOT) == ["../shared/PROTOCOL.md", "docs/nowhere.md"]
+    text = "See `../notes/protocol.md`, `docs/nowhere.md`, `report/<profile>/`, `docs/protocol.md` and `dvc repro`."
+    assert missing_paths(text, ROOT) == ["../notes/protocol.md", "docs/nowhere.md"]
 
 
 def test_the_readme_metrics_diff_shows_a_change_between_two_branches(project):
