@@ -47,8 +47,10 @@ def variant_request(variant: str, params: EvaluateParams) -> dict:
     if variant in BASELINES:
         return {"mode": variant}
     setting = params.repair.get(variant)
-    repair, lookahead = (selected_repair(f"evaluate.repair.{variant}") if setting == SELECTED
-                         else (Repair() if setting is None else Repair.parse(setting), None))
+    if setting == SELECTED:
+        repair, lookahead = selected_repair(f"evaluate.repair.{variant}")
+    else:
+        repair, lookahead = Repair() if setting is None else Repair.parse(setting), None
     return {"mode": variant_mode(variant), "mapper": params.mapped[variant], "repair": repair,
             "speculative": lookahead, "shuffle_seed": params.shuffle_seed}
 
